@@ -1,0 +1,138 @@
+"""Functional API: tg.attention and tg.attention_backward.
+
+    out = tg.attention(q, k, v, graph, scale=None, block_prune_threshold=None, return_stats=False)
+    dq, dk, dv = tg.attention_backward(dout, q, k, v, out, stats, graph, scale=None)
+
+numpy arrays run on the CPU backend, cupy arrays on the CUDA backend; results come back in
+the caller's library and q's dtype. `run_forward` / `run_backward` are the same calls with
+the plan returned and per-edge scores (`edge_bias`) allowed; the program front end uses them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays, dispatch
+
+_last_plan = None
+
+
+class AttentionStats:
+    """Per-row softmax state of a forward: m = max scaled score, l = sum exp(s - m), both
+    (num_dst, H) in the accumulation dtype ((num_dst,) for 2-D one-head inputs)."""
+
+    __slots__ = ("m", "l", "block_prune_threshold", "plan")
+
+    def __init__(self, m, l, block_prune_threshold=None, plan=None):
+        self.m = m
+        self.l = l
+        self.block_prune_threshold = block_prune_threshold
+        self.plan = plan
+
+    def __iter__(self):
+        return iter((self.m, self.l))
+
+    def __repr__(self):
+        return f"AttentionStats(m shape={tuple(self.m.shape)}, l shape={tuple(self.l.shape)}, dtype={self.m.dtype})"
+
+
+def _xp(library):
+    if library == "numpy":
+        return np
+    import cupy
+    return cupy
+
+
+def last_plan():
+    """The plan of the most recent functional call (for explain())."""
+    return _last_plan
+
+
+def explain():
+    return _last_plan.explain() if _last_plan is not None else "no attention call has run yet"
+
+
+def _remember(plan):
+    global _last_plan
+    _last_plan = plan
+
+
+def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_bias=None):
+    """Validated forward. Returns (out, stats, plan)."""
+    q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
+    rho = arrays.check_prune_threshold(block_prune_threshold)
+    bias = arrays.check_edge_bias(edge_bias, shape, graph)
+    plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias)
+    xp = _xp(shape.library)
+    if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
+        # Nothing to reduce: the contract's empty-row values, no kernel launch.
+        out = xp.zeros((shape.num_dst, shape.heads, shape.value_dim), dtype=shape.dtype)
+        m = xp.full((shape.num_dst, shape.heads), -np.inf, dtype=shape.accum_dtype)
+        l = xp.zeros((shape.num_dst, shape.heads), dtype=shape.accum_dtype)
+        plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a",
+                             pruned_tiles=0, total_tiles=0)
+    else:
+        backend = dispatch.backend_module(plan.backend)
+        out, m, l = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias)
+    _remember(plan)
+    if shape.squeezed:
+        out, m, l = out[:, 0, :], m[:, 0], l[:, 0]
+    return out, AttentionStats(m, l, rho, plan), plan
+
+
+def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False):
+    """Attention of q (num_dst, H, D) over k (num_src, Hkv, D), v (num_src, Hkv, Dv) along the
+    edges of `graph`. Returns out (num_dst, H, Dv) [, stats with .m, .l]."""
+    out, stats, _ = run_forward(q, k, v, graph, scale=scale,
+                                block_prune_threshold=block_prune_threshold)
+    return (out, stats) if return_stats else out
+
+
+def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None):
+    """Validated fused backward. Returns (dq, dk, dv, dbias, plan)."""
+    q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
+    if getattr(stats, "block_prune_threshold", None) is not None:
+        raise NotImplementedError(
+            "attention_backward of a tile-pruned forward is not implemented: the pruned "
+            f"forward (block_prune_threshold={stats.block_prune_threshold:g}) is approximate and "
+            "has no exact gradient; rerun the forward without block_prune_threshold")
+    if not (hasattr(stats, "m") and hasattr(stats, "l")):
+        raise TypeError(f"stats must be the AttentionStats returned by attention(..., "
+                        f"return_stats=True), got {type(stats).__name__}")
+    lead = (shape.num_dst,) if shape.squeezed else (shape.num_dst, shape.heads)
+    out_shape = lead + (shape.value_dim,)
+    dout = arrays.check_like("dout", dout, shape, shape.library, expected_shape=out_shape)
+    out = arrays.check_like("out", out, shape, shape.library, expected_shape=out_shape)
+    m = arrays.check_like("stats.m", stats.m, shape, shape.library, expected_shape=lead)
+    l = arrays.check_like("stats.l", stats.l, shape, shape.library, expected_shape=lead)
+    if shape.squeezed:
+        dout, out, m, l = dout[:, None, :], out[:, None, :], m[:, None], l[:, None]
+    for name, a in (("dout", dout), ("out", out)):
+        if not np.issubdtype(np.dtype(a.dtype), np.floating) and np.dtype(a.dtype) != shape.dtype:
+            raise TypeError(f"{name} must be floating point, got {a.dtype}")
+    xp = _xp(shape.library)
+    acc = shape.accum_dtype
+    m = xp.asarray(m, dtype=acc)
+    l = xp.asarray(l, dtype=acc)
+    bias = arrays.check_edge_bias(edge_bias, shape, graph)
+    plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias)
+    if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
+        dq = xp.zeros(q.shape, dtype=shape.dtype)
+        dk = xp.zeros(k.shape, dtype=shape.dtype)
+        dv = xp.zeros(v.shape, dtype=shape.dtype)
+        dbias = None if bias is None else xp.zeros(bias.shape, dtype=acc)
+        plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a")
+    else:
+        backend = dispatch.backend_module(plan.backend)
+        dq, dk, dv, dbias = backend.backward(
+            plan, dout, q, k, v, out, m, l, graph.realize(plan.backend),
+            graph.realize_transpose(plan.backend), bias)
+    _remember(plan)
+    if shape.squeezed:
+        dq, dk, dv = dq[:, 0, :], dk[:, 0, :], dv[:, 0, :]
+    return dq, dk, dv, dbias, plan
+
+
+def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
+    """Fused backward: rebuilds p = exp(s - m) / l from the forward's stats; returns dq, dk, dv."""
+    dq, dk, dv, _, _ = run_backward(dout, q, k, v, out, stats, graph, scale=scale)
+    return dq, dk, dv

@@ -1,0 +1,500 @@
+"""Relations: the attention pattern as an immutable graph.
+
+Edge (j -> i): j is the source (supplies key and value), i the destination (supplies the
+query); rows of the relation are destinations. Implicit kinds (dense, triangular, segments)
+store only block offsets; the general kind stores CSR. Kernels see one of two records,
+`BlockRelation` or `CSRRelation` (see docs/INTERNALS.md), realised per device and cached.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Graph", "BlockRelation", "CSRRelation", "CSRTranspose"]
+
+_DEVICES = ("cpu", "cuda")
+
+
+# --------------------------------------------------------------------------- kernel-facing records
+@dataclass(frozen=True)
+class BlockRelation:
+    """Block-diagonal relation: block b pairs dst [dst_offsets[b], dst_offsets[b+1]) with
+    src [src_offsets[b], src_offsets[b+1]); a causal block is square and keeps j <= i locally."""
+    dst_offsets: Any  # int64 (S+1,)
+    src_offsets: Any  # int64 (S+1,)
+    causal: Any  # uint8 (S,)
+    max_block_dst: int
+    max_block_src: int
+
+    @property
+    def num_blocks(self):
+        return int(self.causal.shape[0])
+
+
+@dataclass(frozen=True)
+class CSRRelation:
+    indptr: Any  # int64 (num_dst+1,)
+    indices: Any  # int32 (E,) source ids
+    num_src: int
+
+
+@dataclass(frozen=True)
+class CSRTranspose:
+    """Rows = sources. `indices` are destination ids, `perm` the original edge id of each
+    entry (increasing within a row, which keeps the backward's summation order fixed)."""
+    indptr: Any  # int64 (num_src+1,)
+    indices: Any  # int32 (E,)
+    perm: Any  # int64 (E,)
+
+
+# --------------------------------------------------------------------------- helpers
+def _check_device(device):
+    if device is None:
+        return "cpu"
+    if device not in _DEVICES:
+        raise ValueError(f"device must be one of {_DEVICES}, got {device!r}")
+    return device
+
+
+def _count(name, value):
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return int(n)
+
+
+def _to_host(name, array):
+    """numpy view of a 1-D integer array given as numpy, cupy, or a sequence."""
+    if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
+        array = array.get() if hasattr(array, "get") else np.asarray(array)
+    try:
+        out = np.asarray(array)
+    except Exception as exc:  # pragma: no cover - exotic inputs
+        raise TypeError(f"{name} must be array-like, got {type(array).__name__}") from exc
+    if out.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {out.shape}")
+    if out.size and not np.issubdtype(out.dtype, np.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {out.dtype}")
+    return out.astype(np.int64, copy=False) if out.size else np.zeros(0, np.int64)
+
+
+def _rows_of(indptr):
+    """Destination id of every CSR entry."""
+    return np.repeat(np.arange(indptr.shape[0] - 1, dtype=np.int64), np.diff(indptr))
+
+
+def _blocks_to_csr(rel: BlockRelation, num_dst):
+    """Materialise a block relation as CSR (for to_scipy and mixed Graph.cat)."""
+    counts = np.zeros(num_dst, np.int64)
+    pieces = []
+    for b in range(rel.num_blocks):
+        d0, d1 = int(rel.dst_offsets[b]), int(rel.dst_offsets[b + 1])
+        s0, s1 = int(rel.src_offsets[b]), int(rel.src_offsets[b + 1])
+        nd, ns = d1 - d0, s1 - s0
+        if nd == 0 or ns == 0:
+            continue
+        if rel.causal[b]:
+            local = np.arange(nd)
+            counts[d0:d1] = local + 1
+            cols = np.concatenate([np.arange(i + 1) for i in range(nd)]) if nd else np.zeros(0)
+        else:
+            counts[d0:d1] = ns
+            cols = np.tile(np.arange(ns), nd)
+        pieces.append((d0, cols.astype(np.int64) + s0))
+    indptr = np.zeros(num_dst + 1, np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    indices = np.zeros(int(indptr[-1]), np.int32)
+    for d0, cols in pieces:
+        start = int(indptr[d0])
+        indices[start:start + cols.shape[0]] = cols
+    return indptr, indices
+
+
+def _block_edges(rel: BlockRelation):
+    nd = np.diff(rel.dst_offsets)
+    ns = np.diff(rel.src_offsets)
+    causal = rel.causal.astype(bool)
+    return int(np.sum(np.where(causal, nd * (nd + 1) // 2, nd * ns)))
+
+
+def _make_blocks(dst_sizes, src_sizes, causal):
+    dst_sizes = np.asarray(dst_sizes, np.int64)
+    src_sizes = np.asarray(src_sizes, np.int64)
+    dst_offsets = np.zeros(dst_sizes.shape[0] + 1, np.int64)
+    src_offsets = np.zeros(src_sizes.shape[0] + 1, np.int64)
+    np.cumsum(dst_sizes, out=dst_offsets[1:])
+    np.cumsum(src_sizes, out=src_offsets[1:])
+    return BlockRelation(
+        dst_offsets=dst_offsets,
+        src_offsets=src_offsets,
+        causal=np.asarray(causal, np.uint8).reshape(-1),
+        max_block_dst=int(dst_sizes.max()) if dst_sizes.size else 0,
+        max_block_src=int(src_sizes.max()) if src_sizes.size else 0,
+    )
+
+
+# --------------------------------------------------------------------------- the Graph
+class Graph:
+    """An immutable attention relation. Build it with one of the constructors."""
+
+    __slots__ = ("_kind", "_num_src", "_num_dst", "_num_edges", "_blocks", "_indptr",
+                 "_indices", "_device", "_positions", "_cache")
+
+    def __init__(self, *, kind, num_src, num_dst, blocks=None, indptr=None, indices=None,
+                 device="cpu", positions=None):
+        # Private: use the constructors, which validate their inputs.
+        self._kind = kind
+        self._num_src = int(num_src)
+        self._num_dst = int(num_dst)
+        self._blocks = blocks
+        self._indptr = indptr
+        self._indices = indices
+        self._device = device
+        self._positions = positions
+        self._num_edges = _block_edges(blocks) if blocks is not None else int(indices.shape[0])
+        self._cache = {}
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def dense(cls, num_src, num_dst=None, *, device=None):
+        """All pairs; `num_dst` defaults to `num_src` (rectangular is cross-attention)."""
+        num_src = _count("num_src", num_src)
+        num_dst = num_src if num_dst is None else _count("num_dst", num_dst)
+        return cls(kind="dense", num_src=num_src, num_dst=num_dst,
+                   blocks=_make_blocks([num_dst], [num_src], [0]), device=_check_device(device))
+
+    @classmethod
+    def triangular(cls, n, *, device=None):
+        """Causal attention: edge (j -> i) for every j <= i."""
+        n = _count("n", n)
+        return cls(kind="triangular", num_src=n, num_dst=n,
+                   blocks=_make_blocks([n], [n], [1]), device=_check_device(device))
+
+    @classmethod
+    def cu_seqlens(cls, cu_seqlens, causal=True, *, device=None):
+        """Block-diagonal relation from cumulative sequence lengths (flash-attn varlen)."""
+        cu = _to_host("cu_seqlens", cu_seqlens)
+        if cu.shape[0] == 0:
+            raise ValueError("cu_seqlens must hold at least one entry (0), got an empty array")
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={int(cu[0])}")
+        lengths = np.diff(cu)
+        if np.any(lengths < 0):
+            bad = int(np.argmax(lengths < 0))
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}]={int(cu[bad])} > "
+                f"cu_seqlens[{bad + 1}]={int(cu[bad + 1])}")
+        n = int(cu[-1])
+        blocks = _make_blocks(lengths, lengths, np.full(lengths.shape[0], bool(causal)))
+        return cls(kind="segments", num_src=n, num_dst=n, blocks=blocks,
+                   device=_check_device(device))
+
+    @classmethod
+    def cat(cls, graphs, *, device=None):
+        """Block-diagonal composition: graph b's sources and destinations follow graph b-1's.
+        Stays implicit when every block is dense/triangular/segments, else becomes CSR."""
+        graphs = list(graphs)
+        for i, g in enumerate(graphs):
+            if not isinstance(g, Graph):
+                raise TypeError(f"graphs[{i}] must be a tiga_numba.Graph, got {type(g).__name__}")
+        num_src = sum(g.num_src for g in graphs)
+        num_dst = sum(g.num_dst for g in graphs)
+        device = _check_device(device) if device is not None else (
+            graphs[0].device if graphs else "cpu")
+        if all(g._blocks is not None for g in graphs):
+            dst_sizes = np.concatenate([np.diff(g._blocks.dst_offsets) for g in graphs] or [np.zeros(0, np.int64)])
+            src_sizes = np.concatenate([np.diff(g._blocks.src_offsets) for g in graphs] or [np.zeros(0, np.int64)])
+            causal = np.concatenate([g._blocks.causal for g in graphs] or [np.zeros(0, np.uint8)])
+            kind = graphs[0].kind if len(graphs) == 1 else "segments"
+            return cls(kind=kind, num_src=num_src, num_dst=num_dst,
+                       blocks=_make_blocks(dst_sizes, src_sizes, causal), device=device)
+        indptrs, indices = [np.zeros(1, np.int64)], []
+        edge_offset = src_offset = 0
+        for g in graphs:
+            ip, ix = g._host_csr()
+            indptrs.append(ip[1:] + edge_offset)
+            indices.append(ix.astype(np.int64) + src_offset)
+            edge_offset += int(ip[-1])
+            src_offset += g.num_src
+        indptr = np.concatenate(indptrs)
+        idx = np.concatenate(indices).astype(np.int32) if indices else np.zeros(0, np.int32)
+        return cls(kind="csr", num_src=num_src, num_dst=num_dst, indptr=indptr, indices=idx,
+                   device=device)
+
+    @classmethod
+    def from_csr(cls, indptr, indices, num_src=None, validate="basic", *, device=None):
+        """General relation from CSR arrays (rows = destinations, indices = sources).
+
+        `num_src` defaults to max(num_dst, max(indices) + 1): square for self-attention
+        graphs, wider only when an index needs it. validate="basic" checks structure and the
+        index range (vectorised, always on: kernels must never read out of bounds);
+        "full" also walks every index and reports the first bad one with its row."""
+        if validate not in ("basic", "full"):
+            raise ValueError(f"validate must be 'basic' or 'full', got {validate!r}")
+        indptr = _to_host("indptr", indptr)
+        indices = _to_host("indices", indices)
+        if indptr.shape[0] == 0:
+            raise ValueError("indptr must have length num_dst + 1 >= 1, got an empty array")
+        if indptr[0] != 0:
+            raise ValueError(f"indptr must start at 0, got indptr[0]={int(indptr[0])}")
+        steps = np.diff(indptr)
+        if np.any(steps < 0):
+            bad = int(np.argmax(steps < 0))
+            raise ValueError(f"indptr must be non-decreasing, got indptr[{bad}]={int(indptr[bad])} > "
+                             f"indptr[{bad + 1}]={int(indptr[bad + 1])}")
+        if indptr[-1] != indices.shape[0]:
+            raise ValueError(f"indptr[-1] must equal len(indices)={indices.shape[0]}, "
+                             f"got {int(indptr[-1])}")
+        num_dst = indptr.shape[0] - 1
+        needed = int(indices.max()) + 1 if indices.size else 0
+        if num_src is None:
+            num_src = max(num_dst, needed)
+        num_src = _count("num_src", num_src)
+        if num_src >= 2**31:
+            raise ValueError(f"num_src must be < 2**31, got {num_src}")
+        if validate == "full":
+            for e in range(indices.shape[0]):
+                j = int(indices[e])
+                if j < 0 or j >= num_src:
+                    row = int(np.searchsorted(indptr, e, side="right") - 1)
+                    raise ValueError(f"indices[{e}]={j} (row {row}) is out of range [0, num_src={num_src})")
+        elif indices.size and (indices.min() < 0 or needed > num_src):
+            bad = int(np.argmax((indices < 0) | (indices >= num_src)))
+            raise ValueError(f"indices[{bad}]={int(indices[bad])} is out of range [0, num_src={num_src})")
+        return cls(kind="csr", num_src=num_src, num_dst=num_dst, indptr=indptr.copy(),
+                   indices=indices.astype(np.int32), device=_check_device(device))
+
+    @classmethod
+    def from_scipy(cls, matrix, *, device=None):
+        """Any scipy.sparse matrix/array; rows = destinations, columns = sources. The stored
+        entries are the edges (explicit zeros included, values ignored; duplicates are summed
+        into one entry by scipy's tocsr())."""
+        import scipy.sparse as sp
+        if not sp.issparse(matrix):
+            raise TypeError(f"matrix must be a scipy.sparse matrix or array, got {type(matrix).__name__}")
+        csr = matrix.tocsr()
+        return cls.from_csr(csr.indptr, csr.indices, num_src=csr.shape[1], device=device)
+
+    @classmethod
+    def from_coo(cls, src, dst, num_src=None, num_dst=None, *, device=None):
+        """Edges (src[e] -> dst[e]), stably sorted by destination (edge order within a row is
+        the input order). Missing sizes follow PyG's num_nodes: max index + 1 over both
+        arrays, or the other size when it is given and large enough."""
+        src = _to_host("src", src)
+        dst = _to_host("dst", dst)
+        if src.shape != dst.shape:
+            raise ValueError(f"src and dst must have the same length, got {src.shape[0]} and {dst.shape[0]}")
+        if src.size and (src.min() < 0 or dst.min() < 0):
+            raise ValueError("src and dst must be non-negative")
+        need_src = int(src.max()) + 1 if src.size else 0
+        need_dst = int(dst.max()) + 1 if dst.size else 0
+        if num_src is None and num_dst is None:
+            num_src = num_dst = max(need_src, need_dst)
+        elif num_src is None:
+            num_dst = _count("num_dst", num_dst)
+            num_src = max(num_dst, need_src)
+        elif num_dst is None:
+            num_src = _count("num_src", num_src)
+            num_dst = max(num_src, need_dst)
+        num_src, num_dst = _count("num_src", num_src), _count("num_dst", num_dst)
+        if need_dst > num_dst:
+            raise ValueError(f"dst holds index {need_dst - 1}, out of range [0, num_dst={num_dst})")
+        if need_src > num_src:
+            raise ValueError(f"src holds index {need_src - 1}, out of range [0, num_src={num_src})")
+        order = np.argsort(dst, kind="stable")
+        indptr = np.zeros(num_dst + 1, np.int64)
+        np.cumsum(np.bincount(dst, minlength=num_dst), out=indptr[1:])
+        return cls.from_csr(indptr, src[order], num_src=num_src, device=device)
+
+    @classmethod
+    def radius(cls, positions, cutoff, exclude_self=True, *, device=None):
+        """Edges (j -> i) for every pair with |pos[j] - pos[i]| <= cutoff (cell lists).
+        Edge fields: `displacement` = pos[src] - pos[dst] and `distance`."""
+        from . import neighbors
+        pos_host = _positions(positions)
+        cutoff = float(cutoff)
+        if not np.isfinite(cutoff) or cutoff < 0:
+            raise ValueError(f"cutoff must be finite and >= 0, got {cutoff}")
+        indptr, indices = neighbors.radius_graph(pos_host, cutoff, exclude_self=exclude_self)
+        n = pos_host.shape[0]
+        return cls(kind="csr", num_src=n, num_dst=n, indptr=np.asarray(indptr, np.int64),
+                   indices=np.asarray(indices, np.int32), device=_device_of(positions, device),
+                   positions=positions)
+
+    @classmethod
+    def knn(cls, positions, k, exclude_self=True, *, device=None):
+        """Each destination receives edges from its k nearest sources (ties by index)."""
+        from . import neighbors
+        pos_host = _positions(positions)
+        k = _count("k", k)
+        indptr, indices = neighbors.knn_graph(pos_host, k, exclude_self=exclude_self)
+        n = pos_host.shape[0]
+        return cls(kind="csr", num_src=n, num_dst=n, indptr=np.asarray(indptr, np.int64),
+                   indices=np.asarray(indices, np.int32), device=_device_of(positions, device),
+                   positions=positions)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def kind(self):
+        """'dense', 'triangular', 'segments' (implicit) or 'csr'."""
+        return self._kind
+
+    @property
+    def num_src(self):
+        return self._num_src
+
+    @property
+    def num_dst(self):
+        return self._num_dst
+
+    @property
+    def num_edges(self):
+        return self._num_edges
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def is_implicit(self):
+        return self._blocks is not None
+
+    @property
+    def positions(self):
+        """Node positions of a geometric (radius/knn) graph, else None."""
+        return self._positions
+
+    @property
+    def edge_field_names(self):
+        return ("displacement", "distance") if self._positions is not None else ()
+
+    def __repr__(self):
+        return self.explain()
+
+    def explain(self):
+        """One line: kind, sizes, edges, how the relation is stored."""
+        if self._blocks is not None:
+            nb = self._blocks.num_blocks
+            store = (f"implicit ({nb} block{'s' if nb != 1 else ''}, "
+                     f"{int(self._blocks.causal.sum())} causal; no index arrays)")
+        else:
+            store = f"CSR (indptr int64, indices int32; cached on {sorted(self._cache_devices()) or ['cpu']})"
+        geo = ", edge fields: displacement, distance" if self._positions is not None else ""
+        return (f"Graph(kind={self._kind}, num_dst={self._num_dst}, num_src={self._num_src}, "
+                f"num_edges={self._num_edges}, storage={store}{geo})")
+
+    # ------------------------------------------------------------------ realisations
+    def _cached(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def _cache_devices(self):
+        return {k[1] for k in self._cache if k[0] == "realize"} | {"cpu"}
+
+    def _host_csr(self):
+        if self._indptr is not None:
+            return self._indptr, self._indices
+        return self._cached(("csr", "cpu"), lambda: _blocks_to_csr(self._blocks, self._num_dst))
+
+    def realize(self, device="cpu"):
+        """The kernel-facing record (BlockRelation or CSRRelation) on `device`."""
+        device = _check_device(device)
+
+        def build():
+            if self._blocks is not None:
+                return _on_device(self._blocks, device)
+            return CSRRelation(indptr=_array_on(self._indptr, device),
+                               indices=_array_on(self._indices, device), num_src=self._num_src)
+        return self._cached(("realize", device), build)
+
+    def realize_transpose(self, device="cpu"):
+        """CSR of the transposed relation (rows = sources) with the edge permutation."""
+        device = _check_device(device)
+        if self._blocks is not None:
+            return None
+
+        def host():
+            rows = _rows_of(self._indptr)
+            perm = np.argsort(self._indices, kind="stable").astype(np.int64)
+            t_indptr = np.zeros(self._num_src + 1, np.int64)
+            np.cumsum(np.bincount(self._indices, minlength=self._num_src), out=t_indptr[1:])
+            return CSRTranspose(indptr=t_indptr, indices=rows[perm].astype(np.int32), perm=perm)
+
+        t = self._cached(("transpose", "cpu"), host)
+        if device == "cpu":
+            return t
+        return self._cached(("transpose", device), lambda: _on_device(t, device))
+
+    def edge_field(self, name):
+        """Materialise a geometric edge field (`displacement` (E, 3) or `distance` (E,))
+        in the positions' array library. Fused kernels compute these per edge instead."""
+        if self._positions is None:
+            raise ValueError(f"edge field {name!r} needs a geometric graph (Graph.radius/knn)")
+        if name not in ("displacement", "distance"):
+            raise ValueError(f"unknown edge field {name!r}; this graph has 'displacement', 'distance'")
+        pos = self._positions
+        xp = _xp_of(pos)
+        indptr, indices = (self._indptr, self._indices)
+        if xp is not np:
+            rel = self.realize("cuda")
+            rows = xp.asarray(_rows_of(indptr))
+            indices = rel.indices
+        else:
+            rows = _rows_of(indptr)
+        disp = pos[indices] - pos[rows]
+        return disp if name == "displacement" else xp.sqrt((disp * disp).sum(axis=-1))
+
+    def to_scipy(self):
+        """The relation as a scipy.sparse.csr_array of booleans, shape (num_dst, num_src)."""
+        import scipy.sparse as sp
+        indptr, indices = self._host_csr()
+        data = np.ones(indices.shape[0], dtype=bool)
+        return sp.csr_array((data, indices.copy(), indptr.copy()), shape=(self._num_dst, self._num_src))
+
+
+# --------------------------------------------------------------------------- device plumbing
+def _xp_of(array):
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def _array_on(array, device):
+    if device == "cpu":
+        return array
+    import cupy
+    return cupy.asarray(array)
+
+
+def _on_device(record, device):
+    if device == "cpu":
+        return record
+    fields = {k: (_array_on(v, device) if isinstance(v, np.ndarray) else v)
+              for k, v in record.__dict__.items()}
+    return type(record)(**fields)
+
+
+def _positions(positions):
+    host = positions
+    if hasattr(positions, "__cuda_array_interface__") and not isinstance(positions, np.ndarray):
+        host = positions.get()
+    host = np.asarray(host)
+    if host.ndim != 2 or host.shape[1] not in (1, 2, 3):
+        raise ValueError(f"positions must have shape (N, 1|2|3), got {host.shape}")
+    if not np.issubdtype(host.dtype, np.floating):
+        raise TypeError(f"positions must be a floating-point array, got {host.dtype}")
+    return np.ascontiguousarray(host, dtype=np.float64)
+
+
+def _device_of(positions, device):
+    if device is not None:
+        return _check_device(device)
+    return "cpu" if isinstance(positions, np.ndarray) else "cuda"
