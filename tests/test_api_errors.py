@@ -1,0 +1,93 @@
+"""Every error class of the contract, with its message, on the functional API.
+These checks run before any kernel, so they need no compile."""
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+
+
+@pytest.fixture
+def qkv():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((6, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((6, 2, 3)).astype(np.float32)
+    return q, k, v
+
+
+def test_type_errors(qkv):
+    q, k, v = qkv
+    g = tg.Graph.dense(6)
+    with pytest.raises(TypeError, match="q must be a numpy or cupy array, got list"):
+        tg.attention(q.tolist(), k, v, g)
+    with pytest.raises(TypeError, match="k has dtype float64 but q has dtype float32"):
+        tg.attention(q, k.astype(np.float64), v, g)
+    with pytest.raises(TypeError, match="q has unsupported dtype int32"):
+        tg.attention(q.astype(np.int32), k, v, g)
+    with pytest.raises(TypeError, match="graph must be a tiga_numba.Graph"):
+        tg.attention(q, k, v, "dense")
+    with pytest.raises(TypeError, match="scale"):
+        tg.attention(q, k, v, g, scale="big")
+
+
+def test_value_errors(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=r"q has 6 rows \(axis 0\) but graph.num_dst is 7"):
+        tg.attention(q, k, v, tg.Graph.dense(6, 7))
+    with pytest.raises(ValueError, match=r"k has 6 rows \(axis 0\) but graph.num_src is 5"):
+        tg.attention(q, k, v, tg.Graph.dense(5, 6))
+    with pytest.raises(ValueError, match=r"multiple of k's heads"):
+        tg.attention(q[:, :3], k, v, tg.Graph.dense(6))
+    with pytest.raises(ValueError, match="head dim"):
+        tg.attention(q[:, :, :4], k, v, tg.Graph.dense(6))
+    with pytest.raises(ValueError, match="k has 2 heads but v has 1"):
+        tg.attention(q, k, v[:, :1], tg.Graph.dense(6))
+    with pytest.raises(ValueError, match="3-D"):
+        tg.attention(q, k[:, 0], v, tg.Graph.dense(6))
+    with pytest.raises(ValueError, match="finite"):
+        tg.attention(q, k, v, tg.Graph.dense(6), scale=float("nan"))
+
+
+@pytest.mark.parametrize("rho", [0.0, -1e-3, 1.5, float("nan")])
+def test_threshold_out_of_range(qkv, rho):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="block_prune_threshold must be in"):
+        tg.attention(q, k, v, tg.Graph.dense(6), block_prune_threshold=rho)
+
+
+def test_pruning_fails_closed(qkv):
+    q, k, v = qkv
+    csr = tg.Graph.from_coo([0, 1, 2], [1, 2, 3], num_src=6, num_dst=6)
+    with pytest.raises(NotImplementedError, match="tile pruning"):
+        tg.attention(q, k, v, csr, block_prune_threshold=0.1)
+
+
+def test_backward_of_pruned_forward_refused(qkv):
+    q, k, v = qkv
+    g = tg.Graph.dense(6)
+    stats = tg.AttentionStats(np.zeros((6, 4), np.float32), np.ones((6, 4), np.float32),
+                              block_prune_threshold=0.01)
+    out = np.zeros((6, 4, 3), np.float32)
+    with pytest.raises(NotImplementedError, match="pruned"):
+        tg.attention_backward(out, q, k, v, out, stats, g)
+
+
+def test_backward_shape_checks(qkv):
+    q, k, v = qkv
+    g = tg.Graph.dense(6)
+    stats = tg.AttentionStats(np.zeros((6, 4), np.float32), np.ones((6, 4), np.float32))
+    out = np.zeros((6, 4, 3), np.float32)
+    with pytest.raises(ValueError, match=r"dout must have shape \(6, 4, 3\)"):
+        tg.attention_backward(out[:5], q, k, v, out, stats, g)
+    bad = tg.AttentionStats(np.zeros((6, 3), np.float32), np.ones((6, 4), np.float32))
+    with pytest.raises(ValueError, match=r"stats.m must have shape"):
+        tg.attention_backward(out, q, k, v, out, bad, g)
+
+
+def test_no_edges_returns_contract_values(qkv):
+    q, k, v = qkv
+    g = tg.Graph.from_csr(np.zeros(7, np.int64), np.zeros(0, np.int64), num_src=6)
+    out, stats = tg.attention(q, k, v, g, return_stats=True)
+    assert out.shape == (6, 4, 3) and out.dtype == np.float32 and not out.any()
+    assert np.all(np.isneginf(stats.m)) and not stats.l.any()
+    assert stats.m.dtype == np.float32

@@ -1,0 +1,145 @@
+"""Graph constructors, properties and validation against scipy / brute force."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import given, settings, strategies as st
+
+import tiga_numba as tg
+
+
+def mask(graph):
+    return graph.to_scipy().toarray()
+
+
+def test_dense_square_and_rectangular():
+    g = tg.Graph.dense(5)
+    assert (g.kind, g.num_src, g.num_dst, g.num_edges) == ("dense", 5, 5, 25)
+    r = tg.Graph.dense(3, 7)
+    assert (r.num_src, r.num_dst, r.num_edges) == (3, 7, 21)
+    assert mask(r).shape == (7, 3) and mask(r).all()
+    assert isinstance(r.num_edges, int)
+
+
+def test_triangular_is_lower_triangle():
+    g = tg.Graph.triangular(6)
+    assert g.kind == "triangular" and g.num_edges == 21
+    np.testing.assert_array_equal(mask(g), np.tri(6, dtype=bool))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cu_seqlens_blocks(causal):
+    cu = [0, 3, 3, 4, 9]
+    g = tg.Graph.cu_seqlens(np.array(cu), causal=causal)
+    expect = np.zeros((9, 9), bool)
+    for a, b in zip(cu[:-1], cu[1:]):
+        blk = np.tri(b - a, dtype=bool) if causal else np.ones((b - a, b - a), bool)
+        expect[a:b, a:b] = blk
+    np.testing.assert_array_equal(mask(g), expect)
+    assert g.num_edges == int(expect.sum())
+    assert g.kind == "segments"
+
+
+def test_cat_of_implicit_blocks_stays_implicit_and_matches_cu_seqlens():
+    lengths = [4, 1, 0, 3]
+    cat = tg.Graph.cat([tg.Graph.triangular(n) for n in lengths])
+    cu = tg.Graph.cu_seqlens(np.cumsum([0] + lengths))
+    assert cat.is_implicit
+    np.testing.assert_array_equal(mask(cat), mask(cu))
+
+
+def test_cat_rectangular_and_csr_blocks():
+    csr = tg.Graph.from_coo([0, 1], [1, 0], num_src=2, num_dst=2)
+    g = tg.Graph.cat([tg.Graph.dense(2, 3), csr])
+    assert g.kind == "csr" and (g.num_dst, g.num_src) == (5, 4)
+    expect = np.zeros((5, 4), bool)
+    expect[:3, :2] = True
+    expect[3, 3] = expect[4, 2] = True
+    np.testing.assert_array_equal(mask(g), expect)
+
+
+def test_from_scipy_round_trip_and_coo_order():
+    rng = np.random.default_rng(0)
+    a = sp.random(7, 5, density=0.4, random_state=1, format="coo")
+    g = tg.Graph.from_scipy(a)
+    np.testing.assert_array_equal(mask(g), a.toarray() != 0)
+    src = rng.integers(0, 6, 20)
+    dst = rng.integers(0, 6, 20)
+    c = tg.Graph.from_coo(src, dst)
+    indptr, indices = c._host_csr()
+    order = np.argsort(dst, kind="stable")
+    np.testing.assert_array_equal(indices, src[order])
+    assert c.num_edges == 20
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 6), max_size=6), min_size=1, max_size=8))
+def test_transpose_is_consistent(rows):
+    indptr = np.cumsum([0] + [len(r) for r in rows])
+    indices = np.array([j for r in rows for j in r], dtype=np.int64)
+    g = tg.Graph.from_csr(indptr, indices, num_src=7)
+    t = g.realize_transpose("cpu")
+    rows_of_edge = np.repeat(np.arange(len(rows)), np.diff(indptr))
+    # each transposed entry names an edge whose source is that row and whose destination is listed
+    for j in range(7):
+        for p in range(t.indptr[j], t.indptr[j + 1]):
+            e = t.perm[p]
+            assert indices[e] == j and rows_of_edge[e] == t.indices[p]
+        assert np.all(np.diff(t.perm[t.indptr[j]:t.indptr[j + 1]]) > 0)
+    assert sorted(t.perm.tolist()) == list(range(len(indices)))
+
+
+def test_explain_is_one_line():
+    for g in (tg.Graph.dense(4), tg.Graph.cu_seqlens([0, 2, 5]), tg.Graph.from_coo([0], [1])):
+        text = g.explain()
+        assert "\n" not in text and g.kind in text and str(g.num_edges) in text
+
+
+def test_device_keyword_is_accepted():
+    assert tg.Graph.dense(3, device="cuda").device == "cuda"
+    with pytest.raises(ValueError, match="device"):
+        tg.Graph.dense(3, device="tpu")
+
+
+# ------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("cu, match", [
+    ([1, 3], "start at 0"),
+    ([0, 4, 2], "non-decreasing"),
+    ([[0, 1], [1, 2]], "1-D"),
+    ([], "at least one"),
+])
+def test_bad_cu_seqlens(cu, match):
+    with pytest.raises(ValueError, match=match):
+        tg.Graph.cu_seqlens(np.array(cu, dtype=np.int64))
+
+
+@pytest.mark.parametrize("indptr, indices, match", [
+    ([1, 2], [0], "indptr must start at 0"),
+    ([0, 2, 1], [0, 1], "non-decreasing"),
+    ([0, 1], [0, 1], r"indptr\[-1\]"),
+    ([0, 2], [0, -1], "out of range"),
+])
+def test_bad_csr(indptr, indices, match):
+    with pytest.raises(ValueError, match=match):
+        tg.Graph.from_csr(np.array(indptr), np.array(indices))
+
+
+def test_full_validation_names_first_bad_index():
+    with pytest.raises(ValueError, match=r"indices\[2\]=9 \(row 1\)"):
+        tg.Graph.from_csr(np.array([0, 1, 3]), np.array([0, 1, 9, 10]) [:3], num_src=4, validate="full")
+    with pytest.raises(ValueError, match="out of range"):
+        tg.Graph.from_csr(np.array([0, 1, 3]), np.array([0, 1, 9]), num_src=4)
+    with pytest.raises(ValueError, match="validate"):
+        tg.Graph.from_csr(np.array([0]), np.array([], np.int64), validate="yes")
+
+
+def test_constructor_type_errors():
+    with pytest.raises(TypeError, match="indices"):
+        tg.Graph.from_csr(np.array([0, 1]), np.array([0.5]))
+    with pytest.raises(TypeError, match="num_src"):
+        tg.Graph.dense(2.5)
+    with pytest.raises(ValueError, match="num_src"):
+        tg.Graph.dense(-1)
+    with pytest.raises(TypeError, match="graphs"):
+        tg.Graph.cat([tg.Graph.dense(2), "x"])
+    with pytest.raises(TypeError, match="matrix"):
+        tg.Graph.from_scipy(np.eye(3))
