@@ -1,0 +1,448 @@
+"""The Tiga-style front end: `tg.MessagePassing` programs and the `tg.online_softmax` reducer.
+
+    class FullAttention(tg.MessagePassing):
+        reducer = tg.online_softmax()
+        def edge(self, src, dst, edge, scale):
+            score = (src.key * dst.query).sum(axis=-1) * scale
+            return self.reducer(score, src.value)
+
+    out = FullAttention()(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.125)
+
+`edge()` is traced once per call signature (tiga_numba.tracing) and the recognised form is
+lowered onto the same plan/kernels as the functional API (`functional.run_forward`), or onto
+the fused score-network kernels (`edge_mlp`) for `tg.nn.trace` scores. See docs/program.md.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import arrays
+from .tracing import TracedEdge, is_score_net, record_reduce, trace_edge
+
+__all__ = ["MessagePassing", "online_softmax", "OnlineSoftmaxReducer"]
+
+ROLES = ("src", "dst", "edge")
+_GEOMETRIC_NDIM = {"displacement": 2, "distance": 1}  # Graph.radius/knn edge fields
+
+
+# --------------------------------------------------------------------------- the reducer
+class OnlineSoftmaxReducer:
+    """The streaming softmax-weighted sum over each destination's incoming edges.
+
+    Inside `edge()`, `reducer(score, value)` records the reduction (nothing is computed).
+    `block_prune_threshold=rho` (0 < rho <= 1) turns on approximate tile admission: a
+    (query block, key tile) is skipped when its max score < running block max + ln(rho)."""
+
+    def __init__(self, block_prune_threshold=None):
+        self.block_prune_threshold = arrays.check_prune_threshold(block_prune_threshold)
+
+    def __call__(self, score, value):
+        return record_reduce(self, score, value)
+
+    def __repr__(self):
+        rho = self.block_prune_threshold
+        return "online_softmax()" if rho is None else f"online_softmax(block_prune_threshold={rho:g})"
+
+
+def online_softmax(block_prune_threshold=None):
+    """The online-softmax reducer; `block_prune_threshold` in (0, 1] makes it approximate."""
+    return OnlineSoftmaxReducer(block_prune_threshold)
+
+
+# --------------------------------------------------------------------------- call inputs
+def _xp(library):
+    if library == "numpy":
+        return np
+    import cupy
+    return cupy
+
+
+class _Call:
+    """One call's validated inputs: role arrays, params, graph, array library."""
+
+    def __init__(self, program, graph, src, dst, edge, params):
+        from .graph import Graph
+        cls = type(program).__name__
+        if graph is None:
+            raise TypeError(f"{cls}() needs graph= (a tiga_numba.Graph)")
+        if not isinstance(graph, Graph):
+            raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+        self.graph = graph
+        self.roles = {}
+        libs = {}
+        sizes = {"src": graph.num_src, "dst": graph.num_dst, "edge": graph.num_edges}
+        size_name = {"src": "graph.num_src", "dst": "graph.num_dst", "edge": "graph.num_edges"}
+        for role, given in (("src", src), ("dst", dst), ("edge", edge)):
+            if given is None:
+                given = {}
+            if not isinstance(given, Mapping):
+                raise TypeError(f"{role}= must be a dict of field name -> array, got "
+                                f"{type(given).__name__}")
+            fields = {}
+            for name, a in given.items():
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise TypeError(f"{role} field names must be identifiers, got {name!r}")
+                label = f"{role}[{name!r}]"
+                libs[label] = arrays.library_of(label, a)
+                a = arrays.as_library_array(a, libs[label])
+                if a.ndim == 0:
+                    raise ValueError(f"{label} must have a leading axis of length "
+                                     f"{size_name[role]}={sizes[role]}, got a 0-d array")
+                if a.shape[0] != sizes[role]:
+                    raise ValueError(f"{label} has {a.shape[0]} rows (axis 0) but "
+                                     f"{size_name[role]} is {sizes[role]}")
+                fields[name] = a
+            self.roles[role] = fields
+        if len(set(libs.values())) > 1:
+            desc = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
+            raise TypeError(f"all fields must come from one array library (mixed numpy/cupy): {desc}")
+        self.library = next(iter(libs.values())) if libs else "numpy"
+        # Geometric graphs provide edge fields of their own; a user edge field of the same name wins.
+        self.graph_fields = [n for n in graph.edge_field_names if n not in self.roles["edge"]]
+        self.params = self._bind_params(program, params)
+
+    @staticmethod
+    def _bind_params(program, params):
+        cls = type(program).__name__
+        sig = inspect.signature(type(program).edge)
+        ps = list(sig.parameters.values())
+        positional = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < 4:
+            raise TypeError(f"{cls}.edge must take (self, src, dst, edge, **params), got {sig}")
+        extra_params = ps[4:]
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in extra_params)
+        named = {p.name: p for p in extra_params
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        bound = {}
+        for name, value in params.items():
+            if name not in named and not takes_any:
+                expected = ", ".join(named) or "none"
+                raise TypeError(f"{cls}.edge() takes no param {name!r} (its params: {expected})")
+            bound[name] = value
+        for name, p in named.items():
+            if name not in bound:
+                if p.default is inspect.Parameter.empty:
+                    raise TypeError(f"{cls}.edge() needs the param {name!r}: pass it as "
+                                    f"program(graph=..., src=..., dst=..., {name}=...)")
+                bound[name] = p.default
+        return bound
+
+    def field(self, role, name):
+        if role == "edge" and name in self.graph_fields:
+            return self.graph.edge_field(name)  # materialised: only the bias path reads it
+        return self.roles[role][name]
+
+    def signature(self, program):
+        """What the trace depends on (and a bit more: dtypes, graph kind, so that a new kind of
+        call is traced afresh rather than trusted)."""
+        parts = []
+        for role in ROLES:
+            parts.append(tuple(sorted((n, a.ndim, np.dtype(a.dtype).str)
+                                      for n, a in self.roles[role].items())))
+        attrs = tuple(sorted((k, id(v)) for k, v in vars(program).items()
+                             if isinstance(v, OnlineSoftmaxReducer) or is_score_net(v)))
+        return (tuple(parts), tuple(self.graph_fields), tuple(sorted(self.params)),
+                self.graph.kind, attrs)
+
+    def trace_fields(self):
+        fields = {role: {n: a.ndim for n, a in self.roles[role].items()} for role in ROLES}
+        for n in self.graph_fields:
+            fields["edge"][n] = _GEOMETRIC_NDIM.get(n, 2)
+        return fields
+
+    def param_value(self, name):
+        v = self.params[name]
+        if hasattr(v, "ndim") and getattr(v, "ndim", None) == 0 and not isinstance(v, np.generic):
+            v = v.item()  # a 0-d numpy/cupy array holding the scalar
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"param {name!r} is used as a scalar in edge() and must be a real "
+                            f"number, got {type(v).__name__}")
+        return float(v)
+
+
+# --------------------------------------------------------------------------- lowering
+class _Lowered:
+    """The traced form bound to one call's arrays: runs forward, and backward for vjp."""
+
+    def __init__(self, traced: TracedEdge, call: _Call):
+        self.traced = traced
+        self.call = call
+        self.front_notes = []
+        self.rho = traced.reducer.block_prune_threshold
+        values = {n: call.param_value(n) for n in traced.param_names()}
+        score = traced.score
+        self.value = call.field("src", traced.value.name)
+        if traced.kind == "net":
+            if self.rho is not None:
+                raise NotImplementedError(
+                    f"tile pruning (block_prune_threshold={self.rho:g}) is not implemented for "
+                    "score-network (tg.nn.trace) programs; use online_softmax() without it")
+            return
+        xp = _xp(call.library)
+        if score.dot is not None:
+            s, d = score.dot
+            self.q = call.field("dst", d.name)
+            self.k = call.field("src", s.name)
+            self.scale = score.dot_factor.evaluate(values)
+        else:
+            self.q = self.k = None
+            self.scale = 1.0
+        self.bias_terms = [(f, call.field("edge", f.name), c.evaluate(values))
+                           for f, c in score.biases]
+        heads = self._heads()
+        self.edge_bias = self._combine_bias(xp, heads)
+        if score.dot is None:
+            # A precomputed per-edge score: the same kernels with zero-width q and k.
+            v = self.value
+            if v.ndim == 2 and heads == 1:
+                self.q = xp.empty((call.graph.num_dst, 0), dtype=v.dtype)
+                self.k = xp.empty((call.graph.num_src, 0), dtype=v.dtype)
+            else:
+                if v.ndim == 2:
+                    self.value = v = v[:, None, :]
+                self.q = xp.empty((call.graph.num_dst, heads, 0), dtype=v.dtype)
+                self.k = xp.empty((call.graph.num_src, v.shape[1], 0), dtype=v.dtype)
+
+    def _heads(self):
+        if self.q is not None:
+            return 1 if self.q.ndim == 2 else int(self.q.shape[1])
+        heads = {int(a.shape[1]) for _, a, _ in self.bias_terms if a.ndim == 2 and a.shape[1] != 1}
+        if len(heads) > 1:
+            raise ValueError(f"edge fields in the score disagree on the number of heads: {sorted(heads)}")
+        if heads:
+            return heads.pop()
+        return 1 if self.value.ndim == 2 else int(self.value.shape[1])
+
+    def _combine_bias(self, xp, heads):
+        terms = self.bias_terms
+        for f, a, _ in terms:
+            if a.ndim > 2 or (a.ndim == 2 and a.shape[1] not in (1, heads)):
+                raise ValueError(f"{f.ref} must have shape ({self.call.graph.num_edges},) or "
+                                 f"({self.call.graph.num_edges}, {heads}) to be added to the score, "
+                                 f"got {tuple(a.shape)}")
+        if not terms:
+            return None
+        if len(terms) == 1 and terms[0][2] == 1.0:
+            return terms[0][1]  # the functional layer broadcasts it to (E, H)
+        acc = arrays.accumulation_dtype(terms[0][1].dtype)
+        total = xp.zeros((self.call.graph.num_edges, heads), dtype=acc)
+        for _, a, c in terms:
+            total += c * (a[:, None] if a.ndim == 1 else a).astype(acc, copy=False)
+        names = " + ".join(f.ref for f, _, _ in terms)
+        self.front_notes.append(f"front end: combined {names} (with their factors) into one "
+                                f"({self.call.graph.num_edges}, {heads}) edge-bias array")
+        return total
+
+    # ------------------------------------------------------------------ forward
+    def forward(self):
+        if self.traced.kind == "net":
+            from . import edge_mlp
+            self.net_args = [edge_mlp.FieldArg(f.role, f.name, self._net_arg_array(f))
+                             for f in self.traced.score.net.args]
+            out, self.state, plan = edge_mlp.forward(self.call.graph, self.traced.score.net.net,
+                                                     self.net_args, self.value, return_state=True)
+            self.out = out
+            return out, plan
+        from . import functional
+        out, self.stats, plan = functional.run_forward(
+            self.q, self.k, self.value, self.call.graph, scale=self.scale,
+            block_prune_threshold=self.rho, edge_bias=self.edge_bias)
+        self.out = out
+        return out, plan
+
+    def _net_arg_array(self, f):
+        # Geometric edge fields are computed per edge inside the fused kernel from the graph's
+        # positions: pass None rather than materialising an (E, 3) array here.
+        if f.role == "edge" and f.name in self.call.graph_fields:
+            return None
+        return self.call.roles[f.role][f.name]
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, dout):
+        grads = {"src": {}, "dst": {}, "edge": {}, "params": {}, "positions": None}
+
+        def add(role, name, g):
+            if g is None:
+                return
+            cur = grads[role].get(name)
+            grads[role][name] = g if cur is None else cur + g
+
+        if self.traced.kind == "net":
+            from . import edge_mlp
+            net_call = self.traced.score.net
+            res = edge_mlp.backward(self.call.graph, net_call.net, self.net_args, self.value,
+                                    self.state, dout)
+            for f, g in zip(net_call.args, res.get("args", [])):
+                add(f.role, f.name, g)
+            add("src", self.traced.value.name, res.get("value"))
+            for pname, g in (res.get("params") or {}).items():
+                grads["params"][f"{net_call.attr}.{pname}"] = g
+            grads["positions"] = res.get("positions")
+            return grads, res.get("plan")
+        from . import functional
+        dq, dk, dv, dbias, plan = functional.run_backward(
+            dout, self.q, self.k, self.value, self.out, self.stats, self.call.graph,
+            scale=self.scale, edge_bias=self.edge_bias)
+        score = self.traced.score
+        if score.dot is not None:
+            s, d = score.dot
+            add("dst", d.name, dq)
+            add("src", s.name, dk)
+        vname = self.traced.value.name
+        v_given = self.call.roles["src"][vname]
+        add("src", vname, dv.reshape(v_given.shape) if dv.shape != v_given.shape else dv)
+        for f, a, c in self.bias_terms:
+            g = dbias if dbias.ndim == 2 else dbias[:, None]
+            if a.ndim == 1:
+                g = g.sum(axis=1)
+            elif a.shape[1] == 1 and g.shape[1] != 1:
+                g = g.sum(axis=1, keepdims=True)
+            g = (c * g).astype(a.dtype, copy=False)
+            if f.name in self.call.graph_fields:
+                add("edge", f.name, g)  # no positions gradient through the bias path (documented)
+            else:
+                add("edge", f.name, g)
+        return grads, plan
+
+
+# --------------------------------------------------------------------------- programs
+class MessagePassing:
+    """Base class of Tiga-style programs: subclass it, set `reducer = tg.online_softmax()`
+    and define `edge(self, src, dst, edge, **params)` returning `self.reducer(score, value)`.
+
+    Call it as `program(graph=g, src={...}, dst={...}, edge={...}, **params)`. Fields are
+    arrays whose axis 0 runs over graph.num_src (src), graph.num_dst (dst) or graph.num_edges
+    (edge). Every given field must be read by edge(); a field edge() reads but was not given
+    raises ValueError naming role and field."""
+
+    def _state(self):
+        st = self.__dict__.get("_tiga_state")
+        if st is None:
+            st = {"traces": {}, "last": None, "forward_plan": None, "backward_plan": None,
+                  "last_plan": None, "trace_hit": None, "notes": []}
+            self.__dict__["_tiga_state"] = st
+        return st
+
+    def edge(self, src, dst, edge):
+        raise NotImplementedError(f"{type(self).__name__} must define edge(self, src, dst, edge, "
+                                  "**params) returning self.reducer(score, value)")
+
+    # ------------------------------------------------------------------ tracing
+    def _lower(self, graph, src, dst, edge, params):
+        call = _Call(self, graph, src, dst, edge, params)
+        st = self._state()
+        key = call.signature(self)
+        traced = st["traces"].get(key)
+        st["trace_hit"] = traced is not None
+        if traced is None:
+            traced = trace_edge(self, call.trace_fields(), sorted(call.params))
+            unread = [(role, name) for role in ROLES for name in call.roles[role]
+                      if (role, name) not in traced.reads]
+            if unread:
+                names = ", ".join(f"{r}[{n!r}]" for r, n in unread)
+                raise ValueError(f"{type(self).__name__}.edge() never reads the given field(s) "
+                                 f"{names}; pass only the fields edge() uses")
+            st["traces"][key] = traced
+        return _Lowered(traced, call)
+
+    def trace(self, graph, src=None, dst=None, edge=None, **params):
+        """The recognised form of edge() for this call signature (no kernel runs)."""
+        return self._lower(graph, src, dst, edge, params).traced
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, graph=None, src=None, dst=None, edge=None, **params):
+        lowered = self._lower(graph, src, dst, edge, params)
+        out, plan = lowered.forward()
+        self._record(lowered, plan, None)
+        return out
+
+    def vjp(self, graph=None, src=None, dst=None, edge=None, **params):
+        """Forward plus a function from the output cotangent to gradients:
+
+            out, vjp = program.vjp(graph=g, src=..., dst=..., scale=...)
+            grads = vjp(dout)   # {"src": {...}, "dst": {...}, "edge": {...}, "params": {...},
+                                #  "positions": array or None}
+
+        Only fields that reach the output appear; a field used twice (key and value) gets the
+        sum. Scalar params (scale) get no gradient."""
+        lowered = self._lower(graph, src, dst, edge, params)
+        if lowered.rho is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.vjp: the reducer is tile-pruned (block_prune_threshold="
+                f"{lowered.rho:g}), which is approximate and has no backward; use "
+                "tg.online_softmax() without block_prune_threshold for training")
+        out, plan = lowered.forward()
+        self._record(lowered, plan, None)
+        program = self
+
+        def vjp(dout):
+            grads, bplan = lowered.backward(dout)
+            program._record(lowered, plan, bplan)
+            return grads
+
+        return out, vjp
+
+    def _record(self, lowered, fplan, bplan):
+        st = self._state()
+        st["last"] = lowered
+        st["forward_plan"] = fplan
+        st["backward_plan"] = bplan
+        st["last_plan"] = bplan if bplan is not None else fplan
+
+    # ------------------------------------------------------------------ inspection
+    def explain(self):
+        """What the last call ran: traced form, lowering, and the kernel plan(s)."""
+        st = self._state()
+        name = type(self).__name__
+        lowered = st["last"]
+        if lowered is None:
+            return (f"{name} (tiga_numba.MessagePassing program): not called yet; explain() "
+                    "describes the last call")
+        traced = lowered.traced
+        lines = [f"program: {name} (tiga_numba.MessagePassing)",
+                 f"traced edge(): {traced.describe()}",
+                 f"trace cache: {len(st['traces'])} signature(s) traced; last call "
+                 f"{'reused a trace' if st['trace_hit'] else 'traced edge()'}"]
+        if traced.kind == "net":
+            net = traced.score.net
+            lines.append(f"lowered to: fused score-network attention (tiga_numba.edge_mlp), "
+                         f"network {net.attr}, value {traced.value.ref}")
+        else:
+            score = traced.score
+            if score.dot is not None:
+                s, d = score.dot
+                low = (f"lowered to: attention kernel with q = {d.ref}, k = {s.ref}, "
+                       f"v = {traced.value.ref}, scale = {lowered.scale:.6g}")
+            else:
+                low = (f"lowered to: attention kernel over a precomputed per-edge score "
+                       f"(zero-width q/k), v = {traced.value.ref}")
+                lines.append("note: the score is a materialized per-edge input field "
+                             f"({', '.join(f.ref for f, _ in score.biases)}); the kernel "
+                             "materializes no probability tensor")
+            if score.biases and score.dot is not None:
+                low += f", edge bias = {' + '.join(f.ref for f, _ in score.biases)}"
+            lines.append(low)
+        lines.extend(lowered.front_notes)
+        for title, plan in (("forward", st["forward_plan"]), ("backward", st["backward_plan"])):
+            if plan is None:
+                continue
+            lines.append(f"-- last {title} kernel --")
+            text = plan.explain() if hasattr(plan, "explain") else str(plan)
+            lines.extend("  " + ln for ln in text.splitlines())
+        return "\n".join(lines)
+
+    def ir(self, stage):
+        """Compiled artefact `stage` of the kernel that ran last ("llvm", "asm" on CPU;
+        "llvm", "ptx" on CUDA). KeyError, listing the available stages, for anything else."""
+        plan = self._state()["last_plan"]
+        stages = {} if plan is None else (getattr(plan, "run_info", None) or {}).get("ir") or {}
+        if stage not in stages:
+            if plan is None:
+                raise KeyError(f"IR stage {stage!r} is not available: {type(self).__name__} has "
+                               "not run yet (available: none)")
+            raise KeyError(f"IR stage {stage!r} is not available for the last kernel; "
+                           f"available: {sorted(stages)}")
+        return stages[stage]()

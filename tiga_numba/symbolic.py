@@ -1,0 +1,600 @@
+"""Symbolic stand-ins that `MessagePassing.edge()` is traced with.
+
+`edge()` never sees data. It receives role objects whose attributes are `Field`s, params
+that are `ScalarExpr`s, and builds from them a small expression. Every Python/numpy
+operation a stand-in does not know raises NotImplementedError naming the construct, so a
+program either lowers to a compiled kernel or fails loudly; nothing is evaluated eagerly.
+
+Recognised algebra (everything else refuses):
+  * scalars (params, Python/numpy numbers) combine freely with + - * / ** and unary numpy
+    ufuncs; they are evaluated once per call, at lowering time;
+  * fields multiply elementwise with fields and scale with scalars (`Product`);
+  * `Product.sum(axis=-1)` of exactly one src field and one dst field is a dot score;
+  * scores scale with scalars and add per-edge fields (`edge.bias`) or other such scores;
+  * a traced score network called on fields is a score of its own (not combinable).
+"""
+from __future__ import annotations
+
+import numbers
+import operator
+
+import numpy as np
+
+ROLES = ("src", "dst", "edge")
+
+
+def _refuse(construct):
+    raise NotImplementedError(
+        f"edge() uses {construct}, which tiga_numba cannot lower to a compiled kernel. "
+        "Recognised: score = (src.a * dst.b).sum(axis=-1) [* or / scalar params] "
+        "[+ edge.bias], a per-edge score field edge.score, or a tg.nn.trace score network "
+        "self.net(fields...); return self.reducer(score, src.value). See docs/program.md.")
+
+
+def is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+# --------------------------------------------------------------------------- base
+class Symbolic:
+    """Base of every stand-in: anything not explicitly supported refuses by name."""
+
+    __array_priority__ = 1000  # numpy scalars defer to our reflected operators
+
+    def describe(self):  # pragma: no cover - overridden
+        return "a symbolic value"
+
+    def __repr__(self):
+        return f"<symbolic {self.describe()}>"
+
+    # numpy protocol: arithmetic ufuncs map to our operators, np.sum to .sum, rest refuses
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if method == "__call__" and not kwargs:
+            op = _UFUNC_OPERATORS.get(ufunc.__name__)
+            if op is not None and len(inputs) == ufunc.nin:
+                for x in inputs:
+                    if not isinstance(x, Symbolic) and not is_number(x):
+                        _refuse(f"np.{ufunc.__name__} mixing {self.describe()} with "
+                                f"{_describe(x)}")
+                # numpy scalars become Python numbers: their own operators would loop back here
+                return op(*(x.item() if isinstance(x, np.generic) else x for x in inputs))
+        _refuse(f"np.{ufunc.__name__}{'.' + method if method != '__call__' else ''} on "
+                f"{self.describe()}")
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func is np.sum and args and args[0] is self:
+            return self.sum(*args[1:], **kwargs)
+        _refuse(f"np.{func.__name__} on {self.describe()}")
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # protocol probes (copy, pickle, numpy) must see "absent"
+        _refuse(f"{self.describe()}.{name}")
+
+    def __bool__(self):
+        _refuse(f"bool() of {self.describe()} (data-dependent control flow)")
+
+    def __float__(self):
+        _refuse(f"float() of {self.describe()} (math.* functions or eager evaluation)")
+
+    def __int__(self):
+        _refuse(f"int() of {self.describe()}")
+
+    def __index__(self):
+        _refuse(f"{self.describe()} as an index")
+
+    def __complex__(self):
+        _refuse(f"complex() of {self.describe()}")
+
+    def __len__(self):
+        _refuse(f"len() of {self.describe()}")
+
+    def __iter__(self):
+        _refuse(f"iteration over {self.describe()}")
+
+    def __getitem__(self, key):
+        _refuse(f"indexing or slicing {self.describe()}")
+
+    def __setitem__(self, key, value):
+        _refuse(f"item assignment into {self.describe()}")
+
+    def __eq__(self, other):
+        _refuse(f"comparison (==) of {self.describe()}")
+
+    def __ne__(self, other):
+        _refuse(f"comparison (!=) of {self.describe()}")
+
+    def __lt__(self, other):
+        _refuse(f"comparison (<) of {self.describe()}")
+
+    def __le__(self, other):
+        _refuse(f"comparison (<=) of {self.describe()}")
+
+    def __gt__(self, other):
+        _refuse(f"comparison (>) of {self.describe()}")
+
+    def __ge__(self, other):
+        _refuse(f"comparison (>=) of {self.describe()}")
+
+    __hash__ = object.__hash__
+
+    def __abs__(self):
+        _refuse(f"abs() of {self.describe()}")
+
+    def __pow__(self, other):
+        _refuse(f"a power (**) of {self.describe()}")
+
+    def __rpow__(self, other):
+        _refuse(f"a power (**) with exponent {self.describe()}")
+
+    def __matmul__(self, other):
+        _refuse(f"a matrix product (@) of {self.describe()}")
+
+    __rmatmul__ = __matmul__
+
+    def __mod__(self, other):
+        _refuse(f"a modulo (%) of {self.describe()}")
+
+    __rmod__ = __mod__
+
+    def __floordiv__(self, other):
+        _refuse(f"a floor division (//) of {self.describe()}")
+
+    __rfloordiv__ = __floordiv__
+
+    def __rtruediv__(self, other):
+        _refuse(f"a division by {self.describe()}")
+
+    def __pos__(self):
+        return self
+
+    def __neg__(self):
+        return self * -1
+
+    def __sub__(self, other):
+        return self + (-other if isinstance(other, Symbolic) or is_number(other) else _bad(other))
+
+    def __rsub__(self, other):
+        return (-self) + other
+
+    def __add__(self, other):
+        _refuse(f"adding {_describe(other)} to {self.describe()}")
+
+    def __radd__(self, other):
+        return self.__add__(other)
+
+    def __mul__(self, other):
+        _refuse(f"multiplying {self.describe()} by {_describe(other)}")
+
+    def __rmul__(self, other):
+        return self.__mul__(other)
+
+    def __truediv__(self, other):
+        _refuse(f"dividing {self.describe()} by {_describe(other)}")
+
+    def sum(self, *args, **kwargs):
+        _refuse(f"a sum over {self.describe()}")
+
+
+def _bad(other):
+    _refuse(f"an operand of type {type(other).__name__}")
+
+
+def _describe(x):
+    if x is None:
+        return "None"
+    if isinstance(x, Symbolic):
+        return x.describe()
+    if is_number(x):
+        return f"the constant {x!r}"
+    return f"a {type(x).__name__} object (arrays or other data inside edge() are not traced)"
+
+
+def _ufunc_unary(name):
+    def apply(x):
+        if isinstance(x, ScalarExpr):
+            return ScalarExpr("ufunc", name, (x,))
+        _refuse(f"np.{name} on {_describe(x)}")
+    return apply
+
+
+_UFUNC_OPERATORS = {
+    "multiply": operator.mul, "true_divide": operator.truediv, "divide": operator.truediv,
+    "add": operator.add, "subtract": operator.sub, "negative": operator.neg,
+    "positive": operator.pos,
+}
+# Unary ufuncs are fine on scalars (params): evaluated once per call when lowering.
+for _name in ("sqrt", "exp", "log", "log2", "exp2", "reciprocal", "abs", "absolute", "square"):
+    _UFUNC_OPERATORS[_name] = _ufunc_unary(_name)
+
+
+# --------------------------------------------------------------------------- scalars
+class ScalarExpr(Symbolic):
+    """A scalar built from params and constants; evaluated per call (never traced twice)."""
+
+    __slots__ = ("op", "arg", "children")
+
+    def __init__(self, op, arg=None, children=()):
+        object.__setattr__(self, "op", op)  # "param" | "const" | "bin" | "ufunc"
+        object.__setattr__(self, "arg", arg)
+        object.__setattr__(self, "children", tuple(children))
+
+    @staticmethod
+    def const(value):
+        return ScalarExpr("const", value)
+
+    @staticmethod
+    def lift(x):
+        if isinstance(x, ScalarExpr):
+            return x
+        if is_number(x):
+            return ScalarExpr.const(x)
+        return None
+
+    def describe(self):
+        if self.op == "param":
+            return f"the param {self.arg!r}"
+        return f"the scalar {self}"
+
+    def __str__(self):
+        if self.op == "param":
+            return self.arg
+        if self.op == "const":
+            return repr(float(self.arg)) if not isinstance(self.arg, int) else str(self.arg)
+        if self.op == "ufunc":
+            return f"{self.arg}({self.children[0]})"
+        a, b = self.children
+        return f"({a} {self.arg} {b})"
+
+    def params(self):
+        if self.op == "param":
+            return {self.arg}
+        out = set()
+        for c in self.children:
+            out |= c.params()
+        return out
+
+    def is_one(self):
+        return self.op == "const" and self.arg == 1
+
+    def evaluate(self, values):
+        if self.op == "param":
+            return values[self.arg]
+        if self.op == "const":
+            return float(self.arg)
+        if self.op == "ufunc":
+            return float(getattr(np, self.arg)(np.float64(self.children[0].evaluate(values))))
+        a, b = (c.evaluate(values) for c in self.children)
+        return float(_BINOPS[self.arg](np.float64(a), np.float64(b)))
+
+    def _bin(self, sym, other, swap=False):
+        o = ScalarExpr.lift(other)
+        if o is None:
+            return NotImplemented
+        a, b = (o, self) if swap else (self, o)
+        if sym == "*" and a.is_one():
+            return b
+        if sym in ("*", "/") and b.is_one():
+            return a
+        return ScalarExpr("bin", sym, (a, b))
+
+    def __add__(self, other):
+        return self._bin("+", other)
+
+    def __radd__(self, other):
+        return self._bin("+", other, swap=True)
+
+    def __sub__(self, other):
+        return self._bin("-", other)
+
+    def __rsub__(self, other):
+        return self._bin("-", other, swap=True)
+
+    def __mul__(self, other):
+        return self._bin("*", other)
+
+    def __rmul__(self, other):
+        return self._bin("*", other, swap=True)
+
+    def __truediv__(self, other):
+        return self._bin("/", other)
+
+    def __rtruediv__(self, other):
+        return self._bin("/", other, swap=True)
+
+    def __pow__(self, other):
+        return self._bin("**", other)
+
+    def __rpow__(self, other):
+        return self._bin("**", other, swap=True)
+
+    def __neg__(self):
+        return self._bin("*", -1, swap=True)
+
+
+_BINOPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+           "**": operator.pow}
+ONE = ScalarExpr.const(1)
+
+
+def param(name):
+    return ScalarExpr("param", name)
+
+
+def _times(a, b):
+    """Product of two factors, dropping the constant 1 so forms print cleanly."""
+    if a.is_one():
+        return b
+    if b.is_one():
+        return a
+    return ScalarExpr("bin", "*", (a, b))
+
+
+# --------------------------------------------------------------------------- fields
+class Product(Symbolic):
+    """factor * f1 * f2 * ... elementwise over per-edge views of node/edge fields."""
+
+    __slots__ = ("fields", "factor")
+
+    def __init__(self, fields, factor=ONE):
+        object.__setattr__(self, "fields", tuple(fields))
+        object.__setattr__(self, "factor", factor)
+
+    def describe(self):
+        body = " * ".join(f.ref for f in self.fields)
+        if not self.factor.is_one():
+            body = f"{self.factor} * {body}"
+        return body if len(self.fields) == 1 and self.factor.is_one() else f"({body})"
+
+    def is_edge_field(self):
+        return len(self.fields) == 1 and self.fields[0].role == "edge"
+
+    def __mul__(self, other):
+        if isinstance(other, Product):
+            return Product(self.fields + other.fields, _times(self.factor, other.factor))
+        s = ScalarExpr.lift(other)
+        if s is not None:
+            return Product(self.fields, _times(self.factor, s))
+        if isinstance(other, Symbolic):
+            return NotImplemented if isinstance(other, (Score,)) else other.__rmul__(self)
+        _bad(other)
+
+    def __rmul__(self, other):
+        return self.__mul__(other)
+
+    def __truediv__(self, other):
+        s = ScalarExpr.lift(other)
+        if s is None:
+            _refuse(f"dividing {self.describe()} by {_describe(other)} (only scalar divisors)")
+        return Product(self.fields, ScalarExpr("bin", "/", (self.factor, s)))
+
+    def __add__(self, other):
+        if self.is_edge_field() and isinstance(other, (Score, Product)):
+            return as_score(self, "an addition") + other
+        _refuse(f"adding {_describe(other)} to {self.describe()} (only per-edge fields such as "
+                "edge.bias add to a score)")
+
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False, *, dim=None, **extra):
+        if extra:
+            _refuse(f"sum(...) with {', '.join(sorted(extra))}= on {self.describe()}")
+        if dim is not None:
+            if axis is not None:
+                raise TypeError("sum() got both axis= and dim=; give one")
+            axis = dim
+        if dtype is not None or out is not None or keepdims:
+            _refuse(f"sum(dtype=/out=/keepdims=) on {self.describe()}")
+        fields = self.fields
+        if len(fields) != 2:
+            _refuse(f"a sum over the product of {len(fields)} field(s) {self.describe()} "
+                    "(a dot score multiplies exactly one src field by one dst field)")
+        roles = sorted(f.role for f in fields)
+        if roles != ["dst", "src"]:
+            _refuse(f"a sum over {self.describe()} (a dot score pairs one src field with one "
+                    "dst field)")
+        src_f = fields[0] if fields[0].role == "src" else fields[1]
+        dst_f = fields[1] if src_f is fields[0] else fields[0]
+        if src_f.ndim != dst_f.ndim:
+            raise ValueError(f"{src_f.ref} has {src_f.ndim} dims but {dst_f.ref} has {dst_f.ndim}; "
+                             "a dot score needs two fields of the same rank")
+        last = src_f.ndim - 1
+        if axis is None:
+            _refuse(f"a sum over all axes of {self.describe()} (use axis=-1 / dim=-1)")
+        if isinstance(axis, tuple) or not isinstance(axis, numbers.Integral) or axis not in (-1, last):
+            _refuse(f"a sum over axis={axis!r} of {self.describe()} (only the feature axis, "
+                    "-1, forms a dot score)")
+        return Score(dot=(src_f, dst_f), dot_factor=self.factor)
+
+
+class Field(Product):
+    """`role.name`: a node field read per edge (src -> source node, dst -> destination)."""
+
+    __slots__ = ("role", "name", "ndim")
+
+    def __init__(self, role, name, ndim):
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "ndim", ndim)
+        Product.__init__(self, (self,), ONE)
+
+    @property
+    def ref(self):
+        return f"{self.role}.{self.name}"
+
+    def describe(self):
+        return f"the field {self.ref}"
+
+    @property
+    def key(self):
+        return (self.role, self.name)
+
+
+# --------------------------------------------------------------------------- scores
+class Score(Symbolic):
+    """dot_factor * <src.a, dst.b>  +  sum_i c_i * edge.f_i,  or  net(fields...)."""
+
+    __slots__ = ("dot", "dot_factor", "biases", "net")
+
+    def __init__(self, dot=None, dot_factor=ONE, biases=(), net=None):
+        object.__setattr__(self, "dot", dot)
+        object.__setattr__(self, "dot_factor", dot_factor)
+        object.__setattr__(self, "biases", tuple(biases))
+        object.__setattr__(self, "net", net)
+
+    def describe(self):
+        return f"the score [{self.formula()}]"
+
+    def formula(self):
+        if self.net is not None:
+            return self.net.formula()
+        parts = []
+        if self.dot is not None:
+            s, d = self.dot
+            term = f"<{s.ref}, {d.ref}>"
+            parts.append(term if self.dot_factor.is_one() else f"{self.dot_factor} * {term}")
+        for f, c in self.biases:
+            parts.append(f.ref if c.is_one() else f"{c} * {f.ref}")
+        return " + ".join(parts)
+
+    def fields(self):
+        if self.net is not None:
+            return list(self.net.args)
+        out = list(self.dot) if self.dot is not None else []
+        return out + [f for f, _ in self.biases]
+
+    def _scaled(self, s):
+        if self.net is not None:
+            _refuse(f"scaling the output of the score network {self.net.attr} (fold the factor "
+                    "into the network's last layer)")
+        return Score(self.dot, _times(self.dot_factor, s), [(f, _times(c, s)) for f, c in self.biases])
+
+    def __mul__(self, other):
+        s = ScalarExpr.lift(other)
+        if s is None:
+            if isinstance(other, Score):
+                _refuse(f"a product of two scores ({self.formula()}) * ({other.formula()}) "
+                        "(scores only scale by scalars)")
+            if isinstance(other, Product):
+                _refuse(f"multiplying {self.describe()} by {other.describe()} (scores only scale "
+                        "by scalars)")
+            _bad(other) if not isinstance(other, Symbolic) else _refuse(
+                f"multiplying {self.describe()} by {other.describe()}")
+        return self._scaled(s)
+
+    def __truediv__(self, other):
+        s = ScalarExpr.lift(other)
+        if s is None:
+            _refuse(f"dividing {self.describe()} by {_describe(other)} (only scalar divisors)")
+        return self._scaled(ScalarExpr("bin", "/", (ONE, s)))
+
+    def __add__(self, other):
+        if isinstance(other, Product) and not other.is_edge_field():
+            _refuse(f"adding {other.describe()} to a score (only per-edge fields such as edge.bias "
+                    "add to a score)")
+        if isinstance(other, Product):
+            other = as_score(other, "an addition")
+        if not isinstance(other, Score):
+            if is_number(other) or isinstance(other, ScalarExpr):
+                _refuse(f"adding the scalar {_describe(other)} to a score (a constant shift "
+                        "cancels in the softmax; drop it)")
+            _bad(other) if not isinstance(other, Symbolic) else _refuse(
+                f"adding {other.describe()} to a score")
+        if self.net is not None or other.net is not None:
+            _refuse("adding to the output of a score network (a network score must be the whole "
+                    "score)")
+        if self.dot is not None and other.dot is not None:
+            _refuse(f"a sum of two dot scores ({self.formula()}) + ({other.formula()})")
+        dot, factor = (self.dot, self.dot_factor) if self.dot is not None else (other.dot, other.dot_factor)
+        return Score(dot, factor, self.biases + other.biases)
+
+
+def as_score(x, where):
+    """The score argument of the reducer: a Score, or one edge field (precomputed score)."""
+    if isinstance(x, Score):
+        return x
+    if isinstance(x, Product) and x.is_edge_field():
+        return Score(biases=[(x.fields[0], x.factor)])
+    if isinstance(x, Product):
+        _refuse(f"{x.describe()} as a score in {where} (an unsummed product or a node field is "
+                "not a per-edge score; did you forget .sum(axis=-1)?)")
+    if isinstance(x, Symbolic):
+        _refuse(f"{x.describe()} as a score in {where}")
+    _refuse(f"{_describe(x)} as a score in {where}")
+
+
+class NetCall:
+    """A traced score network called on fields: records what lowering needs."""
+
+    def __init__(self, attr, net, args):
+        self.attr = attr
+        self.net = net
+        self.args = tuple(args)
+
+    def formula(self):
+        return f"{self.attr}({', '.join(a.ref for a in self.args)})"
+
+
+class NetStandIn:
+    """What `self.<attr>` is during tracing when the attribute is a traced score network."""
+
+    def __init__(self, attr, net):
+        self._attr = attr
+        self._net = net
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            _refuse(f"keyword arguments ({', '.join(kwargs)}) to the score network {self._attr}")
+        if not args:
+            _refuse(f"calling the score network {self._attr} without fields")
+        for i, a in enumerate(args):
+            if not isinstance(a, Field):
+                _refuse(f"{_describe(a)} as argument {i} of the score network {self._attr} "
+                        "(its arguments must be plain fields such as edge.displacement, src.x)")
+        return Score(net=NetCall(self._attr, self._net, args))
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._net, name)
+
+
+# --------------------------------------------------------------------------- roles
+class Role:
+    """`src`, `dst` or `edge` inside edge(): attribute access reads a field by name."""
+
+    def __init__(self, role, fields, recorder):
+        object.__setattr__(self, "_role", role)
+        object.__setattr__(self, "_fields", dict(fields))  # name -> ndim
+        object.__setattr__(self, "_recorder", recorder)
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        fields = object.__getattribute__(self, "_fields")
+        role = object.__getattribute__(self, "_role")
+        if name not in fields:
+            given = ", ".join(sorted(fields)) or "none"
+            raise ValueError(f"edge() reads {role}.{name} but the call gives no {role} field "
+                             f"{name!r} (given {role} fields: {given})")
+        object.__getattribute__(self, "_recorder").add((role, name))
+        return Field(role, name, fields[name])
+
+    __getitem__ = __getattr__
+
+    def __setattr__(self, name, value):
+        raise NotImplementedError(f"assigning {object.__getattribute__(self, '_role')}.{name} "
+                                  "inside edge() (fields are read-only)")
+
+    def __repr__(self):
+        return f"<role {object.__getattribute__(self, '_role')}>"
+
+
+class ReducerOutput(Symbolic):
+    """The result of the reducer call: edge() must return it unchanged."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call):
+        object.__setattr__(self, "call", call)
+
+    def describe(self):
+        return "the reducer output (post-processing after the reduction)"
