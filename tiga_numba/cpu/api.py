@@ -1,0 +1,269 @@
+"""CPU backend entry points (docs/INTERNALS.md, "Backend entry points").
+
+    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
+    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None)
+        -> (dq, dk, dv, dbias)
+
+Arrays arrive validated (numpy, any strides, one dtype in float16/32/64).  This module
+makes the layouts the kernels want (``layout.py``), picks the compiled specialisation from
+``tiga_numba.kernel_cache.KERNELS`` and records what it did in ``plan.run_info``.
+"""
+import math
+
+import numpy as np
+import numba
+
+from ..kernel_cache import KERNELS
+from . import blocks as _blocks
+from . import csr as _csr
+from .blas import single_threaded_blas
+from .layout import acc_dtype_of, head_major, node_major, order_balanced
+
+LOG2E = 1.0 / math.log(2.0)
+
+# Tile sizes (query rows x key columns) of the block kernels.  64 x 64 float32 tiles keep the
+# score tile (16 KiB) and the K/V tiles in L1/L2 and make each gemm large enough that the
+# per-call overhead of BLAS stays small.  Documented in docs/cpu_backend.md.
+BM = 64
+BN = 64
+
+
+def _kernel(key, build):
+    kern = KERNELS.get(key, build)
+    return kern, ("hit" if KERNELS.last_was_hit else "miss")
+
+
+def _ir(kernel):
+    def stage(name):
+        def text():
+            sigs = kernel.signatures
+            if not sigs:
+                return ""
+            fn = kernel.inspect_llvm if name == "llvm" else kernel.inspect_asm
+            return fn(sigs[-1])
+        return text
+    return {"llvm": stage("llvm"), "asm": stage("asm")}
+
+
+def _is_blocks(relation):
+    return hasattr(relation, "dst_offsets")
+
+
+# --------------------------------------------------------------------------- forward
+def forward(plan, q, k, v, relation, edge_bias=None):
+    acc = acc_dtype_of(q.dtype)
+    copies = []
+    Nq, H, D = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    c = float(plan.scale) * LOG2E
+    info = plan.run_info
+    if _is_blocks(relation):
+        if edge_bias is not None:
+            raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
+                                      "(use a CSR relation)")
+        prune = plan.prune_threshold is not None
+        log2_rho = math.log2(plan.prune_threshold) if prune else 0.0
+        qh = head_major(q, acc, "q", copies, scale=c)
+        kh = head_major(k, acc, "k", copies)
+        vh = head_major(v, acc, "v", copies)
+        items = _forward_items(relation, H)
+        kern, hit = _kernel(("cpu", "blocks.forward", acc.name, BM, BN, prune),
+                            lambda: _blocks.make_forward(acc.name, BM, BN, prune))
+        out = np.zeros((Nq, H, v.shape[2]), acc)
+        m = np.full((Nq, H), -np.inf, acc)
+        l = np.zeros((Nq, H), acc)
+        total = np.zeros(items.shape[0], np.int64)
+        pruned = np.zeros(items.shape[0], np.int64)
+        with single_threaded_blas():
+            kern(qh, kh, vh, items, relation.dst_offsets, relation.src_offsets,
+                 relation.causal, group, log2_rho, out, m, l, total, pruned)
+        info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
+                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir(kern))
+        if prune:
+            info.update(pruned_tiles=int(pruned.sum()), total_tiles=int(total.sum()))
+    else:
+        qn = node_major(q, acc, "q", copies, scale=c)
+        kn = node_major(k, acc, "k", copies)
+        vn = node_major(v, acc, "v", copies)
+        bias = _bias(edge_bias, acc, H, copies)
+        kern, hit = _kernel(("cpu", "csr.forward", acc.name),
+                            lambda: _csr.make_forward(acc.name))
+        out = np.empty((Nq, H, v.shape[2]), acc)
+        m = np.empty((Nq, H), acc)
+        l = np.empty((Nq, H), acc)
+        kern(qn, kn, vn, relation.indptr, relation.indices, bias, group, out, m, l)
+        info.update(kernel="cpu.csr.forward (row-streaming online softmax)",
+                    tiles=f"edge chunk={_csr.CH}", cache=hit, ir=_ir(kern))
+    info["copies"] = copies
+    if out.dtype != q.dtype:
+        out = out.astype(q.dtype)
+    return out, m, l
+
+
+def _forward_items(rel, H):
+    """(head, block, query-tile start) work items, ordered so equal prange chunks balance."""
+    nd = np.diff(np.asarray(rel.dst_offsets))
+    ns = np.diff(np.asarray(rel.src_offsets))
+    causal = np.asarray(rel.causal)
+    b_idx, q0s, costs = [], [], []
+    for b in range(nd.shape[0]):
+        if nd[b] == 0:
+            continue
+        starts = np.arange(0, nd[b], BM, dtype=np.int64)
+        if causal[b]:
+            cost = np.minimum(starts + BM, ns[b]) // BN + 1
+        else:
+            cost = np.full(starts.shape, (ns[b] + BN - 1) // BN + 1, np.int64)
+        b_idx.append(np.full(starts.shape, b, np.int64))
+        q0s.append(starts)
+        costs.append(cost)
+    if not b_idx:
+        return np.zeros((0, 3), np.int64)
+    b_idx, q0s, costs = (np.concatenate(x) for x in (b_idx, q0s, costs))
+    n = b_idx.shape[0]
+    items = np.empty((H * n, 3), np.int64)
+    items[:, 0] = np.repeat(np.arange(H, dtype=np.int64), n)
+    items[:, 1] = np.tile(b_idx, H)
+    items[:, 2] = np.tile(q0s, H)
+    return items[order_balanced(np.tile(costs, H))]
+
+
+def _bias(edge_bias, acc, H, copies):
+    if edge_bias is None:
+        return np.zeros((0, H), acc)
+    b = np.asarray(edge_bias)
+    if b.dtype != acc or not b.flags.c_contiguous:
+        copies.append(f"edge_bias -> contiguous {acc.name}")
+        b = np.ascontiguousarray(b, dtype=acc)
+    return b
+
+
+# --------------------------------------------------------------------------- backward
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
+    if plan.prune_threshold is not None:  # dispatch refuses this first; fail closed anyway
+        raise NotImplementedError("block_prune_threshold: the backward of a pruned forward "
+                                  "is not implemented")
+    acc = acc_dtype_of(q.dtype)
+    copies = []
+    Nq, H, D = q.shape
+    Nk, Hkv, _ = k.shape
+    Dv = v.shape[2]
+    group = H // Hkv
+    scale = float(plan.scale)
+    c = scale * LOG2E
+    info = plan.run_info
+    m = np.asarray(m, acc)
+    l = np.asarray(l, acc)
+    # Delta_i = sum(dO_i * O_i), per (row, head), in the accumulation dtype: O(N H D) work
+    delta = np.einsum("nhd,nhd->nh", np.asarray(dout, acc), np.asarray(out, acc))
+    with np.errstate(divide="ignore"):
+        linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
+    m2 = (m * LOG2E).astype(acc)
+    dbias = None
+    if _is_blocks(relation):
+        if edge_bias is not None:
+            raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
+                                      "(use a CSR relation)")
+        qh = head_major(q, acc, "q", copies, scale=c)
+        kh = head_major(k, acc, "k", copies)
+        vh = head_major(v, acc, "v", copies)
+        doh = head_major(dout, acc, "dout", copies)
+        m2h = np.ascontiguousarray(m2.T)
+        linvh = np.ascontiguousarray(linv.T)
+        deltah = np.ascontiguousarray(delta.T)
+        kitems, costs = _backward_items(relation, Hkv, H // Hkv)
+        n_parts = max(1, min(numba.get_num_threads(), kitems.shape[0]))
+        kitems = _deal(kitems, costs, n_parts)
+        kern, hit = _kernel(("cpu", "blocks.backward", acc.name, BM, BN),
+                            lambda: _blocks.make_backward(acc.name, BM, BN))
+        dq_part = np.zeros((n_parts, H, Nq, D), acc)
+        dkh = np.zeros((Hkv, Nk, D), acc)
+        dvh = np.zeros((Hkv, Nk, Dv), acc)
+        with single_threaded_blas():
+            kern(qh, kh, vh, doh, m2h, linvh, deltah, kitems, relation.dst_offsets,
+                 relation.src_offsets, relation.causal, group, n_parts, dq_part, dkh, dvh)
+        dq = np.empty((Nq, H, D), acc)
+        _blocks.reduce_dq(dq_part, acc.type(scale), dq)
+        dk = dkh.transpose(1, 0, 2)
+        dv = dvh.transpose(1, 0, 2)
+        copies.append(f"dq partials: {n_parts} x (H, Nq, D) {acc.name} (one per partition, "
+                      "summed in order)")
+        info.update(kernel="cpu.blocks.backward (fused, key-tile parallel, BLAS tiles)",
+                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir(kern))
+    else:
+        qn = node_major(q, acc, "q", copies, scale=c)
+        kn = node_major(k, acc, "k", copies)
+        vn = node_major(v, acc, "v", copies)
+        don = node_major(dout, acc, "dout", copies)
+        bias = _bias(edge_bias, acc, H, copies)
+        k_dst, k_src = None, None
+        (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", acc.name),
+                                      lambda: _csr.make_backward(acc.name))
+        dq = np.empty((Nq, H, D), acc)
+        E = int(relation.indices.shape[0])
+        dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
+        k_dst(qn, kn, vn, don, m2, linv, delta, relation.indptr, relation.indices, bias,
+              group, acc.type(scale), dq, dbias)
+        dk = np.empty((Nk, Hkv, D), acc)
+        dv = np.empty((Nk, Hkv, Dv), acc)
+        k_src(qn, kn, vn, don, m2, linv, delta, transpose.indptr, transpose.indices,
+              transpose.perm, bias, group, dk, dv)
+        if edge_bias is None:
+            dbias = None
+        info.update(kernel="cpu.csr.backward (dq by destination rows, dk/dv by source rows "
+                           "over the transpose)", tiles="per edge", cache=hit,
+                    ir=_ir(k_src))
+    info["copies"] = copies
+    dt = q.dtype
+    return (np.ascontiguousarray(dq, dtype=dt), np.ascontiguousarray(dk, dtype=dt),
+            np.ascontiguousarray(dv, dtype=dt), dbias)
+
+
+def _backward_items(rel, Hkv, group):
+    nd = np.diff(np.asarray(rel.dst_offsets))
+    ns = np.diff(np.asarray(rel.src_offsets))
+    causal = np.asarray(rel.causal)
+    rows = []
+    costs = []
+    for b in range(ns.shape[0]):
+        if ns[b] == 0 or nd[b] == 0:
+            continue
+        starts = np.arange(0, ns[b], BN, dtype=np.int64)
+        if causal[b]:
+            cost = (nd[b] - (starts // BM) * BM + BM - 1) // BM + 1
+        else:
+            cost = np.full(starts.shape, (nd[b] + BM - 1) // BM + 1, np.int64)
+        for hk in range(Hkv):
+            blk = np.empty((starts.shape[0], 3), np.int64)
+            blk[:, 0] = hk
+            blk[:, 1] = b
+            blk[:, 2] = starts
+            rows.append(blk)
+            costs.append(cost * group)
+    if not rows:
+        return np.zeros((0, 3), np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.concatenate(costs)
+
+
+def _deal(items, costs, n_parts):
+    """Order items so that the kernel's round-robin (item w -> partition w % n_parts) gives
+    each partition about the same work: greedy largest-first onto the lightest partition."""
+    if items.shape[0] == 0:
+        return items
+    order = np.argsort(-costs, kind="stable")
+    load = np.zeros(n_parts, np.int64)
+    lists = [[] for _ in range(n_parts)]
+    for idx in order:
+        p = int(np.argmin(load))
+        lists[p].append(idx)
+        load[p] += costs[idx]
+    # interleave: position w*n_parts + p holds the w-th item of partition p
+    n_rounds = max(len(x) for x in lists)
+    out = []
+    pad = np.array([-1, -1, -1], np.int64)
+    for w in range(n_rounds):
+        for p in range(n_parts):
+            out.append(items[lists[p][w]] if w < len(lists[p]) else pad)
+    res = np.array(out, np.int64)
+    return res

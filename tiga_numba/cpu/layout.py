@@ -1,0 +1,63 @@
+"""Array layouts the CPU kernels read, and work-item ordering.
+
+The kernels want contiguous arrays in the accumulation dtype (float32, or float64 for
+float64 inputs; float16 is widened once here, not per use).  Block kernels read head-major
+``(H, N, D)`` so that a (tile x D) slice of one head is a contiguous BLAS operand; CSR kernels
+read node-major ``(N, H, D)`` so that one gathered source row brings every head.  Each copy
+made is recorded (``copies``) for ``explain()``; q is always copied because it is
+pre-multiplied by ``scale * log2(e)``.
+"""
+import numpy as np
+
+
+def acc_dtype_of(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _why(x, acc):
+    reasons = []
+    if x.dtype != acc:
+        reasons.append(f"{x.dtype} -> {acc.name}")
+    return reasons
+
+
+def head_major(x, acc, name, copies, scale=None):
+    """(N, H, D) -> contiguous (H, N, D) in ``acc`` (times ``scale`` when given)."""
+    t = x.transpose(1, 0, 2)
+    if scale is None and x.dtype == acc and t.flags.c_contiguous:
+        return t  # e.g. one kv head stored contiguously: read in place
+    out = np.empty(t.shape, acc)
+    out[...] = t
+    if scale is not None:
+        out *= acc.type(scale)
+    why = _why(x, acc) + (["head-major"] if not t.flags.c_contiguous else [])
+    if scale is not None:
+        why.append("pre-scaled by scale*log2(e)")
+    copies.append(f"{name} -> (H, N, D) {acc.name} ({', '.join(why)})")
+    return out
+
+
+def node_major(x, acc, name, copies, scale=None):
+    """(N, H, D) -> C-contiguous (N, H, D) in ``acc`` (times ``scale`` when given)."""
+    if scale is None and x.dtype == acc and x.flags.c_contiguous:
+        return x
+    out = np.empty(x.shape, acc)
+    out[...] = x
+    if scale is not None:
+        out *= acc.type(scale)
+    why = _why(x, acc) + (["contiguous"] if not x.flags.c_contiguous else [])
+    if scale is not None:
+        why.append("pre-scaled by scale*log2(e)")
+    copies.append(f"{name} -> contiguous (N, H, D) {acc.name} ({', '.join(why)})")
+    return out
+
+
+def order_balanced(costs):
+    """Permutation of work items such that equal contiguous chunks (numba's static prange
+    schedule) carry about equal work: pair the most expensive with the cheapest."""
+    idx = np.argsort(costs, kind="stable")
+    n = idx.shape[0]
+    out = np.empty(n, np.int64)
+    out[0::2] = idx[::-1][:(n + 1) // 2]
+    out[1::2] = idx[:n // 2]
+    return out
