@@ -348,7 +348,7 @@ class MessagePassing:
             st["traces"][key] = traced
         return _Lowered(traced, call)
 
-    def trace(self, graph, src=None, dst=None, edge=None, **params):
+    def traced_form(self, graph, src=None, dst=None, edge=None, **params):
         """The recognised form of edge() for this call signature (no kernel runs)."""
         return self._lower(graph, src, dst, edge, params).traced
 
