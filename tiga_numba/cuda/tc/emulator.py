@@ -1,0 +1,310 @@
+"""Numpy warp emulator for the generated tensor-core kernels (CPU only, no numba needed).
+
+Every per-thread scalar of the generated source becomes a numpy vector over the CTA's threads;
+all warps run in lockstep, so barriers and cp.async waits are no-ops. Each intrinsic of ptx.py
+gets its warp-level meaning here (mma m16n8k16, ldmatrix(.trans), zero-filling cp.async,
+predicated loads/stores, shfl.xor, f32 <-> f16/bf16 packing). Every global access is checked
+against the registered buffers and every shared access against the CTA's shared size, so a
+layout, swizzle, tail or mask mistake fails here, in CI, before any GPU sees it.
+
+What it cannot see: races between cp.async and readers (lockstep hides them) and timing.
+"""
+from __future__ import annotations
+
+import math
+import types as _types
+
+import numpy as np
+
+from . import generator as G
+
+
+# ----------------------------------------------------------------------------- element formats
+def f32_to_bits(x, dtype):
+    """round-to-nearest-even f32 -> 16-bit pattern (uint32) of float16 or bfloat16."""
+    x = np.asarray(x, np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    b = x.view(np.uint32).astype(np.uint64)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return (r & 0xFFFF).astype(np.uint32)
+
+
+def bits_to_f32(u, dtype):
+    u = np.asarray(u, np.uint32) & 0xFFFF
+    if dtype == "float16":
+        return u.astype(np.uint16).view(np.float16).astype(np.float32)
+    return (u << 16).astype(np.uint32).view(np.float32)
+
+
+def to_storage(x, dtype):
+    """numpy float array -> uint16 storage of the kernel's element type."""
+    return f32_to_bits(np.asarray(x, np.float32), dtype).astype(np.uint16)
+
+
+def from_storage(u16, dtype):
+    return bits_to_f32(u16.astype(np.uint32), dtype)
+
+
+# ----------------------------------------------------------------------------- memory
+class Memory:
+    """Flat global memory with registered buffers; any access outside them raises."""
+
+    def __init__(self):
+        self.buf = np.zeros(0, np.uint8)
+        self.regions = []
+
+    def alloc(self, nbytes, fill=0xFF):
+        base = (len(self.buf) + 255) // 256 * 256 + 256   # gaps between buffers catch overruns
+        new = np.full(base + nbytes, 0xEE, np.uint8)
+        new[:len(self.buf)] = self.buf
+        new[base:] = fill
+        self.buf = new
+        self.regions.append((base, base + nbytes))
+        return base
+
+    def put(self, array):
+        a = np.ascontiguousarray(array)
+        base = self.alloc(a.nbytes)
+        self.buf[base:base + a.nbytes] = a.view(np.uint8).ravel()
+        return base
+
+    def get(self, base, dtype, shape):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.buf[base:base + n].view(dtype).reshape(shape).copy()
+
+    def check(self, addr, nbytes):
+        addr = np.atleast_1d(np.asarray(addr, np.int64))
+        ok = np.zeros(addr.shape, bool)
+        for lo, hi in self.regions:
+            ok |= (addr >= lo) & (addr + nbytes <= hi)
+        if not ok.all():
+            bad = addr[~ok][0]
+            raise IndexError(f"global access out of bounds at {bad} ({nbytes} bytes)")
+
+
+# ----------------------------------------------------------------------------- the warp machine
+class Warps:
+    def __init__(self, NT, smem_bytes, mem, dtype):
+        self.NT, self.mem, self.dtype = NT, mem, dtype
+        self.SM = np.full(smem_bytes, 0xEE, np.uint8)   # garbage: reads of unloaded smem show up
+        lane = np.arange(NT) % 32
+        self.wv, self.g, self.t = np.arange(NT) // 32, lane // 4, lane % 4
+
+    def _vec(self, x, dt):
+        return np.broadcast_to(np.asarray(x, dt), (self.NT,)).copy()
+
+    def _smem16(self, addr):
+        addr = self._vec(addr, np.int64)
+        assert np.all(addr % 16 == 0), "16-byte alignment of shared access"
+        assert np.all((addr >= 0) & (addr + 16 <= len(self.SM))), "shared access out of bounds"
+        return addr
+
+    # -- tensor cores
+    def mma16816(self, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        nw, wv, g, t, dt = self.NT // 32, self.wv, self.g, self.t, self.dtype
+        A = np.full((nw, 16, 16), np.nan, np.float32)
+        B = np.full((nw, 16, 8), np.nan, np.float32)
+        C = np.full((nw, 16, 8), np.nan, np.float32)
+        for reg, ro, co in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 8), (a3, 8, 8)):
+            reg = self._vec(reg, np.uint32)
+            A[wv, g + ro, 2 * t + co] = bits_to_f32(reg, dt)
+            A[wv, g + ro, 2 * t + co + 1] = bits_to_f32(reg >> 16, dt)
+        for reg, ko in ((b0, 0), (b1, 8)):
+            reg = self._vec(reg, np.uint32)
+            B[wv, 2 * t + ko, g] = bits_to_f32(reg, dt)
+            B[wv, 2 * t + ko + 1, g] = bits_to_f32(reg >> 16, dt)
+        for c, ro, co in ((c0, 0, 0), (c1, 0, 1), (c2, 8, 0), (c3, 8, 1)):
+            C[wv, g + ro, 2 * t + co] = self._vec(c, np.float32)
+        assert not np.isnan(A).any() and not np.isnan(B).any() and not np.isnan(C).any(), \
+            "mma operand not fully defined (fragment layout bug or NaN data)"
+        Dm = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
+        return Dm[wv, g, 2 * t], Dm[wv, g, 2 * t + 1], Dm[wv, g + 8, 2 * t], Dm[wv, g + 8, 2 * t + 1]
+
+    def _ldsm(self, addr, trans):
+        addr = self._smem16(addr)
+        R = self.SM[addr[:, None] + np.arange(16)].view(np.uint16).astype(np.uint32)   # (NT, 8 halves)
+        M = R.reshape(self.NT // 32, 4, 8, 8)   # warp, matrix, row, col
+        wv, g, t = self.wv, self.g, self.t
+        out = []
+        for m in range(4):
+            if trans:
+                lo, hi = M[wv, m, 2 * t, g], M[wv, m, 2 * t + 1, g]
+            else:
+                lo, hi = M[wv, m, g, 2 * t], M[wv, m, g, 2 * t + 1]
+            out.append((lo | (hi << 16)).astype(np.uint32))
+        return tuple(out)
+
+    def ldsm_x4(self, addr):
+        return self._ldsm(addr, False)
+
+    def ldsm_x4_t(self, addr):
+        return self._ldsm(addr, True)
+
+    # -- memory
+    def cp_async16(self, saddr, gaddr, nbytes):
+        saddr = self._smem16(saddr)
+        gaddr = self._vec(gaddr, np.int64)
+        nbytes = self._vec(nbytes, np.int64)
+        assert np.all((nbytes == 0) | (nbytes == 16))
+        assert np.all(gaddr % 16 == 0), "16-byte alignment of global source"
+        rd = nbytes > 0
+        if rd.any():
+            self.mem.check(gaddr[rd], 16)
+        data = self.mem.buf[gaddr[:, None] + np.arange(16)]
+        data[~rd] = 0
+        self.SM[saddr[:, None] + np.arange(16)] = data
+
+    def stg_u32_if(self, pred, gaddr, x):
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)[pred]
+        if len(gaddr):
+            self.mem.check(gaddr, 4)
+            self.mem.buf[gaddr[:, None] + np.arange(4)] = self._vec(x, np.uint32)[pred][:, None].view(np.uint8).reshape(-1, 4)
+
+    def stg_f32_if(self, pred, gaddr, x):
+        self.stg_u32_if(pred, gaddr, self._vec(x, np.float32).view(np.uint32))
+
+    def ldg_u32_if(self, pred, gaddr):
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)
+        out = np.zeros(self.NT, np.uint32)
+        if pred.any():
+            self.mem.check(gaddr[pred], 4)
+            out[pred] = self.mem.buf[gaddr[pred][:, None] + np.arange(4)].view(np.uint32).ravel()
+        return out
+
+    def ldg_f32_if(self, pred, gaddr):
+        return self.ldg_u32_if(pred, gaddr).view(np.float32)
+
+    def ldg_i32(self, gaddr):
+        gaddr = int(gaddr)   # uniform
+        self.mem.check(gaddr, 4)
+        return np.int64(self.mem.buf[gaddr:gaddr + 4].view(np.int32)[0])
+
+    # -- registers
+    def pack2(self, lo, hi):
+        return (f32_to_bits(lo, self.dtype) | (f32_to_bits(hi, self.dtype) << 16)).astype(np.uint32)
+
+    def unpack2(self, x):
+        x = self._vec(x, np.uint32)
+        return bits_to_f32(x, self.dtype), bits_to_f32(x >> 16, self.dtype)
+
+    def shfl_xor(self, val, lm):
+        return self._vec(val, np.float32)[np.arange(self.NT) ^ lm]
+
+
+def _sel(c, a, b):
+    r = np.where(c, a, b)
+    return r if r.ndim else r[()]
+
+
+def _ex2(x):
+    with np.errstate(over="ignore", under="ignore"):
+        r = np.exp2(np.asarray(x, np.float32)).astype(np.float32)
+    return np.where(np.abs(r) < np.float32(1.1754944e-38), np.float32(0), r)   # .ftz
+
+
+def compile_source(src, name="<tc-emu>"):
+    code = compile(src, name, "exec")
+    return code
+
+
+def launch(src, grid, NT, smem_bytes, mem, dtype, args):
+    """Run the generated kernel over grid (gx, gy) with NT threads per CTA."""
+    code = compile_source(src)
+    for by in range(grid[1]):
+        for bx in range(grid[0]):
+            w = Warps(NT, smem_bytes, mem, dtype)
+            cuda = _types.SimpleNamespace(
+                threadIdx=_types.SimpleNamespace(x=np.arange(NT)),
+                blockIdx=_types.SimpleNamespace(x=bx, y=by),
+                blockDim=_types.SimpleNamespace(x=NT),
+                shared=_types.SimpleNamespace(array=lambda *a, **kw: None),
+                syncthreads=lambda: None)
+            env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
+                       u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum,
+                       sel=_sel, ex2=_ex2, saddr=lambda a: 0, log2f=np.log2,
+                       cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
+            for nm in ("mma16816", "ldsm_x4", "ldsm_x4_t", "cp_async16", "stg_u32_if", "stg_f32_if",
+                       "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2", "unpack2", "shfl_xor"):
+                env[nm] = getattr(w, nm)
+            exec(code, env)
+            with np.errstate(over="ignore", invalid="ignore"):
+                env["kernel"](*args)
+
+
+# ----------------------------------------------------------------------------- whole-op drivers
+def _put_heads(mem, x, dtype):
+    """store a node-major (N, H, D) array in the kernel's element type; returns (base, row stride,
+    head stride) in bytes."""
+    s = to_storage(x, dtype)
+    base = mem.put(s)
+    return base, s.strides[0], s.strides[1]
+
+
+def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale):
+    """Emulate the forward on numpy inputs (any float dtype, rounded to v.dtype).
+    Returns out (float32, rounded from the kernel's storage type), m, l."""
+    from . import schedule
+    nd, H, D = q.shape
+    ns, Hkv, Dv = v_.shape
+    mem = Memory()
+    qb, q_rs, q_hs = _put_heads(mem, q, v.dtype)
+    kb, k_rs, k_hs = _put_heads(mem, k, v.dtype)
+    vb, v_rs, v_hs = _put_heads(mem, v_, v.dtype)
+    ob = mem.alloc(max(nd * H * Dv * 2, 1))
+    mb = mem.alloc(max(nd * H * 4, 1))
+    lb = mem.alloc(max(nd * H * 4, 1))
+    work = schedule.query_tiles(dst_offsets, src_offsets, causal, v.BM)
+    if len(work):
+        wb = mem.put(work)
+        sc = np.float32(scale * G.LOG2E)
+        launch(G.gen_forward(v), (len(work), H), v.NT, v.smem_bytes(), mem, v.dtype,
+               (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * 2, H // Hkv, sc,
+                np.float32(-np.inf)))
+    out = from_storage(mem.get(ob, np.uint16, (nd, H, Dv)), v.dtype)
+    return out, mem.get(mb, np.float32, (nd, H)), mem.get(lb, np.float32, (nd, H))
+
+
+def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, causal, scale):
+    """Emulate Delta pre-pass + dQ kernel + dK/dV kernel; returns dq, dk, dv as float32."""
+    from . import schedule
+    nd, H, D = q.shape
+    ns, Hkv, Dv = v_.shape
+    dt = vdq.dtype
+    mem = Memory()
+    qb, q_rs, q_hs = _put_heads(mem, q, dt)
+    kb, k_rs, k_hs = _put_heads(mem, k, dt)
+    vb, v_rs, v_hs = _put_heads(mem, v_, dt)
+    ob, o_rs, o_hs = _put_heads(mem, out, dt)
+    db, do_rs, do_hs = _put_heads(mem, dout, dt)
+    mb = mem.put(np.ascontiguousarray(m, np.float32))
+    lb = mem.put(np.ascontiguousarray(l, np.float32))
+    dlt = mem.alloc(max(nd * H * 4, 1))
+    lse = mem.alloc(max(nd * H * 4, 1))
+    dqb = mem.alloc(max(nd * H * D * 2, 1))
+    dkb = mem.alloc(max(ns * Hkv * D * 2, 1))
+    dvb = mem.alloc(max(ns * Hkv * Dv * 2, 1))
+    sc = np.float32(scale * G.LOG2E)
+    if nd * H:
+        launch(G.gen_delta(dt, Dv), ((nd * H + 3) // 4, 1), 128, 16, mem, dt,
+               (ob, db, mb, lb, dlt, lse, nd, H, o_rs, o_hs, do_rs, do_hs))
+    work = schedule.query_tiles(dst_offsets, src_offsets, causal, vdq.BM)
+    if len(work):
+        launch(G.gen_dq(vdq), (len(work), H), vdq.NT, vdq.smem_bytes(), mem, dt,
+               (qb, kb, vb, db, lse, dlt, dqb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,
+                H * D * 2, H // Hkv, sc, np.float32(scale)))
+    work = schedule.key_tiles(dst_offsets, src_offsets, causal, vkv.BM)
+    if len(work):
+        launch(G.gen_dkdv(vkv), (len(work), Hkv), vkv.NT, vkv.smem_bytes(), mem, dt,
+               (qb, kb, vb, db, lse, dlt, dkb, dvb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,
+                do_hs, Hkv * D * 2, Hkv * Dv * 2, H // Hkv, H, sc, np.float32(scale)))
+    # rows no work tile covers (sources outside every block) are zero by definition
+    dq = from_storage(mem.get(dqb, np.uint16, (nd, H, D)), dt)
+    dk = from_storage(mem.get(dkb, np.uint16, (ns, Hkv, D)), dt)
+    dv = from_storage(mem.get(dvb, np.uint16, (ns, Hkv, Dv)), dt)
+    return dq, dk, dv
+
+
+_ = math  # (kept for log2 fallbacks in user code)

@@ -1,0 +1,562 @@
+"""Kernel-source generator for the tensor-core attention kernels (forward, dQ, dK/dV).
+
+Why generate source: numba does not reliably keep small local arrays in registers, so every
+fragment register is a named scalar and every loop over fragments is unrolled here in Python.
+The text is exec'd twice: against numba.cuda + ptx.py intrinsics (the GPU kernel) and against
+emulator.py (a numpy warp emulator that checks layouts, masks and addressing on a CPU).
+
+One generator serves every variant. A `Variant` fixes the compile-time constants (kernel kind,
+head dims, dtype, warps, m16 tiles per warp, key-block width); the relation (dense,
+triangular, segments) is runtime data: a work table with one row per CTA (see schedule.py), so
+causal/non-causal and tails share one body and masking only runs on tiles that need it.
+
+Layout vocabulary (mma.sync.m16n8k16, per warp; lane = 4 * g + t):
+  C fragment (16 x 8, f32):  c{r}, r = 0..3 sits at row g + 8 * (r // 2), column 2 * t + r % 2.
+  A fragment (16 x 16, x2):  a0 rows 0-7 / k 0-7, a1 rows 8-15 / k 0-7, a2 rows 0-7 / k 8-15,
+                             a3 rows 8-15 / k 8-15 (each u32 holds two neighbouring k).
+  B fragment (16 x 8, x2):   b0 k 0-7, b1 k 8-15 (column n = g).
+Shared tiles are row-major with 16-byte chunks XOR-swizzled by (row % 8): chunk c of row r
+lives at chunk c ^ (r % 8), so ldmatrix's 8 row addresses hit 8 different bank groups.
+Register tiles are named "{name}{m}_{j}_{r}" (C: m-tile m, n-tile j) and "{name}{m}_{k}_{r}"
+(A: m-tile m, k-step k).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOG2E = 1.4426950408889634
+#: raw score given to masked (non-)edges: finite, so fast-math cannot fold it, and far below
+#: any real score so exp2 of (masked * scale - max) underflows to 0
+MASKED = -1.0e30
+
+#: work-table row: int32 fields, one row per CTA (schedule.py writes them)
+WORK_FIELDS = ("row0", "rows", "col0", "cols", "diag", "causal")
+
+
+@dataclass(frozen=True)
+class Variant:
+    kind: str          # "fwd" | "dq" | "dkdv"
+    D: int             # q/k head dim
+    Dv: int            # v head dim
+    dtype: str = "float16"
+    NW: int = 4        # warps per CTA
+    MT: int = 1        # m16 tiles per warp: a CTA owns BM = 16 * MT * NW rows
+    BN: int = 64       # width of the streamed block (keys for fwd/dq, queries for dkdv)
+
+    @property
+    def NT(self):
+        return 32 * self.NW
+
+    @property
+    def BM(self):
+        return 16 * self.MT * self.NW
+
+    def check(self):
+        for d in (self.D, self.Dv):
+            if d % 32 or d < 32:
+                raise ValueError(f"head dim must be a multiple of 32 (swizzle groups), got {d}")
+        if self.BN % 16 or self.BN < 16:
+            raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
+        if self.kind not in ("fwd", "dq", "dkdv"):
+            raise ValueError(f"unknown kernel kind {self.kind!r}")
+        if self.smem_bytes() > 48 * 1024:
+            raise ValueError(f"{self} needs {self.smem_bytes()} B of static shared memory (> 48 KB)")
+        return self
+
+    # streamed tiles are double-buffered (cp.async prefetch of block i+1 during block i)
+    def stream_tile_bytes(self):
+        return self.BN * 2 * (self.D + self.Dv)
+
+    def smem_bytes(self):
+        resident = self.BM * 2 * max(self.D, self.Dv)   # the CTA's own rows, staged once
+        return max(2 * self.stream_tile_bytes(), resident)
+
+    def name(self):
+        return f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
+
+
+# ----------------------------------------------------------------------------- source writer
+class Source:
+    def __init__(self):
+        self.lines, self.ind = [], 0
+
+    def __call__(self, s):
+        self.lines.append("    " * self.ind + s)
+
+    def indent(self):
+        src = self
+
+        class _Ctx:
+            def __enter__(self):
+                src.ind += 1
+
+            def __exit__(self, *a):
+                src.ind -= 1
+        return _Ctx()
+
+    def text(self):
+        return "\n".join(self.lines) + "\n"
+
+
+def _tree(op, xs):
+    """balanced reduction expression (short dependency chains)"""
+    xs = list(xs)
+    while len(xs) > 1:
+        nxt = [op(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)]
+        if len(xs) % 2:
+            nxt.append(xs[-1])
+        xs = nxt
+    return xs[0]
+
+
+# ----------------------------------------------------------------------------- thread geometry
+def thread_geometry(e, v):
+    """lane decomposition used by every fragment helper, plus the swizzled column offsets."""
+    e("tx = i64(cuda.threadIdx.x)")
+    e("wid = tx // 32; lane = tx % 32; g = lane // 4; t = lane % 4")
+    # ldmatrix: lanes 8*mi .. 8*mi+7 give the row addresses of 8x8 matrix mi
+    e("mi = lane // 8; r8 = lane % 8; mlo = mi % 2; mhi = mi // 2; lrow16 = r8 + 8 * mlo")
+    for c in range(max(v.D, v.Dv) // 16):
+        # chunk 2c + mhi: A fragments of k-step c, and B(trans) fragments of n-tile pair c
+        e(f"xa{c} = (((({2 * c}) + mhi) ^ r8) * 16)")
+    for c in range(max(v.D, v.Dv) // 32):
+        # chunk 4c + mi: B fragments of k-steps 2c, 2c+1 (non-trans)
+        e(f"xb{c} = (((({4 * c}) + mi) ^ r8) * 16)")
+
+
+# ----------------------------------------------------------------------------- global -> shared
+def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
+    """cp.async a (rows x width) tile, row r at gbase + r * gstride, into swizzled shared memory.
+    Rows >= nvalid are zero-filled (src-size 0) and read nothing: tails never go out of bounds."""
+    cpr = width // 8                 # 16-byte chunks per row
+    step = v.NT // cpr               # rows covered by one pass of the CTA
+    assert v.NT % cpr == 0 and rows % step == 0 and step % 8 == 0, (v, rows, width)
+    rs = width * 2
+    e(f"lr = tx // {cpr}; lc = tx % {cpr}")
+    for i in range(rows // step):
+        row = f"(lr + {i * step})"
+        e(f"ok = u32({row} < {nvalid})")
+        e(f"cp_async16({smem} + {row} * {rs} + ((lc ^ (lr % 8)) * 16), "
+          f"sel(ok != 0, {gbase} + {row} * {gstride} + lc * 16, {gbase}), ok * 16)")
+
+
+# ----------------------------------------------------------------------------- fragments
+def zero_c(e, name, MT, ntiles):
+    for m in range(MT):
+        for j in range(ntiles):
+            e("; ".join(f"{name}{m}_{j}_{r} = zero" for r in range(4)))
+
+
+def load_a(e, name, smem, row0, MT, ksteps, rs):
+    """A fragments (16 rows x 16 k per k-step) of m-tiles starting at local row `row0` + 16 m."""
+    for m in range(MT):
+        for ks in range(ksteps):
+            regs = ", ".join(f"{name}{m}_{ks}_{r}" for r in range(4))
+            e(f"{regs} = ldsm_x4({smem} + ({row0} + {16 * m} + lrow16) * {rs} + xa{ks})")
+
+
+def mma_abt(e, C, A, btile, MT, ntiles, ksteps, rs):
+    """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T)."""
+    for j in range(ntiles):
+        for kp in range(ksteps // 2):
+            e(f"b0, b1, b2, b3 = ldsm_x4({btile} + {j * 8 * rs} + r8 * {rs} + xb{kp})")
+            for kk, (x, y) in enumerate((("b0", "b1"), ("b2", "b3"))):
+                ks = 2 * kp + kk
+                for m in range(MT):
+                    c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
+                    a = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
+                    e(f"{c} = mma16816({a}, {x}, {y}, {c})")
+
+
+def mma_ab(e, C, A, btile, MT, ntiles, ksteps, rs):
+    """C[m][j] += A[m] . B with B row-major [k][n] in shared memory (V for O += P V)."""
+    for ks in range(ksteps):
+        for jp in range(ntiles // 2):
+            e(f"b0, b1, b2, b3 = ldsm_x4_t({btile} + {ks * 16 * rs} + lrow16 * {rs} + xa{jp})")
+            for j, x, y in ((2 * jp, "b0", "b1"), (2 * jp + 1, "b2", "b3")):
+                for m in range(MT):
+                    c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
+                    a = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
+                    e(f"{c} = mma16816({a}, {x}, {y}, {c})")
+
+
+def c_to_a(e, A, C, MT, ksteps):
+    """FA2 register reuse: C fragments of n-tiles 2k, 2k+1 are exactly the A fragment of k-step k."""
+    for m in range(MT):
+        for ks in range(ksteps):
+            a, b = 2 * ks, 2 * ks + 1
+            e(f"{A}{m}_{ks}_0 = pack2({C}{m}_{a}_0, {C}{m}_{a}_1); {A}{m}_{ks}_1 = pack2({C}{m}_{a}_2, {C}{m}_{a}_3)")
+            e(f"{A}{m}_{ks}_2 = pack2({C}{m}_{b}_0, {C}{m}_{b}_1); {A}{m}_{ks}_3 = pack2({C}{m}_{b}_2, {C}{m}_{b}_3)")
+
+
+# ----------------------------------------------------------------------------- masking
+def row_limits(e, v, lim, row_base):
+    """Per fragment row: number of admitted columns. Non-causal: all `cols` of the block;
+    causal: columns j_local <= i_local, i.e. < diag + row + 1 (diag = local index of row 0)."""
+    for m in range(v.MT):
+        for h in (0, 1):
+            e(f"rl = {row_base} + {16 * m + 8 * h} + g")
+            e(f"{lim}{m}{h} = sel(causal != 0, imin(cols, diag + rl + 1), cols)")
+
+
+def mask_rows(e, C, MT, ntiles, col0, lim):
+    """C[m][j][r] = MASKED where column col0 + 8 j + 2 t + r % 2 >= the row's limit (rows of the C tile)."""
+    for m in range(MT):
+        for j in range(ntiles):
+            for r in range(4):
+                x = f"{C}{m}_{j}_{r}"
+                e(f"{x} = sel({col0} + {8 * j + r % 2} + 2 * t < {lim}{m}{r // 2}, {x}, masked)")
+
+
+# ----------------------------------------------------------------------------- online softmax
+def online_softmax(e, v, S, O, nt_o):
+    """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
+    A row whose max is still MASKED only meets masked tiles; its l stays 0 and nothing is read."""
+    mx = lambda a, b: f"fmaxf({a}, {b})"
+    ad = lambda a, b: f"({a} + {b})"
+    nt = v.BN // 8
+    for m in range(v.MT):
+        for h in (0, 1):
+            rs = (0, 1) if h == 0 else (2, 3)
+            e(f"x = " + _tree(mx, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
+            e("x = fmaxf(x, shfl_xor(x, 1))")   # the 4 lanes of a quad share a row
+            e("x = fmaxf(x, shfl_xor(x, 2))")
+            e(f"mn = fmaxf(m{m}{h}, x * sc)")
+            e(f"al{h} = ex2(m{m}{h} - mn)")
+            e(f"m{m}{h} = mn")
+            for j in range(nt):
+                for r in rs:
+                    e(f"{S}{m}_{j}_{r} = ex2({S}{m}_{j}_{r} * sc - mn)")
+            e(f"l{m}{h} = l{m}{h} * al{h} + " + _tree(ad, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
+        for j in range(nt_o):
+            e(f"{O}{m}_{j}_0 = {O}{m}_{j}_0 * al0; {O}{m}_{j}_1 = {O}{m}_{j}_1 * al0; "
+              f"{O}{m}_{j}_2 = {O}{m}_{j}_2 * al1; {O}{m}_{j}_3 = {O}{m}_{j}_3 * al1")
+
+
+# ----------------------------------------------------------------------------- stores
+def store_c_rows(e, v, C, ntiles, gbase, gstride, row_base, nvalid, scale_of):
+    """Store C fragments as x2 pairs (4-byte stores) to rows gbase + row * gstride, rows < nvalid.
+    scale_of(m, h) is the expression multiplying the row (1/l, the softmax scale, ...)."""
+    for m in range(v.MT):
+        for h in (0, 1):
+            e(f"rl = {row_base} + {16 * m + 8 * h} + g")
+            e(f"ok = u32(rl < {nvalid}); ga = {gbase} + sel(ok != 0, rl, 0) * {gstride} + t * 4")
+            f = scale_of(m, h)
+            for j in range(ntiles):
+                r0, r1 = 2 * h, 2 * h + 1
+                e(f"stg_u32_if(ok, ga + {16 * j}, pack2({C}{m}_{j}_{r0} * {f}, {C}{m}_{j}_{r1} * {f}))")
+
+
+# ----------------------------------------------------------------------------- work-table prologue
+def read_work(e, v):
+    """This CTA's row of the work table (schedule.py): which rows it owns and which block they face."""
+    e(f"wa = work + i64(cuda.blockIdx.x) * {4 * len(WORK_FIELDS)}")
+    for i, f in enumerate(WORK_FIELDS):
+        e(f"{f} = i64(ldg_i32(wa + {4 * i}))")
+    e(f"rows = imin(rows, {v.BM})")
+
+
+# ============================================================================= forward
+def gen_forward(v):
+    """O = softmax(scale Q K^T) V over one block of the relation per work row; writes O, m, l.
+    Pipeline: Q tile -> registers once; K/V blocks double-buffered through cp.async."""
+    v.check()
+    e = Source()
+    D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
+    rsk, rsv = 2 * D, 2 * Dv
+    KT, VT = BN * rsk, BN * rsv
+    e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, sc, minf):")
+    with e.indent():
+        thread_geometry(e, v)
+        e("hh = i64(cuda.blockIdx.y); hk = hh // group")
+        read_work(e, v)
+        e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
+        e("sb = i64(saddr(sm))")
+        e("zero = f32(0.0); masked = f32(%r)" % MASKED)
+        e(f"wrow = wid * {16 * MT}")   # this warp's first row inside the CTA tile
+        # keys this tile can see: all of the block, or (causal) up to its last row's diagonal
+        e("kend = sel(causal != 0, imin(cols, diag + rows), cols)")
+        e(f"nkb = (kend + {BN - 1}) // {BN}")
+        # key blocks with no masked entry: before the tail and (causal) left of every row's diagonal
+        e(f"nfull = sel(causal != 0, imin(cols // {BN}, (diag + 1) // {BN}), cols // {BN})")
+        e("qg = qp + row0 * q_rs + hh * q_hs")
+        e("kg = kp + col0 * k_rs + hk * k_hs")
+        e("vg = vp + col0 * v_rs + hk * v_hs")
+        # stage 1: Q tile -> shared -> A fragments, kept in registers for the whole loop
+        load_tile(e, v, "sb", "qg", "q_rs", "rows", v.BM, D)
+        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+        load_a(e, "qa", "sb", "wrow", MT, D // 16, rsk)
+        e("cuda.syncthreads()")
+        row_limits(e, v, "lim", "wrow")
+        zero_c(e, "o", MT, Dv // 8)
+        for m in range(MT):
+            e(f"m{m}0 = masked; m{m}1 = masked; l{m}0 = zero; l{m}1 = zero")
+        # stage 2: stream key blocks; block kb+1 lands while block kb is computed
+        kbuf = lambda b: f"sb + {b} * {KT}"
+        vbuf = lambda b: f"sb + {2 * KT} + {b} * {VT}"
+        e("if nkb > 0:")
+        with e.indent():
+            load_tile(e, v, kbuf(0), "kg", "k_rs", "cols", BN, D)
+            load_tile(e, v, vbuf(0), "vg", "v_rs", "cols", BN, Dv)
+            e("cp_commit()")
+        e("for kb in range(nkb):")
+        with e.indent():
+            e("cur = kb % 2")
+            e("if kb + 1 < nkb:")
+            with e.indent():
+                e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
+                load_tile(e, v, kbuf("nxt"), f"kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
+                load_tile(e, v, vbuf("nxt"), f"vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
+                e("cp_commit(); cp_wait1()")
+            e("else:")
+            with e.indent():
+                e("cp_wait0()")
+            e("cuda.syncthreads()")
+            zero_c(e, "s", MT, BN // 8)
+            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk)
+            e("if kb >= nfull:")
+            with e.indent():
+                mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
+            online_softmax(e, v, "s", "o", Dv // 8)
+            c_to_a(e, "pa", "s", MT, BN // 16)
+            mma_ab(e, "o", "pa", vbuf("cur"), MT, Dv // 8, BN // 16, rsv)
+            e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
+        # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l
+        for m in range(MT):
+            for h in (0, 1):
+                e(f"l{m}{h} = l{m}{h} + shfl_xor(l{m}{h}, 1)")
+                e(f"l{m}{h} = l{m}{h} + shfl_xor(l{m}{h}, 2)")
+                e(f"iv{m}{h} = sel(l{m}{h} > zero, f32(1.0) / l{m}{h}, zero)")
+        store_c_rows(e, v, "o", Dv // 8, f"op + row0 * o_rs + hh * {rsv}", "o_rs", "wrow", "rows",
+                     lambda m, h: f"iv{m}{h}")
+        e("H = o_rs // %d" % rsv)
+        for m in range(MT):
+            for h in (0, 1):
+                e(f"rl = wrow + {16 * m + 8 * h} + g")
+                e(f"ok = u32((rl < rows) & (t == 0)); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
+                e(f"stg_f32_if(ok, mp + gi * 4, sel(l{m}{h} > zero, m{m}{h} * f32({1 / LOG2E!r}), minf))")
+                e(f"stg_f32_if(ok, lp + gi * 4, l{m}{h})")
+    return e.text()
+
+
+# ============================================================================= backward: dQ
+def gen_dq(v):
+    """dQ = scale * sum_j dS_ij K_j over the key blocks of each query tile (deterministic: one CTA
+    owns its rows). P = exp2(s * sc - lse2) from the forward's (m, l); dS = P (dP - Delta)."""
+    v.check()
+    e = Source()
+    D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
+    rsk, rsv = 2 * D, 2 * Dv
+    KT, VT = BN * rsk, BN * rsv
+    e("def kernel(qp, kp, vp, dop, lsep, dltp, dqp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,"
+      " dq_rs, group, sc, scale):")
+    with e.indent():
+        thread_geometry(e, v)
+        e("hh = i64(cuda.blockIdx.y); hk = hh // group")
+        read_work(e, v)
+        e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
+        e("sb = i64(saddr(sm))")
+        e("zero = f32(0.0); masked = f32(%r)" % MASKED)
+        e(f"wrow = wid * {16 * MT}")
+        e("kend = sel(causal != 0, imin(cols, diag + rows), cols)")
+        e(f"nkb = (kend + {BN - 1}) // {BN}")
+        e(f"nfull = sel(causal != 0, imin(cols // {BN}, (diag + 1) // {BN}), cols // {BN})")
+        e("kg = kp + col0 * k_rs + hk * k_hs")
+        e("vg = vp + col0 * v_rs + hk * v_hs")
+        # resident operands: Q and dO rows as A fragments (staged one after the other)
+        load_tile(e, v, "sb", "qp + row0 * q_rs + hh * q_hs", "q_rs", "rows", v.BM, D)
+        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+        load_a(e, "qa", "sb", "wrow", MT, D // 16, rsk)
+        e("cuda.syncthreads()")
+        load_tile(e, v, "sb", "dop + row0 * do_rs + hh * do_hs", "do_rs", "rows", v.BM, Dv)
+        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+        load_a(e, "da", "sb", "wrow", MT, Dv // 16, rsv)
+        e("cuda.syncthreads()")
+        row_limits(e, v, "lim", "wrow")
+        e("H = dq_rs // %d" % rsk)
+        for m in range(MT):
+            for h in (0, 1):
+                e(f"rl = wrow + {16 * m + 8 * h} + g")
+                e(f"ok = u32(rl < rows); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
+                e(f"ls{m}{h} = ldg_f32_if(ok, lsep + gi * 4); dl{m}{h} = ldg_f32_if(ok, dltp + gi * 4)")
+        zero_c(e, "acc", MT, D // 8)
+        kbuf = lambda b: f"sb + {b} * {KT}"
+        vbuf = lambda b: f"sb + {2 * KT} + {b} * {VT}"
+        e("if nkb > 0:")
+        with e.indent():
+            load_tile(e, v, kbuf(0), "kg", "k_rs", "cols", BN, D)
+            load_tile(e, v, vbuf(0), "vg", "v_rs", "cols", BN, Dv)
+            e("cp_commit()")
+        e("for kb in range(nkb):")
+        with e.indent():
+            e("cur = kb % 2")
+            e("if kb + 1 < nkb:")
+            with e.indent():
+                e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
+                load_tile(e, v, kbuf("nxt"), f"kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
+                load_tile(e, v, vbuf("nxt"), f"vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
+                e("cp_commit(); cp_wait1()")
+            e("else:")
+            with e.indent():
+                e("cp_wait0()")
+            e("cuda.syncthreads()")
+            zero_c(e, "s", MT, BN // 8)
+            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk)
+            e("if kb >= nfull:")
+            with e.indent():
+                mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
+            zero_c(e, "dp", MT, BN // 8)
+            mma_abt(e, "dp", "da", vbuf("cur"), MT, BN // 8, Dv // 16, rsv)
+            for m in range(MT):
+                for j in range(BN // 8):
+                    for r in range(4):
+                        s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
+                        e(f"{s} = ex2({s} * sc - ls{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
+            c_to_a(e, "sa", "s", MT, BN // 16)
+            mma_ab(e, "acc", "sa", kbuf("cur"), MT, D // 8, BN // 16, rsk)
+            e("cuda.syncthreads()")
+        store_c_rows(e, v, "acc", D // 8, f"dqp + row0 * dq_rs + hh * {rsk}", "dq_rs", "wrow", "rows",
+                     lambda m, h: "scale")
+    return e.text()
+
+
+# ============================================================================= backward: dK, dV
+def gen_dkdv(v):
+    """dV = sum_i P_ij dO_i, dK = scale * sum_i dS_ij Q_i for one key tile per CTA, all query heads
+    of its kv group in order (GQA without atomics). Works on the transposed tile S^T = K Q^T so
+    the accumulators are rows of dK/dV; per-column (query) lse2 and Delta come from global."""
+    v.check()
+    e = Source()
+    D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
+    rsk, rsv = 2 * D, 2 * Dv
+    QT, OT = BN * rsk, BN * rsv
+    nt = BN // 8
+    e("def kernel(qp, kp, vp, dop, lsep, dltp, dkp, dvp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,"
+      " do_hs, dk_rs, dv_rs, group, H, sc, scale):")
+    with e.indent():
+        thread_geometry(e, v)
+        e("hk = i64(cuda.blockIdx.y)")
+        # work row: rows = this tile's keys, cols = the block's queries, diag = local index of key row 0
+        read_work(e, v)
+        e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
+        e("sb = i64(saddr(sm))")
+        e("zero = f32(0.0); masked = f32(%r)" % MASKED)
+        e(f"wrow = wid * {16 * MT}")
+        # causal: queries i >= key j only, so start at the query block holding the first key
+        e(f"qb0 = sel(causal != 0, diag // {BN}, 0)")
+        e(f"nqb = (cols + {BN - 1}) // {BN}")
+        # query blocks with no masked entry: causal ones strictly below every key of the tile,
+        # and none past the tail
+        e(f"qfull = sel(causal != 0, (diag + rows + {BN - 1}) // {BN}, 0)")
+        e(f"qlast = cols // {BN}")
+        load_tile(e, v, "sb", "kp + row0 * k_rs + hk * k_hs", "k_rs", "rows", v.BM, D)
+        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+        load_a(e, "ka", "sb", "wrow", MT, D // 16, rsk)
+        e("cuda.syncthreads()")
+        load_tile(e, v, "sb", "vp + row0 * v_rs + hk * v_hs", "v_rs", "rows", v.BM, Dv)
+        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+        load_a(e, "va", "sb", "wrow", MT, Dv // 16, rsv)
+        e("cuda.syncthreads()")
+        # key j may see query i when i_local >= j_local: column limit from below
+        for m in range(MT):
+            for h in (0, 1):
+                e(f"kl{m}{h} = diag + wrow + {16 * m + 8 * h} + g")
+        zero_c(e, "dk", MT, D // 8)
+        zero_c(e, "dv", MT, Dv // 8)
+        qbuf = lambda b: f"sb + {b} * {QT}"
+        obuf = lambda b: f"sb + {2 * QT} + {b} * {OT}"
+        e("nit = (nqb - qb0) * group")   # flattened (head, query block) loop: one pipeline across heads
+        e("if nit > 0:")
+        with e.indent():
+            e("hq = hk * group")
+            e(f"c1 = qb0 * {BN}")
+            load_tile(e, v, qbuf(0), "qp + (col0 + c1) * q_rs + hq * q_hs", "q_rs", "cols - c1", BN, D)
+            load_tile(e, v, obuf(0), "dop + (col0 + c1) * do_rs + hq * do_hs", "do_rs", "cols - c1", BN, Dv)
+            e("cp_commit()")
+        e("for it in range(nit):")
+        with e.indent():
+            e("cur = it % 2")
+            e("hq = hk * group + it // (nqb - qb0); qb = qb0 + it % (nqb - qb0)")
+            e("if it + 1 < nit:")
+            with e.indent():
+                e("nxt = 1 - cur")
+                e("hn = hk * group + (it + 1) // (nqb - qb0); c1 = (qb0 + (it + 1) % (nqb - qb0)) * %d" % BN)
+                load_tile(e, v, qbuf("nxt"), "qp + (col0 + c1) * q_rs + hn * q_hs", "q_rs", "cols - c1", BN, D)
+                load_tile(e, v, obuf("nxt"), "dop + (col0 + c1) * do_rs + hn * do_hs", "do_rs", "cols - c1", BN, Dv)
+                e("cp_commit(); cp_wait1()")
+            e("else:")
+            with e.indent():
+                e("cp_wait0()")
+            # per-column statistics of this query block (masked columns read nothing)
+            e(f"cq = qb * {BN}")
+            for j in range(nt):
+                for c in (0, 1):
+                    e(f"ci = cq + {8 * j + c} + 2 * t; ok = u32(ci < cols); gi = (col0 + sel(ok != 0, ci, 0)) * H + hq")
+                    e(f"cl{j}{c} = ldg_f32_if(ok, lsep + gi * 4); cd{j}{c} = ldg_f32_if(ok, dltp + gi * 4)")
+            e("cuda.syncthreads()")
+            zero_c(e, "s", MT, nt)
+            mma_abt(e, "s", "ka", qbuf("cur"), MT, nt, D // 16, rsk)
+            e("if (qb < qfull) | (qb >= qlast):")
+            with e.indent():
+                for m in range(MT):
+                    for j in range(nt):
+                        for r in range(4):
+                            x = f"s{m}_{j}_{r}"
+                            e(f"ci = cq + {8 * j + r % 2} + 2 * t")
+                            e(f"{x} = sel((ci < cols) & ((causal == 0) | (ci >= kl{m}{r // 2})), {x}, masked)")
+            for m in range(MT):
+                for j in range(nt):
+                    for r in range(4):
+                        x = f"s{m}_{j}_{r}"
+                        e(f"{x} = ex2({x} * sc - cl{j}{r % 2})")
+            c_to_a(e, "pa", "s", MT, nt // 2)
+            mma_ab(e, "dv", "pa", obuf("cur"), MT, Dv // 8, nt // 2, rsv)
+            zero_c(e, "dp", MT, nt)
+            mma_abt(e, "dp", "va", obuf("cur"), MT, nt, Dv // 16, rsv)
+            for m in range(MT):
+                for j in range(nt):
+                    for r in range(4):
+                        e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
+            c_to_a(e, "sa", "s", MT, nt // 2)
+            mma_ab(e, "dk", "sa", qbuf("cur"), MT, D // 8, nt // 2, rsk)
+            e("cuda.syncthreads()")
+        store_c_rows(e, v, "dk", D // 8, f"dkp + row0 * dk_rs + hk * {rsk}", "dk_rs", "wrow", "rows",
+                     lambda m, h: "scale")
+        store_c_rows(e, v, "dv", Dv // 8, f"dvp + row0 * dv_rs + hk * {rsv}", "dv_rs", "wrow", "rows",
+                     lambda m, h: "one")
+    return e.text().replace("    zero = f32(0.0); masked", "    one = f32(1.0); zero = f32(0.0); masked", 1)
+
+
+# ============================================================================= backward: Delta pre-pass
+def gen_delta(dtype, Dv):
+    """Delta_i = sum_d dO_id O_id and lse2_i = m_i log2(e) + log2(l_i) (0 for empty rows), one warp
+    per (row, head): the per-row inputs of both backward kernels."""
+    e = Source()
+    e("def kernel(op, dop, mp, lp, dltp, lsep, n, H, o_rs, o_hs, do_rs, do_hs):")
+    with e.indent():
+        e("tx = i64(cuda.threadIdx.x); lane = tx % 32")
+        e("rh = i64(cuda.blockIdx.x) * (i64(cuda.blockDim.x) // 32) + tx // 32")
+        e("if rh < n * H:")
+        with e.indent():
+            e("row = rh // H; hh = rh % H")
+            e("acc = f32(0.0)")
+            for c in range((Dv // 2 + 31) // 32):
+                e(f"d = lane + {32 * c}; ok = u32(d < {Dv // 2})")
+                e("x0, x1 = unpack2(ldg_u32_if(ok, op + row * o_rs + hh * o_hs + d * 4))")
+                e("y0, y1 = unpack2(ldg_u32_if(ok, dop + row * do_rs + hh * do_hs + d * 4))")
+                e("acc = acc + x0 * y0 + x1 * y1")
+            for s in (16, 8, 4, 2, 1):
+                e(f"acc = acc + shfl_xor(acc, {s})")
+            e("ll = ldg_f32_if(u32(1), lp + rh * 4); mm = ldg_f32_if(u32(1), mp + rh * 4)")
+            e("ls = sel(ll > f32(0.0), mm * f32(%r) + log2f(sel(ll > f32(0.0), ll, f32(1.0))), f32(0.0))" % LOG2E)
+            e("ok = u32(lane == 0)")
+            e("stg_f32_if(ok, dltp + rh * 4, acc)")
+            e("stg_f32_if(ok, lsep + rh * 4, ls)")
+    return e.text()
+
+
+GENERATORS = {"fwd": gen_forward, "dq": gen_dq, "dkdv": gen_dkdv}
+
+
+def gen_source(v):
+    return GENERATORS[v.kind](v)

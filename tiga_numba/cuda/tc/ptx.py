@@ -1,0 +1,185 @@
+"""Inline-PTX intrinsics for the tensor-core kernels (numba.cuda.extending.intrinsic).
+
+Every intrinsic works on raw addresses (int64 global pointers, uint32 shared-window addresses)
+and 32-bit registers, so the generated kernels take plain scalars: explicit launch signatures,
+no array typing, and bfloat16 data needs no numba dtype. Built lazily (first GPU use) so the
+emulator and the generator import without numba-cuda. Each intrinsic's warp-level meaning is
+mirrored in emulator.py; keep the two in step.
+"""
+from __future__ import annotations
+
+_CACHE = {}
+
+#: the element kinds the tensor-core path understands, with their PTX spellings
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def intrinsics(dtype="float16"):
+    """dict name -> numba intrinsic; `dtype` picks the mma operand type and the f32 -> x2 pack."""
+    if dtype in _CACHE:
+        return _CACHE[dtype]
+    import llvmlite.ir as ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    pt = PTX_TYPE[dtype]
+    I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+    u32, i32, i64, f32 = types.uint32, types.int32, types.int64, types.float32
+
+    def asm(bld, ret, argtys, text, cons, args, side_effect=True):
+        fn = ir.FunctionType(ret, argtys)
+        return bld.call(ir.InlineAsm(fn, text, cons, side_effect=side_effect), args)
+
+    def tuple_of(ctx, bld, sig, r, n):
+        out = ir.Constant(ctx.get_value_type(sig.return_type), ir.Undefined)
+        for i in range(n):
+            out = bld.insert_value(out, bld.extract_value(r, i), i)
+        return out
+
+    @intrinsic
+    def mma16816(tc, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = types.UniTuple(f32, 4)(u32, u32, u32, u32, u32, u32, f32, f32, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            r = asm(bld, ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4,
+                    f"mma.sync.aligned.m16n8k16.row.col.f32.{pt}.{pt}.f32 "
+                    "{$0,$1,$2,$3},{$4,$5,$6,$7},{$8,$9},{$10,$11,$12,$13};",
+                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", args, side_effect=False)
+            return tuple_of(ctx, bld, sig, r, 4)
+        return sig, cg
+
+    def ldsm(trans):
+        txt = "ldmatrix.sync.aligned.m8n8.x4%s.shared.b16 {$0,$1,$2,$3}, [$4];" % (".trans" if trans else "")
+
+        @intrinsic
+        def f(tc, addr):
+            sig = types.UniTuple(u32, 4)(u32)
+
+            def cg(ctx, bld, sig, args):
+                r = asm(bld, ir.LiteralStructType([I32] * 4), [I32], txt, "=r,=r,=r,=r,r,~{memory}", args)
+                return tuple_of(ctx, bld, sig, r, 4)
+            return sig, cg
+        return f
+
+    @intrinsic
+    def cp_async16(tc, saddr, gaddr, nbytes):
+        """16-byte global -> shared copy; nbytes < 16 zero-fills the rest (0: a pure zero fill)."""
+        sig = types.void(u32, i64, u32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64, I32], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                "r,l,r,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    def nullary(text):
+        @intrinsic
+        def f(tc):
+            sig = types.void()
+
+            def cg(ctx, bld, sig, args):
+                asm(bld, ir.VoidType(), [], text, "~{memory}", [])
+                return ctx.get_dummy_value()
+            return sig, cg
+        return f
+
+    @intrinsic
+    def stg_u32_if(tc, pred, gaddr, x):
+        """predicated 4-byte global store (the guard of tail rows)."""
+        sig = types.void(u32, i64, u32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64, I32],
+                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.u32 [$1], $2;}", "r,l,r,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def stg_f32_if(tc, pred, gaddr, x):
+        sig = types.void(u32, i64, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64, F32],
+                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.f32 [$1], $2;}", "r,l,f,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def ldg_f32_if(tc, pred, gaddr):
+        """predicated 4-byte float load, 0.0 when the predicate is false (no access made)."""
+        sig = f32(u32, i64)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, F32, [I32, I64],
+                       "{.reg .pred p; setp.ne.u32 p, $1, 0; mov.f32 $0, 0f00000000; @p ld.global.f32 $0, [$2];}",
+                       "=f,r,l,~{memory}", args)
+        return sig, cg
+
+    @intrinsic
+    def ldg_u32_if(tc, pred, gaddr):
+        sig = u32(u32, i64)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, I32, [I32, I64],
+                       "{.reg .pred p; setp.ne.u32 p, $1, 0; mov.u32 $0, 0; @p ld.global.u32 $0, [$2];}",
+                       "=r,r,l,~{memory}", args)
+        return sig, cg
+
+    @intrinsic
+    def ldg_i32(tc, gaddr):
+        sig = i32(i64)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, I32, [I64], "ld.global.nc.s32 $0, [$1];", "=r,l", args, side_effect=False)
+        return sig, cg
+
+    @intrinsic
+    def pack2(tc, lo, hi):
+        """two f32 -> one x2 register (lo in bits 0..15): PTX puts its first source in the upper half."""
+        sig = u32(f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, I32, [F32, F32], f"cvt.rn.{pt}x2.f32 $0, $2, $1;", "=r,f,f", args, side_effect=False)
+        return sig, cg
+
+    @intrinsic
+    def unpack2(tc, x):
+        """one x2 register -> two f32 (lo, hi)."""
+        sig = types.UniTuple(f32, 2)(u32)
+
+        def cg(ctx, bld, sig, args):
+            if pt == "f16":
+                text = ("{.reg .b16 a, b; mov.b32 {a, b}, $2; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;}")
+            else:  # bf16 -> f32 is a 16-bit shift
+                text = "{shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000;}"
+            r = asm(bld, ir.LiteralStructType([F32] * 2), [I32], text, "=f,=f,r", args, side_effect=False)
+            return tuple_of(ctx, bld, sig, r, 2)
+        return sig, cg
+
+    @intrinsic
+    def ex2(tc, x):
+        sig = f32(f32)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, F32, [F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f", args, side_effect=False)
+        return sig, cg
+
+    @intrinsic
+    def saddr(tc, arr):
+        """shared-window (32-bit) address of a cuda.shared.array."""
+        sig = u32(arr)
+
+        def cg(ctx, bld, sig, args):
+            ary = ctx.make_array(sig.args[0])(ctx, bld, args[0])
+            p = bld.ptrtoint(ary.data, I64)
+            return asm(bld, I32, [I64], "{.reg .u64 t; cvta.to.shared.u64 t, $1; cvt.u32.u64 $0, t;}", "=r,l", [p],
+                       side_effect=False)
+        return sig, cg
+
+    _CACHE[dtype] = dict(
+        mma16816=mma16816, ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
+        cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
+        cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,
+        ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
+        ex2=ex2, saddr=saddr)
+    return _CACHE[dtype]
