@@ -1,0 +1,398 @@
+"""Fused GAT-MLP edge attention on the CPU (numba parallel), forward and backward.
+
+Model (see tiga_numba.edge_mlp): per edge e = (j -> i)
+    h0_e = As[j] + Ad[i] + We @ ef_e          (first Linear, split per node + edge part)
+    s_e  = rest-of-MLP(h0_e)                  (activations, Linears, ..., width 1)
+    out_i = sum_e softmax_i(s)_e * V[j]
+
+The per-edge part of the network is emitted as Python source specialised on the layer
+stack, the edge features and the value width (compile-time constants: loops have fixed
+trip counts, offsets are literals), written to a per-user cache directory and imported,
+so numba's on-disk cache (cache=True) works for generated code too.
+
+Work split, all deterministic:
+  forward     one pass over destination rows (fixed chunks); online softmax in locals.
+  backward A  destination rows: recomputes s, p, ds and backpropagates the MLP per edge;
+              writes the dst-side node grads per row and parameter grads into one partial
+              row per chunk (reduced in chunk order afterwards).
+  backward B  source rows over the transposed relation: src-side node grads per row.
+Only per-row (m, l, Delta) and per-node (N, hidden) products persist; no (E, .) buffer.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+
+import numba
+
+from ..kernel_cache import KERNELS
+
+__all__ = ["Spec", "get_kernels", "NUM_CHUNKS"]
+
+# Fixed chunk count (not thread-count dependent): the parameter-gradient partial sums, and
+# so their rounding, are the same on every machine and every run.
+NUM_CHUNKS = 1024
+
+
+class Spec(tuple):
+    """Hashable compile-time description:
+    (layers, h1, edge_items, fe, pd, fv)
+      layers: tuple after the first Linear: ("linear", in, out, w_off, b_off) |
+              ("leaky_relu", slope) | ("relu",) | ("tanh",)
+      h1: width of the first Linear
+      edge_items: (("disp", off, pd) | ("dist", off) | ("x", off, width, xcol), ...)
+      fe: total edge-feature width; pd: position dims; fv: value width
+    """
+
+    def __new__(cls, layers, h1, edge_items, fe, pd, fv):
+        return super().__new__(cls, (tuple(layers), int(h1), tuple(edge_items), int(fe),
+                                     int(pd), int(fv)))
+
+    layers = property(lambda s: s[0])
+    h1 = property(lambda s: s[1])
+    edge_items = property(lambda s: s[2])
+    fe = property(lambda s: s[3])
+    pd = property(lambda s: s[4])
+    fv = property(lambda s: s[5])
+
+
+# --------------------------------------------------------------------------- code generation
+def _widths(spec):
+    """Output width of every stage: stage 0 = h0, stage k = output of layers[k-1]."""
+    w = [spec.h1]
+    for layer in spec.layers:
+        w.append(layer[2] if layer[0] == "linear" else w[-1])
+    return w
+
+
+def _offsets(widths):
+    off, acc = [], 0
+    for w in widths:
+        off.append(acc)
+        acc += w
+    return off, acc
+
+
+def _emit_edge_features(spec, ind):
+    """Lines that fill ef[...] for edge e = (j -> i); d0.. and dist stay in locals because
+    the backward needs them to route gradients to the positions."""
+    L = []
+    geo = any(it[0] in ("disp", "dist") for it in spec.edge_items)
+    if geo:
+        for d in range(spec.pd):
+            L.append(f"d{d} = pos[j, {d}] - pos[i, {d}]")
+        if any(it[0] == "dist" for it in spec.edge_items):
+            L.append("dist = math.sqrt(" + " + ".join(f"d{d} * d{d}" for d in range(spec.pd)) + ")")
+    for it in spec.edge_items:
+        if it[0] == "disp":
+            for d in range(spec.pd):
+                L.append(f"ef[{it[1] + d}] = d{d}")
+        elif it[0] == "dist":
+            L.append(f"ef[{it[1]}] = dist")
+        else:
+            _, off, width, xcol = it
+            L.append(f"for c in range({width}):")
+            L.append(f"    ef[{off} + c] = EX[e, {xcol} + c]")
+    return [ind + s for s in L]
+
+
+def _emit_score(spec, ind):
+    """h0 = As[j] + Ad[i] + We @ ef, then the remaining layers; leaves s in a local."""
+    widths = _widths(spec)
+    off, _ = _offsets(widths)
+    L = [f"for r in range({spec.h1}):",
+         "    acc = As[j, r] + Ad[i, r]"]
+    if spec.fe:
+        L += [f"    for c in range({spec.fe}):",
+              "        acc += We[r, c] * ef[c]"]
+    L += ["    A[r] = acc"]
+    for k, layer in enumerate(spec.layers, 1):
+        src, dst, w = off[k - 1], off[k], widths[k]
+        kind = layer[0]
+        if kind == "linear":
+            _, n_in, n_out, w_off, b_off = layer
+            L += [f"for r in range({n_out}):",
+                  f"    acc = P[{b_off} + r]",
+                  f"    for c in range({n_in}):",
+                  f"        acc += P[{w_off} + r * {n_in} + c] * A[{src} + c]",
+                  f"    A[{dst} + r] = acc"]
+        elif kind == "leaky_relu":
+            L += [f"for c in range({w}):",
+                  f"    x = A[{src} + c]",
+                  f"    A[{dst} + c] = x if x > 0 else x * {layer[1]!r}"]
+        elif kind == "relu":
+            L += [f"for c in range({w}):",
+                  f"    x = A[{src} + c]",
+                  f"    A[{dst} + c] = x if x > 0 else 0.0"]
+        else:
+            L += [f"for c in range({w}):",
+                  f"    A[{dst} + c] = math.tanh(A[{src} + c])"]
+    L.append(f"s = A[{off[-1]}]")
+    return [ind + s for s in L]
+
+
+def _emit_mlp_backward(spec, ind, param_grads):
+    """From ds (a local) back to gh0 = G0[0:h1]; with param_grads, accumulates the
+    parameter gradients of layers >= 1 into PG[ch, ...] (this chunk's partial row)."""
+    widths = _widths(spec)
+    off, _ = _offsets(widths)
+    L = ["G1[0] = ds"]
+    cur, other = "G1", "G0"
+    for k in range(len(spec.layers), 0, -1):
+        layer = spec.layers[k - 1]
+        src, dst = off[k - 1], off[k]
+        kind = layer[0]
+        if kind == "linear":
+            _, n_in, n_out, w_off, b_off = layer
+            L += [f"for c in range({n_in}):",
+                  f"    {other}[c] = 0.0"]
+            L += [f"for r in range({n_out}):",
+                  f"    g = {cur}[r]"]
+            if param_grads:
+                L += [f"    PG[ch, {b_off} + r] += g"]
+            L += [f"    for c in range({n_in}):",
+                  f"        {other}[c] += P[{w_off} + r * {n_in} + c] * g"]
+            if param_grads:
+                L += [f"        PG[ch, {w_off} + r * {n_in} + c] += g * A[{src} + c]"]
+        else:
+            w = widths[k]
+            L += [f"for c in range({w}):"]
+            if kind == "leaky_relu":
+                L += [f"    {other}[c] = {cur}[c] if A[{src} + c] > 0 else {cur}[c] * {layer[1]!r}"]
+            elif kind == "relu":
+                L += [f"    {other}[c] = {cur}[c] if A[{src} + c] > 0 else 0.0"]
+            else:
+                L += [f"    tt = A[{dst} + c]",
+                      f"    {other}[c] = {cur}[c] * (1.0 - tt * tt)"]
+        cur, other = other, cur
+    if cur != "G0":
+        L += [f"for c in range({spec.h1}):",
+              f"    G0[c] = {cur}[c]"]
+    return [ind + s for s in L]
+
+
+def _emit_edge_grad(spec, ind, side):
+    """gef = We^T gh0 routed to the positions (side 'dst': minus, 'src': plus) and, on the
+    dst side, to explicit edge features (dEX row e)."""
+    if not spec.fe:
+        return []
+    L = [f"for c in range({spec.fe}):",
+         "    acc = 0.0",
+         f"    for r in range({spec.h1}):",
+         "        acc += We[r, c] * G0[r]",
+         "    GE[c] = acc"]
+    sign = "-" if side == "dst" else "+"
+    for it in spec.edge_items:
+        if it[0] == "disp":
+            for d in range(spec.pd):
+                L.append(f"gp{d} {sign}= GE[{it[1] + d}]")
+        elif it[0] == "dist":
+            L.append("if dist > 0.0:")
+            L.append(f"    gd = GE[{it[1]}] / dist")
+            for d in range(spec.pd):
+                L.append(f"    gp{d} {sign}= gd * d{d}")
+        elif side == "dst":
+            _, off, width, xcol = it
+            L += [f"for c in range({width}):",
+                  f"    dEX[e, {xcol} + c] = GE[{off} + c]"]
+    return [ind + s for s in L]
+
+
+def _indent(lines, n):
+    return [" " * n + s for s in lines]
+
+
+def generate_source(spec, p_size):
+    widths = _widths(spec)
+    _, n_act = _offsets(widths)
+    gmax = max(widths)
+    fe1 = max(spec.fe, 1)
+    we_off = p_size  # the edge part of the first Linear's gradient sits after P's slots
+    pd = spec.pd
+    feat = _emit_edge_features(spec, " " * 16)
+    score = _emit_score(spec, " " * 16)
+    # ---------------------------------------------------------------- forward
+    fwd = f'''
+@numba.njit(parallel=True, cache=True, fastmath=False)
+def gat_forward(indptr, indices, As, Ad, We, pos, EX, P, V, out, M, L):
+    nrows = indptr.shape[0] - 1
+    nch = min(nrows, {NUM_CHUNKS})
+    for ch in numba.prange(nch):
+        A = np.empty({n_act}, As.dtype)
+        ef = np.empty({fe1}, As.dtype)
+        accv = np.empty({spec.fv}, As.dtype)
+        r0 = ch * nrows // nch
+        r1 = (ch + 1) * nrows // nch
+        for i in range(r0, r1):
+            m = -np.inf
+            l = 0.0
+            for f in range({spec.fv}):
+                accv[f] = 0.0
+            for e in range(indptr[i], indptr[i + 1]):
+                j = indices[e]
+{chr(10).join(feat)}
+{chr(10).join(score)}
+                if s > m:
+                    # new running max: rescale what was accumulated so far
+                    corr = math.exp(m - s)
+                    l = l * corr + 1.0
+                    for f in range({spec.fv}):
+                        accv[f] = accv[f] * corr + V[j, f]
+                    m = s
+                else:
+                    p = math.exp(s - m)
+                    l += p
+                    for f in range({spec.fv}):
+                        accv[f] += p * V[j, f]
+            inv = 1.0 / l if l > 0.0 else 0.0
+            for f in range({spec.fv}):
+                out[i, f] = accv[f] * inv
+            M[i] = m
+            L[i] = l
+'''
+    # ---------------------------------------------------------------- backward, dst rows
+    gp_init = "\n".join(" " * 12 + f"gp{d} = 0.0" for d in range(pd))
+    gp_store = "\n".join(" " * 12 + f"dpos[i, {d}] = gp{d}" for d in range(pd))
+    mlp_b_params = "\n".join(_emit_mlp_backward(spec, " " * 16, True))
+    mlp_b = "\n".join(_emit_mlp_backward(spec, " " * 16, False))
+    we_grad = ""
+    if spec.fe:
+        we_grad = "\n".join(_indent([
+            f"for r in range({spec.h1}):",
+            "    g = G0[r]",
+            "    gAd[r] += g",
+            f"    for c in range({spec.fe}):",
+            f"        PG[ch, {we_off} + r * {spec.fe} + c] += g * ef[c]"], 16))
+    else:
+        we_grad = "\n".join(_indent([f"for r in range({spec.h1}):",
+                                     "    gAd[r] += G0[r]"], 16))
+    bwd_rows = f'''
+@numba.njit(parallel=True, cache=True, fastmath=False)
+def gat_backward_rows(indptr, indices, As, Ad, We, pos, EX, P, V, out, dout, M, L,
+                      Delta, dAd, dpos, dEX, PG):
+    nrows = indptr.shape[0] - 1
+    nch = PG.shape[0]
+    for ch in numba.prange(nch):
+        A = np.empty({n_act}, As.dtype)
+        ef = np.empty({fe1}, As.dtype)
+        G0 = np.empty({gmax}, As.dtype)
+        G1 = np.empty({gmax}, As.dtype)
+        GE = np.empty({fe1}, As.dtype)
+        gAd = np.empty({spec.h1}, As.dtype)
+        r0 = ch * nrows // nch
+        r1 = (ch + 1) * nrows // nch
+        for i in range(r0, r1):
+            delta = 0.0
+            for f in range({spec.fv}):
+                delta += dout[i, f] * out[i, f]
+            Delta[i] = delta
+            for r in range({spec.h1}):
+                gAd[r] = 0.0
+{gp_init}
+            mi = M[i]
+            li = L[i]
+            inv_l = 1.0 / li if li > 0.0 else 0.0
+            for e in range(indptr[i], indptr[i + 1]):
+                j = indices[e]
+{chr(10).join(feat)}
+{chr(10).join(score)}
+                p = math.exp(s - mi) * inv_l
+                dp = 0.0
+                for f in range({spec.fv}):
+                    dp += dout[i, f] * V[j, f]
+                ds = p * (dp - delta)
+{mlp_b_params}
+{we_grad}
+{chr(10).join(_emit_edge_grad(spec, " " * 16, "dst"))}
+            for r in range({spec.h1}):
+                dAd[i, r] = gAd[r]
+{gp_store}
+'''
+    # ---------------------------------------------------------------- backward, src rows
+    gps_store = "\n".join(" " * 12 + f"dpos[j, {d}] = gp{d}" for d in range(pd))
+    bwd_cols = f'''
+@numba.njit(parallel=True, cache=True, fastmath=False)
+def gat_backward_cols(tptr, tind, perm, As, Ad, We, pos, EX, P, V, dout, M, L, Delta,
+                      dAs, dV, dpos):
+    nrows = tptr.shape[0] - 1
+    nch = min(nrows, {NUM_CHUNKS})
+    for ch in numba.prange(nch):
+        A = np.empty({n_act}, As.dtype)
+        ef = np.empty({fe1}, As.dtype)
+        G0 = np.empty({gmax}, As.dtype)
+        G1 = np.empty({gmax}, As.dtype)
+        GE = np.empty({fe1}, As.dtype)
+        gAs = np.empty({spec.h1}, As.dtype)
+        gV = np.empty({spec.fv}, As.dtype)
+        r0 = ch * nrows // nch
+        r1 = (ch + 1) * nrows // nch
+        for j in range(r0, r1):
+            for r in range({spec.h1}):
+                gAs[r] = 0.0
+            for f in range({spec.fv}):
+                gV[f] = 0.0
+{gp_init}
+            for t in range(tptr[j], tptr[j + 1]):
+                i = tind[t]
+                e = perm[t]
+{chr(10).join(feat)}
+{chr(10).join(score)}
+                p = math.exp(s - M[i]) / L[i]
+                dp = 0.0
+                for f in range({spec.fv}):
+                    dp += dout[i, f] * V[j, f]
+                    gV[f] += p * dout[i, f]
+                ds = p * (dp - Delta[i])
+{mlp_b}
+                for r in range({spec.h1}):
+                    gAs[r] += G0[r]
+{chr(10).join(_emit_edge_grad(spec, " " * 16, "src"))}
+            for r in range({spec.h1}):
+                dAs[j, r] = gAs[r]
+            for f in range({spec.fv}):
+                dV[j, f] = gV[f]
+{gps_store}
+'''
+    header = f"# generated by tiga_numba.cpu.gat for spec {spec!r}\nimport math\nimport numba\nimport numpy as np\n"
+    return header + fwd + bwd_rows + bwd_cols
+
+
+def _cache_dir():
+    root = os.environ.get("TIGA_NUMBA_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "tiga_numba")
+    path = os.path.join(root, "gat_cpu")
+    try:
+        os.makedirs(path, exist_ok=True)
+        return path
+    except OSError:  # read-only home: a private temp dir still works (no reuse across runs)
+        return tempfile.mkdtemp(prefix="tiga_numba_gat_")
+
+
+def _load(source):
+    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
+    name = f"tiga_gat_cpu_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(_cache_dir(), name + ".py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(source)
+        os.replace(tmp, path)  # atomic: concurrent processes never see half a file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def get_kernels(spec, p_size):
+    """(module with gat_forward, gat_backward_rows, gat_backward_cols, cache 'hit'/'miss')."""
+    key = ("gat-cpu", spec, int(p_size))
+    module = KERNELS.get(key, lambda: _load(generate_source(spec, p_size)))
+    return module, ("hit" if KERNELS.last_was_hit else "miss")

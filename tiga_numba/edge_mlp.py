@@ -1,0 +1,455 @@
+"""GAT-style edge attention with an MLP score network, fused (no per-edge tensors).
+
+    s_e   = net(concat(args_e))            one scalar per edge e = (j -> i)
+    out_i = sum_e softmax_{e into i}(s)_e * value[j]
+
+`args` are the fields the user's edge() passed to the traced network, in order: source
+node fields (read at j), destination node fields (read at i) and edge fields; the
+geometric edge fields of a radius/knn graph (`displacement` = pos[j] - pos[i], (E, D);
+`distance`, (E,)) arrive as None and are computed per edge from `graph.positions`.
+
+Exact structure used: the first Linear over the concatenation is a sum of per-argument
+products, so W_src x_j and W_dst x_i + b are computed once per node ((N, hidden) arrays,
+O(N)); only the edge-feature columns and the rest of the network run per edge, inside the
+row-centric kernel, in per-thread scratch. The forward keeps (m, l) per row; the backward
+recomputes every edge's score and never writes an (E,)- or (E, hidden)-sized buffer
+(explicit, user-given edge fields do get an (E, F) gradient: that is their gradient).
+
+Heads: the score is one scalar per edge. A value of shape (N, H, F) is combined with the
+same weights for every head (out (num_dst, H, F)).
+
+Entry points (used by tiga_numba.program, also usable directly):
+    forward(graph, net, args, value, return_state=True) -> (out, state, plan)
+    backward(graph, net, args, value, state, dout) -> {"args", "value", "params",
+                                                       "positions", "plan"}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+# `from .nn import ...` imports the submodule directly (the package's lazy __getattr__ is not
+# involved, see docs/requests/gat-helper.md)
+from .nn import LeakyReLU, Linear, ReLU, Tanh
+
+__all__ = ["FieldArg", "GATState", "GATPlan", "forward", "backward"]
+
+
+class FieldArg(NamedTuple):
+    role: str  # "src" | "dst" | "edge"
+    name: str
+    array: Any  # numpy/cupy; None for a geometric edge field computed from graph.positions
+
+
+@dataclass
+class GATState:
+    """What the backward needs, all O(N): the per-row softmax state and the per-node halves
+    of the first Linear (so the backward does not redo the node products)."""
+    m: Any  # (num_dst,) accumulation dtype; -inf for an empty row
+    l: Any  # (num_dst,)
+    out: Any  # (num_dst, Fv) accumulation dtype (for Delta = dout . out)
+    As: Any  # (num_src, hidden)
+    Ad: Any  # (num_dst, hidden), first bias included
+    prep: Any = None
+
+
+@dataclass
+class GATPlan:
+    op: str
+    backend: str
+    num_dst: int
+    num_src: int
+    num_edges: int
+    net: str
+    args: str
+    dtype: Any
+    accum_dtype: Any
+    run_info: dict = field(default_factory=dict)
+
+    def explain(self):
+        info = self.run_info
+        from .kernel_cache import KERNELS
+        stats = KERNELS.stats()
+        lines = [
+            f"op: {self.op}",
+            f"backend: {self.backend}",
+            f"kernel: {info.get('kernel', '(not run)')}",
+            f"relation: CSR ({self.num_dst} dst x {self.num_src} src, {self.num_edges} edges)",
+            f"score: net({self.args}) with net = {self.net}",
+            f"dtypes: inputs {self.dtype}, accumulation {self.accum_dtype}",
+            "structure: first Linear split per argument: node products W_src x_j, W_dst x_i + b "
+            "computed once per node (O(N x hidden)); edge columns and the rest of the network "
+            "evaluated per edge in per-thread scratch",
+        ]
+        if info.get("geometry"):
+            lines.append(f"geometry: {info['geometry']}")
+        copies = info.get("copies") or []
+        lines.append("copies: " + ("; ".join(copies) if copies else "none"))
+        lines.append("not materialized: scores (E,), attention weights (E,), hidden activations "
+                     "(E, hidden), concatenated inputs (E, in)"
+                     + (", displacement/distance (E, D)" if info.get("geometry") else "")
+                     + "; persisted: per-row (m, l) and per-node (N, hidden) products")
+        if self.op == "backward":
+            lines.append("backward: deterministic; dst rows (dst-side grads, parameter partials "
+                         "per fixed row chunk, reduced in order), then src rows over the "
+                         "transposed relation (src-side grads); no float atomics")
+        lines.append(f"kernel cache: this call {info.get('cache', 'n/a')}; "
+                     f"total hits={stats['hits']}, misses={stats['misses']}")
+        return "\n".join(lines)
+
+    __str__ = explain
+
+    def ir(self, stage):
+        stages = self.run_info.get("ir") or {}
+        if stage not in stages:
+            raise KeyError(f"IR stage {stage!r} is not available; available: {sorted(stages)}")
+        return stages[stage]()
+
+
+# --------------------------------------------------------------------------- preparation
+_GEOMETRIC = ("displacement", "distance")
+
+
+def _library(name, a):
+    if isinstance(a, np.ndarray):
+        return "numpy"
+    if hasattr(a, "__cuda_array_interface__"):
+        return "cupy"
+    raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
+
+
+def _is_net(net):
+    return getattr(net, "__tiga_score_net__", False) is True
+
+
+@dataclass
+class _Prep:
+    library: str
+    dtype: Any  # output dtype (value's)
+    acc: Any  # accumulation dtype
+    num_src: int
+    num_dst: int
+    num_edges: int
+    layers: list
+    node_cols: list  # (arg index, role, array (2-D, acc dtype), column slice of W1)
+    edge_items: list  # kernel spec items
+    edge_cols: list  # column indices of W1 for the edge features, in ef order
+    explicit: list  # (arg index, width, xcol) for user-given edge arrays
+    geometric: bool
+    pos: Any  # (N, D) acc dtype or empty
+    pd: int
+    EX: Any
+    V: Any  # (num_src, Fv) acc dtype, contiguous
+    value_shape: tuple
+    P: Any  # packed parameters of layers >= 1
+    p_index: list  # (name, offset, shape) inside P
+    spec: Any
+    copies: list
+    arg_desc: str
+
+
+def _prepare(graph, net, args, value):
+    if not _is_net(net):
+        raise TypeError(f"net must be a traced score network (tiga_numba.nn.trace(module)), "
+                        f"got {type(net).__name__}")
+    layers = net.layers()
+    args = [FieldArg(*a) for a in args]
+    if not args:
+        raise ValueError("args must name at least one field for the score network")
+    if graph.kind != "csr":
+        raise NotImplementedError(f"score-network attention runs over CSR relations "
+                                  f"(Graph.radius/knn/from_csr/...), got a {graph.kind!r} graph")
+    num_src, num_dst, num_edges = graph.num_src, graph.num_dst, graph.num_edges
+    libs = {}
+    libs["value"] = _library("value", value)
+    for k, a in enumerate(args):
+        if a.role not in ("src", "dst", "edge"):
+            raise ValueError(f"args[{k}].role must be 'src', 'dst' or 'edge', got {a.role!r}")
+        if a.array is not None:
+            libs[f"{a.role}.{a.name}"] = _library(f"{a.role}.{a.name}", a.array)
+    positions = getattr(graph, "positions", None)
+    needs_geo = any(a.role == "edge" and a.array is None for a in args)
+    if needs_geo:
+        if positions is None:
+            bad = next(a for a in args if a.role == "edge" and a.array is None)
+            raise ValueError(f"edge.{bad.name} has no array and the graph has no positions "
+                             "(geometric edge fields need Graph.radius/knn)")
+        libs["graph.positions"] = _library("graph.positions", positions)
+    for lname, p in net.named_parameters():
+        libs[f"net.{lname}"] = _library(f"net parameter {lname}", p)
+    kinds = set(libs.values())
+    if len(kinds) > 1:
+        raise TypeError("mixed numpy and cupy arrays: " +
+                        ", ".join(f"{k}: {v}" for k, v in libs.items()))
+    library = kinds.pop()
+    xp = np
+    if library == "cupy":
+        import cupy as xp  # noqa: F811
+
+    dtypes = [value.dtype] + [a.array.dtype for a in args if a.array is not None]
+    for nm, d in [("value", value.dtype)] + [(f"{a.role}.{a.name}", a.array.dtype)
+                                               for a in args if a.array is not None]:
+        if np.dtype(d) not in (np.float16, np.float32, np.float64):
+            raise TypeError(f"{nm} must be float16, float32 or float64, got {d}")
+    params = dict(net.named_parameters())
+    any64 = any(np.dtype(d) == np.float64 for d in dtypes) or any(
+        p.dtype == np.float64 for p in params.values())
+    acc = np.dtype(np.float64) if any64 else np.dtype(np.float32)
+    copies = []
+
+    # value
+    if value.ndim not in (2, 3) or value.shape[0] != num_src:
+        raise ValueError(f"value must have shape (num_src={num_src}, F) or (num_src, H, F), "
+                         f"got {tuple(value.shape)}")
+    V = xp.ascontiguousarray(value.reshape(num_src, -1), dtype=acc)
+    if V is not value and V.base is not value:
+        copies.append(f"value -> contiguous {acc}")
+
+    # first Linear split by argument columns
+    W1 = params["0.weight"]
+    h1 = W1.shape[0]
+    col = 0
+    node_cols, edge_items, edge_cols, explicit = [], [], [], []
+    fe = 0
+    xcol = 0
+    pd = positions.shape[1] if (needs_geo and positions is not None) else 0
+    descs = []
+    for k, a in enumerate(args):
+        if a.role == "edge" and a.array is None:
+            if a.name == "displacement":
+                edge_items.append(("disp", fe, pd))
+                width = pd
+            elif a.name == "distance":
+                edge_items.append(("dist", fe))
+                width = 1
+            else:
+                raise ValueError(f"edge.{a.name} has no array; only 'displacement' and 'distance' "
+                                 "are computed from the graph's positions")
+            edge_cols.extend(range(col, col + width))
+            fe += width
+            descs.append(f"edge.{a.name}[{width}, from positions]")
+        else:
+            arr = a.array
+            n_expected = {"src": num_src, "dst": num_dst, "edge": num_edges}[a.role]
+            if arr.ndim not in (1, 2) or arr.shape[0] != n_expected:
+                what = {"src": "num_src", "dst": "num_dst", "edge": "num_edges"}[a.role]
+                raise ValueError(f"{a.role}.{a.name} must have shape ({what}={n_expected}, F) or "
+                                 f"({n_expected},), got {tuple(arr.shape)}")
+            arr2 = arr.reshape(n_expected, -1)
+            width = arr2.shape[1]
+            if a.role == "edge":
+                edge_items.append(("x", fe, width, xcol))
+                explicit.append((k, width, xcol, arr2))
+                edge_cols.extend(range(col, col + width))
+                fe += width
+                xcol += width
+            else:
+                node_cols.append((k, a.role, arr2, slice(col, col + width)))
+            descs.append(f"{a.role}.{a.name}[{width}]")
+        col += width
+    if col != W1.shape[1]:
+        raise ValueError(f"the score network's first Linear takes {W1.shape[1]} inputs but the "
+                         f"fields concatenate to {col} ({', '.join(descs)})")
+
+    pos = np.zeros((0, 0), acc) if library == "numpy" else xp.zeros((0, 0), acc)
+    if needs_geo:
+        pos = xp.ascontiguousarray(positions, dtype=acc)
+        if pos is not positions:
+            copies.append(f"positions -> contiguous {acc} (N x {pd}, O(N))")
+    if explicit:
+        EX = xp.ascontiguousarray(xp.concatenate([x for *_, x in explicit], axis=1)
+                                  if len(explicit) > 1 else explicit[0][3], dtype=acc)
+        copies.append(f"explicit edge fields -> one contiguous ({num_edges}, {xcol}) {acc} array")
+    else:
+        EX = xp.zeros((0, 0), acc)
+
+    # layers >= 1: pack parameters into one flat array with literal offsets
+    klayers, p_index, chunks, off = [], [], [], 0
+    for idx, layer in enumerate(layers[1:], 1):
+        if isinstance(layer, Linear):
+            w = params[f"{idx}.weight"]
+            b = params[f"{idx}.bias"]
+            klayers.append(("linear", w.shape[1], w.shape[0], off, off + w.size))
+            p_index.append((f"{idx}.weight", off, tuple(w.shape)))
+            p_index.append((f"{idx}.bias", off + w.size, tuple(b.shape)))
+            chunks += [w.reshape(-1), b.reshape(-1)]
+            off += w.size + b.size
+        elif isinstance(layer, LeakyReLU):
+            klayers.append(("leaky_relu", float(layer.negative_slope)))
+        elif isinstance(layer, ReLU):
+            klayers.append(("relu",))
+        elif isinstance(layer, Tanh):
+            klayers.append(("tanh",))
+        else:  # nn.trace refuses these already
+            raise NotImplementedError(f"layer {idx}: {type(layer).__name__}")
+    P = (xp.concatenate([c.astype(acc) for c in chunks]) if chunks else xp.zeros(1, acc))
+    fv = V.shape[1]
+    from .cpu.gat import Spec
+    spec = Spec(klayers, h1, edge_items, fe, pd, fv)
+    return _Prep(library=library, dtype=value.dtype, acc=acc, num_src=num_src, num_dst=num_dst,
+                 num_edges=num_edges, layers=layers, node_cols=node_cols,
+                 edge_items=edge_items, edge_cols=edge_cols, explicit=explicit,
+                 geometric=needs_geo, pos=pos, pd=pd, EX=EX, V=V, value_shape=tuple(value.shape),
+                 P=P, p_index=p_index, spec=spec, copies=copies,
+                 arg_desc=", ".join(descs))
+
+
+def _node_products(prep, params, xp):
+    """As = sum_src W1[:, cols] x, Ad = sum_dst W1[:, cols] x + b1 ((N, hidden), acc dtype)."""
+    W1 = params["0.weight"].astype(prep.acc)
+    b1 = params["0.bias"].astype(prep.acc)
+    h1 = W1.shape[0]
+    As = xp.zeros((prep.num_src, h1), prep.acc)
+    Ad = xp.empty((prep.num_dst, h1), prep.acc)
+    Ad[...] = b1
+    for _, role, arr, cols in prep.node_cols:
+        prod = arr.astype(prep.acc, copy=False) @ W1[:, cols].T
+        if role == "src":
+            As += prod
+        else:
+            Ad += prod
+    We = xp.ascontiguousarray(W1[:, prep.edge_cols]) if prep.edge_cols else xp.zeros((h1, 0), prep.acc)
+    return As, Ad, We
+
+
+def _net_desc(net):
+    return " -> ".join(repr(layer) for layer in net.layers())
+
+
+def _plan(op, prep, net):
+    return GATPlan(op=op, backend="cpu" if prep.library == "numpy" else "cuda",
+                   num_dst=prep.num_dst, num_src=prep.num_src, num_edges=prep.num_edges,
+                   net=_net_desc(net), args=prep.arg_desc, dtype=np.dtype(prep.dtype),
+                   accum_dtype=prep.acc)
+
+
+def _csr(graph, library):
+    device = "cpu" if library == "numpy" else "cuda"
+    rel = graph.realize(device)
+    return rel.indptr, rel.indices
+
+
+def _ir_stages(kernel):
+    def llvm():
+        return "\n".join(kernel.inspect_llvm().values())
+
+    def asm():
+        return "\n".join(kernel.inspect_asm().values())
+    return {"llvm": llvm, "asm": asm}
+
+
+def _cuda_unavailable():
+    raise NotImplementedError(
+        "score-network (GAT-MLP) attention has no CUDA kernel yet: pass numpy arrays (CPU "
+        "kernel) or move the inputs to the host with .get(); cupy inputs are refused rather "
+        "than silently copied")
+
+
+# --------------------------------------------------------------------------- forward
+def forward(graph, net, args, value, return_state=True):
+    """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
+    plan with explain()/run_info."""
+    prep = _prepare(graph, net, args, value)
+    if prep.library == "cupy":
+        from .cuda import gat as cuda_gat
+        return cuda_gat.forward(graph, net, prep, return_state)
+    from .cpu import gat as cpu_gat
+    params = dict(net.named_parameters())
+    As, Ad, We = _node_products(prep, params, np)
+    indptr, indices = _csr(graph, "numpy")
+    kern, cache = cpu_gat.get_kernels(prep.spec, prep.P.shape[0])
+    out = np.empty((prep.num_dst, prep.spec.fv), prep.acc)
+    M = np.empty(prep.num_dst, prep.acc)
+    L = np.empty(prep.num_dst, prep.acc)
+    kern.gat_forward(indptr, indices, As, Ad, We, prep.pos, prep.EX, prep.P, prep.V, out, M, L)
+    plan = _plan("forward", prep, net)
+    plan.run_info.update(kernel="cpu.gat_forward (fused score MLP + online softmax, rows)",
+                         cache=cache, copies=list(prep.copies),
+                         ir=_ir_stages(kern.gat_forward),
+                         geometry=("displacement/distance computed per edge from positions"
+                                   if prep.geometric else None))
+    result = out.astype(prep.dtype, copy=False).reshape((prep.num_dst,) + prep.value_shape[1:])
+    state = GATState(m=M, l=L, out=out, As=As, Ad=Ad) if return_state else None
+    return result, state, plan
+
+
+# --------------------------------------------------------------------------- backward
+def backward(graph, net, args, value, state, dout):
+    """Gradients of sum(out * dout): {"args": [grad or None per arg], "value": grad,
+    "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}."""
+    prep = _prepare(graph, net, args, value)
+    if state is None:
+        raise ValueError("state must be the state returned by forward(..., return_state=True)")
+    expected = (prep.num_dst,) + prep.value_shape[1:]
+    if tuple(dout.shape) != expected:
+        raise ValueError(f"dout must have shape {expected}, got {tuple(dout.shape)}")
+    if _library("dout", dout) != prep.library:
+        raise TypeError(f"dout must be a {prep.library} array like the inputs, got {type(dout).__name__}")
+    if prep.library == "cupy":
+        from .cuda import gat as cuda_gat
+        return cuda_gat.backward(graph, net, prep, state, dout)
+    from .cpu import gat as cpu_gat
+    params = dict(net.named_parameters())
+    acc = prep.acc
+    As, Ad = state.As, state.Ad
+    W1 = params["0.weight"].astype(acc)
+    We = np.ascontiguousarray(W1[:, prep.edge_cols]) if prep.edge_cols else np.zeros((W1.shape[0], 0), acc)
+    h1 = W1.shape[0]
+    indptr, indices = _csr(graph, "numpy")
+    tr = graph.realize_transpose("cpu")
+    kern, cache = cpu_gat.get_kernels(prep.spec, prep.P.shape[0])
+    D = np.ascontiguousarray(dout.reshape(prep.num_dst, -1), dtype=acc)
+    nd = prep.num_dst
+    Delta = np.empty(nd, acc)
+    dAd = np.empty((nd, h1), acc)
+    pd = max(prep.pd, 0)
+    dposA = np.zeros((nd if prep.geometric else 0, pd), acc)
+    dEX = np.zeros(prep.EX.shape, acc) if prep.explicit else np.zeros((0, 0), acc)
+    nch = min(nd, cpu_gat.NUM_CHUNKS)
+    n_pg = prep.P.shape[0] + h1 * prep.spec.fe
+    PG = np.zeros((max(nch, 0), max(n_pg, 1)), acc)
+    kern.gat_backward_rows(indptr, indices, As, Ad, We, prep.pos, prep.EX, prep.P, prep.V,
+                           state.out, D, state.m, state.l, Delta, dAd, dposA, dEX, PG)
+    ns = prep.num_src
+    dAs = np.empty((ns, h1), acc)
+    dV = np.empty((ns, prep.spec.fv), acc)
+    dposB = np.zeros((ns if prep.geometric else 0, pd), acc)
+    kern.gat_backward_cols(tr.indptr, tr.indices, tr.perm, As, Ad, We, prep.pos, prep.EX, prep.P,
+                           prep.V, D, state.m, state.l, Delta, dAs, dV, dposB)
+    pg = PG.sum(axis=0)  # fixed chunk order: same bits every run
+
+    # first Linear: node columns from the per-node gradients, edge columns from the partials
+    dW1 = np.zeros(W1.shape, acc)
+    arg_grads = [None] * len(args)
+    for k, role, arr, cols in prep.node_cols:
+        g_node = dAs if role == "src" else dAd
+        x = arr.astype(acc, copy=False)
+        dW1[:, cols] = g_node.T @ x
+        g = g_node @ W1[:, cols]
+        orig = args[k][2]
+        arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
+    if prep.edge_cols:
+        dW1[:, prep.edge_cols] = pg[prep.P.shape[0]:].reshape(h1, prep.spec.fe)
+    for k, width, xcol, _ in prep.explicit:
+        orig = args[k][2]
+        arg_grads[k] = dEX[:, xcol:xcol + width].reshape(orig.shape).astype(orig.dtype, copy=False)
+    grads = {"0.weight": dW1.astype(params["0.weight"].dtype, copy=False),
+             "0.bias": dAd.sum(axis=0).astype(params["0.bias"].dtype, copy=False)}
+    for name, off, shape in prep.p_index:
+        size = int(np.prod(shape))
+        grads[name] = pg[off:off + size].reshape(shape).astype(params[name].dtype, copy=False)
+    positions = None
+    if prep.geometric:
+        gp = dposA + dposB
+        positions = gp.astype(graph.positions.dtype, copy=False)
+    plan = _plan("backward", prep, net)
+    plan.run_info.update(kernel="cpu.gat_backward_rows + cpu.gat_backward_cols (score MLP "
+                                "recomputed per edge, softmax adjoint in locals)",
+                         cache=cache, copies=list(prep.copies),
+                         ir=_ir_stages(kern.gat_backward_rows),
+                         geometry=("displacement/distance gradients routed to positions per edge"
+                                   if prep.geometric else None))
+    return {"args": arg_grads, "value": dV.astype(value.dtype, copy=False).reshape(value.shape),
+            "params": grads, "positions": positions, "plan": plan}
