@@ -1,0 +1,254 @@
+"""MessagePassing programs run the functional kernels: output == functional == float64
+oracle; vjp gradients == oracle gradients; explain()/ir(); fail-closed pruning."""
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from tiga_numba import reference
+
+RNG = np.random.default_rng(2026)
+
+
+def rand(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+class Attention(tg.MessagePassing):
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale):
+        score = (src.key * dst.query).sum(dim=-1) * scale
+        return self.reducer(score, src.value)
+
+
+class BiasedAttention(tg.MessagePassing):
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale):
+        return self.reducer(scale * (dst.query * src.key).sum(axis=-1) + edge.bias, src.value)
+
+
+class EdgeScore(tg.MessagePassing):
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge):
+        return self.reducer(edge.score, src.value)
+
+
+class SelfValue(tg.MessagePassing):
+    """The key field is also the value: its gradient is the sum of both uses."""
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge):
+        return self.reducer((src.x * dst.q).sum(-1) / 2.0, src.x)
+
+
+def random_csr(num_dst, num_src, p=0.4, empty_rows=(1,)):
+    mask = RNG.random((num_dst, num_src)) < p
+    for r in empty_rows:
+        mask[r] = False
+    mask[0, 0] = True
+    import scipy.sparse as sp
+    return tg.Graph.from_scipy(sp.csr_array(mask))
+
+
+TOL = {np.float32: 2e-5, np.float64: 1e-10}
+
+
+def close(a, b, dtype=np.float32, scale=1.0):
+    a = np.asarray(a, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = np.max(np.abs(a - b)) if a.size else 0.0
+    assert err <= TOL[dtype] * max(1.0, scale * np.max(np.abs(b)) if b.size else 1.0), err
+
+
+GRAPHS = {
+    "dense": lambda: tg.Graph.dense(37),
+    "cross": lambda: tg.Graph.dense(29, 37),
+    "triangular": lambda: tg.Graph.triangular(37),
+    "varlen": lambda: tg.Graph.cat([tg.Graph.triangular(n) for n in (17, 1, 0, 19)]),
+    "csr": lambda: random_csr(37, 29),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GRAPHS))
+def test_program_equals_functional_and_oracle(kind):
+    g = GRAPHS[kind]()
+    H, Hkv, D, Dv = 4, 2, 8, 5  # grouped-query attention
+    q = rand(g.num_dst, H, D)
+    k, v = rand(g.num_src, Hkv, D), rand(g.num_src, Hkv, Dv)
+    scale = 0.3
+    out = Attention()(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=scale)
+    assert out.dtype == np.float32 and out.shape == (g.num_dst, H, Dv)
+    func = tg.attention(q, k, v, g, scale=scale)
+    np.testing.assert_array_equal(out, func)  # the very same plan and kernel
+    close(out, reference.attention(q, k, v, g, scale=scale))
+
+
+def test_one_head_fields_and_float64_and_strides():
+    g = random_csr(23, 23)
+    x = rand(23, 6, dtype=np.float64)
+    qh = rand(6, 23, dtype=np.float64).T  # non-contiguous
+    out = SelfValue()(graph=g, src={"x": x}, dst={"q": qh})
+    assert out.shape == (23, 6) and out.dtype == np.float64
+    close(out, reference.attention(qh, x, x, g, scale=0.5), np.float64)
+
+
+def test_edge_bias_and_edge_score():
+    g = random_csr(31, 31)
+    E, H, D = g.num_edges, 2, 8
+    q, k, v = rand(31, H, D), rand(31, H, D), rand(31, H, 3)
+    for bias in (rand(E), rand(E, H)):
+        out = BiasedAttention()(graph=g, src={"key": k, "value": v}, dst={"query": q},
+                                edge={"bias": bias}, scale=0.4)
+        close(out, reference.attention(q, k, v, g, scale=0.4, edge_bias=bias))
+    s = rand(E, H)
+    out = EdgeScore()(graph=g, src={"value": v}, edge={"score": s})
+    q0, k0 = np.zeros((31, H, 0)), np.zeros((31, H, 0))
+    close(out, reference.attention(q0, k0, v, g, edge_bias=s))
+    out1 = EdgeScore()(graph=g, src={"value": v[:, 0]}, edge={"score": s[:, 0]})
+    assert out1.shape == (31, 3)
+    close(out1, reference.attention(q0[:, 0], k0[:, 0], v[:, 0], g, edge_bias=s[:, 0]))
+
+
+def test_edge_fields_on_implicit_relations_fail_closed():
+    g = tg.Graph.dense(6)
+    v = rand(6, 2, 3)
+    with pytest.raises(NotImplementedError, match="CSR"):
+        EdgeScore()(graph=g, src={"value": v}, edge={"score": rand(36, 2)})
+
+
+def _oracle_grads(dout, q, k, v, g, scale, bias=None):
+    return reference.attention_backward(dout, q, k, v, g, scale=scale, edge_bias=bias)
+
+
+@pytest.mark.parametrize("kind", ["triangular", "csr"])
+def test_vjp_matches_oracle(kind):
+    g = GRAPHS[kind]()
+    H, Hkv, D = 4, 2, 8
+    q = rand(g.num_dst, H, D)
+    k, v = rand(g.num_src, Hkv, D), rand(g.num_src, Hkv, 6)
+    out, vjp = Attention().vjp(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.35)
+    dout = rand(*out.shape)
+    grads = vjp(dout)
+    dq, dk, dv, _ = _oracle_grads(dout, q, k, v, g, 0.35)
+    assert set(grads) == {"src", "dst", "edge", "params", "positions"}
+    assert set(grads["src"]) == {"key", "value"} and set(grads["dst"]) == {"query"}
+    assert grads["edge"] == {} and grads["params"] == {} and grads["positions"] is None
+    close(grads["dst"]["query"], dq)
+    close(grads["src"]["key"], dk)
+    close(grads["src"]["value"], dv)
+    again = vjp(dout)  # the vjp can be called again; deterministic kernels: same bits
+    np.testing.assert_array_equal(again["src"]["key"], grads["src"]["key"])
+
+
+def test_vjp_field_used_twice_adds_up():
+    g = random_csr(19, 19)
+    x, qf = rand(19, 5, dtype=np.float64), rand(19, 5, dtype=np.float64)
+    out, vjp = SelfValue().vjp(graph=g, src={"x": x}, dst={"q": qf})
+    dout = rand(19, 5, dtype=np.float64)
+    grads = vjp(dout)
+    dq, dk, dv, _ = _oracle_grads(dout, qf, x, x, g, 0.5)
+    close(grads["src"]["x"], dk + dv, np.float64)
+    close(grads["dst"]["q"], dq, np.float64)
+
+
+def test_vjp_edge_fields():
+    g = random_csr(21, 21)
+    E, H = g.num_edges, 2
+    q, k, v = rand(21, H, 4), rand(21, H, 4), rand(21, H, 3)
+    bias = rand(E)
+    out, vjp = BiasedAttention().vjp(graph=g, src={"key": k, "value": v}, dst={"query": q},
+                                     edge={"bias": bias}, scale=0.5)
+    dout = rand(*out.shape)
+    grads = vjp(dout)
+    dq, dk, dv, dbias = _oracle_grads(dout, q, k, v, g, 0.5, bias)
+    assert grads["edge"]["bias"].shape == (E,) and grads["edge"]["bias"].dtype == np.float32
+    close(grads["edge"]["bias"], dbias.sum(axis=1))
+    close(grads["dst"]["query"], dq)
+
+    s = rand(E, H)
+    out, vjp = EdgeScore().vjp(graph=g, src={"value": v}, edge={"score": s})
+    grads = vjp(dout)
+    q0 = np.zeros((21, H, 0))
+    _, _, dv, dbias = _oracle_grads(dout, q0, q0, v, g, 1.0, s)
+    assert set(grads["src"]) == {"value"} and set(grads["edge"]) == {"score"}
+    assert grads["dst"] == {}
+    close(grads["edge"]["score"], dbias)
+    close(grads["src"]["value"], dv)
+
+
+def test_scaled_edge_score_gradient_carries_the_factor():
+    class Scaled(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def edge(self, src, dst, edge, t):
+            return self.reducer(edge.score / t, src.value)
+
+    g = random_csr(15, 15)
+    s, v = rand(g.num_edges, dtype=np.float64), rand(15, 4, dtype=np.float64)
+    out, vjp = Scaled().vjp(graph=g, src={"value": v}, edge={"score": s}, t=2.0)
+    z = np.zeros((15, 0))
+    close(out, reference.attention(z, z, v, g, edge_bias=s / 2.0), np.float64)
+    dout = rand(15, 4, dtype=np.float64)
+    _, _, _, dbias = _oracle_grads(dout, z, z, v, g, 1.0, s / 2.0)
+    close(vjp(dout)["edge"]["score"], dbias[:, 0] / 2.0, np.float64)
+
+
+def test_dout_is_checked():
+    g = tg.Graph.triangular(9)
+    q, k, v = rand(9, 2, 4), rand(9, 2, 4), rand(9, 2, 4)
+    _, vjp = Attention().vjp(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=1.0)
+    with pytest.raises(ValueError, match="dout"):
+        vjp(rand(8, 2, 4))
+
+
+# --------------------------------------------------------------------------- pruning
+class Pruned(tg.MessagePassing):
+    def __init__(self, rho):
+        super().__init__()
+        self.reducer = tg.online_softmax(block_prune_threshold=rho)
+
+    def edge(self, src, dst, edge, scale):
+        return self.reducer((src.key * dst.query).sum(dim=-1) * scale, src.value)
+
+
+def test_pruned_program_runs_the_pruned_kernel_and_refuses_vjp():
+    g = tg.Graph.dense(150)
+    q, k, v = rand(150, 2, 8), rand(150, 2, 8), rand(150, 2, 8)
+    p = Pruned(0.5)
+    out = p(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=2.0)
+    func, stats = tg.attention(q, k, v, g, scale=2.0, block_prune_threshold=0.5, return_stats=True)
+    np.testing.assert_array_equal(out, func)
+    text = p.explain()
+    assert "block_prune_threshold=0.5" in text and "tiles pruned" in text
+    with pytest.raises(NotImplementedError, match="block_prune_threshold"):
+        p.vjp(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=2.0)
+    with pytest.raises(NotImplementedError):
+        Pruned(0.5)(graph=random_csr(8, 8), src={"key": k[:8], "value": v[:8]},
+                    dst={"query": q[:8]}, scale=1.0)
+
+
+# --------------------------------------------------------------------------- explain / ir
+def test_explain_and_ir():
+    p = Attention()
+    assert "not called yet" in p.explain()
+    with pytest.raises(KeyError, match="not run yet"):
+        p.ir("llvm")
+    g = tg.Graph.triangular(12)
+    q, k, v = rand(12, 2, 4), rand(12, 2, 4), rand(12, 2, 4)
+    p(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5)
+    text = p.explain()
+    for needle in ("Attention", "scale * <src.key, dst.query>", "backend: cpu", "kernel:",
+                   "implicit", "float32", "accumulation", "tiles", "no score or probability tensor",
+                   "kernel cache", "tile pruning: off"):
+        assert needle in text, needle
+    llvm = p.ir("llvm")
+    assert isinstance(llvm, str) and "define" in llvm
+    assert isinstance(p.ir("asm"), str)
+    with pytest.raises(KeyError, match=r"available: \['asm', 'llvm'\]"):
+        p.ir("ptx")
+    csr = random_csr(12, 12)
+    p(graph=csr, src={"key": k, "value": v}, dst={"query": q}, scale=0.5)
+    assert "CSR" in p.explain()
+    assert "reused a trace" in p.explain() or "traced edge()" in p.explain()
