@@ -1,0 +1,7 @@
+"""Tensor-core (mma.sync) attention kernels for float16 / bfloat16 on NVIDIA GPUs (sm_80+,
+tuned on the H200). The CUDA backend asks `supports()` and routes here; see api.py for the
+scope and docs/tensor_cores.md for the design. Importing this package needs only numpy:
+numba.cuda is imported when a kernel is first compiled."""
+from .api import TUNING, backward, forward, supports
+
+__all__ = ["supports", "forward", "backward", "TUNING"]

@@ -230,7 +230,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2", "unpack2", "shfl_xor"):
                 env[nm] = getattr(w, nm)
             exec(code, env)
-            with np.errstate(over="ignore", invalid="ignore"):
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 env["kernel"](*args)
 
 

@@ -480,7 +480,7 @@ def gen_dkdv(v):
             e("if it + 1 < nit:")
             with e.indent():
                 e("nxt = 1 - cur")
-                e("hn = hk * group + (it + 1) // (nqb - qb0); c1 = (qb0 + (it + 1) % (nqb - qb0)) * %d" % BN)
+                e(f"hn = hk * group + (it + 1) // (nqb - qb0); c1 = (qb0 + (it + 1) % (nqb - qb0)) * {BN}")
                 load_tile(e, v, qbuf("nxt"), "qp + (col0 + c1) * q_rs + hn * q_hs", "q_rs", "cols - c1", BN, D)
                 load_tile(e, v, obuf("nxt"), "dop + (col0 + c1) * do_rs + hn * do_hs", "do_rs", "cols - c1", BN, Dv)
                 e("cp_commit(); cp_wait1()")
@@ -536,22 +536,22 @@ def gen_delta(dtype, Dv):
     with e.indent():
         e("tx = i64(cuda.threadIdx.x); lane = tx % 32")
         e("rh = i64(cuda.blockIdx.x) * (i64(cuda.blockDim.x) // 32) + tx // 32")
-        e("if rh < n * H:")
-        with e.indent():
-            e("row = rh // H; hh = rh % H")
-            e("acc = f32(0.0)")
-            for c in range((Dv // 2 + 31) // 32):
-                e(f"d = lane + {32 * c}; ok = u32(d < {Dv // 2})")
-                e("x0, x1 = unpack2(ldg_u32_if(ok, op + row * o_rs + hh * o_hs + d * 4))")
-                e("y0, y1 = unpack2(ldg_u32_if(ok, dop + row * do_rs + hh * do_hs + d * 4))")
-                e("acc = acc + x0 * y0 + x1 * y1")
-            for s in (16, 8, 4, 2, 1):
-                e(f"acc = acc + shfl_xor(acc, {s})")
-            e("ll = ldg_f32_if(u32(1), lp + rh * 4); mm = ldg_f32_if(u32(1), mp + rh * 4)")
-            e("ls = sel(ll > f32(0.0), mm * f32(%r) + log2f(sel(ll > f32(0.0), ll, f32(1.0))), f32(0.0))" % LOG2E)
-            e("ok = u32(lane == 0)")
-            e("stg_f32_if(ok, dltp + rh * 4, acc)")
-            e("stg_f32_if(ok, lsep + rh * 4, ls)")
+        # predicated rather than branched: every lane takes part in the shuffles
+        e("live = u32(rh < n * H); rh = sel(live != 0, rh, 0)")
+        e("row = rh // H; hh = rh % H")
+        e("acc = f32(0.0)")
+        for c in range((Dv // 2 + 31) // 32):
+            e(f"d = lane + {32 * c}; ok = live & u32(d < {Dv // 2})")
+            e("x0, x1 = unpack2(ldg_u32_if(ok, op + row * o_rs + hh * o_hs + d * 4))")
+            e("y0, y1 = unpack2(ldg_u32_if(ok, dop + row * do_rs + hh * do_hs + d * 4))")
+            e("acc = acc + x0 * y0 + x1 * y1")
+        for s in (16, 8, 4, 2, 1):
+            e(f"acc = acc + shfl_xor(acc, {s})")
+        e("ll = ldg_f32_if(live, lp + rh * 4); mm = ldg_f32_if(live, mp + rh * 4)")
+        e("ls = sel(ll > f32(0.0), mm * f32(%r) + log2f(sel(ll > f32(0.0), ll, f32(1.0))), f32(0.0))" % LOG2E)
+        e("ok = live & u32(lane == 0)")
+        e("stg_f32_if(ok, dltp + rh * 4, acc)")
+        e("stg_f32_if(ok, lsep + rh * 4, ls)")
     return e.text()
 
 

@@ -176,7 +176,31 @@ def intrinsics(dtype="float16"):
                        side_effect=False)
         return sig, cg
 
-    _CACHE[dtype] = dict(
+    @intrinsic
+    def shfl_xor(tc, x, lanemask):
+        """butterfly shuffle of a float across the full warp (every lane must call it)."""
+        sig = f32(f32, i32)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, F32, [F32, I32], "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=f,f,r", args)
+        return sig, cg
+
+    @intrinsic
+    def sel(tc, c, a, b):
+        """branch-free select (LLVM select): the generated code never branches on per-lane data."""
+        ty = a if a == b else tc.unify_types(a, b)
+        if ty is None:
+            return None
+        sig = ty(c, a, b)
+
+        def cg(ctx, bld, sig, args):
+            cond = ctx.cast(bld, args[0], sig.args[0], types.boolean)
+            x = ctx.cast(bld, args[1], sig.args[1], sig.return_type)
+            y = ctx.cast(bld, args[2], sig.args[2], sig.return_type)
+            return bld.select(cond, x, y)
+        return sig, cg
+
+    _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel,
         mma16816=mma16816, ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,

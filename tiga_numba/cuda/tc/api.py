@@ -1,0 +1,336 @@
+"""Tensor-core attention entry points for the CUDA backend (INTERNALS.md contract).
+
+supports(plan, q, k, v, relation) -> bool      this path can run the request exactly
+forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
+backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None) -> (dq, dk, dv, None)
+
+Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat of those),
+float16 and bfloat16 inputs, head dims 64 and 128 with Dv == D, any H % Hkv == 0, any strides
+(16-byte aligned rows are read in place, anything else is copied once and the copy recorded),
+no edge bias, no tile pruning (supports() says False; the CUDA-core kernels take those).
+Kernels take raw device addresses and scalars only, so a bfloat16 array needs no numba dtype:
+anything with __cuda_array_interface__ whose dtype is named "bfloat16" (ml_dtypes) works.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+from ...kernel_cache import KERNELS
+from . import generator as G
+from . import schedule
+
+TC_DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128)
+
+#: per (kernel kind, head dim): warps, m16 tiles per warp, streamed block width. Bench-tunable.
+TUNING = {
+    ("fwd", 64): dict(NW=4, MT=2, BN=64),
+    ("fwd", 128): dict(NW=4, MT=1, BN=32),
+    ("dq", 64): dict(NW=4, MT=1, BN=64),
+    ("dq", 128): dict(NW=4, MT=1, BN=32),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=64),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32),
+}
+
+
+def variant(kind, D, Dv, dtype):
+    return G.Variant(kind, D, Dv, dtype=dtype, **TUNING[(kind, D)])
+
+
+# ----------------------------------------------------------------------------- admission
+def _dtype_name(x):
+    return str(getattr(x, "dtype", ""))
+
+
+def supports(plan, q, k, v, relation):
+    """True when the tensor-core kernels compute this request exactly as the contract says."""
+    try:
+        if type(relation).__name__ != "BlockRelation":
+            return False
+        if getattr(plan, "prune_threshold", None) is not None:
+            return False   # pruning is not implemented here: refuse rather than drop it
+        if getattr(plan, "score", "dot") != "dot":
+            return False
+        dn = _dtype_name(q)
+        if dn not in TC_DTYPES or _dtype_name(k) != dn or _dtype_name(v) != dn:
+            return False
+        if not all(hasattr(x, "__cuda_array_interface__") for x in (q, k, v)):
+            return False
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+            return False
+        D, Dv = int(q.shape[2]), int(v.shape[2])
+        if D not in HEAD_DIMS or Dv != D or int(k.shape[2]) != D:
+            return False
+        H, Hkv = int(q.shape[1]), int(k.shape[1])
+        if Hkv < 1 or H % Hkv:
+            return False
+        scale = float(plan.scale)
+        if not (scale > 0 and math.isfinite(scale)):
+            return False   # the running max is taken on raw scores, then scaled
+        if max(int(q.shape[0]), int(k.shape[0])) >= 2 ** 31 - 1024:
+            return False
+        return True
+    except Exception:  # noqa: BLE001 - anything unexpected means "not this path"
+        return False
+
+
+# ----------------------------------------------------------------------------- compiled kernels
+_SIGS = {"fwd": (15, 2), "dq": (18, 2), "dkdv": (21, 2)}   # (int64 args, float32 args)
+
+
+def _env(dtype):
+    import numba
+    from numba import cuda
+
+    from . import ptx
+    env = dict(ptx.intrinsics(dtype))
+    env.update(cuda=cuda, i64=numba.int64, f32=numba.float32, u32=numba.uint32, u8=numba.uint8,
+               fmaxf=max, imin=min, log2f=math.log2)
+    return env
+
+
+class Compiled:
+    """One generated kernel compiled with an explicit all-scalar signature; cheap launches."""
+
+    def __init__(self, name, src, dtype, ni, nf):
+        import numba
+        from numba import cuda
+        self.name, self.src = name, src
+        env = _env(dtype)
+        exec(compile(src, f"<{name}>", "exec"), env)
+        self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
+        self.dispatcher = cuda.jit(numba.void(*self.argtypes), fastmath=True, lineinfo=False)(env["kernel"])
+        self._conv = None
+        self._fast = None
+
+    def ptx(self):
+        return self.dispatcher.inspect_asm(self.argtypes)
+
+    def llvm(self):
+        return self.dispatcher.inspect_llvm(self.argtypes)
+
+    def resources(self):
+        k = self.dispatcher.overloads[self.argtypes]
+        return dict(regs=k.get_regs_per_thread(), smem=k.get_shared_mem_per_block(),
+                    local=k.get_local_mem_per_thread())
+
+    def __call__(self, grid, block, stream, *args):
+        import ctypes
+        if self._conv is None:
+            self._conv = [ctypes.c_int64 if str(t) == "int64" else ctypes.c_float for t in self.argtypes]
+            try:   # straight to cuda.core: skips numba's per-launch argument marshalling
+                from cuda.core import LaunchConfig, launch
+                func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
+                self._fast = (launch, LaunchConfig, func)
+            except Exception:  # noqa: BLE001 - other numba-cuda / cuda.core versions
+                self._fast = False
+        if self._fast:
+            launch, LaunchConfig, func = self._fast
+            launch(stream, LaunchConfig(grid=grid, block=block), func,
+                   *[c(a) for c, a in zip(self._conv, args)])
+        else:
+            self.dispatcher[grid, block, stream.numba()](*args)
+
+
+def kernel(v):
+    """(compiled kernel, cache 'hit'/'miss') for a Variant."""
+    before = KERNELS.misses
+    ni, nf = _SIGS[v.kind]
+    k = KERNELS.get(("tc", v), lambda: Compiled(v.name(), G.gen_source(v), v.dtype, ni, nf))
+    return k, ("miss" if KERNELS.misses > before else "hit")
+
+
+def delta_kernel(dtype, Dv):
+    return KERNELS.get(("tc-delta", dtype, Dv),
+                       lambda: Compiled(f"tc_delta_{dtype}_dv{Dv}", G.gen_delta(dtype, Dv), dtype, 12, 0))
+
+
+# ----------------------------------------------------------------------------- streams
+class _Stream:
+    __slots__ = ("ptr", "_numba")
+
+    def __init__(self, ptr):
+        self.ptr, self._numba = int(ptr), None
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+    def numba(self):
+        from numba import cuda
+        if self._numba is None:
+            self._numba = cuda.external_stream(self.ptr) if self.ptr else cuda.default_stream()
+        return self._numba
+
+
+_STREAMS = {}
+
+
+def current_stream():
+    import cupy
+    ptr = cupy.cuda.get_current_stream().ptr
+    s = _STREAMS.get(ptr)
+    if s is None:
+        s = _STREAMS[ptr] = _Stream(ptr)
+    return s
+
+
+# ----------------------------------------------------------------------------- operands
+def _cai(x):
+    return x.__cuda_array_interface__
+
+
+def _operand(x, name, copies):
+    """(array, address, row stride, head stride) in bytes, reading x in place when every row of
+    every head starts on a 16-byte boundary with unit element stride; else one contiguous copy."""
+    cai = _cai(x)
+    ptr = int(cai["data"][0])
+    shape = tuple(cai["shape"])
+    item = 2
+    strides = cai.get("strides") or (shape[1] * shape[2] * item, shape[2] * item, item)
+    ok = (strides[2] == item or shape[2] <= 1) and ptr % 16 == 0 and strides[0] % 16 == 0 \
+        and strides[1] % 16 == 0 and strides[0] >= 0 and strides[1] >= 0
+    if not ok:
+        import cupy
+        x = cupy.ascontiguousarray(x)
+        copies.append(f"{name}: copied to a contiguous array (strides {tuple(strides)} bytes, "
+                      f"address % 16 = {ptr % 16}): tensor-core tiles load 16-byte row chunks")
+        cai = _cai(x)
+        ptr = int(cai["data"][0])
+        strides = cai.get("strides") or (shape[1] * shape[2] * item, shape[2] * item, item)
+    return x, ptr, int(strides[0]), int(strides[1])
+
+
+def _empty(shape, dtype):
+    import cupy
+    return cupy.empty(shape, dtype=dtype)
+
+
+def _ptr(x):
+    return int(_cai(x)["data"][0])
+
+
+# ----------------------------------------------------------------------------- schedules (cached)
+_TABLES = {}
+
+
+def _host_relation(relation):
+    key = id(relation)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is relation:
+        return hit[1]
+    def host(a):
+        return a.get() if hasattr(a, "get") else np.asarray(a)
+    rec = dict(dst=host(relation.dst_offsets).astype(np.int64), src=host(relation.src_offsets).astype(np.int64),
+               causal=host(relation.causal).astype(np.uint8), tables={})
+    try:
+        ref = weakref.ref(relation, lambda _r, k=key: _TABLES.pop(k, None))
+    except TypeError:   # not weak-referenceable: cache nothing, recompute next call
+        return rec
+    _TABLES[key] = (ref, rec)
+    return rec
+
+
+def _work(rec, which, BM):
+    import cupy
+    key = (which, BM)
+    t = rec["tables"].get(key)
+    if t is None:
+        f = schedule.query_tiles if which == "q" else schedule.key_tiles
+        host = f(rec["dst"], rec["src"], rec["causal"], BM)
+        t = rec["tables"][key] = (cupy.asarray(host), len(host))
+    return t
+
+
+def _covers(offsets, n):
+    return len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == n and np.all(np.diff(offsets) >= 0)
+
+
+def _info(plan, **kw):
+    info = getattr(plan, "run_info", None)
+    if info is None:
+        return
+    info.update(kw)
+
+
+# ----------------------------------------------------------------------------- forward
+def forward(plan, q, k, v, relation, edge_bias=None):
+    if edge_bias is not None:
+        raise NotImplementedError("edge_bias: the tensor-core path serves BlockRelation dot scores only")
+    import cupy
+    copies = []
+    dt = _dtype_name(q)
+    nd, H, D = (int(s) for s in q.shape)
+    ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
+    vr = variant("fwd", D, Dv, dt)
+    q, qp, q_rs, q_hs = _operand(q, "q", copies)
+    k, kp, k_rs, k_hs = _operand(k, "k", copies)
+    v, vp, v_rs, v_hs = _operand(v, "v", copies)
+    rec = _host_relation(relation)
+    cover = _covers(rec["dst"], nd)
+    out = _empty((nd, H, Dv), q.dtype) if cover else cupy.zeros((nd, H, Dv), dtype=q.dtype)
+    m = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
+    l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
+    kern, cache = kernel(vr)
+    work, W = _work(rec, "q", vr.BM)
+    if W and H:
+        sc = float(plan.scale) * G.LOG2E
+        kern((W, H), (vr.NT,), current_stream(), qp, kp, vp, _ptr(out), _ptr(m), _ptr(l), _ptr(work),
+             q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * 2, H // Hkv, sc, -math.inf)
+    visited, total = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
+    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, mma.sync m16n8k16, cp.async double buffer)",
+          tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
+                f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
+          copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
+    return out, m, l
+
+
+# ----------------------------------------------------------------------------- backward
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias=None):
+    if edge_bias is not None:
+        raise NotImplementedError("edge_bias: the tensor-core path serves BlockRelation dot scores only")
+    import cupy
+    copies = []
+    dt = _dtype_name(q)
+    nd, H, D = (int(s) for s in q.shape)
+    ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
+    vq, vk = variant("dq", D, Dv, dt), variant("dkdv", D, Dv, dt)
+    q, qp, q_rs, q_hs = _operand(q, "q", copies)
+    k, kp, k_rs, k_hs = _operand(k, "k", copies)
+    v, vp, v_rs, v_hs = _operand(v, "v", copies)
+    dout, dop, do_rs, do_hs = _operand(dout, "dout", copies)
+    out, op, o_rs, o_hs = _operand(out, "out", copies)
+    m = cupy.ascontiguousarray(m, dtype=cupy.float32)
+    l = cupy.ascontiguousarray(l, dtype=cupy.float32)
+    rec = _host_relation(relation)
+    zq = not _covers(rec["dst"], nd)
+    zk = not _covers(rec["src"], ns)
+    dq = (cupy.zeros if zq else cupy.empty)((nd, H, D), dtype=q.dtype)
+    dk = (cupy.zeros if zk else cupy.empty)((ns, Hkv, D), dtype=q.dtype)
+    dv = (cupy.zeros if zk else cupy.empty)((ns, Hkv, Dv), dtype=q.dtype)
+    delta = cupy.empty((nd, H), cupy.float32)
+    lse2 = cupy.empty((nd, H), cupy.float32)
+    st = current_stream()
+    sc, scale = float(plan.scale) * G.LOG2E, float(plan.scale)
+    kd = delta_kernel(dt, Dv)
+    if nd * H:
+        kd(((nd * H + 3) // 4,), (128,), st, op, dop, _ptr(m), _ptr(l), _ptr(delta), _ptr(lse2),
+           nd, H, o_rs, o_hs, do_rs, do_hs)
+    kq, c1 = kernel(vq)
+    work, W = _work(rec, "q", vq.BM)
+    if W and H:
+        kq((W, H), (vq.NT,), st, qp, kp, vp, dop, _ptr(lse2), _ptr(delta), _ptr(dq), _ptr(work),
+           q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs, H * D * 2, H // Hkv, sc, scale)
+    kk, c2 = kernel(vk)
+    work, W = _work(rec, "k", vk.BM)
+    if W and Hkv:
+        kk((W, Hkv), (vk.NT,), st, qp, kp, vp, dop, _ptr(lse2), _ptr(delta), _ptr(dk), _ptr(dv), _ptr(work),
+           q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs, Hkv * D * 2, Hkv * Dv * 2, H // Hkv, H, sc, scale)
+    _info(plan, kernel=f"tensor-core FA2 backward ({dt}): Delta pre-pass, dQ by query tiles, "
+                       f"dK/dV by key tiles (GQA heads summed in-CTA, no atomics)",
+          tiles=f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}",
+          copies=copies, cache="hit" if (c1 == "hit" and c2 == "hit") else "miss",
+          ir={"llvm": kq.llvm, "ptx": kq.ptx})
+    return dq, dk, dv, None
