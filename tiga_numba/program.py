@@ -393,6 +393,11 @@ class MessagePassing:
         st["last_plan"] = bplan if bplan is not None else fplan
 
     # ------------------------------------------------------------------ inspection
+    @property
+    def last_plan(self):
+        """The plan of the last kernel this program ran (backward after a vjp(dout)), or None."""
+        return self._state()["last_plan"]
+
     def explain(self):
         """What the last call ran: traced form, lowering, and the kernel plan(s)."""
         st = self._state()
