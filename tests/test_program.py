@@ -252,3 +252,83 @@ def test_explain_and_ir():
     p(graph=csr, src={"key": k, "value": v}, dst={"query": q}, scale=0.5)
     assert "CSR" in p.explain()
     assert "reused a trace" in p.explain() or "traced edge()" in p.explain()
+
+
+# --------------------------------------------------------------------------- score networks
+class _FakePlan:
+    run_info = {"ir": {"llvm": lambda: "; fake llvm"}}
+
+    def explain(self):
+        return "backend: cpu\nkernel: fake.edge_mlp"
+
+
+def _fake_edge_mlp(record):
+    """Stands in for tiga_numba.edge_mlp (the GAT helper's module): records what the front end
+    passes and returns recognisable gradients, so the mapping onto grads is checked exactly."""
+    import collections
+    import types
+
+    mod = types.ModuleType("tiga_numba.edge_mlp")
+    mod.FieldArg = collections.namedtuple("FieldArg", "role name array")
+
+    def forward(graph, net, args, value, return_state=False):
+        record.update(graph=graph, net=net, args=list(args), value=value)
+        return value * 2.0, {"state": 1}, _FakePlan()
+
+    def backward(graph, net, args, value, state, dout):
+        record.update(state=state, dout=dout)
+        return {"args": [None, value * 3.0, value * 5.0], "value": dout * 7.0,
+                "params": {"0.weight": np.ones((2, 2)), "2.bias": np.zeros(1)},
+                "positions": np.full((value.shape[0], 3), 11.0), "plan": _FakePlan()}
+
+    mod.forward, mod.backward = forward, backward
+    return mod
+
+
+def test_score_network_lowering_and_gradient_names(monkeypatch):
+    import sys
+    record = {}
+    fake = _fake_edge_mlp(record)
+    monkeypatch.setitem(sys.modules, "tiga_numba.edge_mlp", fake)
+    monkeypatch.setattr(tg, "edge_mlp", fake, raising=False)
+
+    class Net:
+        __tiga_score_net__ = True
+
+    class GAT(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+
+        def edge(self, src, dst, edge):
+            return self.reducer(self.attn(edge.displacement, src.x, dst.x), src.x)
+
+    pos = RNG.random((10, 3))
+    g = tg.Graph.radius(pos, 0.5)
+    x = rand(10, 4)
+    net = Net()
+    prog = GAT(net)
+    out, vjp = prog.vjp(graph=g, src={"x": x}, dst={"x": x})
+    np.testing.assert_array_equal(out, x * 2.0)
+    assert record["net"] is net and record["value"] is x
+    assert [(a.role, a.name) for a in record["args"]] == [("edge", "displacement"), ("src", "x"), ("dst", "x")]
+    assert record["args"][0].array is None  # geometric fields are computed in the kernel
+    assert record["args"][1].array is x and record["args"][2].array is x
+    dout = rand(10, 4)
+    grads = vjp(dout)
+    np.testing.assert_allclose(grads["src"]["x"], x * 3.0 + dout * 7.0)  # score arg + value
+    np.testing.assert_allclose(grads["dst"]["x"], x * 5.0)
+    assert grads["edge"] == {}
+    assert sorted(grads["params"]) == ["attn.0.weight", "attn.2.bias"]
+    assert grads["positions"].shape == (10, 3)
+    text = prog.explain()
+    assert "attn(edge.displacement, src.x, dst.x)" in text and "fake.edge_mlp" in text
+    assert prog.ir("llvm") == "; fake llvm"
+
+    class PrunedGAT(GAT):
+        reducer = tg.online_softmax(block_prune_threshold=0.1)
+
+    with pytest.raises(NotImplementedError, match="score-network"):
+        PrunedGAT(net)(graph=g, src={"x": x}, dst={"x": x})

@@ -225,6 +225,8 @@ REFUSED = [
     ("array in edge()", lambda self, src, dst, edge: self.reducer(
         (src.key * dst.query).sum(-1) * np.ones(3), src.value), "ndarray"),
     ("matmul", lambda self, src, dst, edge: self.reducer(src.key @ dst.query, src.value), "matrix product"),
+    ("shape inside edge", lambda self, src, dst, edge: self.reducer(
+        (src.key * dst.query).sum(-1) * src.key.shape[-1] ** -0.5, src.value), "sizes and dtypes are not traced"),
     ("two dot scores", lambda self, src, dst, edge: self.reducer(
         (src.key * dst.query).sum(-1) + (src.value * dst.query).sum(-1), src.value), "two dot scores"),
 ]

@@ -69,6 +69,9 @@ class Symbolic:
     def __getattr__(self, name):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)  # protocol probes (copy, pickle, numpy) must see "absent"
+        if name in ("shape", "ndim", "dtype", "size"):
+            _refuse(f"{self.describe()}.{name} (sizes and dtypes are not traced; pass derived "
+                    "scalars such as scale as params)")
         _refuse(f"{self.describe()}.{name}")
 
     def __bool__(self):
