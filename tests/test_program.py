@@ -332,3 +332,37 @@ def test_score_network_lowering_and_gradient_names(monkeypatch):
 
     with pytest.raises(NotImplementedError, match="score-network"):
         PrunedGAT(net)(graph=g, src={"x": x}, dst={"x": x})
+
+
+def test_score_network_program_with_the_real_edge_mlp():
+    """End to end through tiga_numba.edge_mlp: output == materialized eager model + oracle."""
+    import tiga_numba.nn as tnn  # submodule import (see docs/requests/gat-helper.md)
+
+    class GAT(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = tnn.trace(attn)
+
+        def edge(self, src, dst, edge):
+            return self.reducer(self.attn(edge.displacement, src.x, dst.x), src.x)
+
+    n, f = 30, 3
+    pos = RNG.random((n, 3))
+    x = rand(n, f)
+    g = tg.Graph.radius(pos, 0.4)
+    attn = tnn.Sequential(tnn.Linear(3 + 2 * f, 8, seed=1), tnn.LeakyReLU(0.2), tnn.Linear(8, 1, seed=2))
+    prog = GAT(attn)
+    out, vjp = prog.vjp(graph=g, src={"x": x}, dst={"x": x})
+    indptr = g.to_scipy().indptr
+    cols = g.to_scipy().indices
+    rows = np.repeat(np.arange(n), np.diff(indptr))
+    s = prog.attn(g.edge_field("displacement").astype(np.float32), x[cols], x[rows])
+    z = np.zeros((n, 0))
+    close(out, reference.attention(z, z, x, g, edge_bias=np.asarray(s).reshape(-1)))
+    grads = vjp(rand(n, f))
+    assert set(grads["src"]) == {"x"} and set(grads["dst"]) == {"x"}
+    assert {"attn.0.weight", "attn.0.bias", "attn.2.weight", "attn.2.bias"} <= set(grads["params"])
+    assert grads["positions"].shape == pos.shape
+    assert "attn(edge.displacement, src.x, dst.x)" in prog.explain()
