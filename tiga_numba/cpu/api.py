@@ -9,6 +9,7 @@ makes the layouts the kernels want (``layout.py``), picks the compiled specialis
 ``tiga_numba.kernel_cache.KERNELS`` and records what it did in ``plan.run_info``.
 """
 import math
+import warnings
 
 import numpy as np
 import numba
@@ -34,15 +35,31 @@ def _kernel(key, build):
 
 
 def _ir(kernel):
+    """{"llvm", "asm"} -> zero-arg callables returning the compiled kernel's text.
+
+    numba cannot show the IR of a kernel loaded from its on-disk cache; in that case the
+    kernel is recompiled once, uncached, just for inspection."""
     def stage(name):
         def text():
             sigs = kernel.signatures
             if not sigs:
                 return ""
-            fn = kernel.inspect_llvm if name == "llvm" else kernel.inspect_asm
-            return fn(sigs[-1])
+            sig = sigs[-1]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                res = _inspect(kernel, name, sig)
+            if any("cached code" in str(w.message) for w in caught) or not res:
+                opts = {k: v for k, v in kernel.targetoptions.items() if k not in ("cache", "nopython")}
+                fresh = numba.njit(**opts)(kernel.py_func)
+                fresh.compile(sig)
+                res = _inspect(fresh, name, sig)
+            return res
         return text
     return {"llvm": stage("llvm"), "asm": stage("asm")}
+
+
+def _inspect(kernel, name, sig):
+    return kernel.inspect_llvm(sig) if name == "llvm" else kernel.inspect_asm(sig)
 
 
 def _is_blocks(relation):

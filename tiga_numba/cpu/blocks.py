@@ -25,27 +25,36 @@ the same on every run with the same ``P``.
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .fastexp import exp2f
 
 LN2 = math.log(2.0)
 
 
-def _exp2_for(acc):
-    if acc == "float32":
-        return exp2f
+def exp2_any(x):
+    """exp2 for the kernels: the vectorisable polynomial for float32, libm for float64."""
+    raise NotImplementedError  # only callable from jitted code
 
-    @njit(inline="always")
-    def exp2d(x):
-        return math.exp2(x) if x > -1100.0 else 0.0  # -inf -> 0 without a NaN path
-    return exp2d
+
+@overload(exp2_any, inline="always")
+def _exp2_any(x):
+    if x == types.float32:
+        return lambda x: exp2f(x)
+    return lambda x: _exp2d(x)
+
+
+@njit(inline="always", cache=True)
+def _exp2d(x):
+    if x > -1100.0:
+        return math.exp2(x)
+    return 0.0  # -inf (masked / empty) -> 0 without a NaN path
 
 
 def make_forward(acc, BM, BN, prune):
     """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off."""
     dt = np.float32 if acc == "float32" else np.float64
-    exp2 = _exp2_for(acc)
     ln2 = LN2
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -105,11 +114,11 @@ def make_forward(acc, BM, BN, prune):
                     m_blk = max(m_blk, tmax)
                 for r in range(rows):
                     mnew = max(m[r], rmax[r])
-                    ms = mnew if mnew != -np.inf else 0.0  # row still empty: p = 0, no NaN
-                    alpha = exp2(m[r] - ms)
+                    ms = mnew if mnew != -np.inf else dt(0.0)  # row still empty: p = 0, no NaN
+                    alpha = exp2_any(m[r] - ms)
                     s = dt(0.0)
                     for c in range(cols):
-                        p = exp2(S[r, c] - ms)
+                        p = exp2_any(S[r, c] - ms)
                         S[r, c] = p
                         s += p
                     l[r] = l[r] * alpha + s
@@ -124,7 +133,7 @@ def make_forward(acc, BM, BN, prune):
                             acc_[r, d] += T[r, d]
             for r in range(rows):
                 i = d0 + q0 + r
-                inv = 1.0 / l[r] if l[r] > 0 else 0.0
+                inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
                 for d in range(Dv):
                     out[i, h, d] = acc_[r, d] * inv
                 m_out[i, h] = m[r] * ln2
@@ -137,7 +146,6 @@ def make_forward(acc, BM, BN, prune):
 
 def make_backward(acc, BM, BN):
     dt = np.float32 if acc == "float32" else np.float64
-    exp2 = _exp2_for(acc)
     ln2 = LN2
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -191,11 +199,11 @@ def make_backward(acc, BM, BN):
                         for r in range(rows):
                             i = d0 + q0 + r
                             mr = m2[h, i]
-                            ms = mr if mr != -np.inf else 0.0
+                            ms = mr if mr != -np.inf else dt(0.0)
                             li = linv[h, i]
                             de = delta[h, i]
                             for c in range(cols):
-                                p = exp2(P[r, c] - ms) * li
+                                p = exp2_any(P[r, c] - ms) * li
                                 P[r, c] = p
                                 dP[r, c] = p * (dP[r, c] - de)
                             if mask:

@@ -21,7 +21,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .blocks import _exp2_for
+from .blocks import exp2_any
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -30,7 +30,6 @@ CH = 16
 
 def make_forward(acc):
     dt = np.float32 if acc == "float32" else np.float64
-    exp2 = _exp2_for(acc)
     ln2, log2e = LN2, LOG2E
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -61,11 +60,11 @@ def make_forward(acc):
                     mx = m[h]
                     for t in range(n):
                         mx = max(mx, s[h, t])
-                    ms = mx if mx != -np.inf else 0.0
-                    alpha = exp2(m[h] - ms)
+                    ms = mx if mx != -np.inf else dt(0.0)
+                    alpha = exp2_any(m[h] - ms)
                     tot = dt(0.0)
                     for t in range(n):
-                        p = exp2(s[h, t] - ms)
+                        p = exp2_any(s[h, t] - ms)
                         s[h, t] = p
                         tot += p
                     l[h] = l[h] * alpha + tot
@@ -80,7 +79,7 @@ def make_forward(acc):
                         for d in range(Dv):
                             acc_[h, d] += p * v[j, hk, d]
             for h in range(H):
-                inv = 1.0 / l[h] if l[h] > 0 else 0.0
+                inv = dt(1.0) / l[h] if l[h] > 0 else dt(0.0)
                 for d in range(Dv):
                     out[i, h, d] = acc_[h, d] * inv
                 m_out[i, h] = m[h] * ln2
@@ -91,7 +90,6 @@ def make_forward(acc):
 
 def make_backward(acc):
     dt = np.float32 if acc == "float32" else np.float64
-    exp2 = _exp2_for(acc)
     ln2, log2e = LN2, LOG2E
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -113,7 +111,7 @@ def make_backward(acc):
                     if has_bias:
                         x += bias[e, h] * log2e
                     mr = m2[i, h]
-                    p = exp2(x - (mr if mr != -np.inf else 0.0)) * linv[i, h]
+                    p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
                     dp = dt(0.0)
                     for d in range(Dv):
                         dp += do[i, h, d] * v[j, hk, d]
@@ -147,7 +145,7 @@ def make_backward(acc):
                     if has_bias:
                         x += bias[perm[t], h] * log2e
                     mr = m2[i, h]
-                    p = exp2(x - (mr if mr != -np.inf else 0.0)) * linv[i, h]
+                    p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
                     dp = dt(0.0)
                     for d in range(Dv):
                         dp += do[i, h, d] * v[j, hk, d]

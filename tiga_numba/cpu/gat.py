@@ -100,15 +100,17 @@ def _emit_edge_features(spec, ind):
 
 
 def _emit_score(spec, ind):
-    """h0 = As[j] + Ad[i] + We @ ef, then the remaining layers; leaves s in a local."""
+    """h0 = As[j] + Ad[i] + We @ ef, then the remaining layers; leaves s in a local.
+    Loops run along contiguous memory (WeT is (fe, h1)) so LLVM can vectorise them."""
     widths = _widths(spec)
     off, _ = _offsets(widths)
     L = [f"for r in range({spec.h1}):",
-         "    acc = As[j, r] + Ad[i, r]"]
+         "    A[r] = As[j, r] + Ad[i, r]"]
     if spec.fe:
-        L += [f"    for c in range({spec.fe}):",
-              "        acc += We[r, c] * ef[c]"]
-    L += ["    A[r] = acc"]
+        L += [f"for c in range({spec.fe}):",
+              "    v = ef[c]",
+              f"    for r in range({spec.h1}):",
+              "        A[r] += WeT[c, r] * v"]
     for k, layer in enumerate(spec.layers, 1):
         src, dst, w = off[k - 1], off[k], widths[k]
         kind = layer[0]
@@ -122,11 +124,11 @@ def _emit_score(spec, ind):
         elif kind == "leaky_relu":
             L += [f"for c in range({w}):",
                   f"    x = A[{src} + c]",
-                  f"    A[{dst} + c] = x if x > 0 else x * {layer[1]!r}"]
+                  f"    A[{dst} + c] = x if x > ZERO else x * T({layer[1]!r})"]
         elif kind == "relu":
             L += [f"for c in range({w}):",
                   f"    x = A[{src} + c]",
-                  f"    A[{dst} + c] = x if x > 0 else 0.0"]
+                  f"    A[{dst} + c] = x if x > ZERO else ZERO"]
         else:
             L += [f"for c in range({w}):",
                   f"    A[{dst} + c] = math.tanh(A[{src} + c])"]
@@ -148,7 +150,7 @@ def _emit_mlp_backward(spec, ind, param_grads):
         if kind == "linear":
             _, n_in, n_out, w_off, b_off = layer
             L += [f"for c in range({n_in}):",
-                  f"    {other}[c] = 0.0"]
+                  f"    {other}[c] = ZERO"]
             L += [f"for r in range({n_out}):",
                   f"    g = {cur}[r]"]
             if param_grads:
@@ -161,12 +163,12 @@ def _emit_mlp_backward(spec, ind, param_grads):
             w = widths[k]
             L += [f"for c in range({w}):"]
             if kind == "leaky_relu":
-                L += [f"    {other}[c] = {cur}[c] if A[{src} + c] > 0 else {cur}[c] * {layer[1]!r}"]
+                L += [f"    {other}[c] = {cur}[c] if A[{src} + c] > ZERO else {cur}[c] * T({layer[1]!r})"]
             elif kind == "relu":
-                L += [f"    {other}[c] = {cur}[c] if A[{src} + c] > 0 else 0.0"]
+                L += [f"    {other}[c] = {cur}[c] if A[{src} + c] > ZERO else ZERO"]
             else:
                 L += [f"    tt = A[{dst} + c]",
-                      f"    {other}[c] = {cur}[c] * (1.0 - tt * tt)"]
+                      f"    {other}[c] = {cur}[c] * (ONE - tt * tt)"]
         cur, other = other, cur
     if cur != "G0":
         L += [f"for c in range({spec.h1}):",
@@ -180,9 +182,9 @@ def _emit_edge_grad(spec, ind, side):
     if not spec.fe:
         return []
     L = [f"for c in range({spec.fe}):",
-         "    acc = 0.0",
+         "    acc = ZERO",
          f"    for r in range({spec.h1}):",
-         "        acc += We[r, c] * G0[r]",
+         "        acc += WeT[c, r] * G0[r]",
          "    GE[c] = acc"]
     sign = "-" if side == "dst" else "+"
     for it in spec.edge_items:
@@ -190,7 +192,7 @@ def _emit_edge_grad(spec, ind, side):
             for d in range(spec.pd):
                 L.append(f"gp{d} {sign}= GE[{it[1] + d}]")
         elif it[0] == "dist":
-            L.append("if dist > 0.0:")
+            L.append("if dist > ZERO:")
             L.append(f"    gd = GE[{it[1]}] / dist")
             for d in range(spec.pd):
                 L.append(f"    gp{d} {sign}= gd * d{d}")
@@ -205,158 +207,167 @@ def _indent(lines, n):
     return [" " * n + s for s in lines]
 
 
-def generate_source(spec, p_size):
+_FM = "{'reassoc', 'contract'}"  # reductions may vectorise; no nnan/ninf (m can be -inf)
+
+
+def generate_source(spec, p_size, dtype_name):
     widths = _widths(spec)
     _, n_act = _offsets(widths)
     gmax = max(widths)
     fe1 = max(spec.fe, 1)
     we_off = p_size  # the edge part of the first Linear's gradient sits after P's slots
     pd = spec.pd
-    feat = _emit_edge_features(spec, " " * 16)
-    score = _emit_score(spec, " " * 16)
+    h1, fe, fv = spec.h1, spec.fe, spec.fv
+    feat = "\n".join(_emit_edge_features(spec, " " * 16))
+    score = "\n".join(_emit_score(spec, " " * 16))
     # ---------------------------------------------------------------- forward
     fwd = f'''
-@numba.njit(parallel=True, cache=True, fastmath=False)
-def gat_forward(indptr, indices, As, Ad, We, pos, EX, P, V, out, M, L):
-    nrows = indptr.shape[0] - 1
+@numba.njit(parallel=True, cache=True, fastmath={_FM})
+def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
+    nrows = order.shape[0]
     nch = min(nrows, {NUM_CHUNKS})
     for ch in numba.prange(nch):
-        A = np.empty({n_act}, As.dtype)
-        ef = np.empty({fe1}, As.dtype)
-        accv = np.empty({spec.fv}, As.dtype)
+        A = np.empty({n_act}, T)
+        ef = np.empty({fe1}, T)
+        accv = np.empty({fv}, T)
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
-        for i in range(r0, r1):
-            m = -np.inf
-            l = 0.0
-            for f in range({spec.fv}):
-                accv[f] = 0.0
+        for t in range(r0, r1):
+            i = order[t]
+            m = T(-np.inf)
+            l = ZERO
+            for f in range({fv}):
+                accv[f] = ZERO
             for e in range(indptr[i], indptr[i + 1]):
                 j = indices[e]
-{chr(10).join(feat)}
-{chr(10).join(score)}
+{feat}
+{score}
                 if s > m:
                     # new running max: rescale what was accumulated so far
-                    corr = math.exp(m - s)
-                    l = l * corr + 1.0
-                    for f in range({spec.fv}):
+                    corr = T(math.exp(m - s))
+                    l = l * corr + ONE
+                    for f in range({fv}):
                         accv[f] = accv[f] * corr + V[j, f]
                     m = s
                 else:
-                    p = math.exp(s - m)
+                    p = T(math.exp(s - m))
                     l += p
-                    for f in range({spec.fv}):
+                    for f in range({fv}):
                         accv[f] += p * V[j, f]
-            inv = 1.0 / l if l > 0.0 else 0.0
-            for f in range({spec.fv}):
+            inv = ONE / l if l > ZERO else ZERO
+            for f in range({fv}):
                 out[i, f] = accv[f] * inv
             M[i] = m
             L[i] = l
 '''
     # ---------------------------------------------------------------- backward, dst rows
-    gp_init = "\n".join(" " * 12 + f"gp{d} = 0.0" for d in range(pd))
+    gp_init = "\n".join(" " * 12 + f"gp{d} = ZERO" for d in range(pd))
     gp_store = "\n".join(" " * 12 + f"dpos[i, {d}] = gp{d}" for d in range(pd))
     mlp_b_params = "\n".join(_emit_mlp_backward(spec, " " * 16, True))
     mlp_b = "\n".join(_emit_mlp_backward(spec, " " * 16, False))
-    we_grad = ""
-    if spec.fe:
-        we_grad = "\n".join(_indent([
-            f"for r in range({spec.h1}):",
-            "    g = G0[r]",
-            "    gAd[r] += g",
-            f"    for c in range({spec.fe}):",
-            f"        PG[ch, {we_off} + r * {spec.fe} + c] += g * ef[c]"], 16))
-    else:
-        we_grad = "\n".join(_indent([f"for r in range({spec.h1}):",
-                                     "    gAd[r] += G0[r]"], 16))
+    lines = [f"for r in range({h1}):",
+             "    gAd[r] += G0[r]"]
+    if fe:
+        # stored transposed (fe, h1): the inner loop runs along contiguous memory
+        lines += [f"for c in range({fe}):",
+                  "    v = ef[c]",
+                  f"    for r in range({h1}):",
+                  f"        PG[ch, {we_off} + c * {h1} + r] += G0[r] * v"]
+    we_grad = "\n".join(_indent(lines, 16))
+    edge_grad_dst = "\n".join(_emit_edge_grad(spec, " " * 16, "dst"))
+    edge_grad_src = "\n".join(_emit_edge_grad(spec, " " * 16, "src"))
     bwd_rows = f'''
-@numba.njit(parallel=True, cache=True, fastmath=False)
-def gat_backward_rows(indptr, indices, As, Ad, We, pos, EX, P, V, out, dout, M, L,
+@numba.njit(parallel=True, cache=True, fastmath={_FM})
+def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, dout, M, L,
                       Delta, dAd, dpos, dEX, PG):
-    nrows = indptr.shape[0] - 1
+    nrows = order.shape[0]
     nch = PG.shape[0]
     for ch in numba.prange(nch):
-        A = np.empty({n_act}, As.dtype)
-        ef = np.empty({fe1}, As.dtype)
-        G0 = np.empty({gmax}, As.dtype)
-        G1 = np.empty({gmax}, As.dtype)
-        GE = np.empty({fe1}, As.dtype)
-        gAd = np.empty({spec.h1}, As.dtype)
+        A = np.empty({n_act}, T)
+        ef = np.empty({fe1}, T)
+        G0 = np.empty({gmax}, T)
+        G1 = np.empty({gmax}, T)
+        GE = np.empty({fe1}, T)
+        gAd = np.empty({h1}, T)
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
-        for i in range(r0, r1):
-            delta = 0.0
-            for f in range({spec.fv}):
+        for t in range(r0, r1):
+            i = order[t]
+            delta = ZERO
+            for f in range({fv}):
                 delta += dout[i, f] * out[i, f]
             Delta[i] = delta
-            for r in range({spec.h1}):
-                gAd[r] = 0.0
+            for r in range({h1}):
+                gAd[r] = ZERO
 {gp_init}
             mi = M[i]
             li = L[i]
-            inv_l = 1.0 / li if li > 0.0 else 0.0
+            inv_l = ONE / li if li > ZERO else ZERO
             for e in range(indptr[i], indptr[i + 1]):
                 j = indices[e]
-{chr(10).join(feat)}
-{chr(10).join(score)}
-                p = math.exp(s - mi) * inv_l
-                dp = 0.0
-                for f in range({spec.fv}):
+{feat}
+{score}
+                p = T(math.exp(s - mi)) * inv_l
+                dp = ZERO
+                for f in range({fv}):
                     dp += dout[i, f] * V[j, f]
                 ds = p * (dp - delta)
 {mlp_b_params}
 {we_grad}
-{chr(10).join(_emit_edge_grad(spec, " " * 16, "dst"))}
-            for r in range({spec.h1}):
+{edge_grad_dst}
+            for r in range({h1}):
                 dAd[i, r] = gAd[r]
 {gp_store}
 '''
     # ---------------------------------------------------------------- backward, src rows
     gps_store = "\n".join(" " * 12 + f"dpos[j, {d}] = gp{d}" for d in range(pd))
     bwd_cols = f'''
-@numba.njit(parallel=True, cache=True, fastmath=False)
-def gat_backward_cols(tptr, tind, perm, As, Ad, We, pos, EX, P, V, dout, M, L, Delta,
+@numba.njit(parallel=True, cache=True, fastmath={_FM})
+def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout, M, L, Delta,
                       dAs, dV, dpos):
-    nrows = tptr.shape[0] - 1
+    nrows = order.shape[0]
     nch = min(nrows, {NUM_CHUNKS})
     for ch in numba.prange(nch):
-        A = np.empty({n_act}, As.dtype)
-        ef = np.empty({fe1}, As.dtype)
-        G0 = np.empty({gmax}, As.dtype)
-        G1 = np.empty({gmax}, As.dtype)
-        GE = np.empty({fe1}, As.dtype)
-        gAs = np.empty({spec.h1}, As.dtype)
-        gV = np.empty({spec.fv}, As.dtype)
+        A = np.empty({n_act}, T)
+        ef = np.empty({fe1}, T)
+        G0 = np.empty({gmax}, T)
+        G1 = np.empty({gmax}, T)
+        GE = np.empty({fe1}, T)
+        gAs = np.empty({h1}, T)
+        gV = np.empty({fv}, T)
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
-        for j in range(r0, r1):
-            for r in range({spec.h1}):
-                gAs[r] = 0.0
-            for f in range({spec.fv}):
-                gV[f] = 0.0
+        for tt_ in range(r0, r1):
+            j = order[tt_]
+            for r in range({h1}):
+                gAs[r] = ZERO
+            for f in range({fv}):
+                gV[f] = ZERO
 {gp_init}
             for t in range(tptr[j], tptr[j + 1]):
                 i = tind[t]
                 e = perm[t]
-{chr(10).join(feat)}
-{chr(10).join(score)}
-                p = math.exp(s - M[i]) / L[i]
-                dp = 0.0
-                for f in range({spec.fv}):
+{feat}
+{score}
+                p = T(math.exp(s - M[i])) / L[i]
+                dp = ZERO
+                for f in range({fv}):
                     dp += dout[i, f] * V[j, f]
                     gV[f] += p * dout[i, f]
                 ds = p * (dp - Delta[i])
 {mlp_b}
-                for r in range({spec.h1}):
+                for r in range({h1}):
                     gAs[r] += G0[r]
-{chr(10).join(_emit_edge_grad(spec, " " * 16, "src"))}
-            for r in range({spec.h1}):
+{edge_grad_src}
+            for r in range({h1}):
                 dAs[j, r] = gAs[r]
-            for f in range({spec.fv}):
+            for f in range({fv}):
                 dV[j, f] = gV[f]
 {gps_store}
 '''
-    header = f"# generated by tiga_numba.cpu.gat for spec {spec!r}\nimport math\nimport numba\nimport numpy as np\n"
+    header = (f"# generated by tiga_numba.cpu.gat for spec {spec!r}, {dtype_name}\n"
+              "import math\nimport numba\nimport numpy as np\n"
+              f"T = np.{dtype_name}\nZERO = T(0.0)\nONE = T(1.0)\n")
     return header + fwd + bwd_rows + bwd_cols
 
 
@@ -391,8 +402,9 @@ def _load(source):
     return module
 
 
-def get_kernels(spec, p_size):
+def get_kernels(spec, p_size, dtype):
     """(module with gat_forward, gat_backward_rows, gat_backward_cols, cache 'hit'/'miss')."""
-    key = ("gat-cpu", spec, int(p_size))
-    module = KERNELS.get(key, lambda: _load(generate_source(spec, p_size)))
+    name = "float64" if str(dtype) == "float64" else "float32"
+    key = ("gat-cpu", spec, int(p_size), name)
+    module = KERNELS.get(key, lambda: _load(generate_source(spec, p_size, name)))
     return module, ("hit" if KERNELS.last_was_hit else "miss")
