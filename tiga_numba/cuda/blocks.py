@@ -1,0 +1,572 @@
+"""CUDA-core kernels for block relations (dense rectangular, triangular, segments).
+
+A BlockRelation is S blocks; block b pairs destinations [dst_offsets[b], dst_offsets[b+1])
+with sources [src_offsets[b], src_offsets[b+1]), causal blocks keeping j_local <= i_local.
+The grid is (S * tiles_per_block, heads): CTA x handles query tile x % tiles_per_block of
+block x // tiles_per_block and returns at once when that tile lies past the block's end
+(flash-attn's varlen convention: no host-side tile table, so no device->host copy per call).
+Key tiles outside the block, and fully masked causal tiles, are never visited.
+
+forward: streaming online softmax over BN-key tiles. Phase 1 computes the BM x BN score
+tile into shared memory (lane-group dot products, see tiles.py); phase 2 rescales the
+running (m, l, acc) once per tile and accumulates p @ V. With `prune`, between the two
+phases the CTA reduces the tile's max score and the running max of all its rows and skips
+phase 2 (no V use, no softmax update) when max(tile) < m_run_block + ln(rho).
+
+backward (deterministic, no atomics): `dq` walks key tiles per query tile (like the forward);
+`dkdv` walks query tiles per key tile, summing the query heads of a GQA group in a fixed order.
+Both rebuild p = exp(s - m) / l from the forward's (m, l); Delta comes from common.make_delta.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+from numba import cuda
+
+from .common import FULL, NEG_INF, array_view, nbtype
+from .launch import SIM, Kernel
+
+i64 = numba.int64
+
+
+def _strides(prefix):
+    return [(f"{prefix}s{n}", "s", i64) for n in range(3)]
+
+
+# --------------------------------------------------------------------------- forward
+def make_forward(t, prune):
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
+    D, DV, G, R, NT, BN = t.D, t.DV, t.G, t.R, t.NT, t.BN
+    BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
+    BNP = BN + 1
+    PRUNE = bool(prune)
+    RW = 1 if SIM else 32  # lanes reduced by shuffles in the block-wide prune reduction
+    NSLOT = NT // RW
+    QS = max(1, R * DSQ)
+    VS = max(1, R * DSV)
+    SK = max(1, BN * DP)
+    SV = max(1, BN * DVP)
+    SS = BM * BNP
+    SYNC_GROUP = G > 1 and not SIM
+
+    def fwd_body(q_p, k_p, v_p, out_p, mo_p, lo_p, doff_p, soff_p, caus_p, cnt_p,
+                 qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, tpb, H, grp, scale, log_rho):
+        q = AS_IN(q_p)
+        k = AS_IN(k_p)
+        v = AS_IN(v_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        doff = AS_I64(doff_p)
+        soff = AS_I64(soff_p)
+        cnt = AS_I64(cnt_p)
+        caus = AS_U8(caus_p)
+        sK = cuda.shared.array(SK, ACC)
+        sV = cuda.shared.array(SV, ACC)
+        sS = cuda.shared.array(SS, ACC)
+        sA = cuda.shared.array(NSLOT, ACC)
+        sB = cuda.shared.array(NSLOT, ACC)
+        sF = cuda.shared.array(1, numba.int32)
+        tid = cuda.threadIdx.x
+        bx = i64(cuda.blockIdx.x)
+        h = i64(cuda.blockIdx.y)
+        b = bx // tpb
+        d0 = doff[b]
+        d1 = doff[b + 1]
+        qoff = (bx - b * tpb) * BM  # first query row of this CTA, block-local
+        if d0 + qoff >= d1:
+            return
+        nd = d1 - d0
+        s0 = soff[b]
+        ns = soff[b + 1] - s0
+        causal = caus[b] != 0
+        hk = h // grp
+        lane = tid % G
+        grow = tid // G
+
+        qr = cuda.local.array(QS, ACC)
+        acc = cuda.local.array(VS, ACC)
+        mrow = cuda.local.array(R, ACC)
+        lrow = cuda.local.array(R, ACC)
+        tmax = cuda.local.array(R, ACC)
+        part = cuda.local.array(R, ACC)
+        for r in range(R):
+            il = qoff + grow * R + r
+            qb = (d0 + il) * qs0 + h * qs1
+            for c in range(DSQ):
+                d = c * G + lane
+                x = ACC(0.0)
+                if il < nd and d < D:
+                    x = ACC(q[qb + d * qs2]) * scale
+                qr[r * DSQ + c] = x
+            for c in range(DSV):
+                acc[r * DSV + c] = ACC(0.0)
+            mrow[r] = NEG_INF
+            lrow[r] = ACC(0.0)
+
+        kend = ns
+        if causal:
+            kend = min(ns, qoff + BM)
+        npruned = 0
+        ntotal = 0
+        for kt0 in range(0, kend, BN):
+            nk = min(BN, kend - kt0)
+            kb = s0 + kt0
+            cuda.syncthreads()  # the previous tile's readers are done with sK / sV / sS
+            for e in range(tid, BN * DP, NT):
+                j = e // DP
+                d = e - j * DP
+                x = ACC(0.0)
+                if j < nk and d < D:
+                    x = ACC(k[(kb + j) * ks0 + hk * ks1 + d * ks2])
+                sK[e] = x
+            for e in range(tid, BN * DVP, NT):
+                j = e // DVP
+                d = e - j * DVP
+                x = ACC(0.0)
+                if j < nk and d < DV:
+                    x = ACC(v[(kb + j) * vs0 + hk * vs1 + d * vs2])
+                sV[e] = x
+            cuda.syncthreads()
+
+            # phase 1: scores of this tile -> sS (masked entries -inf), row maxima -> tmax
+            for r in range(R):
+                tmax[r] = NEG_INF
+            for j in range(nk):
+                for r in range(R):
+                    part[r] = ACC(0.0)
+                for c in range(DSQ):
+                    kv = sK[j * DP + c * G + lane]
+                    for r in range(R):
+                        part[r] += qr[r * DSQ + c] * kv
+                for r in range(R):
+                    sc = part[r]
+                    off = G // 2
+                    while off > 0:
+                        sc += cuda.shfl_xor_sync(FULL, sc, off)
+                        off //= 2
+                    rl = grow * R + r
+                    il = qoff + rl
+                    if il >= nd or (causal and kt0 + j > il):
+                        sc = NEG_INF
+                    if lane == 0:
+                        sS[rl * BNP + j] = sc
+                    if sc > tmax[r]:
+                        tmax[r] = sc
+
+            if PRUNE:
+                # block-wide: max(tile scores) vs the running max of every row of the CTA
+                a = NEG_INF
+                bm = NEG_INF
+                for r in range(R):
+                    a = max(a, tmax[r])
+                    bm = max(bm, mrow[r])
+                off = RW // 2
+                while off > 0:
+                    a = max(a, cuda.shfl_xor_sync(FULL, a, off))
+                    bm = max(bm, cuda.shfl_xor_sync(FULL, bm, off))
+                    off //= 2
+                if tid % RW == 0:
+                    sA[tid // RW] = a
+                    sB[tid // RW] = bm
+                cuda.syncthreads()
+                if tid == 0:
+                    a = sA[0]
+                    bm = sB[0]
+                    for w in range(1, NSLOT):
+                        a = max(a, sA[w])
+                        bm = max(bm, sB[w])
+                    admit = 1
+                    if bm > NEG_INF and a < bm + log_rho:
+                        admit = 0
+                    ntotal += 1
+                    npruned += 1 - admit
+                    sF[0] = admit
+                cuda.syncthreads()
+                if sF[0] == 0:
+                    continue
+
+            if SYNC_GROUP:
+                cuda.syncwarp()  # lane 0 wrote the group's scores; all its lanes read them next
+            # phase 2: rescale once per tile, p = exp(s - m_new) in place, acc += p @ V
+            for r in range(R):
+                rl = grow * R + r
+                mo_ = mrow[r]
+                mn = max(mo_, tmax[r])
+                alpha = ACC(1.0)
+                if mn > NEG_INF:
+                    alpha = math.exp(mo_ - mn)
+                mrow[r] = mn
+                for c in range(DSV):
+                    acc[r * DSV + c] *= alpha
+                ps = ACC(0.0)
+                for j in range(lane, nk, G):
+                    sv = sS[rl * BNP + j]
+                    p = ACC(0.0)
+                    if sv > NEG_INF:
+                        p = math.exp(sv - mn)
+                    sS[rl * BNP + j] = p
+                    ps += p
+                off = G // 2
+                while off > 0:
+                    ps += cuda.shfl_xor_sync(FULL, ps, off)
+                    off //= 2
+                lrow[r] = lrow[r] * alpha + ps
+            if SYNC_GROUP:
+                cuda.syncwarp()
+            for j in range(nk):
+                for r in range(R):
+                    part[r] = sS[(grow * R + r) * BNP + j]
+                for c in range(DSV):
+                    vv = sV[j * DVP + c * G + lane]
+                    for r in range(R):
+                        acc[r * DSV + c] += part[r] * vv
+
+        for r in range(R):
+            il = qoff + grow * R + r
+            if il < nd:
+                i = d0 + il
+                lr = lrow[r]
+                inv = ACC(0.0)
+                if lr > 0:
+                    inv = ACC(1.0) / lr
+                ob = (i * H + h) * DV
+                for c in range(DSV):
+                    d = c * G + lane
+                    if d < DV:
+                        out[ob + d] = IN(acc[r * DSV + c] * inv)
+                if lane == 0:
+                    mo[i * H + h] = mrow[r]
+                    lo[i * H + h] = lr
+        if PRUNE and tid == 0:
+            cuda.atomic.add(cnt, 0, npruned)
+            cuda.atomic.add(cnt, 1, ntotal)
+
+    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("doff", "a", i64), ("soff", "a", i64),
+             ("caus", "a", numba.uint8), ("cnt", "a", i64)]
+            + _strides("q") + _strides("k") + _strides("v")
+            + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC),
+               ("log_rho", "s", ACC)])
+    name = f"blocks_fwd_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}" + ("_prune" if PRUNE else "")
+    return Kernel(name, fwd_body, spec)
+
+
+# --------------------------------------------------------------------------- backward: dq
+def make_dq(t):
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
+    D, DV, G, R, NT, BN = t.D, t.DV, t.G, t.R, t.NT, t.BN
+    BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
+    QS = max(1, R * DSQ)
+    VS = max(1, R * DSV)
+    SK = max(1, BN * DP)
+    SV = max(1, BN * DVP)
+
+    def dq_body(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dq_p, doff_p, soff_p, caus_p,
+                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
+                tpb, H, grp, scale):
+        q = AS_IN(q_p)
+        k = AS_IN(k_p)
+        v = AS_IN(v_p)
+        dout = AS_IN(dout_p)
+        dq = AS_IN(dq_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        delta = AS_ACC(delta_p)
+        doff = AS_I64(doff_p)
+        soff = AS_I64(soff_p)
+        caus = AS_U8(caus_p)
+        sK = cuda.shared.array(SK, ACC)
+        sV = cuda.shared.array(SV, ACC)
+        tid = cuda.threadIdx.x
+        bx = i64(cuda.blockIdx.x)
+        h = i64(cuda.blockIdx.y)
+        b = bx // tpb
+        d0 = doff[b]
+        d1 = doff[b + 1]
+        qoff = (bx - b * tpb) * BM
+        if d0 + qoff >= d1:
+            return
+        nd = d1 - d0
+        s0 = soff[b]
+        ns = soff[b + 1] - s0
+        causal = caus[b] != 0
+        hk = h // grp
+        lane = tid % G
+        grow = tid // G
+
+        qr = cuda.local.array(QS, ACC)
+        dqa = cuda.local.array(QS, ACC)
+        dor = cuda.local.array(VS, ACC)
+        mm = cuda.local.array(R, ACC)
+        il_ = cuda.local.array(R, ACC)
+        dl = cuda.local.array(R, ACC)
+        ps = cuda.local.array(R, ACC)
+        pd = cuda.local.array(R, ACC)
+        for r in range(R):
+            il = qoff + grow * R + r
+            i = d0 + il
+            for c in range(DSQ):
+                d = c * G + lane
+                x = ACC(0.0)
+                if il < nd and d < D:
+                    x = ACC(q[i * qs0 + h * qs1 + d * qs2]) * scale
+                qr[r * DSQ + c] = x
+                dqa[r * DSQ + c] = ACC(0.0)
+            for c in range(DSV):
+                d = c * G + lane
+                x = ACC(0.0)
+                if il < nd and d < DV:
+                    x = ACC(dout[i * os0 + h * os1 + d * os2])
+                dor[r * DSV + c] = x
+            mm[r] = NEG_INF
+            il_[r] = ACC(0.0)
+            dl[r] = ACC(0.0)
+            if il < nd:
+                lv = lo[i * H + h]
+                if lv > 0:
+                    mm[r] = mo[i * H + h]
+                    il_[r] = ACC(1.0) / lv
+                    dl[r] = delta[i * H + h]
+
+        kend = ns
+        if causal:
+            kend = min(ns, qoff + BM)
+        for kt0 in range(0, kend, BN):
+            nk = min(BN, kend - kt0)
+            kb = s0 + kt0
+            cuda.syncthreads()
+            for e in range(tid, BN * DP, NT):
+                j = e // DP
+                d = e - j * DP
+                x = ACC(0.0)
+                if j < nk and d < D:
+                    x = ACC(k[(kb + j) * ks0 + hk * ks1 + d * ks2])
+                sK[e] = x
+            for e in range(tid, BN * DVP, NT):
+                j = e // DVP
+                d = e - j * DVP
+                x = ACC(0.0)
+                if j < nk and d < DV:
+                    x = ACC(v[(kb + j) * vs0 + hk * vs1 + d * vs2])
+                sV[e] = x
+            cuda.syncthreads()
+            for j in range(nk):
+                for r in range(R):
+                    ps[r] = ACC(0.0)
+                    pd[r] = ACC(0.0)
+                for c in range(DSQ):
+                    kv = sK[j * DP + c * G + lane]
+                    for r in range(R):
+                        ps[r] += qr[r * DSQ + c] * kv
+                for c in range(DSV):
+                    vv = sV[j * DVP + c * G + lane]
+                    for r in range(R):
+                        pd[r] += dor[r * DSV + c] * vv
+                for r in range(R):
+                    s = ps[r]
+                    dp = pd[r]
+                    off = G // 2
+                    while off > 0:
+                        s += cuda.shfl_xor_sync(FULL, s, off)
+                        dp += cuda.shfl_xor_sync(FULL, dp, off)
+                        off //= 2
+                    il = qoff + grow * R + r
+                    p = ACC(0.0)
+                    if il_[r] > 0 and not (causal and kt0 + j > il):
+                        p = math.exp(s - mm[r]) * il_[r]
+                    ps[r] = p * (dp - dl[r])
+                for c in range(DSQ):
+                    kv = sK[j * DP + c * G + lane]
+                    for r in range(R):
+                        dqa[r * DSQ + c] += ps[r] * kv
+
+        for r in range(R):
+            il = qoff + grow * R + r
+            if il < nd:
+                ob = ((d0 + il) * H + h) * D
+                for c in range(DSQ):
+                    d = c * G + lane
+                    if d < D:
+                        dq[ob + d] = IN(dqa[r * DSQ + c] * scale)
+
+    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dq", "a", IN),
+             ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8)]
+            + _strides("q") + _strides("k") + _strides("v") + _strides("o")
+            + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
+    return Kernel(f"blocks_dq_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}", dq_body, spec)
+
+
+# --------------------------------------------------------------------------- backward: dk, dv
+def make_dkdv(t):
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
+    D, DV, G, R, NT, BN = t.D, t.DV, t.G, t.R, t.NT, t.BN
+    BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
+    QS = max(1, R * DSQ)
+    VS = max(1, R * DSV)
+    SQ = max(1, BN * DP)
+    SO = max(1, BN * DVP)
+
+    def dkdv_body(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dk_p, dv_p, doff_p, soff_p, caus_p,
+                  qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
+                  tpb, H, grp, scale):
+        q = AS_IN(q_p)
+        k = AS_IN(k_p)
+        v = AS_IN(v_p)
+        dout = AS_IN(dout_p)
+        dk = AS_IN(dk_p)
+        dv = AS_IN(dv_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        delta = AS_ACC(delta_p)
+        doff = AS_I64(doff_p)
+        soff = AS_I64(soff_p)
+        caus = AS_U8(caus_p)
+        sQ = cuda.shared.array(SQ, ACC)
+        sO = cuda.shared.array(SO, ACC)
+        sM = cuda.shared.array(BN, ACC)
+        sL = cuda.shared.array(BN, ACC)
+        sD = cuda.shared.array(BN, ACC)
+        tid = cuda.threadIdx.x
+        bx = i64(cuda.blockIdx.x)
+        hk = i64(cuda.blockIdx.y)
+        Hkv = H // grp
+        b = bx // tpb
+        s0 = soff[b]
+        s1 = soff[b + 1]
+        koff = (bx - b * tpb) * BM
+        if s0 + koff >= s1:
+            return
+        ns = s1 - s0
+        d0 = doff[b]
+        nd = doff[b + 1] - d0
+        causal = caus[b] != 0
+        lane = tid % G
+        grow = tid // G
+
+        kr = cuda.local.array(QS, ACC)
+        dka = cuda.local.array(QS, ACC)
+        vr = cuda.local.array(VS, ACC)
+        dva = cuda.local.array(VS, ACC)
+        ps = cuda.local.array(R, ACC)
+        pd = cuda.local.array(R, ACC)
+        for r in range(R):
+            kl = koff + grow * R + r
+            j = s0 + kl
+            for c in range(DSQ):
+                d = c * G + lane
+                x = ACC(0.0)
+                if kl < ns and d < D:
+                    x = ACC(k[j * ks0 + hk * ks1 + d * ks2]) * scale
+                kr[r * DSQ + c] = x
+                dka[r * DSQ + c] = ACC(0.0)
+            for c in range(DSV):
+                d = c * G + lane
+                x = ACC(0.0)
+                if kl < ns and d < DV:
+                    x = ACC(v[j * vs0 + hk * vs1 + d * vs2])
+                vr[r * DSV + c] = x
+                dva[r * DSV + c] = ACC(0.0)
+
+        qstart = 0
+        if causal:
+            qstart = koff
+        for g in range(grp):
+            h = hk * grp + g
+            for qt0 in range(qstart, nd, BN):
+                nq = min(BN, nd - qt0)
+                qb = d0 + qt0
+                cuda.syncthreads()
+                for e in range(tid, BN * DP, NT):
+                    jq = e // DP
+                    d = e - jq * DP
+                    x = ACC(0.0)
+                    if jq < nq and d < D:
+                        x = ACC(q[(qb + jq) * qs0 + h * qs1 + d * qs2])
+                    sQ[e] = x
+                for e in range(tid, BN * DVP, NT):
+                    jq = e // DVP
+                    d = e - jq * DVP
+                    x = ACC(0.0)
+                    if jq < nq and d < DV:
+                        x = ACC(dout[(qb + jq) * os0 + h * os1 + d * os2])
+                    sO[e] = x
+                for e in range(tid, BN, NT):
+                    mv = NEG_INF
+                    lv = ACC(0.0)
+                    dv_ = ACC(0.0)
+                    if e < nq:
+                        row = (qb + e) * H + h
+                        l_ = lo[row]
+                        if l_ > 0:
+                            mv = mo[row]
+                            lv = ACC(1.0) / l_
+                            dv_ = delta[row]
+                    sM[e] = mv
+                    sL[e] = lv
+                    sD[e] = dv_
+                cuda.syncthreads()
+                for jq in range(nq):
+                    for r in range(R):
+                        ps[r] = ACC(0.0)
+                        pd[r] = ACC(0.0)
+                    for c in range(DSQ):
+                        qv = sQ[jq * DP + c * G + lane]
+                        for r in range(R):
+                            ps[r] += kr[r * DSQ + c] * qv
+                    for c in range(DSV):
+                        ov = sO[jq * DVP + c * G + lane]
+                        for r in range(R):
+                            pd[r] += vr[r * DSV + c] * ov
+                    lv = sL[jq]
+                    mv = sM[jq]
+                    dlt = sD[jq]
+                    for r in range(R):
+                        s = ps[r]
+                        dp = pd[r]
+                        off = G // 2
+                        while off > 0:
+                            s += cuda.shfl_xor_sync(FULL, s, off)
+                            dp += cuda.shfl_xor_sync(FULL, dp, off)
+                            off //= 2
+                        kl = koff + grow * R + r
+                        p = ACC(0.0)
+                        if lv > 0 and kl < ns and not (causal and qt0 + jq < kl):
+                            p = math.exp(s - mv) * lv
+                        ps[r] = p
+                        pd[r] = p * (dp - dlt)
+                    for c in range(DSV):
+                        ov = sO[jq * DVP + c * G + lane]
+                        for r in range(R):
+                            dva[r * DSV + c] += ps[r] * ov
+                    for c in range(DSQ):
+                        qv = sQ[jq * DP + c * G + lane]
+                        for r in range(R):
+                            dka[r * DSQ + c] += pd[r] * qv
+
+        for r in range(R):
+            kl = koff + grow * R + r
+            if kl < ns:
+                j = s0 + kl
+                ob = (j * Hkv + hk) * D
+                for c in range(DSQ):
+                    d = c * G + lane
+                    if d < D:
+                        dk[ob + d] = IN(dka[r * DSQ + c] * scale)
+                ob = (j * Hkv + hk) * DV
+                for c in range(DSV):
+                    d = c * G + lane
+                    if d < DV:
+                        dv[ob + d] = IN(dva[r * DSV + c])
+
+    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dk", "a", IN),
+             ("dv", "a", IN), ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8)]
+            + _strides("q") + _strides("k") + _strides("v") + _strides("o")
+            + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
+    return Kernel(f"blocks_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}", dkdv_body, spec)

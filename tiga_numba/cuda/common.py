@@ -1,0 +1,54 @@
+"""Shared pieces of the CUDA kernel factories: dtypes and the Delta = rowsum(dO * O)
+kernel of the backward."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from .launch import SIM, Kernel, array_view
+
+FULL = 0xFFFFFFFF
+NEG_INF = -math.inf
+
+
+def nbtype(name):
+    return numba.from_dtype(np.dtype(name))
+
+
+def make_delta(dtype, acc):
+    """Delta[i, h] = sum_d dO[i, h, d] * O[i, h, d] (accumulation dtype), one warp per row."""
+    IN, ACC = nbtype(dtype), nbtype(acc)
+    GD = 1 if SIM else 32
+    NT = 32 if SIM else 128
+    AS_IN, AS_ACC = array_view(IN), array_view(ACC)
+
+    def delta_body(dout_p, out_p, delta_p, ds0, ds1, ds2, os0, os1, os2, nrows, H, DV):
+        dout = AS_IN(dout_p)
+        out = AS_IN(out_p)
+        delta = AS_ACC(delta_p)
+        gid = cuda.blockIdx.x * NT + cuda.threadIdx.x
+        row = gid // GD
+        lane = gid - row * GD
+        i = row // H
+        h = row - i * H
+        a = ACC(0.0)
+        if row < nrows:
+            for d in range(lane, DV, GD):
+                a += ACC(dout[i * ds0 + h * ds1 + d * ds2]) * ACC(out[i * os0 + h * os1 + d * os2])
+        off = GD // 2
+        while off > 0:
+            a += cuda.shfl_xor_sync(FULL, a, off)
+            off //= 2
+        if lane == 0 and row < nrows:
+            delta[row] = a
+
+    i64 = numba.int64
+    spec = [("dout", "a", IN), ("out", "a", IN), ("delta", "a", ACC)] + [
+        (n, "s", i64) for n in ("ds0", "ds1", "ds2", "os0", "os1", "os2", "nrows", "H", "DV")]
+    kern = Kernel(f"delta_{dtype}", delta_body, spec)
+    kern.rows_per_cta = NT // GD
+    kern.NT = NT
+    return kern

@@ -1,0 +1,390 @@
+"""CUDA-core kernels for CSR relations (graph attention).
+
+One lane group of G consecutive lanes per (destination row, head) in the forward and the dq
+pass, per (source row, key/value head) in the dk/dv pass; lane s owns head-dimension slice
+d = s, s+G, ... . Consecutive groups are consecutive heads of the same row, so a warp reads
+a gathered key/value row as a few fully used 32-byte sectors: the kernels are bound by the
+gather bandwidth (each edge reads one key row and one value row), which is what they aim at.
+
+forward: online softmax per edge (two edges per step, so four row loads are in flight and the
+running max is rescaled once per pair); edge_bias (E, H) is added to the scaled score; D = 0
+(precomputed per-edge scores) works: the dot product is empty.
+
+backward, deterministic without atomics: dq (and dbias, one writer per edge) by destination
+rows over the CSR; dk/dv by source rows over the transposed CSR (rows = sources, `perm` maps
+each entry to its edge id for the bias), summing a GQA group's query heads in a fixed order.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+from numba import cuda
+
+from .common import NEG_INF, nbtype
+from .launch import Kernel, array_view
+
+i64 = numba.int64
+i32 = numba.int32
+u32 = numba.uint32
+
+
+def _strides(prefix):
+    return [(f"{prefix}s{n}", "s", i64) for n in range(3)]
+
+
+def make_forward(t, bias):
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
+    D, DV, G, NT = t.D, t.DV, t.G, t.NT
+    DSQ, DSV = t.DSQ, t.DSV
+    QS, VS = max(1, DSQ), max(1, DSV)
+    BIAS = bool(bias)
+    GM = (1 << G) - 1
+
+    def csr_fwd(q_p, k_p, v_p, out_p, mo_p, lo_p, indptr_p, indices_p, bias_p,
+                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, nrows, H, grp, scale):
+        q = AS_IN(q_p)
+        k = AS_IN(k_p)
+        v = AS_IN(v_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        indptr = AS_I64(indptr_p)
+        indices = AS_I32(indices_p)
+        eb = AS_ACC(bias_p)
+        tid = cuda.threadIdx.x
+        gid = i64(cuda.blockIdx.x) * NT + tid
+        gi = gid // G
+        lane = gid - gi * G
+        i = gi // H
+        h = gi - i * H
+        if i >= nrows:
+            return
+        mask = u32(GM << ((tid % 32) - lane))
+        hk = h // grp
+        qr = cuda.local.array(QS, ACC)
+        acc = cuda.local.array(VS, ACC)
+        va = cuda.local.array(VS, ACC)
+        vb = cuda.local.array(VS, ACC)
+        qb = i * qs0 + h * qs1
+        for c in range(DSQ):
+            d = c * G + lane
+            x = ACC(0.0)
+            if d < D:
+                x = ACC(q[qb + d * qs2]) * scale
+            qr[c] = x
+        for c in range(DSV):
+            acc[c] = ACC(0.0)
+        m = NEG_INF
+        l = ACC(0.0)
+        e = indptr[i]
+        e1 = indptr[i + 1]
+        while e + 1 < e1:
+            j0 = i64(indices[e])
+            j1 = i64(indices[e + 1])
+            kb0 = j0 * ks0 + hk * ks1
+            kb1 = j1 * ks0 + hk * ks1
+            vb0 = j0 * vs0 + hk * vs1
+            vb1 = j1 * vs0 + hk * vs1
+            s0 = ACC(0.0)
+            s1 = ACC(0.0)
+            for c in range(DSQ):
+                d = c * G + lane
+                if d < D:
+                    s0 += qr[c] * ACC(k[kb0 + d * ks2])
+                    s1 += qr[c] * ACC(k[kb1 + d * ks2])
+            for c in range(DSV):
+                d = c * G + lane
+                x0 = ACC(0.0)
+                x1 = ACC(0.0)
+                if d < DV:
+                    x0 = ACC(v[vb0 + d * vs2])
+                    x1 = ACC(v[vb1 + d * vs2])
+                va[c] = x0
+                vb[c] = x1
+            off = G // 2
+            while off > 0:
+                s0 += cuda.shfl_xor_sync(mask, s0, off)
+                s1 += cuda.shfl_xor_sync(mask, s1, off)
+                off //= 2
+            if BIAS:
+                s0 += eb[e * H + h]
+                s1 += eb[(e + 1) * H + h]
+            mn = max(m, max(s0, s1))
+            if mn > NEG_INF:
+                alpha = math.exp(m - mn)
+                p0 = math.exp(s0 - mn)
+                p1 = math.exp(s1 - mn)
+                l = l * alpha + p0 + p1
+                for c in range(DSV):
+                    acc[c] = acc[c] * alpha + p0 * va[c] + p1 * vb[c]
+                m = mn
+            e += 2
+        if e < e1:
+            j0 = i64(indices[e])
+            kb0 = j0 * ks0 + hk * ks1
+            vb0 = j0 * vs0 + hk * vs1
+            s0 = ACC(0.0)
+            for c in range(DSQ):
+                d = c * G + lane
+                if d < D:
+                    s0 += qr[c] * ACC(k[kb0 + d * ks2])
+            for c in range(DSV):
+                d = c * G + lane
+                x0 = ACC(0.0)
+                if d < DV:
+                    x0 = ACC(v[vb0 + d * vs2])
+                va[c] = x0
+            off = G // 2
+            while off > 0:
+                s0 += cuda.shfl_xor_sync(mask, s0, off)
+                off //= 2
+            if BIAS:
+                s0 += eb[e * H + h]
+            mn = max(m, s0)
+            if mn > NEG_INF:
+                alpha = math.exp(m - mn)
+                p0 = math.exp(s0 - mn)
+                l = l * alpha + p0
+                for c in range(DSV):
+                    acc[c] = acc[c] * alpha + p0 * va[c]
+                m = mn
+        inv = ACC(0.0)
+        if l > 0:
+            inv = ACC(1.0) / l
+        ob = (i * H + h) * DV
+        for c in range(DSV):
+            d = c * G + lane
+            if d < DV:
+                out[ob + d] = IN(acc[c] * inv)
+        if lane == 0:
+            mo[i * H + h] = m
+            lo[i * H + h] = l
+
+    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("indptr", "a", i64), ("indices", "a", i32),
+             ("bias", "a", ACC)]
+            + _strides("q") + _strides("k") + _strides("v")
+            + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
+    return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_fwd, spec)
+
+
+def make_dq(t, bias):
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
+    D, DV, G, NT = t.D, t.DV, t.G, t.NT
+    DSQ, DSV = t.DSQ, t.DSV
+    QS, VS = max(1, DSQ), max(1, DSV)
+    BIAS = bool(bias)
+    GM = (1 << G) - 1
+
+    def csr_dq(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dq_p, dbias_p, indptr_p, indices_p,
+               bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
+               nrows, H, grp, scale):
+        q = AS_IN(q_p)
+        k = AS_IN(k_p)
+        v = AS_IN(v_p)
+        dout = AS_IN(dout_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        delta = AS_ACC(delta_p)
+        dq = AS_IN(dq_p)
+        dbias = AS_ACC(dbias_p)
+        indptr = AS_I64(indptr_p)
+        indices = AS_I32(indices_p)
+        eb = AS_ACC(bias_p)
+        tid = cuda.threadIdx.x
+        gid = i64(cuda.blockIdx.x) * NT + tid
+        gi = gid // G
+        lane = gid - gi * G
+        i = gi // H
+        h = gi - i * H
+        if i >= nrows:
+            return
+        mask = u32(GM << ((tid % 32) - lane))
+        hk = h // grp
+        qr = cuda.local.array(QS, ACC)
+        kr = cuda.local.array(QS, ACC)
+        dqa = cuda.local.array(QS, ACC)
+        dor = cuda.local.array(VS, ACC)
+        for c in range(DSQ):
+            d = c * G + lane
+            x = ACC(0.0)
+            if d < D:
+                x = ACC(q[i * qs0 + h * qs1 + d * qs2]) * scale
+            qr[c] = x
+            dqa[c] = ACC(0.0)
+        for c in range(DSV):
+            d = c * G + lane
+            x = ACC(0.0)
+            if d < DV:
+                x = ACC(dout[i * os0 + h * os1 + d * os2])
+            dor[c] = x
+        row = i * H + h
+        lv = lo[row]
+        mv = NEG_INF
+        il = ACC(0.0)
+        dl = ACC(0.0)
+        if lv > 0:
+            mv = mo[row]
+            il = ACC(1.0) / lv
+            dl = delta[row]
+        for e in range(indptr[i], indptr[i + 1]):
+            j = i64(indices[e])
+            kb = j * ks0 + hk * ks1
+            vb = j * vs0 + hk * vs1
+            s = ACC(0.0)
+            dp = ACC(0.0)
+            for c in range(DSQ):
+                d = c * G + lane
+                x = ACC(0.0)
+                if d < D:
+                    x = ACC(k[kb + d * ks2])
+                kr[c] = x
+                s += qr[c] * x
+            for c in range(DSV):
+                d = c * G + lane
+                if d < DV:
+                    dp += dor[c] * ACC(v[vb + d * vs2])
+            off = G // 2
+            while off > 0:
+                s += cuda.shfl_xor_sync(mask, s, off)
+                dp += cuda.shfl_xor_sync(mask, dp, off)
+                off //= 2
+            if BIAS:
+                s += eb[e * H + h]
+            p = ACC(0.0)
+            if il > 0:
+                p = math.exp(s - mv) * il
+            ds = p * (dp - dl)
+            for c in range(DSQ):
+                dqa[c] += ds * kr[c]
+            if BIAS and lane == 0:
+                dbias[e * H + h] = ds
+        ob = (i * H + h) * D
+        for c in range(DSQ):
+            d = c * G + lane
+            if d < D:
+                dq[ob + d] = IN(dqa[c] * scale)
+
+    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dq", "a", IN),
+             ("dbias", "a", ACC), ("indptr", "a", i64), ("indices", "a", i32), ("bias", "a", ACC)]
+            + _strides("q") + _strides("k") + _strides("v") + _strides("o")
+            + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
+    return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_dq, spec)
+
+
+def make_dkdv(t, bias):
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
+    D, DV, G, NT = t.D, t.DV, t.G, t.NT
+    DSQ, DSV = t.DSQ, t.DSV
+    QS, VS = max(1, DSQ), max(1, DSV)
+    BIAS = bool(bias)
+    GM = (1 << G) - 1
+
+    def csr_dkdv(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dk_p, dv_p, tptr_p, tind_p,
+                 perm_p, bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
+                 nsrc, H, grp, scale):
+        q = AS_IN(q_p)
+        k = AS_IN(k_p)
+        v = AS_IN(v_p)
+        dout = AS_IN(dout_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        delta = AS_ACC(delta_p)
+        dk = AS_IN(dk_p)
+        dv = AS_IN(dv_p)
+        tptr = AS_I64(tptr_p)
+        tind = AS_I32(tind_p)
+        perm = AS_I64(perm_p)
+        eb = AS_ACC(bias_p)
+        tid = cuda.threadIdx.x
+        gid = i64(cuda.blockIdx.x) * NT + tid
+        gi = gid // G
+        lane = gid - gi * G
+        Hkv = H // grp
+        j = gi // Hkv
+        hk = gi - j * Hkv
+        if j >= nsrc:
+            return
+        mask = u32(GM << ((tid % 32) - lane))
+        kr = cuda.local.array(QS, ACC)
+        vr = cuda.local.array(VS, ACC)
+        qv = cuda.local.array(QS, ACC)
+        ov = cuda.local.array(VS, ACC)
+        dka = cuda.local.array(QS, ACC)
+        dva = cuda.local.array(VS, ACC)
+        for c in range(DSQ):
+            d = c * G + lane
+            x = ACC(0.0)
+            if d < D:
+                x = ACC(k[j * ks0 + hk * ks1 + d * ks2]) * scale
+            kr[c] = x
+            dka[c] = ACC(0.0)
+        for c in range(DSV):
+            d = c * G + lane
+            x = ACC(0.0)
+            if d < DV:
+                x = ACC(v[j * vs0 + hk * vs1 + d * vs2])
+            vr[c] = x
+            dva[c] = ACC(0.0)
+        for tt in range(tptr[j], tptr[j + 1]):
+            i = i64(tind[tt])
+            e = perm[tt]
+            for g in range(grp):
+                h = hk * grp + g
+                row = i * H + h
+                s = ACC(0.0)
+                dp = ACC(0.0)
+                for c in range(DSQ):
+                    d = c * G + lane
+                    x = ACC(0.0)
+                    if d < D:
+                        x = ACC(q[i * qs0 + h * qs1 + d * qs2])
+                    qv[c] = x
+                    s += kr[c] * x
+                for c in range(DSV):
+                    d = c * G + lane
+                    x = ACC(0.0)
+                    if d < DV:
+                        x = ACC(dout[i * os0 + h * os1 + d * os2])
+                    ov[c] = x
+                    dp += vr[c] * x
+                off = G // 2
+                while off > 0:
+                    s += cuda.shfl_xor_sync(mask, s, off)
+                    dp += cuda.shfl_xor_sync(mask, dp, off)
+                    off //= 2
+                if BIAS:
+                    s += eb[e * H + h]
+                lv = lo[row]
+                p = ACC(0.0)
+                ds = ACC(0.0)
+                if lv > 0:
+                    p = math.exp(s - mo[row]) / lv
+                    ds = p * (dp - delta[row])
+                for c in range(DSV):
+                    dva[c] += p * ov[c]
+                for c in range(DSQ):
+                    dka[c] += ds * qv[c]
+        ob = (j * Hkv + hk) * D
+        for c in range(DSQ):
+            d = c * G + lane
+            if d < D:
+                dk[ob + d] = IN(dka[c] * scale)
+        ob = (j * Hkv + hk) * DV
+        for c in range(DSV):
+            d = c * G + lane
+            if d < DV:
+                dv[ob + d] = IN(dva[c])
+
+    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dk", "a", IN),
+             ("dv", "a", IN), ("tptr", "a", i64), ("tind", "a", i32), ("perm", "a", i64),
+             ("bias", "a", ACC)]
+            + _strides("q") + _strides("k") + _strides("v") + _strides("o")
+            + [("nsrc", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
+    return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_dkdv, spec)

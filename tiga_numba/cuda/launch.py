@@ -1,0 +1,189 @@
+"""Low-overhead kernel launches: raw pointers in, pre-built launch path out.
+
+Passing cupy arrays to a numba kernel costs tens of microseconds per array (each one is
+re-wrapped as a DeviceNDArray). The kernels here therefore take every array as an int64
+device address and rebuild a flat 1-D array view inside the kernel (`ptr_array`), so that
+all kernel arguments are scalars with an explicit signature. The launch goes straight to
+cuda.core with ctypes scalars, skipping numba's dispatcher; if that path is unavailable we
+fall back to the compiled kernel's own launch (same arguments, a little slower).
+
+Under the simulator (NUMBA_ENABLE_CUDASIM=1) there are no pointers: the same kernel body is
+wrapped to take host arrays directly, so the logic can be checked without a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numba
+from numba import cuda
+
+SIM = bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") or 0))
+
+_CTYPES = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "float32": ctypes.c_float,
+           "float64": ctypes.c_double, "uint64": ctypes.c_uint64}
+
+_PTR_ARRAYS = {}
+
+
+def ptr_array(nbtype):
+    """Intrinsic `f(ptr) -> 1-D C array of nbtype` starting at device address `ptr`.
+
+    The view's length is nominal (2**40): every kernel computes its own in-bounds offsets.
+    """
+    key = str(nbtype)
+    if key in _PTR_ARRAYS:
+        return _PTR_ARRAYS[key]
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    arrty = types.Array(nbtype, 1, "C")
+
+    @intrinsic
+    def as_array(typingctx, ptr):
+        sig = arrty(ptr)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(arrty)(context, builder)
+            dty = context.get_data_type(nbtype)
+            data = builder.inttoptr(args[0], dty.as_pointer())
+            intp = context.get_value_type(types.intp)
+            itemsize = context.get_abi_sizeof(dty)
+            context.populate_array(ary, data=data, shape=[ir.Constant(intp, 1 << 40)],
+                                   strides=[ir.Constant(intp, itemsize)],
+                                   itemsize=ir.Constant(intp, itemsize), meminfo=None)
+            return ary._getvalue()
+        return sig, codegen
+
+    _PTR_ARRAYS[key] = as_array
+    return as_array
+
+
+def _identity(x):
+    return x
+
+
+def array_view(nbtype):
+    """What a kernel calls on an array argument: the pointer->array intrinsic on the GPU,
+    the identity under the simulator (which passes host arrays)."""
+    return _identity if SIM else ptr_array(nbtype)
+
+
+class Kernel:
+    """A kernel with a fixed all-scalar signature and a cheap launch.
+
+    `pyfunc` is the kernel's Python function; spec lists its parameters in order as
+    (name, kind, nbtype) with kind "a" for an array (an int64 device address on the GPU,
+    turned into a view by `array_view` inside the kernel; a host array under the simulator)
+    or "s" for a scalar. Compiled on first launch; `compile_ptx` works without a GPU.
+    """
+
+    def __init__(self, name, pyfunc, spec, **jit_options):
+        pyfunc.__name__ = pyfunc.__qualname__ = name
+        self.name = name
+        self.spec = spec
+        if SIM:
+            self.pyfunc = pyfunc
+            self._dispatcher = cuda.jit(pyfunc)
+            self.sig = None
+            self._conv = None
+            return
+        argtys = tuple(numba.int64 if kind == "a" else ty for _, kind, ty in spec)
+        self.pyfunc = pyfunc
+        self.sig = numba.void(*argtys)
+        self.argtypes = argtys
+        self.jit_options = jit_options
+        self._dispatcher = None
+        self._conv = [_CTYPES[str(t)] for t in argtys]
+        self._fast = None
+
+    @property
+    def dispatcher(self):
+        """The numba kernel, compiled on first use (needs a GPU)."""
+        if self._dispatcher is None:
+            self._dispatcher = cuda.jit(self.sig, **self.jit_options)(self.pyfunc)
+        return self._dispatcher
+
+    @dispatcher.setter
+    def dispatcher(self, value):
+        self._dispatcher = value
+
+    # -- compile-only helpers: work without a GPU (CI)
+    def compile_ptx(self, cc=(9, 0)):
+        """PTX text for compute capability `cc`, compiled here (no device needed)."""
+        ptx, _ = cuda.compile_ptx(self.pyfunc, self.argtypes, cc=cc, **self.jit_options)
+        return ptx
+
+    def ptx(self):
+        """PTX of the kernel as it runs (compiled for the current device when one exists)."""
+        try:
+            return self.dispatcher.inspect_asm(self.argtypes)
+        except Exception:
+            return self.compile_ptx()
+
+    def llvm(self):
+        try:
+            return self.dispatcher.inspect_llvm(self.argtypes)
+        except Exception:
+            return "(LLVM IR is produced when the kernel is compiled for a device)"
+
+    def resources(self):
+        """(registers, static shared bytes, local bytes per thread) of the compiled kernel."""
+        k = self.dispatcher.overloads[self.argtypes]
+        return (k.get_regs_per_thread(), k.get_shared_mem_per_block(), k.get_local_mem_per_thread())
+
+    def _prepare_fast(self):
+        try:
+            from cuda.core import LaunchConfig, launch
+            k = self.dispatcher.overloads[self.argtypes]
+            func = k._codelibrary.get_cufunc().kernel
+            self._fast = (launch, LaunchConfig, func)
+        except Exception:  # pragma: no cover - older numba-cuda / cuda.core
+            self._fast = False
+
+    def __call__(self, grid, block, stream, *args):
+        """Launch on `stream` (an object with __cuda_stream__, or None under the simulator)."""
+        if SIM:
+            self.dispatcher[grid, block](*args)
+            return
+        cargs = [c(a) for c, a in zip(self._conv, args)]
+        if self._fast is None:
+            self._prepare_fast()
+        if self._fast:
+            launch, LaunchConfig, func = self._fast
+            launch(stream, LaunchConfig(grid=grid, block=block), func, *cargs)
+        else:  # pragma: no cover
+            k = self.dispatcher.overloads[self.argtypes]
+            k.launch(args, grid, block, stream.numba(), 0)
+
+
+class StreamRef:
+    """The caller's cupy stream as cuda.core sees it (the __cuda_stream__ protocol)."""
+
+    __slots__ = ("ptr", "_numba")
+
+    def __init__(self, ptr):
+        self.ptr = int(ptr)
+        self._numba = None
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+    def numba(self):
+        if self._numba is None:
+            self._numba = cuda.external_stream(self.ptr) if self.ptr else cuda.default_stream()
+        return self._numba
+
+
+_STREAMS = {}
+
+
+def current_stream():
+    """cupy's current stream, wrapped once per stream pointer."""
+    import cupy
+    ptr = cupy.cuda.get_current_stream().ptr
+    s = _STREAMS.get(ptr)
+    if s is None:
+        s = _STREAMS[ptr] = StreamRef(ptr)
+    return s
