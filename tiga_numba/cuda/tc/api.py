@@ -92,6 +92,54 @@ def _env(dtype):
     return env
 
 
+def _cache_dir():
+    import os
+    d = os.environ.get("TIGA_NUMBA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tiga_numba")
+    return os.path.join(d, "tc")
+
+
+def _load_cached_module(name, src, dtype):
+    """Write the generated source to a real file (once per source hash) and import it, so that
+    numba's on-disk cache (cache=True) works: the second process on a machine skips NVVM."""
+    import hashlib
+    import importlib.util
+    import os
+
+    import numba
+    header = ("import math\nimport numba\nfrom numba import cuda\n"
+              "from tiga_numba.cuda.tc.ptx import intrinsics as _intrinsics\n"
+              f"globals().update(_intrinsics({dtype!r}))\n"
+              "i64 = numba.int64; f32 = numba.float32; u32 = numba.uint32; u8 = numba.uint8\n"
+              "fmaxf = max; imin = min; log2f = math.log2\n\n")
+    text = header + src
+    h = hashlib.sha1((text + numba.__version__ + str(_numba_cuda_version())).encode()).hexdigest()[:16]
+    d = _cache_dir()
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"{name}_{h}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    import sys
+    modname = f"_tiga_tc_{name}_{h}"
+    if modname in sys.modules:
+        return sys.modules[modname].kernel
+    spec = importlib.util.spec_from_file_location(modname, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = mod   # numba's cache wants the function's module importable
+    spec.loader.exec_module(mod)
+    return mod.kernel
+
+
+def _numba_cuda_version():
+    try:
+        from importlib.metadata import version
+        return version("numba-cuda")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
 class Compiled:
     """One generated kernel compiled with an explicit all-scalar signature; cheap launches."""
 
@@ -99,10 +147,17 @@ class Compiled:
         import numba
         from numba import cuda
         self.name, self.src = name, src
-        env = _env(dtype)
-        exec(compile(src, f"<{name}>", "exec"), env)
         self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
-        self.dispatcher = cuda.jit(numba.void(*self.argtypes), fastmath=True, lineinfo=False)(env["kernel"])
+        sig = numba.void(*self.argtypes)
+        try:
+            fn = _load_cached_module(name, src, dtype)
+            self.dispatcher = cuda.jit(sig, fastmath=True, cache=True)(fn)
+            self.disk_cache = True
+        except Exception:  # noqa: BLE001 - read-only home, odd filesystems: compile in memory
+            env = _env(dtype)
+            exec(compile(src, f"<{name}>", "exec"), env)
+            self.dispatcher = cuda.jit(sig, fastmath=True)(env["kernel"])
+            self.disk_cache = False
         self._conv = None
         self._fast = None
 
@@ -129,9 +184,13 @@ class Compiled:
                 self._fast = False
         if self._fast:
             launch, LaunchConfig, func = self._fast
-            launch(stream, LaunchConfig(grid=grid, block=block), func,
-                   *[c(a) for c, a in zip(self._conv, args)])
-        else:
+            try:
+                launch(stream, LaunchConfig(grid=grid, block=block), func,
+                       *[c(a) for c, a in zip(self._conv, args)])
+                return
+            except (TypeError, AttributeError):   # stream object cuda.core does not take
+                self._fast = False
+        if not self._fast:
             self.dispatcher[grid, block, stream.numba()](*args)
 
 
@@ -255,6 +314,47 @@ def _info(plan, **kw):
     info.update(kw)
 
 
+# ----------------------------------------------------------------------------- raw launches
+def relation_record(dst_offsets, src_offsets, causal):
+    """host-side relation (numpy offsets) for launch_forward / launch_backward callers."""
+    return dict(dst=np.asarray(dst_offsets, np.int64), src=np.asarray(src_offsets, np.int64),
+                causal=np.asarray(causal, np.uint8), tables={})
+
+
+def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None):
+    """Launch the forward on raw operands: q, k, v = (address, row stride, head stride) in bytes;
+    out (num_dst, H, Dv) contiguous, m, l (num_dst, H) float32 contiguous. Returns (kernel, cache)."""
+    kern, cache = kernel(vr)
+    work, W = _work(rec, "q", vr.BM)
+    if W and H:
+        kern((W, H), (vr.NT,), stream or current_stream(), q[0], k[0], v[0], outp, mp, lp, _ptr(work),
+             q[1], q[2], k[1], k[2], v[1], v[2], H * vr.Dv * 2, H // Hkv, scale * G.LOG2E, -math.inf)
+    return kern, cache
+
+
+def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
+                    stream=None):
+    """Delta pre-pass, dQ, dK/dV on raw operands ((address, row stride, head stride) tuples; outputs
+    contiguous; delta, lse2 float32 (num_dst, H) scratch). Returns the two kernels' cache states."""
+    st = stream or current_stream()
+    sc = scale * G.LOG2E
+    kd = delta_kernel(vq.dtype, vq.Dv)
+    if nd * H:
+        kd(((nd * H + 3) // 4,), (128,), st, o[0], do[0], mp, lp, deltap, lse2p, nd, H, o[1], o[2], do[1], do[2])
+    kq, c1 = kernel(vq)
+    work, W = _work(rec, "q", vq.BM)
+    if W and H:
+        kq((W, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, _ptr(work),
+           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * 2, H // Hkv, sc, scale)
+    kk, c2 = kernel(vk)
+    work, W = _work(rec, "k", vk.BM)
+    if W and Hkv:
+        kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, _ptr(work),
+           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * 2, Hkv * vk.Dv * 2, H // Hkv, H,
+           sc, scale)
+    return kq, ("hit" if (c1 == "hit" and c2 == "hit") else "miss")
+
+
 # ----------------------------------------------------------------------------- forward
 def forward(plan, q, k, v, relation, edge_bias=None):
     if edge_bias is not None:
@@ -263,7 +363,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     copies = []
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
-    ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
+    Hkv, Dv = int(v.shape[1]), int(v.shape[2])
     vr = variant("fwd", D, Dv, dt)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
@@ -273,12 +373,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     out = _empty((nd, H, Dv), q.dtype) if cover else cupy.zeros((nd, H, Dv), dtype=q.dtype)
     m = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
     l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
-    kern, cache = kernel(vr)
-    work, W = _work(rec, "q", vr.BM)
-    if W and H:
-        sc = float(plan.scale) * G.LOG2E
-        kern((W, H), (vr.NT,), current_stream(), qp, kp, vp, _ptr(out), _ptr(m), _ptr(l), _ptr(work),
-             q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * 2, H // Hkv, sc, -math.inf)
+    kern, cache = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
+                                 _ptr(out), _ptr(m), _ptr(l), float(plan.scale))
     visited, total = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
     _info(plan, kernel=f"tensor-core FA2 forward ({dt}, mma.sync m16n8k16, cp.async double buffer)",
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
@@ -312,25 +408,11 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dv = (cupy.zeros if zk else cupy.empty)((ns, Hkv, Dv), dtype=q.dtype)
     delta = cupy.empty((nd, H), cupy.float32)
     lse2 = cupy.empty((nd, H), cupy.float32)
-    st = current_stream()
-    sc, scale = float(plan.scale) * G.LOG2E, float(plan.scale)
-    kd = delta_kernel(dt, Dv)
-    if nd * H:
-        kd(((nd * H + 3) // 4,), (128,), st, op, dop, _ptr(m), _ptr(l), _ptr(delta), _ptr(lse2),
-           nd, H, o_rs, o_hs, do_rs, do_hs)
-    kq, c1 = kernel(vq)
-    work, W = _work(rec, "q", vq.BM)
-    if W and H:
-        kq((W, H), (vq.NT,), st, qp, kp, vp, dop, _ptr(lse2), _ptr(delta), _ptr(dq), _ptr(work),
-           q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs, H * D * 2, H // Hkv, sc, scale)
-    kk, c2 = kernel(vk)
-    work, W = _work(rec, "k", vk.BM)
-    if W and Hkv:
-        kk((W, Hkv), (vk.NT,), st, qp, kp, vp, dop, _ptr(lse2), _ptr(delta), _ptr(dk), _ptr(dv), _ptr(work),
-           q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs, Hkv * D * 2, Hkv * Dv * 2, H // Hkv, H, sc, scale)
+    kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
+                                (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m), _ptr(l), _ptr(delta), _ptr(lse2),
+                                _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))
     _info(plan, kernel=f"tensor-core FA2 backward ({dt}): Delta pre-pass, dQ by query tiles, "
                        f"dK/dV by key tiles (GQA heads summed in-CTA, no atomics)",
           tiles=f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}",
-          copies=copies, cache="hit" if (c1 == "hit" and c2 == "hit") else "miss",
-          ir={"llvm": kq.llvm, "ptx": kq.ptx})
+          copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})
     return dq, dk, dv, None

@@ -1,0 +1,431 @@
+"""Tensor-core attention benchmark (GPU): ours vs torch SDPA flash and FlexAttention, same run.
+
+  PYTHONPATH=. python benchmarks/bench_tc.py [--out DIR] [--quick] [--no-sweep] [--no-flex]
+  PYTHONPATH=. python benchmarks/bench_tc.py --sanitize     # small fwd+bwd for compute-sanitizer
+
+Cells (H = 16, fp16, node-major (N, H, D) data; torch reads the same memory as (1, H, N, D)):
+  forward and forward+backward at N = 4096, 16384, D = 64, 128, causal and not (ratio =
+  torch time / ours); forward-only N sweep for the plot; varlen causal (random document lengths,
+  total 16k and 64k tokens) vs FlexAttention with a document block mask (compiled once, mask
+  creation not timed); bf16 vs fp16. Timing: CUDA events, median of REPS after warm-up.
+Checks: ours vs an fp32 torch reference (forward and gradients) at N = 4096, vs torch flash at
+16384. Writes DIR/tc_bench.json, DIR/tc_bench.txt and DIR/tc_tfs.png (matplotlib, if present).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _tame_numba_cuda_redirector():
+    # numba-cuda's import redirector recurses on "tiga_numba.cuda" (docs/requests/tc.md)
+    for f in sys.meta_path:
+        if type(f).__name__ == "NumbaCudaFinder" and not getattr(f, "_tiga_tamed", False):
+            orig = f.find_spec
+
+            def find_spec(name, path, target=None, _orig=orig):
+                if name != "numba.cuda" and not name.startswith("numba.cuda."):
+                    return None
+                return _orig(name, path, target)
+            f.find_spec = find_spec
+            f._tiga_tamed = True
+
+
+_tame_numba_cuda_redirector()
+
+import torch  # noqa: E402
+import torch.nn.functional as TF  # noqa: E402
+
+from tiga_numba.cuda.tc import api  # noqa: E402
+
+H = 16
+REPS, WARM = 10, 3
+LINES = []
+
+
+def say(s):
+    print(s, flush=True)
+    LINES.append(s)
+
+
+class Stream:   # torch's current stream for our launches (cuda.core protocol + numba fallback)
+    def __init__(self):
+        self.ptr = torch.cuda.current_stream().cuda_stream
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+    def numba(self):
+        from numba import cuda
+        return cuda.external_stream(self.ptr) if self.ptr else cuda.default_stream()
+
+
+def bench(fn):
+    for _ in range(WARM):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPS)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in ev)
+    return ts[len(ts) // 2]
+
+
+def op(x):
+    """(address, row stride, head stride) in bytes of a node-major (N, H, D) torch tensor."""
+    return (x.data_ptr(), x.stride(0) * x.element_size(), x.stride(1) * x.element_size())
+
+
+class Ours:
+    """raw-pointer calls of the tensor-core path on torch tensors (bf16 needs no cupy dtype)."""
+
+    def __init__(self, q, k, v, cu, causal, dtype):
+        self.q, self.k, self.v = q, k, v
+        N, Hq, D = q.shape
+        self.N, self.H, self.Hkv, self.D = N, Hq, k.shape[1], D
+        nb = len(cu) - 1
+        self.rec = api.relation_record(cu, cu, np.full(nb, 1 if causal else 0, np.uint8))
+        self.dt = dtype
+        self.out = torch.empty_like(q)
+        self.m = torch.empty(N, Hq, device="cuda", dtype=torch.float32)
+        self.l = torch.empty_like(self.m)
+        self.scale = D ** -0.5
+        self.st = Stream()
+
+    def fwd(self):
+        vr = api.variant("fwd", self.D, self.D, self.dt)
+        api.launch_forward(vr, self.rec, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
+                           self.out.data_ptr(), self.m.data_ptr(), self.l.data_ptr(), self.scale, self.st)
+
+    def bwd(self, dout):
+        if not hasattr(self, "dq"):
+            self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
+            self.delta, self.lse2 = torch.empty_like(self.m), torch.empty_like(self.m)
+        vq = api.variant("dq", self.D, self.D, self.dt)
+        vk = api.variant("dkdv", self.D, self.D, self.dt)
+        api.launch_backward(vq, vk, self.rec, self.N, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
+                            op(dout), op(self.out), self.m.data_ptr(), self.l.data_ptr(), self.delta.data_ptr(),
+                            self.lse2.data_ptr(), self.dq.data_ptr(), self.dk.data_ptr(), self.dv.data_ptr(),
+                            self.scale, self.st)
+
+    def fwd_bwd(self, dout):
+        self.fwd()
+        self.bwd(dout)
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def sdpa(q, k, v, causal):
+    # (N, H, D) node-major -> (1, H, N, D) views of the same memory
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return TF.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=causal)[0].transpose(0, 1)
+
+
+def dense_cell(N, D, causal, dtype=torch.float16, check=False, bwd=True):
+    g = torch.Generator(device="cuda").manual_seed(N * 7 + D + causal)
+    q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+    name = "float16" if dtype == torch.float16 else "bfloat16"
+    ours = Ours(q, k, v, np.array([0, N]), causal, name)
+    res = dict(N=N, D=D, causal=causal, dtype=name)
+    flops = 4 * N * N * H * D / (2 if causal else 1)
+    ours.fwd()
+    torch.cuda.synchronize()
+    o_t = sdpa(q, k, v, causal)
+    res["err_fwd_vs_torch"] = rel(ours.out, o_t)
+    if check:
+        qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
+        qf.requires_grad_(True), kf.requires_grad_(True), vf.requires_grad_(True)
+        s = torch.matmul(qf, kf.transpose(1, 2)) * D ** -0.5
+        if causal:
+            s = s.masked_fill(torch.ones(N, N, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.matmul(torch.softmax(s, -1), vf)
+        ref.backward(do.float().transpose(0, 1))
+        res["err_fwd_vs_fp32"] = rel(ours.out, ref.transpose(0, 1))
+        res["err_fwd_torch_vs_fp32"] = rel(o_t, ref.transpose(0, 1))
+        ours.bwd(do)
+        torch.cuda.synchronize()
+        for nm, mine, r in (("dq", ours.dq, qf.grad), ("dk", ours.dk, kf.grad), ("dv", ours.dv, vf.grad)):
+            res[f"err_{nm}_vs_fp32"] = rel(mine, r.transpose(0, 1))
+        qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        sdpa(qt, kt, vt, causal).backward(do)
+        res["err_dq_torch_vs_fp32"] = rel(qt.grad, qf.grad.transpose(0, 1))
+        del s, ref, qf, kf, vf
+    t_t = bench(lambda: sdpa(q, k, v, causal))
+    t_o = bench(ours.fwd)
+    res.update(fwd_ms_ours=t_o, fwd_ms_torch=t_t, fwd_tfs_ours=flops / t_o / 1e9, fwd_tfs_torch=flops / t_t / 1e9,
+               fwd_ratio=t_t / t_o)
+    if bwd:
+        qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+
+        def torch_fb():
+            qt.grad = kt.grad = vt.grad = None
+            sdpa(qt, kt, vt, causal).backward(do)
+        t_tb = bench(torch_fb)
+        t_ob = bench(lambda: ours.fwd_bwd(do))
+        res.update(fb_ms_ours=t_ob, fb_ms_torch=t_tb, fb_tfs_ours=3.5 * flops / t_ob / 1e9,
+                   fb_tfs_torch=3.5 * flops / t_tb / 1e9, fb_ratio=t_tb / t_ob)
+    return res
+
+
+def fmt(r):
+    s = (f"N={r['N']:6d} D={r['D']:3d} causal={int(r['causal'])} {r['dtype']:8s} fwd ours {r['fwd_ms_ours']:.3f} ms "
+         f"{r['fwd_tfs_ours']:.0f} TF/s | torch {r['fwd_ms_torch']:.3f} ms {r['fwd_tfs_torch']:.0f} TF/s | "
+         f"ratio {r['fwd_ratio']:.2f}")
+    if "fb_ratio" in r:
+        s += (f" || fwd+bwd ours {r['fb_ms_ours']:.3f} ms torch {r['fb_ms_torch']:.3f} ms ratio {r['fb_ratio']:.2f}")
+    errs = {k: f"{v:.1e}" for k, v in r.items() if k.startswith("err")}
+    return s + "  " + " ".join(f"{k[4:]}={v}" for k, v in errs.items())
+
+
+def doc_lengths(total, rng):
+    """a realistic mix: log-normal document lengths (median ~700 tokens), clipped to [32, 8192]."""
+    out = []
+    while sum(out) < total:
+        out.append(int(np.clip(rng.lognormal(np.log(700), 1.0), 32, 8192)))
+    out[-1] -= sum(out) - total
+    return [x for x in out if x > 0]
+
+
+def varlen_cell(total, D, flex_fn, create_block_mask, rng):
+    lens = doc_lengths(total, rng)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    g = torch.Generator(device="cuda").manual_seed(total + D)
+    q, k, v, do = (torch.randn(total, H, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
+    ours = Ours(q, k, v, cu, True, "float16")
+    useful = sum(4 * n * (n + 1) / 2 * H * D for n in lens)
+    doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+
+    def mask_mod(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+    bm = create_block_mask(mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total, device="cuda")
+    qf, kf, vf = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))   # flex's own layout
+    o_f = flex_fn(qf, kf, vf, block_mask=bm)
+    ours.fwd()
+    torch.cuda.synchronize()
+    err = rel(ours.out, o_f[0].transpose(0, 1))
+    t_f = bench(lambda: flex_fn(qf, kf, vf, block_mask=bm))
+    t_o = bench(ours.fwd)
+    res = dict(total=total, D=D, docs=len(lens), max_len=max(lens), fwd_ms_ours=t_o, fwd_ms_flex=t_f,
+               fwd_ratio=t_f / t_o, useful_tfs_ours=useful / t_o / 1e9, useful_tfs_flex=useful / t_f / 1e9,
+               err_vs_flex=err)
+    try:
+        qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (qf, kf, vf))
+        dof = do.transpose(0, 1)[None].contiguous()
+
+        def flex_fb():
+            qg.grad = kg.grad = vg.grad = None
+            flex_fn(qg, kg, vg, block_mask=bm).backward(dof)
+        t_fb = bench(flex_fb)
+        t_ob = bench(lambda: ours.fwd_bwd(do))
+        res.update(fb_ms_ours=t_ob, fb_ms_flex=t_fb, fb_ratio=t_fb / t_ob)
+    except Exception as ex:  # noqa: BLE001
+        res["fb_error"] = repr(ex)[:200]
+    return res
+
+
+def sweep(quick):
+    """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in api.TUNING"""
+    cands = {
+        ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=1, BN=64), dict(NW=8, MT=1, BN=64)],
+        ("fwd", 128): [dict(NW=4, MT=1, BN=32), dict(NW=8, MT=1, BN=32), dict(NW=4, MT=2, BN=32)],
+        ("bwd", 64): [dict(NW=4, MT=1, BN=64), dict(NW=4, MT=1, BN=32)],
+        ("bwd", 128): [dict(NW=4, MT=1, BN=32), dict(NW=8, MT=1, BN=32)],
+    }
+    for (kind, D), opts in cands.items():
+        best = None
+        for o in opts[:2] if quick else opts:
+            keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
+            saved = {k: api.TUNING[k] for k in keys}
+            for k_ in keys:
+                api.TUNING[k_] = o
+            try:
+                t0 = time.time()
+                tot = 0.0
+                for causal in (False, True):
+                    N = 4096
+                    g = torch.Generator(device="cuda").manual_seed(1)
+                    q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=torch.float16, generator=g)
+                                   for _ in range(4))
+                    ours = Ours(q, k, v, np.array([0, N]), causal, "float16")
+                    if kind == "fwd":
+                        ours.fwd()
+                        err = rel(ours.out, sdpa(q, k, v, causal))
+                        tot += bench(ours.fwd)
+                    else:
+                        ours.fwd_bwd(do)
+                        qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+                        sdpa(qt, kt, vt, causal).backward(do)
+                        err = max(rel(ours.dq, qt.grad), rel(ours.dk, kt.grad), rel(ours.dv, vt.grad))
+                        ours.fwd()
+                        tot += bench(lambda: ours.bwd(do))
+                    if not err < 2e-2:
+                        raise RuntimeError(f"wrong result, rel err {err:.2e}")
+                say(f"sweep {kind} D={D} {o}: {tot:.3f} ms (N=4096 causal+non-causal){'' if kind == 'fwd' else ' bwd'}"
+                    f"  (incl. compile {time.time() - t0:.1f}s)")
+                if best is None or tot < best[0]:
+                    best = (tot, o)
+            except Exception as ex:  # noqa: BLE001
+                say(f"sweep {kind} D={D} {o}: FAILED {repr(ex)[:300]}")
+            for k_, val in saved.items():
+                api.TUNING[k_] = val
+        if best:
+            for k_ in ([("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]):
+                api.TUNING[k_] = best[1]
+            say(f"sweep {kind} D={D}: chose {best[1]}")
+
+
+def resources():
+    for key in list(api.KERNELS._kernels):
+        if isinstance(key, tuple) and key and key[0] == "tc":
+            k = api.KERNELS._kernels[key]
+            try:
+                say(f"resources {key[1].name()}: {k.resources()} disk_cache={k.disk_cache}")
+            except Exception as ex:  # noqa: BLE001
+                say(f"resources {key[1].name()}: {ex!r}")
+
+
+def sanitize():
+    """small fwd + bwd over segments with tails and GQA: run under compute-sanitizer."""
+    cu = np.array([0, 1, 1, 70, 200, 201, 333])
+    N = int(cu[-1])
+    for D in (64,):
+        q, do = (torch.randn(N, 4, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        k, v = (torch.randn(N, 2, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        for causal in (True, False):
+            o = Ours(q, k, v, cu, causal, "float16")
+            o.fwd_bwd(do)
+            torch.cuda.synchronize()
+            print(f"sanitize D={D} causal={causal}: out finite {bool(torch.isfinite(o.out).all())}, "
+                  f"dq finite {bool(torch.isfinite(o.dq).all())}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, D in zip(axes, (64, 128)):
+        for causal, ls in ((False, "-"), (True, "--")):
+            rr = sorted((r for r in rows if r["D"] == D and r["causal"] == causal and r["dtype"] == "float16"),
+                        key=lambda r: r["N"])
+            if not rr:
+                continue
+            Ns = [r["N"] for r in rr]
+            ax.plot(Ns, [r["fwd_tfs_ours"] for r in rr], "o" + ls, color="C0",
+                    label=f"tiga-numba tc {'causal' if causal else 'dense'}")
+            ax.plot(Ns, [r["fwd_tfs_torch"] for r in rr], "s" + ls, color="C1",
+                    label=f"torch SDPA flash {'causal' if causal else 'dense'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (tokens)")
+        ax.set_ylabel("forward TF/s")
+        ax.set_title(f"H200, fp16, H=16, D={D}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--sanitize", action="store_true")
+    ap.add_argument("--with-tests", action="store_true", help="run tests/test_tc_gpu.py in-process first "
+                    "(shares the compiled kernels with the benchmark)")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
+    a = ap.parse_args()
+    if a.sanitize:
+        sanitize()
+        return
+    if a.with_tests:
+        import pytest
+        here = os.path.dirname(os.path.abspath(__file__))
+        rc = pytest.main([os.path.join(here, "..", "tests", "test_tc_gpu.py"), "-x", "-q", "-p", "no:cacheprovider"])
+        say(f"tests/test_tc_gpu.py exit code {int(rc)}")
+    T0 = time.time()
+    late = lambda: time.time() - T0 > a.budget  # noqa: E731
+    os.makedirs(a.out, exist_ok=True)
+    say(f"{torch.cuda.get_device_name()} torch {torch.__version__} H={H} reps={REPS} "
+        f"date {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
+    t0 = time.time()
+    if not a.no_sweep:
+        sweep(a.quick)
+    say(f"tuning in use: {api.TUNING}")
+    rows = []
+    Ns_plot = (1024, 2048, 4096, 8192, 16384)
+    for D in (64, 128):
+        for causal in (False, True):
+            for N in Ns_plot:
+                full = N in (4096, 16384)
+                if late() and N != 4096:
+                    continue
+                try:
+                    r = dense_cell(N, D, causal, check=(N == 4096), bwd=full)
+                    rows.append(r)
+                    say(fmt(r))
+                except Exception as ex:  # noqa: BLE001
+                    say(f"N={N} D={D} causal={causal}: FAILED {repr(ex)[:300]}")
+    for D in (64, 128):
+        if late():
+            say("bf16: skipped (time budget)")
+            break
+        try:
+            r = dense_cell(16384, D, False, dtype=torch.bfloat16, bwd=True)
+            rows.append(r)
+            f16 = next(x for x in rows if x["N"] == 16384 and x["D"] == D and not x["causal"] and x["dtype"] == "float16")
+            say(fmt(r) + f"  | bf16/fp16 fwd time {r['fwd_ms_ours'] / f16['fwd_ms_ours']:.3f}"
+                f" fwd+bwd {r['fb_ms_ours'] / f16['fb_ms_ours']:.3f}")
+        except Exception as ex:  # noqa: BLE001
+            say(f"bf16 D={D}: FAILED {repr(ex)[:300]}")
+    var = []
+    if not a.no_flex and not late():
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            flex_fn = torch.compile(flex_attention)
+            rng = np.random.default_rng(0)
+            for total, D in ((16384, 64), (65536, 64), (32768, 128)):
+                if late():
+                    break
+                try:
+                    r = varlen_cell(total, D, flex_fn, create_block_mask, rng)
+                    var.append(r)
+                    say(f"varlen causal total={total} D={D} docs={r['docs']} max_len={r['max_len']}: "
+                        f"ours {r['fwd_ms_ours']:.3f} ms ({r['useful_tfs_ours']:.0f} TF/s) flex "
+                        f"{r['fwd_ms_flex']:.3f} ms ({r['useful_tfs_flex']:.0f}) ratio {r['fwd_ratio']:.2f}"
+                        + (f" || fwd+bwd ours {r['fb_ms_ours']:.3f} flex {r['fb_ms_flex']:.3f} ratio "
+                           f"{r['fb_ratio']:.2f}" if "fb_ratio" in r else f" fb: {r.get('fb_error')}")
+                        + f"  err vs flex {r['err_vs_flex']:.1e}")
+                except Exception as ex:  # noqa: BLE001
+                    say(f"varlen total={total} D={D}: FAILED {repr(ex)[:300]}")
+        except Exception as ex:  # noqa: BLE001
+            say(f"flex unavailable: {ex!r}")
+    resources()
+    say(f"total bench time {time.time() - t0:.0f}s")
+    with open(os.path.join(a.out, "tc_bench.json"), "w") as fh:
+        json.dump(dict(dense=rows, varlen=var, tuning={str(k): v for k, v in api.TUNING.items()}), fh, indent=1)
+    with open(os.path.join(a.out, "tc_bench.txt"), "w") as fh:
+        fh.write("\n".join(LINES) + "\n")
+    plot(rows, os.path.join(a.out, "tc_tfs.png"))
+
+
+if __name__ == "__main__":
+    main()

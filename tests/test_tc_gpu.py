@@ -1,0 +1,129 @@
+"""Tensor-core kernels on a real GPU (skipped without cupy + a CUDA device): forward and
+backward against a float64 oracle on fresh random inputs with poisoned outputs, over dense
+rectangular, causal, segments with length-0/1 blocks, tails, GQA, D 64/128, fp16 (and bf16
+when cupy can hold it), strided inputs, and the supports() admission rules."""
+import types
+
+import numpy as np
+import pytest
+
+from test_tc_emulator import oracle, rel  # also tames numba-cuda's import redirector
+
+cupy = pytest.importorskip("cupy")
+try:
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError
+except Exception:  # noqa: BLE001
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from tiga_numba.cuda import tc  # noqa: E402
+from tiga_numba.graph import BlockRelation  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+RELS = {
+    "dense_rect": ([0, 300], [0, 211], [0]),
+    "causal": ([0, 333], [0, 333], [1]),
+    "segments": ([0, 1, 1, 64, 190, 191, 460], [0, 1, 1, 64, 190, 191, 460], [1, 1, 1, 0, 1, 1]),
+    "empty_src_block": ([0, 7, 40], [0, 0, 50], [0, 0]),
+}
+
+
+def relation(name):
+    d, s, c = RELS[name]
+    d, s = np.array(d, np.int64), np.array(s, np.int64)
+    return BlockRelation(cupy.asarray(d), cupy.asarray(s), cupy.asarray(np.array(c, np.uint8)),
+                         int(np.diff(d).max()), int(np.diff(s).max())), (d, s, np.array(c))
+
+
+def plan(scale):
+    return types.SimpleNamespace(scale=scale, prune_threshold=None, score="dot", run_info={})
+
+
+def bf16():
+    try:
+        import ml_dtypes
+        cupy.zeros(2, dtype=ml_dtypes.bfloat16)
+        return ml_dtypes.bfloat16
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _poison(monkeypatch):
+    """every output buffer the path allocates starts as NaN garbage, so unwritten rows show."""
+    real_empty = cupy.empty
+
+    def empty(shape, dtype=float, *a, **kw):
+        x = real_empty(shape, dtype, *a, **kw)
+        try:
+            x.fill(np.nan)
+        except Exception:  # noqa: BLE001
+            x.view(np.uint16).fill(0x7E00)
+        return x
+    monkeypatch.setattr(cupy, "empty", empty)
+
+
+@pytest.mark.parametrize("D,H,Hkv", [(64, 4, 2), (128, 2, 1), (64, 3, 3)])
+@pytest.mark.parametrize("name", list(RELS))
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
+    if dt == "bfloat16" and bf16() is None:
+        pytest.skip("cupy cannot hold bfloat16 arrays here")
+    npdt = np.float16 if dt == "float16" else bf16()
+    _poison(monkeypatch)
+    rel_, (d, s, c) = relation(name)
+    nd, ns = int(d[-1]), int(s[-1])
+    rng = np.random.default_rng()
+    mk = lambda sh, f=1.0: (rng.standard_normal(sh) * f).astype(npdt)  # noqa: E731
+    q, k, v, do = mk((nd, H, D), 1.5), mk((ns, Hkv, D)), mk((ns, Hkv, D)), mk((nd, H, D))
+    qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
+    scale = D ** -0.5
+    p = plan(scale)
+    assert tc.supports(p, qg, kg, vg, rel_)
+    out, m, l = tc.forward(p, qg, kg, vg, rel_)
+    f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
+    ro, rm, rl, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, scale)
+    o = f(out.get())
+    tol = 4e-3 if dt == "float16" else 2e-2
+    assert np.isfinite(o).all() and rel(o, ro) < tol
+    live = np.isfinite(rm)
+    mh, lh = m.get(), l.get()
+    np.testing.assert_allclose(mh[live], rm[live], rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(lh[live], rl[live], rtol=2e-3)
+    assert (mh[~live] == -np.inf).all() and (lh[~live] == 0).all() and (o[~live] == 0).all()
+    assert "tensor-core" in p.run_info["kernel"]
+    dq, dk, dv, db = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
+    assert db is None
+    for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        g = f(got.get())
+        assert np.isfinite(g).all() and rel(g, want) < 3 * tol
+
+
+def test_strided_inputs_are_copied_or_read_in_place():
+    rel_, (d, s, c) = relation("causal")
+    nd = int(d[-1])
+    rng = np.random.default_rng()
+    base = cupy.asarray(rng.standard_normal((nd, 3, 2, 64)).astype(np.float16))
+    q = base[:, :, 0, :]           # head stride 256 B, row stride 768 B: read in place
+    k = base[:, :1, 1, :]
+    v = cupy.asarray(rng.standard_normal((nd, 1, 65)).astype(np.float16))[:, :, 1:]  # misaligned: copied
+    p = plan(0.125)
+    out, m, l = tc.forward(p, q, k, v, rel_)
+    copies = p.run_info["copies"]
+    assert len(copies) == 1 and copies[0].startswith("v:")
+    f = lambda x: x.get().astype(np.float64)  # noqa: E731
+    ro, *_ = oracle(f(q), f(k), f(v), f(q), d, s, c, 0.125)
+    assert rel(f(out), ro) < 4e-3
+
+
+def test_supports_refuses_what_it_cannot_do():
+    rel_, _ = relation("causal")
+    x = cupy.zeros((333, 2, 64), np.float16)
+    assert tc.supports(plan(0.1), x, x, x, rel_)
+    p = plan(0.1)
+    p.prune_threshold = 0.5
+    assert not tc.supports(p, x, x, x, rel_)
+    assert not tc.supports(plan(0.1), x.astype(np.float32), x, x, rel_)
+    y = cupy.zeros((333, 2, 96), np.float16)
+    assert not tc.supports(plan(0.1), y, y, y, rel_)
+    assert not tc.supports(plan(0.1), x, x, x, object())
