@@ -63,9 +63,11 @@ def _poison(monkeypatch):
     monkeypatch.setattr(cupy, "empty", empty)
 
 
-@pytest.mark.parametrize("D,H,Hkv", [(64, 4, 2), (128, 2, 1), (64, 3, 3)])
-@pytest.mark.parametrize("name", list(RELS))
-@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+CASES = [(D, H, Hkv, name, "float16") for D, H, Hkv in ((64, 4, 2), (128, 2, 1)) for name in RELS]
+CASES += [(64, 3, 3, "segments", "bfloat16"), (64, 2, 1, "dense_rect", "bfloat16")]
+
+
+@pytest.mark.parametrize("D,H,Hkv,name,dt", CASES)
 def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
     if dt == "bfloat16" and bf16() is None:
         pytest.skip("cupy cannot hold bfloat16 arrays here")
