@@ -1,0 +1,448 @@
+"""Simulator checks of the CUDA-core kernels (no GPU needed).
+
+pytest runs each case in a subprocess with NUMBA_ENABLE_CUDASIM=1 (the variable must be set
+before numba.cuda is imported); `NUMBA_ENABLE_CUDASIM=1 python tests/test_cuda_sim.py [case]`
+runs them directly.
+
+The kernels are launched as api.py launches them, with host arrays in place of device
+pointers and one lane per row (G = 1: the simulator has no warp shuffles) and small tiles, so
+every code path (several key tiles, tails, causal diagonal, empty segments, GQA, strided
+inputs, pruning, edge bias, D = 0) runs on tiny shapes. Each result is compared with a
+float64 oracle on fresh random inputs; outputs are poisoned with NaN first, so an unwritten
+element fails.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _shield():
+    """numba-cuda's import redirector matches any module name containing "numba.cuda"."""
+    for finder in sys.meta_path:
+        if type(finder).__name__ == "NumbaCudaFinder" and not getattr(finder, "_tiga_shielded", False):
+            original = finder.find_spec
+
+            def find_spec(name, path=None, target=None, _original=original):
+                if name == "tiga_numba.cuda" or name.startswith("tiga_numba.cuda."):
+                    return None
+                return _original(name, path, target)
+            finder.find_spec = find_spec
+            finder._tiga_shielded = True
+
+
+def _have_numba_cuda():
+    try:
+        import importlib.util
+        return importlib.util.find_spec("numba_cuda") is not None
+    except Exception:
+        return False
+
+
+SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
+             "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0"]
+
+
+@pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
+@pytest.mark.parametrize("case", SIM_CASES)
+def test_simulated_kernels(case):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), case], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def _kernels():
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+    _shield()
+    sys.path.insert(0, ROOT)
+    global blocks, csr, make_delta, Tiles
+    from tiga_numba.cuda import blocks, csr  # noqa: F401
+    from tiga_numba.cuda.common import make_delta  # noqa: F401
+    from tiga_numba.cuda.tiles import Tiles  # noqa: F401
+
+
+RNG = np.random.default_rng(20261129)
+
+
+# --------------------------------------------------------------------------- oracle
+def dense_mask(dst_off, src_off, causal, nq, ns):
+    M = np.zeros((nq, ns), bool)
+    for b in range(len(causal)):
+        d0, d1, s0, s1 = dst_off[b], dst_off[b + 1], src_off[b], src_off[b + 1]
+        if causal[b]:
+            n = d1 - d0
+            M[d0:d1, s0:s0 + n] = np.tril(np.ones((n, n), bool))
+        else:
+            M[d0:d1, s0:s1] = True
+    return M
+
+
+def oracle(q, k, v, M, scale, bias=None, dout=None):
+    """float64 forward (+ backward when dout is given). bias: (nq, ns, H) dense or None."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    nq, H, D = q.shape
+    ns, Hkv, DV = v.shape
+    grp = H // Hkv
+    out = np.zeros((nq, H, DV))
+    m = np.full((nq, H), -np.inf)
+    l = np.zeros((nq, H))
+    P = np.zeros((H, nq, ns))
+    for h in range(H):
+        s = q[:, h] @ k[:, h // grp].T * scale
+        if bias is not None:
+            s = s + bias[:, :, h]
+        s = np.where(M, s, -np.inf)
+        mx = s.max(axis=1) if ns else np.full(nq, -np.inf)
+        has = np.isfinite(mx)
+        e = np.where(M, np.exp(s - np.where(has, mx, 0)[:, None]), 0.0)
+        ls = e.sum(axis=1)
+        p = np.where(has[:, None], e / np.where(ls > 0, ls, 1)[:, None], 0.0)
+        P[h] = p
+        out[:, h] = p @ v[:, h // grp]
+        m[:, h] = mx
+        l[:, h] = ls
+    if dout is None:
+        return out, m, l
+    dout = dout.astype(np.float64)
+    dq = np.zeros_like(q)
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    dS_all = np.zeros((H, nq, ns))
+    for h in range(H):
+        hk = h // grp
+        p = P[h]
+        dv[:, hk] += p.T @ dout[:, h]
+        dp = dout[:, h] @ v[:, hk].T
+        delta = (dout[:, h] * out[:, h]).sum(axis=1)
+        ds = p * (dp - delta[:, None])
+        dS_all[h] = ds
+        dq[:, h] = ds @ k[:, hk] * scale
+        dk[:, hk] += ds.T @ q[:, h] * scale
+    return out, m, l, dq, dk, dv, dS_all
+
+
+def pruned_oracle(q, k, v, dst_off, src_off, causal, scale, BM, BN, rho):
+    """float64 replay of the kernel's admission rule with the kernel's tiles."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    nq, H, D = q.shape
+    ns, Hkv, DV = v.shape
+    grp = H // Hkv
+    out = np.zeros((nq, H, DV))
+    m_out = np.full((nq, H), -np.inf)
+    l_out = np.zeros((nq, H))
+    total = pruned = 0
+    for h in range(H):
+        for b in range(len(causal)):
+            d0, d1, s0, s1 = dst_off[b], dst_off[b + 1], src_off[b], src_off[b + 1]
+            for qt in range(d0, d1, BM):
+                rows = np.arange(qt, min(qt + BM, d1))
+                il = rows - d0
+                kend = min(s1 - s0, qt - d0 + BM) if causal[b] else s1 - s0
+                m = np.full(len(rows), -np.inf)
+                l = np.zeros(len(rows))
+                acc = np.zeros((len(rows), DV))
+                for kt in range(0, kend, BN):
+                    cols = np.arange(kt, min(kt + BN, kend))
+                    s = q[rows, h] @ k[s0 + cols, h // grp].T * scale
+                    if causal[b]:
+                        s = np.where(cols[None, :] <= il[:, None], s, -np.inf)
+                    tmax = s.max()
+                    total += 1
+                    if np.isfinite(m.max()) and tmax < m.max() + math.log(rho):
+                        pruned += 1
+                        continue
+                    mn = np.maximum(m, s.max(axis=1))
+                    alpha = np.where(np.isfinite(mn), np.exp(m - np.where(np.isfinite(mn), mn, 0)), 1.0)
+                    p = np.where(np.isfinite(s), np.exp(s - np.where(np.isfinite(mn), mn, 0)[:, None]), 0.0)
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * alpha[:, None] + p @ v[s0 + cols, h // grp]
+                    m = mn
+                out[rows, h] = np.where(l[:, None] > 0, acc / np.where(l > 0, l, 1)[:, None], 0)
+                m_out[rows, h] = m
+                l_out[rows, h] = l
+    return out, m_out, l_out, pruned, total
+
+
+# --------------------------------------------------------------------------- launch helpers
+def flat(x):
+    item = x.dtype.itemsize
+    return x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1), \
+        [s // item for s in (x.strides if x.flags.c_contiguous else np.ascontiguousarray(x).strides)]
+
+
+def strided(x):
+    """A non-contiguous view with the same values (the kernels read any strides)."""
+    big = np.empty(x.shape[:-1] + (x.shape[-1] + 3,), x.dtype)
+    big[..., :x.shape[-1]] = x
+    big[..., x.shape[-1]:] = np.nan
+    view = big[..., :x.shape[-1]]
+    return view
+
+
+def base_and_strides(x):
+    """The underlying flat buffer and element strides of a view of a contiguous base."""
+    base = x.base if x.base is not None else x
+    while base.base is not None:
+        base = base.base
+    item = x.dtype.itemsize
+    off = (x.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
+    return base.reshape(-1)[off:], [s // item for s in x.strides]
+
+
+def tiles(dtype, D, DV, R=2, NT=4, BN=4):
+    acc = "float64" if dtype == "float64" else "float32"
+    return Tiles(dtype, acc, D, DV, 1, R, NT, BN)
+
+
+def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
+    dst_off, src_off, causal = rel
+    nq, H, D = q.shape
+    Hkv, DV = k.shape[1], v.shape[2]
+    t = t or tiles(dtype, D, DV)
+    kern = blocks.make_forward(t, prune is not None)
+    acc = np.dtype(t.acc)
+    out = np.full((nq, H, DV), np.nan, dtype)
+    m = np.full((nq, H), np.nan, acc)
+    l = np.full((nq, H), np.nan, acc)
+    cnt = np.zeros(2, np.int64)
+    qf, qs = base_and_strides(q)
+    kf, ks = base_and_strides(k)
+    vf, vs = base_and_strides(v)
+    S = len(causal)
+    maxd = int(np.diff(dst_off).max())
+    tpb = -(-maxd // t.BM)
+    kern((S * tpb, H, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
+         l.reshape(-1), dst_off, src_off, causal, cnt, *qs, *ks, *vs, tpb, H, H // Hkv,
+         acc.type(scale), acc.type(math.log(prune) if prune else 0.0))
+    return out, m, l, cnt
+
+
+def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype):
+    dst_off, src_off, causal = rel
+    nq, H, D = q.shape
+    ns, Hkv, DV = v.shape
+    tq = tiles(dtype, D, DV, R=2, NT=4, BN=4)
+    tk = tiles(dtype, D, DV, R=1, NT=4, BN=4)
+    acc = np.dtype(tq.acc)
+    delta = np.full((nq, H), np.nan, acc)
+    dkern = make_delta(dtype, tq.acc)
+    df, ds = base_and_strides(dout)
+    of, os_ = base_and_strides(out)
+    dkern((-(-nq * H // dkern.rows_per_cta), 1, 1), (dkern.NT, 1, 1), None, df, of, delta.reshape(-1),
+          *ds, *os_, nq * H, H, DV)
+    qf, qs = base_and_strides(q)
+    kf, ks = base_and_strides(k)
+    vf, vs = base_and_strides(v)
+    dq = np.full(q.shape, np.nan, dtype)
+    dk = np.full(k.shape, np.nan, dtype)
+    dv = np.full(v.shape, np.nan, dtype)
+    S = len(causal)
+    tpb = -(-int(np.diff(dst_off).max()) // tq.BM)
+    blocks.make_dq(tq)((S * tpb, H, 1), (tq.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
+                       l.reshape(-1), delta.reshape(-1), dq.reshape(-1), dst_off, src_off, causal,
+                       *qs, *ks, *vs, *ds, tpb, H, H // Hkv, acc.type(scale))
+    tpbk = -(-int(np.diff(src_off).max()) // tk.BM)
+    blocks.make_dkdv(tk)((S * tpbk, Hkv, 1), (tk.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
+                         l.reshape(-1), delta.reshape(-1), dk.reshape(-1), dv.reshape(-1), dst_off,
+                         src_off, causal, *qs, *ks, *vs, *ds, tpbk, H, H // Hkv, acc.type(scale))
+    return dq, dk, dv, delta
+
+
+def csr_forward(q, k, v, indptr, indices, bias, scale, dtype):
+    nq, H, D = q.shape
+    Hkv, DV = k.shape[1], v.shape[2]
+    t = tiles(dtype, D, DV, R=1, NT=8)
+    acc = np.dtype(t.acc)
+    kern = csr.make_forward(t, bias is not None)
+    out = np.full((nq, H, DV), np.nan, dtype)
+    m = np.full((nq, H), np.nan, acc)
+    l = np.full((nq, H), np.nan, acc)
+    qf, qs = base_and_strides(q)
+    kf, ks = base_and_strides(k)
+    vf, vs = base_and_strides(v)
+    b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
+    kern((-(-nq * H // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1),
+         m.reshape(-1), l.reshape(-1), indptr, indices, b, *qs, *ks, *vs, nq, H, H // Hkv,
+         acc.type(scale))
+    return out, m, l
+
+
+def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bias, scale, dtype):
+    nq, H, D = q.shape
+    ns, Hkv, DV = v.shape
+    t = tiles(dtype, D, DV, R=1, NT=8)
+    acc = np.dtype(t.acc)
+    delta = np.full((nq, H), np.nan, acc)
+    dkern = make_delta(dtype, t.acc)
+    df, ds = base_and_strides(dout)
+    of, os_ = base_and_strides(out)
+    dkern((-(-nq * H // dkern.rows_per_cta), 1, 1), (dkern.NT, 1, 1), None, df, of, delta.reshape(-1),
+          *ds, *os_, nq * H, H, DV)
+    qf, qs = base_and_strides(q)
+    kf, ks = base_and_strides(k)
+    vf, vs = base_and_strides(v)
+    dq = np.full(q.shape, np.nan, dtype)
+    dk = np.full(k.shape, np.nan, dtype)
+    dv = np.full(v.shape, np.nan, dtype)
+    E = indices.shape[0]
+    dbias = np.full((E, H), np.nan, acc) if bias is not None else np.zeros(2, acc)
+    b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
+    csr.make_dq(t, bias is not None)((-(-nq * H // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df,
+                                     m.reshape(-1), l.reshape(-1), delta.reshape(-1), dq.reshape(-1),
+                                     dbias.reshape(-1), indptr, indices, b, *qs, *ks, *vs, *ds,
+                                     nq, H, H // Hkv, acc.type(scale))
+    csr.make_dkdv(t, bias is not None)((-(-ns * Hkv // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf,
+                                       df, m.reshape(-1), l.reshape(-1), delta.reshape(-1),
+                                       dk.reshape(-1), dv.reshape(-1), tptr, tind, perm, b,
+                                       *qs, *ks, *vs, *ds, ns, H, H // Hkv, acc.type(scale))
+    return dq, dk, dv, (dbias if bias is not None else None)
+
+
+# --------------------------------------------------------------------------- cases
+def rel_err(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert not np.isnan(a).any(), "NaN in kernel output (unwritten or bad)"
+    den = np.linalg.norm(b)
+    return np.linalg.norm(a - b) / (den if den > 0 else 1.0)
+
+
+def rand(*shape, dtype="float32"):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def check(name, got, want, tol):
+    e = rel_err(got, want)
+    assert e <= tol, f"{name}: relative error {e:.3g} > {tol}"
+    print(f"ok {name}: {e:.2e}")
+
+
+def case_blocks(dtype="float32", H=2, Hkv=1, D=3, DV=5, layout=(("seg", 5, 5, 1), ("seg", 0, 0, 1),
+                                                                    ("seg", 11, 11, 1), ("seg", 1, 1, 1)),
+                strided_inputs=False, tol=2e-5):
+    dst = [0]
+    src = [0]
+    causal = []
+    for _, nd, ns, c in layout:
+        dst.append(dst[-1] + nd)
+        src.append(src[-1] + ns)
+        causal.append(c)
+    dst_off = np.array(dst, np.int64)
+    src_off = np.array(src, np.int64)
+    causal = np.array(causal, np.uint8)
+    nq, ns = dst[-1], src[-1]
+    q, k, v = rand(nq, H, D, dtype=dtype), rand(ns, Hkv, D, dtype=dtype), rand(ns, Hkv, DV, dtype=dtype)
+    if strided_inputs:
+        q, k, v = strided(q), strided(k), strided(v)
+    scale = D ** -0.5 if D else 1.0
+    M = dense_mask(dst_off, src_off, causal, nq, ns)
+    dout = rand(nq, H, DV, dtype=dtype)
+    ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, M, scale, dout=dout)
+    rel = (dst_off, src_off, causal)
+    out, m, l, _ = blocks_forward(q, k, v, rel, scale, dtype)
+    tag = f"blocks {dtype} H={H}/{Hkv} D={D}/{DV} {'strided' if strided_inputs else ''}"
+    check(tag + " out", out, ro, tol)
+    fin = np.isfinite(rm)
+    assert np.array_equal(np.isfinite(m), fin) and (l[~fin] == 0).all(), "empty rows: m=-inf, l=0"
+    check(tag + " m", m[fin], rm[fin], tol)
+    check(tag + " l", l, rl, tol)
+    dq, dk, dv, _ = blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype)
+    check(tag + " dq", dq, rdq, tol * 5)
+    check(tag + " dk", dk, rdk, tol * 5)
+    check(tag + " dv", dv, rdv, tol * 5)
+
+
+def case_prune():
+    """Keys 0..7 of each query tile are 'near' (large scores), the rest far below: with
+    rho = 1e-2 the far tiles are provably pruned; with rho -> 0 the result is exact."""
+    H, D, DV, n = 1, 4, 3, 16
+    q = np.abs(rand(n, H, D)) + 1.0
+    k = np.abs(rand(n, H, D))
+    k[:4] += 6.0  # first key tile dominates every row
+    v = rand(n, H, DV)
+    rel = (np.array([0, n], np.int64), np.array([0, n], np.int64), np.array([0], np.uint8))
+    scale = 1.0
+    t = tiles("float32", D, DV)
+    for rho in (1e-2, 1e-30):
+        out, m, l, cnt = blocks_forward(q, k, v, rel, scale, "float32", prune=rho, t=t)
+        ro, rm, rl, pruned, total = pruned_oracle(q, k, v, *rel, scale, t.BM, t.BN, rho)
+        assert (int(cnt[0]), int(cnt[1])) == (pruned, total), (cnt, pruned, total)
+        check(f"prune rho={rho:g} ({pruned}/{total} tiles pruned) out", out, ro, 2e-5)
+        check(f"prune rho={rho:g} l", l, rl, 2e-5)
+        if rho == 1e-2:
+            assert pruned > 0, "the far tiles must be pruned"
+        else:
+            assert pruned == 0
+            M = np.ones((n, n), bool)
+            check("prune rho->0 equals exact", out, oracle(q, k, v, M, scale)[0], 2e-5)
+
+
+def case_csr(dtype="float32", H=2, Hkv=1, D=3, DV=4, with_bias=True, tol=2e-5):
+    nq, ns = 9, 7
+    deg = RNG.integers(0, 5, nq)
+    deg[2] = 0  # an empty row
+    deg[5] = 1
+    indptr = np.zeros(nq + 1, np.int64)
+    np.cumsum(deg, out=indptr[1:])
+    indices = np.concatenate([np.sort(RNG.choice(ns, d, replace=False)) for d in deg]).astype(np.int32)
+    E = indices.shape[0]
+    rows = np.repeat(np.arange(nq), deg)
+    perm = np.argsort(indices, kind="stable").astype(np.int64)
+    tptr = np.zeros(ns + 1, np.int64)
+    np.cumsum(np.bincount(indices, minlength=ns), out=tptr[1:])
+    tind = rows[perm].astype(np.int32)
+    q, k, v = rand(nq, H, D, dtype=dtype), rand(ns, Hkv, D, dtype=dtype), rand(ns, Hkv, DV, dtype=dtype)
+    acc = "float64" if dtype == "float64" else "float32"
+    bias = rand(E, H, dtype=acc) if with_bias else None
+    M = np.zeros((nq, ns), bool)
+    M[rows, indices] = True
+    dense_bias = None
+    if with_bias:
+        dense_bias = np.zeros((nq, ns, H))
+        dense_bias[rows, indices] = bias
+    scale = D ** -0.5 if D else 1.0
+    dout = rand(nq, H, DV, dtype=dtype)
+    ro, rm, rl, rdq, rdk, rdv, dS = oracle(q, k, v, M, scale, dense_bias, dout)
+    tag = f"csr {dtype} H={H}/{Hkv} D={D}/{DV} bias={with_bias}"
+    out, m, l = csr_forward(q, k, v, indptr, indices, bias, scale, dtype)
+    check(tag + " out", out, ro, tol)
+    fin = np.isfinite(rm)
+    assert np.array_equal(np.isfinite(m), fin) and (l[~fin] == 0).all()
+    check(tag + " l", l, rl, tol)
+    dq, dk, dv, dbias = csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm,
+                                     bias, scale, dtype)
+    if D:
+        check(tag + " dq", dq, rdq, tol * 5)
+        check(tag + " dk", dk, rdk, tol * 5)
+    check(tag + " dv", dv, rdv, tol * 5)
+    if with_bias:
+        check(tag + " dbias", dbias, dS.transpose(1, 2, 0)[rows, indices], tol * 5)
+
+
+CASES = {
+    "blocks_f32_gqa_segments": lambda: case_blocks(),
+    "blocks_f64_dense_rect": lambda: case_blocks("float64", H=2, Hkv=2, D=4, DV=2,
+                                                 layout=(("d", 6, 13, 0),), tol=1e-12),
+    "blocks_f16_mixed_strided": lambda: case_blocks("float16", H=3, Hkv=1, D=5, DV=3,
+                                                    layout=(("d", 7, 4, 0), ("c", 6, 6, 1)),
+                                                    strided_inputs=True, tol=2e-3),
+    "prune": case_prune,
+    "csr_f32_bias_gqa": lambda: case_csr(),
+    "csr_f64_nobias": lambda: case_csr("float64", H=2, Hkv=2, with_bias=False, tol=1e-12),
+    "csr_edge_score_d0": lambda: case_csr("float32", H=2, Hkv=2, D=0, DV=3),
+}
+
+assert sorted(CASES) == sorted(SIM_CASES)
+
+if __name__ == "__main__":
+    _kernels()
+    names = sys.argv[1:] or list(CASES)
+    for n in names:
+        CASES[n]()
+    print("ALL OK")
