@@ -26,6 +26,7 @@ __all__ = ["MessagePassing", "online_softmax", "OnlineSoftmaxReducer"]
 
 ROLES = ("src", "dst", "edge")
 _GEOMETRIC_NDIM = {"displacement": 2, "distance": 1}  # Graph.radius/knn edge fields
+_EDGE_PARAMS = {}  # edge function -> its params (inspect.signature is slow per call)
 
 
 # --------------------------------------------------------------------------- the reducer
@@ -105,17 +106,29 @@ class _Call:
         self.params = self._bind_params(program, params)
 
     @staticmethod
-    def _bind_params(program, params):
-        cls = type(program).__name__
-        sig = inspect.signature(type(program).edge)
+    def _edge_params(program):
+        """(named params of edge() after (self, src, dst, edge), takes **kwargs), per class."""
+        edge_fn = type(program).edge
+        cached = _EDGE_PARAMS.get(edge_fn)
+        if cached is not None:
+            return cached
+        sig = inspect.signature(edge_fn)
         ps = list(sig.parameters.values())
         positional = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(positional) < 4:
-            raise TypeError(f"{cls}.edge must take (self, src, dst, edge, **params), got {sig}")
+            raise TypeError(f"{type(program).__name__}.edge must take (self, src, dst, edge, "
+                            f"**params), got {sig}")
         extra_params = ps[4:]
         takes_any = any(p.kind == p.VAR_KEYWORD for p in extra_params)
         named = {p.name: p for p in extra_params
                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        _EDGE_PARAMS[edge_fn] = (named, takes_any)
+        return named, takes_any
+
+    @staticmethod
+    def _bind_params(program, params):
+        cls = type(program).__name__
+        named, takes_any = _Call._edge_params(program)
         bound = {}
         for name, value in params.items():
             if name not in named and not takes_any:
