@@ -195,6 +195,18 @@ def test_scaled_edge_score_gradient_carries_the_factor():
     close(vjp(dout)["edge"]["score"], dbias[:, 0] / 2.0, np.float64)
 
 
+def test_functional_errors_name_the_fields():
+    g = tg.Graph.dense(6)
+    q, k, v = rand(6, 2, 4), rand(6, 2, 4), rand(6, 2, 4)
+    with pytest.raises(TypeError, match=r"dtype.*q = dst.query, k = src.key, v = src.value"):
+        Attention()(graph=g, src={"key": k.astype(np.float64), "value": v}, dst={"query": q}, scale=1.0)
+    with pytest.raises(ValueError, match=r"head dim.*q = dst.query"):
+        Attention()(graph=g, src={"key": k[..., :3], "value": v}, dst={"query": q}, scale=1.0)
+    csr = random_csr(6, 6)
+    with pytest.raises(TypeError, match=r"edge.score .*floating point"):
+        EdgeScore()(graph=csr, src={"value": v}, edge={"score": np.ones((csr.num_edges, 2), np.int32)})
+
+
 def test_dout_is_checked():
     g = tg.Graph.triangular(9)
     q, k, v = rand(9, 2, 4), rand(9, 2, 4), rand(9, 2, 4)

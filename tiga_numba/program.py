@@ -72,22 +72,31 @@ class _Call:
         if not isinstance(graph, Graph):
             raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
         self.graph = graph
-        self.roles = {}
+        given_roles = {}
         libs = {}
-        sizes = {"src": graph.num_src, "dst": graph.num_dst, "edge": graph.num_edges}
-        size_name = {"src": "graph.num_src", "dst": "graph.num_dst", "edge": "graph.num_edges"}
         for role, given in (("src", src), ("dst", dst), ("edge", edge)):
             if given is None:
                 given = {}
             if not isinstance(given, Mapping):
                 raise TypeError(f"{role}= must be a dict of field name -> array, got "
                                 f"{type(given).__name__}")
-            fields = {}
             for name, a in given.items():
                 if not isinstance(name, str) or not name.isidentifier():
                     raise TypeError(f"{role} field names must be identifiers, got {name!r}")
+                libs[f"{role}[{name!r}]"] = arrays.library_of(f"{role}[{name!r}]", a)
+            given_roles[role] = given
+        # The library check comes before any conversion: a mixed call must be a TypeError even
+        # where cupy is not installed.
+        if len(set(libs.values())) > 1:
+            desc = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
+            raise TypeError(f"all fields must come from one array library (mixed numpy/cupy): {desc}")
+        sizes = {"src": graph.num_src, "dst": graph.num_dst, "edge": graph.num_edges}
+        size_name = {"src": "graph.num_src", "dst": "graph.num_dst", "edge": "graph.num_edges"}
+        self.roles = {}
+        for role, given in given_roles.items():
+            fields = {}
+            for name, a in given.items():
                 label = f"{role}[{name!r}]"
-                libs[label] = arrays.library_of(label, a)
                 a = arrays.as_library_array(a, libs[label])
                 if a.ndim == 0:
                     raise ValueError(f"{label} must have a leading axis of length "
@@ -97,9 +106,6 @@ class _Call:
                                      f"{size_name[role]} is {sizes[role]}")
                 fields[name] = a
             self.roles[role] = fields
-        if len(set(libs.values())) > 1:
-            desc = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
-            raise TypeError(f"all fields must come from one array library (mixed numpy/cupy): {desc}")
         self.library = next(iter(libs.values())) if libs else "numpy"
         # Geometric graphs provide edge fields of their own; a user edge field of the same name wins.
         self.graph_fields = [n for n in graph.edge_field_names if n not in self.roles["edge"]]
@@ -232,6 +238,9 @@ class _Lowered:
     def _combine_bias(self, xp, heads):
         terms = self.bias_terms
         for f, a, _ in terms:
+            if not np.issubdtype(np.dtype(a.dtype), np.floating):
+                raise TypeError(f"{f.ref} is added to the score and must be floating point, "
+                                f"got {a.dtype}")
             if a.ndim > 2 or (a.ndim == 2 and a.shape[1] not in (1, heads)):
                 raise ValueError(f"{f.ref} must have shape ({self.call.graph.num_edges},) or "
                                  f"({self.call.graph.num_edges}, {heads}) to be added to the score, "
@@ -260,11 +269,28 @@ class _Lowered:
             self.out = out
             return out, plan
         from . import functional
-        out, self.stats, plan = functional.run_forward(
-            self.q, self.k, self.value, self.call.graph, scale=self.scale,
-            block_prune_threshold=self.rho, edge_bias=self.edge_bias)
+        try:
+            out, self.stats, plan = functional.run_forward(
+                self.q, self.k, self.value, self.call.graph, scale=self.scale,
+                block_prune_threshold=self.rho, edge_bias=self.edge_bias)
+        except (TypeError, ValueError) as exc:
+            # The functional layer names q, k, v, edge_bias: say which fields those are.
+            raise type(exc)(f"{exc} [{self.roles_note()}]") from exc
         self.out = out
         return out, plan
+
+    def roles_note(self):
+        score = self.traced.score
+        parts = []
+        if score.dot is not None:
+            s, d = score.dot
+            parts += [f"q = {d.ref}", f"k = {s.ref}"]
+        else:
+            parts.append("q, k = zero-width (precomputed edge score)")
+        parts.append(f"v = {self.traced.value.ref}")
+        if score.biases:
+            parts.append(f"edge_bias = {' + '.join(f.ref for f, _ in score.biases)}")
+        return f"in {self.traced.program}.edge(): " + ", ".join(parts)
 
     def _net_arg_array(self, f):
         # Geometric edge fields are computed per edge inside the fused kernel from the graph's
