@@ -38,7 +38,7 @@ def exp2_any(x):
     raise NotImplementedError  # only callable from jitted code
 
 
-@overload(exp2_any, inline="always")
+@overload(exp2_any)
 def _exp2_any(x):
     if x == types.float32:
         return lambda x: exp2f(x)

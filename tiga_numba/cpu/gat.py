@@ -371,6 +371,269 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
     return header + fwd + bwd_rows + bwd_cols
 
 
+# --------------------------------------------------------------------------- unrolled variant
+# For small networks (the common case: hidden <= 32) every activation, weight and gradient
+# of the per-edge network is a scalar local: LLVM keeps them in registers and SLP-vectorises
+# the straight-line code; weights are loaded once per chunk, parameter-gradient partials are
+# summed in locals and stored once per chunk.
+UNROLL_LIMIT = 1200  # weights of layers >= 1 plus edge columns of the first Linear
+
+
+def unrollable(spec, p_size):
+    return p_size + spec.h1 * spec.fe <= UNROLL_LIMIT and max(_widths(spec)) <= 64
+
+
+def _u_features(spec):
+    L = []
+    geo = any(it[0] in ("disp", "dist") for it in spec.edge_items)
+    if geo:
+        for d in range(spec.pd):
+            L.append(f"d{d} = pos[j, {d}] - pos[i, {d}]")
+        if any(it[0] == "dist" for it in spec.edge_items):
+            L.append("dist = T(math.sqrt(" + " + ".join(f"d{d} * d{d}" for d in range(spec.pd)) + "))")
+    for it in spec.edge_items:
+        if it[0] == "disp":
+            for d in range(spec.pd):
+                L.append(f"ef{it[1] + d} = d{d}")
+        elif it[0] == "dist":
+            L.append(f"ef{it[1]} = dist")
+        else:
+            _, off, width, xcol = it
+            for c in range(width):
+                L.append(f"ef{off + c} = EX[e, {xcol + c}]")
+    return L
+
+
+def _u_weights(spec):
+    """Loads of every weight into locals (once per chunk)."""
+    L = []
+    for c in range(spec.fe):
+        for r in range(spec.h1):
+            L.append(f"we{c}_{r} = WeT[{c}, {r}]")
+    for layer in spec.layers:
+        if layer[0] == "linear":
+            _, n_in, n_out, w_off, b_off = layer
+            for k in range(n_in * n_out + n_out):
+                L.append(f"w{w_off + k} = P[{w_off + k}]")
+    return L
+
+
+def _u_score(spec):
+    widths = _widths(spec)
+    L = []
+    for r in range(spec.h1):
+        terms = [f"As[j, {r}]", f"Ad[i, {r}]"] + [f"we{c}_{r} * ef{c}" for c in range(spec.fe)]
+        L.append(f"a0_{r} = " + " + ".join(terms))
+    for k, layer in enumerate(spec.layers, 1):
+        kind = layer[0]
+        if kind == "linear":
+            _, n_in, n_out, w_off, b_off = layer
+            for r in range(n_out):
+                terms = [f"w{b_off + r}"] + [f"w{w_off + r * n_in + c} * a{k - 1}_{c}" for c in range(n_in)]
+                L.append(f"a{k}_{r} = " + " + ".join(terms))
+        else:
+            for c in range(widths[k]):
+                x = f"a{k - 1}_{c}"
+                if kind == "leaky_relu":
+                    L.append(f"a{k}_{c} = {x} if {x} > ZERO else {x} * T({layer[1]!r})")
+                elif kind == "relu":
+                    L.append(f"a{k}_{c} = {x} if {x} > ZERO else ZERO")
+                else:
+                    L.append(f"a{k}_{c} = T(math.tanh({x}))")
+    L.append(f"s = a{len(spec.layers)}_0")
+    return L
+
+
+def _u_backward(spec, param_grads):
+    """ds -> g0_r (gradient of h0); param partials into pg<idx> locals."""
+    widths = _widths(spec)
+    K = len(spec.layers)
+    L = [f"g{K}_0 = ds"]
+    for k in range(K, 0, -1):
+        layer = spec.layers[k - 1]
+        kind = layer[0]
+        if kind == "linear":
+            _, n_in, n_out, w_off, b_off = layer
+            for c in range(n_in):
+                terms = [f"w{w_off + r * n_in + c} * g{k}_{r}" for r in range(n_out)]
+                L.append(f"g{k - 1}_{c} = " + " + ".join(terms))
+            if param_grads:
+                for r in range(n_out):
+                    L.append(f"pg{b_off + r} += g{k}_{r}")
+                    for c in range(n_in):
+                        L.append(f"pg{w_off + r * n_in + c} += g{k}_{r} * a{k - 1}_{c}")
+        else:
+            for c in range(widths[k]):
+                g = f"g{k}_{c}"
+                if kind == "leaky_relu":
+                    L.append(f"g{k - 1}_{c} = {g} if a{k - 1}_{c} > ZERO else {g} * T({layer[1]!r})")
+                elif kind == "relu":
+                    L.append(f"g{k - 1}_{c} = {g} if a{k - 1}_{c} > ZERO else ZERO")
+                else:
+                    L.append(f"g{k - 1}_{c} = {g} * (ONE - a{k}_{c} * a{k}_{c})")
+    return L
+
+
+def _u_edge_grad(spec, side):
+    if not spec.fe:
+        return []
+    L = []
+    for c in range(spec.fe):
+        L.append(f"ge{c} = " + " + ".join(f"we{c}_{r} * g0_{r}" for r in range(spec.h1)))
+    sign = "-" if side == "dst" else "+"
+    for it in spec.edge_items:
+        if it[0] == "disp":
+            for d in range(spec.pd):
+                L.append(f"gp{d} {sign}= ge{it[1] + d}")
+        elif it[0] == "dist":
+            L.append("if dist > ZERO:")
+            L.append(f"    gd = ge{it[1]} / dist")
+            for d in range(spec.pd):
+                L.append(f"    gp{d} {sign}= gd * d{d}")
+        elif side == "dst":
+            _, off, width, xcol = it
+            for c in range(width):
+                L.append(f"dEX[e, {xcol + c}] = ge{off + c}")
+    return L
+
+
+def _block(lines, n):
+    return "\n".join(" " * n + x for x in lines)
+
+
+def generate_source_unrolled(spec, p_size, dtype_name):
+    h1, fe, fv, pd = spec.h1, spec.fe, spec.fv, spec.pd
+    we_off = p_size
+    weights = _block(_u_weights(spec), 8)
+    feat = _block(_u_features(spec), 16)
+    score = _block(_u_score(spec), 16)
+    p_slots = [k for layer in spec.layers if layer[0] == "linear"
+               for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
+    pg_init = _block([f"pg{k} = ZERO" for k in p_slots]
+                     + [f"pge{c}_{r} = ZERO" for c in range(fe) for r in range(h1)], 8)
+    pg_store = _block([f"PG[ch, {k}] = pg{k}" for k in p_slots]
+                      + [f"PG[ch, {we_off + c * h1 + r}] = pge{c}_{r}"
+                         for c in range(fe) for r in range(h1)], 8)
+    gp_init = _block([f"gp{d} = ZERO" for d in range(pd)], 12)
+    fwd = f"""
+@numba.njit(parallel=True, cache=True, fastmath={_FM})
+def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
+    nrows = order.shape[0]
+    nch = min(nrows, {NUM_CHUNKS})
+    for ch in numba.prange(nch):
+{weights}
+        accv = np.empty({fv}, T)
+        r0 = ch * nrows // nch
+        r1 = (ch + 1) * nrows // nch
+        for t in range(r0, r1):
+            i = order[t]
+            m = T(-np.inf)
+            l = ZERO
+            for f in range({fv}):
+                accv[f] = ZERO
+            for e in range(indptr[i], indptr[i + 1]):
+                j = indices[e]
+{feat}
+{score}
+                if s > m:
+                    corr = T(math.exp(m - s))
+                    l = l * corr + ONE
+                    for f in range({fv}):
+                        accv[f] = accv[f] * corr + V[j, f]
+                    m = s
+                else:
+                    p = T(math.exp(s - m))
+                    l += p
+                    for f in range({fv}):
+                        accv[f] += p * V[j, f]
+            inv = ONE / l if l > ZERO else ZERO
+            for f in range({fv}):
+                out[i, f] = accv[f] * inv
+            M[i] = m
+            L[i] = l
+"""
+    gad_lines = [f"gad{r} += g0_{r}" for r in range(h1)]
+    gad_lines += [f"pge{c}_{r} += g0_{r} * ef{c}" for c in range(fe) for r in range(h1)]
+    bwd_rows = f"""
+@numba.njit(parallel=True, cache=True, fastmath={_FM})
+def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, dout, M, L,
+                      Delta, dAd, dpos, dEX, PG):
+    nrows = order.shape[0]
+    nch = PG.shape[0]
+    for ch in numba.prange(nch):
+{weights}
+{pg_init}
+        r0 = ch * nrows // nch
+        r1 = (ch + 1) * nrows // nch
+        for t in range(r0, r1):
+            i = order[t]
+            delta = ZERO
+            for f in range({fv}):
+                delta += dout[i, f] * out[i, f]
+            Delta[i] = delta
+{_block([f"gad{r} = ZERO" for r in range(h1)], 12)}
+{gp_init}
+            mi = M[i]
+            li = L[i]
+            inv_l = ONE / li if li > ZERO else ZERO
+            for e in range(indptr[i], indptr[i + 1]):
+                j = indices[e]
+{feat}
+{score}
+                p = T(math.exp(s - mi)) * inv_l
+                dp = ZERO
+                for f in range({fv}):
+                    dp += dout[i, f] * V[j, f]
+                ds = p * (dp - delta)
+{_block(_u_backward(spec, True), 16)}
+{_block(gad_lines, 16)}
+{_block(_u_edge_grad(spec, "dst"), 16)}
+{_block([f"dAd[i, {r}] = gad{r}" for r in range(h1)], 12)}
+{_block([f"dpos[i, {d}] = gp{d}" for d in range(pd)], 12)}
+{pg_store}
+"""
+    bwd_cols = f"""
+@numba.njit(parallel=True, cache=True, fastmath={_FM})
+def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout, M, L, Delta,
+                      dAs, dV, dpos):
+    nrows = order.shape[0]
+    nch = min(nrows, {NUM_CHUNKS})
+    for ch in numba.prange(nch):
+{weights}
+        gV = np.empty({fv}, T)
+        r0 = ch * nrows // nch
+        r1 = (ch + 1) * nrows // nch
+        for tt_ in range(r0, r1):
+            j = order[tt_]
+{_block([f"gas{r} = ZERO" for r in range(h1)], 12)}
+            for f in range({fv}):
+                gV[f] = ZERO
+{gp_init}
+            for t in range(tptr[j], tptr[j + 1]):
+                i = tind[t]
+                e = perm[t]
+{feat}
+{score}
+                p = T(math.exp(s - M[i])) / L[i]
+                dp = ZERO
+                for f in range({fv}):
+                    dp += dout[i, f] * V[j, f]
+                    gV[f] += p * dout[i, f]
+                ds = p * (dp - Delta[i])
+{_block(_u_backward(spec, False), 16)}
+{_block([f"gas{r} += g0_{r}" for r in range(h1)], 16)}
+{_block(_u_edge_grad(spec, "src"), 16)}
+{_block([f"dAs[j, {r}] = gas{r}" for r in range(h1)], 12)}
+            for f in range({fv}):
+                dV[j, f] = gV[f]
+{_block([f"dpos[j, {d}] = gp{d}" for d in range(pd)], 12)}
+"""
+    header = (f"# generated by tiga_numba.cpu.gat (unrolled) for spec {spec!r}, {dtype_name}\n"
+              "import math\nimport numba\nimport numpy as np\n"
+              f"T = np.{dtype_name}\nZERO = T(0.0)\nONE = T(1.0)\n")
+    return header + fwd + bwd_rows + bwd_cols
+
+
 def _cache_dir():
     root = os.environ.get("TIGA_NUMBA_CACHE_DIR")
     if not root:
@@ -402,9 +665,14 @@ def _load(source):
     return module
 
 
-def get_kernels(spec, p_size, dtype):
-    """(module with gat_forward, gat_backward_rows, gat_backward_cols, cache 'hit'/'miss')."""
+def get_kernels(spec, p_size, dtype, unroll=None):
+    """(module with gat_forward, gat_backward_rows, gat_backward_cols, cache 'hit'/'miss',
+    variant 'unrolled'/'loops'). unroll=None picks unrolled code for small networks."""
     name = "float64" if str(dtype) == "float64" else "float32"
-    key = ("gat-cpu", spec, int(p_size), name)
-    module = KERNELS.get(key, lambda: _load(generate_source(spec, p_size, name)))
-    return module, ("hit" if KERNELS.last_was_hit else "miss")
+    if unroll is None:
+        unroll = unrollable(spec, p_size)
+    variant = "unrolled" if unroll else "loops"
+    gen = generate_source_unrolled if unroll else generate_source
+    key = ("gat-cpu", spec, int(p_size), name, variant)
+    module = KERNELS.get(key, lambda: _load(gen(spec, p_size, name)))
+    return module, ("hit" if KERNELS.last_was_hit else "miss"), variant
