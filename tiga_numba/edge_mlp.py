@@ -85,6 +85,8 @@ class GATPlan:
         ]
         if info.get("geometry"):
             lines.append(f"geometry: {info['geometry']}")
+        if info.get("order"):
+            lines.append(f"schedule: {info['order']}, {info.get('chunks', '')}".rstrip(", "))
         copies = info.get("copies") or []
         lines.append("copies: " + ("; ".join(copies) if copies else "none"))
         lines.append("not materialized: scores (E,), attention weights (E,), hidden activations "
@@ -110,6 +112,7 @@ class GATPlan:
 
 # --------------------------------------------------------------------------- preparation
 _GEOMETRIC = ("displacement", "distance")
+_UNROLL = None  # None: unrolled kernels for small networks, loops otherwise (tests force both)
 
 
 def _library(name, a):
@@ -310,8 +313,22 @@ def _node_products(prep, params, xp):
             As += prod
         else:
             Ad += prod
-    We = xp.ascontiguousarray(W1[:, prep.edge_cols]) if prep.edge_cols else xp.zeros((h1, 0), prep.acc)
-    return As, Ad, We
+    # transposed (fe, hidden): the kernels' inner loops then run along contiguous memory
+    WeT = xp.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols else xp.zeros((0, h1), prep.acc)
+    return As, Ad, WeT
+
+
+def _row_orders(graph, prep):
+    """Visiting orders of destination rows and source rows. For a geometric graph, cell order
+    (nearby rows share neighbours, whose data then stays in cache); else identity. Results do
+    not depend on it: every row is computed by one thread from its own edges."""
+    pos = getattr(graph, "positions", None)
+    if pos is not None and prep.num_src == prep.num_dst and prep.library == "numpy":
+        from .neighbors import spatial_order
+        order = spatial_order(pos)
+        return order, order, "rows visited in spatial cell order (cache locality)"
+    return (np.arange(prep.num_dst, dtype=np.int64), np.arange(prep.num_src, dtype=np.int64),
+            "rows visited in index order")
 
 
 def _net_desc(net):
@@ -357,16 +374,19 @@ def forward(graph, net, args, value, return_state=True):
         return cuda_gat.forward(graph, net, prep, return_state)
     from .cpu import gat as cpu_gat
     params = dict(net.named_parameters())
-    As, Ad, We = _node_products(prep, params, np)
+    As, Ad, WeT = _node_products(prep, params, np)
     indptr, indices = _csr(graph, "numpy")
-    kern, cache = cpu_gat.get_kernels(prep.spec, prep.P.shape[0])
+    kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], prep.acc, _UNROLL)
+    order, _, order_note = _row_orders(graph, prep)
     out = np.empty((prep.num_dst, prep.spec.fv), prep.acc)
     M = np.empty(prep.num_dst, prep.acc)
     L = np.empty(prep.num_dst, prep.acc)
-    kern.gat_forward(indptr, indices, As, Ad, We, prep.pos, prep.EX, prep.P, prep.V, out, M, L)
+    kern.gat_forward(order, indptr, indices, As, Ad, WeT, prep.pos, prep.EX, prep.P, prep.V,
+                     out, M, L)
     plan = _plan("forward", prep, net)
-    plan.run_info.update(kernel="cpu.gat_forward (fused score MLP + online softmax, rows)",
-                         cache=cache, copies=list(prep.copies),
+    plan.run_info.update(kernel=f"cpu.gat_forward[{variant}] (fused score MLP + online softmax, "
+                                "one destination row per iteration)",
+                         cache=cache, copies=list(prep.copies), order=order_note,
                          ir=_ir_stages(kern.gat_forward),
                          geometry=("displacement/distance computed per edge from positions"
                                    if prep.geometric else None))
@@ -395,11 +415,12 @@ def backward(graph, net, args, value, state, dout):
     acc = prep.acc
     As, Ad = state.As, state.Ad
     W1 = params["0.weight"].astype(acc)
-    We = np.ascontiguousarray(W1[:, prep.edge_cols]) if prep.edge_cols else np.zeros((W1.shape[0], 0), acc)
     h1 = W1.shape[0]
+    WeT = np.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols else np.zeros((0, h1), acc)
     indptr, indices = _csr(graph, "numpy")
     tr = graph.realize_transpose("cpu")
-    kern, cache = cpu_gat.get_kernels(prep.spec, prep.P.shape[0])
+    kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], acc, _UNROLL)
+    order_dst, order_src, order_note = _row_orders(graph, prep)
     D = np.ascontiguousarray(dout.reshape(prep.num_dst, -1), dtype=acc)
     nd = prep.num_dst
     Delta = np.empty(nd, acc)
@@ -410,14 +431,14 @@ def backward(graph, net, args, value, state, dout):
     nch = min(nd, cpu_gat.NUM_CHUNKS)
     n_pg = prep.P.shape[0] + h1 * prep.spec.fe
     PG = np.zeros((max(nch, 0), max(n_pg, 1)), acc)
-    kern.gat_backward_rows(indptr, indices, As, Ad, We, prep.pos, prep.EX, prep.P, prep.V,
-                           state.out, D, state.m, state.l, Delta, dAd, dposA, dEX, PG)
+    kern.gat_backward_rows(order_dst, indptr, indices, As, Ad, WeT, prep.pos, prep.EX, prep.P,
+                           prep.V, state.out, D, state.m, state.l, Delta, dAd, dposA, dEX, PG)
     ns = prep.num_src
     dAs = np.empty((ns, h1), acc)
     dV = np.empty((ns, prep.spec.fv), acc)
     dposB = np.zeros((ns if prep.geometric else 0, pd), acc)
-    kern.gat_backward_cols(tr.indptr, tr.indices, tr.perm, As, Ad, We, prep.pos, prep.EX, prep.P,
-                           prep.V, D, state.m, state.l, Delta, dAs, dV, dposB)
+    kern.gat_backward_cols(order_src, tr.indptr, tr.indices, tr.perm, As, Ad, WeT, prep.pos,
+                           prep.EX, prep.P, prep.V, D, state.m, state.l, Delta, dAs, dV, dposB)
     pg = PG.sum(axis=0)  # fixed chunk order: same bits every run
 
     # first Linear: node columns from the per-node gradients, edge columns from the partials
@@ -431,7 +452,7 @@ def backward(graph, net, args, value, state, dout):
         orig = args[k][2]
         arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
     if prep.edge_cols:
-        dW1[:, prep.edge_cols] = pg[prep.P.shape[0]:].reshape(h1, prep.spec.fe)
+        dW1[:, prep.edge_cols] = pg[prep.P.shape[0]:].reshape(prep.spec.fe, h1).T
     for k, width, xcol, _ in prep.explicit:
         orig = args[k][2]
         arg_grads[k] = dEX[:, xcol:xcol + width].reshape(orig.shape).astype(orig.dtype, copy=False)
@@ -445,9 +466,9 @@ def backward(graph, net, args, value, state, dout):
         gp = dposA + dposB
         positions = gp.astype(graph.positions.dtype, copy=False)
     plan = _plan("backward", prep, net)
-    plan.run_info.update(kernel="cpu.gat_backward_rows + cpu.gat_backward_cols (score MLP "
-                                "recomputed per edge, softmax adjoint in locals)",
-                         cache=cache, copies=list(prep.copies),
+    plan.run_info.update(kernel=f"cpu.gat_backward_rows + cpu.gat_backward_cols [{variant}] "
+                                "(score MLP recomputed per edge, softmax adjoint in locals)",
+                         cache=cache, copies=list(prep.copies), order=order_note,
                          ir=_ir_stages(kern.gat_backward_rows),
                          geometry=("displacement/distance gradients routed to positions per edge"
                                    if prep.geometric else None))
