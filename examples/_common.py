@@ -67,6 +67,21 @@ def check(label, out, oracle, dtype):
     return ok
 
 
+def dense_oracle(q, k, v, scale, budget=1 << 24):
+    """float64 oracle of dense attention for a prefix of the query rows.
+
+    The oracle materialises every edge (E x H x D float64); for the seed's 1024-node runs
+    that is gigabytes, so large runs are checked on the first rows that fit `budget`
+    elements per array. Rows of dense attention are independent, so the prefix is checked
+    exactly (a rectangular relation)."""
+    import tiga_numba as tg
+    from tiga_numba import reference
+    per_row = k.shape[0] * q.shape[1] * max(q.shape[-1], v.shape[-1])
+    rows = max(1, min(q.shape[0], budget // per_row))
+    oracle = reference.attention(q[:rows], k, v, tg.Graph.dense(k.shape[0], rows), scale=scale)
+    return oracle, rows
+
+
 def tile_sizes(plan):
     """(block_m, block_n) of the last kernel, from its run_info ("BM=64 BN=64")."""
     m = re.search(r"BM=(\d+)\s+BN=(\d+)", str(plan.run_info.get("tiles", "")))
