@@ -3,23 +3,45 @@
 numpy arrays run on numba parallel CPU kernels; cupy arrays on numba.cuda kernels (loaded on
 the first GPU call: importing this package never touches CUDA). See DESIGN.md / README.md.
 """
-from .graph import Graph
-from .functional import AttentionStats, attention, attention_backward, explain
-from . import reference
+import importlib as _importlib
+import sys as _sys
+
+
+def _shield_from_numba_cuda_redirector():
+    # numba-cuda's import redirector (a .pth-installed meta-path finder) matches any module
+    # name *containing* "numba.cuda" and recurses forever on "tiga_numba.cuda". Narrow it to
+    # the real numba.cuda names; a no-op where numba-cuda is not installed.
+    for finder in _sys.meta_path:
+        if type(finder).__name__ == "NumbaCudaFinder" and not getattr(finder, "_tiga_shielded", False):
+            original = finder.find_spec
+
+            def find_spec(name, path=None, target=None, _original=original):
+                if name != "numba.cuda" and not name.startswith("numba.cuda."):
+                    return None
+                return _original(name, path, target)
+
+            finder.find_spec = find_spec
+            finder._tiga_shielded = True
+
+
+_shield_from_numba_cuda_redirector()
+
+from .graph import Graph  # noqa: E402
+from .functional import AttentionStats, attention, attention_backward, explain  # noqa: E402
+from . import reference  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["Graph", "attention", "attention_backward", "AttentionStats", "explain", "reference",
            "MessagePassing", "online_softmax", "nn"]
 
+_LAZY = {"MessagePassing": "program", "online_softmax": "program", "nn": None}
+
 
 def __getattr__(name):
-    # The front end and tg.nn are written in their own modules; import them on first use so a
-    # partially installed tree still gives the functional API.
-    if name in ("MessagePassing", "online_softmax"):
-        from . import program
-        return getattr(program, name)
-    if name == "nn":
-        from . import nn
-        return nn
-    raise AttributeError(f"module 'tiga_numba' has no attribute {name!r}")
+    # The front end and tg.nn load on first use (importlib, not `from . import`, which would
+    # re-enter this hook through hasattr()).
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tiga_numba' has no attribute {name!r}")
+    module = _importlib.import_module(f"{__name__}.{_LAZY[name] or name}")
+    return module if _LAZY[name] is None else getattr(module, name)
