@@ -128,7 +128,8 @@ def oracle(q, k, v, M, scale, bias=None, dout=None):
 
 
 def pruned_oracle(q, k, v, dst_off, src_off, causal, scale, BM, BN, rho):
-    """float64 replay of the kernel's admission rule with the kernel's tiles."""
+    """float64 replay of the kernel's admission rule with the kernel's tiles and tile order
+    (causal: diagonal tile first, then backwards; otherwise from the facing tile, wrapping)."""
     q, k, v = (x.astype(np.float64) for x in (q, k, v))
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
@@ -147,7 +148,13 @@ def pruned_oracle(q, k, v, dst_off, src_off, causal, scale, BM, BN, rho):
                 m = np.full(len(rows), -np.inf)
                 l = np.zeros(len(rows))
                 acc = np.zeros((len(rows), DV))
-                for kt in range(0, kend, BN):
+                ntl = -(-kend // BN)
+                if causal[b]:
+                    order = list(range(ntl - 1, -1, -1))  # diagonal tile first
+                else:
+                    t0 = min(ntl - 1, ((qt - d0 + BM // 2) * (s1 - s0) // max(d1 - d0, 1)) // BN)
+                    order = [(t0 + i) % ntl for i in range(ntl)]
+                for kt in (x * BN for x in order):
                     cols = np.arange(kt, min(kt + BN, kend))
                     s = q[rows, h] @ k[s0 + cols, h // grp].T * scale
                     if causal[b]:
@@ -366,9 +373,21 @@ def case_prune():
     k = np.abs(rand(n, H, D))
     k[:4] += 6.0  # first key tile dominates every row
     v = rand(n, H, DV)
-    rel = (np.array([0, n], np.int64), np.array([0, n], np.int64), np.array([0], np.uint8))
     scale = 1.0
     t = tiles("float32", D, DV)
+    # causal, locality: s_ij = -(i - j)^2 / 2 (q_i = [i, 1, -i^2/2, 0], k_j = [j, -j^2/2, 1, 0]);
+    # the diagonal tile is visited first and the far tiles fall below it
+    pos = np.arange(n, dtype=np.float64)
+    z = np.zeros(n)
+    qc = np.stack([pos, np.ones(n), -pos ** 2 / 2, z], axis=1)[:, None, :].astype(np.float32)
+    kc = np.stack([pos, -pos ** 2 / 2, np.ones(n), z], axis=1)[:, None, :].astype(np.float32)
+    relc = (np.array([0, n], np.int64), np.array([0, n], np.int64), np.array([1], np.uint8))
+    out, m, l, cnt = blocks_forward(qc, kc, v, relc, scale, "float32", prune=1e-2, t=t)
+    ro, rm, rl, pruned, total = pruned_oracle(qc, kc, v, *relc, scale, t.BM, t.BN, 1e-2)
+    assert (int(cnt[0]), int(cnt[1])) == (pruned, total), (cnt, pruned, total)
+    check(f"prune causal ({pruned}/{total} tiles pruned) out", out, ro, 2e-5)
+    assert pruned > 0
+    rel = (np.array([0, n], np.int64), np.array([0, n], np.int64), np.array([0], np.uint8))
     for rho in (1e-2, 1e-30):
         out, m, l, cnt = blocks_forward(q, k, v, rel, scale, "float32", prune=rho, t=t)
         ro, rm, rl, pruned, total = pruned_oracle(q, k, v, *rel, scale, t.BM, t.BN, rho)

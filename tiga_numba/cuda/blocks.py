@@ -111,7 +111,22 @@ def make_forward(t, prune):
             kend = min(ns, qoff + BM)
         npruned = 0
         ntotal = 0
-        for kt0 in range(0, kend, BN):
+        ntl = (kend + BN - 1) // BN
+        t0 = 0
+        if PRUNE and not causal and ntl > 0:
+            # start at the key tile facing this query tile (same relative position), so a
+            # local score pattern sets the running max first; then wrap around
+            t0 = min(ntl - 1, ((qoff + BM // 2) * ns // max(nd, 1)) // BN)
+        for it in range(ntl):
+            tix = it
+            if PRUNE:
+                if causal:
+                    tix = ntl - 1 - it  # diagonal tile first, then backwards
+                else:
+                    tix = t0 + it
+                    if tix >= ntl:
+                        tix -= ntl
+            kt0 = tix * BN
             nk = min(BN, kend - kt0)
             kb = s0 + kt0
             cuda.syncthreads()  # the previous tile's readers are done with sK / sV / sS

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One script for the H200: memcheck/racecheck on small cases of every CUDA-core kernel, the GPU
+# test suite, and the benchmark. Writes logs under $OUT (default /tmp/gpu_suite); the last
+# lines printed are the benchmark tables. ~5-6 minutes of device time.
+#   bash benchmarks/gpu_suite.sh            (from the repository root)
+#   SUITE_QUICK=1 bash benchmarks/gpu_suite.sh   (smaller benchmark grid)
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import numba, numba_cuda, cupy, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/gpu.txt"
+
+echo "== compute-sanitizer memcheck (small cases of every kernel)"
+if command -v compute-sanitizer >/dev/null; then
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+    python3 benchmarks/bench_cuda.py --parts sanitize > "$OUT/sanitize.txt" 2>&1
+  rc=$?; tail -n 5 "$OUT/sanitize.txt"; echo "memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
+    python3 benchmarks/bench_cuda.py --parts sanitize >> "$OUT/sanitize.txt" 2>&1
+  rc=$?; tail -n 3 "$OUT/sanitize.txt"; echo "racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
+else
+  echo "compute-sanitizer not found: skipped"
+fi
+
+echo "== GPU tests"
+timeout 420 python3 -m pytest tests/test_cuda_gpu.py -q -x -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+rc=$?; tail -n 15 "$OUT/tests.txt"; echo "pytest rc=$rc"; [ $rc -eq 0 ] || status=1
+
+echo "== benchmark"
+Q=""; [ "${SUITE_QUICK:-0}" = "1" ] && Q="--quick"
+timeout 480 python3 benchmarks/bench_cuda.py $Q --out "$OUT/bench.txt" > "$OUT/bench_log.txt" 2>&1
+rc=$?; [ $rc -eq 0 ] || status=1
+cat "$OUT/bench.txt" 2>/dev/null || tail -n 40 "$OUT/bench_log.txt"
+echo "bench rc=$rc; suite status=$status"
+exit $status
