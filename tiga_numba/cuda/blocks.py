@@ -28,6 +28,7 @@ from .common import FULL, NEG_INF, array_view, nbtype
 from .launch import SIM, Kernel
 
 i64 = numba.int64
+U = numba.uint64  # index cast: unsigned indices skip numba's negative-index wraparound code
 
 
 def _strides(prefix):
@@ -70,18 +71,19 @@ def make_forward(t, prune):
         sB = cuda.shared.array(NSLOT, ACC)
         sF = cuda.shared.array(1, numba.int32)
         tid = cuda.threadIdx.x
+        neg = ACC(NEG_INF)
         bx = i64(cuda.blockIdx.x)
         h = i64(cuda.blockIdx.y)
         b = bx // tpb
-        d0 = doff[b]
-        d1 = doff[b + 1]
+        d0 = doff[U(b)]
+        d1 = doff[U(b + 1)]
         qoff = (bx - b * tpb) * BM  # first query row of this CTA, block-local
         if d0 + qoff >= d1:
             return
         nd = d1 - d0
-        s0 = soff[b]
-        ns = soff[b + 1] - s0
-        causal = caus[b] != 0
+        s0 = soff[U(b)]
+        ns = soff[U(b + 1)] - s0
+        causal = caus[U(b)] != 0
         hk = h // grp
         lane = tid % G
         grow = tid // G
@@ -99,12 +101,12 @@ def make_forward(t, prune):
                 d = c * G + lane
                 x = ACC(0.0)
                 if il < nd and d < D:
-                    x = ACC(q[qb + d * qs2]) * scale
-                qr[r * DSQ + c] = x
+                    x = ACC(q[U(qb + d * qs2)]) * scale
+                qr[U(r * DSQ + c)] = x
             for c in range(DSV):
-                acc[r * DSV + c] = ACC(0.0)
-            mrow[r] = NEG_INF
-            lrow[r] = ACC(0.0)
+                acc[U(r * DSV + c)] = ACC(0.0)
+            mrow[U(r)] = neg
+            lrow[U(r)] = ACC(0.0)
 
         kend = ns
         if causal:
@@ -135,29 +137,29 @@ def make_forward(t, prune):
                 d = e - j * DP
                 x = ACC(0.0)
                 if j < nk and d < D:
-                    x = ACC(k[(kb + j) * ks0 + hk * ks1 + d * ks2])
-                sK[e] = x
+                    x = ACC(k[U((kb + j) * ks0 + hk * ks1 + d * ks2)])
+                sK[U(e)] = x
             for e in range(tid, BN * DVP, NT):
                 j = e // DVP
                 d = e - j * DVP
                 x = ACC(0.0)
                 if j < nk and d < DV:
-                    x = ACC(v[(kb + j) * vs0 + hk * vs1 + d * vs2])
-                sV[e] = x
+                    x = ACC(v[U((kb + j) * vs0 + hk * vs1 + d * vs2)])
+                sV[U(e)] = x
             cuda.syncthreads()
 
             # phase 1: scores of this tile -> sS (masked entries -inf), row maxima -> tmax
             for r in range(R):
-                tmax[r] = NEG_INF
+                tmax[U(r)] = neg
             for j in range(nk):
                 for r in range(R):
-                    part[r] = ACC(0.0)
+                    part[U(r)] = ACC(0.0)
                 for c in range(DSQ):
-                    kv = sK[j * DP + c * G + lane]
+                    kv = sK[U(j * DP + c * G + lane)]
                     for r in range(R):
-                        part[r] += qr[r * DSQ + c] * kv
+                        part[U(r)] += qr[U(r * DSQ + c)] * kv
                 for r in range(R):
-                    sc = part[r]
+                    sc = part[U(r)]
                     off = G // 2
                     while off > 0:
                         sc += cuda.shfl_xor_sync(FULL, sc, off)
@@ -165,42 +167,42 @@ def make_forward(t, prune):
                     rl = grow * R + r
                     il = qoff + rl
                     if il >= nd or (causal and kt0 + j > il):
-                        sc = NEG_INF
+                        sc = neg
                     if lane == 0:
-                        sS[rl * BNP + j] = sc
-                    if sc > tmax[r]:
-                        tmax[r] = sc
+                        sS[U(rl * BNP + j)] = sc
+                    if sc > tmax[U(r)]:
+                        tmax[U(r)] = sc
 
             if PRUNE:
                 # block-wide: max(tile scores) vs the running max of every row of the CTA
-                a = NEG_INF
-                bm = NEG_INF
+                a = neg
+                bm = neg
                 for r in range(R):
-                    a = max(a, tmax[r])
-                    bm = max(bm, mrow[r])
+                    a = max(a, tmax[U(r)])
+                    bm = max(bm, mrow[U(r)])
                 off = RW // 2
                 while off > 0:
                     a = max(a, cuda.shfl_xor_sync(FULL, a, off))
                     bm = max(bm, cuda.shfl_xor_sync(FULL, bm, off))
                     off //= 2
                 if tid % RW == 0:
-                    sA[tid // RW] = a
-                    sB[tid // RW] = bm
+                    sA[U(tid // RW)] = a
+                    sB[U(tid // RW)] = bm
                 cuda.syncthreads()
                 if tid == 0:
-                    a = sA[0]
-                    bm = sB[0]
+                    a = sA[U(0)]
+                    bm = sB[U(0)]
                     for w in range(1, NSLOT):
-                        a = max(a, sA[w])
-                        bm = max(bm, sB[w])
+                        a = max(a, sA[U(w)])
+                        bm = max(bm, sB[U(w)])
                     admit = 1
-                    if bm > NEG_INF and a < bm + log_rho:
+                    if bm > neg and a < bm + log_rho:
                         admit = 0
                     ntotal += 1
                     npruned += 1 - admit
-                    sF[0] = admit
+                    sF[U(0)] = admit
                 cuda.syncthreads()
-                if sF[0] == 0:
+                if sF[U(0)] == 0:
                     continue
 
             if SYNC_GROUP:
@@ -208,42 +210,42 @@ def make_forward(t, prune):
             # phase 2: rescale once per tile, p = exp(s - m_new) in place, acc += p @ V
             for r in range(R):
                 rl = grow * R + r
-                mo_ = mrow[r]
-                mn = max(mo_, tmax[r])
+                mo_ = mrow[U(r)]
+                mn = max(mo_, tmax[U(r)])
                 alpha = ACC(1.0)
-                if mn > NEG_INF:
+                if mn > neg:
                     alpha = math.exp(mo_ - mn)
-                mrow[r] = mn
+                mrow[U(r)] = mn
                 for c in range(DSV):
-                    acc[r * DSV + c] *= alpha
+                    acc[U(r * DSV + c)] *= alpha
                 ps = ACC(0.0)
                 for j in range(lane, nk, G):
-                    sv = sS[rl * BNP + j]
+                    sv = sS[U(rl * BNP + j)]
                     p = ACC(0.0)
-                    if sv > NEG_INF:
+                    if sv > neg:
                         p = math.exp(sv - mn)
-                    sS[rl * BNP + j] = p
+                    sS[U(rl * BNP + j)] = p
                     ps += p
                 off = G // 2
                 while off > 0:
                     ps += cuda.shfl_xor_sync(FULL, ps, off)
                     off //= 2
-                lrow[r] = lrow[r] * alpha + ps
+                lrow[U(r)] = lrow[U(r)] * alpha + ps
             if SYNC_GROUP:
                 cuda.syncwarp()
             for j in range(nk):
                 for r in range(R):
-                    part[r] = sS[(grow * R + r) * BNP + j]
+                    part[U(r)] = sS[U((grow * R + r) * BNP + j)]
                 for c in range(DSV):
-                    vv = sV[j * DVP + c * G + lane]
+                    vv = sV[U(j * DVP + c * G + lane)]
                     for r in range(R):
-                        acc[r * DSV + c] += part[r] * vv
+                        acc[U(r * DSV + c)] += part[U(r)] * vv
 
         for r in range(R):
             il = qoff + grow * R + r
             if il < nd:
                 i = d0 + il
-                lr = lrow[r]
+                lr = lrow[U(r)]
                 inv = ACC(0.0)
                 if lr > 0:
                     inv = ACC(1.0) / lr
@@ -251,10 +253,10 @@ def make_forward(t, prune):
                 for c in range(DSV):
                     d = c * G + lane
                     if d < DV:
-                        out[ob + d] = IN(acc[r * DSV + c] * inv)
+                        out[U(ob + d)] = IN(acc[U(r * DSV + c)] * inv)
                 if lane == 0:
-                    mo[i * H + h] = mrow[r]
-                    lo[i * H + h] = lr
+                    mo[U(i * H + h)] = mrow[U(r)]
+                    lo[U(i * H + h)] = lr
         if PRUNE and tid == 0:
             cuda.atomic.add(cnt, 0, npruned)
             cuda.atomic.add(cnt, 1, ntotal)
@@ -297,18 +299,19 @@ def make_dq(t):
         sK = cuda.shared.array(SK, ACC)
         sV = cuda.shared.array(SV, ACC)
         tid = cuda.threadIdx.x
+        neg = ACC(NEG_INF)
         bx = i64(cuda.blockIdx.x)
         h = i64(cuda.blockIdx.y)
         b = bx // tpb
-        d0 = doff[b]
-        d1 = doff[b + 1]
+        d0 = doff[U(b)]
+        d1 = doff[U(b + 1)]
         qoff = (bx - b * tpb) * BM
         if d0 + qoff >= d1:
             return
         nd = d1 - d0
-        s0 = soff[b]
-        ns = soff[b + 1] - s0
-        causal = caus[b] != 0
+        s0 = soff[U(b)]
+        ns = soff[U(b + 1)] - s0
+        causal = caus[U(b)] != 0
         hk = h // grp
         lane = tid % G
         grow = tid // G
@@ -328,24 +331,24 @@ def make_dq(t):
                 d = c * G + lane
                 x = ACC(0.0)
                 if il < nd and d < D:
-                    x = ACC(q[i * qs0 + h * qs1 + d * qs2]) * scale
-                qr[r * DSQ + c] = x
-                dqa[r * DSQ + c] = ACC(0.0)
+                    x = ACC(q[U(i * qs0 + h * qs1 + d * qs2)]) * scale
+                qr[U(r * DSQ + c)] = x
+                dqa[U(r * DSQ + c)] = ACC(0.0)
             for c in range(DSV):
                 d = c * G + lane
                 x = ACC(0.0)
                 if il < nd and d < DV:
-                    x = ACC(dout[i * os0 + h * os1 + d * os2])
-                dor[r * DSV + c] = x
-            mm[r] = NEG_INF
-            il_[r] = ACC(0.0)
-            dl[r] = ACC(0.0)
+                    x = ACC(dout[U(i * os0 + h * os1 + d * os2)])
+                dor[U(r * DSV + c)] = x
+            mm[U(r)] = neg
+            il_[U(r)] = ACC(0.0)
+            dl[U(r)] = ACC(0.0)
             if il < nd:
-                lv = lo[i * H + h]
+                lv = lo[U(i * H + h)]
                 if lv > 0:
-                    mm[r] = mo[i * H + h]
-                    il_[r] = ACC(1.0) / lv
-                    dl[r] = delta[i * H + h]
+                    mm[U(r)] = mo[U(i * H + h)]
+                    il_[U(r)] = ACC(1.0) / lv
+                    dl[U(r)] = delta[U(i * H + h)]
 
         kend = ns
         if causal:
@@ -359,31 +362,31 @@ def make_dq(t):
                 d = e - j * DP
                 x = ACC(0.0)
                 if j < nk and d < D:
-                    x = ACC(k[(kb + j) * ks0 + hk * ks1 + d * ks2])
-                sK[e] = x
+                    x = ACC(k[U((kb + j) * ks0 + hk * ks1 + d * ks2)])
+                sK[U(e)] = x
             for e in range(tid, BN * DVP, NT):
                 j = e // DVP
                 d = e - j * DVP
                 x = ACC(0.0)
                 if j < nk and d < DV:
-                    x = ACC(v[(kb + j) * vs0 + hk * vs1 + d * vs2])
-                sV[e] = x
+                    x = ACC(v[U((kb + j) * vs0 + hk * vs1 + d * vs2)])
+                sV[U(e)] = x
             cuda.syncthreads()
             for j in range(nk):
                 for r in range(R):
-                    ps[r] = ACC(0.0)
-                    pd[r] = ACC(0.0)
+                    ps[U(r)] = ACC(0.0)
+                    pd[U(r)] = ACC(0.0)
                 for c in range(DSQ):
-                    kv = sK[j * DP + c * G + lane]
+                    kv = sK[U(j * DP + c * G + lane)]
                     for r in range(R):
-                        ps[r] += qr[r * DSQ + c] * kv
+                        ps[U(r)] += qr[U(r * DSQ + c)] * kv
                 for c in range(DSV):
-                    vv = sV[j * DVP + c * G + lane]
+                    vv = sV[U(j * DVP + c * G + lane)]
                     for r in range(R):
-                        pd[r] += dor[r * DSV + c] * vv
+                        pd[U(r)] += dor[U(r * DSV + c)] * vv
                 for r in range(R):
-                    s = ps[r]
-                    dp = pd[r]
+                    s = ps[U(r)]
+                    dp = pd[U(r)]
                     off = G // 2
                     while off > 0:
                         s += cuda.shfl_xor_sync(FULL, s, off)
@@ -391,13 +394,13 @@ def make_dq(t):
                         off //= 2
                     il = qoff + grow * R + r
                     p = ACC(0.0)
-                    if il_[r] > 0 and not (causal and kt0 + j > il):
-                        p = math.exp(s - mm[r]) * il_[r]
-                    ps[r] = p * (dp - dl[r])
+                    if il_[U(r)] > 0 and not (causal and kt0 + j > il):
+                        p = math.exp(s - mm[U(r)]) * il_[U(r)]
+                    ps[U(r)] = p * (dp - dl[U(r)])
                 for c in range(DSQ):
-                    kv = sK[j * DP + c * G + lane]
+                    kv = sK[U(j * DP + c * G + lane)]
                     for r in range(R):
-                        dqa[r * DSQ + c] += ps[r] * kv
+                        dqa[U(r * DSQ + c)] += ps[U(r)] * kv
 
         for r in range(R):
             il = qoff + grow * R + r
@@ -406,7 +409,7 @@ def make_dq(t):
                 for c in range(DSQ):
                     d = c * G + lane
                     if d < D:
-                        dq[ob + d] = IN(dqa[r * DSQ + c] * scale)
+                        dq[U(ob + d)] = IN(dqa[U(r * DSQ + c)] * scale)
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dq", "a", IN),
@@ -448,19 +451,20 @@ def make_dkdv(t):
         sL = cuda.shared.array(BN, ACC)
         sD = cuda.shared.array(BN, ACC)
         tid = cuda.threadIdx.x
+        neg = ACC(NEG_INF)
         bx = i64(cuda.blockIdx.x)
         hk = i64(cuda.blockIdx.y)
         Hkv = H // grp
         b = bx // tpb
-        s0 = soff[b]
-        s1 = soff[b + 1]
+        s0 = soff[U(b)]
+        s1 = soff[U(b + 1)]
         koff = (bx - b * tpb) * BM
         if s0 + koff >= s1:
             return
         ns = s1 - s0
-        d0 = doff[b]
-        nd = doff[b + 1] - d0
-        causal = caus[b] != 0
+        d0 = doff[U(b)]
+        nd = doff[U(b + 1)] - d0
+        causal = caus[U(b)] != 0
         lane = tid % G
         grow = tid // G
 
@@ -477,16 +481,16 @@ def make_dkdv(t):
                 d = c * G + lane
                 x = ACC(0.0)
                 if kl < ns and d < D:
-                    x = ACC(k[j * ks0 + hk * ks1 + d * ks2]) * scale
-                kr[r * DSQ + c] = x
-                dka[r * DSQ + c] = ACC(0.0)
+                    x = ACC(k[U(j * ks0 + hk * ks1 + d * ks2)]) * scale
+                kr[U(r * DSQ + c)] = x
+                dka[U(r * DSQ + c)] = ACC(0.0)
             for c in range(DSV):
                 d = c * G + lane
                 x = ACC(0.0)
                 if kl < ns and d < DV:
-                    x = ACC(v[j * vs0 + hk * vs1 + d * vs2])
-                vr[r * DSV + c] = x
-                dva[r * DSV + c] = ACC(0.0)
+                    x = ACC(v[U(j * vs0 + hk * vs1 + d * vs2)])
+                vr[U(r * DSV + c)] = x
+                dva[U(r * DSV + c)] = ACC(0.0)
 
         qstart = 0
         if causal:
@@ -502,48 +506,48 @@ def make_dkdv(t):
                     d = e - jq * DP
                     x = ACC(0.0)
                     if jq < nq and d < D:
-                        x = ACC(q[(qb + jq) * qs0 + h * qs1 + d * qs2])
-                    sQ[e] = x
+                        x = ACC(q[U((qb + jq) * qs0 + h * qs1 + d * qs2)])
+                    sQ[U(e)] = x
                 for e in range(tid, BN * DVP, NT):
                     jq = e // DVP
                     d = e - jq * DVP
                     x = ACC(0.0)
                     if jq < nq and d < DV:
-                        x = ACC(dout[(qb + jq) * os0 + h * os1 + d * os2])
-                    sO[e] = x
+                        x = ACC(dout[U((qb + jq) * os0 + h * os1 + d * os2)])
+                    sO[U(e)] = x
                 for e in range(tid, BN, NT):
-                    mv = NEG_INF
+                    mv = neg
                     lv = ACC(0.0)
                     dv_ = ACC(0.0)
                     if e < nq:
                         row = (qb + e) * H + h
-                        l_ = lo[row]
+                        l_ = lo[U(row)]
                         if l_ > 0:
-                            mv = mo[row]
+                            mv = mo[U(row)]
                             lv = ACC(1.0) / l_
-                            dv_ = delta[row]
-                    sM[e] = mv
-                    sL[e] = lv
-                    sD[e] = dv_
+                            dv_ = delta[U(row)]
+                    sM[U(e)] = mv
+                    sL[U(e)] = lv
+                    sD[U(e)] = dv_
                 cuda.syncthreads()
                 for jq in range(nq):
                     for r in range(R):
-                        ps[r] = ACC(0.0)
-                        pd[r] = ACC(0.0)
+                        ps[U(r)] = ACC(0.0)
+                        pd[U(r)] = ACC(0.0)
                     for c in range(DSQ):
-                        qv = sQ[jq * DP + c * G + lane]
+                        qv = sQ[U(jq * DP + c * G + lane)]
                         for r in range(R):
-                            ps[r] += kr[r * DSQ + c] * qv
+                            ps[U(r)] += kr[U(r * DSQ + c)] * qv
                     for c in range(DSV):
-                        ov = sO[jq * DVP + c * G + lane]
+                        ov = sO[U(jq * DVP + c * G + lane)]
                         for r in range(R):
-                            pd[r] += vr[r * DSV + c] * ov
-                    lv = sL[jq]
-                    mv = sM[jq]
-                    dlt = sD[jq]
+                            pd[U(r)] += vr[U(r * DSV + c)] * ov
+                    lv = sL[U(jq)]
+                    mv = sM[U(jq)]
+                    dlt = sD[U(jq)]
                     for r in range(R):
-                        s = ps[r]
-                        dp = pd[r]
+                        s = ps[U(r)]
+                        dp = pd[U(r)]
                         off = G // 2
                         while off > 0:
                             s += cuda.shfl_xor_sync(FULL, s, off)
@@ -553,16 +557,16 @@ def make_dkdv(t):
                         p = ACC(0.0)
                         if lv > 0 and kl < ns and not (causal and qt0 + jq < kl):
                             p = math.exp(s - mv) * lv
-                        ps[r] = p
-                        pd[r] = p * (dp - dlt)
+                        ps[U(r)] = p
+                        pd[U(r)] = p * (dp - dlt)
                     for c in range(DSV):
-                        ov = sO[jq * DVP + c * G + lane]
+                        ov = sO[U(jq * DVP + c * G + lane)]
                         for r in range(R):
-                            dva[r * DSV + c] += ps[r] * ov
+                            dva[U(r * DSV + c)] += ps[U(r)] * ov
                     for c in range(DSQ):
-                        qv = sQ[jq * DP + c * G + lane]
+                        qv = sQ[U(jq * DP + c * G + lane)]
                         for r in range(R):
-                            dka[r * DSQ + c] += pd[r] * qv
+                            dka[U(r * DSQ + c)] += pd[U(r)] * qv
 
         for r in range(R):
             kl = koff + grow * R + r
@@ -572,12 +576,12 @@ def make_dkdv(t):
                 for c in range(DSQ):
                     d = c * G + lane
                     if d < D:
-                        dk[ob + d] = IN(dka[r * DSQ + c] * scale)
+                        dk[U(ob + d)] = IN(dka[U(r * DSQ + c)] * scale)
                 ob = (j * Hkv + hk) * DV
                 for c in range(DSV):
                     d = c * G + lane
                     if d < DV:
-                        dv[ob + d] = IN(dva[r * DSV + c])
+                        dv[U(ob + d)] = IN(dva[U(r * DSV + c)])
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dk", "a", IN),

@@ -11,6 +11,7 @@ from numba import cuda
 from .launch import SIM, Kernel, array_view
 
 FULL = 0xFFFFFFFF
+U = numba.uint64  # index cast: unsigned indices skip numba's negative-index wraparound code
 NEG_INF = -math.inf
 
 
@@ -37,13 +38,13 @@ def make_delta(dtype, acc):
         a = ACC(0.0)
         if row < nrows:
             for d in range(lane, DV, GD):
-                a += ACC(dout[i * ds0 + h * ds1 + d * ds2]) * ACC(out[i * os0 + h * os1 + d * os2])
+                a += ACC(dout[U(i * ds0 + h * ds1 + d * ds2)]) * ACC(out[U(i * os0 + h * os1 + d * os2)])
         off = GD // 2
         while off > 0:
             a += cuda.shfl_xor_sync(FULL, a, off)
             off //= 2
         if lane == 0 and row < nrows:
-            delta[row] = a
+            delta[U(row)] = a
 
     i64 = numba.int64
     spec = [("dout", "a", IN), ("out", "a", IN), ("delta", "a", ACC)] + [

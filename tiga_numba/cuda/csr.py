@@ -25,6 +25,7 @@ from .common import NEG_INF, nbtype
 from .launch import Kernel, array_view
 
 i64 = numba.int64
+U = numba.uint64  # index cast: unsigned indices skip numba's negative-index wraparound code
 i32 = numba.int32
 u32 = numba.uint32
 
@@ -54,6 +55,7 @@ def make_forward(t, bias):
         indices = AS_I32(indices_p)
         eb = AS_ACC(bias_p)
         tid = cuda.threadIdx.x
+        neg = ACC(NEG_INF)
         gid = i64(cuda.blockIdx.x) * NT + tid
         gi = gid // G
         lane = gid - gi * G
@@ -72,17 +74,17 @@ def make_forward(t, bias):
             d = c * G + lane
             x = ACC(0.0)
             if d < D:
-                x = ACC(q[qb + d * qs2]) * scale
-            qr[c] = x
+                x = ACC(q[U(qb + d * qs2)]) * scale
+            qr[U(c)] = x
         for c in range(DSV):
-            acc[c] = ACC(0.0)
-        m = NEG_INF
+            acc[U(c)] = ACC(0.0)
+        m = neg
         l = ACC(0.0)
-        e = indptr[i]
-        e1 = indptr[i + 1]
+        e = indptr[U(i)]
+        e1 = indptr[U(i + 1)]
         while e + 1 < e1:
-            j0 = i64(indices[e])
-            j1 = i64(indices[e + 1])
+            j0 = i64(indices[U(e)])
+            j1 = i64(indices[U(e + 1)])
             kb0 = j0 * ks0 + hk * ks1
             kb1 = j1 * ks0 + hk * ks1
             vb0 = j0 * vs0 + hk * vs1
@@ -92,63 +94,63 @@ def make_forward(t, bias):
             for c in range(DSQ):
                 d = c * G + lane
                 if d < D:
-                    s0 += qr[c] * ACC(k[kb0 + d * ks2])
-                    s1 += qr[c] * ACC(k[kb1 + d * ks2])
+                    s0 += qr[U(c)] * ACC(k[U(kb0 + d * ks2)])
+                    s1 += qr[U(c)] * ACC(k[U(kb1 + d * ks2)])
             for c in range(DSV):
                 d = c * G + lane
                 x0 = ACC(0.0)
                 x1 = ACC(0.0)
                 if d < DV:
-                    x0 = ACC(v[vb0 + d * vs2])
-                    x1 = ACC(v[vb1 + d * vs2])
-                va[c] = x0
-                vb[c] = x1
+                    x0 = ACC(v[U(vb0 + d * vs2)])
+                    x1 = ACC(v[U(vb1 + d * vs2)])
+                va[U(c)] = x0
+                vb[U(c)] = x1
             off = G // 2
             while off > 0:
                 s0 += cuda.shfl_xor_sync(mask, s0, off)
                 s1 += cuda.shfl_xor_sync(mask, s1, off)
                 off //= 2
             if BIAS:
-                s0 += eb[e * H + h]
-                s1 += eb[(e + 1) * H + h]
+                s0 += eb[U(e * H + h)]
+                s1 += eb[U((e + 1) * H + h)]
             mn = max(m, max(s0, s1))
-            if mn > NEG_INF:
+            if mn > neg:
                 alpha = math.exp(m - mn)
                 p0 = math.exp(s0 - mn)
                 p1 = math.exp(s1 - mn)
                 l = l * alpha + p0 + p1
                 for c in range(DSV):
-                    acc[c] = acc[c] * alpha + p0 * va[c] + p1 * vb[c]
+                    acc[U(c)] = acc[U(c)] * alpha + p0 * va[U(c)] + p1 * vb[U(c)]
                 m = mn
             e += 2
         if e < e1:
-            j0 = i64(indices[e])
+            j0 = i64(indices[U(e)])
             kb0 = j0 * ks0 + hk * ks1
             vb0 = j0 * vs0 + hk * vs1
             s0 = ACC(0.0)
             for c in range(DSQ):
                 d = c * G + lane
                 if d < D:
-                    s0 += qr[c] * ACC(k[kb0 + d * ks2])
+                    s0 += qr[U(c)] * ACC(k[U(kb0 + d * ks2)])
             for c in range(DSV):
                 d = c * G + lane
                 x0 = ACC(0.0)
                 if d < DV:
-                    x0 = ACC(v[vb0 + d * vs2])
-                va[c] = x0
+                    x0 = ACC(v[U(vb0 + d * vs2)])
+                va[U(c)] = x0
             off = G // 2
             while off > 0:
                 s0 += cuda.shfl_xor_sync(mask, s0, off)
                 off //= 2
             if BIAS:
-                s0 += eb[e * H + h]
+                s0 += eb[U(e * H + h)]
             mn = max(m, s0)
-            if mn > NEG_INF:
+            if mn > neg:
                 alpha = math.exp(m - mn)
                 p0 = math.exp(s0 - mn)
                 l = l * alpha + p0
                 for c in range(DSV):
-                    acc[c] = acc[c] * alpha + p0 * va[c]
+                    acc[U(c)] = acc[U(c)] * alpha + p0 * va[U(c)]
                 m = mn
         inv = ACC(0.0)
         if l > 0:
@@ -157,10 +159,10 @@ def make_forward(t, bias):
         for c in range(DSV):
             d = c * G + lane
             if d < DV:
-                out[ob + d] = IN(acc[c] * inv)
+                out[U(ob + d)] = IN(acc[U(c)] * inv)
         if lane == 0:
-            mo[i * H + h] = m
-            lo[i * H + h] = l
+            mo[U(i * H + h)] = m
+            lo[U(i * H + h)] = l
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("indptr", "a", i64), ("indices", "a", i32),
@@ -195,6 +197,7 @@ def make_dq(t, bias):
         indices = AS_I32(indices_p)
         eb = AS_ACC(bias_p)
         tid = cuda.threadIdx.x
+        neg = ACC(NEG_INF)
         gid = i64(cuda.blockIdx.x) * NT + tid
         gi = gid // G
         lane = gid - gi * G
@@ -212,26 +215,26 @@ def make_dq(t, bias):
             d = c * G + lane
             x = ACC(0.0)
             if d < D:
-                x = ACC(q[i * qs0 + h * qs1 + d * qs2]) * scale
-            qr[c] = x
-            dqa[c] = ACC(0.0)
+                x = ACC(q[U(i * qs0 + h * qs1 + d * qs2)]) * scale
+            qr[U(c)] = x
+            dqa[U(c)] = ACC(0.0)
         for c in range(DSV):
             d = c * G + lane
             x = ACC(0.0)
             if d < DV:
-                x = ACC(dout[i * os0 + h * os1 + d * os2])
-            dor[c] = x
+                x = ACC(dout[U(i * os0 + h * os1 + d * os2)])
+            dor[U(c)] = x
         row = i * H + h
-        lv = lo[row]
-        mv = NEG_INF
+        lv = lo[U(row)]
+        mv = neg
         il = ACC(0.0)
         dl = ACC(0.0)
         if lv > 0:
-            mv = mo[row]
+            mv = mo[U(row)]
             il = ACC(1.0) / lv
-            dl = delta[row]
-        for e in range(indptr[i], indptr[i + 1]):
-            j = i64(indices[e])
+            dl = delta[U(row)]
+        for e in range(indptr[U(i)], indptr[U(i + 1)]):
+            j = i64(indices[U(e)])
             kb = j * ks0 + hk * ks1
             vb = j * vs0 + hk * vs1
             s = ACC(0.0)
@@ -240,33 +243,33 @@ def make_dq(t, bias):
                 d = c * G + lane
                 x = ACC(0.0)
                 if d < D:
-                    x = ACC(k[kb + d * ks2])
-                kr[c] = x
-                s += qr[c] * x
+                    x = ACC(k[U(kb + d * ks2)])
+                kr[U(c)] = x
+                s += qr[U(c)] * x
             for c in range(DSV):
                 d = c * G + lane
                 if d < DV:
-                    dp += dor[c] * ACC(v[vb + d * vs2])
+                    dp += dor[U(c)] * ACC(v[U(vb + d * vs2)])
             off = G // 2
             while off > 0:
                 s += cuda.shfl_xor_sync(mask, s, off)
                 dp += cuda.shfl_xor_sync(mask, dp, off)
                 off //= 2
             if BIAS:
-                s += eb[e * H + h]
+                s += eb[U(e * H + h)]
             p = ACC(0.0)
             if il > 0:
                 p = math.exp(s - mv) * il
             ds = p * (dp - dl)
             for c in range(DSQ):
-                dqa[c] += ds * kr[c]
+                dqa[U(c)] += ds * kr[U(c)]
             if BIAS and lane == 0:
-                dbias[e * H + h] = ds
+                dbias[U(e * H + h)] = ds
         ob = (i * H + h) * D
         for c in range(DSQ):
             d = c * G + lane
             if d < D:
-                dq[ob + d] = IN(dqa[c] * scale)
+                dq[U(ob + d)] = IN(dqa[U(c)] * scale)
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dq", "a", IN),
@@ -321,19 +324,19 @@ def make_dkdv(t, bias):
             d = c * G + lane
             x = ACC(0.0)
             if d < D:
-                x = ACC(k[j * ks0 + hk * ks1 + d * ks2]) * scale
-            kr[c] = x
-            dka[c] = ACC(0.0)
+                x = ACC(k[U(j * ks0 + hk * ks1 + d * ks2)]) * scale
+            kr[U(c)] = x
+            dka[U(c)] = ACC(0.0)
         for c in range(DSV):
             d = c * G + lane
             x = ACC(0.0)
             if d < DV:
-                x = ACC(v[j * vs0 + hk * vs1 + d * vs2])
-            vr[c] = x
-            dva[c] = ACC(0.0)
-        for tt in range(tptr[j], tptr[j + 1]):
-            i = i64(tind[tt])
-            e = perm[tt]
+                x = ACC(v[U(j * vs0 + hk * vs1 + d * vs2)])
+            vr[U(c)] = x
+            dva[U(c)] = ACC(0.0)
+        for tt in range(tptr[U(j)], tptr[U(j + 1)]):
+            i = i64(tind[U(tt)])
+            e = perm[U(tt)]
             for g in range(grp):
                 h = hk * grp + g
                 row = i * H + h
@@ -343,43 +346,43 @@ def make_dkdv(t, bias):
                     d = c * G + lane
                     x = ACC(0.0)
                     if d < D:
-                        x = ACC(q[i * qs0 + h * qs1 + d * qs2])
-                    qv[c] = x
-                    s += kr[c] * x
+                        x = ACC(q[U(i * qs0 + h * qs1 + d * qs2)])
+                    qv[U(c)] = x
+                    s += kr[U(c)] * x
                 for c in range(DSV):
                     d = c * G + lane
                     x = ACC(0.0)
                     if d < DV:
-                        x = ACC(dout[i * os0 + h * os1 + d * os2])
-                    ov[c] = x
-                    dp += vr[c] * x
+                        x = ACC(dout[U(i * os0 + h * os1 + d * os2)])
+                    ov[U(c)] = x
+                    dp += vr[U(c)] * x
                 off = G // 2
                 while off > 0:
                     s += cuda.shfl_xor_sync(mask, s, off)
                     dp += cuda.shfl_xor_sync(mask, dp, off)
                     off //= 2
                 if BIAS:
-                    s += eb[e * H + h]
-                lv = lo[row]
+                    s += eb[U(e * H + h)]
+                lv = lo[U(row)]
                 p = ACC(0.0)
                 ds = ACC(0.0)
                 if lv > 0:
-                    p = math.exp(s - mo[row]) / lv
-                    ds = p * (dp - delta[row])
+                    p = math.exp(s - mo[U(row)]) / lv
+                    ds = p * (dp - delta[U(row)])
                 for c in range(DSV):
-                    dva[c] += p * ov[c]
+                    dva[U(c)] += p * ov[U(c)]
                 for c in range(DSQ):
-                    dka[c] += ds * qv[c]
+                    dka[U(c)] += ds * qv[U(c)]
         ob = (j * Hkv + hk) * D
         for c in range(DSQ):
             d = c * G + lane
             if d < D:
-                dk[ob + d] = IN(dka[c] * scale)
+                dk[U(ob + d)] = IN(dka[U(c)] * scale)
         ob = (j * Hkv + hk) * DV
         for c in range(DSV):
             d = c * G + lane
             if d < DV:
-                dv[ob + d] = IN(dva[c])
+                dv[U(ob + d)] = IN(dva[U(c)])
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dk", "a", IN),

@@ -97,6 +97,7 @@ class Kernel:
         self._dispatcher = None
         self._conv = [_CTYPES[str(t)] for t in argtys]
         self._fast = None
+        self._launched = False
 
     @property
     def dispatcher(self):
@@ -136,11 +137,39 @@ class Kernel:
     def _prepare_fast(self):
         try:
             from cuda.core import LaunchConfig, launch
-            k = self.dispatcher.overloads[self.argtypes]
-            func = k._codelibrary.get_cufunc().kernel
-            self._fast = (launch, LaunchConfig, func)
+            self._fast = (launch, LaunchConfig, self._cuda_core_kernel())
         except Exception:  # pragma: no cover - older numba-cuda / cuda.core
             self._fast = False
+
+    def _cuda_core_kernel(self):
+        """The kernel as a cuda.core Kernel: from the on-disk cubin cache when this exact
+        kernel (name, package sources, numba-cuda version, device) was built before (no
+        numba compile at all), else compiled by numba and stored."""
+        import cupy
+        from cuda.core import ObjectCode
+        cc = cupy.cuda.Device().compute_capability
+        path = _cache_path(self.name, cc)
+        if path is not None and os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    entry, cubin = f.read().split(b"\0", 1)
+                self._objcode = ObjectCode.from_cubin(cubin)  # keeps the module loaded
+                return self._objcode.get_kernel(entry.decode())
+            except Exception:
+                pass
+        k = self.dispatcher.overloads[self.argtypes]
+        lib = k._codelibrary
+        func = lib.get_cufunc().kernel
+        if path is not None:
+            try:
+                cubin = lib.get_cubin(cc=tuple(int(c) for c in (cc[:-1], cc[-1])))
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(lib._entry_name.encode() + b"\0" + bytes(cubin))
+                os.replace(tmp, path)
+            except Exception:
+                pass
+        return func
 
     def __call__(self, grid, block, stream, *args):
         """Launch on `stream` (an object with __cuda_stream__, or None under the simulator)."""
@@ -152,10 +181,47 @@ class Kernel:
             self._prepare_fast()
         if self._fast:
             launch, LaunchConfig, func = self._fast
-            launch(stream, LaunchConfig(grid=grid, block=block), func, *cargs)
-        else:  # pragma: no cover
-            k = self.dispatcher.overloads[self.argtypes]
-            k.launch(args, grid, block, stream.numba(), 0)
+            try:
+                launch(stream, LaunchConfig(grid=grid, block=block), func, *cargs)
+                self._launched = True
+                return
+            except Exception:
+                if self._launched:
+                    raise
+                self._fast = False  # first launch refused: use numba's own launch from now on
+        self._launched = True
+        k = self.dispatcher.overloads[self.argtypes]
+        k.launch(args, grid, block, stream.numba(), 0)
+
+
+_SOURCE_HASH = None
+
+
+def _cache_path(name, cc):
+    """Cubin cache file for kernel `name` (None when caching is off: TIGA_NUMBA_CACHE_DIR=0)."""
+    global _SOURCE_HASH
+    root = os.environ.get("TIGA_NUMBA_CACHE_DIR", os.path.join(
+        os.path.expanduser("~"), ".cache", "tiga_numba", "cuda"))
+    if root in ("", "0"):
+        return None
+    if _SOURCE_HASH is None:
+        import hashlib
+        h = hashlib.sha1()
+        here = os.path.dirname(os.path.abspath(__file__))
+        for mod in ("launch.py", "common.py", "tiles.py", "blocks.py", "csr.py"):
+            with open(os.path.join(here, mod), "rb") as f:
+                h.update(f.read())
+        try:
+            import numba_cuda
+            h.update(numba_cuda.__version__.encode())
+        except Exception:
+            pass
+        _SOURCE_HASH = h.hexdigest()[:16]
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError:
+        return None
+    return os.path.join(root, f"{name}-{_SOURCE_HASH}-sm{cc}.cubin")
 
 
 class StreamRef:
