@@ -84,6 +84,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         qh = head_major(q, acc, "q", copies, scale=c)
         kh = head_major(k, acc, "k", copies)
         vh = head_major(v, acc, "v", copies)
+        tile_base, ktt = _pack(kh, relation, "k", copies)
         items = _forward_items(relation, H)
         kern, hit = _kernel(("cpu", "blocks.forward", acc.name, BM, BN, prune),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune))
@@ -93,8 +94,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
         with single_threaded_blas():
-            kern(qh, kh, vh, items, relation.dst_offsets, relation.src_offsets,
-                 relation.causal, group, log2_rho, out, m, l, total, pruned)
+            kern(qh, ktt, vh, items, relation.dst_offsets, relation.src_offsets,
+                 relation.causal, tile_base, group, log2_rho, out, m, l, total, pruned)
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
                     tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir(kern))
         if prune:
@@ -146,6 +147,28 @@ def _forward_items(rel, H):
     return items[order_balanced(np.tile(costs, H))]
 
 
+def _tiles(rel):
+    """Key tiles of every block: (tile_base per block, start and width of every tile)."""
+    ns = np.diff(np.asarray(rel.src_offsets))
+    counts = (ns + BN - 1) // BN
+    tile_base = np.zeros(ns.shape[0], np.int64)
+    if ns.shape[0] > 1:
+        np.cumsum(counts[:-1], out=tile_base[1:])
+    nt = int(counts.sum())
+    starts = np.repeat(np.asarray(rel.src_offsets[:-1], np.int64) - tile_base * BN, counts) \
+        + np.arange(nt, dtype=np.int64) * BN
+    ends = np.repeat(np.asarray(rel.src_offsets[1:], np.int64), counts)
+    return tile_base, starts, np.minimum(BN, ends - starts)
+
+
+def _pack(xh, rel, name, copies):
+    tile_base, starts, cols = _tiles(rel)
+    out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
+    _blocks.pack_transposed_tiles(xh, starts, cols, BN, out)
+    copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
+    return tile_base, out
+
+
 def _bias(edge_bias, acc, H, copies):
     if edge_bias is None:
         return np.zeros((0, H), acc)
@@ -186,6 +209,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kh = head_major(k, acc, "k", copies)
         vh = head_major(v, acc, "v", copies)
         doh = head_major(dout, acc, "dout", copies)
+        tile_base, ktt = _pack(kh, relation, "k", copies)
+        _, vtt = _pack(vh, relation, "v", copies)
         m2h = np.ascontiguousarray(m2.T)
         linvh = np.ascontiguousarray(linv.T)
         deltah = np.ascontiguousarray(delta.T)
@@ -198,8 +223,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         dkh = np.zeros((Hkv, Nk, D), acc)
         dvh = np.zeros((Hkv, Nk, Dv), acc)
         with single_threaded_blas():
-            kern(qh, kh, vh, doh, m2h, linvh, deltah, kitems, relation.dst_offsets,
-                 relation.src_offsets, relation.causal, group, n_parts, dq_part, dkh, dvh)
+            kern(qh, kh, ktt, vtt, doh, m2h, linvh, deltah, kitems, relation.dst_offsets,
+                 relation.src_offsets, relation.causal, tile_base, group, n_parts, dq_part,
+                 dkh, dvh)
         dq = np.empty((Nq, H, D), acc)
         _blocks.reduce_dq(dq_part, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)

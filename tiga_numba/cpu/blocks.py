@@ -29,6 +29,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .fastexp import exp2f
+from .gemm import mm
 
 LN2 = math.log(2.0)
 
@@ -58,7 +59,7 @@ def make_forward(acc, BM, BN, prune):
     ln2 = LN2
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-    def forward(qh, kh, vh, items, dst_off, src_off, causal, group, log2_rho,
+    def forward(qh, ktt, vh, items, dst_off, src_off, causal, tile_base, group, log2_rho,
                 out, m_out, l_out, tiles_total, tiles_pruned):
         D = qh.shape[2]
         Dv = vh.shape[2]
@@ -74,8 +75,7 @@ def make_forward(acc, BM, BN, prune):
             ns = src_off[b + 1] - s0
             is_causal = causal[b] != 0
             rows = min(BM, nd - q0)
-            sbuf = np.empty(BM * BN, dt)
-            tbuf = np.empty(BM * Dv, dt)
+            sbuf = np.empty((BM, BN), dt)
             acc_ = np.zeros((rows, Dv), dt)
             m = np.full(rows, -np.inf, dt)
             l = np.zeros(rows, dt)
@@ -90,21 +90,23 @@ def make_forward(acc, BM, BN, prune):
             for c0 in range(0, kend, BN):
                 cols = min(BN, kend - c0)
                 n_total += 1
-                S = sbuf[:rows * cols].reshape((rows, cols))
-                kt = kh[hk, s0 + c0:s0 + c0 + cols]
+                S = sbuf[:rows, :cols]
                 if D > 0:
-                    np.dot(qt, kt.T, S)
+                    mm(qt, ktt[hk, tile_base[b] + c0 // BN, :, :cols], S, 0.0, False, False)
                 else:
                     S[:, :] = 0.0
+                # element loops go through contiguous row views so that LLVM vectorises them
                 if is_causal and c0 + cols - 1 > q0:  # tile crosses the diagonal
                     for r in range(rows):
+                        Sr = sbuf[r]
                         for c in range(max(0, q0 + r + 1 - c0), cols):
-                            S[r, c] = -np.inf
+                            Sr[c] = -np.inf
                 tmax = -np.inf
                 for r in range(rows):
+                    Sr = sbuf[r]
                     mx = -np.inf
                     for c in range(cols):
-                        mx = max(mx, S[r, c])
+                        mx = max(mx, Sr[c])
                     rmax[r] = mx
                     tmax = max(tmax, mx)
                 if prune:
@@ -117,20 +119,19 @@ def make_forward(acc, BM, BN, prune):
                     ms = mnew if mnew != -np.inf else dt(0.0)  # row still empty: p = 0, no NaN
                     alpha = exp2_any(m[r] - ms)
                     s = dt(0.0)
+                    Sr = sbuf[r]
                     for c in range(cols):
-                        p = exp2_any(S[r, c] - ms)
-                        S[r, c] = p
+                        p = exp2_any(Sr[c] - ms)
+                        Sr[c] = p
                         s += p
                     l[r] = l[r] * alpha + s
                     m[r] = mnew
-                    for d in range(Dv):
-                        acc_[r, d] *= alpha
-                if Dv > 0:
-                    T = tbuf[:rows * Dv].reshape((rows, Dv))
-                    np.dot(S, vh[hk, s0 + c0:s0 + c0 + cols], T)
-                    for r in range(rows):
+                    if alpha != 1.0:
+                        ar = acc_[r]
                         for d in range(Dv):
-                            acc_[r, d] += T[r, d]
+                            ar[d] *= alpha
+                if Dv > 0:  # acc += P @ V, accumulated by the gemm itself
+                    mm(S, vh[hk, s0 + c0:s0 + c0 + cols], acc_, 1.0, False, False)
             for r in range(rows):
                 i = d0 + q0 + r
                 inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
@@ -149,16 +150,14 @@ def make_backward(acc, BM, BN):
     ln2 = LN2
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-    def backward(qh, kh, vh, doh, m2, linv, delta, kitems, dst_off, src_off, causal, group,
-                 n_parts, dq_part, dk, dv):
+    def backward(qh, kh, ktt, vtt, doh, m2, linv, delta, kitems, dst_off, src_off, causal,
+                 tile_base, group, n_parts, dq_part, dk, dv):
         D = qh.shape[2]
-        Dv = vh.shape[2]
+        Dv = doh.shape[2]
         n_items = kitems.shape[0]
         for part in prange(n_parts):
-            sbuf = np.empty(BM * BN, dt)
-            pbuf = np.empty(BM * BN, dt)
-            kbuf = np.empty(BN * max(D, Dv), dt)
-            qbuf = np.empty(BM * D, dt)
+            pbuf = np.empty((BM, BN), dt)
+            sbuf = np.empty((BM, BN), dt)
             dk_acc = np.empty((BN, D), dt)
             dv_acc = np.empty((BN, Dv), dt)
             for w in range(part, n_items, n_parts):
@@ -173,10 +172,14 @@ def make_backward(acc, BM, BN):
                 ns = src_off[b + 1] - s0
                 is_causal = causal[b] != 0
                 cols = min(BN, ns - c0)
-                dk_acc[:cols, :] = 0.0
-                dv_acc[:cols, :] = 0.0
-                kt = kh[hk, s0 + c0:s0 + c0 + cols]
-                vt = vh[hk, s0 + c0:s0 + c0 + cols]
+                tile = tile_base[b] + c0 // BN
+                dka = dk_acc[:cols]
+                dva = dv_acc[:cols]
+                dka[:, :] = 0.0
+                dva[:, :] = 0.0
+                kt = kh[hk, s0 + c0:s0 + c0 + cols]  # (cols, D)
+                ktT = ktt[hk, tile, :, :cols]  # (D, cols)
+                vtT = vtt[hk, tile, :, :cols]  # (Dv, cols)
                 qstart = 0
                 if is_causal:
                     qstart = (c0 // BM) * BM  # first query tile holding a row i >= c0
@@ -185,14 +188,14 @@ def make_backward(acc, BM, BN):
                         rows = min(BM, nd - q0)
                         qt = qh[h, d0 + q0:d0 + q0 + rows]
                         dot = doh[h, d0 + q0:d0 + q0 + rows]
-                        P = pbuf[:rows * cols].reshape((rows, cols))
-                        dP = sbuf[:rows * cols].reshape((rows, cols))
+                        P = pbuf[:rows, :cols]
+                        dP = sbuf[:rows, :cols]
                         if D > 0:
-                            np.dot(qt, kt.T, P)
+                            mm(qt, ktT, P, 0.0, False, False)
                         else:
                             P[:, :] = 0.0
                         if Dv > 0:
-                            np.dot(dot, vt.T, dP)
+                            mm(dot, vtT, dP, 0.0, False, False)
                         else:
                             dP[:, :] = 0.0
                         mask = is_causal and c0 + cols - 1 > q0
@@ -202,39 +205,50 @@ def make_backward(acc, BM, BN):
                             ms = mr if mr != -np.inf else dt(0.0)
                             li = linv[h, i]
                             de = delta[h, i]
+                            Pr = pbuf[r]
+                            dPr = sbuf[r]
                             for c in range(cols):
-                                p = exp2_any(P[r, c] - ms) * li
-                                P[r, c] = p
-                                dP[r, c] = p * (dP[r, c] - de)
+                                p = exp2_any(Pr[c] - ms) * li
+                                Pr[c] = p
+                                dPr[c] = p * (dPr[c] - de)
                             if mask:
                                 for c in range(max(0, q0 + r + 1 - c0), cols):
-                                    P[r, c] = 0.0
-                                    dP[r, c] = 0.0
-                        # dv += P^T dO ; dk += dS^T Q2 ; dq_part += dS K
+                                    Pr[c] = 0.0
+                                    dPr[c] = 0.0
+                        # dv += P^T dO ; dk += dS^T Q2 ; dq_part += dS K   (dS lives in dP)
                         if Dv > 0:
-                            T = kbuf[:cols * Dv].reshape((cols, Dv))
-                            np.dot(P.T, dot, T)
-                            for c in range(cols):
-                                for d in range(Dv):
-                                    dv_acc[c, d] += T[c, d]
+                            mm(P, dot, dva, 1.0, True, False)
                         if D > 0:
-                            T2 = kbuf[:cols * D].reshape((cols, D))
-                            np.dot(dP.T, qt, T2)
-                            for c in range(cols):
-                                for d in range(D):
-                                    dk_acc[c, d] += T2[c, d]
-                            Q = qbuf[:rows * D].reshape((rows, D))
-                            np.dot(dP, kt, Q)
-                            for r in range(rows):
-                                for d in range(D):
-                                    dq_part[part, h, d0 + q0 + r, d] += Q[r, d]
+                            mm(dP, qt, dka, 1.0, True, False)
+                            mm(dP, kt, dq_part[part, h, d0 + q0:d0 + q0 + rows], 1.0,
+                               False, False)
                 for c in range(cols):
                     for d in range(D):
-                        dk[hk, s0 + c0 + c, d] = dk_acc[c, d] * ln2
+                        dk[hk, s0 + c0 + c, d] = dka[c, d] * ln2
                     for d in range(Dv):
-                        dv[hk, s0 + c0 + c, d] = dv_acc[c, d]
+                        dv[hk, s0 + c0 + c, d] = dva[c, d]
 
     return backward
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def pack_transposed_tiles(xh, tile_start, tile_cols, BN, out):
+    """out[h, t, :, :cols] = xh[h, start:start+cols, :].T, zero tail: the K (and V) operand
+    of the score gemm as contiguous (D, BN) tiles, so that BLAS runs its fast A @ B path
+    instead of A @ B.T on a strided view."""
+    H = xh.shape[0]
+    Dd = xh.shape[2]
+    nt = tile_start.shape[0]
+    for w in prange(H * nt):
+        h = w // nt
+        t = w % nt
+        s = tile_start[t]
+        cols = tile_cols[t]
+        for d in range(Dd):
+            for c in range(cols):
+                out[h, t, d, c] = xh[h, s + c, d]
+            for c in range(cols, BN):
+                out[h, t, d, c] = 0.0
 
 
 @njit(parallel=True, fastmath=False, cache=True, nogil=True)
