@@ -1,0 +1,374 @@
+"""GAT-MLP edge attention (tiga_numba.edge_mlp, CPU kernels) against a float64 numpy oracle
+of the same model, materialized per edge: forward, stats and every gradient (x as src and as
+dst, value, positions, explicit edge fields, every score-network parameter)."""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import tiga_numba.nn as nn  # submodule import (see docs/requests/gat-helper.md)
+from tiga_numba import edge_mlp
+from tiga_numba.edge_mlp import FieldArg
+from tiga_numba.graph import Graph
+
+
+# --------------------------------------------------------------------------- the oracle
+def oracle(graph, net, args, value, dout=None):
+    """Materialized float64 model: concat per edge, MLP, segment softmax, weighted sum;
+    hand-derived backward. Returns out, (m, l) and, with dout, the gradients."""
+    rel = graph.realize("cpu")
+    dst = np.repeat(np.arange(graph.num_dst), np.diff(rel.indptr))
+    src = rel.indices.astype(np.int64)
+    pos = None if graph.positions is None else np.asarray(graph.positions, np.float64)
+    cols = []
+    for role, name, arr in args:
+        if role == "src":
+            cols.append(np.asarray(arr, np.float64).reshape(graph.num_src, -1)[src])
+        elif role == "dst":
+            cols.append(np.asarray(arr, np.float64).reshape(graph.num_dst, -1)[dst])
+        elif arr is not None:
+            cols.append(np.asarray(arr, np.float64).reshape(graph.num_edges, -1))
+        else:
+            disp = pos[src] - pos[dst]
+            cols.append(disp if name == "displacement" else np.sqrt((disp ** 2).sum(-1, keepdims=True)))
+    acts = [np.concatenate(cols, axis=1)]
+    layers = net.layers()
+    for layer in layers:
+        h = acts[-1]
+        if isinstance(layer, nn.Linear):
+            acts.append(h @ np.asarray(layer.weight, np.float64).T + np.asarray(layer.bias, np.float64))
+        elif isinstance(layer, nn.LeakyReLU):
+            acts.append(np.where(h > 0, h, h * layer.negative_slope))
+        elif isinstance(layer, nn.ReLU):
+            acts.append(np.maximum(h, 0))
+        else:
+            acts.append(np.tanh(h))
+    s = acts[-1][:, 0]
+    nd = graph.num_dst
+    m = np.full(nd, -np.inf)
+    np.maximum.at(m, dst, s)
+    w = np.exp(s - m[dst])
+    l = np.zeros(nd)
+    np.add.at(l, dst, w)
+    p = w / l[dst]
+    V = np.asarray(value, np.float64).reshape(graph.num_src, -1)
+    out = np.zeros((nd, V.shape[1]))
+    np.add.at(out, dst, p[:, None] * V[src])
+    out_shaped = out.reshape((nd,) + tuple(value.shape[1:]))
+    if dout is None:
+        return out_shaped, (m, l)
+    D = np.asarray(dout, np.float64).reshape(nd, -1)
+    dV = np.zeros_like(V)
+    np.add.at(dV, src, p[:, None] * D[dst])
+    ds = p * ((D[dst] * V[src]).sum(1) - (D * out).sum(1)[dst])
+    g = ds[:, None]
+    params = {}
+    for idx in range(len(layers) - 1, -1, -1):
+        layer, h_in, h_out = layers[idx], acts[idx], acts[idx + 1]
+        if isinstance(layer, nn.Linear):
+            params[f"{idx}.weight"] = g.T @ h_in
+            params[f"{idx}.bias"] = g.sum(0)
+            g = g @ np.asarray(layer.weight, np.float64)
+        elif isinstance(layer, nn.LeakyReLU):
+            g = g * np.where(h_in > 0, 1.0, layer.negative_slope)
+        elif isinstance(layer, nn.ReLU):
+            g = g * (h_in > 0)
+        else:
+            g = g * (1 - h_out ** 2)
+    arg_grads, c0 = [], 0
+    dpos = np.zeros_like(pos) if pos is not None else None
+    for (role, name, arr), c in zip(args, cols):
+        gc = g[:, c0:c0 + c.shape[1]]
+        c0 += c.shape[1]
+        if role in ("src", "dst"):
+            n_role = graph.num_src if role == "src" else graph.num_dst
+            a = np.zeros((n_role, c.shape[1]))
+            np.add.at(a, src if role == "src" else dst, gc)
+            arg_grads.append(a.reshape(np.shape(arr)))
+        elif arr is not None:
+            arg_grads.append(gc.reshape(np.shape(arr)))
+        else:
+            disp = pos[src] - pos[dst]
+            if name == "distance":
+                dist = np.sqrt((disp ** 2).sum(-1, keepdims=True))
+                gc = gc * np.where(dist > 0, disp / np.where(dist > 0, dist, 1), 0)
+            np.add.at(dpos, src, gc)
+            np.add.at(dpos, dst, -gc)
+            arg_grads.append(None)
+    return out_shaped, (m, l), {"args": arg_grads, "value": dV.reshape(value.shape),
+                                "params": params, "positions": dpos}
+
+
+# --------------------------------------------------------------------------- helpers
+def random_cloud(rng, n, dim=3, isolated=3):
+    """Uniform points plus a few far-away ones (isolated nodes: empty rows and columns)."""
+    pos = rng.random((n, dim))
+    if isolated:
+        pos[-isolated:] = 10.0 + 5.0 * np.arange(isolated)[:, None]
+    return pos
+
+
+def seed_net(f, hidden, dtype=np.float64, slope=0.2, dim=3):
+    return nn.trace(nn.Sequential(nn.Linear(dim + 2 * f, hidden, seed=11, dtype=dtype),
+                                  nn.LeakyReLU(slope), nn.Linear(hidden, 1, seed=12, dtype=dtype)))
+
+
+def assert_close(name, got, want, rtol, atol):
+    assert got is not None, name
+    assert got.shape == np.shape(want), (name, got.shape, np.shape(want))
+    assert np.all(np.isfinite(got)), name
+    scale = max(1.0, float(np.max(np.abs(want)))) if np.size(want) else 1.0
+    err = float(np.max(np.abs(np.asarray(got, np.float64) - want))) if np.size(want) else 0.0
+    assert err <= atol * scale + rtol * scale, f"{name}: max err {err:.3g} (scale {scale:.3g})"
+
+
+def check_all(graph, net, args, value, rng, rtol=1e-10, atol=1e-10):
+    out, state, plan = edge_mlp.forward(graph, net, args, value)
+    dout = rng.standard_normal(out.shape)
+    ref, (m, l), grads = oracle(graph, net, args, value, dout)
+    assert out.dtype == value.dtype and out.shape == ref.shape
+    assert_close("out", out, ref, rtol, atol)
+    nonempty = l > 0
+    assert np.all(state.l[~nonempty] == 0) and np.all(np.isneginf(state.m[~nonempty]))
+    assert_close("m", state.m[nonempty], m[nonempty], rtol, atol)
+    assert_close("l", state.l[nonempty], l[nonempty], rtol, atol)
+    res = edge_mlp.backward(graph, net, args, value, state, dout.astype(value.dtype))
+    for k, (a, want) in enumerate(zip(res["args"], grads["args"])):
+        if want is None:
+            assert a is None, f"args[{k}] is geometric: its gradient goes to positions"
+        else:
+            assert_close(f"args[{k}] ({args[k][0]}.{args[k][1]})", a, want, rtol, atol)
+    assert_close("value", res["value"], grads["value"], rtol, atol)
+    assert set(res["params"]) == set(grads["params"]) == {n for n, _ in net.named_parameters()}
+    for name, want in grads["params"].items():
+        assert_close(f"param {name}", res["params"][name], want, rtol, atol)
+    if grads["positions"] is None:
+        assert res["positions"] is None
+    else:
+        assert_close("positions", res["positions"], grads["positions"], rtol, atol)
+    return out, res, plan
+
+
+@pytest.fixture(params=["unrolled", "loops"])
+def variant(request, monkeypatch):
+    monkeypatch.setattr(edge_mlp, "_UNROLL", request.param == "unrolled")
+    return request.param
+
+
+# --------------------------------------------------------------------------- tests
+def test_seed_model_radius_graph_all_gradients(variant):
+    rng = np.random.default_rng(0)
+    n, f = 67, 5
+    pos = random_cloud(rng, n)
+    g = Graph.radius(pos, 0.3)
+    assert g.num_edges > 0
+    x = rng.standard_normal((n, f))
+    net = seed_net(f, 8)
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    out, res, plan = check_all(g, net, args, x, rng)
+    # isolated destinations: output exactly zero, no NaN anywhere
+    assert np.all(out[-3:] == 0)
+    assert variant in plan.run_info["kernel"]
+    text = plan.explain()
+    assert "backend: cpu" in text and "not materialized" in text
+    assert "asm" in plan.run_info["ir"] and "llvm" in plan.run_info["ir"]
+
+
+def test_deep_net_distance_explicit_edge_field_and_heads(variant):
+    rng = np.random.default_rng(1)
+    n, f, h, fv = 41, 3, 2, 4
+    pos = random_cloud(rng, n, isolated=2)
+    g = Graph.radius(pos, 0.35)
+    xs = rng.standard_normal((n, f))
+    xd = rng.standard_normal((n, 2))
+    ew = rng.standard_normal((g.num_edges, 2))
+    value = rng.standard_normal((n, h, fv))
+    net = nn.trace(nn.Sequential(nn.Linear(1 + f + 2 + 2 + 3, 6, seed=1, dtype=np.float64), nn.Tanh(),
+                                 nn.Linear(6, 5, seed=2, dtype=np.float64), nn.ReLU(),
+                                 nn.Linear(5, 4, seed=3, dtype=np.float64), nn.LeakyReLU(0.1),
+                                 nn.Linear(4, 1, seed=4, dtype=np.float64)))
+    args = [FieldArg("edge", "distance", None), FieldArg("src", "a", xs), FieldArg("dst", "b", xd),
+            FieldArg("edge", "w", ew), FieldArg("edge", "displacement", None)]
+    out, res, _ = check_all(g, net, args, value, rng)
+    assert out.shape == (n, h, fv)
+
+
+def test_knn_graph_2d_positions_and_src_only_args(variant):
+    rng = np.random.default_rng(2)
+    n, f = 30, 4
+    pos = rng.random((n, 2))
+    g = Graph.knn(pos, 5)
+    x = rng.standard_normal((n, f))
+    net = nn.trace(nn.Sequential(nn.Linear(2 + f, 7, seed=5, dtype=np.float64), nn.ReLU(),
+                                 nn.Linear(7, 1, seed=6, dtype=np.float64)))
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x)]
+    check_all(g, net, args, x, rng)
+
+
+def test_general_csr_graph_rectangular_no_geometry(variant):
+    rng = np.random.default_rng(3)
+    ns, nd = 13, 9
+    dense = rng.random((nd, ns)) < 0.4
+    dense[2] = False  # an empty row
+    indptr = np.concatenate([[0], np.cumsum(dense.sum(1))])
+    indices = np.nonzero(dense)[1]
+    g = Graph.from_csr(indptr, indices, num_src=ns)
+    xs = rng.standard_normal((ns, 3))
+    xd = rng.standard_normal((nd, 2))
+    v = rng.standard_normal((ns, 5))
+    net = nn.trace(nn.Sequential(nn.Linear(5, 4, seed=7, dtype=np.float64), nn.LeakyReLU(),
+                                 nn.Linear(4, 1, seed=8, dtype=np.float64)))
+    args = [FieldArg("src", "k", xs), FieldArg("dst", "q", xd)]
+    out, _, _ = check_all(g, net, args, v, rng)
+    assert np.all(out[2] == 0)
+
+
+def test_single_linear_score_network(variant):
+    rng = np.random.default_rng(4)
+    n = 25
+    pos = random_cloud(rng, n, isolated=1)
+    g = Graph.radius(pos, 0.4)
+    x = rng.standard_normal((n, 2))
+    net = nn.trace(nn.Linear(3 + 2, 1, seed=9, dtype=np.float64))
+    args = [FieldArg("edge", "displacement", None), FieldArg("dst", "x", x)]
+    check_all(g, net, args, x, rng)
+
+
+def test_float32_within_tolerance():
+    rng = np.random.default_rng(5)
+    n, f = 80, 6
+    pos = random_cloud(rng, n).astype(np.float32)
+    g = Graph.radius(pos, 0.3)
+    x = rng.standard_normal((n, f)).astype(np.float32)
+    net = seed_net(f, 16, dtype=np.float32)
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    out, state, plan = edge_mlp.forward(g, net, args, x)
+    assert out.dtype == np.float32 and state.m.dtype == np.float32
+    assert "accumulation float32" in plan.explain()
+    check_all(g, net, args, x, rng, rtol=2e-4, atol=2e-4)
+
+
+def test_graph_without_edges():
+    rng = np.random.default_rng(6)
+    n, f = 7, 3
+    pos = rng.random((n, 3)) * 100
+    g = Graph.radius(pos, 1e-3)
+    assert g.num_edges == 0
+    x = rng.standard_normal((n, f))
+    net = seed_net(f, 4)
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    out, state, _ = edge_mlp.forward(g, net, args, x)
+    assert np.all(out == 0) and np.all(state.l == 0)
+    res = edge_mlp.backward(g, net, args, x, state, np.ones_like(out))
+    assert np.all(res["value"] == 0) and np.all(res["positions"] == 0)
+    assert all(np.all(v == 0) for v in res["params"].values())
+
+
+def test_backward_is_deterministic():
+    rng = np.random.default_rng(7)
+    n, f = 300, 4
+    pos = rng.random((n, 3))
+    g = Graph.radius(pos, 0.2)
+    x = rng.standard_normal((n, f)).astype(np.float32)
+    net = seed_net(f, 16, dtype=np.float32)
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    dout = rng.standard_normal((n, f)).astype(np.float32)
+    runs = []
+    for _ in range(2):
+        out, st, _ = edge_mlp.forward(g, net, args, x)
+        runs.append((out, edge_mlp.backward(g, net, args, x, st, dout)))
+    (o1, r1), (o2, r2) = runs
+    assert np.array_equal(o1, o2)
+    assert np.array_equal(r1["value"], r2["value"]) and np.array_equal(r1["positions"], r2["positions"])
+    for k in r1["params"]:
+        assert np.array_equal(r1["params"][k], r2["params"][k]), k
+
+
+def test_nothing_edge_sized_is_materialized():
+    """Peak numpy memory of forward+backward stays far below one (E, hidden) float64 buffer
+    (the eager model needs several) and within a small multiple of the O(N x (hidden + F))
+    per-node state; numba's per-thread scratch is O(threads x hidden)."""
+    rng = np.random.default_rng(8)
+    n, f, hidden = 6000, 4, 16
+    pos = rng.random((n, 3))
+    g = Graph.radius(pos, (40 * 3 / (4 * np.pi * n)) ** (1 / 3))
+    E = g.num_edges
+    assert E > 150_000
+    x = rng.standard_normal((n, f))
+    net = seed_net(f, hidden)
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    out, st, _ = edge_mlp.forward(g, net, args, x)  # compile outside the measurement
+    edge_mlp.backward(g, net, args, x, st, np.ones_like(out))
+    g.realize_transpose("cpu")
+    tracemalloc.start()
+    out, st, _ = edge_mlp.forward(g, net, args, x)
+    edge_mlp.backward(g, net, args, x, st, np.ones_like(out))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    per_node = n * (hidden + f + 3) * 8
+    assert peak < E * hidden * 8 / 4, f"peak {peak} B vs one (E, hidden) float64 = {E * hidden * 8} B"
+    assert peak < 8 * per_node, f"peak {peak} B vs per-node state {per_node} B"
+
+
+def test_errors_name_the_argument():
+    rng = np.random.default_rng(9)
+    n = 10
+    pos = rng.random((n, 3))
+    g = Graph.radius(pos, 0.5)
+    x = rng.standard_normal((n, 2))
+    net = seed_net(2, 4)
+    good = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    with pytest.raises(ValueError, match="first Linear takes 7 inputs"):
+        edge_mlp.forward(g, net, good[:2], x)
+    with pytest.raises(TypeError, match="net must be a traced score network"):
+        edge_mlp.forward(g, object(), good, x)
+    with pytest.raises(ValueError, match="src.x must have shape"):
+        edge_mlp.forward(g, net, [good[0], FieldArg("src", "x", x[:5]), good[2]], x)
+    with pytest.raises(ValueError, match="value must have shape"):
+        edge_mlp.forward(g, net, good, x[:4])
+    with pytest.raises(TypeError, match="dst.x must be float16, float32 or float64"):
+        edge_mlp.forward(g, net, [good[0], good[1], FieldArg("dst", "x", x.astype(np.int64))], x)
+    plain = Graph.from_csr(g.realize("cpu").indptr, g.realize("cpu").indices)
+    with pytest.raises(ValueError, match="edge.displacement has no array and the graph has no positions"):
+        edge_mlp.forward(plain, net, good, x)
+    with pytest.raises(NotImplementedError, match="CSR"):
+        edge_mlp.forward(Graph.dense(n), net, good, x)
+    out, st, _ = edge_mlp.forward(g, net, good, x)
+    with pytest.raises(ValueError, match="dout must have shape"):
+        edge_mlp.backward(g, net, good, x, st, out[:3])
+
+
+def test_front_end_program_uses_fused_kernel():
+    """The seed's program through tg.MessagePassing (when the front end is present)."""
+    program = pytest.importorskip("tiga_numba.program")
+    rng = np.random.default_rng(10)
+    n, f = 40, 3
+
+    class GAT(program.MessagePassing):
+        reducer = program.online_softmax()
+
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = nn.trace(attn)
+
+        def edge(self, src, dst, edge):
+            return self.reducer(self.attn(edge.displacement, src.x, dst.x), src.x)
+
+    pos = random_cloud(rng, n, isolated=1)
+    g = Graph.radius(pos, 0.35)
+    x = rng.standard_normal((n, f))
+    attn = nn.Sequential(nn.Linear(3 + 2 * f, 8, seed=1, dtype=np.float64), nn.LeakyReLU(0.2),
+                         nn.Linear(8, 1, seed=2, dtype=np.float64))
+    prog = GAT(attn)
+    out, vjp = prog.vjp(graph=g, src={"x": x}, dst={"x": x})
+    args = [("edge", "displacement", None), ("src", "x", x), ("dst", "x", x)]
+    dout = rng.standard_normal(out.shape)
+    ref, _, grads = oracle(g, nn.trace(attn), args, x, dout)
+    assert_close("out", out, ref, 1e-10, 1e-10)
+    got = vjp(dout)
+    # src.x collects its score-argument and value gradients; dst.x its score-argument one
+    assert_close("src.x", got["src"]["x"], grads["args"][1] + grads["value"], 1e-10, 1e-10)
+    assert_close("dst.x", got["dst"]["x"], grads["args"][2], 1e-10, 1e-10)
+    assert_close("positions", got["positions"], grads["positions"], 1e-10, 1e-10)
+    for name, want in grads["params"].items():
+        assert_close(name, got["params"][f"attn.{name}"], want, 1e-10, 1e-10)
