@@ -25,72 +25,89 @@ from .blocks import exp2_any
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
-CH = 16
+CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/L1)
+RB = 32  # rows per prange iteration (amortises scratch allocation)
 
 
 def make_forward(acc):
     dt = np.float32 if acc == "float32" else np.float64
-    ln2, log2e = LN2, LOG2E
+    ln2 = LN2
+    log2e = dt(LOG2E)
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def forward(q, k, v, indptr, indices, bias, group, out, m_out, l_out):
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
-        for i in prange(Nq):
-            acc_ = np.zeros((H, Dv), dt)
-            m = np.full(H, -np.inf, dt)
-            l = np.zeros(H, dt)
+        n_blk = (Nq + RB - 1) // RB
+        for blk in prange(n_blk):
+            # scratch once per block of rows; element loops run over contiguous 1-D views
+            acc_ = np.empty((H, Dv), dt)
+            m = np.empty(H, dt)
+            l = np.empty(H, dt)
             s = np.empty((H, CH), dt)
-            e0 = indptr[i]
-            e1 = indptr[i + 1]
-            for c0 in range(e0, e1, CH):
-                n = min(CH, e1 - c0)
-                for t in range(n):
-                    j = indices[c0 + t]
+            for i in range(blk * RB, min(Nq, (blk + 1) * RB)):
+                acc_[:, :] = 0.0
+                m[:] = -np.inf
+                l[:] = 0.0
+                qi = q[i]
+                e0 = indptr[i]
+                e1 = indptr[i + 1]
+                for c0 in range(e0, e1, CH):
+                    n = min(CH, e1 - c0)
+                    for t in range(n):
+                        kj = k[indices[c0 + t]]
+                        for h in range(H):
+                            qr = qi[h]
+                            kr = kj[h // group]
+                            x = dt(0.0)
+                            for d in range(D):
+                                x += qr[d] * kr[d]
+                            if has_bias:
+                                x += bias[c0 + t, h] * log2e
+                            s[h, t] = x
                     for h in range(H):
-                        hk = h // group
-                        x = dt(0.0)
-                        for d in range(D):
-                            x += q[i, h, d] * k[j, hk, d]
-                        if has_bias:
-                            x += bias[c0 + t, h] * log2e
-                        s[h, t] = x
+                        sr = s[h]
+                        mx = m[h]
+                        for t in range(n):
+                            mx = max(mx, sr[t])
+                        ms = mx if mx != -np.inf else dt(0.0)
+                        alpha = exp2_any(m[h] - ms)
+                        tot = dt(0.0)
+                        for t in range(n):
+                            p = exp2_any(sr[t] - ms)
+                            sr[t] = p
+                            tot += p
+                        l[h] = l[h] * alpha + tot
+                        m[h] = mx
+                        if alpha != 1.0:
+                            ar = acc_[h]
+                            for d in range(Dv):
+                                ar[d] *= alpha
+                    for t in range(n):
+                        vj = v[indices[c0 + t]]
+                        for h in range(H):
+                            vr = vj[h // group]
+                            ar = acc_[h]
+                            p = s[h, t]
+                            for d in range(Dv):
+                                ar[d] += p * vr[d]
                 for h in range(H):
-                    mx = m[h]
-                    for t in range(n):
-                        mx = max(mx, s[h, t])
-                    ms = mx if mx != -np.inf else dt(0.0)
-                    alpha = exp2_any(m[h] - ms)
-                    tot = dt(0.0)
-                    for t in range(n):
-                        p = exp2_any(s[h, t] - ms)
-                        s[h, t] = p
-                        tot += p
-                    l[h] = l[h] * alpha + tot
-                    m[h] = mx
+                    inv = dt(1.0) / l[h] if l[h] > 0 else dt(0.0)
+                    ar = acc_[h]
+                    o = out[i, h]
                     for d in range(Dv):
-                        acc_[h, d] *= alpha
-                for t in range(n):
-                    j = indices[c0 + t]
-                    for h in range(H):
-                        hk = h // group
-                        p = s[h, t]
-                        for d in range(Dv):
-                            acc_[h, d] += p * v[j, hk, d]
-            for h in range(H):
-                inv = dt(1.0) / l[h] if l[h] > 0 else dt(0.0)
-                for d in range(Dv):
-                    out[i, h, d] = acc_[h, d] * inv
-                m_out[i, h] = m[h] * ln2
-                l_out[i, h] = l[h]
+                        o[d] = ar[d] * inv
+                    m_out[i, h] = m[h] * ln2
+                    l_out[i, h] = l[h]
 
     return forward
 
 
 def make_backward(acc):
     dt = np.float32 if acc == "float32" else np.float64
-    ln2, log2e = LN2, LOG2E
+    ln2 = LN2
+    log2e = dt(LOG2E)
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def backward_dst(q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
@@ -99,30 +116,43 @@ def make_backward(acc):
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
-        for i in prange(Nq):
-            acc_ = np.zeros((H, D), dt)
-            for e in range(indptr[i], indptr[i + 1]):
-                j = indices[e]
+        n_blk = (Nq + RB - 1) // RB
+        for blk in prange(n_blk):
+            acc_ = np.empty((H, D), dt)
+            for i in range(blk * RB, min(Nq, (blk + 1) * RB)):
+                acc_[:, :] = 0.0
+                qi = q[i]
+                doi = do[i]
+                for e in range(indptr[i], indptr[i + 1]):
+                    j = indices[e]
+                    kj = k[j]
+                    vj = v[j]
+                    for h in range(H):
+                        qr = qi[h]
+                        kr = kj[h // group]
+                        vr = vj[h // group]
+                        dr = doi[h]
+                        x = dt(0.0)
+                        for d in range(D):
+                            x += qr[d] * kr[d]
+                        if has_bias:
+                            x += bias[e, h] * log2e
+                        mr = m2[i, h]
+                        p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
+                        dp = dt(0.0)
+                        for d in range(Dv):
+                            dp += dr[d] * vr[d]
+                        ds = p * (dp - delta[i, h])
+                        if has_bias:
+                            dbias[e, h] = ds
+                        ar = acc_[h]
+                        for d in range(D):
+                            ar[d] += ds * kr[d]
                 for h in range(H):
-                    hk = h // group
-                    x = dt(0.0)
+                    ar = acc_[h]
+                    o = dq[i, h]
                     for d in range(D):
-                        x += q[i, h, d] * k[j, hk, d]
-                    if has_bias:
-                        x += bias[e, h] * log2e
-                    mr = m2[i, h]
-                    p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
-                    dp = dt(0.0)
-                    for d in range(Dv):
-                        dp += do[i, h, d] * v[j, hk, d]
-                    ds = p * (dp - delta[i, h])
-                    if has_bias:
-                        dbias[e, h] = ds
-                    for d in range(D):
-                        acc_[h, d] += ds * k[j, hk, d]
-            for h in range(H):
-                for d in range(D):
-                    dq[i, h, d] = acc_[h, d] * scale
+                        o[d] = ar[d] * scale
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
@@ -132,31 +162,50 @@ def make_backward(acc):
         H = q.shape[1]
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
-        for j in prange(Nk):
-            dk_acc = np.zeros((Hkv, D), dt)
-            dv_acc = np.zeros((Hkv, Dv), dt)
-            for t in range(t_indptr[j], t_indptr[j + 1]):
-                i = t_indices[t]
-                for h in range(H):
-                    hk = h // group
-                    x = dt(0.0)
+        n_blk = (Nk + RB - 1) // RB
+        for blk in prange(n_blk):
+            dk_acc = np.empty((Hkv, D), dt)
+            dv_acc = np.empty((Hkv, Dv), dt)
+            for j in range(blk * RB, min(Nk, (blk + 1) * RB)):
+                dk_acc[:, :] = 0.0
+                dv_acc[:, :] = 0.0
+                kj = k[j]
+                vj = v[j]
+                for t in range(t_indptr[j], t_indptr[j + 1]):
+                    i = t_indices[t]
+                    qi = q[i]
+                    doi = do[i]
+                    for h in range(H):
+                        hk = h // group
+                        qr = qi[h]
+                        kr = kj[hk]
+                        vr = vj[hk]
+                        dr = doi[h]
+                        x = dt(0.0)
+                        for d in range(D):
+                            x += qr[d] * kr[d]
+                        if has_bias:
+                            x += bias[perm[t], h] * log2e
+                        mr = m2[i, h]
+                        p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
+                        dp = dt(0.0)
+                        for d in range(Dv):
+                            dp += dr[d] * vr[d]
+                        ds = p * (dp - delta[i, h])
+                        va = dv_acc[hk]
+                        for d in range(Dv):
+                            va[d] += p * dr[d]
+                        ka = dk_acc[hk]
+                        for d in range(D):
+                            ka[d] += ds * qr[d]
+                for hk in range(Hkv):
+                    ka = dk_acc[hk]
+                    va = dv_acc[hk]
+                    ok = dk[j, hk]
+                    ov = dv[j, hk]
                     for d in range(D):
-                        x += q[i, h, d] * k[j, hk, d]
-                    if has_bias:
-                        x += bias[perm[t], h] * log2e
-                    mr = m2[i, h]
-                    p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
-                    dp = dt(0.0)
+                        ok[d] = ka[d] * ln2
                     for d in range(Dv):
-                        dp += do[i, h, d] * v[j, hk, d]
-                        dv_acc[hk, d] += p * do[i, h, d]
-                    ds = p * (dp - delta[i, h])
-                    for d in range(D):
-                        dk_acc[hk, d] += ds * q[i, h, d]
-            for hk in range(Hkv):
-                for d in range(D):
-                    dk[j, hk, d] = dk_acc[hk, d] * ln2
-                for d in range(Dv):
-                    dv[j, hk, d] = dv_acc[hk, d]
+                        ov[d] = va[d]
 
     return backward_dst, backward_src
