@@ -88,6 +88,66 @@ def tile_sizes(plan):
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def same_rule_oracle(q, k, v, graph, rho, scale, plan):
+    """float64 replay of the tile-admission rule with the backend's tile sizes and visiting
+    order: (out, pruned, total). The rule's outcome depends on both (docs/cpu_backend.md):
+    the CPU kernels visit key tiles in increasing order (tiga_numba.reference.pruned_attention);
+    the CUDA kernels start at the diagonal tile (causal blocks, then backwards) or at the key
+    tile facing the query tile (then wrapping), so a local score pattern sets the running max
+    first (same replay as tests/test_cuda_sim.py)."""
+    from tiga_numba import reference
+    bm, bn = tile_sizes(plan)
+    if plan.backend == "cpu":
+        out, _, _, (pruned, total) = reference.pruned_attention(
+            q, k, v, graph, rho=rho, block_m=bm, block_n=bn, scale=scale, return_stats=True)
+        return out, pruned, total
+    return _cuda_order_replay(q, k, v, graph, rho, scale, bm, bn)
+
+
+@np.errstate(invalid="ignore")  # -inf - -inf in fully masked rows; np.where picks 0 there
+def _cuda_order_replay(q, k, v, graph, rho, scale, bm, bn):
+    q, k, v = (to_host(a).astype(np.float64) for a in (q, k, v))
+    rel = graph.realize("cpu")
+    H, grp, DV = q.shape[1], q.shape[1] // k.shape[1], v.shape[2]
+    out = np.zeros((q.shape[0], H, DV))
+    total = pruned = 0
+    log_rho = np.log(rho)
+    for h in range(H):
+        for b in range(len(rel.causal)):
+            d0, d1 = int(rel.dst_offsets[b]), int(rel.dst_offsets[b + 1])
+            s0, s1 = int(rel.src_offsets[b]), int(rel.src_offsets[b + 1])
+            causal = bool(rel.causal[b])
+            for qt in range(d0, d1, bm):
+                rows = np.arange(qt, min(qt + bm, d1))
+                kend = min(s1 - s0, qt - d0 + bm) if causal else s1 - s0
+                ntl = -(-kend // bn)
+                if causal:
+                    order = list(range(ntl - 1, -1, -1))
+                else:
+                    t0 = min(ntl - 1, ((qt - d0 + bm // 2) * (s1 - s0) // max(d1 - d0, 1)) // bn)
+                    order = [(t0 + i) % ntl for i in range(ntl)]
+                m = np.full(len(rows), -np.inf)
+                l = np.zeros(len(rows))
+                acc = np.zeros((len(rows), DV))
+                for kt in (x * bn for x in order):
+                    cols = np.arange(kt, min(kt + bn, kend))
+                    sc = q[rows, h] @ k[s0 + cols, h // grp].T * scale
+                    if causal:
+                        sc = np.where(cols[None, :] <= (rows - d0)[:, None], sc, -np.inf)
+                    total += 1
+                    if np.isfinite(m.max()) and sc.max() < m.max() + log_rho:
+                        pruned += 1
+                        continue
+                    mn = np.maximum(m, sc.max(axis=1))
+                    alpha = np.where(np.isfinite(m), np.exp(m - mn), 0.0)
+                    p = np.where(np.isfinite(sc), np.exp(sc - mn[:, None]), 0.0)
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * alpha[:, None] + p @ v[s0 + cols, h // grp]
+                    m = mn
+                out[rows, h] = acc / np.where(l > 0, l, 1.0)[:, None]
+    return out, pruned, total
+
+
 def finish(ok):
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     sys.exit(0 if ok else 1)
