@@ -240,10 +240,10 @@ def varlen_cell(total, D, flex_fn, create_block_mask, rng):
 def sweep(quick):
     """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in api.TUNING"""
     cands = {
-        ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=1, BN=64), dict(NW=8, MT=1, BN=64)],
-        ("fwd", 128): [dict(NW=4, MT=1, BN=32), dict(NW=8, MT=1, BN=32), dict(NW=4, MT=2, BN=32)],
+        ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32), dict(NW=4, MT=1, BN=64)],
+        ("fwd", 128): [dict(NW=4, MT=2, BN=16, a_smem=True), dict(NW=4, MT=1, BN=32), dict(NW=8, MT=1, BN=32)],
         ("bwd", 64): [dict(NW=4, MT=1, BN=64), dict(NW=4, MT=1, BN=32)],
-        ("bwd", 128): [dict(NW=4, MT=1, BN=32), dict(NW=8, MT=1, BN=32)],
+        ("bwd", 128): [dict(NW=4, MT=1, BN=32), dict(NW=4, MT=1, BN=16, a_smem=True)],
     }
     for (kind, D), opts in cands.items():
         best = None

@@ -93,6 +93,7 @@ def _inputs(rng, nd, ns, H, Hkv, D, dtype):
     (64, 1, 1, "bfloat16", dict(NW=4, MT=1, BN=64)),
     (128, 2, 2, "float16", dict(NW=4, MT=1, BN=32)),
     (64, 3, 3, "float16", dict(NW=8, MT=1, BN=32)),
+    (128, 2, 1, "float16", dict(NW=4, MT=2, BN=16, a_smem=True)),
 ])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_forward_emulated(D, H, Hkv, dtype, shape, relname):
@@ -110,16 +111,18 @@ def test_forward_emulated(D, H, Hkv, dtype, shape, relname):
     assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
 
 
-@pytest.mark.parametrize("D,H,Hkv,dtype,BN", [(64, 2, 1, "float16", 64), (128, 1, 1, "bfloat16", 32)])
+@pytest.mark.parametrize("D,H,Hkv,dtype,BN,a_smem", [(64, 2, 1, "float16", 64, False),
+                                                     (128, 1, 1, "bfloat16", 32, False),
+                                                     (128, 2, 1, "float16", 16, True)])
 @pytest.mark.parametrize("relname", ["dense_rect_tail", "segments", "empty_keys"])
-def test_backward_emulated(D, H, Hkv, dtype, BN, relname):
+def test_backward_emulated(D, H, Hkv, dtype, BN, a_smem, relname):
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
     rng = np.random.default_rng(7 + D + len(relname))
     q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)
     scale = D ** -0.5
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
-    vq = G.Variant("dq", D, D, dtype=dtype, NW=4, MT=1, BN=BN)
-    vk = G.Variant("dkdv", D, D, dtype=dtype, NW=4, MT=1, BN=BN)
+    vq = G.Variant("dq", D, D, dtype=dtype, NW=4, MT=1, BN=BN, a_smem=a_smem)
+    vk = G.Variant("dkdv", D, D, dtype=dtype, NW=4, MT=1, BN=BN, a_smem=a_smem)
     out = rounded(ro.astype(np.float32), dtype)
     dq, dk, dv = E.backward(vq, vk, do, q, k, v, out, rm.astype(np.float32), rl.astype(np.float32),
                             dst, src, causal.astype(np.uint8), scale)
@@ -135,7 +138,7 @@ def test_broken_swizzle_is_caught(monkeypatch):
 
     def broken(e, v):
         real(e, v)
-        e("xa0 = xa1")   # k-step 0 would read k-step 1's chunk
+        e("xa128_0 = xa128_1")   # k-step 0 would read k-step 1's chunk
     monkeypatch.setattr(G, "thread_geometry", broken)
     dst, src, causal = (np.array(x) for x in RELATIONS["dense_rect_tail"])
     rng = np.random.default_rng(3)

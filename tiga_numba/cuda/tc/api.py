@@ -28,7 +28,7 @@ HEAD_DIMS = (64, 128)
 #: per (kernel kind, head dim): warps, m16 tiles per warp, streamed block width. Bench-tunable.
 TUNING = {
     ("fwd", 64): dict(NW=4, MT=2, BN=64),
-    ("fwd", 128): dict(NW=4, MT=1, BN=32),
+    ("fwd", 128): dict(NW=4, MT=2, BN=16, a_smem=True),
     ("dq", 64): dict(NW=4, MT=1, BN=64),
     ("dq", 128): dict(NW=4, MT=1, BN=32),
     ("dkdv", 64): dict(NW=4, MT=1, BN=64),
@@ -168,9 +168,9 @@ class Compiled:
         return self.dispatcher.inspect_llvm(self.argtypes)
 
     def resources(self):
-        k = self.dispatcher.overloads[self.argtypes]
-        return dict(regs=k.get_regs_per_thread(), smem=k.get_shared_mem_per_block(),
-                    local=k.get_local_mem_per_thread())
+        d, sig = self.dispatcher, self.argtypes
+        return dict(regs=d.get_regs_per_thread(sig), smem=d.get_shared_mem_per_block(sig),
+                    local=d.get_local_mem_per_thread(sig))
 
     def __call__(self, grid, block, stream, *args):
         import ctypes

@@ -224,7 +224,9 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                 syncthreads=lambda: None)
             env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
                        u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum,
-                       sel=_sel, ex2=_ex2, saddr=lambda a: 0, log2f=np.log2,
+                       sel=_sel, ex2=_ex2, saddr=lambda a: np.uint32(0), log2f=np.log2,
+                       opq=lambda x: np.asarray(x, np.int64)[()],
+                       a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
             for nm in ("mma16816", "ldsm_x4", "ldsm_x4_t", "cp_async16", "stg_u32_if", "stg_f32_if",
                        "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2", "unpack2", "shfl_xor"):

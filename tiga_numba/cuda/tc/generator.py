@@ -42,6 +42,8 @@ class Variant:
     NW: int = 4        # warps per CTA
     MT: int = 1        # m16 tiles per warp: a CTA owns BM = 16 * MT * NW rows
     BN: int = 64       # width of the streamed block (keys for fwd/dq, queries for dkdv)
+    a_smem: bool = False  # resident operand (Q / K,V) stays in shared memory, A fragments loaded
+    #                       at use: frees registers for MT = 2 at D = 128
 
     @property
     def NT(self):
@@ -67,12 +69,23 @@ class Variant:
     def stream_tile_bytes(self):
         return self.BN * 2 * (self.D + self.Dv)
 
+    def resident_widths(self):
+        """head widths of the CTA's own row tiles: Q (fwd), Q and dO (dq), K and V (dkdv)."""
+        return (self.D,) if self.kind == "fwd" else (self.D, self.Dv)
+
+    def resident_bytes(self):
+        """shared bytes held for the whole kernel by the resident tiles (0: they live in registers)."""
+        return self.BM * 2 * sum(self.resident_widths()) if self.a_smem else 0
+
     def smem_bytes(self):
-        resident = self.BM * 2 * max(self.D, self.Dv)   # the CTA's own rows, staged once
-        return max(2 * self.stream_tile_bytes(), resident)
+        staging = self.BM * 2 * max(self.D, self.Dv)   # register mode: the CTA's own rows, staged once
+        if self.a_smem:
+            return self.resident_bytes() + 2 * self.stream_tile_bytes()
+        return max(2 * self.stream_tile_bytes(), staging)
 
     def name(self):
-        return f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
+        return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
+                + ("_as" if self.a_smem else ""))
 
 
 # ----------------------------------------------------------------------------- source writer
@@ -110,18 +123,33 @@ def _tree(op, xs):
 
 
 # ----------------------------------------------------------------------------- thread geometry
+def sa(*terms):
+    """32-bit shared-window address expression: sum of u32 terms, constants folded last (so
+    ptxas sees [reg + imm] and no 64-bit address arithmetic keeps registers busy)."""
+    const = sum(t for t in terms if isinstance(t, int))
+    names = [t for t in terms if not isinstance(t, int)]
+    expr = names[0]
+    for t in names[1:]:
+        expr = f"a32({expr}, {t})"
+    return f"a32({expr}, {const})" if const else expr
+
+
 def thread_geometry(e, v):
-    """lane decomposition used by every fragment helper, plus the swizzled column offsets."""
+    """lane decomposition used by every fragment helper, plus this lane's swizzled shared offsets:
+    xa{rs}_{c}: row lrow16, chunk 2c + mhi (A fragments of k-step c; B.trans of n-tile pair c);
+    xb{rs}_{c}: row r8, chunk 4c + mi (B fragments of k-steps 2c, 2c+1); ls{rs}: tile-load slot."""
     e("tx = i64(cuda.threadIdx.x)")
     e("wid = tx // 32; lane = tx % 32; g = lane // 4; t = lane % 4")
     # ldmatrix: lanes 8*mi .. 8*mi+7 give the row addresses of 8x8 matrix mi
     e("mi = lane // 8; r8 = lane % 8; mlo = mi % 2; mhi = mi // 2; lrow16 = r8 + 8 * mlo")
-    for c in range(max(v.D, v.Dv) // 16):
-        # chunk 2c + mhi: A fragments of k-step c, and B(trans) fragments of n-tile pair c
-        e(f"xa{c} = (((({2 * c}) + mhi) ^ r8) * 16)")
-    for c in range(max(v.D, v.Dv) // 32):
-        # chunk 4c + mi: B fragments of k-steps 2c, 2c+1 (non-trans)
-        e(f"xb{c} = (((({4 * c}) + mi) ^ r8) * 16)")
+    for width in sorted({v.D, v.Dv}):
+        rs = 2 * width
+        for c in range(width // 16):
+            e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
+        for c in range(width // 32):
+            e(f"xb{rs}_{c} = u32(r8 * {rs} + (((({4 * c}) + mi) ^ r8) * 16))")
+        cpr = width // 8
+        e(f"ls{rs} = u32((tx // {cpr}) * {rs} + (((tx % {cpr}) ^ ((tx // {cpr}) % 8)) * 16))")
 
 
 # ----------------------------------------------------------------------------- global -> shared
@@ -133,11 +161,14 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
     assert v.NT % cpr == 0 and rows % step == 0 and step % 8 == 0, (v, rows, width)
     rs = width * 2
     e(f"lr = tx // {cpr}; lc = tx % {cpr}")
+    # the pass stride goes through an opaque move: otherwise every pass's row offset is hoisted
+    # out of the key loop and held in a 64-bit register pair for the whole loop (spills)
+    e(f"gb = {gbase}; gs = opq({step} * {gstride}); ga = gb + lr * {gstride} + lc * 16")
     for i in range(rows // step):
-        row = f"(lr + {i * step})"
-        e(f"ok = u32({row} < {nvalid})")
-        e(f"cp_async16({smem} + {row} * {rs} + ((lc ^ (lr % 8)) * 16), "
-          f"sel(ok != 0, {gbase} + {row} * {gstride} + lc * 16, {gbase}), ok * 16)")
+        e(f"ok = u32(lr + {i * step} < {nvalid})")
+        e(f"cp_async16({sa(smem, f'ls{rs}', i * step * rs)}, sel(ok != 0, ga, gb), ok * 16)")
+        if i + 1 < rows // step:
+            e("ga = ga + gs")
 
 
 # ----------------------------------------------------------------------------- fragments
@@ -152,27 +183,62 @@ def load_a(e, name, smem, row0, MT, ksteps, rs):
     for m in range(MT):
         for ks in range(ksteps):
             regs = ", ".join(f"{name}{m}_{ks}_{r}" for r in range(4))
-            e(f"{regs} = ldsm_x4({smem} + ({row0} + {16 * m} + lrow16) * {rs} + xa{ks})")
+            e(f"{regs} = ldsm_x4({sa(smem, f'u32({row0} * {rs})', f'xa{rs}_{ks}', 16 * m * rs)})")
 
 
-def mma_abt(e, C, A, btile, MT, ntiles, ksteps, rs):
-    """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T)."""
-    for j in range(ntiles):
-        for kp in range(ksteps // 2):
-            e(f"b0, b1, b2, b3 = ldsm_x4({btile} + {j * 8 * rs} + r8 * {rs} + xb{kp})")
-            for kk, (x, y) in enumerate((("b0", "b1"), ("b2", "b3"))):
-                ks = 2 * kp + kk
-                for m in range(MT):
-                    c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
-                    a = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
-                    e(f"{c} = mma16816({a}, {x}, {y}, {c})")
+def mma_abt(e, C, A, btile, MT, ntiles, ksteps, rs, a_smem=None):
+    """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T).
+    a_smem = (tile, row0): A is read from that shared tile per k-step pair instead of registers."""
+    def one(j, kp):
+        e(f"b0, b1, b2, b3 = ldsm_x4({sa(btile, f'xb{rs}_{kp}', j * 8 * rs)})")
+        for kk, (x, y) in enumerate((("b0", "b1"), ("b2", "b3"))):
+            ks = 2 * kp + kk
+            for m in range(MT):
+                c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
+                a = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
+                e(f"{c} = mma16816({a}, {x}, {y}, {c})")
+    if a_smem is None:
+        for j in range(ntiles):
+            for kp in range(ksteps // 2):
+                one(j, kp)
+        return
+    tile, row0 = a_smem
+    for kp in range(ksteps // 2):   # k outer: each A fragment is loaded once per block
+        for ks in (2 * kp, 2 * kp + 1):
+            for m in range(MT):
+                regs = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
+                e(f"{regs} = ldsm_x4({sa(tile, f'u32({row0} * {rs})', f'xa{rs}_{ks}', 16 * m * rs)})")
+        for j in range(ntiles):
+            one(j, kp)
+
+
+def resident(e, v, tiles, row0):
+    """The CTA's own row tiles [(A name, global base, row stride, width), ...]: staged one by one
+    into registers (A fragments), or (v.a_smem) kept in shared memory. Returns {name: a_smem arg}
+    (None where in registers) and the first free shared byte for the streamed buffers."""
+    where, off = {}, 0
+    for name, gbase, gstride, width in tiles:
+        rs = 2 * width
+        if v.a_smem:
+            load_tile(e, v, sa("sb", off) if off else "sb", gbase, gstride, "rows", v.BM, width)
+            where[name] = (sa("sb", off) if off else "sb", "wrow")
+            off += v.BM * rs
+        else:
+            load_tile(e, v, "sb", gbase, gstride, "rows", v.BM, width)
+            e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+            load_a(e, name, "sb", "wrow", v.MT, width // 16, rs)
+            e("cuda.syncthreads()")
+            where[name] = None
+    if v.a_smem:
+        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+    return where, off
 
 
 def mma_ab(e, C, A, btile, MT, ntiles, ksteps, rs):
     """C[m][j] += A[m] . B with B row-major [k][n] in shared memory (V for O += P V)."""
     for ks in range(ksteps):
         for jp in range(ntiles // 2):
-            e(f"b0, b1, b2, b3 = ldsm_x4_t({btile} + {ks * 16 * rs} + lrow16 * {rs} + xa{jp})")
+            e(f"b0, b1, b2, b3 = ldsm_x4_t({sa(btile, f'xa{rs}_{jp}', ks * 16 * rs)})")
             for j, x, y in ((2 * jp, "b0", "b1"), (2 * jp + 1, "b2", "b3")):
                 for m in range(MT):
                     c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
@@ -259,7 +325,7 @@ def read_work(e, v):
 # ============================================================================= forward
 def gen_forward(v):
     """O = softmax(scale Q K^T) V over one block of the relation per work row; writes O, m, l.
-    Pipeline: Q tile -> registers once; K/V blocks double-buffered through cp.async."""
+    Pipeline: Q tile resident (registers or shared); K/V blocks double-buffered through cp.async."""
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
@@ -271,7 +337,7 @@ def gen_forward(v):
         e("hh = i64(cuda.blockIdx.y); hk = hh // group")
         read_work(e, v)
         e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
-        e("sb = i64(saddr(sm))")
+        e("sb = saddr(sm)")
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")   # this warp's first row inside the CTA tile
         # keys this tile can see: all of the block, or (causal) up to its last row's diagonal
@@ -282,18 +348,16 @@ def gen_forward(v):
         e("qg = qp + row0 * q_rs + hh * q_hs")
         e("kg = kp + col0 * k_rs + hk * k_hs")
         e("vg = vp + col0 * v_rs + hk * v_hs")
-        # stage 1: Q tile -> shared -> A fragments, kept in registers for the whole loop
-        load_tile(e, v, "sb", "qg", "q_rs", "rows", v.BM, D)
-        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-        load_a(e, "qa", "sb", "wrow", MT, D // 16, rsk)
-        e("cuda.syncthreads()")
-        row_limits(e, v, "lim", "wrow")
+        # stage 1: the Q tile, resident for the whole loop (registers, or shared with a_smem)
+        where, off = resident(e, v, [("qa", "qg", "q_rs", D)], "wrow")
+        e(f"ss = {sa('sb', off) if off else 'sb'}")   # first byte of the streamed buffers
         zero_c(e, "o", MT, Dv // 8)
         for m in range(MT):
             e(f"m{m}0 = masked; m{m}1 = masked; l{m}0 = zero; l{m}1 = zero")
         # stage 2: stream key blocks; block kb+1 lands while block kb is computed
-        kbuf = lambda b: f"sb + {b} * {KT}"
-        vbuf = lambda b: f"sb + {2 * KT} + {b} * {VT}"
+        kbuf = lambda b: f"kbuf_{b}"  # noqa: E731
+        vbuf = lambda b: f"vbuf_{b}"  # noqa: E731
+        e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
         e("if nkb > 0:")
         with e.indent():
             load_tile(e, v, kbuf(0), "kg", "k_rs", "cols", BN, D)
@@ -302,9 +366,11 @@ def gen_forward(v):
         e("for kb in range(nkb):")
         with e.indent():
             e("cur = kb % 2")
+            e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
             e("if kb + 1 < nkb:")
             with e.indent():
                 e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
+                e(f"kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
                 load_tile(e, v, kbuf("nxt"), f"kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
                 load_tile(e, v, vbuf("nxt"), f"vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
                 e("cp_commit(); cp_wait1()")
@@ -313,9 +379,10 @@ def gen_forward(v):
                 e("cp_wait0()")
             e("cuda.syncthreads()")
             zero_c(e, "s", MT, BN // 8)
-            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk)
+            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk, where["qa"])
             e("if kb >= nfull:")
             with e.indent():
+                row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
                 mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
             online_softmax(e, v, "s", "o", Dv // 8)
             c_to_a(e, "pa", "s", MT, BN // 16)
@@ -355,7 +422,7 @@ def gen_dq(v):
         e("hh = i64(cuda.blockIdx.y); hk = hh // group")
         read_work(e, v)
         e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
-        e("sb = i64(saddr(sm))")
+        e("sb = saddr(sm)")
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
         e("kend = sel(causal != 0, imin(cols, diag + rows), cols)")
@@ -363,16 +430,10 @@ def gen_dq(v):
         e(f"nfull = sel(causal != 0, imin(cols // {BN}, (diag + 1) // {BN}), cols // {BN})")
         e("kg = kp + col0 * k_rs + hk * k_hs")
         e("vg = vp + col0 * v_rs + hk * v_hs")
-        # resident operands: Q and dO rows as A fragments (staged one after the other)
-        load_tile(e, v, "sb", "qp + row0 * q_rs + hh * q_hs", "q_rs", "rows", v.BM, D)
-        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-        load_a(e, "qa", "sb", "wrow", MT, D // 16, rsk)
-        e("cuda.syncthreads()")
-        load_tile(e, v, "sb", "dop + row0 * do_rs + hh * do_hs", "do_rs", "rows", v.BM, Dv)
-        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-        load_a(e, "da", "sb", "wrow", MT, Dv // 16, rsv)
-        e("cuda.syncthreads()")
-        row_limits(e, v, "lim", "wrow")
+        # resident operands: this tile's Q and dO rows
+        where, off = resident(e, v, [("qa", "qp + row0 * q_rs + hh * q_hs", "q_rs", D),
+                                     ("da", "dop + row0 * do_rs + hh * do_hs", "do_rs", Dv)], "wrow")
+        e(f"ss = {sa('sb', off) if off else 'sb'}")
         e("H = dq_rs // %d" % rsk)
         for m in range(MT):
             for h in (0, 1):
@@ -380,8 +441,9 @@ def gen_dq(v):
                 e(f"ok = u32(rl < rows); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
                 e(f"ls{m}{h} = ldg_f32_if(ok, lsep + gi * 4); dl{m}{h} = ldg_f32_if(ok, dltp + gi * 4)")
         zero_c(e, "acc", MT, D // 8)
-        kbuf = lambda b: f"sb + {b} * {KT}"
-        vbuf = lambda b: f"sb + {2 * KT} + {b} * {VT}"
+        kbuf = lambda b: f"kbuf_{b}"  # noqa: E731
+        vbuf = lambda b: f"vbuf_{b}"  # noqa: E731
+        e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
         e("if nkb > 0:")
         with e.indent():
             load_tile(e, v, kbuf(0), "kg", "k_rs", "cols", BN, D)
@@ -390,9 +452,11 @@ def gen_dq(v):
         e("for kb in range(nkb):")
         with e.indent():
             e("cur = kb % 2")
+            e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
             e("if kb + 1 < nkb:")
             with e.indent():
                 e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
+                e(f"kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
                 load_tile(e, v, kbuf("nxt"), f"kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
                 load_tile(e, v, vbuf("nxt"), f"vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
                 e("cp_commit(); cp_wait1()")
@@ -401,12 +465,13 @@ def gen_dq(v):
                 e("cp_wait0()")
             e("cuda.syncthreads()")
             zero_c(e, "s", MT, BN // 8)
-            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk)
+            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk, where["qa"])
             e("if kb >= nfull:")
             with e.indent():
+                row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
                 mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
             zero_c(e, "dp", MT, BN // 8)
-            mma_abt(e, "dp", "da", vbuf("cur"), MT, BN // 8, Dv // 16, rsv)
+            mma_abt(e, "dp", "da", vbuf("cur"), MT, BN // 8, Dv // 16, rsv, where["da"])
             for m in range(MT):
                 for j in range(BN // 8):
                     for r in range(4):
@@ -418,6 +483,14 @@ def gen_dq(v):
         store_c_rows(e, v, "acc", D // 8, f"dqp + row0 * dq_rs + hh * {rsk}", "dq_rs", "wrow", "rows",
                      lambda m, h: "scale")
     return e.text()
+
+
+def col_stats(e, nt, name, ptr):
+    """per-column float32 statistic (lse2 or Delta) of the query block at cq, for this lane's columns."""
+    for j in range(nt):
+        for c in (0, 1):
+            e(f"ci = cq + {8 * j + c} + 2 * t; ok = u32(ci < cols)")
+            e(f"{name}{j}{c} = ldg_f32_if(ok, {ptr} + ((col0 + sel(ok != 0, ci, 0)) * H + hq) * 4)")
 
 
 # ============================================================================= backward: dK, dV
@@ -439,7 +512,7 @@ def gen_dkdv(v):
         # work row: rows = this tile's keys, cols = the block's queries, diag = local index of key row 0
         read_work(e, v)
         e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
-        e("sb = i64(saddr(sm))")
+        e("sb = saddr(sm)")
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
         # causal: queries i >= key j only, so start at the query block holding the first key
@@ -449,22 +522,18 @@ def gen_dkdv(v):
         # and none past the tail
         e(f"qfull = sel(causal != 0, (diag + rows + {BN - 1}) // {BN}, 0)")
         e(f"qlast = cols // {BN}")
-        load_tile(e, v, "sb", "kp + row0 * k_rs + hk * k_hs", "k_rs", "rows", v.BM, D)
-        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-        load_a(e, "ka", "sb", "wrow", MT, D // 16, rsk)
-        e("cuda.syncthreads()")
-        load_tile(e, v, "sb", "vp + row0 * v_rs + hk * v_hs", "v_rs", "rows", v.BM, Dv)
-        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-        load_a(e, "va", "sb", "wrow", MT, Dv // 16, rsv)
-        e("cuda.syncthreads()")
+        where, off = resident(e, v, [("ka", "kp + row0 * k_rs + hk * k_hs", "k_rs", D),
+                                     ("va", "vp + row0 * v_rs + hk * v_hs", "v_rs", Dv)], "wrow")
+        e(f"ss = {sa('sb', off) if off else 'sb'}")
         # key j may see query i when i_local >= j_local: column limit from below
         for m in range(MT):
             for h in (0, 1):
                 e(f"kl{m}{h} = diag + wrow + {16 * m + 8 * h} + g")
         zero_c(e, "dk", MT, D // 8)
         zero_c(e, "dv", MT, Dv // 8)
-        qbuf = lambda b: f"sb + {b} * {QT}"
-        obuf = lambda b: f"sb + {2 * QT} + {b} * {OT}"
+        qbuf = lambda b: f"qbuf_{b}"  # noqa: E731
+        obuf = lambda b: f"obuf_{b}"  # noqa: E731
+        e(f"qbuf_0 = ss; obuf_0 = a32(ss, {2 * QT})")
         e("nit = (nqb - qb0) * group")   # flattened (head, query block) loop: one pipeline across heads
         e("if nit > 0:")
         with e.indent():
@@ -476,10 +545,12 @@ def gen_dkdv(v):
         e("for it in range(nit):")
         with e.indent():
             e("cur = it % 2")
+            e(f"qbuf_cur = a32(ss, u32(cur * {QT})); obuf_cur = a32(ss, u32({2 * QT} + cur * {OT}))")
             e("hq = hk * group + it // (nqb - qb0); qb = qb0 + it % (nqb - qb0)")
             e("if it + 1 < nit:")
             with e.indent():
                 e("nxt = 1 - cur")
+                e(f"qbuf_nxt = a32(ss, u32(nxt * {QT})); obuf_nxt = a32(ss, u32({2 * QT} + nxt * {OT}))")
                 e(f"hn = hk * group + (it + 1) // (nqb - qb0); c1 = (qb0 + (it + 1) % (nqb - qb0)) * {BN}")
                 load_tile(e, v, qbuf("nxt"), "qp + (col0 + c1) * q_rs + hn * q_hs", "q_rs", "cols - c1", BN, D)
                 load_tile(e, v, obuf("nxt"), "dop + (col0 + c1) * do_rs + hn * do_hs", "do_rs", "cols - c1", BN, Dv)
@@ -487,15 +558,10 @@ def gen_dkdv(v):
             e("else:")
             with e.indent():
                 e("cp_wait0()")
-            # per-column statistics of this query block (masked columns read nothing)
             e(f"cq = qb * {BN}")
-            for j in range(nt):
-                for c in (0, 1):
-                    e(f"ci = cq + {8 * j + c} + 2 * t; ok = u32(ci < cols); gi = (col0 + sel(ok != 0, ci, 0)) * H + hq")
-                    e(f"cl{j}{c} = ldg_f32_if(ok, lsep + gi * 4); cd{j}{c} = ldg_f32_if(ok, dltp + gi * 4)")
             e("cuda.syncthreads()")
             zero_c(e, "s", MT, nt)
-            mma_abt(e, "s", "ka", qbuf("cur"), MT, nt, D // 16, rsk)
+            mma_abt(e, "s", "ka", qbuf("cur"), MT, nt, D // 16, rsk, where["ka"])
             e("if (qb < qfull) | (qb >= qlast):")
             with e.indent():
                 for m in range(MT):
@@ -504,6 +570,9 @@ def gen_dkdv(v):
                             x = f"s{m}_{j}_{r}"
                             e(f"ci = cq + {8 * j + r % 2} + 2 * t")
                             e(f"{x} = sel((ci < cols) & ((causal == 0) | (ci >= kl{m}{r // 2})), {x}, masked)")
+            # per-column (query) statistics, loaded where used (short live ranges; masked
+            # columns read nothing): lse2 for P, then Delta for dS
+            col_stats(e, nt, "cl", "lsep")
             for m in range(MT):
                 for j in range(nt):
                     for r in range(4):
@@ -512,7 +581,8 @@ def gen_dkdv(v):
             c_to_a(e, "pa", "s", MT, nt // 2)
             mma_ab(e, "dv", "pa", obuf("cur"), MT, Dv // 8, nt // 2, rsv)
             zero_c(e, "dp", MT, nt)
-            mma_abt(e, "dp", "va", obuf("cur"), MT, nt, Dv // 16, rsv)
+            mma_abt(e, "dp", "va", obuf("cur"), MT, nt, Dv // 16, rsv, where["va"])
+            col_stats(e, nt, "cd", "dltp")
             for m in range(MT):
                 for j in range(nt):
                     for r in range(4):

@@ -200,7 +200,29 @@ def intrinsics(dtype="float16"):
             return bld.select(cond, x, y)
         return sig, cg
 
-    _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel,
+    @intrinsic
+    def opq(tc, x):
+        """an opaque 64-bit copy: LLVM cannot hoist what depends on it out of a loop."""
+        sig = i64(i64)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, I64, [I64], "mov.b64 $0, $1;", "=l,l", args)
+        return sig, cg
+
+    @intrinsic
+    def a32(tc, x, y):
+        """32-bit add of two integers (truncated first): shared-window address arithmetic."""
+        if not isinstance(x, types.Integer) or not isinstance(y, types.Integer):
+            return None
+        sig = u32(x, y)
+
+        def cg(ctx, bld, sig, args):
+            a = ctx.cast(bld, args[0], sig.args[0], u32)
+            b = ctx.cast(bld, args[1], sig.args[1], u32)
+            return bld.add(a, b)
+        return sig, cg
+
+    _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
         mma16816=mma16816, ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,
