@@ -203,6 +203,14 @@ def _emit_edge_grad(spec, ind, side):
     return [ind + s for s in L]
 
 
+def _read_perm(spec):
+    """The transposed pass needs the original edge id only for explicit edge fields (EX);
+    without them `perm` is never read (callers may then pass an empty array)."""
+    if any(it[0] == "x" for it in spec.edge_items):
+        return " " * 16 + "e = perm[t]"
+    return ""
+
+
 def _indent(lines, n):
     return [" " * n + s for s in lines]
 
@@ -220,6 +228,7 @@ def generate_source(spec, p_size, dtype_name):
     h1, fe, fv = spec.h1, spec.fe, spec.fv
     feat = "\n".join(_emit_edge_features(spec, " " * 16))
     score = "\n".join(_emit_score(spec, " " * 16))
+    read_perm = _read_perm(spec)
     # ---------------------------------------------------------------- forward
     fwd = f'''
 @numba.njit(parallel=True, cache=True, fastmath={_FM})
@@ -346,7 +355,7 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
 {gp_init}
             for t in range(tptr[j], tptr[j + 1]):
                 i = tind[t]
-                e = perm[t]
+{read_perm}
 {feat}
 {score}
                 p = T(math.exp(s - M[i])) / L[i]
@@ -507,6 +516,7 @@ def generate_source_unrolled(spec, p_size, dtype_name):
     weights = _block(_u_weights(spec), 8)
     feat = _block(_u_features(spec), 16)
     score = _block(_u_score(spec), 16)
+    read_perm = _read_perm(spec)
     p_slots = [k for layer in spec.layers if layer[0] == "linear"
                for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
     pg_init = _block([f"pg{k} = ZERO" for k in p_slots]
@@ -611,7 +621,7 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
 {gp_init}
             for t in range(tptr[j], tptr[j + 1]):
                 i = tind[t]
-                e = perm[t]
+{read_perm}
 {feat}
 {score}
                 p = T(math.exp(s - M[i])) / L[i]
