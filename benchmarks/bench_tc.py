@@ -237,21 +237,36 @@ def varlen_cell(total, D, flex_fn, create_block_mask, rng):
     return res
 
 
+TUNING_OUT = None
+
+
+def save_tuning():
+    if TUNING_OUT:
+        with open(TUNING_OUT, "w") as fh:
+            json.dump([[k[0], k[1], v] for k, v in api.TUNING.items()], fh)
+
+
 def sweep(quick):
     """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in api.TUNING"""
+    S = dict(a_smem=True)
     cands = {
-        ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32), dict(NW=4, MT=1, BN=64)],
-        ("fwd", 128): [dict(NW=4, MT=2, BN=16, a_smem=True), dict(NW=4, MT=1, BN=32), dict(NW=8, MT=1, BN=32)],
-        ("bwd", 64): [dict(NW=4, MT=1, BN=64), dict(NW=4, MT=1, BN=32)],
-        ("bwd", 128): [dict(NW=4, MT=1, BN=32), dict(NW=4, MT=1, BN=16, a_smem=True)],
+        ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32)],
+        ("fwd", 128): [dict(NW=4, MT=2, BN=16, **S), dict(NW=4, MT=1, BN=32), dict(NW=4, MT=2, BN=32, **S)],
+        # backward: (dq shape, dkdv shape); the a_smem shapes above 48 KB use dynamic shared memory
+        ("bwd", 64): [(dict(NW=4, MT=1, BN=64), dict(NW=4, MT=1, BN=64)),
+                      (dict(NW=4, MT=2, BN=32, **S), dict(NW=4, MT=2, BN=16, **S))],
+        ("bwd", 128): [(dict(NW=4, MT=1, BN=32), dict(NW=4, MT=1, BN=32)),
+                       (dict(NW=4, MT=1, BN=32), dict(NW=4, MT=1, BN=16, **S)),
+                       (dict(NW=4, MT=1, BN=64, **S), dict(NW=4, MT=1, BN=32, **S))],
     }
     for (kind, D), opts in cands.items():
         best = None
         for o in opts[:2] if quick else opts:
             keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
+            vals = [o] if kind == "fwd" else list(o)
             saved = {k: api.TUNING[k] for k in keys}
-            for k_ in keys:
-                api.TUNING[k_] = o
+            for k_, val in zip(keys, vals):
+                api.TUNING[k_] = val
             try:
                 t0 = time.time()
                 tot = 0.0
@@ -283,9 +298,11 @@ def sweep(quick):
             for k_, val in saved.items():
                 api.TUNING[k_] = val
         if best:
-            for k_ in ([("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]):
-                api.TUNING[k_] = best[1]
+            keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
+            for k_, val in zip(keys, [best[1]] if kind == "fwd" else list(best[1])):
+                api.TUNING[k_] = val
             say(f"sweep {kind} D={D}: chose {best[1]}")
+            save_tuning()   # per section: a later crash (sticky CUDA error) keeps what was chosen
 
 
 def resources():
@@ -302,7 +319,7 @@ def sanitize():
     """small fwd + bwd over segments with tails and GQA: run under compute-sanitizer."""
     cu = np.array([0, 1, 1, 70, 200, 201, 333])
     N = int(cu[-1])
-    for D in (64,):
+    for D in (64, 128):
         q, do = (torch.randn(N, 4, D, device="cuda", dtype=torch.float16) for _ in range(2))
         k, v = (torch.randn(N, 2, D, device="cuda", dtype=torch.float16) for _ in range(2))
         for causal in (True, False):
@@ -351,8 +368,15 @@ def main():
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--with-tests", action="store_true", help="run tests/test_tc_gpu.py in-process first "
                     "(shares the compiled kernels with the benchmark)")
+    ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--tuning-out", default=None, help="write the swept tuning here (JSON)")
+    ap.add_argument("--tuning-in", default=None, help="read a tuning written by --tuning-out")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
     a = ap.parse_args()
+    if a.tuning_in and os.path.exists(a.tuning_in):
+        with open(a.tuning_in) as fh:
+            for kind, D, cfg in json.load(fh):
+                api.TUNING[(kind, D)] = cfg
     if a.sanitize:
         sanitize()
         return
@@ -367,9 +391,14 @@ def main():
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__} H={H} reps={REPS} "
         f"date {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
     t0 = time.time()
+    global TUNING_OUT
+    TUNING_OUT = a.tuning_out
     if not a.no_sweep:
         sweep(a.quick)
     say(f"tuning in use: {api.TUNING}")
+    save_tuning()
+    if a.sweep_only:
+        return
     rows = []
     Ns_plot = (1024, 2048, 4096, 8192, 16384)
     for D in (64, 128):

@@ -94,6 +94,7 @@ def _inputs(rng, nd, ns, H, Hkv, D, dtype):
     (128, 2, 2, "float16", dict(NW=4, MT=1, BN=32)),
     (64, 3, 3, "float16", dict(NW=8, MT=1, BN=32)),
     (128, 2, 1, "float16", dict(NW=4, MT=2, BN=16, a_smem=True)),
+    (128, 1, 1, "float16", dict(NW=4, MT=2, BN=32, a_smem=True)),   # dynamic shared memory
 ])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_forward_emulated(D, H, Hkv, dtype, shape, relname):

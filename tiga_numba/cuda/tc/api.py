@@ -143,10 +143,10 @@ def _numba_cuda_version():
 class Compiled:
     """One generated kernel compiled with an explicit all-scalar signature; cheap launches."""
 
-    def __init__(self, name, src, dtype, ni, nf):
+    def __init__(self, name, src, dtype, ni, nf, dyn_smem=0):
         import numba
         from numba import cuda
-        self.name, self.src = name, src
+        self.name, self.src, self.dyn_smem = name, src, dyn_smem
         self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
         sig = numba.void(*self.argtypes)
         try:
@@ -160,6 +160,15 @@ class Compiled:
             self.disk_cache = False
         self._conv = None
         self._fast = None
+        if dyn_smem:
+            self._raise_smem_limit(dyn_smem)
+
+    def _raise_smem_limit(self, nbytes):
+        """allow nbytes of dynamic shared memory (above the 48 KB default)."""
+        from numba.cuda.cudadrv.driver import binding, driver
+        f = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
 
     def ptx(self):
         return self.dispatcher.inspect_asm(self.argtypes)
@@ -185,20 +194,21 @@ class Compiled:
         if self._fast:
             launch, LaunchConfig, func = self._fast
             try:
-                launch(stream, LaunchConfig(grid=grid, block=block), func,
+                launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=self.dyn_smem), func,
                        *[c(a) for c, a in zip(self._conv, args)])
                 return
             except (TypeError, AttributeError):   # stream object cuda.core does not take
                 self._fast = False
         if not self._fast:
-            self.dispatcher[grid, block, stream.numba()](*args)
+            self.dispatcher[grid, block, stream.numba(), self.dyn_smem](*args)
 
 
 def kernel(v):
     """(compiled kernel, cache 'hit'/'miss') for a Variant."""
     before = KERNELS.misses
     ni, nf = _SIGS[v.kind]
-    k = KERNELS.get(("tc", v), lambda: Compiled(v.name(), G.gen_source(v), v.dtype, ni, nf))
+    k = KERNELS.get(("tc", v), lambda: Compiled(v.name(), G.gen_source(v), v.dtype, ni, nf,
+                                                v.smem_bytes() if v.dynamic_smem else 0))
     return k, ("miss" if KERNELS.misses > before else "hit")
 
 

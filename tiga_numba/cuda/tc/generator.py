@@ -29,6 +29,9 @@ LOG2E = 1.4426950408889634
 #: any real score so exp2 of (masked * scale - max) underflows to 0
 MASKED = -1.0e30
 
+#: shared memory a CTA may use on sm_90 (227 KB); above 48 KB it is dynamic
+MAX_SMEM = 227 * 1024
+
 #: work-table row: int32 fields, one row per CTA (schedule.py writes them)
 WORK_FIELDS = ("row0", "rows", "col0", "cols", "diag", "causal")
 
@@ -61,9 +64,14 @@ class Variant:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
         if self.kind not in ("fwd", "dq", "dkdv"):
             raise ValueError(f"unknown kernel kind {self.kind!r}")
-        if self.smem_bytes() > 48 * 1024:
-            raise ValueError(f"{self} needs {self.smem_bytes()} B of static shared memory (> 48 KB)")
+        if self.smem_bytes() > MAX_SMEM:
+            raise ValueError(f"{self} needs {self.smem_bytes()} B of shared memory (> {MAX_SMEM})")
         return self
+
+    @property
+    def dynamic_smem(self):
+        """above 48 KB a CTA's shared memory must be dynamic (and the kernel's limit raised)."""
+        return self.smem_bytes() > 48 * 1024
 
     # streamed tiles are double-buffered (cp.async prefetch of block i+1 during block i)
     def stream_tile_bytes(self):
@@ -313,6 +321,13 @@ def store_c_rows(e, v, C, ntiles, gbase, gstride, row_base, nvalid, scale_of):
                 e(f"stg_u32_if(ok, ga + {16 * j}, pack2({C}{m}_{j}_{r0} * {f}, {C}{m}_{j}_{r1} * {f}))")
 
 
+def shared_array(e, v):
+    if v.dynamic_smem:   # sized at launch (Compiled passes v.smem_bytes())
+        e("sm = cuda.shared.array(0, u8)")
+    else:
+        e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
+
+
 # ----------------------------------------------------------------------------- work-table prologue
 def read_work(e, v):
     """This CTA's row of the work table (schedule.py): which rows it owns and which block they face."""
@@ -336,7 +351,7 @@ def gen_forward(v):
         thread_geometry(e, v)
         e("hh = i64(cuda.blockIdx.y); hk = hh // group")
         read_work(e, v)
-        e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
+        shared_array(e, v)
         e("sb = saddr(sm)")
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")   # this warp's first row inside the CTA tile
@@ -421,7 +436,7 @@ def gen_dq(v):
         thread_geometry(e, v)
         e("hh = i64(cuda.blockIdx.y); hk = hh // group")
         read_work(e, v)
-        e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
+        shared_array(e, v)
         e("sb = saddr(sm)")
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
@@ -511,7 +526,7 @@ def gen_dkdv(v):
         e("hk = i64(cuda.blockIdx.y)")
         # work row: rows = this tile's keys, cols = the block's queries, diag = local index of key row 0
         read_work(e, v)
-        e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
+        shared_array(e, v)
         e("sb = saddr(sm)")
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
