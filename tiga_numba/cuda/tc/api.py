@@ -385,7 +385,10 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
     kern, cache = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                  _ptr(out), _ptr(m), _ptr(l), float(plan.scale))
-    visited, total = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
+    tc_key = ("counts", vr.BM, vr.BN)
+    if tc_key not in rec["tables"]:
+        rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
+    visited, total = rec["tables"][tc_key]
     _info(plan, kernel=f"tensor-core FA2 forward ({dt}, mma.sync m16n8k16, cp.async double buffer)",
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",

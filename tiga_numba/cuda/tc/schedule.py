@@ -52,15 +52,10 @@ def tile_counts(dst_offsets, src_offsets, causal, BM, BN):
     `visited` = those a causal block does not skip above its diagonal."""
     nr = np.diff(np.asarray(dst_offsets, np.int64))
     nc = np.diff(np.asarray(src_offsets, np.int64))
-    causal = np.asarray(causal).astype(bool)
-    total = visited = 0
-    for r, c, cz in zip(nr, nc, causal):
-        nt = -(-r // BM)
-        nb = -(-c // BN)
-        total += nt * nb
-        if cz:
-            d = np.arange(nt) * BM
-            visited += int(np.sum(-(-np.minimum(c, d + np.minimum(r - d, BM)) // BN)))
-        else:
-            visited += nt * nb
-    return int(visited), int(total)
+    cz = np.asarray(causal).astype(bool)
+    nt = -(-nr // BM)
+    total = int(np.sum(nt * -(-nc // BN)))
+    b = np.repeat(np.arange(len(nr)), nt)                 # one entry per query tile
+    d = (np.arange(len(b)) - np.repeat(np.cumsum(nt) - nt, nt)) * BM
+    keys = np.where(cz[b], np.minimum(nc[b], d + np.minimum(nr[b] - d, BM)), nc[b])
+    return int(np.sum(-(-keys // BN))), total
