@@ -155,8 +155,16 @@ def variant(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["relabel", "caller-order"])
+def relabel(request, monkeypatch):
+    """Geometric graphs above a size are relabelled into spatial order for the kernels;
+    force both layouts on small graphs."""
+    monkeypatch.setattr(edge_mlp, "_RELABEL_MIN_ROWS", 0 if request.param == "relabel" else 10**9)
+    return request.param
+
+
 # --------------------------------------------------------------------------- tests
-def test_seed_model_radius_graph_all_gradients(variant):
+def test_seed_model_radius_graph_all_gradients(variant, relabel):
     rng = np.random.default_rng(0)
     n, f = 67, 5
     pos = random_cloud(rng, n)
@@ -169,6 +177,7 @@ def test_seed_model_radius_graph_all_gradients(variant):
     # isolated destinations: output exactly zero, no NaN anywhere
     assert np.all(out[-3:] == 0)
     assert variant in plan.run_info["kernel"]
+    assert ("relabelled" in plan.explain()) == (relabel == "relabel")
     text = plan.explain()
     assert "backend: cpu" in text and "not materialized" in text
     assert "asm" in plan.run_info["ir"] and "llvm" in plan.run_info["ir"]
@@ -193,7 +202,7 @@ def test_deep_net_distance_explicit_edge_field_and_heads(variant):
     assert out.shape == (n, h, fv)
 
 
-def test_knn_graph_2d_positions_and_src_only_args(variant):
+def test_knn_graph_2d_positions_and_src_only_args(variant, relabel):
     rng = np.random.default_rng(2)
     n, f = 30, 4
     pos = rng.random((n, 2))
@@ -264,7 +273,7 @@ def test_graph_without_edges():
     assert all(np.all(v == 0) for v in res["params"].values())
 
 
-def test_backward_is_deterministic():
+def test_backward_is_deterministic(relabel):
     rng = np.random.default_rng(7)
     n, f = 300, 4
     pos = rng.random((n, 3))
@@ -291,9 +300,9 @@ def test_nothing_edge_sized_is_materialized():
     rng = np.random.default_rng(8)
     n, f, hidden = 6000, 4, 16
     pos = rng.random((n, 3))
-    g = Graph.radius(pos, (40 * 3 / (4 * np.pi * n)) ** (1 / 3))
+    g = Graph.radius(pos, (64 * 3 / (4 * np.pi * n)) ** (1 / 3))
     E = g.num_edges
-    assert E > 150_000
+    assert E > 300_000
     x = rng.standard_normal((n, f))
     net = seed_net(f, hidden)
     args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
@@ -307,7 +316,7 @@ def test_nothing_edge_sized_is_materialized():
     tracemalloc.stop()
     per_node = n * (hidden + f + 3) * 8
     assert peak < E * hidden * 8 / 4, f"peak {peak} B vs one (E, hidden) float64 = {E * hidden * 8} B"
-    assert peak < 8 * per_node, f"peak {peak} B vs per-node state {per_node} B"
+    assert peak < 10 * per_node, f"peak {peak} B vs per-node state {per_node} B"
 
 
 def test_errors_name_the_argument():

@@ -47,11 +47,11 @@ class FieldArg(NamedTuple):
 class GATState:
     """What the backward needs, all O(N): the per-row softmax state and the per-node halves
     of the first Linear (so the backward does not redo the node products)."""
-    m: Any  # (num_dst,) accumulation dtype; -inf for an empty row
+    m: Any  # (num_dst,) accumulation dtype; -inf for an empty row (caller's node order)
     l: Any  # (num_dst,)
-    out: Any  # (num_dst, Fv) accumulation dtype (for Delta = dout . out)
-    As: Any  # (num_src, hidden)
-    Ad: Any  # (num_dst, hidden), first bias included
+    out: Any  # (num_dst, Fv) accumulation dtype, kernel node order (for Delta = dout . out)
+    As: Any  # (num_src, hidden), kernel node order
+    Ad: Any  # (num_dst, hidden), first bias included, kernel node order
     prep: Any = None
 
 
@@ -318,17 +318,79 @@ def _node_products(prep, params, xp):
     return As, Ad, WeT
 
 
-def _row_orders(graph, prep):
-    """Visiting orders of destination rows and source rows. For a geometric graph, cell order
-    (nearby rows share neighbours, whose data then stays in cache); else identity. Results do
-    not depend on it: every row is computed by one thread from its own edges."""
+# Geometric graphs above this many rows are relabelled into spatial cell order for the
+# kernels: a row's neighbours then sit at nearby addresses (cache lines and TLB entries are
+# shared by consecutive rows). It changes no result: only the ids the kernels see.
+_RELABEL_MIN_ROWS = 4096
+
+
+@dataclass
+class _Layout:
+    """How the kernels see the nodes: either the caller's ids (order None) or relabelled
+    ids, where kernel node r is caller node order[r]."""
+    order: Any
+    indptr: Any
+    indices: Any
+    graph: Any
+    note: str
+
+    def gather(self, a):
+        return a if self.order is None else a[self.order]
+
+    def scatter(self, a_k):
+        if self.order is None:
+            return a_k
+        out = np.empty_like(a_k)
+        out[self.order] = a_k
+        return out
+
+    def rows(self, n):
+        return np.arange(n, dtype=np.int64)
+
+    def transpose(self):
+        """(indptr, indices, perm) of the transposed relation in kernel ids."""
+        tr = self.graph.realize_transpose("cpu")
+        if self.order is None:
+            return tr.indptr, tr.indices, tr.perm
+
+        def build():
+            from .cpu.gat import relabel_csr
+            inv = _inverse(self.order)
+            return relabel_csr(self.order, inv, tr.indptr, tr.indices)
+        tip, tix = _graph_cached(self.graph, ("gat-relabel-transpose", "cpu"), build)
+        return tip, tix, np.zeros(0, np.int64)  # perm unused without explicit edge fields
+
+
+def _inverse(order):
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.shape[0], dtype=order.dtype)
+    return inv
+
+
+def _graph_cached(graph, key, build):
+    # Graph keeps per-device realisations in a private cache; the relabelled CSR is one more
+    # realisation of the same relation (see docs/requests/gat-helper.md).
+    cached = getattr(graph, "_cached", None)
+    return cached(key, build) if callable(cached) else build()
+
+
+def _layout(graph, prep):
+    rel = graph.realize("cpu")
     pos = getattr(graph, "positions", None)
-    if pos is not None and prep.num_src == prep.num_dst and prep.library == "numpy":
+    if (pos is None or not prep.geometric or prep.explicit or prep.num_src != prep.num_dst
+            or prep.num_dst < _RELABEL_MIN_ROWS):
+        return _Layout(None, rel.indptr, rel.indices, graph, "nodes in caller order")
+
+    def build():
+        from .cpu.gat import relabel_csr
         from .neighbors import spatial_order
         order = spatial_order(pos)
-        return order, order, "rows visited in spatial cell order (cache locality)"
-    return (np.arange(prep.num_dst, dtype=np.int64), np.arange(prep.num_src, dtype=np.int64),
-            "rows visited in index order")
+        ip, ix = relabel_csr(order, _inverse(order), rel.indptr, rel.indices)
+        return order, ip, ix
+    order, ip, ix = _graph_cached(graph, ("gat-relabel", "cpu"), build)
+    return _Layout(order, ip, ix, graph,
+                   "nodes relabelled into spatial cell order for the kernels (O(N) gathers; "
+                   "relabelled CSR cached on the graph)")
 
 
 def _net_desc(net):
@@ -375,14 +437,18 @@ def forward(graph, net, args, value, return_state=True):
     from .cpu import gat as cpu_gat
     params = dict(net.named_parameters())
     As, Ad, WeT = _node_products(prep, params, np)
-    indptr, indices = _csr(graph, "numpy")
     kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], prep.acc, _UNROLL)
-    order, _, order_note = _row_orders(graph, prep)
+    lay = _layout(graph, prep)
+    As, Ad = lay.gather(As), lay.gather(Ad)  # kernel layout; kept so for the backward
     out = np.empty((prep.num_dst, prep.spec.fv), prep.acc)
     M = np.empty(prep.num_dst, prep.acc)
     L = np.empty(prep.num_dst, prep.acc)
-    kern.gat_forward(order, indptr, indices, As, Ad, WeT, prep.pos, prep.EX, prep.P, prep.V,
-                     out, M, L)
+    kern.gat_forward(lay.rows(prep.num_dst), lay.indptr, lay.indices, As, Ad, WeT,
+                     lay.gather(prep.pos) if prep.geometric else prep.pos, prep.EX, prep.P,
+                     lay.gather(prep.V), out, M, L)
+    out_k = out
+    out, M, L = lay.scatter(out), lay.scatter(M), lay.scatter(L)
+    order_note = lay.note
     plan = _plan("forward", prep, net)
     plan.run_info.update(kernel=f"cpu.gat_forward[{variant}] (fused score MLP + online softmax, "
                                 "one destination row per iteration)",
@@ -391,7 +457,7 @@ def forward(graph, net, args, value, return_state=True):
                          geometry=("displacement/distance computed per edge from positions"
                                    if prep.geometric else None))
     result = out.astype(prep.dtype, copy=False).reshape((prep.num_dst,) + prep.value_shape[1:])
-    state = GATState(m=M, l=L, out=out, As=As, Ad=Ad) if return_state else None
+    state = GATState(m=M, l=L, out=out_k, As=As, Ad=Ad) if return_state else None
     return result, state, plan
 
 
@@ -417,11 +483,14 @@ def backward(graph, net, args, value, state, dout):
     W1 = params["0.weight"].astype(acc)
     h1 = W1.shape[0]
     WeT = np.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols else np.zeros((0, h1), acc)
-    indptr, indices = _csr(graph, "numpy")
-    tr = graph.realize_transpose("cpu")
     kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], acc, _UNROLL)
-    order_dst, order_src, order_note = _row_orders(graph, prep)
-    D = np.ascontiguousarray(dout.reshape(prep.num_dst, -1), dtype=acc)
+    lay = _layout(graph, prep)
+    order_note = lay.note
+    t_indptr, t_indices, t_perm = lay.transpose()
+    D = lay.gather(np.ascontiguousarray(dout.reshape(prep.num_dst, -1), dtype=acc))
+    Vk = lay.gather(prep.V)
+    posk = lay.gather(prep.pos) if prep.geometric else prep.pos
+    Mk, Lk = lay.gather(state.m), lay.gather(state.l)
     nd = prep.num_dst
     Delta = np.empty(nd, acc)
     dAd = np.empty((nd, h1), acc)
@@ -431,15 +500,18 @@ def backward(graph, net, args, value, state, dout):
     nch = min(nd, cpu_gat.NUM_CHUNKS)
     n_pg = prep.P.shape[0] + h1 * prep.spec.fe
     PG = np.zeros((max(nch, 0), max(n_pg, 1)), acc)
-    kern.gat_backward_rows(order_dst, indptr, indices, As, Ad, WeT, prep.pos, prep.EX, prep.P,
-                           prep.V, state.out, D, state.m, state.l, Delta, dAd, dposA, dEX, PG)
+    kern.gat_backward_rows(lay.rows(nd), lay.indptr, lay.indices, As, Ad, WeT, posk, prep.EX,
+                           prep.P, Vk, state.out, D, Mk, Lk, Delta, dAd, dposA, dEX, PG)
     ns = prep.num_src
     dAs = np.empty((ns, h1), acc)
     dV = np.empty((ns, prep.spec.fv), acc)
     dposB = np.zeros((ns if prep.geometric else 0, pd), acc)
-    kern.gat_backward_cols(order_src, tr.indptr, tr.indices, tr.perm, As, Ad, WeT, prep.pos,
-                           prep.EX, prep.P, prep.V, D, state.m, state.l, Delta, dAs, dV, dposB)
+    kern.gat_backward_cols(lay.rows(ns), t_indptr, t_indices, t_perm, As, Ad, WeT, posk,
+                           prep.EX, prep.P, Vk, D, Mk, Lk, Delta, dAs, dV, dposB)
     pg = PG.sum(axis=0)  # fixed chunk order: same bits every run
+    dAd, dAs, dV = lay.scatter(dAd), lay.scatter(dAs), lay.scatter(dV)
+    if prep.geometric:
+        dposA, dposB = lay.scatter(dposA), lay.scatter(dposB)
 
     # first Linear: node columns from the per-node gradients, edge columns from the partials
     dW1 = np.zeros(W1.shape, acc)

@@ -686,3 +686,27 @@ def get_kernels(spec, p_size, dtype, unroll=None):
     key = ("gat-cpu", spec, int(p_size), name, variant)
     module = KERNELS.get(key, lambda: _load(gen(spec, p_size, name)))
     return module, ("hit" if KERNELS.last_was_hit else "miss"), variant
+
+
+# --------------------------------------------------------------------------- relabelling
+import numpy as _np  # noqa: E402
+
+
+@numba.njit(parallel=True, cache=True)
+def relabel_csr(order, inv, indptr, indices):
+    """CSR of the same relation with node ids renamed old -> inv[old] and rows listed in the
+    new order (row r is old row order[r]). Within a row the entries keep their order."""
+    n = order.shape[0]
+    new_ptr = _np.zeros(n + 1, _np.int64)
+    for r in range(n):
+        o = order[r]
+        new_ptr[r + 1] = indptr[o + 1] - indptr[o]
+    for r in range(n):
+        new_ptr[r + 1] += new_ptr[r]
+    new_idx = _np.empty(indices.shape[0], _np.int32)
+    for r in numba.prange(n):
+        o = order[r]
+        base = new_ptr[r] - indptr[o]
+        for e in range(indptr[o], indptr[o + 1]):
+            new_idx[base + e] = inv[indices[e]]
+    return new_ptr, new_idx
