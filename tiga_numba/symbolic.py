@@ -279,7 +279,7 @@ class ScalarExpr(Symbolic):
             return b
         if sym in ("*", "/") and b.is_one():
             return a
-        return ScalarExpr("bin", sym, (a, b))
+        return _fold(ScalarExpr("bin", sym, (a, b)))
 
     def __add__(self, other):
         return self._bin("+", other)
@@ -324,13 +324,26 @@ def param(name):
     return ScalarExpr("param", name)
 
 
+def _fold(e):
+    """Constant-fold a binary node of two constants (so forms print as -0.5, not (0.5 * -1))."""
+    a, b = e.children
+    if a.op == "const" and b.op == "const":
+        try:
+            v = _BINOPS[e.arg](a.arg, b.arg)
+        except (ArithmeticError, ValueError):
+            return e  # e.g. 1 / 0: left for evaluation, which reports it per call
+        if is_number(v):
+            return ScalarExpr.const(v)
+    return e
+
+
 def _times(a, b):
     """Product of two factors, dropping the constant 1 so forms print cleanly."""
     if a.is_one():
         return b
     if b.is_one():
         return a
-    return ScalarExpr("bin", "*", (a, b))
+    return _fold(ScalarExpr("bin", "*", (a, b)))
 
 
 # --------------------------------------------------------------------------- fields
@@ -369,7 +382,7 @@ class Product(Symbolic):
         s = ScalarExpr.lift(other)
         if s is None:
             _refuse(f"dividing {self.describe()} by {_describe(other)} (only scalar divisors)")
-        return Product(self.fields, ScalarExpr("bin", "/", (self.factor, s)))
+        return Product(self.fields, _fold(ScalarExpr("bin", "/", (self.factor, s))))
 
     def __add__(self, other):
         if self.is_edge_field() and isinstance(other, (Score, Product)):
@@ -487,7 +500,7 @@ class Score(Symbolic):
         s = ScalarExpr.lift(other)
         if s is None:
             _refuse(f"dividing {self.describe()} by {_describe(other)} (only scalar divisors)")
-        return self._scaled(ScalarExpr("bin", "/", (ONE, s)))
+        return self._scaled(_fold(ScalarExpr("bin", "/", (ONE, s))))
 
     def __add__(self, other):
         if isinstance(other, Product) and not other.is_edge_field():
