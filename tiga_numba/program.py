@@ -340,11 +340,41 @@ class _Lowered:
             elif a.shape[1] == 1 and g.shape[1] != 1:
                 g = g.sum(axis=1, keepdims=True)
             g = (c * g).astype(a.dtype, copy=False)
+            add("edge", f.name, g)
             if f.name in self.call.graph_fields:
-                add("edge", f.name, g)  # no positions gradient through the bias path (documented)
-            else:
-                add("edge", f.name, g)
+                gp = _geometric_positions_grad(self.call.graph, f.name, g)
+                cur = grads["positions"]
+                grads["positions"] = gp if cur is None else cur + gp
         return grads, plan
+
+
+def _segment_sums(xp, values, indptr):
+    """Row sums of `values` (E, C) over CSR segments, by prefix sums in float64: fixed order
+    (deterministic on both backends, no atomics), one pass, no (E,)-sized scatter."""
+    cs = xp.zeros((values.shape[0] + 1, values.shape[1]), dtype=np.float64)
+    xp.cumsum(values.astype(np.float64, copy=False), axis=0, out=cs[1:])
+    return cs[indptr[1:]] - cs[indptr[:-1]]
+
+
+def _geometric_positions_grad(graph, name, grad):
+    """Chain a gradient w.r.t. a Graph.radius/knn edge field used as a score bias back to the
+    node positions: displacement_e = pos[src] - pos[dst], distance_e = |displacement_e|."""
+    pos = graph.positions
+    xp = np if isinstance(pos, np.ndarray) else __import__("cupy")
+    disp = graph.edge_field("displacement").astype(np.float64, copy=False)
+    grad = xp.asarray(grad, dtype=np.float64)
+    if name == "distance":
+        dist = xp.sqrt((disp * disp).sum(axis=1))
+        g = grad.reshape(grad.shape[0], -1).sum(axis=1)  # (E,) or (E, 1)
+        contrib = disp * (g / xp.where(dist > 0, dist, 1.0))[:, None]  # d|d|/dd = d/|d|; 0 at 0
+    else:
+        contrib = grad.reshape(disp.shape)
+    device = "cpu" if xp is np else "cuda"
+    rel = graph.realize(device)
+    t = graph.realize_transpose(device)
+    out = _segment_sums(xp, contrib[t.perm], t.indptr)  # + at each source
+    out -= _segment_sums(xp, contrib, rel.indptr)        # - at each destination
+    return out.astype(pos.dtype, copy=False)
 
 
 # --------------------------------------------------------------------------- programs
