@@ -352,6 +352,58 @@ def prune_table(quick):
                  f"{info['pruned_tiles']}/{info['total_tiles']} tiles pruned, rel err {rel(out, exact):.1e}")
 
 
+def sweep():
+    """Tile variants of the block kernels (fp32, N=4096, H=16, non-causal): which geometry
+    is fastest on this GPU. Prints one line per variant; the defaults are in tiles.py."""
+    import dataclasses
+    from tiga_numba.cuda import api, tiles
+    set_tc(False)
+    N, H = 4096, 16
+    g = tg.Graph.dense(N)
+    orig = api._block_tiles
+    emit("== tile sweep (fp32, N=4096, H=16, dense): ms")
+    for D in (64, 128):
+        rng = cupy.random.default_rng(D)
+        q, k, v, do = (rng.standard_normal((N, H, D), dtype=cupy.float32) for _ in range(4))
+        for kind in ("fwd", "dq", "dkdv"):
+            base = tiles.block_tiles(kind, "float32", D, D)
+            variants = []
+            for G in (D // 32, D // 16, D // 8):
+                for R in ((2, 4) if kind == "fwd" else (1, 2, 4)):
+                    for bm in (64, 128):
+                        NT = bm * G // R
+                        if G < 1 or not 32 <= NT <= 256:
+                            continue
+                        ds = D // G
+                        regs = R * ds * (2 if kind == "fwd" else 4)
+                        if regs > 160:
+                            continue
+                        t = dataclasses.replace(base, G=G, R=R, NT=NT)
+                        DP = -(-D // (G * t.VEC)) * G * t.VEC
+                        for BN in (64, 32, 16):
+                            need = (BN * 2 * DP + (t.BM * (BN + 4) if kind == "fwd" else 3 * BN)) * 4
+                            if need <= tiles.SMEM_BUDGET:
+                                break
+                        variants.append(dataclasses.replace(t, BN=BN))
+            for t in variants:
+                def pick(k_, dt, D_, DV_, t=t, kind=kind):
+                    return t if k_ == kind else orig(k_, dt, D_, DV_)
+                api._block_tiles = pick
+                try:
+                    if kind == "fwd":
+                        ms = time_cupy(lambda: tg.attention(q, k, v, g), max_reps=5)
+                    else:
+                        out, st = tg.attention(q, k, v, g, return_stats=True)
+                        ms = time_cupy(lambda: tg.attention_backward(do, q, k, v, out, st, g), max_reps=5)
+                    tag = " (default)" if t == base else ""
+                    emit(f"  D={D} {kind:4s} G={t.G:2d} R={t.R} NT={t.NT:3d} BM={t.BM:3d} BN={t.BN:2d}: "
+                         f"{ms:8.3f} ms{tag}")
+                except Exception as exc:
+                    emit(f"  D={D} {kind} {t}: failed {exc!r}"[:160])
+                finally:
+                    api._block_tiles = orig
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -365,6 +417,8 @@ def main():
     t0 = time.time()
     if "sanitize" in parts:
         sanitize_cases()
+    if "sweep" in parts:
+        sweep()
     if "launch" in parts:
         launch_overhead()
     if "dense" in parts:

@@ -32,7 +32,7 @@ def _shield():
 def _factories(dtype, D, DV):
     _shield()
     from tiga_numba.cuda import blocks, csr, tiles
-    from tiga_numba.cuda.common import make_delta
+    from tiga_numba.cuda.common import make_delta, make_stats
     out = []
     tf = tiles.block_tiles("fwd", dtype, D, DV)
     out.append(("blocks.fwd", lambda: blocks.make_forward(tf, False)))
@@ -49,6 +49,7 @@ def _factories(dtype, D, DV):
         out.append(("csr.dq" + tag, lambda b=bias: csr.make_dq(cb, b)))
         out.append(("csr.dkdv" + tag, lambda b=bias: csr.make_dkdv(cb, b)))
     out.append(("delta", lambda: make_delta(dtype, tiles.acc_of(dtype))))
+    out.append(("stats", lambda: make_stats(dtype, tiles.acc_of(dtype))))
     return out
 
 
@@ -85,7 +86,7 @@ def test_tile_geometry_fits_static_shared_memory():
                     t = tiles.block_tiles(kind, dtype, D, DV)
                     asz = 8 if t.acc == "float64" else 4
                     smem = t.BN * (t.DP + t.DVP) * asz
-                    smem += t.BM * (t.BN + 1) * asz if kind == "fwd" else 3 * t.BN * asz
+                    smem += t.BM * (t.BN + 4) * asz if kind == "fwd" else 3 * t.BN * asz
                     assert smem <= 48 * 1024, (kind, dtype, D, DV, t)
                     assert 32 <= t.NT <= 256 and t.NT % 32 == 0 and 32 % t.G == 0
                     regs = t.R * (t.DSQ + t.DSV) * (2 if kind != "fwd" else 1)

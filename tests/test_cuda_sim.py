@@ -61,9 +61,9 @@ def _kernels():
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
     _shield()
     sys.path.insert(0, ROOT)
-    global blocks, csr, make_delta, Tiles
+    global blocks, csr, make_delta, make_stats, Tiles
     from tiga_numba.cuda import blocks, csr  # noqa: F401
-    from tiga_numba.cuda.common import make_delta  # noqa: F401
+    from tiga_numba.cuda.common import make_delta, make_stats  # noqa: F401
     from tiga_numba.cuda.tiles import Tiles  # noqa: F401
 
 
@@ -285,12 +285,12 @@ def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bi
     ns, Hkv, DV = v.shape
     t = tiles(dtype, D, DV, R=1, NT=8)
     acc = np.dtype(t.acc)
-    delta = np.full((nq, H), np.nan, acc)
-    dkern = make_delta(dtype, t.acc)
+    st = np.full((nq, H, 2), np.nan, acc)
+    skern = make_stats(dtype, t.acc)
     df, ds = base_and_strides(dout)
     of, os_ = base_and_strides(out)
-    dkern((-(-nq * H // dkern.rows_per_cta), 1, 1), (dkern.NT, 1, 1), None, df, of, delta.reshape(-1),
-          *ds, *os_, nq * H, H, DV)
+    skern((-(-nq * H // skern.rows_per_cta), 1, 1), (skern.NT, 1, 1), None, df, of, m.reshape(-1),
+          l.reshape(-1), st.reshape(-1), *ds, *os_, nq * H, H, DV)
     qf, qs = base_and_strides(q)
     kf, ks = base_and_strides(k)
     vf, vs = base_and_strides(v)
@@ -301,13 +301,11 @@ def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bi
     dbias = np.full((E, H), np.nan, acc) if bias is not None else np.zeros(2, acc)
     b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
     csr.make_dq(t, bias is not None)((-(-nq * H // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df,
-                                     m.reshape(-1), l.reshape(-1), delta.reshape(-1), dq.reshape(-1),
-                                     dbias.reshape(-1), indptr, indices, b, *qs, *ks, *vs, *ds,
-                                     nq, H, H // Hkv, acc.type(scale))
+                                     st.reshape(-1), dq.reshape(-1), dbias.reshape(-1), indptr,
+                                     indices, b, *qs, *ks, *vs, *ds, nq, H, H // Hkv, acc.type(scale))
     csr.make_dkdv(t, bias is not None)((-(-ns * Hkv // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf,
-                                       df, m.reshape(-1), l.reshape(-1), delta.reshape(-1),
-                                       dk.reshape(-1), dv.reshape(-1), tptr, tind, perm, b,
-                                       *qs, *ks, *vs, *ds, ns, H, H // Hkv, acc.type(scale))
+                                       df, st.reshape(-1), dk.reshape(-1), dv.reshape(-1), tptr, tind,
+                                       perm, b, *qs, *ks, *vs, *ds, ns, H, H // Hkv, acc.type(scale))
     return dq, dk, dv, (dbias if bias is not None else None)
 
 

@@ -24,7 +24,7 @@ from ..kernel_cache import KERNELS
 from . import blocks as _blocks
 from . import csr as _csr
 from . import tiles as _tiles
-from .common import make_delta
+from .common import make_delta, make_stats
 from .launch import current_stream
 
 try:  # the tensor-core helper's package; absent or partial -> CUDA-core kernels only
@@ -239,12 +239,20 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     m = _contig(m, acc, "stats.m", copies)
     l = _contig(l, acc, "stats.l", copies)
 
-    # Delta_i = sum(dO_i * O_i): one pass, read by both gradient kernels
-    delta = _empty((Nq, H), acc)
-    dk_ = calls.get(("delta", dtype.name, acc.name), lambda: make_delta(dtype.name, acc.name))
+    # Delta_i = sum(dO_i * O_i): one pass, read by both gradient kernels (the CSR kernels get
+    # it interleaved with lse = m + log(l), one pair per gathered (row, head))
+    csr_rel = not _is_blocks(relation)
+    if csr_rel:
+        delta = _empty((Nq, H, 2), acc)
+        dk_ = calls.get(("stats", dtype.name, acc.name), lambda: make_stats(dtype.name, acc.name))
+        dargs = (dop, outp, m.data.ptr, l.data.ptr, delta.data.ptr)
+    else:
+        delta = _empty((Nq, H), acc)
+        dk_ = calls.get(("delta", dtype.name, acc.name), lambda: make_delta(dtype.name, acc.name))
+        dargs = (dop, outp, delta.data.ptr)
     if Nq * H:
-        dk_((_cdiv(Nq * H, dk_.rows_per_cta), 1, 1), (dk_.NT, 1, 1), stream, dop, outp,
-            delta.data.ptr, os0, os1, os2, oo0, oo1, oo2, Nq * H, H, DV)
+        dk_((_cdiv(Nq * H, dk_.rows_per_cta), 1, 1), (dk_.NT, 1, 1), stream, *dargs,
+            os0, os1, os2, oo0, oo1, oo2, Nq * H, H, DV)
 
     dq = _empty((Nq, H, D), dtype)
     dk = _empty((Ns, Hkv, D), dtype)
@@ -289,12 +297,12 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kk = calls.get(("csr.dkdv", tq, has_bias), lambda: _csr.make_dkdv(tq, has_bias))
         if Nq * H:
             kq((_cdiv(Nq * H * tq.G, tq.NT), 1, 1), (tq.NT, 1, 1), stream, qp, kp, vp, dop,
-               m.data.ptr, l.data.ptr, delta.data.ptr, dq.data.ptr, _ptr(dbias),
+               delta.data.ptr, dq.data.ptr, _ptr(dbias),
                relation.indptr.data.ptr, relation.indices.data.ptr, _ptr(bias), *strides,
                Nq, H, grp, scale)
         if Ns * Hkv:
             kk((_cdiv(Ns * Hkv * tq.G, tq.NT), 1, 1), (tq.NT, 1, 1), stream, qp, kp, vp, dop,
-               m.data.ptr, l.data.ptr, delta.data.ptr, dk.data.ptr, dv.data.ptr,
+               delta.data.ptr, dk.data.ptr, dv.data.ptr,
                transpose.indptr.data.ptr, transpose.indices.data.ptr, transpose.perm.data.ptr,
                _ptr(bias), *strides, Ns, H, grp, scale)
         info["kernel"] = ("cuda.csr.backward (CUDA cores, deterministic: dq"

@@ -28,6 +28,7 @@ from .common import FULL, NEG_INF, array_view, nbtype
 from .launch import SIM, Kernel
 
 i64 = numba.int64
+ALIGN = None if SIM else 16  # 16-byte vector loads from shared memory (the simulator has no alignment)
 U = numba.uint64  # index cast: unsigned indices skip numba's negative-index wraparound code
 
 
@@ -39,10 +40,16 @@ def _strides(prefix):
 def make_forward(t, prune):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
-    D, DV, G, R, NT, BN = t.D, t.DV, t.G, t.R, t.NT, t.BN
+    D, DV, G, R, NT, BN, VEC = t.D, t.DV, t.G, t.R, t.NT, t.BN, t.VEC
     BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
-    BNP = BN + 1
+    BNP = BN + 4  # rows of the score tile start 16-byte aligned, 4 banks apart
     PRUNE = bool(prune)
+    TRS = (not SIM) and 1 < G and R * G <= 32  # reduce-scatter of G keys' partial scores
+    LOGG = G.bit_length() - 1
+    PS = R * G if TRS else R
+    PVS = R * VEC
+    KV = max(VEC, G) if TRS else VEC  # keys are processed in whole groups of KV
+
     RW = 1 if SIM else 32  # lanes reduced by shuffles in the block-wide prune reduction
     NSLOT = NT // RW
     QS = max(1, R * DSQ)
@@ -64,9 +71,9 @@ def make_forward(t, prune):
         soff = AS_I64(soff_p)
         cnt = AS_I64(cnt_p)
         caus = AS_U8(caus_p)
-        sK = cuda.shared.array(SK, ACC)
-        sV = cuda.shared.array(SV, ACC)
-        sS = cuda.shared.array(SS, ACC)
+        sK = cuda.shared.array(SK, ACC, alignment=ALIGN)
+        sV = cuda.shared.array(SV, ACC, alignment=ALIGN)
+        sS = cuda.shared.array(SS, ACC, alignment=ALIGN)
         sA = cuda.shared.array(NSLOT, ACC)
         sB = cuda.shared.array(NSLOT, ACC)
         sF = cuda.shared.array(1, numba.int32)
@@ -93,12 +100,13 @@ def make_forward(t, prune):
         mrow = cuda.local.array(R, ACC)
         lrow = cuda.local.array(R, ACC)
         tmax = cuda.local.array(R, ACC)
-        part = cuda.local.array(R, ACC)
+        part = cuda.local.array(PS, ACC)
+        pv = cuda.local.array(PVS, ACC)
         for r in range(R):
             il = qoff + grow * R + r
             qb = (d0 + il) * qs0 + h * qs1
             for c in range(DSQ):
-                d = c * G + lane
+                d = ((c // VEC) * G + lane) * VEC + c % VEC
                 x = ACC(0.0)
                 if il < nd and d < D:
                     x = ACC(q[U(qb + d * qs2)]) * scale
@@ -130,6 +138,7 @@ def make_forward(t, prune):
                         tix -= ntl
             kt0 = tix * BN
             nk = min(BN, kend - kt0)
+            nkv = (nk + KV - 1) // KV * KV  # keys padded: whole p vectors (and lane groups)
             kb = s0 + kt0
             cuda.syncthreads()  # the previous tile's readers are done with sK / sV / sS
             for e in range(tid, BN * DP, NT):
@@ -151,27 +160,72 @@ def make_forward(t, prune):
             # phase 1: scores of this tile -> sS (masked entries -inf), row maxima -> tmax
             for r in range(R):
                 tmax[U(r)] = neg
-            for j in range(nk):
-                for r in range(R):
-                    part[U(r)] = ACC(0.0)
-                for c in range(DSQ):
-                    kv = sK[U(j * DP + c * G + lane)]
+            if TRS:
+                # G keys at a time; a reduce-scatter over the group's lanes leaves lane s with
+                # the full scores of key j0 + s (G - 1 shuffles per row instead of G log2 G)
+                for j0 in range(0, nkv, G):
+                    for kk in range(G):
+                        for r in range(R):
+                            part[U(r * G + kk)] = ACC(0.0)
+                        for c in range(DSQ):
+                            kv = sK[U((j0 + kk) * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                            for r in range(R):
+                                part[U(r * G + kk)] += qr[U(r * DSQ + c)] * kv
+                    for lvl in range(LOGG):
+                        off = G >> (lvl + 1)
+                        hi = (lane & off) != 0
+                        for r in range(R):
+                            for kk in range(off):
+                                a = part[U(r * G + kk)]
+                                b = part[U(r * G + kk + off)]
+                                snd = b
+                                if hi:
+                                    snd = a
+                                    a = b
+                                part[U(r * G + kk)] = a + cuda.shfl_xor_sync(FULL, snd, off)
+                    j = j0 + lane
                     for r in range(R):
-                        part[U(r)] += qr[U(r * DSQ + c)] * kv
+                        sc = part[U(r * G)]
+                        rl = grow * R + r
+                        il = qoff + rl
+                        if j >= nk or il >= nd or (causal and kt0 + j > il):
+                            sc = neg
+                        sS[U(rl * BNP + j)] = sc
+                        if sc > tmax[U(r)]:
+                            tmax[U(r)] = sc
                 for r in range(R):
-                    sc = part[U(r)]
+                    x = tmax[U(r)]
                     off = G // 2
                     while off > 0:
-                        sc += cuda.shfl_xor_sync(FULL, sc, off)
+                        x = max(x, cuda.shfl_xor_sync(FULL, x, off))
                         off //= 2
-                    rl = grow * R + r
-                    il = qoff + rl
-                    if il >= nd or (causal and kt0 + j > il):
-                        sc = neg
-                    if lane == 0:
-                        sS[U(rl * BNP + j)] = sc
-                    if sc > tmax[U(r)]:
-                        tmax[U(r)] = sc
+                    tmax[U(r)] = x
+            else:
+                for j in range(nk):
+                    for r in range(R):
+                        part[U(r)] = ACC(0.0)
+                    for c in range(DSQ):
+                        kv = sK[U(j * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                        for r in range(R):
+                            part[U(r)] += qr[U(r * DSQ + c)] * kv
+                    for r in range(R):
+                        sc = part[U(r)]
+                        off = G // 2
+                        while off > 0:
+                            sc += cuda.shfl_xor_sync(FULL, sc, off)
+                            off //= 2
+                        rl = grow * R + r
+                        il = qoff + rl
+                        if il >= nd or (causal and kt0 + j > il):
+                            sc = neg
+                        if lane == 0:
+                            sS[U(rl * BNP + j)] = sc
+                        if sc > tmax[U(r)]:
+                            tmax[U(r)] = sc
+                if lane == 0:
+                    for j in range(nk, nkv):  # pad to a whole vector of keys: p = 0 there
+                        for r in range(R):
+                            sS[U((grow * R + r) * BNP + j)] = neg
 
             if PRUNE:
                 # block-wide: max(tile scores) vs the running max of every row of the CTA
@@ -219,7 +273,7 @@ def make_forward(t, prune):
                 for c in range(DSV):
                     acc[U(r * DSV + c)] *= alpha
                 ps = ACC(0.0)
-                for j in range(lane, nk, G):
+                for j in range(lane, nkv, G):
                     sv = sS[U(rl * BNP + j)]
                     p = ACC(0.0)
                     if sv > neg:
@@ -233,13 +287,15 @@ def make_forward(t, prune):
                 lrow[U(r)] = lrow[U(r)] * alpha + ps
             if SYNC_GROUP:
                 cuda.syncwarp()
-            for j in range(nk):
-                for r in range(R):
-                    part[U(r)] = sS[U((grow * R + r) * BNP + j)]
-                for c in range(DSV):
-                    vv = sV[U(j * DVP + c * G + lane)]
-                    for r in range(R):
-                        acc[U(r * DSV + c)] += part[U(r)] * vv
+            for j0 in range(0, nkv, VEC):
+                for r in range(R):  # VEC consecutive p of a row: one 16-byte load
+                    for jj in range(VEC):
+                        pv[U(r * VEC + jj)] = sS[U((grow * R + r) * BNP + j0 + jj)]
+                for jj in range(VEC):
+                    for c in range(DSV):
+                        vv = sV[U((j0 + jj) * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                        for r in range(R):
+                            acc[U(r * DSV + c)] += pv[U(r * VEC + jj)] * vv
 
         for r in range(R):
             il = qoff + grow * R + r
@@ -251,7 +307,7 @@ def make_forward(t, prune):
                     inv = ACC(1.0) / lr
                 ob = (i * H + h) * DV
                 for c in range(DSV):
-                    d = c * G + lane
+                    d = ((c // VEC) * G + lane) * VEC + c % VEC
                     if d < DV:
                         out[U(ob + d)] = IN(acc[U(r * DSV + c)] * inv)
                 if lane == 0:
@@ -275,7 +331,7 @@ def make_forward(t, prune):
 def make_dq(t):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
-    D, DV, G, R, NT, BN = t.D, t.DV, t.G, t.R, t.NT, t.BN
+    D, DV, G, R, NT, BN, VEC = t.D, t.DV, t.G, t.R, t.NT, t.BN, t.VEC
     BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
     QS = max(1, R * DSQ)
     VS = max(1, R * DSV)
@@ -296,8 +352,8 @@ def make_dq(t):
         doff = AS_I64(doff_p)
         soff = AS_I64(soff_p)
         caus = AS_U8(caus_p)
-        sK = cuda.shared.array(SK, ACC)
-        sV = cuda.shared.array(SV, ACC)
+        sK = cuda.shared.array(SK, ACC, alignment=ALIGN)
+        sV = cuda.shared.array(SV, ACC, alignment=ALIGN)
         tid = cuda.threadIdx.x
         neg = ACC(NEG_INF)
         bx = i64(cuda.blockIdx.x)
@@ -328,14 +384,14 @@ def make_dq(t):
             il = qoff + grow * R + r
             i = d0 + il
             for c in range(DSQ):
-                d = c * G + lane
+                d = ((c // VEC) * G + lane) * VEC + c % VEC
                 x = ACC(0.0)
                 if il < nd and d < D:
                     x = ACC(q[U(i * qs0 + h * qs1 + d * qs2)]) * scale
                 qr[U(r * DSQ + c)] = x
                 dqa[U(r * DSQ + c)] = ACC(0.0)
             for c in range(DSV):
-                d = c * G + lane
+                d = ((c // VEC) * G + lane) * VEC + c % VEC
                 x = ACC(0.0)
                 if il < nd and d < DV:
                     x = ACC(dout[U(i * os0 + h * os1 + d * os2)])
@@ -377,11 +433,11 @@ def make_dq(t):
                     ps[U(r)] = ACC(0.0)
                     pd[U(r)] = ACC(0.0)
                 for c in range(DSQ):
-                    kv = sK[U(j * DP + c * G + lane)]
+                    kv = sK[U(j * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                     for r in range(R):
                         ps[U(r)] += qr[U(r * DSQ + c)] * kv
                 for c in range(DSV):
-                    vv = sV[U(j * DVP + c * G + lane)]
+                    vv = sV[U(j * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                     for r in range(R):
                         pd[U(r)] += dor[U(r * DSV + c)] * vv
                 for r in range(R):
@@ -398,7 +454,7 @@ def make_dq(t):
                         p = math.exp(s - mm[U(r)]) * il_[U(r)]
                     ps[U(r)] = p * (dp - dl[U(r)])
                 for c in range(DSQ):
-                    kv = sK[U(j * DP + c * G + lane)]
+                    kv = sK[U(j * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                     for r in range(R):
                         dqa[U(r * DSQ + c)] += ps[U(r)] * kv
 
@@ -407,7 +463,7 @@ def make_dq(t):
             if il < nd:
                 ob = ((d0 + il) * H + h) * D
                 for c in range(DSQ):
-                    d = c * G + lane
+                    d = ((c // VEC) * G + lane) * VEC + c % VEC
                     if d < D:
                         dq[U(ob + d)] = IN(dqa[U(r * DSQ + c)] * scale)
 
@@ -423,7 +479,7 @@ def make_dq(t):
 def make_dkdv(t):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
-    D, DV, G, R, NT, BN = t.D, t.DV, t.G, t.R, t.NT, t.BN
+    D, DV, G, R, NT, BN, VEC = t.D, t.DV, t.G, t.R, t.NT, t.BN, t.VEC
     BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
     QS = max(1, R * DSQ)
     VS = max(1, R * DSV)
@@ -445,8 +501,8 @@ def make_dkdv(t):
         doff = AS_I64(doff_p)
         soff = AS_I64(soff_p)
         caus = AS_U8(caus_p)
-        sQ = cuda.shared.array(SQ, ACC)
-        sO = cuda.shared.array(SO, ACC)
+        sQ = cuda.shared.array(SQ, ACC, alignment=ALIGN)
+        sO = cuda.shared.array(SO, ACC, alignment=ALIGN)
         sM = cuda.shared.array(BN, ACC)
         sL = cuda.shared.array(BN, ACC)
         sD = cuda.shared.array(BN, ACC)
@@ -478,14 +534,14 @@ def make_dkdv(t):
             kl = koff + grow * R + r
             j = s0 + kl
             for c in range(DSQ):
-                d = c * G + lane
+                d = ((c // VEC) * G + lane) * VEC + c % VEC
                 x = ACC(0.0)
                 if kl < ns and d < D:
                     x = ACC(k[U(j * ks0 + hk * ks1 + d * ks2)]) * scale
                 kr[U(r * DSQ + c)] = x
                 dka[U(r * DSQ + c)] = ACC(0.0)
             for c in range(DSV):
-                d = c * G + lane
+                d = ((c // VEC) * G + lane) * VEC + c % VEC
                 x = ACC(0.0)
                 if kl < ns and d < DV:
                     x = ACC(v[U(j * vs0 + hk * vs1 + d * vs2)])
@@ -535,11 +591,11 @@ def make_dkdv(t):
                         ps[U(r)] = ACC(0.0)
                         pd[U(r)] = ACC(0.0)
                     for c in range(DSQ):
-                        qv = sQ[U(jq * DP + c * G + lane)]
+                        qv = sQ[U(jq * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                         for r in range(R):
                             ps[U(r)] += kr[U(r * DSQ + c)] * qv
                     for c in range(DSV):
-                        ov = sO[U(jq * DVP + c * G + lane)]
+                        ov = sO[U(jq * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                         for r in range(R):
                             pd[U(r)] += vr[U(r * DSV + c)] * ov
                     lv = sL[U(jq)]
@@ -560,11 +616,11 @@ def make_dkdv(t):
                         ps[U(r)] = p
                         pd[U(r)] = p * (dp - dlt)
                     for c in range(DSV):
-                        ov = sO[U(jq * DVP + c * G + lane)]
+                        ov = sO[U(jq * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                         for r in range(R):
                             dva[U(r * DSV + c)] += ps[U(r)] * ov
                     for c in range(DSQ):
-                        qv = sQ[U(jq * DP + c * G + lane)]
+                        qv = sQ[U(jq * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                         for r in range(R):
                             dka[U(r * DSQ + c)] += pd[U(r)] * qv
 
@@ -574,12 +630,12 @@ def make_dkdv(t):
                 j = s0 + kl
                 ob = (j * Hkv + hk) * D
                 for c in range(DSQ):
-                    d = c * G + lane
+                    d = ((c // VEC) * G + lane) * VEC + c % VEC
                     if d < D:
                         dk[U(ob + d)] = IN(dka[U(r * DSQ + c)] * scale)
                 ob = (j * Hkv + hk) * DV
                 for c in range(DSV):
-                    d = c * G + lane
+                    d = ((c // VEC) * G + lane) * VEC + c % VEC
                     if d < DV:
                         dv[U(ob + d)] = IN(dva[U(r * DSV + c)])
 

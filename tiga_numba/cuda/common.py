@@ -53,3 +53,49 @@ def make_delta(dtype, acc):
     kern.rows_per_cta = NT // GD
     kern.NT = NT
     return kern
+
+
+def make_stats(dtype, acc):
+    """st[i, h] = (lse, Delta) interleaved, lse = m + log(l) (+inf for an empty row), Delta as
+    in make_delta. The CSR backward reads one 8/16-byte pair per gathered (row, head) instead
+    of three scattered scalars (m, l, Delta)."""
+    IN, ACC = nbtype(dtype), nbtype(acc)
+    GD = 1 if SIM else 32
+    NT = 32 if SIM else 128
+    AS_IN, AS_ACC = array_view(IN), array_view(ACC)
+
+    def stats_body(dout_p, out_p, mo_p, lo_p, st_p, ds0, ds1, ds2, os0, os1, os2, nrows, H, DV):
+        dout = AS_IN(dout_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        st = AS_ACC(st_p)
+        gid = cuda.blockIdx.x * NT + cuda.threadIdx.x
+        row = gid // GD
+        lane = gid - row * GD
+        i = row // H
+        h = row - i * H
+        a = ACC(0.0)
+        if row < nrows:
+            for d in range(lane, DV, GD):
+                a += ACC(dout[U(i * ds0 + h * ds1 + d * ds2)]) * ACC(out[U(i * os0 + h * os1 + d * os2)])
+        off = GD // 2
+        while off > 0:
+            a += cuda.shfl_xor_sync(FULL, a, off)
+            off //= 2
+        if lane == 0 and row < nrows:
+            lv = lo[U(row)]
+            lse = ACC(math.inf)
+            if lv > 0:
+                lse = mo[U(row)] + math.log(lv)
+            st[U(2 * row)] = lse
+            st[U(2 * row + 1)] = a
+
+    i64 = numba.int64
+    spec = [("dout", "a", IN), ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC),
+            ("st", "a", ACC)] + [
+        (n, "s", i64) for n in ("ds0", "ds1", "ds2", "os0", "os1", "os2", "nrows", "H", "DV")]
+    kern = Kernel(f"stats_{dtype}", stats_body, spec)
+    kern.rows_per_cta = NT // GD
+    kern.NT = NT
+    return kern

@@ -10,8 +10,8 @@ forward: online softmax per edge (two edges per step, so four row loads are in f
 running max is rescaled once per pair); edge_bias (E, H) is added to the scaled score; D = 0
 (precomputed per-edge scores) works: the dot product is empty.
 
-backward, deterministic without atomics: dq (and dbias, one writer per edge) by destination
-rows over the CSR; dk/dv by source rows over the transposed CSR (rows = sources, `perm` maps
+backward, deterministic without atomics, reading (lse, Delta) pairs from common.make_stats:
+dq (and dbias, one writer per edge) by destination rows over the CSR; dk/dv by source rows over the transposed CSR (rows = sources, `perm` maps
 each entry to its edge id for the bias), summing a GQA group's query heads in a fixed order.
 """
 from __future__ import annotations
@@ -181,23 +181,20 @@ def make_dq(t, bias):
     BIAS = bool(bias)
     GM = (1 << G) - 1
 
-    def csr_dq(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dq_p, dbias_p, indptr_p, indices_p,
+    def csr_dq(q_p, k_p, v_p, dout_p, st_p, dq_p, dbias_p, indptr_p, indices_p,
                bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
                nrows, H, grp, scale):
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
         dout = AS_IN(dout_p)
-        mo = AS_ACC(mo_p)
-        lo = AS_ACC(lo_p)
-        delta = AS_ACC(delta_p)
+        st = AS_ACC(st_p)
         dq = AS_IN(dq_p)
         dbias = AS_ACC(dbias_p)
         indptr = AS_I64(indptr_p)
         indices = AS_I32(indices_p)
         eb = AS_ACC(bias_p)
         tid = cuda.threadIdx.x
-        neg = ACC(NEG_INF)
         gid = i64(cuda.blockIdx.x) * NT + tid
         gi = gid // G
         lane = gid - gi * G
@@ -208,7 +205,8 @@ def make_dq(t, bias):
         mask = u32(GM << ((tid % 32) - lane))
         hk = h // grp
         qr = cuda.local.array(QS, ACC)
-        kr = cuda.local.array(QS, ACC)
+        ka = cuda.local.array(QS, ACC)
+        kb = cuda.local.array(QS, ACC)
         dqa = cuda.local.array(QS, ACC)
         dor = cuda.local.array(VS, ACC)
         for c in range(DSQ):
@@ -225,46 +223,65 @@ def make_dq(t, bias):
                 x = ACC(dout[U(i * os0 + h * os1 + d * os2)])
             dor[U(c)] = x
         row = i * H + h
-        lv = lo[U(row)]
-        mv = neg
-        il = ACC(0.0)
-        dl = ACC(0.0)
-        if lv > 0:
-            mv = mo[U(row)]
-            il = ACC(1.0) / lv
-            dl = delta[U(row)]
-        for e in range(indptr[U(i)], indptr[U(i + 1)]):
-            j = i64(indices[U(e)])
-            kb = j * ks0 + hk * ks1
-            vb = j * vs0 + hk * vs1
-            s = ACC(0.0)
-            dp = ACC(0.0)
+        lse = st[U(2 * row)]
+        dl = st[U(2 * row + 1)]
+        live = lse < math.inf
+        e = indptr[U(i)]
+        e1 = indptr[U(i + 1)]
+        while e < e1:
+            two = e + 1 < e1  # two edges per step: four gathered rows in flight
+            j0 = i64(indices[U(e)])
+            j1 = j0
+            if two:
+                j1 = i64(indices[U(e + 1)])
+            k0 = j0 * ks0 + hk * ks1
+            k1 = j1 * ks0 + hk * ks1
+            v0 = j0 * vs0 + hk * vs1
+            v1 = j1 * vs0 + hk * vs1
+            s0 = ACC(0.0)
+            s1 = ACC(0.0)
+            dp0 = ACC(0.0)
+            dp1 = ACC(0.0)
             for c in range(DSQ):
                 d = c * G + lane
-                x = ACC(0.0)
+                x0 = ACC(0.0)
+                x1 = ACC(0.0)
                 if d < D:
-                    x = ACC(k[U(kb + d * ks2)])
-                kr[U(c)] = x
-                s += qr[U(c)] * x
+                    x0 = ACC(k[U(k0 + d * ks2)])
+                    x1 = ACC(k[U(k1 + d * ks2)])
+                ka[U(c)] = x0
+                kb[U(c)] = x1
+                s0 += qr[U(c)] * x0
+                s1 += qr[U(c)] * x1
             for c in range(DSV):
                 d = c * G + lane
                 if d < DV:
-                    dp += dor[U(c)] * ACC(v[U(vb + d * vs2)])
+                    dp0 += dor[U(c)] * ACC(v[U(v0 + d * vs2)])
+                    dp1 += dor[U(c)] * ACC(v[U(v1 + d * vs2)])
             off = G // 2
             while off > 0:
-                s += cuda.shfl_xor_sync(mask, s, off)
-                dp += cuda.shfl_xor_sync(mask, dp, off)
+                s0 += cuda.shfl_xor_sync(mask, s0, off)
+                s1 += cuda.shfl_xor_sync(mask, s1, off)
+                dp0 += cuda.shfl_xor_sync(mask, dp0, off)
+                dp1 += cuda.shfl_xor_sync(mask, dp1, off)
                 off //= 2
             if BIAS:
-                s += eb[U(e * H + h)]
-            p = ACC(0.0)
-            if il > 0:
-                p = math.exp(s - mv) * il
-            ds = p * (dp - dl)
+                s0 += eb[U(e * H + h)]
+                if two:
+                    s1 += eb[U((e + 1) * H + h)]
+            ds0 = ACC(0.0)
+            ds1 = ACC(0.0)
+            if live:
+                ds0 = math.exp(s0 - lse) * (dp0 - dl)
+                if two:
+                    ds1 = math.exp(s1 - lse) * (dp1 - dl)
             for c in range(DSQ):
-                dqa[U(c)] += ds * kr[U(c)]
+                dqa[U(c)] += ds0 * ka[U(c)] + ds1 * kb[U(c)]
             if BIAS and lane == 0:
-                dbias[U(e * H + h)] = ds
+                dbias[U(e * H + h)] = ds0
+                if two:
+                    dbias[U((e + 1) * H + h)] = ds1
+            e += 2
         ob = (i * H + h) * D
         for c in range(DSQ):
             d = c * G + lane
@@ -272,8 +289,8 @@ def make_dq(t, bias):
                 dq[U(ob + d)] = IN(dqa[U(c)] * scale)
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
-             ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dq", "a", IN),
-             ("dbias", "a", ACC), ("indptr", "a", i64), ("indices", "a", i32), ("bias", "a", ACC)]
+             ("st", "a", ACC), ("dq", "a", IN), ("dbias", "a", ACC), ("indptr", "a", i64),
+             ("indices", "a", i32), ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
     return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_dq, spec)
@@ -288,16 +305,14 @@ def make_dkdv(t, bias):
     BIAS = bool(bias)
     GM = (1 << G) - 1
 
-    def csr_dkdv(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dk_p, dv_p, tptr_p, tind_p,
+    def csr_dkdv(q_p, k_p, v_p, dout_p, st_p, dk_p, dv_p, tptr_p, tind_p,
                  perm_p, bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
                  nsrc, H, grp, scale):
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
         dout = AS_IN(dout_p)
-        mo = AS_ACC(mo_p)
-        lo = AS_ACC(lo_p)
-        delta = AS_ACC(delta_p)
+        st = AS_ACC(st_p)
         dk = AS_IN(dk_p)
         dv = AS_IN(dv_p)
         tptr = AS_I64(tptr_p)
@@ -316,8 +331,10 @@ def make_dkdv(t, bias):
         mask = u32(GM << ((tid % 32) - lane))
         kr = cuda.local.array(QS, ACC)
         vr = cuda.local.array(VS, ACC)
-        qv = cuda.local.array(QS, ACC)
-        ov = cuda.local.array(VS, ACC)
+        qa = cuda.local.array(QS, ACC)
+        qb = cuda.local.array(QS, ACC)
+        oa = cuda.local.array(VS, ACC)
+        ob_ = cuda.local.array(VS, ACC)
         dka = cuda.local.array(QS, ACC)
         dva = cuda.local.array(VS, ACC)
         for c in range(DSQ):
@@ -334,45 +351,74 @@ def make_dkdv(t, bias):
                 x = ACC(v[U(j * vs0 + hk * vs1 + d * vs2)])
             vr[U(c)] = x
             dva[U(c)] = ACC(0.0)
-        for tt in range(tptr[U(j)], tptr[U(j + 1)]):
-            i = i64(tind[U(tt)])
-            e = perm[U(tt)]
+        tt = tptr[U(j)]
+        t1 = tptr[U(j + 1)]
+        while tt < t1:
+            two = tt + 1 < t1  # two incoming edges per step: four gathered rows in flight
+            i0 = i64(tind[U(tt)])
+            e0 = perm[U(tt)]
+            i1 = i0
+            e1 = e0
+            if two:
+                i1 = i64(tind[U(tt + 1)])
+                e1 = perm[U(tt + 1)]
             for g in range(grp):
                 h = hk * grp + g
-                row = i * H + h
-                s = ACC(0.0)
-                dp = ACC(0.0)
+                s0 = ACC(0.0)
+                s1 = ACC(0.0)
+                dp0 = ACC(0.0)
+                dp1 = ACC(0.0)
                 for c in range(DSQ):
                     d = c * G + lane
-                    x = ACC(0.0)
+                    x0 = ACC(0.0)
+                    x1 = ACC(0.0)
                     if d < D:
-                        x = ACC(q[U(i * qs0 + h * qs1 + d * qs2)])
-                    qv[U(c)] = x
-                    s += kr[U(c)] * x
+                        x0 = ACC(q[U(i0 * qs0 + h * qs1 + d * qs2)])
+                        x1 = ACC(q[U(i1 * qs0 + h * qs1 + d * qs2)])
+                    qa[U(c)] = x0
+                    qb[U(c)] = x1
+                    s0 += kr[U(c)] * x0
+                    s1 += kr[U(c)] * x1
                 for c in range(DSV):
                     d = c * G + lane
-                    x = ACC(0.0)
+                    x0 = ACC(0.0)
+                    x1 = ACC(0.0)
                     if d < DV:
-                        x = ACC(dout[U(i * os0 + h * os1 + d * os2)])
-                    ov[U(c)] = x
-                    dp += vr[U(c)] * x
+                        x0 = ACC(dout[U(i0 * os0 + h * os1 + d * os2)])
+                        x1 = ACC(dout[U(i1 * os0 + h * os1 + d * os2)])
+                    oa[U(c)] = x0
+                    ob_[U(c)] = x1
+                    dp0 += vr[U(c)] * x0
+                    dp1 += vr[U(c)] * x1
+                r0 = i0 * H + h
+                r1 = i1 * H + h
+                lse0 = st[U(2 * r0)]
+                dl0 = st[U(2 * r0 + 1)]
+                lse1 = st[U(2 * r1)]
+                dl1 = st[U(2 * r1 + 1)]
                 off = G // 2
                 while off > 0:
-                    s += cuda.shfl_xor_sync(mask, s, off)
-                    dp += cuda.shfl_xor_sync(mask, dp, off)
+                    s0 += cuda.shfl_xor_sync(mask, s0, off)
+                    s1 += cuda.shfl_xor_sync(mask, s1, off)
+                    dp0 += cuda.shfl_xor_sync(mask, dp0, off)
+                    dp1 += cuda.shfl_xor_sync(mask, dp1, off)
                     off //= 2
                 if BIAS:
-                    s += eb[U(e * H + h)]
-                lv = lo[U(row)]
-                p = ACC(0.0)
-                ds = ACC(0.0)
-                if lv > 0:
-                    p = math.exp(s - mo[U(row)]) / lv
-                    ds = p * (dp - delta[U(row)])
+                    s0 += eb[U(e0 * H + h)]
+                    s1 += eb[U(e1 * H + h)]
+                p0 = ACC(0.0)
+                p1 = ACC(0.0)
+                if lse0 < math.inf:
+                    p0 = math.exp(s0 - lse0)
+                if two and lse1 < math.inf:
+                    p1 = math.exp(s1 - lse1)
+                ds0 = p0 * (dp0 - dl0)
+                ds1 = p1 * (dp1 - dl1)
                 for c in range(DSV):
-                    dva[U(c)] += p * ov[U(c)]
+                    dva[U(c)] += p0 * oa[U(c)] + p1 * ob_[U(c)]
                 for c in range(DSQ):
-                    dka[U(c)] += ds * qv[U(c)]
+                    dka[U(c)] += ds0 * qa[U(c)] + ds1 * qb[U(c)]
+            tt += 2
         ob = (j * Hkv + hk) * D
         for c in range(DSQ):
             d = c * G + lane
@@ -385,9 +431,8 @@ def make_dkdv(t, bias):
                 dv[U(ob + d)] = IN(dva[U(c)])
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
-             ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dk", "a", IN),
-             ("dv", "a", IN), ("tptr", "a", i64), ("tind", "a", i32), ("perm", "a", i64),
-             ("bias", "a", ACC)]
+             ("st", "a", ACC), ("dk", "a", IN), ("dv", "a", IN), ("tptr", "a", i64),
+             ("tind", "a", i32), ("perm", "a", i64), ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nsrc", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
     return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_dkdv, spec)

@@ -1,7 +1,7 @@
 """Launch geometry of the CUDA-core kernels (compile-time constants of each specialisation).
 
 Every kernel maps a query (or key) row to a *lane group* of G consecutive lanes of one warp;
-lane s of the group owns the strided slice d = s, s+G, s+2G, ... of the head dimension, so a
+lane s of the group owns a strided slice of the head dimension (see VEC below), so a
 row's q / accumulator slices stay in registers (about 16 elements each) and the group's
 partial dot products meet through G-1 xor shuffles. A thread owns R rows, which lets one
 shared-memory read of a key element feed R fused multiply-adds.
@@ -35,6 +35,7 @@ class Tiles:
     R: int  # rows per thread
     NT: int  # threads per CTA
     BN: int  # keys (or queries, for dk/dv) per shared-memory tile
+    VEC: int = 1  # contiguous elements per lane and step (16-byte shared-memory loads)
 
     @property
     def BM(self):
@@ -42,11 +43,13 @@ class Tiles:
 
     @property
     def DSQ(self):
-        return -(-self.D // self.G)
+        w = self.G * self.VEC
+        return -(-self.D // w) * self.VEC
 
     @property
     def DSV(self):
-        return -(-self.DV // self.G)
+        w = self.G * self.VEC
+        return -(-self.DV // w) * self.VEC
 
     @property
     def DP(self):
@@ -81,21 +84,22 @@ def block_tiles(kind, dtype, D, DV):
         R = 1 if wide else 2
     NT = max(32, min(256, 64 * G // R))
     BM = NT // G * R
-    DP = -(-D // G) * G
-    DVP = -(-DV // G) * G
+    VEC = 16 // asz
+    DP = -(-D // (G * VEC)) * G * VEC
+    DVP = -(-DV // (G * VEC)) * G * VEC
     for BN in (64, 32, 16, 8):
         if kind == "fwd":
-            need = (BN * (DP + DVP) + BM * (BN + 1)) * asz
+            need = (BN * (DP + DVP) + BM * (BN + 4)) * asz
         else:
             need = BN * (DP + DVP + 3) * asz
         if need <= SMEM_BUDGET:
             break
-    return Tiles(str(dtype), acc, D, DV, G, R, NT, BN)
+    return Tiles(str(dtype), acc, D, DV, G, R, NT, BN, VEC)
 
 
 def csr_tiles(kind, dtype, D, DV):
     """Gathered rows come straight from global memory: ~4 elements per lane keeps many rows
     (and so many independent loads) in flight."""
     acc = acc_of(dtype)
-    G = _lanes(D, DV, per_lane=4 if kind == "fwd" else 8)
+    G = _lanes(D, DV, per_lane=4)
     return Tiles(str(dtype), acc, D, DV, G, 1, 128, 0)
