@@ -84,14 +84,27 @@ def torch_sdpa(q, k, v, causal, dout=None):
 
 
 # ------------------------------------------------------------------------ tables
+def interleaved(fns, reps):
+    """Best time of each fn over `reps` rounds that run every fn once (after one warm-up
+    each): on a shared machine, contention then hits all contenders alike."""
+    for fn in fns:
+        fn()
+    best_t = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best_t[i] = min(best_t[i], time.perf_counter() - t)
+    return best_t
+
+
 def table_dense(sizes, reps, args):
     H, D = 4, 64
     print(f"== dense / causal attention, H={H}, D={D}, float32 "
           f"(GFLOP/s: fwd 4 N^2 H D, /2 causal; fwd+bwd 3.5x that)")
-    hdr = (f"{'N':>5} {'mask':>6} | {'tiga fwd':>14} {'tiga fwd+bwd':>16} | {'numpy fwd':>10} "
-           f"{'numpy f+b':>10} | {'torch fwd':>10} {'torch f+b':>10} | fwd x numpy, x torch; "
-           f"f+b x numpy, x torch")
-    print(hdr)
+    print(f"{'N':>5} {'mask':>6} | {'tiga fwd':>14} {'tiga fwd+bwd':>16} | {'numpy fwd':>10} "
+          f"{'numpy f+b':>10} | {'torch fwd':>10} {'torch f+b':>10} | "
+          f"fwd: x numpy, x torch | f+b: x numpy, x torch   (x = speed-up of tiga)")
     rng = np.random.default_rng(0)
     for N in sizes:
         q, k, v, do = (rng.standard_normal((N, H, D), dtype=np.float32) for _ in range(4))
@@ -106,25 +119,27 @@ def table_dense(sizes, reps, args):
                 out, st = tg.attention(q, k, v, g, return_stats=True)
                 return tg.attention_backward(do, q, k, v, out, st, g)
 
-            tf = best(fwd, reps)
-            tb = best(fwdbwd, reps)
-            nf = nb = tf_t = tb_t = float("nan")
+            fns = [fwd, fwdbwd]
+            use_torch = torch is not None and not args.no_torch
+            if use_torch:
+                fns += [lambda: torch_sdpa(q, k, v, causal), lambda: torch_sdpa(q, k, v, causal, do)]
+            times = interleaved(fns, reps)
+            tf, tb = times[:2]
+            tf_t, tb_t = times[2:] if use_torch else (float("nan"),) * 2
+            nf = nb = float("nan")
             if not args.no_numpy and N <= args.numpy_max:
                 nf = best(lambda: numpy_attention(q, k, v, causal), 1)
                 if N <= args.numpy_bwd_max:
                     nb = best(lambda: numpy_attention(q, k, v, causal, do), 1)
-            if torch is not None and not args.no_torch:
-                tf_t = best(lambda: torch_sdpa(q, k, v, causal), reps)
-                tb_t = best(lambda: torch_sdpa(q, k, v, causal, do), reps)
 
             def ms(t):
-                return f"{t * 1e3:8.1f} ms" if t == t else f"{'-':>11}"
+                return f"{t * 1e3:8.1f}ms" if t == t else f"{'-':>10}"
 
             print(f"{N:>5} {'causal' if causal else 'dense':>6} | "
                   f"{tf * 1e3:7.1f} ms {flops / tf / 1e9:4.0f}GF "
                   f"{tb * 1e3:8.1f} ms {3.5 * flops / tb / 1e9:4.0f}GF | "
-                  f"{ms(nf)[:-3]:>7}ms {ms(nb)[:-3]:>7}ms | {ms(tf_t)[:-3]:>7}ms {ms(tb_t)[:-3]:>7}ms | "
-                  f"{nf / tf:5.1f}x {tf_t / tf:5.2f}x; {nb / tb:5.1f}x {tb_t / tb:5.2f}x")
+                  f"{ms(nf)} {ms(nb)} | {ms(tf_t)} {ms(tb_t)} | "
+                  f"{nf / tf:6.1f}x {tf_t / tf:6.2f}x | {nb / tb:6.1f}x {tb_t / tb:6.2f}x")
             sys.stdout.flush()
         del q, k, v, do
 
@@ -227,7 +242,7 @@ def table_prune(N, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="N=1024 only, 20k-node CSR, 2 reps")
+    ap.add_argument("--quick", action="store_true", help="N=1024 only, 20k-node CSR, N=1024 pruning, 2 reps")
     ap.add_argument("--sizes", type=int, nargs="*", default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--only", choices=["dense", "csr", "prune", "memory"], nargs="*", default=None)
@@ -238,7 +253,7 @@ def main():
                     help="largest N for numpy forward+backward")
     args = ap.parse_args()
     sizes = args.sizes or ([1024] if args.quick else [1024, 4096, 8192])
-    reps = args.reps or (2 if args.quick else 3)
+    reps = args.reps or (2 if args.quick else 5)
     only = set(args.only or ["dense", "memory", "csr", "prune"])
     import numba
     print(f"# {' '.join(sys.argv)}")

@@ -119,31 +119,35 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     return out, m, l
 
 
+def _ranges(sizes, step):
+    """For blocks of the given sizes: (block id, start) of every step-sized tile, vectorised
+    (segment relations can have many thousands of blocks)."""
+    counts = (sizes + step - 1) // step
+    n = int(counts.sum())
+    blk = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), counts)
+    first = np.zeros(sizes.shape[0], np.int64)
+    if sizes.shape[0] > 1:
+        np.cumsum(counts[:-1], out=first[1:])
+    starts = (np.arange(n, dtype=np.int64) - first[blk]) * step
+    return blk, starts
+
+
 def _forward_items(rel, H):
     """(head, block, query-tile start) work items, ordered so equal prange chunks balance."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
-    causal = np.asarray(rel.causal)
-    b_idx, q0s, costs = [], [], []
-    for b in range(nd.shape[0]):
-        if nd[b] == 0:
-            continue
-        starts = np.arange(0, nd[b], BM, dtype=np.int64)
-        if causal[b]:
-            cost = np.minimum(starts + BM, ns[b]) // BN + 1
-        else:
-            cost = np.full(starts.shape, (ns[b] + BN - 1) // BN + 1, np.int64)
-        b_idx.append(np.full(starts.shape, b, np.int64))
-        q0s.append(starts)
-        costs.append(cost)
-    if not b_idx:
+    causal = np.asarray(rel.causal).astype(bool)
+    blk, starts = _ranges(nd, BM)
+    if blk.shape[0] == 0:
         return np.zeros((0, 3), np.int64)
-    b_idx, q0s, costs = (np.concatenate(x) for x in (b_idx, q0s, costs))
-    n = b_idx.shape[0]
+    key_tiles = np.where(causal[blk], (np.minimum(starts + BM, ns[blk]) + BN - 1) // BN,
+                         (ns[blk] + BN - 1) // BN)
+    costs = key_tiles + 1  # + 1: the per-item fixed work
+    n = blk.shape[0]
     items = np.empty((H * n, 3), np.int64)
     items[:, 0] = np.repeat(np.arange(H, dtype=np.int64), n)
-    items[:, 1] = np.tile(b_idx, H)
-    items[:, 2] = np.tile(q0s, H)
+    items[:, 1] = np.tile(blk, H)
+    items[:, 2] = np.tile(starts, H)
     return items[order_balanced(np.tile(costs, H))]
 
 
@@ -264,49 +268,35 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
 
 
 def _backward_items(rel, Hkv, group):
+    """(kv head, block, key-tile start) work items and their costs (query tiles visited)."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
-    causal = np.asarray(rel.causal)
-    rows = []
-    costs = []
-    for b in range(ns.shape[0]):
-        if ns[b] == 0 or nd[b] == 0:
-            continue
-        starts = np.arange(0, ns[b], BN, dtype=np.int64)
-        if causal[b]:
-            cost = (nd[b] - (starts // BM) * BM + BM - 1) // BM + 1
-        else:
-            cost = np.full(starts.shape, (nd[b] + BM - 1) // BM + 1, np.int64)
-        for hk in range(Hkv):
-            blk = np.empty((starts.shape[0], 3), np.int64)
-            blk[:, 0] = hk
-            blk[:, 1] = b
-            blk[:, 2] = starts
-            rows.append(blk)
-            costs.append(cost * group)
-    if not rows:
+    causal = np.asarray(rel.causal).astype(bool)
+    blk, starts = _ranges(np.where(nd > 0, ns, 0), BN)
+    if blk.shape[0] == 0:
         return np.zeros((0, 3), np.int64), np.zeros(0, np.int64)
-    return np.concatenate(rows), np.concatenate(costs)
+    first_q = np.where(causal[blk], (starts // BM) * BM, 0)
+    costs = ((nd[blk] - first_q + BM - 1) // BM + 1) * group
+    n = blk.shape[0]
+    items = np.empty((Hkv * n, 3), np.int64)
+    items[:, 0] = np.repeat(np.arange(Hkv, dtype=np.int64), n)
+    items[:, 1] = np.tile(blk, Hkv)
+    items[:, 2] = np.tile(starts, Hkv)
+    return items, np.tile(costs, Hkv)
 
 
 def _deal(items, costs, n_parts):
-    """Order items so that the kernel's round-robin (item w -> partition w % n_parts) gives
-    each partition about the same work: greedy largest-first onto the lightest partition."""
-    if items.shape[0] == 0:
+    """Place items so that the kernel's round-robin (slot w -> partition w % n_parts) gives
+    the partitions about equal work: largest first, dealt in snake order
+    (0, 1, .., P-1, P-1, .., 0, ...).  Unused slots hold -1 (skipped by the kernel)."""
+    n = items.shape[0]
+    if n == 0:
         return items
     order = np.argsort(-costs, kind="stable")
-    load = np.zeros(n_parts, np.int64)
-    lists = [[] for _ in range(n_parts)]
-    for idx in order:
-        p = int(np.argmin(load))
-        lists[p].append(idx)
-        load[p] += costs[idx]
-    # interleave: position w*n_parts + p holds the w-th item of partition p
-    n_rounds = max(len(x) for x in lists)
-    out = []
-    pad = np.array([-1, -1, -1], np.int64)
-    for w in range(n_rounds):
-        for p in range(n_parts):
-            out.append(items[lists[p][w]] if w < len(lists[p]) else pad)
-    res = np.array(out, np.int64)
-    return res
+    k = np.arange(n)
+    rnd = k // n_parts
+    off = k % n_parts
+    part = np.where(rnd % 2 == 0, off, n_parts - 1 - off)
+    out = np.full((((n + n_parts - 1) // n_parts) * n_parts, 3), -1, np.int64)
+    out[rnd * n_parts + part] = items[order]
+    return out
