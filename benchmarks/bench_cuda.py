@@ -85,7 +85,7 @@ def time_torch(fn, budget_s=0.5, max_reps=15):
     return float(np.median(times))
 
 
-def sanitize_cases():
+def sanitize_cases(dtypes=("float32", "float16", "float64")):
     """Small calls of every kernel (for compute-sanitizer memcheck / racecheck)."""
     set_tc(False)
     rng = np.random.default_rng(5)
@@ -97,7 +97,7 @@ def sanitize_cases():
     indices = np.concatenate([np.sort(rng.choice(40, d, replace=False)) for d in deg]).astype(np.int32)
     graphs = [tg.Graph.dense(70, 45), tg.Graph.triangular(90), tg.Graph.cu_seqlens(cu),
               tg.Graph.from_csr(indptr, indices, num_src=40)]
-    for dt in ("float32", "float16", "float64"):
+    for dt in dtypes:
         for g in graphs:
             H, Hkv, D, DV = 4, 2, 64, 64  # the test suite's dims: its kernels come from the cubin cache
             q = cupy.asarray(rng.standard_normal((g.num_dst, H, D)), dtype=dt)
@@ -409,6 +409,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="launch,dense,csr,prune")
+    ap.add_argument("--sanitize-dtypes", default="float32,float16,float64")
     a = ap.parse_args()
     dev = cupy.cuda.runtime.getDeviceProperties(0)
     emit(f"# bench_cuda.py on {dev['name'].decode()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), "
@@ -416,7 +417,7 @@ def main():
     parts = a.parts.split(",")
     t0 = time.time()
     if "sanitize" in parts:
-        sanitize_cases()
+        sanitize_cases(tuple(a.sanitize_dtypes.split(",")))
     if "sweep" in parts:
         sweep()
     if "launch" in parts:

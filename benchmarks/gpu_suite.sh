@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One script for the H200: memcheck/racecheck on small cases of every CUDA-core kernel, the GPU
-# test suite, and the benchmark. Writes logs under $OUT (default /tmp/gpu_suite); the last
+# test suite, and the benchmark. SUITE_RACECHECK=1 adds a racecheck pass (slow);
+# SUITE_SANITIZE_DTYPES=float32,float16,float64 widens memcheck (default float32). Writes logs under $OUT (default /tmp/gpu_suite); the last
 # lines printed are the benchmark tables. ~5-6 minutes of device time.
 #   bash benchmarks/gpu_suite.sh            (from the repository root)
 #   SUITE_QUICK=1 bash benchmarks/gpu_suite.sh   (smaller benchmark grid)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# one cubin cache for every step: kernels compiled by an earlier step load without numba
+export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-/tmp/tiga_numba_cubins}
 OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 status=0
@@ -15,12 +18,17 @@ python3 -c "import numba, numba_cuda, cupy, numpy; print('numba', numba.__versio
 
 echo "== compute-sanitizer memcheck (small cases of every kernel)"
 if command -v compute-sanitizer >/dev/null; then
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-    python3 benchmarks/bench_cuda.py --parts sanitize > "$OUT/sanitize.txt" 2>&1
-  rc=$?; tail -n 5 "$OUT/sanitize.txt"; echo "memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
-  [ "${SUITE_RACECHECK:-1}" = "1" ] && timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
-    python3 benchmarks/bench_cuda.py --parts sanitize >> "$OUT/sanitize.txt" 2>&1
-  rc=$?; tail -n 3 "$OUT/sanitize.txt"; echo "racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
+  SD=${SUITE_SANITIZE_DTYPES:-float32}
+  timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    --print-limit 20 python3 benchmarks/bench_cuda.py --parts sanitize --sanitize-dtypes "$SD" \
+    > "$OUT/sanitize.txt" 2>&1
+  rc=$?; tail -n 4 "$OUT/sanitize.txt"; echo "memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
+  if [ "${SUITE_RACECHECK:-0}" = "1" ]; then
+    timeout 300 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
+      --print-limit 20 python3 benchmarks/bench_cuda.py --parts sanitize --sanitize-dtypes float32 \
+      >> "$OUT/sanitize.txt" 2>&1
+    rc=$?; tail -n 3 "$OUT/sanitize.txt"; echo "racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
+  fi
 else
   echo "compute-sanitizer not found: skipped"
 fi
