@@ -283,6 +283,134 @@ def worker_radius(n, f, reps):
                 kd_sdm=kd_sdm)
 
 
+# --------------------------------------------------------------------------- GPU (one process)
+def gpu_main(n, feats, reps):
+    """tiga CUDA kernels vs the eager torch model on one GPU; peak = extra device memory
+    (cupy pool allocations tracked by a MemoryHook; torch.cuda.max_memory_allocated)."""
+    import cupy as cp
+    import tiga_numba as tg
+    import tiga_numba.nn as nn
+    from tiga_numba import edge_mlp
+    from tiga_numba.edge_mlp import FieldArg
+
+    class Peak(cp.cuda.MemoryHook):
+        name = "peak"
+
+        def __init__(self):
+            self.cur = self.peak = 0
+
+        def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+            self.cur += mem_size
+            self.peak = max(self.peak, self.cur)
+
+        def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+            self.cur -= mem_size
+
+    def cuda_time(fn):
+        ts = []
+        for _ in range(reps):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+        return min(ts), float(np.median(ts))
+
+    print(f"# GPU: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    pos_h, cutoff, _, _ = _problem(n, 1)
+    t0 = time.perf_counter()
+    g = tg.Graph.radius(cp.asarray(pos_h), cutoff)
+    print(f"radius graph (cupy positions -> host cell lists -> device CSR): "
+          f"{(time.perf_counter() - t0) * 1e3:.1f} ms (includes first-use compile), E={g.num_edges}")
+    for f in feats:
+        _, _, x_h, d_h = _problem(n, f)
+        x, dout = cp.asarray(x_h), cp.asarray(d_h)
+        net = nn.trace(nn.Sequential(nn.Linear(3 + 2 * f, HIDDEN, seed=1), nn.LeakyReLU(SLOPE),
+                                     nn.Linear(HIDDEN, 1, seed=2)).to("cuda"))
+        args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x),
+                FieldArg("dst", "x", x)]
+
+        def fwd():
+            return edge_mlp.forward(g, net, args, x, return_state=False)
+
+        def fwd_bwd():
+            out, st, _ = edge_mlp.forward(g, net, args, x)
+            return edge_mlp.backward(g, net, args, x, st, dout)
+
+        fwd_bwd()
+        cp.cuda.Device().synchronize()
+        hook = Peak()
+        with hook:
+            t_f = cuda_time(fwd)
+            t_fb = cuda_time(fwd_bwd)
+        rows = {"tiga": dict(method="tiga fused (numba.cuda)", fwd=t_f, fwd_bwd=t_fb,
+                             peak=hook.peak)}
+        try:
+            import torch
+            from torch_geometric.utils import softmax
+            dev = torch.device("cuda")
+            torch.manual_seed(0)
+            mlp = torch.nn.Sequential(torch.nn.Linear(3 + 2 * f, HIDDEN), torch.nn.LeakyReLU(SLOPE),
+                                      torch.nn.Linear(HIDDEN, 1)).to(dev)
+            rel = g.realize("cpu")
+            dst = torch.from_numpy(np.repeat(np.arange(n), np.diff(rel.indptr))).to(dev)
+            src = torch.from_numpy(rel.indices.astype(np.int64)).to(dev)
+            P = torch.from_numpy(pos_h).to(dev).requires_grad_(True)
+            X = torch.from_numpy(x_h).to(dev).requires_grad_(True)
+            D = torch.from_numpy(d_h).to(dev)
+
+            def model():
+                h = torch.cat([P[src] - P[dst], X[src], X[dst]], dim=-1)
+                a = softmax(mlp(h).squeeze(-1), dst, num_nodes=n)
+                return torch.zeros(n, f, device=dev).index_add_(0, dst, a[:, None] * X[src])
+
+            def tfwd():
+                with torch.no_grad():
+                    return model()
+
+            def tfwd_bwd():
+                for p in (P, X, *mlp.parameters()):
+                    p.grad = None
+                model().backward(D)
+
+            tfwd_bwd()
+            torch.cuda.synchronize()
+            base_mem = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+            def ttime(fn):
+                ts = []
+                for _ in range(reps):
+                    a_, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a_.record()
+                    fn()
+                    b_.record()
+                    b_.synchronize()
+                    ts.append(a_.elapsed_time(b_) * 1e-3)
+                return min(ts), float(np.median(ts))
+            tf, tfb = ttime(tfwd), ttime(tfwd_bwd)
+            rows["eager-torch"] = dict(method=f"eager torch {torch.__version__} + PyG softmax",
+                                       fwd=tf, fwd_bwd=tfb,
+                                       peak=torch.cuda.max_memory_allocated() - base_mem)
+        except Exception as exc:  # noqa: BLE001
+            rows["eager-torch"] = {"error": repr(exc)[:200]}
+        print(f"\n## GPU F={f} hidden={HIDDEN} N={n} E={g.num_edges}")
+        print(f"{'method':<52} {'fwd ms':>16} {'fwd+bwd ms':>18} {'extra peak MB':>14}")
+        for m, r in rows.items():
+            if "error" in r:
+                print(f"{m:<52} ERROR {r['error']}")
+                continue
+            print(f"{r['method']:<52} {r['fwd'][0] * 1e3:8.3f} ({r['fwd'][1] * 1e3:7.3f}) "
+                  f"{r['fwd_bwd'][0] * 1e3:9.3f} ({r['fwd_bwd'][1] * 1e3:7.3f}) "
+                  f"{r['peak'] / 2**20:14.1f}")
+        b, t = rows.get("eager-torch", {}), rows["tiga"]
+        if "error" not in b:
+            print(f"tiga vs eager-torch (GPU): fwd {b['fwd'][0] / t['fwd'][0]:.2f}x, fwd+bwd "
+                  f"{b['fwd_bwd'][0] / t['fwd_bwd'][0]:.2f}x faster (target >= 3x), peak "
+                  f"{t['peak'] / max(b['peak'], 1):.3f} of eager (target <= 0.2)")
+
+
 WORKERS = {"tiga": worker_tiga, "eager-torch": worker_eager_torch, "gatconv": worker_gatconv,
            "eager-numpy": worker_eager_numpy, "radius": worker_radius}
 
@@ -312,8 +440,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--numpy", action="store_true", help="also run the numpy eager model")
     ap.add_argument("--gatconv", action="store_true", help="also run PyG GATConv (scale only)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.device == "cuda":
+        gpu_main(a.nodes, a.feats, a.reps)
+        return
     if a.worker:
         print(json.dumps(WORKERS[a.worker](a.nodes, a.feats[0], a.reps)))
         return

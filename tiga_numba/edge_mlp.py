@@ -113,6 +113,7 @@ class GATPlan:
 # --------------------------------------------------------------------------- preparation
 _GEOMETRIC = ("displacement", "distance")
 _UNROLL = None  # None: unrolled kernels for small networks, loops otherwise (tests force both)
+_CUDA_SIM = False  # tests only: run the CUDA kernels on numpy arrays under NUMBA_ENABLE_CUDASIM
 
 
 def _library(name, a):
@@ -419,20 +420,15 @@ def _ir_stages(kernel):
     return {"llvm": llvm, "asm": asm}
 
 
-def _cuda_unavailable():
-    raise NotImplementedError(
-        "score-network (GAT-MLP) attention has no CUDA kernel yet: pass numpy arrays (CPU "
-        "kernel) or move the inputs to the host with .get(); cupy inputs are refused rather "
-        "than silently copied")
-
-
 # --------------------------------------------------------------------------- forward
 def forward(graph, net, args, value, return_state=True):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
     plan with explain()/run_info."""
     prep = _prepare(graph, net, args, value)
-    if prep.library == "cupy":
+    if prep.library == "cupy" or _CUDA_SIM:
         from .cuda import gat as cuda_gat
+        if _CUDA_SIM:
+            return cuda_gat.forward(graph, net, prep, return_state, xp=np, device="cpu")
         return cuda_gat.forward(graph, net, prep, return_state)
     from .cpu import gat as cpu_gat
     params = dict(net.named_parameters())
@@ -473,9 +469,11 @@ def backward(graph, net, args, value, state, dout):
         raise ValueError(f"dout must have shape {expected}, got {tuple(dout.shape)}")
     if _library("dout", dout) != prep.library:
         raise TypeError(f"dout must be a {prep.library} array like the inputs, got {type(dout).__name__}")
-    if prep.library == "cupy":
+    if prep.library == "cupy" or _CUDA_SIM:
         from .cuda import gat as cuda_gat
-        return cuda_gat.backward(graph, net, prep, state, dout)
+        if _CUDA_SIM:  # tests: the CUDA kernels under NUMBA_ENABLE_CUDASIM on numpy arrays
+            return cuda_gat.backward(graph, net, prep, state, dout, args, value, xp=np, device="cpu")
+        return cuda_gat.backward(graph, net, prep, state, dout, args, value)
     from .cpu import gat as cpu_gat
     params = dict(net.named_parameters())
     acc = prep.acc
@@ -513,8 +511,26 @@ def backward(graph, net, args, value, state, dout):
     if prep.geometric:
         dposA, dposB = lay.scatter(dposA), lay.scatter(dposB)
 
-    # first Linear: node columns from the per-node gradients, edge columns from the partials
-    dW1 = np.zeros(W1.shape, acc)
+    res = _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV,
+                          (dposA + dposB) if prep.geometric else None, graph, np)
+    plan = _plan("backward", prep, net)
+    plan.run_info.update(kernel=f"cpu.gat_backward_rows + cpu.gat_backward_cols [{variant}] "
+                                "(score MLP recomputed per edge, softmax adjoint in locals)",
+                         cache=cache, copies=list(prep.copies), order=order_note,
+                         ir=_ir_stages(kern.gat_backward_rows),
+                         geometry=("displacement/distance gradients routed to positions per edge"
+                                   if prep.geometric else None))
+    res["plan"] = plan
+    return res
+
+
+def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, graph, xp):
+    """Per-node and per-parameter gradients from the kernels' outputs (caller's node order):
+    node columns of the first Linear from the (N, hidden) gradients, edge columns and the
+    later layers from the reduced partials `pg`."""
+    acc = prep.acc
+    h1 = W1.shape[0]
+    dW1 = xp.zeros(W1.shape, acc)
     arg_grads = [None] * len(args)
     for k, role, arr, cols in prep.node_cols:
         g_node = dAs if role == "src" else dAd
@@ -534,15 +550,7 @@ def backward(graph, net, args, value, state, dout):
         size = int(np.prod(shape))
         grads[name] = pg[off:off + size].reshape(shape).astype(params[name].dtype, copy=False)
     positions = None
-    if prep.geometric:
-        gp = dposA + dposB
-        positions = gp.astype(graph.positions.dtype, copy=False)
-    plan = _plan("backward", prep, net)
-    plan.run_info.update(kernel=f"cpu.gat_backward_rows + cpu.gat_backward_cols [{variant}] "
-                                "(score MLP recomputed per edge, softmax adjoint in locals)",
-                         cache=cache, copies=list(prep.copies), order=order_note,
-                         ir=_ir_stages(kern.gat_backward_rows),
-                         geometry=("displacement/distance gradients routed to positions per edge"
-                                   if prep.geometric else None))
+    if dpos is not None:
+        positions = dpos.astype(graph.positions.dtype, copy=False)
     return {"args": arg_grads, "value": dV.astype(value.dtype, copy=False).reshape(value.shape),
-            "params": grads, "positions": positions, "plan": plan}
+            "params": grads, "positions": positions}

@@ -657,9 +657,9 @@ def _cache_dir():
         return tempfile.mkdtemp(prefix="tiga_numba_gat_")
 
 
-def _load(source):
+def _load(source, prefix="tiga_gat_cpu"):
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
-    name = f"tiga_gat_cpu_{digest}"
+    name = f"{prefix}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     path = os.path.join(_cache_dir(), name + ".py")
