@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .fastexp import exp2f
+from .fastexp import exp2f, fmax
 from .gemm import mm
 
 LN2 = math.log(2.0)
@@ -84,7 +84,7 @@ def make_forward(acc, BM, BN, prune):
             kend = ns
             if is_causal:
                 kend = min(ns, q0 + rows)  # keys j <= i: nothing right of the last row
-            m_blk = -np.inf
+            m_blk = dt(-np.inf)
             n_total = 0
             n_pruned = 0
             for c0 in range(0, kend, BN):
@@ -101,21 +101,21 @@ def make_forward(acc, BM, BN, prune):
                         Sr = sbuf[r]
                         for c in range(max(0, q0 + r + 1 - c0), cols):
                             Sr[c] = -np.inf
-                tmax = -np.inf
+                tmax = dt(-np.inf)
                 for r in range(rows):
                     Sr = sbuf[r]
-                    mx = -np.inf
+                    mx = dt(-np.inf)
                     for c in range(cols):
-                        mx = max(mx, Sr[c])
+                        mx = fmax(mx, Sr[c])
                     rmax[r] = mx
-                    tmax = max(tmax, mx)
+                    tmax = fmax(tmax, mx)
                 if prune:
                     if tmax < m_blk + log2_rho:
                         n_pruned += 1
                         continue
-                    m_blk = max(m_blk, tmax)
+                    m_blk = fmax(m_blk, tmax)
                 for r in range(rows):
-                    mnew = max(m[r], rmax[r])
+                    mnew = fmax(m[r], rmax[r])
                     ms = mnew if mnew != -np.inf else dt(0.0)  # row still empty: p = 0, no NaN
                     alpha = exp2_any(m[r] - ms)
                     s = dt(0.0)

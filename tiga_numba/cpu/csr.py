@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from .blocks import exp2_any
+from .fastexp import fmax
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -70,7 +71,7 @@ def make_forward(acc):
                         sr = s[h]
                         mx = m[h]
                         for t in range(n):
-                            mx = max(mx, sr[t])
+                            mx = fmax(mx, sr[t])
                         ms = mx if mx != -np.inf else dt(0.0)
                         alpha = exp2_any(m[h] - ms)
                         tot = dt(0.0)
