@@ -94,7 +94,7 @@ def _inputs(rng, nd, ns, H, Hkv, D, dtype):
     (128, 2, 2, "float16", dict(NW=4, MT=1, BN=32)),
     (64, 3, 3, "float16", dict(NW=8, MT=1, BN=32)),
     (128, 2, 1, "float16", dict(NW=4, MT=2, BN=16, a_smem=True)),
-    (128, 1, 1, "float16", dict(NW=4, MT=2, BN=32, a_smem=True)),   # dynamic shared memory
+    (128, 1, 1, "float16", dict(NW=4, MT=2, BN=32, a_smem=True)),   # shipped D=128 (dynamic smem)
 ])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_forward_emulated(D, H, Hkv, dtype, shape, relname):
@@ -112,18 +112,19 @@ def test_forward_emulated(D, H, Hkv, dtype, shape, relname):
     assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
 
 
-@pytest.mark.parametrize("D,H,Hkv,dtype,BN,a_smem", [(64, 2, 1, "float16", 64, False),
-                                                     (128, 1, 1, "bfloat16", 32, False),
-                                                     (128, 2, 1, "float16", 16, True)])
+@pytest.mark.parametrize("D,H,Hkv,dtype,BNq,BNk,a_smem", [(64, 2, 1, "float16", 64, 64, False),
+                                                          (128, 1, 1, "bfloat16", 32, 32, False),
+                                                          (128, 2, 1, "float16", 16, 16, True),
+                                                          (128, 2, 2, "float16", 64, 32, True)])   # shipped D=128
 @pytest.mark.parametrize("relname", ["dense_rect_tail", "segments", "empty_keys"])
-def test_backward_emulated(D, H, Hkv, dtype, BN, a_smem, relname):
+def test_backward_emulated(D, H, Hkv, dtype, BNq, BNk, a_smem, relname):
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
     rng = np.random.default_rng(7 + D + len(relname))
     q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)
     scale = D ** -0.5
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
-    vq = G.Variant("dq", D, D, dtype=dtype, NW=4, MT=1, BN=BN, a_smem=a_smem)
-    vk = G.Variant("dkdv", D, D, dtype=dtype, NW=4, MT=1, BN=BN, a_smem=a_smem)
+    vq = G.Variant("dq", D, D, dtype=dtype, NW=4, MT=1, BN=BNq, a_smem=a_smem)
+    vk = G.Variant("dkdv", D, D, dtype=dtype, NW=4, MT=1, BN=BNk, a_smem=a_smem)
     out = rounded(ro.astype(np.float32), dtype)
     dq, dk, dv = E.backward(vq, vk, do, q, k, v, out, rm.astype(np.float32), rl.astype(np.float32),
                             dst, src, causal.astype(np.uint8), scale)
@@ -178,6 +179,16 @@ def test_generated_source_is_plain_python(kind):
     src = G.gen_source(G.Variant(kind, 64, 64, NW=4, MT=1, BN=64))
     compile(src, "<gen>", "exec")
     assert "mma16816" in src and "def kernel(" in src
+
+
+def test_shipped_tuning_is_valid():
+    """every default shape fits the shared-memory limit and its generator runs."""
+    from tiga_numba.cuda.tc import api
+    for (kind, D), cfg in api.TUNING.items():
+        for dt in ("float16", "bfloat16"):
+            v = api.variant(kind, D, D, dt)
+            assert v.check().smem_bytes() <= G.MAX_SMEM
+            compile(G.gen_source(v), "<gen>", "exec")
 
 
 def test_ptx_compiles_for_sm90():

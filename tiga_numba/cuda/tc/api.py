@@ -25,14 +25,16 @@ from . import schedule
 TC_DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 
-#: per (kernel kind, head dim): warps, m16 tiles per warp, streamed block width. Bench-tunable.
+#: per (kernel kind, head dim): warps, m16 tiles per warp, streamed block width, resident operand
+#: in shared memory. Chosen by benchmarks/bench_tc.py's sweep on the H200 (2026-11-29); the
+#: D = 128 shapes use dynamic shared memory (64-96 KB). Other head dims are not served here.
 TUNING = {
     ("fwd", 64): dict(NW=4, MT=2, BN=64),
-    ("fwd", 128): dict(NW=4, MT=2, BN=16, a_smem=True),
+    ("fwd", 128): dict(NW=4, MT=2, BN=32, a_smem=True),
     ("dq", 64): dict(NW=4, MT=1, BN=64),
-    ("dq", 128): dict(NW=4, MT=1, BN=32),
+    ("dq", 128): dict(NW=4, MT=1, BN=64, a_smem=True),
     ("dkdv", 64): dict(NW=4, MT=1, BN=64),
-    ("dkdv", 128): dict(NW=4, MT=1, BN=32),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
 }
 
 
@@ -148,7 +150,7 @@ class Compiled:
         from numba import cuda
         self.name, self.src, self.dyn_smem = name, src, dyn_smem
         self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
-        sig = numba.void(*self.argtypes)
+        self.sig = sig = numba.void(*self.argtypes)
         try:
             fn = _load_cached_module(name, src, dtype)
             self.dispatcher = cuda.jit(sig, fastmath=True, cache=True)(fn)
@@ -177,7 +179,7 @@ class Compiled:
         return self.dispatcher.inspect_llvm(self.argtypes)
 
     def resources(self):
-        d, sig = self.dispatcher, self.argtypes
+        d, sig = self.dispatcher, self.sig
         return dict(regs=d.get_regs_per_thread(sig), smem=d.get_shared_mem_per_block(sig),
                     local=d.get_local_mem_per_thread(sig))
 
