@@ -462,3 +462,55 @@ def test_geometric_bias_gradient_reaches_positions():
         assert g1.num_edges == g2.num_edges == g.num_edges  # the step crosses no cutoff
         fd = ((o1 - o2) * dout).sum() / (2 * h)
         assert abs(grads["positions"][i, d] - fd) <= 1e-6 * max(1.0, abs(fd))
+
+
+@pytest.mark.gpu
+def test_gpu_geometric_bias_and_score_network_match_cpu():
+    cp = _cupy()
+    import tiga_numba.nn as tnn
+
+    class Dist(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def edge(self, src, dst, edge, scale):
+            return self.reducer((src.k * dst.q).sum(-1) * scale - 2.0 * edge.distance
+                                + 0.5 * edge.w, src.v)
+
+    class GAT(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = tnn.trace(attn)
+
+        def edge(self, src, dst, edge):
+            return self.reducer(self.attn(edge.displacement, src.x, dst.x), src.x)
+
+    rng = np.random.default_rng(9)
+    pos = rng.random((40, 3))
+    q, k, v = (rng.standard_normal((40, 2, 4)) for _ in range(3))
+    g_cpu = tg.Graph.radius(pos, 0.4)
+    g_gpu = tg.Graph.radius(cp.asarray(pos), 0.4)
+    w = rng.standard_normal((g_cpu.num_edges, 2))
+    dout = rng.standard_normal((40, 2, 4))
+    res = []
+    for g, xp in ((g_cpu, np), (g_gpu, cp)):
+        out, vjp = Dist().vjp(graph=g, src={"k": xp.asarray(k), "v": xp.asarray(v)},
+                              dst={"q": xp.asarray(q)}, edge={"w": xp.asarray(w)}, scale=0.5)
+        grads = vjp(xp.asarray(dout))
+        res.append([out, grads["positions"], grads["edge"]["w"], grads["src"]["k"]])
+    for a, b in zip(*res):
+        np.testing.assert_allclose(cp.asnumpy(b), a, rtol=1e-9, atol=1e-9)
+
+    attn = tnn.Sequential(tnn.Linear(3 + 2 * 4, 8, seed=1), tnn.LeakyReLU(0.2), tnn.Linear(8, 1, seed=2))
+    x = rng.standard_normal((40, 4)).astype(np.float32)
+    outs = []
+    for g, xp in ((g_cpu, np), (g_gpu, cp)):
+        prog = GAT(attn.to("cuda") if xp is cp else attn)
+        out, vjp = prog.vjp(graph=g, src={"x": xp.asarray(x)}, dst={"x": xp.asarray(x)})
+        grads = vjp(xp.asarray(dout[:, 0]))
+        outs.append((out, grads["src"]["x"], grads["params"]["attn.0.weight"]))
+        if xp is cp:
+            assert "backend: cuda" in prog.explain()
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(cp.asnumpy(b), a, rtol=2e-4, atol=2e-5)
