@@ -33,9 +33,10 @@ from . import reference  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = ["Graph", "attention", "attention_backward", "AttentionStats", "explain", "reference",
-           "MessagePassing", "online_softmax", "nn"]
+           "MessagePassing", "online_softmax", "OnlineSoftmaxReducer", "nn"]
 
-_LAZY = {"MessagePassing": "program", "online_softmax": "program", "nn": None}
+_LAZY = {"MessagePassing": "program", "online_softmax": "program",
+         "OnlineSoftmaxReducer": "program", "nn": None}
 
 
 def __getattr__(name):
