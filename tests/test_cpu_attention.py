@@ -24,9 +24,10 @@ def _graphs():
     indptr = np.array([0, 3, 3, 5, 5, 9, 9], np.int64)  # empty rows 1, 3, 5; a repeated edge
     indices = np.array([0, 2, 5, 1, 1, 0, 3, 4, 6], np.int32)
     return {
-        "dense_rect": Graph.dense(70, 37),  # 37 queries x 70 keys, two key tiles
-        "triangular": Graph.triangular(150),  # three query tiles, diagonal masking
-        "segments_causal": Graph.cu_seqlens(np.array([0, 0, 1, 70, 71, 141]), causal=True),
+        # sizes chosen to cross the CPU tiles (BM = 64 rows, BN = 128 columns)
+        "dense_rect": Graph.dense(300, 37),  # 37 queries x 300 keys: three key tiles
+        "triangular": Graph.triangular(150),  # three query tiles, two key tiles, diagonal masks
+        "segments_causal": Graph.cu_seqlens(np.array([0, 0, 1, 70, 71, 141, 341]), causal=True),
         "segments_full": Graph.cu_seqlens(np.array([0, 5, 5, 100]), causal=False),
         "csr": Graph.from_csr(indptr, indices, num_src=7),
     }

@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .fastexp import exp2f, fmax
+from .fastexp import exp2f, fmax, wide_vectors
 from .gemm import mm
 
 LN2 = math.log(2.0)
@@ -65,6 +65,7 @@ def make_forward(acc, BM, BN, prune):
         Dv = vh.shape[2]
         n_items = items.shape[0]
         for w in prange(n_items):
+            wide_vectors()
             h = items[w, 0]
             b = items[w, 1]
             q0 = items[w, 2]
@@ -156,6 +157,7 @@ def make_backward(acc, BM, BN):
         Dv = doh.shape[2]
         n_items = kitems.shape[0]
         for part in prange(n_parts):
+            wide_vectors()
             pbuf = np.empty((BM, BN), dt)
             sbuf = np.empty((BM, BN), dt)
             dk_acc = np.empty((BN, D), dt)
