@@ -24,21 +24,7 @@ if not hasattr(np, "row_stack"):
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _tame_numba_cuda_redirector():
-    # numba-cuda's import redirector recurses on "tiga_numba.cuda" (docs/requests/tc.md)
-    for f in sys.meta_path:
-        if type(f).__name__ == "NumbaCudaFinder" and not getattr(f, "_tiga_tamed", False):
-            orig = f.find_spec
-
-            def find_spec(name, path, target=None, _orig=orig):
-                if name != "numba.cuda" and not name.startswith("numba.cuda."):
-                    return None
-                return _orig(name, path, target)
-            f.find_spec = find_spec
-            f._tiga_tamed = True
-
-
-_tame_numba_cuda_redirector()
+import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
 
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402

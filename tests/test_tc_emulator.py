@@ -2,28 +2,10 @@
 (forward, dQ, dK/dV, Delta) against a float64 oracle on fresh random inputs, over dense
 rectangular, causal, segmented (length-0/1 blocks), tails and GQA; plus a deliberately broken
 fragment layout that must fail, and a PTX compile check when numba-cuda is installed."""
-import sys
-
 import numpy as np
 import pytest
 
-
-def _tame_numba_cuda_redirector():
-    # numba-cuda's import redirector matches "numba.cuda" inside "tiga_numba.cuda" and recurses
-    # forever (docs/requests/tc.md); narrow it to real numba.cuda names.
-    for f in sys.meta_path:
-        if type(f).__name__ == "NumbaCudaFinder" and not getattr(f, "_tiga_tamed", False):
-            orig = f.find_spec
-
-            def find_spec(name, path, target=None, _orig=orig):
-                if name != "numba.cuda" and not name.startswith("numba.cuda."):
-                    return None
-                return _orig(name, path, target)
-            f.find_spec = find_spec
-            f._tiga_tamed = True
-
-
-_tame_numba_cuda_redirector()
+import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
 
 from tiga_numba.cuda.tc import emulator as E  # noqa: E402
 from tiga_numba.cuda.tc import generator as G  # noqa: E402
