@@ -411,6 +411,11 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
+    for name, x in (("dout", dout), ("out", out)):
+        if _dtype_name(x) != dt:   # the kernels read dO and O in q's element type
+            copies.append(f"{name}: {_dtype_name(x)} -> {dt} copy (the kernels read q's element type)")
+    dout = dout if _dtype_name(dout) == dt else dout.astype(q.dtype)
+    out = out if _dtype_name(out) == dt else out.astype(q.dtype)
     dout, dop, do_rs, do_hs = _operand(dout, "dout", copies)
     out, op, o_rs, o_hs = _operand(out, "out", copies)
     m = cupy.ascontiguousarray(m, dtype=cupy.float32)
