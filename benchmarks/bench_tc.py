@@ -224,6 +224,7 @@ def varlen_cell(total, D, flex_fn, create_block_mask, rng):
 
 
 TUNING_OUT = None
+TESTS_FAILED = False
 
 
 def save_tuning():
@@ -371,9 +372,8 @@ def main():
         here = os.path.dirname(os.path.abspath(__file__))
         rc = pytest.main([os.path.join(here, "..", "tests", "test_tc_gpu.py"), "-x", "-q", "-p", "no:cacheprovider"])
         say(f"tests/test_tc_gpu.py exit code {int(rc)}")
-        if int(rc) != 0:
-            import atexit
-            atexit.register(os._exit, 1)   # finish the tables, but the run reports the failure
+        global TESTS_FAILED
+        TESTS_FAILED = int(rc) != 0   # finish the tables, but the run reports the failure
     T0 = time.time()
     late = lambda: time.time() - T0 > a.budget  # noqa: E731
     os.makedirs(a.out, exist_ok=True)
@@ -447,3 +447,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.exit(1 if TESTS_FAILED else 0)
