@@ -81,6 +81,8 @@ def make_forward(acc, BM, BN, prune):
             m = np.full(rows, -np.inf, dt)
             l = np.zeros(rows, dt)
             rmax = np.empty(rows, dt)
+            alph = np.empty(rows, dt)
+            mref = np.empty(rows, dt)
             qt = qh[h, d0 + q0:d0 + q0 + rows]
             kend = ns
             if is_causal:
@@ -115,18 +117,22 @@ def make_forward(acc, BM, BN, prune):
                         n_pruned += 1
                         continue
                     m_blk = fmax(m_blk, tmax)
-                for r in range(rows):
+                for r in range(rows):  # per-row new max and rescale factor, vectorised
                     mnew = fmax(m[r], rmax[r])
                     ms = mnew if mnew != -np.inf else dt(0.0)  # row still empty: p = 0, no NaN
-                    alpha = exp2_any(m[r] - ms)
+                    alph[r] = exp2_any(m[r] - ms)
+                    mref[r] = ms
+                    m[r] = mnew
+                for r in range(rows):
+                    ms = mref[r]
                     s = dt(0.0)
                     Sr = sbuf[r]
                     for c in range(cols):
                         p = exp2_any(Sr[c] - ms)
                         Sr[c] = p
                         s += p
+                    alpha = alph[r]
                     l[r] = l[r] * alpha + s
-                    m[r] = mnew
                     if alpha != 1.0:
                         ar = acc_[r]
                         for d in range(Dv):
