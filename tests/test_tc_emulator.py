@@ -187,3 +187,49 @@ def test_ptx_compiles_for_sm90():
                               cc=(9, 0), fastmath=True)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * 4 * 8 * 1
     assert "cp.async.cg.shared.global" in ptx and ".local" not in ptx
+
+
+class _FakeDev:
+    """stands in for a device array: only what supports() and _operand() read."""
+
+    def __init__(self, shape, dtype="float16", strides=None, ptr=1 << 20):
+        self.shape, self.ndim, self.dtype = shape, len(shape), np.dtype(dtype)
+        self.__cuda_array_interface__ = dict(data=(ptr, False), shape=shape, strides=strides,
+                                             typestr=self.dtype.str, version=3)
+
+
+def test_supports_rules_without_gpu():
+    import types
+
+    from tiga_numba.cuda.tc import api
+    from tiga_numba.graph import BlockRelation
+    rel_ = BlockRelation(np.array([0, 10]), np.array([0, 10]), np.array([1], np.uint8), 10, 10)
+    plan = types.SimpleNamespace(scale=0.125, prune_threshold=None, score="dot", run_info={})
+    q, kv = _FakeDev((10, 4, 64)), _FakeDev((10, 2, 64))
+    assert api.supports(plan, q, kv, kv, rel_)
+    assert api.supports(plan, _FakeDev((10, 4, 128)), _FakeDev((10, 1, 128)), _FakeDev((10, 1, 128)), rel_)
+    assert not api.supports(plan, _FakeDev((10, 4, 96)), kv, kv, rel_)                   # D
+    assert not api.supports(plan, q, kv, _FakeDev((10, 2, 128)), rel_)                   # Dv != D
+    assert not api.supports(plan, q, _FakeDev((10, 3, 64)), _FakeDev((10, 3, 64)), rel_)  # H % Hkv
+    assert not api.supports(plan, _FakeDev((10, 4, 64), "float32"), kv, kv, rel_)         # dtype
+    assert not api.supports(plan, q, kv, kv, object())                                    # CSR & co
+    for field, bad in (("prune_threshold", 0.5), ("score", "dot + edge bias"), ("scale", -1.0)):
+        p2 = types.SimpleNamespace(**{**vars(plan), field: bad})
+        assert not api.supports(p2, q, kv, kv, rel_), field
+    assert not api.supports(plan, np.zeros((10, 4, 64), np.float16), kv, kv, rel_)      # host array
+
+
+def test_operand_reads_aligned_strides_in_place():
+    from tiga_numba.cuda.tc import api
+    copies = []
+    x = _FakeDev((10, 4, 64), strides=(4 * 64 * 2 * 3, 64 * 2 * 3, 2))   # every 3rd head slice: aligned
+    _, ptr, rs, hs = api._operand(x, "q", copies)
+    assert (rs, hs) == (4 * 64 * 6, 64 * 6) and copies == []
+    _, ptr, rs, hs = api._operand(_FakeDev((10, 4, 64)), "k", copies)
+    assert (rs, hs) == (512, 128) and copies == []
+
+
+def test_head_dims_the_swizzle_cannot_serve_are_refused():
+    for d in (32, 96):
+        with pytest.raises(ValueError):
+            G.Variant("fwd", d, d).check()

@@ -58,8 +58,9 @@ class Variant:
 
     def check(self):
         for d in (self.D, self.Dv):
-            if d % 32 or d < 32:
-                raise ValueError(f"head dim must be a multiple of 32 (swizzle groups), got {d}")
+            # the XOR swizzle permutes chunks within groups of 8 (128 bytes): a row must hold whole groups
+            if d % 64 or d < 64:
+                raise ValueError(f"head dim must be a multiple of 64 (128-byte swizzle groups), got {d}")
         if self.BN % 16 or self.BN < 16:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
         if self.kind not in ("fwd", "dq", "dkdv"):
