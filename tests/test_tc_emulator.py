@@ -198,10 +198,11 @@ class _FakeDev:
                                              typestr=self.dtype.str, version=3)
 
 
-def test_supports_rules_without_gpu():
+def test_supports_rules_without_gpu(monkeypatch):
     import types
 
     from tiga_numba.cuda.tc import api
+    monkeypatch.setattr(api, "_device_can_run", lambda D, Dv, dt: True)   # no device here
     from tiga_numba.graph import BlockRelation
     rel_ = BlockRelation(np.array([0, 10]), np.array([0, 10]), np.array([1], np.uint8), 10, 10)
     plan = types.SimpleNamespace(scale=0.125, prune_threshold=None, score="dot", run_info={})

@@ -74,7 +74,32 @@ def supports(plan, q, k, v, relation):
             return False   # the running max is taken on raw scores, then scaled
         if max(int(q.shape[0]), int(k.shape[0])) >= 2 ** 31 - 1024:
             return False
-        return True
+        return _device_can_run(D, Dv, dn)
+    except Exception:  # noqa: BLE001 - anything unexpected means "not this path"
+        return False
+
+
+_DEVICE_OK = {}
+
+
+def _device_can_run(D, Dv, dtype):
+    """mma.sync m16n8k16 (f16/bf16), cp.async and ldmatrix need sm_80+; every kernel's shared
+    memory must fit the device's opt-in per-block limit (99 KB on sm_86/89, 227 KB on sm_90)."""
+    try:
+        import cupy
+        dev = cupy.cuda.Device()
+        key = (dev.id, D, Dv, dtype)
+        if key not in _DEVICE_OK:
+            cc = int(dev.compute_capability)
+            # opt-in per-block shared memory by architecture, refined by the runtime when it answers
+            limit = {80: 163, 87: 163, 90: 227, 100: 227, 103: 227}.get(cc, 99) * 1024
+            try:
+                limit = int(cupy.cuda.runtime.deviceGetAttribute(97, dev.id))  # ...SharedMemoryPerBlockOptin
+            except Exception:  # noqa: BLE001
+                pass
+            need = max(variant(kind, D, Dv, dtype).smem_bytes() for kind in ("fwd", "dq", "dkdv"))
+            _DEVICE_OK[key] = cc >= 80 and need <= limit
+        return _DEVICE_OK[key]
     except Exception:  # noqa: BLE001 - anything unexpected means "not this path"
         return False
 
