@@ -190,23 +190,26 @@ def table_csr(n_nodes, degree, reps):
           f"{tb * 1e3:8.1f} ms  {E / tb / 1e6:6.1f} M edges/s")
 
 
-def local_inputs(N, H, D, sink, rng):
-    """1-D positions; score(i, j) = -c (x_i - x_j)^2 (+ per-row constant): each query is close
-    to the ~`width` keys around it.  With `sink`, key 0 scores the row's peak for every query
-    (an 'attention sink'), so the first key tile visited already holds the row's max."""
-    x = np.linspace(0, 1, N)
-    width = 16 / N  # +-16 positions carry most of the weight
-    c = 1.0 / (2 * width ** 2) / 8
+def local_inputs(N, H, D, sink, rng, width=16.0):
+    """1-D positions x_i; score(i, j) = -(pos_i - pos_j)^2 / (2 width^2) (positions as units)
+    through q_i = [2c x_i, -c, -c x_i^2, noise], k_j = [x_j, x_j^2, 1, noise]: each query is
+    close to the ~width keys around it (64 positions away the weight is e^-8) and every row's
+    max is ~0.  With `sink`, key 0 is [0, 0, 0]: score 0, the row's peak, for every query (an
+    'attention sink'), so the first key tile visited already holds the block's max; without
+    it, the key tiles before the query's own position raise the running max step by step and
+    are all admitted (tiles are visited in increasing key order).  scale = 1."""
+    x = np.linspace(-0.5, 0.5, N)
+    c = N * N / (2 * width ** 2)
     q = 0.01 * rng.standard_normal((N, H, D))
     k = 0.01 * rng.standard_normal((N, H, D))
     q[:, :, 0] = 2 * c * x[:, None]
     q[:, :, 1] = -c
-    q[:, :, 2] = c * x[:, None] ** 2
+    q[:, :, 2] = -c * x[:, None] ** 2
     k[:, :, 0] = x[:, None]
     k[:, :, 1] = x[:, None] ** 2
-    k[:, :, 2] = 0
+    k[:, :, 2] = 1
     if sink:
-        k[0, :, :3] = [0, 0, 1]
+        k[0, :, :3] = 0
     v = rng.standard_normal((N, H, D))
     return (a.astype(np.float32) for a in (q, k, v))
 
@@ -214,8 +217,10 @@ def local_inputs(N, H, D, sink, rng):
 def table_prune(N, reps):
     H, D = 4, 64
     rng = np.random.default_rng(2)
-    print(f"== tile pruning vs exact, N={N}, H={H}, D={D}, float32, scale=1 for the local "
-          f"workloads, D^-0.5 for the random one (error = max|pruned-exact| / max|exact|)")
+    from tiga_numba.cpu import api
+    print(f"== tile pruning vs exact (CPU tiles BM={api.BM} x BN={api.BN}), N={N}, H={H}, D={D}, "
+          f"float32, scale=1 for the local workloads, D^-0.5 for the random one "
+          f"(rel err = max|pruned-exact| / max|exact|)")
     print(f"{'workload':>22} {'mask':>6} {'rho':>6} | {'exact':>9} {'pruned':>9} {'speed-up':>8} | "
           f"{'pruned tiles':>14} | rel err")
     work = [("local (1-D, +sink)", local_inputs(N, H, D, True, rng), 1.0),
