@@ -169,6 +169,7 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
     step = v.NT // cpr               # rows covered by one pass of the CTA
     assert v.NT % cpr == 0 and rows % step == 0 and step % 8 == 0, (v, rows, width)
     rs = width * 2
+    e(f"# load_tile: {rows} x {width} from {gbase} (rows >= {nvalid} zero-filled) -> shared {smem}")
     e(f"lr = tx // {cpr}; lc = tx % {cpr}")
     # the pass stride goes through an opaque move: otherwise every pass's row offset is hoisted
     # out of the key loop and held in a 64-bit register pair for the whole loop (spills)
@@ -206,6 +207,7 @@ def mma_abt(e, C, A, btile, MT, ntiles, ksteps, rs, a_smem=None):
                 c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
                 a = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
                 e(f"{c} = mma16816({a}, {x}, {y}, {c})")
+    e(f"# mma_abt: {C} += {A} . B^T, B = shared {btile}" + (f", A from shared {a_smem[0]}" if a_smem else ""))
     if a_smem is None:
         for j in range(ntiles):
             for kp in range(ksteps // 2):
@@ -245,6 +247,7 @@ def resident(e, v, tiles, row0):
 
 def mma_ab(e, C, A, btile, MT, ntiles, ksteps, rs):
     """C[m][j] += A[m] . B with B row-major [k][n] in shared memory (V for O += P V)."""
+    e(f"# mma_ab: {C} += {A} . B, B = shared {btile} (ldmatrix.trans)")
     for ks in range(ksteps):
         for jp in range(ntiles // 2):
             e(f"b0, b1, b2, b3 = ldsm_x4_t({sa(btile, f'xa{rs}_{jp}', ks * 16 * rs)})")
@@ -257,6 +260,7 @@ def mma_ab(e, C, A, btile, MT, ntiles, ksteps, rs):
 
 def c_to_a(e, A, C, MT, ksteps):
     """FA2 register reuse: C fragments of n-tiles 2k, 2k+1 are exactly the A fragment of k-step k."""
+    e(f"# c_to_a: {C} (f32 C fragments) -> {A} (packed A fragments)")
     for m in range(MT):
         for ks in range(ksteps):
             a, b = 2 * ks, 2 * ks + 1
@@ -276,6 +280,7 @@ def row_limits(e, v, lim, row_base):
 
 def mask_rows(e, C, MT, ntiles, col0, lim):
     """C[m][j][r] = MASKED where column col0 + 8 j + 2 t + r % 2 >= the row's limit (rows of the C tile)."""
+    e(f"# mask_rows: {C} columns >= {lim} (tail / causal diagonal)")
     for m in range(MT):
         for j in range(ntiles):
             for r in range(4):
@@ -287,6 +292,7 @@ def mask_rows(e, C, MT, ntiles, col0, lim):
 def online_softmax(e, v, S, O, nt_o):
     """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
     A row whose max is still MASKED only meets masked tiles; its l stays 0 and nothing is read."""
+    e(f"# online_softmax: running max/sum of {S}, {S} -> P, rescale {O}")
     mx = lambda a, b: f"fmaxf({a}, {b})"
     ad = lambda a, b: f"({a} + {b})"
     nt = v.BN // 8
