@@ -11,7 +11,6 @@ What it cannot see: races between cp.async and readers (lockstep hides them) and
 """
 from __future__ import annotations
 
-import math
 import types as _types
 
 import numpy as np
@@ -308,5 +307,3 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     dv = from_storage(mem.get(dvb, np.uint16, (ns, Hkv, Dv)), dt)
     return dq, dk, dv
 
-
-_ = math  # (kept for log2 fallbacks in user code)
