@@ -237,3 +237,28 @@ def test_large_scores_do_not_overflow():
     assert np.isfinite(out).all()
     _close(out, ro, np.float32, "out")
     assert math.isfinite(float(np.abs(stats.m).max()))
+
+
+def test_csr_minus_inf_bias_masks_edges():
+    """An edge_bias of -inf removes the edge; a row whose edges are all removed is empty."""
+    g = GRAPHS["csr"]
+    rng = np.random.default_rng(8)
+    q, k, v, do = _inputs(rng, g, np.float32, 2, 1)
+    bias = rng.standard_normal((g.num_edges, 2)).astype(np.float32)
+    bias[1] = -np.inf  # row 0 keeps edges 0 and 2
+    bias[3:5] = -np.inf  # row 2 (edges 3, 4) loses everything
+    out, stats, _ = functional.run_forward(q, k, v, g, edge_bias=bias)
+    assert np.all(out[2] == 0) and np.all(stats.m[2] == -np.inf) and np.all(stats.l[2] == 0)
+    keep = np.isfinite(bias[:, 0])
+    indptr = np.array([0, 3, 3, 5, 5, 9, 9])
+    rows = np.repeat(np.arange(6), np.diff(indptr))
+    kept = Graph.from_coo(np.array([0, 2, 5, 1, 1, 0, 3, 4, 6])[keep], rows[keep],
+                          num_src=7, num_dst=6)
+    want = reference.attention(q, k, v, kept, edge_bias=bias[keep])
+    _close(out, want, np.float32, "out")
+    dq, dk, dv, dbias, _ = functional.run_backward(do, q, k, v, out, stats, g, edge_bias=bias)
+    rdq, rdk, rdv, rdb = reference.attention_backward(do, q, k, v, kept, edge_bias=bias[keep])
+    for got, want_, name in ((dq, rdq, "dq"), (dk, rdk, "dk"), (dv, rdv, "dv"),
+                             (dbias[keep], rdb, "dbias")):
+        _close(got, want_, np.float32, name)
+    assert np.all(dbias[~keep] == 0)

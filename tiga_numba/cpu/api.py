@@ -181,6 +181,8 @@ def _bias(edge_bias, acc, H, copies):
     if b.dtype != acc or not b.flags.c_contiguous:
         copies.append(f"edge_bias -> contiguous {acc.name}")
         b = np.ascontiguousarray(b, dtype=acc)
+    if not np.isfinite(b).all():  # -inf masks an edge: the kernels' finite NEG does the same
+        b = np.maximum(b, acc.type(_blocks.NEG))
     return b
 
 
@@ -204,7 +206,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     delta = np.einsum("nhd,nhd->nh", np.asarray(dout, acc), np.asarray(out, acc))
     with np.errstate(divide="ignore"):
         linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
-    m2 = (m * LOG2E).astype(acc)
+    # base-2 maxima for the kernels; -inf (empty rows) -> the kernels' finite NEG sentinel
+    m2 = np.where(np.isfinite(m), m * LOG2E, _blocks.NEG).astype(acc)
     dbias = None
     if _is_blocks(relation):
         if edge_bias is not None:

@@ -28,10 +28,16 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .fastexp import exp2f, fmax, wide_vectors
+from .fastexp import FASTMATH, exp2f, fmax, wide_vectors
 from .gemm import mm
 
 LN2 = math.log(2.0)
+# The kernels never form infinities: fastmath=True lets LLVM assume there are none ('ninf')
+# and fold comparisons with -inf, so masked scores and empty running maxima use NEG, a finite
+# "minus infinity" (exp2 of anything near it flushes to 0), and -inf is only written to m on
+# output (for rows with l == 0).  Any m at or below EMPTY means "no key seen yet".
+NEG = -1e30
+EMPTY = -1e29
 
 
 def exp2_any(x):
@@ -50,7 +56,7 @@ def _exp2_any(x):
 def _exp2d(x):
     if x > -1100.0:
         return math.exp2(x)
-    return 0.0  # -inf (masked / empty) -> 0 without a NaN path
+    return 0.0  # NEG (masked / empty) -> 0
 
 
 def make_forward(acc, BM, BN, prune):
@@ -58,7 +64,7 @@ def make_forward(acc, BM, BN, prune):
     dt = np.float32 if acc == "float32" else np.float64
     ln2 = LN2
 
-    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def forward(qh, ktt, vh, items, dst_off, src_off, causal, tile_base, group, log2_rho,
                 out, m_out, l_out, tiles_total, tiles_pruned):
         D = qh.shape[2]
@@ -78,7 +84,7 @@ def make_forward(acc, BM, BN, prune):
             rows = min(BM, nd - q0)
             sbuf = np.empty((BM, BN), dt)
             acc_ = np.zeros((rows, Dv), dt)
-            m = np.full(rows, -np.inf, dt)
+            m = np.full(rows, NEG, dt)
             l = np.zeros(rows, dt)
             rmax = np.empty(rows, dt)
             alph = np.empty(rows, dt)
@@ -87,7 +93,7 @@ def make_forward(acc, BM, BN, prune):
             kend = ns
             if is_causal:
                 kend = min(ns, q0 + rows)  # keys j <= i: nothing right of the last row
-            m_blk = dt(-np.inf)
+            m_blk = dt(NEG)
             n_total = 0
             n_pruned = 0
             for c0 in range(0, kend, BN):
@@ -103,11 +109,11 @@ def make_forward(acc, BM, BN, prune):
                     for r in range(rows):
                         Sr = sbuf[r]
                         for c in range(max(0, q0 + r + 1 - c0), cols):
-                            Sr[c] = -np.inf
-                tmax = dt(-np.inf)
+                            Sr[c] = NEG
+                tmax = dt(NEG)
                 for r in range(rows):
                     Sr = sbuf[r]
-                    mx = dt(-np.inf)
+                    mx = dt(NEG)
                     for c in range(cols):
                         mx = fmax(mx, Sr[c])
                     rmax[r] = mx
@@ -119,7 +125,7 @@ def make_forward(acc, BM, BN, prune):
                     m_blk = fmax(m_blk, tmax)
                 for r in range(rows):  # per-row new max and rescale factor, vectorised
                     mnew = fmax(m[r], rmax[r])
-                    ms = mnew if mnew != -np.inf else dt(0.0)  # row still empty: p = 0, no NaN
+                    ms = mnew if mnew > EMPTY else dt(0.0)  # row still empty: p = 0, no NaN
                     alph[r] = exp2_any(m[r] - ms)
                     mref[r] = ms
                     m[r] = mnew
@@ -144,7 +150,7 @@ def make_forward(acc, BM, BN, prune):
                 inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
                 for d in range(Dv):
                     out[i, h, d] = acc_[r, d] * inv
-                m_out[i, h] = m[r] * ln2
+                m_out[i, h] = m[r] * ln2 if l[r] > 0 else -np.inf
                 l_out[i, h] = l[r]
             tiles_total[w] = n_total
             tiles_pruned[w] = n_pruned
@@ -156,7 +162,7 @@ def make_backward(acc, BM, BN):
     dt = np.float32 if acc == "float32" else np.float64
     ln2 = LN2
 
-    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward(qh, kh, ktt, vtt, doh, m2, linv, delta, kitems, dst_off, src_off, causal,
                  tile_base, group, n_parts, dq_part, dk, dv):
         D = qh.shape[2]
@@ -210,7 +216,7 @@ def make_backward(acc, BM, BN):
                         for r in range(rows):
                             i = d0 + q0 + r
                             mr = m2[h, i]
-                            ms = mr if mr != -np.inf else dt(0.0)
+                            ms = mr if mr > EMPTY else dt(0.0)
                             li = linv[h, i]
                             de = delta[h, i]
                             Pr = pbuf[r]

@@ -21,8 +21,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .blocks import exp2_any
-from .fastexp import fmax
+from .blocks import EMPTY, NEG, exp2_any
+from .fastexp import FASTMATH, fmax
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -35,7 +35,7 @@ def make_forward(acc):
     ln2 = LN2
     log2e = dt(LOG2E)
 
-    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def forward(q, k, v, indptr, indices, bias, group, out, m_out, l_out):
         Nq, H, D = q.shape
         Dv = v.shape[2]
@@ -49,7 +49,7 @@ def make_forward(acc):
             s = np.empty((H, CH), dt)
             for i in range(blk * RB, min(Nq, (blk + 1) * RB)):
                 acc_[:, :] = 0.0
-                m[:] = -np.inf
+                m[:] = NEG
                 l[:] = 0.0
                 qi = q[i]
                 e0 = indptr[i]
@@ -72,7 +72,7 @@ def make_forward(acc):
                         mx = m[h]
                         for t in range(n):
                             mx = fmax(mx, sr[t])
-                        ms = mx if mx != -np.inf else dt(0.0)
+                        ms = mx if mx > EMPTY else dt(0.0)
                         alpha = exp2_any(m[h] - ms)
                         tot = dt(0.0)
                         for t in range(n):
@@ -99,7 +99,7 @@ def make_forward(acc):
                     o = out[i, h]
                     for d in range(Dv):
                         o[d] = ar[d] * inv
-                    m_out[i, h] = m[h] * ln2
+                    m_out[i, h] = m[h] * ln2 if l[h] > 0 else -np.inf
                     l_out[i, h] = l[h]
 
     return forward
@@ -110,7 +110,7 @@ def make_backward(acc):
     ln2 = LN2
     log2e = dt(LOG2E)
 
-    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward_dst(q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
                      dq, dbias):
         """dq (and dbias) by destination rows."""
@@ -139,7 +139,7 @@ def make_backward(acc):
                         if has_bias:
                             x += bias[e, h] * log2e
                         mr = m2[i, h]
-                        p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
+                        p = exp2_any(x - (mr if mr > EMPTY else dt(0.0))) * linv[i, h]
                         dp = dt(0.0)
                         for d in range(Dv):
                             dp += dr[d] * vr[d]
@@ -155,7 +155,7 @@ def make_backward(acc):
                     for d in range(D):
                         o[d] = ar[d] * scale
 
-    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
                      dk, dv):
         """dk, dv by source rows over the transposed relation."""
@@ -188,7 +188,7 @@ def make_backward(acc):
                         if has_bias:
                             x += bias[perm[t], h] * log2e
                         mr = m2[i, h]
-                        p = exp2_any(x - (mr if mr != -np.inf else dt(0.0))) * linv[i, h]
+                        p = exp2_any(x - (mr if mr > EMPTY else dt(0.0))) * linv[i, h]
                         dp = dt(0.0)
                         for d in range(Dv):
                             dp += dr[d] * vr[d]

@@ -6,8 +6,8 @@ coefficients, |rel err| < 2e-7 on the float32 range) is plain arithmetic plus on
 bit-cast, which LLVM vectorises.  The kernels work in base 2: scores are pre-multiplied by
 log2(e), so ``exp(s - m) == exp2(s2 - m2)``.
 
-Inputs below -126 flush to 0 (``-inf`` included: masked scores), which is what the
-online softmax wants; inputs above 127 saturate.  float64 kernels use ``math.exp2``: they are
+Inputs below -126 flush to 0 (the kernels' finite "minus infinity" ``blocks.NEG`` included),
+which is what the online softmax wants; inputs above 127 saturate.  float64 kernels use ``math.exp2``: they are
 the accuracy path, not the speed path.
 """
 import numpy as np
@@ -30,7 +30,12 @@ def _bits_to_f32(typingctx, x):
     return sig, codegen
 
 
-@njit(inline="always", fastmath=True, cache=True)
+# Full fast-math (measured ~8% faster than without 'nnan'/'ninf'); the kernels therefore never
+# form infinities (see blocks.NEG).
+FASTMATH = True
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def exp2f(x):
     x = min(max(x, np.float32(-127.0)), np.float32(127.0))
     n = np.floor(x + np.float32(0.5))
