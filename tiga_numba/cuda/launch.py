@@ -5,9 +5,9 @@ re-wrapped as a DeviceNDArray). The kernels here therefore take every array as a
 device address and rebuild a flat 1-D array view inside the kernel (`ptr_array`), so that
 all kernel arguments are scalars with an explicit signature. numba compiles the kernel once
 to a cubin (kept in an on-disk cache keyed by kernel name, package sources and numba-cuda
-version); the cubin is loaded as a cupy RawModule and launched by cupy's Cython launcher on
-cupy's current stream, skipping numba's dispatcher. Fallbacks, in order: cuda.core's launch,
-numba's own kernel launch (same arguments, slower).
+version) and launched through cuda.core with ctypes scalars on cupy's current stream, skipping
+numba's dispatcher (TIGA_NUMBA_LAUNCHER=cupy: through cupy's RawModule launcher instead,
+not yet measured on a GPU). Fallback: numba's own kernel launch (same arguments, slower).
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1) there are no pointers: the same kernel body is
 wrapped to take host arrays directly, so the logic can be checked without a GPU.
@@ -151,7 +151,8 @@ class Kernel:
             with open(entry_path) as f:
                 return f.read().strip(), path
         lib = self.dispatcher.overloads[self.argtypes]._codelibrary
-        cubin = bytes(lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1]))))
+        cubin = lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1])))
+        cubin = bytes(getattr(cubin, "code", cubin))  # numba-cuda 0.30: a cuda.core ObjectCode
         tag = f".{os.getpid()}.tmp"
         with open(path + tag, "wb") as f:
             f.write(cubin)
@@ -162,22 +163,31 @@ class Kernel:
         return lib._entry_name, path
 
     def _prepare_fast(self):
-        """Pick the cheapest launch path that works here, once per kernel object."""
+        """Pick the launch path once per kernel object: cuda.core's launch of the kernel
+        (loaded from the cubin cache when present), or with TIGA_NUMBA_LAUNCHER=cupy the
+        cubin as a cupy RawModule launched by cupy's Cython launcher."""
         import numpy as np
-        conv = {"int64": np.int64, "int32": np.int32, "uint64": np.uint64,
-                "float32": np.float32, "float64": np.float64}
-        try:  # cupy's Cython launcher: ~10 us, on cupy's current stream
-            import cupy
-            entry, path = self._cubin()
-            self._module = cupy.RawModule(path=path)
-            self._fast = ("cupy", self._module.get_function(entry),
-                          [conv[str(t)] for t in self.argtypes])
-            return
-        except Exception:  # pragma: no cover - fall back to cuda.core
-            pass
+        if os.environ.get("TIGA_NUMBA_LAUNCHER", "cuda.core") == "cupy":
+            conv = {"int64": np.int64, "int32": np.int32, "uint64": np.uint64,
+                    "float32": np.float32, "float64": np.float64}
+            try:
+                import cupy
+                entry, path = self._cubin()
+                self._module = cupy.RawModule(path=path)
+                self._fast = ("cupy", self._module.get_function(entry),
+                              [conv[str(t)] for t in self.argtypes])
+                return
+            except Exception:  # pragma: no cover - fall back to cuda.core
+                pass
         try:
-            from cuda.core import LaunchConfig, launch
-            func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
+            from cuda.core import LaunchConfig, ObjectCode, launch
+            try:
+                entry, path = self._cubin()
+                with open(path, "rb") as f:
+                    self._module = ObjectCode.from_cubin(f.read())
+                func = self._module.get_kernel(entry)
+            except Exception:  # no usable cubin: numba's own loaded module
+                func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
             self._fast = ("cuda.core", launch, LaunchConfig, func)
         except Exception:  # pragma: no cover - older numba-cuda / cuda.core
             self._fast = False
@@ -197,7 +207,7 @@ class Kernel:
         if fast:
             _, launch, LaunchConfig, func = fast
             try:
-                launch(stream, LaunchConfig(grid=grid, block=block), func, *cargs)
+                launch(stream.core(), LaunchConfig(grid=grid, block=block), func, *cargs)
                 self._launched = True
                 return
             except Exception:
@@ -249,11 +259,23 @@ def _cache_path(name, cc):
 class StreamRef:
     """The caller's cupy stream as cuda.core sees it (the __cuda_stream__ protocol)."""
 
-    __slots__ = ("ptr", "_numba")
+    __slots__ = ("ptr", "_numba", "_core")
 
     def __init__(self, ptr):
         self.ptr = int(ptr)
         self._numba = None
+        self._core = None
+
+    def core(self):
+        """A cuda.core Stream for this handle, made once (passing a foreign object per call
+        costs a conversion and a DeprecationWarning in recent cuda.core)."""
+        if self._core is None:
+            try:
+                from cuda.core import Stream
+                self._core = Stream.from_handle(self.ptr) if self.ptr else Stream._legacy_default()
+            except Exception:  # pragma: no cover - older cuda.core: the protocol object works
+                self._core = self
+        return self._core
 
     def __cuda_stream__(self):
         return (0, self.ptr)
