@@ -290,32 +290,53 @@ def csr_table(quick):
 
 
 def launch_overhead():
+    """Host time per call on a tiny problem, for each launcher of launch.py (cuda.core, the
+    default; cupy's RawModule launcher, opt-in), after checking both give the same output."""
+    import os
+    from tiga_numba.kernel_cache import KERNELS
+    from tiga_numba.cuda import api
     emit("== launch overhead, tiny problem (N=16, H=1, D=16, triangular, fp32)")
     g = tg.Graph.triangular(16)
     q = cupy.random.default_rng(0).standard_normal((16, 1, 16), dtype=cupy.float32)
     set_tc(False)
-    from tiga_numba.cuda import api
     rel_ = g.realize("cuda")
-    tg.attention(q, q, q, g)
-    plan = functional.last_plan()
-    for name, fn in (("tg.attention (validation + plan + launch)", lambda: tg.attention(q, q, q, g)),
-                     ("cuda.api.forward (backend entry: launch only)",
-                      lambda: api.forward(plan, q, q, q, rel_))):
-        for _ in range(50):
-            fn()
-        cupy.cuda.Device().synchronize()
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        cupy.cuda.Device().synchronize()
-        per = (time.perf_counter() - t0) / n * 1e6
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-            cupy.cuda.Device().synchronize()
-        sync = (time.perf_counter() - t0) / 200 * 1e6
-        emit(f"  {name}: {per:.1f} us/call pipelined, {sync:.1f} us/call with a sync after each")
+    ref = None
+    old = os.environ.get("TIGA_NUMBA_LAUNCHER")
+    for launcher in ("cuda.core", "cupy"):
+        os.environ["TIGA_NUMBA_LAUNCHER"] = launcher
+        KERNELS.clear()  # kernel objects pick their launcher on first use (cubins come from disk)
+        try:
+            out = tg.attention(q, q, q, g)
+            plan = functional.last_plan()
+            path = [k.launch_path for k in KERNELS._kernels.values() if hasattr(k, "launch_path")]
+            if ref is None:
+                ref = out.copy()
+            same = bool(cupy.array_equal(out, ref))
+            for name, fn in (("tg.attention (validation + plan + launch)", lambda: tg.attention(q, q, q, g)),
+                             ("cuda.api.forward (backend entry)", lambda: api.forward(plan, q, q, q, rel_))):
+                for _ in range(50):
+                    fn()
+                cupy.cuda.Device().synchronize()
+                n = 2000
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                cupy.cuda.Device().synchronize()
+                per = (time.perf_counter() - t0) / n * 1e6
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                    cupy.cuda.Device().synchronize()
+                sync = (time.perf_counter() - t0) / 200 * 1e6
+                emit(f"  [{launcher} -> {','.join(map(str, path))}; output same as cuda.core: {same}] "
+                     f"{name}: {per:.1f} us/call pipelined, {sync:.1f} us/call with a sync after each")
+        except Exception as exc:
+            emit(f"  [{launcher}] failed: {exc!r}"[:200])
+    if old is None:
+        os.environ.pop("TIGA_NUMBA_LAUNCHER", None)
+    else:
+        os.environ["TIGA_NUMBA_LAUNCHER"] = old
+    KERNELS.clear()
 
 
 def prune_table(quick):
