@@ -96,16 +96,15 @@ class _Calls:
 
 
 def _view(x, name, copies):
-    """(array kept alive, device address, element strides) of a 3-D (or 2-D) array."""
+    """(array kept alive, device address, element strides) of a 3-D array."""
     item = x.dtype.itemsize
-    st = x.strides
-    if any(s < 0 or s % item for s in st):
+    s0, s1, s2 = x.strides
+    if s0 < 0 or s1 < 0 or s2 < 0 or s0 % item or s1 % item or s2 % item:
+        copies.append(f"{name}: strides {x.strides} (negative or not a multiple of the item "
+                      "size) -> contiguous copy")
         x = cupy.ascontiguousarray(x)
-        copies.append(f"{name}: strides {st} (negative or not a multiple of the item size) "
-                      "-> contiguous copy")
-        st = x.strides
-    es = [s // item for s in st] + [0] * (3 - len(st))
-    return x, x.data.ptr, es[0], es[1], es[2]
+        s0, s1, s2 = x.strides
+    return x, x.data.ptr, s0 // item, s1 // item, s2 // item
 
 
 def _contig(x, dtype, name, copies):
@@ -127,11 +126,29 @@ _DUMMY = {}
 
 def _dummy(dtype):
     """A 2-element device array passed where a kernel takes an unused array argument."""
-    dev = cupy.cuda.Device().id
-    key = (dev, np.dtype(dtype).str)
-    if key not in _DUMMY:
-        _DUMMY[key] = cupy.zeros(2, dtype)
-    return _DUMMY[key]
+    key = (cupy.cuda.runtime.getDevice(), dtype)
+    d = _DUMMY.get(key)
+    if d is None:
+        d = _DUMMY[key] = cupy.zeros(2, dtype)
+    return d
+
+
+_DTYPES = {}
+
+
+def _dtypes(dt):
+    """(input dtype, its name, accumulation dtype), memoised: dtype.name is slow."""
+    r = _DTYPES.get(dt)
+    if r is None:
+        d = np.dtype(dt)
+        r = _DTYPES[dt] = (d, d.name, np.dtype(_tiles.acc_of(d.name)))
+    return r
+
+
+_K_BLOCKS = "cuda.blocks.forward (CUDA cores, streaming online softmax)"
+_K_BLOCKS_PRUNE = "cuda.blocks.forward (CUDA cores, streaming online softmax, tile pruning)"
+_K_CSR = "cuda.csr.forward (CUDA cores, online softmax per edge)"
+_K_CSR_BIAS = "cuda.csr.forward (CUDA cores, online softmax per edge, edge bias)"
 
 
 def _cdiv(a, b):
@@ -151,8 +168,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     Nq, H, D = q.shape
     Hkv = k.shape[1]
     DV = v.shape[2]
-    dtype = np.dtype(q.dtype)
-    acc = np.dtype(_tiles.acc_of(dtype.name))
+    dtype, dname, acc = _dtypes(q.dtype)
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
     k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
     v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
@@ -168,11 +184,11 @@ def forward(plan, q, k, v, relation, edge_bias=None):
                                       "take no per-edge fields")
         rho = plan.prune_threshold
         prune = rho is not None
-        t = _block_tiles("fwd", dtype.name, D, DV)
+        t = _block_tiles("fwd", dname, D, DV)
         kern = calls.get(("blocks.fwd", t, prune), lambda: _blocks.make_forward(t, prune))
         S = int(relation.causal.shape[0])
         tpb = _cdiv(int(relation.max_block_dst), t.BM)
-        cnt = cupy.zeros(2, np.int64) if prune else _dummy(np.int64)
+        cnt = cupy.zeros(2, np.int64) if prune else _dummy("int64")
         if S * tpb == 0:
             out.fill(0)
             m.fill(-np.inf)
@@ -182,8 +198,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
                  l.data.ptr, relation.dst_offsets.data.ptr, relation.src_offsets.data.ptr,
                  relation.causal.data.ptr, cnt.data.ptr, qs0, qs1, qs2, ks0, ks1, ks2,
                  vs0, vs1, vs2, tpb, H, grp, scale, math.log(rho) if prune else 0.0)
-        info["kernel"] = ("cuda.blocks.forward (CUDA cores, streaming online softmax"
-                          + (", tile pruning)" if prune else ")"))
+        info["kernel"] = _K_BLOCKS_PRUNE if prune else _K_BLOCKS
         info["tiles"] = t.describe()
         if prune:
             pruned, total = (int(x) for x in cnt.get(stream=cupy.cuda.get_current_stream()))
@@ -191,7 +206,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
             info["total_tiles"] = total
     else:
         bias = _contig(edge_bias, acc, "edge_bias", copies)
-        t = _csr_tiles("fwd", dtype.name, D, DV)
+        t = _csr_tiles("fwd", dname, D, DV)
         has_bias = bias is not None
         kern = calls.get(("csr.fwd", t, has_bias), lambda: _csr.make_forward(t, has_bias))
         threads = Nq * H * t.G
@@ -199,9 +214,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
             kern((_cdiv(threads, t.NT), 1, 1), (t.NT, 1, 1), stream, qp, kp, vp, out.data.ptr,
                  m.data.ptr, l.data.ptr, relation.indptr.data.ptr, relation.indices.data.ptr,
                  _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, Nq, H, grp, scale)
-        info["kernel"] = ("cuda.csr.forward (CUDA cores, online softmax per edge"
-                          + (", edge bias)" if has_bias else ")"))
-        info["tiles"] = f"{t.G} lanes per (row, head), {t.NT} threads per CTA"
+        info["kernel"] = _K_CSR_BIAS if has_bias else _K_CSR
+        info["tiles"] = t.describe_csr()
     info["copies"] = copies
     info["cache"] = "hit" if calls.hit else "miss"
     info["ir"] = calls.ir()

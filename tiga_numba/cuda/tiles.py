@@ -13,6 +13,7 @@ tile; BN is the largest of 64/32/16/8 whose tiles fit in 46 KiB of static shared
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 SMEM_BUDGET = 46 * 1024
@@ -59,9 +60,20 @@ class Tiles:
     def DVP(self):
         return self.DSV * self.G
 
-    def describe(self):
+    @functools.cached_property
+    def _describe(self):
         return (f"BM={self.BM} BN={self.BN} (threads={self.NT}, lanes/row={self.G}, "
                 f"rows/thread={self.R})")
+
+    def describe(self):
+        return self._describe
+
+    @functools.cached_property
+    def _describe_csr(self):
+        return f"{self.G} lanes per (row, head), {self.NT} threads per CTA"
+
+    def describe_csr(self):
+        return self._describe_csr
 
 
 def acc_of(dtype):
