@@ -54,18 +54,29 @@ def blas_control():
     return api[2] if api else None
 
 
+_depth = 0
+_saved = None
+
+
 @contextlib.contextmanager
 def single_threaded_blas():
+    """Nestable and shared between Python threads: the first caller in saves and sets one
+    thread, the last one out restores the saved count."""
+    global _depth, _saved
     api = _find()
     if not api:
         yield
         return
     get, set_, _ = api
     with _lock:
-        before = get()
-        set_(1)
+        if _depth == 0:
+            _saved = get()
+            set_(1)
+        _depth += 1
     try:
         yield
     finally:
         with _lock:
-            set_(before)
+            _depth -= 1
+            if _depth == 0:
+                set_(_saved)
