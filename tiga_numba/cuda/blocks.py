@@ -44,7 +44,9 @@ def make_forward(t, prune):
     BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
     BNP = BN + 4  # rows of the score tile start 16-byte aligned, 4 banks apart
     PRUNE = bool(prune)
-    TRS = (not SIM) and 1 < G and R * G <= 32  # reduce-scatter of G keys' partial scores
+    # reduce-scatter of G keys' partial scores; only while the G-key loop body (R*G*DSQ FMAs)
+    # is small enough for the compiler to unroll it fully (else `part` would go to local memory)
+    TRS = (not SIM) and 1 < G and R * G <= 32 and R * G * DSQ <= 256
     LOGG = G.bit_length() - 1
     PS = R * G if TRS else R
     PVS = R * VEC
@@ -175,14 +177,15 @@ def make_forward(t, prune):
                         off = G >> (lvl + 1)
                         hi = (lane & off) != 0
                         for r in range(R):
-                            for kk in range(off):
-                                a = part[U(r * G + kk)]
-                                b = part[U(r * G + kk + off)]
-                                snd = b
-                                if hi:
-                                    snd = a
-                                    a = b
-                                part[U(r * G + kk)] = a + cuda.shfl_xor_sync(FULL, snd, off)
+                            for kk in range(G // 2):  # constant trip count: fully unrolled
+                                if kk < off:
+                                    a = part[U(r * G + kk)]
+                                    b = part[U(r * G + kk + off)]
+                                    snd = b
+                                    if hi:
+                                        snd = a
+                                        a = b
+                                    part[U(r * G + kk)] = a + cuda.shfl_xor_sync(FULL, snd, off)
                     j = j0 + lane
                     for r in range(R):
                         sc = part[U(r * G)]
