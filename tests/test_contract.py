@@ -1115,3 +1115,50 @@ def test_threshold_types():
     assert tg.online_softmax() is not None and tg.online_softmax(block_prune_threshold=None)
     with pytest.raises((TypeError, ValueError)):
         tg.online_softmax(block_prune_threshold="0.5")
+
+
+def test_wide_heads_and_many_heads():
+    for d, dv in ((64, 64), (128, 40)):
+        q, k, v = qkv(20, 33, h=8, hkv=2, d=d, dv=dv, seed=d)
+        check_forward(q, k, v, tg.Graph.dense(33, 20), mask_dense(33, 20))
+        check_backward(q, k, v, tg.Graph.dense(33, 20), mask_dense(33, 20))
+
+
+def test_program_single_head_node_fields():
+    q, k, v = qkv(13, 13, h=1, hkv=1)
+    prog = DotAxis()
+    g = tg.Graph.triangular(13)
+    fields = dict(graph=g, src={"key": k[:, 0], "value": v[:, 0]}, dst={"query": q[:, 0]},
+                  scale=0.3)
+    out = prog(**fields)
+    ref = oracle_forward(q, k, v, mask_tri(13), 0.3)[0][:, 0]
+    assert out.shape == (13, 8)
+    assert_close(out, ref, FWD_TOL[np.float32])
+    out2, vjp = prog.vjp(**fields)
+    dout = rng(6).standard_normal(out2.shape).astype(np.float32)
+    grads = vjp(dout)
+    dq, dk, dv = oracle_backward(dout[:, None], q, k, v, mask_tri(13), 0.3)
+    assert_close(grads["dst"]["query"], dq[:, 0], BWD_TOL[np.float32])
+    assert_close(grads["src"]["key"], dk[:, 0], BWD_TOL[np.float32])
+    assert_close(grads["src"]["value"], dv[:, 0], BWD_TOL[np.float32])
+
+
+def test_graph_constructor_argument_errors():
+    with pytest.raises(ValueError):
+        tg.Graph.triangular(-1)
+    with pytest.raises(TypeError):
+        tg.Graph.dense(2.5)
+    with pytest.raises((TypeError, ValueError), match="cu_seqlens"):
+        tg.Graph.cu_seqlens(np.array([0.0, 2.0, 4.0]))
+    assert type(tg.Graph.dense(np.int64(5)).num_edges) is int
+
+
+def test_gat_errors():
+    pos, xs, xd, g, src, dst = gat_inputs()
+    prog, _, _ = make_gat("leaky")
+    _, vjp = prog.vjp(graph=g, src={"x": xs}, dst={"x": xd})
+    with pytest.raises(ValueError, match="dout"):
+        vjp(np.ones((3, 3), np.float32))
+    # a relation without geometry has no displacement field
+    with pytest.raises((ValueError, KeyError), match="displacement"):
+        prog(graph=tg.Graph.dense(len(pos)), src={"x": xs}, dst={"x": xd})
