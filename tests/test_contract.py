@@ -1162,3 +1162,124 @@ def test_gat_errors():
     # a relation without geometry has no displacement field
     with pytest.raises((ValueError, KeyError), match="displacement"):
         prog(graph=tg.Graph.dense(len(pos)), src={"x": xs}, dst={"x": xd})
+
+
+# ----------------------------------------------------------------------------- the admission rule, tile by tile
+def emulate_pruning(q, k, v, mask, scale, rho, bm, bn):
+    """DESIGN.md's rule on a (bm, bn) grid from (0, 0): a tile is admitted iff
+    max(its scores) >= m_run_block + ln(rho), m_run_block = running max of the query block (per head).
+    Returns the output over admitted edges, the pruned and visited tile counts, and the smallest
+    distance of a tile max to its threshold (to keep the test away from rounding ties)."""
+    qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
+    nd, h, _ = q.shape
+    g = h // k.shape[1]
+    kk, vv = np.repeat(kf, g, axis=1), np.repeat(vf, g, axis=1)
+    s = np.einsum("ihd,jhd->hij", qf, kk) * scale
+    adm = np.zeros((h,) + mask.shape, dtype=bool)
+    pruned = total = 0
+    margin = np.inf
+    for hh in range(h):
+        for i0 in range(0, nd, bm):
+            rows = slice(i0, min(i0 + bm, nd))
+            m_run = -np.inf
+            for j0 in range(0, k.shape[0], bn):
+                cols = slice(j0, min(j0 + bn, k.shape[0]))
+                mk = mask[rows, cols]
+                if not mk.any():
+                    continue
+                total += 1
+                tmax = s[hh, rows, cols][mk].max()
+                thr = m_run + math.log(rho)
+                if np.isfinite(thr):
+                    margin = min(margin, abs(tmax - thr))
+                if tmax >= thr:
+                    m_run = max(m_run, tmax)
+                    adm[hh, rows, cols] = mk
+                else:
+                    pruned += 1
+    ss = np.where(adm, s, -np.inf)
+    m = ss.max(axis=-1, keepdims=True)
+    p = np.where(adm, np.exp(ss - np.where(np.isfinite(m), m, 0)), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    return np.einsum("hij,jhd->ihd", p / np.where(l > 0, l, 1), vv), pruned, total, margin
+
+
+def tiered_workload(nd, ns, h, hkv, seed):
+    """Random scores plus a per-128-key offset in {0, -2, -4, -7}: some key tiles fall below the
+    running max by more than ln(1/rho), others do not, depending on the data."""
+    r = rng(seed)
+    q, k, v = qkv(nd, ns, h=h, hkv=hkv, d=8, seed=seed)
+    q, k = q * 0.3, k * 0.3
+    q[..., -1] = 1.0
+    offsets = r.choice([0.0, -2.0, -4.0, -7.0], size=(ns + 127) // 128)
+    k[..., -1] = np.repeat(offsets, 128)[:ns, None]
+    return q.astype(np.float32), k.astype(np.float32), v
+
+
+@pytest.mark.parametrize("case", ["dense", "dense_gqa", "triangular"])
+def test_pruning_follows_the_admission_rule(case):
+    nd, ns, h, hkv = {"dense": (150, 700, 1, 1), "dense_gqa": (150, 700, 2, 1),
+                      "triangular": (300, 300, 1, 1)}[case]
+    g = tg.Graph.triangular(nd) if case == "triangular" else tg.Graph.dense(ns, nd)
+    mask = mask_tri(nd) if case == "triangular" else mask_dense(ns, nd)
+    q, k, v = tiered_workload(nd, ns, h, hkv, seed=1)
+    exact = oracle_forward(q, k, v, mask, 1.0)[0]
+    for rho in (0.05, 0.3):
+        prog = Pruned(rho)
+        out = prog(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=1.0)
+        text = prog.explain()
+        tiles = re.search(r"BM\s*=\s*(\d+)\D+BN\s*=\s*(\d+)", text)
+        assert tiles, "explain() must report the tiles: " + text
+        bm, bn = map(int, tiles.groups())
+        ref, pruned, total, margin = emulate_pruning(q, k, v, mask, 1.0, rho, bm, bn)
+        assert margin > 1e-3
+        assert pruned > 0 and np.max(np.abs(ref - exact)) > 1e-4  # the workload really prunes
+        assert_close(out, ref, 1e-5, f"pruned rho={rho}")
+        assert re.search(rf"\b{pruned}\s*/\s*{total}\b", text), text
+        out_f = tg.attention(q, k, v, g, scale=1.0, block_prune_threshold=rho)
+        assert_close(out_f, ref, 1e-5, f"functional pruned rho={rho}")
+
+
+# ----------------------------------------------------------------------------- per-edge fields
+class BiasedAttention(tg.MessagePassing):
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale):
+        score = (src.key * dst.query).sum(axis=-1) * scale + edge.bias
+        return self.reducer(score, src.value)
+
+
+def test_program_edge_bias_field_and_its_gradient():
+    mask = random_pattern(13, 11)
+    csr = sp.csr_matrix(mask.astype(np.float64))
+    csr.sort_indices()
+    g = tg.Graph.from_scipy(csr)
+    rows = np.repeat(np.arange(13), np.diff(csr.indptr))
+    cols = csr.indices
+    q, k, v = qkv(13, 11, dtype=np.float64)
+    bias = rng(14).standard_normal((g.num_edges, 4))
+    dense_bias = np.zeros((4, 13, 11))
+    dense_bias[:, rows, cols] = bias.T
+    scale = 0.45
+
+    # oracle: the biased scores, its softmax, and ds = p * (dp - Delta) = d score
+    qf, kk, vv = q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+    s = np.where(mask[None], np.einsum("ihd,jhd->hij", qf, kk) * scale + dense_bias, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.where(mask[None], np.exp(s - m), 0)
+    P = p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
+    ref = np.einsum("hij,jhd->ihd", P, vv)
+
+    prog = BiasedAttention()
+    out, vjp = prog.vjp(graph=g, src={"key": k, "value": v}, dst={"query": q},
+                        edge={"bias": bias}, scale=scale)
+    assert_close(out, ref, FWD_TOL[np.float64], "biased out")
+    dout = rng(15).standard_normal(out.shape)
+    grads = vjp(dout)
+    dp = np.einsum("ihd,jhd->hij", dout, vv)
+    delta = np.einsum("ihd,ihd->hi", dout, ref)
+    ds = P * (dp - delta[..., None])
+    assert_close(grads["edge"]["bias"], ds[:, rows, cols].T, BWD_TOL[np.float64], "edge.bias")
+    assert_close(grads["dst"]["query"], scale * np.einsum("hij,jhd->ihd", ds, kk),
+                 BWD_TOL[np.float64], "biased dq")
