@@ -45,7 +45,8 @@ def _have_numba_cuda():
 
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
-             "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0"]
+             "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
+             "blocks_lane_groups"]
 
 
 @pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
@@ -57,6 +58,31 @@ def test_simulated_kernels(case):
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def _install_sim_shuffles():
+    """Block-synchronous shfl_xor_sync / syncwarp for the simulator: every thread of the CTA
+    posts its value, waits at the block barrier, reads its xor partner's. Valid for kernels
+    whose whole CTA executes every shuffle -- the block kernels (not the CSR ones)."""
+    import threading
+    from numba.cuda.simulator import kernelapi
+    from tiga_numba.cuda import launch
+
+    def shfl_xor_sync(self, mask, value, lane_mask):
+        th = threading.current_thread()
+        box = th._manager.__dict__.setdefault("_tiga_shfl", {})
+        box[th.thread_id] = value
+        th.syncthreads()
+        got = box[th.thread_id ^ lane_mask]
+        th.syncthreads()
+        return got
+
+    def syncwarp(self, mask=0xFFFFFFFF):
+        threading.current_thread().syncthreads()
+
+    kernelapi.FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
+    kernelapi.FakeCUDAModule.syncwarp = syncwarp
+    launch.SIM_SHUFFLES = True
+
+
 def _kernels():
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
     _shield()
@@ -65,6 +91,7 @@ def _kernels():
     from tiga_numba.cuda import blocks, csr  # noqa: F401
     from tiga_numba.cuda.common import make_delta, make_stats  # noqa: F401
     from tiga_numba.cuda.tiles import Tiles  # noqa: F401
+    _install_sim_shuffles()
 
 
 RNG = np.random.default_rng(20261129)
@@ -202,9 +229,9 @@ def base_and_strides(x):
     return base.reshape(-1)[off:], [s // item for s in x.strides]
 
 
-def tiles(dtype, D, DV, R=2, NT=4, BN=4):
+def tiles(dtype, D, DV, R=2, NT=4, BN=4, G=1, VEC=1):
     acc = "float64" if dtype == "float64" else "float32"
-    return Tiles(dtype, acc, D, DV, 1, R, NT, BN)
+    return Tiles(dtype, acc, D, DV, G, R, NT, BN, VEC)
 
 
 def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
@@ -230,12 +257,16 @@ def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
     return out, m, l, cnt
 
 
-def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype):
+def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
     dst_off, src_off, causal = rel
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
     tq = tiles(dtype, D, DV, R=2, NT=4, BN=4)
     tk = tiles(dtype, D, DV, R=1, NT=4, BN=4)
+    if lanes is not None:  # (G, VEC): multi-lane groups, needs the emulated shuffles
+        G, VEC = lanes
+        tq = tiles(dtype, D, DV, R=2, NT=4 * G, BN=8, G=G, VEC=VEC)
+        tk = tiles(dtype, D, DV, R=1, NT=4 * G, BN=8, G=G, VEC=VEC)
     acc = np.dtype(tq.acc)
     delta = np.full((nq, H), np.nan, acc)
     dkern = make_delta(dtype, tq.acc)
@@ -442,6 +473,32 @@ def case_csr(dtype="float32", H=2, Hkv=1, D=3, DV=4, with_bias=True, tol=2e-5):
         check(tag + " dbias", dbias, dS.transpose(1, 2, 0)[rows, indices], tol * 5)
 
 
+def case_lane_groups():
+    """G = 4 lanes per row with 16-byte slices (VEC = 4): the GPU layout, the reduce-scatter
+    of scores (D = 16) and the per-key shuffle path (D = 72: loop too large for it), forward
+    and backward, causal segments with GQA, through the emulated shuffles."""
+    dst_off = np.array([0, 9, 9, 22], np.int64)
+    causal = np.array([1, 1, 0], np.uint8)
+    src_off = np.array([0, 9, 9, 26], np.int64)
+    rel = (dst_off, src_off, causal)
+    nq, ns, H, Hkv = 22, 26, 2, 1
+    M = dense_mask(dst_off, src_off, causal, nq, ns)
+    for D, DV, R in ((16, 12, 2), (72, 20, 4)):
+        q, k, v = rand(nq, H, D), rand(ns, Hkv, D), rand(ns, Hkv, DV)
+        dout = rand(nq, H, DV)
+        scale = D ** -0.5
+        ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, M, scale, dout=dout)
+        t = tiles("float32", D, DV, R=R, NT=16, BN=8, G=4, VEC=4)
+        out, m, l, _ = blocks_forward(q, k, v, rel, scale, "float32", t=t)
+        tag = f"lane groups G=4 VEC=4 D={D}/{DV} R={R}"
+        check(tag + " out", out, ro, 2e-5)
+        check(tag + " l", l, rl, 2e-5)
+        dq, dk, dv, _ = blocks_backward(dout, q, k, v, out, m, l, rel, scale, "float32", lanes=(4, 4))
+        check(tag + " dq", dq, rdq, 1e-4)
+        check(tag + " dk", dk, rdk, 1e-4)
+        check(tag + " dv", dv, rdv, 1e-4)
+
+
 CASES = {
     "blocks_f32_gqa_segments": lambda: case_blocks(),
     "blocks_f64_dense_rect": lambda: case_blocks("float64", H=2, Hkv=2, D=4, DV=2,
@@ -453,6 +510,7 @@ CASES = {
     "csr_f32_bias_gqa": lambda: case_csr(),
     "csr_f64_nobias": lambda: case_csr("float64", H=2, Hkv=2, with_bias=False, tol=1e-12),
     "csr_edge_score_d0": lambda: case_csr("float32", H=2, Hkv=2, D=0, DV=3),
+    "blocks_lane_groups": case_lane_groups,
 }
 
 assert sorted(CASES) == sorted(SIM_CASES)

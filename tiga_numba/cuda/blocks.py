@@ -25,6 +25,7 @@ import numba
 from numba import cuda
 
 from .common import FULL, NEG_INF, array_view, nbtype
+from . import launch as _launch
 from .launch import SIM, Kernel
 
 i64 = numba.int64
@@ -46,7 +47,7 @@ def make_forward(t, prune):
     PRUNE = bool(prune)
     # reduce-scatter of G keys' partial scores; only while the G-key loop body (R*G*DSQ FMAs)
     # is small enough for the compiler to unroll it fully (else `part` would go to local memory)
-    TRS = (not SIM) and 1 < G and R * G <= 32 and R * G * DSQ <= 256
+    TRS = (not SIM or _launch.SIM_SHUFFLES) and 1 < G and R * G <= 32 and R * G * DSQ <= 256
     LOGG = G.bit_length() - 1
     PS = R * G if TRS else R
     PVS = R * VEC
@@ -59,7 +60,7 @@ def make_forward(t, prune):
     SK = max(1, BN * DP)
     SV = max(1, BN * DVP)
     SS = BM * BNP
-    SYNC_GROUP = G > 1 and not SIM
+    SYNC_GROUP = G > 1
 
     def fwd_body(q_p, k_p, v_p, out_p, mo_p, lo_p, doff_p, soff_p, caus_p, cnt_p,
                  qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, tpb, H, grp, scale, log_rho):

@@ -21,6 +21,10 @@ import numba
 from numba import cuda
 
 SIM = bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") or 0))
+# Tests may install a block-synchronous emulation of shfl_xor_sync / syncwarp in the simulator
+# (valid for kernels whose whole CTA takes every shuffle: the block kernels); factories read
+# this flag to compile their multi-lane paths for the simulator too.
+SIM_SHUFFLES = False
 
 _CTYPES = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "float32": ctypes.c_float,
            "float64": ctypes.c_double, "uint64": ctypes.c_uint64}
