@@ -123,17 +123,22 @@ class Kernel:
         return ptx
 
     def ptx(self):
-        """PTX of the kernel as it runs (compiled for the current device when one exists)."""
-        try:
-            return self.dispatcher.inspect_asm(self.argtypes)
-        except Exception:
-            return self.compile_ptx()
+        """PTX of the kernel as it runs (compiled for the current device when one exists);
+        memoised: explain()/ir() may ask many times."""
+        if getattr(self, "_ptx", None) is None:
+            try:
+                self._ptx = self.dispatcher.inspect_asm(self.argtypes)
+            except Exception:
+                self._ptx = self.compile_ptx()
+        return self._ptx
 
     def llvm(self):
-        try:
-            return self.dispatcher.inspect_llvm(self.argtypes)
-        except Exception:
-            return "(LLVM IR is produced when the kernel is compiled for a device)"
+        if getattr(self, "_llvm", None) is None:
+            try:
+                self._llvm = self.dispatcher.inspect_llvm(self.argtypes)
+            except Exception:
+                return "(LLVM IR is produced when the kernel is compiled for a device)"
+        return self._llvm
 
     def resources(self):
         """(registers, static shared bytes, local bytes per thread) of the compiled kernel."""
