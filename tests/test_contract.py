@@ -1388,3 +1388,63 @@ def test_nn_argument_errors_name_the_argument():
         tg.nn.Linear(0, 3)
     with pytest.raises(TypeError):
         tg.nn.trace(lambda x: x)
+
+
+# ----------------------------------------------------------------------------- array hygiene
+def test_inputs_are_not_modified_and_read_only_or_broadcast_inputs_work():
+    q, k, v = qkv(70, 70)
+    saved = [x.copy() for x in (q, k, v)]
+    for g in (tg.Graph.dense(70), tg.Graph.triangular(70)):
+        out, stats = tg.attention(q, k, v, g, return_stats=True)
+        m_saved = stats.m.copy()
+        dout = rng(1).standard_normal(out.shape).astype(np.float32)
+        out_saved, dout_saved = out.copy(), dout.copy()
+        tg.attention_backward(dout, q, k, v, out, stats, g)
+        assert all(np.array_equal(a, b) for a, b in zip(saved, (q, k, v)))
+        assert np.array_equal(out, out_saved) and np.array_equal(dout, dout_saved)
+        assert np.array_equal(stats.m, m_saved)
+    for x in (q, k, v):
+        x.setflags(write=False)
+    check_forward(q, k, v, tg.Graph.dense(70), mask_dense(70))
+    # stride-0 node axis ("any strides"): every source shares one key / value row
+    kb, vb = np.broadcast_to(k[:1], k.shape), np.broadcast_to(v[:1], v.shape)
+    check_forward(q, kb, vb, tg.Graph.dense(70), mask_dense(70))
+    check_backward(q, kb, vb, tg.Graph.triangular(70), mask_tri(70))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    numba = pytest.importorskip("numba")
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two numba threads")
+    q, k, v = qkv(150, 150)
+    mask = random_pattern(150, 150)
+    before = numba.get_num_threads()
+    try:
+        for g in (tg.Graph.dense(150), tg.Graph.triangular(150),
+                  tg.Graph.from_scipy(sp.csr_matrix(mask * 1.0))):
+            runs = []
+            for threads in (1, 2):
+                numba.set_num_threads(threads)
+                out, stats = tg.attention(q, k, v, g, return_stats=True)
+                grads = tg.attention_backward(out, q, k, v, out, stats, g)
+                runs.append([x.tobytes() for x in (out,) + tuple(grads)])
+            assert runs[0] == runs[1], g.kind
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_cu_seqlens_equals_cat_of_triangles_and_program_explain_details():
+    lengths = [5, 1, 0, 9, 2]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    a = tg.Graph.cu_seqlens(cu)
+    b = tg.Graph.cat([tg.Graph.triangular(n) for n in lengths])
+    assert pairs_of(a.to_scipy()) == pairs_of(b.to_scipy()) and a.num_edges == b.num_edges
+    q, k, v = qkv(17, 17)
+    prog = DotAxis()
+    outs = [prog(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.3) for g in (a, b, a)]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    text = prog.explain().lower()
+    # DESIGN.md: backend, kernel, relation realization, dtypes, tiles, what was NOT materialized,
+    # cache hits/misses
+    for word in ("cpu", "float32", "materializ", "hit", "miss"):
+        assert word in text, word
