@@ -427,11 +427,15 @@ def _u_weights(spec):
     return L
 
 
-def _u_score(spec):
+def _u_score(spec, hoisted=None):
+    """hoisted="dst": the row's Ad[i] sits in locals ad<r> (loaded once per row, see
+    _u_hoist); "src": As[j] in as<r>. None: both read per edge."""
     widths = _widths(spec)
     L = []
     for r in range(spec.h1):
-        terms = [f"As[j, {r}]", f"Ad[i, {r}]"] + [f"we{c}_{r} * ef{c}" for c in range(spec.fe)]
+        a_s = f"as{r}" if hoisted == "src" else f"As[j, {r}]"
+        a_d = f"ad{r}" if hoisted == "dst" else f"Ad[i, {r}]"
+        terms = [a_s, a_d] + [f"we{c}_{r} * ef{c}" for c in range(spec.fe)]
         L.append(f"a0_{r} = " + " + ".join(terms))
     for k, layer in enumerate(spec.layers, 1):
         kind = layer[0]
@@ -451,6 +455,14 @@ def _u_score(spec):
                     L.append(f"a{k}_{c} = T(math.tanh({x}))")
     L.append(f"s = a{len(spec.layers)}_0")
     return L
+
+
+def _u_hoist(spec, side):
+    """Per-row loads of the row's own first-layer product (the edge loop then reads only
+    the neighbour's)."""
+    if side == "dst":
+        return [f"ad{r} = Ad[i, {r}]" for r in range(spec.h1)]
+    return [f"as{r} = As[j, {r}]" for r in range(spec.h1)]
 
 
 def _u_backward(spec, param_grads):
@@ -515,7 +527,10 @@ def generate_source_unrolled(spec, p_size, dtype_name):
     we_off = p_size
     weights = _block(_u_weights(spec), 8)
     feat = _block(_u_features(spec), 16)
-    score = _block(_u_score(spec), 16)
+    score = _block(_u_score(spec, "dst"), 16)
+    score_src = _block(_u_score(spec, "src"), 16)
+    hoist_dst = _block(_u_hoist(spec, "dst"), 12)
+    hoist_src = _block(_u_hoist(spec, "src"), 12)
     read_perm = _read_perm(spec)
     p_slots = [k for layer in spec.layers if layer[0] == "linear"
                for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
@@ -537,6 +552,7 @@ def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
         r1 = (ch + 1) * nrows // nch
         for t in range(r0, r1):
             i = order[t]
+{hoist_dst}
             m = T(-np.inf)
             l = ZERO
             for f in range({fv}):
@@ -577,6 +593,7 @@ def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, d
         r1 = (ch + 1) * nrows // nch
         for t in range(r0, r1):
             i = order[t]
+{hoist_dst}
             delta = ZERO
             for f in range({fv}):
                 delta += dout[i, f] * out[i, f]
@@ -615,6 +632,7 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
         r1 = (ch + 1) * nrows // nch
         for tt_ in range(r0, r1):
             j = order[tt_]
+{hoist_src}
 {_block([f"gas{r} = ZERO" for r in range(h1)], 12)}
             for f in range({fv}):
                 gV[f] = ZERO
@@ -623,7 +641,7 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
                 i = tind[t]
 {read_perm}
 {feat}
-{score}
+{score_src}
                 p = T(math.exp(s - M[i])) / L[i]
                 dp = ZERO
                 for f in range({fv}):
