@@ -1448,3 +1448,39 @@ def test_cu_seqlens_equals_cat_of_triangles_and_program_explain_details():
     # cache hits/misses
     for word in ("cpu", "float32", "materializ", "hit", "miss"):
         assert word in text, word
+
+
+def test_gat_distance_field_gradients_against_finite_differences():
+    n, f = 14, 2
+    r = rng(40)
+    pos = r.random((n, 3)).astype(np.float32)
+    xs = r.standard_normal((n, f)).astype(np.float32)
+    g = tg.Graph.radius(pos, 0.5)
+    coo = sp.coo_matrix(g.to_scipy())
+    src, dst = coo.col.astype(np.int64), coo.row.astype(np.int64)
+    net = tg.nn.Sequential(tg.nn.Linear(1 + 2 * f, 4, seed=5), tg.nn.Tanh(),
+                           tg.nn.Linear(4, 1, seed=6))
+    W0, b0, W2, b2 = (np.asarray(a, np.float64) for a in
+                      (net[0].weight, net[0].bias, net[2].weight, net[2].bias))
+    dout = r.standard_normal((n, f))
+
+    def loss(p, x):
+        d = np.linalg.norm(p[src] - p[dst], axis=1)[:, None]
+        hid = np.tanh(np.concatenate([d, x[src], x[dst]], axis=1) @ W0.T + b0)
+        s = (hid @ W2.T + b2)[:, 0]
+        out = np.zeros((n, f))
+        for i in range(n):
+            e = np.nonzero(dst == i)[0]
+            if len(e):
+                w = np.exp(s[e] - s[e].max())
+                out[i] = (w / w.sum()) @ x[src[e]]
+        return float(np.sum(out * dout))
+
+    prog = DistanceGAT(net)
+    out, vjp = prog.vjp(graph=g, src={"x": xs}, dst={"x": xs})
+    grads = vjp(dout.astype(np.float32))
+    p64, x64 = pos.astype(np.float64), xs.astype(np.float64)
+    assert_close(grads["positions"], numeric_grad(lambda p: loss(p, x64), p64), 2e-4, "positions")
+    # x is both src.x and dst.x here: the two roles' gradients add up to d loss / d x
+    total = np.asarray(grads["src"]["x"], np.float64) + np.asarray(grads["dst"]["x"], np.float64)
+    assert_close(total, numeric_grad(lambda x: loss(p64, x), x64), 2e-4, "x")
