@@ -433,7 +433,7 @@ def case_prune():
 
 def case_csr(dtype="float32", H=2, Hkv=1, D=3, DV=4, with_bias=True, tol=2e-5):
     nq, ns = 9, 7
-    deg = RNG.integers(0, 5, nq)
+    deg = RNG.integers(0, 8, nq)  # up to 7: several 4-edge steps and every tail length
     deg[2] = 0  # an empty row
     deg[5] = 1
     indptr = np.zeros(nq + 1, np.int64)
