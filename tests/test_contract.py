@@ -868,7 +868,7 @@ def numeric_grad(f, x, eps=1e-6):
 
 
 def test_gat_vjp_against_finite_differences():
-    n, f, hidden = 14, 2, 4
+    n, f, hidden = 14, 3, 6  # the shapes of make_gat's default: its compiled kernels are reused
     pos, xs, xd, g, src, dst = gat_inputs(n=n, f=f, seed=12, cutoff=0.5)
     prog, attn, layers = make_gat("leaky", f=f, hidden=hidden, seed=3)
     out, vjp = prog.vjp(graph=g, src={"x": xs}, dst={"x": xd})
@@ -1456,15 +1456,15 @@ def test_cu_seqlens_equals_cat_of_triangles_and_program_explain_details():
 
 
 def test_gat_distance_field_gradients_against_finite_differences():
-    n, f = 14, 2
+    n, f = 14, 3  # the network of test_gat_zero_distances...: compiled kernels are reused
     r = rng(40)
     pos = r.random((n, 3)).astype(np.float32)
     xs = r.standard_normal((n, f)).astype(np.float32)
     g = tg.Graph.radius(pos, 0.5)
     coo = sp.coo_matrix(g.to_scipy())
     src, dst = coo.col.astype(np.int64), coo.row.astype(np.int64)
-    net = tg.nn.Sequential(tg.nn.Linear(1 + 2 * f, 4, seed=5), tg.nn.Tanh(),
-                           tg.nn.Linear(4, 1, seed=6))
+    net = tg.nn.Sequential(tg.nn.Linear(1 + 2 * f, 5, seed=5), tg.nn.Tanh(),
+                           tg.nn.Linear(5, 1, seed=6))
     W0, b0, W2, b2 = (np.asarray(a, np.float64) for a in
                       (net[0].weight, net[0].bias, net[2].weight, net[2].bias))
     dout = r.standard_normal((n, f))
@@ -1489,3 +1489,27 @@ def test_gat_distance_field_gradients_against_finite_differences():
     # x is both src.x and dst.x here: the two roles' gradients add up to d loss / d x
     total = np.asarray(grads["src"]["x"], np.float64) + np.asarray(grads["dst"]["x"], np.float64)
     assert_close(total, numeric_grad(lambda x: loss(p64, x), x64), 2e-4, "x")
+
+
+def test_many_tiny_segments_hub_sources_and_unusual_scales():
+    r = rng(50)
+    lens = r.integers(0, 4, size=200)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    n = int(cu[-1])
+    q, k, v = qkv(n, n)
+    for causal in (True, False):
+        g = tg.Graph.cu_seqlens(cu, causal=causal)
+        check_forward(q, k, v, g, mask_segments(cu, causal))
+        check_backward(q, k, v, g, mask_segments(cu, causal))
+    mask = np.zeros((150, 300), dtype=bool)
+    mask[:, 5] = True      # every destination reads source 5
+    mask[::2, 7] = True
+    mask[3] = True         # one destination reads everything
+    q, k, v = qkv(150, 300)
+    g = tg.Graph.from_scipy(sp.csr_matrix(mask * 1.0))
+    check_forward(q, k, v, g, mask)
+    check_backward(q, k, v, g, mask)
+    q, k, v = qkv(13, 13)
+    for scale in (0.0, -0.7):
+        check_forward(q, k, v, tg.Graph.triangular(13), mask_tri(13), scale=scale)
+        check_backward(q, k, v, tg.Graph.triangular(13), mask_tri(13), scale=scale)
