@@ -143,3 +143,14 @@ def test_constructor_type_errors():
         tg.Graph.cat([tg.Graph.dense(2), "x"])
     with pytest.raises(TypeError, match="matrix"):
         tg.Graph.from_scipy(np.eye(3))
+
+
+def test_from_coo_edge_permutation_maps_input_fields():
+    src = np.array([2, 0, 1, 0])
+    dst = np.array([1, 0, 1, 2])
+    g = tg.Graph.from_coo(src, dst, num_src=3, num_dst=3)
+    indptr, indices = g._host_csr()
+    field = np.array([10.0, 20.0, 30.0, 40.0])  # one value per input edge
+    np.testing.assert_array_equal(indices, src[g.edge_permutation])
+    np.testing.assert_array_equal(field[g.edge_permutation], [20.0, 10.0, 30.0, 40.0])
+    assert tg.Graph.dense(3).edge_permutation is None

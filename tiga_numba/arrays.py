@@ -33,11 +33,20 @@ def library_of(name, array):
     raise TypeError(f"{name} must be a numpy or cupy array, got {type(array).__name__}")
 
 
-def as_library_array(array, library):
+def _cupy(name):
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(
+            f"{name} is a GPU array (__cuda_array_interface__) but cupy is not installed: "
+            "pip install 'tiga-numba[cuda]' (numba-cuda and cupy) to run on the GPU") from exc
+    return cupy
+
+
+def as_library_array(array, library, name="array"):
     """A cupy view of any __cuda_array_interface__ object (numba device arrays, ...)."""
     if library == "cupy" and type(array).__module__.split(".")[0] != "cupy":
-        import cupy
-        return cupy.asarray(array)
+        return _cupy(name).asarray(array)
     return array
 
 
@@ -83,7 +92,7 @@ def check_attention_inputs(q, k, v, graph, scale):
         desc = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
         raise TypeError(f"q, k and v must come from one array library (mixed numpy/cupy): {desc}")
     library = libs["q"]
-    q, k, v = (as_library_array(a, library) for a in (q, k, v))
+    q, k, v = (as_library_array(a, library, n) for n, a in (("q", q), ("k", k), ("v", v)))
     ndims = {n: a.ndim for n, a in (("q", q), ("k", k), ("v", v))}
     if set(ndims.values()) == {2}:
         squeezed = True
@@ -146,7 +155,7 @@ def check_like(name, array, shape, library, dtype=None, expected_shape=None):
     lib = library_of(name, array)
     if lib != library:
         raise TypeError(f"{name} is a {lib} array but q is {library} (mixed numpy/cupy)")
-    array = as_library_array(array, library)
+    array = as_library_array(array, library, name)
     if expected_shape is not None and tuple(array.shape) != tuple(expected_shape):
         raise ValueError(f"{name} must have shape {tuple(expected_shape)}, got {tuple(array.shape)}")
     if dtype is not None and np.dtype(array.dtype) != np.dtype(dtype):
@@ -161,7 +170,7 @@ def check_edge_bias(edge_bias, shape: AttentionShape, graph):
     lib = library_of("edge_bias", edge_bias)
     if lib != shape.library:
         raise TypeError(f"edge_bias is a {lib} array but q is {shape.library} (mixed numpy/cupy)")
-    edge_bias = as_library_array(edge_bias, shape.library)
+    edge_bias = as_library_array(edge_bias, shape.library, "edge_bias")
     if not np.issubdtype(np.dtype(edge_bias.dtype), np.floating):
         raise TypeError(f"edge_bias must be floating point, got {edge_bias.dtype}")
     E, H = graph.num_edges, shape.heads
@@ -170,7 +179,7 @@ def check_edge_bias(edge_bias, shape: AttentionShape, graph):
     if edge_bias.ndim != 2 or edge_bias.shape[0] != E or edge_bias.shape[1] not in (1, H):
         raise ValueError(f"edge_bias must have shape ({E},) or ({E}, {H}) (one value per edge "
                          f"[and head]), got {tuple(edge_bias.shape)}")
-    xp = np if shape.library == "numpy" else __import__("cupy")
+    xp = np if shape.library == "numpy" else _cupy("edge_bias")
     out = xp.empty((E, H), dtype=shape.accum_dtype)
     out[...] = edge_bias
     return out

@@ -144,7 +144,7 @@ class Graph:
     """An immutable attention relation. Build it with one of the constructors."""
 
     __slots__ = ("_kind", "_num_src", "_num_dst", "_num_edges", "_blocks", "_indptr",
-                 "_indices", "_device", "_positions", "_cache")
+                 "_indices", "_device", "_positions", "_cache", "_edge_perm")
 
     def __init__(self, *, kind, num_src, num_dst, blocks=None, indptr=None, indices=None,
                  device="cpu", positions=None):
@@ -159,6 +159,7 @@ class Graph:
         self._positions = positions
         self._num_edges = _block_edges(blocks) if blocks is not None else int(indices.shape[0])
         self._cache = {}
+        self._edge_perm = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -310,7 +311,9 @@ class Graph:
         order = np.argsort(dst, kind="stable")
         indptr = np.zeros(num_dst + 1, np.int64)
         np.cumsum(np.bincount(dst, minlength=num_dst), out=indptr[1:])
-        return cls.from_csr(indptr, src[order], num_src=num_src, device=device)
+        graph = cls.from_csr(indptr, src[order], num_src=num_src, device=device)
+        graph._edge_perm = order.astype(np.int64)
+        return graph
 
     @classmethod
     def radius(cls, positions, cutoff, exclude_self=True, *, device=None):
@@ -369,6 +372,13 @@ class Graph:
     def positions(self):
         """Node positions of a geometric (radius/knn) graph, else None."""
         return self._positions
+
+    @property
+    def edge_permutation(self):
+        """For a graph built by from_coo: edge e (in CSR order, the order every per-edge field
+        and gradient uses) is input edge edge_permutation[e]. Reorder COO-ordered fields with
+        `field[graph.edge_permutation]`. None for the other constructors (input order = CSR)."""
+        return self._edge_perm
 
     @property
     def edge_field_names(self):
