@@ -62,12 +62,20 @@ def _problem(n, f, seed=0):
     return pos, cutoff, x, dout
 
 
+_CPU = {}
+
+
 def _timeit(fn, reps):
+    """(min, median) wall seconds; also records CPU seconds (user+sys, all threads) per call
+    under _CPU["last"]: less sensitive to other jobs on a shared machine than wall time."""
     ts = []
+    c0 = os.times()
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
+    c1 = os.times()
+    _CPU["last"] = ((c1.user - c0.user) + (c1.system - c0.system)) / reps
     return min(ts), float(np.median(ts))
 
 
@@ -107,9 +115,10 @@ def worker_tiga(n, f, reps):
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
     t_fb = _timeit(fwd_bwd, reps)
+    cpu_fb = _CPU["last"]
     peak = _status("VmHWM") - rss0
     return dict(method="tiga fused (numba CPU)", edges=g.num_edges, fwd=t_f, fwd_bwd=t_fb,
-                peak=peak)
+                peak=peak, cpu_fb=cpu_fb)
 
 
 def _edge_arrays(g):
@@ -159,9 +168,10 @@ def worker_eager_torch(n, f, reps):
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
     t_fb = _timeit(fwd_bwd, reps)
+    cpu_fb = _CPU["last"]
     peak = _status("VmHWM") - rss0
     return dict(method=f"eager torch {torch.__version__} + PyG softmax", edges=g.num_edges,
-                fwd=t_f, fwd_bwd=t_fb, peak=peak)
+                fwd=t_f, fwd_bwd=t_fb, peak=peak, cpu_fb=cpu_fb)
 
 
 def worker_gatconv(n, f, reps):
@@ -195,9 +205,10 @@ def worker_gatconv(n, f, reps):
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
     t_fb = _timeit(fwd_bwd, reps)
+    cpu_fb = _CPU["last"]
     peak = _status("VmHWM") - rss0
     return dict(method="PyG GATConv heads=1 (different model; scale only)", edges=g.num_edges,
-                fwd=t_f, fwd_bwd=t_fb, peak=peak)
+                fwd=t_f, fwd_bwd=t_fb, peak=peak, cpu_fb=cpu_fb)
 
 
 def worker_eager_numpy(n, f, reps):
@@ -263,9 +274,10 @@ def worker_eager_numpy(n, f, reps):
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
     t_fb = _timeit(fwd_bwd, reps)
+    cpu_fb = _CPU["last"]
     peak = _status("VmHWM") - rss0
     return dict(method="eager numpy/scipy (materialized)", edges=g.num_edges, fwd=t_f,
-                fwd_bwd=t_fb, peak=peak)
+                fwd_bwd=t_fb, peak=peak, cpu_fb=cpu_fb)
 
 
 def worker_radius(n, f, reps):
@@ -490,23 +502,26 @@ def main():
                 for k in ("fwd", "fwd_bwd"):
                     old[k] = (min(old[k][0], r[k][0]), min(old[k][1], r[k][1]))
                 old["peak"] = max(old["peak"], r["peak"])
+                old["cpu_fb"] = min(old["cpu_fb"], r["cpu_fb"])
         base_name = "eager-torch" if "eager-torch" in rows and "error" not in rows["eager-torch"] \
             else "eager-numpy"
         base = rows.get(base_name)
         print(f"\n## F={f} hidden={HIDDEN} N={a.nodes}")
-        print(f"{'method':<52} {'fwd ms':>16} {'fwd+bwd ms':>18} {'extra peak MB':>14}")
+        print(f"{'method':<52} {'fwd ms':>16} {'fwd+bwd ms':>18} {'extra peak MB':>14} "
+              f"{'fwd+bwd CPU-s':>14}")
         for m, r in rows.items():
             if "error" in r:
                 print(f"{m:<52} ERROR {r['error']}")
                 continue
             print(f"{r['method']:<52} {r['fwd'][0] * 1e3:8.1f} ({r['fwd'][1] * 1e3:6.1f}) "
                   f"{r['fwd_bwd'][0] * 1e3:9.1f} ({r['fwd_bwd'][1] * 1e3:6.1f}) "
-                  f"{r['peak'] / 2**20:14.1f}")
+                  f"{r['peak'] / 2**20:14.1f} {r['cpu_fb']:14.3f}")
         t = rows["tiga"]
         if base and "error" not in base and "error" not in t:
             print(f"tiga vs {base_name}: fwd {base['fwd'][0] / t['fwd'][0]:.2f}x faster, fwd+bwd "
                   f"{base['fwd_bwd'][0] / t['fwd_bwd'][0]:.2f}x faster (target >= 3x), peak "
-                  f"memory {t['peak'] / max(base['peak'], 1):.3f} of eager (target <= 0.2)")
+                  f"memory {t['peak'] / max(base['peak'], 1):.3f} of eager (target <= 0.2); "
+                  f"CPU time per fwd+bwd {base['cpu_fb'] / max(t['cpu_fb'], 1e-9):.2f}x less")
 
 
 if __name__ == "__main__":
