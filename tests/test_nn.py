@@ -68,6 +68,10 @@ def test_trace_refuses_what_the_kernels_cannot_run():
         nn.Sequential(nn.Linear(2, 1), "relu")
     with pytest.raises(ValueError, match="in_features must be > 0"):
         nn.Linear(0, 1)
+    with pytest.raises(TypeError, match="negative_slope must be a real number"):
+        nn.LeakyReLU("steep")
+    with pytest.raises(ValueError, match="negative_slope must be finite"):
+        nn.LeakyReLU(float("nan"))
     with pytest.raises(TypeError, match="dtype must be float32 or float64"):
         nn.Linear(2, 1, dtype=np.int32)
 

@@ -14,6 +14,7 @@ them to cupy.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 import numpy as np
@@ -96,6 +97,11 @@ class Linear(Module):
 
 class LeakyReLU(Module):
     def __init__(self, negative_slope=0.01):
+        if isinstance(negative_slope, bool) or not isinstance(negative_slope, numbers.Real):
+            raise TypeError(f"negative_slope must be a real number, got "
+                            f"{type(negative_slope).__name__} {negative_slope!r}")
+        if not math.isfinite(float(negative_slope)):
+            raise ValueError(f"negative_slope must be finite, got {negative_slope}")
         self.negative_slope = float(negative_slope)
 
     def forward(self, x):
