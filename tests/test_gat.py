@@ -181,6 +181,10 @@ def test_seed_model_radius_graph_all_gradients(variant, relabel):
     text = plan.explain()
     assert "backend: cpu" in text and "not materialized" in text
     assert "asm" in plan.run_info["ir"] and "llvm" in plan.run_info["ir"]
+    if variant == "unrolled" and relabel == "relabel":  # once: it recompiles when cached
+        assert "gat_forward" in plan.ir("llvm") and len(plan.ir("asm")) > 2000
+        with pytest.raises(KeyError):
+            plan.ir("ptx")
 
 
 def test_deep_net_distance_explicit_edge_field_and_heads(variant):

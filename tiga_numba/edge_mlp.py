@@ -411,12 +411,30 @@ def _csr(graph, library):
 
 
 def _ir_stages(kernel):
-    def llvm():
-        return "\n".join(kernel.inspect_llvm().values())
+    """"llvm"/"asm" of a CPU kernel. numba refuses to show code it loaded from its on-disk
+    cache (a warning and a placeholder); then the same function is compiled once more, without
+    the cache, for the same signatures, and that code is shown (identical source and flags)."""
+    import warnings
 
-    def asm():
-        return "\n".join(kernel.inspect_asm().values())
-    return {"llvm": llvm, "asm": asm}
+    def fresh():
+        import numba
+        opts = {k: v for k, v in kernel.targetoptions.items()
+                if k in ("parallel", "fastmath", "boundscheck")}
+        d = numba.njit(**opts)(kernel.py_func)
+        for sig in kernel.signatures:
+            d.compile(sig)
+        return d
+
+    def stage(kind):
+        def show():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                text = "\n".join(getattr(kernel, f"inspect_{kind}")().values())
+            if any("Inspection disabled" in str(w.message) for w in caught):
+                text = "\n".join(getattr(fresh(), f"inspect_{kind}")().values())
+            return text
+        return show
+    return {"llvm": stage("llvm"), "asm": stage("asm")}
 
 
 # --------------------------------------------------------------------------- forward
