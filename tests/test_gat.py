@@ -478,3 +478,16 @@ def test_cuda_forward_backward_vs_oracle(dtype):
     for name in grads["params"]:
         assert cp.array_equal(res["params"][name], res2["params"][name]), f"{name} not deterministic"
     assert cp.array_equal(res["args"][1], res2["args"][1])
+
+
+def test_wide_value_keeps_value_loops(variant):
+    """Value widths above the scalar-locals limit take the loop code for the value side."""
+    from tiga_numba.cpu.gat import SMALL_VALUE
+    rng = np.random.default_rng(12)
+    n, f = 40, 3
+    pos = random_cloud(rng, n, isolated=1)
+    g = Graph.radius(pos, 0.35)
+    x = rng.standard_normal((n, f))
+    value = rng.standard_normal((n, SMALL_VALUE + 5))
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    check_all(g, seed_net(f, 6), args, value, rng)

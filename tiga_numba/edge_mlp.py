@@ -309,12 +309,13 @@ def _node_products(prep, params, xp):
     Ad = xp.empty((prep.num_dst, h1), prep.acc)
     Ad[...] = b1
     for _, role, arr, cols in prep.node_cols:
-        # contiguous weight block: numpy's matmul takes a slow non-BLAS loop on strided views
-        prod = arr.astype(prep.acc, copy=False) @ xp.ascontiguousarray(W1[:, cols].T)
-        if role == "src":
-            As += prod
+        Wt = xp.ascontiguousarray(W1[:, cols].T)  # (F, hidden)
+        target = As if role == "src" else Ad
+        if xp is np:
+            from .cpu.gat import node_matmul_add
+            node_matmul_add(np.ascontiguousarray(arr, dtype=prep.acc), Wt, target)
         else:
-            Ad += prod
+            target += arr.astype(prep.acc, copy=False) @ Wt
     # transposed (fe, hidden): the kernels' inner loops then run along contiguous memory
     WeT = xp.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols else xp.zeros((0, h1), prep.acc)
     return As, Ad, WeT
@@ -551,9 +552,16 @@ def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, 
     arg_grads = [None] * len(args)
     for k, role, arr, cols in prep.node_cols:
         g_node = dAs if role == "src" else dAd
-        x = arr.astype(acc, copy=False)
-        dW1[:, cols] = g_node.T @ x
-        g = g_node @ xp.ascontiguousarray(W1[:, cols])  # contiguous: BLAS path
+        Wb = xp.ascontiguousarray(W1[:, cols])  # (hidden, F)
+        if xp is np:
+            from .cpu.gat import node_matmul_add, node_outer_sum
+            x = np.ascontiguousarray(arr, dtype=acc)
+            dW1[:, cols] = node_outer_sum(g_node, x, max(1, min(g_node.shape[0], 256)))
+            g = np.zeros((g_node.shape[0], Wb.shape[1]), acc)
+            node_matmul_add(g_node, Wb, g)
+        else:
+            dW1[:, cols] = g_node.T @ arr.astype(acc, copy=False)
+            g = g_node @ Wb
         orig = args[k][2]
         arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
     if prep.edge_cols:

@@ -392,12 +392,15 @@ def unrollable(spec, p_size):
     return p_size + spec.h1 * spec.fe <= UNROLL_LIMIT and max(_widths(spec)) <= 64
 
 
-def _u_features(spec):
+def _u_features(spec, hoisted=None):
+    """hoisted="dst": the row's position sits in locals pi<d>; "src": in pj<d>."""
     L = []
     geo = any(it[0] in ("disp", "dist") for it in spec.edge_items)
     if geo:
         for d in range(spec.pd):
-            L.append(f"d{d} = pos[j, {d}] - pos[i, {d}]")
+            pj = f"pj{d}" if hoisted == "src" else f"pos[j, {d}]"
+            pi = f"pi{d}" if hoisted == "dst" else f"pos[i, {d}]"
+            L.append(f"d{d} = {pj} - {pi}")
         if any(it[0] == "dist" for it in spec.edge_items):
             L.append("dist = T(math.sqrt(" + " + ".join(f"d{d} * d{d}" for d in range(spec.pd)) + "))")
     for it in spec.edge_items:
@@ -458,11 +461,53 @@ def _u_score(spec, hoisted=None):
 
 
 def _u_hoist(spec, side):
-    """Per-row loads of the row's own first-layer product (the edge loop then reads only
-    the neighbour's)."""
+    """Per-row loads of the row's own first-layer product and position (the edge loop then
+    reads only the neighbour's)."""
+    geo = any(it[0] in ("disp", "dist") for it in spec.edge_items)
     if side == "dst":
-        return [f"ad{r} = Ad[i, {r}]" for r in range(spec.h1)]
-    return [f"as{r} = As[j, {r}]" for r in range(spec.h1)]
+        return ([f"ad{r} = Ad[i, {r}]" for r in range(spec.h1)]
+                + ([f"pi{d} = pos[i, {d}]" for d in range(spec.pd)] if geo else []))
+    return ([f"as{r} = As[j, {r}]" for r in range(spec.h1)]
+            + ([f"pj{d} = pos[j, {d}]" for d in range(spec.pd)] if geo else []))
+
+
+SMALL_VALUE = 16  # value widths up to this keep the value accumulators in scalar locals
+
+
+def _value_code(fv):
+    """Snippets for the value-side loops: scalar locals for small widths, loops otherwise."""
+    small = fv <= SMALL_VALUE
+    F = range(fv)
+    if small:
+        return dict(
+            f_alloc="",
+            f_init=[f"acc{f} = ZERO" for f in F],
+            f_rescale=[f"acc{f} = acc{f} * corr + V[j, {f}]" for f in F],
+            f_add=[f"acc{f} += p * V[j, {f}]" for f in F],
+            f_store=[f"out[i, {f}] = acc{f} * inv" for f in F],
+            r_hoist=[f"do{f} = dout[i, {f}]" for f in F],
+            r_delta=["delta = " + " + ".join(f"do{f} * out[i, {f}]" for f in F)],
+            r_dp=["dp = " + " + ".join(f"do{f} * V[j, {f}]" for f in F)],
+            c_alloc="",
+            c_init=[f"gv{f} = ZERO" for f in F] + [f"vj{f} = V[j, {f}]" for f in F],
+            c_dp=[f"di{f} = dout[i, {f}]" for f in F]
+            + ["dp = " + " + ".join(f"di{f} * vj{f}" for f in F)]
+            + [f"gv{f} += p * di{f}" for f in F],
+            c_store=[f"dV[j, {f}] = gv{f}" for f in F])
+    return dict(
+        f_alloc=f"accv = np.empty({fv}, T)",
+        f_init=[f"for f in range({fv}):", "    accv[f] = ZERO"],
+        f_rescale=[f"for f in range({fv}):", "    accv[f] = accv[f] * corr + V[j, f]"],
+        f_add=[f"for f in range({fv}):", "    accv[f] += p * V[j, f]"],
+        f_store=[f"for f in range({fv}):", "    out[i, f] = accv[f] * inv"],
+        r_hoist=[],
+        r_delta=["delta = ZERO", f"for f in range({fv}):", "    delta += dout[i, f] * out[i, f]"],
+        r_dp=["dp = ZERO", f"for f in range({fv}):", "    dp += dout[i, f] * V[j, f]"],
+        c_alloc=f"gV = np.empty({fv}, T)",
+        c_init=[f"for f in range({fv}):", "    gV[f] = ZERO"],
+        c_dp=["dp = ZERO", f"for f in range({fv}):", "    dp += dout[i, f] * V[j, f]",
+              "    gV[f] += p * dout[i, f]"],
+        c_store=[f"for f in range({fv}):", "    dV[j, f] = gV[f]"])
 
 
 def _u_backward(spec, param_grads):
@@ -525,8 +570,10 @@ def _block(lines, n):
 def generate_source_unrolled(spec, p_size, dtype_name):
     h1, fe, fv, pd = spec.h1, spec.fe, spec.fv, spec.pd
     we_off = p_size
+    vc = _value_code(fv)
     weights = _block(_u_weights(spec), 8)
-    feat = _block(_u_features(spec), 16)
+    feat = _block(_u_features(spec, "dst"), 16)
+    feat_src = _block(_u_features(spec, "src"), 16)
     score = _block(_u_score(spec, "dst"), 16)
     score_src = _block(_u_score(spec, "src"), 16)
     hoist_dst = _block(_u_hoist(spec, "dst"), 12)
@@ -547,7 +594,7 @@ def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
     nch = min(nrows, {NUM_CHUNKS})
     for ch in numba.prange(nch):
 {weights}
-        accv = np.empty({fv}, T)
+        {vc["f_alloc"]}
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
         for t in range(r0, r1):
@@ -555,8 +602,7 @@ def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
 {hoist_dst}
             m = T(-np.inf)
             l = ZERO
-            for f in range({fv}):
-                accv[f] = ZERO
+{_block(vc["f_init"], 12)}
             for e in range(indptr[i], indptr[i + 1]):
                 j = indices[e]
 {feat}
@@ -564,17 +610,14 @@ def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
                 if s > m:
                     corr = T(math.exp(m - s))
                     l = l * corr + ONE
-                    for f in range({fv}):
-                        accv[f] = accv[f] * corr + V[j, f]
+{_block(vc["f_rescale"], 20)}
                     m = s
                 else:
                     p = T(math.exp(s - m))
                     l += p
-                    for f in range({fv}):
-                        accv[f] += p * V[j, f]
+{_block(vc["f_add"], 20)}
             inv = ONE / l if l > ZERO else ZERO
-            for f in range({fv}):
-                out[i, f] = accv[f] * inv
+{_block(vc["f_store"], 12)}
             M[i] = m
             L[i] = l
 """
@@ -594,9 +637,8 @@ def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, d
         for t in range(r0, r1):
             i = order[t]
 {hoist_dst}
-            delta = ZERO
-            for f in range({fv}):
-                delta += dout[i, f] * out[i, f]
+{_block(vc["r_hoist"], 12)}
+{_block(vc["r_delta"], 12)}
             Delta[i] = delta
 {_block([f"gad{r} = ZERO" for r in range(h1)], 12)}
 {gp_init}
@@ -608,9 +650,7 @@ def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, d
 {feat}
 {score}
                 p = T(math.exp(s - mi)) * inv_l
-                dp = ZERO
-                for f in range({fv}):
-                    dp += dout[i, f] * V[j, f]
+{_block(vc["r_dp"], 16)}
                 ds = p * (dp - delta)
 {_block(_u_backward(spec, True), 16)}
 {_block(gad_lines, 16)}
@@ -627,33 +667,28 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
     nch = min(nrows, {NUM_CHUNKS})
     for ch in numba.prange(nch):
 {weights}
-        gV = np.empty({fv}, T)
+        {vc["c_alloc"]}
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
         for tt_ in range(r0, r1):
             j = order[tt_]
 {hoist_src}
 {_block([f"gas{r} = ZERO" for r in range(h1)], 12)}
-            for f in range({fv}):
-                gV[f] = ZERO
+{_block(vc["c_init"], 12)}
 {gp_init}
             for t in range(tptr[j], tptr[j + 1]):
                 i = tind[t]
 {read_perm}
-{feat}
+{feat_src}
 {score_src}
                 p = T(math.exp(s - M[i])) / L[i]
-                dp = ZERO
-                for f in range({fv}):
-                    dp += dout[i, f] * V[j, f]
-                    gV[f] += p * dout[i, f]
+{_block(vc["c_dp"], 16)}
                 ds = p * (dp - Delta[i])
 {_block(_u_backward(spec, False), 16)}
 {_block([f"gas{r} += g0_{r}" for r in range(h1)], 16)}
 {_block(_u_edge_grad(spec, "src"), 16)}
 {_block([f"dAs[j, {r}] = gas{r}" for r in range(h1)], 12)}
-            for f in range({fv}):
-                dV[j, f] = gV[f]
+{_block(vc["c_store"], 12)}
 {_block([f"dpos[j, {d}] = gp{d}" for d in range(pd)], 12)}
 """
     header = (f"# generated by tiga_numba.cpu.gat (unrolled) for spec {spec!r}, {dtype_name}\n"
@@ -728,3 +763,42 @@ def relabel_csr(order, inv, indptr, indices):
         for e in range(indptr[o], indptr[o + 1]):
             new_idx[base + e] = inv[indices[e]]
     return new_ptr, new_idx
+
+
+# --------------------------------------------------------------------------- node products
+# The (N, hidden) products around the fused kernels run in numba too, not through numpy's
+# BLAS: right after a numba parallel region the OpenMP workers are still spinning, and
+# OpenBLAS's own threads then crawl (measured: a (16 x 100k) @ (100k x 64) product took
+# 844 ms instead of 32 ms on 2 cores).
+@numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def node_matmul_add(X, W, out):
+    """out (N, H) += X (N, K) @ W (K, H); rows independent."""
+    n, k = X.shape
+    h = W.shape[1]
+    for i in numba.prange(n):
+        for a in range(k):
+            xv = X[i, a]
+            for b in range(h):
+                out[i, b] += xv * W[a, b]
+
+
+@numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def node_outer_sum(A, X, nchunks):
+    """A^T @ X ((H, K)) as per-chunk partial sums reduced in chunk order (deterministic)."""
+    n, h = A.shape
+    k = X.shape[1]
+    part = _np.zeros((nchunks, h, k), A.dtype)
+    for c in numba.prange(nchunks):
+        i0 = c * n // nchunks
+        i1 = (c + 1) * n // nchunks
+        for i in range(i0, i1):
+            for a in range(h):
+                av = A[i, a]
+                for b in range(k):
+                    part[c, a, b] += av * X[i, b]
+    out = _np.zeros((h, k), A.dtype)
+    for c in range(nchunks):
+        for a in range(h):
+            for b in range(k):
+                out[a, b] += part[c, a, b]
+    return out
