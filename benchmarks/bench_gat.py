@@ -111,6 +111,7 @@ def worker_tiga(n, f, reps):
         return edge_mlp.backward(g, net, args, x, st, dout)
 
     fwd_bwd()  # builds the graph's cached realisations (relabelled CSR and its transpose)
+    time.sleep(1.0)
     _reset_peak()
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
@@ -164,6 +165,7 @@ def worker_eager_torch(n, f, reps):
         model(src, dst, P, X, n).backward(D)
 
     fwd()
+    time.sleep(1.0)  # let numba's OpenMP workers (graph build) stop spinning: fair to BLAS users
     _reset_peak()
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
@@ -201,6 +203,7 @@ def worker_gatconv(n, f, reps):
         conv(X, ei).backward(D)
 
     fwd()
+    time.sleep(1.0)  # let numba's OpenMP workers (graph build) stop spinning: fair to BLAS users
     _reset_peak()
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
@@ -270,6 +273,7 @@ def worker_eager_numpy(n, f, reps):
         return backward(x, dout, out, saved, src, dst, S_dst, S_src)
 
     fwd()
+    time.sleep(1.0)  # let numba's OpenMP workers (graph build) stop spinning: fair to BLAS users
     _reset_peak()
     rss0 = _status("VmRSS")
     t_f = _timeit(fwd, reps)
