@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .fastexp import FASTMATH, exp2f, fmax, wide_vectors
+from .fastexp import FASTMATH, denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
 
 LN2 = math.log(2.0)
@@ -72,6 +72,7 @@ def make_forward(acc, BM, BN, prune):
         n_items = items.shape[0]
         for w in prange(n_items):
             wide_vectors()
+            mxcsr = denormals_off()
             h = items[w, 0]
             b = items[w, 1]
             q0 = items[w, 2]
@@ -154,6 +155,7 @@ def make_forward(acc, BM, BN, prune):
                 l_out[i, h] = l[r]
             tiles_total[w] = n_total
             tiles_pruned[w] = n_pruned
+            restore_mxcsr(mxcsr)
 
     return forward
 
@@ -170,6 +172,7 @@ def make_backward(acc, BM, BN):
         n_items = kitems.shape[0]
         for part in prange(n_parts):
             wide_vectors()
+            mxcsr = denormals_off()
             pbuf = np.empty((BM, BN), dt)
             sbuf = np.empty((BM, BN), dt)
             dk_acc = np.empty((BN, D), dt)
@@ -241,6 +244,7 @@ def make_backward(acc, BM, BN):
                         dk[hk, s0 + c0 + c, d] = dka[c, d] * ln2
                     for d in range(Dv):
                         dv[hk, s0 + c0 + c, d] = dva[c, d]
+            restore_mxcsr(mxcsr)
 
     return backward
 

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from .blocks import EMPTY, NEG, exp2_any
-from .fastexp import FASTMATH, fmax
+from .fastexp import FASTMATH, denormals_off, fmax, restore_mxcsr
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -42,6 +42,7 @@ def make_forward(acc):
         has_bias = bias.shape[0] > 0
         n_blk = (Nq + RB - 1) // RB
         for blk in prange(n_blk):
+            mxcsr = denormals_off()
             # scratch once per block of rows; element loops run over contiguous 1-D views
             acc_ = np.empty((H, Dv), dt)
             m = np.empty(H, dt)
@@ -101,6 +102,7 @@ def make_forward(acc):
                         o[d] = ar[d] * inv
                     m_out[i, h] = m[h] * ln2 if l[h] > 0 else -np.inf
                     l_out[i, h] = l[h]
+            restore_mxcsr(mxcsr)
 
     return forward
 
@@ -119,6 +121,7 @@ def make_backward(acc):
         has_bias = bias.shape[0] > 0
         n_blk = (Nq + RB - 1) // RB
         for blk in prange(n_blk):
+            mxcsr = denormals_off()
             acc_ = np.empty((H, D), dt)
             for i in range(blk * RB, min(Nq, (blk + 1) * RB)):
                 acc_[:, :] = 0.0
@@ -154,6 +157,7 @@ def make_backward(acc):
                     o = dq[i, h]
                     for d in range(D):
                         o[d] = ar[d] * scale
+            restore_mxcsr(mxcsr)
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
@@ -165,6 +169,7 @@ def make_backward(acc):
         has_bias = bias.shape[0] > 0
         n_blk = (Nk + RB - 1) // RB
         for blk in prange(n_blk):
+            mxcsr = denormals_off()
             dk_acc = np.empty((Hkv, D), dt)
             dv_acc = np.empty((Hkv, Dv), dt)
             for j in range(blk * RB, min(Nk, (blk + 1) * RB)):
@@ -208,5 +213,6 @@ def make_backward(acc):
                         ok[d] = ka[d] * ln2
                     for d in range(Dv):
                         ov[d] = va[d]
+            restore_mxcsr(mxcsr)
 
     return backward_dst, backward_src

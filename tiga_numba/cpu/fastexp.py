@@ -10,6 +10,8 @@ Inputs below -126 flush to 0 (the kernels' finite "minus infinity" ``blocks.NEG`
 which is what the online softmax wants; inputs above 127 saturate.  float64 kernels use ``math.exp2``: they are
 the accuracy path, not the speed path.
 """
+import platform
+
 import numpy as np
 from numba import njit, types
 from numba.core import cgutils
@@ -83,6 +85,59 @@ def wide_vectors(typingctx):
         attrs = builder.function.attributes
         set.add(attrs, '"prefer-vector-width"="512"')
         set.add(attrs, '"min-legal-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_MXCSR_FTZ_DAZ = 0x8040  # flush-to-zero (bit 15) and denormals-are-zero (bit 6)
+
+
+@intrinsic
+def denormals_off(typingctx):
+    """Set FTZ/DAZ in this thread's MXCSR and return the previous MXCSR (x86; elsewhere a
+    no-op returning 0).  Softmax weights far below the row max and accumulators rescaled by
+    tiny factors become subnormal; one subnormal operand in a tile makes the gemm and the
+    vector loops take microcode assists (a 'local' workload ran 2.6x slower than a random
+    one).  Values below 2**-126 are irrelevant next to a row max of weight 1.  The kernels
+    restore the register with ``restore_mxcsr`` at the end of every work item, so other code
+    on numba's worker threads is unaffected."""
+    sig = types.int32()
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        if not _X86:
+            return ir.Constant(i32, 0)
+        slot = cgutils.alloca_once(builder, i32)
+        ptr = builder.bitcast(slot, ir.IntType(8).as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()])
+        st = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.stmxcsr")
+        ld = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.ldmxcsr")
+        builder.call(st, [ptr])
+        old = builder.load(slot)
+        builder.store(builder.or_(old, ir.Constant(i32, _MXCSR_FTZ_DAZ)), slot)
+        builder.call(ld, [ptr])
+        return old
+
+    return sig, codegen
+
+
+@intrinsic
+def restore_mxcsr(typingctx, old):
+    """Put back the MXCSR value returned by ``denormals_off``."""
+    if old != types.int32:
+        return None
+    sig = types.none(old)
+
+    def codegen(context, builder, signature, args):
+        if _X86:
+            i32 = ir.IntType(32)
+            slot = cgutils.alloca_once_value(builder, args[0])
+            ptr = builder.bitcast(slot, ir.IntType(8).as_pointer())
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()])
+            ld = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.ldmxcsr")
+            builder.call(ld, [ptr])
         return context.get_dummy_value()
 
     return sig, codegen
