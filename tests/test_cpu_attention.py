@@ -262,3 +262,25 @@ def test_csr_minus_inf_bias_masks_edges():
                              (dbias[keep], rdb, "dbias")):
         _close(got, want_, np.float32, name)
     assert np.all(dbias[~keep] == 0)
+
+
+def test_subnormal_mode_is_restored():
+    """The kernels flush subnormals while they run (speed) and must leave every thread's
+    floating-point mode as they found it."""
+    from numba import njit, prange
+
+    @njit(parallel=True)
+    def tiny(x, out):
+        for i in prange(out.shape[0]):
+            out[i] = x[i] * x[i]
+
+    g = GRAPHS["triangular"]
+    rng = np.random.default_rng(9)
+    q, k, v, do = _inputs(rng, g, np.float32, 2, 2)
+    out, stats = tg.attention(q, k, v, g, return_stats=True)
+    tg.attention_backward(do, q, k, v, out, stats, g)
+    x = np.full(64, 1e-20, np.float32)
+    res = np.empty(64, np.float32)
+    tiny(x, res)
+    assert np.all(res > 0), "a numba worker thread was left in flush-to-zero mode"
+    assert x[0] * x[0] > 0, "the calling thread was left in flush-to-zero mode"
