@@ -284,3 +284,25 @@ def test_subnormal_mode_is_restored():
     tiny(x, res)
     assert np.all(res > 0), "a numba worker thread was left in flush-to-zero mode"
     assert x[0] * x[0] > 0, "the calling thread was left in flush-to-zero mode"
+
+
+def test_same_bits_with_any_thread_count():
+    """dq is summed over a fixed number of partitions (api.N_PARTS), not over threads."""
+    import numba
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two numba threads")
+    before = numba.get_num_threads()
+    try:
+        for kind in ("dense_rect", "segments_causal", "csr"):
+            g = GRAPHS[kind]
+            rng = np.random.default_rng(10)
+            q, k, v, do = _inputs(rng, g, np.float32, 4, 2)
+            runs = []
+            for threads in (1, 2):
+                numba.set_num_threads(threads)
+                out, stats = tg.attention(q, k, v, g, return_stats=True)
+                grads = tg.attention_backward(do, q, k, v, out, stats, g)
+                runs.append([x.tobytes() for x in (out, stats.m, stats.l) + tuple(grads)])
+            assert runs[0] == runs[1], kind
+    finally:
+        numba.set_num_threads(before)

@@ -28,11 +28,19 @@ LOG2E = 1.0 / math.log(2.0)
 # tile (32 KiB) in L1/L2, and OpenBLAS's small-matrix gemm path fast.  docs/cpu_backend.md.
 BM = 64
 BN = 128
+# dq partitions of the block backward.  A constant, not the thread count: the summation order
+# of dq (partition by partition) then depends on the problem only, so the backward gives the
+# same bits with any number of threads.  4 keeps 2-4 cores busy and balanced; memory is
+# N_PARTS x (H, Nq, D) in the accumulation dtype.
+N_PARTS = 4
 
 
 def _kernel(key, build):
     kern = KERNELS.get(key, build)
     return kern, ("hit" if KERNELS.last_was_hit else "miss")
+
+
+_IR_TEXT = {}
 
 
 def _ir(kernel):
@@ -46,6 +54,9 @@ def _ir(kernel):
             if not sigs:
                 return ""
             sig = sigs[-1]
+            memo = _IR_TEXT.get((id(kernel), name))
+            if memo is not None and memo[0] is kernel:
+                return memo[1]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 res = _inspect(kernel, name, sig)
@@ -54,6 +65,7 @@ def _ir(kernel):
                 fresh = numba.njit(**opts)(kernel.py_func)
                 fresh.compile(sig)
                 res = _inspect(fresh, name, sig)
+            _IR_TEXT[(id(kernel), name)] = (kernel, res)  # recompiling takes seconds: once
             return res
         return text
     return {"llvm": stage("llvm"), "asm": stage("asm")}
@@ -223,7 +235,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         linvh = np.ascontiguousarray(linv.T)
         deltah = np.ascontiguousarray(delta.T)
         kitems, costs = _backward_items(relation, Hkv, H // Hkv)
-        n_parts = max(1, min(numba.get_num_threads(), kitems.shape[0]))
+        n_parts = max(1, min(N_PARTS, kitems.shape[0]))
         kitems = _deal(kitems, costs, n_parts)
         kern, hit = _kernel(("cpu", "blocks.backward", acc.name, BM, BN),
                             lambda: _blocks.make_backward(acc.name, BM, BN))

@@ -16,11 +16,11 @@ running max over every row of the query tile; a rejected tile skips its value pr
 softmax update.
 
 Backward (deterministic, no atomics, no N x N scratch): work items = (kv head, block, key tile),
-dealt round-robin to ``P`` fixed partitions run in parallel.  Each item owns its dk/dv rows
+dealt to ``P`` = api.N_PARTS fixed partitions run in parallel.  Each item owns its dk/dv rows
 (summing over the query heads of its GQA group) and adds ``dS @ K`` into its partition's private
 dq buffer ``(P, H, Nq, D)`` (O(N) memory); a second parallel loop sums the partitions in
-partition order.  The partition an item lands in depends only on its index, so the bits are
-the same on every run with the same ``P``.
+partition order.  The partition an item lands in depends only on the problem (P is a
+constant, not the thread count), so the bits are the same on every run and any thread count.
 """
 import math
 
