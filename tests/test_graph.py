@@ -154,3 +154,8 @@ def test_from_coo_edge_permutation_maps_input_fields():
     np.testing.assert_array_equal(indices, src[g.edge_permutation])
     np.testing.assert_array_equal(field[g.edge_permutation], [20.0, 10.0, 30.0, 40.0])
     assert tg.Graph.dense(3).edge_permutation is None
+
+
+def test_cat_of_nothing_is_refused():
+    with pytest.raises(ValueError, match="at least one"):
+        tg.Graph.cat([])

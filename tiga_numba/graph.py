@@ -201,6 +201,8 @@ class Graph:
         """Block-diagonal composition: graph b's sources and destinations follow graph b-1's.
         Stays implicit when every block is dense/triangular/segments, else becomes CSR."""
         graphs = list(graphs)
+        if not graphs:
+            raise ValueError("graphs must hold at least one Graph, got an empty sequence")
         for i, g in enumerate(graphs):
             if not isinstance(g, Graph):
                 raise TypeError(f"graphs[{i}] must be a tiga_numba.Graph, got {type(g).__name__}")
