@@ -150,7 +150,7 @@ def check_prune_threshold(rho):
     return rho
 
 
-def check_like(name, array, shape, library, dtype=None, expected_shape=None):
+def check_like(name, array, library, dtype=None, expected_shape=None):
     """Check an auxiliary array (dout, out, stats) against the forward's library/shape."""
     lib = library_of(name, array)
     if lib != library:
@@ -180,6 +180,5 @@ def check_edge_bias(edge_bias, shape: AttentionShape, graph):
         raise ValueError(f"edge_bias must have shape ({E},) or ({E}, {H}) (one value per edge "
                          f"[and head]), got {tuple(edge_bias.shape)}")
     xp = np if shape.library == "numpy" else _cupy("edge_bias")
-    out = xp.empty((E, H), dtype=shape.accum_dtype)
-    out[...] = edge_bias
-    return out
+    # no copy when the caller already passes (E, H) contiguous in the accumulation dtype
+    return xp.ascontiguousarray(xp.broadcast_to(edge_bias, (E, H)), dtype=shape.accum_dtype)

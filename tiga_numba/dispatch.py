@@ -15,12 +15,6 @@ _BACKEND_MODULES = {"cpu": "tiga_numba.cpu.api", "cuda": "tiga_numba.cuda.api"}
 _LOADED = {}
 
 
-def register_backend(name, module_path):
-    """Point backend `name` at a module exposing forward/backward (tests, plug-ins)."""
-    _BACKEND_MODULES[name] = module_path
-    _LOADED.pop(name, None)
-
-
 def backend_module(name):
     if name not in _LOADED:
         try:

@@ -100,14 +100,14 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
                         f"return_stats=True), got {type(stats).__name__}")
     lead = (shape.num_dst,) if shape.squeezed else (shape.num_dst, shape.heads)
     out_shape = lead + (shape.value_dim,)
-    dout = arrays.check_like("dout", dout, shape, shape.library, expected_shape=out_shape)
-    out = arrays.check_like("out", out, shape, shape.library, expected_shape=out_shape)
-    m = arrays.check_like("stats.m", stats.m, shape, shape.library, expected_shape=lead)
-    l = arrays.check_like("stats.l", stats.l, shape, shape.library, expected_shape=lead)
+    dout = arrays.check_like("dout", dout, shape.library, expected_shape=out_shape)
+    out = arrays.check_like("out", out, shape.library, expected_shape=out_shape)
+    m = arrays.check_like("stats.m", stats.m, shape.library, expected_shape=lead)
+    l = arrays.check_like("stats.l", stats.l, shape.library, expected_shape=lead)
     if shape.squeezed:
         dout, out, m, l = dout[:, None, :], out[:, None, :], m[:, None], l[:, None]
     for name, a in (("dout", dout), ("out", out)):
-        if not np.issubdtype(np.dtype(a.dtype), np.floating) and np.dtype(a.dtype) != shape.dtype:
+        if np.dtype(a.dtype).kind != "f" and np.dtype(a.dtype) != shape.dtype:  # bf16 is kind "V"
             raise TypeError(f"{name} must be floating point, got {a.dtype}")
     xp = _xp(shape.library)
     acc = shape.accum_dtype

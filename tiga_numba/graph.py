@@ -100,9 +100,10 @@ def _blocks_to_csr(rel: BlockRelation, num_dst):
         if nd == 0 or ns == 0:
             continue
         if rel.causal[b]:
-            local = np.arange(nd)
-            counts[d0:d1] = local + 1
-            cols = np.concatenate([np.arange(i + 1) for i in range(nd)]) if nd else np.zeros(0)
+            row_len = np.arange(1, nd + 1)
+            counts[d0:d1] = row_len
+            # row i holds columns 0..i: a running index minus each row's start
+            cols = np.arange(nd * (nd + 1) // 2) - np.repeat(np.cumsum(row_len) - row_len, row_len)
         else:
             counts[d0:d1] = ns
             cols = np.tile(np.arange(ns), nd)

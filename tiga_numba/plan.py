@@ -32,10 +32,6 @@ class Plan:
     prune_threshold: float | None = None
     run_info: dict = field(default_factory=dict)
 
-    @property
-    def relation_family(self):
-        return "blocks" if self.realization == "implicit blocks" else "csr"
-
     def explain(self):
         info = self.run_info
         lines = [
