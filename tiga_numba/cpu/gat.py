@@ -176,9 +176,28 @@ def _emit_mlp_backward(spec, ind, param_grads):
     return [ind + s for s in L]
 
 
+def _route_edge_grad(spec, side, ge, explicit):
+    """Route the edge-feature gradient ge(i) to the positions (side 'dst': minus, 'src':
+    plus) and, on the dst side, through explicit(off, width, xcol) to explicit edge features.
+    Shared by the looped and the unrolled generators; only how an element is named differs."""
+    L = []
+    sign = "-" if side == "dst" else "+"
+    for it in spec.edge_items:
+        if it[0] == "disp":
+            for d in range(spec.pd):
+                L.append(f"gp{d} {sign}= {ge(it[1] + d)}")
+        elif it[0] == "dist":
+            L.append("if dist > ZERO:")
+            L.append(f"    gd = {ge(it[1])} / dist")
+            for d in range(spec.pd):
+                L.append(f"    gp{d} {sign}= gd * d{d}")
+        elif side == "dst":
+            L += explicit(*it[1:])
+    return L
+
+
 def _emit_edge_grad(spec, ind, side):
-    """gef = We^T gh0 routed to the positions (side 'dst': minus, 'src': plus) and, on the
-    dst side, to explicit edge features (dEX row e)."""
+    """gef = We^T gh0 into the scratch GE, then routed (looped generator)."""
     if not spec.fe:
         return []
     L = [f"for c in range({spec.fe}):",
@@ -186,20 +205,9 @@ def _emit_edge_grad(spec, ind, side):
          f"    for r in range({spec.h1}):",
          "        acc += WeT[c, r] * G0[r]",
          "    GE[c] = acc"]
-    sign = "-" if side == "dst" else "+"
-    for it in spec.edge_items:
-        if it[0] == "disp":
-            for d in range(spec.pd):
-                L.append(f"gp{d} {sign}= GE[{it[1] + d}]")
-        elif it[0] == "dist":
-            L.append("if dist > ZERO:")
-            L.append(f"    gd = GE[{it[1]}] / dist")
-            for d in range(spec.pd):
-                L.append(f"    gp{d} {sign}= gd * d{d}")
-        elif side == "dst":
-            _, off, width, xcol = it
-            L += [f"for c in range({width}):",
-                  f"    dEX[e, {xcol} + c] = GE[{off} + c]"]
+    L += _route_edge_grad(spec, side, lambda i: f"GE[{i}]",
+                          lambda off, width, xcol: [f"for c in range({width}):",
+                                                    f"    dEX[e, {xcol} + c] = GE[{off} + c]"])
     return [ind + s for s in L]
 
 
@@ -541,25 +549,14 @@ def _u_backward(spec, param_grads):
 
 
 def _u_edge_grad(spec, side):
+    """gef = We^T gh0 into scalars ge<c>, then routed (unrolled generator)."""
     if not spec.fe:
         return []
-    L = []
-    for c in range(spec.fe):
-        L.append(f"ge{c} = " + " + ".join(f"we{c}_{r} * g0_{r}" for r in range(spec.h1)))
-    sign = "-" if side == "dst" else "+"
-    for it in spec.edge_items:
-        if it[0] == "disp":
-            for d in range(spec.pd):
-                L.append(f"gp{d} {sign}= ge{it[1] + d}")
-        elif it[0] == "dist":
-            L.append("if dist > ZERO:")
-            L.append(f"    gd = ge{it[1]} / dist")
-            for d in range(spec.pd):
-                L.append(f"    gp{d} {sign}= gd * d{d}")
-        elif side == "dst":
-            _, off, width, xcol = it
-            for c in range(width):
-                L.append(f"dEX[e, {xcol + c}] = ge{off + c}")
+    L = [f"ge{c} = " + " + ".join(f"we{c}_{r} * g0_{r}" for r in range(spec.h1))
+         for c in range(spec.fe)]
+    L += _route_edge_grad(spec, side, lambda i: f"ge{i}",
+                          lambda off, width, xcol: [f"dEX[e, {xcol + c}] = ge{off + c}"
+                                                    for c in range(width)])
     return L
 
 
