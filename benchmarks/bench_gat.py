@@ -79,6 +79,19 @@ def _timeit(fn, reps):
     return min(ts), float(np.median(ts))
 
 
+def _measure(method, edges, fwd, fwd_bwd, reps):
+    """Time fwd and fwd_bwd after the caller's warm-up; peak memory above the resident set at
+    the start (VmHWM after clear_refs)."""
+    time.sleep(1.0)  # let numba's OpenMP workers (graph build) stop spinning: fair to BLAS users
+    _reset_peak()
+    rss0 = _status("VmRSS")
+    t_f = _timeit(fwd, reps)
+    t_fb = _timeit(fwd_bwd, reps)
+    cpu_fb = _CPU["last"]
+    peak = _status("VmHWM") - rss0
+    return dict(method=method, edges=edges, fwd=t_f, fwd_bwd=t_fb, peak=peak, cpu_fb=cpu_fb)
+
+
 # --------------------------------------------------------------------------- workers
 def worker_tiga(n, f, reps):
     import tiga_numba as tg
@@ -111,15 +124,7 @@ def worker_tiga(n, f, reps):
         return edge_mlp.backward(g, net, args, x, st, dout)
 
     fwd_bwd()  # builds the graph's cached realisations (relabelled CSR and its transpose)
-    time.sleep(1.0)
-    _reset_peak()
-    rss0 = _status("VmRSS")
-    t_f = _timeit(fwd, reps)
-    t_fb = _timeit(fwd_bwd, reps)
-    cpu_fb = _CPU["last"]
-    peak = _status("VmHWM") - rss0
-    return dict(method="tiga fused (numba CPU)", edges=g.num_edges, fwd=t_f, fwd_bwd=t_fb,
-                peak=peak, cpu_fb=cpu_fb)
+    return _measure("tiga fused (numba CPU)", g.num_edges, fwd, fwd_bwd, reps)
 
 
 def _edge_arrays(g):
@@ -165,15 +170,7 @@ def worker_eager_torch(n, f, reps):
         model(src, dst, P, X, n).backward(D)
 
     fwd()
-    time.sleep(1.0)  # let numba's OpenMP workers (graph build) stop spinning: fair to BLAS users
-    _reset_peak()
-    rss0 = _status("VmRSS")
-    t_f = _timeit(fwd, reps)
-    t_fb = _timeit(fwd_bwd, reps)
-    cpu_fb = _CPU["last"]
-    peak = _status("VmHWM") - rss0
-    return dict(method=f"eager torch {torch.__version__} + PyG softmax", edges=g.num_edges,
-                fwd=t_f, fwd_bwd=t_fb, peak=peak, cpu_fb=cpu_fb)
+    return _measure(f"eager torch {torch.__version__} + PyG softmax", g.num_edges, fwd, fwd_bwd, reps)
 
 
 def worker_gatconv(n, f, reps):
@@ -203,15 +200,7 @@ def worker_gatconv(n, f, reps):
         conv(X, ei).backward(D)
 
     fwd()
-    time.sleep(1.0)  # let numba's OpenMP workers (graph build) stop spinning: fair to BLAS users
-    _reset_peak()
-    rss0 = _status("VmRSS")
-    t_f = _timeit(fwd, reps)
-    t_fb = _timeit(fwd_bwd, reps)
-    cpu_fb = _CPU["last"]
-    peak = _status("VmHWM") - rss0
-    return dict(method="PyG GATConv heads=1 (different model; scale only)", edges=g.num_edges,
-                fwd=t_f, fwd_bwd=t_fb, peak=peak, cpu_fb=cpu_fb)
+    return _measure("PyG GATConv heads=1 (different model; scale only)", g.num_edges, fwd, fwd_bwd, reps)
 
 
 def worker_eager_numpy(n, f, reps):
@@ -273,15 +262,7 @@ def worker_eager_numpy(n, f, reps):
         return backward(x, dout, out, saved, src, dst, S_dst, S_src)
 
     fwd()
-    time.sleep(1.0)  # let numba's OpenMP workers (graph build) stop spinning: fair to BLAS users
-    _reset_peak()
-    rss0 = _status("VmRSS")
-    t_f = _timeit(fwd, reps)
-    t_fb = _timeit(fwd_bwd, reps)
-    cpu_fb = _CPU["last"]
-    peak = _status("VmHWM") - rss0
-    return dict(method="eager numpy/scipy (materialized)", edges=g.num_edges, fwd=t_f,
-                fwd_bwd=t_fb, peak=peak, cpu_fb=cpu_fb)
+    return _measure("eager numpy/scipy (materialized)", g.num_edges, fwd, fwd_bwd, reps)
 
 
 def worker_radius(n, f, reps):
