@@ -2,12 +2,14 @@
 
 Both builders bin the points into a uniform grid of cells (cell lists) and only look at
 nearby cells, so the work is proportional to N times the local density, never N**2.
-They run on the host with numba parallel loops; cupy positions are copied to the host
-first (`last_build_info()["copies"]` says so) and the CSR comes back as numpy arrays,
-which `Graph` copies to the device once and caches.
+numpy positions are built here, on the host, with numba parallel loops; cupy positions are
+built on the GPU by `tiga_numba.cuda.neighbors` and the CSR stays on the device. The two
+builders produce the same graph bit for bit: the same grid (`radius_grid`, `knn_grid`),
+the same float64 distance arithmetic (no fused multiply-add), the same canonical order.
 
 Conventions (those of `Graph`): rows are destinations, `indices` are source ids, sorted
-within a row by source id; `indptr` int64 (N+1,), `indices` int32 (E,).
+within a row by increasing source id; `indptr` int64 (N+1,), `indices` int32 (E,).
+Positions of shape (N, 1|2|3) are padded with zero coordinates to 3-D and read as float64.
 """
 from __future__ import annotations
 
@@ -16,55 +18,135 @@ import math
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["radius_graph", "knn_graph", "last_build_info"]
+__all__ = ["radius_graph", "knn_graph", "last_build_info", "spatial_order"]
 
 _LAST = {}
 
+# A cell a hair wider than the cutoff: a pair at distance exactly `cutoff` can then never land
+# two cells apart through the rounding of (p - lo) / cell.
+_CELL_SLACK = 1.0 + 2.0 ** -40
+# The ring bound a hair smaller than r * cell, for the same reason (knn termination).
+_RING_SLACK = 1.0 - 2.0 ** -40
+
 
 def last_build_info():
-    """What the last radius_graph/knn_graph call did (grid, copies), for explain()."""
+    """What the last radius_graph/knn_graph call did (builder, grid, copies), for explain()."""
     return dict(_LAST)
 
 
+def _record(**info):
+    _LAST.clear()
+    _LAST.update(info)
+
+
 # --------------------------------------------------------------------------- input handling
-def _host_positions(positions):
-    copies = []
+def on_device(array):
+    """True for a GPU array (anything with __cuda_array_interface__ that is not numpy)."""
+    return hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray)
+
+
+def check_positions(positions):
+    """Validate positions (numpy, cupy, or a nested sequence); returns the array in its own
+    library. Raises TypeError/ValueError naming `positions`."""
     arr = positions
-    if hasattr(arr, "__cuda_array_interface__") and not isinstance(arr, np.ndarray):
-        # No GPU cell-list builder yet: one host copy of (N, 3) positions, O(N).
-        arr = arr.get() if hasattr(arr, "get") else np.asarray(arr)
-        copies.append("positions copied device->host for the cell-list build (no GPU builder)")
-    try:
-        arr = np.asarray(arr)
-    except Exception as exc:  # pragma: no cover
-        raise TypeError(f"positions must be an array, got {type(positions).__name__}") from exc
+    if not on_device(arr):
+        try:
+            arr = np.asarray(arr)
+        except Exception as exc:  # pragma: no cover - exotic inputs
+            raise TypeError(f"positions must be an array, got {type(positions).__name__}") from exc
     if arr.ndim != 2 or arr.shape[1] not in (1, 2, 3):
-        raise ValueError(f"positions must have shape (N, 1|2|3), got {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"positions must have shape (N, 1|2|3), got {tuple(arr.shape)}")
+    if not np.issubdtype(np.dtype(arr.dtype), np.floating):
         raise TypeError(f"positions must be a floating-point array, got {arr.dtype}")
     if arr.shape[0] >= 2**31:
         raise ValueError(f"positions must hold fewer than 2**31 points, got {arr.shape[0]}")
+    if arr.size:
+        xp = np
+        if on_device(arr):
+            import cupy as xp
+        if not bool(xp.isfinite(arr).all()):
+            raise ValueError("positions must be finite (found NaN or inf)")
+    return arr
+
+
+def check_cutoff(cutoff):
+    try:
+        value = float(cutoff)
+    except (TypeError, ValueError):
+        raise TypeError(f"cutoff must be a real number, got {type(cutoff).__name__}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"cutoff must be finite and >= 0, got {value}")
+    return value
+
+
+def check_k(k):
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    k = int(k)
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    return k
+
+
+def knn_row_length(n, k, exclude_self):
+    """Edges per row of a knn graph: k, or every candidate when fewer than k exist."""
+    if n == 0:
+        return 0
+    kk = max(min(k, n - 1 if exclude_self else n), 0)
+    if n * kk >= 2**31:
+        raise ValueError(f"knn graph would hold {n * kk} edges (>= 2**31); lower k")
+    return kk
+
+
+def _host_positions(positions):
+    """(N, 3) float64 host copy (padded), plus the copies made, for the host builder."""
+    copies = []
+    arr = check_positions(positions)
+    if on_device(arr):
+        arr = arr.get() if hasattr(arr, "get") else np.asarray(arr)
+        copies.append("positions copied device->host")
     pos = np.zeros((arr.shape[0], 3), np.float64)
     pos[:, : arr.shape[1]] = arr
-    if pos.size and not np.all(np.isfinite(pos)):
-        raise ValueError("positions must be finite (found NaN or inf)")
     return pos, copies
 
 
-def _grid(pos, cell):
-    """Grid origin, cell size and cells per axis; the cell grows when the point cloud is
-    sparse so that the grid never holds more than ~2 cells per point."""
-    n = pos.shape[0]
-    lo = pos.min(axis=0)
-    extent = pos.max(axis=0) - lo
+# --------------------------------------------------------------------------- the grid (shared)
+def _grid(lo, extent, n, cell):
+    """Cell size and cells per axis; the cell grows when the point cloud is sparse so that the
+    grid never holds more than ~2 cells per point (memory O(N) however far apart they are)."""
     cell = max(float(cell), 1e-300)
     cap = max(2 * n, 64)
-    while True:
-        dims = np.floor(extent / cell).astype(np.float64) + 1.0
-        if float(np.prod(dims)) <= cap:
-            break
-        cell *= 1.25
-    return lo, cell, dims.astype(np.int64)
+    with np.errstate(over="ignore"):
+        while True:
+            dims = np.floor(extent / cell) + 1.0
+            if float(np.prod(dims)) <= cap:
+                break
+            cell *= 1.25
+    return cell, dims.astype(np.int64)
+
+
+def radius_grid(lo, extent, n, cutoff):
+    """(cell, dims) of the radius builders: cells at least `cutoff` wide, so every neighbour
+    of a point lies in its own or one of the 3**3 surrounding cells."""
+    return _grid(lo, extent, n, cutoff * _CELL_SLACK if cutoff > 0 else 1.0)
+
+
+def knn_grid(lo, extent, n, kk):
+    """(cell, dims) of the knn builders: about max(2, k/4) points per cell, so that a few
+    rings of cells find the k best."""
+    live = extent[extent > 0]
+    if live.size:
+        per_cell = max(2.0, kk / 4.0)
+        cell = float(np.prod(live) * per_cell / n) ** (1.0 / live.size)
+        cell = max(cell, float(live.max()) * 1e-9)
+    else:
+        cell = 1.0
+    return _grid(lo, extent, n, cell)
+
+
+def _bounds(pos):
+    lo = pos.min(axis=0)
+    return lo, pos.max(axis=0) - lo
 
 
 @njit(cache=True)
@@ -152,20 +234,23 @@ def _radius_pass(order, cstart, spos, lo, cell, dims, r2, exclude_self, indptr, 
 
 def radius_graph(positions, cutoff, exclude_self=True):
     """CSR of every pair with |pos[j] - pos[i]| <= cutoff (inclusive, like
-    scipy.spatial.cKDTree.query_ball_point). positions: (N, 1|2|3) float array."""
+    scipy.spatial.cKDTree.query_ball_point). positions: (N, 1|2|3) float array; numpy in,
+    numpy out (host builder), cupy in, cupy out (GPU builder, no host copy)."""
+    cutoff = check_cutoff(cutoff)
+    if on_device(positions):
+        from .cuda import neighbors as gpu
+        indptr, indices, info = gpu.radius_graph(check_positions(positions), cutoff,
+                                                 bool(exclude_self))
+        _record(**info)
+        return indptr, indices
     pos, copies = _host_positions(positions)
-    try:
-        cutoff = float(cutoff)
-    except (TypeError, ValueError):
-        raise TypeError(f"cutoff must be a real number, got {type(cutoff).__name__}") from None
-    if not math.isfinite(cutoff) or cutoff < 0:
-        raise ValueError(f"cutoff must be finite and >= 0, got {cutoff}")
     n = pos.shape[0]
     indptr = np.zeros(n + 1, np.int64)
     if n == 0:
-        _LAST.clear(); _LAST.update(kind="radius", cells=0, cell_size=0.0, copies=copies)
+        _record(kind="radius", builder="cpu", cells=0, cell_size=0.0, copies=copies)
         return indptr, np.zeros(0, np.int32)
-    lo, cell, dims = _grid(pos, cutoff if cutoff > 0 else 1.0)
+    lo, extent = _bounds(pos)
+    cell, dims = radius_grid(lo, extent, n, cutoff)
     order, cstart, spos = _bin(pos, lo, cell, dims)
     r2 = cutoff * cutoff
     dummy = np.zeros(0, np.int32)
@@ -175,8 +260,7 @@ def radius_graph(positions, cutoff, exclude_self=True):
         raise ValueError(f"radius graph would hold {int(indptr[-1])} edges (>= 2**31); lower cutoff")
     indices = np.empty(int(indptr[-1]), np.int32)
     _radius_pass(order, cstart, spos, lo, cell, dims, r2, bool(exclude_self), indptr, indices, True)
-    _LAST.clear()
-    _LAST.update(kind="radius", cells=int(np.prod(dims)), cell_size=cell, copies=copies)
+    _record(kind="radius", builder="cpu", cells=int(np.prod(dims)), cell_size=cell, copies=copies)
     return indptr, indices
 
 
@@ -230,7 +314,7 @@ def _knn_kernel(order, cstart, spos, lo, cell, dims, kk, exclude_self, indices):
                                 bd[pos_] = d2
                                 bi[pos_] = j
                 if found == kk:
-                    bound = r * cell
+                    bound = r * cell * _RING_SLACK
                     if bd[kk - 1] < bound * bound:
                         break
                 r += 1
@@ -243,38 +327,26 @@ def _knn_kernel(order, cstart, spos, lo, cell, dims, kk, exclude_self, indices):
 def knn_graph(positions, k, exclude_self=True):
     """CSR where destination i receives edges from its k nearest sources (Euclidean; ties
     by lower index; self excluded unless exclude_self=False). With fewer than k candidates
-    every row gets all of them (N - 1 or N)."""
+    every row gets all of them (N - 1 or N). numpy in, numpy out; cupy in, cupy out."""
+    k = check_k(k)
+    if on_device(positions):
+        from .cuda import neighbors as gpu
+        indptr, indices, info = gpu.knn_graph(check_positions(positions), k, bool(exclude_self))
+        _record(**info)
+        return indptr, indices
     pos, copies = _host_positions(positions)
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    k = int(k)
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
     n = pos.shape[0]
-    kk = min(k, n - 1 if exclude_self else n) if n else 0
-    kk = max(kk, 0)
+    kk = knn_row_length(n, k, bool(exclude_self))
     indptr = np.arange(n + 1, dtype=np.int64) * kk
-    if n * kk >= 2**31:
-        raise ValueError(f"knn graph would hold {n * kk} edges (>= 2**31); lower k")
     indices = np.empty(n * kk, np.int32)
     if kk == 0:
-        _LAST.clear(); _LAST.update(kind="knn", cells=0, cell_size=0.0, copies=copies)
+        _record(kind="knn", builder="cpu", cells=0, cell_size=0.0, copies=copies)
         return indptr, indices
-    lo = pos.min(axis=0)
-    extent = pos.max(axis=0) - lo
-    live = extent[extent > 0]
-    if live.size:
-        # about max(2, k/4) points per cell: a few rings find the k best
-        per_cell = max(2.0, kk / 4.0)
-        cell = float(np.prod(live) * per_cell / n) ** (1.0 / live.size)
-        cell = max(cell, float(live.max()) * 1e-9)
-    else:
-        cell = 1.0
-    lo, cell, dims = _grid(pos, cell)
+    lo, extent = _bounds(pos)
+    cell, dims = knn_grid(lo, extent, n, kk)
     order, cstart, spos = _bin(pos, lo, cell, dims)
     _knn_kernel(order, cstart, spos, lo, cell, dims, kk, bool(exclude_self), indices)
-    _LAST.clear()
-    _LAST.update(kind="knn", cells=int(np.prod(dims)), cell_size=cell, copies=copies)
+    _record(kind="knn", builder="cpu", cells=int(np.prod(dims)), cell_size=cell, copies=copies)
     return indptr, indices
 
 
@@ -287,13 +359,12 @@ def spatial_order(positions, points_per_cell=4.0):
     n = pos.shape[0]
     if n == 0:
         return np.zeros(0, np.int64)
-    lo = pos.min(axis=0)
-    extent = pos.max(axis=0) - lo
+    lo, extent = _bounds(pos)
     live = extent[extent > 0]
     if live.size == 0:
         return np.arange(n, dtype=np.int64)
     cell = float(np.prod(live) * points_per_cell / n) ** (1.0 / live.size)
     cell = max(cell, float(live.max()) * 1e-9)
-    lo, cell, dims = _grid(pos, cell)
+    cell, dims = _grid(lo, extent, n, cell)
     order, _, _ = _bin(pos, lo, cell, dims)
     return order
