@@ -145,20 +145,26 @@ class Graph:
     """An immutable attention relation. Build it with one of the constructors."""
 
     __slots__ = ("_kind", "_num_src", "_num_dst", "_num_edges", "_blocks", "_indptr",
-                 "_indices", "_device", "_positions", "_cache", "_edge_perm")
+                 "_indices", "_device", "_positions", "_cache", "_edge_perm", "_dev_csr")
 
     def __init__(self, *, kind, num_src, num_dst, blocks=None, indptr=None, indices=None,
-                 device="cpu", positions=None):
-        # Private: use the constructors, which validate their inputs.
+                 device="cpu", positions=None, dev_csr=None):
+        # Private: use the constructors, which validate their inputs. A CSR lives on the host
+        # (indptr/indices, numpy) or, when a GPU builder made it, on the device (dev_csr =
+        # (indptr, indices) cupy arrays); the other copy is made on first use and kept.
         self._kind = kind
         self._num_src = int(num_src)
         self._num_dst = int(num_dst)
         self._blocks = blocks
         self._indptr = indptr
         self._indices = indices
+        self._dev_csr = dev_csr
         self._device = device
         self._positions = positions
-        self._num_edges = _block_edges(blocks) if blocks is not None else int(indices.shape[0])
+        if blocks is not None:
+            self._num_edges = _block_edges(blocks)
+        else:
+            self._num_edges = int((indices if dev_csr is None else dev_csr[1]).shape[0])
         self._cache = {}
         self._edge_perm = None
 
@@ -320,30 +326,34 @@ class Graph:
 
     @classmethod
     def radius(cls, positions, cutoff, exclude_self=True, *, device=None):
-        """Edges (j -> i) for every pair with |pos[j] - pos[i]| <= cutoff (cell lists).
-        Edge fields: `displacement` = pos[src] - pos[dst] and `distance`."""
+        """Edges (j -> i) for every pair with |pos[j] - pos[i]| <= cutoff (cell lists; on the
+        GPU for cupy positions, the CSR then stays there). Rows list their sources in
+        increasing id. Edge fields: `displacement` = pos[src] - pos[dst] and `distance`."""
         from . import neighbors
-        pos_host = _positions(positions)
-        cutoff = float(cutoff)
-        if not np.isfinite(cutoff) or cutoff < 0:
-            raise ValueError(f"cutoff must be finite and >= 0, got {cutoff}")
-        indptr, indices = neighbors.radius_graph(pos_host, cutoff, exclude_self=exclude_self)
-        n = pos_host.shape[0]
-        return cls(kind="csr", num_src=n, num_dst=n, indptr=np.asarray(indptr, np.int64),
-                   indices=np.asarray(indices, np.int32), device=_device_of(positions, device),
-                   positions=positions)
+        positions = neighbors.check_positions(positions)
+        indptr, indices = neighbors.radius_graph(positions, cutoff, exclude_self=exclude_self)
+        return cls._geometric(positions, indptr, indices, device)
 
     @classmethod
     def knn(cls, positions, k, exclude_self=True, *, device=None):
-        """Each destination receives edges from its k nearest sources (ties by index)."""
+        """Each destination receives edges from its k nearest sources (ties by index; all
+        N - 1 (or N) when fewer exist); built on the GPU for cupy positions, like radius."""
         from . import neighbors
-        pos_host = _positions(positions)
-        k = _count("k", k)
-        indptr, indices = neighbors.knn_graph(pos_host, k, exclude_self=exclude_self)
-        n = pos_host.shape[0]
-        return cls(kind="csr", num_src=n, num_dst=n, indptr=np.asarray(indptr, np.int64),
-                   indices=np.asarray(indices, np.int32), device=_device_of(positions, device),
-                   positions=positions)
+        positions = neighbors.check_positions(positions)
+        indptr, indices = neighbors.knn_graph(positions, k, exclude_self=exclude_self)
+        return cls._geometric(positions, indptr, indices, device)
+
+    @classmethod
+    def _geometric(cls, positions, indptr, indices, device):
+        # a builder's CSR is correct by construction: no validation pass
+        n = int(positions.shape[0])
+        on_gpu = _is_device_array(indptr)
+        device = _check_device(device) if device is not None else ("cuda" if on_gpu else "cpu")
+        if on_gpu:
+            return cls(kind="csr", num_src=n, num_dst=n, dev_csr=(indptr, indices),
+                       device=device, positions=positions)
+        return cls(kind="csr", num_src=n, num_dst=n, indptr=indptr, indices=indices,
+                   device=device, positions=positions)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -409,9 +419,18 @@ class Graph:
         return self._cache[key]
 
     def _cache_devices(self):
-        return {k[1] for k in self._cache if k[0] == "realize"} | {"cpu"}
+        devices = {k[1] for k in self._cache if k[0] == "realize"}
+        if self._indptr is not None or self._blocks is not None:
+            devices.add("cpu")
+        if self._dev_csr is not None:
+            devices.add("cuda")
+        return devices
 
     def _host_csr(self):
+        if self._indptr is None and self._dev_csr is not None:
+            # a GPU-built graph: the host copy is made only when a host consumer asks
+            indptr, indices = self._dev_csr
+            self._indptr, self._indices = indptr.get(), indices.get()
         if self._indptr is not None:
             return self._indptr, self._indices
         return self._cached(("csr", "cpu"), lambda: _blocks_to_csr(self._blocks, self._num_dst))
@@ -423,8 +442,12 @@ class Graph:
         def build():
             if self._blocks is not None:
                 return _on_device(self._blocks, device)
-            return CSRRelation(indptr=_array_on(self._indptr, device),
-                               indices=_array_on(self._indices, device), num_src=self._num_src)
+            if device == "cuda" and self._dev_csr is not None:
+                indptr, indices = self._dev_csr
+                return CSRRelation(indptr=indptr, indices=indices, num_src=self._num_src)
+            indptr, indices = self._host_csr()
+            return CSRRelation(indptr=_array_on(indptr, device),
+                               indices=_array_on(indices, device), num_src=self._num_src)
         return self._cached(("realize", device), build)
 
     def realize_transpose(self, device="cpu"):
@@ -432,12 +455,16 @@ class Graph:
         device = _check_device(device)
         if self._blocks is not None:
             return None
+        if device == "cuda" and self._dev_csr is not None:
+            return self._cached(("transpose", device),
+                                lambda: _device_transpose(*self._dev_csr, self._num_src))
 
         def host():
-            rows = _rows_of(self._indptr)
-            perm = np.argsort(self._indices, kind="stable").astype(np.int64)
+            indptr, indices = self._host_csr()
+            rows = _rows_of(indptr)
+            perm = np.argsort(indices, kind="stable").astype(np.int64)
             t_indptr = np.zeros(self._num_src + 1, np.int64)
-            np.cumsum(np.bincount(self._indices, minlength=self._num_src), out=t_indptr[1:])
+            np.cumsum(np.bincount(indices, minlength=self._num_src), out=t_indptr[1:])
             return CSRTranspose(indptr=t_indptr, indices=rows[perm].astype(np.int32), perm=perm)
 
         t = self._cached(("transpose", "cpu"), host)
@@ -454,12 +481,12 @@ class Graph:
             raise ValueError(f"unknown edge field {name!r}; this graph has 'displacement', 'distance'")
         pos = self._positions
         xp = _xp_of(pos)
-        indptr, indices = (self._indptr, self._indices)
         if xp is not np:
             rel = self.realize("cuda")
-            rows = xp.asarray(_rows_of(indptr))
+            rows = _device_rows(rel.indptr, int(rel.indices.shape[0]))
             indices = rel.indices
         else:
+            indptr, indices = self._host_csr()
             rows = _rows_of(indptr)
         disp = pos[indices] - pos[rows]
         return disp if name == "displacement" else xp.sqrt((disp * disp).sum(axis=-1))
@@ -495,19 +522,29 @@ def _on_device(record, device):
     return type(record)(**fields)
 
 
-def _positions(positions):
-    host = positions
-    if hasattr(positions, "__cuda_array_interface__") and not isinstance(positions, np.ndarray):
-        host = positions.get()
-    host = np.asarray(host)
-    if host.ndim != 2 or host.shape[1] not in (1, 2, 3):
-        raise ValueError(f"positions must have shape (N, 1|2|3), got {host.shape}")
-    if not np.issubdtype(host.dtype, np.floating):
-        raise TypeError(f"positions must be a floating-point array, got {host.dtype}")
-    return np.ascontiguousarray(host, dtype=np.float64)
+def _is_device_array(array):
+    return hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray)
 
 
-def _device_of(positions, device):
-    if device is not None:
-        return _check_device(device)
-    return "cpu" if isinstance(positions, np.ndarray) else "cuda"
+def _device_rows(indptr, num_edges):
+    """Destination id of every CSR entry, computed on the device (cupy indptr)."""
+    import cupy
+    entries = cupy.arange(num_edges, dtype=np.int64)
+    return cupy.searchsorted(indptr, entries, side="right") - 1
+
+
+def _device_transpose(indptr, indices, num_src):
+    """realize_transpose on the device, for a CSR that lives there: the host version's
+    result (entries of a source row in increasing edge id)."""
+    import cupy
+    num_edges = int(indices.shape[0])
+    t_indptr = cupy.zeros(num_src + 1, np.int64)
+    if num_edges == 0:
+        return CSRTranspose(indptr=t_indptr, indices=cupy.zeros(0, np.int32),
+                            perm=cupy.zeros(0, np.int64))
+    edge = cupy.arange(num_edges, dtype=np.int64)
+    # unique keys (source, edge id): any sort gives the host's stable argsort of the sources
+    perm = cupy.argsort(indices.astype(np.int64) * num_edges + edge).astype(np.int64)
+    t_indptr[1:] = cupy.cumsum(cupy.bincount(indices, minlength=num_src))
+    rows = cupy.searchsorted(indptr, edge, side="right") - 1
+    return CSRTranspose(indptr=t_indptr, indices=rows[perm].astype(np.int32), perm=perm)
