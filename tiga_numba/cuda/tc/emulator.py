@@ -2,8 +2,11 @@
 
 Every per-thread scalar of the generated source becomes a numpy vector over the CTA's threads;
 all warps run in lockstep, so barriers and cp.async waits are no-ops. Each intrinsic of ptx.py
-gets its warp-level meaning here (mma m16n8k16, ldmatrix(.trans), zero-filling cp.async,
-predicated loads/stores, shfl.xor, f32 <-> f16/bf16 packing). Every global access is checked
+gets its warp-level meaning here (mma m16n8k16 and m16n8k8.tf32, ldmatrix(.trans), zero-filling
+cp.async, predicated loads/stores, shfl.xor, f32 <-> f16/bf16 packing, the cvt.rna.tf32 split).
+tf32 is emulated bit-exactly: cvt.rna rounds the mantissa to 10 bits (ties away from zero) and
+the mma reads only the top 19 bits of each operand, so a kernel that skipped a 3xTF32 pass or a
+split would show plain-TF32 errors here. Every global access is checked
 against the registered buffers and every shared access against the CTA's shared size, so a
 layout, swizzle, tail or mask mistake fails here, in CI, before any GPU sees it.
 
@@ -37,12 +40,32 @@ def bits_to_f32(u, dtype):
 
 
 def to_storage(x, dtype):
-    """numpy float array -> uint16 storage of the kernel's element type."""
+    """numpy float array -> storage of the kernel's element type (uint16 bits; float32 as is)."""
+    if dtype == "float32":
+        return np.asarray(x, np.float32)
     return f32_to_bits(np.asarray(x, np.float32), dtype).astype(np.uint16)
 
 
 def from_storage(u16, dtype):
+    if dtype == "float32":
+        return np.asarray(u16, np.float32)
     return bits_to_f32(u16.astype(np.uint32), dtype)
+
+
+def storage_dtype(dtype):
+    return np.float32 if dtype == "float32" else np.uint16
+
+
+def tf32_rna(bits):
+    """cvt.rna.tf32.f32 on fp32 bit patterns: mantissa rounded to 10 bits, ties away from zero
+    (adding half an ulp to the magnitude; the sign bit is untouched), low 13 bits cleared."""
+    b = np.asarray(bits, np.uint32).astype(np.uint64)
+    return ((b + 0x1000) & 0xFFFFE000).astype(np.uint32)
+
+
+def tf32_value(bits):
+    """the value an mma.tf32 operand register stands for: its low 13 bits are not read."""
+    return (np.asarray(bits, np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -120,6 +143,38 @@ class Warps:
         Dm = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
         return Dm[wv, g, 2 * t], Dm[wv, g, 2 * t + 1], Dm[wv, g + 8, 2 * t], Dm[wv, g + 8, 2 * t + 1]
 
+    def mma1688(self, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """mma.m16n8k8.row.col.f32.tf32.tf32.f32 (fragment layouts: generator docstring)."""
+        nw, wv, g, t = self.NT // 32, self.wv, self.g, self.t
+        A = np.full((nw, 16, 8), np.nan, np.float32)
+        B = np.full((nw, 8, 8), np.nan, np.float32)
+        C = np.full((nw, 16, 8), np.nan, np.float32)
+        for reg, ro, ko in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 4), (a3, 8, 4)):
+            A[wv, g + ro, t + ko] = tf32_value(self._vec(reg, np.uint32))
+        for reg, ko in ((b0, 0), (b1, 4)):
+            B[wv, t + ko, g] = tf32_value(self._vec(reg, np.uint32))
+        for c, ro, co in ((c0, 0, 0), (c1, 0, 1), (c2, 8, 0), (c3, 8, 1)):
+            C[wv, g + ro, 2 * t + co] = self._vec(c, np.float32)
+        assert not np.isnan(A).any() and not np.isnan(B).any() and not np.isnan(C).any(), \
+            "mma operand not fully defined (fragment layout bug or NaN data)"
+        Dm = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
+        return Dm[wv, g, 2 * t], Dm[wv, g, 2 * t + 1], Dm[wv, g + 8, 2 * t], Dm[wv, g + 8, 2 * t + 1]
+
+    def tf32x2(self, x):
+        """(big, small) = (rna(x), rna(x - big)) on fp32 values or their u32 bit patterns."""
+        x = np.asarray(x)
+        bits = self._vec(x.view(np.uint32) if x.dtype == np.float32 else x, np.uint32)
+        big = tf32_rna(bits)
+        rest = (bits.view(np.float32) - big.view(np.float32)).astype(np.float32)   # exact in fp32
+        return big, tf32_rna(rest.view(np.uint32))
+
+    def lds64(self, addr):
+        addr = self._vec(addr, np.int64)
+        assert np.all(addr % 8 == 0), "8-byte alignment of shared access"
+        assert np.all((addr >= 0) & (addr + 8 <= len(self.SM))), "shared access out of bounds"
+        w = self.SM[addr[:, None] + np.arange(8)].view(np.uint32)   # (NT, 2)
+        return w[:, 0].copy(), w[:, 1].copy()
+
     def _ldsm(self, addr, trans):
         addr = self._smem16(addr)
         R = self.SM[addr[:, None] + np.arange(16)].view(np.uint16).astype(np.uint32)   # (NT, 8 halves)
@@ -160,6 +215,15 @@ class Warps:
         if len(gaddr):
             self.mem.check(gaddr, 4)
             self.mem.buf[gaddr[:, None] + np.arange(4)] = self._vec(x, np.uint32)[pred][:, None].view(np.uint8).reshape(-1, 4)
+
+    def stg_v4_if(self, pred, gaddr, x0, x1, x2, x3):
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)[pred]
+        if len(gaddr):
+            assert np.all(gaddr % 16 == 0), "16-byte alignment of a vector store"
+            self.mem.check(gaddr, 16)
+            x = np.stack([self._vec(y, np.float32) for y in (x0, x1, x2, x3)], 1)[pred]
+            self.mem.buf[gaddr[:, None] + np.arange(16)] = x.view(np.uint8).reshape(-1, 16)
 
     def stg_f32_if(self, pred, gaddr, x):
         self.stg_u32_if(pred, gaddr, self._vec(x, np.float32).view(np.uint32))
@@ -227,8 +291,9 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        opq=lambda x: np.asarray(x, np.int64)[()],
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
-            for nm in ("mma16816", "ldsm_x4", "ldsm_x4_t", "cp_async16", "stg_u32_if", "stg_f32_if",
-                       "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2", "unpack2", "shfl_xor"):
+            for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
+                       "stg_u32_if", "stg_f32_if", "stg_v4_if", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
+                       "unpack2", "shfl_xor"):
                 env[nm] = getattr(w, nm)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -250,11 +315,12 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale):
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
+    EB = v.EB
     mem = Memory()
     qb, q_rs, q_hs = _put_heads(mem, q, v.dtype)
     kb, k_rs, k_hs = _put_heads(mem, k, v.dtype)
     vb, v_rs, v_hs = _put_heads(mem, v_, v.dtype)
-    ob = mem.alloc(max(nd * H * Dv * 2, 1))
+    ob = mem.alloc(max(nd * H * Dv * EB, 1))
     mb = mem.alloc(max(nd * H * 4, 1))
     lb = mem.alloc(max(nd * H * 4, 1))
     work = schedule.query_tiles(dst_offsets, src_offsets, causal, v.BM)
@@ -262,9 +328,9 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale):
         wb = mem.put(work)
         sc = np.float32(scale * G.LOG2E)
         launch(G.gen_forward(v), (len(work), H), v.NT, v.smem_bytes(), mem, v.dtype,
-               (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * 2, H // Hkv, sc,
+               (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * EB, H // Hkv, sc,
                 np.float32(-np.inf)))
-    out = from_storage(mem.get(ob, np.uint16, (nd, H, Dv)), v.dtype)
+    out = from_storage(mem.get(ob, storage_dtype(v.dtype), (nd, H, Dv)), v.dtype)
     return out, mem.get(mb, np.float32, (nd, H)), mem.get(lb, np.float32, (nd, H))
 
 
@@ -273,7 +339,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
-    dt = vdq.dtype
+    dt, EB, sd = vdq.dtype, vdq.EB, storage_dtype(vdq.dtype)
     mem = Memory()
     qb, q_rs, q_hs = _put_heads(mem, q, dt)
     kb, k_rs, k_hs = _put_heads(mem, k, dt)
@@ -284,9 +350,9 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     lb = mem.put(np.ascontiguousarray(l, np.float32))
     dlt = mem.alloc(max(nd * H * 4, 1))
     lse = mem.alloc(max(nd * H * 4, 1))
-    dqb = mem.alloc(max(nd * H * D * 2, 1))
-    dkb = mem.alloc(max(ns * Hkv * D * 2, 1))
-    dvb = mem.alloc(max(ns * Hkv * Dv * 2, 1))
+    dqb = mem.alloc(max(nd * H * D * EB, 1))
+    dkb = mem.alloc(max(ns * Hkv * D * EB, 1))
+    dvb = mem.alloc(max(ns * Hkv * Dv * EB, 1))
     sc = np.float32(scale * G.LOG2E)
     if nd * H:
         launch(G.gen_delta(dt, Dv), ((nd * H + 3) // 4, 1), 128, 16, mem, dt,
@@ -295,15 +361,15 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     if len(work):
         launch(G.gen_dq(vdq), (len(work), H), vdq.NT, vdq.smem_bytes(), mem, dt,
                (qb, kb, vb, db, lse, dlt, dqb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,
-                H * D * 2, H // Hkv, sc, np.float32(scale)))
+                H * D * EB, H // Hkv, sc, np.float32(scale)))
     work = schedule.key_tiles(dst_offsets, src_offsets, causal, vkv.BM)
     if len(work):
         launch(G.gen_dkdv(vkv), (len(work), Hkv), vkv.NT, vkv.smem_bytes(), mem, dt,
                (qb, kb, vb, db, lse, dlt, dkb, dvb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,
-                do_hs, Hkv * D * 2, Hkv * Dv * 2, H // Hkv, H, sc, np.float32(scale)))
+                do_hs, Hkv * D * EB, Hkv * Dv * EB, H // Hkv, H, sc, np.float32(scale)))
     # rows no work tile covers (sources outside every block) are zero by definition
-    dq = from_storage(mem.get(dqb, np.uint16, (nd, H, D)), dt)
-    dk = from_storage(mem.get(dkb, np.uint16, (ns, Hkv, D)), dt)
-    dv = from_storage(mem.get(dvb, np.uint16, (ns, Hkv, Dv)), dt)
+    dq = from_storage(mem.get(dqb, sd, (nd, H, D)), dt)
+    dk = from_storage(mem.get(dkb, sd, (ns, Hkv, D)), dt)
+    dv = from_storage(mem.get(dvb, sd, (ns, Hkv, Dv)), dt)
     return dq, dk, dv
 

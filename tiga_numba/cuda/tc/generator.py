@@ -19,6 +19,23 @@ Shared tiles are row-major with 16-byte chunks XOR-swizzled by (row % 8): chunk 
 lives at chunk c ^ (r % 8), so ldmatrix's 8 row addresses hit 8 different bank groups.
 Register tiles are named "{name}{m}_{j}_{r}" (C: m-tile m, n-tile j) and "{name}{m}_{k}_{r}"
 (A: m-tile m, k-step k).
+
+float32 (3xTF32, mma.sync.m16n8k8.tf32; the dtype axis of the same generator):
+  A fragment (16 x 8):  a0 (row g, k t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4).
+  B fragment (8 x 8):   b0 (k t, n g), b1 (k t + 4, n g).   C as above.
+  A k-step covers 8 fp32 = 32 bytes of a row, exactly the bytes of an f16 k16 step, so the
+  ldmatrix (b16) addressing of A and of B = K (row-major [n][k]) is byte-for-byte the f16 one:
+  lane (g, t) receives the 32-bit word at (row g, word t) of each 8 x 16-byte matrix.
+  Every operand is split once into tf32 halves (tf32x2: big = rna(x), small = rna(x - big)),
+  registers {name}..._0-3 (big) and _4-7 (small), and each product runs 3 mma passes
+  (TF32_PASSES: the small products first, then big * big) with fp32 accumulation.
+  C += P B (mma_ab) cannot use ldmatrix.trans (it transposes 16-bit elements), so:
+  * key order inside a k-step is permuted: C tile j's (keys 2t, 2t + 1) are the A fragment's
+    (k t, k t + 4), i.e. a0..a3 = c0, c2, c1, c3, and B is read at keys 2t (b0), 2t + 1 (b1);
+  * output columns are permuted in pairs of n-tiles: column n of tile 2p + e is d = 16p + 2n + e,
+    so one 8-byte shared load (lds64) serves the B fragments of both tiles of the pair, and the
+    C fragments of the pair hold d = 16p + 4t .. 16p + 4t + 3: one 16-byte store per row
+    (store_c_rows). Every mma_ab result is stored through store_c_rows, nothing else reads it.
 """
 from __future__ import annotations
 
@@ -34,6 +51,11 @@ MAX_SMEM = 227 * 1024
 
 #: work-table row: int32 fields, one row per CTA (schedule.py writes them)
 WORK_FIELDS = ("row0", "rows", "col0", "cols", "diag", "causal")
+
+#: the 3xTF32 passes (A half, B half) in issue order: small products first, big * big last, so
+#: the small terms are not lost against the large partial sum. One pass (("big", "big"),) is
+#: plain TF32 (~1e-3 relative error): the tests use it to show the tolerances catch it.
+TF32_PASSES = (("big", "small"), ("small", "big"), ("big", "big"))
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,21 @@ class Variant:
     def BM(self):
         return 16 * self.MT * self.NW
 
+    @property
+    def tf32(self):
+        """float32 inputs run as 3xTF32 on mma.m16n8k8 (module docstring)."""
+        return self.dtype == "float32"
+
+    @property
+    def EB(self):
+        """bytes per stored element."""
+        return 4 if self.tf32 else 2
+
+    def ksteps(self, width):
+        """k-steps of a product whose k dimension is `width` elements (k16 for 16-bit, k8 for tf32):
+        32 bytes of a row each."""
+        return width * self.EB // 32
+
     def check(self):
         for d in (self.D, self.Dv):
             # the XOR swizzle permutes chunks within groups of 8 (128 bytes): a row must hold whole groups
@@ -65,6 +102,8 @@ class Variant:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
         if self.kind not in ("fwd", "dq", "dkdv"):
             raise ValueError(f"unknown kernel kind {self.kind!r}")
+        if self.dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
         if self.smem_bytes() > MAX_SMEM:
             raise ValueError(f"{self} needs {self.smem_bytes()} B of shared memory (> {MAX_SMEM})")
         return self
@@ -76,7 +115,7 @@ class Variant:
 
     # streamed tiles are double-buffered (cp.async prefetch of block i+1 during block i)
     def stream_tile_bytes(self):
-        return self.BN * 2 * (self.D + self.Dv)
+        return self.BN * self.EB * (self.D + self.Dv)
 
     def resident_widths(self):
         """head widths of the CTA's own row tiles: Q (fwd), Q and dO (dq), K and V (dkdv)."""
@@ -84,10 +123,10 @@ class Variant:
 
     def resident_bytes(self):
         """shared bytes held for the whole kernel by the resident tiles (0: they live in registers)."""
-        return self.BM * 2 * sum(self.resident_widths()) if self.a_smem else 0
+        return self.BM * self.EB * sum(self.resident_widths()) if self.a_smem else 0
 
     def smem_bytes(self):
-        staging = self.BM * 2 * max(self.D, self.Dv)   # register mode: the CTA's own rows, staged once
+        staging = self.BM * self.EB * max(self.D, self.Dv)   # register mode: the CTA's own rows, staged once
         if self.a_smem:
             return self.resident_bytes() + 2 * self.stream_tile_bytes()
         return max(2 * self.stream_tile_bytes(), staging)
@@ -143,32 +182,48 @@ def sa(*terms):
     return f"a32({expr}, {const})" if const else expr
 
 
+def load_rows_per_pass(v, rs):
+    """rows of a (rows x rs bytes) tile one pass of the CTA's cp.async covers."""
+    return v.NT // (rs // 16)
+
+
 def thread_geometry(e, v):
     """lane decomposition used by every fragment helper, plus this lane's swizzled shared offsets:
     xa{rs}_{c}: row lrow16, chunk 2c + mhi (A fragments of k-step c; B.trans of n-tile pair c);
-    xb{rs}_{c}: row r8, chunk 4c + mi (B fragments of k-steps 2c, 2c+1); ls{rs}: tile-load slot."""
+    xb{rs}_{c}: row r8, chunk 4c + mi (B fragments of k-steps 2c, 2c+1);
+    ls{rs}_{o}: tile-load slot of a pass starting o rows (mod 8) into the tile;
+    xv{rs}_{e}_{p} (tf32): key row 2t + e, words 2g, 2g + 1 of n-tile pair p (mod 2) (mma_ab's B)."""
     e("tx = i64(cuda.threadIdx.x)")
     e("wid = tx // 32; lane = tx % 32; g = lane // 4; t = lane % 4")
     # ldmatrix: lanes 8*mi .. 8*mi+7 give the row addresses of 8x8 matrix mi
     e("mi = lane // 8; r8 = lane % 8; mlo = mi % 2; mhi = mi // 2; lrow16 = r8 + 8 * mlo")
     for width in sorted({v.D, v.Dv}):
-        rs = 2 * width
-        for c in range(width // 16):
+        rs = v.EB * width
+        for c in range(rs // 32):
             e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
-        for c in range(width // 32):
+        for c in range(rs // 64):
             e(f"xb{rs}_{c} = u32(r8 * {rs} + (((({4 * c}) + mi) ^ r8) * 16))")
-        cpr = width // 8
-        e(f"ls{rs} = u32((tx // {cpr}) * {rs} + (((tx % {cpr}) ^ ((tx // {cpr}) % 8)) * 16))")
+        cpr = rs // 16
+        step = load_rows_per_pass(v, rs)
+        for o in sorted({(i * step) % 8 for i in range(8)}):
+            # a pass `o` rows (mod 8) further down swizzles with (row + o) % 8
+            row = f"(tx // {cpr})" if o == 0 else f"((tx // {cpr}) + {o})"
+            e(f"ls{rs}_{o} = u32((tx // {cpr}) * {rs} + (((tx % {cpr}) ^ ({row} % 8)) * 16))")
+        if v.tf32:
+            for ee in (0, 1):
+                for p in (0, 1):
+                    e(f"xv{rs}_{ee}_{p} = u32((2 * t + {ee}) * {rs} + ((({4 * p} + g // 2) ^ (2 * t + {ee})) * 16)"
+                      f" + (g % 2) * 8)")
 
 
 # ----------------------------------------------------------------------------- global -> shared
 def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
     """cp.async a (rows x width) tile, row r at gbase + r * gstride, into swizzled shared memory.
     Rows >= nvalid are zero-filled (src-size 0) and read nothing: tails never go out of bounds."""
-    cpr = width // 8                 # 16-byte chunks per row
-    step = v.NT // cpr               # rows covered by one pass of the CTA
-    assert v.NT % cpr == 0 and rows % step == 0 and step % 8 == 0, (v, rows, width)
-    rs = width * 2
+    rs = width * v.EB
+    cpr = rs // 16                   # 16-byte chunks per row
+    step = load_rows_per_pass(v, rs)  # rows covered by one pass of the CTA
+    assert v.NT % cpr == 0 and rows % step == 0, (v, rows, width)
     e(f"# load_tile: {rows} x {width} from {gbase} (rows >= {nvalid} zero-filled) -> shared {smem}")
     e(f"lr = tx // {cpr}; lc = tx % {cpr}")
     # the pass stride goes through an opaque move: otherwise every pass's row offset is hoisted
@@ -176,7 +231,7 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
     e(f"gb = {gbase}; gs = opq({step} * {gstride}); ga = gb + lr * {gstride} + lc * 16")
     for i in range(rows // step):
         e(f"ok = u32(lr + {i * step} < {nvalid})")
-        e(f"cp_async16({sa(smem, f'ls{rs}', i * step * rs)}, sel(ok != 0, ga, gb), ok * 16)")
+        e(f"cp_async16({sa(smem, f'ls{rs}_{(i * step) % 8}', i * step * rs)}, sel(ok != 0, ga, gb), ok * 16)")
         if i + 1 < rows // step:
             e("ga = ga + gs")
 
@@ -188,25 +243,61 @@ def zero_c(e, name, MT, ntiles):
             e("; ".join(f"{name}{m}_{j}_{r} = zero" for r in range(4)))
 
 
-def load_a(e, name, smem, row0, MT, ksteps, rs):
-    """A fragments (16 rows x 16 k per k-step) of m-tiles starting at local row `row0` + 16 m."""
+def a_regs(v, A, m, ks):
+    """register names of one A fragment: 4 packed x2 words, or (tf32) 4 big + 4 small halves."""
+    return [f"{A}{m}_{ks}_{r}" for r in range(8 if v.tf32 else 4)]
+
+
+def split_tf32(e, v, regs):
+    """tf32: in-place split of raw fp32 words r -> (r big, r + 's' small); 16-bit: nothing."""
+    if v.tf32:
+        for x in regs:
+            e(f"{x}, {x}s = tf32x2({x})")
+
+
+def ldsm_a(e, v, A, m, ks, addr):
+    """one A fragment from shared memory (ldmatrix; tf32: split into halves 0-3 big, 4-7 small)."""
+    regs = a_regs(v, A, m, ks)
+    e(f"{', '.join(regs[:4])} = ldsm_x4({addr})")
+    if v.tf32:
+        e("; ".join(f"{regs[r]}, {regs[r + 4]} = tf32x2({regs[r]})" for r in range(4)))
+
+
+def mma(e, v, C, a, b):
+    """C += A B for one m16 x n8 tile: a = a_regs(), b = [b0, b1] (tf32: their halves are b0, b0s, ...)."""
+    c = ", ".join(C)
+    if not v.tf32:
+        e(f"{c} = mma16816({', '.join(a)}, {', '.join(b)}, {c})")
+        return
+    half_a = dict(big=a[:4], small=a[4:])
+    half_b = dict(big=b, small=[x + "s" for x in b])
+    for ha, hb in TF32_PASSES:
+        e(f"{c} = mma1688({', '.join(half_a[ha])}, {', '.join(half_b[hb])}, {c})")
+
+
+def c_regs(C, m, j):
+    return [f"{C}{m}_{j}_{r}" for r in range(4)]
+
+
+def load_a(e, v, name, smem, row0, MT, ksteps, rs):
+    """A fragments (16 rows x one k-step) of m-tiles starting at local row `row0` + 16 m."""
     for m in range(MT):
         for ks in range(ksteps):
-            regs = ", ".join(f"{name}{m}_{ks}_{r}" for r in range(4))
-            e(f"{regs} = ldsm_x4({sa(smem, f'u32({row0} * {rs})', f'xa{rs}_{ks}', 16 * m * rs)})")
+            ldsm_a(e, v, name, m, ks, sa(smem, f"u32({row0} * {rs})", f"xa{rs}_{ks}", 16 * m * rs))
 
 
-def mma_abt(e, C, A, btile, MT, ntiles, ksteps, rs, a_smem=None):
-    """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T).
-    a_smem = (tile, row0): A is read from that shared tile per k-step pair instead of registers."""
+def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None):
+    """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T), k = `width`
+    elements. a_smem = (tile, row0): A is read from that shared tile per k-step pair instead of
+    registers. One ldmatrix.x4 gives the B fragments of two k-steps (either dtype)."""
+    MT, rs, ksteps = v.MT, width * v.EB, v.ksteps(width)
+
     def one(j, kp):
         e(f"b0, b1, b2, b3 = ldsm_x4({sa(btile, f'xb{rs}_{kp}', j * 8 * rs)})")
-        for kk, (x, y) in enumerate((("b0", "b1"), ("b2", "b3"))):
-            ks = 2 * kp + kk
+        split_tf32(e, v, ["b0", "b1", "b2", "b3"])
+        for kk, b in enumerate((["b0", "b1"], ["b2", "b3"])):
             for m in range(MT):
-                c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
-                a = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
-                e(f"{c} = mma16816({a}, {x}, {y}, {c})")
+                mma(e, v, c_regs(C, m, j), a_regs(v, A, m, 2 * kp + kk), b)
     e(f"# mma_abt: {C} += {A} . B^T, B = shared {btile}" + (f", A from shared {a_smem[0]}" if a_smem else ""))
     if a_smem is None:
         for j in range(ntiles):
@@ -217,8 +308,7 @@ def mma_abt(e, C, A, btile, MT, ntiles, ksteps, rs, a_smem=None):
     for kp in range(ksteps // 2):   # k outer: each A fragment is loaded once per block
         for ks in (2 * kp, 2 * kp + 1):
             for m in range(MT):
-                regs = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
-                e(f"{regs} = ldsm_x4({sa(tile, f'u32({row0} * {rs})', f'xa{rs}_{ks}', 16 * m * rs)})")
+                ldsm_a(e, v, A, m, ks, sa(tile, f"u32({row0} * {rs})", f"xa{rs}_{ks}", 16 * m * rs))
         for j in range(ntiles):
             one(j, kp)
 
@@ -229,7 +319,7 @@ def resident(e, v, tiles, row0):
     (None where in registers) and the first free shared byte for the streamed buffers."""
     where, off = {}, 0
     for name, gbase, gstride, width in tiles:
-        rs = 2 * width
+        rs = v.EB * width
         if v.a_smem:
             load_tile(e, v, sa("sb", off) if off else "sb", gbase, gstride, "rows", v.BM, width)
             where[name] = (sa("sb", off) if off else "sb", "wrow")
@@ -237,25 +327,12 @@ def resident(e, v, tiles, row0):
         else:
             load_tile(e, v, "sb", gbase, gstride, "rows", v.BM, width)
             e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-            load_a(e, name, "sb", "wrow", v.MT, width // 16, rs)
+            load_a(e, v, name, "sb", "wrow", v.MT, v.ksteps(width), rs)
             e("cuda.syncthreads()")
             where[name] = None
     if v.a_smem:
         e("cp_commit(); cp_wait0(); cuda.syncthreads()")
     return where, off
-
-
-def mma_ab(e, C, A, btile, MT, ntiles, ksteps, rs):
-    """C[m][j] += A[m] . B with B row-major [k][n] in shared memory (V for O += P V)."""
-    e(f"# mma_ab: {C} += {A} . B, B = shared {btile} (ldmatrix.trans)")
-    for ks in range(ksteps):
-        for jp in range(ntiles // 2):
-            e(f"b0, b1, b2, b3 = ldsm_x4_t({sa(btile, f'xa{rs}_{jp}', ks * 16 * rs)})")
-            for j, x, y in ((2 * jp, "b0", "b1"), (2 * jp + 1, "b2", "b3")):
-                for m in range(MT):
-                    c = ", ".join(f"{C}{m}_{j}_{r}" for r in range(4))
-                    a = ", ".join(f"{A}{m}_{ks}_{r}" for r in range(4))
-                    e(f"{c} = mma16816({a}, {x}, {y}, {c})")
 
 
 def c_to_a(e, A, C, MT, ksteps):
@@ -266,6 +343,43 @@ def c_to_a(e, A, C, MT, ksteps):
             a, b = 2 * ks, 2 * ks + 1
             e(f"{A}{m}_{ks}_0 = pack2({C}{m}_{a}_0, {C}{m}_{a}_1); {A}{m}_{ks}_1 = pack2({C}{m}_{a}_2, {C}{m}_{a}_3)")
             e(f"{A}{m}_{ks}_2 = pack2({C}{m}_{b}_0, {C}{m}_{b}_1); {A}{m}_{ks}_3 = pack2({C}{m}_{b}_2, {C}{m}_{b}_3)")
+
+
+def c_to_a_tf32(e, A, C, m, j):
+    """tf32 register reuse: C tile j is the A fragment of k-step j with keys permuted
+    (a0..a3 = c0, c2, c1, c3: key 2t is k t, key 2t + 1 is k t + 4), split into halves."""
+    for r, src in enumerate((0, 2, 1, 3)):
+        e(f"{A}{m}_{j}_{r}, {A}{m}_{j}_{r + 4} = tf32x2({C}{m}_{j}_{src})")
+
+
+def mma_pb(e, v, O, A, P, btile, ntiles, nkeys, width):
+    """O[m][j] += P[m] . B: P = C fragments (scores / probabilities over `nkeys` keys) reused as
+    A fragments, B row-major [key][n] in shared memory (V for O += P V, K for dQ += dS K, ...).
+    16-bit: c_to_a then ldmatrix.trans. tf32: per k-step (one C tile) the P tile is split and B is
+    read with lds64 at the permuted keys and columns (module docstring)."""
+    MT, rs = v.MT, width * v.EB
+    if not v.tf32:
+        c_to_a(e, A, P, MT, nkeys // 16)
+        e(f"# mma_ab: {O} += {A} . B, B = shared {btile} (ldmatrix.trans)")
+        for ks in range(nkeys // 16):
+            for jp in range(ntiles // 2):
+                e(f"b0, b1, b2, b3 = ldsm_x4_t({sa(btile, f'xa{rs}_{jp}', ks * 16 * rs)})")
+                for j, b in ((2 * jp, ["b0", "b1"]), (2 * jp + 1, ["b2", "b3"])):
+                    for m in range(MT):
+                        mma(e, v, c_regs(O, m, j), a_regs(v, A, m, ks), b)
+        return
+    e(f"# mma_pb (3xTF32): {O} += {P} . B, B = shared {btile} (lds64, permuted keys/columns)")
+    for ks in range(nkeys // 8):
+        for m in range(MT):
+            c_to_a_tf32(e, A, P, m, ks)
+        for jp in range(ntiles // 2):
+            # key row 2t (b0) and 2t + 1 (b1); word 0 feeds n-tile 2jp, word 1 n-tile 2jp + 1
+            e(f"u0, u1 = lds64({sa(btile, f'xv{rs}_0_{jp % 2}', ks * 8 * rs + 128 * (jp // 2))})")
+            e(f"w0, w1 = lds64({sa(btile, f'xv{rs}_1_{jp % 2}', ks * 8 * rs + 128 * (jp // 2))})")
+            split_tf32(e, v, ["u0", "u1", "w0", "w1"])
+            for j, b in ((2 * jp, ["u0", "w0"]), (2 * jp + 1, ["u1", "w1"])):
+                for m in range(MT):
+                    mma(e, v, c_regs(O, m, j), a_regs(v, A, m, ks), b)
 
 
 # ----------------------------------------------------------------------------- masking
@@ -316,15 +430,22 @@ def online_softmax(e, v, S, O, nt_o):
 
 # ----------------------------------------------------------------------------- stores
 def store_c_rows(e, v, C, ntiles, gbase, gstride, row_base, nvalid, scale_of):
-    """Store C fragments as x2 pairs (4-byte stores) to rows gbase + row * gstride, rows < nvalid.
-    scale_of(m, h) is the expression multiplying the row (1/l, the softmax scale, ...)."""
+    """Store mma_pb's C fragments to rows gbase + row * gstride, rows < nvalid: 16-bit as x2 pairs
+    (4-byte stores); tf32 (columns permuted in n-tile pairs, see mma_pb) as 4 consecutive floats
+    (16-byte stores). scale_of(m, h) is the expression multiplying the row (1/l, the softmax scale, ...)."""
     for m in range(v.MT):
         for h in (0, 1):
             e(f"rl = {row_base} + {16 * m + 8 * h} + g")
-            e(f"ok = u32(rl < {nvalid}); ga = {gbase} + sel(ok != 0, rl, 0) * {gstride} + t * 4")
+            e(f"ok = u32(rl < {nvalid}); ga = {gbase} + sel(ok != 0, rl, 0) * {gstride} + t * {16 if v.tf32 else 4}")
             f = scale_of(m, h)
+            r0, r1 = 2 * h, 2 * h + 1
+            if v.tf32:
+                for jp in range(ntiles // 2):
+                    a, b = 2 * jp, 2 * jp + 1
+                    vals = [f"{C}{m}_{a}_{r0}", f"{C}{m}_{b}_{r0}", f"{C}{m}_{a}_{r1}", f"{C}{m}_{b}_{r1}"]
+                    e(f"stg_v4_if(ok, ga + {64 * jp}, {', '.join(x + ' * ' + f for x in vals)})")
+                continue
             for j in range(ntiles):
-                r0, r1 = 2 * h, 2 * h + 1
                 e(f"stg_u32_if(ok, ga + {16 * j}, pack2({C}{m}_{j}_{r0} * {f}, {C}{m}_{j}_{r1} * {f}))")
 
 
@@ -351,7 +472,7 @@ def gen_forward(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsk, rsv = 2 * D, 2 * Dv
+    rsk, rsv = v.EB * D, v.EB * Dv
     KT, VT = BN * rsk, BN * rsv
     e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, sc, minf):")
     with e.indent():
@@ -401,14 +522,13 @@ def gen_forward(v):
                 e("cp_wait0()")
             e("cuda.syncthreads()")
             zero_c(e, "s", MT, BN // 8)
-            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk, where["qa"])
+            mma_abt(e, v, "s", "qa", kbuf("cur"), BN // 8, D, where["qa"])
             e("if kb >= nfull:")
             with e.indent():
                 row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
                 mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
             online_softmax(e, v, "s", "o", Dv // 8)
-            c_to_a(e, "pa", "s", MT, BN // 16)
-            mma_ab(e, "o", "pa", vbuf("cur"), MT, Dv // 8, BN // 16, rsv)
+            mma_pb(e, v, "o", "pa", "s", vbuf("cur"), Dv // 8, BN, Dv)
             e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l
         for m in range(MT):
@@ -435,7 +555,7 @@ def gen_dq(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsk, rsv = 2 * D, 2 * Dv
+    rsk, rsv = v.EB * D, v.EB * Dv
     KT, VT = BN * rsk, BN * rsv
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dqp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,"
       " dq_rs, group, sc, scale):")
@@ -487,20 +607,19 @@ def gen_dq(v):
                 e("cp_wait0()")
             e("cuda.syncthreads()")
             zero_c(e, "s", MT, BN // 8)
-            mma_abt(e, "s", "qa", kbuf("cur"), MT, BN // 8, D // 16, rsk, where["qa"])
+            mma_abt(e, v, "s", "qa", kbuf("cur"), BN // 8, D, where["qa"])
             e("if kb >= nfull:")
             with e.indent():
                 row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
                 mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
             zero_c(e, "dp", MT, BN // 8)
-            mma_abt(e, "dp", "da", vbuf("cur"), MT, BN // 8, Dv // 16, rsv, where["da"])
+            mma_abt(e, v, "dp", "da", vbuf("cur"), BN // 8, Dv, where["da"])
             for m in range(MT):
                 for j in range(BN // 8):
                     for r in range(4):
                         s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                         e(f"{s} = ex2({s} * sc - ls{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
-            c_to_a(e, "sa", "s", MT, BN // 16)
-            mma_ab(e, "acc", "sa", kbuf("cur"), MT, D // 8, BN // 16, rsk)
+            mma_pb(e, v, "acc", "sa", "s", kbuf("cur"), D // 8, BN, D)
             e("cuda.syncthreads()")
         store_c_rows(e, v, "acc", D // 8, f"dqp + row0 * dq_rs + hh * {rsk}", "dq_rs", "wrow", "rows",
                      lambda m, h: "scale")
@@ -523,7 +642,7 @@ def gen_dkdv(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsk, rsv = 2 * D, 2 * Dv
+    rsk, rsv = v.EB * D, v.EB * Dv
     QT, OT = BN * rsk, BN * rsv
     nt = BN // 8
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dkp, dvp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,"
@@ -583,7 +702,7 @@ def gen_dkdv(v):
             e(f"cq = qb * {BN}")
             e("cuda.syncthreads()")
             zero_c(e, "s", MT, nt)
-            mma_abt(e, "s", "ka", qbuf("cur"), MT, nt, D // 16, rsk, where["ka"])
+            mma_abt(e, v, "s", "ka", qbuf("cur"), nt, D, where["ka"])
             e("if (qb < qfull) | (qb >= qlast):")
             with e.indent():
                 for m in range(MT):
@@ -600,17 +719,15 @@ def gen_dkdv(v):
                     for r in range(4):
                         x = f"s{m}_{j}_{r}"
                         e(f"{x} = ex2({x} * sc - cl{j}{r % 2})")
-            c_to_a(e, "pa", "s", MT, nt // 2)
-            mma_ab(e, "dv", "pa", obuf("cur"), MT, Dv // 8, nt // 2, rsv)
+            mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
             zero_c(e, "dp", MT, nt)
-            mma_abt(e, "dp", "va", obuf("cur"), MT, nt, Dv // 16, rsv, where["va"])
+            mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
             col_stats(e, nt, "cd", "dltp")
             for m in range(MT):
                 for j in range(nt):
                     for r in range(4):
                         e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
-            c_to_a(e, "sa", "s", MT, nt // 2)
-            mma_ab(e, "dk", "sa", qbuf("cur"), MT, D // 8, nt // 2, rsk)
+            mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
             e("cuda.syncthreads()")
         store_c_rows(e, v, "dk", D // 8, f"dkp + row0 * dk_rs + hk * {rsk}", "dk_rs", "wrow", "rows",
                      lambda m, h: "scale")
@@ -632,8 +749,14 @@ def gen_delta(dtype, Dv):
         e("live = u32(rh < n * H); rh = sel(live != 0, rh, 0)")
         e("row = rh // H; hh = rh % H")
         e("acc = f32(0.0)")
-        for c in range((Dv // 2 + 31) // 32):
-            e(f"d = lane + {32 * c}; ok = live & u32(d < {Dv // 2})")
+        per_word = 1 if dtype == "float32" else 2   # elements per 32-bit load
+        for c in range((Dv // per_word + 31) // 32):
+            e(f"d = lane + {32 * c}; ok = live & u32(d < {Dv // per_word})")
+            if per_word == 1:
+                e("x0 = ldg_f32_if(ok, op + row * o_rs + hh * o_hs + d * 4)")
+                e("y0 = ldg_f32_if(ok, dop + row * do_rs + hh * do_hs + d * 4)")
+                e("acc = acc + x0 * y0")
+                continue
             e("x0, x1 = unpack2(ldg_u32_if(ok, op + row * o_rs + hh * o_hs + d * 4))")
             e("y0, y1 = unpack2(ldg_u32_if(ok, dop + row * do_rs + hh * do_hs + d * 4))")
             e("acc = acc + x0 * y0 + x1 * y1")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 _CACHE = {}
 
-#: the element kinds the tensor-core path understands, with their PTX spellings
-PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+#: the element kinds the tensor-core path understands, with their PTX spellings (float32 runs as
+#: 3xTF32: mma1688 on tf32 halves made by tf32x2; the 16-bit intrinsics are never used for it)
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 
 
 def intrinsics(dtype="float16"):
@@ -46,6 +47,59 @@ def intrinsics(dtype="float16"):
                     "{$0,$1,$2,$3},{$4,$5,$6,$7},{$8,$9},{$10,$11,$12,$13};",
                     "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", args, side_effect=False)
             return tuple_of(ctx, bld, sig, r, 4)
+        return sig, cg
+
+    @intrinsic
+    def mma1688(tc, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """C += A B on tf32 operands (m16n8k8): one pass of the 3xTF32 product."""
+        sig = types.UniTuple(f32, 4)(u32, u32, u32, u32, u32, u32, f32, f32, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            r = asm(bld, ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4,
+                    "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                    "{$0,$1,$2,$3},{$4,$5,$6,$7},{$8,$9},{$10,$11,$12,$13};",
+                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", args, side_effect=False)
+            return tuple_of(ctx, bld, sig, r, 4)
+        return sig, cg
+
+    @intrinsic
+    def tf32x2(tc, x):
+        """fp32 (a float, or its bits as u32) -> (big, small) tf32 words with x ~= big + small to
+        ~2^-22 relative: big = cvt.rna(x), small = cvt.rna(x - big). Inside one asm block, so
+        fast-math cannot fold x - big away."""
+        if x not in (f32, u32):
+            return None
+        sig = types.UniTuple(u32, 2)(x)
+
+        def cg(ctx, bld, sig, args):
+            a = args[0] if sig.args[0] == f32 else bld.bitcast(args[0], F32)
+            r = asm(bld, ir.LiteralStructType([I32] * 2), [F32],
+                    "{.reg .f32 d; cvt.rna.tf32.f32 $0, $2; mov.b32 d, $0; sub.f32 d, $2, d; "
+                    "cvt.rna.tf32.f32 $1, d;}", "=r,=r,f", [a], side_effect=False)
+            return tuple_of(ctx, bld, sig, r, 2)
+        return sig, cg
+
+    @intrinsic
+    def lds64(tc, addr):
+        """8-byte shared load -> two 32-bit words (B operands of fp32 products, no ldmatrix.trans)."""
+        sig = types.UniTuple(u32, 2)(u32)
+
+        def cg(ctx, bld, sig, args):
+            r = asm(bld, ir.LiteralStructType([I32] * 2), [I32], "ld.shared.v2.u32 {$0,$1}, [$2];",
+                    "=r,=r,r,~{memory}", args)
+            return tuple_of(ctx, bld, sig, r, 2)
+        return sig, cg
+
+    @intrinsic
+    def stg_v4_if(tc, pred, gaddr, x0, x1, x2, x3):
+        """predicated 16-byte global store of four floats (fp32 output rows)."""
+        sig = types.void(u32, i64, f32, f32, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64] + [F32] * 4,
+                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.v4.f32 [$1], {$2,$3,$4,$5};}",
+                "r,l,f,f,f,f,~{memory}", args)
+            return ctx.get_dummy_value()
         return sig, cg
 
     def ldsm(trans):
@@ -223,7 +277,8 @@ def intrinsics(dtype="float16"):
         return sig, cg
 
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
-        mma16816=mma16816, ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
+        mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=lds64, stg_v4_if=stg_v4_if,
+        ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
