@@ -388,6 +388,43 @@ def test_front_end_program_uses_fused_kernel():
 
 
 # --------------------------------------------------------------------------- CUDA kernels
+def _install_group_shuffles(lanes=4):
+    """Simulator only: shfl_sync / shfl_xor_sync for the lanes named in `mask` (one lane
+    group of a warp), as a rendezvous of exactly those simulator threads: each posts its
+    value, waits for the group, reads its source lane's. The CUDA GAT kernels shuffle only
+    inside a lane group whose lanes all take the same path, which is what this requires."""
+    import threading
+    from numba.cuda.simulator import kernelapi
+    from tiga_numba.cuda import gat as cuda_gat
+    lock = threading.Lock()
+
+    def exchange(mask, value, source):
+        th = threading.current_thread()
+        lane = th.thread_id % 32
+        mask = int(mask)
+        assert (mask >> lane) & 1, f"lane {lane} shuffles outside its mask {mask:#x}"
+        key = (th.thread_id // 32, mask)
+        with lock:
+            groups = th._manager.__dict__.setdefault("_tiga_groups", {})
+            if key not in groups:
+                groups[key] = (threading.Barrier(bin(mask).count("1"), timeout=60), {})
+            barrier, box = groups[key]
+        box[lane] = value
+        barrier.wait()
+        src = source(lane)
+        assert (mask >> src) & 1, f"lane {lane} reads lane {src} outside the mask {mask:#x}"
+        got = box[src]
+        barrier.wait()
+        return got
+
+    kernelapi.FakeCUDAModule.shfl_sync = lambda self, mask, value, src: exchange(
+        mask, value, lambda lane: int(src))
+    kernelapi.FakeCUDAModule.shfl_xor_sync = lambda self, mask, value, lm: exchange(
+        mask, value, lambda lane: lane ^ int(lm))
+    cuda_gat.SIM_GROUP_SHUFFLES = True
+    cuda_gat.DEFAULT_LANES = lanes
+
+
 _SIM_SCRIPT = r"""
 import sys, numpy as np
 sys.path.insert(0, {tests!r})
@@ -397,15 +434,18 @@ from tiga_numba.edge_mlp import FieldArg
 from tiga_numba.graph import Graph
 import tiga_numba.nn as nn
 edge_mlp._CUDA_SIM = True
+LANES = {lanes}
+if LANES > 1:
+    T._install_group_shuffles(LANES)
 rng = np.random.default_rng(0)
-n, f = 150, 3          # > 128 rows: several blocks in the shared-memory parameter reduction
+n, f = 150, 3          # several blocks, and groups that take several rows (grid-stride)
 pos = T.random_cloud(rng, n, isolated=2)
 g = Graph.radius(pos, 0.15)
 x = rng.standard_normal((n, f))
 args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
 out, res, plan = T.check_all(g, T.seed_net(f, 4), args, x, rng)
-assert plan.run_info["kernel"].startswith("cuda.gat_forward"), plan.run_info["kernel"]
-assert res["plan"].run_info["kernel"].startswith("cuda.gat_backward_rows")
+assert plan.run_info["kernel"].startswith(f"cuda.gat_forward ({{LANES}} lanes"), plan.run_info["kernel"]
+assert res["plan"].run_info["kernel"].startswith(f"cuda.gat_backward_rows ({{LANES}} lanes")
 m = 12
 pos = T.random_cloud(rng, m, isolated=1)
 g = Graph.radius(pos, 0.5)
@@ -420,16 +460,18 @@ print("SIM OK")
 """
 
 
-def test_cuda_kernels_in_simulator():
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_cuda_kernels_in_simulator(lanes):
     """The generated CUDA kernels (forward, both backward passes, block reduction) run under
-    NUMBA_ENABLE_CUDASIM on numpy arrays and match the oracle."""
+    NUMBA_ENABLE_CUDASIM on numpy arrays and match the oracle: one lane per row, and lane
+    groups (shuffles emulated per group: butterflies, broadcasts, the reduce-scatter)."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    script = _SIM_SCRIPT.format(tests=os.path.join(root, "tests"))
+    script = _SIM_SCRIPT.format(tests=os.path.join(root, "tests"), lanes=lanes)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=600, cwd=root)
     assert proc.returncode == 0 and "SIM OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

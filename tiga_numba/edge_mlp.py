@@ -53,6 +53,7 @@ class GATState:
     As: Any  # (num_src, hidden), kernel node order
     Ad: Any  # (num_dst, hidden), first bias included, kernel node order
     prep: Any = None
+    WeT: Any = None  # (edge columns, hidden) of the first Linear, as the forward used it (CUDA)
 
 
 @dataclass

@@ -1,172 +1,461 @@
 """Fused GAT-MLP edge attention on the GPU (numba.cuda), forward and backward.
 
-Same model, same generated per-edge code as tiga_numba.cpu.gat (the unrolled variant: the
-score network lives in registers), one thread per row:
-  forward     thread = destination row; online softmax and the value accumulator in
-              registers/local memory.
-  backward A  thread = destination row; dst-side node gradients per row; parameter-gradient
-              partials in registers, reduced per block through shared memory in a fixed
-              order and written to one row of PG per block (summed on the host side in
-              block order): deterministic, no float atomics.
-  backward B  thread = source row over the transposed relation; src-side node gradients.
-Nothing (E,)-sized is allocated. Networks too large for the unrolled code are refused
-(NotImplementedError) rather than run slowly.
+Same model and the same generated per-edge code as tiga_numba.cpu.gat (the unrolled
+variant: the score network lives in registers), laid out for a GPU:
 
-Kernels are plain numba.cuda.jit functions generated per (layer stack, edge features, value
-width, dtype), written to the per-user cache directory and imported (cache=True). They take
-cupy arrays (or numpy arrays under NUMBA_ENABLE_CUDASIM=1, which the tests use).
+  lane groups   G consecutive lanes (G a power of two <= 32, a compile-time constant) share
+                one row. The row's edges are taken G at a time: lane s runs the whole score
+                network for edge base + s (edge-parallel, no redundant MLP work), then the
+                value side is split by feature: lane s owns features s, s + G, ... and the
+                group walks the G edges of the step, broadcasting each edge's source id and
+                weight with a shuffle, so a gathered value row is read by G lanes at once
+                (coalesced sectors instead of one thread reading a whole row).
+  forward       destination rows; per step the group max and sum of the G new scores
+                (xor butterflies: every lane gets the same bits), one rescale per step.
+  backward A    destination rows, grid-stride over a fixed number of blocks; dp = dout_i .
+                V_j is computed feature-split for the step's G edges and handed back to the
+                edge's lane by a reduce-scatter butterfly (G - 1 shuffles); the MLP backward
+                runs per lane; parameter-gradient partials stay in registers for all the
+                rows a group handles, are summed over the group by a butterfly and then
+                over the block's groups through shared memory in group order; one row of PG
+                per block, summed in block order. Deterministic, no float atomics.
+  backward B    source rows over the transposed relation, same step structure; dV is
+                accumulated feature-split in registers.
+Lanes past a row's last edge repeat that edge (valid addresses) with weight 0, so nothing
+reads out of bounds and their contributions are exact zeros; only writes are guarded.
+Nothing (E,)-sized is allocated.
+
+Launch: every array is passed as a raw device address (tiga_numba.cuda.launch: explicit
+all-scalar signature, cubin cache, cuda.core launch), not as a cupy array through numba's
+dispatcher (which re-wraps, and may synchronise on, every array argument). Under
+NUMBA_ENABLE_CUDASIM the same kernel bodies take flat host arrays.
+
+Kernels are generated as Python source per (layer stack, edge features, value width, dtype,
+lanes), written to the per-user cache directory and imported; the kernel names carry the
+source digest, so the launcher's cubin cache can never serve a stale kernel.
 """
 from __future__ import annotations
 
 import math
+import os
+import re
 
+import numba
 import numpy as np
 
-from ..cpu.gat import (_block, _cache_dir, _load, _u_backward, _u_edge_grad, _u_features,  # noqa: F401
+from ..cpu.gat import (_block, _load, _route_edge_grad, _u_backward, _u_features, _u_hoist,
                        _u_score, _u_weights, unrollable)
 from ..kernel_cache import KERNELS
 
-SHARED_BYTES = 40 * 1024  # parameter-gradient reduction buffer per block (static shared)
+# Simulator only: set by tests after installing a lane-group shuffle emulation; without it
+# the simulator runs the one-lane kernels (no shuffles at all).
+SIM_GROUP_SHUFFLES = False
+DEFAULT_LANES = 8
+MAX_NT = 128
+BLOCKS_PER_SM = 8  # backward A's fixed grid: this many blocks per multiprocessor
+SHARED_BYTES = 40 * 1024
 
 
-def block_size(n_pg, itemsize):
-    """Threads per block for the backward rows kernel: its shared buffer is (NT, n_pg)."""
-    nt = (SHARED_BYTES // max(n_pg * itemsize, 1)) // 32 * 32
-    return int(min(128, nt))
+def lanes_for(spec):
+    """Lanes per row: TIGA_NUMBA_GAT_LANES overrides (benchmarks); under the simulator 1
+    unless a group-shuffle emulation is installed."""
+    from .launch import SIM
+    env = os.environ.get("TIGA_NUMBA_GAT_LANES")
+    g = int(env) if env else DEFAULT_LANES
+    if g not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"TIGA_NUMBA_GAT_LANES must be a power of two <= 32, got {g}")
+    if SIM and not SIM_GROUP_SHUFFLES:
+        return 1
+    return g
 
 
-def generate_source(spec, p_size, dtype_name, nt_fwd, nt_rows, sim):
+# --------------------------------------------------------------------------- code generation
+_IDX2 = re.compile(r"\b(As|Ad|WeT|pos|EX|dEX)\[([^\[\],]+), ([^\[\]]+)\]")
+
+
+def _flat(lines, widths):
+    """The shared unrolled generator writes A[r, c]; the kernels see flat 1-D views."""
+    def sub(mt):
+        name, a, b = mt.group(1), mt.group(2), mt.group(3)
+        return f"{name}[({a}) * {widths[name]} + {b}]"
+    return [_IDX2.sub(sub, s) for s in lines]
+
+
+def _feature_slice(fv, G):
+    """(c, guarded) for the features lane s owns: f = s + c * G; guarded when f may be >= fv."""
+    fs = -(-fv // G)
+    return [(c, c * G + G - 1 >= fv) for c in range(fs)]
+
+
+def _xor_all(var, G, op):
+    """Butterfly over the group: every lane ends with the same value (same bits)."""
+    lines = []
+    o = G // 2
+    while o >= 1:
+        if op == "max":
+            lines.append(f"{var} = max({var}, cuda.shfl_xor_sync(mask, {var}, {o}))")
+        else:
+            lines.append(f"{var} = {var} + cuda.shfl_xor_sync(mask, {var}, {o})")
+        o //= 2
+    return lines
+
+
+def _reduce_scatter(parts, G, out):
+    """parts[u] (u < G) are this lane's partial sums for the step's edge u; afterwards `out`
+    holds, in lane s, the group total for edge s. log2(G) halving steps, G - 1 shuffles."""
+    cur = list(parts)
+    lines = []
+    o = G // 2
+    k = 0
+    while o >= 1:
+        lines.append(f"up_{k} = (lane & {o}) != 0")
+        nxt = []
+        for u in range(len(cur) // 2):
+            lo, hi = cur[u], cur[u + len(cur) // 2]
+            name = f"rs{k}_{u}"
+            lines += [f"snd = {lo} if up_{k} else {hi}",
+                      f"{name} = ({hi} if up_{k} else {lo}) + cuda.shfl_xor_sync(mask, snd, {o})"]
+            nxt.append(name)
+        cur = nxt
+        o //= 2
+        k += 1
+    lines.append(f"{out} = {cur[0]}")
+    return lines
+
+
+def _edge_grad(spec, side):
+    """gef = We^T gh0 (scalars ge<c>), routed to positions; explicit edge features are
+    written by valid lanes only (an invalid lane repeats an edge another lane owns)."""
+    if not spec.fe:
+        return []
+    L = [f"ge{c} = " + " + ".join(f"we{c}_{r} * g0_{r}" for r in range(spec.h1))
+         for c in range(spec.fe)]
+    L += _route_edge_grad(spec, side, lambda i: f"ge{i}",
+                          lambda off, width, xcol: ["if valid:"] + [
+                              f"    dEX[e, {xcol + c}] = ge{off + c}" for c in range(width)])
+    return L
+
+
+def generate_source(spec, p_size, dtype_name, G, nt, sim):
     h1, fe, fv, pd = spec.h1, spec.fe, spec.fv, spec.pd
+    xw = sum(it[2] for it in spec.edge_items if it[0] == "x")
+    widths = {"As": h1, "Ad": h1, "WeT": h1, "pos": max(pd, 1), "EX": max(xw, 1),
+              "dEX": max(xw, 1)}
+    explicit = xw > 0
     n_pg = p_size + fe * h1
-    weights = _block(_u_weights(spec), 4)
-    feat8, feat12 = _block(_u_features(spec), 8), _block(_u_features(spec), 12)
-    score8, score12 = _block(_u_score(spec), 8), _block(_u_score(spec), 12)
-    read_perm = " " * 8 + "e = perm[t]" if any(it[0] == "x" for it in spec.edge_items) else ""
-    p_slots = list(range(p_size)) if any(la[0] == "linear" for la in spec.layers) else []
-    pg_init = _block([f"pg{k} = ZERO" for k in p_slots]
-                     + [f"pge{c}_{r} = ZERO" for c in range(fe) for r in range(h1)], 4)
-    pg_share = _block([f"sh[tid, {k}] = pg{k}" for k in p_slots]
-                      + [f"sh[tid, {p_size + c * h1 + r}] = pge{c}_{r}"
-                         for c in range(fe) for r in range(h1)], 4)
-    gp_init = _block([f"gp{d} = ZERO" for d in range(pd)], 8)
+    gpb = nt // G  # groups per block
+    fsl = _feature_slice(fv, G)
+
+    def fl(lines, n):
+        return _block(_flat(lines, widths), n)
+
+    weights = fl(_u_weights(spec), 4)
+    p_slots = [k for layer in spec.layers if layer[0] == "linear"
+               for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
+    pg_names = [f"pg{k}" for k in p_slots] + [f"pge{c}_{r}" for c in range(fe) for r in range(h1)]
+    pg_slots = p_slots + [p_size + c * h1 + r for c in range(fe) for r in range(h1)]
+
+    def fidx(c):
+        return f"lane + {c * G}" if c else "lane"
+
+    def guard(c, guarded, line, ind=0):
+        pad = " " * ind
+        if guarded:
+            return [f"{pad}if {fidx(c)} < {fv}:", f"{pad}    {line}"]
+        return [f"{pad}{line}"]
+
+    shfl = G > 1
+
+    def bcast(var, u):
+        return f"cuda.shfl_sync(mask, {var}, gbase + {u})" if shfl else var
+
+    step_head = [
+        "e = base + lane",
+        "valid = e < e1",
+        "if not valid:",
+        "    e = e1 - 1",
+    ]
+    # ------------------------------------------------------------------ forward
+    fwd_u = []
+    for u in range(G):
+        body = [f"pu = {bcast('p', u)}", f"ju = {bcast('j', u)}", f"vb = ju * {fv}"]
+        for c, gd in fsl:
+            body += guard(c, gd, f"acc{c} += pu * V[vb + {fidx(c)}]")
+        fwd_u += ([f"if base + {u} < e1:"] + ["    " + b for b in body]) if u else body
     fwd = f"""
-@cuda.jit(cache={not sim})
-def gat_forward(indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L, nrows):
-    i = cuda.grid(1)
+def gat_forward(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, out_p, M_p, L_p,
+                nrows):
+    indptr = AS_I64(indptr_p)
+    indices = AS_I32(indices_p)
+    As = AS_T(As_p)
+    Ad = AS_T(Ad_p)
+    WeT = AS_T(WeT_p)
+    pos = AS_T(pos_p)
+    EX = AS_T(EX_p)
+    P = AS_T(P_p)
+    V = AS_T(V_p)
+    out = AS_T(out_p)
+    M = AS_T(M_p)
+    L = AS_T(L_p)
+    tid = cuda.threadIdx.x
+    gid = i64(cuda.blockIdx.x) * {nt} + tid
+    i = gid // {G}
+    lane = gid - i * {G}
     if i >= nrows:
         return
+    gbase = (tid % 32) - lane
+    mask = u32({(1 << G) - 1} << gbase)
 {weights}
-    accv = cuda.local.array({fv}, T)
-    m = T(-math.inf)
+{fl(_u_hoist(spec, "dst"), 4)}
+    m = NEG
     l = ZERO
-    for f in range({fv}):
-        accv[f] = ZERO
-    for e in range(indptr[i], indptr[i + 1]):
+{_block([f"acc{c} = ZERO" for c, _ in fsl], 4)}
+    e1 = indptr[i + 1]
+    for base in range(indptr[i], e1, {G}):
+{_block(step_head, 8)}
         j = indices[e]
-{feat8}
-{score8}
-        if s > m:
-            corr = T(math.exp(m - s))
-            l = l * corr + ONE
-            for f in range({fv}):
-                accv[f] = accv[f] * corr + V[j, f]
-            m = s
-        else:
-            p = T(math.exp(s - m))
-            l += p
-            for f in range({fv}):
-                accv[f] += p * V[j, f]
+{fl(_u_features(spec, "dst"), 8)}
+{fl(_u_score(spec, "dst"), 8)}
+        if not valid:
+            s = NEG
+{_block(["mx = s"] + _xor_all("mx", G, "max"), 8)}
+        mn = max(m, mx)
+        alpha = T(math.exp(m - mn))
+        p = T(math.exp(s - mn))
+{_block(["ps = p"] + _xor_all("ps", G, "sum"), 8)}
+        l = l * alpha + ps
+{_block([f"acc{c} = acc{c} * alpha" for c, _ in fsl], 8)}
+{_block(fwd_u, 8)}
+        m = mn
     inv = ONE / l if l > ZERO else ZERO
-    for f in range({fv}):
-        out[i, f] = accv[f] * inv
-    M[i] = m
-    L[i] = l
+{_block([x for c, gd in fsl for x in guard(c, gd, f"out[i * {fv} + {fidx(c)}] = acc{c} * inv")], 4)}
+    if lane == 0:
+        M[i] = m
+        L[i] = l
 """
+    # ------------------------------------------------------------------ backward A (dst rows)
+    rows_u = []
+    for u in range(G):
+        body = [f"ju = {bcast('j', u)}", f"vb = ju * {fv}"]
+        for c, gd in fsl:
+            body += guard(c, gd, f"dq{u} += do{c} * V[vb + {fidx(c)}]")
+        rows_u += ([f"if base + {u} < e1:"] + ["    " + b for b in body]) if u else body
     gad_lines = [f"gad{r} += g0_{r}" for r in range(h1)]
     gad_lines += [f"pge{c}_{r} += g0_{r} * ef{c}" for c in range(fe) for r in range(h1)]
+    row_end = []
+    for r in range(h1):
+        row_end += _xor_all(f"gad{r}", G, "sum")
+    for d in range(pd):
+        row_end += _xor_all(f"gp{d}", G, "sum")
+    row_store = ([f"dAd[i * {h1} + {r}] = gad{r}" for r in range(h1)]
+                 + [f"dpos[i * {pd} + {d}] = gp{d}" for d in range(pd)])
+    pg_group = []
+    for nm in pg_names:
+        pg_group += _xor_all(nm, G, "sum")
+    npg1 = max(n_pg, 1)
     bwd_rows = f"""
-@cuda.jit(cache={not sim})
-def gat_backward_rows(indptr, indices, As, Ad, WeT, pos, EX, P, V, out, dout, M, L,
-                      Delta, dAd, dpos, dEX, PG, nrows):
+def gat_backward_rows(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, out_p,
+                      dout_p, M_p, L_p, Delta_p, dAd_p, dpos_p, dEX_p, PG_p, nrows):
+    indptr = AS_I64(indptr_p)
+    indices = AS_I32(indices_p)
+    As = AS_T(As_p)
+    Ad = AS_T(Ad_p)
+    WeT = AS_T(WeT_p)
+    pos = AS_T(pos_p)
+    EX = AS_T(EX_p)
+    P = AS_T(P_p)
+    V = AS_T(V_p)
+    out = AS_T(out_p)
+    dout = AS_T(dout_p)
+    M = AS_T(M_p)
+    L = AS_T(L_p)
+    Delta = AS_T(Delta_p)
+    dAd = AS_T(dAd_p)
+    dpos = AS_T(dpos_p)
+    dEX = AS_T(dEX_p)
+    PG = AS_T(PG_p)
     tid = cuda.threadIdx.x
-    i = cuda.blockIdx.x * {nt_rows} + tid
+    gid = i64(cuda.blockIdx.x) * {nt} + tid
+    grp = gid // {G}
+    lane = gid - grp * {G}
+    gbase = (tid % 32) - lane
+    mask = u32({(1 << G) - 1} << gbase)
+    ngroups = i64(cuda.gridDim.x) * {gpb}
 {weights}
-{pg_init}
-    if i < nrows:
-        delta = ZERO
-        for f in range({fv}):
-            delta += dout[i, f] * out[i, f]
-        Delta[i] = delta
-{_block([f"gad{r} = ZERO" for r in range(h1)], 8)}
-{gp_init}
+{_block([f"{nm} = ZERO" for nm in pg_names], 4)}
+    i = grp
+    while i < nrows:
+{fl(_u_hoist(spec, "dst"), 8)}
+{_block([f"do{c} = ZERO" for c, gd in fsl if gd], 8)}
+{_block([x for c, gd in fsl for x in guard(c, gd, f"do{c} = dout[i * {fv} + {fidx(c)}]")], 8)}
+{_block(["delta = ZERO"] + [x for c, gd in fsl for x in guard(c, gd, f"delta += do{c} * out[i * {fv} + {fidx(c)}]")], 8)}
+{_block(_xor_all("delta", G, "sum"), 8)}
+        if lane == 0:
+            Delta[i] = delta
+{_block([f"gad{r} = ZERO" for r in range(h1)] + [f"gp{d} = ZERO" for d in range(pd)], 8)}
         mi = M[i]
         li = L[i]
         inv_l = ONE / li if li > ZERO else ZERO
-        for e in range(indptr[i], indptr[i + 1]):
+        e1 = indptr[i + 1]
+        for base in range(indptr[i], e1, {G}):
+{_block(step_head, 12)}
             j = indices[e]
-{feat12}
-{score12}
-            p = T(math.exp(s - mi)) * inv_l
-            dp = ZERO
-            for f in range({fv}):
-                dp += dout[i, f] * V[j, f]
+{fl(_u_features(spec, "dst"), 12)}
+{fl(_u_score(spec, "dst"), 12)}
+            p = T(math.exp(s - mi)) * inv_l if valid else ZERO
+{_block([f"dq{u} = ZERO" for u in range(G)], 12)}
+{_block(rows_u, 12)}
+{_block(_reduce_scatter([f"dq{u}" for u in range(G)], G, "dp"), 12)}
             ds = p * (dp - delta)
-{_block(_u_backward(spec, True), 12)}
+{fl(_u_backward(spec, True), 12)}
 {_block(gad_lines, 12)}
-{_block(_u_edge_grad(spec, "dst"), 12)}
-{_block([f"dAd[i, {r}] = gad{r}" for r in range(h1)], 8)}
-{_block([f"dpos[i, {d}] = gp{d}" for d in range(pd)], 8)}
-    # block reduction of the parameter partials, fixed order (deterministic)
-    sh = cuda.shared.array(({nt_rows}, {max(n_pg, 1)}), T)
-{pg_share}
+{fl(_edge_grad(spec, "dst"), 12)}
+{_block(row_end, 8)}
+        if lane == 0:
+{fl(row_store, 12) if row_store else " " * 12 + "pass"}
+        i += ngroups
+    # parameter partials: group butterfly, then the block's groups in order (deterministic)
+{_block(pg_group, 4)}
+    sh = cuda.shared.array(({gpb}, {npg1}), T)
+    if lane == 0:
+{_block([f"sh[grp % {gpb}, {k}] = {nm}" for k, nm in zip(pg_slots, pg_names)] or ["pass"], 8)}
     cuda.syncthreads()
-    for k in range(tid, {n_pg}, {nt_rows}):
+    for k in range(tid, {n_pg}, {nt}):
         acc = ZERO
-        for t in range({nt_rows}):
+        for t in range({gpb}):
             acc += sh[t, k]
-        PG[cuda.blockIdx.x, k] = acc
+        PG[i64(cuda.blockIdx.x) * {npg1} + k] = acc
 """
+    # ------------------------------------------------------------------ backward B (src rows)
+    read_perm = ["e = perm[t]"] if explicit else []
+    cols_u = []
+    for u in range(G):
+        body = [f"iu = {bcast('i', u)}", f"pu = {bcast('p', u)}", f"db = iu * {fv}"]
+        for c, gd in fsl:
+            if gd:
+                body += [f"if {fidx(c)} < {fv}:",
+                         f"    dd = dout[db + {fidx(c)}]",
+                         f"    dq{u} += dd * vj{c}",
+                         f"    gv{c} += pu * dd"]
+            else:
+                body += [f"dd = dout[db + {fidx(c)}]", f"dq{u} += dd * vj{c}", f"gv{c} += pu * dd"]
+        cols_u += ([f"if base + {u} < t1:"] + ["    " + b for b in body]) if u else body
+    col_end = []
+    for r in range(h1):
+        col_end += _xor_all(f"gas{r}", G, "sum")
+    for d in range(pd):
+        col_end += _xor_all(f"gp{d}", G, "sum")
+    col_store = ([f"dAs[j * {h1} + {r}] = gas{r}" for r in range(h1)]
+                 + [f"dpos[j * {pd} + {d}] = gp{d}" for d in range(pd)])
     bwd_cols = f"""
-@cuda.jit(cache={not sim})
-def gat_backward_cols(tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout, M, L, Delta,
-                      dAs, dV, dpos, nrows):
-    j = cuda.grid(1)
+def gat_backward_cols(tptr_p, tind_p, perm_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, dout_p,
+                      M_p, L_p, Delta_p, dAs_p, dV_p, dpos_p, nrows):
+    tptr = AS_I64(tptr_p)
+    tind = AS_I32(tind_p)
+    perm = AS_I64(perm_p)
+    As = AS_T(As_p)
+    Ad = AS_T(Ad_p)
+    WeT = AS_T(WeT_p)
+    pos = AS_T(pos_p)
+    EX = AS_T(EX_p)
+    P = AS_T(P_p)
+    V = AS_T(V_p)
+    dout = AS_T(dout_p)
+    M = AS_T(M_p)
+    L = AS_T(L_p)
+    Delta = AS_T(Delta_p)
+    dAs = AS_T(dAs_p)
+    dV = AS_T(dV_p)
+    dpos = AS_T(dpos_p)
+    tid = cuda.threadIdx.x
+    gid = i64(cuda.blockIdx.x) * {nt} + tid
+    j = gid // {G}
+    lane = gid - j * {G}
     if j >= nrows:
         return
+    gbase = (tid % 32) - lane
+    mask = u32({(1 << G) - 1} << gbase)
 {weights}
-    gV = cuda.local.array({fv}, T)
-{_block([f"gas{r} = ZERO" for r in range(h1)], 4)}
-    for f in range({fv}):
-        gV[f] = ZERO
-{_block([f"gp{d} = ZERO" for d in range(pd)], 4)}
-    for t in range(tptr[j], tptr[j + 1]):
+{fl(_u_hoist(spec, "src"), 4)}
+{_block([f"vj{c} = ZERO" for c, gd in fsl if gd], 4)}
+{_block([x for c, gd in fsl for x in guard(c, gd, f"vj{c} = V[j * {fv} + {fidx(c)}]")], 4)}
+{_block([f"gv{c} = ZERO" for c, _ in fsl] + [f"gas{r} = ZERO" for r in range(h1)] + [f"gp{d} = ZERO" for d in range(pd)], 4)}
+    t1 = tptr[j + 1]
+    for base in range(tptr[j], t1, {G}):
+        t = base + lane
+        valid = t < t1
+        if not valid:
+            t = t1 - 1
         i = tind[t]
-{read_perm}
-{feat8}
-{score8}
-        p = T(math.exp(s - M[i])) / L[i]
-        dp = ZERO
-        for f in range({fv}):
-            dp += dout[i, f] * V[j, f]
-            gV[f] += p * dout[i, f]
-        ds = p * (dp - Delta[i])
-{_block(_u_backward(spec, False), 8)}
+{_block(read_perm, 8)}
+{fl(_u_features(spec, "src"), 8)}
+{fl(_u_score(spec, "src"), 8)}
+        p = T(math.exp(s - M[i])) / L[i] if valid else ZERO
+        dl = Delta[i]
+{_block([f"dq{u} = ZERO" for u in range(G)], 8)}
+{_block(cols_u, 8)}
+{_block(_reduce_scatter([f"dq{u}" for u in range(G)], G, "dp"), 8)}
+        ds = p * (dp - dl)
+{fl(_u_backward(spec, False), 8)}
 {_block([f"gas{r} += g0_{r}" for r in range(h1)], 8)}
-{_block(_u_edge_grad(spec, "src"), 8)}
-{_block([f"dAs[j, {r}] = gas{r}" for r in range(h1)], 4)}
-    for f in range({fv}):
-        dV[j, f] = gV[f]
-{_block([f"dpos[j, {d}] = gp{d}" for d in range(pd)], 4)}
+{fl(_edge_grad(spec, "src"), 8)}
+{_block(col_end, 4)}
+    if lane == 0:
+{fl(col_store, 8) if col_store else " " * 8 + "pass"}
+{_block([x for c, gd in fsl for x in guard(c, gd, f"dV[j * {fv} + {fidx(c)}] = gv{c}")], 4)}
 """
     header = (f"# generated by tiga_numba.cuda.gat for spec {spec!r}, {dtype_name}, "
-              f"nt_rows={nt_rows}, sim={sim}\n"
-              "import math\nimport numpy as np\nimport tiga_numba.cuda  # numpy compat shim\n"
+              f"lanes={G}, nt={nt}, sim={sim}\n"
+              "import math\nimport numba\nimport numpy as np\n"
+              "import tiga_numba.cuda  # numpy compat shim\n"
               "from numba import cuda\n"
-              f"T = np.{dtype_name}\nZERO = T(0.0)\nONE = T(1.0)\n")
+              "from tiga_numba.cuda.launch import array_view\n"
+              f"T = np.{dtype_name}\nZERO = T(0.0)\nONE = T(1.0)\nNEG = T(-math.inf)\n"
+              "i64 = numba.int64\nu32 = numba.uint32\n"
+              f"AS_T = array_view(numba.{dtype_name})\n"
+              "AS_I64 = array_view(numba.int64)\nAS_I32 = array_view(numba.int32)\n")
     return header + fwd + bwd_rows + bwd_cols
 
 
+# --------------------------------------------------------------------------- kernels
+def _signature(names, arrays, T):
+    """Kernel parameter spec for launch.Kernel: arrays by dtype, trailing int64 scalars."""
+    i64, i32 = numba.int64, numba.int32
+    kinds = {"T": T, "i64": i64, "i32": i32}
+    return ([(n, "a", kinds[arrays[n]]) for n in names[:-1]] + [(names[-1], "s", i64)])
+
+
+_FWD_ARGS = ["indptr", "indices", "As", "Ad", "WeT", "pos", "EX", "P", "V", "out", "M", "L",
+             "nrows"]
+_ROWS_ARGS = ["indptr", "indices", "As", "Ad", "WeT", "pos", "EX", "P", "V", "out", "dout", "M",
+              "L", "Delta", "dAd", "dpos", "dEX", "PG", "nrows"]
+_COLS_ARGS = ["tptr", "tind", "perm", "As", "Ad", "WeT", "pos", "EX", "P", "V", "dout", "M", "L",
+              "Delta", "dAs", "dV", "dpos", "nrows"]
+_INT_ARGS = {"indptr": "i64", "indices": "i32", "tptr": "i64", "tind": "i32", "perm": "i64"}
+
+
+class GATKernels:
+    """The three launchable kernels of one (spec, dtype, lanes) plus their geometry."""
+
+    def __init__(self, module, digest, T, G, nt, n_pg):
+        from .launch import Kernel
+        kinds = {n: _INT_ARGS.get(n, "T") for n in set(_FWD_ARGS + _ROWS_ARGS + _COLS_ARGS)}
+        self.forward = Kernel(f"gat_fwd_{digest}", module.gat_forward,
+                              _signature(_FWD_ARGS, kinds, T))
+        self.rows = Kernel(f"gat_bwd_rows_{digest}", module.gat_backward_rows,
+                           _signature(_ROWS_ARGS, kinds, T))
+        self.cols = Kernel(f"gat_bwd_cols_{digest}", module.gat_backward_cols,
+                           _signature(_COLS_ARGS, kinds, T))
+        self.G, self.nt, self.n_pg = G, nt, n_pg
+        self.source_path = module.__file__
+
+    def blocks(self, nrows):
+        return max(1, -(-nrows * self.G // self.nt))
+
+
 def get_kernels(spec, p_size, dtype):
+    """(GATKernels, cache 'hit'/'miss'). Networks that do not fit the register-resident
+    unrolled code are refused rather than run slowly."""
     from .launch import SIM
     name = "float64" if str(dtype) == "float64" else "float32"
     if not unrollable(spec, p_size):
@@ -177,29 +466,56 @@ def get_kernels(spec, p_size, dtype):
             "kernel keeps the network in registers and takes <= 1200 and <= 64); use numpy "
             "inputs for the CPU kernel")
     itemsize = 8 if name == "float64" else 4
+    G = lanes_for(spec)
     n_pg = p_size + spec.fe * spec.h1
-    nt_rows = block_size(n_pg, itemsize)
-    if nt_rows < 32:
+    nt = 32 if SIM else MAX_NT
+    while nt > max(G, 32) and (nt // G) * max(n_pg, 1) * itemsize > SHARED_BYTES:
+        nt //= 2
+    if (nt // G) * max(n_pg, 1) * itemsize > SHARED_BYTES:
         raise NotImplementedError(f"score network has {n_pg} parameter-gradient slots per "
                                   "edge; the CUDA kernel's shared reduction takes at most "
-                                  f"{SHARED_BYTES // (32 * itemsize)}")
-    nt_fwd = 128
-    key = ("gat-cuda", spec, int(p_size), name, nt_rows, SIM)
-    module = KERNELS.get(key, lambda: _load(generate_source(spec, p_size, name, nt_fwd, nt_rows,
-                                                            SIM), prefix="tiga_gat_cuda"))
-    return module, ("hit" if KERNELS.last_was_hit else "miss"), nt_fwd, nt_rows
+                                  f"{SHARED_BYTES // ((nt // G) * itemsize)}")
+    key = ("gat-cuda", spec, int(p_size), name, G, nt, SIM, SIM_GROUP_SHUFFLES)
+
+    def build():
+        module = _load(generate_source(spec, p_size, name, G, nt, SIM), prefix="tiga_gat_cuda")
+        digest = module.__name__.rsplit("_", 1)[-1]
+        return GATKernels(module, digest, numba.float64 if name == "float64" else numba.float32,
+                          G, nt, n_pg)
+    kern = KERNELS.get(key, build)
+    return kern, ("hit" if KERNELS.last_was_hit else "miss")
 
 
-def _grid(n, nt):
-    return max(1, math.ceil(n / nt))
+_SMS = {}
 
 
-def _arg(a, xp):
-    """Kernels never touch an array their spec does not use; give them a 1-element stand-in
-    instead of a zero-size one (whose device pointer may be null)."""
-    if a.size:
-        return a
-    return xp.zeros((1,) * a.ndim, a.dtype)
+def _rows_grid(kern, nrows):
+    """Backward A's fixed grid (grid-stride over rows): a function of the device only, so
+    the parameter partials, and their rounding, are the same on every run."""
+    from .launch import SIM
+    if SIM:
+        cap = 3  # small, so that the simulator exercises the grid-stride loop
+    else:
+        import cupy
+        dev = cupy.cuda.Device().id
+        if dev not in _SMS:
+            _SMS[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+        cap = _SMS[dev] * BLOCKS_PER_SM
+    return min(kern.blocks(nrows), cap)
+
+
+def _ptrs(xp, *arrays):
+    """Device addresses (GPU) or flat host views (simulator) of C-contiguous arrays."""
+    if xp is np:
+        return [a.reshape(-1) for a in arrays]
+    return [a.data.ptr for a in arrays]
+
+
+def _stream(xp):
+    if xp is np:
+        return None
+    from .launch import current_stream
+    return current_stream()
 
 
 # --------------------------------------------------------------------------- host glue
@@ -209,26 +525,27 @@ def forward(graph, net, prep, return_state, xp=None, device="cuda"):
         import cupy as xp
     params = dict(net.named_parameters())
     As, Ad, WeT = em._node_products(prep, params, xp)
-    kern, cache, nt_fwd, _ = get_kernels(prep.spec, prep.P.shape[0], prep.acc)
+    kern, cache = get_kernels(prep.spec, prep.P.shape[0], prep.acc)
     rel = graph.realize(device)
     nd = prep.num_dst
     out = xp.empty((nd, prep.spec.fv), prep.acc)
     M = xp.empty(nd, prep.acc)
     L = xp.empty(nd, prep.acc)
     if nd:
-        kern.gat_forward[_grid(nd, nt_fwd), nt_fwd](
-            rel.indptr, _arg(rel.indices, xp), As, Ad, _arg(WeT, xp), _arg(prep.pos, xp),
-            _arg(prep.EX, xp), prep.P, prep.V, out, M, L, nd)
+        kern.forward((kern.blocks(nd), 1, 1), (kern.nt, 1, 1), _stream(xp),
+                     *_ptrs(xp, rel.indptr, rel.indices, As, Ad, WeT, prep.pos, prep.EX, prep.P,
+                            prep.V, out, M, L), nd)
     plan = em._plan("forward", prep, net)
-    plan.run_info.update(kernel=f"cuda.gat_forward (one thread per destination row, {nt_fwd} "
-                                "threads/block; score MLP in registers + online softmax)",
+    plan.run_info.update(kernel=f"cuda.gat_forward ({kern.G} lanes per destination row, "
+                                f"{kern.nt} threads/block; score MLP in registers per edge, "
+                                "online softmax, feature-split value accumulation)",
                          cache=cache, copies=list(prep.copies),
-                         order="one thread per row, caller's node order",
-                         ir=_cuda_ir(kern.gat_forward),
+                         order=f"{kern.G}-lane group per row, caller's node order",
+                         ir=_cuda_ir(kern.forward),
                          geometry=("displacement/distance computed per edge from positions"
                                    if prep.geometric else None))
     result = out.astype(prep.dtype, copy=False).reshape((nd,) + prep.value_shape[1:])
-    state = em.GATState(m=M, l=L, out=out, As=As, Ad=Ad) if return_state else None
+    state = em.GATState(m=M, l=L, out=out, As=As, Ad=Ad, WeT=WeT) if return_state else None
     return result, state, plan
 
 
@@ -238,45 +555,53 @@ def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda")
         import cupy as xp
     params = dict(net.named_parameters())
     acc = prep.acc
-    W1 = params["0.weight"].astype(acc)
+    W1 = params["0.weight"].astype(acc, copy=False)
     h1 = W1.shape[0]
-    WeT = xp.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols else xp.zeros((0, h1), acc)
-    kern, cache, _, nt_rows = get_kernels(prep.spec, prep.P.shape[0], acc)
+    WeT = state.WeT
+    if WeT is None:
+        WeT = (xp.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols
+               else xp.zeros((0, h1), acc))
+    kern, cache = get_kernels(prep.spec, prep.P.shape[0], acc)
     rel = graph.realize(device)
     tr = graph.realize_transpose(device)
     nd, ns = prep.num_dst, prep.num_src
     D = xp.ascontiguousarray(dout.reshape(nd, -1), dtype=acc)
     pd = prep.pd
+    stream = _stream(xp)
     Delta = xp.empty(nd, acc)
     dAd = xp.empty((nd, h1), acc)
-    dposA = xp.zeros((nd if prep.geometric else 0, pd), acc)
+    dposA = xp.empty((nd if prep.geometric else 0, pd), acc)
     dEX = xp.zeros(prep.EX.shape, acc) if prep.explicit else xp.zeros((0, 0), acc)
-    n_pg = prep.P.shape[0] + h1 * prep.spec.fe
-    nblocks = _grid(nd, nt_rows)
-    PG = xp.zeros((nblocks, max(n_pg, 1)), acc)
+    n_pg = kern.n_pg
+    nblocks = _rows_grid(kern, nd) if nd else 0
+    PG = (xp.empty if n_pg else xp.zeros)((nblocks, max(n_pg, 1)), acc)
     if nd:
-        kern.gat_backward_rows[nblocks, nt_rows](
-            rel.indptr, _arg(rel.indices, xp), state.As, state.Ad, _arg(WeT, xp),
-            _arg(prep.pos, xp), _arg(prep.EX, xp), prep.P, prep.V, state.out, D, state.m,
-            state.l, Delta, dAd, _arg(dposA, xp), _arg(dEX, xp), PG, nd)
+        kern.rows((nblocks, 1, 1), (kern.nt, 1, 1), stream,
+                  *_ptrs(xp, rel.indptr, rel.indices, state.As, state.Ad, WeT, prep.pos,
+                         prep.EX, prep.P, prep.V, state.out, D, state.m, state.l, Delta, dAd,
+                         dposA, dEX, PG), nd)
     dAs = xp.empty((ns, h1), acc)
     dV = xp.empty((ns, prep.spec.fv), acc)
-    dposB = xp.zeros((ns if prep.geometric else 0, pd), acc)
-    perm = tr.perm if prep.explicit else xp.zeros(1, np.int64)
+    dposB = xp.empty((ns if prep.geometric else 0, pd), acc)
     if ns:
-        kern.gat_backward_cols[_grid(ns, 128), 128](
-            tr.indptr, _arg(tr.indices, xp), perm, state.As, state.Ad, _arg(WeT, xp),
-            _arg(prep.pos, xp), _arg(prep.EX, xp), prep.P, prep.V, D, state.m, state.l, Delta,
-            dAs, dV, _arg(dposB, xp), ns)
-    pg = PG.sum(axis=0)  # block order fixed: deterministic
-    grads = em._assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV,
-                               (dposA + dposB) if prep.geometric else None, graph, xp)
+        kern.cols((kern.blocks(ns), 1, 1), (kern.nt, 1, 1), stream,
+                  *_ptrs(xp, tr.indptr, tr.indices, tr.perm, state.As, state.Ad, WeT, prep.pos,
+                         prep.EX, prep.P, prep.V, D, state.m, state.l, Delta, dAs, dV, dposB),
+                  ns)
+    pg = PG.sum(axis=0) if nblocks else xp.zeros(max(n_pg, 1), acc)  # block order: fixed
+    dpos = None
+    if prep.geometric:
+        dpos = dposA + dposB if nd else dposB
+    grads = em._assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos,
+                               graph, xp)
     plan = em._plan("backward", prep, net)
-    plan.run_info.update(kernel=f"cuda.gat_backward_rows ({nt_rows} threads/block, per-block "
-                                "shared-memory parameter reduction) + cuda.gat_backward_cols",
+    plan.run_info.update(kernel=f"cuda.gat_backward_rows ({kern.G} lanes per row, {nblocks} "
+                                f"blocks x {kern.nt} threads, grid-stride; parameter partials "
+                                "reduced per group and block in a fixed order) + "
+                                f"cuda.gat_backward_cols ({kern.G} lanes per source row)",
                          cache=cache, copies=list(prep.copies),
-                         order="one thread per row, caller's node order",
-                         ir=_cuda_ir(kern.gat_backward_rows),
+                         order=f"{kern.G}-lane group per row, caller's node order",
+                         ir=_cuda_ir(kern.rows),
                          geometry=("displacement/distance gradients routed to positions per edge"
                                    if prep.geometric else None))
     grads["plan"] = plan
@@ -285,8 +610,8 @@ def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda")
 
 def _cuda_ir(kernel):
     def llvm():
-        return "\n".join(str(v) for v in kernel.inspect_llvm().values())
+        return kernel.llvm()
 
     def ptx():
-        return "\n".join(str(v) for v in kernel.inspect_asm().values())
+        return kernel.ptx()
     return {"llvm": llvm, "ptx": ptx}
