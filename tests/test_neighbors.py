@@ -155,21 +155,20 @@ def test_pair_at_exactly_the_cutoff_is_an_edge():
 
 # ------------------------------------------------------------------------- oracles and cases
 def _ckdtree_radius(pos, cutoff, exclude):
-    tree = cKDTree(pos)
-    return [sorted(j for j in tree.query_ball_point(pos[i], cutoff) if not (exclude and j == i))
-            for i in range(pos.shape[0])]
+    found = cKDTree(pos).query_ball_point(pos, cutoff)
+    return [sorted(j for j in found[i] if not (exclude and j == i)) for i in range(pos.shape[0])]
 
 
 def _brute_knn(pos, k, exclude):
     """Rows of the k best sources by (squared distance, id), sorted by id."""
     p = np.asarray(pos, np.float64)
-    d2 = ((p[:, None, :] - p[None, :, :]) ** 2).sum(-1)
     n = p.shape[0]
-    out = []
-    for i in range(n):
-        cand = sorted((d2[i, j], j) for j in range(n) if not (exclude and j == i))
-        out.append(sorted(j for _, j in cand[:k]))
-    return out
+    d2 = ((p[:, None, :] - p[None, :, :]) ** 2).sum(-1)
+    if exclude:
+        d2[np.arange(n), np.arange(n)] = np.inf
+    k = min(k, n - 1 if exclude else n)
+    best = np.argsort(d2, axis=1, kind="stable")[:, :k]  # stable: ties go to the lower id
+    return np.sort(best, axis=1).tolist()
 
 
 def radius_cases(small):
@@ -335,10 +334,11 @@ def test_gpu_graph_transpose_edge_fields_and_lazy_host_copy():
     t, th = g.realize_transpose("cuda"), h.realize_transpose("cpu")
     for a, b in ((t.indptr, th.indptr), (t.indices, th.indices), (t.perm, th.perm)):
         assert isinstance(a, cupy.ndarray) and a.dtype == b.dtype and np.array_equal(a.get(), b)
-    for name in ("displacement", "distance"):
-        got = g.edge_field(name)
-        assert isinstance(got, cupy.ndarray)
-        np.testing.assert_array_equal(got.get(), h.edge_field(name))
+    disp = g.edge_field("displacement")
+    assert isinstance(disp, cupy.ndarray)
+    np.testing.assert_array_equal(disp.get(), h.edge_field("displacement"))
+    # the 3-term sum may associate differently in cupy's reduction: one float32 rounding
+    np.testing.assert_allclose(g.edge_field("distance").get(), h.edge_field("distance"), rtol=1e-6)
     assert g._indptr is None and "cuda" in g.explain()
     ip, ix = g._host_csr()  # a host consumer asks: made once, then kept
     assert np.array_equal(ip, h._host_csr()[0]) and np.array_equal(ix, h._host_csr()[1])
