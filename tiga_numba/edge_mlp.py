@@ -153,6 +153,7 @@ class _Prep:
     spec: Any
     copies: list
     arg_desc: str
+    key: Any = None  # (graph, net, value, args) this preparation was made for
 
 
 def _prepare(graph, net, args, value):
@@ -260,6 +261,10 @@ def _prepare(graph, net, args, value):
 
     pos = np.zeros((0, 0), acc) if library == "numpy" else xp.zeros((0, 0), acc)
     if needs_geo:
+        if positions.ndim != 2 or positions.shape[0] != num_src or positions.shape[0] != num_dst:
+            raise ValueError(f"graph.positions must have shape (num_nodes, D) with num_nodes = "
+                             f"num_src = num_dst = {num_src} for geometric edge fields, got "
+                             f"{tuple(positions.shape)} for a {num_dst} x {num_src} graph")
         pos = xp.ascontiguousarray(positions, dtype=acc)
         if pos is not positions:
             copies.append(f"positions -> contiguous {acc} (N x {pd}, O(N))")
@@ -298,7 +303,19 @@ def _prepare(graph, net, args, value):
                  edge_items=edge_items, edge_cols=edge_cols, explicit=explicit,
                  geometric=needs_geo, pos=pos, pd=pd, EX=EX, V=V, value_shape=tuple(value.shape),
                  P=P, p_index=p_index, spec=spec, copies=copies,
-                 arg_desc=", ".join(descs))
+                 arg_desc=", ".join(descs), key=(graph, net, value, tuple(args)))
+
+
+def _same_call(prep, graph, net, args, value):
+    """True when backward() gets the very objects the forward prepared (then the forward's
+    preparation -- validation, packed parameters -- is reused instead of redone)."""
+    key = prep.key
+    if key is None or len(args) != len(key[3]):
+        return False
+    if key[0] is not graph or key[1] is not net or key[2] is not value:
+        return False
+    return all(tuple(FieldArg(*a))[:2] == k[:2] and FieldArg(*a).array is k[2]
+               for a, k in zip(args, key[3]))
 
 
 def _node_products(prep, params, xp):
@@ -480,9 +497,11 @@ def forward(graph, net, args, value, return_state=True):
 def backward(graph, net, args, value, state, dout):
     """Gradients of sum(out * dout): {"args": [grad or None per arg], "value": grad,
     "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}."""
-    prep = _prepare(graph, net, args, value)
     if state is None:
         raise ValueError("state must be the state returned by forward(..., return_state=True)")
+    prep = getattr(state, "prep", None)
+    if prep is None or not _same_call(prep, graph, net, args, value):
+        prep = _prepare(graph, net, args, value)
     expected = (prep.num_dst,) + prep.value_shape[1:]
     if tuple(dout.shape) != expected:
         raise ValueError(f"dout must have shape {expected}, got {tuple(dout.shape)}")
