@@ -2,6 +2,8 @@
 
   PYTHONPATH=. python benchmarks/bench_tc.py [--out DIR] [--quick] [--no-sweep] [--no-flex]
   PYTHONPATH=. python benchmarks/bench_tc.py --sanitize     # small fwd+bwd for compute-sanitizer
+  PYTHONPATH=. python benchmarks/bench_tc.py --fp32-only --precompile --with-tests --tests-k float32
+                                                            # the float32 (3xTF32) section alone
 
 Cells (H = 16, fp16, node-major (N, H, D) data; torch reads the same memory as (1, H, N, D)):
   forward and forward+backward at N = 4096, 16384, D = 64, 128, causal and not (ratio =
@@ -10,6 +12,10 @@ Cells (H = 16, fp16, node-major (N, H, D) data; torch reads the same memory as (
   creation not timed); bf16 vs fp16. Timing: CUDA events, median of REPS after warm-up.
 Checks: ours vs an fp32 torch reference (forward and gradients) at N = 4096, vs torch flash at
 16384. Writes DIR/tc_bench.json, DIR/tc_bench.txt and DIR/tc_tfs.png (matplotlib, if present).
+float32 section: ours (3xTF32) vs torch SDPA's efficient kernel in fp32 (also 3xTF32) at
+N = 4096, 16384, D = 64, 128, causal and not, forward and forward+backward, relative errors of
+both vs a float64 reference (all heads at 4096, heads 0-1 at 16384), and at N = 4096 the
+CUDA-core float32 kernels (tiga_numba.attention with tensor cores off) for the routing decision.
 """
 import argparse
 import json
@@ -121,6 +127,13 @@ def sdpa(q, k, v, causal):
                                                v.transpose(0, 1)[None], is_causal=causal)[0].transpose(0, 1)
 
 
+def sdpa_eff(q, k, v, causal):
+    """torch SDPA's memory-efficient kernel (cutlass; fp32 runs as 3xTF32 OpMultiplyAddFastF32)."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):
+        return TF.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=causal)[0].transpose(0, 1)
+
+
 def dense_cell(N, D, causal, dtype=torch.float16, check=False, bwd=True):
     g = torch.Generator(device="cuda").manual_seed(N * 7 + D + causal)
     q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
@@ -223,6 +236,144 @@ def varlen_cell(total, D, flex_fn, create_block_mask, rng):
     return res
 
 
+# ----------------------------------------------------------------------------- float32 (3xTF32)
+S_ = dict(a_smem=True)
+#: fp32 sweep candidates (register counts / spills checked with ptxas -v for sm_90 first)
+SWEEP_F32 = {
+    ("fwd", 64): [dict(NW=4, MT=1, BN=64, **S_), dict(NW=4, MT=1, BN=64), dict(NW=4, MT=1, BN=32, **S_)],
+    ("fwd", 128): [dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=64, **S_)],
+    ("bwd", 64): [(dict(NW=4, MT=1, BN=64, **S_), dict(NW=4, MT=1, BN=64, **S_)),
+                  (dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=32, **S_))],
+    ("bwd", 128): [(dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=32, **S_)),
+                   (dict(NW=4, MT=1, BN=64, **S_), dict(NW=4, MT=1, BN=16, **S_))],
+}
+
+
+def f64_reference(q, k, v, do, causal, heads):
+    """float64 out and gradients for the given heads (node-major in, node-major out)."""
+    qf, kf, vf = (x[:, heads].double().transpose(0, 1).detach().requires_grad_(True) for x in (q, k, v))
+    N, D = q.shape[0], q.shape[2]
+    s = torch.matmul(qf, kf.transpose(1, 2)) * D ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(N, N, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.matmul(torch.softmax(s, -1), vf)
+    o.backward(do[:, heads].double().transpose(0, 1))
+    return [x.transpose(0, 1).detach() for x in (o, qf.grad, kf.grad, vf.grad)]
+
+
+class CudaCore:
+    """the CUDA-core float32 kernels through the public API (tensor cores switched off)."""
+
+    def __init__(self, q, k, v, causal):
+        import cupy
+
+        import tiga_numba as tg
+        from tiga_numba.cuda import api as capi
+        self.tg, self.capi = tg, capi
+        self.q, self.k, self.v = (cupy.asarray(x) for x in (q, k, v))
+        N = q.shape[0]
+        self.g = tg.Graph.triangular(N) if causal else tg.Graph.dense(N)
+
+    def fwd(self):
+        old, self.capi.USE_TC = self.capi.USE_TC, False
+        try:
+            self.out, self.stats = self.tg.attention(self.q, self.k, self.v, self.g, return_stats=True)
+        finally:
+            self.capi.USE_TC = old
+
+    def fwd_bwd(self, do):
+        import cupy
+        self.fwd()
+        old, self.capi.USE_TC = self.capi.USE_TC, False
+        try:
+            self.tg.attention_backward(cupy.asarray(do), self.q, self.k, self.v, self.out, self.stats, self.g)
+        finally:
+            self.capi.USE_TC = old
+
+
+def fp32_cell(N, D, causal):
+    g = torch.Generator(device="cuda").manual_seed(N * 7 + D + causal + 1)
+    q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=torch.float32, generator=g) for _ in range(4))
+    ours = Ours(q, k, v, np.array([0, N]), causal, "float32")
+    res = dict(N=N, D=D, causal=causal, dtype="float32")
+    flops = 4 * N * N * H * D / (2 if causal else 1)
+    heads = list(range(H)) if N <= 4096 else [0, 1]
+    ref = f64_reference(q, k, v, do, causal, heads)
+    ours.fwd_bwd(do)
+    qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    o_t = sdpa_eff(qt, kt, vt, causal)
+    o_t.backward(do)
+    torch.cuda.synchronize()
+    for nm, mine, theirs, r in zip(("out", "dq", "dk", "dv"), (ours.out, ours.dq, ours.dk, ours.dv),
+                                   (o_t, qt.grad, kt.grad, vt.grad), ref):
+        res[f"err_{nm}_ours_vs_f64"] = rel(mine[:, heads].double(), r)
+        res[f"err_{nm}_torch_vs_f64"] = rel(theirs[:, heads].double(), r)
+    del ref, o_t
+    t_t = bench(lambda: sdpa_eff(q, k, v, causal))
+    t_o = bench(ours.fwd)
+
+    def torch_fb():
+        qt.grad = kt.grad = vt.grad = None
+        sdpa_eff(qt, kt, vt, causal).backward(do)
+    t_tb = bench(torch_fb)
+    t_ob = bench(lambda: ours.fwd_bwd(do))
+    res.update(fwd_ms_ours=t_o, fwd_ms_torch=t_t, fwd_tfs_ours=flops / t_o / 1e9, fwd_tfs_torch=flops / t_t / 1e9,
+               fwd_ratio=t_t / t_o, fb_ms_ours=t_ob, fb_ms_torch=t_tb, fb_tfs_ours=3.5 * flops / t_ob / 1e9,
+               fb_tfs_torch=3.5 * flops / t_tb / 1e9, fb_ratio=t_tb / t_ob)
+    return res
+
+
+def fmt32(r):
+    s = (f"fp32 N={r['N']:6d} D={r['D']:3d} causal={int(r['causal'])} | fwd ours {r['fwd_ms_ours']:.3f} ms "
+         f"{r['fwd_tfs_ours']:.1f} TF/s, sdpa-eff {r['fwd_ms_torch']:.3f} ms {r['fwd_tfs_torch']:.1f} TF/s, "
+         f"ratio {r['fwd_ratio']:.2f} | fwd+bwd ours {r['fb_ms_ours']:.3f} ms {r['fb_tfs_ours']:.1f} TF/s, "
+         f"sdpa-eff {r['fb_ms_torch']:.3f} ms {r['fb_tfs_torch']:.1f} TF/s, ratio {r['fb_ratio']:.2f}")
+    if "cc_fwd_ms" in r:
+        s += (f" | cuda-core fp32 fwd {r['cc_fwd_ms']:.3f} ms fwd+bwd {r['cc_fb_ms']:.3f} ms: tc/cuda-core speed-up "
+              f"fwd {r['cc_fwd_ms'] / r['fwd_ms_ours']:.2f}x fwd+bwd {r['cc_fb_ms'] / r['fb_ms_ours']:.2f}x")
+    elif "cc_error" in r:
+        s += f" | cuda-core: {r['cc_error']}"
+    errs = " ".join(f"{k[4:]}={v:.1e}" for k, v in r.items() if k.startswith("err"))
+    return s + "\n    rel L2 err vs float64: " + errs
+
+
+def precompile(dtype, jobs=12):
+    """compile the shipped and sweep kernels of `dtype` in parallel processes; numba's disk cache
+    (cache=True, TIGA_NUMBA_CACHE_DIR) hands them to this process without NVVM."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    from tiga_numba.cuda.tc import generator as G
+    specs = set()
+    for (kind, D), cfg in api.tuning_table(dtype).items():
+        specs.add((kind, D, tuple(sorted(cfg.items()))))
+    if dtype == "float32":
+        for (kind, D), opts in SWEEP_F32.items():
+            for o in opts:
+                for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
+                    specs.add((kk, D, tuple(sorted(cfg.items()))))
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(_compile_one, dtype, kind, D, dict(cfg)) for kind, D, cfg in sorted(specs)]
+        futs += [ex.submit(_compile_delta, dtype, D) for D in (64, 128)]
+        for f in futs:
+            try:
+                say("precompiled " + f.result())
+            except Exception as e:  # noqa: BLE001
+                say(f"precompile FAILED {e!r}"[:300])
+    say(f"precompile {dtype}: {len(futs)} kernels in {time.time() - t0:.0f}s")
+
+
+def _compile_one(dtype, kind, D, cfg):
+    from tiga_numba.cuda.tc import generator as G
+    k, _ = api.kernel(G.Variant(kind, D, D, dtype=dtype, **cfg))
+    return f"{k.name}: {k.resources()}"
+
+
+def _compile_delta(dtype, D):
+    k = api.delta_kernel(dtype, D)
+    return k.name
+
+
 TUNING_OUT = None
 TESTS_FAILED = False
 
@@ -233,10 +384,13 @@ def save_tuning():
             json.dump([[k[0], k[1], v] for k, v in api.TUNING.items()], fh)
 
 
-def sweep(quick):
-    """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in api.TUNING"""
+def sweep(quick, dtype="float16"):
+    """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in the
+    dtype's tuning table (api.TUNING, or api.TUNING_F32 for float32)"""
     S = dict(a_smem=True)
-    cands = {
+    table = api.tuning_table(dtype)
+    tdt = {"float16": torch.float16, "float32": torch.float32}[dtype]
+    cands = SWEEP_F32 if dtype == "float32" else {
         ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32)],
         ("fwd", 128): [dict(NW=4, MT=2, BN=16, **S), dict(NW=4, MT=1, BN=32), dict(NW=4, MT=2, BN=32, **S)],
         # backward: (dq shape, dkdv shape); the a_smem shapes above 48 KB use dynamic shared memory
@@ -251,44 +405,45 @@ def sweep(quick):
         for o in opts[:2] if quick else opts:
             keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
             vals = [o] if kind == "fwd" else list(o)
-            saved = {k: api.TUNING[k] for k in keys}
+            saved = {k: table[k] for k in keys}
             for k_, val in zip(keys, vals):
-                api.TUNING[k_] = val
+                table[k_] = val
             try:
                 t0 = time.time()
                 tot = 0.0
                 for causal in (False, True):
                     N = 4096
                     g = torch.Generator(device="cuda").manual_seed(1)
-                    q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=torch.float16, generator=g)
+                    q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=tdt, generator=g)
                                    for _ in range(4))
-                    ours = Ours(q, k, v, np.array([0, N]), causal, "float16")
+                    ours = Ours(q, k, v, np.array([0, N]), causal, dtype)
+                    ref = sdpa_eff if dtype == "float32" else sdpa
                     if kind == "fwd":
                         ours.fwd()
-                        err = rel(ours.out, sdpa(q, k, v, causal))
+                        err = rel(ours.out, ref(q, k, v, causal))
                         tot += bench(ours.fwd)
                     else:
                         ours.fwd_bwd(do)
                         qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-                        sdpa(qt, kt, vt, causal).backward(do)
+                        ref(qt, kt, vt, causal).backward(do)
                         err = max(rel(ours.dq, qt.grad), rel(ours.dk, kt.grad), rel(ours.dv, vt.grad))
                         ours.fwd()
                         tot += bench(lambda: ours.bwd(do))
-                    if not err < 2e-2:
+                    if not err < (1e-4 if dtype == "float32" else 2e-2):
                         raise RuntimeError(f"wrong result, rel err {err:.2e}")
-                say(f"sweep {kind} D={D} {o}: {tot:.3f} ms (N=4096 causal+non-causal){'' if kind == 'fwd' else ' bwd'}"
+                say(f"sweep {dtype} {kind} D={D} {o}: {tot:.3f} ms (N=4096 causal+non-causal){'' if kind == 'fwd' else ' bwd'}"
                     f"  (incl. compile {time.time() - t0:.1f}s)")
                 if best is None or tot < best[0]:
                     best = (tot, o)
             except Exception as ex:  # noqa: BLE001
-                say(f"sweep {kind} D={D} {o}: FAILED {repr(ex)[:300]}")
+                say(f"sweep {dtype} {kind} D={D} {o}: FAILED {repr(ex)[:300]}")
             for k_, val in saved.items():
-                api.TUNING[k_] = val
+                table[k_] = val
         if best:
             keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
             for k_, val in zip(keys, [best[1]] if kind == "fwd" else list(best[1])):
-                api.TUNING[k_] = val
-            say(f"sweep {kind} D={D}: chose {best[1]}")
+                table[k_] = val
+            say(f"sweep {dtype} {kind} D={D}: chose {best[1]}")
             save_tuning()   # per section: a later crash (sticky CUDA error) keeps what was chosen
 
 
@@ -302,19 +457,24 @@ def resources():
                 say(f"resources {key[1].name()}: {ex!r}")
 
 
+SANITIZE_DTYPES = ("float16",)
+
+
 def sanitize():
     """small fwd + bwd over segments with tails and GQA: run under compute-sanitizer."""
     cu = np.array([0, 1, 1, 70, 200, 201, 333])
     N = int(cu[-1])
-    for D in (64, 128):
-        q, do = (torch.randn(N, 4, D, device="cuda", dtype=torch.float16) for _ in range(2))
-        k, v = (torch.randn(N, 2, D, device="cuda", dtype=torch.float16) for _ in range(2))
-        for causal in (True, False):
-            o = Ours(q, k, v, cu, causal, "float16")
-            o.fwd_bwd(do)
-            torch.cuda.synchronize()
-            print(f"sanitize D={D} causal={causal}: out finite {bool(torch.isfinite(o.out).all())}, "
-                  f"dq finite {bool(torch.isfinite(o.dq).all())}")
+    for dt in SANITIZE_DTYPES:
+        tdt = {"float16": torch.float16, "float32": torch.float32}[dt]
+        for D in (64, 128):
+            q, do = (torch.randn(N, 4, D, device="cuda", dtype=tdt) for _ in range(2))
+            k, v = (torch.randn(N, 2, D, device="cuda", dtype=tdt) for _ in range(2))
+            for causal in (True, False):
+                o = Ours(q, k, v, cu, causal, dt)
+                o.fwd_bwd(do)
+                torch.cuda.synchronize()
+                print(f"sanitize {dt} D={D} causal={causal}: out finite {bool(torch.isfinite(o.out).all())}, "
+                      f"dq finite {bool(torch.isfinite(o.dq).all())}")
 
 
 def plot(rows, path):
@@ -346,6 +506,43 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def fp32_section(a, late):
+    if not a.no_sweep:
+        sweep(a.quick, "float32")
+    say(f"float32 tuning in use: {api.TUNING_F32}")
+    rows = []
+    for N in (4096, 16384):
+        for D in (64, 128):
+            for causal in (False, True):
+                if late() and N != 4096:
+                    say(f"fp32 N={N} D={D} causal={causal}: skipped (time budget)")
+                    continue
+                try:
+                    r = fp32_cell(N, D, causal)
+                    rows.append(r)
+                    say(fmt32(r))
+                except Exception as ex:  # noqa: BLE001
+                    say(f"fp32 N={N} D={D} causal={causal}: FAILED {repr(ex)[:300]}")
+    # routing check: the CUDA-core float32 kernels on the N = 4096 cells (their compile is slow,
+    # so after the main table)
+    for r in rows:
+        if r["N"] != 4096 or late():
+            continue
+        g = torch.Generator(device="cuda").manual_seed(5)
+        q, k, v, do = (torch.randn(r["N"], H, r["D"], device="cuda", dtype=torch.float32, generator=g)
+                       for _ in range(4))
+        try:
+            cc = CudaCore(q, k, v, r["causal"])
+            cc.fwd_bwd(do)
+            torch.cuda.synchronize()
+            r["cc_fwd_ms"] = bench(cc.fwd)
+            r["cc_fb_ms"] = bench(lambda: cc.fwd_bwd(do))
+        except Exception as ex:  # noqa: BLE001
+            r["cc_error"] = repr(ex)[:200]
+        say("routing " + fmt32(r).split("\n")[0])
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -359,7 +556,14 @@ def main():
     ap.add_argument("--tuning-out", default=None, help="write the swept tuning here (JSON)")
     ap.add_argument("--tuning-in", default=None, help="read a tuning written by --tuning-out")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
+    ap.add_argument("--fp32-only", action="store_true", help="only the float32 (3xTF32) sweep and table")
+    ap.add_argument("--no-fp32", action="store_true")
+    ap.add_argument("--precompile", action="store_true", help="compile the section's kernels in parallel first")
+    ap.add_argument("--tests-k", default=None, help="pytest -k expression for --with-tests")
+    ap.add_argument("--sanitize-dtypes", default="float16", help="comma list for --sanitize")
     a = ap.parse_args()
+    global SANITIZE_DTYPES
+    SANITIZE_DTYPES = tuple(a.sanitize_dtypes.split(","))
     if a.tuning_in and os.path.exists(a.tuning_in):
         with open(a.tuning_in) as fh:
             for kind, D, cfg in json.load(fh):
@@ -370,7 +574,10 @@ def main():
     if a.with_tests:
         import pytest
         here = os.path.dirname(os.path.abspath(__file__))
-        rc = pytest.main([os.path.join(here, "..", "tests", "test_tc_gpu.py"), "-x", "-q", "-p", "no:cacheprovider"])
+        if a.precompile:
+            precompile("float32" if a.fp32_only else "float16")
+        rc = pytest.main([os.path.join(here, "..", "tests", "test_tc_gpu.py"), "-q", "-p", "no:cacheprovider"]
+                         + (["-k", a.tests_k] if a.tests_k else []))
         say(f"tests/test_tc_gpu.py exit code {int(rc)}")
         global TESTS_FAILED
         TESTS_FAILED = int(rc) != 0   # finish the tables, but the run reports the failure
@@ -382,6 +589,17 @@ def main():
     t0 = time.time()
     global TUNING_OUT
     TUNING_OUT = a.tuning_out
+    if a.precompile and not a.with_tests:
+        precompile("float32" if a.fp32_only else "float16")
+    if a.fp32_only:
+        rows32 = fp32_section(a, late)
+        resources()
+        say(f"total bench time {time.time() - t0:.0f}s")
+        with open(os.path.join(a.out, "tc_fp32_bench.json"), "w") as fh:
+            json.dump(dict(fp32=rows32, tuning_f32={str(k): v for k, v in api.TUNING_F32.items()}), fh, indent=1)
+        with open(os.path.join(a.out, "tc_bench.txt"), "w") as fh:
+            fh.write("\n".join(LINES) + "\n")
+        return
     if not a.no_sweep:
         sweep(a.quick)
     say(f"tuning in use: {api.TUNING}")

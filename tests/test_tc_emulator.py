@@ -1,7 +1,9 @@
 """Tensor-core kernels on the numpy warp emulator (no GPU): every generated variant family
 (forward, dQ, dK/dV, Delta) against a float64 oracle on fresh random inputs, over dense
-rectangular, causal, segmented (length-0/1 blocks), tails and GQA; plus a deliberately broken
-fragment layout that must fail, and a PTX compile check when numba-cuda is installed."""
+rectangular, causal, segmented (length-0/1 blocks), tails and GQA, for float16, bfloat16 and
+float32 (3xTF32, tf32 rounding emulated bit-exactly); plus a deliberately broken fragment layout
+and a plain-TF32 (one pass) kernel that must both fail, and PTX compile checks when numba-cuda
+is installed."""
 import numpy as np
 import pytest
 
@@ -62,7 +64,9 @@ RELATIONS = {
     "segments": ([0, 1, 1, 40, 97, 98], [0, 1, 1, 40, 97, 98], [1, 1, 1, 0, 1]),
     "empty_keys": ([0, 5, 5], [0, 0, 9], [0, 0]),
 }
-TOL = {"float16": 3e-3, "bfloat16": 2e-2}
+#: relative L2 error bounds; float32 is held to fp32-class accuracy (3xTF32 measures ~3e-7 here,
+#: plain TF32 ~5e-4, see test_plain_tf32_is_caught)
+TOL = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5}
 
 
 def _inputs(rng, nd, ns, H, Hkv, D, dtype):
@@ -77,6 +81,9 @@ def _inputs(rng, nd, ns, H, Hkv, D, dtype):
     (64, 3, 3, "float16", dict(NW=8, MT=1, BN=32)),
     (128, 2, 1, "float16", dict(NW=4, MT=2, BN=16, a_smem=True)),
     (128, 1, 1, "float16", dict(NW=4, MT=2, BN=32, a_smem=True)),   # shipped D=128 (dynamic smem)
+    (64, 2, 1, "float32", dict(NW=4, MT=1, BN=64, a_smem=True)),
+    (64, 1, 1, "float32", dict(NW=4, MT=1, BN=32)),                  # Q in registers (tf32 halves)
+    (128, 2, 2, "float32", dict(NW=4, MT=1, BN=32, a_smem=True)),    # 4-row cp.async passes
 ])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_forward_emulated(D, H, Hkv, dtype, shape, relname):
@@ -97,7 +104,9 @@ def test_forward_emulated(D, H, Hkv, dtype, shape, relname):
 @pytest.mark.parametrize("D,H,Hkv,dtype,BNq,BNk,a_smem", [(64, 2, 1, "float16", 64, 64, False),
                                                           (128, 1, 1, "bfloat16", 32, 32, False),
                                                           (128, 2, 1, "float16", 16, 16, True),
-                                                          (128, 2, 2, "float16", 64, 32, True)])   # shipped D=128
+                                                          (128, 2, 2, "float16", 64, 32, True),    # shipped D=128
+                                                          (64, 2, 1, "float32", 64, 64, True),
+                                                          (128, 2, 1, "float32", 32, 16, True)])
 @pytest.mark.parametrize("relname", ["dense_rect_tail", "segments", "empty_keys"])
 def test_backward_emulated(D, H, Hkv, dtype, BNq, BNk, a_smem, relname):
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
@@ -133,6 +142,46 @@ def test_broken_swizzle_is_caught(monkeypatch):
     assert rel(o, ro) > 1e-2
 
 
+def _fp32_case(relname, D=64):
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng()
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], 2, 1, D, "float32")
+    return q, k, v, do, dst, src, causal
+
+
+def test_plain_tf32_is_caught(monkeypatch):
+    """One tf32 pass (big * big, i.e. plain TF32) must fail the float32 tolerances of the forward
+    and the backward: the tests above really check 3xTF32 accuracy."""
+    monkeypatch.setattr(G, "TF32_PASSES", (("big", "big"),))
+    q, k, v, do, dst, src, causal = _fp32_case("causal_tail")
+    scale = 64 ** -0.5
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
+    vr = G.Variant("fwd", 64, 64, dtype="float32", NW=4, MT=1, BN=64, a_smem=True)
+    o, _, _ = E.forward(vr, q, k, v, dst, src, causal.astype(np.uint8), scale)
+    assert rel(o, ro) > 10 * TOL["float32"]
+    vq = G.Variant("dq", 64, 64, dtype="float32", NW=4, MT=1, BN=64, a_smem=True)
+    vk = G.Variant("dkdv", 64, 64, dtype="float32", NW=4, MT=1, BN=64, a_smem=True)
+    dq, dk, dv = E.backward(vq, vk, do, q, k, v, ro.astype(np.float32), rm.astype(np.float32),
+                            rl.astype(np.float32), dst, src, causal.astype(np.uint8), scale)
+    for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert rel(got, want) > 3 * 3 * TOL["float32"]
+
+
+def test_tf32_split_is_exact_to_fp32():
+    """cvt.rna emulation: big has a 10-bit mantissa, big + small equals x to ~2^-22, ties round
+    away from zero."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(1000) * 10.0 ** rng.integers(-5, 5, 1000)).astype(np.float32)
+    w = E.Warps(32, 16, E.Memory(), "float32")   # one warp: tf32x2 works on 32 lanes at a time
+    for chunk in np.split(x[:992], 31):
+        big, small = w.tf32x2(chunk)
+        assert not (big & 0x1FFF).any() and not (small & 0x1FFF).any()
+        back = big.view(np.float32).astype(np.float64) + small.view(np.float32).astype(np.float64)
+        assert np.all(np.abs(back - chunk) <= 2.0 ** -21 * np.abs(chunk))
+    tie = np.array([1.0 + 2.0 ** -11], np.float32).view(np.uint32)   # exactly half a tf32 ulp
+    assert E.tf32_rna(tie).view(np.float32)[0] == np.float32(1.0 + 2.0 ** -10)
+
+
 def test_out_of_bounds_is_caught():
     """The emulator's memory check raises on an access outside every buffer."""
     mem = E.Memory()
@@ -166,8 +215,8 @@ def test_generated_source_is_plain_python(kind):
 def test_shipped_tuning_is_valid():
     """every default shape fits the shared-memory limit and its generator runs."""
     from tiga_numba.cuda.tc import api
-    for (kind, D), cfg in api.TUNING.items():
-        for dt in ("float16", "bfloat16"):
+    for dt in ("float16", "bfloat16", "float32"):
+        for (kind, D) in api.tuning_table(dt):
             v = api.variant(kind, D, D, dt)
             assert v.check().smem_bytes() <= G.MAX_SMEM
             compile(G.gen_source(v), "<gen>", "exec")
@@ -187,6 +236,27 @@ def test_ptx_compiles_for_sm90():
                               cc=(9, 0), fastmath=True)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * 4 * 8 * 1
     assert "cp.async.cg.shared.global" in ptx and ".local" not in ptx
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
+def test_fp32_ptx_compiles_for_sm90(kind):
+    """the shipped float32 (3xTF32) kernels at D = 64 lower to PTX for sm_90: three tf32 mma per
+    m16n8k8 product, the cvt.rna split, no local arrays."""
+    pytest.importorskip("numba_cuda")
+    import numba
+    from numba import cuda
+
+    from tiga_numba.cuda.tc import api
+    v = api.variant(kind, 64, 64, "float32")
+    env = api._env("float32")
+    exec(compile(G.gen_source(v), "<k>", "exec"), env)
+    ni, nf = api._SIGS[kind]
+    ptx, _ = cuda.compile_ptx(env["kernel"], numba.void(*((numba.int64,) * ni + (numba.float32,) * nf)),
+                              cc=(9, 0), fastmath=True)
+    products = {"fwd": 2, "dq": 3, "dkdv": 4}[kind]   # S, PV | S, dP, dS K | S, P^T dO, dP, dS^T Q
+    per_product = v.MT * (v.BN // 8) * (64 // 8)       # m16 x n8 tiles x k8 steps
+    assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 3 * products * per_product
+    assert "cvt.rna.tf32.f32" in ptx and "m16n8k16" not in ptx and ".local" not in ptx
 
 
 class _FakeDev:
@@ -212,7 +282,10 @@ def test_supports_rules_without_gpu(monkeypatch):
     assert not api.supports(plan, _FakeDev((10, 4, 96)), kv, kv, rel_)                   # D
     assert not api.supports(plan, q, kv, _FakeDev((10, 2, 128)), rel_)                   # Dv != D
     assert not api.supports(plan, q, _FakeDev((10, 3, 64)), _FakeDev((10, 3, 64)), rel_)  # H % Hkv
-    assert not api.supports(plan, _FakeDev((10, 4, 64), "float32"), kv, kv, rel_)         # dtype
+    assert not api.supports(plan, _FakeDev((10, 4, 64), "float32"), kv, kv, rel_)         # mixed dtypes
+    f32 = [_FakeDev(x.shape, "float32") for x in (q, kv, kv)]
+    assert api.supports(plan, *f32, rel_)                                                # 3xTF32
+    assert not api.supports(plan, *(_FakeDev(x.shape, "float64") for x in (q, kv, kv)), rel_)
     assert not api.supports(plan, q, kv, kv, object())                                    # CSR & co
     for field, bad in (("prune_threshold", 0.5), ("score", "dot + edge bias"), ("scale", -1.0)):
         p2 = types.SimpleNamespace(**{**vars(plan), field: bad})

@@ -1,7 +1,8 @@
 """Tensor-core kernels on a real GPU (skipped without cupy + a CUDA device): forward and
 backward against a float64 oracle on fresh random inputs with poisoned outputs, over dense
 rectangular, causal, segments with length-0/1 blocks, tails, GQA, D 64/128, fp16 (and bf16
-when cupy can hold it), strided inputs, and the supports() admission rules."""
+when cupy can hold it), float32 (3xTF32, held to fp32-class tolerances that plain TF32 fails),
+strided inputs, and the supports() admission rules."""
 import types
 
 import numpy as np
@@ -65,13 +66,18 @@ def _poison(monkeypatch):
 
 CASES = [(D, H, Hkv, name, "float16") for D, H, Hkv in ((64, 4, 2), (128, 2, 1)) for name in RELS]
 CASES += [(64, 3, 3, "segments", "bfloat16"), (64, 2, 1, "dense_rect", "bfloat16")]
+CASES += [(D, H, Hkv, name, "float32") for D, H, Hkv in ((64, 4, 2), (128, 2, 1)) for name in RELS]
+
+#: forward relative L2 error bound (backward: 3x). float32 is the CUDA-core float32 bound: 3xTF32
+#: measures ~1e-6, plain TF32 ~5e-4 (tests/test_tc_emulator.py::test_plain_tf32_is_caught)
+TOL = {"float16": 4e-3, "bfloat16": 2e-2, "float32": 2e-5}
 
 
 @pytest.mark.parametrize("D,H,Hkv,name,dt", CASES)
 def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
     if dt == "bfloat16" and bf16() is None:
         pytest.skip("cupy cannot hold bfloat16 arrays here")
-    npdt = np.float16 if dt == "float16" else bf16()
+    npdt = {"float16": np.float16, "float32": np.float32}.get(dt) or bf16()
     _poison(monkeypatch)
     rel_, (d, s, c) = relation(name)
     nd, ns = int(d[-1]), int(s[-1])
@@ -86,36 +92,39 @@ def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
     f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
     ro, rm, rl, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, scale)
     o = f(out.get())
-    tol = 4e-3 if dt == "float16" else 2e-2
-    assert np.isfinite(o).all() and rel(o, ro) < tol
+    tol = TOL[dt]
+    assert out.dtype == qg.dtype and np.isfinite(o).all() and rel(o, ro) < tol
     live = np.isfinite(rm)
     mh, lh = m.get(), l.get()
-    np.testing.assert_allclose(mh[live], rm[live], rtol=1e-3, atol=1e-3)
-    np.testing.assert_allclose(lh[live], rl[live], rtol=2e-3)
+    ml_tol = 1e-5 if dt == "float32" else 1e-3
+    np.testing.assert_allclose(mh[live], rm[live], rtol=ml_tol, atol=ml_tol)
+    np.testing.assert_allclose(lh[live], rl[live], rtol=2 * ml_tol)
     assert (mh[~live] == -np.inf).all() and (lh[~live] == 0).all() and (o[~live] == 0).all()
     assert "tensor-core" in p.run_info["kernel"]
+    assert ("3xTF32" in p.run_info["precision"]) == (dt == "float32")
     dq, dk, dv, db = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
     assert db is None
     for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
         g = f(got.get())
-        assert np.isfinite(g).all() and rel(g, want) < 3 * tol
+        assert got.dtype == qg.dtype and np.isfinite(g).all() and rel(g, want) < 3 * tol
 
 
-def test_strided_inputs_are_copied_or_read_in_place():
+@pytest.mark.parametrize("dt", [np.float16, np.float32])
+def test_strided_inputs_are_copied_or_read_in_place(dt):
     rel_, (d, s, c) = relation("causal")
     nd = int(d[-1])
     rng = np.random.default_rng()
-    base = cupy.asarray(rng.standard_normal((nd, 3, 2, 64)).astype(np.float16))
-    q = base[:, :, 0, :]           # head stride 256 B, row stride 768 B: read in place
+    base = cupy.asarray(rng.standard_normal((nd, 3, 2, 64)).astype(dt))
+    q = base[:, :, 0, :]           # head stride 2 rows of 64, row stride 6: 16-byte aligned, read in place
     k = base[:, :1, 1, :]
-    v = cupy.asarray(rng.standard_normal((nd, 1, 65)).astype(np.float16))[:, :, 1:]  # misaligned: copied
+    v = cupy.asarray(rng.standard_normal((nd, 1, 65)).astype(dt))[:, :, 1:]  # misaligned: copied
     p = plan(0.125)
     out, m, l = tc.forward(p, q, k, v, rel_)
     copies = p.run_info["copies"]
     assert len(copies) == 1 and copies[0].startswith("v:")
     f = lambda x: x.get().astype(np.float64)  # noqa: E731
     ro, *_ = oracle(f(q), f(k), f(v), f(q), d, s, c, 0.125)
-    assert rel(f(out), ro) < 4e-3
+    assert rel(f(out), ro) < (4e-3 if dt == np.float16 else 2e-5)
 
 
 def test_supports_refuses_what_it_cannot_do():
@@ -125,7 +134,11 @@ def test_supports_refuses_what_it_cannot_do():
     p = plan(0.1)
     p.prune_threshold = 0.5
     assert not tc.supports(p, x, x, x, rel_)
-    assert not tc.supports(plan(0.1), x.astype(np.float32), x, x, rel_)
+    assert not tc.supports(plan(0.1), x.astype(np.float32), x, x, rel_)       # mixed dtypes
+    x32 = x.astype(np.float32)
+    assert tc.supports(plan(0.1), x32, x32, x32, rel_)                         # 3xTF32
+    x64 = x.astype(np.float64)
+    assert not tc.supports(plan(0.1), x64, x64, x64, rel_)
     y = cupy.zeros((333, 2, 96), np.float16)
     assert not tc.supports(plan(0.1), y, y, y, rel_)
     assert not tc.supports(plan(0.1), x, x, x, object())

@@ -5,11 +5,19 @@ forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
 backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None) -> (dq, dk, dv, None)
 
 Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat of those),
-float16 and bfloat16 inputs, head dims 64 and 128 with Dv == D, any H % Hkv == 0, any strides
-(16-byte aligned rows are read in place, anything else is copied once and the copy recorded),
-no edge bias, no tile pruning (supports() says False; the CUDA-core kernels take those).
+float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D, any H % Hkv == 0, any
+strides (16-byte aligned rows are read in place, anything else is copied once and the copy
+recorded), no edge bias, no tile pruning (supports() says False; the CUDA-core kernels take those).
 Kernels take raw device addresses and scalars only, so a bfloat16 array needs no numba dtype:
 anything with __cuda_array_interface__ whose dtype is named "bfloat16" (ml_dtypes) works.
+
+Accuracy policy. float16 / bfloat16: operands in their own precision, products and the softmax
+in float32. float32: fp32-class results, never plain TF32. Every product runs as 3xTF32 on
+mma.m16n8k8.tf32 (x = big + small, both tf32 by cvt.rna; C += a_big b_small + a_small b_big
++ a_big b_big, fp32 accumulation): relative error ~1e-6 against a float64 oracle (tests hold it
+to the CUDA-core float32 tolerances, which plain TF32, ~5e-4, fails). m and l are float32 as the
+contract says; ex2.approx (2 ulp) is the only other approximation. run_info["precision"] says
+which of the two ran.
 """
 from __future__ import annotations
 
@@ -22,8 +30,11 @@ from ...kernel_cache import KERNELS
 from . import generator as G
 from . import schedule
 
-TC_DTYPES = ("float16", "bfloat16")
+TC_DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
+#: head dims whose float32 calls come here: only where 3xTF32 measured faster than the CUDA-core
+#: float32 kernels (bench_tc.py fp32 section, H200, 2026-11-29); the rest stay on CUDA cores
+F32_HEAD_DIMS = (64, 128)
 
 #: per (kernel kind, head dim): warps, m16 tiles per warp, streamed block width, resident operand
 #: in shared memory. Chosen by benchmarks/bench_tc.py's sweep on the H200 (2026-11-29); the
@@ -38,8 +49,34 @@ TUNING = {
 }
 
 
+#: float32 (3xTF32) shapes, same keys: fp32 tiles take twice the shared memory and each A/B
+#: fragment twice the registers (big and small halves), so the CTA's own operand stays in
+#: shared memory. Chosen by bench_tc.py's fp32 sweep on the H200 (2026-11-29).
+TUNING_F32 = {
+    ("fwd", 64): dict(NW=4, MT=1, BN=64, a_smem=True),
+    ("fwd", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dq", 64): dict(NW=4, MT=1, BN=64, a_smem=True),
+    ("dq", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=64, a_smem=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+}
+
+
+def tuning_table(dtype):
+    """the shape table for a dtype: 16-bit operands or float32 (3xTF32)."""
+    return TUNING_F32 if dtype == "float32" else TUNING
+
+
 def variant(kind, D, Dv, dtype):
-    return G.Variant(kind, D, Dv, dtype=dtype, **TUNING[(kind, D)])
+    return G.Variant(kind, D, Dv, dtype=dtype, **tuning_table(dtype)[(kind, D)])
+
+
+def precision(dtype):
+    """run_info["precision"]: what the tensor cores computed in."""
+    if dtype == "float32":
+        return ("3xTF32 (fp32-class: x = big + small tf32 halves, 3 mma.m16n8k8.tf32 passes per product, "
+                "fp32 accumulation)")
+    return f"{dtype} operands, fp32 accumulation and softmax (mma.m16n8k16)"
 
 
 # ----------------------------------------------------------------------------- admission
@@ -66,6 +103,8 @@ def supports(plan, q, k, v, relation):
         D, Dv = int(q.shape[2]), int(v.shape[2])
         if D not in HEAD_DIMS or Dv != D or int(k.shape[2]) != D:
             return False
+        if dn == "float32" and D not in F32_HEAD_DIMS:
+            return False
         H, Hkv = int(q.shape[1]), int(k.shape[1])
         if Hkv < 1 or H % Hkv:
             return False
@@ -83,7 +122,7 @@ _DEVICE_OK = {}
 
 
 def _device_can_run(D, Dv, dtype):
-    """mma.sync m16n8k16 (f16/bf16), cp.async and ldmatrix need sm_80+; every kernel's shared
+    """mma.sync m16n8k16 (f16/bf16) / m16n8k8 (tf32), cp.async and ldmatrix need sm_80+; every kernel's shared
     memory must fit the device's opt-in per-block limit (99 KB on sm_86/89, 227 KB on sm_90)."""
     try:
         import cupy
@@ -284,7 +323,7 @@ def _operand(x, name, copies):
     cai = _cai(x)
     ptr = int(cai["data"][0])
     shape = tuple(cai["shape"])
-    item = 2
+    item = int(np.dtype(cai["typestr"]).itemsize)
     strides = cai.get("strides") or (shape[1] * shape[2] * item, shape[2] * item, item)
     ok = (strides[2] == item or shape[2] <= 1) and ptr % 16 == 0 and strides[0] % 16 == 0 \
         and strides[1] % 16 == 0 and strides[0] >= 0 and strides[1] >= 0
@@ -365,7 +404,7 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None):
     work, W = _work(rec, "q", vr.BM)
     if W and H:
         kern((W, H), (vr.NT,), stream or current_stream(), q[0], k[0], v[0], outp, mp, lp, _ptr(work),
-             q[1], q[2], k[1], k[2], v[1], v[2], H * vr.Dv * 2, H // Hkv, scale * G.LOG2E, -math.inf)
+             q[1], q[2], k[1], k[2], v[1], v[2], H * vr.Dv * vr.EB, H // Hkv, scale * G.LOG2E, -math.inf)
     return kern, cache
 
 
@@ -382,17 +421,20 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     work, W = _work(rec, "q", vq.BM)
     if W and H:
         kq((W, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, _ptr(work),
-           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * 2, H // Hkv, sc, scale)
+           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.EB, H // Hkv, sc, scale)
     kk, c2 = kernel(vk)
     work, W = _work(rec, "k", vk.BM)
     if W and Hkv:
         kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, _ptr(work),
-           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * 2, Hkv * vk.Dv * 2, H // Hkv, H,
+           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.EB, Hkv * vk.Dv * vk.EB, H // Hkv, H,
            sc, scale)
     return kq, ("hit" if (c1 == "hit" and c2 == "hit") else "miss")
 
 
 # ----------------------------------------------------------------------------- forward
+_MMA = {False: "m16n8k16", True: "m16n8k8 tf32 x3"}
+
+
 def forward(plan, q, k, v, relation, edge_bias=None):
     if edge_bias is not None:
         raise NotImplementedError("edge_bias: the tensor-core path serves BlockRelation dot scores only")
@@ -416,7 +458,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     if tc_key not in rec["tables"]:
         rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
     visited, total = rec["tables"][tc_key]
-    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, mma.sync m16n8k16, cp.async double buffer)",
+    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, mma.sync {_MMA[vr.tf32]}, cp.async double buffer)",
+          precision=precision(dt),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
           copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
@@ -456,8 +499,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                 (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m), _ptr(l), _ptr(delta), _ptr(lse2),
                                 _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))
-    _info(plan, kernel=f"tensor-core FA2 backward ({dt}): Delta pre-pass, dQ by query tiles, "
-                       f"dK/dV by key tiles (GQA heads summed in-CTA, no atomics)",
+    _info(plan, kernel=f"tensor-core FA2 backward ({dt}, mma.sync {_MMA[vq.tf32]}): Delta pre-pass, dQ by "
+                       f"query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)",
+          precision=precision(dt),
           tiles=f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}",
           copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})
     return dq, dk, dv, None
