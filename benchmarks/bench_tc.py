@@ -291,6 +291,11 @@ class CudaCore:
             self.capi.USE_TC = old
 
 
+def rel64(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
 def fp32_cell(N, D, causal):
     g = torch.Generator(device="cuda").manual_seed(N * 7 + D + causal + 1)
     q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=torch.float32, generator=g) for _ in range(4))
@@ -306,8 +311,8 @@ def fp32_cell(N, D, causal):
     torch.cuda.synchronize()
     for nm, mine, theirs, r in zip(("out", "dq", "dk", "dv"), (ours.out, ours.dq, ours.dk, ours.dv),
                                    (o_t, qt.grad, kt.grad, vt.grad), ref):
-        res[f"err_{nm}_ours_vs_f64"] = rel(mine[:, heads].double(), r)
-        res[f"err_{nm}_torch_vs_f64"] = rel(theirs[:, heads].double(), r)
+        res[f"err_{nm}_ours_vs_f64"] = rel64(mine[:, heads], r)
+        res[f"err_{nm}_torch_vs_f64"] = rel64(theirs[:, heads], r)
     del ref, o_t
     t_t = bench(lambda: sdpa_eff(q, k, v, causal))
     t_o = bench(ours.fwd)
@@ -337,30 +342,30 @@ def fmt32(r):
     return s + "\n    rel L2 err vs float64: " + errs
 
 
-def precompile(dtype, jobs=12):
-    """compile the shipped and sweep kernels of `dtype` in parallel processes; numba's disk cache
-    (cache=True, TIGA_NUMBA_CACHE_DIR) hands them to this process without NVVM."""
+def precompile(dtypes, jobs=14):
+    """compile the shipped kernels of `dtypes` (and the float32 sweep's) in parallel processes;
+    numba's disk cache (cache=True, TIGA_NUMBA_CACHE_DIR) hands them to this process without NVVM."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    from tiga_numba.cuda.tc import generator as G
     specs = set()
-    for (kind, D), cfg in api.tuning_table(dtype).items():
-        specs.add((kind, D, tuple(sorted(cfg.items()))))
-    if dtype == "float32":
-        for (kind, D), opts in SWEEP_F32.items():
-            for o in opts:
-                for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
-                    specs.add((kk, D, tuple(sorted(cfg.items()))))
+    for dtype in dtypes:
+        for (kind, D), cfg in api.tuning_table(dtype).items():
+            specs.add((dtype, kind, D, tuple(sorted(cfg.items()))))
+        if dtype == "float32":
+            for (kind, D), opts in SWEEP_F32.items():
+                for o in opts:
+                    for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
+                        specs.add((dtype, kk, D, tuple(sorted(cfg.items()))))
     t0 = time.time()
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(_compile_one, dtype, kind, D, dict(cfg)) for kind, D, cfg in sorted(specs)]
-        futs += [ex.submit(_compile_delta, dtype, D) for D in (64, 128)]
+        futs = [ex.submit(_compile_one, dt, kind, D, dict(cfg)) for dt, kind, D, cfg in sorted(specs)]
+        futs += [ex.submit(_compile_delta, dt, D) for dt in dtypes for D in (64, 128)]
         for f in futs:
             try:
                 say("precompiled " + f.result())
             except Exception as e:  # noqa: BLE001
                 say(f"precompile FAILED {e!r}"[:300])
-    say(f"precompile {dtype}: {len(futs)} kernels in {time.time() - t0:.0f}s")
+    say(f"precompile {dtypes}: {len(futs)} kernels in {time.time() - t0:.0f}s")
 
 
 def _compile_one(dtype, kind, D, cfg):
@@ -575,7 +580,7 @@ def main():
         import pytest
         here = os.path.dirname(os.path.abspath(__file__))
         if a.precompile:
-            precompile("float32" if a.fp32_only else "float16")
+            precompile(("float32", "float16") if a.fp32_only else ("float16",))
         rc = pytest.main([os.path.join(here, "..", "tests", "test_tc_gpu.py"), "-q", "-p", "no:cacheprovider"]
                          + (["-k", a.tests_k] if a.tests_k else []))
         say(f"tests/test_tc_gpu.py exit code {int(rc)}")
@@ -590,7 +595,7 @@ def main():
     global TUNING_OUT
     TUNING_OUT = a.tuning_out
     if a.precompile and not a.with_tests:
-        precompile("float32" if a.fp32_only else "float16")
+        precompile(("float32",) if a.fp32_only else ("float16",))
     if a.fp32_only:
         rows32 = fp32_section(a, late)
         resources()
