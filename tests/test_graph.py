@@ -159,3 +159,39 @@ def test_from_coo_edge_permutation_maps_input_fields():
 def test_cat_of_nothing_is_refused():
     with pytest.raises(ValueError, match="at least one"):
         tg.Graph.cat([])
+
+
+class _FakeDeviceArray:
+    """Stands in for a cupy array: __cuda_array_interface__, shape, .get() (counted)."""
+
+    def __init__(self, a):
+        self._a = np.asarray(a)
+        self.shape = self._a.shape
+        self.dtype = self._a.dtype
+        self.gets = 0
+        self.__cuda_array_interface__ = {"shape": self.shape, "typestr": self.dtype.str,
+                                         "data": (0, False), "version": 3}
+
+    def get(self):
+        self.gets += 1
+        return self._a.copy()
+
+
+def test_device_csr_is_used_in_place_and_copied_to_the_host_once_on_demand():
+    """A GPU-built geometric graph keeps its CSR on the device: realize("cuda") hands the same
+    arrays back, and the host copy is made only when a host consumer asks, then kept."""
+    rng = np.random.default_rng(3)
+    pos = rng.random((40, 3))
+    host = tg.Graph.radius(pos, 0.3)
+    ip, ix = host._host_csr()
+    dip, dix = _FakeDeviceArray(ip), _FakeDeviceArray(ix)
+    g = tg.Graph._geometric(pos, dip, dix, None)
+    assert g.device == "cuda" and g.num_edges == host.num_edges and g.edge_field_names
+    rel = g.realize("cuda")
+    assert rel.indptr is dip and rel.indices is dix and rel.num_src == 40
+    assert dip.gets == dix.gets == 0 and "cuda" in g.explain() and "cpu" not in g.explain()
+    np.testing.assert_array_equal(g.to_scipy().toarray(), host.to_scipy().toarray())
+    np.testing.assert_array_equal(g.realize("cpu").indices, ix)
+    t, th = g.realize_transpose("cpu"), host.realize_transpose("cpu")
+    np.testing.assert_array_equal(t.perm, th.perm)
+    assert dip.gets == dix.gets == 1, "the host copy must be made once"
