@@ -2,11 +2,15 @@
 
 Every check names the argument, the expected and the received value. Nothing here imports
 cupy unless a non-numpy array arrives.
+
+These checks run on every call, so they are written to cost a few microseconds: type tests
+against the array classes (a cupy array's `__cuda_array_interface__` builds a dict on each
+access), dtype sets built once, and no imports on the hot path.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
 
 import numpy as np
 
@@ -14,21 +18,38 @@ from .graph import Graph
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
+_ACCUM = {d: (np.dtype(np.float64) if d == np.float64 else np.dtype(np.float32)) for d in FLOAT_DTYPES}
+_BF16 = []  # memo of bfloat16_dtype(): [] = not looked up yet (a failed import is slow)
+
 
 def bfloat16_dtype():
     """numpy's bfloat16 (ml_dtypes), or None where it is not installed."""
-    try:
-        import ml_dtypes
-    except ImportError:
-        return None
-    return np.dtype(ml_dtypes.bfloat16)
+    if not _BF16:
+        try:
+            import ml_dtypes
+            _BF16.append(np.dtype(ml_dtypes.bfloat16))
+        except ImportError:
+            _BF16.append(None)
+    return _BF16[0]
+
+
+_CUPY_NDARRAY = []  # cupy.ndarray once cupy has been imported by anyone
+
+
+def _is_cupy_ndarray(array):
+    if not _CUPY_NDARRAY:
+        cp = sys.modules.get("cupy")
+        if cp is None or not hasattr(cp, "ndarray"):
+            return False
+        _CUPY_NDARRAY.append(cp.ndarray)
+    return isinstance(array, _CUPY_NDARRAY[0])
 
 
 def library_of(name, array):
     """'numpy' or 'cupy' (anything with __cuda_array_interface__); TypeError otherwise."""
     if isinstance(array, np.ndarray):
         return "numpy"
-    if hasattr(array, "__cuda_array_interface__"):
+    if _is_cupy_ndarray(array) or hasattr(array, "__cuda_array_interface__"):
         return "cupy"
     raise TypeError(f"{name} must be a numpy or cupy array, got {type(array).__name__}")
 
@@ -45,40 +66,71 @@ def _cupy(name):
 
 def as_library_array(array, library, name="array"):
     """A cupy view of any __cuda_array_interface__ object (numba device arrays, ...)."""
-    if library == "cupy" and type(array).__module__.split(".")[0] != "cupy":
+    if library == "cupy" and not _is_cupy_ndarray(array):
         return _cupy(name).asarray(array)
     return array
 
 
 def accumulation_dtype(dtype):
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+    acc = _ACCUM.get(dtype)
+    if acc is None:
+        acc = np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+    return acc
 
 
-@dataclass(frozen=True)
 class AttentionShape:
-    library: str  # "numpy" | "cupy"
-    dtype: np.dtype
-    num_dst: int
-    num_src: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    value_dim: int
-    squeezed: bool  # inputs were 2-D (one head): results are returned 2-D
+    """Sizes and dtype of one validated call (immutable by convention; a plain slotted class
+    because a frozen dataclass costs microseconds to build on every call)."""
 
-    @property
-    def accum_dtype(self):
-        return accumulation_dtype(self.dtype)
+    __slots__ = ("library", "dtype", "num_dst", "num_src", "heads", "kv_heads", "head_dim",
+                 "value_dim", "squeezed", "accum_dtype")
+
+    def __init__(self, library, dtype, num_dst, num_src, heads, kv_heads, head_dim, value_dim,
+                 squeezed):
+        self.library = library  # "numpy" | "cupy"
+        self.dtype = dtype
+        self.num_dst = num_dst
+        self.num_src = num_src
+        self.heads = heads
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
+        self.squeezed = squeezed  # inputs were 2-D (one head): results are returned 2-D
+        self.accum_dtype = accumulation_dtype(dtype)
+
+    def __eq__(self, other):
+        return isinstance(other, AttentionShape) and all(
+            getattr(self, s) == getattr(other, s) for s in self.__slots__)
+
+    __hash__ = None
+
+    def __repr__(self):
+        fields = ", ".join(f"{s}={getattr(self, s)!r}" for s in self.__slots__[:-1])
+        return f"AttentionShape({fields})"
+
+
+_ALLOWED = {}  # library -> frozenset of accepted dtypes (bfloat16 on cupy where ml_dtypes exists)
+
+
+def _allowed(library):
+    allowed = _ALLOWED.get(library)
+    if allowed is None:
+        dts = list(FLOAT_DTYPES)
+        bf16 = bfloat16_dtype()
+        if library == "cupy" and bf16 is not None:
+            dts.append(bf16)
+        allowed = _ALLOWED[library] = (frozenset(dts), dts)
+    return allowed
 
 
 def _check_dtype(name, array, library):
-    dt = np.dtype(array.dtype)
-    allowed = list(FLOAT_DTYPES)
-    bf16 = bfloat16_dtype()
-    if library == "cupy" and bf16 is not None:
-        allowed.append(bf16)
+    dt = array.dtype
+    allowed, ordered = _allowed(library)
     if dt not in allowed:
-        names = ", ".join(str(d) for d in allowed)
+        dt = np.dtype(dt)
+        if dt in allowed:
+            return dt
+        names = ", ".join(str(d) for d in ordered)
         raise TypeError(f"{name} has unsupported dtype {dt}; expected one of {names}")
     return dt
 
@@ -87,44 +139,46 @@ def check_attention_inputs(q, k, v, graph, scale):
     """Validate q, k, v against `graph`; returns (q, k, v as 3-D views, shape, scale)."""
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
-    libs = {name: library_of(name, a) for name, a in (("q", q), ("k", k), ("v", v))}
-    if len(set(libs.values())) > 1:
-        desc = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
+    library = library_of("q", q)
+    lk, lv = library_of("k", k), library_of("v", v)
+    if lk != library or lv != library:
+        desc = f"q is {library}, k is {lk}, v is {lv}"
         raise TypeError(f"q, k and v must come from one array library (mixed numpy/cupy): {desc}")
-    library = libs["q"]
-    q, k, v = (as_library_array(a, library, n) for n, a in (("q", q), ("k", k), ("v", v)))
-    ndims = {n: a.ndim for n, a in (("q", q), ("k", k), ("v", v))}
-    if set(ndims.values()) == {2}:
+    if library == "cupy":
+        q, k, v = (as_library_array(a, library, n) for n, a in (("q", q), ("k", k), ("v", v)))
+    nq, nk, nv = q.ndim, k.ndim, v.ndim
+    if nq == 3 and nk == 3 and nv == 3:
+        squeezed = False
+    elif nq == 2 and nk == 2 and nv == 2:
         squeezed = True
         q, k, v = q[:, None, :], k[:, None, :], v[:, None, :]
-    elif set(ndims.values()) == {3}:
-        squeezed = False
     else:
         raise ValueError("q, k and v must all be 3-D (nodes, heads, dim) or all 2-D (nodes, dim), "
-                         f"got q.ndim={ndims['q']}, k.ndim={ndims['k']}, v.ndim={ndims['v']}")
+                         f"got q.ndim={nq}, k.ndim={nk}, v.ndim={nv}")
     dtype = _check_dtype("q", q, library)
-    for name, a in (("k", k), ("v", v)):
-        dt = _check_dtype(name, a, library)
-        if dt != dtype:
-            raise TypeError(f"{name} has dtype {dt} but q has dtype {dtype}; q, k and v must share one dtype")
-    if q.shape[0] != graph.num_dst:
-        raise ValueError(f"q has {q.shape[0]} rows (axis 0) but graph.num_dst is {graph.num_dst}")
-    for name, a in (("k", k), ("v", v)):
-        if a.shape[0] != graph.num_src:
-            raise ValueError(f"{name} has {a.shape[0]} rows (axis 0) but graph.num_src is {graph.num_src}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k has {k.shape[1]} heads but v has {v.shape[1]}; they must match")
-    heads, kv_heads = q.shape[1], k.shape[1]
+    if k.dtype != dtype or v.dtype != dtype:
+        for name, a in (("k", k), ("v", v)):
+            dt = _check_dtype(name, a, library)
+            if dt != dtype:
+                raise TypeError(f"{name} has dtype {dt} but q has dtype {dtype}; "
+                                "q, k and v must share one dtype")
+    (nd, heads, head_dim), (ns, kv_heads, kd), (nvs, vh, value_dim) = q.shape, k.shape, v.shape
+    if nd != graph.num_dst:
+        raise ValueError(f"q has {nd} rows (axis 0) but graph.num_dst is {graph.num_dst}")
+    if ns != graph.num_src:
+        raise ValueError(f"k has {ns} rows (axis 0) but graph.num_src is {graph.num_src}")
+    if nvs != graph.num_src:
+        raise ValueError(f"v has {nvs} rows (axis 0) but graph.num_src is {graph.num_src}")
+    if kv_heads != vh:
+        raise ValueError(f"k has {kv_heads} heads but v has {vh}; they must match")
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"q's heads ({heads}) must be a multiple of k's heads ({kv_heads}) "
                          "(grouped-query attention)")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q has head dim {q.shape[2]} but k has {k.shape[2]}; they must match")
-    head_dim = int(q.shape[2])
+    if head_dim != kd:
+        raise ValueError(f"q has head dim {head_dim} but k has {kd}; they must match")
     scale = resolve_scale(scale, head_dim)
-    shape = AttentionShape(library=library, dtype=dtype, num_dst=int(q.shape[0]),
-                           num_src=int(k.shape[0]), heads=int(heads), kv_heads=int(kv_heads),
-                           head_dim=head_dim, value_dim=int(v.shape[2]), squeezed=squeezed)
+    shape = AttentionShape(library, dtype, int(nd), int(ns), int(heads), int(kv_heads),
+                           int(head_dim), int(value_dim), squeezed)
     return q, k, v, shape, scale
 
 
@@ -156,8 +210,9 @@ def check_like(name, array, library, dtype=None, expected_shape=None):
     if lib != library:
         raise TypeError(f"{name} is a {lib} array but q is {library} (mixed numpy/cupy)")
     array = as_library_array(array, library, name)
-    if expected_shape is not None and tuple(array.shape) != tuple(expected_shape):
-        raise ValueError(f"{name} must have shape {tuple(expected_shape)}, got {tuple(array.shape)}")
+    if expected_shape is not None and array.shape != expected_shape:
+        if tuple(array.shape) != tuple(expected_shape):
+            raise ValueError(f"{name} must have shape {tuple(expected_shape)}, got {tuple(array.shape)}")
     if dtype is not None and np.dtype(array.dtype) != np.dtype(dtype):
         raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {np.dtype(array.dtype)}")
     return array

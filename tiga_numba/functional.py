@@ -62,8 +62,8 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     rho = arrays.check_prune_threshold(block_prune_threshold)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias)
-    xp = _xp(shape.library)
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
+        xp = _xp(shape.library)
         # Nothing to reduce: the contract's empty-row values, no kernel launch.
         out = xp.zeros((shape.num_dst, shape.heads, shape.value_dim), dtype=shape.dtype)
         m = xp.full((shape.num_dst, shape.heads), -np.inf, dtype=shape.accum_dtype)
@@ -107,15 +107,17 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     if shape.squeezed:
         dout, out, m, l = dout[:, None, :], out[:, None, :], m[:, None], l[:, None]
     for name, a in (("dout", dout), ("out", out)):
-        if np.dtype(a.dtype).kind != "f" and np.dtype(a.dtype) != shape.dtype:  # bf16 is kind "V"
+        if a.dtype != shape.dtype and np.dtype(a.dtype).kind != "f":  # bf16 is kind "V"
             raise TypeError(f"{name} must be floating point, got {a.dtype}")
-    xp = _xp(shape.library)
     acc = shape.accum_dtype
-    m = xp.asarray(m, dtype=acc)
-    l = xp.asarray(l, dtype=acc)
+    if m.dtype != acc or l.dtype != acc:
+        xp = _xp(shape.library)
+        m = xp.asarray(m, dtype=acc)
+        l = xp.asarray(l, dtype=acc)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias)
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
+        xp = _xp(shape.library)
         dq = xp.zeros(q.shape, dtype=shape.dtype)
         dk = xp.zeros(k.shape, dtype=shape.dtype)
         dv = xp.zeros(v.shape, dtype=shape.dtype)

@@ -35,6 +35,59 @@ BN = 128
 N_PARTS = 4
 
 
+_NAMES = {}
+
+
+def _name(dtype):
+    """dtype.name, memoised: numpy computes it in Python on every access (~3 us)."""
+    n = _NAMES.get(dtype)
+    if n is None:
+        n = _NAMES[dtype] = dtype.name
+    return n
+
+
+# --------------------------------------------------------------------------- thread count
+# A parallel kernel wakes every numba thread, also those its prange gives no iteration: on a
+# tiny call that wake-up is most of the time (microseconds; milliseconds when other processes
+# hold the cores). Each kernel therefore runs with at most as many threads as it has work
+# items. Results do not depend on the thread count (every kernel's summation order is fixed
+# by the problem, docs/cpu_backend.md).
+_THREAD_API = []
+# elements of the dq partition sum per thread: ~16k adds is a few microseconds, the order of
+# what waking a thread costs
+_REDUCE_GRAIN = 1 << 14
+
+
+def _thread_api():
+    """(get, set) of numba's thread count for this thread: the threading layer's own entry
+    points where available (the public functions re-validate on every call, ~3 us)."""
+    if not _THREAD_API:
+        api = (numba.get_num_threads, numba.set_num_threads)
+        try:
+            from numba.np.ufunc import parallel as par
+            par._launch_threads()
+            get, set_ = par._get_num_threads, par._set_num_threads
+            if get is not None and set_ is not None and get() == numba.get_num_threads():
+                api = (get, set_)
+        except Exception:  # pragma: no cover - other numba versions: the public API
+            pass
+        _THREAD_API.append(api)
+    return _THREAD_API[0]
+
+
+def _run(kernel, items, *args):
+    """kernel(*args) with no more threads than `items` work items."""
+    get, set_ = _thread_api()
+    have = get()
+    if items >= have:
+        return kernel(*args)
+    set_(max(1, int(items)))
+    try:
+        return kernel(*args)
+    finally:
+        set_(have)
+
+
 def _kernel(key, build):
     kern = KERNELS.get(key, build)
     return kern, ("hit" if KERNELS.last_was_hit else "miss")
@@ -71,6 +124,11 @@ def _ir(kernel):
     return {"llvm": stage("llvm"), "asm": stage("asm")}
 
 
+def _ir_of(kernel):
+    """_ir(kernel), made once per kernel object."""
+    return KERNELS.derived(kernel, "cpu.ir", lambda: _ir(kernel))
+
+
 def _inspect(kernel, name, sig):
     return kernel.inspect_llvm(sig) if name == "llvm" else kernel.inspect_asm(sig)
 
@@ -98,8 +156,10 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         kh = head_major(k, acc, "k", copies)
         vh = head_major(v, acc, "v", copies)
         tile_base, ktt = _pack(kh, relation, "k", copies)
-        items = _forward_items(relation, H)
-        kern, hit = _kernel(("cpu", "blocks.forward", acc.name, BM, BN, prune),
+        # work items depend on the relation and H only: built once per relation record
+        items = KERNELS.derived(relation, ("cpu.forward_items", BM, BN, H),
+                                lambda: _forward_items(relation, H))
+        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune))
         out = np.zeros((Nq, H, v.shape[2]), acc)
         m = np.full((Nq, H), -np.inf, acc)
@@ -107,10 +167,11 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
         with single_threaded_blas():
-            kern(qh, ktt, vh, items, relation.dst_offsets, relation.src_offsets,
-                 relation.causal, tile_base, group, log2_rho, out, m, l, total, pruned)
+            _run(kern, items.shape[0], qh, ktt, vh, items, relation.dst_offsets,
+                 relation.src_offsets, relation.causal, tile_base, group, log2_rho, out, m, l,
+                 total, pruned)
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
-                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir(kern))
+                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir_of(kern))
         if prune:
             info.update(pruned_tiles=int(pruned.sum()), total_tiles=int(total.sum()))
     else:
@@ -118,14 +179,15 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         kn = node_major(k, acc, "k", copies)
         vn = node_major(v, acc, "v", copies)
         bias = _bias(edge_bias, acc, H, copies)
-        kern, hit = _kernel(("cpu", "csr.forward", acc.name),
+        kern, hit = _kernel(("cpu", "csr.forward", _name(acc)),
                             lambda: _csr.make_forward(acc.name))
         out = np.empty((Nq, H, v.shape[2]), acc)
         m = np.empty((Nq, H), acc)
         l = np.empty((Nq, H), acc)
-        kern(qn, kn, vn, relation.indptr, relation.indices, bias, group, out, m, l)
+        _run(kern, -(-Nq // _csr.RB), qn, kn, vn, relation.indptr, relation.indices, bias,
+             group, out, m, l)
         info.update(kernel="cpu.csr.forward (row-streaming online softmax)",
-                    tiles=f"edge chunk={_csr.CH}", cache=hit, ir=_ir(kern))
+                    tiles=f"edge chunk={_csr.CH}", cache=hit, ir=_ir_of(kern))
     info["copies"] = copies
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
@@ -179,9 +241,9 @@ def _tiles(rel):
 
 
 def _pack(xh, rel, name, copies):
-    tile_base, starts, cols = _tiles(rel)
+    tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BN), lambda: _tiles(rel))
     out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
-    _blocks.pack_transposed_tiles(xh, starts, cols, BN, out)
+    _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
     copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
     return tile_base, out
 
@@ -234,26 +296,25 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         m2h = np.ascontiguousarray(m2.T)
         linvh = np.ascontiguousarray(linv.T)
         deltah = np.ascontiguousarray(delta.T)
-        kitems, costs = _backward_items(relation, Hkv, H // Hkv)
-        n_parts = max(1, min(N_PARTS, kitems.shape[0]))
-        kitems = _deal(kitems, costs, n_parts)
-        kern, hit = _kernel(("cpu", "blocks.backward", acc.name, BM, BN),
+        kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
+                                          lambda: _dealt_backward_items(relation, Hkv, group))
+        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN),
                             lambda: _blocks.make_backward(acc.name, BM, BN))
         dq_part = np.zeros((n_parts, H, Nq, D), acc)
         dkh = np.zeros((Hkv, Nk, D), acc)
         dvh = np.zeros((Hkv, Nk, Dv), acc)
         with single_threaded_blas():
-            kern(qh, kh, ktt, vtt, doh, m2h, linvh, deltah, kitems, relation.dst_offsets,
-                 relation.src_offsets, relation.causal, tile_base, group, n_parts, dq_part,
-                 dkh, dvh)
+            _run(kern, n_parts, qh, kh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
+                 relation.dst_offsets, relation.src_offsets, relation.causal, tile_base, group,
+                 n_parts, dq_part, dkh, dvh)
         dq = np.empty((Nq, H, D), acc)
-        _blocks.reduce_dq(dq_part, acc.type(scale), dq)
+        _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
         dv = dvh.transpose(1, 0, 2)
-        copies.append(f"dq partials: {n_parts} x (H, Nq, D) {acc.name} (one per partition, "
+        copies.append(f"dq partials: {n_parts} x (H, Nq, D) {_name(acc)} (one per partition, "
                       "summed in order)")
         info.update(kernel="cpu.blocks.backward (fused, key-tile parallel, BLAS tiles)",
-                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir(kern))
+                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir_of(kern))
     else:
         qn = node_major(q, acc, "q", copies, scale=c)
         kn = node_major(k, acc, "k", copies)
@@ -261,22 +322,22 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         don = node_major(dout, acc, "dout", copies)
         bias = _bias(edge_bias, acc, H, copies)
         k_dst, k_src = None, None
-        (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", acc.name),
+        (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", _name(acc)),
                                       lambda: _csr.make_backward(acc.name))
         dq = np.empty((Nq, H, D), acc)
         E = int(relation.indices.shape[0])
         dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
-        k_dst(qn, kn, vn, don, m2, linv, delta, relation.indptr, relation.indices, bias,
-              group, acc.type(scale), dq, dbias)
+        _run(k_dst, -(-Nq // _csr.RB), qn, kn, vn, don, m2, linv, delta, relation.indptr,
+             relation.indices, bias, group, acc.type(scale), dq, dbias)
         dk = np.empty((Nk, Hkv, D), acc)
         dv = np.empty((Nk, Hkv, Dv), acc)
-        k_src(qn, kn, vn, don, m2, linv, delta, transpose.indptr, transpose.indices,
-              transpose.perm, bias, group, dk, dv)
+        _run(k_src, -(-Nk // _csr.RB), qn, kn, vn, don, m2, linv, delta, transpose.indptr,
+             transpose.indices, transpose.perm, bias, group, dk, dv)
         if edge_bias is None:
             dbias = None
         info.update(kernel="cpu.csr.backward (dq by destination rows, dk/dv by source rows "
                            "over the transpose)", tiles="per edge", cache=hit,
-                    ir=_ir(k_src))
+                    ir=_ir_of(k_src))
     info["copies"] = copies
     dt = q.dtype
     return (np.ascontiguousarray(dq, dtype=dt), np.ascontiguousarray(dk, dtype=dt),
@@ -299,6 +360,13 @@ def _backward_items(rel, Hkv, group):
     items[:, 1] = np.tile(blk, Hkv)
     items[:, 2] = np.tile(starts, Hkv)
     return items, np.tile(costs, Hkv)
+
+
+def _dealt_backward_items(rel, Hkv, group):
+    """(work items dealt over the dq partitions, number of partitions)."""
+    kitems, costs = _backward_items(rel, Hkv, group)
+    n_parts = max(1, min(N_PARTS, kitems.shape[0]))
+    return _deal(kitems, costs, n_parts), n_parts
 
 
 def _deal(items, costs, n_parts):
