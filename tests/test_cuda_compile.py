@@ -91,3 +91,160 @@ def test_tile_geometry_fits_static_shared_memory():
                     assert 32 <= t.NT <= 256 and t.NT % 32 == 0 and 32 % t.G == 0
                     regs = t.R * (t.DSQ + t.DSV) * (2 if kind != "fwd" else 1)
                     assert regs * (2 if t.acc == "float64" else 1) <= 256, (kind, dtype, D, DV, t)
+
+
+# --------------------------------------------------------------------------- launch plumbing
+def test_param_block_packs_every_type_at_its_pointer():
+    """launch._Params: each value lands where its kernelParams pointer points, at its natural
+    alignment, whatever the mix of types; a value of the wrong type is refused."""
+    import ctypes
+    import struct
+
+    import numba
+    _shield()
+    from tiga_numba.cuda import launch
+    ctype = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "float32": ctypes.c_float,
+             "float64": ctypes.c_double}
+    rng = __import__("numpy").random.default_rng(7)
+    kinds = [numba.int64, numba.int32, numba.float32, numba.float64]
+    for _ in range(20):
+        types = [kinds[i] for i in rng.integers(0, 4, size=int(rng.integers(1, 30)))]
+        vals = [float(rng.standard_normal()) if "float" in str(t) else int(rng.integers(-2**31, 2**31))
+                for t in types]
+        if str(types[0]) == "int64":
+            vals[0] = 2 ** 47 + 12345  # a device address
+        p = launch._Params(tuple(types))
+        p.pack(vals)
+        table = (ctypes.c_void_p * len(types)).from_address(p.address)
+        for i, (t, want) in enumerate(zip(types, vals)):
+            assert table[i] % ctypes.sizeof(ctype[str(t)]) == 0
+            got = ctype[str(t)].from_address(table[i]).value
+            if str(t) == "float32":
+                want = struct.unpack("f", struct.pack("f", want))[0]
+            assert got == want, (i, str(t), got, want)
+    with pytest.raises(struct.error):
+        launch._Params((numba.int64,)).pack([1.5])
+
+
+_RECORDS_SCRIPT = r'''
+import sys, types
+from types import SimpleNamespace
+import numpy as np
+
+# a host stand-in for cupy: arrays are numpy arrays with .data.ptr; kernels are not run,
+# their launches are recorded (the arguments the GPU would get)
+class FA(np.ndarray):
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+    def get(self, stream=None):
+        return np.asarray(self)
+W = lambda a: np.asarray(a).view(FA)
+cp = types.ModuleType("cupy")
+cp.ndarray = FA
+cp.empty = lambda s, d=np.float32: W(np.empty(s, d))
+cp.full = lambda s, x, d=np.float32: W(np.full(s, x, d))
+cp.zeros = lambda s, d=np.float32: W(np.zeros(s, d))
+cp.ascontiguousarray = lambda a, dtype=None: W(np.ascontiguousarray(a, dtype=dtype))
+cp.asarray = lambda a, dtype=None: W(np.asarray(a, dtype=dtype))
+cp.broadcast_to = lambda a, shape: W(np.broadcast_to(a, shape))
+cp.cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0),
+                          get_current_stream=lambda: SimpleNamespace(ptr=0))
+sys.modules["cupy"] = cp
+
+import tiga_numba as tg
+from tiga_numba import arrays, functional
+from tiga_numba.cuda import launch
+_lib = arrays.library_of
+arrays.library_of = lambda name, a: "cupy" if isinstance(a, FA) else _lib(name, a)
+from tiga_numba.kernel_cache import KERNELS
+from tiga_numba.graph import BlockRelation, CSRRelation, CSRTranspose
+CALLS = []
+launch.Kernel.__call__ = lambda self, grid, block, stream, *a: CALLS.append((self, grid, block, a))
+from tiga_numba.cuda import api, tiles
+api.USE_TC = False
+_real = tg.Graph.realize, tg.Graph.realize_transpose
+
+def on_dev(rec):
+    return None if rec is None else type(rec)(**{k: (W(v) if isinstance(v, np.ndarray) else v)
+                                                 for k, v in rec.__dict__.items()})
+tg.Graph.realize = lambda g, dev="cpu": g._cached(("fake", dev), lambda: on_dev(_real[0](g, "cpu")))
+tg.Graph.realize_transpose = lambda g, dev="cpu": g._cached(("fakeT", dev), lambda: on_dev(_real[1](g, "cpu")))
+
+rng = np.random.default_rng(3)
+def arr(*shape, dt=np.float32, strided=False):
+    if strided:
+        return W(rng.standard_normal(shape[:-1] + (2 * shape[-1],)).astype(dt))[..., ::2]
+    return W(rng.standard_normal(shape).astype(dt))
+
+def addr(x):
+    return x.__array_interface__["data"][0]
+
+def check_call(g, H=2, Hkv=1, D=16, DV=8, dt=np.float32, prune=None, bias=False):
+    q = arr(g.num_dst, H, D, dt=dt, strided=True)
+    k, v = arr(g.num_src, Hkv, D, dt=dt), arr(g.num_src, Hkv, DV, dt=dt)
+    acc = np.float64 if dt == np.float64 else np.float32
+    eb = arr(g.num_edges, H, dt=acc) if bias else None
+    seen = []
+    for rep in range(2):
+        CALLS.clear()
+        hits = KERNELS.hits
+        out, st, plan = functional.run_forward(q, k, v, g, block_prune_threshold=prune, edge_bias=eb)
+        (kern, grid, block, a), = CALLS
+        assert a[:3] == (addr(q), addr(k), addr(v))
+        qs = tuple(s // q.itemsize for s in q.strides)
+        rel = g.realize("cuda")
+        if g.is_implicit:
+            t = tiles.block_tiles("fwd", np.dtype(dt).name, D, DV)
+            tpb = -(-rel.max_block_dst // t.BM)
+            assert grid == (rel.num_blocks * tpb, H, 1) and block == (t.NT, 1, 1)
+            assert a[6:9] == (addr(rel.dst_offsets), addr(rel.src_offsets), addr(rel.causal))
+            assert a[10:13] == qs and a[19:22] == (tpb, H, H // Hkv)
+        else:
+            t = tiles.csr_tiles("fwd", np.dtype(dt).name, D, DV)
+            assert grid == (-(-g.num_dst * H * t.G // t.NT), 1, 1)
+            assert a[6:8] == (addr(rel.indptr), addr(rel.indices))
+            assert a[8] == (addr(eb) if bias else 0) and a[9:12] == qs
+        assert plan.run_info["kernel"] and plan.run_info["copies"] == []
+        if rep == 1:  # memoised launch record: same launch, counted as kernel-cache hits
+            assert plan.run_info["cache"] == "hit" and KERNELS.hits == hits + 1
+            assert (grid, block, a[:3], a[6:]) == seen[0], "second call launched differently"
+        seen.append((grid, block, a[:3], a[6:]))
+    if prune is not None:
+        return
+    do = arr(g.num_dst, H, DV, dt=dt)
+    CALLS.clear()
+    functional.run_backward(do, q, k, v, out, st, g, edge_bias=eb)
+    assert [c[0].name.split("_")[0] for c in CALLS] == (["delta", "blocks", "blocks"] if g.is_implicit
+                                                       else ["stats", "csr", "csr"])
+    assert all(c[3][0] == addr(do) for c in CALLS[:1]) and all(c[3][:3] == (addr(q), addr(k), addr(v)) for c in CALLS[1:])
+
+for dt in (np.float32, np.float16, np.float64):
+    check_call(tg.Graph.triangular(40), dt=dt)
+    check_call(tg.Graph.cu_seqlens([0, 3, 3, 70, 71]), H=4, Hkv=2, D=64, DV=64, dt=dt)
+    check_call(tg.Graph.dense(30, 50), prune=0.1, dt=dt)
+    csr = tg.Graph.from_coo([0, 1, 2, 5, 5], [1, 2, 3, 0, 4], num_src=7, num_dst=6)
+    check_call(csr, dt=dt)
+    check_call(csr, dt=dt, bias=True)
+# records live with their relation: a new graph (same sizes, maybe the same id) gets its own
+for n in range(5):
+    g = tg.Graph.from_coo(rng.integers(0, 9, 12), np.sort(rng.integers(0, 9, 12)), num_src=9, num_dst=9)
+    check_call(g)
+    del g
+print("records ok")
+'''
+
+
+def test_launch_records_memoised_and_correct():
+    """cuda.api's memoised launch records, without a GPU: a host stand-in for cupy records each
+    launch; grids follow the tile rules, operands are read in place (addresses, element
+    strides), a second call launches the same thing and counts kernel-cache hits, and a new
+    Graph never reuses another one's relation addresses."""
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    r = subprocess.run([sys.executable, "-c", _RECORDS_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "records ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -11,6 +11,13 @@ and each copy is recorded in plan.run_info["copies"].
 
 Routing: the tensor-core kernels (tiga_numba.cuda.tc, when present) take what their
 `supports()` accepts; everything else runs on the CUDA-core kernels of blocks.py / csr.py.
+
+Per-call cost: everything that depends only on the relation and the call's sizes (kernel
+objects, tiles, grids, the relation's device addresses, the run_info text) is a *launch
+record*, built on the first call and memoised on the relation record
+(`KERNELS.derived`); a later call allocates its outputs, reads the operands' addresses and
+strides, and launches. No host synchronisation and no device-to-host copy (except the
+two pruning counters of a pruned forward, which explain() reports).
 """
 from __future__ import annotations
 
@@ -46,9 +53,9 @@ def _empty(shape, dtype):
 
 
 def _tc_supports(plan, q, k, v, relation):
-    if not USE_TC:
+    if not USE_TC or _tc is None:
         return False
-    supports = getattr(_tc, "supports", None) if _tc is not None else None
+    supports = getattr(_tc, "supports", None)
     if supports is None or not hasattr(_tc, "forward"):
         return False
     return bool(supports(plan, q, k, v, relation))
@@ -68,36 +75,58 @@ def _csr_tiles(kind, dtype, D, DV):
     return _tiles.csr_tiles(kind, dtype, D, DV)
 
 
-class _Calls:
-    """Kernels used by one entry-point call: cache hit/miss and IR for run_info."""
+def _ir(kernels):
+    """run_info["ir"]: stage -> zero-arg callable joining the kernels' text."""
+    def stage(name):
+        def text():
+            parts = []
+            for kern in kernels:
+                body = kern.llvm() if name == "llvm" else kern.ptx()
+                parts.append(f"// ---- {kern.name}\n{body}")
+            return "\n".join(parts)
+        return text
+    return {"llvm": stage("llvm"), "ptx": stage("ptx")}
+
+
+class _Record:
+    """What one (relation, sizes, dtype, options) call shape launches: built once, read by
+    every later call. `cache` is the kernel-cache outcome of the call that built it."""
+
+    __slots__ = ("kernels", "cache", "uses", "info", "geo")
 
     def __init__(self):
         self.kernels = []
-        self.hit = True
+        self.cache = "hit"
+        self.uses = 0
+        self.info = {}
+        self.geo = {}
 
-    def get(self, key, build):
+    def kernel(self, key, build):
         kern = KERNELS.get(("cuda",) + key, build)
-        self.hit = self.hit and bool(KERNELS.last_was_hit)
+        if not KERNELS.last_was_hit:
+            self.cache = "miss"
         self.kernels.append(kern)
         return kern
 
-    def ir(self):
-        kernels = list(self.kernels)
+    def finish(self, **info):
+        info["ir"] = _ir(list(self.kernels))
+        self.info = info
+        return self
 
-        def stage(name):
-            def text():
-                parts = []
-                for kern in kernels:
-                    body = kern.llvm() if name == "llvm" else kern.ptx()
-                    parts.append(f"// ---- {kern.name}\n{body}")
-                return "\n".join(parts)
-            return text
-        return {"llvm": stage("llvm"), "ptx": stage("ptx")}
+
+def _record(relation, key, build):
+    """The memoised launch record for this call shape, and its cache outcome for run_info."""
+    rec = KERNELS.derived(relation, key, lambda: build(relation, *key[1:]))
+    rec.uses += 1
+    if rec.uses == 1:
+        return rec, rec.cache
+    KERNELS.count_hits(len(rec.kernels))
+    return rec, "hit"
 
 
 def _view(x, name, copies):
     """(array kept alive, device address, element strides) of a 3-D array."""
-    item = x.dtype.itemsize
+    item = x.itemsize
     s0, s1, s2 = x.strides
     if s0 < 0 or s1 < 0 or s2 < 0 or s0 % item or s1 % item or s2 % item:
         copies.append(f"{name}: strides {x.strides} (negative or not a multiple of the item "
@@ -137,22 +166,89 @@ _DTYPES = {}
 
 
 def _dtypes(dt):
-    """(input dtype, its name, accumulation dtype), memoised: dtype.name is slow."""
+    """(input dtype, its name, accumulation dtype, its name), memoised: dtype.name is slow."""
     r = _DTYPES.get(dt)
     if r is None:
         d = np.dtype(dt)
-        r = _DTYPES[dt] = (d, d.name, np.dtype(_tiles.acc_of(d.name)))
+        aname = _tiles.acc_of(d.name)
+        r = _DTYPES[dt] = (d, d.name, np.dtype(aname), aname)
     return r
-
-
-_K_BLOCKS = "cuda.blocks.forward (CUDA cores, streaming online softmax)"
-_K_BLOCKS_PRUNE = "cuda.blocks.forward (CUDA cores, streaming online softmax, tile pruning)"
-_K_CSR = "cuda.csr.forward (CUDA cores, online softmax per edge)"
-_K_CSR_BIAS = "cuda.csr.forward (CUDA cores, online softmax per edge, edge bias)"
 
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+# --------------------------------------------------------------------------- launch records
+def _forward_blocks(rel, dname, D, DV, H, prune):
+    rec = _Record()
+    t = _block_tiles("fwd", dname, D, DV)
+    rec.geo["kern"] = rec.kernel(("blocks.fwd", t, prune), lambda: _blocks.make_forward(t, prune))
+    tpb = _cdiv(int(rel.max_block_dst), t.BM)
+    S = int(rel.causal.shape[0])
+    rec.geo.update(grid=(S * tpb, H, 1), block=(t.NT, 1, 1), tpb=tpb,
+                   rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr),
+                   dummy=_dummy("int64").data.ptr)
+    return rec.finish(
+        kernel=("cuda.blocks.forward (CUDA cores, streaming online softmax"
+                + (", tile pruning)" if prune else ")")),
+        tiles=t.describe())
+
+
+def _forward_csr(rel, dname, D, DV, H, has_bias):
+    rec = _Record()
+    t = _csr_tiles("fwd", dname, D, DV)
+    rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias), lambda: _csr.make_forward(t, has_bias))
+    threads = (int(rel.indptr.shape[0]) - 1) * H * t.G
+    rec.geo.update(grid=(_cdiv(threads, t.NT), 1, 1), block=(t.NT, 1, 1),
+                   rel=(rel.indptr.data.ptr, rel.indices.data.ptr))
+    return rec.finish(
+        kernel=("cuda.csr.forward (CUDA cores, online softmax per edge"
+                + (", edge bias)" if has_bias else ")")),
+        tiles=t.describe_csr())
+
+
+def _forward_record(rel, dname, D, DV, H, prune, has_bias):
+    if _is_blocks(rel):
+        return _forward_blocks(rel, dname, D, DV, H, prune)
+    return _forward_csr(rel, dname, D, DV, H, has_bias)
+
+
+def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
+    rec = _Record()
+    g = rec.geo
+    if not _is_blocks(rel):  # CSR: (lse, Delta) pairs, one per gathered (row, head)
+        g["pre"] = rec.kernel(("stats", dname, aname), lambda: make_stats(dname, aname))
+    else:
+        g["pre"] = rec.kernel(("delta", dname, aname), lambda: make_delta(dname, aname))
+    g["pre_grid"] = (_cdiv(Nq * H, g["pre"].rows_per_cta), 1, 1)
+    g["pre_block"] = (g["pre"].NT, 1, 1)
+    if _is_blocks(rel):
+        S = int(rel.causal.shape[0])
+        tq = _block_tiles("dq", dname, D, DV)
+        tk = _block_tiles("dkdv", dname, D, DV)
+        g["kq"] = rec.kernel(("blocks.dq", tq), lambda: _blocks.make_dq(tq))
+        g["kk"] = rec.kernel(("blocks.dkdv", tk), lambda: _blocks.make_dkdv(tk))
+        g["tpb"] = _cdiv(int(rel.max_block_dst), tq.BM)
+        g["tpbk"] = _cdiv(int(rel.max_block_src), tk.BM)
+        g.update(q_grid=(S * g["tpb"], H, 1), q_block=(tq.NT, 1, 1),
+                 k_grid=(S * g["tpbk"], Hkv, 1), k_block=(tk.NT, 1, 1),
+                 rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr))
+        return rec.finish(
+            kernel=("cuda.blocks.backward (CUDA cores, deterministic: dq by query tiles, "
+                    "dk/dv by key tiles)"),
+            tiles=f"dq: {tq.describe()}; dk/dv: {tk.describe()}")
+    Ns = int(rel.num_src)
+    t = _csr_tiles("bwd", dname, D, DV)
+    g["kq"] = rec.kernel(("csr.dq", t, has_bias), lambda: _csr.make_dq(t, has_bias))
+    g["kk"] = rec.kernel(("csr.dkdv", t, has_bias), lambda: _csr.make_dkdv(t, has_bias))
+    g.update(q_grid=(_cdiv(Nq * H * t.G, t.NT), 1, 1), k_grid=(_cdiv(Ns * Hkv * t.G, t.NT), 1, 1),
+             block=(t.NT, 1, 1), rel=(rel.indptr.data.ptr, rel.indices.data.ptr))
+    return rec.finish(
+        kernel=("cuda.csr.backward (CUDA cores, deterministic: dq"
+                + (" and dbias" if has_bias else "")
+                + " by destination rows, dk/dv by source rows of the transposed CSR)"),
+        tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
 # --------------------------------------------------------------------------- forward
@@ -162,13 +258,22 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
 
+    blocks = _is_blocks(relation)
+    if blocks and edge_bias is not None:
+        raise NotImplementedError("edge_bias needs a CSR relation; the CUDA block kernels "
+                                  "take no per-edge fields")
     copies = []
-    calls = _Calls()
-    stream = current_stream()
     Nq, H, D = q.shape
     Hkv = k.shape[1]
     DV = v.shape[2]
-    dtype, dname, acc = _dtypes(q.dtype)
+    dtype, dname, acc, _ = _dtypes(q.dtype)
+    rho = plan.prune_threshold
+    prune = rho is not None
+    bias = _contig(edge_bias, acc, "edge_bias", copies)
+    rec, cache = _record(relation, ("cuda.fwd", dname, D, DV, H, prune, bias is not None),
+                         _forward_record)
+    g = rec.geo
+    stream = current_stream()
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
     k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
     v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
@@ -177,48 +282,28 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     l = _empty((Nq, H), acc)
     scale = float(plan.scale)
     grp = H // Hkv
-
-    if _is_blocks(relation):
-        if edge_bias is not None:
-            raise NotImplementedError("edge_bias needs a CSR relation; the CUDA block kernels "
-                                      "take no per-edge fields")
-        rho = plan.prune_threshold
-        prune = rho is not None
-        t = _block_tiles("fwd", dname, D, DV)
-        kern = calls.get(("blocks.fwd", t, prune), lambda: _blocks.make_forward(t, prune))
-        S = int(relation.causal.shape[0])
-        tpb = _cdiv(int(relation.max_block_dst), t.BM)
-        cnt = cupy.zeros(2, np.int64) if prune else _dummy("int64")
-        if S * tpb == 0:
+    info.update(rec.info)
+    if blocks:
+        cnt = cupy.zeros(2, np.int64) if prune else None
+        if g["grid"][0] == 0:
             out.fill(0)
             m.fill(-np.inf)
             l.fill(0)
         else:
-            kern((S * tpb, H, 1), (t.NT, 1, 1), stream, qp, kp, vp, out.data.ptr, m.data.ptr,
-                 l.data.ptr, relation.dst_offsets.data.ptr, relation.src_offsets.data.ptr,
-                 relation.causal.data.ptr, cnt.data.ptr, qs0, qs1, qs2, ks0, ks1, ks2,
-                 vs0, vs1, vs2, tpb, H, grp, scale, math.log(rho) if prune else 0.0)
-        info["kernel"] = _K_BLOCKS_PRUNE if prune else _K_BLOCKS
-        info["tiles"] = t.describe()
-        if prune:
+            g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
+                      l.data.ptr, *g["rel"], cnt.data.ptr if prune else g["dummy"],
+                      qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, g["tpb"], H, grp, scale,
+                      math.log(rho) if prune else 0.0)
+        if prune:  # the one device-to-host read of the backend: explain()'s pruning counts
             pruned, total = (int(x) for x in cnt.get(stream=cupy.cuda.get_current_stream()))
             info["pruned_tiles"] = pruned
             info["total_tiles"] = total
-    else:
-        bias = _contig(edge_bias, acc, "edge_bias", copies)
-        t = _csr_tiles("fwd", dname, D, DV)
-        has_bias = bias is not None
-        kern = calls.get(("csr.fwd", t, has_bias), lambda: _csr.make_forward(t, has_bias))
-        threads = Nq * H * t.G
-        if threads:
-            kern((_cdiv(threads, t.NT), 1, 1), (t.NT, 1, 1), stream, qp, kp, vp, out.data.ptr,
-                 m.data.ptr, l.data.ptr, relation.indptr.data.ptr, relation.indices.data.ptr,
-                 _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, Nq, H, grp, scale)
-        info["kernel"] = _K_CSR_BIAS if has_bias else _K_CSR
-        info["tiles"] = t.describe_csr()
+    elif g["grid"][0]:
+        g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
+                  l.data.ptr, *g["rel"], _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2,
+                  vs0, vs1, vs2, Nq, H, grp, scale)
     info["copies"] = copies
-    info["cache"] = "hit" if calls.hit else "miss"
-    info["ir"] = calls.ir()
+    info["cache"] = cache
     return out, m, l
 
 
@@ -229,24 +314,30 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)
 
+    blocks = _is_blocks(relation)
+    if blocks and edge_bias is not None:
+        raise NotImplementedError("edge_bias needs a CSR relation")
     copies = []
-    calls = _Calls()
-    stream = current_stream()
     Nq, H, D = q.shape
     Ns, Hkv, _ = k.shape
     DV = v.shape[2]
-    dtype = np.dtype(q.dtype)
-    acc = np.dtype(_tiles.acc_of(dtype.name))
+    dtype, dname, acc, aname = _dtypes(q.dtype)
     scale = float(plan.scale)
     grp = H // Hkv
+    bias = _contig(edge_bias, acc, "edge_bias", copies)
+    has_bias = bias is not None
+    rec, cache = _record(relation, ("cuda.bwd", dname, aname, D, DV, Nq, H, Hkv, has_bias),
+                         _backward_record)
+    g = rec.geo
+    stream = current_stream()
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
     k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
     v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
     if dout.dtype != dtype:
-        copies.append(f"dout: {dout.dtype} -> {dtype.name} copy")
+        copies.append(f"dout: {dout.dtype} -> {dname} copy")
         dout = dout.astype(dtype)
     if out.dtype != dtype:
-        copies.append(f"out: {out.dtype} -> {dtype.name} copy")
+        copies.append(f"out: {out.dtype} -> {dname} copy")
         out = out.astype(dtype)
     dout, dop, os0, os1, os2 = _view(dout, "dout", copies)
     out, outp, oo0, oo1, oo2 = _view(out, "out", copies)
@@ -255,75 +346,46 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
 
     # Delta_i = sum(dO_i * O_i): one pass, read by both gradient kernels (the CSR kernels get
     # it interleaved with lse = m + log(l), one pair per gathered (row, head))
-    csr_rel = not _is_blocks(relation)
-    if csr_rel:
-        delta = _empty((Nq, H, 2), acc)
-        dk_ = calls.get(("stats", dtype.name, acc.name), lambda: make_stats(dtype.name, acc.name))
-        dargs = (dop, outp, m.data.ptr, l.data.ptr, delta.data.ptr)
-    else:
+    if blocks:
         delta = _empty((Nq, H), acc)
-        dk_ = calls.get(("delta", dtype.name, acc.name), lambda: make_delta(dtype.name, acc.name))
-        dargs = (dop, outp, delta.data.ptr)
+        pre_args = (dop, outp, delta.data.ptr)
+    else:
+        delta = _empty((Nq, H, 2), acc)
+        pre_args = (dop, outp, m.data.ptr, l.data.ptr, delta.data.ptr)
     if Nq * H:
-        dk_((_cdiv(Nq * H, dk_.rows_per_cta), 1, 1), (dk_.NT, 1, 1), stream, *dargs,
-            os0, os1, os2, oo0, oo1, oo2, Nq * H, H, DV)
+        g["pre"](g["pre_grid"], g["pre_block"], stream, *pre_args,
+                 os0, os1, os2, oo0, oo1, oo2, Nq * H, H, DV)
 
     dq = _empty((Nq, H, D), dtype)
     dk = _empty((Ns, Hkv, D), dtype)
     dv = _empty((Ns, Hkv, DV), dtype)
     dbias = None
     strides = (qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2)
-    if _is_blocks(relation):
-        if edge_bias is not None:
-            raise NotImplementedError("edge_bias needs a CSR relation")
-        S = int(relation.causal.shape[0])
-        tq = _block_tiles("dq", dtype.name, D, DV)
-        tk = _block_tiles("dkdv", dtype.name, D, DV)
-        kq = calls.get(("blocks.dq", tq), lambda: _blocks.make_dq(tq))
-        kk = calls.get(("blocks.dkdv", tk), lambda: _blocks.make_dkdv(tk))
-        rel = (relation.dst_offsets.data.ptr, relation.src_offsets.data.ptr,
-               relation.causal.data.ptr)
-        tpb = _cdiv(int(relation.max_block_dst), tq.BM)
-        if S * tpb:
-            kq((S * tpb, H, 1), (tq.NT, 1, 1), stream, qp, kp, vp, dop, m.data.ptr, l.data.ptr,
-               delta.data.ptr, dq.data.ptr, *rel, *strides, tpb, H, grp, scale)
+    if blocks:
+        if g["q_grid"][0]:
+            g["kq"](g["q_grid"], g["q_block"], stream, qp, kp, vp, dop, m.data.ptr, l.data.ptr,
+                    delta.data.ptr, dq.data.ptr, *g["rel"], *strides, g["tpb"], H, grp, scale)
         else:
             dq.fill(0)
-        tpbk = _cdiv(int(relation.max_block_src), tk.BM)
-        if S * tpbk:
-            kk((S * tpbk, Hkv, 1), (tk.NT, 1, 1), stream, qp, kp, vp, dop, m.data.ptr,
-               l.data.ptr, delta.data.ptr, dk.data.ptr, dv.data.ptr, *rel, *strides,
-               tpbk, H, grp, scale)
+        if g["k_grid"][0]:
+            g["kk"](g["k_grid"], g["k_block"], stream, qp, kp, vp, dop, m.data.ptr, l.data.ptr,
+                    delta.data.ptr, dk.data.ptr, dv.data.ptr, *g["rel"], *strides,
+                    g["tpbk"], H, grp, scale)
         else:
             dk.fill(0)
             dv.fill(0)
-        info["kernel"] = ("cuda.blocks.backward (CUDA cores, deterministic: dq by query tiles, "
-                          "dk/dv by key tiles)")
-        info["tiles"] = f"dq: {tq.describe()}; dk/dv: {tk.describe()}"
     else:
-        bias = _contig(edge_bias, acc, "edge_bias", copies)
-        has_bias = bias is not None
-        E = int(relation.indices.shape[0])
         if has_bias:
-            dbias = _empty((E, H), acc)
-        tq = _csr_tiles("bwd", dtype.name, D, DV)
-        kq = calls.get(("csr.dq", tq, has_bias), lambda: _csr.make_dq(tq, has_bias))
-        kk = calls.get(("csr.dkdv", tq, has_bias), lambda: _csr.make_dkdv(tq, has_bias))
+            dbias = _empty((int(relation.indices.shape[0]), H), acc)
         if Nq * H:
-            kq((_cdiv(Nq * H * tq.G, tq.NT), 1, 1), (tq.NT, 1, 1), stream, qp, kp, vp, dop,
-               delta.data.ptr, dq.data.ptr, _ptr(dbias),
-               relation.indptr.data.ptr, relation.indices.data.ptr, _ptr(bias), *strides,
-               Nq, H, grp, scale)
+            g["kq"](g["q_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
+                    dq.data.ptr, _ptr(dbias), *g["rel"], _ptr(bias), *strides, Nq, H, grp, scale)
         if Ns * Hkv:
-            kk((_cdiv(Ns * Hkv * tq.G, tq.NT), 1, 1), (tq.NT, 1, 1), stream, qp, kp, vp, dop,
-               delta.data.ptr, dk.data.ptr, dv.data.ptr,
-               transpose.indptr.data.ptr, transpose.indices.data.ptr, transpose.perm.data.ptr,
-               _ptr(bias), *strides, Ns, H, grp, scale)
-        info["kernel"] = ("cuda.csr.backward (CUDA cores, deterministic: dq"
-                          + (" and dbias" if has_bias else "")
-                          + " by destination rows, dk/dv by source rows of the transposed CSR)")
-        info["tiles"] = f"{tq.G} lanes per (row, head), {tq.NT} threads per CTA"
+            g["kk"](g["k_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
+                    dk.data.ptr, dv.data.ptr, transpose.indptr.data.ptr,
+                    transpose.indices.data.ptr, transpose.perm.data.ptr, _ptr(bias), *strides,
+                    Ns, H, grp, scale)
+    info.update(rec.info)
     info["copies"] = copies
-    info["cache"] = "hit" if calls.hit else "miss"
-    info["ir"] = calls.ir()
+    info["cache"] = cache
     return dq, dk, dv, dbias

@@ -5,9 +5,12 @@ re-wrapped as a DeviceNDArray). The kernels here therefore take every array as a
 device address and rebuild a flat 1-D array view inside the kernel (`ptr_array`), so that
 all kernel arguments are scalars with an explicit signature. numba compiles the kernel once
 to a cubin (kept in an on-disk cache keyed by kernel name, package sources and numba-cuda
-version) and launched through cuda.core with ctypes scalars on cupy's current stream, skipping
-numba's dispatcher (TIGA_NUMBA_LAUNCHER=cupy: through cupy's RawModule launcher instead,
-not yet measured on a GPU). Fallback: numba's own kernel launch (same arguments, slower).
+version; a later process loads it without compiling). cupy loads the cubin, and a launch is
+one `struct.pack_into` of the scalars into a parameter buffer made once per kernel plus one
+cuLaunchKernel (cupy's driver binding) on cupy's current stream: no per-argument objects,
+no numba dispatcher. Fallbacks, tried in order when a path cannot be set up or its first
+launch on a device fails: cupy's Function call, cuda.core's launch, numba's own launch
+(TIGA_NUMBA_LAUNCHER names the first one to try; benchmarks/bench_overhead.py compares them).
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1) there are no pointers: the same kernel body is
 wrapped to take host arrays directly, so the logic can be checked without a GPU.
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
+import threading
 
 import numba
 from numba import cuda
@@ -102,8 +107,9 @@ class Kernel:
         self.jit_options = jit_options
         self._dispatcher = None
         self._conv = [_CTYPES[str(t)] for t in argtys]
-        self._fast = None
-        self._launched = False
+        self._paths = {}  # device id -> launch path (see _LAUNCHERS)
+        self._launched = set()  # devices where a launch went through (no more fallbacks)
+        self._lock = threading.Lock()
 
     @property
     def dispatcher(self):
@@ -171,68 +177,160 @@ class Kernel:
         os.replace(entry_path + tag, entry_path)
         return lib._entry_name, path
 
-    def _prepare_fast(self):
-        """Pick the launch path once per kernel object: cuda.core's launch of the kernel
-        (loaded from the cubin cache when present), or with TIGA_NUMBA_LAUNCHER=cupy the
-        cubin as a cupy RawModule launched by cupy's Cython launcher."""
-        import numpy as np
-        if os.environ.get("TIGA_NUMBA_LAUNCHER", "cuda.core") == "cupy":
-            conv = {"int64": np.int64, "int32": np.int32, "uint64": np.uint64,
-                    "float32": np.float32, "float64": np.float64}
+    # -- launch paths, picked once per kernel and device (see _LAUNCHERS)
+    def _load_function(self):
+        """(cupy Module, CUfunction handle) of this kernel on the current device."""
+        import cupy
+        entry, path = self._cubin()
+        module = cupy.cuda.function.Module()
+        module.load_file(path)
+        return module, module.get_function(entry)
+
+    def _prepare(self, dev, skip=()):
+        """The launch path for device `dev`: the first of _LAUNCHERS (from
+        TIGA_NUMBA_LAUNCHER on) that can be set up, minus those in `skip`."""
+        first = os.environ.get("TIGA_NUMBA_LAUNCHER", "driver")
+        order = _LAUNCHERS[_LAUNCHERS.index(first):] if first in _LAUNCHERS else _LAUNCHERS
+        for name in order:
+            if name in skip:
+                continue
             try:
-                import cupy
-                entry, path = self._cubin()
-                self._module = cupy.RawModule(path=path)
-                self._fast = ("cupy", self._module.get_function(entry),
-                              [conv[str(t)] for t in self.argtypes])
-                return
-            except Exception:  # pragma: no cover - fall back to cuda.core
-                pass
-        try:
-            from cuda.core import LaunchConfig, ObjectCode, launch
-            try:
-                entry, path = self._cubin()
-                with open(path, "rb") as f:
-                    self._module = ObjectCode.from_cubin(f.read())
-                func = self._module.get_kernel(entry)
-            except Exception:  # no usable cubin: numba's own loaded module
-                func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
-            self._fast = ("cuda.core", launch, LaunchConfig, func)
-        except Exception:  # pragma: no cover - older numba-cuda / cuda.core
-            self._fast = False
+                if name == "driver":
+                    from cupy.cuda import driver
+                    module, func = self._load_function()
+                    path = ("driver", driver.launchKernel, int(func.ptr), module,
+                            _Params(self.argtypes))
+                elif name == "cupy":
+                    module, func = self._load_function()
+                    conv = [_NP_SCALARS[str(t)] for t in self.argtypes]
+                    path = ("cupy", func, conv, module)
+                elif name == "cuda.core":
+                    from cuda.core import LaunchConfig, launch
+                    func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
+                    path = ("cuda.core", launch, LaunchConfig, func)
+                else:
+                    path = ("numba", self.dispatcher.overloads[self.argtypes])
+            except Exception:  # this path is not available here: try the next one
+                continue
+            self._paths[dev] = path
+            return path
+        raise RuntimeError(f"no launch path could be set up for kernel {self.name}")
 
     def __call__(self, grid, block, stream, *args):
-        """Launch on `stream`: cupy's current stream (StreamRef), None under the simulator."""
+        """Launch on `stream` (a StreamRef for cupy's current stream; None under the
+        simulator) with 3-tuples grid and block."""
         if SIM:
             self.dispatcher[grid, block](*args)
             return
-        if self._fast is None:
-            self._prepare_fast()
-        fast = self._fast
-        if fast and fast[0] == "cupy":
-            fast[1](grid, block, tuple([c(a) for c, a in zip(fast[2], args)]))
+        dev = _get_device()
+        path = self._paths.get(dev)
+        if path is None:
+            path = self._prepare(dev)
+        if dev in self._launched:
+            self._launch(path, grid, block, stream, args)
             return
-        cargs = [c(a) for c, a in zip(self._conv, args)]
-        if fast:
-            _, launch, LaunchConfig, func = fast
+        tried = []
+        while True:  # the first launch on a device may refuse a path: fall back, once each
             try:
-                launch(stream.core(), LaunchConfig(grid=grid, block=block), func, *cargs)
-                self._launched = True
-                return
+                self._launch(path, grid, block, stream, args)
+            except (TypeError, struct.error):  # wrong arguments: a caller's bug, not the path's
+                raise
             except Exception:
-                if self._launched:
+                tried.append(path[0])
+                if path[0] == "numba":
                     raise
-                self._fast = False  # first launch refused: use numba's own launch from now on
-        self._launched = True
-        k = self.dispatcher.overloads[self.argtypes]
-        k.launch(args, grid, block, stream.numba(), 0)
+                path = self._prepare(dev, skip=tried)
+                continue
+            self._launched.add(dev)
+            return
+
+    def _launch(self, path, grid, block, stream, args):
+        kind = path[0]
+        if kind == "driver":
+            _, launch_kernel, func, _, params = path
+            with self._lock:  # one parameter buffer per kernel: pack and launch together
+                params.pack(args)
+                launch_kernel(func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                              0, stream.ptr, params.address, 0)
+        elif kind == "cupy":
+            _, func, conv, _ = path
+            func(grid, block, tuple([c(a) for c, a in zip(conv, args)]), 0, stream)
+        elif kind == "cuda.core":
+            _, launch, LaunchConfig, func = path
+            launch(stream.core(), LaunchConfig(grid=grid, block=block), func,
+                   *[c(a) for c, a in zip(self._conv, args)])
+        else:
+            path[1].launch(args, grid, block, stream.numba(), 0)
 
     @property
     def launch_path(self):
-        """Which launcher this kernel uses ("cupy", "cuda.core", "numba", or None before use)."""
-        if self._fast is None:
-            return None
-        return self._fast[0] if self._fast else "numba"
+        """Which launcher this kernel uses on the current device ("driver", "cupy",
+        "cuda.core", "numba"), or None before its first launch there."""
+        path = self._paths.get(_get_device()) if not SIM else None
+        return path[0] if path else None
+
+
+#: launch paths, fastest first. "driver": cuLaunchKernel (cupy's binding) on the cubin loaded
+#: by cupy, the parameters packed into a buffer made once per kernel; "cupy": cupy's
+#: RawModule-style Function call (converts each argument); "cuda.core": cuda.core's launch;
+#: "numba": numba's own launch of its compiled kernel. TIGA_NUMBA_LAUNCHER picks the first
+#: one tried (benchmarks compare them).
+_LAUNCHERS = ("driver", "cupy", "cuda.core", "numba")
+
+_FORMATS = {"int64": "q", "uint64": "Q", "int32": "i", "float32": "f", "float64": "d"}
+
+
+def _np_scalars():
+    import numpy as np
+    return {"int64": np.int64, "uint64": np.uint64, "int32": np.int32,
+            "float32": np.float32, "float64": np.float64}
+
+
+_NP_SCALARS = _np_scalars()
+
+
+class _Params:
+    """A kernel's scalar parameters for cuLaunchKernel: one buffer holding every value at its
+    natural alignment and the table of pointers to them (`kernelParams`), both made once;
+    a launch only packs the values (`struct.pack_into`, one C call). The driver reads each
+    parameter through its own pointer, with its size from the cubin, so the buffer layout is
+    this class's alone."""
+
+    __slots__ = ("offsets", "_struct", "_buf", "_table", "address")
+
+    def __init__(self, argtypes):
+        fmt, off, offsets = "=", 0, []
+        for t in argtypes:
+            code = _FORMATS[str(t)]
+            size = struct.calcsize("=" + code)
+            pad = -off % size
+            fmt += f"{pad}x{code}" if pad else code
+            off += pad
+            offsets.append(off)
+            off += size
+        self.offsets = tuple(offsets)
+        self._struct = struct.Struct(fmt)
+        self._buf = ctypes.create_string_buffer(max(off, 8))
+        base = ctypes.addressof(self._buf)
+        self._table = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
+        self.address = ctypes.addressof(self._table)
+
+    def pack(self, args):
+        """Write the values (TypeError/struct.error on a wrong type or an out-of-range value)."""
+        self._struct.pack_into(self._buf, 0, *args)
+
+    def buffer(self):
+        """The packed bytes (tests read the values back through the pointer table)."""
+        return self._buf.raw
+
+
+def _get_device():
+    """The current device id; rebinds itself to cupy's getDevice on first use (no import or
+    attribute chain per launch)."""
+    global _get_device
+    import cupy
+    _get_device = cupy.cuda.runtime.getDevice
+    return _get_device()
 
 
 _SOURCE_HASH = None
@@ -296,12 +394,15 @@ class StreamRef:
 
 
 _STREAMS = {}
+_GET_STREAM = []
 
 
 def current_stream():
     """cupy's current stream, wrapped once per stream pointer."""
-    import cupy
-    ptr = cupy.cuda.get_current_stream().ptr
+    if not _GET_STREAM:
+        import cupy
+        _GET_STREAM.append(cupy.cuda.get_current_stream)
+    ptr = _GET_STREAM[0]().ptr
     s = _STREAMS.get(ptr)
     if s is None:
         s = _STREAMS[ptr] = StreamRef(ptr)
