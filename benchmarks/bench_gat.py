@@ -281,7 +281,7 @@ def worker_radius(n, f, reps):
 
 
 # --------------------------------------------------------------------------- GPU (one process)
-def gpu_main(n, feats, reps):
+def gpu_main(n, feats, reps, profile=False, lane_sweep=()):
     """tiga CUDA kernels vs the eager torch model on one GPU; peak = extra device memory
     (cupy pool allocations tracked by a MemoryHook; torch.cuda.max_memory_allocated)."""
     import cupy as cp
@@ -318,7 +318,13 @@ def gpu_main(n, feats, reps):
     pos_h, cutoff, _, _ = _problem(n, 1)
     t0 = time.perf_counter()
     g = tg.Graph.radius(cp.asarray(pos_h), cutoff)
-    print(f"radius graph (cupy positions -> host cell lists -> device CSR): "
+    cp.cuda.Device().synchronize()
+    try:
+        from tiga_numba import neighbors
+        how = "; ".join(neighbors.last_build_info().get("copies", [])) or "no copies"
+    except Exception:  # noqa: BLE001
+        how = "?"
+    print(f"radius graph from cupy positions (Graph.radius; {how}): "
           f"{(time.perf_counter() - t0) * 1e3:.1f} ms (includes first-use compile), E={g.num_edges}")
     for f in feats:
         _, _, x_h, d_h = _problem(n, f)
@@ -406,6 +412,87 @@ def gpu_main(n, feats, reps):
             print(f"tiga vs eager-torch (GPU): fwd {b['fwd'][0] / t['fwd'][0]:.2f}x, fwd+bwd "
                   f"{b['fwd_bwd'][0] / t['fwd_bwd'][0]:.2f}x faster (target >= 3x), peak "
                   f"{t['peak'] / max(b['peak'], 1):.3f} of eager (target <= 0.2)")
+        if profile:
+            _gpu_profile(cp, fwd, fwd_bwd, reps)
+        ref = fwd_bwd() if lane_sweep else None
+        for lanes in lane_sweep:
+            os.environ["TIGA_NUMBA_GAT_LANES"] = str(lanes)
+            try:
+                got = fwd_bwd()
+                cp.cuda.Device().synchronize()
+                diff = max(float(cp.abs(got[k] - ref[k]).max()) for k in ("value", "positions"))
+                diff = max([diff] + [float(cp.abs(got["params"][k] - ref["params"][k]).max())
+                                     for k in ref["params"]])
+                tf_, tfb_ = cuda_time(fwd), cuda_time(fwd_bwd)
+                print(f"  lanes={lanes:<2} tiga fwd {tf_[0] * 1e3:7.3f} ms  fwd+bwd "
+                      f"{tfb_[0] * 1e3:7.3f} ms  (max |grad diff| vs default lanes {diff:.2e})")
+            except Exception as exc:  # noqa: BLE001
+                print(f"  lanes={lanes}: ERROR {exc!r}"[:300])
+            finally:
+                os.environ.pop("TIGA_NUMBA_GAT_LANES", None)
+
+
+def _gpu_profile(cp, fwd, fwd_bwd, reps):
+    """Where the time goes: GPU time of each kernel launch of tiga_numba.cuda.launch (CUDA
+    events around each launch, summed per kernel), host time to issue the calls (no sync),
+    and the event-timed total. total >> sum of kernels + array ops => host-bound."""
+    from tiga_numba.cuda import launch
+    orig = launch.Kernel.__call__
+    marks = []
+
+    def timed(self, grid, block, stream, *args):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        orig(self, grid, block, stream, *args)
+        b.record()
+        marks.append((self.name.rsplit("_", 1)[0], a, b))
+    launch.Kernel.__call__ = timed
+    try:
+        for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            best = None
+            for _ in range(reps):
+                marks.clear()
+                cp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t_issue = time.perf_counter() - t0
+                cp.cuda.Device().synchronize()
+                t_all = time.perf_counter() - t0
+                per = {}
+                for nm, a, b in marks:
+                    key = nm
+                    per[key] = per.get(key, 0.0) + cp.cuda.get_elapsed_time(a, b) * 1e-3
+                if best is None or t_all < best[1]:
+                    best = (t_issue, t_all, per)
+            t_issue, t_all, per = best
+            print(f"  profile {label}: host issue {t_issue * 1e3:.3f} ms, wall (synced) "
+                  f"{t_all * 1e3:.3f} ms, kernels: " + ", ".join(
+                      f"{k} {v * 1e3:.3f}" for k, v in per.items())
+                  + f" (sum {sum(per.values()) * 1e3:.3f} ms)")
+    finally:
+        launch.Kernel.__call__ = orig
+
+
+def gpu_sanitize_case():
+    """A small float32 fwd+bwd on the GPU (for compute-sanitizer memcheck/racecheck)."""
+    import cupy as cp
+    import tiga_numba as tg
+    import tiga_numba.nn as nn
+    from tiga_numba import edge_mlp
+    from tiga_numba.edge_mlp import FieldArg
+    n, f = 700, 6
+    pos_h, _, x_h, d_h = _problem(n, f, seed=3)
+    pos_h[-2:] = 50.0 + np.arange(2)[:, None]  # isolated nodes: empty rows and columns
+    g = tg.Graph.radius(cp.asarray(pos_h), 0.12)
+    x, dout = cp.asarray(x_h), cp.asarray(d_h)
+    net = nn.trace(nn.Sequential(nn.Linear(3 + 2 * f, HIDDEN, seed=1), nn.LeakyReLU(SLOPE),
+                                 nn.Linear(HIDDEN, 1, seed=2)).to("cuda"))
+    args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
+    out, st, _ = edge_mlp.forward(g, net, args, x)
+    res = edge_mlp.backward(g, net, args, x, st, dout)
+    cp.cuda.Device().synchronize()
+    print("sanitize case done: E =", g.num_edges, "finite:",
+          bool(cp.isfinite(res["positions"]).all()) and bool(cp.isfinite(out).all()))
 
 
 WORKERS = {"tiga": worker_tiga, "eager-torch": worker_eager_torch, "gatconv": worker_gatconv,
@@ -439,10 +526,19 @@ def main():
     ap.add_argument("--numpy", action="store_true", help="also run the numpy eager model")
     ap.add_argument("--gatconv", action="store_true", help="also run PyG GATConv (scale only)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: per-kernel times and host issue time of tiga's calls")
+    ap.add_argument("--lanes", type=int, nargs="*", default=[],
+                    help="GPU: also time tiga with these lanes per row (TIGA_NUMBA_GAT_LANES)")
+    ap.add_argument("--sanitize-case", action="store_true",
+                    help="GPU: run one small float32 fwd+bwd (under compute-sanitizer)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.sanitize_case:
+        gpu_sanitize_case()
+        return
     if a.device == "cuda":
-        gpu_main(a.nodes, a.feats, a.reps)
+        gpu_main(a.nodes, a.feats, a.reps, a.profile, a.lanes)
         return
     if a.worker:
         print(json.dumps(WORKERS[a.worker](a.nodes, a.feats[0], a.reps)))

@@ -520,6 +520,10 @@ def test_cuda_forward_backward_vs_oracle(dtype):
     for name in grads["params"]:
         assert cp.array_equal(res["params"][name], res2["params"][name]), f"{name} not deterministic"
     assert cp.array_equal(res["args"][1], res2["args"][1])
+    assert cp.array_equal(res["args"][2], res2["args"][2])
+    assert cp.array_equal(res["value"], res2["value"])
+    assert cp.array_equal(res["positions"], res2["positions"])
+    assert "lanes per row" in res["plan"].run_info["kernel"]
 
 
 def test_wide_value_keeps_value_loops(variant):
