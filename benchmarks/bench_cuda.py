@@ -1,11 +1,12 @@
 """H200 benchmark of the CUDA backend, side by side with the anchors in one run.
 
-    PYTHONPATH=$PWD python benchmarks/bench_cuda.py [--quick] [--out FILE]
+    PYTHONPATH=$PWD python benchmarks/bench_cuda.py [--quick] [--out FILE] [--only-overhead [--profile]]
 
 Tables: (1) dense/causal attention at N = 1024/4096/16384, H = 16, D = 64/128, forward and
 forward+backward: torch SDPA flash (fp16) and efficient (fp32), cupy materialized attention,
-this project's CUDA-core kernels (fp32, fp16) and, for fp16, whatever the dispatcher routes to
-(tensor cores when tiga_numba.cuda.tc supports the call); (2) CSR attention, 1M nodes, average
+this project's CUDA-core kernels (fp32, fp16) and whatever the dispatcher routes to ("tiga
+routed fp32" always, "tiga routed fp16" when it is not the CUDA-core kernel: tensor cores when
+tiga_numba.cuda.tc supports the call); (2) CSR attention, 1M nodes, average
 degree 16, H = 4, D = 32, in edges/s and as a fraction of the gather-bandwidth bound (each edge
 reads one key row and one value row; bandwidth = a device-to-device copy measured in the same
 run); (3) launch overhead on a tiny problem; (4) tile pruning on a local and a random workload.
@@ -217,6 +218,16 @@ def dense_table(Ns, Ds, quick):
                         err = rel(tg.attention(a, b, c, g), ref)
                         row[name].append(err)
                 set_tc(True)
+                # what tg.attention picks for float32 cupy inputs (a tensor-core fp32 path when
+                # tc.supports() takes it, else the CUDA-core kernels again), shown whatever it is
+                out32 = tg.attention(q32, k32, v32, g)
+                kname = functional.last_plan().run_info.get("kernel", "?")
+                name = "tiga routed fp32 [" + kname.split(" (")[0] + "]"
+                row[name] = [time_cupy(ours(q32, k32, v32, g, False)),
+                             time_cupy(ours(q32, k32, v32, g, True, do32))]
+                if torch is not None and N <= 4096:
+                    row[name].append(rel(out32, ref))
+                del out32
                 tg.attention(q16, k16, v16, g)
                 kname = functional.last_plan().run_info.get("kernel", "?")
                 if not kname.startswith("cuda.blocks"):
@@ -289,54 +300,13 @@ def csr_table(quick):
     cupy.get_default_memory_pool().free_all_blocks()
 
 
-def launch_overhead():
-    """Host time per call on a tiny problem, for each launcher of launch.py (cuda.core, the
-    default; cupy's RawModule launcher, opt-in), after checking both give the same output."""
-    import os
-    from tiga_numba.kernel_cache import KERNELS
-    from tiga_numba.cuda import api
-    emit("== launch overhead, tiny problem (N=16, H=1, D=16, triangular, fp32)")
-    g = tg.Graph.triangular(16)
-    q = cupy.random.default_rng(0).standard_normal((16, 1, 16), dtype=cupy.float32)
-    set_tc(False)
-    rel_ = g.realize("cuda")
-    ref = None
-    old = os.environ.get("TIGA_NUMBA_LAUNCHER")
-    for launcher in ("cuda.core", "cupy"):
-        os.environ["TIGA_NUMBA_LAUNCHER"] = launcher
-        KERNELS.clear()  # kernel objects pick their launcher on first use (cubins come from disk)
-        try:
-            out = tg.attention(q, q, q, g)
-            plan = functional.last_plan()
-            path = [k.launch_path for k in KERNELS._kernels.values() if hasattr(k, "launch_path")]
-            if ref is None:
-                ref = out.copy()
-            same = bool(cupy.array_equal(out, ref))
-            for name, fn in (("tg.attention (validation + plan + launch)", lambda: tg.attention(q, q, q, g)),
-                             ("cuda.api.forward (backend entry)", lambda: api.forward(plan, q, q, q, rel_))):
-                for _ in range(50):
-                    fn()
-                cupy.cuda.Device().synchronize()
-                n = 2000
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                cupy.cuda.Device().synchronize()
-                per = (time.perf_counter() - t0) / n * 1e6
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    fn()
-                    cupy.cuda.Device().synchronize()
-                sync = (time.perf_counter() - t0) / 200 * 1e6
-                emit(f"  [{launcher} -> {','.join(map(str, path))}; output same as cuda.core: {same}] "
-                     f"{name}: {per:.1f} us/call pipelined, {sync:.1f} us/call with a sync after each")
-        except Exception as exc:
-            emit(f"  [{launcher}] failed: {exc!r}"[:200])
-    if old is None:
-        os.environ.pop("TIGA_NUMBA_LAUNCHER", None)
-    else:
-        os.environ["TIGA_NUMBA_LAUNCHER"] = old
-    KERNELS.clear()
+def launch_overhead(profile=False):
+    """Host time per call on a tiny problem (forward and backward, public call and backend
+    entry, every launch path of cuda/launch.py, the host time of a tensor-core-routed call):
+    benchmarks/bench_overhead.py's GPU part, so that both scripts print the same table."""
+    import bench_overhead
+    bench_overhead.LINES = LINES  # one output file
+    bench_overhead.gpu_part(profile)
 
 
 def prune_table(quick):
@@ -378,6 +348,7 @@ def sweep():
     is fastest on this GPU. Prints one line per variant; the defaults are in tiles.py."""
     import dataclasses
     from tiga_numba.cuda import api, tiles
+    from tiga_numba.kernel_cache import KERNELS
     set_tc(False)
     N, H = 4096, 16
     g = tg.Graph.dense(N)
@@ -410,6 +381,7 @@ def sweep():
                 def pick(k_, dt, D_, DV_, t=t, kind=kind):
                     return t if k_ == kind else orig(k_, dt, D_, DV_)
                 api._block_tiles = pick
+                KERNELS.clear()  # launch records memoise the tiles they were built with
                 try:
                     if kind == "fwd":
                         ms = time_cupy(lambda: tg.attention(q, k, v, g), max_reps=5)
@@ -423,6 +395,7 @@ def sweep():
                     emit(f"  D={D} {kind} {t}: failed {exc!r}"[:160])
                 finally:
                     api._block_tiles = orig
+                    KERNELS.clear()
 
 
 def main():
@@ -431,7 +404,13 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="launch,dense,csr,prune")
     ap.add_argument("--sanitize-dtypes", default="float32,float16,float64")
+    ap.add_argument("--only-overhead", action="store_true",
+                    help="only the launch-overhead part (same as --parts launch)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with the overhead part: cProfile tables of the tiny calls")
     a = ap.parse_args()
+    if a.only_overhead:
+        a.parts = "launch"
     dev = cupy.cuda.runtime.getDeviceProperties(0)
     emit(f"# bench_cuda.py on {dev['name'].decode()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), "
          f"cupy {cupy.__version__}, torch {torch.__version__ if torch else 'n/a'}")
@@ -442,7 +421,7 @@ def main():
     if "sweep" in parts:
         sweep()
     if "launch" in parts:
-        launch_overhead()
+        launch_overhead(a.profile)
     if "dense" in parts:
         dense_table([1024, 4096] if a.quick else [1024, 4096, 16384], [64] if a.quick else [64, 128], a.quick)
     if "csr" in parts:

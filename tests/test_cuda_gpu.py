@@ -227,3 +227,32 @@ def test_explain_and_ir():
     assert "cuda.blocks.forward" in text and "BM=" in text
     assert ".entry" in plan.ir("ptx")
     assert "define" in plan.ir("llvm")
+
+
+def test_launch_records_follow_each_graph_and_fast_path():
+    """Memoised launch records (cuda/api.py) belong to one relation: graphs of the same sizes
+    made one after the other (the old one freed, its id and memory free for reuse) each get
+    their own; results stay exact. And the kernels launch through the fast path
+    (cuLaunchKernel with a packed parameter buffer) where cupy's driver binding exists."""
+    import gc
+
+    from tiga_numba.cuda import launch
+    from tiga_numba.kernel_cache import KERNELS
+    H, Hkv, D = 2, 1, 32
+    for trial in range(4):
+        g = _random_csr(61, 61, max_deg=9) if trial % 2 else tg.Graph.cu_seqlens(
+            np.array([0, int(RNG.integers(1, 60)), 61]), causal=bool(trial % 3))
+        q, k, v, dout = _inputs(g, "float32", H, Hkv, D, D)
+        ro, _, _, rdq, rdk, rdv, _ = oracle(q, k, v, _mask(g), D ** -0.5, dout=dout)
+        qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, dout))
+        for _ in range(2):  # second call: from the record
+            out, st = tg.attention(qd, kd, vd, g, return_stats=True)
+            dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, st, g)
+            assert rel_err(out, ro) < 2e-5
+            for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
+                assert rel_err(got, want) < 2e-4
+        del g, out, st, dq, dk, dv
+        gc.collect()
+    if hasattr(cupy.cuda, "driver") and hasattr(cupy.cuda.driver, "launchKernel"):
+        paths = {k.launch_path for k in KERNELS._kernels.values() if isinstance(k, launch.Kernel)}
+        assert paths - {None} == {"driver"}, paths
