@@ -109,7 +109,7 @@ def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
         assert got.dtype == qg.dtype and np.isfinite(g).all() and rel(g, want) < 3 * tol
 
 
-@pytest.mark.parametrize("dt", [np.float16, np.float32])
+@pytest.mark.parametrize("dt", [np.float16, np.float32], ids=["float16", "float32"])
 def test_strided_inputs_are_copied_or_read_in_place(dt):
     rel_, (d, s, c) = relation("causal")
     nd = int(d[-1])

@@ -50,15 +50,16 @@ TUNING = {
 
 
 #: float32 (3xTF32) shapes, same keys: fp32 tiles take twice the shared memory and each A/B
-#: fragment twice the registers (big and small halves), so the CTA's own operand stays in
-#: shared memory. Chosen by bench_tc.py's fp32 sweep on the H200 (2026-11-29).
+#: fragment twice the registers (big and small halves), so MT = 1 and (but for the D = 64
+#: forward) the CTA's own operand stays in shared memory. Chosen by bench_tc.py's fp32 sweep on
+#: the H200 (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt).
 TUNING_F32 = {
-    ("fwd", 64): dict(NW=4, MT=1, BN=64, a_smem=True),
+    ("fwd", 64): dict(NW=4, MT=1, BN=64),
     ("fwd", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
-    ("dq", 64): dict(NW=4, MT=1, BN=64, a_smem=True),
-    ("dq", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
-    ("dkdv", 64): dict(NW=4, MT=1, BN=64, a_smem=True),
-    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dq", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dq", 128): dict(NW=4, MT=1, BN=64, a_smem=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=16, a_smem=True),
 }
 
 
