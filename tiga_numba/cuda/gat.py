@@ -50,7 +50,7 @@ from ..kernel_cache import KERNELS
 # Simulator only: set by tests after installing a lane-group shuffle emulation; without it
 # the simulator runs the one-lane kernels (no shuffles at all).
 SIM_GROUP_SHUFFLES = False
-DEFAULT_LANES = 8
+DEFAULT_LANES = 4  # measured on one H200 (F = 8 and 64): 4 < 8 < 16 in fwd+bwd time
 MAX_NT = 128
 BLOCKS_PER_SM = 8  # backward A's fixed grid: this many blocks per multiprocessor
 SHARED_BYTES = 40 * 1024
@@ -433,12 +433,25 @@ def generate_node_source(layout, h1, n_in, dtype_name, nt, sim):
     views_x = [f"x{a} = AS_T(x{a}_p)" for a in range(len(layout))]
     views_g = [f"g{a} = AS_T(g{a}_p)" for a in range(len(layout))]
 
+    # W1 staged in shared memory: the 16-ish threads of a node read 16 rows of W1 per
+    # column, one cache line each from global memory, conflict-free from shared memory
+    hw = h1 * n_in
+    stage = hw * (8 if dtype_name == "float64" else 4) <= NODE_SHARED_BYTES
+    if stage:
+        w_read = "shW"
+        stage_lines = [f"shW = cuda.shared.array({hw}, T)",
+                       f"for k in range(cuda.threadIdx.x, {hw}, {nt}):",
+                       "    shW[k] = W[k]",
+                       "cuda.syncthreads()"]
+    else:
+        w_read, stage_lines = "W", []
+
     def sums(role, acc):
         L = []
         for a, (rl, width, c0) in enumerate(layout):
             if rl == role:
                 L += [f"for c in range({width}):",
-                      f"    {acc} += W[r * {n_in} + {c0} + c] * x{a}[n * x{a}s0 + c * x{a}s1]"]
+                      f"    {acc} += {w_read}[r * {n_in} + {c0} + c] * x{a}[n * x{a}s0 + c * x{a}s1]"]
         return L
     prod = f"""
 def gat_node_products(W_p, b_p, As_p, Ad_p, {x_params + ", " if x_params else ""}ns, nd):
@@ -447,6 +460,7 @@ def gat_node_products(W_p, b_p, As_p, Ad_p, {x_params + ", " if x_params else ""
     As = AS_T(As_p)
     Ad = AS_T(Ad_p)
 {_block(views_x, 4)}
+{_block(stage_lines, 4)}
     gid = i64(cuda.blockIdx.x) * {nt} + cuda.threadIdx.x
     n = gid // {h1}
     r = gid - n * {h1}
@@ -585,6 +599,7 @@ class NodeKernels:
 
 
 NODE_NT = 256
+NODE_SHARED_BYTES = 32 * 1024
 
 
 def get_node_kernels(layout, h1, n_in, dtype):
