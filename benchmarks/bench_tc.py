@@ -243,8 +243,8 @@ SWEEP_F32 = {
     ("fwd", 64): [dict(NW=4, MT=1, BN=64), dict(NW=4, MT=1, BN=64, **S_)],
     ("fwd", 128): [dict(NW=4, MT=1, BN=32, **S_)],
     ("bwd", 64): [(dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=32, **S_))],
-    ("bwd", 128): [(dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=32, **S_)),
-                   (dict(NW=4, MT=1, BN=64, **S_), dict(NW=4, MT=1, BN=16, **S_))],
+    ("bwd", 128): [(dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=16, **S_)),
+                   (dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=32, **S_))],
 }
 # first H200 run (before per-block partials) also tried: fwd D=64 MT=1 BN=32 smem (2.675 ms vs
 # 2.358 for BN=64 registers), fwd D=128 BN=64 smem (6.792 vs 5.811 ms), bwd D=64 BN=64/64 smem
