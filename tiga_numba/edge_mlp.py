@@ -294,7 +294,7 @@ def _prepare(graph, net, args, value):
             klayers.append(("tanh",))
         else:  # nn.trace refuses these already
             raise NotImplementedError(f"layer {idx}: {type(layer).__name__}")
-    P = (xp.concatenate([c.astype(acc) for c in chunks]) if chunks else xp.zeros(1, acc))
+    P = (xp.concatenate([c.astype(acc, copy=False) for c in chunks]) if chunks else xp.zeros(1, acc))
     fv = V.shape[1]
     from .cpu.gat import Spec
     spec = Spec(klayers, h1, edge_items, fe, pd, fv)

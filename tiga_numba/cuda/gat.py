@@ -684,9 +684,20 @@ def _node_products(prep, params, xp):
             xs += [_ptrs(xp, a)[0], s0, s1]
         nk.products((nk.blocks(n * h1), 1, 1), (nk.nt, 1, 1), _stream(xp),
                     *_ptrs(xp, W1, b1, As, Ad), *xs, ns, nd)
-    WeT = (xp.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols
-           else xp.zeros((0, h1), acc))
-    return As, Ad, WeT, W1, nk
+    return As, Ad, _edge_weights_t(W1, prep, xp), W1, nk
+
+
+def _edge_weights_t(W1, prep, xp):
+    """WeT = W1[:, edge columns].T, contiguous (edge columns, hidden); column runs are sliced
+    (a list index would cost the array library a host-to-device copy of the list)."""
+    h1 = W1.shape[0]
+    if not prep.edge_cols:
+        return xp.zeros((0, h1), W1.dtype)
+    runs = _col_runs(prep.edge_cols)
+    if len(runs) == 1:
+        _, c0, length = runs[0]
+        return xp.ascontiguousarray(W1[:, c0:c0 + length].T)
+    return xp.ascontiguousarray(W1[:, prep.edge_cols].T)
 
 
 def forward(graph, net, prep, return_state, xp=None, device="cuda"):
@@ -729,8 +740,7 @@ def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda")
     h1 = W1.shape[0]
     WeT = state.WeT
     if WeT is None:
-        WeT = (xp.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols
-               else xp.zeros((0, h1), acc))
+        WeT = _edge_weights_t(W1, prep, xp)
     kern, cache = get_kernels(prep.spec, prep.P.shape[0], acc)
     rel = graph.realize(device)
     tr = graph.realize_transpose(device)
