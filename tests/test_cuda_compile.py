@@ -248,3 +248,21 @@ def test_launch_records_memoised_and_correct():
     r = subprocess.run([sys.executable, "-c", _RECORDS_SCRIPT], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "records ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_cubin_cache_key_follows_the_defining_file(tmp_path, monkeypatch):
+    """The cubin cache key holds the hash of the file that defines the kernel: same name,
+    different defining source -> different cache file; same source -> same file; caching off
+    -> None."""
+    _shield()
+    from tiga_numba.cuda import launch
+    monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path / "cache"))
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("def k(): pass\n")
+    b.write_text("def k(): return 1\n")
+    c.write_text("def k(): pass\n")
+    pa, pb, pc = (launch._cache_path("k_f32", "90", str(p)) for p in (a, b, c))
+    assert pa != pb and pa == pc and pa.startswith(str(tmp_path / "cache"))
+    assert launch._cache_path("k_f32", "90", str(a)) != launch._cache_path("k_f16", "90", str(a))
+    monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", "0")
+    assert launch._cache_path("k_f32", "90", str(a)) is None

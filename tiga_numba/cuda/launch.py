@@ -157,7 +157,7 @@ class Kernel:
         built before -- no numba compile at all -- else compiled by numba and stored."""
         import cupy
         cc = cupy.cuda.Device().compute_capability
-        path = _cache_path(self.name, cc)
+        path = _cache_path(self.name, cc, self.pyfunc.__code__.co_filename)
         if path is None:
             import tempfile
             path = os.path.join(tempfile.mkdtemp(prefix="tiga_numba_"), f"{self.name}-sm{cc}.cubin")
@@ -333,34 +333,54 @@ def _get_device():
     return _get_device()
 
 
-_SOURCE_HASH = None
+_SOURCE_HASH = {}  # source file (or None for the shared part) -> sha1 prefix
 
 
-def _cache_path(name, cc):
-    """Cubin cache file for kernel `name` (None when caching is off: TIGA_NUMBA_CACHE_DIR=0)."""
-    global _SOURCE_HASH
+def _file_hash(path):
+    """sha1 prefix of a file's bytes, memoised per process ('' when it cannot be read)."""
+    h = _SOURCE_HASH.get(path)
+    if h is None:
+        import hashlib
+        try:
+            with open(path, "rb") as f:
+                h = hashlib.sha1(f.read()).hexdigest()[:16]
+        except OSError:
+            h = ""
+        _SOURCE_HASH[path] = h
+    return h
+
+
+def _shared_hash():
+    """Sources every kernel of this package depends on, and the numba-cuda version."""
+    h = _SOURCE_HASH.get(None)
+    if h is None:
+        import hashlib
+        here = os.path.dirname(os.path.abspath(__file__))
+        parts = [_file_hash(os.path.join(here, m)) for m in ("launch.py", "common.py", "tiles.py")]
+        try:
+            import numba_cuda
+            parts.append(numba_cuda.__version__)
+        except Exception:
+            pass
+        h = _SOURCE_HASH[None] = hashlib.sha1("/".join(parts).encode()).hexdigest()[:16]
+    return h
+
+
+def _cache_path(name, cc, source=None):
+    """Cubin cache file for kernel `name` defined in file `source` (None when caching is off:
+    TIGA_NUMBA_CACHE_DIR=0). The key holds the shared sources' hash and the defining file's
+    own hash, so an edit of any module that defines kernels (blocks.py, csr.py, neighbors.py,
+    ...) never loads a stale cubin under an unchanged kernel name."""
     root = os.environ.get("TIGA_NUMBA_CACHE_DIR", os.path.join(
         os.path.expanduser("~"), ".cache", "tiga_numba", "cuda"))
     if root in ("", "0"):
         return None
-    if _SOURCE_HASH is None:
-        import hashlib
-        h = hashlib.sha1()
-        here = os.path.dirname(os.path.abspath(__file__))
-        for mod in ("launch.py", "common.py", "tiles.py", "blocks.py", "csr.py"):
-            with open(os.path.join(here, mod), "rb") as f:
-                h.update(f.read())
-        try:
-            import numba_cuda
-            h.update(numba_cuda.__version__.encode())
-        except Exception:
-            pass
-        _SOURCE_HASH = h.hexdigest()[:16]
+    key = _shared_hash() + (_file_hash(source) if source else "")
     try:
         os.makedirs(root, exist_ok=True)
     except OSError:
         return None
-    return os.path.join(root, f"{name}-{_SOURCE_HASH}-sm{cc}.cubin")
+    return os.path.join(root, f"{name}-{key}-sm{cc}.cubin")
 
 
 class StreamRef:
