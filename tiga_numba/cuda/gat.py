@@ -36,7 +36,6 @@ source digest, so the launcher's cubin cache can never serve a stale kernel.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 
