@@ -3,15 +3,15 @@
     s_e   = MLP(pos_j - pos_i || x_j || x_i)          one scalar per edge e = (j -> i)
     out_i = sum_e softmax_{e into i}(s)_e * x_j
 
-The score network runs inside a row-centric fused kernel (numba parallel on the CPU): the
-first Linear is split into per-node products (W_src x_j, W_dst x_i + b, once per node), the
-displacement part and the rest of the MLP run per edge in registers, and the online softmax
-keeps (m, l) per destination row. No (E, .) score, weight, hidden or displacement array is
-materialized, in the forward or in the fused backward (program.vjp).
+The score network runs inside a row-centric fused kernel (numba parallel on the CPU; on the
+GPU a group of lanes per row, each lane scoring its own edges): the first Linear is split
+into per-node products (W_src x_j, W_dst x_i + b, once per node), the displacement part and
+the rest of the MLP run per edge in registers, and the online softmax keeps (m, l) per
+destination row. No (E, .) score, weight, hidden or displacement array is materialized, in
+the forward or in the fused backward (program.vjp).
 
-Runs on numpy (CPU). With cupy and a GPU it would run there, but the CUDA GAT kernel is not
-written yet: cupy inputs are refused with NotImplementedError (no silent host copy), so this
-script uses numpy unless TIGA_GAT_CUPY=1.
+Runs on numpy (CPU) by default; with TIGA_GAT_CUPY=1 and a GPU the same program runs on cupy
+arrays through the numba.cuda kernels (docs/gat.md).
 """
 import os
 import sys
