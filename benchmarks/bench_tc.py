@@ -344,7 +344,7 @@ def fmt32(r):
     return s + "\n    rel L2 err vs float64: " + errs
 
 
-def precompile(dtypes, jobs=14):
+def precompile(dtypes, jobs=14, with_sweep=True):
     """compile the shipped kernels of `dtypes` (and the float32 sweep's) in parallel processes;
     numba's disk cache (cache=True, TIGA_NUMBA_CACHE_DIR) hands them to this process without NVVM."""
     import concurrent.futures as cf
@@ -353,7 +353,7 @@ def precompile(dtypes, jobs=14):
     for dtype in dtypes:
         for (kind, D), cfg in api.tuning_table(dtype).items():
             specs.add((dtype, kind, D, tuple(sorted(cfg.items()))))
-        if dtype == "float32":
+        if dtype == "float32" and with_sweep:
             for (kind, D), opts in SWEEP_F32.items():
                 for o in opts:
                     for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
@@ -582,7 +582,7 @@ def main():
         import pytest
         here = os.path.dirname(os.path.abspath(__file__))
         if a.precompile:
-            precompile(("float32",) if a.fp32_only else ("float16",))
+            precompile(("float32",) if a.fp32_only else ("float16",), with_sweep=not a.no_sweep)
         rc = pytest.main([os.path.join(here, "..", "tests", "test_tc_gpu.py"), "-q", "-p", "no:cacheprovider"]
                          + (["-k", a.tests_k] if a.tests_k else []))
         say(f"tests/test_tc_gpu.py exit code {int(rc)}")
@@ -597,7 +597,7 @@ def main():
     global TUNING_OUT
     TUNING_OUT = a.tuning_out
     if a.precompile and not a.with_tests:
-        precompile(("float32",) if a.fp32_only else ("float16",))
+        precompile(("float32",) if a.fp32_only else ("float16",), with_sweep=not a.no_sweep)
     if a.fp32_only:
         rows32 = fp32_section(a, late)
         resources()
