@@ -456,6 +456,16 @@ net2 = nn.trace(nn.Sequential(nn.Linear(1 + 2 + 1 + 3, 3, seed=1, dtype=np.float
 args2 = [FieldArg("edge", "distance", None), FieldArg("src", "a", xs), FieldArg("edge", "w", ew),
          FieldArg("edge", "displacement", None)]
 T.check_all(g, net2, args2, v, rng)
+# rectangular relation without geometry (num_src != num_dst), an empty row, value width 5
+ns, nd = 13, 9
+dense = rng.random((nd, ns)) < 0.5
+dense[2] = False
+g3 = Graph.from_csr(np.concatenate([[0], np.cumsum(dense.sum(1))]), np.nonzero(dense)[1], num_src=ns)
+net3 = nn.trace(nn.Sequential(nn.Linear(5, 4, seed=7, dtype=np.float64), nn.LeakyReLU(),
+                              nn.Linear(4, 1, seed=8, dtype=np.float64)))
+args3 = [FieldArg("src", "k", rng.standard_normal((ns, 3))), FieldArg("dst", "q", rng.standard_normal((nd, 2)))]
+out3, _, _ = T.check_all(g3, net3, args3, rng.standard_normal((ns, 5)), rng)
+assert np.all(out3[2] == 0)
 print("SIM OK")
 """
 
