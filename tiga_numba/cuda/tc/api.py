@@ -84,8 +84,15 @@ def precision(dtype):
 
 
 # ----------------------------------------------------------------------------- admission
+_DTYPE_NAMES = {}
+
+
 def _dtype_name(x):
-    return str(getattr(x, "dtype", ""))
+    dt = getattr(x, "dtype", None)
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:   # str(dtype) costs ~2 us per call: once per dtype object
+        name = _DTYPE_NAMES[dt] = str(dt) if dt is not None else ""
+    return name
 
 
 def supports(plan, q, k, v, relation):
@@ -100,7 +107,8 @@ def supports(plan, q, k, v, relation):
         dn = _dtype_name(q)
         if dn not in TC_DTYPES or _dtype_name(k) != dn or _dtype_name(v) != dn:
             return False
-        if not all(hasattr(x, "__cuda_array_interface__") for x in (q, k, v)):
+        # on the type: cupy builds the interface dict on every instance access
+        if not all(hasattr(type(x), "__cuda_array_interface__") for x in (q, k, v)):
             return False
         if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
             return False
@@ -130,9 +138,9 @@ def _device_can_run(D, Dv, dtype):
     memory must fit the device's opt-in per-block limit (99 KB on sm_86/89, 227 KB on sm_90)."""
     try:
         import cupy
-        dev = cupy.cuda.Device()
-        key = (dev.id, D, Dv, dtype)
+        key = (cupy.cuda.runtime.getDevice(), D, Dv, dtype)
         if key not in _DEVICE_OK:
+            dev = cupy.cuda.Device(key[0])
             cc = int(dev.compute_capability)
             # opt-in per-block shared memory by architecture, refined by the runtime when it answers
             limit = {80: 163, 87: 163, 90: 227, 100: 227, 103: 227}.get(cc, 99) * 1024
@@ -228,8 +236,8 @@ class Compiled:
             exec(compile(src, f"<{name}>", "exec"), env)
             self.dispatcher = cuda.jit(sig, fastmath=True)(env["kernel"])
             self.disk_cache = False
-        self._conv = None
-        self._fast = None
+        import threading
+        self._path, self._launched, self._lock = None, False, threading.Lock()
         if dyn_smem:
             self._raise_smem_limit(dyn_smem)
 
@@ -251,26 +259,83 @@ class Compiled:
         return dict(regs=d.get_regs_per_thread(sig), smem=d.get_shared_mem_per_block(sig),
                     local=d.get_local_mem_per_thread(sig))
 
-    def __call__(self, grid, block, stream, *args):
+    # -- launch paths, fastest first, picked on the first launch (a refused path falls back once):
+    #    "driver": cuLaunchKernel (cupy's binding) on the cubin loaded by cupy, parameters packed
+    #    into a buffer made once (launch._Params), the path launch.Kernel uses for the CUDA-core
+    #    kernels; "cuda.core": cuda.core's launch; "numba": numba's own launch.
+    def _driver_path(self):
+        import cupy
+        from cupy.cuda import driver
+
+        from .. import launch as L
+        lib = self.dispatcher.overloads[self.argtypes]._codelibrary
+        cc = cupy.cuda.Device().compute_capability
+        cubin = lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1])))
+        cubin = bytes(getattr(cubin, "code", cubin))  # numba-cuda 0.30: a cuda.core ObjectCode
+        module = cupy.cuda.function.Module()
+        module.load(cubin)
+        func = module.get_function(lib._entry_name)
+        if self.dyn_smem:   # this CUfunction is not the one _raise_smem_limit raised
+            driver.funcSetAttribute(func.ptr, 8, int(self.dyn_smem))  # ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
+        return ("driver", driver.launchKernel, int(func.ptr), module, L._Params(self.argtypes))
+
+    def _core_path(self):
         import ctypes
-        if self._conv is None:
-            self._conv = [ctypes.c_int64 if str(t) == "int64" else ctypes.c_float for t in self.argtypes]
-            try:   # straight to cuda.core: skips numba's per-launch argument marshalling
-                from cuda.core import LaunchConfig, launch
-                func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
-                self._fast = (launch, LaunchConfig, func)
-            except Exception:  # noqa: BLE001 - other numba-cuda / cuda.core versions
-                self._fast = False
-        if self._fast:
-            launch, LaunchConfig, func = self._fast
+
+        from cuda.core import LaunchConfig, launch
+        func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
+        conv = [ctypes.c_int64 if str(t) == "int64" else ctypes.c_float for t in self.argtypes]
+        return ("cuda.core", launch, LaunchConfig, func, conv)
+
+    def _next_path(self, tried):
+        for name, make in (("driver", self._driver_path), ("cuda.core", self._core_path)):
+            if name in tried:
+                continue
             try:
-                launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=self.dyn_smem), func,
-                       *[c(a) for c, a in zip(self._conv, args)])
-                return
-            except (TypeError, AttributeError):   # stream object cuda.core does not take
-                self._fast = False
-        if not self._fast:
+                return make()
+            except Exception:  # noqa: BLE001 - not available with this cupy / numba-cuda
+                tried.append(name)
+        return ("numba",)
+
+    def _launch(self, path, grid, block, stream, args):
+        kind = path[0]
+        if kind == "driver":
+            _, launch_kernel, func, _, params = path
+            with self._lock:  # one parameter buffer per kernel: pack and launch together
+                params.pack(args)
+                launch_kernel(func, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                              block[0], 1, 1, self.dyn_smem, stream.ptr, params.address, 0)
+        elif kind == "cuda.core":
+            _, launch, LaunchConfig, func, conv = path
+            launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=self.dyn_smem), func,
+                   *[c(a) for c, a in zip(conv, args)])
+        else:
             self.dispatcher[grid, block, stream.numba(), self.dyn_smem](*args)
+
+    def __call__(self, grid, block, stream, *args):
+        path = self._path
+        if path is not None and self._launched:
+            self._launch(path, grid, block, stream, args)
+            return
+        tried = []
+        if path is None:
+            path = self._path = self._next_path(tried)
+        while True:   # the first launch may refuse a path: fall back, once each
+            try:
+                self._launch(path, grid, block, stream, args)
+            except Exception:  # noqa: BLE001
+                if path[0] == "numba":
+                    raise
+                tried.append(path[0])
+                path = self._path = self._next_path(tried)
+                continue
+            self._launched = True
+            return
+
+    @property
+    def launch_path(self):
+        """"driver", "cuda.core" or "numba" once launched, else None."""
+        return self._path[0] if self._path is not None and self._launched else None
 
 
 def kernel(v):
@@ -383,8 +448,16 @@ def _work(rec, which, BM):
     return t
 
 
-def _covers(offsets, n):
-    return len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == n and np.all(np.diff(offsets) >= 0)
+def _covers(rec, which, n):
+    """True when the relation's blocks tile [0, n) of `which` ("dst"/"src") without gaps, so every
+    output row is written by a kernel (no zero-fill needed); memoised on the relation record."""
+    key = ("covers", which, n)
+    hit = rec["tables"].get(key)
+    if hit is None:
+        offsets = rec[which]
+        hit = rec["tables"][key] = bool(len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == n
+                                        and np.all(np.diff(offsets) >= 0))
+    return hit
 
 
 def _info(plan, **kw):
@@ -452,7 +525,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
     rec = _host_relation(relation)
-    cover = _covers(rec["dst"], nd)
+    cover = _covers(rec, "dst", nd)
     out = _empty((nd, H, Dv), q.dtype) if cover else cupy.zeros((nd, H, Dv), dtype=q.dtype)
     m = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
     l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
@@ -493,8 +566,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     m = cupy.ascontiguousarray(m, dtype=cupy.float32)
     l = cupy.ascontiguousarray(l, dtype=cupy.float32)
     rec = _host_relation(relation)
-    zq = not _covers(rec["dst"], nd)
-    zk = not _covers(rec["src"], ns)
+    zq = not _covers(rec, "dst", nd)
+    zk = not _covers(rec, "src", ns)
     dq = (cupy.zeros if zq else cupy.empty)((nd, H, D), dtype=q.dtype)
     dk = (cupy.zeros if zk else cupy.empty)((ns, Hkv, D), dtype=q.dtype)
     dv = (cupy.zeros if zk else cupy.empty)((ns, Hkv, Dv), dtype=q.dtype)
