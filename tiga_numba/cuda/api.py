@@ -10,7 +10,9 @@ non-element-multiple strides, and non-contiguous per-row stats / edge bias, are 
 and each copy is recorded in plan.run_info["copies"].
 
 Routing: the tensor-core kernels (tiga_numba.cuda.tc, when present) take what their
-`supports()` accepts; everything else runs on the CUDA-core kernels of blocks.py / csr.py.
+`supports()` accepts (block relations with D in {64, 128}: float16/bfloat16, and float32 as
+3xTF32 at fp32-class accuracy); everything else (float64, CSR, pruning, edge bias, other head
+dims) runs on the CUDA-core kernels of blocks.py / csr.py.
 
 Per-call cost: everything that depends only on the relation and the call's sizes (kernel
 objects, tiles, grids, the relation's device addresses, the run_info text) is a *launch
