@@ -346,7 +346,7 @@ def fmt32(r):
 
 def precompile(dtypes, jobs=14, with_sweep=True):
     """compile the shipped kernels of `dtypes` (and the float32 sweep's) in parallel processes;
-    numba's disk cache (cache=True, TIGA_NUMBA_CACHE_DIR) hands them to this process without NVVM."""
+    the cubin cache (TIGA_NUMBA_CACHE_DIR/tc, see tc.api.Compiled.cubin) hands them to this process without NVVM."""
     import concurrent.futures as cf
     import multiprocessing as mp
     specs = set()
@@ -370,14 +370,22 @@ def precompile(dtypes, jobs=14, with_sweep=True):
     say(f"precompile {dtypes}: {len(futs)} kernels in {time.time() - t0:.0f}s")
 
 
+def _arch():
+    import cupy
+    return f"sm_{cupy.cuda.Device().compute_capability}"
+
+
 def _compile_one(dtype, kind, D, cfg):
+    """build the kernel's cubin into the cubin cache (the launch path loads it from there)."""
     from tiga_numba.cuda.tc import generator as G
     k, _ = api.kernel(G.Variant(kind, D, D, dtype=dtype, **cfg))
-    return f"{k.name}: {k.resources()}"
+    k.cubin(_arch())
+    return k.name
 
 
 def _compile_delta(dtype, D):
     k = api.delta_kernel(dtype, D)
+    k.cubin(_arch())
     return k.name
 
 

@@ -3,7 +3,9 @@
 # (gpu_suite.sh is the long form): every GPU-marked test, the tensor-core float32 table at
 # N = 4096 (16384 while time allows) and the per-call overhead.
 #   1. every shipped tensor-core kernel (fp16/bf16 and float32) compiles in parallel processes
-#      into the disk cache WHILE the other GPU tests (CUDA-core, program, GAT, neighbours) run;
+#      into the cubin cache (or is found there: .tccubin, built off-device with
+#      `TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python -m tiga_numba.cuda.tc.prebuild` and carried)
+#      WHILE the other GPU tests (CUDA-core, program, GAT, neighbours) run;
 #   2. tests/test_tc_gpu.py + the float32 table (bench_tc.py --fp32-only), kernels from the cache;
 #   3. bench_overhead.py --gpu (tiny-call host overhead).
 # Outputs under $OUT (default /tmp/gpu_check). Usage, from the repository root:
@@ -11,6 +13,7 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -d .tccubin ]; then export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-$PWD/.tccubin}; fi
 export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-/tmp/tiga_numba_cubins}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -22,12 +25,9 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
   git log -1 --format='commit %h %s' 2>/dev/null || true; } | tee "$OUT/gpu.txt"
 
 stamp "precompile (background) + GPU tests other than tensor cores"
-python3 - > "$OUT/precompile.txt" 2>&1 <<'PY' &
-import sys
-sys.path.insert(0, "benchmarks")
-import bench_tc
-bench_tc.precompile(("float16", "float32"), jobs=12, with_sweep=False)
-PY
+# the cubin cache may arrive pre-filled (python -m tiga_numba.cuda.tc.prebuild on any machine,
+# carried as .tccubin): then this step only checks it
+python3 -m tiga_numba.cuda.tc.prebuild --jobs 12 > "$OUT/precompile.txt" 2>&1 &
 PC=$!
 timeout ${CHECK_TESTS_S:-330} python3 -m pytest -m gpu tests --ignore=tests/test_tc_gpu.py -q -p no:cacheprovider -rs \
   > "$OUT/tests_other.txt" 2>&1

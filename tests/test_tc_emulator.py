@@ -275,6 +275,43 @@ def test_fp32_ptx_compiles_for_sm90(kind):
     assert "cvt.rna.tf32.f32" in ptx and "m16n8k16" not in ptx and ".local" not in ptx
 
 
+def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monkeypatch):
+    """Compiled.cubin(): compile_ptx + nvJitLink on a machine without a GPU, written under
+    TIGA_NUMBA_CACHE_DIR/tc; a second kernel object for the same text reads the file (no NVVM),
+    and a different text (another head dim) gets its own file."""
+    pytest.importorskip("numba_cuda")
+    pytest.importorskip("cuda.core")
+    from numba import cuda
+
+    from tiga_numba.cuda.tc import api
+    monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path))
+    src = G.gen_delta("float16", 64)
+    k = api.Compiled("tc_delta_test", src, "float16", 12, 0)
+    entry, data = k.cubin("sm_90")
+    assert data[:4] == b"\x7fELF" and "tc_delta_test" in entry
+    files = sorted(p.name for p in (tmp_path / "tc").iterdir() if p.name.endswith(".cubin"))
+    assert len(files) == 1 and files[0].endswith("-sm_90.cubin")
+
+    def no_compile(*a, **kw):
+        raise AssertionError("cache hit expected: NVVM must not run")
+    monkeypatch.setattr(cuda, "compile_ptx", no_compile)
+    again = api.Compiled("tc_delta_test", src, "float16", 12, 0)
+    assert again.cubin("sm_90") == (entry, data)
+    other = api.Compiled("tc_delta_test", G.gen_delta("float16", 128), "float16", 12, 0)
+    with pytest.raises(AssertionError, match="cache hit expected"):
+        other.cubin("sm_90")
+
+
+def test_shipped_kernel_list_covers_every_routed_variant():
+    from tiga_numba.cuda.tc import api
+    shipped = set(api.shipped_kernels())
+    for dt in api.TC_DTYPES:
+        dims = api.F32_HEAD_DIMS if dt == "float32" else api.HEAD_DIMS
+        for D in dims:
+            for kind in ("fwd", "dq", "dkdv", "delta"):
+                assert (kind, D, dt) in shipped
+
+
 class _FakeDev:
     """stands in for a device array: only what supports() and _operand() read."""
 

@@ -23,6 +23,7 @@ says; ex2.approx (2 ulp) is the only other approximation. run_info["precision"] 
 from __future__ import annotations
 
 import math
+import os
 import weakref
 
 import numpy as np
@@ -219,34 +220,92 @@ def _numba_cuda_version():
 
 
 class Compiled:
-    """One generated kernel compiled with an explicit all-scalar signature; cheap launches."""
+    """One generated kernel with an explicit all-scalar signature; cheap launches.
+
+    The launch path runs a cubin from the cubin cache (`cubin()`: keyed by the generated text,
+    the numba-cuda version and the architecture; built on a miss with compile_ptx + nvJitLink,
+    which needs no GPU, so `build_cubins()` can fill the cache on any machine). numba's own
+    dispatcher (NVVM compile of the same function) is made only when something needs it: the
+    fallback launch paths, or PTX / LLVM / resource inspection without a loaded cubin."""
 
     def __init__(self, name, src, dtype, ni, nf, dyn_smem=0):
-        import numba
-        from numba import cuda
-        self.name, self.src, self.dyn_smem = name, src, dyn_smem
-        self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
-        self.sig = sig = numba.void(*self.argtypes)
-        try:
-            fn = _load_cached_module(name, src, dtype)
-            self.dispatcher = cuda.jit(sig, fastmath=True, cache=True)(fn)
-            self.disk_cache = True
-        except Exception:  # noqa: BLE001 - read-only home, odd filesystems: compile in memory
-            env = _env(dtype)
-            exec(compile(src, f"<{name}>", "exec"), env)
-            self.dispatcher = cuda.jit(sig, fastmath=True)(env["kernel"])
-            self.disk_cache = False
         import threading
+
+        import numba
+        self.name, self.src, self.dtype, self.dyn_smem = name, src, dtype, dyn_smem
+        self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
+        self.sig = numba.void(*self.argtypes)
+        self.disk_cache = None      # numba's cache=True in use (known once the function is made)
+        self._fn = None
+        self._dispatcher = None
         self._path, self._launched, self._lock = None, False, threading.Lock()
-        if dyn_smem:
-            self._raise_smem_limit(dyn_smem)
+
+    def _pyfunc(self):
+        """the generated kernel as a Python function: imported from a real file when possible, so
+        numba's on-disk cache (cache=True) can serve the dispatcher too."""
+        if self._fn is None:
+            try:
+                self._fn, self.disk_cache = _load_cached_module(self.name, self.src, self.dtype), True
+            except Exception:  # noqa: BLE001 - read-only home, odd filesystems: compile in memory
+                env = _env(self.dtype)
+                exec(compile(self.src, f"<{self.name}>", "exec"), env)
+                self._fn, self.disk_cache = env["kernel"], False
+        return self._fn
+
+    @property
+    def dispatcher(self):
+        if self._dispatcher is None:
+            from numba import cuda
+            self._dispatcher = cuda.jit(self.sig, fastmath=True, cache=bool(self.disk_cache is not False))(
+                self._pyfunc())
+            if self.dyn_smem:
+                self._raise_smem_limit(self.dyn_smem)
+        return self._dispatcher
 
     def _raise_smem_limit(self, nbytes):
-        """allow nbytes of dynamic shared memory (above the 48 KB default)."""
+        """allow nbytes of dynamic shared memory (above the 48 KB default) for numba's kernel."""
         from numba.cuda.cudadrv.driver import binding, driver
-        f = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc()
+        f = self._dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc()
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
+
+    # -- the cubin cache
+    def _cubin_file(self, arch):
+        import hashlib
+        key = f"{self.src}|{self.dtype}|{self.argtypes}|{_numba_cuda_version()}|{arch}|cubin-1"
+        return os.path.join(_cache_dir(), f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:16]}-{arch}.cubin")
+
+    def cubin(self, arch):
+        """(entry name, cubin bytes) for `arch` ("sm_90"): from the cache, else compiled here."""
+        path = self._cubin_file(arch)
+        try:
+            with open(path + ".entry") as fh:
+                entry = fh.read().strip()
+            with open(path, "rb") as fh:
+                return entry, fh.read()
+        except OSError:
+            pass
+        import re
+
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+        from numba import cuda
+        cc = tuple(int(x) for x in (arch[3:-1], arch[-1]))
+        ptx, _ = cuda.compile_ptx(self._pyfunc(), self.argtypes, cc=cc, fastmath=True)
+        entry = re.search(r"\.entry\s+([\w$]+)", ptx).group(1)
+        linked = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch)).link("cubin")
+        data = bytes(getattr(linked, "code", linked))
+        try:   # written atomically: parallel builders and readers never see half a file
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tag = f".{os.getpid()}.tmp"
+            with open(path + tag, "wb") as fh:
+                fh.write(data)
+            with open(path + ".entry" + tag, "w") as fh:
+                fh.write(entry)
+            os.replace(path + tag, path)
+            os.replace(path + ".entry" + tag, path + ".entry")
+        except OSError:
+            pass
+        return entry, data
 
     def ptx(self):
         return self.dispatcher.inspect_asm(self.argtypes)
@@ -255,6 +314,13 @@ class Compiled:
         return self.dispatcher.inspect_llvm(self.argtypes)
 
     def resources(self):
+        """registers / static shared / local bytes per thread: read from the loaded cubin when
+        the driver path is in use (no NVVM compile), else from numba's kernel."""
+        if self._path is not None and self._path[0] == "driver":
+            from cupy.cuda import driver
+            f = self._path[2]   # CU_FUNC_ATTRIBUTE_{NUM_REGS, SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES}
+            return dict(regs=driver.funcGetAttribute(4, f), smem=driver.funcGetAttribute(1, f),
+                        local=driver.funcGetAttribute(3, f))
         d, sig = self.dispatcher, self.sig
         return dict(regs=d.get_regs_per_thread(sig), smem=d.get_shared_mem_per_block(sig),
                     local=d.get_local_mem_per_thread(sig))
@@ -268,14 +334,11 @@ class Compiled:
         from cupy.cuda import driver
 
         from .. import launch as L
-        lib = self.dispatcher.overloads[self.argtypes]._codelibrary
-        cc = cupy.cuda.Device().compute_capability
-        cubin = lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1])))
-        cubin = bytes(getattr(cubin, "code", cubin))  # numba-cuda 0.30: a cuda.core ObjectCode
+        entry, data = self.cubin(f"sm_{cupy.cuda.Device().compute_capability}")
         module = cupy.cuda.function.Module()
-        module.load(cubin)
-        func = module.get_function(lib._entry_name)
-        if self.dyn_smem:   # this CUfunction is not the one _raise_smem_limit raised
+        module.load(data)
+        func = module.get_function(entry)
+        if self.dyn_smem:
             driver.funcSetAttribute(func.ptr, 8, int(self.dyn_smem))  # ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
         return ("driver", driver.launchKernel, int(func.ptr), module, L._Params(self.argtypes))
 
@@ -350,6 +413,43 @@ def kernel(v):
 def delta_kernel(dtype, Dv):
     return KERNELS.get(("tc-delta", dtype, Dv),
                        lambda: Compiled(f"tc_delta_{dtype}_dv{Dv}", G.gen_delta(dtype, Dv), dtype, 12, 0))
+
+
+def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
+    """every kernel the dispatcher can launch for `dtypes`: (kind, D, dtype) triples of the
+    tuning tables plus the Delta pre-pass ("delta", Dv, dtype)."""
+    out = []
+    for dt in dtypes:
+        dims = F32_HEAD_DIMS if dt == "float32" else HEAD_DIMS
+        out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims]
+        out += [("delta", D, dt) for D in dims]
+    return out
+
+
+def _shipped(kind, D, dtype):
+    return delta_kernel(dtype, D) if kind == "delta" else kernel(variant(kind, D, D, dtype))[0]
+
+
+def build_one(kind, D, dtype, arch):
+    """compile one shipped kernel's cubin for `arch` into the cubin cache (no GPU needed)."""
+    k = _shipped(kind, D, dtype)
+    k.cubin(arch)
+    return k.name
+
+
+def build_cubins(dtypes=("float16", "bfloat16", "float32"), arch="sm_90", jobs=None):
+    """fill the cubin cache (TIGA_NUMBA_CACHE_DIR) with every shipped kernel for `arch`, in
+    parallel processes; returns the kernel names. Works on a machine without a GPU, so a
+    deployment (or a CI job) can pay the minutes of NVVM time once, ahead of the first call."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    todo = shipped_kernels(dtypes)
+    jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
+    if jobs == 1:
+        return [build_one(kind, D, dt, arch) for kind, D, dt in todo]
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(build_one, kind, D, dt, arch) for kind, D, dt in todo]
+        return [f.result() for f in futs]
 
 
 # ----------------------------------------------------------------------------- streams
