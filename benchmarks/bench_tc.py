@@ -32,8 +32,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
 
-import torch  # noqa: E402
-import torch.nn.functional as TF  # noqa: E402
+try:   # --build-wide runs where torch is absent (off-device cubin builds)
+    import torch  # noqa: E402
+    import torch.nn.functional as TF  # noqa: E402
+except ImportError:
+    torch = TF = None
 
 from tiga_numba.cuda.tc import api  # noqa: E402
 
@@ -134,7 +137,8 @@ def sdpa_eff(q, k, v, causal):
                                                v.transpose(0, 1)[None], is_causal=causal)[0].transpose(0, 1)
 
 
-def dense_cell(N, D, causal, dtype=torch.float16, check=False, bwd=True):
+def dense_cell(N, D, causal, dtype=None, check=False, bwd=True):
+    dtype = dtype or torch.float16
     g = torch.Generator(device="cuda").manual_seed(N * 7 + D + causal)
     q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
     name = "float16" if dtype == torch.float16 else "bfloat16"
@@ -249,6 +253,58 @@ SWEEP_F32 = {
 # first H200 run (before per-block partials) also tried: fwd D=64 MT=1 BN=32 smem (2.675 ms vs
 # 2.358 for BN=64 registers), fwd D=128 BN=64 smem (6.792 vs 5.811 ms), bwd D=64 BN=64/64 smem
 # (12.080 vs 9.903 ms for BN=32/32)
+
+
+#: --wide: 8-warp CTAs (BM = 128 with MT = 1: each streamed block feeds twice the warps, so half
+#: the shared-memory traffic per mma of the 4-warp MT = 1 shapes, at MT = 1's register count)
+#: next to the shipped shapes; the cubins can be prebuilt off-device (wide_variants()).
+WIDE16 = {
+    ("fwd", 128): [dict(NW=4, MT=2, BN=32, **S_), dict(NW=8, MT=1, BN=32), dict(NW=8, MT=1, BN=64, **S_),
+                   dict(NW=8, MT=1, BN=32, **S_)],
+    ("bwd", 64): [(dict(NW=4, MT=1, BN=64), dict(NW=4, MT=1, BN=64)),
+                  (dict(NW=8, MT=1, BN=64), dict(NW=8, MT=1, BN=64)),
+                  (dict(NW=8, MT=1, BN=32), dict(NW=8, MT=1, BN=32))],
+    ("bwd", 128): [(dict(NW=4, MT=1, BN=64, **S_), dict(NW=4, MT=1, BN=32, **S_)),
+                   (dict(NW=8, MT=1, BN=64, **S_), dict(NW=8, MT=1, BN=32, **S_)),
+                   (dict(NW=8, MT=1, BN=32, **S_), dict(NW=8, MT=1, BN=16, **S_))],
+}
+WIDE32 = {
+    ("fwd", 64): [dict(NW=4, MT=1, BN=64), dict(NW=8, MT=1, BN=64), dict(NW=8, MT=1, BN=32, **S_)],
+    ("fwd", 128): [dict(NW=4, MT=1, BN=32, **S_), dict(NW=8, MT=1, BN=32, **S_)],
+    ("bwd", 64): [(dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=32, **S_)),
+                  (dict(NW=8, MT=1, BN=32, **S_), dict(NW=8, MT=1, BN=32, **S_))],
+    ("bwd", 128): [(dict(NW=4, MT=1, BN=32, **S_), dict(NW=4, MT=1, BN=16, **S_)),
+                   (dict(NW=8, MT=1, BN=32, **S_), dict(NW=8, MT=1, BN=16, **S_))],
+}
+
+
+def wide_variants():
+    """every (kind, D, dtype, shape) the --wide sweep launches (for off-device cubin builds)."""
+    out = []
+    for dtype, cands in (("float16", WIDE16), ("float32", WIDE32)):
+        for (kind, D), opts in cands.items():
+            for o in opts:
+                for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
+                    out.append((kind if kind == "fwd" else kk, D, dtype, tuple(sorted(cfg.items()))))
+    return sorted(set(out))
+
+
+def build_wide(arch="sm_90", jobs=2):
+    """compile the --wide sweep's cubins into the cubin cache without a GPU."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    todo = wide_variants()
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        for f in [ex.submit(_build_variant, kind, D, dt, dict(cfg), arch) for kind, D, dt, cfg in todo]:
+            print(f.result(), flush=True)
+
+
+def _build_variant(kind, D, dtype, cfg, arch):
+    from tiga_numba.cuda.tc import generator as G
+    v = G.Variant(kind, D, D, dtype=dtype, **cfg).check()
+    k, _ = api.kernel(v)
+    k.cubin(arch)
+    return k.name
 
 
 def f64_reference(q, k, v, do, causal, heads):
@@ -396,16 +452,17 @@ TESTS_FAILED = False
 def save_tuning():
     if TUNING_OUT:
         with open(TUNING_OUT, "w") as fh:
-            json.dump([[k[0], k[1], v] for k, v in api.TUNING.items()], fh)
+            json.dump([[k[0], k[1], v] for k, v in api.TUNING.items()]
+                      + [[k[0], k[1], v, "float32"] for k, v in api.TUNING_F32.items()], fh)
 
 
-def sweep(quick, dtype="float16"):
+def sweep(quick, dtype="float16", cands=None):
     """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in the
     dtype's tuning table (api.TUNING, or api.TUNING_F32 for float32)"""
     S = dict(a_smem=True)
     table = api.tuning_table(dtype)
     tdt = {"float16": torch.float16, "float32": torch.float32}[dtype]
-    cands = SWEEP_F32 if dtype == "float32" else {
+    cands = cands or (SWEEP_F32 if dtype == "float32" else {
         ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32)],
         ("fwd", 128): [dict(NW=4, MT=2, BN=16, **S), dict(NW=4, MT=1, BN=32), dict(NW=4, MT=2, BN=32, **S)],
         # backward: (dq shape, dkdv shape); the a_smem shapes above 48 KB use dynamic shared memory
@@ -414,7 +471,7 @@ def sweep(quick, dtype="float16"):
         ("bwd", 128): [(dict(NW=4, MT=1, BN=32), dict(NW=4, MT=1, BN=32)),
                        (dict(NW=4, MT=1, BN=32), dict(NW=4, MT=1, BN=16, **S)),
                        (dict(NW=4, MT=1, BN=64, **S), dict(NW=4, MT=1, BN=32, **S))],
-    }
+    })
     for (kind, D), opts in cands.items():
         best = None
         for o in opts[:2] if quick else opts:
@@ -576,13 +633,20 @@ def main():
     ap.add_argument("--precompile", action="store_true", help="compile the section's kernels in parallel first")
     ap.add_argument("--tests-k", default=None, help="pytest -k expression for --with-tests")
     ap.add_argument("--sanitize-dtypes", default="float16", help="comma list for --sanitize")
+    ap.add_argument("--wide", action="store_true", help="sweep WIDE16/WIDE32 (8-warp shapes) for fp16 and "
+                    "float32, write --tuning-out, then stop")
+    ap.add_argument("--build-wide", default=None, metavar="ARCH",
+                    help="no GPU needed: compile the --wide sweep's cubins for ARCH (e.g. sm_90) and stop")
     a = ap.parse_args()
+    if a.build_wide:
+        build_wide(a.build_wide)
+        return
     global SANITIZE_DTYPES
     SANITIZE_DTYPES = tuple(a.sanitize_dtypes.split(","))
     if a.tuning_in and os.path.exists(a.tuning_in):
         with open(a.tuning_in) as fh:
-            for kind, D, cfg in json.load(fh):
-                api.TUNING[(kind, D)] = cfg
+            for kind, D, cfg, *dt in json.load(fh):   # rows: [kind, D, shape(, "float32")]
+                api.tuning_table(dt[0] if dt else "float16")[(kind, D)] = cfg
     if a.sanitize:
         sanitize()
         return
@@ -606,6 +670,14 @@ def main():
     TUNING_OUT = a.tuning_out
     if a.precompile and not a.with_tests:
         precompile(("float32",) if a.fp32_only else ("float16",), with_sweep=not a.no_sweep)
+    if a.wide:
+        sweep(a.quick, "float16", WIDE16)
+        sweep(a.quick, "float32", WIDE32)
+        say(f"tuning in use: {api.TUNING} | float32: {api.TUNING_F32}")
+        save_tuning()
+        with open(os.path.join(a.out, "tc_wide_sweep.txt"), "w") as fh:
+            fh.write("\n".join(LINES) + "\n")
+        return
     if a.fp32_only:
         rows32 = fp32_section(a, late)
         resources()
