@@ -52,16 +52,18 @@ TUNING = {
 
 
 #: float32 (3xTF32) shapes, same keys: fp32 tiles take twice the shared memory and each A/B
-#: fragment twice the registers (big and small halves), so MT = 1 and (but for the D = 64
-#: forward) the CTA's own operand stays in shared memory. Chosen by bench_tc.py's fp32 sweep on
-#: the H200 (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt).
+#: fragment twice the registers (big and small halves), so MT = 1; the CTA's own operand stays in
+#: shared memory but for the D = 64 forward. 8 warps (BM = 128: each streamed block feeds twice the
+#: warps) won for the forwards and the D = 128 backward in the --wide sweep on the H200
+#: (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt run 4: fwd D=128 5.45 -> 5.08 ms,
+#: bwd D=128 25.7 -> 22.2 ms, fwd D=64 2.52 -> 2.49 ms; bwd D=64 stayed with 4 warps: 10.7 vs 11.2).
 TUNING_F32 = {
-    ("fwd", 64): dict(NW=4, MT=1, BN=64),
-    ("fwd", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("fwd", 64): dict(NW=8, MT=1, BN=64),
+    ("fwd", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
     ("dq", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
-    ("dq", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dq", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
     ("dkdv", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
-    ("dkdv", 128): dict(NW=4, MT=1, BN=16, a_smem=True),
+    ("dkdv", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
 }
 # dq D = 128: BN = 64 was 3% faster in the first sweep (before per-block partials) but then
 # spilled and did not finish compiling within 190 s on the H200 in the second run; BN = 32 did.
