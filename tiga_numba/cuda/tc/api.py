@@ -110,8 +110,9 @@ def supports(plan, q, k, v, relation):
         dn = _dtype_name(q)
         if dn not in TC_DTYPES or _dtype_name(k) != dn or _dtype_name(v) != dn:
             return False
-        # on the type: cupy builds the interface dict on every instance access
-        if not all(hasattr(type(x), "__cuda_array_interface__") for x in (q, k, v)):
+        # the type first: cupy's property builds the interface dict on every instance access
+        if not all(hasattr(type(x), "__cuda_array_interface__") or hasattr(x, "__cuda_array_interface__")
+                   for x in (q, k, v)):
             return False
         if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
             return False
