@@ -121,6 +121,11 @@ def test_bad_inputs():
         neighbors.knn_graph(np.zeros((4, 3)), -2)
     with pytest.raises(TypeError, match="k must be an int"):
         neighbors.knn_graph(np.zeros((4, 3)), 2.5)
+    # finite points whose span overflows float64: refused, not an endless grid search
+    with pytest.raises(ValueError, match="positions span"):
+        neighbors.radius_graph(np.array([[-1e308, 0.0], [1e308, 0.0]]), 1.0)
+    with pytest.raises(ValueError, match="positions span"):
+        neighbors.knn_graph(np.array([[-1e308], [1e308]]), 1)
 
 
 def test_spatial_order_is_a_permutation():

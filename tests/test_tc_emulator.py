@@ -301,6 +301,23 @@ def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monke
     with pytest.raises(AssertionError, match="cache hit expected"):
         other.cubin("sm_90")
 
+    # one record per kernel (entry name + cubin, one rename): nothing else is left beside it
+    assert sorted(p.name for p in (tmp_path / "tc").iterdir() if not p.name.endswith(".py")) == files
+
+
+def test_cubin_cache_off_writes_nothing(tmp_path, monkeypatch):
+    pytest.importorskip("numba_cuda")
+    pytest.importorskip("cuda.core")
+    from tiga_numba.cuda.tc import api
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", "0")
+    assert api._cache_dir() is None
+    entry, data = api.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("sm_90")
+    assert data[:4] == b"\x7fELF" and entry
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="arch"):
+        api.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("90")
+
 
 def test_shipped_kernel_list_covers_every_routed_variant():
     from tiga_numba.cuda.tc import api
@@ -338,6 +355,9 @@ def test_supports_rules_without_gpu(monkeypatch):
     assert not api.supports(plan, _FakeDev((10, 4, 64), "float32"), kv, kv, rel_)         # mixed dtypes
     f32 = [_FakeDev(x.shape, "float32") for x in (q, kv, kv)]
     assert api.supports(plan, *f32, rel_)                                                # 3xTF32
+    monkeypatch.setenv("TIGA_NUMBA_FP32_TENSOR_CORES", "0")                             # user opt-out
+    assert not api.supports(plan, *f32, rel_) and api.supports(plan, q, kv, kv, rel_)
+    monkeypatch.delenv("TIGA_NUMBA_FP32_TENSOR_CORES")
     assert not api.supports(plan, *(_FakeDev(x.shape, "float64") for x in (q, kv, kv)), rel_)
     assert not api.supports(plan, q, kv, kv, object())                                    # CSR & co
     for field, bad in (("prune_threshold", 0.5), ("score", "dot + edge bias"), ("scale", -1.0)):

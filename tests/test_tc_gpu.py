@@ -156,12 +156,13 @@ def test_launches_take_the_driver_path_and_match_the_fallback():
         out, m, l = tc.forward(plan(D ** -0.5), q, k, v, rel_)
         kern, _ = tc.api.kernel(tc.api.variant("fwd", D, D, "float16"))
         assert kern.launch_path == "driver"
-        saved = kern._path
+        dev = cupy.cuda.runtime.getDevice()
+        saved = kern._paths[dev]
         try:
-            kern._path = ("numba",)
+            kern._paths[dev] = ("numba",)
             out2, m2, l2 = tc.forward(plan(D ** -0.5), q, k, v, rel_)
         finally:
-            kern._path = saved
+            kern._paths[dev] = saved
         for a, b in ((out, out2), (m, m2), (l, l2)):
             assert cupy.array_equal(a, b)
         f = lambda x: x.get().astype(np.float64)  # noqa: E731

@@ -66,7 +66,22 @@ def check_positions(positions):
             import cupy as xp
         if not bool(xp.isfinite(arr).all()):
             raise ValueError("positions must be finite (found NaN or inf)")
+        # the cell grid works on float64 extents: finite points whose span overflows float64
+        # (e.g. -1e308 and 1e308) would make the grid loop forever
+        span = arr.max(axis=0).astype(np.float64) - arr.min(axis=0).astype(np.float64)
+        if not bool(xp.isfinite(span).all()):
+            raise ValueError("positions span more than the float64 range in some axis "
+                             "(max - min overflows); rescale them")
     return arr
+
+
+def _gpu_builder():
+    try:
+        from .cuda import neighbors as gpu
+    except ImportError as exc:
+        raise ImportError("building a graph from GPU (cupy) positions needs numba-cuda: "
+                          "pip install 'tiga-numba[cuda]'") from exc
+    return gpu
 
 
 def check_cutoff(cutoff):
@@ -238,7 +253,7 @@ def radius_graph(positions, cutoff, exclude_self=True):
     numpy out (host builder), cupy in, cupy out (GPU builder, no host copy)."""
     cutoff = check_cutoff(cutoff)
     if on_device(positions):
-        from .cuda import neighbors as gpu
+        gpu = _gpu_builder()
         indptr, indices, info = gpu.radius_graph(check_positions(positions), cutoff,
                                                  bool(exclude_self))
         _record(**info)
@@ -330,7 +345,7 @@ def knn_graph(positions, k, exclude_self=True):
     every row gets all of them (N - 1 or N). numpy in, numpy out; cupy in, cupy out."""
     k = check_k(k)
     if on_device(positions):
-        from .cuda import neighbors as gpu
+        gpu = _gpu_builder()
         indptr, indices, info = gpu.knn_graph(check_positions(positions), k, bool(exclude_self))
         _record(**info)
         return indptr, indices

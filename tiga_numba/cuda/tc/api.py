@@ -19,6 +19,8 @@ added in ordinary fp32, because the tensor cores' accumulation truncates): relat
 (forward) to ~5e-6 (gradients) against a float64 oracle on the emulator; tests hold it to the
 CUDA-core float32 tolerances, which plain TF32 (~5e-4) fails. m and l are float32 as the contract
 says; ex2.approx (2 ulp) is the only other approximation. run_info["precision"] says which ran.
+TIGA_NUMBA_FP32_TENSOR_CORES=0 keeps float32 on the CUDA-core kernels (plain fp32 FMA), e.g. to
+reproduce earlier bits; it is read on every call.
 """
 from __future__ import annotations
 
@@ -119,6 +121,8 @@ def supports(plan, q, k, v, relation):
         D, Dv = int(q.shape[2]), int(v.shape[2])
         if D not in HEAD_DIMS or Dv != D or int(k.shape[2]) != D:
             return False
+        if dn == "float32" and os.environ.get("TIGA_NUMBA_FP32_TENSOR_CORES", "1") == "0":
+            return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
         if dn == "float32" and D not in F32_HEAD_DIMS:
             return False
         H, Hkv = int(q.shape[1]), int(k.shape[1])
@@ -175,8 +179,13 @@ def _env(dtype):
 
 
 def _cache_dir():
-    import os
-    d = os.environ.get("TIGA_NUMBA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tiga_numba")
+    """$TIGA_NUMBA_CACHE_DIR/tc (default ~/.cache/tiga_numba/tc); None when caching is off
+    (TIGA_NUMBA_CACHE_DIR set to "" or "0", as for the CUDA-core cubin cache)."""
+    d = os.environ.get("TIGA_NUMBA_CACHE_DIR")
+    if d is None:
+        d = os.path.join(os.path.expanduser("~"), ".cache", "tiga_numba")
+    if d in ("", "0"):
+        return None
     return os.path.join(d, "tc")
 
 
@@ -196,6 +205,8 @@ def _load_cached_module(name, src, dtype):
     text = header + src
     h = hashlib.sha1((text + numba.__version__ + str(_numba_cuda_version())).encode()).hexdigest()[:16]
     d = _cache_dir()
+    if d is None:
+        raise OSError("caching is off (TIGA_NUMBA_CACHE_DIR)")
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"{name}_{h}.py")
     if not os.path.exists(path):
@@ -241,7 +252,8 @@ class Compiled:
         self.disk_cache = None      # numba's cache=True in use (known once the function is made)
         self._fn = None
         self._dispatcher = None
-        self._path, self._launched, self._lock = None, False, threading.Lock()
+        # launch path per device: a cubin is loaded into one device's context
+        self._paths, self._launched, self._lock = {}, set(), threading.Lock()
 
     def _pyfunc(self):
         """the generated kernel as a Python function: imported from a real file when possible, so
@@ -259,8 +271,8 @@ class Compiled:
     def dispatcher(self):
         if self._dispatcher is None:
             from numba import cuda
-            self._dispatcher = cuda.jit(self.sig, fastmath=True, cache=bool(self.disk_cache is not False))(
-                self._pyfunc())
+            fn = self._pyfunc()   # sets disk_cache: an exec'd function has no file numba could cache for
+            self._dispatcher = cuda.jit(self.sig, fastmath=True, cache=bool(self.disk_cache))(fn)
             if self.dyn_smem:
                 self._raise_smem_limit(self.dyn_smem)
         return self._dispatcher
@@ -272,42 +284,49 @@ class Compiled:
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
 
-    # -- the cubin cache
+    # -- the cubin cache: one file per kernel text x arch, "entry name\n" then the cubin bytes,
+    #    published with one rename (the entry name holds a per-process counter of numba's, so a
+    #    separate .entry file could pair with another process's cubin)
     def _cubin_file(self, arch):
         import hashlib
-        key = f"{self.src}|{self.dtype}|{self.argtypes}|{_numba_cuda_version()}|{arch}|cubin-1"
-        return os.path.join(_cache_dir(), f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:16]}-{arch}.cubin")
+        d = _cache_dir()
+        if d is None:
+            return None
+        key = "|".join((self.src, self.dtype, str(self.argtypes), _numba_cuda_version(), arch,
+                        _intrinsics_hash(), "cubin-2"))
+        return os.path.join(d, f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:16]}-{arch}.cubin")
 
     def cubin(self, arch):
         """(entry name, cubin bytes) for `arch` ("sm_90"): from the cache, else compiled here."""
         path = self._cubin_file(arch)
-        try:
-            with open(path + ".entry") as fh:
-                entry = fh.read().strip()
-            with open(path, "rb") as fh:
-                return entry, fh.read()
-        except OSError:
-            pass
+        if path is not None:
+            try:
+                with open(path, "rb") as fh:
+                    entry, _, data = fh.read().partition(b"\n")
+                if entry and data:
+                    return entry.decode(), data
+            except OSError:
+                pass
         import re
 
         from cuda.core import Linker, LinkerOptions, ObjectCode
         from numba import cuda
-        cc = tuple(int(x) for x in (arch[3:-1], arch[-1]))
-        ptx, _ = cuda.compile_ptx(self._pyfunc(), self.argtypes, cc=cc, fastmath=True)
+        m = re.fullmatch(r"sm_(\d+)(\d)a?", arch)
+        if m is None:
+            raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+        ptx, _ = cuda.compile_ptx(self._pyfunc(), self.argtypes, cc=(int(m[1]), int(m[2])), fastmath=True)
         entry = re.search(r"\.entry\s+([\w$]+)", ptx).group(1)
         linked = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch)).link("cubin")
         data = bytes(getattr(linked, "code", linked))
-        try:   # written atomically: parallel builders and readers never see half a file
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tag = f".{os.getpid()}.tmp"
-            with open(path + tag, "wb") as fh:
-                fh.write(data)
-            with open(path + ".entry" + tag, "w") as fh:
-                fh.write(entry)
-            os.replace(path + tag, path)
-            os.replace(path + ".entry" + tag, path + ".entry")
-        except OSError:
-            pass
+        if path is not None:
+            try:   # written atomically: parallel builders and readers never see half a record
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as fh:
+                    fh.write(entry.encode() + b"\n" + data)
+                os.replace(tmp, path)
+            except OSError:
+                pass
         return entry, data
 
     def ptx(self):
@@ -319,9 +338,10 @@ class Compiled:
     def resources(self):
         """registers / static shared / local bytes per thread: read from the loaded cubin when
         the driver path is in use (no NVVM compile), else from numba's kernel."""
-        if self._path is not None and self._path[0] == "driver":
+        path = self._paths.get(_device()) if self._paths else None
+        if path is not None and path[0] == "driver":
             from cupy.cuda import driver
-            f = self._path[2]   # CU_FUNC_ATTRIBUTE_{NUM_REGS, SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES}
+            f = path[2]   # CU_FUNC_ATTRIBUTE_{NUM_REGS, SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES}
             return dict(regs=driver.funcGetAttribute(4, f), smem=driver.funcGetAttribute(1, f),
                         local=driver.funcGetAttribute(3, f))
         d, sig = self.dispatcher, self.sig
@@ -379,29 +399,58 @@ class Compiled:
             self.dispatcher[grid, block, stream.numba(), self.dyn_smem](*args)
 
     def __call__(self, grid, block, stream, *args):
-        path = self._path
-        if path is not None and self._launched:
+        dev = _device()
+        path = self._paths.get(dev)
+        if path is not None and dev in self._launched:
             self._launch(path, grid, block, stream, args)
             return
         tried = []
         if path is None:
-            path = self._path = self._next_path(tried)
-        while True:   # the first launch may refuse a path: fall back, once each
+            path = self._paths[dev] = self._next_path(tried)
+        while True:   # the first launch on a device may refuse a path: fall back, once each
             try:
                 self._launch(path, grid, block, stream, args)
             except Exception:  # noqa: BLE001
                 if path[0] == "numba":
                     raise
                 tried.append(path[0])
-                path = self._path = self._next_path(tried)
+                path = self._paths[dev] = self._next_path(tried)
                 continue
-            self._launched = True
+            self._launched.add(dev)
             return
 
     @property
     def launch_path(self):
-        """"driver", "cuda.core" or "numba" once launched, else None."""
-        return self._path[0] if self._path is not None and self._launched else None
+        """"driver", "cuda.core" or "numba" once launched on the current device, else None."""
+        dev = _device()
+        return self._paths[dev][0] if dev in self._launched else None
+
+
+def _device():
+    """the current CUDA device id (cupy's runtime call, bound on first use)."""
+    global _device
+    import cupy
+    _device = cupy.cuda.runtime.getDevice
+    return _device()
+
+
+_INTRINSICS_HASH = []
+
+
+def _intrinsics_hash():
+    """sha1 of what the generated text imports but does not contain: ptx.py (the inline-PTX
+    intrinsics) and this module's header for the generated file, so an edit of either never
+    serves a stale cubin."""
+    if not _INTRINSICS_HASH:
+        import hashlib
+        import inspect
+
+        from . import ptx
+        h = hashlib.sha1()
+        for text in (inspect.getsource(ptx), inspect.getsource(_load_cached_module), inspect.getsource(_env)):
+            h.update(text.encode())
+        _INTRINSICS_HASH.append(h.hexdigest()[:16])
+    return _INTRINSICS_HASH[0]
 
 
 def kernel(v):
