@@ -380,3 +380,42 @@ def test_head_dims_the_swizzle_cannot_serve_are_refused():
     for d in (32, 96):
         with pytest.raises(ValueError):
             G.Variant("fwd", d, d).check()
+
+
+def test_launch_paths_are_per_device_and_fall_back_once(monkeypatch):
+    """Compiled.__call__ without a GPU: the launcher functions stubbed. A path refused on its
+    first launch falls back to the next one; each device gets its own path (a cubin loaded into
+    one device's context must not be launched on another)."""
+    from tiga_numba.cuda.tc import api
+    k = api.Compiled("tc_stub", "def kernel(a):\n    pass\n", "float16", 1, 0)
+    dev = [0]
+    monkeypatch.setattr(api, "_device", lambda: dev[0])
+    made, launched = [], []
+
+    def driver_path():
+        made.append(("driver", dev[0]))
+        return ("driver", dev[0])
+
+    def core_path():
+        made.append(("cuda.core", dev[0]))
+        return ("cuda.core", dev[0])
+
+    def launch(path, grid, block, stream, args):
+        if path[0] == "driver" and path[1] == 1:
+            raise RuntimeError("refused on device 1")
+        launched.append((path, args))
+
+    monkeypatch.setattr(k, "_driver_path", driver_path)
+    monkeypatch.setattr(k, "_core_path", core_path)
+    monkeypatch.setattr(k, "_launch", launch)
+    k((1,), (32,), None, 7)
+    k((1,), (32,), None, 8)
+    assert made == [("driver", 0)] and launched == [(("driver", 0), (7,)), (("driver", 0), (8,))]
+    assert k.launch_path == "driver"
+    dev[0] = 1
+    assert k.launch_path is None
+    k((1,), (32,), None, 9)
+    assert made[1:] == [("driver", 1), ("cuda.core", 1)] and launched[-1] == (("cuda.core", 1), (9,))
+    assert k.launch_path == "cuda.core"
+    dev[0] = 0
+    assert k.launch_path == "driver"

@@ -303,8 +303,8 @@ class Compiled:
             try:
                 with open(path, "rb") as fh:
                     entry, _, data = fh.read().partition(b"\n")
-                if entry and data:
-                    return entry.decode(), data
+                if entry and data[:4] == b"\x7fELF":   # anything else: rebuilt below
+                    return entry.decode("ascii", "replace"), data
             except OSError:
                 pass
         import re
