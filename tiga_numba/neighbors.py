@@ -68,7 +68,8 @@ def check_positions(positions):
             raise ValueError("positions must be finite (found NaN or inf)")
         # the cell grid works on float64 extents: finite points whose span overflows float64
         # (e.g. -1e308 and 1e308) would make the grid loop forever
-        span = arr.max(axis=0).astype(np.float64) - arr.min(axis=0).astype(np.float64)
+        with np.errstate(over="ignore"):   # the overflow is what is being tested for
+            span = arr.max(axis=0).astype(np.float64) - arr.min(axis=0).astype(np.float64)
         if not bool(xp.isfinite(span).all()):
             raise ValueError("positions span more than the float64 range in some axis "
                              "(max - min overflows); rescale them")
