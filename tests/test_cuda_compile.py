@@ -126,6 +126,48 @@ def test_param_block_packs_every_type_at_its_pointer():
         launch._Params((numba.int64,)).pack([1.5])
 
 
+def test_param_launch_pads_grid_and_block_and_passes_the_packed_buffer():
+    """_Params.launch: 1- and 2-tuples become 3-D, the dynamic shared-memory size and stream go
+    through, and the driver sees the values packed at call time (read back via the table)."""
+    import ctypes
+
+    import numba
+    _shield()
+    from tiga_numba.cuda import launch
+    p = launch._Params((numba.int64, numba.float32))
+    seen = []
+
+    def launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        table = (ctypes.c_void_p * 2).from_address(params)
+        seen.append((func, gx, gy, gz, bx, by, bz, smem, stream, extra,
+                     ctypes.c_int64.from_address(table[0]).value,
+                     ctypes.c_float.from_address(table[1]).value))
+    p.launch(launch_kernel, 11, (5, 3), (128,), 65536, 77, (2 ** 40 + 3, 0.5))
+    p.launch(launch_kernel, 11, (2,), (32, 2), 0, 0, (9, -1.25))
+    assert seen == [(11, 5, 3, 1, 128, 1, 1, 65536, 77, 0, 2 ** 40 + 3, 0.5),
+                    (11, 2, 1, 1, 32, 2, 1, 0, 0, 0, 9, -1.25)]
+
+
+def test_cubin_records_are_one_file_and_refuse_what_is_not_one(tmp_path):
+    """write_cubin/read_cubin: entry name and cubin in one file (one rename: no pairing of one
+    process's entry name with another's cubin); a raw cubin of an older layout, a truncated or
+    missing file read as a miss; no path (caching off) writes nothing."""
+    _shield()
+    from tiga_numba.cuda import launch
+    elf = b"\x7fELF" + bytes(range(256)) * 3          # holds newlines, as real cubins do
+    path = str(tmp_path / "c" / "k-sm90.cubin")
+    assert launch.read_cubin(path) is None
+    launch.write_cubin(path, "_Z1kPf", elf)
+    assert launch.read_cubin(path) == ("_Z1kPf", elf)
+    assert sorted(x.name for x in (tmp_path / "c").iterdir()) == ["k-sm90.cubin"]
+    (tmp_path / "c" / "k-sm90.cubin").write_bytes(elf)   # raw cubin, no entry line
+    assert launch.read_cubin(path) is None
+    (tmp_path / "c" / "k-sm90.cubin").write_bytes(b"_Z1kPf\n\x7fEL")
+    assert launch.read_cubin(path) is None
+    launch.write_cubin(None, "_Z1kPf", elf)
+    assert launch.read_cubin(None) is None
+
+
 _RECORDS_SCRIPT = r'''
 import sys, types
 from types import SimpleNamespace

@@ -109,7 +109,6 @@ class Kernel:
         self._conv = [_CTYPES[str(t)] for t in argtys]
         self._paths = {}  # device id -> launch path (see _LAUNCHERS)
         self._launched = set()  # devices where a launch went through (no more fallbacks)
-        self._lock = threading.Lock()
 
     @property
     def dispatcher(self):
@@ -152,38 +151,28 @@ class Kernel:
         return (k.get_regs_per_thread(), k.get_shared_mem_per_block(), k.get_local_mem_per_thread())
 
     def _cubin(self):
-        """(entry name, cubin file) of this kernel for the current device: from the on-disk
+        """(entry name, cubin bytes) of this kernel for the current device: from the on-disk
         cache when this exact kernel (name, package sources, numba-cuda version, device) was
         built before -- no numba compile at all -- else compiled by numba and stored."""
         import cupy
         cc = cupy.cuda.Device().compute_capability
         path = _cache_path(self.name, cc, self.pyfunc.__code__.co_filename)
-        if path is None:
-            import tempfile
-            path = os.path.join(tempfile.mkdtemp(prefix="tiga_numba_"), f"{self.name}-sm{cc}.cubin")
-        entry_path = path + ".entry"
-        if os.path.exists(path) and os.path.exists(entry_path):
-            with open(entry_path) as f:
-                return f.read().strip(), path
+        hit = read_cubin(path)
+        if hit is not None:
+            return hit
         lib = self.dispatcher.overloads[self.argtypes]._codelibrary
         cubin = lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1])))
         cubin = bytes(getattr(cubin, "code", cubin))  # numba-cuda 0.30: a cuda.core ObjectCode
-        tag = f".{os.getpid()}.tmp"
-        with open(path + tag, "wb") as f:
-            f.write(cubin)
-        with open(entry_path + tag, "w") as f:
-            f.write(lib._entry_name)
-        os.replace(path + tag, path)
-        os.replace(entry_path + tag, entry_path)
-        return lib._entry_name, path
+        write_cubin(path, lib._entry_name, cubin)
+        return lib._entry_name, cubin
 
     # -- launch paths, picked once per kernel and device (see _LAUNCHERS)
     def _load_function(self):
         """(cupy Module, CUfunction handle) of this kernel on the current device."""
         import cupy
-        entry, path = self._cubin()
+        entry, cubin = self._cubin()
         module = cupy.cuda.function.Module()
-        module.load_file(path)
+        module.load(cubin)
         return module, module.get_function(entry)
 
     def _prepare(self, dev, skip=()):
@@ -248,10 +237,7 @@ class Kernel:
         kind = path[0]
         if kind == "driver":
             _, launch_kernel, func, _, params = path
-            with self._lock:  # one parameter buffer per kernel: pack and launch together
-                params.pack(args)
-                launch_kernel(func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                              0, stream.ptr, params.address, 0)
+            params.launch(launch_kernel, func, grid, block, 0, stream.ptr, args)
         elif kind == "cupy":
             _, func, conv, _ = path
             func(grid, block, tuple([c(a) for c, a in zip(conv, args)]), 0, stream)
@@ -296,7 +282,7 @@ class _Params:
     parameter through its own pointer, with its size from the cubin, so the buffer layout is
     this class's alone."""
 
-    __slots__ = ("offsets", "_struct", "_buf", "_table", "address")
+    __slots__ = ("offsets", "_struct", "_buf", "_table", "address", "_lock")
 
     def __init__(self, argtypes):
         fmt, off, offsets = "=", 0, []
@@ -314,10 +300,21 @@ class _Params:
         base = ctypes.addressof(self._buf)
         self._table = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
         self.address = ctypes.addressof(self._table)
+        self._lock = threading.Lock()
 
     def pack(self, args):
         """Write the values (TypeError/struct.error on a wrong type or an out-of-range value)."""
         self._struct.pack_into(self._buf, 0, *args)
+
+    def launch(self, launch_kernel, func, grid, block, smem, stream_ptr, args):
+        """cuLaunchKernel (cupy's `driver.launchKernel`) of `func` with `args` packed into this
+        buffer; grid/block: 1- to 3-tuples. Packing and launching hold one lock, because the
+        buffer is shared by every launch of the kernel (the driver copies it at the call)."""
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        with self._lock:
+            self._struct.pack_into(self._buf, 0, *args)
+            launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.address, 0)
 
     def buffer(self):
         """The packed bytes (tests read the values back through the pointer table)."""
@@ -364,6 +361,38 @@ def _shared_hash():
             pass
         h = _SOURCE_HASH[None] = hashlib.sha1("/".join(parts).encode()).hexdigest()[:16]
     return h
+
+
+def read_cubin(path):
+    """(entry name, cubin bytes) from a cache record written by write_cubin, or None (no path,
+    no file, or anything that is not such a record: an older cache layout counts as a miss)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            entry, _, data = fh.read().partition(b"\n")
+    except OSError:
+        return None
+    if not entry or data[:4] != b"\x7fELF":
+        return None
+    return entry.decode("ascii", "replace"), data
+
+
+def write_cubin(path, entry, data):
+    """Store one cache record: the entry name, a newline, the cubin, published with one rename.
+    One file, not a cubin plus an entry file: the entry name holds a per-process counter of
+    numba's, so two processes compiling the same kernel could otherwise pair one's entry name
+    with the other's cubin. Best effort: an unwritable cache only means compiling again."""
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(entry.encode() + b"\n" + data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _cache_path(name, cc, source=None):

@@ -243,8 +243,6 @@ class Compiled:
     fallback launch paths, or PTX / LLVM / resource inspection without a loaded cubin."""
 
     def __init__(self, name, src, dtype, ni, nf, dyn_smem=0):
-        import threading
-
         import numba
         self.name, self.src, self.dtype, self.dyn_smem = name, src, dtype, dyn_smem
         self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
@@ -253,7 +251,7 @@ class Compiled:
         self._fn = None
         self._dispatcher = None
         # launch path per device: a cubin is loaded into one device's context
-        self._paths, self._launched, self._lock = {}, set(), threading.Lock()
+        self._paths, self._launched = {}, set()
 
     def _pyfunc(self):
         """the generated kernel as a Python function: imported from a real file when possible, so
@@ -284,9 +282,7 @@ class Compiled:
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
 
-    # -- the cubin cache: one file per kernel text x arch, "entry name\n" then the cubin bytes,
-    #    published with one rename (the entry name holds a per-process counter of numba's, so a
-    #    separate .entry file could pair with another process's cubin)
+    # -- the cubin cache: one record per kernel text x arch (launch.read_cubin / write_cubin)
     def _cubin_file(self, arch):
         import hashlib
         d = _cache_dir()
@@ -299,14 +295,10 @@ class Compiled:
     def cubin(self, arch):
         """(entry name, cubin bytes) for `arch` ("sm_90"): from the cache, else compiled here."""
         path = self._cubin_file(arch)
-        if path is not None:
-            try:
-                with open(path, "rb") as fh:
-                    entry, _, data = fh.read().partition(b"\n")
-                if entry and data[:4] == b"\x7fELF":   # anything else: rebuilt below
-                    return entry.decode("ascii", "replace"), data
-            except OSError:
-                pass
+        from .. import launch as L   # lazy: numba.cuda loads with the first GPU use
+        hit = L.read_cubin(path)
+        if hit is not None:
+            return hit
         import re
 
         from cuda.core import Linker, LinkerOptions, ObjectCode
@@ -318,15 +310,7 @@ class Compiled:
         entry = re.search(r"\.entry\s+([\w$]+)", ptx).group(1)
         linked = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch)).link("cubin")
         data = bytes(getattr(linked, "code", linked))
-        if path is not None:
-            try:   # written atomically: parallel builders and readers never see half a record
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as fh:
-                    fh.write(entry.encode() + b"\n" + data)
-                os.replace(tmp, path)
-            except OSError:
-                pass
+        L.write_cubin(path, entry, data)
         return entry, data
 
     def ptx(self):
@@ -387,10 +371,7 @@ class Compiled:
         kind = path[0]
         if kind == "driver":
             _, launch_kernel, func, _, params = path
-            with self._lock:  # one parameter buffer per kernel: pack and launch together
-                params.pack(args)
-                launch_kernel(func, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                              block[0], 1, 1, self.dyn_smem, stream.ptr, params.address, 0)
+            params.launch(launch_kernel, func, grid, block, self.dyn_smem, stream.ptr, args)
         elif kind == "cuda.core":
             _, launch, LaunchConfig, func, conv = path
             launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=self.dyn_smem), func,
@@ -427,11 +408,9 @@ class Compiled:
 
 
 def _device():
-    """the current CUDA device id (cupy's runtime call, bound on first use)."""
-    global _device
-    import cupy
-    _device = cupy.cuda.runtime.getDevice
-    return _device()
+    """the current CUDA device id (launch.py's, bound to cupy's runtime call on first use)."""
+    from .. import launch as L
+    return L._get_device()
 
 
 _INTRINSICS_HASH = []
