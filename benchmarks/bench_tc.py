@@ -257,7 +257,7 @@ SWEEP_F32 = {
 
 #: --wide: 8-warp CTAs (BM = 128 with MT = 1: each streamed block feeds twice the warps, so half
 #: the shared-memory traffic per mma of the 4-warp MT = 1 shapes, at MT = 1's register count)
-#: next to the shipped shapes; the cubins can be prebuilt off-device (wide_variants()).
+#: next to the shipped shapes; the cubins can be prebuilt off-device (--build-wide).
 WIDE16 = {
     ("fwd", 128): [dict(NW=4, MT=2, BN=32, **S_), dict(NW=8, MT=1, BN=32), dict(NW=8, MT=1, BN=64, **S_),
                    dict(NW=8, MT=1, BN=32, **S_)],
@@ -278,33 +278,11 @@ WIDE32 = {
 }
 
 
-def wide_variants():
-    """every (kind, D, dtype, shape) the --wide sweep launches (for off-device cubin builds)."""
-    out = []
-    for dtype, cands in (("float16", WIDE16), ("float32", WIDE32)):
-        for (kind, D), opts in cands.items():
-            for o in opts:
-                for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
-                    out.append((kind if kind == "fwd" else kk, D, dtype, tuple(sorted(cfg.items()))))
-    return sorted(set(out))
-
-
 def build_wide(arch="sm_90", jobs=2):
     """compile the --wide sweep's cubins into the cubin cache without a GPU."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    todo = wide_variants()
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-        for f in [ex.submit(_build_variant, kind, D, dt, dict(cfg), arch) for kind, D, dt, cfg in todo]:
-            print(f.result(), flush=True)
-
-
-def _build_variant(kind, D, dtype, cfg, arch):
-    from tiga_numba.cuda.tc import generator as G
-    v = G.Variant(kind, D, D, dtype=dtype, **cfg).check()
-    k, _ = api.kernel(v)
-    k.cubin(arch)
-    return k.name
+    specs = [_as_spec(x) for x in _sweep_specs({"float16": WIDE16, "float32": WIDE32})]
+    for name in api.build_cubins(arch=arch, jobs=jobs, specs=specs):
+        print(name, flush=True)
 
 
 def f64_reference(q, k, v, do, causal, heads):
@@ -401,29 +379,17 @@ def fmt32(r):
 
 
 def precompile(dtypes, jobs=14, with_sweep=True):
-    """compile the shipped kernels of `dtypes` (and the float32 sweep's) in parallel processes;
-    the cubin cache (TIGA_NUMBA_CACHE_DIR/tc, see tc.api.Compiled.cubin) hands them to this process without NVVM."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    specs = set()
-    for dtype in dtypes:
-        for (kind, D), cfg in api.tuning_table(dtype).items():
-            specs.add((dtype, kind, D, tuple(sorted(cfg.items()))))
-        if dtype == "float32" and with_sweep:
-            for (kind, D), opts in SWEEP_F32.items():
-                for o in opts:
-                    for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
-                        specs.add((dtype, kk, D, tuple(sorted(cfg.items()))))
+    """compile the shipped kernels of `dtypes` (and the float32 sweep's) in parallel processes
+    into the cubin cache (tc.api.build_cubins), which hands them to this process without NVVM."""
+    specs = set(api.shipped_kernels(dtypes))
+    if "float32" in dtypes and with_sweep:
+        specs |= set(_sweep_specs({"float32": SWEEP_F32}))
     t0 = time.time()
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(_compile_one, dt, kind, D, dict(cfg)) for dt, kind, D, cfg in sorted(specs)]
-        futs += [ex.submit(_compile_delta, dt, D) for dt in dtypes for D in (64, 128)]
-        for f in futs:
-            try:
-                say("precompiled " + f.result())
-            except Exception as e:  # noqa: BLE001
-                say(f"precompile FAILED {e!r}"[:300])
-    say(f"precompile {dtypes}: {len(futs)} kernels in {time.time() - t0:.0f}s")
+    try:
+        names = api.build_cubins(arch=_arch(), jobs=jobs, specs=[_as_spec(x) for x in sorted(specs, key=str)])
+        say(f"precompile {dtypes}: {len(names)} kernels in {time.time() - t0:.0f}s")
+    except Exception as e:  # noqa: BLE001 - the timed sections compile what is missing
+        say(f"precompile FAILED {e!r}"[:300])
 
 
 def _arch():
@@ -431,18 +397,19 @@ def _arch():
     return f"sm_{cupy.cuda.Device().compute_capability}"
 
 
-def _compile_one(dtype, kind, D, cfg):
-    """build the kernel's cubin into the cubin cache (the launch path loads it from there)."""
-    from tiga_numba.cuda.tc import generator as G
-    k, _ = api.kernel(G.Variant(kind, D, D, dtype=dtype, **cfg))
-    k.cubin(_arch())
-    return k.name
+def _sweep_specs(cands_by_dtype):
+    """(kind, D, dtype, shape items) of every kernel a sweep's candidate lists launch."""
+    out = set()
+    for dtype, cands in cands_by_dtype.items():
+        for (kind, D), opts in cands.items():
+            for o in opts:
+                for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
+                    out.add((kk, D, dtype, tuple(sorted(cfg.items()))))
+    return sorted(out)
 
 
-def _compile_delta(dtype, D):
-    k = api.delta_kernel(dtype, D)
-    k.cubin(_arch())
-    return k.name
+def _as_spec(x):
+    return x if len(x) == 3 else (*x[:3], dict(x[3]))
 
 
 TUNING_OUT = None

@@ -457,29 +457,32 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     return out
 
 
-def _shipped(kind, D, dtype):
-    return delta_kernel(dtype, D) if kind == "delta" else kernel(variant(kind, D, D, dtype))[0]
-
-
-def build_one(kind, D, dtype, arch):
-    """compile one shipped kernel's cubin for `arch` into the cubin cache (no GPU needed)."""
-    k = _shipped(kind, D, dtype)
+def build_one(kind, D, dtype, arch, shape=None):
+    """compile one kernel's cubin for `arch` into the cubin cache (no GPU needed): the shipped
+    shape of (kind, D, dtype), or the tile `shape` given (a dict of Variant fields)."""
+    if kind == "delta":
+        k = delta_kernel(dtype, D)
+    else:
+        v = G.Variant(kind, D, D, dtype=dtype, **shape).check() if shape else variant(kind, D, D, dtype)
+        k = kernel(v)[0]
     k.cubin(arch)
     return k.name
 
 
-def build_cubins(dtypes=("float16", "bfloat16", "float32"), arch="sm_90", jobs=None):
-    """fill the cubin cache (TIGA_NUMBA_CACHE_DIR) with every shipped kernel for `arch`, in
-    parallel processes; returns the kernel names. Works on a machine without a GPU, so a
+def build_cubins(dtypes=("float16", "bfloat16", "float32"), arch="sm_90", jobs=None, specs=None):
+    """fill the cubin cache (TIGA_NUMBA_CACHE_DIR) for `arch` in parallel processes: every
+    shipped kernel of `dtypes`, or the `specs` given ((kind, D, dtype[, shape]) tuples, e.g. a
+    sweep's candidates); returns the kernel names. Works on a machine without a GPU, so a
     deployment (or a CI job) can pay the minutes of NVVM time once, ahead of the first call."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    todo = shipped_kernels(dtypes)
+    todo = list(specs) if specs is not None else shipped_kernels(dtypes)
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     if jobs == 1:
-        return [build_one(kind, D, dt, arch) for kind, D, dt in todo]
+        return [build_one(*spec, arch=arch) if len(spec) == 3 else build_one(*spec[:3], arch, spec[3])
+                for spec in todo]
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(build_one, kind, D, dt, arch) for kind, D, dt in todo]
+        futs = [ex.submit(build_one, *spec[:3], arch, spec[3] if len(spec) > 3 else None) for spec in todo]
         return [f.result() for f in futs]
 
 
