@@ -237,7 +237,7 @@ class Compiled:
     """One generated kernel with an explicit all-scalar signature; cheap launches.
 
     The launch path runs a cubin from the cubin cache (`cubin()`: keyed by the generated text,
-    the numba-cuda version and the architecture; built on a miss with compile_ptx + nvJitLink,
+    the intrinsics it imports (ptx.py), the numba-cuda version and the architecture; built on a miss with compile_ptx + nvJitLink,
     which needs no GPU, so `build_cubins()` can fill the cache on any machine). numba's own
     dispatcher (NVVM compile of the same function) is made only when something needs it: the
     fallback launch paths, or PTX / LLVM / resource inspection without a loaded cubin."""
