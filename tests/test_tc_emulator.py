@@ -125,6 +125,99 @@ def test_backward_emulated(D, H, Hkv, dtype, BNq, BNk, a_smem, NW, relname):
         assert rel(got, want) < tol
 
 
+#: the shipped fused shapes (api.TUNING / TUNING_F32 dkdv) and the other warp splits of the dQ product
+FUSED = [(64, 2, 1, "float16", dict(NW=4, MT=1, BN=64)),                       # K in registers and shared
+         (128, 2, 1, "float16", dict(NW=4, MT=1, BN=32, a_smem=True)),         # 2 x 2 warp grid for dQ
+         (64, 3, 3, "bfloat16", dict(NW=4, MT=1, BN=64, a_smem=True)),
+         (64, 2, 1, "float32", dict(NW=4, MT=1, BN=32, a_smem=True)),
+         (128, 2, 1, "float32", dict(NW=4, MT=1, BN=32, a_smem=True)),
+         (128, 1, 1, "float32", dict(NW=4, MT=1, BN=16, a_smem=True))]        # 1 x 4 warp grid
+
+
+@pytest.mark.parametrize("D,H,Hkv,dtype,shape", FUSED)
+@pytest.mark.parametrize("relname", list(RELATIONS))
+def test_fused_backward_emulated(D, H, Hkv, dtype, shape, relname):
+    """one kernel computes dK, dV and dQ (dS stored transposed to shared memory, dQ = dS K, blocks
+    added in key-tile order to a poisoned float32 accumulator; the emulator raises if a CTA's turn
+    comes out of order). dQ rows of blocks without keys are zero, the rest is written by the kernel."""
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng(11 + D + len(relname))
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)
+    scale = D ** -0.5
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
+    vk = G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, **shape)
+    out = rounded(ro.astype(np.float32), dtype)
+    dq, dk, dv = E.backward(None, vk, do, q, k, v, out, rm.astype(np.float32), rl.astype(np.float32),
+                            dst, src, causal.astype(np.uint8), scale)
+    for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert np.isfinite(got).all()
+        assert rel(got, want) < 3 * TOL[dtype]
+
+
+def test_fused_turn_order_is_enforced(monkeypatch):
+    """The deadlock-freedom argument needs every key tile of a block to come after the lower ranks
+    in launch order. A schedule that breaks it must fail (the emulator runs CTAs in launch order,
+    so a CTA meeting a counter that is not its turn raises), not silently reorder the sums."""
+    real = S.key_tiles
+    monkeypatch.setattr(S, "key_tiles", lambda *a: np.ascontiguousarray(real(*a)[::-1]))
+    dst, src, causal = (np.array(x) for x in RELATIONS["causal_tail"])   # 3 key tiles of 64
+    q, k, v, do = _inputs(np.random.default_rng(0), dst[-1], src[-1], 1, 1, 64, "float16")
+    ro, rm, rl, *_ = oracle(q, k, v, do, dst, src, causal, 0.125)
+    vk = G.Variant("dkdv", 64, 64, NW=4, MT=1, BN=64, fuse_dq=True)
+    with pytest.raises(RuntimeError, match="turn order"):
+        E.backward(None, vk, do, q, k, v, rounded(ro.astype(np.float32), "float16"), rm.astype(np.float32),
+                   rl.astype(np.float32), dst, src, causal.astype(np.uint8), 0.125)
+
+
+def test_key_tiles_keep_rank_order_within_each_block():
+    """schedule.key_tiles reorders tiles by work (long causal tiles first); within a block the key
+    tiles must stay in increasing order (the fused backward's turn order), on random segment mixes."""
+    rng = np.random.default_rng()
+    for _ in range(50):
+        n = rng.integers(1, 12)
+        off = np.concatenate([[0], np.cumsum(rng.integers(0, 300, n))])
+        causal = rng.integers(0, 2, n)
+        for BM in (64, 128):
+            tab = S.key_tiles(off, off, causal, BM)
+            for c0 in np.unique(tab[:, 2]):
+                diags = tab[tab[:, 2] == c0, 4]
+                assert np.all(np.diff(diags) > 0), (off, causal, BM)
+
+
+def test_fused_warp_split_rules():
+    """the dQ product splits BN x D over the warps in m16 row tiles and whole 128-byte column groups;
+    what cannot be split that way is refused with a clear message, not mis-tiled."""
+    assert G.Variant("dkdv", 128, 128, NW=4, BN=32, fuse_dq=True).dq_warps() == (2, 2, 1, 4)
+    assert G.Variant("dkdv", 128, 128, dtype="float32", NW=8, BN=32, a_smem=True, fuse_dq=True).dq_warps() == (2, 4, 1, 2)
+    with pytest.raises(ValueError, match="cannot split"):
+        G.Variant("dkdv", 64, 64, NW=8, BN=64, fuse_dq=True).check()
+    with pytest.raises(ValueError, match="dK/dV kernel option"):
+        G.Variant("dq", 64, 64, fuse_dq=True).check()
+
+
+def test_fused_ptx_compiles_for_sm90():
+    """the fused kernel lowers for sm_90: 5 products of mma (S, dV, dP, dK, dQ), the turn counter
+    as ld.acquire / st.release at GPU scope, dQ traffic through L2 (.cg), no float atomics, no
+    local arrays."""
+    pytest.importorskip("numba_cuda")
+    import numba
+    from numba import cuda
+
+    from tiga_numba.cuda.tc import api
+    v = G.Variant("dkdv", 64, 64, NW=4, MT=1, BN=64, fuse_dq=True)
+    env = api._env("float16")
+    exec(compile(G.gen_source(v), "<k>", "exec"), env)
+    ni, nf = api.signature(v)
+    ptx, _ = cuda.compile_ptx(env["kernel"], numba.void(*((numba.int64,) * ni + (numba.float32,) * nf)),
+                              cc=(9, 0), fastmath=True)
+    per_product = v.MT * (v.BN // 8) * (64 // 16)   # per warp: m16 tiles x n8 tiles x k16 steps (all five equal)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 5 * per_product
+    assert "ld.acquire.gpu.global.u32" in ptx and "st.release.gpu.global.u32" in ptx
+    assert "ld.global.cg.v2.f32" in ptx and ".local" not in ptx
+    import re
+    assert not re.search(r"\b(atom|red)\.", ptx)
+
+
 def test_broken_swizzle_is_caught(monkeypatch):
     """A wrong fragment layout must fail the emulator check (the test can fail)."""
     real = G.thread_geometry
@@ -325,8 +418,11 @@ def test_shipped_kernel_list_covers_every_routed_variant():
     for dt in api.TC_DTYPES:
         dims = api.F32_HEAD_DIMS if dt == "float32" else api.HEAD_DIMS
         for D in dims:
-            for kind in ("fwd", "dq", "dkdv", "delta"):
+            vq, vk = api.backward_variants(D, D, dt)   # the kernels forward() / backward() launch
+            routed = ["fwd", "dkdv", "delta"] + (["dq"] if vq is not None else [])
+            for kind in routed:
                 assert (kind, D, dt) in shipped
+            assert (vq is None) == vk.fuse_dq
 
 
 class _FakeDev:

@@ -48,8 +48,14 @@ TUNING = {
     ("fwd", 128): dict(NW=4, MT=2, BN=32, a_smem=True),
     ("dq", 64): dict(NW=4, MT=1, BN=64),
     ("dq", 128): dict(NW=4, MT=1, BN=64, a_smem=True),
-    ("dkdv", 64): dict(NW=4, MT=1, BN=64),
-    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=64, fuse_dq=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, fuse_dq=True),
+}
+#: the two-kernel backward (dQ kernel + dK/dV kernel, 7 products) that the fused one replaced;
+#: kept for A/B runs (benchmarks/bench_tc_bwd.py) and as the route where fuse_dq cannot split warps
+UNFUSED_DKDV = {
+    ("float16", 64): dict(NW=4, MT=1, BN=64), ("float16", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True), ("float32", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
 }
 
 
@@ -64,8 +70,8 @@ TUNING_F32 = {
     ("fwd", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
     ("dq", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
     ("dq", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
-    ("dkdv", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
-    ("dkdv", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=32, a_smem=True, fuse_dq=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, fuse_dq=True),
 }
 # dq D = 128: BN = 64 was 3% faster in the first sweep (before per-block partials) but then
 # spilled and did not finish compiling within 190 s on the H200 in the second run; BN = 32 did.
@@ -165,6 +171,13 @@ def _device_can_run(D, Dv, dtype):
 
 # ----------------------------------------------------------------------------- compiled kernels
 _SIGS = {"fwd": (15, 2), "dq": (18, 2), "dkdv": (21, 2)}   # (int64 args, float32 args)
+
+
+def signature(v):
+    """(int64 args, float32 args) of a Variant's kernel: the fused dK/dV/dQ kernel takes dQ, its
+    accumulator, the turn counters and dQ's row stride too."""
+    ni, nf = _SIGS[v.kind]
+    return (ni + 4 if v.fuse_dq else ni), nf
 
 
 def _env(dtype):
@@ -435,7 +448,7 @@ def _intrinsics_hash():
 def kernel(v):
     """(compiled kernel, cache 'hit'/'miss') for a Variant."""
     before = KERNELS.misses
-    ni, nf = _SIGS[v.kind]
+    ni, nf = signature(v)
     k = KERNELS.get(("tc", v), lambda: Compiled(v.name(), G.gen_source(v), v.dtype, ni, nf,
                                                 v.smem_bytes() if v.dynamic_smem else 0))
     return k, ("miss" if KERNELS.misses > before else "hit")
@@ -452,7 +465,8 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     out = []
     for dt in dtypes:
         dims = F32_HEAD_DIMS if dt == "float32" else HEAD_DIMS
-        out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims]
+        out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
+                if not (kind == "dq" and variant("dkdv", D, D, dt).fuse_dq)]   # fused: no dQ kernel
         out += [("delta", D, dt) for D in dims]
     return out
 
@@ -621,25 +635,67 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None):
 
 def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
                     stream=None):
-    """Delta pre-pass, dQ, dK/dV on raw operands ((address, row stride, head stride) tuples; outputs
-    contiguous; delta, lse2 float32 (num_dst, H) scratch). Returns the two kernels' cache states."""
+    """Delta pre-pass, then dQ and dK/dV on raw operands ((address, row stride, head stride) tuples;
+    outputs contiguous; delta, lse2 float32 (num_dst, H) scratch): two kernels, or one when
+    vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
+    Returns (the main kernel, the kernels' cache state)."""
     st = stream or current_stream()
     sc = scale * G.LOG2E
-    kd = delta_kernel(vq.dtype, vq.Dv)
+    kd = delta_kernel(vk.dtype, vk.Dv)
     if nd * H:
         kd(((nd * H + 3) // 4,), (128,), st, o[0], do[0], mp, lp, deltap, lse2p, nd, H, o[1], o[2], do[1], do[2])
-    kq, c1 = kernel(vq)
-    work, W = _work(rec, "q", vq.BM)
-    if W and H:
-        kq((W, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, _ptr(work),
-           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.EB, H // Hkv, sc, scale)
-    kk, c2 = kernel(vk)
+    states = []
+    if vq is not None:
+        kq, c = kernel(vq)
+        states.append(c)
+        work, W = _work(rec, "q", vq.BM)
+        if W and H:
+            kq((W, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, _ptr(work),
+               q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.EB, H // Hkv, sc, scale)
+    kk, c = kernel(vk)
+    states.append(c)
     work, W = _work(rec, "k", vk.BM)
-    if W and Hkv:
-        kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, _ptr(work),
-           q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.EB, Hkv * vk.Dv * vk.EB, H // Hkv, H,
-           sc, scale)
-    return kq, ("hit" if (c1 == "hit" and c2 == "hit") else "miss")
+    cache = "hit" if all(x == "hit" for x in states) else "miss"
+    if not (W and Hkv):
+        return (kk if vq is None else kq), cache
+    strides = (q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.EB, Hkv * vk.Dv * vk.EB)
+    if vq is not None:
+        kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, _ptr(work), *strides,
+           H // Hkv, H, sc, scale)
+        return kq, cache
+    import contextlib
+
+    import cupy
+    # scratch of the ordered dQ accumulation: float32 partial sums (the first visitor of a block
+    # writes before anyone reads) and one turn counter per (query row, head), zeroed
+    with (cupy.cuda.ExternalStream(st.ptr) if stream is not None else contextlib.nullcontext()):
+        acc = cupy.empty(max(nd * H * vk.D, 1), cupy.float32)
+        turns = cupy.zeros(max(nd * H, 1), cupy.int32)
+    # flat grid, heads interleaved: block b = (key tile b // Hkv, kv head b % Hkv)
+    kk((W * Hkv,), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, dqp, _ptr(acc), _ptr(turns),
+       _ptr(work), *strides, H * vk.D * vk.EB, H // Hkv, H, sc, scale)
+    return kk, cache
+
+
+def backward_variants(D, Dv, dtype):
+    """(dQ variant, dK/dV variant) of the shipped tuning: (None, fused) when the dK/dV kernel also
+    computes dQ (Variant.fuse_dq)."""
+    vk = variant("dkdv", D, Dv, dtype)
+    return (None if vk.fuse_dq else variant("dq", D, Dv, dtype)), vk
+
+
+def _dq_zero_fill(rec, nd, fused):
+    """True when some dQ row is written by no kernel: outside every block, or (fused backward: only
+    key tiles write dQ) in a block without sources."""
+    if not _covers(rec, "dst", nd):
+        return True
+    if not fused:
+        return False
+    key = ("dq-unvisited", nd)
+    hit = rec["tables"].get(key)
+    if hit is None:
+        hit = rec["tables"][key] = bool(schedule.rows_without_keys(rec["dst"], rec["src"], nd).any())
+    return hit
 
 
 # ----------------------------------------------------------------------------- forward
@@ -686,7 +742,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
-    vq, vk = variant("dq", D, Dv, dt), variant("dkdv", D, Dv, dt)
+    vq, vk = backward_variants(D, Dv, dt)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
@@ -700,7 +756,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     m = cupy.ascontiguousarray(m, dtype=cupy.float32)
     l = cupy.ascontiguousarray(l, dtype=cupy.float32)
     rec = _host_relation(relation)
-    zq = not _covers(rec, "dst", nd)
+    zq = _dq_zero_fill(rec, nd, vq is None)
     zk = not _covers(rec, "src", ns)
     dq = (cupy.zeros if zq else cupy.empty)((nd, H, D), dtype=q.dtype)
     dk = (cupy.zeros if zk else cupy.empty)((ns, Hkv, D), dtype=q.dtype)
@@ -710,9 +766,14 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                 (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m), _ptr(l), _ptr(delta), _ptr(lse2),
                                 _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))
-    _info(plan, kernel=f"tensor-core FA2 backward ({dt}, mma.sync {_MMA[vq.tf32]}): Delta pre-pass, dQ by "
-                       f"query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)",
-          precision=precision(dt),
-          tiles=f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}",
+    if vq is None:
+        how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
+               "dQ blocks added to a float32 accumulator in a fixed key-tile order: deterministic, no atomics)")
+        tiles = f"dK/dV/dQ BM={vk.BM} BN={vk.BN} warps={vk.NW}"
+    else:
+        how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
+        tiles = f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}"
+    _info(plan, kernel=f"tensor-core FA2 backward ({dt}, mma.sync {_MMA[vk.tf32]}): {how}",
+          precision=precision(dt), tiles=tiles,
           copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})
     return dq, dk, dv, None

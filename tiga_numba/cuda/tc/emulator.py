@@ -256,6 +256,56 @@ class Warps:
         self.mem.check(gaddr, 4)
         return np.int64(self.mem.buf[gaddr:gaddr + 4].view(np.int32)[0])
 
+    # -- the fused backward's ordered dQ accumulation
+    def wait_eq(self, gaddr, value):
+        """CTAs run one after another in launch order here, so the turn must already be ours:
+        anything else is an ordering bug that would deadlock or race on a GPU."""
+        got = int(self.ldg_i32(gaddr))
+        if got != int(value):
+            raise RuntimeError(f"dQ turn order violated: counter {got}, this CTA's turn {int(value)}")
+
+    def stg_release_if(self, pred, gaddr, value):
+        self.stg_u32_if(pred, gaddr, np.uint32(int(value)))
+
+    def _ldg_cg_if(self, pred, gaddr, n):
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)
+        out = np.zeros((self.NT, n), np.float32)
+        if pred.any():
+            assert np.all(gaddr[pred] % (4 * n) == 0), "alignment of a vector load"
+            self.mem.check(gaddr[pred], 4 * n)
+            out[pred] = self.mem.buf[gaddr[pred][:, None] + np.arange(4 * n)].view(np.float32).reshape(-1, n)
+        return tuple(out[:, i].copy() for i in range(n))
+
+    def ldg_cg2_if(self, pred, gaddr):
+        return self._ldg_cg_if(pred, gaddr, 2)
+
+    def ldg_cg4_if(self, pred, gaddr):
+        return self._ldg_cg_if(pred, gaddr, 4)
+
+    def stg_v2_if(self, pred, gaddr, x0, x1):
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)[pred]
+        if len(gaddr):
+            assert np.all(gaddr % 8 == 0), "8-byte alignment of a vector store"
+            self.mem.check(gaddr, 8)
+            x = np.stack([self._vec(y, np.float32) for y in (x0, x1)], 1)[pred]
+            self.mem.buf[gaddr[:, None] + np.arange(8)] = x.view(np.uint8).reshape(-1, 8)
+
+    def _sts(self, addr, words, nbytes):
+        addr = self._vec(addr, np.int64)
+        assert np.all(addr % nbytes == 0), "alignment of a shared store"
+        assert np.all((addr >= 0) & (addr + nbytes <= len(self.SM))), "shared access out of bounds"
+        self.SM[addr[:, None] + np.arange(nbytes)] = words.view(np.uint8).reshape(self.NT, -1)[:, :nbytes]
+
+    def sts_halves(self, addr_lo, addr_hi, x):
+        x = self._vec(x, np.uint32)
+        self._sts(addr_lo, (x & 0xFFFF).astype(np.uint16), 2)
+        self._sts(addr_hi, (x >> 16).astype(np.uint16), 2)
+
+    def sts_f32(self, addr, x):
+        self._sts(addr, self._vec(x, np.float32), 4)
+
     # -- registers
     def pack2(self, lo, hi):
         return (f32_to_bits(lo, self.dtype) | (f32_to_bits(hi, self.dtype) << 16)).astype(np.uint32)
@@ -304,7 +354,8 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
-                       "unpack2", "shfl_xor"):
+                       "unpack2", "shfl_xor", "wait_eq", "stg_release_if", "ldg_cg2_if", "ldg_cg4_if",
+                       "stg_v2_if", "sts_halves", "sts_f32"):
                 env[nm] = getattr(w, nm)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -346,11 +397,12 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale):
 
 
 def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, causal, scale):
-    """Emulate Delta pre-pass + dQ kernel + dK/dV kernel; returns dq, dk, dv as float32."""
+    """Emulate Delta pre-pass + dQ kernel + dK/dV kernel (vdq None: vkv.fuse_dq computes dQ too);
+    returns dq, dk, dv as float32."""
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
-    dt, EB, sd = vdq.dtype, vdq.EB, storage_dtype(vdq.dtype)
+    dt, EB, sd = vkv.dtype, vkv.EB, storage_dtype(vkv.dtype)
     mem = Memory()
     qb, q_rs, q_hs = _put_heads(mem, q, dt)
     kb, k_rs, k_hs = _put_heads(mem, k, dt)
@@ -368,13 +420,25 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     if nd * H:
         launch(G.gen_delta(dt, Dv), ((nd * H + 3) // 4, 1), 128, 16, mem, dt,
                (ob, db, mb, lb, dlt, lse, nd, H, o_rs, o_hs, do_rs, do_hs))
-    work = schedule.query_tiles(dst_offsets, src_offsets, causal, vdq.BM)
-    if len(work):
-        launch(G.gen_dq(vdq), (len(work), H), vdq.NT, vdq.smem_bytes(), mem, dt,
-               (qb, kb, vb, db, lse, dlt, dqb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,
-                H * D * EB, H // Hkv, sc, np.float32(scale)))
+    if vdq is not None:
+        work = schedule.query_tiles(dst_offsets, src_offsets, causal, vdq.BM)
+        if len(work):
+            launch(G.gen_dq(vdq), (len(work), H), vdq.NT, vdq.smem_bytes(), mem, dt,
+                   (qb, kb, vb, db, lse, dlt, dqb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,
+                    H * D * EB, H // Hkv, sc, np.float32(scale)))
     work = schedule.key_tiles(dst_offsets, src_offsets, causal, vkv.BM)
-    if len(work):
+    if vkv.fuse_dq:
+        # as the API does: rows no key tile visits are zero-filled, the rest stays poisoned
+        unvisited = schedule.rows_without_keys(dst_offsets, src_offsets, nd)
+        mem.buf[dqb:dqb + nd * H * D * EB].reshape(nd, -1)[unvisited] = 0
+        accb = mem.alloc(max(nd * H * D * 4, 1))             # poisoned: the first visitor reads nothing
+        cntb = mem.alloc(max(nd * H * 4, 1), fill=0)         # turn counters start at 0
+        if len(work):
+            launch(G.gen_dkdv(vkv), (len(work) * Hkv, 1), vkv.NT, vkv.smem_bytes(), mem, dt,
+                   (qb, kb, vb, db, lse, dlt, dkb, dvb, dqb, accb, cntb, mem.put(work), q_rs, q_hs, k_rs, k_hs,
+                    v_rs, v_hs, do_rs, do_hs, Hkv * D * EB, Hkv * Dv * EB, H * D * EB, H // Hkv, H, sc,
+                    np.float32(scale)))
+    elif len(work):
         launch(G.gen_dkdv(vkv), (len(work), Hkv), vkv.NT, vkv.smem_bytes(), mem, dt,
                (qb, kb, vb, db, lse, dlt, dkb, dvb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,
                 do_hs, Hkv * D * EB, Hkv * Dv * EB, H // Hkv, H, sc, np.float32(scale)))

@@ -77,6 +77,7 @@ class Variant:
     BN: int = 64       # width of the streamed block (keys for fwd/dq, queries for dkdv)
     a_smem: bool = False  # resident operand (Q / K,V) stays in shared memory, A fragments loaded
     #                       at use: frees registers for MT = 2 at D = 128
+    fuse_dq: bool = False  # dkdv only: also computes dQ (5 products instead of 7, see gen_dkdv)
 
     @property
     def NT(self):
@@ -110,6 +111,12 @@ class Variant:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
         if self.kind not in ("fwd", "dq", "dkdv"):
             raise ValueError(f"unknown kernel kind {self.kind!r}")
+        if self.fuse_dq:
+            if self.kind != "dkdv":
+                raise ValueError("fuse_dq is a dK/dV kernel option")
+            if self.BM * self.EB % 128:
+                raise ValueError(f"fuse_dq: a dS row of BM = {self.BM} keys must hold whole 128-byte swizzle groups")
+            self.dq_warps()
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
         if self.smem_bytes() > MAX_SMEM:
@@ -129,19 +136,44 @@ class Variant:
         """head widths of the CTA's own row tiles: Q (fwd), Q and dO (dq), K and V (dkdv)."""
         return (self.D,) if self.kind == "fwd" else (self.D, self.Dv)
 
+    def kept_in_shared(self):
+        """which resident tiles (by position) stay in shared memory for the whole kernel: all of them
+        with a_smem; K for the fused dQ product (its B operand) even when its A fragments are in registers."""
+        n = len(self.resident_widths())
+        return tuple(i for i in range(n) if self.a_smem or (self.fuse_dq and i == 0))
+
     def resident_bytes(self):
-        """shared bytes held for the whole kernel by the resident tiles (0: they live in registers)."""
-        return self.BM * self.EB * sum(self.resident_widths()) if self.a_smem else 0
+        """shared bytes held for the whole kernel by the resident tiles kept in shared memory."""
+        w = self.resident_widths()
+        return self.BM * self.EB * sum(w[i] for i in self.kept_in_shared())
+
+    def ds_tile_bytes(self):
+        """fused dQ: the block's dS, query-major (BN rows of BM keys)."""
+        return self.BN * self.BM * self.EB if self.fuse_dq else 0
 
     def smem_bytes(self):
-        staging = self.BM * self.EB * max(self.D, self.Dv)   # register mode: the CTA's own rows, staged once
-        if self.a_smem:
-            return self.resident_bytes() + 2 * self.stream_tile_bytes()
-        return max(2 * self.stream_tile_bytes(), staging)
+        w = self.resident_widths()
+        staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
+        staging = self.BM * self.EB * max(staged) if staged else 0   # register mode: staged once
+        return self.resident_bytes() + max(2 * self.stream_tile_bytes(), staging) + self.ds_tile_bytes()
+
+    def dq_warps(self):
+        """warp grid of the fused dQ product (BN queries x D columns over BM keys): WR row groups of
+        MQ m16 tiles times WC column groups of NQ n-tile pairs. A column group is whole 128-byte
+        swizzle groups (64 16-bit / 32 fp32 columns), so its B offsets are the precomputed ones plus
+        a multiple of 128 bytes."""
+        import math
+        WR = math.gcd(self.NW, self.BN // 16)
+        WC = self.NW // WR
+        group = 128 // self.EB
+        if self.BN % 16 or self.D % (WC * group):
+            raise ValueError(f"fuse_dq: {self.NW} warps cannot split a {self.BN} x {self.D} dQ block "
+                             f"into m16 row tiles and {group}-column groups")
+        return WR, WC, self.BN // 16 // WR, self.D // WC // 16
 
     def name(self):
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
-                + ("_as" if self.a_smem else ""))
+                + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else ""))
 
 
 # ----------------------------------------------------------------------------- source writer
@@ -205,6 +237,10 @@ def thread_geometry(e, v):
     e("wid = tx // 32; lane = tx % 32; g = lane // 4; t = lane % 4")
     # ldmatrix: lanes 8*mi .. 8*mi+7 give the row addresses of 8x8 matrix mi
     e("mi = lane // 8; r8 = lane % 8; mlo = mi % 2; mhi = mi // 2; lrow16 = r8 + 8 * mlo")
+    if v.fuse_dq and v.BM not in (v.D, v.Dv):   # A fragments of the dS tile (BM keys wide)
+        rs = v.EB * v.BM
+        for c in range(rs // 32):
+            e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
     for width in sorted({v.D, v.Dv}):
         rs = v.EB * width
         for c in range(rs // 32):
@@ -329,24 +365,33 @@ def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None):
 
 def resident(e, v, tiles, row0):
     """The CTA's own row tiles [(A name, global base, row stride, width), ...]: staged one by one
-    into registers (A fragments), or (v.a_smem) kept in shared memory. Returns {name: a_smem arg}
-    (None where in registers) and the first free shared byte for the streamed buffers."""
-    where, off = {}, 0
-    for name, gbase, gstride, width in tiles:
-        rs = v.EB * width
-        if v.a_smem:
-            load_tile(e, v, sa("sb", off) if off else "sb", gbase, gstride, "rows", v.BM, width)
-            where[name] = (sa("sb", off) if off else "sb", "wrow")
-            off += v.BM * rs
-        else:
-            load_tile(e, v, "sb", gbase, gstride, "rows", v.BM, width)
-            e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-            load_a(e, v, name, "sb", "wrow", v.MT, v.ksteps(width), rs)
-            e("cuda.syncthreads()")
-            where[name] = None
-    if v.a_smem:
+    into registers (A fragments), or kept in shared memory (v.kept_in_shared(): all with a_smem,
+    K for the fused dQ). Returns {name: a_smem arg} (None where the A fragments are in registers),
+    {name: shared base} of the kept tiles, and the first free shared byte for the streamed buffers."""
+    where, kept, off = {}, {}, 0
+    keep = v.kept_in_shared()
+    for i, (name, gbase, gstride, width) in enumerate(tiles):
+        if i in keep:
+            tile = sa("sb", off) if off else "sb"
+            load_tile(e, v, tile, gbase, gstride, "rows", v.BM, width)
+            kept[name] = tile
+            where[name] = (tile, "wrow") if v.a_smem else None
+            off += v.BM * v.EB * width
+    if kept:
         e("cp_commit(); cp_wait0(); cuda.syncthreads()")
-    return where, off
+    for i, (name, gbase, gstride, width) in enumerate(tiles):
+        if v.a_smem:
+            continue
+        if i in keep:   # registers and shared: fragments from the kept copy
+            load_a(e, v, name, kept[name], "wrow", v.MT, v.ksteps(width), v.EB * width)
+            continue
+        stage = sa("sb", off) if off else "sb"
+        load_tile(e, v, stage, gbase, gstride, "rows", v.BM, width)
+        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+        load_a(e, v, name, stage, "wrow", v.MT, v.ksteps(width), v.EB * width)
+        e("cuda.syncthreads()")
+        where[name] = None
+    return where, kept, off
 
 
 def c_to_a(e, A, C, MT, ksteps):
@@ -483,11 +528,14 @@ def shared_array(e, v):
 
 
 # ----------------------------------------------------------------------------- work-table prologue
-def read_work(e, v):
-    """This CTA's row of the work table (schedule.py): which rows it owns and which block they face."""
-    e(f"wa = work + i64(cuda.blockIdx.x) * {4 * len(WORK_FIELDS)}")
+def read_work(e, v, index="i64(cuda.blockIdx.x)"):
+    """This CTA's row of the work table (schedule.py): which rows it owns and which block they face.
+    `rows` is capped at the tile; `rows_left` keeps the block's rows from row0 on."""
+    e(f"wa = work + {index} * {4 * len(WORK_FIELDS)}")
     for i, f in enumerate(WORK_FIELDS):
         e(f"{f} = i64(ldg_i32(wa + {4 * i}))")
+    if v.fuse_dq:
+        e("rows_left = rows")
     e(f"rows = imin(rows, {v.BM})")
 
 
@@ -518,7 +566,7 @@ def gen_forward(v):
         e("kg = kp + col0 * k_rs + hk * k_hs")
         e("vg = vp + col0 * v_rs + hk * v_hs")
         # stage 1: the Q tile, resident for the whole loop (registers, or shared with a_smem)
-        where, off = resident(e, v, [("qa", "qg", "q_rs", D)], "wrow")
+        where, _, off = resident(e, v, [("qa", "qg", "q_rs", D)], "wrow")
         e(f"ss = {sa('sb', off) if off else 'sb'}")   # first byte of the streamed buffers
         zero_c(e, "o", MT, Dv // 8)
         for m in range(MT):
@@ -599,7 +647,7 @@ def gen_dq(v):
         e("kg = kp + col0 * k_rs + hk * k_hs")
         e("vg = vp + col0 * v_rs + hk * v_hs")
         # resident operands: this tile's Q and dO rows
-        where, off = resident(e, v, [("qa", "qp + row0 * q_rs + hh * q_hs", "q_rs", D),
+        where, _, off = resident(e, v, [("qa", "qp + row0 * q_rs + hh * q_hs", "q_rs", D),
                                      ("da", "dop + row0 * do_rs + hh * do_hs", "do_rs", Dv)], "wrow")
         e(f"ss = {sa('sb', off) if off else 'sb'}")
         e("H = dq_rs // %d" % rsk)
@@ -660,6 +708,123 @@ def col_stats(e, nt, name, ptr):
             e(f"{name}{j}{c} = ldg_f32_if(ok, {ptr} + ((col0 + sel(ok != 0, ci, 0)) * H + hq) * 4)")
 
 
+# ============================================================================= fused dQ (dkdv, fuse_dq)
+# The dK/dV kernel already holds dS^T = (P (dP - Delta))^T for its key tile and one query block, so
+# dQ_block += dS K costs one more product instead of the dQ kernel's three (S, dP, dQ): 5 products
+# in all. Each key tile's contribution is added to a float32 accumulator in a fixed order (its rank
+# among the key tiles that visit the query block), so the bits do not depend on timing: a turn
+# counter per (query block, head), acquire/release at GPU scope. A CTA only ever waits for a lower
+# rank, i.e. a CTA launched earlier (work rows keep the key tiles of a block in increasing order and
+# the grid is flat, key tile-major), which is what makes the wait deadlock-free; heads are
+# interleaved in the grid so that no wave holds many ranks of one head (a staircase of waits).
+def dq_geometry(e, v):
+    """per-thread constants: this warp's dQ rows / columns and this lane's transposed dS store offsets
+    (dso{m}{h}{q}: key half h of m-tile m, query parity q)."""
+    WR, WC, MQ, NQ = v.dq_warps()
+    rsA = v.EB * v.BM
+    e(f"qrow = (wid // {WC}) * {16 * MQ}; qcol = (wid % {WC}) * {v.D // WC}")
+    e(f"qrowoff = u32(qrow * {rsA}); qcolb = u32(qcol * {v.EB})")
+    for m in range(v.MT):
+        for h in (0, 1):
+            e(f"kv{m}{h} = u32(wrow + {16 * m + 8 * h} + g < rows)")
+            key8 = f"(wid * {2 * v.MT} + {2 * m + h})"   # the key's 16-byte-chunk group (8 keys)
+            # tf32: key 8c + 2i + e sits at word i + 4e of its group (mma_pb's key order)
+            chunk, within = (f"(2 * {key8} + g % 2)", "(g // 2) * 4") if v.tf32 else (key8, "2 * g")
+            for q in (0, 1):
+                e(f"dso{m}{h}{q} = u32((2 * t + {q}) * {rsA} + (({chunk} ^ (2 * t + {q})) * 16) + {within})")
+
+
+def store_ds(e, v, dsb):
+    """dS^T (C fragments: this warp's key rows x the block's queries) -> the query-major dS tile in
+    shared memory. Key rows past the tile are stored as 0: their K rows are zero-filled, so their
+    "probabilities" are not bounded and could overflow (0 * inf). 16-bit: the halves of the packed A
+    registers c_to_a made for dK; tf32: the f32 values."""
+    rsA = v.EB * v.BM
+    e(f"# store_ds: dS^T fragments -> shared dS (query-major, {v.BN} x {v.BM})")
+    for m in range(v.MT):
+        if v.tf32:
+            for j in range(v.BN // 8):
+                for r in range(4):
+                    h, q = r // 2, r % 2
+                    e(f"sts_f32({sa(dsb, f'dso{m}{h}{q}', 8 * j * rsA)}, sel(kv{m}{h} != 0, s{m}_{j}_{r}, zero))")
+            continue
+        for ks in range(v.BN // 16):
+            for r in range(4):   # a{r}: key half r % 2, queries 16 ks + 8 (r // 2) + 2t, +1
+                h, off = r % 2, (16 * ks + 8 * (r // 2)) * rsA
+                e(f"sts_halves({sa(dsb, f'dso{m}{h}0', off)}, {sa(dsb, f'dso{m}{h}1', off)}, "
+                  f"sel(kv{m}{h} != 0, sa{m}_{ks}_{r}, u32(0)))")
+
+
+def mma_dq(e, v, C, A, dsb, ktile):
+    """C = dS . K for this warp's share of the block (MQ m16 query tiles x NQ column pairs, k = the
+    BM keys): A = dS rows from shared (ldmatrix), B = K rows in shared (16-bit: ldmatrix.trans;
+    tf32: lds64 at mma_pb's permuted keys and columns, matching store_ds's key order)."""
+    WR, WC, MQ, NQ = v.dq_warps()
+    rsA, rsk = v.EB * v.BM, v.EB * v.D
+    e(f"# mma_dq: {C} = dS . K (dS rows from qrow, K columns from qcol)")
+    zero_c(e, C, MQ, 2 * NQ)
+    for ks in range(v.ksteps(v.BM)):
+        for mq in range(MQ):
+            ldsm_a(e, v, A, mq, ks, sa(dsb, "qrowoff", f"xa{rsA}_{ks}", 16 * mq * rsA))
+        for jp in range(NQ):
+            if v.tf32:
+                for x, ee in (("u", 0), ("w", 1)):
+                    e(f"{x}0, {x}1 = lds64({sa(ktile, 'qcolb', f'xv{rsk}_{ee}_{jp % 2}', ks * 8 * rsk + 128 * (jp // 2))})")
+                split_tf32(e, v, ["u0", "u1", "w0", "w1"])
+                tiles = ((2 * jp, ["u0", "w0"]), (2 * jp + 1, ["u1", "w1"]))
+            else:
+                e(f"b0, b1, b2, b3 = ldsm_x4_t({sa(ktile, 'qcolb', f'xa{rsk}_{jp}', ks * 16 * rsk)})")
+                tiles = ((2 * jp, ["b0", "b1"]), (2 * jp + 1, ["b2", "b3"]))
+            for j, b in tiles:
+                for mq in range(MQ):
+                    mma(e, v, c_regs(C, mq, j), a_regs(v, A, mq, ks), b)
+
+
+def accumulate_dq(e, v, C):
+    """Wait for this tile's turn at (query block, head), add its dQ block to the float32
+    accumulator -- or, as the last visitor, write dQ = scale * total in q's dtype -- and pass the
+    turn on. Tail query rows are neither read nor written; the first visitor reads nothing. Every
+    load is issued before the first add (the intrinsics keep program order: one L2 round trip,
+    not one per fragment)."""
+    WR, WC, MQ, NQ = v.dq_warps()
+    D, EB = v.D, v.EB
+    e("# accumulate_dq: turn-ordered float32 accumulation of dQ")
+    e(f"nvis = sel(causal != 0, imin(ntk, ((qb + 1) * {v.BN} - 1) // {v.BM} + 1), ntk)")
+    e("last = u32(rank + 1 == nvis); mid = u32(rank + 1 != nvis); rd = u32(rank > 0)")
+    e("ca = cntp + ((col0 + cq) * H + hq) * 4")
+    rows = [(mq, h) for mq in range(MQ) for h in (0, 1)]
+    for mq, h in rows:
+        e(f"rl = cq + qrow + {16 * mq + 8 * h} + g")
+        e(f"ok{mq}{h} = u32(rl < cols); gr = col0 + sel(ok{mq}{h} != 0, rl, 0)")
+        e(f"ab{mq}{h} = accp + (gr * H + hq) * {4 * D} + qcol * 4; "
+          f"ob{mq}{h} = dqp + gr * dq_rs + hq * {EB * D} + qcol * {EB}")
+    e("wait_eq(ca, rank)")
+    # tf32: columns 16 jp + 4t .. + 3 (mma_pb's pair layout), dQ is float32 too; 16-bit: 8 j + 2t, +1
+    groups = [(jp, 4, 64 * jp) for jp in range(NQ)] if v.tf32 else [(j, 2, 32 * j) for j in range(2 * NQ)]
+    for mq, h in rows:
+        for j, n, off in groups:
+            xs = ", ".join(f"x{mq}{h}_{j}_{i}" for i in range(n))
+            e(f"{xs} = ldg_cg{n}_if(ok{mq}{h} & rd, ab{mq}{h} + {off} + t * {4 * n})")
+    if v.tf32:
+        e("f = sel(last != 0, scale, one)")
+    for mq, h in rows:
+        r0, r1 = 2 * h, 2 * h + 1
+        for j, n, off in groups:
+            if v.tf32:
+                a, b = c_regs(C, mq, 2 * j), c_regs(C, mq, 2 * j + 1)
+                vals = (a[r0], b[r0], a[r1], b[r1])
+                e(f"stg_v4_if(ok{mq}{h}, sel(last != 0, ob{mq}{h}, ab{mq}{h}) + {off} + t * 16, "
+                  + ", ".join(f"(x{mq}{h}_{j}_{i} + {x}) * f" for i, x in enumerate(vals)) + ")")
+                continue
+            c = c_regs(C, mq, j)
+            x0, x1 = f"x{mq}{h}_{j}_0", f"x{mq}{h}_{j}_1"
+            e(f"{x0} = {x0} + {c[r0]}; {x1} = {x1} + {c[r1]}")
+            e(f"stg_v2_if(ok{mq}{h} & mid, ab{mq}{h} + {off} + t * 8, {x0}, {x1})")
+            e(f"stg_u32_if(ok{mq}{h} & last, ob{mq}{h} + {16 * j} + t * 4, pack2({x0} * scale, {x1} * scale))")
+    e("cuda.syncthreads()")   # every thread's stores happen before the release (cumulativity)
+    e("stg_release_if(u32(tx == 0), ca, rank + 1)")
+
+
 # ============================================================================= backward: dK, dV
 def gen_dkdv(v):
     """dV = sum_i P_ij dO_i, dK = scale * sum_i dS_ij Q_i for one key tile per CTA, all query heads
@@ -671,13 +836,20 @@ def gen_dkdv(v):
     rsk, rsv = v.EB * D, v.EB * Dv
     QT, OT = BN * rsk, BN * rsv
     nt = BN // 8
-    e("def kernel(qp, kp, vp, dop, lsep, dltp, dkp, dvp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,"
-      " do_hs, dk_rs, dv_rs, group, H, sc, scale):")
+    fq = v.fuse_dq
+    e("def kernel(qp, kp, vp, dop, lsep, dltp, dkp, dvp, " + ("dqp, accp, cntp, " if fq else "")
+      + "work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs, dk_rs, dv_rs, " + ("dq_rs, " if fq else "")
+      + "group, H, sc, scale):")
     with e.indent():
         thread_geometry(e, v)
-        e("hk = i64(cuda.blockIdx.y)")
         # work row: rows = this tile's keys, cols = the block's queries, diag = local index of key row 0
-        read_work(e, v)
+        if fq:   # flat grid, heads interleaved (see the fused-dQ notes above)
+            e("bid = i64(cuda.blockIdx.x); nkvh = H // group; hk = bid % nkvh")
+            read_work(e, v, "(bid // nkvh)")
+            e(f"rank = diag // {v.BM}; ntk = (diag + rows_left + {v.BM - 1}) // {v.BM}")
+        else:
+            e("hk = i64(cuda.blockIdx.y)")
+            read_work(e, v)
         shared_array(e, v)
         e("sb = saddr(sm)")
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
@@ -689,9 +861,12 @@ def gen_dkdv(v):
         # and none past the tail
         e(f"qfull = sel(causal != 0, (diag + rows + {BN - 1}) // {BN}, 0)")
         e(f"qlast = cols // {BN}")
-        where, off = resident(e, v, [("ka", "kp + row0 * k_rs + hk * k_hs", "k_rs", D),
-                                     ("va", "vp + row0 * v_rs + hk * v_hs", "v_rs", Dv)], "wrow")
+        where, kept, off = resident(e, v, [("ka", "kp + row0 * k_rs + hk * k_hs", "k_rs", D),
+                                           ("va", "vp + row0 * v_rs + hk * v_hs", "v_rs", Dv)], "wrow")
         e(f"ss = {sa('sb', off) if off else 'sb'}")
+        if fq:
+            e(f"dsb = a32(ss, {2 * (QT + OT)})")
+            dq_geometry(e, v)
         # key j may see query i when i_local >= j_local: column limit from below
         for m in range(MT):
             for h in (0, 1):
@@ -754,6 +929,11 @@ def gen_dkdv(v):
                     for r in range(4):
                         e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
+            if fq:
+                store_ds(e, v, "dsb")
+                e("cuda.syncthreads()")
+                mma_dq(e, v, "dqc", "qs", "dsb", kept["ka"])
+                accumulate_dq(e, v, "dqc")
             e("cuda.syncthreads()")
         store_c_rows(e, v, "dk", D // 8, f"dkp + row0 * dk_rs + hk * {rsk}", "dk_rs", "wrow", "rows",
                      lambda m, h: "scale")

@@ -276,11 +276,97 @@ def intrinsics(dtype="float16"):
             return bld.add(a, b)
         return sig, cg
 
+    # -- the fused backward's ordered dQ accumulation (generator.accumulate_dq): a turn counter per
+    #    (query block, head), acquire/release at GPU scope, accumulator traffic through L2 (.cg)
+    @intrinsic
+    def wait_eq(tc, gaddr, value):
+        """spin until the u32 at gaddr equals value (ld.acquire.gpu: later reads see what the
+        releasing CTA wrote before its release). Labels are local to the { } scope."""
+        sig = types.void(i64, i64)
+
+        def cg(ctx, bld, sig, args):
+            v32 = bld.trunc(args[1], I32)
+            asm(bld, ir.VoidType(), [I64, I32],
+                "{.reg .pred p; .reg .u32 x; TIGA_WAIT: ld.acquire.gpu.global.u32 x, [$0]; "
+                "setp.ne.u32 p, x, $1; @p bra TIGA_WAIT;}", "l,r,~{memory}", [args[0], v32])
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def stg_release_if(tc, pred, gaddr, value):
+        """predicated st.release.gpu of a u32 (the turn counter: after a CTA barrier, so it publishes
+        every thread's accumulator stores, PTX release cumulativity)."""
+        sig = types.void(u32, i64, i64)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64, I32],
+                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.release.gpu.global.u32 [$1], $2;}",
+                "r,l,r,~{memory}", [args[0], args[1], bld.trunc(args[2], I32)])
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    def ldg_cg_if(n):
+        """predicated n-float load through L2 (.cg: L1 is not coherent with other SMs' stores);
+        zeros when the predicate is false (no access made)."""
+        regs = ",".join(f"${i}" for i in range(n))
+        zero = " ".join(f"mov.f32 ${i}, 0f00000000;" for i in range(n))
+        vec = f".v{n}" if n > 1 else ""
+        text = (f"{{.reg .pred p; setp.ne.u32 p, ${n}, 0; {zero} "
+                f"@p ld.global.cg{vec}.f32 {{{regs}}}, [${n + 1}];}}")
+        if n == 1:
+            text = text.replace("{$0}", "$0")
+
+        @intrinsic
+        def f(tc, pred, gaddr):
+            sig = types.UniTuple(f32, n)(u32, i64)
+
+            def cg(ctx, bld, sig, args):
+                r = asm(bld, ir.LiteralStructType([F32] * n), [I32, I64], text,
+                        ",".join(["=f"] * n) + ",r,l,~{memory}", args)
+                return tuple_of(ctx, bld, sig, r, n)
+            return sig, cg
+        return f
+
+    @intrinsic
+    def stg_v2_if(tc, pred, gaddr, x0, x1):
+        """predicated 8-byte global store of two floats."""
+        sig = types.void(u32, i64, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64, F32, F32],
+                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.v2.f32 [$1], {$2,$3};}",
+                "r,l,f,f,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def sts_halves(tc, addr_lo, addr_hi, x):
+        """store the two 16-bit halves of a packed x2 register at two shared addresses (a C
+        fragment written transposed: dS^T -> dS)."""
+        sig = types.void(u32, u32, u32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I32, I32],
+                "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $2; st.shared.b16 [$0], lo; st.shared.b16 [$1], hi;}",
+                "r,r,r,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def sts_f32(tc, addr, x):
+        sig = types.void(u32, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, F32], "st.shared.f32 [$0], $1;", "r,f,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
         mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=lds64, stg_v4_if=stg_v4_if,
         ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
-        ex2=ex2, saddr=saddr)
+        ex2=ex2, saddr=saddr, wait_eq=wait_eq, stg_release_if=stg_release_if, ldg_cg2_if=ldg_cg_if(2),
+        ldg_cg4_if=ldg_cg_if(4), stg_v2_if=stg_v2_if, sts_halves=sts_halves, sts_f32=sts_f32)
     return _CACHE[dtype]

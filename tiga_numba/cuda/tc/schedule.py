@@ -59,3 +59,14 @@ def tile_counts(dst_offsets, src_offsets, causal, BM, BN):
     d = (np.arange(len(b)) - np.repeat(np.cumsum(nt) - nt, nt)) * BM
     keys = np.where(cz[b], np.minimum(nc[b], d + np.minimum(nr[b] - d, BM)), nc[b])
     return int(np.sum(-(-keys // BN))), total
+
+
+def rows_without_keys(dst_offsets, src_offsets, nd):
+    """bool (nd,): destination rows no key tile visits (outside every block, or in a block without
+    sources). The fused backward writes dQ only where a key tile visits, so these are zero-filled."""
+    dst = np.asarray(dst_offsets, np.int64)
+    nc = np.diff(np.asarray(src_offsets, np.int64))
+    out = np.ones(nd, bool)
+    for b in np.nonzero(nc > 0)[0]:
+        out[dst[b]:dst[b + 1]] = False
+    return out

@@ -1,0 +1,126 @@
+"""Tensor-core backward A/B on the GPU, same run, same inputs (H = 16, node-major (N, H, D)):
+the fused dK/dV/dQ kernel (5 products, dQ added to a float32 accumulator in a fixed key-tile order)
+vs the two-kernel backward it replaced (dQ kernel + dK/dV kernel, 7 products), next to our forward
+(for the forward+backward / forward ratio) and torch SDPA forward+backward (flash for 16-bit,
+efficient for float32) as the anchor.
+
+  PYTHONPATH=. python benchmarks/bench_tc_bwd.py [--dtypes float16,float32] [--N 4096,16384]
+         [--build sm_90]    # only fill the cubin cache for every kernel this run launches (no GPU)
+
+Checks in every cell: each fused candidate's dq, dk, dv vs the two-kernel backward (relative L2)
+and the shipped fused kernel run twice is bit-identical (the ordered accumulation's promise).
+Timing: CUDA events, median of REPS after warm-up.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
+from tiga_numba.cuda.tc import api  # noqa: E402
+from tiga_numba.cuda.tc import generator as G  # noqa: E402
+
+H = 16
+#: fused shapes tried next to the shipped one (dtype, D) -> [Variant fields]
+CANDIDATES = {
+    ("float16", 64): [dict(NW=4, MT=1, BN=64, a_smem=True)],
+    ("float16", 128): [dict(NW=4, MT=1, BN=64, a_smem=True)],
+    ("float32", 64): [],
+    ("float32", 128): [dict(NW=8, MT=1, BN=32, a_smem=True), dict(NW=4, MT=1, BN=16, a_smem=True)],
+}
+
+
+def variants(dtype, D):
+    """(unfused (dq, dkdv), [fused candidates], shipped fused)"""
+    dq = api.variant("dq", D, D, dtype)
+    unf = (dq, G.Variant("dkdv", D, D, dtype=dtype, **api.UNFUSED_DKDV[("float32" if dtype == "float32"
+                                                                         else "float16", D)]))
+    shipped = api.variant("dkdv", D, D, dtype)
+    cands = [shipped] + [G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, **c).check()
+                         for c in CANDIDATES[(dtype, D)]]
+    return unf, cands, shipped
+
+
+def build(arch, dtypes):
+    specs = []
+    for dt in dtypes:
+        for D in (64, 128):
+            (vq, vk), cands, _ = variants(dt, D)
+            for v in (vq, vk, *cands, api.variant("fwd", D, D, dt)):
+                fields = dict(NW=v.NW, MT=v.MT, BN=v.BN, a_smem=v.a_smem, fuse_dq=v.fuse_dq)
+                specs.append((v.kind, D, dt, fields))
+            specs.append(("delta", D, dt))
+    names = api.build_cubins(specs=specs, arch=arch, jobs=2)
+    print(f"{len(names)} cubins for {arch}: {', '.join(names)}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="float16,float32")
+    ap.add_argument("--N", default="4096,16384")
+    ap.add_argument("--build", default=None, metavar="ARCH")
+    a = ap.parse_args()
+    dtypes = a.dtypes.split(",")
+    if a.build:
+        return build(a.build, dtypes)
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_tc as BT
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    print(f"# {torch.cuda.get_device_name()}  H={H}  reps={BT.REPS}")
+    print("# columns: fwd, two-kernel bwd, fused bwd per candidate (ms); torch fwd+bwd (ms); "
+          "ratio = torch / (our fwd + best fused bwd); fwd+bwd / fwd")
+    for dt in dtypes:
+        for D in (64, 128):
+            (vq, vk), cands, shipped = variants(dt, D)
+            for N in (int(x) for x in a.N.split(",")):
+                for causal in (False, True):
+                    g = torch.Generator(device="cuda").manual_seed(N + D + causal)
+                    q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=tdt[dt], generator=g) for _ in range(4))
+                    ours = BT.Ours(q, k, v, np.array([0, N]), causal, dt)
+                    ours.fwd()
+                    ours.bwd(do)   # allocates dq/dk/dv, delta, lse2
+
+                    def bwd(vq_, vk_, out=None):
+                        dq, dk, dv = out or (ours.dq, ours.dk, ours.dv)
+                        api.launch_backward(vq_, vk_, ours.rec, N, H, H, BT.op(q), BT.op(k), BT.op(v), BT.op(do),
+                                            BT.op(ours.out), ours.m.data_ptr(), ours.l.data_ptr(),
+                                            ours.delta.data_ptr(), ours.lse2.data_ptr(), dq.data_ptr(),
+                                            dk.data_ptr(), dv.data_ptr(), ours.scale, ours.st)
+                    t_fwd = BT.bench(ours.fwd)
+                    t_unf = BT.bench(lambda: bwd(vq, vk))
+                    ref = [x.clone() for x in (ours.dq, ours.dk, ours.dv)]
+                    times, errs = [], []
+                    for c in cands:
+                        times.append(BT.bench(lambda c=c: bwd(None, c)))
+                        errs.append(max(BT.rel(x, r) for x, r in zip((ours.dq, ours.dk, ours.dv), ref)))
+                    bufs = [tuple(torch.empty_like(x) for x in (q, k, v)) for _ in range(2)]
+                    for b in bufs:
+                        bwd(None, shipped, b)
+                    torch.cuda.synchronize()
+                    same = all(torch.equal(x, y) for x, y in zip(*bufs))
+                    qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+                    anchor = BT.sdpa_eff if dt == "float32" else BT.sdpa
+
+                    def torch_fb():
+                        o = anchor(qt, kt, vt, causal)
+                        o.backward(do)
+                    t_torch = BT.bench(torch_fb)
+                    best = min(times)
+                    print(f"{dt:8s} N={N:6d} D={D:3d} causal={int(causal)} | fwd {t_fwd:7.3f} | 2-kernel bwd {t_unf:7.3f}"
+                          f" | fused " + " ".join(f"{c.name().split('_', 4)[-1]}={t:.3f}" for c, t in zip(cands, times))
+                          + f" | torch f+b {t_torch:7.3f} | ratio {t_torch / (t_fwd + best):.2f}"
+                          f" (2-kernel {t_torch / (t_fwd + t_unf):.2f}) | f+b/f {(t_fwd + best) / t_fwd:.2f}"
+                          f" | err vs 2-kernel {max(errs):.1e} | bitwise repeat {same}", flush=True)
+                    del ours, q, k, v, do, qt, kt, vt, bufs, ref
+                    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
