@@ -148,6 +148,24 @@ def test_param_launch_pads_grid_and_block_and_passes_the_packed_buffer():
                     (11, 2, 1, 1, 32, 2, 1, 0, 0, 0, 9, -1.25)]
 
 
+def test_stream_wrappers_stay_bounded(monkeypatch):
+    """launch.current_stream wraps each cupy stream once; a program that makes a fresh stream per
+    call must not grow the table without end. The tensor-core path shares the same wrappers."""
+    import types as _t
+    _shield()
+    from tiga_numba.cuda import launch
+    from tiga_numba.cuda.tc import api as tc_api
+    ptrs = iter(range(1000, 1000 + 10 * launch.MAX_STREAMS))
+    cur = {}
+    monkeypatch.setattr(launch, "_GET_STREAM", [lambda: cur["s"]])
+    monkeypatch.setattr(launch, "_STREAMS", {})
+    for _ in range(5 * launch.MAX_STREAMS):
+        cur["s"] = _t.SimpleNamespace(ptr=next(ptrs))
+        a = launch.current_stream()
+        assert a.ptr == cur["s"].ptr and launch.current_stream() is a and tc_api.current_stream() is a
+        assert len(launch._STREAMS) <= launch.MAX_STREAMS
+
+
 def test_cubin_records_are_one_file_and_refuse_what_is_not_one(tmp_path):
     """write_cubin/read_cubin: entry name and cubin in one file (one rename: no pairing of one
     process's entry name with another's cubin); a raw cubin of an older layout, a truncated or

@@ -444,6 +444,9 @@ class StreamRef:
 
 _STREAMS = {}
 _GET_STREAM = []
+#: wrappers kept at most: code that makes a fresh cupy stream per call would otherwise grow the
+#: table without end (a wrapper holds only the handle, so dropping them all is always safe)
+MAX_STREAMS = 64
 
 
 def current_stream():
@@ -454,5 +457,7 @@ def current_stream():
     ptr = _GET_STREAM[0]().ptr
     s = _STREAMS.get(ptr)
     if s is None:
+        if len(_STREAMS) >= MAX_STREAMS:
+            _STREAMS.clear()
         s = _STREAMS[ptr] = StreamRef(ptr)
     return s

@@ -501,32 +501,10 @@ def build_cubins(dtypes=("float16", "bfloat16", "float32"), arch="sm_90", jobs=N
 
 
 # ----------------------------------------------------------------------------- streams
-class _Stream:
-    __slots__ = ("ptr", "_numba")
-
-    def __init__(self, ptr):
-        self.ptr, self._numba = int(ptr), None
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-    def numba(self):
-        from numba import cuda
-        if self._numba is None:
-            self._numba = cuda.external_stream(self.ptr) if self.ptr else cuda.default_stream()
-        return self._numba
-
-
-_STREAMS = {}
-
-
 def current_stream():
-    import cupy
-    ptr = cupy.cuda.get_current_stream().ptr
-    s = _STREAMS.get(ptr)
-    if s is None:
-        s = _STREAMS[ptr] = _Stream(ptr)
-    return s
+    """cupy's current stream (launch.StreamRef: one wrapper per stream, shared with the CUDA-core path)."""
+    from .. import launch as L   # lazy: numba.cuda loads with the first GPU use
+    return L.current_stream()
 
 
 # ----------------------------------------------------------------------------- operands
