@@ -153,6 +153,10 @@ def generate_source(spec, p_size, dtype_name, G, nt, sim):
                for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
     pg_names = [f"pg{k}" for k in p_slots] + [f"pge{c}_{r}" for c in range(fe) for r in range(h1)]
     pg_slots = p_slots + [p_size + c * h1 + r for c in range(fe) for r in range(h1)]
+    # slots no gradient lands in (parameters this kernel does not differentiate, e.g. the first
+    # layer's when it is folded into the node products) are written as zeros: the reduction below
+    # reads every slot, and shared memory starts as garbage
+    unset_pg = [f"sh[grp % {gpb}, {k}] = ZERO" for k in sorted(set(range(n_pg)) - set(pg_slots))]
 
     def fidx(c):
         return f"lane + {c * G}" if c else "lane"
@@ -317,7 +321,7 @@ def gat_backward_rows(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, 
 {_block(pg_group, 4)}
     sh = cuda.shared.array(({gpb}, {npg1}), T)
     if lane == 0:
-{_block([f"sh[grp % {gpb}, {k}] = {nm}" for k, nm in zip(pg_slots, pg_names)] or ["pass"], 8)}
+{_block([f"sh[grp % {gpb}, {k}] = {nm}" for k, nm in zip(pg_slots, pg_names)] + unset_pg or ["pass"], 8)}
     cuda.syncthreads()
     for k in range(tid, {n_pg}, {nt}):
         acc = ZERO
