@@ -125,7 +125,7 @@ def test_backward_emulated(D, H, Hkv, dtype, BNq, BNk, a_smem, NW, relname):
         assert rel(got, want) < tol
 
 
-#: the shipped fused shapes (api.TUNING / TUNING_F32 dkdv) and the other warp splits of the dQ product
+#: api.FUSED_DKDV's shapes and the other warp splits of the dQ product
 FUSED = [(64, 2, 1, "float16", dict(NW=4, MT=1, BN=64)),                       # K in registers and shared
          (128, 2, 1, "float16", dict(NW=4, MT=1, BN=32, a_smem=True)),         # 2 x 2 warp grid for dQ
          (64, 3, 3, "bfloat16", dict(NW=4, MT=1, BN=64, a_smem=True)),

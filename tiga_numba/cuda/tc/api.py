@@ -48,14 +48,15 @@ TUNING = {
     ("fwd", 128): dict(NW=4, MT=2, BN=32, a_smem=True),
     ("dq", 64): dict(NW=4, MT=1, BN=64),
     ("dq", 128): dict(NW=4, MT=1, BN=64, a_smem=True),
-    ("dkdv", 64): dict(NW=4, MT=1, BN=64, fuse_dq=True),
-    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, fuse_dq=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=64),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
 }
-#: the two-kernel backward (dQ kernel + dK/dV kernel, 7 products) that the fused one replaced;
-#: kept for A/B runs (benchmarks/bench_tc_bwd.py) and as the route where fuse_dq cannot split warps
-UNFUSED_DKDV = {
-    ("float16", 64): dict(NW=4, MT=1, BN=64), ("float16", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
-    ("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True), ("float32", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
+#: shapes of the fused dK/dV/dQ kernel (Variant.fuse_dq: 5 products, ordered dQ accumulation) per
+#: (16-bit or float32, D). Not shipped: on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt)
+#: the two-kernel backward was faster in every cell; benchmarks/bench_tc_bwd.py runs the A/B.
+FUSED_DKDV = {
+    ("float16", 64): dict(NW=4, MT=1, BN=64, a_smem=True), ("float16", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True), ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True),
 }
 
 
@@ -70,8 +71,8 @@ TUNING_F32 = {
     ("fwd", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
     ("dq", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
     ("dq", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
-    ("dkdv", 64): dict(NW=4, MT=1, BN=32, a_smem=True, fuse_dq=True),
-    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, fuse_dq=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dkdv", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
 }
 # dq D = 128: BN = 64 was 3% faster in the first sweep (before per-block partials) but then
 # spilled and did not finish compiling within 190 s on the H200 in the second run; BN = 32 did.
