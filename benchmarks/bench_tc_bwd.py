@@ -31,7 +31,7 @@ CANDIDATES = {
     ("float16", 64): [dict(NW=4, MT=1, BN=64)],
     ("float16", 128): [dict(NW=4, MT=1, BN=64, a_smem=True)],
     ("float32", 64): [],
-    ("float32", 128): [dict(NW=8, MT=1, BN=32, a_smem=True)],
+    ("float32", 128): [],
 }
 
 

@@ -267,31 +267,6 @@ class Warps:
     def stg_release_if(self, pred, gaddr, value):
         self.stg_u32_if(pred, gaddr, np.uint32(int(value)))
 
-    def _ldg_cg_if(self, pred, gaddr, n):
-        pred = self._vec(pred, np.uint32) != 0
-        gaddr = self._vec(gaddr, np.int64)
-        out = np.zeros((self.NT, n), np.float32)
-        if pred.any():
-            assert np.all(gaddr[pred] % (4 * n) == 0), "alignment of a vector load"
-            self.mem.check(gaddr[pred], 4 * n)
-            out[pred] = self.mem.buf[gaddr[pred][:, None] + np.arange(4 * n)].view(np.float32).reshape(-1, n)
-        return tuple(out[:, i].copy() for i in range(n))
-
-    def ldg_cg2_if(self, pred, gaddr):
-        return self._ldg_cg_if(pred, gaddr, 2)
-
-    def ldg_cg4_if(self, pred, gaddr):
-        return self._ldg_cg_if(pred, gaddr, 4)
-
-    def stg_v2_if(self, pred, gaddr, x0, x1):
-        pred = self._vec(pred, np.uint32) != 0
-        gaddr = self._vec(gaddr, np.int64)[pred]
-        if len(gaddr):
-            assert np.all(gaddr % 8 == 0), "8-byte alignment of a vector store"
-            self.mem.check(gaddr, 8)
-            x = np.stack([self._vec(y, np.float32) for y in (x0, x1)], 1)[pred]
-            self.mem.buf[gaddr[:, None] + np.arange(8)] = x.view(np.uint8).reshape(-1, 8)
-
     def _sts(self, addr, words, nbytes):
         addr = self._vec(addr, np.int64)
         assert np.all(addr % nbytes == 0), "alignment of a shared store"
@@ -305,6 +280,17 @@ class Warps:
 
     def sts_f32(self, addr, x):
         self._sts(addr, self._vec(x, np.float32), 4)
+
+    def sts_v2(self, addr, x0, x1):
+        self._sts(addr, np.stack([self._vec(x, np.float32) for x in (x0, x1)], 1), 8)
+
+    def sts_v4(self, addr, x0, x1, x2, x3):
+        self._sts(addr, np.stack([self._vec(x, np.float32) for x in (x0, x1, x2, x3)], 1), 16)
+
+    def lds_f32x4(self, addr):
+        addr = self._smem16(addr)
+        w = self.SM[addr[:, None] + np.arange(16)].view(np.float32)   # (NT, 4)
+        return tuple(w[:, i].copy() for i in range(4))
 
     # -- registers
     def pack2(self, lo, hi):
@@ -354,8 +340,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
-                       "unpack2", "shfl_xor", "wait_eq", "stg_release_if", "ldg_cg2_if", "ldg_cg4_if",
-                       "stg_v2_if", "sts_halves", "sts_f32"):
+                       "unpack2", "shfl_xor", "wait_eq", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4"):
                 env[nm] = getattr(w, nm)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):

@@ -151,11 +151,21 @@ class Variant:
         """fused dQ: the block's dS, query-major (BN rows of BM keys)."""
         return self.BN * self.BM * self.EB if self.fuse_dq else 0
 
+    def dq_stage_row(self):
+        """bytes per row of the fused dQ staging tiles (float32, natural column order), padded so
+        the C-fragment stores are bank-conflict-free (8 words: 16-bit pairs, 16 words: tf32 quads)."""
+        return 4 * self.D + (64 if self.tf32 else 32)
+
+    def dq_stage_bytes(self):
+        """fused dQ: two float32 BN x D tiles, this block's dQ and the fetched running sum."""
+        return 2 * self.BN * self.dq_stage_row() if self.fuse_dq else 0
+
     def smem_bytes(self):
         w = self.resident_widths()
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
         staging = self.BM * self.EB * max(staged) if staged else 0   # register mode: staged once
-        return self.resident_bytes() + max(2 * self.stream_tile_bytes(), staging) + self.ds_tile_bytes()
+        return (self.resident_bytes() + max(2 * self.stream_tile_bytes(), staging) + self.ds_tile_bytes()
+                + self.dq_stage_bytes())
 
     def dq_warps(self):
         """warp grid of the fused dQ product (BN queries x D columns over BM keys): WR row groups of
@@ -169,6 +179,9 @@ class Variant:
         if self.BN % 16 or self.D % (WC * group):
             raise ValueError(f"fuse_dq: {self.NW} warps cannot split a {self.BN} x {self.D} dQ block "
                              f"into m16 row tiles and {group}-column groups")
+        if self.NT % (self.D // 4) or (self.BN * self.D // 4) % self.NT:
+            raise ValueError(f"fuse_dq: {self.NT} threads cannot move a {self.BN} x {self.D} float32 dQ block "
+                             "in whole 16-byte passes")
         return WR, WC, self.BN // 16 // WR, self.D // WC // 16
 
     def name(self):
@@ -724,6 +737,9 @@ def dq_geometry(e, v):
     rsA = v.EB * v.BM
     e(f"qrow = (wid // {WC}) * {16 * MQ}; qcol = (wid % {WC}) * {v.D // WC}")
     e(f"qrowoff = u32(qrow * {rsA}); qcolb = u32(qcol * {v.EB})")
+    RS = v.dq_stage_row()
+    e(f"sqo = u32((qrow + g) * {RS} + qcol * 4 + t * {16 if v.tf32 else 8})")   # stage_dq's fragment rows
+    e(f"fr = tx // {v.D // 4}; fc = tx % {v.D // 4}; fo = u32(fr * {RS} + fc * 16)")   # 16-byte row chunks
     for m in range(v.MT):
         for h in (0, 1):
             e(f"kv{m}{h} = u32(wrow + {16 * m + 8 * h} + g < rows)")
@@ -780,49 +796,69 @@ def mma_dq(e, v, C, A, dsb, ktile):
                     mma(e, v, c_regs(C, mq, j), a_regs(v, A, mq, ks), b)
 
 
-def accumulate_dq(e, v, C):
-    """Wait for this tile's turn at (query block, head), add its dQ block to the float32
-    accumulator -- or, as the last visitor, write dQ = scale * total in q's dtype -- and pass the
-    turn on. Tail query rows are neither read nor written; the first visitor reads nothing. Every
-    load is issued before the first add (the intrinsics keep program order: one L2 round trip,
-    not one per fragment)."""
+def stage_dq(e, v, C):
+    """this block's dQ (C fragments) -> the float32 staging tile `sq` (natural column order); it is
+    added to the running sum one step later (flush_dq), when the turn has long arrived."""
     WR, WC, MQ, NQ = v.dq_warps()
-    D, EB = v.D, v.EB
-    e("# accumulate_dq: turn-ordered float32 accumulation of dQ")
-    e(f"nvis = sel(causal != 0, imin(ntk, ((qb + 1) * {v.BN} - 1) // {v.BM} + 1), ntk)")
-    e("last = u32(rank + 1 == nvis); mid = u32(rank + 1 != nvis); rd = u32(rank > 0)")
-    e("ca = cntp + ((col0 + cq) * H + hq) * 4")
-    rows = [(mq, h) for mq in range(MQ) for h in (0, 1)]
-    for mq, h in rows:
-        e(f"rl = cq + qrow + {16 * mq + 8 * h} + g")
-        e(f"ok{mq}{h} = u32(rl < cols); gr = col0 + sel(ok{mq}{h} != 0, rl, 0)")
-        e(f"ab{mq}{h} = accp + (gr * H + hq) * {4 * D} + qcol * 4; "
-          f"ob{mq}{h} = dqp + gr * dq_rs + hq * {EB * D} + qcol * {EB}")
-    e("wait_eq(ca, rank)")
-    # tf32: columns 16 jp + 4t .. + 3 (mma_pb's pair layout), dQ is float32 too; 16-bit: 8 j + 2t, +1
-    groups = [(jp, 4, 64 * jp) for jp in range(NQ)] if v.tf32 else [(j, 2, 32 * j) for j in range(2 * NQ)]
-    for mq, h in rows:
-        for j, n, off in groups:
-            xs = ", ".join(f"x{mq}{h}_{j}_{i}" for i in range(n))
-            e(f"{xs} = ldg_cg{n}_if(ok{mq}{h} & rd, ab{mq}{h} + {off} + t * {4 * n})")
+    RS = v.dq_stage_row()
+    e(f"# stage_dq: {C} -> shared sq (float32, {v.BN} x {v.D})")
+    for mq in range(MQ):
+        for h in (0, 1):
+            r0, r1 = 2 * h, 2 * h + 1
+            base = (16 * mq + 8 * h) * RS
+            if v.tf32:   # n-tile pair jp holds columns 16 jp + 4t .. + 3 (mma_pb's pair layout)
+                for jp in range(NQ):
+                    a, b = c_regs(C, mq, 2 * jp), c_regs(C, mq, 2 * jp + 1)
+                    e(f"sts_v4({sa('sq', 'sqo', base + 64 * jp)}, {a[r0]}, {b[r0]}, {a[r1]}, {b[r1]})")
+            else:
+                for j in range(2 * NQ):
+                    c = c_regs(C, mq, j)
+                    e(f"sts_v2({sa('sq', 'sqo', base + 32 * j)}, {c[r0]}, {c[r1]})")
+
+
+def dq_passes(v):
+    """(passes, rows per pass) of a CTA moving a float32 BN x D block in 16-byte chunks."""
+    cpr = v.D // 4
+    return v.BN * cpr // v.NT, v.NT // cpr
+
+
+def fetch_acc(e, v):
+    """Wait for this tile's turn at the pending block and start copying its running sum into `sacc`
+    (cp.async through L2; zero-filled for the first visitor, who reads nothing, and for tail rows)."""
+    RS = v.dq_stage_row()
+    n, step = dq_passes(v)
+    e("# fetch_acc: the pending block's running dQ sum -> shared sacc (after our turn came)")
+    e("turn = cntp + ((col0 + p_cq) * H + p_hq) * 4")
+    e("wait_eq(turn, rank)")
+    e("rd = u32(rank > 0)")
+    for k in range(n):
+        e(f"rr = fr + {k * step}; ok = u32(p_cq + rr < cols) & rd")
+        e(f"ga = accp + ((col0 + p_cq + sel(ok != 0, rr, 0)) * H + p_hq) * {4 * v.D} + fc * 16")
+        e(f"cp_async16({sa('sacc', 'fo', k * step * RS)}, sel(ok != 0, ga, accp), ok * 16)")
+    e("cp_commit()")
+
+
+def flush_dq(e, v):
+    """pending block: running sum + staged dQ -> the float32 accumulator, or (last visitor) dQ =
+    scale * total in q's dtype. Coalesced 16-byte rows; tail rows are not written."""
+    RS = v.dq_stage_row()
+    n, step = dq_passes(v)
+    e("# flush_dq: add the staged block to the running sum and store it (or the finished dQ)")
+    e("mid = u32(p_last == 0)")
     if v.tf32:
-        e("f = sel(last != 0, scale, one)")
-    for mq, h in rows:
-        r0, r1 = 2 * h, 2 * h + 1
-        for j, n, off in groups:
-            if v.tf32:
-                a, b = c_regs(C, mq, 2 * j), c_regs(C, mq, 2 * j + 1)
-                vals = (a[r0], b[r0], a[r1], b[r1])
-                e(f"stg_v4_if(ok{mq}{h}, sel(last != 0, ob{mq}{h}, ab{mq}{h}) + {off} + t * 16, "
-                  + ", ".join(f"(x{mq}{h}_{j}_{i} + {x}) * f" for i, x in enumerate(vals)) + ")")
-                continue
-            c = c_regs(C, mq, j)
-            x0, x1 = f"x{mq}{h}_{j}_0", f"x{mq}{h}_{j}_1"
-            e(f"{x0} = {x0} + {c[r0]}; {x1} = {x1} + {c[r1]}")
-            e(f"stg_v2_if(ok{mq}{h} & mid, ab{mq}{h} + {off} + t * 8, {x0}, {x1})")
-            e(f"stg_u32_if(ok{mq}{h} & last, ob{mq}{h} + {16 * j} + t * 4, pack2({x0} * scale, {x1} * scale))")
-    e("cuda.syncthreads()")   # every thread's stores happen before the release (cumulativity)
-    e("stg_release_if(u32(tx == 0), ca, rank + 1)")
+        e("f = sel(p_last != 0, scale, one)")
+    for k in range(n):
+        e(f"rr = fr + {k * step}; ok = u32(p_cq + rr < cols); gr = col0 + p_cq + sel(ok != 0, rr, 0)")
+        e(f"x0, x1, x2, x3 = lds_f32x4({sa('sq', 'fo', k * step * RS)})")
+        e(f"y0, y1, y2, y3 = lds_f32x4({sa('sacc', 'fo', k * step * RS)})")
+        e("x0 = x0 + y0; x1 = x1 + y1; x2 = x2 + y2; x3 = x3 + y3")
+        e(f"ab = accp + (gr * H + p_hq) * {4 * v.D} + fc * 16; ob = dqp + gr * dq_rs + p_hq * {v.EB * v.D} + fc * {4 * v.EB}")
+        if v.tf32:   # dQ is float32: the same 16-byte store, to one buffer or the other
+            e("stg_v4_if(ok, sel(p_last != 0, ob, ab), x0 * f, x1 * f, x2 * f, x3 * f)")
+            continue
+        e("stg_v4_if(ok & mid, ab, x0, x1, x2, x3)")
+        e("stg_u32_if(ok & p_last, ob, pack2(x0 * scale, x1 * scale))")
+        e("stg_u32_if(ok & p_last, ob + 4, pack2(x2 * scale, x3 * scale))")
 
 
 # ============================================================================= backward: dK, dV
@@ -865,8 +901,11 @@ def gen_dkdv(v):
                                            ("va", "vp + row0 * v_rs + hk * v_hs", "v_rs", Dv)], "wrow")
         e(f"ss = {sa('sb', off) if off else 'sb'}")
         if fq:
-            e(f"dsb = a32(ss, {2 * (QT + OT)})")
+            e(f"dsb = a32(ss, {2 * (QT + OT)}); sq = a32(dsb, {v.ds_tile_bytes()}); "
+              f"sacc = a32(sq, {v.BN * v.dq_stage_row()})")
             dq_geometry(e, v)
+            # the block whose dQ is staged in sq and not yet added (one step behind)
+            e("p_on = 0; p_hq = i64(0); p_cq = i64(0); p_last = u32(0); turn = cntp")
         # key j may see query i when i_local >= j_local: column limit from below
         for m in range(MT):
             for h in (0, 1):
@@ -902,6 +941,10 @@ def gen_dkdv(v):
                 e("cp_wait0()")
             e(f"cq = qb * {BN}")
             e("cuda.syncthreads()")
+            if fq:   # the previous block's turn: fetch its running sum while this block computes
+                e("if p_on != 0:")
+                with e.indent():
+                    fetch_acc(e, v)
             zero_c(e, "s", MT, nt)
             mma_abt(e, v, "s", "ka", qbuf("cur"), nt, D, where["ka"])
             e("if (qb < qfull) | (qb >= qlast):")
@@ -931,10 +974,28 @@ def gen_dkdv(v):
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
             if fq:
                 store_ds(e, v, "dsb")
-                e("cuda.syncthreads()")
+                e("if p_on != 0:")
+                with e.indent():
+                    e("cp_wait0()")
+                e("cuda.syncthreads()")   # dS and the fetched running sum are visible to every warp
+                e("if p_on != 0:")
+                with e.indent():
+                    flush_dq(e, v)
                 mma_dq(e, v, "dqc", "qs", "dsb", kept["ka"])
-                accumulate_dq(e, v, "dqc")
+                e("cuda.syncthreads()")   # flush_dq's reads of sq and its stores are done ...
+                e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")   # ... so pass the turn on
+                stage_dq(e, v, "dqc")
+                e(f"nvis = sel(causal != 0, imin(ntk, ((qb + 1) * {BN} - 1) // {v.BM} + 1), ntk)")
+                e("p_on = 1; p_hq = hq; p_cq = cq; p_last = u32(rank + 1 == nvis)")
             e("cuda.syncthreads()")
+        if fq:   # the last block's dQ is still staged
+            e("if p_on != 0:")
+            with e.indent():
+                fetch_acc(e, v)
+                e("cp_wait0(); cuda.syncthreads()")
+                flush_dq(e, v)
+                e("cuda.syncthreads()")
+                e("stg_release_if(u32(tx == 0), turn, rank + 1)")
         store_c_rows(e, v, "dk", D // 8, f"dkp + row0 * dk_rs + hk * {rsk}", "dk_rs", "wrow", "rows",
                      lambda m, h: "scale")
         store_c_rows(e, v, "dv", Dv // 8, f"dvp + row0 * dv_rs + hk * {rsv}", "dv_rs", "wrow", "rows",

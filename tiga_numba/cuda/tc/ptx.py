@@ -276,8 +276,8 @@ def intrinsics(dtype="float16"):
             return bld.add(a, b)
         return sig, cg
 
-    # -- the fused backward's ordered dQ accumulation (generator.accumulate_dq): a turn counter per
-    #    (query block, head), acquire/release at GPU scope, accumulator traffic through L2 (.cg)
+    # -- the fused backward's ordered dQ accumulation (generator.fetch_acc / flush_dq): a turn
+    #    counter per (query block, head), acquire/release at GPU scope
     @intrinsic
     def wait_eq(tc, gaddr, value):
         """spin until the u32 at gaddr equals value (ld.acquire.gpu: later reads see what the
@@ -305,40 +305,6 @@ def intrinsics(dtype="float16"):
             return ctx.get_dummy_value()
         return sig, cg
 
-    def ldg_cg_if(n):
-        """predicated n-float load through L2 (.cg: L1 is not coherent with other SMs' stores);
-        zeros when the predicate is false (no access made)."""
-        regs = ",".join(f"${i}" for i in range(n))
-        zero = " ".join(f"mov.f32 ${i}, 0f00000000;" for i in range(n))
-        vec = f".v{n}" if n > 1 else ""
-        text = (f"{{.reg .pred p; setp.ne.u32 p, ${n}, 0; {zero} "
-                f"@p ld.global.cg{vec}.f32 {{{regs}}}, [${n + 1}];}}")
-        if n == 1:
-            text = text.replace("{$0}", "$0")
-
-        @intrinsic
-        def f(tc, pred, gaddr):
-            sig = types.UniTuple(f32, n)(u32, i64)
-
-            def cg(ctx, bld, sig, args):
-                r = asm(bld, ir.LiteralStructType([F32] * n), [I32, I64], text,
-                        ",".join(["=f"] * n) + ",r,l,~{memory}", args)
-                return tuple_of(ctx, bld, sig, r, n)
-            return sig, cg
-        return f
-
-    @intrinsic
-    def stg_v2_if(tc, pred, gaddr, x0, x1):
-        """predicated 8-byte global store of two floats."""
-        sig = types.void(u32, i64, f32, f32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, I64, F32, F32],
-                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.v2.f32 [$1], {$2,$3};}",
-                "r,l,f,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
-
     @intrinsic
     def sts_halves(tc, addr_lo, addr_hi, x):
         """store the two 16-bit halves of a packed x2 register at two shared addresses (a C
@@ -361,12 +327,44 @@ def intrinsics(dtype="float16"):
             return ctx.get_dummy_value()
         return sig, cg
 
+    @intrinsic
+    def sts_v2(tc, addr, x0, x1):
+        """8-byte shared store of two floats (a dQ C-fragment pair into the staging tile)."""
+        sig = types.void(u32, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, F32, F32], "st.shared.v2.f32 [$0], {$1,$2};", "r,f,f,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def sts_v4(tc, addr, x0, x1, x2, x3):
+        """16-byte shared store of four floats."""
+        sig = types.void(u32, f32, f32, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32] + [F32] * 4, "st.shared.v4.f32 [$0], {$1,$2,$3,$4};",
+                "r,f,f,f,f,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def lds_f32x4(tc, addr):
+        sig = types.UniTuple(f32, 4)(u32)
+
+        def cg(ctx, bld, sig, args):
+            r = asm(bld, ir.LiteralStructType([F32] * 4), [I32], "ld.shared.v4.f32 {$0,$1,$2,$3}, [$4];",
+                    "=f,=f,=f,=f,r,~{memory}", args)
+            return tuple_of(ctx, bld, sig, r, 4)
+        return sig, cg
+
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
         mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=lds64, stg_v4_if=stg_v4_if,
         ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
-        ex2=ex2, saddr=saddr, wait_eq=wait_eq, stg_release_if=stg_release_if, ldg_cg2_if=ldg_cg_if(2),
-        ldg_cg4_if=ldg_cg_if(4), stg_v2_if=stg_v2_if, sts_halves=sts_halves, sts_f32=sts_f32)
+        ex2=ex2, saddr=saddr, wait_eq=wait_eq, stg_release_if=stg_release_if,
+        sts_halves=sts_halves, sts_f32=sts_f32,
+        sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4)
     return _CACHE[dtype]
