@@ -43,6 +43,9 @@ def variants(dtype, D):
     first = api.FUSED_DKDV[("float32" if dtype == "float32" else "float16", D)]
     cands = [G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, **c).check()
              for c in [first] + CANDIDATES[(dtype, D)]]
+    # the same kernel with float atomics for dQ (FA2's scheme, not deterministic): what the turn
+    # order costs
+    cands.append(G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=True, **first).check())
     return unf, cands
 
 
@@ -52,7 +55,7 @@ def build(arch, dtypes):
         for D in (64, 128):
             (vq, vk), cands = variants(dt, D)
             for v in (vq, vk, *cands, api.variant("fwd", D, D, dt)):
-                fields = dict(NW=v.NW, MT=v.MT, BN=v.BN, a_smem=v.a_smem, fuse_dq=v.fuse_dq)
+                fields = dict(NW=v.NW, MT=v.MT, BN=v.BN, a_smem=v.a_smem, fuse_dq=v.fuse_dq, dq_atomic=v.dq_atomic)
                 specs.append((v.kind, D, dt, fields))
             specs.append(("delta", D, dt))
     names = api.build_cubins(specs=specs, arch=arch, jobs=2)
@@ -104,7 +107,7 @@ def main():
                     for b in bufs:
                         bwd(None, cands[0], b)
                     torch.cuda.synchronize()
-                    same = all(torch.equal(x, y) for x, y in zip(*bufs))
+                    same = all(torch.equal(x, y) for x, y in zip(*bufs))   # cands[0]: ordered
                     qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
                     anchor = BT.sdpa_eff if dt == "float32" else BT.sdpa
 

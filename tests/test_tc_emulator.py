@@ -154,6 +154,23 @@ def test_fused_backward_emulated(D, H, Hkv, dtype, shape, relname):
         assert rel(got, want) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("D,dtype,shape", [(64, "float16", dict(NW=4, MT=1, BN=64, a_smem=True)),
+                                           (64, "float32", dict(NW=4, MT=1, BN=32, a_smem=True))])
+@pytest.mark.parametrize("relname", ["causal_tail", "segments", "empty_keys"])
+def test_fused_atomic_dq_emulated(D, dtype, shape, relname):
+    """Variant.dq_atomic (the non-deterministic experiment: red.global.add into a zeroed float32
+    accumulator, then the convert pass) computes the same gradients."""
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng(3 + D + len(relname))
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], 2, 1, D, dtype)
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, D ** -0.5)
+    vk = G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=True, **shape)
+    got = E.backward(None, vk, do, q, k, v, rounded(ro.astype(np.float32), dtype), rm.astype(np.float32),
+                     rl.astype(np.float32), dst, src, causal.astype(np.uint8), D ** -0.5)
+    for g, want in zip(got, (rdq, rdk, rdv)):
+        assert np.isfinite(g).all() and rel(g, want) < 3 * TOL[dtype]
+
+
 def test_fused_turn_order_is_enforced(monkeypatch):
     """The deadlock-freedom argument needs every key tile of a block to come after the lower ranks
     in launch order. A schedule that breaks it must fail (the emulator runs CTAs in launch order,

@@ -645,15 +645,39 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     import contextlib
 
     import cupy
-    # scratch of the ordered dQ accumulation: float32 partial sums (the first visitor of a block
-    # writes before anyone reads) and one turn counter per (query row, head), zeroed
     with (cupy.cuda.ExternalStream(st.ptr) if stream is not None else contextlib.nullcontext()):
-        acc = cupy.empty(max(nd * H * vk.D, 1), cupy.float32)
+        # ordered: float32 running sums (the first visitor of a block writes before anyone reads)
+        # and one turn counter per (query row, head), zeroed; atomic: zeroed sums, no counters
+        acc = (cupy.zeros if vk.dq_atomic else cupy.empty)(max(nd * H * vk.D, 1), cupy.float32)
         turns = cupy.zeros(max(nd * H, 1), cupy.int32)
-    # flat grid, heads interleaved: block b = (key tile b // Hkv, kv head b % Hkv)
-    kk((W * Hkv,), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, dqp, _ptr(acc), _ptr(turns),
-       _ptr(work), *strides, H * vk.D * vk.EB, H // Hkv, H, sc, scale)
+        # flat grid, heads interleaved: block b = (key tile b // Hkv, kv head b % Hkv)
+        kk((W * Hkv,), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, dqp, _ptr(acc),
+           _ptr(turns), _ptr(work), *strides, H * vk.D * vk.EB, H // Hkv, H, sc, scale)
+        if vk.dq_atomic:
+            _dq_from_accumulator(acc, dqp, nd * H * vk.D, vk.dtype, scale)
     return kk, cache
+
+
+def _dq_from_accumulator(acc, dqp, n, dtype, scale):
+    """dq_atomic's last pass: dQ = scale * float32 accumulator, in q's dtype, at raw address dqp."""
+    import cupy
+    if n == 0:
+        return
+    store = {"float16": "float16", "float32": "float32", "bfloat16": "uint16"}[dtype]
+    mem = cupy.cuda.UnownedMemory(dqp, n * np.dtype(store).itemsize, None)
+    out = cupy.ndarray((n,), dtype=store, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    if dtype == "bfloat16":   # round to nearest even on the bits (no bf16 dtype needed)
+        k = _KERN.get("bf16") or _KERN.setdefault("bf16", cupy.ElementwiseKernel(
+            "float32 a, float32 s", "uint16 d",
+            "unsigned int b = __float_as_uint(a * s); d = (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16)",
+            "tiga_dq_bf16"))
+    else:
+        k = _KERN.get("cast") or _KERN.setdefault("cast", cupy.ElementwiseKernel(
+            "float32 a, float32 s", "T d", "d = (T)(a * s)", "tiga_dq_cast"))
+    k(acc[:n], np.float32(scale), out)
+
+
+_KERN = {}
 
 
 def backward_variants(D, Dv, dtype):
@@ -745,7 +769,11 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                 (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m), _ptr(l), _ptr(delta), _ptr(lse2),
                                 _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))
-    if vq is None:
+    if vq is None and vk.dq_atomic:
+        how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
+               "dQ blocks added with float atomics: NOT deterministic), float32 -> dtype pass")
+        tiles = f"dK/dV/dQ BM={vk.BM} BN={vk.BN} warps={vk.NW}"
+    elif vq is None:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
                "dQ blocks added to a float32 accumulator in a fixed key-tile order: deterministic, no atomics)")
         tiles = f"dK/dV/dQ BM={vk.BM} BN={vk.BN} warps={vk.NW}"

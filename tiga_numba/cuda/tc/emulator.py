@@ -264,6 +264,24 @@ class Warps:
         if got != int(value):
             raise RuntimeError(f"dQ turn order violated: counter {got}, this CTA's turn {int(value)}")
 
+    def _red_if(self, pred, gaddr, xs):
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)[pred]
+        n = len(xs)
+        if len(gaddr):
+            assert np.all(gaddr % (4 * n) == 0), "alignment of a vector red"
+            self.mem.check(gaddr, 4 * n)
+            x = np.stack([self._vec(y, np.float32) for y in xs], 1)[pred]
+            idx = gaddr[:, None] + np.arange(4 * n)
+            cur = self.mem.buf[idx].view(np.float32).reshape(-1, n)
+            self.mem.buf[idx] = (cur + x).astype(np.float32).view(np.uint8).reshape(-1, 4 * n)
+
+    def red_v2_if(self, pred, gaddr, x0, x1):
+        self._red_if(pred, gaddr, (x0, x1))
+
+    def red_v4_if(self, pred, gaddr, x0, x1, x2, x3):
+        self._red_if(pred, gaddr, (x0, x1, x2, x3))
+
     def stg_release_if(self, pred, gaddr, value):
         self.stg_u32_if(pred, gaddr, np.uint32(int(value)))
 
@@ -340,7 +358,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
-                       "unpack2", "shfl_xor", "wait_eq", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4"):
+                       "unpack2", "shfl_xor", "wait_eq", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "red_v2_if", "red_v4_if"):
                 env[nm] = getattr(w, nm)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -416,7 +434,8 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
         # as the API does: rows no key tile visits are zero-filled, the rest stays poisoned
         unvisited = schedule.rows_without_keys(dst_offsets, src_offsets, nd)
         mem.buf[dqb:dqb + nd * H * D * EB].reshape(nd, -1)[unvisited] = 0
-        accb = mem.alloc(max(nd * H * D * 4, 1))             # poisoned: the first visitor reads nothing
+        # ordered: poisoned (the first visitor reads nothing); atomic: zeroed, converted below
+        accb = mem.alloc(max(nd * H * D * 4, 1), fill=0 if vkv.dq_atomic else 0xFF)
         cntb = mem.alloc(max(nd * H * 4, 1), fill=0)         # turn counters start at 0
         if len(work):
             launch(G.gen_dkdv(vkv), (len(work) * Hkv, 1), vkv.NT, vkv.smem_bytes(), mem, dt,
@@ -429,6 +448,9 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
                 do_hs, Hkv * D * EB, Hkv * Dv * EB, H // Hkv, H, sc, np.float32(scale)))
     # rows no work tile covers (sources outside every block) are zero by definition
     dq = from_storage(mem.get(dqb, sd, (nd, H, D)), dt)
+    if vkv.fuse_dq and vkv.dq_atomic:   # the API's convert pass: dq = scale * accumulator in q's dtype
+        acc = mem.get(accb, np.float32, (nd, H, D))
+        dq = from_storage(to_storage((acc * np.float32(scale)).astype(np.float32), dt), dt)
     dk = from_storage(mem.get(dkb, sd, (ns, Hkv, D)), dt)
     dv = from_storage(mem.get(dvb, sd, (ns, Hkv, Dv)), dt)
     return dq, dk, dv

@@ -78,6 +78,8 @@ class Variant:
     a_smem: bool = False  # resident operand (Q / K,V) stays in shared memory, A fragments loaded
     #                       at use: frees registers for MT = 2 at D = 128
     fuse_dq: bool = False  # dkdv only: also computes dQ (5 products instead of 7, see gen_dkdv)
+    dq_atomic: bool = False  # with fuse_dq: add dQ blocks with float atomics (red.global.add), in
+    #                          no fixed order: NOT deterministic, an experiment / opt-in only
 
     @property
     def NT(self):
@@ -114,6 +116,8 @@ class Variant:
         if self.fuse_dq:
             if self.kind != "dkdv":
                 raise ValueError("fuse_dq is a dK/dV kernel option")
+        if self.dq_atomic and not self.fuse_dq:
+            raise ValueError("dq_atomic needs fuse_dq")
             if self.BM * self.EB % 128:
                 raise ValueError(f"fuse_dq: a dS row of BM = {self.BM} keys must hold whole 128-byte swizzle groups")
             self.dq_warps()
@@ -158,7 +162,7 @@ class Variant:
 
     def dq_stage_bytes(self):
         """fused dQ: two float32 BN x D tiles, this block's dQ and the fetched running sum."""
-        return 2 * self.BN * self.dq_stage_row() if self.fuse_dq else 0
+        return 2 * self.BN * self.dq_stage_row() if self.fuse_dq and not self.dq_atomic else 0
 
     def smem_bytes(self):
         w = self.resident_widths()
@@ -186,7 +190,7 @@ class Variant:
 
     def name(self):
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
-                + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else ""))
+                + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else ""))
 
 
 # ----------------------------------------------------------------------------- source writer
@@ -816,6 +820,26 @@ def stage_dq(e, v, C):
                     e(f"sts_v2({sa('sq', 'sqo', base + 32 * j)}, {c[r0]}, {c[r1]})")
 
 
+def atomic_dq(e, v, C):
+    """dq_atomic: add this warp's dQ fragments to the float32 accumulator with red.global.add
+    (FA2's scheme: fast, but the summation order, hence the bits, depend on timing)."""
+    WR, WC, MQ, NQ = v.dq_warps()
+    e(f"# atomic_dq: {C} -> accumulator (red.global.add, unordered)")
+    for mq in range(MQ):
+        for h in (0, 1):
+            r0, r1 = 2 * h, 2 * h + 1
+            e(f"rl = cq + qrow + {16 * mq + 8 * h} + g")
+            e(f"ok = u32(rl < cols); ab = accp + ((col0 + sel(ok != 0, rl, 0)) * H + hq) * {4 * v.D} + qcol * 4")
+            if v.tf32:
+                for jp in range(NQ):
+                    a, b = c_regs(C, mq, 2 * jp), c_regs(C, mq, 2 * jp + 1)
+                    e(f"red_v4_if(ok, ab + {64 * jp} + t * 16, {a[r0]}, {b[r0]}, {a[r1]}, {b[r1]})")
+            else:
+                for j in range(2 * NQ):
+                    c = c_regs(C, mq, j)
+                    e(f"red_v2_if(ok, ab + {32 * j} + t * 8, {c[r0]}, {c[r1]})")
+
+
 def dq_passes(v):
     """(passes, rows per pass) of a CTA moving a float32 BN x D block in 16-byte chunks."""
     cpr = v.D // 4
@@ -941,7 +965,7 @@ def gen_dkdv(v):
                 e("cp_wait0()")
             e(f"cq = qb * {BN}")
             e("cuda.syncthreads()")
-            if fq:   # the previous block's turn: fetch its running sum while this block computes
+            if fq and not v.dq_atomic:   # the previous block's turn: fetch its running sum while this block computes
                 e("if p_on != 0:")
                 with e.indent():
                     fetch_acc(e, v)
@@ -974,21 +998,26 @@ def gen_dkdv(v):
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
             if fq:
                 store_ds(e, v, "dsb")
-                e("if p_on != 0:")
-                with e.indent():
-                    e("cp_wait0()")
+                if not v.dq_atomic:
+                    e("if p_on != 0:")
+                    with e.indent():
+                        e("cp_wait0()")
                 e("cuda.syncthreads()")   # dS and the fetched running sum are visible to every warp
-                e("if p_on != 0:")
-                with e.indent():
-                    flush_dq(e, v)
+                if not v.dq_atomic:
+                    e("if p_on != 0:")
+                    with e.indent():
+                        flush_dq(e, v)
                 mma_dq(e, v, "dqc", "qs", "dsb", kept["ka"])
+                if v.dq_atomic:
+                    atomic_dq(e, v, "dqc")
+            if fq and not v.dq_atomic:
                 e("cuda.syncthreads()")   # flush_dq's reads of sq and its stores are done ...
                 e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")   # ... so pass the turn on
                 stage_dq(e, v, "dqc")
                 e(f"nvis = sel(causal != 0, imin(ntk, ((qb + 1) * {BN} - 1) // {v.BM} + 1), ntk)")
                 e("p_on = 1; p_hq = hq; p_cq = cq; p_last = u32(rank + 1 == nvis)")
             e("cuda.syncthreads()")
-        if fq:   # the last block's dQ is still staged
+        if fq and not v.dq_atomic:   # the last block's dQ is still staged
             e("if p_on != 0:")
             with e.indent():
                 fetch_acc(e, v)

@@ -328,6 +328,29 @@ def intrinsics(dtype="float16"):
         return sig, cg
 
     @intrinsic
+    def red_v2_if(tc, pred, gaddr, x0, x1):
+        """predicated float atomic add of two floats (sm_90 vector red; unordered: dq_atomic only)."""
+        sig = types.void(u32, i64, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64, F32, F32],
+                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p red.global.add.v2.f32 [$1], {$2,$3};}",
+                "r,l,f,f,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
+    def red_v4_if(tc, pred, gaddr, x0, x1, x2, x3):
+        sig = types.void(u32, i64, f32, f32, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            asm(bld, ir.VoidType(), [I32, I64] + [F32] * 4,
+                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p red.global.add.v4.f32 [$1], {$2,$3,$4,$5};}",
+                "r,l,f,f,f,f,~{memory}", args)
+            return ctx.get_dummy_value()
+        return sig, cg
+
+    @intrinsic
     def sts_v2(tc, addr, x0, x1):
         """8-byte shared store of two floats (a dQ C-fragment pair into the staging tile)."""
         sig = types.void(u32, f32, f32)
@@ -366,5 +389,5 @@ def intrinsics(dtype="float16"):
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
         ex2=ex2, saddr=saddr, wait_eq=wait_eq, stg_release_if=stg_release_if,
         sts_halves=sts_halves, sts_f32=sts_f32,
-        sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4)
+        sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4, red_v2_if=red_v2_if, red_v4_if=red_v4_if)
     return _CACHE[dtype]
