@@ -106,7 +106,7 @@ class Ours:
         if not hasattr(self, "dq"):
             self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
             self.delta, self.lse2 = torch.empty_like(self.m), torch.empty_like(self.m)
-        vq, vk = api.backward_variants(self.D, self.D, self.dt)
+        vq, vk = api.backward_variants(self.D, self.D, self.dt, api.deterministic())
         api.launch_backward(vq, vk, self.rec, self.N, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
                             op(dout), op(self.out), self.m.data_ptr(), self.l.data_ptr(), self.delta.data_ptr(),
                             self.lse2.data_ptr(), self.dq.data_ptr(), self.dk.data_ptr(), self.dv.data_ptr(),

@@ -171,6 +171,23 @@ def test_fused_atomic_dq_emulated(D, dtype, shape, relname):
         assert np.isfinite(g).all() and rel(g, want) < 3 * TOL[dtype]
 
 
+def test_atomic_opt_in_routing(monkeypatch):
+    """TIGA_NUMBA_DETERMINISTIC=0 selects the float-atomic fused kernel only where api.ATOMIC_DQ
+    lists it (float32); everything else keeps the deterministic kernels; prebuild covers it."""
+    from tiga_numba.cuda.tc import api
+    monkeypatch.delenv("TIGA_NUMBA_DETERMINISTIC", raising=False)
+    assert api.deterministic()
+    monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
+    assert not api.deterministic()
+    for dt in api.TC_DTYPES:
+        for D in (64, 128):
+            vq, vk = api.backward_variants(D, D, dt, api.deterministic())
+            assert (vq is None and vk.dq_atomic) == ((dt, D) in api.ATOMIC_DQ)
+            assert api.backward_variants(D, D, dt, True)[1].dq_atomic is False
+    assert {(D, dt) for kind, D, dt in api.shipped_kernels() if kind == "dkdv_atomic"} == \
+        {(D, dt) for dt, D in api.ATOMIC_DQ}
+
+
 def test_fused_turn_order_is_enforced(monkeypatch):
     """The deadlock-freedom argument needs every key tile of a block to come after the lower ranks
     in launch order. A schedule that breaks it must fail (the emulator runs CTAs in launch order,

@@ -198,3 +198,32 @@ def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
                 assert bool(cupy.all(a.view(f"u{a.itemsize}") == b.view(f"u{b.itemsize}")))
         for a, b in zip(runs[0], two_kernel):
             assert rel(a.astype(np.float64).get(), b.astype(np.float64).get()) < (1e-5 if dt == "float32" else 2e-3)
+
+
+@pytest.mark.parametrize("D,name", [(64, "segments"), (64, "causal"), (128, "empty_src_block"), (128, "dense_rect")])
+def test_opt_in_float_atomic_backward(D, name, monkeypatch):
+    """TIGA_NUMBA_DETERMINISTIC=0 routes float32 to the fused kernel that adds dQ with float atomics
+    (api.ATOMIC_DQ: measured faster): same oracle bounds, dQ rows without keys zero, explain() says
+    it is not deterministic; without the variable the deterministic two-kernel path runs."""
+    from tiga_numba.cuda.tc import api
+    assert ("float32", D) in api.ATOMIC_DQ
+    _poison(monkeypatch)
+    rel_, (d, s, c) = relation(name)
+    nd, ns, H, Hkv = int(d[-1]), int(s[-1]), 4, 2
+    rng = np.random.default_rng()
+    mk = lambda sh: rng.standard_normal(sh).astype(np.float32)  # noqa: E731
+    q, k, v, do = mk((nd, H, D)), mk((ns, Hkv, D)), mk((ns, Hkv, D)), mk((nd, H, D))
+    qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
+    p = plan(D ** -0.5)
+    out, m, l = tc.forward(p, qg, kg, vg, rel_)
+    f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
+    *_, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, D ** -0.5)
+    monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
+    got = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)[:3]
+    assert "NOT deterministic" in p.run_info["kernel"]
+    for g, want in zip(got, (rdq, rdk, rdv)):
+        gh = f(g.get())
+        assert g.dtype == np.float32 and np.isfinite(gh).all() and rel(gh, want) < 3 * TOL["float32"]
+    monkeypatch.delenv("TIGA_NUMBA_DETERMINISTIC")
+    tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
+    assert "NOT deterministic" not in p.run_info["kernel"]

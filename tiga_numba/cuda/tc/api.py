@@ -60,6 +60,14 @@ FUSED_DKDV = {
 }
 
 
+#: opt-in, not deterministic (TIGA_NUMBA_DETERMINISTIC=0): the fused dK/dV/dQ kernel adding dQ with
+#: float atomics, for the (dtype, D) where it beat the deterministic two-kernel backward in every
+#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt run 3: float32 D=64 11-30 %,
+#: D=128 4-22 % faster). 16-bit: 0.98-1.2x at D=64, slower at D=128, so not offered.
+ATOMIC_DQ = {("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
+             ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True)}
+
+
 #: float32 (3xTF32) shapes, same keys: fp32 tiles take twice the shared memory and each A/B
 #: fragment twice the registers (big and small halves), so MT = 1; the CTA's own operand stays in
 #: shared memory but for the D = 64 forward. 8 warps (BM = 128: each streamed block feeds twice the
@@ -462,13 +470,15 @@ def delta_kernel(dtype, Dv):
 
 def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     """every kernel the dispatcher can launch for `dtypes`: (kind, D, dtype) triples of the
-    tuning tables plus the Delta pre-pass ("delta", Dv, dtype)."""
+    tuning tables plus the Delta pre-pass ("delta", Dv, dtype) and the opt-in float-atomic backward
+    ("dkdv_atomic", D, dtype)."""
     out = []
     for dt in dtypes:
         dims = F32_HEAD_DIMS if dt == "float32" else HEAD_DIMS
         out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
                 if not (kind == "dq" and variant("dkdv", D, D, dt).fuse_dq)]   # fused: no dQ kernel
         out += [("delta", D, dt) for D in dims]
+        out += [("dkdv_atomic", D, dt) for D in dims if (dt, D) in ATOMIC_DQ]   # the opt-in
     return out
 
 
@@ -477,6 +487,8 @@ def build_one(kind, D, dtype, arch, shape=None):
     shape of (kind, D, dtype), or the tile `shape` given (a dict of Variant fields)."""
     if kind == "delta":
         k = delta_kernel(dtype, D)
+    elif kind == "dkdv_atomic":
+        k = kernel(atomic_variant(D, dtype))[0]
     else:
         v = G.Variant(kind, D, D, dtype=dtype, **shape).check() if shape else variant(kind, D, D, dtype)
         k = kernel(v)[0]
@@ -680,11 +692,24 @@ def _dq_from_accumulator(acc, dqp, n, dtype, scale):
 _KERN = {}
 
 
-def backward_variants(D, Dv, dtype):
+def backward_variants(D, Dv, dtype, deterministic=True):
     """(dQ variant, dK/dV variant) of the shipped tuning: (None, fused) when the dK/dV kernel also
-    computes dQ (Variant.fuse_dq)."""
+    computes dQ (Variant.fuse_dq). deterministic=False picks the float-atomic fused kernel where
+    ATOMIC_DQ has a shape (it measured faster there), else the same as True."""
+    if not deterministic and (dtype, D) in ATOMIC_DQ and Dv == D:
+        return None, atomic_variant(D, dtype)
     vk = variant("dkdv", D, Dv, dtype)
     return (None if vk.fuse_dq else variant("dq", D, Dv, dtype)), vk
+
+
+def atomic_variant(D, dtype):
+    return G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=True, **ATOMIC_DQ[(dtype, D)])
+
+
+def deterministic():
+    """False when the user opted out of bit-reproducible backward passes (TIGA_NUMBA_DETERMINISTIC=0,
+    read per call, like torch.use_deterministic_algorithms(False))."""
+    return os.environ.get("TIGA_NUMBA_DETERMINISTIC", "1") != "0"
 
 
 def _dq_zero_fill(rec, nd, fused):
@@ -745,7 +770,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
-    vq, vk = backward_variants(D, Dv, dt)
+    vq, vk = backward_variants(D, Dv, dt, deterministic())
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
@@ -759,7 +784,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     m = cupy.ascontiguousarray(m, dtype=cupy.float32)
     l = cupy.ascontiguousarray(l, dtype=cupy.float32)
     rec = _host_relation(relation)
-    zq = _dq_zero_fill(rec, nd, vq is None)
+    zq = not vk.dq_atomic and _dq_zero_fill(rec, nd, vq is None)   # atomic: the convert pass writes every row
     zk = not _covers(rec, "src", ns)
     dq = (cupy.zeros if zq else cupy.empty)((nd, H, D), dtype=q.dtype)
     dk = (cupy.zeros if zk else cupy.empty)((ns, Hkv, D), dtype=q.dtype)
@@ -771,7 +796,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
                                 _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
-               "dQ blocks added with float atomics: NOT deterministic), float32 -> dtype pass")
+               "dQ blocks added with float atomics: NOT deterministic, opted in by TIGA_NUMBA_DETERMINISTIC=0), "
+               "float32 -> dtype pass")
         tiles = f"dK/dV/dQ BM={vk.BM} BN={vk.BN} warps={vk.NW}"
     elif vq is None:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
