@@ -257,9 +257,11 @@ class Warps:
         return np.int64(self.mem.buf[gaddr:gaddr + 4].view(np.int32)[0])
 
     # -- the fused backward's ordered dQ accumulation
-    def wait_eq(self, gaddr, value):
+    def wait_eq_if(self, pred, gaddr, value):
         """CTAs run one after another in launch order here, so the turn must already be ours:
         anything else is an ordering bug that would deadlock or race on a GPU."""
+        if not np.any(self._vec(pred, np.uint32)):
+            return
         got = int(self.ldg_i32(gaddr))
         if got != int(value):
             raise RuntimeError(f"dQ turn order violated: counter {got}, this CTA's turn {int(value)}")
@@ -358,7 +360,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
-                       "unpack2", "shfl_xor", "wait_eq", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "red_v2_if", "red_v4_if"):
+                       "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "red_v2_if", "red_v4_if"):
                 env[nm] = getattr(w, nm)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):

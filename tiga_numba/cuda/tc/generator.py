@@ -113,11 +113,11 @@ class Variant:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
         if self.kind not in ("fwd", "dq", "dkdv"):
             raise ValueError(f"unknown kernel kind {self.kind!r}")
+        if self.dq_atomic and not self.fuse_dq:
+            raise ValueError("dq_atomic needs fuse_dq")
         if self.fuse_dq:
             if self.kind != "dkdv":
                 raise ValueError("fuse_dq is a dK/dV kernel option")
-        if self.dq_atomic and not self.fuse_dq:
-            raise ValueError("dq_atomic needs fuse_dq")
             if self.BM * self.EB % 128:
                 raise ValueError(f"fuse_dq: a dS row of BM = {self.BM} keys must hold whole 128-byte swizzle groups")
             self.dq_warps()
@@ -853,7 +853,10 @@ def fetch_acc(e, v):
     n, step = dq_passes(v)
     e("# fetch_acc: the pending block's running dQ sum -> shared sacc (after our turn came)")
     e("turn = cntp + ((col0 + p_cq) * H + p_hq) * 4")
-    e("wait_eq(turn, rank)")
+    # one thread spins (an acquire per thread would cost every warp a fence), the barrier hands
+    # the acquire on to the CTA (causality order), then every thread's cp.async reads the sum
+    e("wait_eq_if(u32(tx == 0), turn, rank)")
+    e("cuda.syncthreads()")
     e("rd = u32(rank > 0)")
     for k in range(n):
         e(f"rr = fr + {k * step}; ok = u32(p_cq + rr < cols) & rd")

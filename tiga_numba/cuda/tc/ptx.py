@@ -279,16 +279,18 @@ def intrinsics(dtype="float16"):
     # -- the fused backward's ordered dQ accumulation (generator.fetch_acc / flush_dq): a turn
     #    counter per (query block, head), acquire/release at GPU scope
     @intrinsic
-    def wait_eq(tc, gaddr, value):
-        """spin until the u32 at gaddr equals value (ld.acquire.gpu: later reads see what the
-        releasing CTA wrote before its release). Labels are local to the { } scope."""
-        sig = types.void(i64, i64)
+    def wait_eq_if(tc, pred, gaddr, value):
+        """where pred: spin until the u32 at gaddr equals value (ld.acquire.gpu: what the releasing
+        CTA wrote before its release is visible after it; one thread spins, a CTA barrier follows).
+        Labels are local to the { } scope."""
+        sig = types.void(u32, i64, i64)
 
         def cg(ctx, bld, sig, args):
-            v32 = bld.trunc(args[1], I32)
-            asm(bld, ir.VoidType(), [I64, I32],
-                "{.reg .pred p; .reg .u32 x; TIGA_WAIT: ld.acquire.gpu.global.u32 x, [$0]; "
-                "setp.ne.u32 p, x, $1; @p bra TIGA_WAIT;}", "l,r,~{memory}", [args[0], v32])
+            v32 = bld.trunc(args[2], I32)
+            asm(bld, ir.VoidType(), [I32, I64, I32],
+                "{.reg .pred p, q; .reg .u32 x; setp.eq.u32 q, $0, 0; @q bra TIGA_DONE; "
+                "TIGA_WAIT: ld.acquire.gpu.global.u32 x, [$1]; setp.ne.u32 p, x, $2; @p bra TIGA_WAIT; "
+                "TIGA_DONE: }", "r,l,r,~{memory}", [args[0], args[1], v32])
             return ctx.get_dummy_value()
         return sig, cg
 
@@ -387,7 +389,7 @@ def intrinsics(dtype="float16"):
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
-        ex2=ex2, saddr=saddr, wait_eq=wait_eq, stg_release_if=stg_release_if,
+        ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
         sts_halves=sts_halves, sts_f32=sts_f32,
         sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4, red_v2_if=red_v2_if, red_v4_if=red_v4_if)
     return _CACHE[dtype]
