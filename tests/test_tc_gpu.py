@@ -28,10 +28,12 @@ RELS = {
     "segments": ([0, 1, 1, 64, 190, 191, 460], [0, 1, 1, 64, 190, 191, 460], [1, 1, 1, 0, 1, 1]),
     "empty_src_block": ([0, 7, 40], [0, 0, 50], [0, 0]),
 }
+#: relations used by some tests only: no key anywhere (no dK/dV work tile at all)
+NO_KEYS = ([0, 9, 20], [0, 0, 0], [0, 1])
 
 
 def relation(name):
-    d, s, c = RELS[name]
+    d, s, c = NO_KEYS if name == "no_keys" else RELS[name]
     d, s = np.array(d, np.int64), np.array(s, np.int64)
     return BlockRelation(cupy.asarray(d), cupy.asarray(s), cupy.asarray(np.array(c, np.uint8)),
                          int(np.diff(d).max()), int(np.diff(s).max())), (d, s, np.array(c))
@@ -200,7 +202,8 @@ def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
             assert rel(a.astype(np.float64).get(), b.astype(np.float64).get()) < (1e-5 if dt == "float32" else 2e-3)
 
 
-@pytest.mark.parametrize("D,name", [(64, "segments"), (64, "causal"), (128, "empty_src_block"), (128, "dense_rect")])
+@pytest.mark.parametrize("D,name", [(64, "segments"), (64, "causal"), (128, "empty_src_block"), (128, "dense_rect"),
+                                    (64, "no_keys")])
 def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     """TIGA_NUMBA_DETERMINISTIC=0 routes float32 to the fused kernel that adds dQ with float atomics
     (api.ATOMIC_DQ: measured faster): same oracle bounds, dQ rows without keys zero, explain() says

@@ -647,7 +647,7 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     states.append(c)
     work, W = _work(rec, "k", vk.BM)
     cache = "hit" if all(x == "hit" for x in states) else "miss"
-    if not (W and Hkv):
+    if not (W and Hkv) and not vk.dq_atomic:   # atomic: the convert pass still writes dQ (zeros)
         return (kk if vq is None else kq), cache
     strides = (q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.EB, Hkv * vk.Dv * vk.EB)
     if vq is not None:
@@ -661,10 +661,11 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
         # ordered: float32 running sums (the first visitor of a block writes before anyone reads)
         # and one turn counter per (query row, head), zeroed; atomic: zeroed sums, no counters
         acc = (cupy.zeros if vk.dq_atomic else cupy.empty)(max(nd * H * vk.D, 1), cupy.float32)
-        turns = cupy.zeros(max(nd * H, 1), cupy.int32)
+        turns = acc if vk.dq_atomic else cupy.zeros(max(nd * H, 1), cupy.int32)   # atomic: not read
         # flat grid, heads interleaved: block b = (key tile b // Hkv, kv head b % Hkv)
-        kk((W * Hkv,), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, dqp, _ptr(acc),
-           _ptr(turns), _ptr(work), *strides, H * vk.D * vk.EB, H // Hkv, H, sc, scale)
+        if W and Hkv:
+            kk((W * Hkv,), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, dqp, _ptr(acc),
+               _ptr(turns), _ptr(work), *strides, H * vk.D * vk.EB, H // Hkv, H, sc, scale)
         if vk.dq_atomic:
             _dq_from_accumulator(acc, dqp, nd * H * vk.D, vk.dtype, scale)
     return kk, cache
