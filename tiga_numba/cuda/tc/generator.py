@@ -734,6 +734,11 @@ def col_stats(e, nt, name, ptr):
 # rank, i.e. a CTA launched earlier (work rows keep the key tiles of a block in increasing order and
 # the grid is flat, key tile-major), which is what makes the wait deadlock-free; heads are
 # interleaved in the grid so that no wave holds many ranks of one head (a staircase of waits).
+# The add runs one step behind (stage_dq, then fetch_acc / flush_dq during the next block), so the
+# turn has usually arrived and the running sum's L2 trip overlaps four products. dq_atomic instead
+# adds with red.global (FA2's scheme, not deterministic). Measured on the H200, neither beat the
+# two-kernel backward at 16-bit; the atomic one did in float32 (docs/tensor_cores.md), which is why
+# api ships the two-kernel backward by default and offers the atomic one as an opt-in.
 def dq_geometry(e, v):
     """per-thread constants: this warp's dQ rows / columns and this lane's transposed dS store offsets
     (dso{m}{h}{q}: key half h of m-tile m, query parity q)."""
