@@ -501,7 +501,7 @@ def online_softmax(e, v, S, O, nt_o):
     for m in range(v.MT):
         for h in (0, 1):
             rs = (0, 1) if h == 0 else (2, 3)
-            e(f"x = " + _tree(mx, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
+            e("x = " + _tree(mx, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
             e("x = fmaxf(x, shfl_xor(x, 1))")   # the 4 lanes of a quad share a row
             e("x = fmaxf(x, shfl_xor(x, 2))")
             e(f"mn = fmaxf(m{m}{h}, x * sc)")
@@ -556,6 +556,44 @@ def read_work(e, v, index="i64(cuda.blockIdx.x)"):
     e(f"rows = imin(rows, {v.BM})")
 
 
+def stream_key_blocks(e, v, qa_where, block):
+    """The key loop of the forward and dQ kernels: the block's K/V tiles stream through a double
+    buffer (cp.async of block kb+1 while kb computes); per block S = Q K^T, masked only where the
+    block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
+    kernel's own use of S with the current buffers. Expects ss, kg, vg, cols, nkb, nfull."""
+    D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
+    KT, VT = BN * v.EB * D, BN * v.EB * Dv
+    e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
+    e("if nkb > 0:")
+    with e.indent():
+        load_tile(e, v, "kbuf_0", "kg", "k_rs", "cols", BN, D)
+        load_tile(e, v, "vbuf_0", "vg", "v_rs", "cols", BN, Dv)
+        e("cp_commit()")
+    e("for kb in range(nkb):")
+    with e.indent():
+        e("cur = kb % 2")
+        e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
+        e("if kb + 1 < nkb:")
+        with e.indent():
+            e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
+            e(f"kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
+            load_tile(e, v, "kbuf_nxt", "kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
+            load_tile(e, v, "vbuf_nxt", "vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
+            e("cp_commit(); cp_wait1()")
+        e("else:")
+        with e.indent():
+            e("cp_wait0()")
+        e("cuda.syncthreads()")
+        zero_c(e, "s", MT, BN // 8)
+        mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
+        e("if kb >= nfull:")
+        with e.indent():
+            row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
+            mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
+        block("kbuf_cur", "vbuf_cur")
+        e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
+
+
 # ============================================================================= forward
 def gen_forward(v):
     """O = softmax(scale Q K^T) V over one block of the relation per work row; writes O, m, l.
@@ -563,8 +601,7 @@ def gen_forward(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsk, rsv = v.EB * D, v.EB * Dv
-    KT, VT = BN * rsk, BN * rsv
+    rsv = v.EB * Dv
     e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, sc, minf):")
     with e.indent():
         thread_geometry(e, v)
@@ -588,39 +625,11 @@ def gen_forward(v):
         zero_c(e, "o", MT, Dv // 8)
         for m in range(MT):
             e(f"m{m}0 = masked; m{m}1 = masked; l{m}0 = zero; l{m}1 = zero")
-        # stage 2: stream key blocks; block kb+1 lands while block kb is computed
-        kbuf = lambda b: f"kbuf_{b}"  # noqa: E731
-        vbuf = lambda b: f"vbuf_{b}"  # noqa: E731
-        e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
-        e("if nkb > 0:")
-        with e.indent():
-            load_tile(e, v, kbuf(0), "kg", "k_rs", "cols", BN, D)
-            load_tile(e, v, vbuf(0), "vg", "v_rs", "cols", BN, Dv)
-            e("cp_commit()")
-        e("for kb in range(nkb):")
-        with e.indent():
-            e("cur = kb % 2")
-            e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
-            e("if kb + 1 < nkb:")
-            with e.indent():
-                e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
-                e(f"kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
-                load_tile(e, v, kbuf("nxt"), f"kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
-                load_tile(e, v, vbuf("nxt"), f"vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
-                e("cp_commit(); cp_wait1()")
-            e("else:")
-            with e.indent():
-                e("cp_wait0()")
-            e("cuda.syncthreads()")
-            zero_c(e, "s", MT, BN // 8)
-            mma_abt(e, v, "s", "qa", kbuf("cur"), BN // 8, D, where["qa"])
-            e("if kb >= nfull:")
-            with e.indent():
-                row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
-                mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
+        # stage 2: stream key blocks; S = Q K^T of each, then softmax and O += P V
+        def block(kbuf, vbuf):
             online_softmax(e, v, "s", "o", Dv // 8)
-            mma_pb(e, v, "o", "pa", "s", vbuf("cur"), Dv // 8, BN, Dv)
-            e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
+            mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
+        stream_key_blocks(e, v, where["qa"], block)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l
         for m in range(MT):
             for h in (0, 1):
@@ -633,7 +642,7 @@ def gen_forward(v):
         for m in range(MT):
             for h in (0, 1):
                 e(f"rl = wrow + {16 * m + 8 * h} + g")
-                e(f"ok = u32((rl < rows) & (t == 0)); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
+                e("ok = u32((rl < rows) & (t == 0)); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
                 e(f"stg_f32_if(ok, mp + gi * 4, sel(l{m}{h} > zero, m{m}{h} * f32({1 / LOG2E!r}), minf))")
                 e(f"stg_f32_if(ok, lp + gi * 4, l{m}{h})")
     return e.text()
@@ -646,8 +655,7 @@ def gen_dq(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsk, rsv = v.EB * D, v.EB * Dv
-    KT, VT = BN * rsk, BN * rsv
+    rsk = v.EB * D
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dqp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,"
       " dq_rs, group, sc, scale):")
     with e.indent():
@@ -671,47 +679,20 @@ def gen_dq(v):
         for m in range(MT):
             for h in (0, 1):
                 e(f"rl = wrow + {16 * m + 8 * h} + g")
-                e(f"ok = u32(rl < rows); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
+                e("ok = u32(rl < rows); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
                 e(f"ls{m}{h} = ldg_f32_if(ok, lsep + gi * 4); dl{m}{h} = ldg_f32_if(ok, dltp + gi * 4)")
         zero_c(e, "acc", MT, D // 8)
-        kbuf = lambda b: f"kbuf_{b}"  # noqa: E731
-        vbuf = lambda b: f"vbuf_{b}"  # noqa: E731
-        e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
-        e("if nkb > 0:")
-        with e.indent():
-            load_tile(e, v, kbuf(0), "kg", "k_rs", "cols", BN, D)
-            load_tile(e, v, vbuf(0), "vg", "v_rs", "cols", BN, Dv)
-            e("cp_commit()")
-        e("for kb in range(nkb):")
-        with e.indent():
-            e("cur = kb % 2")
-            e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
-            e("if kb + 1 < nkb:")
-            with e.indent():
-                e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
-                e(f"kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
-                load_tile(e, v, kbuf("nxt"), f"kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
-                load_tile(e, v, vbuf("nxt"), f"vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
-                e("cp_commit(); cp_wait1()")
-            e("else:")
-            with e.indent():
-                e("cp_wait0()")
-            e("cuda.syncthreads()")
-            zero_c(e, "s", MT, BN // 8)
-            mma_abt(e, v, "s", "qa", kbuf("cur"), BN // 8, D, where["qa"])
-            e("if kb >= nfull:")
-            with e.indent():
-                row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
-                mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
+
+        def block(kbuf, vbuf):   # dP = dO V^T, dS = P (dP - Delta), dQ += dS K
             zero_c(e, "dp", MT, BN // 8)
-            mma_abt(e, v, "dp", "da", vbuf("cur"), BN // 8, Dv, where["da"])
+            mma_abt(e, v, "dp", "da", vbuf, BN // 8, Dv, where["da"])
             for m in range(MT):
                 for j in range(BN // 8):
                     for r in range(4):
                         s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                         e(f"{s} = ex2({s} * sc - ls{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
-            mma_pb(e, v, "acc", "sa", "s", kbuf("cur"), D // 8, BN, D)
-            e("cuda.syncthreads()")
+            mma_pb(e, v, "acc", "sa", "s", kbuf, D // 8, BN, D)
+        stream_key_blocks(e, v, where["qa"], block)
         store_c_rows(e, v, "acc", D // 8, f"dqp + row0 * dq_rs + hh * {rsk}", "dq_rs", "wrow", "rows",
                      lambda m, h: "scale")
     return e.text()
