@@ -435,7 +435,8 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     if vkv.fuse_dq:
         # as the API does: rows no key tile visits are zero-filled, the rest stays poisoned
         unvisited = schedule.rows_without_keys(dst_offsets, src_offsets, nd)
-        mem.buf[dqb:dqb + nd * H * D * EB].reshape(nd, -1)[unvisited] = 0
+        if unvisited.any():
+            mem.buf[dqb:dqb + nd * H * D * EB].reshape(nd, -1)[unvisited] = 0
         # ordered: poisoned (the first visitor reads nothing); atomic: zeroed, converted below
         accb = mem.alloc(max(nd * H * D * 4, 1), fill=0 if vkv.dq_atomic else 0xFF)
         cntb = mem.alloc(max(nd * H * 4, 1), fill=0)         # turn counters start at 0
