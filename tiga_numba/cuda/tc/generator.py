@@ -720,24 +720,32 @@ def col_stats(e, nt, name, ptr):
 # adds with red.global (FA2's scheme, not deterministic). Measured on the H200, neither beat the
 # two-kernel backward at 16-bit; the atomic one did in float32 (docs/tensor_cores.md), which is why
 # api ships the two-kernel backward by default and offers the atomic one as an opt-in.
-def dq_geometry(e, v):
-    """per-thread constants: this warp's dQ rows / columns and this lane's transposed dS store offsets
-    (dso{m}{h}{q}: key half h of m-tile m, query parity q)."""
+def dq_geometry(e, v, part):
+    """per-lane offsets of the fused dQ, emitted where they are used, from an opaque copy of the
+    thread index: computed once at kernel start they were ~20 loop-long registers, and the kernel
+    spills at 255. part: "store" (kv{m}{h} key-row guards, dso{m}{h}{q} transposed dS store offsets:
+    key half h of m-tile m, query parity q), "mma" (this warp's dQ rows qrow / columns qcol and their
+    byte offsets), "stage" (sqo: stage_dq's fragment rows), "move" (fr, fc, fo: 16-byte row chunks)."""
     WR, WC, MQ, NQ = v.dq_warps()
-    rsA = v.EB * v.BM
-    e(f"qrow = (wid // {WC}) * {16 * MQ}; qcol = (wid % {WC}) * {v.D // WC}")
-    e(f"qrowoff = u32(qrow * {rsA}); qcolb = u32(qcol * {v.EB})")
-    RS = v.dq_stage_row()
-    e(f"sqo = u32((qrow + g) * {RS} + qcol * 4 + t * {16 if v.tf32 else 8})")   # stage_dq's fragment rows
-    e(f"fr = tx // {v.D // 4}; fc = tx % {v.D // 4}; fo = u32(fr * {RS} + fc * 16)")   # 16-byte row chunks
-    for m in range(v.MT):
-        for h in (0, 1):
-            e(f"kv{m}{h} = u32(wrow + {16 * m + 8 * h} + g < rows)")
-            key8 = f"(wid * {2 * v.MT} + {2 * m + h})"   # the key's 16-byte-chunk group (8 keys)
-            # tf32: key 8c + 2i + e sits at word i + 4e of its group (mma_pb's key order)
-            chunk, within = (f"(2 * {key8} + g % 2)", "(g // 2) * 4") if v.tf32 else (key8, "2 * g")
-            for q in (0, 1):
-                e(f"dso{m}{h}{q} = u32((2 * t + {q}) * {rsA} + (({chunk} ^ (2 * t + {q})) * 16) + {within})")
+    rsA, RS = v.EB * v.BM, v.dq_stage_row()
+    e("tz = opq(tx); wz = tz // 32; gz = (tz % 32) // 4; tz4 = tz % 4")
+    if part in ("mma", "stage"):
+        e(f"qrow = (wz // {WC}) * {16 * MQ}; qcol = (wz % {WC}) * {v.D // WC}")
+    if part == "mma":
+        e(f"qrowoff = u32(qrow * {rsA}); qcolb = u32(qcol * {v.EB})")
+    elif part == "stage":
+        e(f"sqo = u32((qrow + gz) * {RS} + qcol * 4 + tz4 * {16 if v.tf32 else 8})")
+    elif part == "move":
+        e(f"fr = tz // {v.D // 4}; fc = tz % {v.D // 4}; fo = u32(fr * {RS} + fc * 16)")
+    elif part == "store":
+        for m in range(v.MT):
+            for h in (0, 1):
+                e(f"kv{m}{h} = u32(wz * {16 * v.MT} + {16 * m + 8 * h} + gz < rows)")
+                key8 = f"(wz * {2 * v.MT} + {2 * m + h})"   # the key's 16-byte-chunk group (8 keys)
+                # tf32: key 8c + 2i + e sits at word i + 4e of its group (mma_pb's key order)
+                chunk, within = (f"(2 * {key8} + gz % 2)", "(gz // 2) * 4") if v.tf32 else (key8, "2 * gz")
+                for q in (0, 1):
+                    e(f"dso{m}{h}{q} = u32((2 * tz4 + {q}) * {rsA} + (({chunk} ^ (2 * tz4 + {q})) * 16) + {within})")
 
 
 def store_ds(e, v, dsb):
@@ -747,6 +755,7 @@ def store_ds(e, v, dsb):
     registers c_to_a made for dK; tf32: the f32 values."""
     rsA = v.EB * v.BM
     e(f"# store_ds: dS^T fragments -> shared dS (query-major, {v.BN} x {v.BM})")
+    dq_geometry(e, v, "store")
     for m in range(v.MT):
         if v.tf32:
             for j in range(v.BN // 8):
@@ -768,6 +777,7 @@ def mma_dq(e, v, C, A, dsb, ktile):
     WR, WC, MQ, NQ = v.dq_warps()
     rsA, rsk = v.EB * v.BM, v.EB * v.D
     e(f"# mma_dq: {C} = dS . K (dS rows from qrow, K columns from qcol)")
+    dq_geometry(e, v, "mma")
     zero_c(e, C, MQ, 2 * NQ)
     for ks in range(v.ksteps(v.BM)):
         for mq in range(MQ):
@@ -792,6 +802,7 @@ def stage_dq(e, v, C):
     WR, WC, MQ, NQ = v.dq_warps()
     RS = v.dq_stage_row()
     e(f"# stage_dq: {C} -> shared sq (float32, {v.BN} x {v.D})")
+    dq_geometry(e, v, "stage")
     for mq in range(MQ):
         for h in (0, 1):
             r0, r1 = 2 * h, 2 * h + 1
@@ -838,6 +849,7 @@ def fetch_acc(e, v):
     RS = v.dq_stage_row()
     n, step = dq_passes(v)
     e("# fetch_acc: the pending block's running dQ sum -> shared sacc (after our turn came)")
+    dq_geometry(e, v, "move")
     e("turn = cntp + ((col0 + p_cq) * H + p_hq) * 4")
     # one thread spins (an acquire per thread would cost every warp a fence), the barrier hands
     # the acquire on to the CTA (causality order), then every thread's cp.async reads the sum
@@ -857,6 +869,7 @@ def flush_dq(e, v):
     RS = v.dq_stage_row()
     n, step = dq_passes(v)
     e("# flush_dq: add the staged block to the running sum and store it (or the finished dQ)")
+    dq_geometry(e, v, "move")
     e("mid = u32(p_last == 0)")
     if v.tf32:
         e("f = sel(p_last != 0, scale, one)")
@@ -916,7 +929,6 @@ def gen_dkdv(v):
         if fq:
             e(f"dsb = a32(ss, {2 * (QT + OT)}); sq = a32(dsb, {v.ds_tile_bytes()}); "
               f"sacc = a32(sq, {v.BN * v.dq_stage_row()})")
-            dq_geometry(e, v)
             # the block whose dQ is staged in sq and not yet added (one step behind)
             e("p_on = 0; p_hq = i64(0); p_cq = i64(0); p_last = u32(0); turn = cntp")
         # key j may see query i when i_local >= j_local: column limit from below
