@@ -62,8 +62,8 @@ FUSED_DKDV = {
 
 #: opt-in, not deterministic (TIGA_NUMBA_DETERMINISTIC=0): the fused dK/dV/dQ kernel adding dQ with
 #: float atomics, for the (dtype, D) where it beat the deterministic two-kernel backward in every
-#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt run 3: float32 D=64 11-30 %,
-#: D=128 4-22 % faster). 16-bit: 0.98-1.2x at D=64, slower at D=128, so not offered.
+#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt runs 3-5; run 5: float32 D=64
+#: 16-33 %, D=128 2-25 % faster). 16-bit: within 2 % at D=64 but for one cell, slower at D=128: not offered.
 ATOMIC_DQ = {("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
              ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True)}
 
