@@ -6,6 +6,7 @@ efficient for float32) as the anchor.
 
   PYTHONPATH=. python benchmarks/bench_tc_bwd.py [--dtypes float16,float32] [--N 4096,16384]
          [--build sm_90]    # only fill the cubin cache for every kernel this run launches (no GPU)
+         [--spills sm_90]   # ptxas registers / spill bytes of the backward kernels (no GPU)
 
 Checks in every cell: each fused candidate's dq, dk, dv vs the two-kernel backward (relative L2)
 and the first fused candidate run twice is bit-identical (the ordered accumulation's promise).
@@ -62,15 +63,42 @@ def build(arch, dtypes):
     print(f"{len(names)} cubins for {arch}: {', '.join(names)}")
 
 
+def spills(arch, dtypes):
+    """ptxas's register / spill report (nvJitLink, verbose) of the backward kernels: no GPU needed."""
+    import re
+
+    import numba
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from numba import cuda
+    for dt in dtypes:
+        for D in (64, 128):
+            (vq, vk), cands = variants(dt, D)
+            for v in (vq, vk, *cands):
+                k = api.kernel(v)[0]
+                ptx, _ = cuda.compile_ptx(k._pyfunc(), k.argtypes, cc=tuple(int(c) for c in arch[3:5]),
+                                          fastmath=True)
+                link = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch, verbose=True))
+                link.link("cubin")
+                log = link.get_info_log()
+                regs = re.search(r"Used (\d+) registers", log)
+                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+                print(f"{v.name():52s} regs {regs.group(1) if regs else '?':>4s}  spill stores/loads "
+                      f"{spill.group(1) + ' / ' + spill.group(2) if spill else '0 / 0'} B  smem {v.smem_bytes()} B",
+                      flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="float16,float32")
     ap.add_argument("--N", default="4096,16384")
     ap.add_argument("--build", default=None, metavar="ARCH")
+    ap.add_argument("--spills", default=None, metavar="ARCH", help="print ptxas register/spill counts (no GPU)")
     a = ap.parse_args()
     dtypes = a.dtypes.split(",")
     if a.build:
         return build(a.build, dtypes)
+    if a.spills:
+        return spills(a.spills, dtypes)
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
