@@ -704,7 +704,15 @@ def backward_variants(D, Dv, dtype, deterministic=True):
 
 
 def atomic_variant(D, dtype):
-    return G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=True, **ATOMIC_DQ[(dtype, D)])
+    """the opt-in float-atomic backward's Variant (made once per (D, dtype): it is asked per call)."""
+    v = _ATOMIC_VARIANTS.get((D, dtype))
+    if v is None:
+        v = _ATOMIC_VARIANTS[(D, dtype)] = G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=True,
+                                                     **ATOMIC_DQ[(dtype, D)])
+    return v
+
+
+_ATOMIC_VARIANTS = {}
 
 
 def deterministic():
