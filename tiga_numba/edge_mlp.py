@@ -550,7 +550,7 @@ def backward(graph, net, args, value, state, dout):
         dposA, dposB = lay.scatter(dposA), lay.scatter(dposB)
 
     res = _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV,
-                          (dposA + dposB) if prep.geometric else None, graph, np)
+                          (dposA + dposB) if prep.geometric else None, graph)
     plan = _plan("backward", prep, net)
     plan.run_info.update(kernel=f"cpu.gat_backward_rows + cpu.gat_backward_cols [{variant}] "
                                 "(score MLP recomputed per edge, softmax adjoint in locals)",
@@ -562,30 +562,49 @@ def backward(graph, net, args, value, state, dout):
     return res
 
 
-def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, graph, xp):
-    """Per-node and per-parameter gradients from the kernels' outputs (caller's node order):
-    node columns of the first Linear from the (N, hidden) gradients, edge columns and the
-    later layers from the reduced partials `pg`."""
+def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, graph):
+    """CPU: per-node and per-parameter gradients from the kernels' outputs (caller's node order):
+    node columns of the first Linear from the (N, hidden) gradients (numba node kernels), the rest
+    in finish_grads."""
+    from .cpu.gat import node_matmul_add, node_outer_sum
     acc = prep.acc
-    h1 = W1.shape[0]
-    dW1 = xp.zeros(W1.shape, acc)
+    dW1 = np.zeros(W1.shape, acc)
     arg_grads = [None] * len(args)
     for k, role, arr, cols in prep.node_cols:
         g_node = dAs if role == "src" else dAd
-        Wb = xp.ascontiguousarray(W1[:, cols])  # (hidden, F)
-        if xp is np:
-            from .cpu.gat import node_matmul_add, node_outer_sum
-            x = np.ascontiguousarray(arr, dtype=acc)
-            dW1[:, cols] = node_outer_sum(g_node, x, max(1, min(g_node.shape[0], 256)))
-            g = np.zeros((g_node.shape[0], Wb.shape[1]), acc)
-            node_matmul_add(g_node, Wb, g)
-        else:
-            dW1[:, cols] = g_node.T @ arr.astype(acc, copy=False)
-            g = g_node @ Wb
+        Wb = np.ascontiguousarray(W1[:, cols])  # (hidden, F)
+        x = np.ascontiguousarray(arr, dtype=acc)
+        dW1[:, cols] = node_outer_sum(g_node, x, max(1, min(g_node.shape[0], 256)))
+        g = np.zeros((g_node.shape[0], Wb.shape[1]), acc)
+        node_matmul_add(g_node, Wb, g)
         orig = args[k][2]
         arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
+    return finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads)
+
+
+def col_runs(cols):
+    """[(first index in cols, first column, length)] of the consecutive runs in cols (slices
+    instead of fancy indexing: one copy per run, on the host or the device)."""
+    runs = []
+    for k, c in enumerate(cols):
+        if runs and c == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([k, c, 1])
+    return runs
+
+
+def finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads):
+    """What both backends share once the node columns of dW1 and the node-argument gradients are
+    in: the edge columns of dW1 and the later layers from the reduced partials pg (numpy or cupy),
+    explicit edge-field gradients, the first layer's bias, positions; everything in the caller's
+    dtypes and shapes."""
+    h1 = dW1.shape[0]
     if prep.edge_cols:
-        dW1[:, prep.edge_cols] = pg[prep.P.shape[0]:].reshape(prep.spec.fe, h1).T
+        P = prep.P.shape[0]
+        pge = pg[P:P + prep.spec.fe * h1].reshape(prep.spec.fe, h1)
+        for k0, c0, length in col_runs(prep.edge_cols):
+            dW1[:, c0:c0 + length] = pge[k0:k0 + length].T
     for k, width, xcol, _ in prep.explicit:
         orig = args[k][2]
         arg_grads[k] = dEX[:, xcol:xcol + width].reshape(orig.shape).astype(orig.dtype, copy=False)

@@ -696,7 +696,8 @@ def _edge_weights_t(W1, prep, xp):
     h1 = W1.shape[0]
     if not prep.edge_cols:
         return xp.zeros((0, h1), W1.dtype)
-    runs = _col_runs(prep.edge_cols)
+    from ..edge_mlp import col_runs
+    runs = col_runs(prep.edge_cols)
     if len(runs) == 1:
         _, c0, length = runs[0]
         return xp.ascontiguousarray(W1[:, c0:c0 + length].T)
@@ -789,21 +790,10 @@ def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda")
     return grads
 
 
-def _col_runs(cols):
-    """[(first index in cols, first column, length)] of the consecutive runs in cols."""
-    runs = []
-    for k, c in enumerate(cols):
-        if runs and c == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([k, c, 1])
-    return runs
-
-
 def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, graph, xp):
     """Gradients in the caller's arrays and dtypes: node-argument gradients in one launch
-    (dx = dA_role W1[:, cols]), the node columns of dW1 as dA^T x (BLAS, deterministic),
-    the edge columns and later layers from the reduced partials pg."""
+    (dx = dA_role W1[:, cols]), the node columns of dW1 as dA^T x (BLAS, deterministic); the
+    rest (edge columns, later layers, explicit fields, positions) in edge_mlp.finish_grads."""
     acc = prep.acc
     h1, n_in = W1.shape
     layout, arrays = _node_args(prep, xp)
@@ -820,23 +810,8 @@ def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, 
         dW1[:, cols] = (dAs if role == "src" else dAd).T @ a
         orig = args[k][2]
         arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
-    if prep.edge_cols:
-        pge = pg[prep.P.shape[0]:prep.P.shape[0] + prep.spec.fe * h1].reshape(prep.spec.fe, h1)
-        for k0, c0, length in _col_runs(prep.edge_cols):
-            dW1[:, c0:c0 + length] = pge[k0:k0 + length].T
-    for k, width, xcol, _ in prep.explicit:
-        orig = args[k][2]
-        arg_grads[k] = dEX[:, xcol:xcol + width].reshape(orig.shape).astype(orig.dtype, copy=False)
-    grads = {"0.weight": dW1.astype(params["0.weight"].dtype, copy=False),
-             "0.bias": dAd.sum(axis=0).astype(params["0.bias"].dtype, copy=False)}
-    for name, off, shape in prep.p_index:
-        size = int(np.prod(shape))
-        grads[name] = pg[off:off + size].reshape(shape).astype(params[name].dtype, copy=False)
-    positions = None
-    if dpos is not None:
-        positions = dpos.astype(graph.positions.dtype, copy=False)
-    return {"args": arg_grads, "value": dV.astype(value.dtype, copy=False).reshape(value.shape),
-            "params": grads, "positions": positions}
+    from .. import edge_mlp as em
+    return em.finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads)
 
 
 def _cuda_ir(kernel):
