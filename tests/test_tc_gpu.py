@@ -146,10 +146,12 @@ def test_supports_refuses_what_it_cannot_do():
     assert not tc.supports(plan(0.1), x, x, x, object())
 
 
-def test_launches_take_the_driver_path_and_match_the_fallback():
+def test_launches_take_the_driver_path_and_match_the_fallback(monkeypatch):
     """the default launcher (cuLaunchKernel on a cubin from the cubin cache, dynamic shared memory
     raised on that function) gives the same bits as numba's own launch of its own compile; D = 128
-    (> 48 KB of dynamic shared memory) only, to keep the extra NVVM compile to one kernel."""
+    (> 48 KB of dynamic shared memory) only, to keep the extra NVVM compile to one kernel. mma.sync
+    kernels: numba's own compile targets sm_90, which has no wgmma."""
+    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")
     rng = np.random.default_rng()
     for D in (128,):
         rel_, (d, s, c) = relation("segments")
@@ -233,3 +235,31 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     monkeypatch.delenv("TIGA_NUMBA_DETERMINISTIC")
     tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
     assert "NOT deterministic" not in p.run_info["kernel"]
+
+
+def test_wgmma_routing_and_agreement(monkeypatch):
+    """compute capability 9.0: 16-bit calls run the sm_90a warpgroup kernels and explain() says so;
+    TIGA_NUMBA_WGMMA=0 (read per call) runs the mma.sync kernels; both meet the oracle bound and
+    agree with each other. Elsewhere: mma.sync, whatever the variable says."""
+    rel_, (d, s, c) = relation("segments")
+    nd = int(d[-1])
+    rng = np.random.default_rng()
+    q, k, v, do = (cupy.asarray((rng.standard_normal((nd, 4 if i in (0, 3) else 2, 128)) * (1.5 if i == 0 else 1))
+                                .astype(np.float16)) for i in range(4))
+    sm90 = cupy.cuda.Device().compute_capability == "90"
+    res = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TIGA_NUMBA_WGMMA", flag)
+        p = plan(128 ** -0.5)
+        out, m, l = tc.forward(p, q, k, v, rel_)
+        assert ("wgmma" in p.run_info["kernel"]) == (sm90 and flag == "1")
+        grads = tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3]
+        assert ("wgmma" in p.run_info["kernel"]) == (sm90 and flag == "1")
+        res[flag] = [x.get().astype(np.float64) for x in (out, *grads)]
+    f = lambda x: x.get().astype(np.float64)  # noqa: E731
+    ro, _, _, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, 128 ** -0.5)
+    for flag in ("1", "0"):
+        for got, want, tol in zip(res[flag], (ro, rdq, rdk, rdv), (4e-3, 1.2e-2, 1.2e-2, 1.2e-2)):
+            assert rel(got, want) < tol
+    for a_, b_ in zip(res["1"], res["0"]):
+        assert rel(a_, b_) < 5e-3

@@ -86,13 +86,50 @@ TUNING_F32 = {
 # spilled and did not finish compiling within 190 s on the H200 in the second run; BN = 32 did.
 
 
-def tuning_table(dtype):
-    """the shape table for a dtype: 16-bit operands or float32 (3xTF32)."""
-    return TUNING_F32 if dtype == "float32" else TUNING
+#: 16-bit shapes on compute capability 9.0 (H100 / H200): warpgroup wgmma products, compiled
+#: for sm_90a (generator "wgmma"); each warpgroup owns 64 rows (NW = 4: one group, 8: two).
+#: First guesses, replaced by bench_tc.py's wgmma sweep on the H200 (see there).
+TUNING_WGMMA = {
+    ("fwd", 64): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("fwd", 128): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True),
+    ("dq", 64): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
+    ("dq", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, wgmma=True),
+}
 
 
-def variant(kind, D, Dv, dtype):
-    return G.Variant(kind, D, Dv, dtype=dtype, **tuning_table(dtype)[(kind, D)])
+def tuning_table(dtype, wgmma=False):
+    """the shape table for a dtype: 16-bit operands (mma.sync, or wgmma on sm_90) or float32 (3xTF32)."""
+    if dtype == "float32":
+        return TUNING_F32
+    return TUNING_WGMMA if wgmma else TUNING
+
+
+def variant(kind, D, Dv, dtype, wgmma=None):
+    """the shipped Variant of (kind, D, dtype); wgmma None: as use_wgmma(dtype) decides now."""
+    if wgmma is None:
+        wgmma = use_wgmma(dtype)
+    return G.Variant(kind, D, Dv, dtype=dtype, **tuning_table(dtype, wgmma)[(kind, D)])
+
+
+_WGMMA_DEVICES = {}
+
+
+def use_wgmma(dtype):
+    """True for 16-bit inputs on a compute capability 9.0 device (sm_90a: H100 / H200) unless
+    TIGA_NUMBA_WGMMA=0 (read per call): the warpgroup kernels; else the mma.sync ones."""
+    if dtype == "float32" or os.environ.get("TIGA_NUMBA_WGMMA", "1") == "0":
+        return False
+    try:
+        dev = _device()
+    except Exception:  # noqa: BLE001 - no GPU / no cupy: nothing to launch on
+        return False
+    hit = _WGMMA_DEVICES.get(dev)
+    if hit is None:
+        import cupy
+        hit = _WGMMA_DEVICES[dev] = cupy.cuda.Device(dev).compute_capability == "90"
+    return hit
 
 
 def precision(dtype):
@@ -264,9 +301,10 @@ class Compiled:
     dispatcher (NVVM compile of the same function) is made only when something needs it: the
     fallback launch paths, or PTX / LLVM / resource inspection without a loaded cubin."""
 
-    def __init__(self, name, src, dtype, ni, nf, dyn_smem=0):
+    def __init__(self, name, src, dtype, ni, nf, dyn_smem=0, wgmma=False):
         import numba
         self.name, self.src, self.dtype, self.dyn_smem = name, src, dtype, dyn_smem
+        self.wgmma = wgmma   # sm_90a only: wgmma has no sm_90 (or any other arch) encoding
         self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
         self.sig = numba.void(*self.argtypes)
         self.disk_cache = None      # numba's cache=True in use (known once the function is made)
@@ -315,7 +353,12 @@ class Compiled:
         return os.path.join(d, f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:16]}-{arch}.cubin")
 
     def cubin(self, arch):
-        """(entry name, cubin bytes) for `arch` ("sm_90"): from the cache, else compiled here."""
+        """(entry name, cubin bytes) for `arch` ("sm_90"): from the cache, else compiled here.
+        wgmma kernels are built for sm_90a (numba's PTX says sm_90: its target line is raised)."""
+        if self.wgmma:
+            if arch not in ("sm_90", "sm_90a"):
+                raise ValueError(f"{self.name}: wgmma kernels run on sm_90a only, not {arch}")
+            arch = "sm_90a"
         path = self._cubin_file(arch)
         from .. import launch as L   # lazy: numba.cuda loads with the first GPU use
         hit = L.read_cubin(path)
@@ -329,6 +372,9 @@ class Compiled:
         if m is None:
             raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
         ptx, _ = cuda.compile_ptx(self._pyfunc(), self.argtypes, cc=(int(m[1]), int(m[2])), fastmath=True)
+        if arch.endswith("a"):
+            ptx, n = re.subn(r"^\.target sm_(\d+)\s*$", f".target {arch}", ptx, count=1, flags=re.M)
+            assert n == 1, "no .target line in numba's PTX"
         entry = re.search(r"\.entry\s+([\w$]+)", ptx).group(1)
         linked = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch)).link("cubin")
         data = bytes(getattr(linked, "code", linked))
@@ -380,6 +426,11 @@ class Compiled:
         return ("cuda.core", launch, LaunchConfig, func, conv)
 
     def _next_path(self, tried):
+        if self.wgmma:   # numba's own compile targets sm_90, which has no wgmma: the sm_90a cubin or nothing
+            if tried:
+                raise RuntimeError(f"{self.name}: the sm_90a cubin could not be launched through cupy's "
+                                   "driver binding (TIGA_NUMBA_WGMMA=0 selects the mma.sync kernels)")
+            return self._driver_path()
         for name, make in (("driver", self._driver_path), ("cuda.core", self._core_path)):
             if name in tried:
                 continue
@@ -459,7 +510,7 @@ def kernel(v):
     before = KERNELS.misses
     ni, nf = signature(v)
     k = KERNELS.get(("tc", v), lambda: Compiled(v.name(), G.gen_source(v), v.dtype, ni, nf,
-                                                v.smem_bytes() if v.dynamic_smem else 0))
+                                                v.smem_bytes() if v.dynamic_smem else 0, v.wgmma))
     return k, ("miss" if KERNELS.misses > before else "hit")
 
 
@@ -476,7 +527,9 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     for dt in dtypes:
         dims = F32_HEAD_DIMS if dt == "float32" else HEAD_DIMS
         out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
-                if not (kind == "dq" and variant("dkdv", D, D, dt).fuse_dq)]   # fused: no dQ kernel
+                if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=False).fuse_dq)]   # fused: no dQ kernel
+        if dt != "float32":   # the sm_90a (H100 / H200) kernels
+            out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims]
         out += [("delta", D, dt) for D in dims]
         out += [("dkdv_atomic", D, dt) for D in dims if (dt, D) in ATOMIC_DQ]   # the opt-in
     return out
@@ -489,8 +542,10 @@ def build_one(kind, D, dtype, arch, shape=None):
         k = delta_kernel(dtype, D)
     elif kind == "dkdv_atomic":
         k = kernel(atomic_variant(D, dtype))[0]
+    elif kind.startswith("wg:"):   # built for sm_90a whatever `arch` says (Compiled.cubin)
+        k = kernel(variant(kind[3:], D, D, dtype, wgmma=True))[0]
     else:
-        v = G.Variant(kind, D, D, dtype=dtype, **shape).check() if shape else variant(kind, D, D, dtype)
+        v = G.Variant(kind, D, D, dtype=dtype, **shape).check() if shape else variant(kind, D, D, dtype, wgmma=False)
         k = kernel(v)[0]
     k.cubin(arch)
     return k.name
@@ -736,7 +791,11 @@ def _dq_zero_fill(rec, nd, fused):
 
 
 # ----------------------------------------------------------------------------- forward
-_MMA = {False: "m16n8k16", True: "m16n8k8 tf32 x3"}
+def _engine(v):
+    """which tensor-core instruction a Variant's products use (explain())."""
+    if v.wgmma:
+        return "wgmma m64nNk16 warpgroups, sm_90a"
+    return "mma.sync m16n8k8 tf32 x3" if v.tf32 else "mma.sync m16n8k16"
 
 
 def forward(plan, q, k, v, relation, edge_bias=None):
@@ -762,7 +821,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     if tc_key not in rec["tables"]:
         rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
     visited, total = rec["tables"][tc_key]
-    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, mma.sync {_MMA[vr.tf32]}, cp.async double buffer)",
+    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer)",
           precision=precision(dt),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
@@ -815,7 +874,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     else:
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
         tiles = f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}"
-    _info(plan, kernel=f"tensor-core FA2 backward ({dt}, mma.sync {_MMA[vk.tf32]}): {how}",
+    _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
           precision=precision(dt), tiles=tiles,
           copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})
     return dq, dk, dv, None

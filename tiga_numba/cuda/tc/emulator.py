@@ -14,6 +14,7 @@ What it cannot see: races between cp.async and readers (lockstep hides them) and
 """
 from __future__ import annotations
 
+import re
 import types as _types
 
 import numpy as np
@@ -170,6 +171,72 @@ class Warps:
             "mma operand not fully defined (fragment layout bug or NaN data)"
         Dm = round_toward_zero(A.astype(np.float64) @ B.astype(np.float64) + C)
         return Dm[wv, g, 2 * t], Dm[wv, g, 2 * t + 1], Dm[wv, g + 8, 2 * t], Dm[wv, g + 8, 2 * t + 1]
+
+    # -- wgmma (sm_90a): warpgroup products, operands from shared memory through descriptors
+    def _desc(self, desc):
+        """(start, LBO, SBO) per warpgroup of a matrix descriptor, which must be uniform across the
+        group's 128 threads and use the 128-byte swizzle with base offset 0 (aligned tiles)."""
+        d = self._vec(desc, np.int64).reshape(-1, 128)
+        assert np.all(d == d[:, :1]), "wgmma descriptor differs within a warpgroup"
+        d = d[:, 0].astype(np.uint64)
+        assert np.all(d >> np.uint64(62) == 1), "wgmma descriptor: swizzle mode must be 1 (128 B)"
+        assert np.all((d >> np.uint64(49)) & np.uint64(7) == 0), "wgmma descriptor: base offset must be 0"
+        field = lambda sh: (((d >> np.uint64(sh)) & np.uint64(0x3FFF)) << np.uint64(4)).astype(np.int64)  # noqa: E731
+        return field(0), field(16), field(32)
+
+    def _sw128(self, addr):
+        """16-bit elements at byte addresses `addr` through the hardware's 128-byte swizzle (bits 4-6
+        of the address XOR bits 7-9)."""
+        addr = np.asarray(addr, np.int64)
+        addr = addr ^ (((addr >> 7) & 7) << 4)
+        assert np.all((addr >= 0) & (addr + 2 <= len(self.SM))), "wgmma operand outside shared memory"
+        return bits_to_f32(self.SM[addr].astype(np.uint32) | (self.SM[addr + 1].astype(np.uint32) << 8), self.dtype)
+
+    def _a_frag(self, regs):
+        """a warp's 16 x 16 A operand from mma.sync's A fragment registers (4 packed words)."""
+        wv, g, t, dt = self.wv, self.g, self.t, self.dtype
+        A = np.full((self.NT // 32, 16, 16), np.nan, np.float32)
+        for reg, ro, co in zip(regs, (0, 8, 0, 8), (0, 0, 8, 8)):
+            reg = self._vec(reg, np.uint32)
+            A[wv, g + ro, 2 * t + co] = bits_to_f32(reg, dt)
+            A[wv, g + ro, 2 * t + co + 1] = bits_to_f32(reg >> 16, dt)
+        return A
+
+    def wgmma(self, N, nk, a_regs, args):
+        """nk chained wgmma.mma_async.m64n{N}k16 (ptx.wgmma): C += A B per k-step of 16. SS form
+        (a_regs False): A and B from K-major descriptors; RS form: A from registers, B MN-major
+        (imm-trans-b = 1). Warp w of its warpgroup holds rows 16 (w % 4) .. + 15 in C layout."""
+        nw, wv, g, t = self.NT // 32, self.wv, self.g, self.t
+        assert self.NT % 128 == 0, "wgmma needs whole warpgroups"
+        na = 4 * nk if a_regs else nk
+        a_in, b_in, c_in = args[:na], args[na:na + nk], args[na + nk:]
+        assert len(c_in) == N // 2
+        C = np.full((nw, 16, N), np.nan, np.float32)
+        for i, c in enumerate(c_in):
+            j, r = divmod(i, 4)
+            C[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] = self._vec(c, np.float32)
+        acc = C.astype(np.float64)
+        kk, nn = np.arange(16)[:, None], np.arange(N)[None, :]
+        for ks in range(nk):
+            if a_regs:
+                A = self._a_frag(a_in[4 * ks:4 * ks + 4])
+            else:
+                start, _, sbo = self._desc(a_in[ks])
+                m = np.arange(64)[:, None]
+                A = self._sw128(start[:, None, None] + (m // 8 * sbo[:, None, None] + m % 8 * 128 + 2 * kk.T))
+                A = A.reshape(nw, 16, 16)   # warp 4 wg + i: rows 16 i .. of its group's 64
+            start, lbo, sbo = self._desc(b_in[ks])
+            s3, l3, b3 = start[:, None, None], lbo[:, None, None], sbo[:, None, None]
+            if a_regs:   # MN-major: 8 k rows of 128 B, the next 8 at SBO, the next 64 columns at LBO
+                B = self._sw128(s3 + kk // 8 * b3 + kk % 8 * 128 + nn // 64 * l3 + 2 * (nn % 64))
+            else:        # K-major: n rows of 128 B (the next 8 at SBO), k contiguous
+                B = self._sw128(s3 + nn // 8 * b3 + nn % 8 * 128 + 2 * kk)
+            B = np.repeat(B, 4, axis=0)   # every warp of a group sees its group's B
+            assert not np.isnan(A).any() and not np.isnan(B).any() and not np.isnan(acc).any(), \
+                "wgmma operand not fully defined (layout bug or NaN data)"
+            acc = A.astype(np.float64) @ B.astype(np.float64) + acc
+        D = acc.astype(np.float32)
+        return tuple(D[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] for j in range(N // 8) for r in range(4))
 
     def tf32x2(self, x):
         """(big, small) = (rna(x), rna(x - big)) on fp32 values or their u32 bit patterns."""
@@ -362,6 +429,10 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
                        "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "red_v2_if", "red_v4_if"):
                 env[nm] = getattr(w, nm)
+            env["fence_async"] = lambda: None
+            for form, N, nk in set(re.findall(r"\bwg(ss|rs)_n(\d+)_k(\d+)\b", src)):
+                env[f"wg{form}_n{N}_k{nk}"] = (lambda N, nk, a: lambda *args: w.wgmma(N, nk, a, args))(
+                    int(N), int(nk), form == "rs")
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 env["kernel"](*args)

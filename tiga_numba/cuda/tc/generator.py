@@ -52,6 +52,10 @@ MAX_SMEM = 227 * 1024
 #: work-table row: int32 fields, one row per CTA (schedule.py writes them)
 WORK_FIELDS = ("row0", "rows", "col0", "cols", "diag", "causal")
 
+#: wgmma's 128-byte swizzle is a function of the absolute shared address (bits 4-6 ^= bits 7-9),
+#: so wgmma kernels start their tiles on a 1024-byte boundary (and allocate that much slack)
+WG_ALIGN = 1024
+
 #: the 3xTF32 passes (A half, B half) in issue order: small products first, big * big last, so
 #: the small terms are not lost against the large partial sum. One pass (("big", "big"),) is
 #: plain TF32 (~1e-3 relative error): the tests use it to show the tolerances catch it.
@@ -80,6 +84,8 @@ class Variant:
     fuse_dq: bool = False  # dkdv only: also computes dQ (5 products instead of 7, see gen_dkdv)
     dq_atomic: bool = False  # with fuse_dq: add dQ blocks with float atomics (red.global.add), in
     #                          no fixed order: NOT deterministic, an experiment / opt-in only
+    wgmma: bool = False  # sm_90a warpgroup products (see "wgmma" below): each group of 4 warps
+    #                      multiplies its 64 rows at once, operands straight from shared memory
 
     @property
     def NT(self):
@@ -123,6 +129,14 @@ class Variant:
             self.dq_warps()
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+        if self.wgmma:
+            if self.tf32:
+                raise ValueError("wgmma: 16-bit operands only (tf32 wgmma cannot transpose B for P V)")
+            if self.MT != 1 or self.NW % 4 or not self.a_smem or self.fuse_dq:
+                raise ValueError("wgmma: warpgroups of 4 warps with 16 rows each (NW % 4 == 0, MT = 1), "
+                                 "resident operands in shared memory (a_smem), no fuse_dq")
+            if max(self.BN, self.D, self.Dv) > 256:
+                raise ValueError("wgmma: N of m64nNk16 is at most 256 (BN, D, Dv)")
         if self.smem_bytes() > MAX_SMEM:
             raise ValueError(f"{self} needs {self.smem_bytes()} B of shared memory (> {MAX_SMEM})")
         return self
@@ -169,7 +183,7 @@ class Variant:
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
         staging = self.BM * self.EB * max(staged) if staged else 0   # register mode: staged once
         return (self.resident_bytes() + max(2 * self.stream_tile_bytes(), staging) + self.ds_tile_bytes()
-                + self.dq_stage_bytes())
+                + self.dq_stage_bytes() + (WG_ALIGN if self.wgmma else 0))
 
     def dq_warps(self):
         """warp grid of the fused dQ product (BN queries x D columns over BM keys): WR row groups of
@@ -190,7 +204,8 @@ class Variant:
 
     def name(self):
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
-                + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else ""))
+                + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
+            + ("_wg" if self.wgmma else ""))
 
 
 # ----------------------------------------------------------------------------- source writer
@@ -214,6 +229,16 @@ class Source:
 
     def text(self):
         return "\n".join(self.lines) + "\n"
+
+
+def udiv(a, b):
+    """a // b on non-negative values below 2^32 (head and block indices) as a 32-bit division:
+    a 64-bit one is a subroutine call in SASS, which also makes ptxas serialise wgmma."""
+    return f"i64(u32({a}) // u32({b}))"
+
+
+def umod(a, b):
+    return f"i64(u32({a}) % u32({b}))"
 
 
 def _tree(op, xs):
@@ -258,18 +283,24 @@ def thread_geometry(e, v):
         rs = v.EB * v.BM
         for c in range(rs // 32):
             e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
+    if v.wgmma:   # this warpgroup's first row in a resident tile (64 rows of 128 bytes)
+        e("wga = u32((wid // 4) * 8192)")
     for width in sorted({v.D, v.Dv}):
         rs = v.EB * width
-        for c in range(rs // 32):
-            e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
-        for c in range(rs // 64):
-            e(f"xb{rs}_{c} = u32(r8 * {rs} + (((({4 * c}) + mi) ^ r8) * 16))")
+        if not v.wgmma:   # ldmatrix offsets (wgmma reads shared memory through descriptors)
+            for c in range(rs // 32):
+                e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
+            for c in range(rs // 64):
+                e(f"xb{rs}_{c} = u32(r8 * {rs} + (((({4 * c}) + mi) ^ r8) * 16))")
         cpr = rs // 16
         step = load_rows_per_pass(v, rs)
         for o in sorted({(i * step) % 8 for i in range(8)}):
             # a pass `o` rows (mod 8) further down swizzles with (row + o) % 8
             row = f"(tx // {cpr})" if o == 0 else f"((tx // {cpr}) + {o})"
-            e(f"ls{rs}_{o} = u32((tx // {cpr}) * {rs} + (((tx % {cpr}) ^ ({row} % 8)) * 16))")
+            if v.wgmma:   # 128-byte rows of one 64-column group; load_tile adds the group's sub-tile
+                e(f"ls{rs}_{o} = u32((tx // {cpr}) * 128 + ((((tx % {cpr}) % 8) ^ ({row} % 8)) * 16))")
+            else:
+                e(f"ls{rs}_{o} = u32((tx // {cpr}) * {rs} + (((tx % {cpr}) ^ ({row} % 8)) * 16))")
         if v.tf32:
             for ee in (0, 1):
                 for p in (0, 1):
@@ -280,7 +311,9 @@ def thread_geometry(e, v):
 # ----------------------------------------------------------------------------- global -> shared
 def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
     """cp.async a (rows x width) tile, row r at gbase + r * gstride, into swizzled shared memory.
-    Rows >= nvalid are zero-filled (src-size 0) and read nothing: tails never go out of bounds."""
+    Rows >= nvalid are zero-filled (src-size 0) and read nothing: tails never go out of bounds.
+    wgmma variants store each 64-column group as its own (rows x 128 B) sub-tile, the canonical
+    128-byte-swizzled layout of wgmma's descriptors (for D = 64 the same bytes as the row-major tile)."""
     rs = width * v.EB
     cpr = rs // 16                   # 16-byte chunks per row
     step = load_rows_per_pass(v, rs)  # rows covered by one pass of the CTA
@@ -290,9 +323,14 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
     # the pass stride goes through an opaque move: otherwise every pass's row offset is hoisted
     # out of the key loop and held in a 64-bit register pair for the whole loop (spills)
     e(f"gb = {gbase}; gs = opq({step} * {gstride}); ga = gb + lr * {gstride} + lc * 16")
+    group = []
+    if v.wgmma and cpr > 8:
+        e(f"lgr = u32((lc // 8) * {rows * 128})")
+        group = ["lgr"]
+    pitch = 128 if v.wgmma else rs
     for i in range(rows // step):
         e(f"ok = u32(lr + {i * step} < {nvalid})")
-        e(f"cp_async16({sa(smem, f'ls{rs}_{(i * step) % 8}', i * step * rs)}, sel(ok != 0, ga, gb), ok * 16)")
+        e(f"cp_async16({sa(smem, f'ls{rs}_{(i * step) % 8}', *group, i * step * pitch)}, sel(ok != 0, ga, gb), ok * 16)")
         if i + 1 < rows // step:
             e("ga = ga + gs")
 
@@ -357,6 +395,9 @@ def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None):
     """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T), k = `width`
     elements. a_smem = (tile, row0): A is read from that shared tile per k-step pair instead of
     registers. One ldmatrix.x4 gives the B fragments of two k-steps (either dtype)."""
+    if v.wgmma:
+        wg_abt(e, v, C, btile, ntiles, width, a_smem[0])
+        return
     MT, rs, ksteps = v.MT, width * v.EB, v.ksteps(width)
 
     def one(j, kp):
@@ -395,7 +436,7 @@ def resident(e, v, tiles, row0):
             where[name] = (tile, "wrow") if v.a_smem else None
             off += v.BM * v.EB * width
     if kept:
-        e("cp_commit(); cp_wait0(); cuda.syncthreads()")
+        e("cp_commit(); cp_wait0()" + ("; fence_async()" if v.wgmma else "") + "; cuda.syncthreads()")
     for i, (name, gbase, gstride, width) in enumerate(tiles):
         if v.a_smem:
             continue
@@ -434,6 +475,9 @@ def mma_pb(e, v, O, A, P, btile, ntiles, nkeys, width):
     16-bit: c_to_a then ldmatrix.trans. tf32: per k-step (one C tile) the P tile is split and B is
     read with lds64 at the permuted keys and columns (module docstring)."""
     MT, rs = v.MT, width * v.EB
+    if v.wgmma:
+        wg_pb(e, v, O, A, P, btile, ntiles, nkeys)
+        return
     if not v.tf32:
         c_to_a(e, A, P, MT, nkeys // 16)
         e(f"# mma_ab: {O} += {A} . B, B = shared {btile} (ldmatrix.trans)")
@@ -468,6 +512,54 @@ def mma_pb(e, v, O, A, P, btile, ntiles, nkeys, width):
                 for j in (2 * jp, 2 * jp + 1):
                     for m in range(MT):
                         e("; ".join(f"{x} = {x} + {y}" for x, y in zip(c_regs(O, m, j), c_regs(acc, m, j))))
+
+
+# ----------------------------------------------------------------------------- wgmma (sm_90a)
+# A warpgroup (4 consecutive warps) multiplies its 64 rows in one instruction per k-step of 16:
+# wgmma.mma_async.m64nNk16, B (and, for A B^T products, A) read by the tensor cores straight from
+# shared memory through descriptors, so an operand tile crosses shared memory once per warpgroup
+# instead of once per warp through ldmatrix. Warp w % 4 of the group receives rows 16 (w % 4) ..
+# + 15 in exactly mma.sync's C layout (c{r} of n-tile j), and register A operands use mma.sync's A
+# layout, so softmax, masking, c_to_a and the stores are shared with the mma.sync kernels.
+# Shared layout: the canonical 128-byte-swizzled one (chunk c of row r at c ^ (r % 8), 128-byte
+# rows, tiles 1024-byte aligned), one (rows x 128 B) sub-tile per 64 columns (load_tile).
+#   A B^T (S = Q K^T, dP = dO V^T, ...): A and B K-major; the k-step k16 of a sub-tile starts 32 B
+#     further (the hardware applies the swizzle to the final address), the next 8 rows are 1024 B
+#     away (SBO); k-steps 4-7 (D = 128) live in the second sub-tile.
+#   P B (O += P V, dQ += dS K, ...): A = C fragments packed by c_to_a; B row-major [key][n] is
+#     MN-major (imm-trans-b = 1): 8 keys at 128-B pitch, the next 8 at SBO, the next 64 columns at
+#     LBO = one sub-tile.
+def wg_desc(addr, lbo, sbo=1024):
+    """the sm_90 wgmma shared-memory descriptor of a 128-byte-swizzled tile at `addr` (u32):
+    start >> 4 (bits 0-13), leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45:
+    1024, the next 8 rows), swizzle mode 1 = 128 B (62-63). A k-step further is `+ offset >> 4`."""
+    const = (lbo >> 4) << 16 | (sbo >> 4) << 32 | 1 << 62
+    return f"(i64({addr} >> 4) | {const})"
+
+
+def wg_abt(e, v, C, btile, ntiles, width, atile):
+    """C (this warp's 16 rows x 8 ntiles) += A B^T over k = width: A = this warpgroup's 64 rows of
+    the resident tile `atile` (BM rows), B = `btile` (8 ntiles rows), both K-major."""
+    nk, N = width // 16, 8 * ntiles
+    e(f"# wgmma: {C} += A . B^T, A = shared {atile} (this warpgroup's rows), B = shared {btile}")
+    e(f"da = {wg_desc(sa(atile, 'wga'), 16)}; db = {wg_desc(btile, 16)}")
+    step = lambda ks, rows: ((ks // 4) * rows * 128 + (ks % 4) * 32) >> 4  # noqa: E731
+    descs = [f"da + {step(ks, v.BM)}" for ks in range(nk)] + [f"db + {step(ks, N)}" for ks in range(nk)]
+    regs = [x for j in range(ntiles) for x in c_regs(C, 0, j)]
+    e(f"{', '.join(regs)} = wgss_n{N}_k{nk}({', '.join(descs + regs)})")
+
+
+def wg_pb(e, v, O, A, P, btile, ntiles, nkeys):
+    """O (16 rows x 8 ntiles) += P B: P = C fragments over `nkeys` keys (c_to_a), B = `btile`
+    [key][n] (nkeys rows), MN-major."""
+    nk, N = nkeys // 16, 8 * ntiles
+    c_to_a(e, A, P, 1, nk)
+    e(f"# wgmma: {O} += {A} . B, B = shared {btile} (MN-major)")
+    e(f"db = {wg_desc(btile, nkeys * 128)}")
+    descs = [f"db + {(ks * 16 * 128) >> 4}" for ks in range(nk)]
+    aregs = [x for ks in range(nk) for x in a_regs(v, A, 0, ks)]
+    regs = [x for j in range(ntiles) for x in c_regs(O, 0, j)]
+    e(f"{', '.join(regs)} = wgrs_n{N}_k{nk}({', '.join(aregs + descs + regs)})")
 
 
 # ----------------------------------------------------------------------------- masking
@@ -537,6 +629,20 @@ def store_c_rows(e, v, C, ntiles, gbase, gstride, row_base, nvalid, scale_of):
                 e(f"stg_u32_if(ok, ga + {16 * j}, pack2({C}{m}_{j}_{r0} * {f}, {C}{m}_{j}_{r1} * {f}))")
 
 
+def shared_base(e, v):
+    """sb: the first byte of the CTA's tiles (wgmma: rounded up to WG_ALIGN, see there)."""
+    if v.wgmma:
+        e(f"sb = u32((saddr(sm) + {WG_ALIGN - 1}) // {WG_ALIGN} * {WG_ALIGN})")
+    else:
+        e("sb = saddr(sm)")
+
+
+def landed(e, v):
+    """the barrier after this thread's cp.async copies landed: wgmma reads shared memory through
+    the async proxy, so (wgmma only) each thread first fences its generic-proxy writes for it."""
+    e("fence_async(); cuda.syncthreads()" if v.wgmma else "cuda.syncthreads()")
+
+
 def shared_array(e, v):
     if v.dynamic_smem:   # sized at launch (Compiled passes v.smem_bytes())
         e("sm = cuda.shared.array(0, u8)")
@@ -583,7 +689,7 @@ def stream_key_blocks(e, v, qa_where, block):
         e("else:")
         with e.indent():
             e("cp_wait0()")
-        e("cuda.syncthreads()")
+        landed(e, v)
         zero_c(e, "s", MT, BN // 8)
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
         e("if kb >= nfull:")
@@ -605,10 +711,10 @@ def gen_forward(v):
     e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, sc, minf):")
     with e.indent():
         thread_geometry(e, v)
-        e("hh = i64(cuda.blockIdx.y); hk = hh // group")
+        e(f"hh = i64(cuda.blockIdx.y); hk = {udiv('hh', 'group')}")
         read_work(e, v)
         shared_array(e, v)
-        e("sb = saddr(sm)")
+        shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")   # this warp's first row inside the CTA tile
         # keys this tile can see: all of the block, or (causal) up to its last row's diagonal
@@ -660,10 +766,10 @@ def gen_dq(v):
       " dq_rs, group, sc, scale):")
     with e.indent():
         thread_geometry(e, v)
-        e("hh = i64(cuda.blockIdx.y); hk = hh // group")
+        e(f"hh = i64(cuda.blockIdx.y); hk = {udiv('hh', 'group')}")
         read_work(e, v)
         shared_array(e, v)
-        e("sb = saddr(sm)")
+        shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
         e("kend = sel(causal != 0, imin(cols, diag + rows), cols)")
@@ -906,14 +1012,14 @@ def gen_dkdv(v):
         thread_geometry(e, v)
         # work row: rows = this tile's keys, cols = the block's queries, diag = local index of key row 0
         if fq:   # flat grid, heads interleaved (see the fused-dQ notes above)
-            e("bid = i64(cuda.blockIdx.x); nkvh = H // group; hk = bid % nkvh")
-            read_work(e, v, "(bid // nkvh)")
+            e(f"bid = i64(cuda.blockIdx.x); nkvh = {udiv('H', 'group')}; hk = {umod('bid', 'nkvh')}")
+            read_work(e, v, udiv("bid", "nkvh"))
             e(f"rank = diag // {v.BM}; ntk = (diag + rows_left + {v.BM - 1}) // {v.BM}")
         else:
             e("hk = i64(cuda.blockIdx.y)")
             read_work(e, v)
         shared_array(e, v)
-        e("sb = saddr(sm)")
+        shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
         # causal: queries i >= key j only, so start at the query block holding the first key
@@ -952,12 +1058,12 @@ def gen_dkdv(v):
         with e.indent():
             e("cur = it % 2")
             e(f"qbuf_cur = a32(ss, u32(cur * {QT})); obuf_cur = a32(ss, u32({2 * QT} + cur * {OT}))")
-            e("hq = hk * group + it // (nqb - qb0); qb = qb0 + it % (nqb - qb0)")
+            e(f"nqc = nqb - qb0; hq = hk * group + {udiv('it', 'nqc')}; qb = qb0 + {umod('it', 'nqc')}")
             e("if it + 1 < nit:")
             with e.indent():
                 e("nxt = 1 - cur")
                 e(f"qbuf_nxt = a32(ss, u32(nxt * {QT})); obuf_nxt = a32(ss, u32({2 * QT} + nxt * {OT}))")
-                e(f"hn = hk * group + (it + 1) // (nqb - qb0); c1 = (qb0 + (it + 1) % (nqb - qb0)) * {BN}")
+                e(f"hn = hk * group + {udiv('(it + 1)', 'nqc')}; c1 = (qb0 + {umod('(it + 1)', 'nqc')}) * {BN}")
                 load_tile(e, v, qbuf("nxt"), "qp + (col0 + c1) * q_rs + hn * q_hs", "q_rs", "cols - c1", BN, D)
                 load_tile(e, v, obuf("nxt"), "dop + (col0 + c1) * do_rs + hn * do_hs", "do_rs", "cols - c1", BN, Dv)
                 e("cp_commit(); cp_wait1()")
@@ -965,7 +1071,7 @@ def gen_dkdv(v):
             with e.indent():
                 e("cp_wait0()")
             e(f"cq = qb * {BN}")
-            e("cuda.syncthreads()")
+            landed(e, v)
             if fq and not v.dq_atomic:   # the previous block's turn: fetch its running sum while this block computes
                 e("if p_on != 0:")
                 with e.indent():

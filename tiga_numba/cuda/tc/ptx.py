@@ -14,6 +14,11 @@ _CACHE = {}
 #: 3xTF32: mma1688 on tf32 halves made by tf32x2; the 16-bit intrinsics are never used for it)
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 
+#: wgmma (sm_90a) shapes the intrinsics cover: N of m64nNk16 (a warp's C tile is 16 x N) and
+#: k-steps per call (a product's k extent / 16)
+WGMMA_N = (16, 32, 64, 128, 256)
+WGMMA_KSTEPS = (1, 2, 4, 8, 16)
+
 
 def intrinsics(dtype="float16"):
     """dict name -> numba intrinsic; `dtype` picks the mma operand type and the f32 -> x2 pack."""
@@ -383,6 +388,50 @@ def intrinsics(dtype="float16"):
             return tuple_of(ctx, bld, sig, r, 4)
         return sig, cg
 
+    def wgmma(N, nk, a_regs):
+        """one whole warpgroup product in one asm block: wgmma.fence, nk chained
+        wgmma.mma_async.m64n{N}k16 (k-steps of 16), commit, wait. A from shared memory (descriptors,
+        K-major) or, a_regs, from registers (4 packed words per k-step); B from shared memory,
+        K-major for A B^T products, MN-major (transposed, imm-trans-b = 1) for P B products. Waiting
+        inside the block keeps the asynchronous accumulators out of LLVM's hands: nothing reads or
+        moves them between issue and completion. The accumulators are tied in/out operands."""
+        n = N // 2
+        na = 4 * nk if a_regs else nk
+        ops = lambda i0, k: ", ".join(f"${i0 + i}" for i in range(k))  # noqa: E731
+        lines = ["wgmma.fence.sync.aligned;"]
+        for k in range(nk):
+            a = "{" + ops(n + 4 * k, 4) + "}" if a_regs else f"${n + k}"
+            tail = "1, 1, 1, 1" if a_regs else "1, 1, 1, 0, 0"
+            lines.append(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{pt}.{pt} {{{ops(0, n)}}}, {a}, "
+                         f"${n + na + k}, {tail};")
+        lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;"]
+        text = "{\n" + "\n".join(lines) + "\n}"
+        in_tys = ([u32] * na if a_regs else [i64] * na) + [i64] * nk + [f32] * n
+        ir_tys = ([I32] * na if a_regs else [I64] * na) + [I64] * nk + [F32] * n
+        cons = ",".join(["=f"] * n + (["r"] * na if a_regs else ["l"] * na) + ["l"] * nk
+                        + [str(i) for i in range(n)]) + ",~{memory}"
+
+        def typer(tc, *args):
+            sig = types.UniTuple(f32, n)(*in_tys)
+
+            def cg(ctx, bld, sig, args):
+                r = asm(bld, ir.LiteralStructType([F32] * n), ir_tys, text, cons, args)
+                return tuple_of(ctx, bld, sig, r, n)
+            return sig, cg
+        # numba's intrinsics take named parameters only (no *args): spell them out
+        names = ", ".join(f"x{i}" for i in range(len(in_tys)))
+        scope = {"typer": typer}
+        exec(f"def wgmma_{N}_{nk}(tc, {names}):\n    return typer(tc, {names})\n", scope)
+        return intrinsic(scope[f"wgmma_{N}_{nk}"])
+
+    wg = {}
+    if dtype != "float32":   # tf32 wgmma cannot transpose B (P V needs it): 16-bit only
+        for N in WGMMA_N:
+            for nk in WGMMA_KSTEPS:
+                wg[f"wgss_n{N}_k{nk}"] = wgmma(N, nk, False)
+                wg[f"wgrs_n{N}_k{nk}"] = wgmma(N, nk, True)
+        wg["fence_async"] = nullary("fence.proxy.async.shared::cta;")
+
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
         mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=lds64, stg_v4_if=stg_v4_if,
         ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
@@ -391,5 +440,5 @@ def intrinsics(dtype="float16"):
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
         ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
         sts_halves=sts_halves, sts_f32=sts_f32,
-        sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4, red_v2_if=red_v2_if, red_v4_if=red_v4_if)
+        sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4, red_v2_if=red_v2_if, red_v4_if=red_v4_if, **wg)
     return _CACHE[dtype]

@@ -1,0 +1,171 @@
+"""wgmma (sm_90a warpgroup) tensor-core kernels vs the mma.sync ones vs torch SDPA flash, same run
+(H200; H = 16, node-major (N, H, D) fp16 / bf16 data; torch reads the same memory as (1, H, N, D)).
+
+  PYTHONPATH=. python benchmarks/bench_wgmma.py [--out DIR] [--no-sweep] [--N 4096,16384]
+  PYTHONPATH=. python benchmarks/bench_wgmma.py --build sm_90   # cubins of every kernel this run
+                                                                # launches, into the cache (no GPU)
+
+1. sweep: each candidate wgmma shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
+   backward time; results checked against torch flash (relative L2 < 2e-2, else the shape is
+   dropped); the fastest goes into api.TUNING_WGMMA for the rest of the run (printed as a table to
+   paste into api.py).
+2. table: per cell, ours with wgmma (TIGA_NUMBA_WGMMA=1), ours with mma.sync (=0) and torch flash,
+   forward and forward+backward (ratio = torch time / ours), plus bf16 with wgmma.
+Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
+from tiga_numba.cuda.tc import api  # noqa: E402
+
+S = dict(MT=1, a_smem=True, wgmma=True)
+#: (kind, D) -> shapes; "bwd" entries are (dq shape, dkdv shape)
+CANDIDATES = {
+    ("fwd", 64): [dict(NW=4, BN=64, **S), dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S), dict(NW=8, BN=128, **S)],
+    ("fwd", 128): [dict(NW=4, BN=64, **S), dict(NW=8, BN=64, **S), dict(NW=4, BN=128, **S),
+                   dict(NW=8, BN=128, **S)],
+    ("bwd", 64): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=64, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=64, **S)),
+                  (dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=32, **S))],
+    ("bwd", 128): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=32, **S)),
+                   (dict(NW=4, BN=32, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=64, **S))],
+}
+
+
+def specs():
+    """(kind, D, dtype, shape) of every kernel the run launches: candidates, shipped tables, Delta."""
+    out = []
+    for (kind, D), opts in CANDIDATES.items():
+        for o in opts:
+            for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
+                out.append((kk, D, "float16", cfg))
+    for dt in ("float16", "bfloat16"):
+        for D in (64, 128):
+            for kind in ("fwd", "dq", "dkdv"):
+                out.append((kind, D, dt, dict(api.TUNING_WGMMA[(kind, D)])))
+                out.append((kind, D, dt, dict(api.TUNING[(kind, D)])))
+            out.append(("delta", D, dt))
+    seen, uniq = set(), []
+    for s in out:
+        key = repr(s)
+        if key not in seen:
+            seen.add(key)
+            uniq.append(s)
+    return uniq
+
+
+def build(arch):
+    t0 = time.time()
+    names = api.build_cubins(specs=specs(), arch=arch, jobs=2)
+    print(f"{len(names)} cubins ({arch}; wgmma ones as sm_90a) in {time.time() - t0:.0f} s")
+
+
+def cell_time(kind, D, N, causal):
+    import numpy as np
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(N + D + causal)
+    q, k, v, do = (torch.randn(N, B.H, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
+    ours = B.Ours(q, k, v, np.array([0, N]), causal, "float16")
+    if kind == "fwd":
+        ours.fwd()
+        err = B.rel(ours.out, B.sdpa(q, k, v, causal))
+        return B.bench(ours.fwd), err
+    ours.fwd_bwd(do)
+    qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    B.sdpa(qt, kt, vt, causal).backward(do)
+    err = max(B.rel(ours.dq, qt.grad), B.rel(ours.dk, kt.grad), B.rel(ours.dv, vt.grad))
+    return B.bench(lambda: ours.bwd(do)), err
+
+
+def sweep(Ns):
+    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    table = api.TUNING_WGMMA
+    for (kind, D), opts in CANDIDATES.items():
+        keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
+        saved = {k: table[k] for k in keys}
+        best = None
+        for o in opts:
+            for k_, val in zip(keys, [o] if kind == "fwd" else o):
+                table[k_] = val
+            try:
+                t0, tot, worst, parts = time.time(), 0.0, 0.0, []
+                for N in Ns:
+                    for causal in (False, True):
+                        t, err = cell_time(kind, D, N, causal)
+                        tot, worst = tot + t, max(worst, err)
+                        parts.append(f"{t:.3f}")
+                ok = worst < 2e-2
+                B.say(f"sweep {kind} D={D} {short(o)}: {tot:.3f} ms ({' / '.join(parts)}; N={Ns} x causal 0/1) "
+                      f"max rel err vs torch {worst:.1e}{'' if ok else '  WRONG: dropped'} ({time.time() - t0:.1f} s)")
+                if ok and (best is None or tot < best[0]):
+                    best = (tot, o)
+            except Exception as ex:  # noqa: BLE001
+                B.say(f"sweep {kind} D={D} {short(o)}: FAILED {repr(ex)[:300]}")
+        for k_, val in saved.items():
+            table[k_] = val
+        if best:
+            for k_, val in zip(keys, [best[1]] if kind == "fwd" else best[1]):
+                table[k_] = val
+            B.say(f"sweep {kind} D={D}: chose {short(best[1])}")
+    B.say("TUNING_WGMMA = {" + ", ".join(f"{k!r}: {short(v)}" for k, v in table.items()) + "}")
+
+
+def short(o):
+    if isinstance(o, tuple):
+        return "(" + ", ".join(short(x) for x in o) + ")"
+    return f"NW={o['NW']} BN={o['BN']}"
+
+
+def table(Ns):
+    import torch
+    B.say("\ncell | ours wgmma fwd ms (TF/s) | ours mma.sync fwd ms | torch flash fwd ms | ratio wgmma / mma.sync "
+          "|| fwd+bwd ms wgmma / mma.sync / torch | ratio wgmma / mma.sync")
+    for N in Ns:
+        for D in (64, 128):
+            for causal in (False, True):
+                got = {}
+                for wg in ("1", "0"):
+                    os.environ["TIGA_NUMBA_WGMMA"] = wg
+                    got[wg] = B.dense_cell(N, D, causal, check=(N == Ns[0]))
+                a, b = got["1"], got["0"]
+                B.say(f"N={N:6d} D={D:3d} causal={int(causal)} | {a['fwd_ms_ours']:.3f} ({a['fwd_tfs_ours']:.0f}) | "
+                      f"{b['fwd_ms_ours']:.3f} ({b['fwd_tfs_ours']:.0f}) | {a['fwd_ms_torch']:.3f} "
+                      f"({a['fwd_tfs_torch']:.0f}) | {a['fwd_ratio']:.2f} / {b['fwd_ratio']:.2f} || "
+                      f"{a['fb_ms_ours']:.3f} / {b['fb_ms_ours']:.3f} / {a['fb_ms_torch']:.3f} | "
+                      f"{a['fb_ratio']:.2f} / {b['fb_ratio']:.2f}   fb/fwd {a['fb_ms_ours'] / a['fwd_ms_ours']:.2f}  "
+                      + " ".join(f"{k[4:]}={v:.1e}" for k, v in a.items() if k.startswith("err")))
+    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    for D in (64, 128):
+        r16 = B.dense_cell(Ns[-1], D, False, bwd=False)
+        r = B.dense_cell(Ns[-1], D, False, dtype=torch.bfloat16, bwd=False)
+        B.say(f"bf16 wgmma N={Ns[-1]} D={D}: fwd {r['fwd_ms_ours']:.3f} ms vs fp16 {r16['fwd_ms_ours']:.3f} ms "
+              f"(bf16/fp16 time {r['fwd_ms_ours'] / r16['fwd_ms_ours']:.3f}); torch bf16 ratio {r['fwd_ratio']:.2f}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--build", default=None, metavar="ARCH")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--N", default="4096,16384")
+    a = ap.parse_args()
+    if a.build:
+        build(a.build)
+        return
+    Ns = [int(x) for x in a.N.split(",")]
+    import cupy
+    B.say(f"device {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
+          f"cc {cupy.cuda.Device().compute_capability}; torch {B.torch.__version__}")
+    if not a.no_sweep:
+        sweep(Ns)
+    table(Ns)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "wgmma_bench.txt"), "w") as fh:
+        fh.write("\n".join(B.LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

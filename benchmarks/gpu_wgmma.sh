@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call for the wgmma (sm_90a) tensor-core kernels on the H200: the tensor-core GPU tests
+# with them (default on compute capability 9.0) and again with TIGA_NUMBA_WGMMA=0 (the mma.sync
+# kernels), compute-sanitizer memcheck and racecheck on a small segments/tails/GQA case, then
+# benchmarks/bench_wgmma.py (shape sweep; wgmma vs mma.sync vs torch SDPA flash table).
+# Cubins: carry .tccubin built off-device with
+#   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python benchmarks/bench_wgmma.py --build sm_90
+#   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python -m tiga_numba.cuda.tc.prebuild --jobs 2
+#   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python benchmarks/bench_tc_bwd.py --build sm_90
+# Usage, from the repository root: bash benchmarks/gpu_wgmma.sh   (outputs under $OUT)
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -d .tccubin ]; then export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-$PWD/.tccubin}; fi
+OUT=${OUT:-/tmp/gpu_wgmma}
+mkdir -p "$OUT"
+status=0
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  git log -1 --format='commit %h %s' 2>/dev/null || true; } | tee "$OUT/gpu.txt"
+
+for flag in 1 0; do
+  stamp "tensor-core GPU tests, TIGA_NUMBA_WGMMA=$flag"
+  TIGA_NUMBA_WGMMA=$flag timeout ${WG_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_tc_gpu.py \
+    > "$OUT/tests_tc_wgmma$flag.txt" 2>&1
+  rc=$?; tail -n 12 "$OUT/tests_tc_wgmma$flag.txt"; stamp "tests rc=$rc"; [ $rc -eq 0 ] || status=1
+done
+
+if [ "${WG_SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    stamp "compute-sanitizer $tool (fp16: the wgmma kernels)"
+    timeout ${WG_SAN_S:-120} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
+      --print-limit 20 python3 benchmarks/bench_tc.py --sanitize --sanitize-dtypes float16 \
+      > "$OUT/sanitize_$tool.txt" 2>&1
+    rc=$?; tail -n 6 "$OUT/sanitize_$tool.txt"; stamp "$tool rc=$rc"; [ $rc -eq 0 ] || status=1
+  done
+fi
+
+stamp "wgmma sweep + table"
+timeout ${WG_BENCH_S:-300} python3 benchmarks/bench_wgmma.py --out "$OUT" ${WG_BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
+rc=$?; grep -v Warning "$OUT/bench.txt" | tail -n 60; stamp "bench rc=$rc"; [ $rc -eq 0 ] || status=1
+echo "status=$status"
+exit $status
