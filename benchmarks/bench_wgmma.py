@@ -29,9 +29,11 @@ CANDIDATES = {
     ("fwd", 128): [dict(NW=4, BN=64, **S), dict(NW=8, BN=64, **S), dict(NW=4, BN=128, **S),
                    dict(NW=8, BN=128, **S)],
     ("bwd", 64): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=64, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=64, **S)),
-                  (dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=32, **S))],
+                  (dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=32, **S)),
+                  (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=4, BN=128, **S))],
     ("bwd", 128): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=32, **S)),
-                   (dict(NW=4, BN=32, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=64, **S))],
+                   (dict(NW=4, BN=32, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=64, **S)),
+                   (dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S))],
 }
 
 

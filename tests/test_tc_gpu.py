@@ -181,6 +181,7 @@ def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
     racing for each query block (N = 2048: 16-32 key tiles per block), GQA, causal and not; and the
     same values as the two-kernel backward."""
     from tiga_numba.cuda.tc import api
+    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # the fused kernel is an mma.sync one
     N, H, Hkv, D = 2048, 8, 2, 64
     table = api.tuning_table(dt)
     rng = np.random.default_rng()
