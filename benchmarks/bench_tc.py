@@ -655,7 +655,8 @@ def main():
         return
     if not a.no_sweep:
         sweep(a.quick)
-    say(f"tuning in use: {api.TUNING}")
+    say(f"tuning in use: {api.TUNING_WGMMA if api.use_wgmma('float16') else api.TUNING}"
+        f" ({'wgmma, sm_90a' if api.use_wgmma('float16') else 'mma.sync'})")
     save_tuning()
     if a.sweep_only:
         return

@@ -40,5 +40,10 @@ fi
 stamp "wgmma sweep + table"
 timeout ${WG_BENCH_S:-300} python3 benchmarks/bench_wgmma.py --out "$OUT" ${WG_BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
 rc=$?; grep -v Warning "$OUT/bench.txt" | tail -n 60; stamp "bench rc=$rc"; [ $rc -eq 0 ] || status=1
+if [ "${WG_TC_BENCH:-0}" = 1 ]; then
+  stamp "bench_tc.py tables, plot, bf16, varlen vs FlexAttention (shipped shapes)"
+  timeout ${WG_TC_BENCH_S:-300} python3 benchmarks/bench_tc.py --no-sweep --no-fp32 --out "$OUT" > "$OUT/bench_tc.txt" 2>&1
+  rc=$?; grep -v Warning "$OUT/bench_tc.txt" | tail -n 40; stamp "bench_tc rc=$rc"; [ $rc -eq 0 ] || status=1
+fi
 echo "status=$status"
 exit $status

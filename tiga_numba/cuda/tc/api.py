@@ -89,16 +89,16 @@ TUNING_F32 = {
 #: 16-bit shapes on compute capability 9.0 (H100 / H200): warpgroup wgmma products, compiled
 #: for sm_90a (generator "wgmma"); each warpgroup owns 64 rows (NW = 4: one group, 8: two).
 #: Chosen by benchmarks/bench_wgmma.py's sweep on the H200 (2026-11-29, results/wgmma-h200-2026-11-29.txt
-#: run 1; sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64 4.20 ms (NW=4 BN=64: 4.50, NW=8 BN=128:
-#: 5.52), fwd D=128 8.41 (NW=4 BN=64 8.41, NW=4 BN=128 11.0), bwd D=64 18.2 (BN=64: 20.4), bwd D=128
-#: 31.1 (NW=4 BN=64 / BN=32: 36.8).
+#: runs 1-2; sum over N = 4096 / 16384 x causal 0 / 1, run 2): fwd D=64 4.35 ms (NW=4 BN=64: 4.36,
+#: NW=8 BN=128: 5.51), fwd D=128 8.27 (NW=4 BN=64 8.54, NW=4 BN=128 11.0), bwd D=64 18.1 (BN=64: 20.4;
+#: 8 warps 18.6-30.4), bwd D=128 29.4 (dK/dV with 8 warps: 31.2; 4 warps BN=64 / 32 throughout: 37.1).
 TUNING_WGMMA = {
     ("fwd", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
-    ("dkdv", 128): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
 }
 
 
