@@ -493,6 +493,13 @@ def test_supports_rules_without_gpu(monkeypatch):
         p2 = types.SimpleNamespace(**{**vars(plan), field: bad})
         assert not api.supports(p2, q, kv, kv, rel_), field
     assert not api.supports(plan, np.zeros((10, 4, 64), np.float16), kv, kv, rel_)      # host array
+    # compute capability 9.0 (wgmma): 16-bit D = 32 and 96 too, float32 still 64 / 128 only
+    monkeypatch.setattr(api, "use_wgmma", lambda dt: dt != "float32")
+    for d in (32, 96):
+        qd, kvd = _FakeDev((10, 4, d)), _FakeDev((10, 2, d))
+        assert api.supports(plan, qd, kvd, kvd, rel_)
+        assert not api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
+    assert not api.supports(plan, _FakeDev((10, 4, 80)), _FakeDev((10, 2, 80)), _FakeDev((10, 2, 80)), rel_)
 
 
 def test_operand_reads_aligned_strides_in_place():
@@ -557,12 +564,15 @@ WG = dict(MT=1, a_smem=True, wgmma=True)
 @pytest.mark.parametrize("D,H,Hkv,dtype,NW,BNq,BNk", [(64, 2, 1, "float16", 4, 64, 64),
                                                       (64, 3, 3, "bfloat16", 8, 128, 32),
                                                       (128, 2, 1, "float16", 4, 64, 32),
-                                                      (128, 1, 1, "float16", 8, 128, 64)])
+                                                      (128, 1, 1, "float16", 8, 128, 64),
+                                                      (96, 2, 1, "float16", 8, 128, 64),    # padded rows
+                                                      (32, 2, 2, "bfloat16", 4, 128, 128)])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname):
     """the warpgroup kernels (descriptor-addressed operands, sub-tiled 128-byte-swizzled layout,
     register A for P B products) against the float64 oracle: every relation, GQA, one and two
-    warpgroups, D = 64 (one column group) and 128 (two sub-tiles), forward block widths 64 / 128."""
+    warpgroups, D = 64 (one column group), 128 (two sub-tiles), 96 and 32 (rows padded to whole
+    sub-tile rows, pad zero-filled and never read), block widths 32 / 64 / 128."""
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
     rng = np.random.default_rng(11 + D + NW + len(relname))
     q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)

@@ -5,7 +5,8 @@ forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
 backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None) -> (dq, dk, dv, None)
 
 Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat of those),
-float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D, any H % Hkv == 0, any
+float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D (16-bit on compute
+capability 9.0, the wgmma kernels: also 32 and 96), any H % Hkv == 0, any
 strides (16-byte aligned rows are read in place, anything else is copied once and the copy
 recorded), no edge bias, no tile pruning (supports() says False; the CUDA-core kernels take those).
 Kernels take raw device addresses and scalars only, so a bfloat16 array needs no numba dtype:
@@ -36,6 +37,9 @@ from . import schedule
 
 TC_DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
+#: 16-bit head dims served on compute capability 9.0 by the wgmma kernels (rows padded to whole
+#: 128-byte sub-tile rows, Variant.row_bytes); elsewhere these go to the CUDA-core kernels
+WGMMA_HEAD_DIMS = (32, 64, 96, 128)
 #: head dims whose float32 calls come here: only where 3xTF32 measured faster than the CUDA-core
 #: float32 kernels (bench_tc.py fp32 section, H200, 2026-11-29); the rest stay on CUDA cores
 F32_HEAD_DIMS = (64, 128)
@@ -99,6 +103,14 @@ TUNING_WGMMA = {
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
+    # D = 32 / 96: the shapes of D = 64 / 128 (no spills at 159-253 / 176-246 registers, ptxas
+    # report); measured but not swept separately (results/wgmma-h200-2026-11-29.txt)
+    ("fwd", 32): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dq", 32): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dkdv", 32): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("fwd", 96): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dq", 96): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dkdv", 96): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
 }
 
 
@@ -174,7 +186,9 @@ def supports(plan, q, k, v, relation):
         if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
             return False
         D, Dv = int(q.shape[2]), int(v.shape[2])
-        if D not in HEAD_DIMS or Dv != D or int(k.shape[2]) != D:
+        if Dv != D or int(k.shape[2]) != D:
+            return False
+        if D not in HEAD_DIMS and not (D in WGMMA_HEAD_DIMS and use_wgmma(dn)):
             return False
         if dn == "float32" and os.environ.get("TIGA_NUMBA_FP32_TENSOR_CORES", "1") == "0":
             return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
@@ -532,7 +546,8 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
         out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
                 if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=False).fuse_dq)]   # fused: no dQ kernel
         if dt != "float32":   # the sm_90a (H100 / H200) kernels
-            out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims]
+            out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS]
+            out += [("delta", D, dt) for D in WGMMA_HEAD_DIMS if D not in dims]
         out += [("delta", D, dt) for D in dims]
         out += [("dkdv_atomic", D, dt) for D in dims if (dt, D) in ATOMIC_DQ]   # the opt-in
     return out

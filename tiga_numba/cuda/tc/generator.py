@@ -112,8 +112,12 @@ class Variant:
 
     def check(self):
         for d in (self.D, self.Dv):
-            # the XOR swizzle permutes chunks within groups of 8 (128 bytes): a row must hold whole groups
-            if d % 64 or d < 64:
+            # the XOR swizzle permutes chunks within groups of 8 (128 bytes): a row must hold whole
+            # groups; wgmma tiles pad each row to whole 128-byte sub-tile rows (row_bytes), so any
+            # multiple of 32 (k-steps of 16, n-tile pairs) works there
+            if self.wgmma and (d % 32 or d < 32):
+                raise ValueError(f"wgmma: head dim must be a multiple of 32, got {d}")
+            if not self.wgmma and (d % 64 or d < 64):
                 raise ValueError(f"head dim must be a multiple of 64 (128-byte swizzle groups), got {d}")
         if self.BN % 16 or self.BN < 16:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
@@ -141,6 +145,12 @@ class Variant:
             raise ValueError(f"{self} needs {self.smem_bytes()} B of shared memory (> {MAX_SMEM})")
         return self
 
+    def row_bytes(self, width):
+        """shared bytes per row of a (rows x width) tile: width elements, or (wgmma) whole 128-byte
+        sub-tile rows, the tail of the last one unused (D = 96: 192 bytes of data in 256)."""
+        nb = width * self.EB
+        return -(-nb // 128) * 128 if self.wgmma else nb
+
     @property
     def dynamic_smem(self):
         """above 48 KB a CTA's shared memory must be dynamic (and the kernel's limit raised)."""
@@ -148,7 +158,7 @@ class Variant:
 
     # streamed tiles are double-buffered (cp.async prefetch of block i+1 during block i)
     def stream_tile_bytes(self):
-        return self.BN * self.EB * (self.D + self.Dv)
+        return self.BN * (self.row_bytes(self.D) + self.row_bytes(self.Dv))
 
     def resident_widths(self):
         """head widths of the CTA's own row tiles: Q (fwd), Q and dO (dq), K and V (dkdv)."""
@@ -163,7 +173,7 @@ class Variant:
     def resident_bytes(self):
         """shared bytes held for the whole kernel by the resident tiles kept in shared memory."""
         w = self.resident_widths()
-        return self.BM * self.EB * sum(w[i] for i in self.kept_in_shared())
+        return self.BM * sum(self.row_bytes(w[i]) for i in self.kept_in_shared())
 
     def ds_tile_bytes(self):
         """fused dQ: the block's dS, query-major (BN rows of BM keys)."""
@@ -181,7 +191,7 @@ class Variant:
     def smem_bytes(self):
         w = self.resident_widths()
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
-        staging = self.BM * self.EB * max(staged) if staged else 0   # register mode: staged once
+        staging = self.BM * max(self.row_bytes(x) for x in staged) if staged else 0   # register mode: staged once
         return (self.resident_bytes() + max(2 * self.stream_tile_bytes(), staging) + self.ds_tile_bytes()
                 + self.dq_stage_bytes() + (WG_ALIGN if self.wgmma else 0))
 
@@ -286,7 +296,7 @@ def thread_geometry(e, v):
     if v.wgmma:   # this warpgroup's first row in a resident tile (64 rows of 128 bytes)
         e("wga = u32((wid // 4) * 8192)")
     for width in sorted({v.D, v.Dv}):
-        rs = v.EB * width
+        rs = v.row_bytes(width)
         if not v.wgmma:   # ldmatrix offsets (wgmma reads shared memory through descriptors)
             for c in range(rs // 32):
                 e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
@@ -314,8 +324,9 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
     Rows >= nvalid are zero-filled (src-size 0) and read nothing: tails never go out of bounds.
     wgmma variants store each 64-column group as its own (rows x 128 B) sub-tile, the canonical
     128-byte-swizzled layout of wgmma's descriptors (for D = 64 the same bytes as the row-major tile)."""
-    rs = width * v.EB
-    cpr = rs // 16                   # 16-byte chunks per row
+    rs = v.row_bytes(width)
+    cpr = rs // 16                   # 16-byte chunks per row (wgmma: of the padded row)
+    data = width * v.EB // 16        # ... of which hold data: the rest is zero-filled
     step = load_rows_per_pass(v, rs)  # rows covered by one pass of the CTA
     assert v.NT % cpr == 0 and rows % step == 0, (v, rows, width)
     e(f"# load_tile: {rows} x {width} from {gbase} (rows >= {nvalid} zero-filled) -> shared {smem}")
@@ -329,7 +340,7 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
         group = ["lgr"]
     pitch = 128 if v.wgmma else rs
     for i in range(rows // step):
-        e(f"ok = u32(lr + {i * step} < {nvalid})")
+        e(f"ok = u32(lr + {i * step} < {nvalid})" if data == cpr else f"ok = u32((lr + {i * step} < {nvalid}) & (lc < {data}))")
         e(f"cp_async16({sa(smem, f'ls{rs}_{(i * step) % 8}', *group, i * step * pitch)}, sel(ok != 0, ga, gb), ok * 16)")
         if i + 1 < rows // step:
             e("ga = ga + gs")
@@ -434,7 +445,7 @@ def resident(e, v, tiles, row0):
             load_tile(e, v, tile, gbase, gstride, "rows", v.BM, width)
             kept[name] = tile
             where[name] = (tile, "wrow") if v.a_smem else None
-            off += v.BM * v.EB * width
+            off += v.BM * v.row_bytes(width)
     if kept:
         e("cp_commit(); cp_wait0()" + ("; fence_async()" if v.wgmma else "") + "; cuda.syncthreads()")
     for i, (name, gbase, gstride, width) in enumerate(tiles):
@@ -668,7 +679,7 @@ def stream_key_blocks(e, v, qa_where, block):
     block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
     kernel's own use of S with the current buffers. Expects ss, kg, vg, cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    KT, VT = BN * v.EB * D, BN * v.EB * Dv
+    KT, VT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)
     e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
     e("if nkb > 0:")
     with e.indent():
@@ -1002,7 +1013,7 @@ def gen_dkdv(v):
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     rsk, rsv = v.EB * D, v.EB * Dv
-    QT, OT = BN * rsk, BN * rsv
+    QT, OT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)
     nt = BN // 8
     fq = v.fuse_dq
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dkp, dvp, " + ("dqp, accp, cntp, " if fq else "")

@@ -16,8 +16,8 @@ PTX_TYPE = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 
 #: wgmma (sm_90a) shapes the intrinsics cover: N of m64nNk16 (a warp's C tile is 16 x N) and
 #: k-steps per call (a product's k extent / 16)
-WGMMA_N = (16, 32, 64, 128, 256)
-WGMMA_KSTEPS = (1, 2, 4, 8, 16)
+WGMMA_N = (16, 32, 64, 96, 128, 256)
+WGMMA_KSTEPS = (1, 2, 4, 6, 8, 16)
 
 
 def intrinsics(dtype="float16"):
