@@ -50,6 +50,9 @@ def specs():
                 out.append((kind, D, dt, dict(api.TUNING_WGMMA[(kind, D)])))
                 out.append((kind, D, dt, dict(api.TUNING[(kind, D)])))
             out.append(("delta", D, dt))
+    for dt, D in (("float16", 64), ("float16", 128), ("float32", 64)):   # pruned forwards (tests, prune_cells)
+        for table in ((api.TUNING_WGMMA, api.TUNING) if dt == "float16" else (api.TUNING_F32,)):
+            out.append(("fwd", D, dt, dict(table[("fwd", D)], prune=True)))
     seen, uniq = set(), []
     for s in out:
         key = repr(s)
@@ -140,11 +143,47 @@ def table(Ns):
                       f"{a['fb_ratio']:.2f} / {b['fb_ratio']:.2f}   fb/fwd {a['fb_ms_ours'] / a['fwd_ms_ours']:.2f}  "
                       + " ".join(f"{k[4:]}={v:.1e}" for k, v in a.items() if k.startswith("err")))
     os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    for D in (32, 96):   # wgmma only (the mma.sync kernels do not take them)
+        for causal in (False, True):
+            r = B.dense_cell(Ns[-1], D, causal)
+            B.say(f"D={D} (wgmma only) " + B.fmt(r) + f"  fb/fwd {r['fb_ms_ours'] / r['fwd_ms_ours']:.2f}")
     for D in (64, 128):
         r16 = B.dense_cell(Ns[-1], D, False, bwd=False)
         r = B.dense_cell(Ns[-1], D, False, dtype=torch.bfloat16, bwd=False)
         B.say(f"bf16 wgmma N={Ns[-1]} D={D}: fwd {r['fwd_ms_ours']:.3f} ms vs fp16 {r16['fwd_ms_ours']:.3f} ms "
               f"(bf16/fp16 time {r['fwd_ms_ours'] / r16['fwd_ms_ours']:.3f}); torch bf16 ratio {r['fwd_ratio']:.2f}")
+
+
+def prune_cells(n=16384, D=64):
+    """tile pruning on the tensor-core path (shipped engine of this device), local workload
+    (positions on a circle in the first 8 dims, as the tests'), exact vs rho: time, error, pruned fraction."""
+    import types
+
+    import cupy
+    import numpy as np
+
+    from tiga_numba.cuda import tc
+    from tiga_numba.graph import BlockRelation
+    rng = np.random.default_rng(0)
+    pos = np.arange(n) / n * 2 * np.pi
+    base = np.zeros((n, D), np.float32)
+    base[:, :8] = np.stack([np.cos(pos * f) for f in (1, 2, 3, 4)] + [np.sin(pos * f) for f in (1, 2, 3, 4)], 1) * 3
+    mk = lambda h, f: cupy.asarray((base[:, None] + f * rng.standard_normal((n, h, D))).astype(np.float16))  # noqa: E731
+    q, k, v = mk(B.H, 0.3), mk(B.H, 0.3), mk(B.H, 1.0)
+    err = lambda a, b: float(cupy.linalg.norm((a - b).astype(cupy.float32)) / cupy.linalg.norm(b.astype(cupy.float32)))  # noqa: E731
+    for causal in (1, 0):
+        rel_ = BlockRelation(cupy.asarray(np.array([0, n])), cupy.asarray(np.array([0, n])),
+                             cupy.asarray(np.array([causal], np.uint8)), n, n)
+        plan = lambda rho: types.SimpleNamespace(scale=D ** -0.5, prune_threshold=rho, score="dot", run_info={})  # noqa: E731
+        exact = tc.forward(plan(None), q, k, v, rel_)[0]
+        t_exact = B.bench(lambda: tc.forward(plan(None), q, k, v, rel_))
+        for rho in (1e-2, 1e-4):
+            p = plan(rho)
+            out = tc.forward(p, q, k, v, rel_)[0]
+            t = B.bench(lambda: tc.forward(plan(rho), q, k, v, rel_))
+            B.say(f"pruning N={n} D={D} causal={causal} rho={rho:g}: {t:.3f} ms vs exact {t_exact:.3f} ms "
+                  f"(speed-up {t_exact / t:.2f}x), {p.run_info['pruned_tiles']}/{p.run_info['total_tiles']} tiles "
+                  f"pruned, rel err vs exact {err(out, exact):.1e}  [{p.run_info['kernel']}]")
 
 
 def main():
@@ -164,6 +203,10 @@ def main():
     if not a.no_sweep:
         sweep(Ns)
     table(Ns)
+    try:
+        prune_cells()
+    except Exception as ex:  # noqa: BLE001
+        B.say(f"pruning cells FAILED {ex!r}"[:300])
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "wgmma_bench.txt"), "w") as fh:
         fh.write("\n".join(B.LINES) + "\n")

@@ -489,9 +489,10 @@ def test_supports_rules_without_gpu(monkeypatch):
     monkeypatch.delenv("TIGA_NUMBA_FP32_TENSOR_CORES")
     assert not api.supports(plan, *(_FakeDev(x.shape, "float64") for x in (q, kv, kv)), rel_)
     assert not api.supports(plan, q, kv, kv, object())                                    # CSR & co
-    for field, bad in (("prune_threshold", 0.5), ("score", "dot + edge bias"), ("scale", -1.0)):
+    for field, bad in (("score", "dot + edge bias"), ("scale", -1.0)):
         p2 = types.SimpleNamespace(**{**vars(plan), field: bad})
         assert not api.supports(p2, q, kv, kv, rel_), field
+    assert api.supports(types.SimpleNamespace(**{**vars(plan), "prune_threshold": 0.5}), q, kv, kv, rel_)
     assert not api.supports(plan, np.zeros((10, 4, 64), np.float16), kv, kv, rel_)      # host array
     # compute capability 9.0 (wgmma): 16-bit D = 32 and 96 too, float32 still 64 / 128 only
     monkeypatch.setattr(api, "use_wgmma", lambda dt: dt != "float32")
@@ -646,8 +647,9 @@ def test_wgmma_variant_rules():
         api.kernel(api.variant("fwd", 64, 64, "float16", wgmma=True))[0].cubin("sm_80")
 
 
-@pytest.mark.parametrize("kind,D,NW,BN", [("fwd", 64, 8, 128), ("dq", 128, 4, 64), ("dkdv", 128, 4, 32)])
-def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN):
+@pytest.mark.parametrize("kind,D,NW,BN,prune", [("fwd", 64, 8, 128, False), ("dq", 128, 4, 64, False),
+                                                ("dkdv", 128, 4, 32, False), ("fwd", 96, 8, 128, True)])
+def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune):
     """numba's PTX of a warpgroup kernel links for sm_90a (nvJitLink, no GPU): every product is one
     wgmma chain (fence ... commit, wait), shared memory is fenced for the async proxy, no local
     arrays or spills, and ptxas does not serialise the wgmma (a 64-bit division, a subroutine call
@@ -660,7 +662,7 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN):
     from numba import cuda
 
     from tiga_numba.cuda.tc import api
-    v = G.Variant(kind, D, D, NW=NW, BN=BN, **WG).check()
+    v = G.Variant(kind, D, D, NW=NW, BN=BN, prune=prune, **WG).check()
     k = api.kernel(v)[0]
     ptx, _ = cuda.compile_ptx(k._pyfunc(), k.argtypes, cc=(9, 0), fastmath=True)
     products = {"fwd": (1, 1), "dq": (2, 1), "dkdv": (2, 2)}[kind]   # (A B^T, P B) products per block
@@ -675,3 +677,109 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN):
     log = link.get_info_log()
     assert "C7509" not in log and "serialized" not in log
     assert re.search(r"0 bytes spill stores", log)
+
+
+
+# ----------------------------------------------------------------------------- tile pruning
+def prune_oracle(q, k, v, dst, src, causal, scale, rho, BM, BN):
+    """float64 replay of the pruned forward: the kernel's tiles (BM query rows x BN keys), its
+    visiting order (causal: diagonal block first, backwards; else from the block facing the query
+    tile, wrapping) and DESIGN.md's rule (admit iff the query tile's running max is unset or
+    max(tile scores) >= running max + ln(rho), both over the tile's real rows). Returns the
+    output over the admitted entries and (pruned, visited) tile counts."""
+    nd, H, D = q.shape
+    g = H // k.shape[1]
+    out = np.zeros((nd, H, v.shape[2]))
+    pruned = visited = 0
+    for b in range(len(causal)):
+        i0, i1, j0, j1 = dst[b], dst[b + 1], src[b], src[b + 1]
+        cols = j1 - j0
+        for t0 in range(0, i1 - i0, BM):
+            rows = min(BM, i1 - i0 - t0)
+            kend = min(cols, t0 + rows) if causal[b] else cols
+            nkb = -(-kend // BN)
+            start = min(t0 // BN, nkb - 1)
+            order = [nkb - 1 - it if causal[b] else (it + start) % nkb for it in range(nkb)]
+            for h in range(H):
+                qq = q[i0 + t0:i0 + t0 + rows, h].astype(np.float64)
+                s = qq @ k[j0:j1, h // g].astype(np.float64).T * scale
+                if causal[b]:
+                    s = np.where(np.arange(cols)[None, :] <= t0 + np.arange(rows)[:, None], s, -np.inf)
+                keep = np.zeros_like(s, bool)
+                run = np.full(rows, -np.inf)
+                for kb in order:
+                    tile = s[:, kb * BN:(kb + 1) * BN]
+                    R = run.max()
+                    if R == -np.inf or tile.max() >= R + np.log(rho):
+                        keep[:, kb * BN:(kb + 1) * BN] = True
+                        run = np.maximum(run, tile.max(1))
+                    else:
+                        pruned += 1
+                visited += nkb * 1
+                ss = np.where(keep, s, -np.inf)
+                mx = ss.max(1, keepdims=True)
+                p = np.where(np.isfinite(mx), np.exp(ss - np.where(np.isfinite(mx), mx, 0)), 0)
+                l = p.sum(1, keepdims=True)
+                out[i0 + t0:i0 + t0 + rows, h] = np.where(l > 0, p @ v[j0:j1, h // g] / np.where(l > 0, l, 1), 0)
+    return out, pruned, visited
+
+
+def _local_inputs(rng, n, H, Hkv, D, dtype):
+    """a local workload: queries and keys carry their position on a circle, so far keys score low
+    and far tiles get pruned (random inputs alone prune little)."""
+    pos = np.arange(n) / n * 2 * np.pi
+    enc = np.stack([np.cos(pos * f) for f in (1, 2, 3, 4)] + [np.sin(pos * f) for f in (1, 2, 3, 4)], 1)
+    base = np.zeros((n, D))
+    base[:, :8] = enc * 3.0
+    mk = lambda h, f: rounded((base[:, None, :] + f * rng.standard_normal((n, h, D))).astype(np.float32), dtype)  # noqa: E731
+    return mk(H, 0.3), mk(Hkv, 0.3), mk(Hkv, 1.0)
+
+
+@pytest.mark.parametrize("dtype,shape", [("float16", dict(NW=4, MT=2, BN=32)),
+                                         ("float16", dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True)),
+                                         ("bfloat16", dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True)),
+                                         ("float32", dict(NW=4, MT=1, BN=32, a_smem=True))])
+@pytest.mark.parametrize("relname", ["causal_tail", "segments", "dense_rect_tail"])
+@pytest.mark.parametrize("rho", [1e-3, 0.5])
+def test_pruned_forward_matches_the_rule_tile_by_tile(dtype, shape, relname, rho):
+    """the pruned forward (every engine: mma.sync, wgmma, 3xTF32) against the float64 replay of
+    the admission rule with the kernel's tiles and order: the same tiles pruned (counts) and the
+    output over the admitted entries; the counts are what explain() reports."""
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng(int(rho * 1000) + len(relname))
+    if relname == "dense_rect_tail":
+        q, k, v, _ = _inputs(rng, dst[-1], src[-1], 2, 1, 64, dtype)
+    else:
+        q, k, v = _local_inputs(rng, dst[-1], 2, 1, 64, dtype)
+    vr = G.Variant("fwd", 64, 64, dtype=dtype, prune=True, **shape).check()
+    stats = {}
+    o, _, _ = E.forward(vr, q, k, v, dst, src, causal.astype(np.uint8), 0.125, rho=rho, stats=stats)
+    ro, pruned, visited = prune_oracle(q, k, v, dst, src, causal, 0.125, rho, vr.BM, vr.BN)
+    assert (stats["pruned_tiles"], stats["total_tiles"]) == (pruned, visited)
+    assert np.isfinite(o).all() and rel(o, ro) < 3 * TOL[dtype]
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+def test_pruned_forward_prunes_a_local_workload(causal):
+    """a longer local workload (512 tokens) does prune far tiles, both visiting orders, and still
+    matches the replay tile by tile."""
+    dst = src = np.array([0, 512])
+    q, k, v = _local_inputs(np.random.default_rng(4), 512, 2, 1, 64, "float16")
+    vr = G.Variant("fwd", 64, 64, NW=4, MT=1, BN=64, a_smem=True, wgmma=True, prune=True).check()
+    stats = {}
+    o, _, _ = E.forward(vr, q, k, v, dst, src, np.array([causal], np.uint8), 0.125, rho=0.05, stats=stats)
+    ro, pruned, visited = prune_oracle(q, k, v, dst, src, [causal], 0.125, 0.05, vr.BM, vr.BN)
+    assert (stats["pruned_tiles"], stats["total_tiles"]) == (pruned, visited) and pruned > 0
+    assert rel(o, ro) < 3 * TOL["float16"]
+
+
+def test_pruned_forward_with_a_tiny_threshold_is_exact():
+    """rho -> 0 admits every tile: the pruned kernel then equals the exact oracle."""
+    dst, src, causal = (np.array(x) for x in RELATIONS["segments"])
+    q, k, v, _ = _inputs(np.random.default_rng(9), dst[-1], src[-1], 2, 2, 64, "float16")
+    vr = G.Variant("fwd", 64, 64, NW=4, MT=1, BN=64, a_smem=True, wgmma=True, prune=True).check()
+    stats = {}
+    o, m, l = E.forward(vr, q, k, v, dst, src, causal.astype(np.uint8), 0.125, rho=1e-30, stats=stats)
+    ro, rm, rl, *_ = oracle(q, k, v, q, dst, src, causal, 0.125)
+    assert stats["pruned_tiles"] == 0 and stats["total_tiles"] > 0
+    assert rel(o, ro) < TOL["float16"]

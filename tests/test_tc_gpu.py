@@ -292,3 +292,29 @@ def test_wgmma_head_dims_32_and_96(D, monkeypatch):
         assert np.isfinite(f(got)).all() and rel(f(got), want) < 1.2e-2
     monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")
     assert not tc.supports(p, q, k, v, rel_)
+
+
+@pytest.mark.parametrize("dt,wgmma", [("float16", "1"), ("float16", "0"), ("float32", "1")])
+@pytest.mark.parametrize("causal", [1, 0])
+def test_pruned_forward_on_the_tensor_cores(dt, wgmma, causal, monkeypatch):
+    """tile pruning on the tensor-core path (wgmma, mma.sync, 3xTF32): a local workload (far tiles
+    fall below the threshold) against the float64 replay of the rule with the kernel's own tiles
+    and order; explain()'s counts are the replay's; the backward of a pruned call refuses."""
+    from test_tc_emulator import _local_inputs, prune_oracle
+    from tiga_numba.cuda.tc import api
+    monkeypatch.setenv("TIGA_NUMBA_WGMMA", wgmma)
+    n, D, rho = 1000, 64, 0.05
+    q, k, v = _local_inputs(np.random.default_rng(), n, 4, 2, D, dt)
+    qg, kg, vg = (cupy.asarray(x.astype(dt)) for x in (q, k, v))
+    d = s = np.array([0, n])
+    rel_ = BlockRelation(cupy.asarray(d), cupy.asarray(s), cupy.asarray(np.array([causal], np.uint8)), n, n)
+    p = types.SimpleNamespace(scale=0.125, prune_threshold=rho, score="dot", run_info={})
+    assert tc.supports(p, qg, kg, vg, rel_)
+    out, m, l = tc.forward(p, qg, kg, vg, rel_)
+    vr = api.variant("fwd", D, D, dt)
+    ro, pruned, visited = prune_oracle(q, k, v, d, s, [causal], 0.125, rho, vr.BM, vr.BN)
+    assert "tile pruning" in p.run_info["kernel"]
+    assert (p.run_info["pruned_tiles"], p.run_info["total_tiles"]) == (pruned, visited) and pruned > 0
+    assert rel(out.get().astype(np.float64), ro) < (2e-5 if dt == "float32" else 4e-3)
+    with pytest.raises(NotImplementedError):
+        tc.backward(p, qg, qg, kg, vg, out, m, l, rel_, None)

@@ -25,6 +25,7 @@ reproduce earlier bits; it is read on every call.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import weakref
@@ -172,8 +173,6 @@ def supports(plan, q, k, v, relation):
     try:
         if type(relation).__name__ != "BlockRelation":
             return False
-        if getattr(plan, "prune_threshold", None) is not None:
-            return False   # pruning is not implemented here: refuse rather than drop it
         if getattr(plan, "score", "dot") != "dot":
             return False
         dn = _dtype_name(q)
@@ -238,8 +237,11 @@ _SIGS = {"fwd": (15, 2), "dq": (18, 2), "dkdv": (21, 2)}   # (int64 args, float3
 
 def signature(v):
     """(int64 args, float32 args) of a Variant's kernel: the fused dK/dV/dQ kernel takes dQ, its
-    accumulator, the turn counters and dQ's row stride too."""
+    accumulator, the turn counters and dQ's row stride too; a pruned forward its tile counters and
+    log2(rho)."""
     ni, nf = _SIGS[v.kind]
+    if v.prune:   # the per-CTA tile counters and log2(rho)
+        return ni + 1, nf + 1
     return (ni + 4 if v.fuse_dq else ni), nf
 
 
@@ -686,15 +688,25 @@ def relation_record(dst_offsets, src_offsets, causal):
                 causal=np.asarray(causal, np.uint8), tables={})
 
 
-def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None):
+def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, rho=None):
     """Launch the forward on raw operands: q, k, v = (address, row stride, head stride) in bytes;
-    out (num_dst, H, Dv) contiguous, m, l (num_dst, H) float32 contiguous. Returns (kernel, cache)."""
+    out (num_dst, H, Dv) contiguous, m, l (num_dst, H) float32 contiguous. Returns (kernel, cache,
+    tile counts): vr.prune (admission threshold `rho`) also returns the device array of per-CTA
+    (pruned, visited) tile counts, else None."""
     kern, cache = kernel(vr)
     work, W = _work(rec, "q", vr.BM)
+    counts = None
     if W and H:
-        kern((W, H), (vr.NT,), stream or current_stream(), q[0], k[0], v[0], outp, mp, lp, _ptr(work),
-             q[1], q[2], k[1], k[2], v[1], v[2], H * vr.Dv * vr.EB, H // Hkv, scale * G.LOG2E, -math.inf)
-    return kern, cache
+        args = (q[0], k[0], v[0], outp, mp, lp, _ptr(work), q[1], q[2], k[1], k[2], v[1], v[2],
+                H * vr.Dv * vr.EB, H // Hkv)
+        if vr.prune:
+            import cupy
+            counts = cupy.zeros((W * H, 2), cupy.int32)   # every CTA writes its slot; zeros anyway
+            args += (_ptr(counts), scale * G.LOG2E, -math.inf, math.log2(rho))
+        else:
+            args += (scale * G.LOG2E, -math.inf)
+        kern((W, H), (vr.NT,), stream or current_stream(), *args)
+    return kern, cache, counts
 
 
 def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
@@ -825,6 +837,9 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     nd, H, D = (int(s) for s in q.shape)
     Hkv, Dv = int(v.shape[1]), int(v.shape[2])
     vr = variant("fwd", D, Dv, dt)
+    rho = getattr(plan, "prune_threshold", None)
+    if rho is not None:   # the admission rule compiled in (a separate kernel; exact calls never see it)
+        vr = dataclasses.replace(vr, prune=True)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
@@ -833,13 +848,18 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     out = _empty((nd, H, Dv), q.dtype) if cover else cupy.zeros((nd, H, Dv), dtype=q.dtype)
     m = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
     l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
-    kern, cache = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
-                                 _ptr(out), _ptr(m), _ptr(l), float(plan.scale))
+    kern, cache, counts = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
+                                         _ptr(out), _ptr(m), _ptr(l), float(plan.scale), rho=rho)
+    if rho is not None:   # the one device-to-host read of a pruned call: explain()'s tile counts
+        pruned, visited = ((int(x) for x in counts.sum(0, dtype=cupy.int64).get()) if counts is not None
+                           else (0, 0))
+        _info(plan, pruned_tiles=pruned, total_tiles=visited)
     tc_key = ("counts", vr.BM, vr.BN)
     if tc_key not in rec["tables"]:
         rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
     visited, total = rec["tables"][tc_key]
-    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer)",
+    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
+                       + (", tile pruning: near key blocks first)" if vr.prune else ")"),
           precision=precision(dt),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
@@ -849,6 +869,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
 
 # ----------------------------------------------------------------------------- backward
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias=None):
+    if getattr(plan, "prune_threshold", None) is not None:
+        raise NotImplementedError("tile pruning is forward-only (approximation is never dropped)")
     if edge_bias is not None:
         raise NotImplementedError("edge_bias: the tensor-core path serves BlockRelation dot scores only")
     import cupy

@@ -418,7 +418,8 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                 blockIdx=_types.SimpleNamespace(x=bx, y=by),
                 blockDim=_types.SimpleNamespace(x=NT),
                 shared=_types.SimpleNamespace(array=lambda *a, **kw: None),
-                syncthreads=lambda: None)
+                syncthreads=lambda: None,
+                syncthreads_or=lambda p: np.int32(np.any(np.asarray(p) != 0)))
             env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
                        u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum,
                        sel=_sel, ex2=_ex2, saddr=lambda a: np.uint32(0), log2f=np.log2,
@@ -447,9 +448,10 @@ def _put_heads(mem, x, dtype):
     return base, s.strides[0], s.strides[1]
 
 
-def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale):
+def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stats=None):
     """Emulate the forward on numpy inputs (any float dtype, rounded to v.dtype).
-    Returns out (float32, rounded from the kernel's storage type), m, l."""
+    Returns out (float32, rounded from the kernel's storage type), m, l. v.prune: admission
+    threshold `rho`; `stats` (a dict) receives pruned_tiles / total_tiles as the API reports them."""
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
@@ -465,9 +467,13 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale):
     if len(work):
         wb = mem.put(work)
         sc = np.float32(scale * G.LOG2E)
-        launch(G.gen_forward(v), (len(work), H), v.NT, v.smem_bytes(), mem, v.dtype,
-               (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * EB, H // Hkv, sc,
-                np.float32(-np.inf)))
+        cnt = mem.alloc(len(work) * H * 8) if v.prune else None
+        args = (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * EB, H // Hkv)
+        args += ((cnt, sc, np.float32(-np.inf), np.float32(np.log2(rho))) if v.prune else (sc, np.float32(-np.inf)))
+        launch(G.gen_forward(v), (len(work), H), v.NT, v.smem_bytes(), mem, v.dtype, args)
+        if v.prune and stats is not None:
+            c = mem.get(cnt, np.uint32, (len(work) * H, 2)).astype(np.int64).sum(0)
+            stats.update(pruned_tiles=int(c[0]), total_tiles=int(c[1]))
     out = from_storage(mem.get(ob, storage_dtype(v.dtype), (nd, H, Dv)), v.dtype)
     return out, mem.get(mb, np.float32, (nd, H)), mem.get(lb, np.float32, (nd, H))
 

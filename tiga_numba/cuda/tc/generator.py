@@ -86,6 +86,7 @@ class Variant:
     #                          no fixed order: NOT deterministic, an experiment / opt-in only
     wgmma: bool = False  # sm_90a warpgroup products (see "wgmma" below): each group of 4 warps
     #                      multiplies its 64 rows at once, operands straight from shared memory
+    prune: bool = False  # fwd only: tile-pruning admission (DESIGN.md), see prune_gate
 
     @property
     def NT(self):
@@ -123,6 +124,8 @@ class Variant:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
         if self.kind not in ("fwd", "dq", "dkdv"):
             raise ValueError(f"unknown kernel kind {self.kind!r}")
+        if self.prune and self.kind != "fwd":
+            raise ValueError("tile pruning is a forward option")
         if self.dq_atomic and not self.fuse_dq:
             raise ValueError("dq_atomic needs fuse_dq")
         if self.fuse_dq:
@@ -150,6 +153,10 @@ class Variant:
         sub-tile rows, the tail of the last one unused (D = 96: 192 bytes of data in 256)."""
         nb = width * self.EB
         return -(-nb // 128) * 128 if self.wgmma else nb
+
+    def prune_bytes(self):
+        """pruning: per warp (tile max, running max) floats, read back in 16-byte loads."""
+        return -(-8 * self.NW // 16) * 16 if self.prune else 0
 
     @property
     def dynamic_smem(self):
@@ -193,7 +200,7 @@ class Variant:
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
         staging = self.BM * max(self.row_bytes(x) for x in staged) if staged else 0   # register mode: staged once
         return (self.resident_bytes() + max(2 * self.stream_tile_bytes(), staging) + self.ds_tile_bytes()
-                + self.dq_stage_bytes() + (WG_ALIGN if self.wgmma else 0))
+                + self.dq_stage_bytes() + (WG_ALIGN if self.wgmma else 0) + self.prune_bytes())
 
     def dq_warps(self):
         """warp grid of the fused dQ product (BN queries x D columns over BM keys): WR row groups of
@@ -215,7 +222,7 @@ class Variant:
     def name(self):
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
-            + ("_wg" if self.wgmma else ""))
+            + ("_wg" if self.wgmma else "") + ("_pr" if self.prune else ""))
 
 
 # ----------------------------------------------------------------------------- source writer
@@ -680,19 +687,32 @@ def stream_key_blocks(e, v, qa_where, block):
     kernel's own use of S with the current buffers. Expects ss, kg, vg, cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     KT, VT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)
+    # the key blocks in key order, or (pruning) near ones first so that the running max is set
+    # early: causal from the diagonal backwards, else from the block facing the query tile, wrapping
+    it = "it" if v.prune else "kb"
+    if v.prune:
+        e(f"kstart = imin({udiv('diag', BN)}, nkb - 1)")
+        order = lambda i: f"sel(causal != 0, nkb - 1 - ({i}), sel({i} + kstart >= nkb, {i} + kstart - nkb, {i} + kstart))"  # noqa: E731
     e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
     e("if nkb > 0:")
     with e.indent():
-        load_tile(e, v, "kbuf_0", "kg", "k_rs", "cols", BN, D)
-        load_tile(e, v, "vbuf_0", "vg", "v_rs", "cols", BN, Dv)
+        if v.prune:
+            e(f"c0 = {order('0')} * {BN}")
+            load_tile(e, v, "kbuf_0", "kg + c0 * k_rs", "k_rs", "cols - c0", BN, D)
+            load_tile(e, v, "vbuf_0", "vg + c0 * v_rs", "v_rs", "cols - c0", BN, Dv)
+        else:
+            load_tile(e, v, "kbuf_0", "kg", "k_rs", "cols", BN, D)
+            load_tile(e, v, "vbuf_0", "vg", "v_rs", "cols", BN, Dv)
         e("cp_commit()")
-    e("for kb in range(nkb):")
+    e(f"for {it} in range(nkb):")
     with e.indent():
-        e("cur = kb % 2")
+        if v.prune:
+            e(f"kb = {order('it')}")
+        e(f"cur = {it} % 2")
         e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
-        e("if kb + 1 < nkb:")
+        e(f"if {it} + 1 < nkb:")
         with e.indent():
-            e(f"nxt = 1 - cur; c1 = (kb + 1) * {BN}")
+            e(f"nxt = 1 - cur; c1 = {order('it + 1') if v.prune else '(kb + 1)'} * {BN}")
             e(f"kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
             load_tile(e, v, "kbuf_nxt", "kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
             load_tile(e, v, "vbuf_nxt", "vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
@@ -712,6 +732,34 @@ def stream_key_blocks(e, v, qa_where, block):
 
 
 # ============================================================================= forward
+def prune_gate(e, v):
+    """Tile-pruning admission (DESIGN.md): the tile is admitted iff the running max over the whole
+    query tile is still unset or max(tile scores) >= that running max + ln(rho); both maxima are
+    taken over this CTA's real rows (tail rows hold zero-filled queries) in the exp2 domain, so
+    ln(rho) arrives as lg2rho = log2(rho). Warps reduce their rows, then exchange through shared
+    memory; every thread reaches the same `adm` (the products under it stay CTA-uniform)."""
+    mx = lambda a, b: f"fmaxf({a}, {b})"  # noqa: E731
+    e("# prune_gate: admit this tile? (CTA-wide tile max vs running max)")
+    e("tmx = masked; rmx = masked")
+    for m in range(v.MT):
+        for h in (0, 1):
+            rs = (0, 1) if h == 0 else (2, 3)
+            e("x = " + _tree(mx, [f"s{m}_{j}_{r}" for j in range(v.BN // 8) for r in rs]))
+            e(f"ok = u32(wrow + {16 * m + 8 * h} + g < rows)")
+            e(f"tmx = fmaxf(tmx, sel(ok != 0, x * sc, masked)); rmx = fmaxf(rmx, sel(ok != 0, m{m}{h}, masked))")
+    for lm in (1, 2, 4, 8, 16):
+        e(f"tmx = fmaxf(tmx, shfl_xor(tmx, {lm})); rmx = fmaxf(rmx, shfl_xor(rmx, {lm}))")
+    e("sts_f32(a32(prs, u32(wid * 8)), tmx); sts_f32(a32(prs, u32(wid * 8 + 4)), rmx)")
+    e("cuda.syncthreads()")
+    e("tmx = masked; rmx = masked")
+    for c in range(-(-2 * v.NW // 4)):   # 16-byte loads: two warps' pairs each
+        e(f"y0, y1, y2, y3 = lds_f32x4(a32(prs, {16 * c}))")
+        e("tmx = fmaxf(tmx, fmaxf(y0, y2)); rmx = fmaxf(rmx, fmaxf(y1, y3))")
+    # every thread holds the same maxima; the barrier-or makes `adm` one value for the whole CTA
+    # (and is the barrier that keeps the next tile's slot writes after these reads)
+    e("adm = u32(cuda.syncthreads_or(u32((rmx <= masked) | (tmx >= rmx + lg2rho))))")
+
+
 def gen_forward(v):
     """O = softmax(scale Q K^T) V over one block of the relation per work row; writes O, m, l.
     Pipeline: Q tile resident (registers or shared); K/V blocks double-buffered through cp.async."""
@@ -719,7 +767,8 @@ def gen_forward(v):
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     rsv = v.EB * Dv
-    e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, sc, minf):")
+    e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, "
+      + ("cntp, sc, minf, lg2rho):" if v.prune else "sc, minf):"))
     with e.indent():
         thread_geometry(e, v)
         e(f"hh = i64(cuda.blockIdx.y); hk = {udiv('hh', 'group')}")
@@ -744,8 +793,18 @@ def gen_forward(v):
             e(f"m{m}0 = masked; m{m}1 = masked; l{m}0 = zero; l{m}1 = zero")
         # stage 2: stream key blocks; S = Q K^T of each, then softmax and O += P V
         def block(kbuf, vbuf):
-            online_softmax(e, v, "s", "o", Dv // 8)
-            mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
+            if not v.prune:
+                online_softmax(e, v, "s", "o", Dv // 8)
+                mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
+                return
+            prune_gate(e, v)   # a pruned tile skips the softmax and the value product
+            e("if adm != 0:")
+            with e.indent():
+                online_softmax(e, v, "s", "o", Dv // 8)
+                mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
+            e("npr = npr + 1 - i64(adm)")
+        if v.prune:
+            e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0)")
         stream_key_blocks(e, v, where["qa"], block)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l
         for m in range(MT):
@@ -762,6 +821,9 @@ def gen_forward(v):
                 e("ok = u32((rl < rows) & (t == 0)); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
                 e(f"stg_f32_if(ok, mp + gi * 4, sel(l{m}{h} > zero, m{m}{h} * f32({1 / LOG2E!r}), minf))")
                 e(f"stg_f32_if(ok, lp + gi * 4, l{m}{h})")
+        if v.prune:   # this CTA's (pruned, visited) tile counts, one slot per CTA: summed on the host
+            e("ok = u32(tx == 0); slot = cntp + (i64(cuda.blockIdx.x) * H + hh) * 8")
+            e("stg_u32_if(ok, slot, u32(npr)); stg_u32_if(ok, slot + 4, u32(nkb))")
     return e.text()
 
 
