@@ -513,6 +513,22 @@ def sanitize():
                 torch.cuda.synchronize()
                 print(f"sanitize {dt} D={D} causal={causal}: out finite {bool(torch.isfinite(o.out).all())}, "
                       f"dq finite {bool(torch.isfinite(o.dq).all())}")
+                # the pruned forward (tensor-core path, the call's engine) on the same case
+                import types
+
+                import cupy
+
+                from tiga_numba.cuda import tc
+                from tiga_numba.graph import BlockRelation
+                rel_ = BlockRelation(cupy.asarray(cu), cupy.asarray(cu),
+                                     cupy.asarray(np.full(len(cu) - 1, int(causal), np.uint8)),
+                                     int(np.diff(cu).max()), int(np.diff(cu).max()))
+                p = types.SimpleNamespace(scale=D ** -0.5, prune_threshold=0.3, score="dot", run_info={})
+                qc, kc, vc = (cupy.asarray(x.cpu().numpy()) for x in (q, k, v))
+                out = tc.forward(p, qc, kc, vc, rel_)[0]
+                cupy.cuda.runtime.deviceSynchronize()
+                print(f"sanitize pruned {dt} D={D} causal={causal}: out finite {bool(cupy.isfinite(out).all())}, "
+                      f"{p.run_info['pruned_tiles']}/{p.run_info['total_tiles']} tiles pruned")
 
 
 def plot(rows, path):

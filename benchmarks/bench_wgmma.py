@@ -34,6 +34,11 @@ CANDIDATES = {
     ("bwd", 128): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=32, **S)),
                    (dict(NW=4, BN=32, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=64, **S)),
                    (dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S))],
+    ("fwd", 96): [dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S), dict(NW=4, BN=128, **S)],
+    ("bwd", 96): [(dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S)),
+                  (dict(NW=8, BN=64, **S), dict(NW=4, BN=64, **S))],
+    ("fwd", 32): [dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)],
+    ("bwd", 32): [(dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S))],
 }
 
 

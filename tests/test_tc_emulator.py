@@ -683,8 +683,7 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune)
 # ----------------------------------------------------------------------------- tile pruning
 def prune_oracle(q, k, v, dst, src, causal, scale, rho, BM, BN):
     """float64 replay of the pruned forward: the kernel's tiles (BM query rows x BN keys), its
-    visiting order (causal: diagonal block first, backwards; else from the block facing the query
-    tile, wrapping) and DESIGN.md's rule (admit iff the query tile's running max is unset or
+    visiting order (from the key block facing the query tile, wrapping) and DESIGN.md's rule (admit iff the query tile's running max is unset or
     max(tile scores) >= running max + ln(rho), both over the tile's real rows). Returns the
     output over the admitted entries and (pruned, visited) tile counts."""
     nd, H, D = q.shape
@@ -699,7 +698,7 @@ def prune_oracle(q, k, v, dst, src, causal, scale, rho, BM, BN):
             kend = min(cols, t0 + rows) if causal[b] else cols
             nkb = -(-kend // BN)
             start = min(t0 // BN, nkb - 1)
-            order = [nkb - 1 - it if causal[b] else (it + start) % nkb for it in range(nkb)]
+            order = [(it + start) % nkb for it in range(nkb)]
             for h in range(H):
                 qq = q[i0 + t0:i0 + t0 + rows, h].astype(np.float64)
                 s = qq @ k[j0:j1, h // g].astype(np.float64).T * scale
@@ -707,6 +706,8 @@ def prune_oracle(q, k, v, dst, src, causal, scale, rho, BM, BN):
                     s = np.where(np.arange(cols)[None, :] <= t0 + np.arange(rows)[:, None], s, -np.inf)
                 keep = np.zeros_like(s, bool)
                 run = np.full(rows, -np.inf)
+                if nkb:   # the order's promise: every row meets a real key in its first tile
+                    assert np.isfinite(s[:, order[0] * BN:(order[0] + 1) * BN]).any(1).all()
                 for kb in order:
                     tile = s[:, kb * BN:(kb + 1) * BN]
                     R = run.max()

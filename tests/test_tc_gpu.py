@@ -129,13 +129,14 @@ def test_strided_inputs_are_copied_or_read_in_place(dt):
     assert rel(f(out), ro) < (4e-3 if dt == np.float16 else 2e-5)
 
 
-def test_supports_refuses_what_it_cannot_do():
+def test_supports_refuses_what_it_cannot_do(monkeypatch):
+    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # D = 96 below: served by wgmma only
     rel_, _ = relation("causal")
     x = cupy.zeros((333, 2, 64), np.float16)
     assert tc.supports(plan(0.1), x, x, x, rel_)
     p = plan(0.1)
     p.prune_threshold = 0.5
-    assert not tc.supports(p, x, x, x, rel_)
+    assert tc.supports(p, x, x, x, rel_)                                       # pruned forward
     assert not tc.supports(plan(0.1), x.astype(np.float32), x, x, rel_)       # mixed dtypes
     x32 = x.astype(np.float32)
     assert tc.supports(plan(0.1), x32, x32, x32, rel_)                         # 3xTF32
@@ -271,6 +272,7 @@ def test_wgmma_head_dims_32_and_96(D, monkeypatch):
     """compute capability 9.0: 16-bit D = 32 and 96 run on the wgmma kernels (rows padded in shared
     memory) against the oracle, poisoned outputs, GQA, segments with length-0/1 blocks; elsewhere
     supports() refuses them (the CUDA-core kernels take them)."""
+    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "1")
     rel_, (d, s, c) = relation("segments")
     nd = int(d[-1])
     rng = np.random.default_rng()

@@ -155,8 +155,8 @@ class Variant:
         return -(-nb // 128) * 128 if self.wgmma else nb
 
     def prune_bytes(self):
-        """pruning: per warp (tile max, running max) floats, read back in 16-byte loads."""
-        return -(-8 * self.NW // 16) * 16 if self.prune else 0
+        """pruning: two buffers of per-warp tile maxima (floats), read back in 16-byte loads."""
+        return 2 * (-(-4 * self.NW // 16) * 16) if self.prune else 0
 
     @property
     def dynamic_smem(self):
@@ -601,9 +601,13 @@ def mask_rows(e, C, MT, ntiles, col0, lim):
 
 
 # ----------------------------------------------------------------------------- online softmax
-def online_softmax(e, v, S, O, nt_o):
+def online_softmax(e, v, S, O, nt_o, rowmax=None):
     """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
-    A row whose max is still MASKED only meets masked tiles; its l stays 0 and nothing is read."""
+    A row whose max is still MASKED only meets masked tiles; its l stays 0 and nothing is read.
+    rowmax: names of the rows' raw maxima already reduced over the quad (prune_gate's), by (m, h).
+    Every visiting order must give each row a real key in its first tile: on an all-masked first
+    tile the running max would become MASKED * sc and, with FMA contraction, exp2 of the rounding
+    error of MASKED * sc could overflow."""
     e(f"# online_softmax: running max/sum of {S}, {S} -> P, rescale {O}")
     mx = lambda a, b: f"fmaxf({a}, {b})"
     ad = lambda a, b: f"({a} + {b})"
@@ -611,9 +615,12 @@ def online_softmax(e, v, S, O, nt_o):
     for m in range(v.MT):
         for h in (0, 1):
             rs = (0, 1) if h == 0 else (2, 3)
-            e("x = " + _tree(mx, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
-            e("x = fmaxf(x, shfl_xor(x, 1))")   # the 4 lanes of a quad share a row
-            e("x = fmaxf(x, shfl_xor(x, 2))")
+            if rowmax is None:
+                e("x = " + _tree(mx, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
+                e("x = fmaxf(x, shfl_xor(x, 1))")   # the 4 lanes of a quad share a row
+                e("x = fmaxf(x, shfl_xor(x, 2))")
+            else:
+                e(f"x = {rowmax[m, h]}")
             e(f"mn = fmaxf(m{m}{h}, x * sc)")
             e(f"al{h} = ex2(m{m}{h} - mn)")
             e(f"m{m}{h} = mn")
@@ -687,12 +694,14 @@ def stream_key_blocks(e, v, qa_where, block):
     kernel's own use of S with the current buffers. Expects ss, kg, vg, cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     KT, VT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)
-    # the key blocks in key order, or (pruning) near ones first so that the running max is set
-    # early: causal from the diagonal backwards, else from the block facing the query tile, wrapping
+    # the key blocks in key order, or (pruning) the near ones first so that the running max is set
+    # early: from the block holding key `diag` (the one facing the query tile; causal: its first
+    # row's diagonal), wrapping around. That block holds a real key of every row of the tile
+    # (online_softmax needs one in each row's first tile).
     it = "it" if v.prune else "kb"
     if v.prune:
         e(f"kstart = imin({udiv('diag', BN)}, nkb - 1)")
-        order = lambda i: f"sel(causal != 0, nkb - 1 - ({i}), sel({i} + kstart >= nkb, {i} + kstart - nkb, {i} + kstart))"  # noqa: E731
+        order = lambda i: f"sel({i} + kstart >= nkb, {i} + kstart - nkb, {i} + kstart)"  # noqa: E731
     e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
     e("if nkb > 0:")
     with e.indent():
@@ -733,31 +742,35 @@ def stream_key_blocks(e, v, qa_where, block):
 
 # ============================================================================= forward
 def prune_gate(e, v):
-    """Tile-pruning admission (DESIGN.md): the tile is admitted iff the running max over the whole
-    query tile is still unset or max(tile scores) >= that running max + ln(rho); both maxima are
-    taken over this CTA's real rows (tail rows hold zero-filled queries) in the exp2 domain, so
-    ln(rho) arrives as lg2rho = log2(rho). Warps reduce their rows, then exchange through shared
-    memory; every thread reaches the same `adm` (the products under it stay CTA-uniform)."""
+    """Tile-pruning admission (DESIGN.md): admit iff the running max R over the whole query tile is
+    still unset or max(tile scores) T >= R + ln(rho), both over this CTA's real rows (tail rows
+    hold zero-filled queries), in the exp2 domain (ln(rho) arrives as lg2rho = log2(rho)).
+    T >= R + c holds iff some thread's own rows reach R + c, so one barrier-or decides for the
+    CTA; R is kept uniform in every thread: an admitted tile raises it to max(R, T), T read from
+    the per-warp maxima each warp left in shared memory before the barrier (two slot buffers by
+    tile parity, so the next tile's writes never meet this tile's reads). Returns the rows'
+    quad-reduced raw maxima for online_softmax."""
     mx = lambda a, b: f"fmaxf({a}, {b})"  # noqa: E731
-    e("# prune_gate: admit this tile? (CTA-wide tile max vs running max)")
-    e("tmx = masked; rmx = masked")
+    e("# prune_gate: admit this tile? (T >= R + ln rho, R = the query tile's running max)")
+    e("tl = masked")
+    rowmax = {}
     for m in range(v.MT):
         for h in (0, 1):
             rs = (0, 1) if h == 0 else (2, 3)
-            e("x = " + _tree(mx, [f"s{m}_{j}_{r}" for j in range(v.BN // 8) for r in rs]))
-            e(f"ok = u32(wrow + {16 * m + 8 * h} + g < rows)")
-            e(f"tmx = fmaxf(tmx, sel(ok != 0, x * sc, masked)); rmx = fmaxf(rmx, sel(ok != 0, m{m}{h}, masked))")
-    for lm in (1, 2, 4, 8, 16):
-        e(f"tmx = fmaxf(tmx, shfl_xor(tmx, {lm})); rmx = fmaxf(rmx, shfl_xor(rmx, {lm}))")
-    e("sts_f32(a32(prs, u32(wid * 8)), tmx); sts_f32(a32(prs, u32(wid * 8 + 4)), rmx)")
-    e("cuda.syncthreads()")
-    e("tmx = masked; rmx = masked")
-    for c in range(-(-2 * v.NW // 4)):   # 16-byte loads: two warps' pairs each
-        e(f"y0, y1, y2, y3 = lds_f32x4(a32(prs, {16 * c}))")
-        e("tmx = fmaxf(tmx, fmaxf(y0, y2)); rmx = fmaxf(rmx, fmaxf(y1, y3))")
-    # every thread holds the same maxima; the barrier-or makes `adm` one value for the whole CTA
-    # (and is the barrier that keeps the next tile's slot writes after these reads)
-    e("adm = u32(cuda.syncthreads_or(u32((rmx <= masked) | (tmx >= rmx + lg2rho))))")
+            x = rowmax[m, h] = f"xr{m}{h}"
+            e(f"{x} = " + _tree(mx, [f"s{m}_{j}_{r}" for j in range(v.BN // 8) for r in rs]))
+            e(f"{x} = fmaxf({x}, shfl_xor({x}, 1)); {x} = fmaxf({x}, shfl_xor({x}, 2))")
+            e(f"tl = fmaxf(tl, sel(wrow + {16 * m + 8 * h} + g < rows, {x} * sc, masked))")
+    e("tl = fmaxf(tl, shfl_xor(tl, 4)); tl = fmaxf(tl, shfl_xor(tl, 8)); tl = fmaxf(tl, shfl_xor(tl, 16))")
+    e(f"pslot = a32(prs, u32((it % 2) * {4 * v.NW}))")
+    e("sts_f32(a32(pslot, u32(wid * 4)), tl)")
+    e("adm = u32(cuda.syncthreads_or(u32((rcta <= masked) | (tl >= rcta + lg2rho))))")
+    e("if adm != 0:")
+    with e.indent():
+        for c in range(-(-v.NW // 4)):   # 16-byte loads: four warps' maxima each
+            e(f"y0, y1, y2, y3 = lds_f32x4(a32(pslot, {16 * c}))")
+            e("rcta = fmaxf(rcta, fmaxf(fmaxf(y0, y1), fmaxf(y2, y3)))")
+    return rowmax
 
 
 def gen_forward(v):
@@ -797,14 +810,14 @@ def gen_forward(v):
                 online_softmax(e, v, "s", "o", Dv // 8)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
                 return
-            prune_gate(e, v)   # a pruned tile skips the softmax and the value product
+            rowmax = prune_gate(e, v)   # a pruned tile skips the softmax and the value product
             e("if adm != 0:")
             with e.indent():
-                online_softmax(e, v, "s", "o", Dv // 8)
+                online_softmax(e, v, "s", "o", Dv // 8, rowmax)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
             e("npr = npr + 1 - i64(adm)")
         if v.prune:
-            e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0)")
+            e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
         stream_key_blocks(e, v, where["qa"], block)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l
         for m in range(MT):
