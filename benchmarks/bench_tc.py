@@ -426,7 +426,9 @@ def sweep(quick, dtype="float16", cands=None):
     """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in the
     dtype's tuning table (api.TUNING, or api.TUNING_F32 for float32)"""
     S = dict(a_smem=True)
-    table = api.tuning_table(dtype)
+    # the mma.sync shapes (bench_wgmma.py sweeps the wgmma ones): pinned for the whole sweep
+    os.environ["TIGA_NUMBA_WGMMA"] = "0"
+    table = api.tuning_table(dtype, wgmma=False)
     tdt = {"float16": torch.float16, "float32": torch.float32}[dtype]
     cands = cands or (SWEEP_F32 if dtype == "float32" else {
         ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32)],
@@ -483,6 +485,7 @@ def sweep(quick, dtype="float16", cands=None):
                 table[k_] = val
             say(f"sweep {dtype} {kind} D={D}: chose {best[1]}")
             save_tuning()   # per section: a later crash (sticky CUDA error) keeps what was chosen
+    os.environ.pop("TIGA_NUMBA_WGMMA", None)   # back to the device's default routing
 
 
 def resources():
@@ -628,7 +631,7 @@ def main():
     if a.tuning_in and os.path.exists(a.tuning_in):
         with open(a.tuning_in) as fh:
             for kind, D, cfg, *dt in json.load(fh):   # rows: [kind, D, shape(, "float32")]
-                api.tuning_table(dt[0] if dt else "float16")[(kind, D)] = cfg
+                api.tuning_table(dt[0] if dt else "float16", wgmma=False)[(kind, D)] = cfg
     if a.sanitize:
         sanitize()
         return

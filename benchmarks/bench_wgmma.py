@@ -162,6 +162,7 @@ def table(Ns):
 def prune_cells(n=16384, D=64):
     """tile pruning on the tensor-core path (shipped engine of this device), local workload
     (positions on a circle in the first 8 dims, as the tests'), exact vs rho: time, error, pruned fraction."""
+    import dataclasses
     import types
 
     import cupy
@@ -182,13 +183,23 @@ def prune_cells(n=16384, D=64):
         plan = lambda rho: types.SimpleNamespace(scale=D ** -0.5, prune_threshold=rho, score="dot", run_info={})  # noqa: E731
         exact = tc.forward(plan(None), q, k, v, rel_)[0]
         t_exact = B.bench(lambda: tc.forward(plan(None), q, k, v, rel_))
+        # the kernels alone (raw launches, no counter read-back): exact vs pruned variant
+        vr = api.variant("fwd", D, D, "float16")
+        rec = api.relation_record([0, n], [0, n], [causal])
+        o_, m_, l_ = cupy.empty_like(q), cupy.empty((n, B.H), cupy.float32), cupy.empty((n, B.H), cupy.float32)
+        ops = [(int(x.data.ptr), x.strides[0], x.strides[1]) for x in (q, k, v)]
+        raw = lambda vv, rho=None: api.launch_forward(vv, rec, B.H, B.H, *ops, int(o_.data.ptr), int(m_.data.ptr),  # noqa: E731
+                                                      int(l_.data.ptr), D ** -0.5, B.Stream(), rho=rho)
+        k_exact = B.bench(lambda: raw(vr))
         for rho in (1e-2, 1e-4):
             p = plan(rho)
             out = tc.forward(p, q, k, v, rel_)[0]
             t = B.bench(lambda: tc.forward(plan(rho), q, k, v, rel_))
-            B.say(f"pruning N={n} D={D} causal={causal} rho={rho:g}: {t:.3f} ms vs exact {t_exact:.3f} ms "
-                  f"(speed-up {t_exact / t:.2f}x), {p.run_info['pruned_tiles']}/{p.run_info['total_tiles']} tiles "
-                  f"pruned, rel err vs exact {err(out, exact):.1e}  [{p.run_info['kernel']}]")
+            k_pr = B.bench(lambda: raw(dataclasses.replace(vr, prune=True), rho))
+            B.say(f"pruning N={n} D={D} causal={causal} rho={rho:g}: tc.forward {t:.3f} ms vs exact {t_exact:.3f} ms "
+                  f"(speed-up {t_exact / t:.2f}x); kernel alone {k_pr:.3f} vs {k_exact:.3f} ms ({k_exact / k_pr:.2f}x); "
+                  f"{p.run_info['pruned_tiles']}/{p.run_info['total_tiles']} tiles pruned, rel err vs exact "
+                  f"{err(out, exact):.1e}  [{p.run_info['kernel']}]")
 
 
 def main():
@@ -197,6 +208,7 @@ def main():
     ap.add_argument("--build", default=None, metavar="ARCH")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--N", default="4096,16384")
+    ap.add_argument("--prune-only", action="store_true", help="only the tile-pruning cells")
     a = ap.parse_args()
     if a.build:
         build(a.build)
@@ -205,9 +217,10 @@ def main():
     import cupy
     B.say(f"device {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
           f"cc {cupy.cuda.Device().compute_capability}; torch {B.torch.__version__}")
-    if not a.no_sweep:
+    if not a.no_sweep and not a.prune_only:
         sweep(Ns)
-    table(Ns)
+    if not a.prune_only:
+        table(Ns)
     try:
         prune_cells()
     except Exception as ex:  # noqa: BLE001

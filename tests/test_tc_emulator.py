@@ -354,13 +354,18 @@ def test_generated_source_is_plain_python(kind):
 
 
 def test_shipped_tuning_is_valid():
-    """every default shape fits the shared-memory limit and its generator runs."""
+    """every default shape (mma.sync, wgmma, 3xTF32; pruned forwards too) fits the shared-memory
+    limit and its generator runs."""
+    import dataclasses
+
     from tiga_numba.cuda.tc import api
     for dt in ("float16", "bfloat16", "float32"):
-        for (kind, D) in api.tuning_table(dt):
-            v = api.variant(kind, D, D, dt)
-            assert v.check().smem_bytes() <= G.MAX_SMEM
-            compile(G.gen_source(v), "<gen>", "exec")
+        for wg in ((False, True) if dt != "float32" else (False,)):
+            for (kind, D) in api.tuning_table(dt, wgmma=wg):
+                v = api.variant(kind, D, D, dt, wgmma=wg)
+                for x in ((v, dataclasses.replace(v, prune=True)) if kind == "fwd" else (v,)):
+                    assert x.check().smem_bytes() <= G.MAX_SMEM
+                    compile(G.gen_source(x), "<gen>", "exec")
 
 
 def test_ptx_compiles_for_sm90():
@@ -716,7 +721,7 @@ def prune_oracle(q, k, v, dst, src, causal, scale, rho, BM, BN):
                         run = np.maximum(run, tile.max(1))
                     else:
                         pruned += 1
-                visited += nkb * 1
+                visited += nkb
                 ss = np.where(keep, s, -np.inf)
                 mx = ss.max(1, keepdims=True)
                 p = np.where(np.isfinite(mx), np.exp(ss - np.where(np.isfinite(mx), mx, 0)), 0)
@@ -762,7 +767,7 @@ def test_pruned_forward_matches_the_rule_tile_by_tile(dtype, shape, relname, rho
 
 @pytest.mark.parametrize("causal", [1, 0])
 def test_pruned_forward_prunes_a_local_workload(causal):
-    """a longer local workload (512 tokens) does prune far tiles, both visiting orders, and still
+    """a longer local workload (512 tokens) does prune far tiles, causal and not, and still
     matches the replay tile by tile."""
     dst = src = np.array([0, 512])
     q, k, v = _local_inputs(np.random.default_rng(4), 512, 2, 1, 64, "float16")

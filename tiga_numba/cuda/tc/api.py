@@ -8,7 +8,7 @@ Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat 
 float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D (16-bit on compute
 capability 9.0, the wgmma kernels: also 32 and 96), any H % Hkv == 0, any
 strides (16-byte aligned rows are read in place, anything else is copied once and the copy
-recorded), no edge bias, no tile pruning (supports() says False; the CUDA-core kernels take those).
+recorded), no edge bias (the CUDA-core kernels take that); tile pruning in the forward.
 Kernels take raw device addresses and scalars only, so a bfloat16 array needs no numba dtype:
 anything with __cuda_array_interface__ whose dtype is named "bfloat16" (ml_dtypes) works.
 
@@ -115,18 +115,30 @@ TUNING_WGMMA = {
 }
 
 
-def tuning_table(dtype, wgmma=False):
-    """the shape table for a dtype: 16-bit operands (mma.sync, or wgmma on sm_90) or float32 (3xTF32)."""
+def tuning_table(dtype, wgmma=None):
+    """the shape table for a dtype: 16-bit operands (mma.sync, or wgmma on sm_90) or float32
+    (3xTF32); wgmma None: the table this call's routing uses (use_wgmma)."""
     if dtype == "float32":
         return TUNING_F32
+    if wgmma is None:
+        wgmma = use_wgmma(dtype)
     return TUNING_WGMMA if wgmma else TUNING
 
 
+_VARIANTS = {}
+
+
 def variant(kind, D, Dv, dtype, wgmma=None):
-    """the shipped Variant of (kind, D, dtype); wgmma None: as use_wgmma(dtype) decides now."""
-    if wgmma is None:
-        wgmma = use_wgmma(dtype)
-    return G.Variant(kind, D, Dv, dtype=dtype, **tuning_table(dtype, wgmma)[(kind, D)])
+    """the shipped Variant of (kind, D, dtype); wgmma None: as use_wgmma(dtype) decides now.
+    Memoised per table entry (asked several times per call); a sweep that assigns a new shape
+    dict to a table entry gets a new Variant."""
+    table = tuning_table(dtype, wgmma)
+    shape = table[(kind, D)]
+    key = (kind, D, Dv, dtype, id(table))
+    hit = _VARIANTS.get(key)
+    if hit is None or hit[0] is not shape:
+        hit = _VARIANTS[key] = (shape, G.Variant(kind, D, Dv, dtype=dtype, **shape))
+    return hit[1]
 
 
 _WGMMA_DEVICES = {}
@@ -153,7 +165,7 @@ def precision(dtype):
     if dtype == "float32":
         return ("3xTF32 (fp32-class: x = big + small tf32 halves, 3 mma.m16n8k8.tf32 passes per product, "
                 "fp32 accumulation)")
-    return f"{dtype} operands, fp32 accumulation and softmax (mma.m16n8k16)"
+    return f"{dtype} operands, fp32 accumulation and softmax (mma.m16n8k16 or, on sm_90, wgmma m64nNk16)"
 
 
 # ----------------------------------------------------------------------------- admission
@@ -579,6 +591,8 @@ def build_cubins(dtypes=("float16", "bfloat16", "float32"), arch="sm_90", jobs=N
     import concurrent.futures as cf
     import multiprocessing as mp
     todo = list(specs) if specs is not None else shipped_kernels(dtypes)
+    if arch not in ("sm_90", "sm_90a"):   # wgmma kernels exist for sm_90a only
+        todo = [s for s in todo if not s[0].startswith("wg:") and not (len(s) > 3 and s[3].get("wgmma"))]
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     if jobs == 1:
         return [build_one(*spec, arch=arch) if len(spec) == 3 else build_one(*spec[:3], arch, spec[3])

@@ -234,7 +234,8 @@ class Warps:
             B = np.repeat(B, 4, axis=0)   # every warp of a group sees its group's B
             assert not np.isnan(A).any() and not np.isnan(B).any() and not np.isnan(acc).any(), \
                 "wgmma operand not fully defined (layout bug or NaN data)"
-            acc = A.astype(np.float64) @ B.astype(np.float64) + acc
+            # fp32 accumulator after every instruction, as mma16816 models it
+            acc = (A.astype(np.float64) @ B.astype(np.float64) + acc).astype(np.float32).astype(np.float64)
         D = acc.astype(np.float32)
         return tuple(D[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] for j in range(N // 8) for r in range(4))
 

@@ -114,8 +114,8 @@ class Variant:
     def check(self):
         for d in (self.D, self.Dv):
             # the XOR swizzle permutes chunks within groups of 8 (128 bytes): a row must hold whole
-            # groups; wgmma tiles pad each row to whole 128-byte sub-tile rows (row_bytes), so any
-            # multiple of 32 (k-steps of 16, n-tile pairs) works there
+            # groups; wgmma tiles pad each row to whole 128-byte sub-tile rows (row_bytes), so
+            # multiples of 32 work there when the intrinsics cover the shapes (checked below)
             if self.wgmma and (d % 32 or d < 32):
                 raise ValueError(f"wgmma: head dim must be a multiple of 32, got {d}")
             if not self.wgmma and (d % 64 or d < 64):
@@ -124,8 +124,9 @@ class Variant:
             raise ValueError(f"BN must be a multiple of 16, got {self.BN}")
         if self.kind not in ("fwd", "dq", "dkdv"):
             raise ValueError(f"unknown kernel kind {self.kind!r}")
-        if self.prune and self.kind != "fwd":
-            raise ValueError("tile pruning is a forward option")
+        if self.prune and (self.kind != "fwd" or self.NW % 4):
+            raise ValueError("tile pruning is a forward option and reads the warps' maxima four at a "
+                             "time (NW % 4 == 0)")
         if self.dq_atomic and not self.fuse_dq:
             raise ValueError("dq_atomic needs fuse_dq")
         if self.fuse_dq:
@@ -142,8 +143,17 @@ class Variant:
             if self.MT != 1 or self.NW % 4 or not self.a_smem or self.fuse_dq:
                 raise ValueError("wgmma: warpgroups of 4 warps with 16 rows each (NW % 4 == 0, MT = 1), "
                                  "resident operands in shared memory (a_smem), no fuse_dq")
-            if max(self.BN, self.D, self.Dv) > 256:
-                raise ValueError("wgmma: N of m64nNk16 is at most 256 (BN, D, Dv)")
+            from .ptx import WGMMA_KSTEPS, WGMMA_N
+            # products: S-like (N = BN, or the keys of dK/dV's S^T; k = D or Dv) and P B-like (N = D
+            # or Dv, k = BN): each N and k-step count needs its intrinsic
+            for n, k in ((self.BN, self.D), (self.BN, self.Dv), (self.D, self.BN), (self.Dv, self.BN)):
+                if n not in WGMMA_N or k // 16 not in WGMMA_KSTEPS:
+                    raise ValueError(f"wgmma: no m64n{n}k16 intrinsic chain of {k // 16} k-steps "
+                                     f"(ptx.WGMMA_N {WGMMA_N}, WGMMA_KSTEPS {WGMMA_KSTEPS})")
+            for w in (self.D, self.Dv):
+                if self.NT % (self.row_bytes(w) // 16):
+                    raise ValueError(f"wgmma: {self.NT} threads cannot load {self.row_bytes(w)}-byte padded rows "
+                                     "in whole passes")
         if self.smem_bytes() > MAX_SMEM:
             raise ValueError(f"{self} needs {self.smem_bytes()} B of shared memory (> {MAX_SMEM})")
         return self
@@ -155,8 +165,8 @@ class Variant:
         return -(-nb // 128) * 128 if self.wgmma else nb
 
     def prune_bytes(self):
-        """pruning: two buffers of per-warp tile maxima (floats), read back in 16-byte loads."""
-        return 2 * (-(-4 * self.NW // 16) * 16) if self.prune else 0
+        """pruning: the warps' tile maxima (one float each), read back in 16-byte loads."""
+        return 4 * self.NW if self.prune else 0
 
     @property
     def dynamic_smem(self):
@@ -747,9 +757,9 @@ def prune_gate(e, v):
     hold zero-filled queries), in the exp2 domain (ln(rho) arrives as lg2rho = log2(rho)).
     T >= R + c holds iff some thread's own rows reach R + c, so one barrier-or decides for the
     CTA; R is kept uniform in every thread: an admitted tile raises it to max(R, T), T read from
-    the per-warp maxima each warp left in shared memory before the barrier (two slot buffers by
-    tile parity, so the next tile's writes never meet this tile's reads). Returns the rows'
-    quad-reduced raw maxima for online_softmax."""
+    the per-warp maxima each warp left in shared memory before the barrier (the next tile's
+    writes come after two more barriers: the one ending this tile and the next one's `landed`).
+    Returns the rows' quad-reduced raw maxima for online_softmax."""
     mx = lambda a, b: f"fmaxf({a}, {b})"  # noqa: E731
     e("# prune_gate: admit this tile? (T >= R + ln rho, R = the query tile's running max)")
     e("tl = masked")
@@ -762,13 +772,12 @@ def prune_gate(e, v):
             e(f"{x} = fmaxf({x}, shfl_xor({x}, 1)); {x} = fmaxf({x}, shfl_xor({x}, 2))")
             e(f"tl = fmaxf(tl, sel(wrow + {16 * m + 8 * h} + g < rows, {x} * sc, masked))")
     e("tl = fmaxf(tl, shfl_xor(tl, 4)); tl = fmaxf(tl, shfl_xor(tl, 8)); tl = fmaxf(tl, shfl_xor(tl, 16))")
-    e(f"pslot = a32(prs, u32((it % 2) * {4 * v.NW}))")
-    e("sts_f32(a32(pslot, u32(wid * 4)), tl)")
+    e("sts_f32(a32(prs, u32(wid * 4)), tl)")
     e("adm = u32(cuda.syncthreads_or(u32((rcta <= masked) | (tl >= rcta + lg2rho))))")
     e("if adm != 0:")
     with e.indent():
         for c in range(-(-v.NW // 4)):   # 16-byte loads: four warps' maxima each
-            e(f"y0, y1, y2, y3 = lds_f32x4(a32(pslot, {16 * c}))")
+            e(f"y0, y1, y2, y3 = lds_f32x4(a32(prs, {16 * c}))")
             e("rcta = fmaxf(rcta, fmaxf(fmaxf(y0, y1), fmaxf(y2, y3)))")
     return rowmax
 
@@ -815,7 +824,7 @@ def gen_forward(v):
             with e.indent():
                 online_softmax(e, v, "s", "o", Dv // 8, rowmax)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
-            e("npr = npr + 1 - i64(adm)")
+            e("npr = npr + sel(adm != 0, 0, 1)")
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
         stream_key_blocks(e, v, where["qa"], block)
