@@ -7,16 +7,7 @@
 #   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python -m tiga_numba.cuda.tc.prebuild --dtypes bfloat16
 # Usage, from the repository root: bash benchmarks/gpu_bwd.sh   (outputs under $OUT)
 set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ -d .tccubin ]; then export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-$PWD/.tccubin}; fi
-OUT=${OUT:-/tmp/gpu_bwd}
-mkdir -p "$OUT"
-status=0
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-  git log -1 --format='commit %h %s' 2>/dev/null || true; } | tee "$OUT/gpu.txt"
+. "$(dirname "$0")/gpu_env.sh" gpu_bwd
 
 stamp "tensor-core GPU tests"
 timeout ${BWD_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_tc_gpu.py > "$OUT/tests_tc.txt" 2>&1

@@ -11,18 +11,7 @@
 # Outputs under $OUT (default /tmp/gpu_check). Usage, from the repository root:
 #   bash benchmarks/gpu_check.sh
 set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ -d .tccubin ]; then export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-$PWD/.tccubin}; fi
-export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-/tmp/tiga_numba_cubins}
-OUT=${OUT:-/tmp/gpu_check}
-mkdir -p "$OUT"
-status=0
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-  python3 -c "import numba, numba_cuda, cupy, numpy, torch; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
-  git log -1 --format='commit %h %s' 2>/dev/null || true; } | tee "$OUT/gpu.txt"
+. "$(dirname "$0")/gpu_env.sh" gpu_check
 
 stamp "tensor-core cubins (carried .tccubin: a check; else compiled, 12 processes)"
 timeout 300 python3 -m tiga_numba.cuda.tc.prebuild --jobs 12 > "$OUT/precompile.txt" 2>&1

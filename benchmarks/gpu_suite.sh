@@ -11,15 +11,7 @@
 #   bash benchmarks/gpu_suite.sh            (from the repository root)
 #   SUITE_QUICK=1 bash benchmarks/gpu_suite.sh   (smaller benchmark grid)
 set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# one cubin cache for every step: kernels compiled by an earlier step load without numba
-export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-/tmp/tiga_numba_cubins}
-OUT=${OUT:-/tmp/gpu_suite}
-mkdir -p "$OUT"
-status=0
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import numba, numba_cuda, cupy, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/gpu.txt"
+. "$(dirname "$0")/gpu_env.sh" gpu_suite
 
 echo "== compute-sanitizer memcheck (small cases of every kernel)"
 if [ "${SUITE_SANITIZE:-1}" = "0" ]; then

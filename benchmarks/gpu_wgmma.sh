@@ -9,16 +9,7 @@
 #   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python benchmarks/bench_tc_bwd.py --build sm_90
 # Usage, from the repository root: bash benchmarks/gpu_wgmma.sh   (outputs under $OUT)
 set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ -d .tccubin ]; then export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-$PWD/.tccubin}; fi
-OUT=${OUT:-/tmp/gpu_wgmma}
-mkdir -p "$OUT"
-status=0
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-  git log -1 --format='commit %h %s' 2>/dev/null || true; } | tee "$OUT/gpu.txt"
+. "$(dirname "$0")/gpu_env.sh" gpu_wgmma
 
 for flag in 1 0; do
   stamp "tensor-core GPU tests, TIGA_NUMBA_WGMMA=$flag"

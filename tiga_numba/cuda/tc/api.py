@@ -104,15 +104,11 @@ TUNING_WGMMA = {
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
-    # D = 32 / 96: the shapes of D = 64 / 128 (no spills at 159-253 / 176-246 registers, ptxas
-    # report); measured but not swept separately (results/wgmma-h200-2026-11-29.txt)
-    ("fwd", 32): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
-    ("dq", 32): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
-    ("dkdv", 32): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
-    ("fwd", 96): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
-    ("dq", 96): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
-    ("dkdv", 96): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
 }
+# D = 32 / 96 run the shapes of D = 64 / 128: the run-4 sweep of their own candidates chose the same
+# ones (no spills at 159-253 / 176-246 registers, ptxas report)
+TUNING_WGMMA.update({(kind, d): dict(TUNING_WGMMA[(kind, like)]) for kind in ("fwd", "dq", "dkdv")
+                     for d, like in ((32, 64), (96, 128))})
 
 
 def tuning_table(dtype, wgmma=None):
