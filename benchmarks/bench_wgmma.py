@@ -25,15 +25,18 @@ from tiga_numba.cuda.tc import api  # noqa: E402
 S = dict(MT=1, a_smem=True, wgmma=True)
 #: (kind, D) -> shapes; "bwd" entries are (dq shape, dkdv shape)
 CANDIDATES = {
-    ("fwd", 64): [dict(NW=4, BN=64, **S), dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S), dict(NW=8, BN=128, **S)],
+    ("fwd", 64): [dict(NW=4, BN=64, **S), dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S), dict(NW=8, BN=128, **S),
+                  dict(NW=4, BN=96, **S)],
     ("fwd", 128): [dict(NW=4, BN=64, **S), dict(NW=8, BN=64, **S), dict(NW=4, BN=128, **S),
-                   dict(NW=8, BN=128, **S)],
+                   dict(NW=8, BN=128, **S), dict(NW=8, BN=96, **S)],
     ("bwd", 64): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=64, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=64, **S)),
                   (dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=32, **S)),
-                  (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=4, BN=128, **S))],
+                  (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=4, BN=128, **S)),
+                  (dict(NW=4, BN=96, **S), dict(NW=4, BN=96, **S)), (dict(NW=4, BN=128, **S), dict(NW=4, BN=96, **S))],
     ("bwd", 128): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=32, **S)),
                    (dict(NW=4, BN=32, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=64, **S)),
-                   (dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S))],
+                   (dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S)),
+                   (dict(NW=8, BN=96, **S), dict(NW=4, BN=64, **S))],
     ("fwd", 96): [dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S), dict(NW=4, BN=128, **S)],
     ("bwd", 96): [(dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S)),
                   (dict(NW=8, BN=64, **S), dict(NW=4, BN=64, **S))],
@@ -209,6 +212,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--N", default="4096,16384")
     ap.add_argument("--prune-only", action="store_true", help="only the tile-pruning cells")
+    ap.add_argument("--sweep-only", action="store_true", help="only the shape sweep")
     a = ap.parse_args()
     if a.build:
         build(a.build)
@@ -219,12 +223,13 @@ def main():
           f"cc {cupy.cuda.Device().compute_capability}; torch {B.torch.__version__}")
     if not a.no_sweep and not a.prune_only:
         sweep(Ns)
-    if not a.prune_only:
+    if not a.prune_only and not a.sweep_only:
         table(Ns)
-    try:
-        prune_cells()
-    except Exception as ex:  # noqa: BLE001
-        B.say(f"pruning cells FAILED {ex!r}"[:300])
+    if not a.sweep_only:
+        try:
+            prune_cells()
+        except Exception as ex:  # noqa: BLE001
+            B.say(f"pruning cells FAILED {ex!r}"[:300])
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "wgmma_bench.txt"), "w") as fh:
         fh.write("\n".join(B.LINES) + "\n")
