@@ -95,17 +95,30 @@ def intrinsics(dtype="float16"):
             return tuple_of(ctx, bld, sig, r, 2)
         return sig, cg
 
-    @intrinsic
-    def stg_v4_if(tc, pred, gaddr, x0, x1, x2, x3):
-        """predicated 16-byte global store of four floats (fp32 output rows)."""
-        sig = types.void(u32, i64, f32, f32, f32, f32)
+    def predicated(op, kinds):
+        """a store / reduction `op` to the global address gaddr of len(kinds) values ("r": u32,
+        "f": f32), done only where pred != 0 (tail rows: no access at all): stg_u32_if,
+        stg_f32_if, stg_v4_if (fp32 output rows), red_v2_if / red_v4_if (float atomic adds,
+        unordered: the dq_atomic opt-in only)."""
+        vals = "$2" if len(kinds) == 1 else "{" + ",".join(f"${i + 2}" for i in range(len(kinds))) + "}"
+        text = "{.reg .pred p; setp.ne.u32 p, $0, 0; @p " + op + " [$1], " + vals + ";}"
+        ir_tys = [I32, I64] + [F32 if c == "f" else I32 for c in kinds]
+        nb_tys = [u32, i64] + [f32 if c == "f" else u32 for c in kinds]
+        cons = "r,l," + ",".join(kinds) + ",~{memory}"
 
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, I64] + [F32] * 4,
-                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.v4.f32 [$1], {$2,$3,$4,$5};}",
-                "r,l,f,f,f,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
+        def typer(tc, *args):
+            def cg(ctx, bld, sig, args):
+                asm(bld, ir.VoidType(), ir_tys, text, cons, args)
+                return ctx.get_dummy_value()
+            return types.void(*nb_tys), cg
+        return named_intrinsic(f"pred_{op.replace('.', '_')}", len(nb_tys), typer)
+
+    def named_intrinsic(name, nargs, typer):
+        """numba's intrinsics take named parameters only (no *args): spell them out."""
+        names = ", ".join(f"x{i}" for i in range(nargs))
+        scope = {"typer": typer}
+        exec(f"def {name}(tc, {names}):\n    return typer(tc, {names})\n", scope)
+        return intrinsic(scope[name])
 
     def ldsm(trans):
         txt = "ldmatrix.sync.aligned.m8n8.x4%s.shared.b16 {$0,$1,$2,$3}, [$4];" % (".trans" if trans else "")
@@ -141,27 +154,6 @@ def intrinsics(dtype="float16"):
                 return ctx.get_dummy_value()
             return sig, cg
         return f
-
-    @intrinsic
-    def stg_u32_if(tc, pred, gaddr, x):
-        """predicated 4-byte global store (the guard of tail rows)."""
-        sig = types.void(u32, i64, u32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, I64, I32],
-                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.u32 [$1], $2;}", "r,l,r,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
-
-    @intrinsic
-    def stg_f32_if(tc, pred, gaddr, x):
-        sig = types.void(u32, i64, f32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, I64, F32],
-                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p st.global.f32 [$1], $2;}", "r,l,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
 
     @intrinsic
     def ldg_f32_if(tc, pred, gaddr):
@@ -335,29 +327,6 @@ def intrinsics(dtype="float16"):
         return sig, cg
 
     @intrinsic
-    def red_v2_if(tc, pred, gaddr, x0, x1):
-        """predicated float atomic add of two floats (sm_90 vector red; unordered: dq_atomic only)."""
-        sig = types.void(u32, i64, f32, f32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, I64, F32, F32],
-                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p red.global.add.v2.f32 [$1], {$2,$3};}",
-                "r,l,f,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
-
-    @intrinsic
-    def red_v4_if(tc, pred, gaddr, x0, x1, x2, x3):
-        sig = types.void(u32, i64, f32, f32, f32, f32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, I64] + [F32] * 4,
-                "{.reg .pred p; setp.ne.u32 p, $0, 0; @p red.global.add.v4.f32 [$1], {$2,$3,$4,$5};}",
-                "r,l,f,f,f,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
-
-    @intrinsic
     def sts_v2(tc, addr, x0, x1):
         """8-byte shared store of two floats (a dQ C-fragment pair into the staging tile)."""
         sig = types.void(u32, f32, f32)
@@ -418,11 +387,7 @@ def intrinsics(dtype="float16"):
                 r = asm(bld, ir.LiteralStructType([F32] * n), ir_tys, text, cons, args)
                 return tuple_of(ctx, bld, sig, r, n)
             return sig, cg
-        # numba's intrinsics take named parameters only (no *args): spell them out
-        names = ", ".join(f"x{i}" for i in range(len(in_tys)))
-        scope = {"typer": typer}
-        exec(f"def wgmma_{N}_{nk}(tc, {names}):\n    return typer(tc, {names})\n", scope)
-        return intrinsic(scope[f"wgmma_{N}_{nk}"])
+        return named_intrinsic(f"wgmma_{N}_{nk}", len(in_tys), typer)
 
     wg = {}
     if dtype != "float32":   # tf32 wgmma cannot transpose B (P V needs it): 16-bit only
@@ -433,12 +398,14 @@ def intrinsics(dtype="float16"):
         wg["fence_async"] = nullary("fence.proxy.async.shared::cta;")
 
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
-        mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=lds64, stg_v4_if=stg_v4_if,
+        mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=lds64,
         ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
-        cp_wait1=nullary("cp.async.wait_group 1;"), stg_u32_if=stg_u32_if, stg_f32_if=stg_f32_if,
+        cp_wait1=nullary("cp.async.wait_group 1;"),
+        stg_u32_if=predicated("st.global.u32", "r"), stg_f32_if=predicated("st.global.f32", "f"),
+        stg_v4_if=predicated("st.global.v4.f32", "ffff"),
+        red_v2_if=predicated("red.global.add.v2.f32", "ff"), red_v4_if=predicated("red.global.add.v4.f32", "ffff"),
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
         ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
-        sts_halves=sts_halves, sts_f32=sts_f32,
-        sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4, red_v2_if=red_v2_if, red_v4_if=red_v4_if, **wg)
+        sts_halves=sts_halves, sts_f32=sts_f32, sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4, **wg)
     return _CACHE[dtype]
