@@ -205,6 +205,38 @@ def prune_cells(n=16384, D=64):
                   f"{err(out, exact):.1e}  [{p.run_info['kernel']}]")
 
 
+def prune_paths(n=8192, D=64):
+    """whole tg.attention calls, fp16 local workload (as prune_cells), pruned and exact, on the
+    tensor-core path vs the CUDA-core kernels (tiga_numba.cuda.api.USE_TC off): what a user asking
+    for pruning gets now vs before the tensor-core path took pruned calls."""
+    import cupy
+    import numpy as np
+
+    import tiga_numba as tg
+    from tiga_numba.cuda import api as cuda_api
+    rng = np.random.default_rng(0)
+    pos = np.arange(n) / n * 2 * np.pi
+    base = np.zeros((n, D), np.float32)
+    base[:, :8] = np.stack([np.cos(pos * f) for f in (1, 2, 3, 4)] + [np.sin(pos * f) for f in (1, 2, 3, 4)], 1) * 3
+    mk = lambda f: cupy.asarray((base[:, None] + f * rng.standard_normal((n, B.H, D))).astype(np.float16))  # noqa: E731
+    q, k, v = mk(0.3), mk(0.3), mk(1.0)
+    for causal in (True, False):
+        g = tg.Graph.triangular(n) if causal else tg.Graph.dense(n)
+        row = []
+        for use_tc in (True, False):
+            cuda_api.USE_TC = use_tc
+            try:
+                t_ex = B.bench(lambda: tg.attention(q, k, v, g))
+                t_pr = B.bench(lambda: tg.attention(q, k, v, g, block_prune_threshold=1e-2))
+            finally:
+                cuda_api.USE_TC = True
+            row.append((t_ex, t_pr))
+        (tc_ex, tc_pr), (cc_ex, cc_pr) = row
+        B.say(f"pruning paths N={n} D={D} fp16 causal={int(causal)} rho=1e-2 (tg.attention): tensor cores exact "
+              f"{tc_ex:.3f} / pruned {tc_pr:.3f} ms; CUDA-core exact {cc_ex:.3f} / pruned {cc_pr:.3f} ms; "
+              f"pruned tensor-core call vs pruned CUDA-core call {cc_pr / tc_pr:.1f}x faster")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -226,10 +258,11 @@ def main():
     if not a.prune_only and not a.sweep_only:
         table(Ns)
     if not a.sweep_only:
-        try:
-            prune_cells()
-        except Exception as ex:  # noqa: BLE001
-            B.say(f"pruning cells FAILED {ex!r}"[:300])
+        for cells in (prune_cells, prune_paths):
+            try:
+                cells()
+            except Exception as ex:  # noqa: BLE001
+                B.say(f"{cells.__name__} FAILED {ex!r}"[:300])
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "wgmma_bench.txt"), "w") as fh:
         fh.write("\n".join(B.LINES) + "\n")
