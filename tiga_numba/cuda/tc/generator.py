@@ -232,7 +232,7 @@ class Variant:
     def name(self):
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
-            + ("_wg" if self.wgmma else "") + ("_pr" if self.prune else ""))
+                + ("_wg" if self.wgmma else "") + ("_pr" if self.prune else ""))
 
 
 # ----------------------------------------------------------------------------- source writer
