@@ -320,3 +320,27 @@ def test_pruned_forward_on_the_tensor_cores(dt, wgmma, causal, monkeypatch):
     assert rel(out.get().astype(np.float64), ro) < (2e-5 if dt == "float32" else 4e-3)
     with pytest.raises(NotImplementedError):
         tc.backward(p, qg, qg, kg, vg, out, m, l, rel_, None)
+
+
+def test_pruned_call_defers_its_counter_read():
+    """through tg.attention the pruned call's tile counts are a deferred read (plan.RunInfo): nothing
+    blocks the call, and the first look at run_info / explain() gives the same counts as a direct
+    call with a plain dict (same kernel, same data)."""
+    import tiga_numba as tg
+    from tiga_numba import functional
+    from test_tc_emulator import _local_inputs
+    n = 700
+    q, k, v = (cupy.asarray(x.astype(np.float16)) for x in _local_inputs(np.random.default_rng(), n, 2, 2, 64, "float16"))
+    out = tg.attention(q, k, v, tg.Graph.triangular(n), scale=0.125, block_prune_threshold=0.05)
+    plan_ = functional.last_plan()
+    assert "tensor-core" in plan_.run_info["kernel"]
+    assert dict.__getitem__(plan_.run_info, "pruned_tiles") is not None   # stored (deferred or not)
+    text = plan_.explain()
+    pruned, total = plan_.run_info["pruned_tiles"], plan_.run_info["total_tiles"]
+    assert isinstance(pruned, int) and f"{pruned}/{total} tiles pruned" in text and pruned > 0
+    p = types.SimpleNamespace(scale=0.125, prune_threshold=0.05, score="dot", run_info={})
+    d = np.array([0, n])
+    rel_ = BlockRelation(cupy.asarray(d), cupy.asarray(d), cupy.asarray(np.array([1], np.uint8)), n, n)
+    direct = tc.forward(p, q, k, v, rel_)[0]
+    assert (p.run_info["pruned_tiles"], p.run_info["total_tiles"]) == (pruned, total)
+    assert bool(cupy.array_equal(direct, out))

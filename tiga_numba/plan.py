@@ -12,6 +12,68 @@ from .kernel_cache import KERNELS
 BACKEND_OF_LIBRARY = {"numpy": "cpu", "cupy": "cuda"}
 
 
+class RunInfo(dict):
+    """What the backend did (`Plan.run_info`). Entries that need a device read (a pruned forward's
+    tile counts) may be deferred: `defer(keys, fetch)` stores them unread, and the first access to
+    any of them calls fetch() once (a device-to-host copy that waits for the kernel), so the call
+    itself never blocks the host. Every way of reading the dict (item, get, items, values, copy,
+    dict(info), iteration) sees the fetched values."""
+
+    class _Pending:
+        def __init__(self, keys, fetch):
+            self.keys, self.fetch = tuple(keys), fetch
+
+    def defer(self, keys, fetch):
+        pending = RunInfo._Pending(keys, fetch)
+        for k in pending.keys:
+            dict.__setitem__(self, k, pending)
+
+    def _resolve(self, pending):
+        for k, x in zip(pending.keys, pending.fetch()):
+            if dict.get(self, k) is pending:
+                dict.__setitem__(self, k, x)
+
+    def _resolve_all(self):
+        for v in list(dict.values(self)):
+            if isinstance(v, RunInfo._Pending):
+                self._resolve(v)
+
+    def __getitem__(self, k):
+        v = dict.__getitem__(self, k)
+        if isinstance(v, RunInfo._Pending):
+            self._resolve(v)
+            v = dict.__getitem__(self, k)
+        return v
+
+    def get(self, k, default=None):
+        return self[k] if k in self else default
+
+    def __iter__(self):   # not dict's own: dict(info) then copies through __getitem__
+        self._resolve_all()
+        return dict.__iter__(self)
+
+    def items(self):
+        self._resolve_all()
+        return dict.items(self)
+
+    def values(self):
+        self._resolve_all()
+        return dict.values(self)
+
+    def copy(self):
+        self._resolve_all()
+        return RunInfo(dict.items(self))
+
+
+def defer_counts(info, fetch):
+    """a pruned forward's run_info["pruned_tiles"] / ["total_tiles"] from fetch() -> (pruned,
+    total): deferred until read where info is a RunInfo (the Plan's), read now otherwise."""
+    if isinstance(info, RunInfo):
+        info.defer(("pruned_tiles", "total_tiles"), fetch)
+    else:
+        info["pruned_tiles"], info["total_tiles"] = fetch()
+
+
 @dataclass
 class Plan:
     op: str  # "forward" | "backward"
@@ -30,7 +92,7 @@ class Plan:
     value_dim: int
     scale: float
     prune_threshold: float | None = None
-    run_info: dict = field(default_factory=dict)
+    run_info: dict = field(default_factory=RunInfo)
 
     def explain(self):
         info = self.run_info

@@ -30,6 +30,7 @@ import cupy
 import numpy as np
 
 from ..kernel_cache import KERNELS
+from ..plan import defer_counts
 from . import blocks as _blocks
 from . import csr as _csr
 from . import tiles as _tiles
@@ -296,10 +297,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
                       l.data.ptr, *g["rel"], cnt.data.ptr if prune else g["dummy"],
                       qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, g["tpb"], H, grp, scale,
                       math.log(rho) if prune else 0.0)
-        if prune:  # the one device-to-host read of the backend: explain()'s pruning counts
-            pruned, total = (int(x) for x in cnt.get(stream=cupy.cuda.get_current_stream()))
-            info["pruned_tiles"] = pruned
-            info["total_tiles"] = total
+        if prune:  # the one device-to-host read of the backend: explain()'s pruning counts, when asked
+            defer_counts(info, lambda s=cupy.cuda.get_current_stream(): tuple(int(x) for x in cnt.get(stream=s)))
     elif g["grid"][0]:
         g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
                   l.data.ptr, *g["rel"], _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2,

@@ -33,6 +33,7 @@ import weakref
 import numpy as np
 
 from ...kernel_cache import KERNELS
+from ...plan import defer_counts
 from . import generator as G
 from . import schedule
 
@@ -860,10 +861,12 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
     kern, cache, counts = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                          _ptr(out), _ptr(m), _ptr(l), float(plan.scale), rho=rho)
-    if rho is not None:   # the one device-to-host read of a pruned call: explain()'s tile counts
-        pruned, visited = ((int(x) for x in counts.sum(0, dtype=cupy.int64).get()) if counts is not None
-                           else (0, 0))
-        _info(plan, pruned_tiles=pruned, total_tiles=visited)
+    if rho is not None and getattr(plan, "run_info", None) is not None:
+        # explain()'s tile counts: summed on the device now, read back only when asked (RunInfo)
+        totals = counts.sum(0, dtype=cupy.int64) if counts is not None else None
+        stream = cupy.cuda.get_current_stream()
+        defer_counts(plan.run_info, lambda: (0, 0) if totals is None else
+                     tuple(int(x) for x in totals.get(stream=stream)))
     tc_key = ("counts", vr.BM, vr.BN)
     if tc_key not in rec["tables"]:
         rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)

@@ -1,0 +1,26 @@
+"""Plan.run_info (plan.RunInfo): a pruned forward's tile counts are deferred device reads, fetched
+once on first access, and every way of reading the dict sees the fetched values."""
+from tiga_numba.plan import RunInfo, defer_counts
+
+
+def test_deferred_counts_are_fetched_once_on_first_read():
+    calls = []
+    info = RunInfo(kernel="k")
+    defer_counts(info, lambda: calls.append(1) or (3, 10))
+    assert calls == []                                    # the call itself reads nothing
+    assert info["pruned_tiles"] == 3 and info.get("total_tiles") == 10
+    assert dict(info) == {"kernel": "k", "pruned_tiles": 3, "total_tiles": 10}
+    assert info.copy() == dict(info) and dict(info.items()) == dict(info)
+    assert calls == [1]
+
+
+def test_every_reader_resolves_and_plain_dicts_are_filled_at_once():
+    for read in (dict, lambda i: i.copy(), lambda i: list(i.values()), lambda i: {k: i[k] for k in i},
+                 lambda i: i.get("total_tiles")):
+        info = RunInfo()
+        defer_counts(info, lambda: (1, 2))
+        read(info)
+        assert dict.__getitem__(info, "pruned_tiles") == 1 and dict.__getitem__(info, "total_tiles") == 2
+    plain = {}
+    defer_counts(plain, lambda: (5, 6))
+    assert plain == {"pruned_tiles": 5, "total_tiles": 6}
