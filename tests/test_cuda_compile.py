@@ -266,10 +266,13 @@ def check_call(g, H=2, Hkv=1, D=16, DV=8, dt=np.float32, prune=None, bias=False)
             assert a[6:8] == (addr(rel.indptr), addr(rel.indices))
             assert a[8] == (addr(eb) if bias else 0) and a[9:12] == qs
         assert plan.run_info["kernel"] and plan.run_info["copies"] == []
+        # a pruned call's tile counters (a[9]) are a fresh buffer per call: the first call's stays
+        # alive until its run_info is read (deferred), so its address may differ
+        rest = a[6:9] + a[10:] if prune is not None else a[6:]
         if rep == 1:  # memoised launch record: same launch, counted as kernel-cache hits
             assert plan.run_info["cache"] == "hit" and KERNELS.hits == hits + 1
-            assert (grid, block, a[:3], a[6:]) == seen[0], "second call launched differently"
-        seen.append((grid, block, a[:3], a[6:]))
+            assert (grid, block, a[:3], rest) == seen[0], "second call launched differently"
+        seen.append((grid, block, a[:3], rest))
     if prune is not None:
         return
     do = arr(g.num_dst, H, DV, dt=dt)
