@@ -162,6 +162,19 @@ def table(Ns):
               f"(bf16/fp16 time {r['fwd_ms_ours'] / r16['fwd_ms_ours']:.3f}); torch bf16 ratio {r['fwd_ratio']:.2f}")
 
 
+def local_qkv(n, D, seed=0):
+    """a local workload (positions on a circle in the first 8 dims, as the tests'): fp16 cupy q, k, v
+    of shape (n, H, D); far keys score low, so far tiles get pruned."""
+    import cupy
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    pos = np.arange(n) / n * 2 * np.pi
+    base = np.zeros((n, D), np.float32)
+    base[:, :8] = np.stack([np.cos(pos * f) for f in (1, 2, 3, 4)] + [np.sin(pos * f) for f in (1, 2, 3, 4)], 1) * 3
+    mk = lambda f: cupy.asarray((base[:, None] + f * rng.standard_normal((n, B.H, D))).astype(np.float16))  # noqa: E731
+    return mk(0.3), mk(0.3), mk(1.0)
+
+
 def prune_cells(n=16384, D=64):
     """tile pruning on the tensor-core path (shipped engine of this device), local workload
     (positions on a circle in the first 8 dims, as the tests'), exact vs rho: time, error, pruned fraction."""
@@ -173,12 +186,7 @@ def prune_cells(n=16384, D=64):
 
     from tiga_numba.cuda import tc
     from tiga_numba.graph import BlockRelation
-    rng = np.random.default_rng(0)
-    pos = np.arange(n) / n * 2 * np.pi
-    base = np.zeros((n, D), np.float32)
-    base[:, :8] = np.stack([np.cos(pos * f) for f in (1, 2, 3, 4)] + [np.sin(pos * f) for f in (1, 2, 3, 4)], 1) * 3
-    mk = lambda h, f: cupy.asarray((base[:, None] + f * rng.standard_normal((n, h, D))).astype(np.float16))  # noqa: E731
-    q, k, v = mk(B.H, 0.3), mk(B.H, 0.3), mk(B.H, 1.0)
+    q, k, v = local_qkv(n, D)
     err = lambda a, b: float(cupy.linalg.norm((a - b).astype(cupy.float32)) / cupy.linalg.norm(b.astype(cupy.float32)))  # noqa: E731
     for causal in (1, 0):
         rel_ = BlockRelation(cupy.asarray(np.array([0, n])), cupy.asarray(np.array([0, n])),
@@ -209,17 +217,9 @@ def prune_paths(n=8192, D=64):
     """whole tg.attention calls, fp16 local workload (as prune_cells), pruned and exact, on the
     tensor-core path vs the CUDA-core kernels (tiga_numba.cuda.api.USE_TC off): what a user asking
     for pruning gets now vs before the tensor-core path took pruned calls."""
-    import cupy
-    import numpy as np
-
     import tiga_numba as tg
     from tiga_numba.cuda import api as cuda_api
-    rng = np.random.default_rng(0)
-    pos = np.arange(n) / n * 2 * np.pi
-    base = np.zeros((n, D), np.float32)
-    base[:, :8] = np.stack([np.cos(pos * f) for f in (1, 2, 3, 4)] + [np.sin(pos * f) for f in (1, 2, 3, 4)], 1) * 3
-    mk = lambda f: cupy.asarray((base[:, None] + f * rng.standard_normal((n, B.H, D))).astype(np.float16))  # noqa: E731
-    q, k, v = mk(0.3), mk(0.3), mk(1.0)
+    q, k, v = local_qkv(n, D)
     for causal in (True, False):
         g = tg.Graph.triangular(n) if causal else tg.Graph.dense(n)
         row = []

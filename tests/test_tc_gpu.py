@@ -334,7 +334,8 @@ def test_pruned_call_defers_its_counter_read():
     out = tg.attention(q, k, v, tg.Graph.triangular(n), scale=0.125, block_prune_threshold=0.05)
     plan_ = functional.last_plan()
     assert "tensor-core" in plan_.run_info["kernel"]
-    assert dict.__getitem__(plan_.run_info, "pruned_tiles") is not None   # stored (deferred or not)
+    from tiga_numba.plan import RunInfo
+    assert isinstance(dict.__getitem__(plan_.run_info, "pruned_tiles"), RunInfo._Pending)   # not read yet
     text = plan_.explain()
     pruned, total = plan_.run_info["pruned_tiles"], plan_.run_info["total_tiles"]
     assert isinstance(pruned, int) and f"{pruned}/{total} tiles pruned" in text and pruned > 0

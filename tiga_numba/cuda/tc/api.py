@@ -862,11 +862,9 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     kern, cache, counts = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                          _ptr(out), _ptr(m), _ptr(l), float(plan.scale), rho=rho)
     if rho is not None and getattr(plan, "run_info", None) is not None:
-        # explain()'s tile counts: summed on the device now, read back only when asked (RunInfo)
-        totals = counts.sum(0, dtype=cupy.int64) if counts is not None else None
-        stream = cupy.cuda.get_current_stream()
-        defer_counts(plan.run_info, lambda: (0, 0) if totals is None else
-                     tuple(int(x) for x in totals.get(stream=stream)))
+        # explain()'s tile counts, summed and read back only when asked (RunInfo), on the
+        # stream that wrote them
+        defer_counts(plan.run_info, lambda s=cupy.cuda.get_current_stream(): _tile_totals(counts, s))
     tc_key = ("counts", vr.BM, vr.BN)
     if tc_key not in rec["tables"]:
         rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
@@ -878,6 +876,15 @@ def forward(plan, q, k, v, relation, edge_bias=None):
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
           copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
     return out, m, l
+
+
+def _tile_totals(counts, stream):
+    """(pruned, visited) tiles of a pruned forward from its per-CTA counts (None: no CTA ran)."""
+    if counts is None:
+        return 0, 0
+    with stream:   # the sum runs on the stream that wrote the counts, after the kernel
+        totals = counts.sum(0, dtype="int64")
+    return tuple(int(x) for x in totals.get(stream=stream))
 
 
 # ----------------------------------------------------------------------------- backward
