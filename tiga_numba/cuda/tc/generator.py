@@ -997,45 +997,44 @@ def mma_dq(e, v, C, A, dsb, ktile):
                     mma(e, v, c_regs(C, mq, j), a_regs(v, A, mq, ks), b)
 
 
-def stage_dq(e, v, C):
-    """this block's dQ (C fragments) -> the float32 staging tile `sq` (natural column order); it is
-    added to the running sum one step later (flush_dq), when the turn has long arrived."""
+def dq_row_vectors(v, C):
+    """this warp's dQ block (C fragments of mma_dq) as row pieces in natural column order:
+    (m-tile, half, byte offset in the row, values) with offset from the lane's first column. tf32
+    (mma_pb's pair layout): n-tile pair jp holds columns 16 jp + 4t .. + 3, four floats; 16-bit:
+    n-tile j holds 8 j + 2t, + 1, two floats."""
     WR, WC, MQ, NQ = v.dq_warps()
-    RS = v.dq_stage_row()
-    e(f"# stage_dq: {C} -> shared sq (float32, {v.BN} x {v.D})")
-    dq_geometry(e, v, "stage")
     for mq in range(MQ):
         for h in (0, 1):
             r0, r1 = 2 * h, 2 * h + 1
-            base = (16 * mq + 8 * h) * RS
-            if v.tf32:   # n-tile pair jp holds columns 16 jp + 4t .. + 3 (mma_pb's pair layout)
+            if v.tf32:
                 for jp in range(NQ):
                     a, b = c_regs(C, mq, 2 * jp), c_regs(C, mq, 2 * jp + 1)
-                    e(f"sts_v4({sa('sq', 'sqo', base + 64 * jp)}, {a[r0]}, {b[r0]}, {a[r1]}, {b[r1]})")
+                    yield mq, h, 64 * jp, (a[r0], b[r0], a[r1], b[r1])
             else:
                 for j in range(2 * NQ):
                     c = c_regs(C, mq, j)
-                    e(f"sts_v2({sa('sq', 'sqo', base + 32 * j)}, {c[r0]}, {c[r1]})")
+                    yield mq, h, 32 * j, (c[r0], c[r1])
+
+
+def stage_dq(e, v, C):
+    """this block's dQ (C fragments) -> the float32 staging tile `sq` (natural column order); it is
+    added to the running sum one step later (flush_dq), when the turn has long arrived."""
+    RS = v.dq_stage_row()
+    e(f"# stage_dq: {C} -> shared sq (float32, {v.BN} x {v.D})")
+    dq_geometry(e, v, "stage")
+    for mq, h, off, vals in dq_row_vectors(v, C):
+        e(f"sts_v{len(vals)}({sa('sq', 'sqo', (16 * mq + 8 * h) * RS + off)}, {', '.join(vals)})")
 
 
 def atomic_dq(e, v, C):
     """dq_atomic: add this warp's dQ fragments to the float32 accumulator with red.global.add
     (FA2's scheme: fast, but the summation order, hence the bits, depend on timing)."""
-    WR, WC, MQ, NQ = v.dq_warps()
     e(f"# atomic_dq: {C} -> accumulator (red.global.add, unordered)")
-    for mq in range(MQ):
-        for h in (0, 1):
-            r0, r1 = 2 * h, 2 * h + 1
+    for mq, h, off, vals in dq_row_vectors(v, C):
+        if off == 0:   # a new fragment row: its global address
             e(f"rl = cq + qrow + {16 * mq + 8 * h} + g")
             e(f"ok = u32(rl < cols); ab = accp + ((col0 + sel(ok != 0, rl, 0)) * H + hq) * {4 * v.D} + qcol * 4")
-            if v.tf32:
-                for jp in range(NQ):
-                    a, b = c_regs(C, mq, 2 * jp), c_regs(C, mq, 2 * jp + 1)
-                    e(f"red_v4_if(ok, ab + {64 * jp} + t * 16, {a[r0]}, {b[r0]}, {a[r1]}, {b[r1]})")
-            else:
-                for j in range(2 * NQ):
-                    c = c_regs(C, mq, j)
-                    e(f"red_v2_if(ok, ab + {32 * j} + t * 8, {c[r0]}, {c[r1]})")
+        e(f"red_v{len(vals)}_if(ok, ab + {off} + t * {4 * len(vals)}, {', '.join(vals)})")
 
 
 def dq_passes(v):
