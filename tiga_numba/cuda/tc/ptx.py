@@ -84,17 +84,6 @@ def intrinsics(dtype="float16"):
             return tuple_of(ctx, bld, sig, r, 2)
         return sig, cg
 
-    @intrinsic
-    def lds64(tc, addr):
-        """8-byte shared load -> two 32-bit words (B operands of fp32 products, no ldmatrix.trans)."""
-        sig = types.UniTuple(u32, 2)(u32)
-
-        def cg(ctx, bld, sig, args):
-            r = asm(bld, ir.LiteralStructType([I32] * 2), [I32], "ld.shared.v2.u32 {$0,$1}, [$2];",
-                    "=r,=r,r,~{memory}", args)
-            return tuple_of(ctx, bld, sig, r, 2)
-        return sig, cg
-
     def predicated(op, kinds):
         """a store / reduction `op` to the global address gaddr of len(kinds) values ("r": u32,
         "f": f32), done only where pred != 0 (tail rows: no access at all): stg_u32_if,
@@ -120,18 +109,31 @@ def intrinsics(dtype="float16"):
         exec(f"def {name}(tc, {names}):\n    return typer(tc, {names})\n", scope)
         return intrinsic(scope[name])
 
-    def ldsm(trans):
-        txt = "ldmatrix.sync.aligned.m8n8.x4%s.shared.b16 {$0,$1,$2,$3}, [$4];" % (".trans" if trans else "")
+    def shared_load(op, kind, n):
+        """n registers ("r": u32, "f": f32) loaded by `op` from one shared address: lds64 (fp32 B
+        operands, no ldmatrix.trans), lds_f32x4, and ldmatrix.x4 (ldsm_x4, .trans: ldsm_x4_t)."""
+        ty, nb = (I32, u32) if kind == "r" else (F32, f32)
+        text = f"{op} {{" + ",".join(f"${i}" for i in range(n)) + f"}}, [${n}];"
+        cons = ",".join([f"={kind}"] * n) + ",r,~{memory}"
 
-        @intrinsic
-        def f(tc, addr):
-            sig = types.UniTuple(u32, 4)(u32)
-
+        def typer(tc, addr):
             def cg(ctx, bld, sig, args):
-                r = asm(bld, ir.LiteralStructType([I32] * 4), [I32], txt, "=r,=r,=r,=r,r,~{memory}", args)
-                return tuple_of(ctx, bld, sig, r, 4)
-            return sig, cg
-        return f
+                return tuple_of(ctx, bld, sig, asm(bld, ir.LiteralStructType([ty] * n), [I32], text, cons, args), n)
+            return types.UniTuple(nb, n)(u32), cg
+        return named_intrinsic(f"lds_{op.replace('.', '_')}", 1, typer)
+
+    def shared_store(op, n):
+        """n floats stored by `op` at one shared address: sts_f32, sts_v2, sts_v4."""
+        vals = "$1" if n == 1 else "{" + ",".join(f"${i + 1}" for i in range(n)) + "}"
+        text = f"{op} [$0], {vals};"
+        cons = "r," + ",".join(["f"] * n) + ",~{memory}"
+
+        def typer(tc, *args):
+            def cg(ctx, bld, sig, args):
+                asm(bld, ir.VoidType(), [I32] + [F32] * n, text, cons, args)
+                return ctx.get_dummy_value()
+            return types.void(u32, *[f32] * n), cg
+        return named_intrinsic(f"sts_{op.replace('.', '_')}", n + 1, typer)
 
     @intrinsic
     def cp_async16(tc, saddr, gaddr, nbytes):
@@ -317,46 +319,6 @@ def intrinsics(dtype="float16"):
             return ctx.get_dummy_value()
         return sig, cg
 
-    @intrinsic
-    def sts_f32(tc, addr, x):
-        sig = types.void(u32, f32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, F32], "st.shared.f32 [$0], $1;", "r,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
-
-    @intrinsic
-    def sts_v2(tc, addr, x0, x1):
-        """8-byte shared store of two floats (a dQ C-fragment pair into the staging tile)."""
-        sig = types.void(u32, f32, f32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32, F32, F32], "st.shared.v2.f32 [$0], {$1,$2};", "r,f,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
-
-    @intrinsic
-    def sts_v4(tc, addr, x0, x1, x2, x3):
-        """16-byte shared store of four floats."""
-        sig = types.void(u32, f32, f32, f32, f32)
-
-        def cg(ctx, bld, sig, args):
-            asm(bld, ir.VoidType(), [I32] + [F32] * 4, "st.shared.v4.f32 [$0], {$1,$2,$3,$4};",
-                "r,f,f,f,f,~{memory}", args)
-            return ctx.get_dummy_value()
-        return sig, cg
-
-    @intrinsic
-    def lds_f32x4(tc, addr):
-        sig = types.UniTuple(f32, 4)(u32)
-
-        def cg(ctx, bld, sig, args):
-            r = asm(bld, ir.LiteralStructType([F32] * 4), [I32], "ld.shared.v4.f32 {$0,$1,$2,$3}, [$4];",
-                    "=f,=f,=f,=f,r,~{memory}", args)
-            return tuple_of(ctx, bld, sig, r, 4)
-        return sig, cg
-
     def wgmma(N, nk, a_regs):
         """one whole warpgroup product in one asm block: wgmma.fence, nk chained
         wgmma.mma_async.m64n{N}k16 (k-steps of 16), commit, wait. A from shared memory (descriptors,
@@ -398,8 +360,9 @@ def intrinsics(dtype="float16"):
         wg["fence_async"] = nullary("fence.proxy.async.shared::cta;")
 
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
-        mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=lds64,
-        ldsm_x4=ldsm(False), ldsm_x4_t=ldsm(True), cp_async16=cp_async16,
+        mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=shared_load("ld.shared.v2.u32", "r", 2),
+        ldsm_x4=shared_load("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "r", 4),
+        ldsm_x4_t=shared_load("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "r", 4), cp_async16=cp_async16,
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"),
         stg_u32_if=predicated("st.global.u32", "r"), stg_f32_if=predicated("st.global.f32", "f"),
@@ -407,5 +370,7 @@ def intrinsics(dtype="float16"):
         red_v2_if=predicated("red.global.add.v2.f32", "ff"), red_v4_if=predicated("red.global.add.v4.f32", "ffff"),
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
         ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
-        sts_halves=sts_halves, sts_f32=sts_f32, sts_v2=sts_v2, sts_v4=sts_v4, lds_f32x4=lds_f32x4, **wg)
+        sts_halves=sts_halves, sts_f32=shared_store("st.shared.f32", 1),
+        sts_v2=shared_store("st.shared.v2.f32", 2), sts_v4=shared_store("st.shared.v4.f32", 4),
+        lds_f32x4=shared_load("ld.shared.v4.f32", "f", 4), **wg)
     return _CACHE[dtype]
