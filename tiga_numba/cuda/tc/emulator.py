@@ -137,13 +137,9 @@ class Warps:
     # -- tensor cores
     def mma16816(self, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         nw, wv, g, t, dt = self.NT // 32, self.wv, self.g, self.t, self.dtype
-        A = np.full((nw, 16, 16), np.nan, np.float32)
+        A = self._a_frag((a0, a1, a2, a3))
         B = np.full((nw, 16, 8), np.nan, np.float32)
         C = np.full((nw, 16, 8), np.nan, np.float32)
-        for reg, ro, co in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 8), (a3, 8, 8)):
-            reg = self._vec(reg, np.uint32)
-            A[wv, g + ro, 2 * t + co] = bits_to_f32(reg, dt)
-            A[wv, g + ro, 2 * t + co + 1] = bits_to_f32(reg >> 16, dt)
         for reg, ko in ((b0, 0), (b1, 8)):
             reg = self._vec(reg, np.uint32)
             B[wv, 2 * t + ko, g] = bits_to_f32(reg, dt)
@@ -193,7 +189,8 @@ class Warps:
         return bits_to_f32(self.SM[addr].astype(np.uint32) | (self.SM[addr + 1].astype(np.uint32) << 8), self.dtype)
 
     def _a_frag(self, regs):
-        """a warp's 16 x 16 A operand from mma.sync's A fragment registers (4 packed words)."""
+        """a warp's 16 x 16 A operand from mma.sync's A fragment registers (4 packed words; the
+        register A of wgmma uses the same layout)."""
         wv, g, t, dt = self.wv, self.g, self.t, self.dtype
         A = np.full((self.NT // 32, 16, 16), np.nan, np.float32)
         for reg, ro, co in zip(regs, (0, 8, 0, 8), (0, 0, 8, 8)):
