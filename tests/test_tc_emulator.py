@@ -360,7 +360,7 @@ def test_shipped_tuning_is_valid():
 
     from tiga_numba.cuda.tc import api
     for dt in ("float16", "bfloat16", "float32"):
-        for wg in ((False, True) if dt != "float32" else (False,)):
+        for wg in (False, True):
             for (kind, D) in api.tuning_table(dt, wgmma=wg):
                 v = api.variant(kind, D, D, dt, wgmma=wg)
                 for x in ((v, dataclasses.replace(v, prune=True)) if kind == "fwd" else (v,)):
@@ -500,7 +500,7 @@ def test_supports_rules_without_gpu(monkeypatch):
     assert api.supports(types.SimpleNamespace(**{**vars(plan), "prune_threshold": 0.5}), q, kv, kv, rel_)
     assert not api.supports(plan, np.zeros((10, 4, 64), np.float16), kv, kv, rel_)      # host array
     # compute capability 9.0 (wgmma): 16-bit D = 32 and 96 too, float32 still 64 / 128 only
-    monkeypatch.setattr(api, "use_wgmma", lambda dt: dt != "float32")
+    monkeypatch.setattr(api, "use_wgmma", lambda dt: True)
     for d in (32, 96):
         qd, kvd = _FakeDev((10, 4, d)), _FakeDev((10, 2, d))
         assert api.supports(plan, qd, kvd, kvd, rel_)
@@ -572,7 +572,10 @@ WG = dict(MT=1, a_smem=True, wgmma=True)
                                                       (128, 2, 1, "float16", 4, 64, 32),
                                                       (128, 1, 1, "float16", 8, 128, 64),
                                                       (96, 2, 1, "float16", 8, 128, 64),    # padded rows
-                                                      (32, 2, 2, "bfloat16", 4, 128, 128)])
+                                                      (32, 2, 2, "bfloat16", 4, 128, 128),
+                                                      (64, 2, 1, "float32", 4, 64, 32),     # split: bf16 x 3
+                                                      (128, 2, 2, "float32", 4, 32, 32),
+                                                      (64, 1, 1, "float32", 8, 64, 16)])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname):
     """the warpgroup kernels (descriptor-addressed operands, sub-tiled 128-byte-swizzled layout,
@@ -606,14 +609,14 @@ def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
         real = G.wg_desc
         monkeypatch.setattr(G, "wg_desc", lambda addr, lbo: real(addr, lbo, sbo=512))
     elif broken == "k_step":
-        real_abt = G.wg_abt
+        real_chain = G.Source.chain
 
-        def abt(e, v, C, btile, ntiles, width, atile):
-            sub = G.Source()
-            real_abt(sub, v, C, btile, ntiles, width, atile)
-            for line in sub.lines:
-                e(line.replace("db + 2,", "db + 0,"))   # k-step 1 of B would re-read k-step 0
-        monkeypatch.setattr(G, "wg_abt", abt)
+        def chain(self, form, N, steps):
+            steps = list(steps)
+            if form == "ss":   # k-step 1 of B re-reads k-step 0
+                steps[1] = (steps[1][0], steps[0][1])
+            return real_chain(self, form, N, steps)
+        monkeypatch.setattr(G.Source, "chain", chain)
     else:
         real_load = G.load_tile
 
@@ -637,17 +640,34 @@ def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
     assert rel(o, ro) > 1e-2
 
 
+@pytest.mark.parametrize("passes", [(("hi", "hi"),), G.SPLIT_PASSES[2:]])
+def test_split_needs_every_pass(monkeypatch, passes):
+    """float32 on wgmma: the six passes are fp32-class (< 1e-6 here, ~3e-7), plain bf16 (hi x hi,
+    ~3e-3) and the four passes without the lo parts (16-bit mantissas, ~5e-6) are not."""
+    dst, src, causal = (np.array(x) for x in RELATIONS["dense_rect_tail"])
+    q, k, v, _ = _inputs(np.random.default_rng(3), dst[-1], src[-1], 1, 1, 64, "float32")
+    ro, *_ = oracle(q, k, v, q, dst, src, causal, 0.125)
+
+    def run():
+        vf = G.Variant("fwd", 64, 64, dtype="float32", NW=4, BN=64, **WG).check()
+        return rel(E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), 0.125)[0], ro)
+    assert run() < 1e-6
+    monkeypatch.setattr(G, "SPLIT_PASSES", passes)
+    assert run() > 2e-6
+
+
 def test_wgmma_variant_rules():
     for bad in (dict(MT=2), dict(NW=6), dict(a_smem=False)):
         with pytest.raises(ValueError, match="wgmma"):
             G.Variant("fwd", 64, 64, NW=bad.get("NW", 4), BN=64, MT=bad.get("MT", 1),
                       a_smem=bad.get("a_smem", True), wgmma=True).check()
-    with pytest.raises(ValueError, match="16-bit"):
-        G.Variant("fwd", 64, 64, dtype="float32", NW=4, BN=64, **WG).check()
+    with pytest.raises(ValueError, match="shared memory"):   # three bf16 parts + staging: too big
+        G.Variant("fwd", 128, 128, dtype="float32", NW=8, BN=128, **WG).check()
+    assert G.Variant("fwd", 64, 64, dtype="float32", NW=4, BN=64, **WG).check().split
     from tiga_numba.cuda.tc import api
-    for (kind, D), shape in api.TUNING_WGMMA.items():
-        assert G.Variant(kind, D, D, **shape).check().wgmma
-    assert not api.use_wgmma("float32")
+    for table, dt in ((api.TUNING_WGMMA, "float16"), (api.TUNING_WGMMA_F32, "float32")):
+        for (kind, D), shape in table.items():
+            assert G.Variant(kind, D, D, dtype=dt, **shape).check().wgmma
     assert ("wg:fwd", 128, "bfloat16") in api.shipped_kernels()
     with pytest.raises(ValueError, match="sm_90a"):
         api.kernel(api.variant("fwd", 64, 64, "float16", wgmma=True))[0].cubin("sm_80")

@@ -103,7 +103,7 @@ def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
     np.testing.assert_allclose(lh[live], rl[live], rtol=2 * ml_tol)
     assert (mh[~live] == -np.inf).all() and (lh[~live] == 0).all() and (o[~live] == 0).all()
     assert "tensor-core" in p.run_info["kernel"]
-    assert ("3xTF32" in p.run_info["precision"]) == (dt == "float32")
+    assert ("fp32-class" in p.run_info["precision"]) == (dt == "float32")
     dq, dk, dv, db = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
     assert db is None
     for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
@@ -214,6 +214,7 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     it is not deterministic; without the variable the deterministic two-kernel path runs."""
     from tiga_numba.cuda.tc import api
     assert ("float32", D) in api.ATOMIC_DQ
+    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # the fused atomic kernel is a 3xTF32 mma.sync one
     _poison(monkeypatch)
     rel_, (d, s, c) = relation(name)
     nd, ns, H, Hkv = int(d[-1]), int(s[-1]), 4, 2
@@ -265,6 +266,36 @@ def test_wgmma_routing_and_agreement(monkeypatch):
             assert rel(got, want) < tol
     for a_, b_ in zip(res["1"], res["0"]):
         assert rel(a_, b_) < 5e-3
+
+
+@pytest.mark.parametrize("D,causal", [(64, 1), (128, 0)])
+def test_float32_engines_agree_on_long_rows(D, causal, monkeypatch):
+    """float32 on compute capability 9.0: the wgmma kernels on bf16 x 3 splits (default) and the
+    3xTF32 mma.sync ones (TIGA_NUMBA_WGMMA=0) both stay fp32-class on 4096-key rows, where a
+    truncating accumulation fed back across blocks would not (per-block partials), and agree."""
+    N, H, Hkv = 4096, 2, 1
+    rng = np.random.default_rng()
+    mk = lambda sh: cupy.asarray(rng.standard_normal(sh).astype(np.float32))  # noqa: E731
+    q, k, v, do = mk((N, H, D)), mk((N, Hkv, D)), mk((N, Hkv, D)), mk((N, H, D))
+    rel_ = BlockRelation(cupy.asarray(np.array([0, N])), cupy.asarray(np.array([0, N])),
+                         cupy.asarray(np.array([causal], np.uint8)), N, N)
+    f = lambda x: x.get().astype(np.float64)  # noqa: E731
+    ro, _, _, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), np.array([0, N]), np.array([0, N]),
+                                     np.array([causal]), D ** -0.5)
+    sm90 = cupy.cuda.Device().compute_capability == "90"
+    res = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TIGA_NUMBA_WGMMA", flag)
+        p = plan(D ** -0.5)
+        out, m, l = tc.forward(p, q, k, v, rel_)
+        assert ("bf16 x 3" in p.run_info["precision"]) == (sm90 and flag == "1")
+        grads = tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3]
+        assert ("bf16 x 3" in p.run_info["kernel"]) == (sm90 and flag == "1")
+        res[flag] = [f(x) for x in (out, *grads)]
+        for got, want in zip(res[flag], (ro, rdq, rdk, rdv)):
+            assert rel(got, want) < 1e-5
+    for a_, b_ in zip(res["1"], res["0"]):
+        assert rel(a_, b_) < 1e-5
 
 
 @pytest.mark.parametrize("D", [32, 96])

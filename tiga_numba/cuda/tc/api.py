@@ -13,13 +13,16 @@ Kernels take raw device addresses and scalars only, so a bfloat16 array needs no
 anything with __cuda_array_interface__ whose dtype is named "bfloat16" (ml_dtypes) works.
 
 Accuracy policy. float16 / bfloat16: operands in their own precision, products and the softmax
-in float32. float32: fp32-class results, never plain TF32. Every product runs as 3xTF32 on
-mma.m16n8k8.tf32 (x = big + small, both tf32 by cvt.rna; C += a_big b_small + a_small b_big
-+ a_big b_big, fp32 accumulation; P.B products are summed per streamed block in fresh tiles and
-added in ordinary fp32, because the tensor cores' accumulation truncates): relative error ~1e-6
-(forward) to ~5e-6 (gradients) against a float64 oracle on the emulator; tests hold it to the
-CUDA-core float32 tolerances, which plain TF32 (~5e-4) fails. m and l are float32 as the contract
-says; ex2.approx (2 ulp) is the only other approximation. run_info["precision"] says which ran.
+in float32. float32: fp32-class results, never plain TF32 or bf16. On compute capability 9.0
+every product runs on wgmma with each operand split into three bfloat16 parts (x = hi + mid + lo
+to ~2^-24, six part products per product, smallest first); elsewhere (or TIGA_NUMBA_WGMMA=0) as
+3xTF32 on mma.m16n8k8.tf32 (x = big + small, both tf32 by cvt.rna; C += a_big b_small + a_small
+b_big + a_big b_big). Both accumulate in fp32 and sum the P.B products per streamed block in
+fresh tiles added in ordinary fp32, because the tensor cores' accumulation truncates. Relative
+error against a float64 oracle on the emulator: ~3e-7 (bf16 x 3) and ~1e-6 (3xTF32) forward, a few
+times that for gradients; tests hold both to the CUDA-core float32 tolerances, which plain TF32
+(~5e-4) and plain bf16 fail. m and l are float32 as the contract says; ex2.approx (2 ulp) is the
+only other approximation. run_info["precision"] says which ran.
 TIGA_NUMBA_FP32_TENSOR_CORES=0 keeps float32 on the CUDA-core kernels (plain fp32 FMA), e.g. to
 reproduce earlier bits; it is read on every call.
 """
@@ -112,13 +115,32 @@ TUNING_WGMMA.update({(kind, d): dict(TUNING_WGMMA[(kind, like)]) for kind in ("f
                      for d, like in ((32, 64), (96, 128))})
 
 
+#: float32 on compute capability 9.0: the same wgmma kernels on bf16 x 3 operand parts
+#: (generator "split": 6 passes per product, per-block partials). Three bf16 parts take 1.5x the
+#: shared memory of a float32 tile and a float32 staging tile is added, so blocks are narrower
+#: than the 16-bit ones; D = 128 backward kernels hold one warpgroup (two would not fit).
+#: Chosen by benchmarks/bench_fp32_wgmma.py's sweep on the H200 (2026-11-30,
+#: results/fp32-wgmma-h200-2026-11-30.txt run 1; sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64
+#: 19.5 ms (NW=4 BN=64: 23.2, BN=128: 31.1), fwd D=128 43.8 (NW=4 BN=64: 59.1, BN=32: 66.6), bwd D=64
+#: 86.4 (4 warps: 88.3-96.5), bwd D=128 225 (dK/dV BN=16: 296).
+TUNING_WGMMA_F32 = {
+    ("fwd", 64): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True),
+    ("fwd", 128): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dq", 64): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dq", 128): dict(NW=4, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dkdv", 64): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, wgmma=True),
+}
+
+
 def tuning_table(dtype, wgmma=None):
-    """the shape table for a dtype: 16-bit operands (mma.sync, or wgmma on sm_90) or float32
-    (3xTF32); wgmma None: the table this call's routing uses (use_wgmma)."""
-    if dtype == "float32":
-        return TUNING_F32
+    """the shape table for a dtype and engine: mma.sync (16-bit, or float32 as 3xTF32) or wgmma on
+    sm_90 (16-bit, or float32 as bf16 x 3 splits); wgmma None: the table this call's routing uses
+    (use_wgmma)."""
     if wgmma is None:
         wgmma = use_wgmma(dtype)
+    if dtype == "float32":
+        return TUNING_WGMMA_F32 if wgmma else TUNING_F32
     return TUNING_WGMMA if wgmma else TUNING
 
 
@@ -142,9 +164,10 @@ _WGMMA_DEVICES = {}
 
 
 def use_wgmma(dtype):
-    """True for 16-bit inputs on a compute capability 9.0 device (sm_90a: H100 / H200) unless
-    TIGA_NUMBA_WGMMA=0 (read per call): the warpgroup kernels; else the mma.sync ones."""
-    if dtype == "float32" or os.environ.get("TIGA_NUMBA_WGMMA", "1") == "0":
+    """True on a compute capability 9.0 device (sm_90a: H100 / H200) unless TIGA_NUMBA_WGMMA=0
+    (read per call): the warpgroup kernels (float32: on bf16 x 3 splits); else the mma.sync ones
+    (float32: 3xTF32)."""
+    if os.environ.get("TIGA_NUMBA_WGMMA", "1") == "0":
         return False
     try:
         dev = _device()
@@ -157,12 +180,15 @@ def use_wgmma(dtype):
     return hit
 
 
-def precision(dtype):
-    """run_info["precision"]: what the tensor cores computed in."""
-    if dtype == "float32":
+def precision(v):
+    """run_info["precision"]: what the tensor cores of Variant v computed in."""
+    if v.split:
+        return ("bf16 x 3 splits (fp32-class: x = hi + mid + lo bfloat16 parts, 6 wgmma passes per product, "
+                "fp32 accumulation, value products summed per block)")
+    if v.tf32:
         return ("3xTF32 (fp32-class: x = big + small tf32 halves, 3 mma.m16n8k8.tf32 passes per product, "
                 "fp32 accumulation)")
-    return f"{dtype} operands, fp32 accumulation and softmax (mma.m16n8k16 or, on sm_90, wgmma m64nNk16)"
+    return f"{v.dtype} operands, fp32 accumulation and softmax (mma.m16n8k16 or, on sm_90, wgmma m64nNk16)"
 
 
 # ----------------------------------------------------------------------------- admission
@@ -556,9 +582,10 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
         dims = F32_HEAD_DIMS if dt == "float32" else HEAD_DIMS
         out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
                 if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=False).fuse_dq)]   # fused: no dQ kernel
-        if dt != "float32":   # the sm_90a (H100 / H200) kernels
-            out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS]
-            out += [("delta", D, dt) for D in WGMMA_HEAD_DIMS if D not in dims]
+        # the sm_90a (H100 / H200) kernels
+        wg_dims = dims if dt == "float32" else WGMMA_HEAD_DIMS
+        out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in wg_dims]
+        out += [("delta", D, dt) for D in wg_dims if D not in dims]
         out += [("delta", D, dt) for D in dims]
         out += [("dkdv_atomic", D, dt) for D in dims if (dt, D) in ATOMIC_DQ]   # the opt-in
     return out
@@ -709,7 +736,7 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, r
     counts = None
     if W and H:
         args = (q[0], k[0], v[0], outp, mp, lp, _ptr(work), q[1], q[2], k[1], k[2], v[1], v[2],
-                H * vr.Dv * vr.EB, H // Hkv)
+                H * vr.Dv * vr.GB, H // Hkv)
         if vr.prune:
             import cupy
             counts = cupy.zeros((W * H, 2), cupy.int32)   # every CTA writes its slot; zeros anyway
@@ -738,14 +765,14 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
         work, W = _work(rec, "q", vq.BM)
         if W and H:
             kq((W, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, _ptr(work),
-               q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.EB, H // Hkv, sc, scale)
+               q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.GB, H // Hkv, sc, scale)
     kk, c = kernel(vk)
     states.append(c)
     work, W = _work(rec, "k", vk.BM)
     cache = "hit" if all(x == "hit" for x in states) else "miss"
     if not (W and Hkv) and not vk.dq_atomic:   # atomic: the convert pass still writes dQ (zeros)
         return (kk if vq is None else kq), cache
-    strides = (q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.EB, Hkv * vk.Dv * vk.EB)
+    strides = (q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.GB, Hkv * vk.Dv * vk.GB)
     if vq is not None:
         kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, _ptr(work), *strides,
            H // Hkv, H, sc, scale)
@@ -761,7 +788,7 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
         # flat grid, heads interleaved: block b = (key tile b // Hkv, kv head b % Hkv)
         if W and Hkv:
             kk((W * Hkv,), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, dqp, _ptr(acc),
-               _ptr(turns), _ptr(work), *strides, H * vk.D * vk.EB, H // Hkv, H, sc, scale)
+               _ptr(turns), _ptr(work), *strides, H * vk.D * vk.GB, H // Hkv, H, sc, scale)
         if vk.dq_atomic:
             _dq_from_accumulator(acc, dqp, nd * H * vk.D, vk.dtype, scale)
     return kk, cache
@@ -793,7 +820,7 @@ def backward_variants(D, Dv, dtype, deterministic=True):
     """(dQ variant, dK/dV variant) of the shipped tuning: (None, fused) when the dK/dV kernel also
     computes dQ (Variant.fuse_dq). deterministic=False picks the float-atomic fused kernel where
     ATOMIC_DQ has a shape (it measured faster there), else the same as True."""
-    if not deterministic and (dtype, D) in ATOMIC_DQ and Dv == D:
+    if not deterministic and (dtype, D) in ATOMIC_DQ and Dv == D and not use_wgmma(dtype):
         return None, atomic_variant(D, dtype)
     vk = variant("dkdv", D, Dv, dtype)
     return (None if vk.fuse_dq else variant("dq", D, Dv, dtype)), vk
@@ -834,6 +861,8 @@ def _dq_zero_fill(rec, nd, fused):
 # ----------------------------------------------------------------------------- forward
 def _engine(v):
     """which tensor-core instruction a Variant's products use (explain())."""
+    if v.split:
+        return "wgmma m64nNk16 warpgroups on bf16 x 3 splits, 6 passes per product, sm_90a"
     if v.wgmma:
         return "wgmma m64nNk16 warpgroups, sm_90a"
     return "mma.sync m16n8k8 tf32 x3" if v.tf32 else "mma.sync m16n8k16"
@@ -871,7 +900,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     visited, total = rec["tables"][tc_key]
     _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
                        + (", tile pruning: near key blocks first)" if vr.prune else ")"),
-          precision=precision(dt),
+          precision=precision(vr),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
           copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
@@ -935,6 +964,6 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
         tiles = f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}"
     _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
-          precision=precision(dt), tiles=tiles,
+          precision=precision(vk), tiles=tiles,
           copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})
     return dq, dk, dv, None

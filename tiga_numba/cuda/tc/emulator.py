@@ -14,7 +14,6 @@ What it cannot see: races between cp.async and readers (lockstep hides them) and
 """
 from __future__ import annotations
 
-import re
 import types as _types
 
 import numpy as np
@@ -121,6 +120,8 @@ class Memory:
 class Warps:
     def __init__(self, NT, smem_bytes, mem, dtype):
         self.NT, self.mem, self.dtype = NT, mem, dtype
+        # wgmma operands: float32 kernels multiply bf16 parts (generator "split")
+        self.wg_dtype = "bfloat16" if dtype == "float32" else dtype
         self.SM = np.full(smem_bytes, 0xEE, np.uint8)   # garbage: reads of unloaded smem show up
         lane = np.arange(NT) % 32
         self.wv, self.g, self.t = np.arange(NT) // 32, lane // 4, lane % 4
@@ -186,12 +187,12 @@ class Warps:
         addr = np.asarray(addr, np.int64)
         addr = addr ^ (((addr >> 7) & 7) << 4)
         assert np.all((addr >= 0) & (addr + 2 <= len(self.SM))), "wgmma operand outside shared memory"
-        return bits_to_f32(self.SM[addr].astype(np.uint32) | (self.SM[addr + 1].astype(np.uint32) << 8), self.dtype)
+        return bits_to_f32(self.SM[addr].astype(np.uint32) | (self.SM[addr + 1].astype(np.uint32) << 8), self.wg_dtype)
 
     def _a_frag(self, regs):
         """a warp's 16 x 16 A operand from mma.sync's A fragment registers (4 packed words; the
         register A of wgmma uses the same layout)."""
-        wv, g, t, dt = self.wv, self.g, self.t, self.dtype
+        wv, g, t, dt = self.wv, self.g, self.t, self.wg_dtype
         A = np.full((self.NT // 32, 16, 16), np.nan, np.float32)
         for reg, ro, co in zip(regs, (0, 8, 0, 8), (0, 0, 8, 8)):
             reg = self._vec(reg, np.uint32)
@@ -199,14 +200,15 @@ class Warps:
             A[wv, g + ro, 2 * t + co + 1] = bits_to_f32(reg >> 16, dt)
         return A
 
-    def wgmma(self, N, nk, a_regs, args):
-        """nk chained wgmma.mma_async.m64n{N}k16 (ptx.wgmma): C += A B per k-step of 16. SS form
-        (a_regs False): A and B from K-major descriptors; RS form: A from registers, B MN-major
-        (imm-trans-b = 1). Warp w of its warpgroup holds rows 16 (w % 4) .. + 15 in C layout."""
+    def wgmma_chain(self, form, N, steps, args):
+        """ptx.wgmma_chain: C += A B per step (m64n{N}k16). ss: args (da, db, *C), A and B K-major
+        from descriptors da + a, db + b; rs: args (*A registers, db, *C), A from register group a
+        (4 packed words), B MN-major (imm-trans-b = 1) from db + b. Warp w of its warpgroup holds
+        rows 16 (w % 4) .. + 15 in C layout."""
         nw, wv, g, t = self.NT // 32, self.wv, self.g, self.t
         assert self.NT % 128 == 0, "wgmma needs whole warpgroups"
-        na = 4 * nk if a_regs else nk
-        a_in, b_in, c_in = args[:na], args[na:na + nk], args[na + nk:]
+        na = 2 if form == "ss" else 4 * (max(a for a, _ in steps) + 1) + 1
+        c_in = args[na:]
         assert len(c_in) == N // 2
         C = np.full((nw, 16, N), np.nan, np.float32)
         for i, c in enumerate(c_in):
@@ -214,25 +216,27 @@ class Warps:
             C[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] = self._vec(c, np.float32)
         acc = C.astype(np.float64)
         kk, nn = np.arange(16)[:, None], np.arange(N)[None, :]
-        for ks in range(nk):
-            if a_regs:
-                A = self._a_frag(a_in[4 * ks:4 * ks + 4])
+        for a, b in steps:
+            if form == "rs":
+                A = self._a_frag(args[4 * a:4 * a + 4])
             else:
-                start, _, sbo = self._desc(a_in[ks])
+                start, _, sbo = self._desc(self._vec(args[0], np.int64) + a)
                 m = np.arange(64)[:, None]
                 A = self._sw128(start[:, None, None] + (m // 8 * sbo[:, None, None] + m % 8 * 128 + 2 * kk.T))
                 A = A.reshape(nw, 16, 16)   # warp 4 wg + i: rows 16 i .. of its group's 64
-            start, lbo, sbo = self._desc(b_in[ks])
+            start, lbo, sbo = self._desc(self._vec(args[na - 1], np.int64) + b)
             s3, l3, b3 = start[:, None, None], lbo[:, None, None], sbo[:, None, None]
-            if a_regs:   # MN-major: 8 k rows of 128 B, the next 8 at SBO, the next 64 columns at LBO
+            if form == "rs":   # MN-major: 8 k rows of 128 B, the next 8 at SBO, the next 64 columns at LBO
                 B = self._sw128(s3 + kk // 8 * b3 + kk % 8 * 128 + nn // 64 * l3 + 2 * (nn % 64))
-            else:        # K-major: n rows of 128 B (the next 8 at SBO), k contiguous
+            else:              # K-major: n rows of 128 B (the next 8 at SBO), k contiguous
                 B = self._sw128(s3 + nn // 8 * b3 + nn % 8 * 128 + 2 * kk)
             B = np.repeat(B, 4, axis=0)   # every warp of a group sees its group's B
             assert not np.isnan(A).any() and not np.isnan(B).any() and not np.isnan(acc).any(), \
                 "wgmma operand not fully defined (layout bug or NaN data)"
-            # fp32 accumulator after every instruction, as mma16816 models it
-            acc = (A.astype(np.float64) @ B.astype(np.float64) + acc).astype(np.float32).astype(np.float64)
+            # fp32 accumulator after every instruction, as mma16816 models it; float32 kernels
+            # (split) are held to the truncating accumulation, as mma1688 (see round_toward_zero)
+            acc = A.astype(np.float64) @ B.astype(np.float64) + acc
+            acc = (round_toward_zero(acc) if self.dtype == "float32" else acc.astype(np.float32)).astype(np.float64)
         D = acc.astype(np.float32)
         return tuple(D[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] for j in range(N // 8) for r in range(4))
 
@@ -291,6 +295,15 @@ class Warps:
         if len(gaddr):
             self.mem.check(gaddr, 4)
             self.mem.buf[gaddr[:, None] + np.arange(4)] = self._vec(x, np.uint32)[pred][:, None].view(np.uint8).reshape(-1, 4)
+
+    def stg_v2_if(self, pred, gaddr, x0, x1):
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)[pred]
+        if len(gaddr):
+            assert np.all(gaddr % 8 == 0), "8-byte alignment of a vector store"
+            self.mem.check(gaddr, 8)
+            w = np.stack([self._vec(x, np.float32)[pred] for x in (x0, x1)], 1)
+            self.mem.buf[gaddr[:, None] + np.arange(8)] = w.view(np.uint8).reshape(-1, 8)
 
     def stg_v4_if(self, pred, gaddr, x0, x1, x2, x3):
         pred = self._vec(pred, np.uint32) != 0
@@ -369,6 +382,9 @@ class Warps:
     def sts_v2(self, addr, x0, x1):
         self._sts(addr, np.stack([self._vec(x, np.float32) for x in (x0, x1)], 1), 8)
 
+    def sts_u32x2(self, addr, x0, x1):
+        self._sts(addr, np.stack([self._vec(x, np.uint32) for x in (x0, x1)], 1), 8)
+
     def sts_v4(self, addr, x0, x1, x2, x3):
         self._sts(addr, np.stack([self._vec(x, np.float32) for x in (x0, x1, x2, x3)], 1), 16)
 
@@ -378,6 +394,17 @@ class Warps:
         return tuple(w[:, i].copy() for i in range(4))
 
     # -- registers
+    def split3x2(self, a, b):
+        """(hi, mid, lo) packed bf16x2 words of two f32 (ptx.split3x2: round to nearest even, exact
+        f32 differences)."""
+        words = []
+        rest = [self._vec(x, np.float32) for x in (a, b)]
+        for _ in range(3):
+            bits = [f32_to_bits(x, "bfloat16") for x in rest]
+            words.append((bits[0] | (bits[1] << 16)).astype(np.uint32))
+            rest = [(x - bits_to_f32(u, "bfloat16")).astype(np.float32) for x, u in zip(rest, bits)]
+        return tuple(words)
+
     def pack2(self, lo, hi):
         return (f32_to_bits(lo, self.dtype) | (f32_to_bits(hi, self.dtype) << 16)).astype(np.uint32)
 
@@ -425,13 +452,11 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
-                       "stg_u32_if", "stg_f32_if", "stg_v4_if", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
+                       "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
                        "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "red_v2_if", "red_v4_if"):
                 env[nm] = getattr(w, nm)
             env["fence_async"] = lambda: None
-            for form, N, nk in set(re.findall(r"\bwg(ss|rs)_n(\d+)_k(\d+)\b", src)):
-                env[f"wg{form}_n{N}_k{nk}"] = (lambda N, nk, a: lambda *args: w.wgmma(N, nk, a, args))(
-                    int(N), int(nk), form == "rs")
+            env["wgmma_chain"] = lambda form, N, steps, w=w: lambda *args: w.wgmma_chain(form, N, steps, args)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 env["kernel"](*args)
@@ -453,7 +478,7 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
-    EB = v.EB
+    EB = v.GB   # output element bytes
     mem = Memory()
     qb, q_rs, q_hs = _put_heads(mem, q, v.dtype)
     kb, k_rs, k_hs = _put_heads(mem, k, v.dtype)
@@ -482,7 +507,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
-    dt, EB, sd = vkv.dtype, vkv.EB, storage_dtype(vkv.dtype)
+    dt, EB, sd = vkv.dtype, vkv.GB, storage_dtype(vkv.dtype)
     mem = Memory()
     qb, q_rs, q_hs = _put_heads(mem, q, dt)
     kb, k_rs, k_hs = _put_heads(mem, k, dt)

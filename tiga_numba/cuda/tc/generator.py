@@ -61,6 +61,14 @@ WG_ALIGN = 1024
 #: plain TF32 (~1e-3 relative error): the tests use it to show the tolerances catch it.
 TF32_PASSES = (("big", "small"), ("small", "big"), ("big", "big"))
 
+#: float32 on wgmma (Variant.split): every operand x is held as three bfloat16 parts, x = hi + mid
+#: + lo + O(2^-24 |x|) (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid): bfloat16 has
+#: float32's exponent range, so no scaling is needed). A product sums SPLIT_PASSES part products
+#: (A part, B part), smallest first; the dropped ones (mid lo, lo mid, lo lo) are ~2^-24 of it:
+#: fp32-class, like 3xTF32, at 6 bf16 passes (bf16 wgmma runs at twice tf32's rate).
+SPLIT_PARTS = ("hi", "mid", "lo")
+SPLIT_PASSES = (("lo", "hi"), ("hi", "lo"), ("mid", "mid"), ("mid", "hi"), ("hi", "mid"), ("hi", "hi"))
+
 #: tf32 mma_pb accumulates each streamed block into fresh partial C tiles, PB_PAIRS n-tile pairs
 #: at a time, and adds them to the running accumulator with an ordinary (round-to-nearest) fp32
 #: add. Why: the tensor cores' fp32 accumulation truncates (measured on the H200: with O, dQ, dK,
@@ -98,13 +106,34 @@ class Variant:
 
     @property
     def tf32(self):
-        """float32 inputs run as 3xTF32 on mma.m16n8k8 (module docstring)."""
-        return self.dtype == "float32"
+        """float32 inputs on mma.sync run as 3xTF32 on mma.m16n8k8 (module docstring)."""
+        return self.dtype == "float32" and not self.wgmma
+
+    @property
+    def split(self):
+        """float32 inputs on wgmma run as bf16 x 3 splits, SPLIT_PASSES per product ("wgmma" below)."""
+        return self.dtype == "float32" and self.wgmma
 
     @property
     def EB(self):
-        """bytes per stored element."""
+        """bytes per element in the shared-memory operand tiles (split: bfloat16 parts)."""
         return 4 if self.tf32 else 2
+
+    @property
+    def GB(self):
+        """bytes per element of the kernel's global inputs and outputs (q's dtype)."""
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def parts(self):
+        """operand tiles per matrix in shared memory: split = (hi, mid, lo), else the tile itself."""
+        return len(SPLIT_PARTS) if self.split else 1
+
+    @property
+    def stream_buffers(self):
+        """streamed blocks in shared memory at once: 2 (cp.async double buffer), or for split 1
+        (the next block lands in the float32 staging tile instead, see stream_block)."""
+        return 1 if self.split else 2
 
     def ksteps(self, width):
         """k-steps of a product whose k dimension is `width` elements (k16 for 16-bit, k8 for tf32):
@@ -138,18 +167,20 @@ class Variant:
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
         if self.wgmma:
-            if self.tf32:
-                raise ValueError("wgmma: 16-bit operands only (tf32 wgmma cannot transpose B for P V)")
             if self.MT != 1 or self.NW % 4 or not self.a_smem or self.fuse_dq:
                 raise ValueError("wgmma: warpgroups of 4 warps with 16 rows each (NW % 4 == 0, MT = 1), "
                                  "resident operands in shared memory (a_smem), no fuse_dq")
-            from .ptx import WGMMA_KSTEPS, WGMMA_N
-            # products: S-like (N = BN, or the keys of dK/dV's S^T; k = D or Dv) and P B-like (N = D
-            # or Dv, k = BN): each N and k-step count needs its intrinsic
-            for n, k in ((self.BN, self.D), (self.BN, self.Dv), (self.D, self.BN), (self.Dv, self.BN)):
-                if n not in WGMMA_N or k // 16 not in WGMMA_KSTEPS:
-                    raise ValueError(f"wgmma: no m64n{n}k16 intrinsic chain of {k // 16} k-steps "
-                                     f"(ptx.WGMMA_N {WGMMA_N}, WGMMA_KSTEPS {WGMMA_KSTEPS})")
+            from .ptx import WGMMA_N
+            # products: S-like (N = BN, or the keys of dK/dV's S^T) and P B-like (N = D or Dv; split:
+            # per 64-column group)
+            for n in [self.BN] + [n for w in (self.D, self.Dv) for n in pb_groups(self, w)]:
+                if n not in WGMMA_N:
+                    raise ValueError(f"wgmma: no m64n{n}k16 product (ptx.WGMMA_N {WGMMA_N})")
+            for rows in ((self.BN, self.BM) if self.split else ()):
+                for w in (self.D, self.Dv):
+                    if (rows * w // 4) % self.NT:
+                        raise ValueError(f"split: {self.NT} threads cannot stage a {rows} x {w} float32 tile "
+                                         "in whole 16-byte passes")
             for w in (self.D, self.Dv):
                 if self.NT % (self.row_bytes(w) // 16):
                     raise ValueError(f"wgmma: {self.NT} threads cannot load {self.row_bytes(w)}-byte padded rows "
@@ -175,7 +206,19 @@ class Variant:
 
     # streamed tiles are double-buffered (cp.async prefetch of block i+1 during block i)
     def stream_tile_bytes(self):
-        return self.BN * (self.row_bytes(self.D) + self.row_bytes(self.Dv))
+        """one streamed block (all parts)."""
+        return self.parts * self.BN * (self.row_bytes(self.D) + self.row_bytes(self.Dv))
+
+    def staging_bytes(self):
+        """split: the float32 staging tile (cp.async lands there, stage_tile / convert_tile), large
+        enough for a streamed block and for each resident tile."""
+        if not self.split:
+            return 0
+        return 4 * max(self.BN * (self.D + self.Dv), self.BM * max(self.resident_widths()))
+
+    def staging_offset(self):
+        """split: where the staging tile starts (after the resident and streamed tiles)."""
+        return self.resident_bytes() + self.stream_buffers * self.stream_tile_bytes()
 
     def resident_widths(self):
         """head widths of the CTA's own row tiles: Q (fwd), Q and dO (dq), K and V (dkdv)."""
@@ -190,7 +233,7 @@ class Variant:
     def resident_bytes(self):
         """shared bytes held for the whole kernel by the resident tiles kept in shared memory."""
         w = self.resident_widths()
-        return self.BM * sum(self.row_bytes(w[i]) for i in self.kept_in_shared())
+        return self.parts * self.BM * sum(self.row_bytes(w[i]) for i in self.kept_in_shared())
 
     def ds_tile_bytes(self):
         """fused dQ: the block's dS, query-major (BN rows of BM keys)."""
@@ -209,8 +252,9 @@ class Variant:
         w = self.resident_widths()
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
         staging = self.BM * max(self.row_bytes(x) for x in staged) if staged else 0   # register mode: staged once
-        return (self.resident_bytes() + max(2 * self.stream_tile_bytes(), staging) + self.ds_tile_bytes()
-                + self.dq_stage_bytes() + (WG_ALIGN if self.wgmma else 0) + self.prune_bytes())
+        return (self.resident_bytes() + max(self.stream_buffers * self.stream_tile_bytes(), staging)
+                + self.staging_bytes() + self.ds_tile_bytes() + self.dq_stage_bytes()
+                + (WG_ALIGN if self.wgmma else 0) + self.prune_bytes())
 
     def dq_warps(self):
         """warp grid of the fused dQ product (BN queries x D columns over BM keys): WR row groups of
@@ -237,8 +281,19 @@ class Variant:
 
 # ----------------------------------------------------------------------------- source writer
 class Source:
+    """the kernel text: `def kernel` and, before it, the module-level lines that make the wgmma
+    chain intrinsics it calls (chain())."""
+
     def __init__(self):
-        self.lines, self.ind = [], 0
+        self.lines, self.ind, self.prelude, self.chains = [], 0, [], {}
+
+    def chain(self, form, N, steps):
+        """the name of a wgmma chain intrinsic (ptx.wgmma_chain(form, N, steps)), made once per text."""
+        key = (form, N, tuple(steps))
+        if key not in self.chains:
+            self.chains[key] = name = f"wgc{len(self.chains)}"
+            self.prelude.append(f"{name} = wgmma_chain({form!r}, {N}, {tuple(steps)!r})")
+        return self.chains[key]
 
     def __call__(self, s):
         self.lines.append("    " * self.ind + s)
@@ -255,7 +310,7 @@ class Source:
         return _Ctx()
 
     def text(self):
-        return "\n".join(self.lines) + "\n"
+        return "\n".join(self.prelude + self.lines) + "\n"
 
 
 def udiv(a, b):
@@ -363,6 +418,46 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
             e("ga = ga + gs")
 
 
+# ----------------------------------------------------------------------------- split (float32 on wgmma)
+# A float32 tile reaches its bf16 parts in two steps: stage_tile cp.asyncs it unchanged into the
+# staging tile (row-major, 16-byte chunk i * NT + tx per pass i), and convert_tile, once this thread's
+# copies landed, reads back exactly the chunks this thread copied and writes their three parts into
+# the wgmma layout. Each thread only ever reads its own chunks, so no barrier separates the two and the
+# next block can be staged right after the conversion; the layout barrier (`landed`) follows.
+def _split_chunk(e, v, i, rows, width):
+    """row `fr` and 16-byte chunk `fc` of pass i (chunk i * NT + tx of the rows x width tile), from an
+    opaque copy of the thread index so that nothing is hoisted out of the key loop into registers."""
+    cpr = width // 4
+    e(f"fz = i64(u32(opq(tx)) + {i * v.NT}); fr = {udiv('fz', cpr)}; fc = {umod('fz', cpr)}")
+
+
+def stage_tile(e, v, stage, gbase, gstride, nvalid, rows, width):
+    """split: cp.async a float32 (rows x width) tile into the staging tile (row-major, unswizzled);
+    rows >= nvalid are zero-filled and read nothing."""
+    e(f"# stage_tile: {rows} x {width} float32 from {gbase} (rows >= {nvalid} zero-filled) -> staging {stage}")
+    e(f"gb = {gbase}")
+    for i in range(rows * width // 4 // v.NT):
+        _split_chunk(e, v, i, rows, width)
+        e(f"ok = u32(fr < {nvalid})")
+        e(f"cp_async16(a32({stage}, u32(fz * 16)), sel(ok != 0, gb + fr * {gstride} + fc * 16, gb), ok * 16)")
+
+
+def convert_tile(e, v, stage, dst, rows, width):
+    """split: this thread's staged chunks -> bf16 (hi, mid, lo) tiles at dst, dst + T, dst + 2T
+    (T = rows x row_bytes): each in load_tile's wgmma layout (64-column sub-tiles of 128-byte rows,
+    chunk c of row r at c ^ (r % 8)); 4 floats are half a 16-byte bf16 chunk."""
+    T = rows * v.row_bytes(width)
+    e(f"# convert_tile: staging {stage} -> bf16 parts {', '.join(SPLIT_PARTS)} of {dst}")
+    for i in range(rows * width // 4 // v.NT):
+        _split_chunk(e, v, i, rows, width)
+        e(f"x0, x1, x2, x3 = lds_f32x4(a32({stage}, u32(fz * 16)))")
+        e("h0, m0, q0 = split3x2(x0, x1); h1, m1, q1 = split3x2(x2, x3)")
+        # bf16 column 4 fc: sub-tile fc // 16, 16-byte chunk (fc % 16) // 2, half fc % 2
+        e(f"so = u32((fc // 16) * {rows * 128} + fr * 128 + ((((fc % 16) // 2) ^ (fr % 8)) * 16) + (fc % 2) * 8)")
+        for p, (a, b) in enumerate((("h0", "h1"), ("m0", "m1"), ("q0", "q1"))):
+            e(f"sts_u32x2({sa(dst, 'so', p * T)}, {a}, {b})")
+
+
 # ----------------------------------------------------------------------------- fragments
 def zero_c(e, name, MT, ntiles):
     for m in range(MT):
@@ -456,6 +551,19 @@ def resident(e, v, tiles, row0):
     {name: shared base} of the kept tiles, and the first free shared byte for the streamed buffers."""
     where, kept, off = {}, {}, 0
     keep = v.kept_in_shared()
+    if v.split:   # every resident tile is kept (a_smem), its parts made through the staging tile
+        stage = sa("sb", v.staging_offset())
+        for name, gbase, gstride, width in tiles:
+            tile = sa("sb", off) if off else "sb"
+            stage_tile(e, v, stage, gbase, gstride, "rows", v.BM, width)
+            e("cp_commit(); cp_wait0()")
+            convert_tile(e, v, stage, tile, v.BM, width)
+            e("cuda.syncthreads()")   # the next tile's (or block's) chunks are other threads'
+            kept[name] = tile
+            where[name] = (tile, "wrow")
+            off += v.parts * v.BM * v.row_bytes(width)
+        landed(e, v)
+        return where, kept, off
     for i, (name, gbase, gstride, width) in enumerate(tiles):
         if i in keep:
             tile = sa("sb", off) if off else "sb"
@@ -565,29 +673,76 @@ def wg_desc(addr, lbo, sbo=1024):
     return f"(i64({addr} >> 4) | {const})"
 
 
+def pb_groups(v, width):
+    """column groups of a P B product with `width` output columns, one wgmma chain each: the whole
+    width, or (split) 64-column groups, each accumulated per block in fresh partials (PB_PAIRS's
+    reason: the fp32 accumulation truncates) and added to the accumulator with an fp32 add."""
+    if not v.split:
+        return [width]
+    return [64] * (width // 64) + ([width % 64] if width % 64 else [])
+
+
+def _passes(v):
+    """(A part, B part) index pairs of one product: SPLIT_PASSES, or the operands themselves."""
+    if not v.split:
+        return [(0, 0)]
+    return [(SPLIT_PARTS.index(a), SPLIT_PARTS.index(b)) for a, b in SPLIT_PASSES]
+
+
 def wg_abt(e, v, C, btile, ntiles, width, atile):
     """C (this warp's 16 rows x 8 ntiles) += A B^T over k = width: A = this warpgroup's 64 rows of
-    the resident tile `atile` (BM rows), B = `btile` (8 ntiles rows), both K-major."""
+    the resident tile `atile` (BM rows), B = `btile` (8 ntiles rows), both K-major. split: one chain
+    over SPLIT_PASSES x k-steps, part p of a tile p x (its rows x row bytes) further."""
     nk, N = width // 16, 8 * ntiles
     e(f"# wgmma: {C} += A . B^T, A = shared {atile} (this warpgroup's rows), B = shared {btile}")
     e(f"da = {wg_desc(sa(atile, 'wga'), 16)}; db = {wg_desc(btile, 16)}")
     step = lambda ks, rows: ((ks // 4) * rows * 128 + (ks % 4) * 32) >> 4  # noqa: E731
-    descs = [f"da + {step(ks, v.BM)}" for ks in range(nk)] + [f"db + {step(ks, N)}" for ks in range(nk)]
+    part = lambda p, rows: (p * rows * v.row_bytes(width)) >> 4  # noqa: E731
+    steps = [(part(pa, v.BM) + step(ks, v.BM), part(pb, N) + step(ks, N)) for pa, pb in _passes(v) for ks in range(nk)]
     regs = [x for j in range(ntiles) for x in c_regs(C, 0, j)]
-    e(f"{', '.join(regs)} = wgss_n{N}_k{nk}({', '.join(descs + regs)})")
+    e(f"{', '.join(regs)} = {e.chain('ss', N, steps)}({', '.join(['da', 'db'] + regs)})")
+
+
+def c_to_a_split(e, A, C, nk):
+    """split: C fragments -> the A fragments of the three bf16 parts ({A}h, {A}m, {A}l), c_to_a's
+    layout, one split3x2 per packed pair."""
+    e(f"# c_to_a_split: {C} -> {A}h / {A}m / {A}l (bf16 parts of the packed A fragments)")
+    for ks in range(nk):
+        for r, (j, c) in enumerate(((2 * ks, 0), (2 * ks, 2), (2 * ks + 1, 0), (2 * ks + 1, 2))):
+            outs = ", ".join(f"{A}{p[0]}0_{ks}_{r}" for p in SPLIT_PARTS)
+            e(f"{outs} = split3x2({C}0_{j}_{c}, {C}0_{j}_{c + 1})")
 
 
 def wg_pb(e, v, O, A, P, btile, ntiles, nkeys):
     """O (16 rows x 8 ntiles) += P B: P = C fragments over `nkeys` keys (c_to_a), B = `btile`
-    [key][n] (nkeys rows), MN-major."""
-    nk, N = nkeys // 16, 8 * ntiles
-    c_to_a(e, A, P, 1, nk)
+    [key][n] (nkeys rows), MN-major. split: per pb_groups column group, a chain over SPLIT_PASSES x
+    k-steps into fresh partials, then added."""
+    nk, width = nkeys // 16, 8 * ntiles
+    if v.split:
+        c_to_a_split(e, A, P, nk)
+    else:
+        c_to_a(e, A, P, 1, nk)
     e(f"# wgmma: {O} += {A} . B, B = shared {btile} (MN-major)")
     e(f"db = {wg_desc(btile, nkeys * 128)}")
-    descs = [f"db + {(ks * 16 * 128) >> 4}" for ks in range(nk)]
-    aregs = [x for ks in range(nk) for x in a_regs(v, A, 0, ks)]
-    regs = [x for j in range(ntiles) for x in c_regs(O, 0, j)]
-    e(f"{', '.join(regs)} = wgrs_n{N}_k{nk}({', '.join(aregs + descs + regs)})")
+    # register A groups: k-step ks of the i-th part the passes use is group i * nk + ks
+    used = sorted({pa for pa, _ in _passes(v)})
+    names = [f"{A}{SPLIT_PARTS[p][0]}" if v.split else A for p in used]
+    aregs = [x for a in names for ks in range(nk) for x in a_regs(v, a, 0, ks)]
+    j0 = 0
+    for n in pb_groups(v, width):
+        # group columns j0 * 8 .. : sub-tile j0 // 8 of B (nkeys rows of 128 bytes each)
+        steps = [(used.index(pa) * nk + ks, (pb * nkeys * v.row_bytes(width) + j0 // 8 * nkeys * 128 + ks * 16 * 128) >> 4)
+                 for pa, pb in _passes(v) for ks in range(nk)]
+        tiles = range(j0, j0 + n // 8)
+        acc = f"{O}_t" if v.split else O
+        if v.split:
+            zero_c_tiles(e, acc, 1, tiles)
+        regs = [x for j in tiles for x in c_regs(acc, 0, j)]
+        e(f"{', '.join(regs)} = {e.chain('rs', n, steps)}({', '.join(aregs + ['db'] + regs)})")
+        if v.split:
+            for j in tiles:
+                e("; ".join(f"{x} = {x} + {y}" for x, y in zip(c_regs(O, 0, j), c_regs(acc, 0, j))))
+        j0 += n // 8
 
 
 # ----------------------------------------------------------------------------- masking
@@ -651,7 +806,7 @@ def store_c_rows(e, v, C, ntiles, gbase, gstride, row_base, nvalid, scale_of):
     for m in range(v.MT):
         for h in (0, 1):
             e(f"rl = {row_base} + {16 * m + 8 * h} + g")
-            e(f"ok = u32(rl < {nvalid}); ga = {gbase} + sel(ok != 0, rl, 0) * {gstride} + t * {16 if v.tf32 else 4}")
+            e(f"ok = u32(rl < {nvalid}); ga = {gbase} + sel(ok != 0, rl, 0) * {gstride} + t * {16 if v.tf32 else 8 if v.split else 4}")
             f = scale_of(m, h)
             r0, r1 = 2 * h, 2 * h + 1
             if v.tf32:
@@ -659,6 +814,10 @@ def store_c_rows(e, v, C, ntiles, gbase, gstride, row_base, nvalid, scale_of):
                     a, b = 2 * jp, 2 * jp + 1
                     vals = [f"{C}{m}_{a}_{r0}", f"{C}{m}_{b}_{r0}", f"{C}{m}_{a}_{r1}", f"{C}{m}_{b}_{r1}"]
                     e(f"stg_v4_if(ok, ga + {64 * jp}, {', '.join(x + ' * ' + f for x in vals)})")
+                continue
+            if v.split:   # float32 outputs in the natural column order: 8 bytes per n-tile
+                for j in range(ntiles):
+                    e(f"stg_v2_if(ok, ga + {32 * j}, {C}{m}_{j}_{r0} * {f}, {C}{m}_{j}_{r1} * {f})")
                 continue
             for j in range(ntiles):
                 e(f"stg_u32_if(ok, ga + {16 * j}, pack2({C}{m}_{j}_{r0} * {f}, {C}{m}_{j}_{r1} * {f}))")
@@ -712,33 +871,43 @@ def stream_key_blocks(e, v, qa_where, block):
     if v.prune:
         e(f"kstart = imin({udiv('diag', BN)}, nkb - 1)")
         order = lambda i: f"sel({i} + kstart >= nkb, {i} + kstart - nkb, {i} + kstart)"  # noqa: E731
-    e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {2 * KT})")
+    # one copy: into the double buffer's other half, or (split) into the staging tile
+    if v.split:
+        load = lambda buf, gb, gs, nv, w: stage_tile(e, v, "stk" if buf[0] == "k" else "stv", gb, gs, nv, BN, w)  # noqa: E731
+        e(f"stk = {sa('sb', v.staging_offset())}; stv = a32(stk, {4 * BN * D})")
+    else:
+        load = lambda buf, gb, gs, nv, w: load_tile(e, v, buf, gb, gs, nv, BN, w)  # noqa: E731
+    e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {v.stream_buffers * v.parts * KT})")
     e("if nkb > 0:")
     with e.indent():
-        if v.prune:
-            e(f"c0 = {order('0')} * {BN}")
-            load_tile(e, v, "kbuf_0", "kg + c0 * k_rs", "k_rs", "cols - c0", BN, D)
-            load_tile(e, v, "vbuf_0", "vg + c0 * v_rs", "v_rs", "cols - c0", BN, Dv)
-        else:
-            load_tile(e, v, "kbuf_0", "kg", "k_rs", "cols", BN, D)
-            load_tile(e, v, "vbuf_0", "vg", "v_rs", "cols", BN, Dv)
+        e(f"c0 = {order('0') if v.prune else '0'} * {BN}")
+        load("kbuf_0", "kg + c0 * k_rs", "k_rs", "cols - c0", D)
+        load("vbuf_0", "vg + c0 * v_rs", "v_rs", "cols - c0", Dv)
         e("cp_commit()")
     e(f"for {it} in range(nkb):")
     with e.indent():
         if v.prune:
             e(f"kb = {order('it')}")
-        e(f"cur = {it} % 2")
-        e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
+        if v.split:   # one block buffer: this block's parts from the staging tile, then the next copy
+            e("kbuf_cur = kbuf_0; vbuf_cur = vbuf_0")
+            e("cp_wait0()")
+            convert_tile(e, v, "stk", "kbuf_cur", BN, D)
+            convert_tile(e, v, "stv", "vbuf_cur", BN, Dv)
+        else:
+            e(f"cur = {it} % 2")
+            e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
         e(f"if {it} + 1 < nkb:")
         with e.indent():
-            e(f"nxt = 1 - cur; c1 = {order('it + 1') if v.prune else '(kb + 1)'} * {BN}")
-            e(f"kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
-            load_tile(e, v, "kbuf_nxt", "kg + c1 * k_rs", "k_rs", "cols - c1", BN, D)
-            load_tile(e, v, "vbuf_nxt", "vg + c1 * v_rs", "v_rs", "cols - c1", BN, Dv)
-            e("cp_commit(); cp_wait1()")
-        e("else:")
-        with e.indent():
-            e("cp_wait0()")
+            e(f"c1 = {order('it + 1') if v.prune else '(kb + 1)'} * {BN}")
+            if not v.split:
+                e(f"nxt = 1 - cur; kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
+            load("kbuf_nxt", "kg + c1 * k_rs", "k_rs", "cols - c1", D)
+            load("vbuf_nxt", "vg + c1 * v_rs", "v_rs", "cols - c1", Dv)
+            e("cp_commit()" if v.split else "cp_commit(); cp_wait1()")
+        if not v.split:
+            e("else:")
+            with e.indent():
+                e("cp_wait0()")
         landed(e, v)
         zero_c(e, "s", MT, BN // 8)
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
@@ -788,7 +957,7 @@ def gen_forward(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsv = v.EB * Dv
+    rsv = v.GB * Dv   # bytes of one head's output row
     e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, "
       + ("cntp, sc, minf, lg2rho):" if v.prune else "sc, minf):"))
     with e.indent():
@@ -856,7 +1025,7 @@ def gen_dq(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsk = v.EB * D
+    rsk = v.GB * D
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dqp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,"
       " dq_rs, group, sc, scale):")
     with e.indent():
@@ -1095,8 +1264,8 @@ def gen_dkdv(v):
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    rsk, rsv = v.EB * D, v.EB * Dv
-    QT, OT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)
+    rsk, rsv = v.GB * D, v.GB * Dv
+    QT, OT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)   # one part of a streamed Q / dO tile
     nt = BN // 8
     fq = v.fuse_dq
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dkp, dvp, " + ("dqp, accp, cntp, " if fq else "")
@@ -1139,31 +1308,45 @@ def gen_dkdv(v):
         zero_c(e, "dv", MT, Dv // 8)
         qbuf = lambda b: f"qbuf_{b}"  # noqa: E731
         obuf = lambda b: f"obuf_{b}"  # noqa: E731
-        e(f"qbuf_0 = ss; obuf_0 = a32(ss, {2 * QT})")
+        # one copy: into the double buffer's other half, or (split) into the staging tile
+        if v.split:
+            e(f"stq = {sa('sb', v.staging_offset())}; sto = a32(stq, {4 * BN * D})")
+            load = lambda buf, gb, gs, nv, w: stage_tile(e, v, "stq" if buf[0] == "q" else "sto", gb, gs, nv, BN, w)  # noqa: E731
+        else:
+            load = lambda buf, gb, gs, nv, w: load_tile(e, v, buf, gb, gs, nv, BN, w)  # noqa: E731
+        e(f"qbuf_0 = ss; obuf_0 = a32(ss, {v.stream_buffers * v.parts * QT})")
         e("nit = (nqb - qb0) * group")   # flattened (head, query block) loop: one pipeline across heads
         e("if nit > 0:")
         with e.indent():
             e("hq = hk * group")
             e(f"c1 = qb0 * {BN}")
-            load_tile(e, v, qbuf(0), "qp + (col0 + c1) * q_rs + hq * q_hs", "q_rs", "cols - c1", BN, D)
-            load_tile(e, v, obuf(0), "dop + (col0 + c1) * do_rs + hq * do_hs", "do_rs", "cols - c1", BN, Dv)
+            load(qbuf(0), "qp + (col0 + c1) * q_rs + hq * q_hs", "q_rs", "cols - c1", D)
+            load(obuf(0), "dop + (col0 + c1) * do_rs + hq * do_hs", "do_rs", "cols - c1", Dv)
             e("cp_commit()")
         e("for it in range(nit):")
         with e.indent():
-            e("cur = it % 2")
-            e(f"qbuf_cur = a32(ss, u32(cur * {QT})); obuf_cur = a32(ss, u32({2 * QT} + cur * {OT}))")
+            if v.split:   # one block buffer: this block's parts from the staging tile, then the next copy
+                e("qbuf_cur = qbuf_0; obuf_cur = obuf_0")
+                e("cp_wait0()")
+                convert_tile(e, v, "stq", "qbuf_cur", BN, D)
+                convert_tile(e, v, "sto", "obuf_cur", BN, Dv)
+            else:
+                e("cur = it % 2")
+                e(f"qbuf_cur = a32(ss, u32(cur * {QT})); obuf_cur = a32(ss, u32({2 * QT} + cur * {OT}))")
             e(f"nqc = nqb - qb0; hq = hk * group + {udiv('it', 'nqc')}; qb = qb0 + {umod('it', 'nqc')}")
             e("if it + 1 < nit:")
             with e.indent():
-                e("nxt = 1 - cur")
-                e(f"qbuf_nxt = a32(ss, u32(nxt * {QT})); obuf_nxt = a32(ss, u32({2 * QT} + nxt * {OT}))")
+                if not v.split:
+                    e("nxt = 1 - cur")
+                    e(f"qbuf_nxt = a32(ss, u32(nxt * {QT})); obuf_nxt = a32(ss, u32({2 * QT} + nxt * {OT}))")
                 e(f"hn = hk * group + {udiv('(it + 1)', 'nqc')}; c1 = (qb0 + {umod('(it + 1)', 'nqc')}) * {BN}")
-                load_tile(e, v, qbuf("nxt"), "qp + (col0 + c1) * q_rs + hn * q_hs", "q_rs", "cols - c1", BN, D)
-                load_tile(e, v, obuf("nxt"), "dop + (col0 + c1) * do_rs + hn * do_hs", "do_rs", "cols - c1", BN, Dv)
-                e("cp_commit(); cp_wait1()")
-            e("else:")
-            with e.indent():
-                e("cp_wait0()")
+                load(qbuf("nxt"), "qp + (col0 + c1) * q_rs + hn * q_hs", "q_rs", "cols - c1", D)
+                load(obuf("nxt"), "dop + (col0 + c1) * do_rs + hn * do_hs", "do_rs", "cols - c1", Dv)
+                e("cp_commit()" if v.split else "cp_commit(); cp_wait1()")
+            if not v.split:
+                e("else:")
+                with e.indent():
+                    e("cp_wait0()")
             e(f"cq = qb * {BN}")
             landed(e, v)
             if fq and not v.dq_atomic:   # the previous block's turn: fetch its running sum while this block computes

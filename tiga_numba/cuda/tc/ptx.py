@@ -14,10 +14,14 @@ _CACHE = {}
 #: 3xTF32: mma1688 on tf32 halves made by tf32x2; the 16-bit intrinsics are never used for it)
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 
-#: wgmma (sm_90a) shapes the intrinsics cover: N of m64nNk16 (a warp's C tile is 16 x N) and
-#: k-steps per call (a product's k extent / 16)
+#: wgmma (sm_90a): the N of m64nNk16 the generator uses (a warp's C tile is 16 x N); chains of
+#: any length are made per kernel (wgmma_chain)
 WGMMA_N = (16, 32, 64, 96, 128, 256)
-WGMMA_KSTEPS = (1, 2, 4, 6, 8, 16)
+
+
+def wgmma_operand(dtype):
+    """the wgmma operand type of a kernel dtype: float32 runs on bf16 parts (generator "split")."""
+    return "bf16" if dtype == "float32" else PTX_TYPE[dtype]
 
 
 def intrinsics(dtype="float16"):
@@ -122,17 +126,19 @@ def intrinsics(dtype="float16"):
             return types.UniTuple(nb, n)(u32), cg
         return named_intrinsic(f"lds_{op.replace('.', '_')}", 1, typer)
 
-    def shared_store(op, n):
-        """n floats stored by `op` at one shared address: sts_f32, sts_v2, sts_v4."""
+    def shared_store(op, n, kind="f"):
+        """n registers ("f": f32, "r": u32) stored by `op` at one shared address: sts_f32, sts_v2,
+        sts_v4, sts_u32x2 (split's bf16 parts)."""
         vals = "$1" if n == 1 else "{" + ",".join(f"${i + 1}" for i in range(n)) + "}"
         text = f"{op} [$0], {vals};"
-        cons = "r," + ",".join(["f"] * n) + ",~{memory}"
+        cons = "r," + ",".join([kind] * n) + ",~{memory}"
+        ty, nb = (F32, f32) if kind == "f" else (I32, u32)
 
         def typer(tc, *args):
             def cg(ctx, bld, sig, args):
-                asm(bld, ir.VoidType(), [I32] + [F32] * n, text, cons, args)
+                asm(bld, ir.VoidType(), [I32] + [ty] * n, text, cons, args)
                 return ctx.get_dummy_value()
-            return types.void(u32, *[f32] * n), cg
+            return types.void(u32, *[nb] * n), cg
         return named_intrinsic(f"sts_{op.replace('.', '_')}", n + 1, typer)
 
     @intrinsic
@@ -319,27 +325,56 @@ def intrinsics(dtype="float16"):
             return ctx.get_dummy_value()
         return sig, cg
 
-    def wgmma(N, nk, a_regs):
-        """one whole warpgroup product in one asm block: wgmma.fence, nk chained
-        wgmma.mma_async.m64n{N}k16 (k-steps of 16), commit, wait. A from shared memory (descriptors,
-        K-major) or, a_regs, from registers (4 packed words per k-step); B from shared memory,
-        K-major for A B^T products, MN-major (transposed, imm-trans-b = 1) for P B products. Waiting
-        inside the block keeps the asynchronous accumulators out of LLVM's hands: nothing reads or
-        moves them between issue and completion. The accumulators are tied in/out operands."""
+    @intrinsic
+    def split3x2(tc, a, b):
+        """two f32 -> three packed bf16x2 words (hi, mid, lo) with x = hi + mid + lo + O(2^-24 |x|):
+        hi = rn(x), mid = rn(x - hi), lo = rn(x - hi - mid); a in the low halves. The differences
+        are exact in f32. One asm block, so fast-math cannot fold x - hi away."""
+        sig = types.UniTuple(u32, 3)(f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            rest = ("shl.b32 t, {p}, 16; mov.b32 xa, t; sub.rn.f32 ra, ra, xa; "
+                    "and.b32 t, {p}, 0xffff0000; mov.b32 xb, t; sub.rn.f32 rb, rb, xb; ")
+            r = asm(bld, ir.LiteralStructType([I32] * 3), [F32, F32],
+                    "{.reg .b32 t; .reg .f32 ra, rb, xa, xb; mov.f32 ra, $3; mov.f32 rb, $4; "
+                    "cvt.rn.bf16x2.f32 $0, rb, ra; " + rest.format(p="$0")
+                    + "cvt.rn.bf16x2.f32 $1, rb, ra; " + rest.format(p="$1")
+                    + "cvt.rn.bf16x2.f32 $2, rb, ra;}", "=&r,=&r,=r,f,f", args, side_effect=False)
+            return tuple_of(ctx, bld, sig, r, 3)
+        return sig, cg
+
+    def wgmma_chain(form, N, steps):
+        """one whole warpgroup product in one asm block: wgmma.fence, a chain of
+        wgmma.mma_async.m64n{N}k16, commit, wait. `steps` (compile-time, one per instruction):
+        form "ss": (A offset, B offset), A and B K-major in shared memory, the descriptors being
+        the base descriptors da, db plus the offsets (16-byte units); form "rs": (A group, B offset),
+        A from registers (group g = registers 4g .. 4g + 3 of the A operands passed), B from
+        shared memory, MN-major (imm-trans-b = 1). Each step's descriptors are made by an add
+        inside the block, right before their instruction: computed outside, every descriptor of a
+        long chain (float32's 6 passes: up to 96) would be live at once. Waiting inside the block
+        keeps the asynchronous accumulators out of LLVM's hands: nothing reads or moves them
+        between issue and completion. The accumulators are tied in/out operands.
+        Arguments: ss (da, db, *acc); rs (*a_regs, db, *acc)."""
         n = N // 2
-        na = 4 * nk if a_regs else nk
-        ops = lambda i0, k: ", ".join(f"${i0 + i}" for i in range(k))  # noqa: E731
-        lines = ["wgmma.fence.sync.aligned;"]
-        for k in range(nk):
-            a = "{" + ops(n + 4 * k, 4) + "}" if a_regs else f"${n + k}"
-            tail = "1, 1, 1, 1" if a_regs else "1, 1, 1, 0, 0"
-            lines.append(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{pt}.{pt} {{{ops(0, n)}}}, {a}, "
-                         f"${n + na + k}, {tail};")
+        ss = form == "ss"
+        na = 2 if ss else 4 * (max(g for g, _ in steps) + 1) + 1    # operands before the accumulators
+        lines = [f".reg .b64 ta<{len(steps)}>, tb<{len(steps)}>;", "wgmma.fence.sync.aligned;"]
+        acc = "{" + ", ".join(f"${i}" for i in range(n)) + "}"
+        for i, (a, b) in enumerate(steps):
+            lines.append(f"add.s64 tb{i}, ${n + na - 1}, {b};")
+            if ss:
+                lines.append(f"add.s64 ta{i}, ${n}, {a};")
+                lines.append(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{wt}.{wt} {acc}, ta{i}, tb{i}, "
+                             "1, 1, 1, 0, 0;")
+            else:
+                regs = "{" + ", ".join(f"${n + 4 * a + r}" for r in range(4)) + "}"
+                lines.append(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{wt}.{wt} {acc}, {regs}, tb{i}, "
+                             "1, 1, 1, 1;")
         lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;"]
         text = "{\n" + "\n".join(lines) + "\n}"
-        in_tys = ([u32] * na if a_regs else [i64] * na) + [i64] * nk + [f32] * n
-        ir_tys = ([I32] * na if a_regs else [I64] * na) + [I64] * nk + [F32] * n
-        cons = ",".join(["=f"] * n + (["r"] * na if a_regs else ["l"] * na) + ["l"] * nk
+        in_tys = ([i64, i64] if ss else [u32] * (na - 1) + [i64]) + [f32] * n
+        ir_tys = ([I64, I64] if ss else [I32] * (na - 1) + [I64]) + [F32] * n
+        cons = ",".join(["=f"] * n + (["l", "l"] if ss else ["r"] * (na - 1) + ["l"])
                         + [str(i) for i in range(n)]) + ",~{memory}"
 
         def typer(tc, *args):
@@ -349,15 +384,12 @@ def intrinsics(dtype="float16"):
                 r = asm(bld, ir.LiteralStructType([F32] * n), ir_tys, text, cons, args)
                 return tuple_of(ctx, bld, sig, r, n)
             return sig, cg
-        return named_intrinsic(f"wgmma_{N}_{nk}", len(in_tys), typer)
+        import zlib
+        return named_intrinsic(f"wgmma_{form}_{N}_{zlib.crc32(repr(steps).encode()):08x}", len(in_tys), typer)
 
-    wg = {}
-    if dtype != "float32":   # tf32 wgmma cannot transpose B (P V needs it): 16-bit only
-        for N in WGMMA_N:
-            for nk in WGMMA_KSTEPS:
-                wg[f"wgss_n{N}_k{nk}"] = wgmma(N, nk, False)
-                wg[f"wgrs_n{N}_k{nk}"] = wgmma(N, nk, True)
-        wg["fence_async"] = nullary("fence.proxy.async.shared::cta;")
+    wt = wgmma_operand(dtype)
+    wg = dict(wgmma_chain=wgmma_chain)
+    wg["fence_async"] = nullary("fence.proxy.async.shared::cta;")
 
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
         mma16816=mma16816, mma1688=mma1688, tf32x2=tf32x2, lds64=shared_load("ld.shared.v2.u32", "r", 2),
@@ -366,7 +398,8 @@ def intrinsics(dtype="float16"):
         cp_commit=nullary("cp.async.commit_group;"), cp_wait0=nullary("cp.async.wait_group 0;"),
         cp_wait1=nullary("cp.async.wait_group 1;"),
         stg_u32_if=predicated("st.global.u32", "r"), stg_f32_if=predicated("st.global.f32", "f"),
-        stg_v4_if=predicated("st.global.v4.f32", "ffff"),
+        stg_v4_if=predicated("st.global.v4.f32", "ffff"), stg_v2_if=predicated("st.global.v2.f32", "ff"),
+        split3x2=split3x2, sts_u32x2=shared_store("st.shared.v2.u32", 2, "r"),
         red_v2_if=predicated("red.global.add.v2.f32", "ff"), red_v4_if=predicated("red.global.add.v4.f32", "ffff"),
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
         ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,

@@ -1,0 +1,162 @@
+"""float32 on the H200's wgmma (bf16 x 3 splits, 6 passes per product) vs the 3xTF32 mma.sync kernels
+vs torch SDPA's efficient kernel in fp32, same run (H = 16, node-major (N, H, D) float32 data).
+
+  PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py [--out DIR] [--no-sweep] [--N 4096,16384]
+  PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py --build sm_90   # cubins of every kernel this run
+                                                                      # launches, into the cache (no GPU)
+
+1. sweep: each candidate shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
+   backward time; results checked against torch SDPA efficient fp32 (relative L2 < 1e-4, else
+   dropped); the fastest goes into api.TUNING_WGMMA_F32 for the rest of the run.
+2. table: per cell, ours on wgmma (TIGA_NUMBA_WGMMA=1), ours 3xTF32 (=0) and torch, forward and
+   forward+backward (ratio = torch time / ours), forward+backward / forward, and the relative L2
+   error of out / dq / dk / dv against float64 (ours and torch).
+Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
+from tiga_numba.cuda.tc import api  # noqa: E402
+
+S = dict(MT=1, a_smem=True, wgmma=True)
+#: (kind, D) -> shapes; "bwd" entries are (dq shape, dkdv shape). Shared memory allows BN <= 128
+#: (D = 64) / 64 (D = 128 forward) / 32 (D = 128 backward, one warpgroup).
+CANDIDATES = {
+    ("fwd", 64): [dict(NW=4, BN=64, **S), dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S)],
+    ("fwd", 128): [dict(NW=4, BN=64, **S), dict(NW=4, BN=32, **S), dict(NW=8, BN=32, **S)],
+    ("bwd", 64): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S)),
+                  (dict(NW=4, BN=64, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=32, **S), dict(NW=8, BN=32, **S))],
+    ("bwd", 128): [(dict(NW=4, BN=32, **S), dict(NW=4, BN=32, **S)), (dict(NW=4, BN=32, **S), dict(NW=4, BN=16, **S))],
+}
+
+
+def specs():
+    """(kind, D, dtype, shape) of every kernel the run launches: candidates, both float32 tables, Delta."""
+    out = []
+    for (kind, D), opts in CANDIDATES.items():
+        for o in opts:
+            for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
+                out.append((kk, D, "float32", cfg))
+    for D in (64, 128):
+        for kind in ("fwd", "dq", "dkdv"):
+            out.append((kind, D, "float32", dict(api.TUNING_WGMMA_F32[(kind, D)])))
+            out.append((kind, D, "float32", dict(api.TUNING_F32[(kind, D)])))
+        out.append(("fwd", D, "float32", dict(api.TUNING_WGMMA_F32[("fwd", D)], prune=True)))
+        out.append(("delta", D, "float32"))
+    seen, uniq = set(), []
+    for s in out:
+        if repr(s) not in seen:
+            seen.add(repr(s))
+            uniq.append(s)
+    return uniq
+
+
+def build(arch):
+    t0 = time.time()
+    names = api.build_cubins(specs=specs(), arch=arch, jobs=2)
+    print(f"{len(names)} cubins ({arch}; wgmma ones as sm_90a) in {time.time() - t0:.0f} s")
+
+
+def cell_time(kind, D, N, causal):
+    import numpy as np
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(N + D + causal)
+    q, k, v, do = (torch.randn(N, B.H, D, device="cuda", dtype=torch.float32, generator=g) for _ in range(4))
+    ours = B.Ours(q, k, v, np.array([0, N]), causal, "float32")
+    if kind == "fwd":
+        ours.fwd()
+        return B.bench(ours.fwd), B.rel(ours.out, B.sdpa_eff(q, k, v, causal))
+    ours.fwd_bwd(do)
+    qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    B.sdpa_eff(qt, kt, vt, causal).backward(do)
+    err = max(B.rel(ours.dq, qt.grad), B.rel(ours.dk, kt.grad), B.rel(ours.dv, vt.grad))
+    return B.bench(lambda: ours.bwd(do)), err
+
+
+def short(o):
+    if isinstance(o, tuple):
+        return "(" + ", ".join(short(x) for x in o) + ")"
+    return f"NW={o['NW']} BN={o['BN']}"
+
+
+def sweep(Ns):
+    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    table = api.TUNING_WGMMA_F32
+    for (kind, D), opts in CANDIDATES.items():
+        keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
+        saved = {k: table[k] for k in keys}
+        best = None
+        for o in opts:
+            for k_, val in zip(keys, [o] if kind == "fwd" else o):
+                table[k_] = val
+            try:
+                t0, tot, worst, parts = time.time(), 0.0, 0.0, []
+                for N in Ns:
+                    for causal in (False, True):
+                        t, err = cell_time(kind, D, N, causal)
+                        tot, worst = tot + t, max(worst, err)
+                        parts.append(f"{t:.3f}")
+                ok = worst < 1e-4
+                B.say(f"sweep fp32 {kind} D={D} {short(o)}: {tot:.3f} ms ({' / '.join(parts)}; N={Ns} x causal 0/1) "
+                      f"max rel err vs torch {worst:.1e}{'' if ok else '  WRONG: dropped'} ({time.time() - t0:.1f} s)")
+                if ok and (best is None or tot < best[0]):
+                    best = (tot, o)
+            except Exception as ex:  # noqa: BLE001
+                B.say(f"sweep fp32 {kind} D={D} {short(o)}: FAILED {repr(ex)[:300]}")
+        for k_, val in saved.items():
+            table[k_] = val
+        if best:
+            for k_, val in zip(keys, [best[1]] if kind == "fwd" else best[1]):
+                table[k_] = val
+            B.say(f"sweep fp32 {kind} D={D}: chose {short(best[1])}")
+    B.say("TUNING_WGMMA_F32 = {" + ", ".join(f"{k!r}: {short(v)}" for k, v in table.items()) + "}")
+
+
+def table(Ns, engines):
+    B.say("\ncell | fwd ms (TF/s): ours wgmma bf16x3 / ours 3xTF32 / torch eff | fwd ratio wgmma / 3xTF32 || "
+          "fwd+bwd ms (TF/s) wgmma / 3xTF32 / torch | fb ratio wgmma / 3xTF32 | fb/fwd (wgmma) | errors vs f64")
+    for N in Ns:
+        for D in (64, 128):
+            for causal in (False, True):
+                got = {}
+                for wg in engines:
+                    os.environ["TIGA_NUMBA_WGMMA"] = wg
+                    got[wg] = B.fp32_cell(N, D, causal)
+                a = got["1"]
+                b = got.get("0")
+                m = lambda r, k: f"{r[k]:.3f}" if r else "-"  # noqa: E731
+                rt = lambda r, k: f"{r[k]:.2f}" if r else "-"  # noqa: E731
+                B.say(f"N={N:6d} D={D:3d} causal={int(causal)} | {a['fwd_ms_ours']:.3f} ({a['fwd_tfs_ours']:.0f}) / "
+                      f"{m(b, 'fwd_ms_ours')} / {a['fwd_ms_torch']:.3f} ({a['fwd_tfs_torch']:.0f}) | "
+                      f"{a['fwd_ratio']:.2f} / {rt(b, 'fwd_ratio')} || {a['fb_ms_ours']:.3f} ({a['fb_tfs_ours']:.0f}) / "
+                      f"{m(b, 'fb_ms_ours')} / {a['fb_ms_torch']:.3f} ({a['fb_tfs_torch']:.0f}) | {a['fb_ratio']:.2f} / "
+                      f"{rt(b, 'fb_ratio')} | {a['fb_ms_ours'] / a['fwd_ms_ours']:.2f} | "
+                      + " ".join(f"{k[4:]}={v:.1e}" for k, v in a.items() if k.startswith("err")))
+    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--build", default=None, metavar="ARCH")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--no-tf32", action="store_true", help="table without the 3xTF32 column")
+    ap.add_argument("--N", default="4096,16384")
+    a = ap.parse_args()
+    if a.build:
+        return build(a.build)
+    Ns = [int(x) for x in a.N.split(",")]
+    B.say(f"float32 tuning (wgmma) at start: {api.TUNING_WGMMA_F32}")
+    if not a.no_sweep:
+        sweep(Ns)
+    if not a.sweep_only:
+        table(Ns, ("1",) if a.no_tf32 else ("1", "0"))
+
+
+if __name__ == "__main__":
+    main()
