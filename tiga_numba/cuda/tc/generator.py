@@ -67,6 +67,9 @@ TF32_PASSES = (("big", "small"), ("small", "big"), ("big", "big"))
 #: (A part, B part), smallest first; the dropped ones (mid lo, lo mid, lo lo) are ~2^-24 of it:
 #: fp32-class, like 3xTF32, at 6 bf16 passes (bf16 wgmma runs at twice tf32's rate).
 SPLIT_PARTS = ("hi", "mid", "lo")
+#: split P B products accumulate each streamed block in fresh partial tiles, added to the
+#: accumulator in ordinary fp32 (PB_PAIRS's reason); False feeds the accumulator into the chain
+SPLIT_PARTIALS = True
 SPLIT_PASSES = (("lo", "hi"), ("hi", "lo"), ("mid", "mid"), ("mid", "hi"), ("hi", "mid"), ("hi", "hi"))
 
 #: tf32 mma_pb accumulates each streamed block into fresh partial C tiles, PB_PAIRS n-tile pairs
@@ -734,12 +737,13 @@ def wg_pb(e, v, O, A, P, btile, ntiles, nkeys):
         steps = [(used.index(pa) * nk + ks, (pb * nkeys * v.row_bytes(width) + j0 // 8 * nkeys * 128 + ks * 16 * 128) >> 4)
                  for pa, pb in _passes(v) for ks in range(nk)]
         tiles = range(j0, j0 + n // 8)
-        acc = f"{O}_t" if v.split else O
-        if v.split:
+        partials = v.split and SPLIT_PARTIALS
+        acc = f"{O}_t" if partials else O
+        if partials:
             zero_c_tiles(e, acc, 1, tiles)
         regs = [x for j in tiles for x in c_regs(acc, 0, j)]
         e(f"{', '.join(regs)} = {e.chain('rs', n, steps)}({', '.join(aregs + ['db'] + regs)})")
-        if v.split:
+        if partials:
             for j in tiles:
                 e("; ".join(f"{x} = {x} + {y}" for x, y in zip(c_regs(O, 0, j), c_regs(acc, 0, j))))
         j0 += n // 8
