@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
+import bench_wgmma as W  # noqa: E402  (the shape sweep)
 from tiga_numba.cuda.tc import api  # noqa: E402
 
 S = dict(MT=1, a_smem=True, wgmma=True)
@@ -61,59 +62,8 @@ def build(arch):
     print(f"{len(names)} cubins ({arch}; wgmma ones as sm_90a) in {time.time() - t0:.0f} s")
 
 
-def cell_time(kind, D, N, causal):
-    import numpy as np
-    import torch
-    g = torch.Generator(device="cuda").manual_seed(N + D + causal)
-    q, k, v, do = (torch.randn(N, B.H, D, device="cuda", dtype=torch.float32, generator=g) for _ in range(4))
-    ours = B.Ours(q, k, v, np.array([0, N]), causal, "float32")
-    if kind == "fwd":
-        ours.fwd()
-        return B.bench(ours.fwd), B.rel(ours.out, B.sdpa_eff(q, k, v, causal))
-    ours.fwd_bwd(do)
-    qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    B.sdpa_eff(qt, kt, vt, causal).backward(do)
-    err = max(B.rel(ours.dq, qt.grad), B.rel(ours.dk, kt.grad), B.rel(ours.dv, vt.grad))
-    return B.bench(lambda: ours.bwd(do)), err
-
-
-def short(o):
-    if isinstance(o, tuple):
-        return "(" + ", ".join(short(x) for x in o) + ")"
-    return f"NW={o['NW']} BN={o['BN']}"
-
-
 def sweep(Ns):
-    os.environ["TIGA_NUMBA_WGMMA"] = "1"
-    table = api.TUNING_WGMMA_F32
-    for (kind, D), opts in CANDIDATES.items():
-        keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
-        saved = {k: table[k] for k in keys}
-        best = None
-        for o in opts:
-            for k_, val in zip(keys, [o] if kind == "fwd" else o):
-                table[k_] = val
-            try:
-                t0, tot, worst, parts = time.time(), 0.0, 0.0, []
-                for N in Ns:
-                    for causal in (False, True):
-                        t, err = cell_time(kind, D, N, causal)
-                        tot, worst = tot + t, max(worst, err)
-                        parts.append(f"{t:.3f}")
-                ok = worst < 1e-4
-                B.say(f"sweep fp32 {kind} D={D} {short(o)}: {tot:.3f} ms ({' / '.join(parts)}; N={Ns} x causal 0/1) "
-                      f"max rel err vs torch {worst:.1e}{'' if ok else '  WRONG: dropped'} ({time.time() - t0:.1f} s)")
-                if ok and (best is None or tot < best[0]):
-                    best = (tot, o)
-            except Exception as ex:  # noqa: BLE001
-                B.say(f"sweep fp32 {kind} D={D} {short(o)}: FAILED {repr(ex)[:300]}")
-        for k_, val in saved.items():
-            table[k_] = val
-        if best:
-            for k_, val in zip(keys, [best[1]] if kind == "fwd" else best[1]):
-                table[k_] = val
-            B.say(f"sweep fp32 {kind} D={D}: chose {short(best[1])}")
-    B.say("TUNING_WGMMA_F32 = {" + ", ".join(f"{k!r}: {short(v)}" for k, v in table.items()) + "}")
+    W.sweep(Ns, CANDIDATES, api.TUNING_WGMMA_F32, "float32", tol=1e-4)
 
 
 def table(Ns, engines):

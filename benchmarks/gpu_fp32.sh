@@ -17,13 +17,7 @@ if [ "${FP_TESTS:-1}" = 1 ]; then
   rc=$?; tail -n 15 "$OUT/tests_tc.txt"; stamp "tests rc=$rc"; [ $rc -eq 0 ] || status=1
 fi
 if [ "${FP_SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    stamp "compute-sanitizer $tool (float32: the bf16 x 3 wgmma kernels)"
-    timeout ${FP_SAN_S:-120} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
-      --print-limit 20 python3 benchmarks/bench_tc.py --sanitize --sanitize-dtypes float32 \
-      > "$OUT/sanitize_$tool.txt" 2>&1
-    rc=$?; tail -n 6 "$OUT/sanitize_$tool.txt"; stamp "$tool rc=$rc"; [ $rc -eq 0 ] || status=1
-  done
+  for tool in memcheck racecheck; do sanitize $tool float32 ${FP_SAN_S:-120}; done
 fi
 if [ "${FP_BENCH:-1}" = 1 ]; then
   stamp "bench_fp32_wgmma.py ${FP_BENCH_ARGS:-}"

@@ -19,13 +19,7 @@ for flag in 1 0; do
 done
 
 if [ "${WG_SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    stamp "compute-sanitizer $tool (fp16: the wgmma kernels)"
-    timeout ${WG_SAN_S:-120} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
-      --print-limit 20 python3 benchmarks/bench_tc.py --sanitize --sanitize-dtypes float16 \
-      > "$OUT/sanitize_$tool.txt" 2>&1
-    rc=$?; tail -n 6 "$OUT/sanitize_$tool.txt"; stamp "$tool rc=$rc"; [ $rc -eq 0 ] || status=1
-  done
+  for tool in memcheck racecheck; do sanitize $tool float16 ${WG_SAN_S:-120}; done
 fi
 
 stamp "wgmma sweep + table"

@@ -860,13 +860,66 @@ def read_work(e, v, index="i64(cuda.blockIdx.x)"):
     e(f"rows = imin(rows, {v.BM})")
 
 
+class StreamedPair:
+    """The two tiles a loop streams per block (K and V for the forward and dQ kernels, Q and dO for
+    dK/dV), named `{a}buf_*` / `{b}buf_*`, `widths` = their head dims, from shared byte `ss` on.
+    16-bit and 3xTF32: a cp.async double buffer, block i + 1 lands in the other half while block i
+    computes. split: one block buffer of bf16 parts, the next block lands in the float32 staging
+    tile and is converted at the top of its iteration (stage_tile / convert_tile)."""
+
+    def __init__(self, e, v, names, widths):
+        self.e, self.v, self.names, self.widths = e, v, names, widths
+        BN = v.BN
+        self.sizes = [BN * v.row_bytes(w) for w in widths]   # one buffer of one part
+        a, b = names
+        e(f"{a}buf_0 = ss; {b}buf_0 = a32(ss, {v.stream_buffers * v.parts * self.sizes[0]})")
+        if v.split:
+            e(f"st{a} = {sa('sb', v.staging_offset())}; st{b} = a32(st{a}, {4 * BN * widths[0]})")
+
+    def load(self, slot, sources):
+        """copy the block whose rows start at sources = [(global base, row stride, valid rows)] per
+        tile into buffer `slot` ("0" or "nxt"), or (split) the staging tile."""
+        e, v = self.e, self.v
+        for name, w, (gbase, gstride, nvalid) in zip(self.names, self.widths, sources):
+            if v.split:
+                stage_tile(e, v, f"st{name}", gbase, gstride, nvalid, v.BN, w)
+            else:
+                load_tile(e, v, f"{name}buf_{slot}", gbase, gstride, nvalid, v.BN, w)
+
+    def current(self, it):
+        """top of iteration `it`: {a}buf_cur / {b}buf_cur, landed in this thread (split: converted)."""
+        e, v, (a, b), (A, B) = self.e, self.v, self.names, self.sizes
+        if v.split:
+            e(f"{a}buf_cur = {a}buf_0; {b}buf_cur = {b}buf_0")
+            e("cp_wait0()")
+            for name, w in zip(self.names, self.widths):
+                convert_tile(e, v, f"st{name}", f"{name}buf_cur", v.BN, w)
+            return
+        e(f"cur = {it} % 2")
+        e(f"{a}buf_cur = a32(ss, u32(cur * {A})); {b}buf_cur = a32(ss, u32({2 * A} + cur * {B}))")
+
+    def prefetch(self, sources):
+        """(inside `if it + 1 < n:`) start the next block's copy."""
+        e, v, (a, b), (A, B) = self.e, self.v, self.names, self.sizes
+        if not v.split:
+            e(f"nxt = 1 - cur; {a}buf_nxt = a32(ss, u32(nxt * {A})); {b}buf_nxt = a32(ss, u32({2 * A} + nxt * {B}))")
+        self.load("nxt", sources)
+        e("cp_commit()" if v.split else "cp_commit(); cp_wait1()")
+
+    def last(self):
+        """(after the prefetch branch) the last block has no successor: wait for it (split: done)."""
+        if not self.v.split:
+            self.e("else:")
+            with self.e.indent():
+                self.e("cp_wait0()")
+
+
 def stream_key_blocks(e, v, qa_where, block):
     """The key loop of the forward and dQ kernels: the block's K/V tiles stream through a double
     buffer (cp.async of block kb+1 while kb computes); per block S = Q K^T, masked only where the
     block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
     kernel's own use of S with the current buffers. Expects ss, kg, vg, cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    KT, VT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)
     # the key blocks in key order, or (pruning) the near ones first so that the running max is set
     # early: from the block holding key `diag` (the one facing the query tile; causal: its first
     # row's diagonal), wrapping around. That block holds a real key of every row of the tile
@@ -875,43 +928,23 @@ def stream_key_blocks(e, v, qa_where, block):
     if v.prune:
         e(f"kstart = imin({udiv('diag', BN)}, nkb - 1)")
         order = lambda i: f"sel({i} + kstart >= nkb, {i} + kstart - nkb, {i} + kstart)"  # noqa: E731
-    # one copy: into the double buffer's other half, or (split) into the staging tile
-    if v.split:
-        load = lambda buf, gb, gs, nv, w: stage_tile(e, v, "stk" if buf[0] == "k" else "stv", gb, gs, nv, BN, w)  # noqa: E731
-        e(f"stk = {sa('sb', v.staging_offset())}; stv = a32(stk, {4 * BN * D})")
-    else:
-        load = lambda buf, gb, gs, nv, w: load_tile(e, v, buf, gb, gs, nv, BN, w)  # noqa: E731
-    e(f"kbuf_0 = ss; vbuf_0 = a32(ss, {v.stream_buffers * v.parts * KT})")
+    kv = StreamedPair(e, v, ("k", "v"), (D, Dv))
+    block_at = lambda c: [(f"kg + {c} * k_rs", "k_rs", f"cols - {c}"), (f"vg + {c} * v_rs", "v_rs", f"cols - {c}")]  # noqa: E731
     e("if nkb > 0:")
     with e.indent():
         e(f"c0 = {order('0') if v.prune else '0'} * {BN}")
-        load("kbuf_0", "kg + c0 * k_rs", "k_rs", "cols - c0", D)
-        load("vbuf_0", "vg + c0 * v_rs", "v_rs", "cols - c0", Dv)
+        kv.load("0", block_at("c0"))
         e("cp_commit()")
     e(f"for {it} in range(nkb):")
     with e.indent():
         if v.prune:
             e(f"kb = {order('it')}")
-        if v.split:   # one block buffer: this block's parts from the staging tile, then the next copy
-            e("kbuf_cur = kbuf_0; vbuf_cur = vbuf_0")
-            e("cp_wait0()")
-            convert_tile(e, v, "stk", "kbuf_cur", BN, D)
-            convert_tile(e, v, "stv", "vbuf_cur", BN, Dv)
-        else:
-            e(f"cur = {it} % 2")
-            e(f"kbuf_cur = a32(ss, u32(cur * {KT})); vbuf_cur = a32(ss, u32({2 * KT} + cur * {VT}))")
+        kv.current(it)
         e(f"if {it} + 1 < nkb:")
         with e.indent():
             e(f"c1 = {order('it + 1') if v.prune else '(kb + 1)'} * {BN}")
-            if not v.split:
-                e(f"nxt = 1 - cur; kbuf_nxt = a32(ss, u32(nxt * {KT})); vbuf_nxt = a32(ss, u32({2 * KT} + nxt * {VT}))")
-            load("kbuf_nxt", "kg + c1 * k_rs", "k_rs", "cols - c1", D)
-            load("vbuf_nxt", "vg + c1 * v_rs", "v_rs", "cols - c1", Dv)
-            e("cp_commit()" if v.split else "cp_commit(); cp_wait1()")
-        if not v.split:
-            e("else:")
-            with e.indent():
-                e("cp_wait0()")
+            kv.prefetch(block_at("c1"))
+        kv.last()
         landed(e, v)
         zero_c(e, "s", MT, BN // 8)
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
@@ -1312,45 +1345,25 @@ def gen_dkdv(v):
         zero_c(e, "dv", MT, Dv // 8)
         qbuf = lambda b: f"qbuf_{b}"  # noqa: E731
         obuf = lambda b: f"obuf_{b}"  # noqa: E731
-        # one copy: into the double buffer's other half, or (split) into the staging tile
-        if v.split:
-            e(f"stq = {sa('sb', v.staging_offset())}; sto = a32(stq, {4 * BN * D})")
-            load = lambda buf, gb, gs, nv, w: stage_tile(e, v, "stq" if buf[0] == "q" else "sto", gb, gs, nv, BN, w)  # noqa: E731
-        else:
-            load = lambda buf, gb, gs, nv, w: load_tile(e, v, buf, gb, gs, nv, BN, w)  # noqa: E731
-        e(f"qbuf_0 = ss; obuf_0 = a32(ss, {v.stream_buffers * v.parts * QT})")
+        qo = StreamedPair(e, v, ("q", "o"), (D, Dv))
+        block_at = lambda c, h: [(f"qp + (col0 + {c}) * q_rs + {h} * q_hs", "q_rs", f"cols - {c}"),  # noqa: E731
+                                 (f"dop + (col0 + {c}) * do_rs + {h} * do_hs", "do_rs", f"cols - {c}")]
         e("nit = (nqb - qb0) * group")   # flattened (head, query block) loop: one pipeline across heads
         e("if nit > 0:")
         with e.indent():
             e("hq = hk * group")
             e(f"c1 = qb0 * {BN}")
-            load(qbuf(0), "qp + (col0 + c1) * q_rs + hq * q_hs", "q_rs", "cols - c1", D)
-            load(obuf(0), "dop + (col0 + c1) * do_rs + hq * do_hs", "do_rs", "cols - c1", Dv)
+            qo.load("0", block_at("c1", "hq"))
             e("cp_commit()")
         e("for it in range(nit):")
         with e.indent():
-            if v.split:   # one block buffer: this block's parts from the staging tile, then the next copy
-                e("qbuf_cur = qbuf_0; obuf_cur = obuf_0")
-                e("cp_wait0()")
-                convert_tile(e, v, "stq", "qbuf_cur", BN, D)
-                convert_tile(e, v, "sto", "obuf_cur", BN, Dv)
-            else:
-                e("cur = it % 2")
-                e(f"qbuf_cur = a32(ss, u32(cur * {QT})); obuf_cur = a32(ss, u32({2 * QT} + cur * {OT}))")
+            qo.current("it")
             e(f"nqc = nqb - qb0; hq = hk * group + {udiv('it', 'nqc')}; qb = qb0 + {umod('it', 'nqc')}")
             e("if it + 1 < nit:")
             with e.indent():
-                if not v.split:
-                    e("nxt = 1 - cur")
-                    e(f"qbuf_nxt = a32(ss, u32(nxt * {QT})); obuf_nxt = a32(ss, u32({2 * QT} + nxt * {OT}))")
                 e(f"hn = hk * group + {udiv('(it + 1)', 'nqc')}; c1 = (qb0 + {umod('(it + 1)', 'nqc')}) * {BN}")
-                load(qbuf("nxt"), "qp + (col0 + c1) * q_rs + hn * q_hs", "q_rs", "cols - c1", D)
-                load(obuf("nxt"), "dop + (col0 + c1) * do_rs + hn * do_hs", "do_rs", "cols - c1", Dv)
-                e("cp_commit()" if v.split else "cp_commit(); cp_wait1()")
-            if not v.split:
-                e("else:")
-                with e.indent():
-                    e("cp_wait0()")
+                qo.prefetch(block_at("c1", "hn"))
+            qo.last()
             e(f"cq = qb * {BN}")
             landed(e, v)
             if fq and not v.dq_atomic:   # the previous block's turn: fetch its running sum while this block computes
