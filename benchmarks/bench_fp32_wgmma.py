@@ -16,7 +16,6 @@ Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
@@ -37,29 +36,14 @@ CANDIDATES = {
 
 def specs():
     """(kind, D, dtype, shape) of every kernel the run launches: candidates, both float32 tables, Delta."""
-    out = []
-    for (kind, D), opts in CANDIDATES.items():
-        for o in opts:
-            for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
-                out.append((kk, D, "float32", cfg))
+    out = W.candidate_specs(CANDIDATES, "float32")
     for D in (64, 128):
         for kind in ("fwd", "dq", "dkdv"):
             out.append((kind, D, "float32", dict(api.TUNING_WGMMA_F32[(kind, D)])))
             out.append((kind, D, "float32", dict(api.TUNING_F32[(kind, D)])))
         out.append(("fwd", D, "float32", dict(api.TUNING_WGMMA_F32[("fwd", D)], prune=True)))
         out.append(("delta", D, "float32"))
-    seen, uniq = set(), []
-    for s in out:
-        if repr(s) not in seen:
-            seen.add(repr(s))
-            uniq.append(s)
-    return uniq
-
-
-def build(arch):
-    t0 = time.time()
-    names = api.build_cubins(specs=specs(), arch=arch, jobs=2)
-    print(f"{len(names)} cubins ({arch}; wgmma ones as sm_90a) in {time.time() - t0:.0f} s")
+    return out
 
 
 def sweep(Ns):
@@ -99,7 +83,7 @@ def main():
     ap.add_argument("--N", default="4096,16384")
     a = ap.parse_args()
     if a.build:
-        return build(a.build)
+        return W.build_specs(specs(), a.build)
     Ns = [int(x) for x in a.N.split(",")]
     B.say(f"float32 tuning (wgmma) at start: {api.TUNING_WGMMA_F32}")
     if not a.no_sweep:

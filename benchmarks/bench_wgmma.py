@@ -45,13 +45,27 @@ CANDIDATES = {
 }
 
 
+def candidate_specs(cands, dtype):
+    """(kind, D, dtype, shape) of every kernel a sweep over `cands` launches."""
+    return [(kk, D, dtype, cfg) for (kind, D), opts in cands.items() for o in opts
+            for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])])]
+
+
+def build_specs(specs, arch):
+    """the cubins of `specs` (duplicates dropped) into the cache, 2 processes (no GPU needed)."""
+    t0 = time.time()
+    seen, uniq = set(), []
+    for s in specs:
+        if repr(s) not in seen:
+            seen.add(repr(s))
+            uniq.append(s)
+    names = api.build_cubins(specs=uniq, arch=arch, jobs=2)
+    print(f"{len(names)} cubins ({arch}; wgmma ones as sm_90a) in {time.time() - t0:.0f} s")
+
+
 def specs():
     """(kind, D, dtype, shape) of every kernel the run launches: candidates, shipped tables, Delta."""
-    out = []
-    for (kind, D), opts in CANDIDATES.items():
-        for o in opts:
-            for kk, cfg in ([("fwd", o)] if kind == "fwd" else [("dq", o[0]), ("dkdv", o[1])]):
-                out.append((kk, D, "float16", cfg))
+    out = candidate_specs(CANDIDATES, "float16")
     for dt in ("float16", "bfloat16"):
         for D in (64, 128):
             for kind in ("fwd", "dq", "dkdv"):
@@ -61,19 +75,11 @@ def specs():
     for dt, D in (("float16", 64), ("float16", 128), ("float32", 64)):   # pruned forwards (tests, prune_cells)
         for table in ((api.TUNING_WGMMA, api.TUNING) if dt == "float16" else (api.TUNING_F32,)):
             out.append(("fwd", D, dt, dict(table[("fwd", D)], prune=True)))
-    seen, uniq = set(), []
-    for s in out:
-        key = repr(s)
-        if key not in seen:
-            seen.add(key)
-            uniq.append(s)
-    return uniq
+    return out
 
 
 def build(arch):
-    t0 = time.time()
-    names = api.build_cubins(specs=specs(), arch=arch, jobs=2)
-    print(f"{len(names)} cubins ({arch}; wgmma ones as sm_90a) in {time.time() - t0:.0f} s")
+    build_specs(specs(), arch)
 
 
 def cell_time(kind, D, N, causal, dtype="float16"):

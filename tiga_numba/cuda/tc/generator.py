@@ -36,6 +36,12 @@ float32 (3xTF32, mma.sync.m16n8k8.tf32; the dtype axis of the same generator):
     so one 8-byte shared load (lds64) serves the B fragments of both tiles of the pair, and the
     C fragments of the pair hold d = 16p + 4t .. 16p + 4t + 3: one 16-byte store per row
     (store_c_rows). Every mma_ab result is stored through store_c_rows, nothing else reads it.
+
+float32 on wgmma (Variant.split; sm_90a): the 16-bit wgmma kernels on bfloat16 parts. Every tile
+is staged as float32 and converted into three bf16 part tiles of the 16-bit layout (stage_tile,
+convert_tile), P-like C fragments into three packed A operands (c_to_a_split), and each product
+is one wgmma chain over SPLIT_PASSES x k-steps; P B products per 64-column group into per-block
+partials (pb_groups). Outputs are float32 in the natural column order.
 """
 from __future__ import annotations
 
