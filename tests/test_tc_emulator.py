@@ -454,13 +454,14 @@ def test_shipped_kernel_list_covers_every_routed_variant():
     from tiga_numba.cuda.tc import api
     shipped = set(api.shipped_kernels())
     for dt in api.TC_DTYPES:
-        dims = api.F32_HEAD_DIMS if dt == "float32" else api.HEAD_DIMS
-        for D in dims:
+        for D in api.head_dims(dt, False):
             vq, vk = api.backward_variants(D, D, dt)   # the kernels forward() / backward() launch
             routed = ["fwd", "dkdv", "delta"] + (["dq"] if vq is not None else [])
             for kind in routed:
                 assert (kind, D, dt) in shipped
             assert (vq is None) == vk.fuse_dq
+        for D in api.head_dims(dt, True):   # sm_90a
+            assert all((k, D, dt) in shipped for k in ("wg:fwd", "wg:dq", "wg:dkdv", "delta"))
 
 
 class _FakeDev:
@@ -499,12 +500,14 @@ def test_supports_rules_without_gpu(monkeypatch):
         assert not api.supports(p2, q, kv, kv, rel_), field
     assert api.supports(types.SimpleNamespace(**{**vars(plan), "prune_threshold": 0.5}), q, kv, kv, rel_)
     assert not api.supports(plan, np.zeros((10, 4, 64), np.float16), kv, kv, rel_)      # host array
-    # compute capability 9.0 (wgmma): 16-bit D = 32 and 96 too, float32 still 64 / 128 only
+    # compute capability 9.0 (wgmma): D = 32 and 96 too, every dtype
     monkeypatch.setattr(api, "use_wgmma", lambda dt: True)
     for d in (32, 96):
         qd, kvd = _FakeDev((10, 4, d)), _FakeDev((10, 2, d))
         assert api.supports(plan, qd, kvd, kvd, rel_)
-        assert not api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
+        assert api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
+    monkeypatch.setattr(api, "use_wgmma", lambda dt: False)   # elsewhere: 64 / 128 only
+    assert not api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
     assert not api.supports(plan, _FakeDev((10, 4, 80)), _FakeDev((10, 2, 80)), _FakeDev((10, 2, 80)), rel_)
 
 
@@ -575,7 +578,9 @@ WG = dict(MT=1, a_smem=True, wgmma=True)
                                                       (32, 2, 2, "bfloat16", 4, 128, 128),
                                                       (64, 2, 1, "float32", 4, 64, 32),     # split: bf16 x 3
                                                       (128, 2, 2, "float32", 4, 32, 32),
-                                                      (64, 1, 1, "float32", 8, 64, 16)])
+                                                      (64, 1, 1, "float32", 8, 64, 16),
+                                                      (96, 2, 1, "float32", 4, 32, 32),     # padded rows
+                                                      (32, 2, 2, "float32", 8, 64, 32)])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname):
     """the warpgroup kernels (descriptor-addressed operands, sub-tiled 128-byte-swizzled layout,

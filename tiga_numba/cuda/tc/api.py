@@ -5,8 +5,8 @@ forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
 backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None) -> (dq, dk, dv, None)
 
 Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat of those),
-float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D (16-bit on compute
-capability 9.0, the wgmma kernels: also 32 and 96), any H % Hkv == 0, any
+float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D (on compute capability
+9.0, the wgmma kernels: also 32 and 96), any H % Hkv == 0, any
 strides (16-byte aligned rows are read in place, anything else is copied once and the copy
 recorded), no edge bias (the CUDA-core kernels take that); tile pruning in the forward.
 Kernels take raw device addresses and scalars only, so a bfloat16 array needs no numba dtype:
@@ -42,11 +42,11 @@ from . import schedule
 
 TC_DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
-#: 16-bit head dims served on compute capability 9.0 by the wgmma kernels (rows padded to whole
-#: 128-byte sub-tile rows, Variant.row_bytes); elsewhere these go to the CUDA-core kernels
+#: head dims served on compute capability 9.0 by the wgmma kernels, every dtype (rows padded to
+#: whole 128-byte sub-tile rows, Variant.row_bytes); elsewhere 32 / 96 go to the CUDA-core kernels
 WGMMA_HEAD_DIMS = (32, 64, 96, 128)
-#: head dims whose float32 calls come here: only where 3xTF32 measured faster than the CUDA-core
-#: float32 kernels (bench_tc.py fp32 section, H200, 2026-11-29); the rest stay on CUDA cores
+#: head dims whose float32 calls come here off sm_90 (3xTF32): only where it measured faster than
+#: the CUDA-core float32 kernels (bench_tc.py fp32 section, H200, 2026-11-29); the rest stay on CUDA cores
 F32_HEAD_DIMS = (64, 128)
 
 #: per (kernel kind, head dim): warps, m16 tiles per warp, streamed block width, resident operand
@@ -131,6 +131,16 @@ TUNING_WGMMA_F32 = {
     ("dkdv", 64): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
     ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, wgmma=True),
 }
+# D = 32 / 96 run the shapes of D = 64 / 128 (rows padded in shared memory, as for 16-bit)
+TUNING_WGMMA_F32.update({(kind, d): dict(TUNING_WGMMA_F32[(kind, like)]) for kind in ("fwd", "dq", "dkdv")
+                         for d, like in ((32, 64), (96, 128))})
+
+
+def head_dims(dtype, wgmma):
+    """the head dims (D == Dv) the tensor-core kernels of `dtype` serve, on wgmma or mma.sync."""
+    if wgmma:
+        return WGMMA_HEAD_DIMS
+    return F32_HEAD_DIMS if dtype == "float32" else HEAD_DIMS
 
 
 def tuning_table(dtype, wgmma=None):
@@ -222,12 +232,10 @@ def supports(plan, q, k, v, relation):
         D, Dv = int(q.shape[2]), int(v.shape[2])
         if Dv != D or int(k.shape[2]) != D:
             return False
-        if D not in HEAD_DIMS and not (D in WGMMA_HEAD_DIMS and use_wgmma(dn)):
+        if D not in head_dims(dn, use_wgmma(dn)):
             return False
         if dn == "float32" and os.environ.get("TIGA_NUMBA_FP32_TENSOR_CORES", "1") == "0":
             return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
-        if dn == "float32" and D not in F32_HEAD_DIMS:
-            return False
         H, Hkv = int(q.shape[1]), int(k.shape[1])
         if Hkv < 1 or H % Hkv:
             return False
@@ -579,13 +587,12 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     ("dkdv_atomic", D, dtype)."""
     out = []
     for dt in dtypes:
-        dims = F32_HEAD_DIMS if dt == "float32" else HEAD_DIMS
+        dims = head_dims(dt, False)
         out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
                 if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=False).fuse_dq)]   # fused: no dQ kernel
         # the sm_90a (H100 / H200) kernels
-        wg_dims = dims if dt == "float32" else WGMMA_HEAD_DIMS
-        out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in wg_dims]
-        out += [("delta", D, dt) for D in wg_dims if D not in dims]
+        out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS]
+        out += [("delta", D, dt) for D in WGMMA_HEAD_DIMS if D not in dims]
         out += [("delta", D, dt) for D in dims]
         out += [("dkdv_atomic", D, dt) for D in dims if (dt, D) in ATOMIC_DQ]   # the opt-in
     return out
