@@ -50,14 +50,14 @@ def sweep(Ns):
     W.sweep(Ns, CANDIDATES, api.TUNING_WGMMA_F32, "float32", tol=1e-4)
 
 
-def table(Ns, engines):
+def table(Ns, engines, dims=(64, 128)):
     B.say("\ncell | fwd ms (TF/s): ours wgmma bf16x3 / ours 3xTF32 / torch eff | fwd ratio wgmma / 3xTF32 || "
           "fwd+bwd ms (TF/s) wgmma / 3xTF32 / torch | fb ratio wgmma / 3xTF32 | fb/fwd (wgmma) | errors vs f64")
     for N in Ns:
-        for D in (64, 128):
+        for D in dims:
             for causal in (False, True):
                 got = {}
-                for wg in engines:
+                for wg in engines if D in api.F32_HEAD_DIMS else ("1",):   # 3xTF32 serves 64 / 128 only
                     os.environ["TIGA_NUMBA_WGMMA"] = wg
                     got[wg] = B.fp32_cell(N, D, causal)
                 a = got["1"]
@@ -81,6 +81,7 @@ def main():
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--no-tf32", action="store_true", help="table without the 3xTF32 column")
     ap.add_argument("--N", default="4096,16384")
+    ap.add_argument("--dims", default="64,128", help="head dims of the table")
     a = ap.parse_args()
     if a.build:
         return W.build_specs(specs(), a.build)
@@ -89,7 +90,7 @@ def main():
     if not a.no_sweep:
         sweep(Ns)
     if not a.sweep_only:
-        table(Ns, ("1",) if a.no_tf32 else ("1", "0"))
+        table(Ns, ("1",) if a.no_tf32 else ("1", "0"), tuple(int(x) for x in a.dims.split(",")))
 
 
 if __name__ == "__main__":
