@@ -73,10 +73,11 @@ TF32_PASSES = (("big", "small"), ("small", "big"), ("big", "big"))
 #: (A part, B part), smallest first; the dropped ones (mid lo, lo mid, lo lo) are ~2^-24 of it:
 #: fp32-class, like 3xTF32, at 6 bf16 passes (bf16 wgmma runs at twice tf32's rate).
 SPLIT_PARTS = ("hi", "mid", "lo")
-#: split P B products accumulate each streamed block in fresh partial tiles, added to the
-#: accumulator in ordinary fp32 (PB_PAIRS's reason); False feeds the accumulator into the chain
-SPLIT_PARTIALS = True
 SPLIT_PASSES = (("lo", "hi"), ("hi", "lo"), ("mid", "mid"), ("mid", "hi"), ("hi", "mid"), ("hi", "hi"))
+#: split P B products accumulate each streamed block in fresh partial tiles, added to the
+#: accumulator in ordinary fp32 (PB_PAIRS's reason, measured for wgmma too: results file
+#: fp32-wgmma-h200-2026-11-30.txt run 4); False feeds the accumulator into the chain
+SPLIT_PARTIALS = True
 
 #: tf32 mma_pb accumulates each streamed block into fresh partial C tiles, PB_PAIRS n-tile pairs
 #: at a time, and adds them to the running accumulator with an ordinary (round-to-nearest) fp32
@@ -141,7 +142,7 @@ class Variant:
     @property
     def stream_buffers(self):
         """streamed blocks in shared memory at once: 2 (cp.async double buffer), or for split 1
-        (the next block lands in the float32 staging tile instead, see stream_block)."""
+        (the next block lands in the float32 staging tile instead, see StreamedPair)."""
         return 1 if self.split else 2
 
     def ksteps(self, width):
@@ -213,7 +214,6 @@ class Variant:
         """above 48 KB a CTA's shared memory must be dynamic (and the kernel's limit raised)."""
         return self.smem_bytes() > 48 * 1024
 
-    # streamed tiles are double-buffered (cp.async prefetch of block i+1 during block i)
     def stream_tile_bytes(self):
         """one streamed block (all parts)."""
         return self.parts * self.BN * (self.row_bytes(self.D) + self.row_bytes(self.Dv))
