@@ -142,7 +142,7 @@ def sweep(Ns, cands=None, table=None, dtype="float16", tol=2e-2):
 def short(o):
     if isinstance(o, tuple):
         return "(" + ", ".join(short(x) for x in o) + ")"
-    return f"NW={o['NW']} BN={o['BN']}"
+    return f"NW={o['NW']} BN={o['BN']}" + (f" pb_cols={o['pb_cols']}" if "pb_cols" in o else "")
 
 
 def table(Ns):

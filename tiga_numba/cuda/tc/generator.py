@@ -105,6 +105,8 @@ class Variant:
     wgmma: bool = False  # sm_90a warpgroup products (see "wgmma" below): each group of 4 warps
     #                      multiplies its 64 rows at once, operands straight from shared memory
     prune: bool = False  # fwd only: tile-pruning admission (DESIGN.md), see prune_gate
+    pb_cols: int = 64    # split: output columns per P B chain and its per-block partial (pb_groups);
+    #                      fewer columns, fewer partial registers
 
     @property
     def NT(self):
@@ -284,6 +286,7 @@ class Variant:
 
     def name(self):
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
+                + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
                 + ("_wg" if self.wgmma else "") + ("_pr" if self.prune else ""))
 
@@ -688,7 +691,8 @@ def pb_groups(v, width):
     reason: the fp32 accumulation truncates) and added to the accumulator with an fp32 add."""
     if not v.split:
         return [width]
-    return [64] * (width // 64) + ([width % 64] if width % 64 else [])
+    n = v.pb_cols
+    return [n] * (width // n) + ([width % n] if width % n else [])
 
 
 def _passes(v):
@@ -739,8 +743,10 @@ def wg_pb(e, v, O, A, P, btile, ntiles, nkeys):
     aregs = [x for a in names for ks in range(nk) for x in a_regs(v, a, 0, ks)]
     j0 = 0
     for n in pb_groups(v, width):
-        # group columns j0 * 8 .. : sub-tile j0 // 8 of B (nkeys rows of 128 bytes each)
-        steps = [(used.index(pa) * nk + ks, (pb * nkeys * v.row_bytes(width) + j0 // 8 * nkeys * 128 + ks * 16 * 128) >> 4)
+        # group columns 8 j0 .. : sub-tile j0 // 8 of B (nkeys rows of 128 bytes each), 16 bytes
+        # further per 8 columns inside it (the swizzle is applied to the final address)
+        col = (j0 // 8) * nkeys * 128 + (j0 % 8) * 16
+        steps = [(used.index(pa) * nk + ks, (pb * nkeys * v.row_bytes(width) + col + ks * 16 * 128) >> 4)
                  for pa, pb in _passes(v) for ks in range(nk)]
         tiles = range(j0, j0 + n // 8)
         partials = v.split and SPLIT_PARTIALS
