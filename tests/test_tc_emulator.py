@@ -607,6 +607,24 @@ def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname
         assert np.isfinite(got).all() and rel(got, want) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("relname", ["causal_tail", "segments"])
+def test_split_narrow_value_chains(relname):
+    """float32 on wgmma with 32-column P B chains (Variant.pb_cols, the shipped D = 128 dK/dV): each
+    chain starts 64 bytes into the B rows' swizzled 128-byte lines; GQA, tails, causal."""
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    q, k, v, do = _inputs(np.random.default_rng(len(relname)), dst[-1], src[-1], 2, 1, 128, "float32")
+    scale = 128 ** -0.5
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
+    vf = G.Variant("fwd", 128, 128, dtype="float32", NW=4, BN=32, pb_cols=32, **WG).check()
+    assert rel(E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale)[0], ro) < TOL["float32"]
+    vq = G.Variant("dq", 128, 128, dtype="float32", NW=4, BN=32, pb_cols=32, **WG).check()
+    vk = G.Variant("dkdv", 128, 128, dtype="float32", NW=4, BN=32, pb_cols=32, **WG).check()
+    grads = E.backward(vq, vk, do, q, k, v, ro.astype(np.float32), rm.astype(np.float32), rl.astype(np.float32),
+                       dst, src, causal.astype(np.uint8), scale)
+    for got, want in zip(grads, (rdq, rdk, rdv)):
+        assert rel(got, want) < 3 * TOL["float32"]
+
+
 @pytest.mark.parametrize("broken", ["sbo", "k_step", "sub_tile"])
 def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
     """a wrong descriptor (8-row stride), k-step advance or sub-tile offset must fail (the test can fail)."""
