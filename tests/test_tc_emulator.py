@@ -696,9 +696,12 @@ def test_wgmma_variant_rules():
         api.kernel(api.variant("fwd", 64, 64, "float16", wgmma=True))[0].cubin("sm_80")
 
 
-@pytest.mark.parametrize("kind,D,NW,BN,prune", [("fwd", 64, 8, 128, False), ("dq", 128, 4, 64, False),
-                                                ("dkdv", 128, 4, 32, False), ("fwd", 96, 8, 128, True)])
-def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune):
+@pytest.mark.parametrize("kind,D,NW,BN,prune,dtype", [("fwd", 64, 8, 128, False, "float16"),
+                                                      ("dq", 128, 4, 64, False, "float16"),
+                                                      ("dkdv", 128, 4, 32, False, "float16"),
+                                                      ("fwd", 96, 8, 128, True, "float16"),
+                                                      ("dq", 64, 4, 64, False, "float32")])   # split
+def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune, dtype):
     """numba's PTX of a warpgroup kernel links for sm_90a (nvJitLink, no GPU): every product is one
     wgmma chain (fence ... commit, wait), shared memory is fenced for the async proxy, no local
     arrays or spills, and ptxas does not serialise the wgmma (a 64-bit division, a subroutine call
@@ -711,13 +714,14 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune)
     from numba import cuda
 
     from tiga_numba.cuda.tc import api
-    v = G.Variant(kind, D, D, NW=NW, BN=BN, prune=prune, **WG).check()
+    v = G.Variant(kind, D, D, dtype=dtype, NW=NW, BN=BN, prune=prune, **WG).check()
     k = api.kernel(v)[0]
     ptx, _ = cuda.compile_ptx(k._pyfunc(), k.argtypes, cc=(9, 0), fastmath=True)
     products = {"fwd": (1, 1), "dq": (2, 1), "dkdv": (2, 2)}[kind]   # (A B^T, P B) products per block
+    passes, groups = len(G._passes(v)), len(G.pb_groups(v, D))   # float32: 6 passes, a chain per group
     nk_abt, nk_pb = D // 16, BN // 16
-    assert ptx.count("wgmma.mma_async.sync.aligned") == products[0] * nk_abt + products[1] * nk_pb
-    assert ptx.count("wgmma.wait_group.sync.aligned 0") == sum(products)
+    assert ptx.count("wgmma.mma_async.sync.aligned") == passes * (products[0] * nk_abt + products[1] * groups * nk_pb)
+    assert ptx.count("wgmma.wait_group.sync.aligned 0") == products[0] + products[1] * groups
     assert "fence.proxy.async.shared::cta" in ptx and ".local" not in ptx
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx)
     ptx = re.sub(r"^\.target sm_90\s*$", ".target sm_90a", ptx, count=1, flags=re.M)
