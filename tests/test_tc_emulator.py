@@ -607,6 +607,18 @@ def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname
         assert np.isfinite(got).all() and rel(got, want) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("scales", [(1e-6, 1e6, 1e30), (1e15, 1e-15, 1e-30)])
+def test_split_holds_far_from_one(scales):
+    """float32 on wgmma needs no scaling: bfloat16 parts have float32's exponent range, so inputs
+    scaled far from 1 stay fp32-class (down to ~1e-33, where the lo parts turn subnormal)."""
+    dst, src, causal = (np.array(x) for x in RELATIONS["dense_rect_tail"])
+    q, k, v, _ = _inputs(np.random.default_rng(2), dst[-1], src[-1], 1, 1, 64, "float32")
+    q, k, v = (x * np.float32(f) for x, f in zip((q, k, v), scales))
+    ro, *_ = oracle(q, k, v, q, dst, src, causal, 0.125)
+    vf = G.Variant("fwd", 64, 64, dtype="float32", NW=4, BN=64, **WG).check()
+    assert rel(E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), 0.125)[0], ro) < 1e-6
+
+
 @pytest.mark.parametrize("relname", ["causal_tail", "segments"])
 def test_split_narrow_value_chains(relname):
     """float32 on wgmma with 32-column P B chains (Variant.pb_cols, the shipped D = 128 dK/dV): each
