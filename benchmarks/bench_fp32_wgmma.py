@@ -4,6 +4,8 @@ vs torch SDPA's efficient kernel in fp32, same run (H = 16, node-major (N, H, D)
   PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py [--out DIR] [--no-sweep] [--N 4096,16384]
   PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py --build sm_90   # cubins of every kernel this run
                                                                       # launches, into the cache (no GPU)
+  PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py --resources --dims 32,64,96,128
+                                                    # ptxas registers / spills of the shipped kernels (no GPU)
 
 1. sweep: each candidate shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
    backward time; results checked against torch SDPA efficient fp32 (relative L2 < 1e-4, else
@@ -50,6 +52,17 @@ def specs():
     return out
 
 
+def resources(dims):
+    """ptxas's registers / spills of the shipped float32 wgmma kernels (sm_90a, no GPU)."""
+    for D in dims:
+        for kind in ("fwd", "dq", "dkdv"):
+            v = api.variant(kind, D, D, "float32", wgmma=True)
+            r = api.kernel(v)[0].ptxas("sm_90a")
+            print(f"{v.name():56s} regs {r['regs']!s:>4s}  spill stores/loads {r['spill_stores']} / "
+                  f"{r['spill_loads']} B  smem {v.smem_bytes()} B{'  SERIALISED' if r['serialised'] else ''}",
+                  flush=True)
+
+
 def sweep(Ns, dims):
     W.sweep(Ns, {k: c for k, c in CANDIDATES.items() if k[1] in dims}, api.TUNING_WGMMA_F32, "float32", tol=1e-4)
 
@@ -85,17 +98,23 @@ def main():
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--no-tf32", action="store_true", help="table without the 3xTF32 column")
     ap.add_argument("--N", default="4096,16384")
-    ap.add_argument("--dims", default="64,128", help="head dims of the sweep and the table")
+    ap.add_argument("--dims", default="64,128", help="head dims of the sweep, the table and --resources")
+    ap.add_argument("--resources", action="store_true", help="ptxas registers / spills of the shipped kernels (no GPU)")
     a = ap.parse_args()
+    dims = tuple(int(x) for x in a.dims.split(","))
     if a.build:
         return W.build_specs(specs(), a.build)
+    if a.resources:
+        return resources(dims)
     Ns = [int(x) for x in a.N.split(",")]
     B.say(f"float32 tuning (wgmma) at start: {api.TUNING_WGMMA_F32}")
-    dims = tuple(int(x) for x in a.dims.split(","))
     if not a.no_sweep:
         sweep(Ns, dims)
     if not a.sweep_only:
         table(Ns, ("1",) if a.no_tf32 else ("1", "0"), dims)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "fp32_wgmma_bench.txt"), "w") as fh:
+        fh.write("\n".join(B.LINES) + "\n")
 
 
 if __name__ == "__main__":

@@ -65,26 +65,13 @@ def build(arch, dtypes):
 
 def spills(arch, dtypes):
     """ptxas's register / spill report (nvJitLink, verbose) of the backward kernels: no GPU needed."""
-    import re
-
-    import numba
-    from cuda.core import Linker, LinkerOptions, ObjectCode
-    from numba import cuda
     for dt in dtypes:
         for D in (64, 128):
             (vq, vk), cands = variants(dt, D)
             for v in (vq, vk, *cands):
-                k = api.kernel(v)[0]
-                ptx, _ = cuda.compile_ptx(k._pyfunc(), k.argtypes, cc=tuple(int(c) for c in arch[3:5]),
-                                          fastmath=True)
-                link = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch, verbose=True))
-                link.link("cubin")
-                log = link.get_info_log()
-                regs = re.search(r"Used (\d+) registers", log)
-                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-                print(f"{v.name():52s} regs {regs.group(1) if regs else '?':>4s}  spill stores/loads "
-                      f"{spill.group(1) + ' / ' + spill.group(2) if spill else '0 / 0'} B  smem {v.smem_bytes()} B",
-                      flush=True)
+                r = api.kernel(v)[0].ptxas(arch)
+                print(f"{v.name():52s} regs {r['regs']!s:>4s}  spill stores/loads {r['spill_stores']} / "
+                      f"{r['spill_loads']} B  smem {v.smem_bytes()} B", flush=True)
 
 
 def main():

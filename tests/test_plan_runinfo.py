@@ -16,7 +16,7 @@ def test_deferred_counts_are_fetched_once_on_first_read():
 
 def test_every_reader_resolves_and_plain_dicts_are_filled_at_once():
     for read in (dict, lambda i: i.copy(), lambda i: list(i.values()), lambda i: {k: i[k] for k in i},
-                 lambda i: i.get("total_tiles")):
+                 lambda i: i.get("total_tiles"), repr):
         info = RunInfo()
         defer_counts(info, lambda: (1, 2))
         read(info)

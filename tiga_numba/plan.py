@@ -64,6 +64,10 @@ class RunInfo(dict):
         self._resolve_all()
         return RunInfo(dict.items(self))
 
+    def __repr__(self):
+        self._resolve_all()
+        return dict.__repr__(self)
+
 
 def defer_counts(info, fetch):
     """a pruned forward's run_info["pruned_tiles"] / ["total_tiles"] from fetch() -> (pruned,

@@ -109,10 +109,17 @@ TUNING_WGMMA = {
     ("dkdv", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
 }
-# D = 32 / 96 run the shapes of D = 64 / 128: the run-4 sweep of their own candidates chose the same
-# ones (no spills at 159-253 / 176-246 registers, ptxas report)
-TUNING_WGMMA.update({(kind, d): dict(TUNING_WGMMA[(kind, like)]) for kind in ("fwd", "dq", "dkdv")
-                     for d, like in ((32, 64), (96, 128))})
+
+
+def _padded_dims(table):
+    """D = 32 / 96 run the shapes of D = 64 / 128 (rows padded to whole 128-byte sub-tile rows)."""
+    table.update({(kind, d): dict(table[(kind, like)]) for kind in ("fwd", "dq", "dkdv")
+                  for d, like in ((32, 64), (96, 128))})
+
+
+# 16-bit: the run-4 sweep of their own candidates chose the same ones (no spills at 159-253 /
+# 176-246 registers, ptxas report)
+_padded_dims(TUNING_WGMMA)
 
 
 #: float32 on compute capability 9.0: the same wgmma kernels on bf16 x 3 operand parts
@@ -132,9 +139,7 @@ TUNING_WGMMA_F32 = {
     ("dkdv", 64): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
     ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, wgmma=True, pb_cols=32),
 }
-# D = 32 / 96 run the shapes of D = 64 / 128 (rows padded in shared memory, as for 16-bit)
-TUNING_WGMMA_F32.update({(kind, d): dict(TUNING_WGMMA_F32[(kind, like)]) for kind in ("fwd", "dq", "dkdv")
-                         for d, like in ((32, 64), (96, 128))})
+_padded_dims(TUNING_WGMMA_F32)   # not swept separately
 
 
 def head_dims(dtype, wgmma):
@@ -415,21 +420,18 @@ class Compiled:
                         _intrinsics_hash(), "cubin-2"))
         return os.path.join(d, f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:16]}-{arch}.cubin")
 
-    def cubin(self, arch):
-        """(entry name, cubin bytes) for `arch` ("sm_90"): from the cache, else compiled here.
-        wgmma kernels are built for sm_90a (numba's PTX says sm_90: its target line is raised)."""
+    def _target(self, arch):
+        """the arch the kernel is built for: wgmma kernels exist for sm_90a only."""
         if self.wgmma:
             if arch not in ("sm_90", "sm_90a"):
                 raise ValueError(f"{self.name}: wgmma kernels run on sm_90a only, not {arch}")
-            arch = "sm_90a"
-        path = self._cubin_file(arch)
-        from .. import launch as L   # lazy: numba.cuda loads with the first GPU use
-        hit = L.read_cubin(path)
-        if hit is not None:
-            return hit
+            return "sm_90a"
+        return arch
+
+    def _ptx(self, arch):
+        """numba's PTX for `arch` (NVVM, no GPU); for sm_90a its `.target sm_90` line is raised."""
         import re
 
-        from cuda.core import Linker, LinkerOptions, ObjectCode
         from numba import cuda
         m = re.fullmatch(r"sm_(\d+)(\d)a?", arch)
         if m is None:
@@ -438,11 +440,43 @@ class Compiled:
         if arch.endswith("a"):
             ptx, n = re.subn(r"^\.target sm_(\d+)\s*$", f".target {arch}", ptx, count=1, flags=re.M)
             assert n == 1, "no .target line in numba's PTX"
+        return ptx
+
+    @staticmethod
+    def _link(ptx, arch, verbose=False):
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+        link = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch, verbose=verbose))
+        return link, link.link("cubin")
+
+    def cubin(self, arch):
+        """(entry name, cubin bytes) for `arch` ("sm_90"): from the cache, else compiled here.
+        wgmma kernels are built for sm_90a (numba's PTX says sm_90: its target line is raised)."""
+        arch = self._target(arch)
+        path = self._cubin_file(arch)
+        from .. import launch as L   # lazy: numba.cuda loads with the first GPU use
+        hit = L.read_cubin(path)
+        if hit is not None:
+            return hit
+        import re
+        ptx = self._ptx(arch)
         entry = re.search(r"\.entry\s+([\w$]+)", ptx).group(1)
-        linked = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch)).link("cubin")
+        linked = self._link(ptx, arch)[1]
         data = bytes(getattr(linked, "code", linked))
         L.write_cubin(path, entry, data)
         return entry, data
+
+    def ptxas(self, arch="sm_90"):
+        """ptxas's report for `arch` (nvJitLink, verbose; no GPU): dict(regs, spill_stores,
+        spill_loads, serialised (wgmma serialised, warning C7509), ptx, log)."""
+        import re
+        arch = self._target(arch)
+        ptx = self._ptx(arch)
+        log = self._link(ptx, arch, verbose=True)[0].get_info_log()
+        regs = re.search(r"Used (\d+) registers", log)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        return dict(regs=int(regs.group(1)) if regs else None,
+                    spill_stores=int(spill.group(1)) if spill else 0, spill_loads=int(spill.group(2)) if spill else 0,
+                    serialised="C7509" in log or "serialized" in log, ptx=ptx, log=log)
 
     def ptx(self):
         return self.dispatcher.inspect_asm(self.argtypes)
@@ -747,7 +781,7 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, r
                 H * vr.Dv * vr.GB, H // Hkv)
         if vr.prune:
             import cupy
-            counts = cupy.zeros((W * H, 2), cupy.int32)   # every CTA writes its slot; zeros anyway
+            counts = cupy.empty((W * H, 2), cupy.int32)   # every CTA writes its slot (the emulator poisons it)
             args += (_ptr(counts), scale * G.LOG2E, -math.inf, math.log2(rho))
         else:
             args += (scale * G.LOG2E, -math.inf)

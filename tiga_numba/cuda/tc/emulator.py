@@ -19,6 +19,7 @@ import types as _types
 import numpy as np
 
 from . import generator as G
+from .ptx import chain_operands
 
 
 # ----------------------------------------------------------------------------- element formats
@@ -207,7 +208,7 @@ class Warps:
         rows 16 (w % 4) .. + 15 in C layout."""
         nw, wv, g, t = self.NT // 32, self.wv, self.g, self.t
         assert self.NT % 128 == 0, "wgmma needs whole warpgroups"
-        na = 2 if form == "ss" else 4 * (max(a for a, _ in steps) + 1) + 1
+        na = chain_operands(form, steps)
         c_in = args[na:]
         assert len(c_in) == N // 2
         C = np.full((nw, 16, N), np.nan, np.float32)
@@ -478,12 +479,12 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
-    EB = v.GB   # output element bytes
+    GB = v.GB   # output element bytes
     mem = Memory()
     qb, q_rs, q_hs = _put_heads(mem, q, v.dtype)
     kb, k_rs, k_hs = _put_heads(mem, k, v.dtype)
     vb, v_rs, v_hs = _put_heads(mem, v_, v.dtype)
-    ob = mem.alloc(max(nd * H * Dv * EB, 1))
+    ob = mem.alloc(max(nd * H * Dv * GB, 1))
     mb = mem.alloc(max(nd * H * 4, 1))
     lb = mem.alloc(max(nd * H * 4, 1))
     work = schedule.query_tiles(dst_offsets, src_offsets, causal, v.BM)
@@ -491,7 +492,7 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
         wb = mem.put(work)
         sc = np.float32(scale * G.LOG2E)
         cnt = mem.alloc(len(work) * H * 8) if v.prune else None
-        args = (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * EB, H // Hkv)
+        args = (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * GB, H // Hkv)
         args += ((cnt, sc, np.float32(-np.inf), np.float32(np.log2(rho))) if v.prune else (sc, np.float32(-np.inf)))
         launch(G.gen_forward(v), (len(work), H), v.NT, v.smem_bytes(), mem, v.dtype, args)
         if v.prune and stats is not None:
@@ -507,7 +508,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
-    dt, EB, sd = vkv.dtype, vkv.GB, storage_dtype(vkv.dtype)
+    dt, GB, sd = vkv.dtype, vkv.GB, storage_dtype(vkv.dtype)
     mem = Memory()
     qb, q_rs, q_hs = _put_heads(mem, q, dt)
     kb, k_rs, k_hs = _put_heads(mem, k, dt)
@@ -518,9 +519,9 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     lb = mem.put(np.ascontiguousarray(l, np.float32))
     dlt = mem.alloc(max(nd * H * 4, 1))
     lse = mem.alloc(max(nd * H * 4, 1))
-    dqb = mem.alloc(max(nd * H * D * EB, 1))
-    dkb = mem.alloc(max(ns * Hkv * D * EB, 1))
-    dvb = mem.alloc(max(ns * Hkv * Dv * EB, 1))
+    dqb = mem.alloc(max(nd * H * D * GB, 1))
+    dkb = mem.alloc(max(ns * Hkv * D * GB, 1))
+    dvb = mem.alloc(max(ns * Hkv * Dv * GB, 1))
     sc = np.float32(scale * G.LOG2E)
     if nd * H:
         launch(G.gen_delta(dt, Dv), ((nd * H + 3) // 4, 1), 128, 16, mem, dt,
@@ -530,25 +531,25 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
         if len(work):
             launch(G.gen_dq(vdq), (len(work), H), vdq.NT, vdq.smem_bytes(), mem, dt,
                    (qb, kb, vb, db, lse, dlt, dqb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,
-                    H * D * EB, H // Hkv, sc, np.float32(scale)))
+                    H * D * GB, H // Hkv, sc, np.float32(scale)))
     work = schedule.key_tiles(dst_offsets, src_offsets, causal, vkv.BM)
     if vkv.fuse_dq:
         # as the API does: rows no key tile visits are zero-filled, the rest stays poisoned
         unvisited = schedule.rows_without_keys(dst_offsets, src_offsets, nd)
         if unvisited.any():
-            mem.buf[dqb:dqb + nd * H * D * EB].reshape(nd, -1)[unvisited] = 0
+            mem.buf[dqb:dqb + nd * H * D * GB].reshape(nd, -1)[unvisited] = 0
         # ordered: poisoned (the first visitor reads nothing); atomic: zeroed, converted below
         accb = mem.alloc(max(nd * H * D * 4, 1), fill=0 if vkv.dq_atomic else 0xFF)
         cntb = mem.alloc(max(nd * H * 4, 1), fill=0)         # turn counters start at 0
         if len(work):
             launch(G.gen_dkdv(vkv), (len(work) * Hkv, 1), vkv.NT, vkv.smem_bytes(), mem, dt,
                    (qb, kb, vb, db, lse, dlt, dkb, dvb, dqb, accb, cntb, mem.put(work), q_rs, q_hs, k_rs, k_hs,
-                    v_rs, v_hs, do_rs, do_hs, Hkv * D * EB, Hkv * Dv * EB, H * D * EB, H // Hkv, H, sc,
+                    v_rs, v_hs, do_rs, do_hs, Hkv * D * GB, Hkv * Dv * GB, H * D * GB, H // Hkv, H, sc,
                     np.float32(scale)))
     elif len(work):
         launch(G.gen_dkdv(vkv), (len(work), Hkv), vkv.NT, vkv.smem_bytes(), mem, dt,
                (qb, kb, vb, db, lse, dlt, dkb, dvb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,
-                do_hs, Hkv * D * EB, Hkv * Dv * EB, H // Hkv, H, sc, np.float32(scale)))
+                do_hs, Hkv * D * GB, Hkv * Dv * GB, H // Hkv, H, sc, np.float32(scale)))
     # rows no work tile covers (sources outside every block) are zero by definition
     dq = from_storage(mem.get(dqb, sd, (nd, H, D)), dt)
     if vkv.fuse_dq and vkv.dq_atomic:   # the API's convert pass: dq = scale * accumulator in q's dtype

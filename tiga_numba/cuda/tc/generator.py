@@ -40,8 +40,8 @@ float32 (3xTF32, mma.sync.m16n8k8.tf32; the dtype axis of the same generator):
 float32 on wgmma (Variant.split; sm_90a): the 16-bit wgmma kernels on bfloat16 parts. Every tile
 is staged as float32 and converted into three bf16 part tiles of the 16-bit layout (stage_tile,
 convert_tile), P-like C fragments into three packed A operands (c_to_a_split), and each product
-is one wgmma chain over SPLIT_PASSES x k-steps; P B products per 64-column group into per-block
-partials (pb_groups). Outputs are float32 in the natural column order.
+is one wgmma chain over SPLIT_PASSES x k-steps; P B products per Variant.pb_cols-column group into
+per-block partials (pb_groups). Outputs are float32 in the natural column order.
 """
 from __future__ import annotations
 
@@ -184,17 +184,15 @@ class Variant:
                                  "resident operands in shared memory (a_smem), no fuse_dq")
             from .ptx import WGMMA_N
             # products: S-like (N = BN, or the keys of dK/dV's S^T) and P B-like (N = D or Dv; split:
-            # per 64-column group)
+            # per pb_cols-column group)
             for n in [self.BN] + [n for w in (self.D, self.Dv) for n in pb_groups(self, w)]:
                 if n not in WGMMA_N:
                     raise ValueError(f"wgmma: no m64n{n}k16 product (ptx.WGMMA_N {WGMMA_N})")
-            for rows in ((self.BN, self.BM) if self.split else ()):
-                for w in (self.D, self.Dv):
-                    if (rows * w // 4) % self.NT:
-                        raise ValueError(f"split: {self.NT} threads cannot stage a {rows} x {w} float32 tile "
-                                         "in whole 16-byte passes")
-            for w in (self.D, self.Dv):
-                if self.NT % (self.row_bytes(w) // 16):
+            for w in (self.D, self.Dv):   # whole copy passes: stage_tile's (split) or load_tile's
+                if self.split and any((rows * w // 4) % self.NT for rows in (self.BN, self.BM)):
+                    raise ValueError(f"split: {self.NT} threads cannot stage float32 tiles of width {w} "
+                                     f"({self.BN} and {self.BM} rows) in whole 16-byte passes")
+                if not self.split and self.NT % (self.row_bytes(w) // 16):
                     raise ValueError(f"wgmma: {self.NT} threads cannot load {self.row_bytes(w)}-byte padded rows "
                                      "in whole passes")
         if self.smem_bytes() > MAX_SMEM:
@@ -600,14 +598,20 @@ def resident(e, v, tiles, row0):
     return where, kept, off
 
 
+def a_pairs(C, m, ks):
+    """FA2 register reuse: C fragments of n-tiles 2k, 2k+1 are exactly the A fragment of k-step k;
+    A register r of k-step ks packs this pair of C values (low half first)."""
+    return [(f"{C}{m}_{j}_{c}", f"{C}{m}_{j}_{c + 1}") for j in (2 * ks, 2 * ks + 1) for c in (0, 2)]
+
+
 def c_to_a(e, A, C, MT, ksteps):
-    """FA2 register reuse: C fragments of n-tiles 2k, 2k+1 are exactly the A fragment of k-step k."""
+    """C fragments -> packed 16-bit A fragments (a_pairs), two registers a line."""
     e(f"# c_to_a: {C} (f32 C fragments) -> {A} (packed A fragments)")
     for m in range(MT):
         for ks in range(ksteps):
-            a, b = 2 * ks, 2 * ks + 1
-            e(f"{A}{m}_{ks}_0 = pack2({C}{m}_{a}_0, {C}{m}_{a}_1); {A}{m}_{ks}_1 = pack2({C}{m}_{a}_2, {C}{m}_{a}_3)")
-            e(f"{A}{m}_{ks}_2 = pack2({C}{m}_{b}_0, {C}{m}_{b}_1); {A}{m}_{ks}_3 = pack2({C}{m}_{b}_2, {C}{m}_{b}_3)")
+            packed = [f"{A}{m}_{ks}_{r} = pack2({lo}, {hi})" for r, (lo, hi) in enumerate(a_pairs(C, m, ks))]
+            e("; ".join(packed[:2]))
+            e("; ".join(packed[2:]))
 
 
 def c_to_a_tf32(e, A, C, m, j):
@@ -687,8 +691,8 @@ def wg_desc(addr, lbo, sbo=1024):
 
 def pb_groups(v, width):
     """column groups of a P B product with `width` output columns, one wgmma chain each: the whole
-    width, or (split) 64-column groups, each accumulated per block in fresh partials (PB_PAIRS's
-    reason: the fp32 accumulation truncates) and added to the accumulator with an fp32 add."""
+    width, or (split) groups of v.pb_cols columns, each accumulated per block in fresh partials
+    (PB_PAIRS's reason: the fp32 accumulation truncates) and added to the accumulator with an fp32 add."""
     if not v.split:
         return [width]
     n = v.pb_cols
@@ -717,13 +721,13 @@ def wg_abt(e, v, C, btile, ntiles, width, atile):
 
 
 def c_to_a_split(e, A, C, nk):
-    """split: C fragments -> the A fragments of the three bf16 parts ({A}h, {A}m, {A}l), c_to_a's
-    layout, one split3x2 per packed pair."""
+    """split: C fragments -> the A fragments of the three bf16 parts ({A}h, {A}m, {A}l), one
+    split3x2 per packed pair (a_pairs)."""
     e(f"# c_to_a_split: {C} -> {A}h / {A}m / {A}l (bf16 parts of the packed A fragments)")
     for ks in range(nk):
-        for r, (j, c) in enumerate(((2 * ks, 0), (2 * ks, 2), (2 * ks + 1, 0), (2 * ks + 1, 2))):
+        for r, (lo, hi) in enumerate(a_pairs(C, 0, ks)):
             outs = ", ".join(f"{A}{p[0]}0_{ks}_{r}" for p in SPLIT_PARTS)
-            e(f"{outs} = split3x2({C}0_{j}_{c}, {C}0_{j}_{c + 1})")
+            e(f"{outs} = split3x2({lo}, {hi})")
 
 
 def wg_pb(e, v, O, A, P, btile, ntiles, nkeys):
@@ -927,8 +931,8 @@ class StreamedPair:
 
 
 def stream_key_blocks(e, v, qa_where, block):
-    """The key loop of the forward and dQ kernels: the block's K/V tiles stream through a double
-    buffer (cp.async of block kb+1 while kb computes); per block S = Q K^T, masked only where the
+    """The key loop of the forward and dQ kernels: the block's K/V tiles stream through StreamedPair
+    (block kb+1 is copied while kb computes); per block S = Q K^T, masked only where the
     block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
     kernel's own use of S with the current buffers. Expects ss, kg, vg, cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT

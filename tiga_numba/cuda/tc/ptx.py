@@ -19,6 +19,12 @@ PTX_TYPE = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 WGMMA_N = (16, 32, 64, 96, 128, 256)
 
 
+def chain_operands(form, steps):
+    """operands of a wgmma_chain call before its accumulators: ss (da, db); rs (4 registers per A
+    group the steps use, then db)."""
+    return 2 if form == "ss" else 4 * (max(g for g, _ in steps) + 1) + 1
+
+
 def wgmma_operand(dtype):
     """the wgmma operand type of a kernel dtype: float32 runs on bf16 parts (generator "split")."""
     return "bf16" if dtype == "float32" else PTX_TYPE[dtype]
@@ -357,7 +363,7 @@ def intrinsics(dtype="float16"):
         Arguments: ss (da, db, *acc); rs (*a_regs, db, *acc)."""
         n = N // 2
         ss = form == "ss"
-        na = 2 if ss else 4 * (max(g for g, _ in steps) + 1) + 1    # operands before the accumulators
+        na = chain_operands(form, steps)
         lines = [f".reg .b64 ta<{len(steps)}>, tb<{len(steps)}>;", "wgmma.fence.sync.aligned;"]
         acc = "{" + ", ".join(f"${i}" for i in range(n)) + "}"
         for i, (a, b) in enumerate(steps):
