@@ -7,6 +7,8 @@ efficient for float32) as the anchor.
   PYTHONPATH=. python benchmarks/bench_tc_bwd.py [--dtypes float16,float32] [--N 4096,16384]
          [--build sm_90]    # only fill the cubin cache for every kernel this run launches (no GPU)
          [--spills sm_90]   # ptxas registers / spill bytes of the backward kernels (no GPU)
+         [--wgmma --dims 32,64,128]   # the sm_90a kernels: shipped two-kernel wgmma backward vs the
+                                      # fused wgmma candidates (WG_CANDIDATES, ordered and atomic)
 
 Checks in every cell: each fused candidate's dq, dk, dv vs the two-kernel backward (relative L2)
 and the first fused candidate run twice is bit-identical (the ordered accumulation's promise).
@@ -36,6 +38,25 @@ CANDIDATES = {
 }
 
 
+#: fused wgmma shapes (16-bit), D -> [Variant fields]; each runs ordered (deterministic) and with
+#: float atomics; the first ordered one is the bitwise-repeat check
+WG_CANDIDATES = {
+    32: [dict(NW=8, BN=128), dict(NW=4, BN=128), dict(NW=8, BN=64)],
+    64: [dict(NW=8, BN=64), dict(NW=8, BN=128), dict(NW=4, BN=128), dict(NW=4, BN=64)],
+    128: [dict(NW=8, BN=64), dict(NW=4, BN=64)],
+}
+WG = dict(MT=1, a_smem=True, wgmma=True)
+
+
+def wg_variants(dtype, D):
+    """the sm_90a counterpart of variants(): the shipped two-kernel wgmma backward and the fused
+    wgmma candidates, ordered then atomic for each shape."""
+    unf = (api.variant("dq", D, D, dtype, wgmma=True), api.variant("dkdv", D, D, dtype, wgmma=True))
+    cands = [G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=at, **WG, **c).check()
+             for at in (False, True) for c in WG_CANDIDATES[D]]
+    return unf, cands
+
+
 def variants(dtype, D):
     """(two-kernel (dq, dkdv) as shipped, [fused candidates]); the first candidate is api.FUSED_DKDV's"""
     dq, dkdv = api.variant("dq", D, D, dtype), api.variant("dkdv", D, D, dtype)
@@ -50,28 +71,65 @@ def variants(dtype, D):
     return unf, cands
 
 
-def build(arch, dtypes):
+def build(arch, dtypes, dims, pick):
     specs = []
     for dt in dtypes:
-        for D in (64, 128):
-            (vq, vk), cands = variants(dt, D)
-            for v in (vq, vk, *cands, api.variant("fwd", D, D, dt)):
-                fields = dict(NW=v.NW, MT=v.MT, BN=v.BN, a_smem=v.a_smem, fuse_dq=v.fuse_dq, dq_atomic=v.dq_atomic)
+        for D in dims:
+            (vq, vk), cands = pick(dt, D)
+            for v in (vq, vk, *cands, api.variant("fwd", D, D, dt, wgmma=vq.wgmma)):
+                fields = dict(NW=v.NW, MT=v.MT, BN=v.BN, a_smem=v.a_smem, fuse_dq=v.fuse_dq, dq_atomic=v.dq_atomic,
+                              wgmma=v.wgmma)
                 specs.append((v.kind, D, dt, fields))
             specs.append(("delta", D, dt))
     names = api.build_cubins(specs=specs, arch=arch, jobs=2)
     print(f"{len(names)} cubins for {arch}: {', '.join(names)}")
 
 
-def spills(arch, dtypes):
+def spills(arch, dtypes, dims, pick):
     """ptxas's register / spill report (nvJitLink, verbose) of the backward kernels: no GPU needed."""
     for dt in dtypes:
-        for D in (64, 128):
-            (vq, vk), cands = variants(dt, D)
+        for D in dims:
+            (vq, vk), cands = pick(dt, D)
             for v in (vq, vk, *cands):
                 r = api.kernel(v)[0].ptxas(arch)
                 print(f"{v.name():52s} regs {r['regs']!s:>4s}  spill stores/loads {r['spill_stores']} / "
                       f"{r['spill_loads']} B  smem {v.smem_bytes()} B", flush=True)
+
+
+def launch(BT, ours, vq, vk, do, out=None):
+    """one backward of (vq, vk) on a bench_tc.Ours' forward, into `out` (dq, dk, dv) or its buffers."""
+    dq, dk, dv = out or (ours.dq, ours.dk, ours.dv)
+    api.launch_backward(vq, vk, ours.rec, ours.N, ours.H, ours.Hkv, BT.op(ours.q), BT.op(ours.k), BT.op(ours.v),
+                        BT.op(do), BT.op(ours.out), ours.m.data_ptr(), ours.l.data_ptr(), ours.delta.data_ptr(),
+                        ours.lse2.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ours.scale, ours.st)
+
+
+def sanitize(dtypes, dims, pick):
+    """every candidate's backward once on a small case (segments of length 0 / 1 / tails, GQA 4 / 2,
+    causal and not): run under compute-sanitizer memcheck / racecheck."""
+    import torch
+
+    import bench_tc as BT
+    cu = np.array([0, 1, 1, 70, 200, 201, 333])
+    N = int(cu[-1])
+    for dt in dtypes:
+        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dt]
+        for D in dims:
+            (vq, vk), cands = pick(dt, D)
+            for causal in (True, False):
+                q, do = (torch.randn(N, 4, D, device="cuda", dtype=tdt) for _ in range(2))
+                k, v = (torch.randn(N, 2, D, device="cuda", dtype=tdt) for _ in range(2))
+                ours = BT.Ours(q, k, v, cu, causal, dt)
+                ours.fwd()
+                ours.bwd(do)
+                ref = [x.clone() for x in (ours.dq, ours.dk, ours.dv)]
+                for c in cands:
+                    for x in (ours.dq, ours.dk, ours.dv):
+                        x.fill_(float("nan"))
+                    launch(BT, ours, None, c, do)
+                    torch.cuda.synchronize()
+                    err = max(BT.rel(x, r) for x, r in zip((ours.dq, ours.dk, ours.dv), ref))
+                    print(f"sanitize {c.name()} causal={int(causal)}: vs shipped {err:.1e}", flush=True)
 
 
 def main():
@@ -80,23 +138,30 @@ def main():
     ap.add_argument("--N", default="4096,16384")
     ap.add_argument("--build", default=None, metavar="ARCH")
     ap.add_argument("--spills", default=None, metavar="ARCH", help="print ptxas register/spill counts (no GPU)")
+    ap.add_argument("--wgmma", action="store_true", help="the sm_90a kernels (16-bit dtypes): WG_CANDIDATES")
+    ap.add_argument("--dims", default=None, help="head dims (default 64,128; --wgmma 32,64,128)")
+    ap.add_argument("--sanitize", action="store_true", help="each candidate once on a small case (compute-sanitizer)")
     a = ap.parse_args()
     dtypes = a.dtypes.split(",")
+    pick = wg_variants if a.wgmma else variants
+    dims = [int(x) for x in (a.dims or ("32,64,128" if a.wgmma else "64,128")).split(",")]
     if a.build:
-        return build(a.build, dtypes)
+        return build(a.build, dtypes, dims, pick)
     if a.spills:
-        return spills(a.spills, dtypes)
+        return spills(a.spills, dtypes, dims, pick)
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if a.sanitize:
+        return sanitize(dtypes, dims, pick)
     import bench_tc as BT
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     print(f"# {torch.cuda.get_device_name()}  H={H}  reps={BT.REPS}")
     print("# columns: fwd, two-kernel bwd, fused bwd per candidate (ms); torch fwd+bwd (ms); "
           "ratio = torch / (our fwd + best fused bwd); fwd+bwd / fwd")
     for dt in dtypes:
-        for D in (64, 128):
-            (vq, vk), cands = variants(dt, D)
+        for D in dims:
+            (vq, vk), cands = pick(dt, D)
             for N in (int(x) for x in a.N.split(",")):
                 for causal in (False, True):
                     g = torch.Generator(device="cuda").manual_seed(N + D + causal)
@@ -106,11 +171,7 @@ def main():
                     ours.bwd(do)   # allocates dq/dk/dv, delta, lse2
 
                     def bwd(vq_, vk_, out=None):
-                        dq, dk, dv = out or (ours.dq, ours.dk, ours.dv)
-                        api.launch_backward(vq_, vk_, ours.rec, N, H, H, BT.op(q), BT.op(k), BT.op(v), BT.op(do),
-                                            BT.op(ours.out), ours.m.data_ptr(), ours.l.data_ptr(),
-                                            ours.delta.data_ptr(), ours.lse2.data_ptr(), dq.data_ptr(),
-                                            dk.data_ptr(), dv.data_ptr(), ours.scale, ours.st)
+                        launch(BT, ours, vq_, vk_, do, out)
                     t_fwd = BT.bench(ours.fwd)
                     t_unf = BT.bench(lambda: bwd(vq, vk))
                     ref = [x.clone() for x in (ours.dq, ours.dk, ours.dv)]

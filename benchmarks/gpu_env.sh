@@ -17,12 +17,16 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
   python3 -c "import numba, numba_cuda, cupy, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
   python3 -c "import torch; print('torch', torch.__version__)" 2>/dev/null || true
   git log -1 --format='commit %h %s' 2>/dev/null || true; } 2>&1 | tee "$OUT/gpu.txt"
-# sanitize TOOL DTYPES TIMEOUT: compute-sanitizer TOOL (memcheck, racecheck) over bench_tc.py --sanitize for
-# the comma list DTYPES (small segments / tails / GQA case, forward, pruned forward, backward); output in
-# $OUT/sanitize_TOOL.txt, a failure sets status=1.
+# sanitize TOOL DTYPES TIMEOUT [SCRIPT ARGS...]: compute-sanitizer TOOL (memcheck, racecheck) over
+# bench_tc.py --sanitize for the comma list DTYPES (small segments / tails / GQA case, forward, pruned
+# forward, backward), or over the python SCRIPT ARGS given; output in $OUT/sanitize_TOOL.txt, a failure
+# sets status=1.
 sanitize() {
-  stamp "compute-sanitizer $1 ($2)"
-  timeout "$3" compute-sanitizer --tool "$1" --report-api-errors no --error-exitcode 9 --print-limit 20 \
-    python3 benchmarks/bench_tc.py --sanitize --sanitize-dtypes "$2" > "$OUT/sanitize_$1.txt" 2>&1
-  local rc=$?; tail -n 6 "$OUT/sanitize_$1.txt"; stamp "$1 rc=$rc"; [ $rc -eq 0 ] || status=1
+  local tool=$1 dtypes=$2 limit=$3
+  shift 3
+  [ $# -gt 0 ] || set -- benchmarks/bench_tc.py --sanitize --sanitize-dtypes "$dtypes"
+  stamp "compute-sanitizer $tool ($*)"
+  timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 --print-limit 20 \
+    python3 "$@" > "$OUT/sanitize_$tool.txt" 2>&1
+  local rc=$?; tail -n 6 "$OUT/sanitize_$tool.txt"; stamp "$tool rc=$rc"; [ $rc -eq 0 ] || status=1
 }

@@ -607,6 +607,44 @@ def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname
         assert np.isfinite(got).all() and rel(got, want) < 3 * TOL[dtype]
 
 
+#: fused wgmma backward shapes: (D, H, Hkv, dtype, NW, BN); one / two warpgroups, one / two dQ row
+#: units per warpgroup, two column units (NW = 8, BN = 64), D = 32 / 64 / 96 / 128
+WG_FUSED = [(64, 2, 1, "float16", 4, 64), (64, 2, 1, "float16", 8, 64), (64, 1, 1, "bfloat16", 4, 128),
+            (128, 2, 1, "float16", 8, 64), (32, 2, 2, "float16", 8, 128), (96, 2, 1, "float16", 4, 64)]
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["ordered", "atomic"])
+@pytest.mark.parametrize("D,H,Hkv,dtype,NW,BN", WG_FUSED)
+@pytest.mark.parametrize("relname", list(RELATIONS))
+def test_wgmma_fused_backward_emulated(D, H, Hkv, dtype, NW, BN, atomic, relname):
+    """the fused dK/dV/dQ kernel on wgmma: dS^T leaves the registers as a query-major tile in the
+    wgmma layout, dQ units are st chains (A = dS K-major, B = the resident K tile MN-major), added in
+    key-tile order to a poisoned accumulator (ordered) or with red.global (atomic)."""
+    if D == 96 and not atomic:
+        with pytest.raises(ValueError, match="16-byte passes"):
+            G.Variant("dkdv", D, D, dtype=dtype, NW=NW, BN=BN, fuse_dq=True, **WG).check()
+        return
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng(7 + D + NW + len(relname))
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, D ** -0.5)
+    vk = G.Variant("dkdv", D, D, dtype=dtype, NW=NW, BN=BN, fuse_dq=True, dq_atomic=atomic, **WG).check()
+    got = E.backward(None, vk, do, q, k, v, rounded(ro.astype(np.float32), dtype), rm.astype(np.float32),
+                     rl.astype(np.float32), dst, src, causal.astype(np.uint8), D ** -0.5)
+    for g, want in zip(got, (rdq, rdk, rdv)):
+        assert np.isfinite(g).all() and rel(g, want) < 3 * TOL[dtype]
+
+
+def test_wgmma_fused_rules():
+    """what the wgmma dQ units cannot tile is refused with the argument named, not mis-tiled."""
+    assert G.Variant("dkdv", 64, 64, NW=8, BN=64, fuse_dq=True, **WG).wg_dq_units() == (1, 2, 32, 1)
+    assert G.Variant("dkdv", 64, 64, NW=4, BN=128, fuse_dq=True, **WG).wg_dq_units() == (2, 1, 64, 2)
+    with pytest.raises(ValueError, match="units of 64 query rows"):
+        G.Variant("dkdv", 64, 64, NW=4, BN=32, fuse_dq=True, **WG).check()
+    with pytest.raises(ValueError, match="16-bit only"):
+        G.Variant("dkdv", 64, 64, dtype="float32", NW=4, BN=64, fuse_dq=True, **WG).check()
+
+
 @pytest.mark.parametrize("scales", [(1e-6, 1e6, 1e30), (1e15, 1e-15, 1e-30)])
 def test_split_holds_far_from_one(scales):
     """float32 on wgmma needs no scaling: bfloat16 parts have float32's exponent range, so inputs
@@ -736,6 +774,32 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune,
     assert rep["regs"] and not rep["serialised"], rep["log"]
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["log"]
 
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["ordered", "atomic"])
+def test_wgmma_fused_ptx_links_for_sm90a(atomic):
+    """the fused wgmma backward links for sm_90a without spills or serialisation: the dK/dV kernel's
+    four chains plus one st chain (B transposed) per dQ unit; ordered: the turn counter at GPU scope and
+    no float atomics; atomic: red.global.add.v2.f32."""
+    pytest.importorskip("numba_cuda")
+    pytest.importorskip("cuda.core")
+    import re
+
+    from tiga_numba.cuda.tc import api
+    v = G.Variant("dkdv", 64, 64, NW=8, BN=64, fuse_dq=True, dq_atomic=atomic, **WG).check()
+    rep = api.kernel(v)[0].ptxas("sm_90a")
+    ptx = rep["ptx"]
+    per = v.wg_dq_units()[3]
+    assert ptx.count("wgmma.mma_async.sync.aligned") == 2 * (64 // 16) + 2 * (v.BN // 16) + per * (v.BM // 16)
+    assert ptx.count("wgmma.wait_group.sync.aligned 0") == 4 + per
+    assert ptx.count("1, 1, 1, 0, 1;") == per * (v.BM // 16)   # imm-trans-b: dQ's B = K read MN-major
+    if atomic:
+        assert "red.global.add.v2.f32" in ptx
+    else:
+        assert "ld.acquire.gpu.global.u32" in ptx and "st.release.gpu.global.u32" in ptx
+        assert not re.search(r"\b(atom|red)\.", ptx)
+    assert ".local" not in ptx and rep["regs"] and not rep["serialised"], rep["log"]
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["log"]
 
 
 # ----------------------------------------------------------------------------- tile pruning

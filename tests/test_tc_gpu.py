@@ -242,6 +242,65 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     assert "NOT deterministic" not in p.run_info["kernel"]
 
 
+#: fused wgmma backward shapes under test (16-bit): one and two warpgroups, one and two dQ row
+#: units, D = 32 / 64 / 128 (D = 96: atomic only, its float32 rows do not split into whole passes)
+WG_FUSED = [(32, dict(NW=8, BN=128)), (64, dict(NW=8, BN=64)), (64, dict(NW=4, BN=128)),
+            (128, dict(NW=8, BN=64)), (96, dict(NW=4, BN=64))]
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["ordered", "atomic"])
+@pytest.mark.parametrize("D,shape", WG_FUSED, ids=lambda x: str(x) if isinstance(x, int) else "nw{NW}bn{BN}".format(**x))
+def test_wgmma_fused_backward(D, shape, atomic, monkeypatch):
+    """compute capability 9.0: the fused dK/dV/dQ wgmma kernel (dS staged in shared memory, dQ = dS K
+    as st chains), routed in through the tables: ordered (the shipped deterministic table entry) or
+    float-atomic (TIGA_NUMBA_DETERMINISTIC=0 with ATOMIC_DQ_WGMMA), against the oracle on every
+    relation incl. no keys at all, GQA, poisoned outputs; the ordered one is bitwise repeatable with
+    16 key tiles racing per query block, causal and not."""
+    from tiga_numba.cuda.tc import api
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma kernels need sm_90")
+    if D == 96 and not atomic:
+        pytest.skip("ordered: a 96-wide float32 row is not whole 16-byte passes of 128 threads")
+    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "1")
+    fields = dict(shape, MT=1, a_smem=True, wgmma=True)
+    if atomic:
+        monkeypatch.setitem(api.ATOMIC_DQ_WGMMA, D, fields)
+        monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
+    else:
+        monkeypatch.setitem(api.TUNING_WGMMA, ("dkdv", D), dict(fields, fuse_dq=True))
+    _poison(monkeypatch)
+    rng = np.random.default_rng()
+    f = lambda x: x.get().astype(np.float64)  # noqa: E731
+    for name in list(RELS) + ["no_keys"]:
+        rel_, (d, s, c) = relation(name)
+        nd, ns = int(d[-1]), int(s[-1])
+        mk = lambda sh, sc=1.0: cupy.asarray((rng.standard_normal(sh) * sc).astype(np.float16))  # noqa: E731
+        q, k, v, do = mk((nd, 4, D), 1.5), mk((ns, 2, D)), mk((ns, 2, D)), mk((nd, 4, D))
+        p = plan(D ** -0.5)
+        out, m, l = tc.forward(p, q, k, v, rel_)
+        dq, dk, dv, _ = tc.backward(p, do, q, k, v, out, m, l, rel_, None)
+        assert ("NOT deterministic" if atomic else "fixed key-tile order") in p.run_info["kernel"], p.run_info["kernel"]
+        assert "wgmma" in p.run_info["kernel"]
+        *_, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, D ** -0.5)
+        for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
+            g = f(got)
+            assert got.dtype == q.dtype and np.isfinite(g).all(), name
+            assert g.size == 0 or rel(g, want) < 3 * TOL["float16"], name   # rel: max |g| where want is 0
+    if atomic:
+        return
+    N = 2048
+    q, k, v, do = (cupy.asarray(rng.standard_normal((N, h, D)).astype(np.float16)) for h in (8, 2, 2, 8))
+    for causal in (0, 1):
+        rel_ = BlockRelation(cupy.asarray(np.array([0, N])), cupy.asarray(np.array([0, N])),
+                             cupy.asarray(np.array([causal], np.uint8)), N, N)
+        p = plan(D ** -0.5)
+        out, m, l = tc.forward(p, q, k, v, rel_)
+        runs = [tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3] for _ in range(3)]
+        for other in runs[1:]:
+            for a, b in zip(runs[0], other):
+                assert bool(cupy.all(a.view(np.uint16) == b.view(np.uint16)))
+
+
 def test_wgmma_routing_and_agreement(monkeypatch):
     """compute capability 9.0: 16-bit calls run the sm_90a warpgroup kernels and explain() says so;
     TIGA_NUMBA_WGMMA=0 (read per call) runs the mma.sync kernels; both meet the oracle bound and

@@ -75,6 +75,8 @@ FUSED_DKDV = {
 #: 16-33 %, D=128 2-25 % faster). 16-bit: within 2 % at D=64 but for one cell, slower at D=128: not offered.
 ATOMIC_DQ = {("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
              ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True)}
+#: the same opt-in on sm_90a (16-bit; D -> shape): the fused wgmma kernel with dQ added by red.global
+ATOMIC_DQ_WGMMA = {}
 
 
 #: float32 (3xTF32) shapes, same keys: fp32 tiles take twice the shared memory and each A/B
@@ -619,17 +621,19 @@ def delta_kernel(dtype, Dv):
 def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     """every kernel the dispatcher can launch for `dtypes`: (kind, D, dtype) triples of the
     tuning tables plus the Delta pre-pass ("delta", Dv, dtype) and the opt-in float-atomic backward
-    ("dkdv_atomic", D, dtype)."""
+    ("dkdv_atomic", D, dtype; "wg:dkdv_atomic" on sm_90a)."""
     out = []
     for dt in dtypes:
         dims = head_dims(dt, False)
         out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
                 if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=False).fuse_dq)]   # fused: no dQ kernel
         # the sm_90a (H100 / H200) kernels
-        out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS]
+        out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS
+                if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=True).fuse_dq)]
         out += [("delta", D, dt) for D in WGMMA_HEAD_DIMS if D not in dims]
         out += [("delta", D, dt) for D in dims]
-        out += [("dkdv_atomic", D, dt) for D in dims if (dt, D) in ATOMIC_DQ]   # the opt-in
+        out += [("dkdv_atomic", D, dt) for D in dims if atomic_shape(D, dt, False)]   # the opt-ins
+        out += [("wg:dkdv_atomic", D, dt) for D in WGMMA_HEAD_DIMS if atomic_shape(D, dt, True)]
     return out
 
 
@@ -638,8 +642,8 @@ def build_one(kind, D, dtype, arch, shape=None):
     shape of (kind, D, dtype), or the tile `shape` given (a dict of Variant fields)."""
     if kind == "delta":
         k = delta_kernel(dtype, D)
-    elif kind == "dkdv_atomic":
-        k = kernel(atomic_variant(D, dtype))[0]
+    elif kind in ("dkdv_atomic", "wg:dkdv_atomic"):
+        k = kernel(atomic_variant(D, dtype, kind.startswith("wg:")))[0]
     elif kind.startswith("wg:"):   # built for sm_90a whatever `arch` says (Compiled.cubin)
         k = kernel(variant(kind[3:], D, D, dtype, wgmma=True))[0]
     else:
@@ -861,20 +865,34 @@ _KERN = {}
 def backward_variants(D, Dv, dtype, deterministic=True):
     """(dQ variant, dK/dV variant) of the shipped tuning: (None, fused) when the dK/dV kernel also
     computes dQ (Variant.fuse_dq). deterministic=False picks the float-atomic fused kernel where
-    ATOMIC_DQ has a shape (it measured faster there), else the same as True."""
-    if not deterministic and (dtype, D) in ATOMIC_DQ and Dv == D and not use_wgmma(dtype):
-        return None, atomic_variant(D, dtype)
+    the engine's atomic table (ATOMIC_DQ, ATOMIC_DQ_WGMMA) has a shape (it measured faster there),
+    else the same as True."""
+    if not deterministic and Dv == D:
+        va = atomic_variant(D, dtype, use_wgmma(dtype))
+        if va is not None:
+            return None, va
     vk = variant("dkdv", D, Dv, dtype)
     return (None if vk.fuse_dq else variant("dq", D, Dv, dtype)), vk
 
 
-def atomic_variant(D, dtype):
-    """the opt-in float-atomic backward's Variant (made once per (D, dtype): it is asked per call)."""
-    v = _ATOMIC_VARIANTS.get((D, dtype))
-    if v is None:
-        v = _ATOMIC_VARIANTS[(D, dtype)] = G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=True,
-                                                     **ATOMIC_DQ[(dtype, D)])
-    return v
+def atomic_shape(D, dtype, wgmma):
+    """the opt-in float-atomic backward's tile shape for (D, dtype) on an engine, or None."""
+    if wgmma:
+        return None if dtype == "float32" else ATOMIC_DQ_WGMMA.get(D)
+    return ATOMIC_DQ.get((dtype, D))
+
+
+def atomic_variant(D, dtype, wgmma=False):
+    """the opt-in float-atomic backward's Variant, or None where none is offered (memoised per table
+    entry: it is asked per call)."""
+    shape = atomic_shape(D, dtype, wgmma)
+    if shape is None:
+        return None
+    hit = _ATOMIC_VARIANTS.get((D, dtype, wgmma))
+    if hit is None or hit[0] is not shape:
+        hit = _ATOMIC_VARIANTS[(D, dtype, wgmma)] = (shape, G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True,
+                                                                      dq_atomic=True, **shape))
+    return hit[1]
 
 
 _ATOMIC_VARIANTS = {}

@@ -203,7 +203,7 @@ class Warps:
 
     def wgmma_chain(self, form, N, steps, args):
         """ptx.wgmma_chain: C += A B per step (m64n{N}k16). ss: args (da, db, *C), A and B K-major
-        from descriptors da + a, db + b; rs: args (*A registers, db, *C), A from register group a
+        from descriptors da + a, db + b; st: as ss with B MN-major; rs: args (*A registers, db, *C), A from register group a
         (4 packed words), B MN-major (imm-trans-b = 1) from db + b. Warp w of its warpgroup holds
         rows 16 (w % 4) .. + 15 in C layout."""
         nw, wv, g, t = self.NT // 32, self.wv, self.g, self.t
@@ -227,7 +227,7 @@ class Warps:
                 A = A.reshape(nw, 16, 16)   # warp 4 wg + i: rows 16 i .. of its group's 64
             start, lbo, sbo = self._desc(self._vec(args[na - 1], np.int64) + b)
             s3, l3, b3 = start[:, None, None], lbo[:, None, None], sbo[:, None, None]
-            if form == "rs":   # MN-major: 8 k rows of 128 B, the next 8 at SBO, the next 64 columns at LBO
+            if form in ("rs", "st"):   # MN-major: 8 k rows of 128 B, the next 8 at SBO, the next 64 columns at LBO
                 B = self._sw128(s3 + kk // 8 * b3 + kk % 8 * 128 + nn // 64 * l3 + 2 * (nn % 64))
             else:              # K-major: n rows of 128 B (the next 8 at SBO), k contiguous
                 B = self._sw128(s3 + nn // 8 * b3 + nn % 8 * 128 + 2 * kk)

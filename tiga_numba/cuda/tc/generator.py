@@ -175,13 +175,18 @@ class Variant:
                 raise ValueError("fuse_dq is a dK/dV kernel option")
             if self.BM * self.EB % 128:
                 raise ValueError(f"fuse_dq: a dS row of BM = {self.BM} keys must hold whole 128-byte swizzle groups")
-            self.dq_warps()
+            if self.wgmma:
+                self.wg_dq_units()
+            else:
+                self.dq_warps()
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
         if self.wgmma:
-            if self.MT != 1 or self.NW % 4 or not self.a_smem or self.fuse_dq:
+            if self.MT != 1 or self.NW % 4 or not self.a_smem:
                 raise ValueError("wgmma: warpgroups of 4 warps with 16 rows each (NW % 4 == 0, MT = 1), "
-                                 "resident operands in shared memory (a_smem), no fuse_dq")
+                                 "resident operands in shared memory (a_smem)")
+            if self.fuse_dq and self.split:
+                raise ValueError("wgmma fuse_dq: 16-bit only (float32 would need dS in three bf16 parts)")
             from .ptx import WGMMA_N
             # products: S-like (N = BN, or the keys of dK/dV's S^T) and P B-like (N = D or Dv; split:
             # per pb_cols-column group)
@@ -282,6 +287,23 @@ class Variant:
                              "in whole 16-byte passes")
         return WR, WC, self.BN // 16 // WR, self.D // WC // 16
 
+    def wg_dq_units(self):
+        """fused dQ on wgmma: the block's BN x D dQ as units of 64 query rows x N columns, one wgmma
+        chain each (A = dS rows from shared memory, B = the resident K tile), dealt round-robin to
+        the warpgroups. Returns (row groups RG, column groups CG, N, units per warpgroup); the
+        ordered accumulation also moves whole float32 rows in 16-byte passes (dq_passes)."""
+        from .ptx import WGMMA_N
+        nwg, RG = self.NW // 4, self.BN // 64
+        CG = max(1, nwg // max(RG, 1))
+        N = self.D // CG
+        if self.BN % 64 or (RG * CG) % nwg or self.D % CG or N not in WGMMA_N or (CG > 1 and N % 64 and 64 % N):
+            raise ValueError(f"wgmma fuse_dq: {nwg} warpgroups cannot split a {self.BN} x {self.D} dQ block into "
+                             "units of 64 query rows and whole m64nN column groups")
+        if not self.dq_atomic and (self.NT % (self.D // 4) or (self.BN * self.D // 4) % self.NT):
+            raise ValueError(f"fuse_dq: {self.NT} threads cannot move a {self.BN} x {self.D} float32 dQ block "
+                             "in whole 16-byte passes")
+        return RG, CG, N, RG * CG // nwg
+
     def name(self):
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
                 + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
@@ -371,7 +393,7 @@ def thread_geometry(e, v):
     e("wid = tx // 32; lane = tx % 32; g = lane // 4; t = lane % 4")
     # ldmatrix: lanes 8*mi .. 8*mi+7 give the row addresses of 8x8 matrix mi
     e("mi = lane // 8; r8 = lane % 8; mlo = mi % 2; mhi = mi // 2; lrow16 = r8 + 8 * mlo")
-    if v.fuse_dq and v.BM not in (v.D, v.Dv):   # A fragments of the dS tile (BM keys wide)
+    if v.fuse_dq and not v.wgmma and v.BM not in (v.D, v.Dv):   # A fragments of the dS tile (BM keys wide)
         rs = v.EB * v.BM
         for c in range(rs // 32):
             e(f"xa{rs}_{c} = u32(lrow16 * {rs} + (((({2 * c}) + mhi) ^ r8) * 16))")
@@ -1149,10 +1171,10 @@ def dq_geometry(e, v, part):
     spills at 255. part: "store" (kv{m}{h} key-row guards, dso{m}{h}{q} transposed dS store offsets:
     key half h of m-tile m, query parity q), "mma" (this warp's dQ rows qrow / columns qcol and their
     byte offsets), "stage" (sqo: stage_dq's fragment rows), "move" (fr, fc, fo: 16-byte row chunks)."""
-    WR, WC, MQ, NQ = v.dq_warps()
     rsA, RS = v.EB * v.BM, v.dq_stage_row()
     e("tz = opq(tx); wz = tz // 32; gz = (tz % 32) // 4; tz4 = tz % 4")
     if part in ("mma", "stage"):
+        WR, WC, MQ, NQ = v.dq_warps()
         e(f"qrow = (wz // {WC}) * {16 * MQ}; qcol = (wz % {WC}) * {v.D // WC}")
     if part == "mma":
         e(f"qrowoff = u32(qrow * {rsA}); qcolb = u32(qcol * {v.EB})")
@@ -1309,6 +1331,59 @@ def flush_dq(e, v):
         e("stg_u32_if(ok & p_last, ob + 4, pack2(x2 * scale, x3 * scale))")
 
 
+# ----------------------------------------------------------------------------- fused dQ on wgmma
+# The same scheme with warpgroup products: dS^T leaves the registers (the packed A operands of the
+# dK product) as a query-major tile in the wgmma layout (64-key sub-tiles of 128-byte rows), and
+# each unit of 64 queries x N columns of dQ is one "st" chain: A = dS rows (K-major), B = the
+# resident K tile read MN-major, exactly as O += P V reads V.
+def wg_store_ds(e, v, dsb):
+    """dS^T (this warp's 16 key rows: key 16 wid + 8 h + g, packed pairs of queries 2t, 2t + 1 in
+    sa0_{ks}_{r}) -> the query-major dS tile: query row i, key c at sub-tile c // 64, chunk
+    ((c % 64) // 8) ^ (i % 8). A warp's keys sit in one sub-tile (16 wid // 64 = its warpgroup).
+    Key rows past the tile are stored as 0 (see store_ds)."""
+    e(f"# wg_store_ds: dS^T fragments -> shared dS ({v.BN} queries x {v.BM} keys, wgmma layout)")
+    for h in (0, 1):
+        e(f"kv{h} = u32(wid * 16 + {8 * h} + g < rows)")
+        for q in (0, 1):
+            e(f"dso{h}{q} = u32((wid // 4) * {v.BN * 128} + (2 * t + {q}) * 128"
+              f" + (((2 * (wid % 4) + {h}) ^ (2 * t + {q})) * 16) + 2 * g)")
+    for ks in range(v.BN // 16):
+        for r in range(4):   # sa0_{ks}_{r}: key half r % 2, queries 16 ks + 8 (r // 2) + 2t, +1
+            h, off = r % 2, (16 * ks + 8 * (r // 2)) * 128
+            e(f"sts_halves({sa(dsb, f'dso{h}0', off)}, {sa(dsb, f'dso{h}1', off)}, sel(kv{h} != 0, sa0_{ks}_{r}, u32(0)))")
+
+
+def wg_dq(e, v, dsb, ktile):
+    """dQ of this block, unit by unit (Variant.wg_dq_units): one st chain into dqc, then added with
+    red.global (dq_atomic) or staged into the float32 tile sq in natural column order (the ordered
+    accumulation's flush_dq adds it one block later)."""
+    RG, CG, N, per = v.wg_dq_units()
+    nwg, RS = v.NW // 4, v.dq_stage_row()
+    # k-step ks: 32 bytes into the dS row's sub-tile ks // 4 (A, K-major); 16 key rows further in K (B)
+    steps = [(((ks // 4) * v.BN * 128 + (ks % 4) * 32) >> 4, (ks * 16 * 128) >> 4) for ks in range(v.BM // 16)]
+    chain = e.chain("st", N, steps)
+    regs = [x for j in range(N // 8) for x in c_regs("dqc", 0, j)]
+    e(f"# wg_dq: dQ units of 64 queries x {N} columns = dS . K ({'red.global' if v.dq_atomic else 'staged in sq'})")
+    for i in range(per):
+        e(f"un = wid // 4 + {nwg * i}; urg = un // {CG}; ucg = un % {CG}")
+        e(f"da = {wg_desc(f'a32({dsb}, u32(urg * {64 * 128}))', 16)}")
+        e(f"db = {wg_desc(f'a32({ktile}, u32((ucg * {N} // 64) * {v.BM * 128} + (ucg * {N} % 64) * 2))', v.BM * 128)}")
+        zero_c(e, "dqc", 1, N // 8)
+        e(f"{', '.join(regs)} = {chain}(da, db, {', '.join(regs)})")
+        e(f"ur = urg * 64 + (wid % 4) * 16 + g; uc = ucg * {N} + 2 * t")   # this lane's row (h = 0), column
+        for h in (0, 1):
+            r0, r1 = 2 * h, 2 * h + 1
+            if v.dq_atomic:
+                e(f"rl = cq + ur + {8 * h}; ok = u32(rl < cols)")
+                e(f"ab = accp + ((col0 + sel(ok != 0, rl, 0)) * H + hq) * {4 * v.D} + uc * 4")
+                for j in range(N // 8):
+                    e(f"red_v2_if(ok, ab + {32 * j}, dqc0_{j}_{r0}, dqc0_{j}_{r1})")
+            else:
+                e(f"so = u32((ur + {8 * h}) * {RS} + uc * 4)")
+                for j in range(N // 8):
+                    e(f"sts_v2({sa('sq', 'so', 32 * j)}, dqc0_{j}_{r0}, dqc0_{j}_{r1})")
+
+
 # ============================================================================= backward: dK, dV
 def gen_dkdv(v):
     """dV = sum_i P_ij dO_i, dK = scale * sum_i dS_ij Q_i for one key tile per CTA, all query heads
@@ -1413,7 +1488,21 @@ def gen_dkdv(v):
                     for r in range(4):
                         e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
-            if fq:
+            if fq and v.wgmma:
+                wg_store_ds(e, v, "dsb")
+                if not v.dq_atomic:
+                    e("if p_on != 0:")
+                    with e.indent():
+                        e("cp_wait0()")
+                landed(e, v)   # dS (for the async proxy) and the fetched running sum are visible
+                if not v.dq_atomic:   # add the previous block, pass its turn on, then this block's dQ into sq
+                    e("if p_on != 0:")
+                    with e.indent():
+                        flush_dq(e, v)
+                    e("cuda.syncthreads()")
+                    e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")
+                wg_dq(e, v, "dsb", kept["ka"])
+            elif fq:
                 store_ds(e, v, "dsb")
                 if not v.dq_atomic:
                     e("if p_on != 0:")
@@ -1428,9 +1517,10 @@ def gen_dkdv(v):
                 if v.dq_atomic:
                     atomic_dq(e, v, "dqc")
             if fq and not v.dq_atomic:
-                e("cuda.syncthreads()")   # flush_dq's reads of sq and its stores are done ...
-                e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")   # ... so pass the turn on
-                stage_dq(e, v, "dqc")
+                if not v.wgmma:
+                    e("cuda.syncthreads()")   # flush_dq's reads of sq and its stores are done ...
+                    e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")   # ... so pass the turn on
+                    stage_dq(e, v, "dqc")
                 e(f"nvis = sel(causal != 0, imin(ntk, ((qb + 1) * {BN} - 1) // {v.BM} + 1), ntk)")
                 e("p_on = 1; p_hq = hq; p_cq = cq; p_last = u32(rank + 1 == nvis)")
             e("cuda.syncthreads()")

@@ -20,9 +20,9 @@ WGMMA_N = (16, 32, 64, 96, 128, 256)
 
 
 def chain_operands(form, steps):
-    """operands of a wgmma_chain call before its accumulators: ss (da, db); rs (4 registers per A
-    group the steps use, then db)."""
-    return 2 if form == "ss" else 4 * (max(g for g, _ in steps) + 1) + 1
+    """operands of a wgmma_chain call before its accumulators: ss / st (da, db); rs (4 registers per
+    A group the steps use, then db)."""
+    return 2 if form in ("ss", "st") else 4 * (max(g for g, _ in steps) + 1) + 1
 
 
 def wgmma_operand(dtype):
@@ -353,7 +353,8 @@ def intrinsics(dtype="float16"):
         """one whole warpgroup product in one asm block: wgmma.fence, a chain of
         wgmma.mma_async.m64n{N}k16, commit, wait. `steps` (compile-time, one per instruction):
         form "ss": (A offset, B offset), A and B K-major in shared memory, the descriptors being
-        the base descriptors da, db plus the offsets (16-byte units); form "rs": (A group, B offset),
+        the base descriptors da, db plus the offsets (16-byte units); form "st": as "ss" but B
+        MN-major (imm-trans-b = 1: the fused dQ = dS K); form "rs": (A group, B offset),
         A from registers (group g = registers 4g .. 4g + 3 of the A operands passed), B from
         shared memory, MN-major (imm-trans-b = 1). Each step's descriptors are made by an add
         inside the block, right before their instruction: computed outside, every descriptor of a
@@ -362,7 +363,7 @@ def intrinsics(dtype="float16"):
         between issue and completion. The accumulators are tied in/out operands.
         Arguments: ss (da, db, *acc); rs (*a_regs, db, *acc)."""
         n = N // 2
-        ss = form == "ss"
+        ss = form in ("ss", "st")
         na = chain_operands(form, steps)
         lines = [f".reg .b64 ta<{len(steps)}>, tb<{len(steps)}>;", "wgmma.fence.sync.aligned;"]
         acc = "{" + ", ".join(f"${i}" for i in range(n)) + "}"
@@ -371,7 +372,7 @@ def intrinsics(dtype="float16"):
             if ss:
                 lines.append(f"add.s64 ta{i}, ${n}, {a};")
                 lines.append(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{wt}.{wt} {acc}, ta{i}, tb{i}, "
-                             "1, 1, 1, 0, 0;")
+                             f"1, 1, 1, 0, {int(form == 'st')};")
             else:
                 regs = "{" + ", ".join(f"${n + 4 * a + r}" for r in range(4)) + "}"
                 lines.append(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{wt}.{wt} {acc}, {regs}, tb{i}, "
