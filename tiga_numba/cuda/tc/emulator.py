@@ -124,6 +124,7 @@ class Warps:
         # wgmma operands: float32 kernels multiply bf16 parts (generator "split")
         self.wg_dtype = "bfloat16" if dtype == "float32" else dtype
         self.SM = np.full(smem_bytes, 0xEE, np.uint8)   # garbage: reads of unloaded smem show up
+        self.pending = []   # results of wgmma chains issued without waiting (wgmma_chain wait=False)
         lane = np.arange(NT) % 32
         self.wv, self.g, self.t = np.arange(NT) // 32, lane // 4, lane % 4
 
@@ -201,7 +202,7 @@ class Warps:
             A[wv, g + ro, 2 * t + co + 1] = bits_to_f32(reg >> 16, dt)
         return A
 
-    def wgmma_chain(self, form, N, steps, args):
+    def wgmma_chain(self, form, N, steps, args, wait=True):
         """ptx.wgmma_chain: C += A B per step (m64n{N}k16). ss: args (da, db, *C), A and B K-major
         from descriptors da + a, db + b; st: as ss with B MN-major; rs: args (*A registers, db, *C), A from register group a
         (4 packed words), B MN-major (imm-trans-b = 1) from db + b. Warp w of its warpgroup holds
@@ -239,7 +240,23 @@ class Warps:
             acc = A.astype(np.float64) @ B.astype(np.float64) + acc
             acc = (round_toward_zero(acc) if self.dtype == "float32" else acc.astype(np.float32)).astype(np.float64)
         D = acc.astype(np.float32)
-        return tuple(D[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] for j in range(N // 8) for r in range(4))
+        out = tuple(D[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] for j in range(N // 8) for r in range(4))
+        if wait:
+            return out
+        # issued, not waited for: the registers hold no result until wgmma_wait hands it over, so a
+        # program that reads them early computes with NaN (and fails its checks)
+        self.pending.append(out)
+        return tuple(np.full(self.NT, np.nan, np.float32) for _ in out)
+
+    def wgmma_wait(self, n, count, regs):
+        """ptx.wgmma_wait: the oldest in-flight chain completes (at most n stay in flight); its
+        results replace the `count` tied registers, which must be exactly its accumulators."""
+        assert len(self.pending) > n, "wgmma_wait: no chain in flight to complete"
+        assert len(self.pending) == n + 1, "wgmma_wait: more than one chain would complete (tie each one's registers)"
+        out = self.pending.pop(0)
+        assert len(out) == count == len(regs), "wgmma_wait: tied registers are not the completed chain's accumulators"
+        assert all(np.isnan(np.asarray(x)).all() for x in regs), "wgmma_wait: tied registers were written while in flight"
+        return out
 
     def tf32x2(self, x):
         """(big, small) = (rna(x), rna(x - big)) on fp32 values or their u32 bit patterns."""
@@ -457,10 +474,12 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "red_v2_if", "red_v4_if"):
                 env[nm] = getattr(w, nm)
             env["fence_async"] = lambda: None
-            env["wgmma_chain"] = lambda form, N, steps, w=w: lambda *args: w.wgmma_chain(form, N, steps, args)
+            env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: lambda *args: w.wgmma_chain(form, N, steps, args, wait)
+            env["wgmma_wait"] = lambda n, count, w=w: lambda *regs: w.wgmma_wait(n, count, regs)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 env["kernel"](*args)
+            assert not w.pending, "a wgmma chain was issued and never waited for"
 
 
 # ----------------------------------------------------------------------------- whole-op drivers

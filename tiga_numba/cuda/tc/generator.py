@@ -107,6 +107,14 @@ class Variant:
     prune: bool = False  # fwd only: tile-pruning admission (DESIGN.md), see prune_gate
     pb_cols: int = 64    # split: output columns per P B chain and its per-block partial (pb_groups);
     #                      fewer columns, fewer partial registers
+    overlap: bool = True  # wgmma backward: the dP chain (and, 16-bit dK/dV, the dV chain) is issued
+    #                       without waiting and runs while the CUDA cores make P (dS); False: every
+    #                       chain waits at once (the A/B baseline of bench_tc_bwd.py)
+
+    @property
+    def wg_async(self):
+        """the wgmma backward overlaps chains with CUDA-core work (overlap)."""
+        return self.wgmma and self.overlap
 
     @property
     def NT(self):
@@ -308,7 +316,8 @@ class Variant:
         return (f"tc_{self.kind}_{self.dtype}_d{self.D}_dv{self.Dv}_nw{self.NW}_mt{self.MT}_bn{self.BN}"
                 + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
-                + ("_wg" if self.wgmma else "") + ("_pr" if self.prune else ""))
+                + ("_wg" if self.wgmma else "") + ("_so" if self.wgmma and not self.overlap else "")
+                + ("_pr" if self.prune else ""))
 
 
 # ----------------------------------------------------------------------------- source writer
@@ -319,13 +328,19 @@ class Source:
     def __init__(self):
         self.lines, self.ind, self.prelude, self.chains = [], 0, [], {}
 
-    def chain(self, form, N, steps):
-        """the name of a wgmma chain intrinsic (ptx.wgmma_chain(form, N, steps)), made once per text."""
-        key = (form, N, tuple(steps))
-        if key not in self.chains:
-            self.chains[key] = name = f"wgc{len(self.chains)}"
-            self.prelude.append(f"{name} = wgmma_chain({form!r}, {N}, {tuple(steps)!r})")
-        return self.chains[key]
+    def chain(self, form, N, steps, wait=True):
+        """the name of a wgmma chain intrinsic (ptx.wgmma_chain(form, N, steps[, wait])), made once per text."""
+        return self._made(f"wgmma_chain({form!r}, {N}, {tuple(steps)!r}" + ("" if wait else ", False") + ")")
+
+    def wait(self, n, count):
+        """the name of ptx.wgmma_wait(n, count), made once per text."""
+        return self._made(f"wgmma_wait({n}, {count})")
+
+    def _made(self, ctor):
+        if ctor not in self.chains:
+            self.chains[ctor] = name = f"wgc{len(self.chains)}"
+            self.prelude.append(f"{name} = {ctor}")
+        return self.chains[ctor]
 
     def __call__(self, s):
         self.lines.append("    " * self.ind + s)
@@ -546,13 +561,15 @@ def load_a(e, v, name, smem, row0, MT, ksteps, rs):
             ldsm_a(e, v, name, m, ks, sa(smem, f"u32({row0} * {rs})", f"xa{rs}_{ks}", 16 * m * rs))
 
 
-def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None):
+def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None, wait=True):
     """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T), k = `width`
     elements. a_smem = (tile, row0): A is read from that shared tile per k-step pair instead of
-    registers. One ldmatrix.x4 gives the B fragments of two k-steps (either dtype)."""
+    registers. One ldmatrix.x4 gives the B fragments of two k-steps (either dtype). wait=False
+    (wgmma only): issued, C is read after wg_wait."""
     if v.wgmma:
-        wg_abt(e, v, C, btile, ntiles, width, a_smem[0])
+        wg_abt(e, v, C, btile, ntiles, width, a_smem[0], wait)
         return
+    assert wait, "mma.sync products complete in order"
     MT, rs, ksteps = v.MT, width * v.EB, v.ksteps(width)
 
     def one(j, kp):
@@ -626,14 +643,17 @@ def a_pairs(C, m, ks):
     return [(f"{C}{m}_{j}_{c}", f"{C}{m}_{j}_{c + 1}") for j in (2 * ks, 2 * ks + 1) for c in (0, 2)]
 
 
-def c_to_a(e, A, C, MT, ksteps):
-    """C fragments -> packed 16-bit A fragments (a_pairs), two registers a line."""
+def c_to_a(e, A, C, MT, ksteps, after=None):
+    """C fragments -> packed 16-bit A fragments (a_pairs), two registers a line; after(ks) (MT = 1)
+    is emitted once k-step ks is packed: C tiles 2 ks, 2 ks + 1 may be overwritten from there on."""
     e(f"# c_to_a: {C} (f32 C fragments) -> {A} (packed A fragments)")
     for m in range(MT):
         for ks in range(ksteps):
             packed = [f"{A}{m}_{ks}_{r} = pack2({lo}, {hi})" for r, (lo, hi) in enumerate(a_pairs(C, m, ks))]
             e("; ".join(packed[:2]))
             e("; ".join(packed[2:]))
+            if after is not None:
+                after(ks)
 
 
 def c_to_a_tf32(e, A, C, m, j):
@@ -643,15 +663,16 @@ def c_to_a_tf32(e, A, C, m, j):
         e(f"{A}{m}_{j}_{r}, {A}{m}_{j}_{r + 4} = tf32x2({C}{m}_{j}_{src})")
 
 
-def mma_pb(e, v, O, A, P, btile, ntiles, nkeys, width):
+def mma_pb(e, v, O, A, P, btile, ntiles, nkeys, width, wait=True, packed=False):
     """O[m][j] += P[m] . B: P = C fragments (scores / probabilities over `nkeys` keys) reused as
     A fragments, B row-major [key][n] in shared memory (V for O += P V, K for dQ += dS K, ...).
     16-bit: c_to_a then ldmatrix.trans. tf32: per k-step (one C tile) the P tile is split and B is
     read with lds64 at the permuted keys and columns (module docstring)."""
     MT, rs = v.MT, width * v.EB
     if v.wgmma:
-        wg_pb(e, v, O, A, P, btile, ntiles, nkeys)
+        wg_pb(e, v, O, A, P, btile, ntiles, nkeys, wait, packed)
         return
+    assert wait and not packed, "mma.sync products complete in order and pack their own A"
     if not v.tf32:
         c_to_a(e, A, P, MT, nkeys // 16)
         e(f"# mma_ab: {O} += {A} . B, B = shared {btile} (ldmatrix.trans)")
@@ -728,7 +749,7 @@ def _passes(v):
     return [(SPLIT_PARTS.index(a), SPLIT_PARTS.index(b)) for a, b in SPLIT_PASSES]
 
 
-def wg_abt(e, v, C, btile, ntiles, width, atile):
+def wg_abt(e, v, C, btile, ntiles, width, atile, wait=True):
     """C (this warp's 16 rows x 8 ntiles) += A B^T over k = width: A = this warpgroup's 64 rows of
     the resident tile `atile` (BM rows), B = `btile` (8 ntiles rows), both K-major. split: one chain
     over SPLIT_PASSES x k-steps, part p of a tile p x (its rows x row bytes) further."""
@@ -739,28 +760,47 @@ def wg_abt(e, v, C, btile, ntiles, width, atile):
     part = lambda p, rows: (p * rows * v.row_bytes(width)) >> 4  # noqa: E731
     steps = [(part(pa, v.BM) + step(ks, v.BM), part(pb, N) + step(ks, N)) for pa, pb in _passes(v) for ks in range(nk)]
     regs = [x for j in range(ntiles) for x in c_regs(C, 0, j)]
-    e(f"{', '.join(regs)} = {e.chain('ss', N, steps)}({', '.join(['da', 'db'] + regs)})")
+    e(f"{', '.join(regs)} = {e.chain('ss', N, steps, wait)}({', '.join(['da', 'db'] + regs)})")
 
 
-def c_to_a_split(e, A, C, nk):
+def wg_wait(e, n, C, ntiles):
+    """wgmma: wait until at most n issued chains are in flight; the one that completed is the one
+    into C (ntiles n-tiles): its registers are handed back through ptx.wgmma_wait."""
+    regs = [x for j in range(ntiles) for x in c_regs(C, 0, j)]
+    e(f"{', '.join(regs)} = {e.wait(n, len(regs))}({', '.join(regs)})")
+
+
+def c_to_a_split(e, A, C, nk, after=None):
     """split: C fragments -> the A fragments of the three bf16 parts ({A}h, {A}m, {A}l), one
-    split3x2 per packed pair (a_pairs)."""
+    split3x2 per packed pair (a_pairs); after(ks) as in c_to_a."""
     e(f"# c_to_a_split: {C} -> {A}h / {A}m / {A}l (bf16 parts of the packed A fragments)")
     for ks in range(nk):
         for r, (lo, hi) in enumerate(a_pairs(C, 0, ks)):
             outs = ", ".join(f"{A}{p[0]}0_{ks}_{r}" for p in SPLIT_PARTS)
             e(f"{outs} = split3x2({lo}, {hi})")
+        if after is not None:
+            after(ks)
 
 
-def wg_pb(e, v, O, A, P, btile, ntiles, nkeys):
+def wg_pack(e, v, A, C, nk, after=None):
+    """wgmma: C fragments over nk k-steps -> the register A operands of a P B product (16-bit:
+    packed pairs; split: three bf16 parts), after(ks) as in c_to_a."""
+    if v.split:
+        c_to_a_split(e, A, C, nk, after)
+    else:
+        c_to_a(e, A, C, 1, nk, after)
+
+
+def wg_pb(e, v, O, A, P, btile, ntiles, nkeys, wait=True, packed=False):
     """O (16 rows x 8 ntiles) += P B: P = C fragments over `nkeys` keys (c_to_a), B = `btile`
     [key][n] (nkeys rows), MN-major. split: per pb_groups column group, a chain over SPLIT_PASSES x
-    k-steps into fresh partials, then added."""
+    k-steps into fresh partials, then added. wait=False (not split: one chain): issued, O is read
+    after wg_wait; P may change meanwhile (the chain reads the packed copy A). packed: A already
+    holds P's operands (wg_pack)."""
+    assert wait or not v.split, "split P B products add their partials after the chain"
     nk, width = nkeys // 16, 8 * ntiles
-    if v.split:
-        c_to_a_split(e, A, P, nk)
-    else:
-        c_to_a(e, A, P, 1, nk)
+    if not packed:
+        wg_pack(e, v, A, P, nk)
     e(f"# wgmma: {O} += {A} . B, B = shared {btile} (MN-major)")
     e(f"db = {wg_desc(btile, nkeys * 128)}")
     # register A groups: k-step ks of the i-th part the passes use is group i * nk + ks
@@ -780,7 +820,7 @@ def wg_pb(e, v, O, A, P, btile, ntiles, nkeys):
         if partials:
             zero_c_tiles(e, acc, 1, tiles)
         regs = [x for j in tiles for x in c_regs(acc, 0, j)]
-        e(f"{', '.join(regs)} = {e.chain('rs', n, steps)}({', '.join(aregs + ['db'] + regs)})")
+        e(f"{', '.join(regs)} = {e.chain('rs', n, steps, wait)}({', '.join(aregs + ['db'] + regs)})")
         if partials:
             for j in tiles:
                 e("; ".join(f"{x} = {x} + {y}" for x, y in zip(c_regs(O, 0, j), c_regs(acc, 0, j))))
@@ -952,11 +992,13 @@ class StreamedPair:
                 self.e("cp_wait0()")
 
 
-def stream_key_blocks(e, v, qa_where, block):
+def stream_key_blocks(e, v, qa_where, block, issue=None):
     """The key loop of the forward and dQ kernels: the block's K/V tiles stream through StreamedPair
     (block kb+1 is copied while kb computes); per block S = Q K^T, masked only where the
     block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
-    kernel's own use of S with the current buffers. Expects ss, kg, vg, cols, nkb, nfull."""
+    kernel's own use of S with the current buffers; issue(kbuf, vbuf), if given, right after S (a
+    wgmma product issued there runs while S is masked and exponentiated). Expects ss, kg, vg,
+    cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     # the key blocks in key order, or (pruning) the near ones first so that the running max is set
     # early: from the block holding key `diag` (the one facing the query tile; causal: its first
@@ -986,6 +1028,8 @@ def stream_key_blocks(e, v, qa_where, block):
         landed(e, v)
         zero_c(e, "s", MT, BN // 8)
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
+        if issue is not None:
+            issue("kbuf_cur", "vbuf_cur")
         e("if kb >= nfull:")
         with e.indent():
             row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
@@ -1128,24 +1172,38 @@ def gen_dq(v):
                 e(f"ls{m}{h} = ldg_f32_if(ok, lsep + gi * 4); dl{m}{h} = ldg_f32_if(ok, dltp + gi * 4)")
         zero_c(e, "acc", MT, D // 8)
 
-        def block(kbuf, vbuf):   # dP = dO V^T, dS = P (dP - Delta), dQ += dS K
+        def issue(kbuf, vbuf):   # wgmma: dP = dO V^T runs while S is masked and exponentiated
             zero_c(e, "dp", MT, BN // 8)
-            mma_abt(e, v, "dp", "da", vbuf, BN // 8, Dv, where["da"])
-            for m in range(MT):
+            mma_abt(e, v, "dp", "da", vbuf, BN // 8, Dv, where["da"], wait=False)
+
+        def block(kbuf, vbuf):   # dP = dO V^T, dS = P (dP - Delta), dQ += dS K
+            if v.wg_async:
                 for j in range(BN // 8):
                     for r in range(4):
-                        s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
-                        e(f"{s} = ex2({s} * sc - ls{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
+                        e(f"s0_{j}_{r} = ex2(s0_{j}_{r} * sc - ls0{r // 2})")
+                wg_wait(e, 0, "dp", BN // 8)
+                for j in range(BN // 8):
+                    for r in range(4):
+                        e(f"s0_{j}_{r} = s0_{j}_{r} * (dp0_{j}_{r} - dl0{r // 2})")
+            else:
+                zero_c(e, "dp", MT, BN // 8)
+                mma_abt(e, v, "dp", "da", vbuf, BN // 8, Dv, where["da"])
+                for m in range(MT):
+                    for j in range(BN // 8):
+                        for r in range(4):
+                            s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
+                            e(f"{s} = ex2({s} * sc - ls{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
             mma_pb(e, v, "acc", "sa", "s", kbuf, D // 8, BN, D)
-        stream_key_blocks(e, v, where["qa"], block)
+        stream_key_blocks(e, v, where["qa"], block, issue if v.wg_async else None)
         store_c_rows(e, v, "acc", D // 8, f"dqp + row0 * dq_rs + hh * {rsk}", "dq_rs", "wrow", "rows",
                      lambda m, h: "scale")
     return e.text()
 
 
-def col_stats(e, nt, name, ptr):
-    """per-column float32 statistic (lse2 or Delta) of the query block at cq, for this lane's columns."""
-    for j in range(nt):
+def col_stats(e, tiles, name, ptr):
+    """per-column float32 statistic (lse2 or Delta) of the query block at cq, for this lane's columns
+    of the n-tiles `tiles`."""
+    for j in tiles:
         for c in (0, 1):
             e(f"ci = cq + {8 * j + c} + 2 * t; ok = u32(ci < cols)")
             e(f"{name}{j}{c} = ldg_f32_if(ok, {ptr} + ((col0 + sel(ok != 0, ci, 0)) * H + hq) * 4)")
@@ -1463,6 +1521,9 @@ def gen_dkdv(v):
                     fetch_acc(e, v)
             zero_c(e, "s", MT, nt)
             mma_abt(e, v, "s", "ka", qbuf("cur"), nt, D, where["ka"])
+            if v.wg_async:   # dP^T = V dO^T runs while S^T is masked and exponentiated
+                zero_c(e, "dp", MT, nt)
+                mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"], wait=False)
             e("if (qb < qfull) | (qb >= qlast):")
             with e.indent():
                 for m in range(MT):
@@ -1473,21 +1534,40 @@ def gen_dkdv(v):
                             e(f"{x} = sel((ci < cols) & ((causal == 0) | (ci >= kl{m}{r // 2})), {x}, masked)")
             # per-column (query) statistics, loaded where used (short live ranges; masked
             # columns read nothing): lse2 for P, then Delta for dS
-            col_stats(e, nt, "cl", "lsep")
+            # (overlapped with dP: tile by tile, so that few are live next to the in-flight dP)
             for m in range(MT):
-                for j in range(nt):
-                    for r in range(4):
-                        x = f"s{m}_{j}_{r}"
-                        e(f"{x} = ex2({x} * sc - cl{j}{r % 2})")
-            mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
-            zero_c(e, "dp", MT, nt)
-            mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
-            col_stats(e, nt, "cd", "dltp")
-            for m in range(MT):
-                for j in range(nt):
-                    for r in range(4):
-                        e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
+                for tiles in ([[j] for j in range(nt)] if v.wg_async else [range(nt)]):
+                    col_stats(e, tiles, "cl", "lsep")
+                    for j in tiles:
+                        for r in range(4):
+                            x = f"s{m}_{j}_{r}"
+                            e(f"{x} = ex2({x} * sc - cl{j}{r % 2})")
+            if v.wg_async:
+                # P's A operands are packed k-step by k-step and each k-step's P turns into dS right
+                # after (dP dies as P is packed: no more registers live than before); then dV += P^T dO
+                # (16-bit: issued, it runs while dS is packed for dK; split: its per-block partials
+                # need the result at once) and dK += dS^T Q
+                wg_wait(e, 0, "dp", nt)
+                col_stats(e, range(nt), "cd", "dltp")
+
+                def to_ds(ks):
+                    for j in (2 * ks, 2 * ks + 1):
+                        for r in range(4):
+                            e(f"s0_{j}_{r} = s0_{j}_{r} * (dp0_{j}_{r} - cd{j}{r % 2})")
+                wg_pack(e, v, "pa", "s", BN // 16, to_ds)
+                mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv, wait=v.split, packed=True)
+            else:
+                mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
+                zero_c(e, "dp", MT, nt)
+                mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
+                col_stats(e, range(nt), "cd", "dltp")
+                for m in range(MT):
+                    for j in range(nt):
+                        for r in range(4):
+                            e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
+            if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
+                wg_wait(e, 0, "dv", Dv // 8)
             if fq and v.wgmma:
                 wg_store_ds(e, v, "dsb")
                 if not v.dq_atomic:

@@ -349,7 +349,7 @@ def intrinsics(dtype="float16"):
             return tuple_of(ctx, bld, sig, r, 3)
         return sig, cg
 
-    def wgmma_chain(form, N, steps):
+    def wgmma_chain(form, N, steps, wait=True):
         """one whole warpgroup product in one asm block: wgmma.fence, a chain of
         wgmma.mma_async.m64n{N}k16, commit, wait. `steps` (compile-time, one per instruction):
         form "ss": (A offset, B offset), A and B K-major in shared memory, the descriptors being
@@ -361,6 +361,9 @@ def intrinsics(dtype="float16"):
         long chain (float32's 6 passes: up to 96) would be live at once. Waiting inside the block
         keeps the asynchronous accumulators out of LLVM's hands: nothing reads or moves them
         between issue and completion. The accumulators are tied in/out operands.
+        wait=False issues and commits the chain without waiting: its outputs are not the results
+        yet, and the program must not touch them before a wgmma_wait that ties them (the generator
+        overlaps the chain with CUDA-core work that way; the emulator poisons them until the wait).
         Arguments: ss (da, db, *acc); rs (*a_regs, db, *acc)."""
         n = N // 2
         ss = form in ("ss", "st")
@@ -377,7 +380,7 @@ def intrinsics(dtype="float16"):
                 regs = "{" + ", ".join(f"${n + 4 * a + r}" for r in range(4)) + "}"
                 lines.append(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{wt}.{wt} {acc}, {regs}, tb{i}, "
                              "1, 1, 1, 1;")
-        lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;"]
+        lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else [])
         text = "{\n" + "\n".join(lines) + "\n}"
         in_tys = ([i64, i64] if ss else [u32] * (na - 1) + [i64]) + [f32] * n
         ir_tys = ([I64, I64] if ss else [I32] * (na - 1) + [I64]) + [F32] * n
@@ -392,10 +395,27 @@ def intrinsics(dtype="float16"):
                 return tuple_of(ctx, bld, sig, r, n)
             return sig, cg
         import zlib
-        return named_intrinsic(f"wgmma_{form}_{N}_{zlib.crc32(repr(steps).encode()):08x}", len(in_tys), typer)
+        return named_intrinsic(f"wgmma_{form}_{N}_{zlib.crc32(repr(steps).encode()):08x}" + ("" if wait else "_nw"),
+                               len(in_tys), typer)
+
+    def wgmma_wait(n, count):
+        """wgmma.wait_group n: at most n committed chains still in flight. The `count` accumulators
+        of the chain that completed pass through as tied operands, so the program reads them only
+        after the wait (and LLVM sees them redefined here)."""
+        cons = ",".join(["=f"] * count + [str(i) for i in range(count)]) + ",~{memory}"
+
+        def typer(tc, *args):
+            sig = types.UniTuple(f32, count)(*([f32] * count))
+
+            def cg(ctx, bld, sig, args):
+                r = asm(bld, ir.LiteralStructType([F32] * count), [F32] * count,
+                        f"wgmma.wait_group.sync.aligned {n};", cons, args)
+                return tuple_of(ctx, bld, sig, r, count)
+            return sig, cg
+        return named_intrinsic(f"wgmma_wait_{n}_{count}", count, typer)
 
     wt = wgmma_operand(dtype)
-    wg = dict(wgmma_chain=wgmma_chain)
+    wg = dict(wgmma_chain=wgmma_chain, wgmma_wait=wgmma_wait)
     wg["fence_async"] = nullary("fence.proxy.async.shared::cta;")
 
     _CACHE[dtype] = dict(shfl_xor=shfl_xor, sel=sel, a32=a32, opq=opq,
