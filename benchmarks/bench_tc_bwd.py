@@ -51,10 +51,11 @@ WG = dict(MT=1, a_smem=True, wgmma=True)
 
 def wg_variants(dtype, D, fused=True):
     """the sm_90a counterpart of variants(): the shipped two-kernel wgmma backward; candidates: the
-    same two kernels with every chain waited for at once (Variant.overlap=False), then (fused) the
-    fused wgmma shapes, ordered then atomic for each."""
+    same two kernels with Variant.overlap flipped (both; without `fused` also one at a time), or
+    (fused) the fused wgmma shapes, ordered then atomic for each."""
     unf = (api.variant("dq", D, D, dtype, wgmma=True), api.variant("dkdv", D, D, dtype, wgmma=True))
-    cands = [tuple(dataclasses.replace(x, overlap=False).check() for x in unf)]
+    flip = [dataclasses.replace(x, overlap=not x.overlap).check() for x in unf]
+    cands = [tuple(flip)] + ([] if fused else [(flip[0], unf[1]), (unf[0], flip[1])])   # both, or one kernel flipped
     cands += [(None, G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=at, **WG, **c).check())
               for at in (False, True) for c in (WG_CANDIDATES[D] if fused and dtype != "float32" else [])]
     return unf, cands
@@ -101,7 +102,10 @@ def spills(arch, dtypes, dims, pick):
 def label(c):
     """a candidate (dQ variant or None, dK/dV variant) as a short name."""
     vq, vk = c
-    return ("2-kernel " if vq else "") + vk.name().split("_", 4)[-1]
+    if vq is None:
+        return vk.name().split("_", 4)[-1]
+    mode = lambda v: "overlap" if v.wg_async else "serial"  # noqa: E731
+    return f"2-kernel dq-{mode(vq)}/dkdv-{mode(vk)}"
 
 
 def launch(BT, ours, vq, vk, do, out=None):
@@ -149,7 +153,8 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="the sm_90a kernels (16-bit dtypes): WG_CANDIDATES")
     ap.add_argument("--dims", default=None, help="head dims (default 64,128; --wgmma 32,64,128)")
     ap.add_argument("--sanitize", action="store_true", help="each candidate once on a small case (compute-sanitizer)")
-    ap.add_argument("--no-fused", action="store_true", help="--wgmma: only the overlap A/B of the two-kernel backward")
+    ap.add_argument("--no-fused", action="store_true", help="--wgmma: only the overlap A/B of the two-kernel backward "
+                    "(both kernels flipped, then the dQ and the dK/dV kernel alone)")
     a = ap.parse_args()
     dtypes = a.dtypes.split(",")
     pick = (lambda dt, D: wg_variants(dt, D, not a.no_fused)) if a.wgmma else variants

@@ -143,6 +143,15 @@ TUNING_WGMMA_F32 = {
 }
 _padded_dims(TUNING_WGMMA_F32)   # not swept separately
 
+#: the wgmma backward overlaps its dP chain (16-bit dK/dV: and dV) with the softmax / dS work
+#: (Variant.overlap), measured per kernel against the serial twin on the H200 (bench_tc_bwd.py
+#: --wgmma --no-fused, results/wgmma-fused-bwd-h200-2026-11-30.txt runs 2-3): faster at D = 32 / 64 /
+#: 96 (16-bit 1-11 %, float32 2-6 %; one D = 64 cell 2 % slower); at D = 128 the dK/dV kernel is
+#: slower overlapped (16-bit up to 16 %: it runs at 255 registers and spills more) while the dQ
+#: kernel gains a little, so the D = 128 dK/dV kernels keep every chain serial
+for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
+    _table[("dkdv", 128)]["overlap"] = False
+
 
 def head_dims(dtype, wgmma):
     """the head dims (D == Dv) the tensor-core kernels of `dtype` serve, on wgmma or mma.sync."""
