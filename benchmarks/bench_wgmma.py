@@ -32,7 +32,9 @@ CANDIDATES = {
     ("bwd", 64): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=64, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=64, **S)),
                   (dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=32, **S)),
                   (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=4, BN=128, **S)),
-                  (dict(NW=4, BN=96, **S), dict(NW=4, BN=96, **S)), (dict(NW=4, BN=128, **S), dict(NW=4, BN=96, **S))],
+                  (dict(NW=4, BN=96, **S), dict(NW=4, BN=96, **S)), (dict(NW=4, BN=128, **S), dict(NW=4, BN=96, **S)),
+                  (dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S)),
+                  (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S))],
     ("bwd", 128): [(dict(NW=4, BN=64, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=32, **S)),
                    (dict(NW=4, BN=32, **S), dict(NW=4, BN=32, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=64, **S)),
                    (dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S)),
@@ -41,7 +43,11 @@ CANDIDATES = {
     ("bwd", 96): [(dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)), (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S)),
                   (dict(NW=8, BN=64, **S), dict(NW=4, BN=64, **S))],
     ("fwd", 32): [dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)],
-    ("bwd", 32): [(dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S))],
+    ("bwd", 32): [(dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S)),
+                  # session 6 (overlapped backward chains): the other pairings of one / two warpgroups
+                  (dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=4, BN=128, **S)),
+                  (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=64, **S)),
+                  (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S))],
 }
 
 
@@ -258,16 +264,18 @@ def main():
     ap.add_argument("--N", default="4096,16384")
     ap.add_argument("--prune-only", action="store_true", help="only the tile-pruning cells")
     ap.add_argument("--sweep-only", action="store_true", help="only the shape sweep")
+    ap.add_argument("--keys", default=None, help="sweep (and --build) only these CANDIDATES entries, e.g. bwd:32,bwd:64")
     a = ap.parse_args()
+    cands = CANDIDATES if a.keys is None else {k: v for k, v in CANDIDATES.items() if f"{k[0]}:{k[1]}" in a.keys.split(",")}
     if a.build:
-        build(a.build)
+        build_specs(candidate_specs(cands, "float16"), a.build) if a.keys else build(a.build)
         return
     Ns = [int(x) for x in a.N.split(",")]
     import cupy
     B.say(f"device {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
           f"cc {cupy.cuda.Device().compute_capability}; torch {B.torch.__version__}")
     if not a.no_sweep and not a.prune_only:
-        sweep(Ns)
+        sweep(Ns, cands)
     if not a.prune_only and not a.sweep_only:
         table(Ns)
     if not a.sweep_only:

@@ -204,9 +204,9 @@ class Warps:
 
     def wgmma_chain(self, form, N, steps, args, wait=True):
         """ptx.wgmma_chain: C += A B per step (m64n{N}k16). ss: args (da, db, *C), A and B K-major
-        from descriptors da + a, db + b; st: as ss with B MN-major; rs: args (*A registers, db, *C), A from register group a
-        (4 packed words), B MN-major (imm-trans-b = 1) from db + b. Warp w of its warpgroup holds
-        rows 16 (w % 4) .. + 15 in C layout."""
+        from descriptors da + a, db + b; st: as ss with B MN-major; rs: args (*A registers, db, *C),
+        A from register group a (4 packed words), B MN-major (imm-trans-b = 1) from db + b. Warp w of
+        its warpgroup holds rows 16 (w % 4) .. + 15 in C layout. wait=False: see wgmma_wait."""
         nw, wv, g, t = self.NT // 32, self.wv, self.g, self.t
         assert self.NT % 128 == 0, "wgmma needs whole warpgroups"
         na = chain_operands(form, steps)
@@ -252,7 +252,8 @@ class Warps:
         """ptx.wgmma_wait: the oldest in-flight chain completes (at most n stay in flight); its
         results replace the `count` tied registers, which must be exactly its accumulators."""
         assert len(self.pending) > n, "wgmma_wait: no chain in flight to complete"
-        assert len(self.pending) == n + 1, "wgmma_wait: more than one chain would complete (tie each one's registers)"
+        assert len(self.pending) == n + 1, \
+            "wgmma_wait: more than one chain would complete (tie each one's registers)"
         out = self.pending.pop(0)
         assert len(out) == count == len(regs), "wgmma_wait: tied registers are not the completed chain's accumulators"
         assert all(np.isnan(np.asarray(x)).all() for x in regs), "wgmma_wait: tied registers were written while in flight"
@@ -474,7 +475,8 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "red_v2_if", "red_v4_if"):
                 env[nm] = getattr(w, nm)
             env["fence_async"] = lambda: None
-            env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: lambda *args: w.wgmma_chain(form, N, steps, args, wait)
+            env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: \
+                lambda *args: w.wgmma_chain(form, N, steps, args, wait)
             env["wgmma_wait"] = lambda n, count, w=w: lambda *regs: w.wgmma_wait(n, count, regs)
             exec(code, env)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
