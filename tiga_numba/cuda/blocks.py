@@ -16,6 +16,13 @@ phase 2 (no V use, no softmax update) when max(tile) < m_run_block + ln(rho).
 backward (deterministic, no atomics): `dq` walks key tiles per query tile (like the forward);
 `dkdv` walks query tiles per key tile, summing the query heads of a GQA group in a fixed order.
 Both rebuild p = exp(s - m) / l from the forward's (m, l); Delta comes from common.make_delta.
+
+Why the three kernels spell out their row loads, tile staging and lane-group dot products
+instead of calling shared device functions: numba-cuda (0.30) compiles a device function for
+the *current device* (`Dispatcher.compile_device` asks `get_current_device()`), so a kernel that
+calls one can no longer be compiled by `compile_ptx(..., cc=(9, 0))` on a machine without a GPU
+(CI's sm_90 compile test, `prebuild`); tried in session 6 and reverted. register_jitable helpers
+go through the same path.
 """
 from __future__ import annotations
 
