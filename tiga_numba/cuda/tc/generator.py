@@ -1535,9 +1535,9 @@ def gen_dkdv(v):
             # per-column (query) statistics, loaded where used (short live ranges; masked
             # columns read nothing): lse2 for P, then Delta for dS
             # (overlapped with dP: tile by tile, so that few are live next to the in-flight dP)
-            for m in range(MT):
-                for tiles in ([[j] for j in range(nt)] if v.wg_async else [range(nt)]):
-                    col_stats(e, tiles, "cl", "lsep")
+            for tiles in ([[j] for j in range(nt)] if v.wg_async else [range(nt)]):
+                col_stats(e, tiles, "cl", "lsep")
+                for m in range(MT):
                     for j in tiles:
                         for r in range(4):
                             x = f"s{m}_{j}_{r}"
