@@ -15,7 +15,6 @@ vs torch SDPA's efficient kernel in fp32, same run (H = 16, node-major (N, H, D)
    error of out / dq / dk / dv against float64 (ours and torch).
 Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
 """
-import argparse
 import os
 import sys
 
@@ -91,13 +90,8 @@ def table(Ns, engines, dims=(64, 128)):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--build", default=None, metavar="ARCH")
-    ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--sweep-only", action="store_true")
+    ap = W.sweep_cli()
     ap.add_argument("--no-tf32", action="store_true", help="table without the 3xTF32 column")
-    ap.add_argument("--N", default="4096,16384")
     ap.add_argument("--dims", default="64,128", help="head dims of the sweep, the table and --resources")
     ap.add_argument("--resources", action="store_true", help="ptxas registers / spills of the shipped kernels (no GPU)")
     a = ap.parse_args()
@@ -112,9 +106,7 @@ def main():
         sweep(Ns, dims)
     if not a.sweep_only:
         table(Ns, ("1",) if a.no_tf32 else ("1", "0"), dims)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "fp32_wgmma_bench.txt"), "w") as fh:
-        fh.write("\n".join(B.LINES) + "\n")
+    W.save(a.out, "fp32_wgmma_bench.txt")
 
 
 if __name__ == "__main__":

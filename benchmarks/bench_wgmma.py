@@ -256,14 +256,27 @@ def prune_paths(n=8192, D=64):
               f"pruned tensor-core call vs pruned CUDA-core call {cc_pr / tc_pr:.1f}x faster")
 
 
-def main():
+def sweep_cli():
+    """the options of a sweep-then-table script (this one and bench_fp32_wgmma.py)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--build", default=None, metavar="ARCH")
-    ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--N", default="4096,16384")
-    ap.add_argument("--prune-only", action="store_true", help="only the tile-pruning cells")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the saved table")
+    ap.add_argument("--build", default=None, metavar="ARCH", help="only build the cubins this run launches (no GPU)")
+    ap.add_argument("--no-sweep", action="store_true", help="the table with the shipped shapes")
     ap.add_argument("--sweep-only", action="store_true", help="only the shape sweep")
+    ap.add_argument("--N", default="4096,16384")
+    return ap
+
+
+def save(out, name):
+    """every line said this run (bench_tc.LINES) -> out/name."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as fh:
+        fh.write("\n".join(B.LINES) + "\n")
+
+
+def main():
+    ap = sweep_cli()
+    ap.add_argument("--prune-only", action="store_true", help="only the tile-pruning cells")
     ap.add_argument("--keys", default=None, help="sweep (and --build) only these CANDIDATES entries, e.g. bwd:32,bwd:64")
     a = ap.parse_args()
     cands = CANDIDATES if a.keys is None else {k: v for k, v in CANDIDATES.items() if f"{k[0]}:{k[1]}" in a.keys.split(",")}
@@ -284,9 +297,7 @@ def main():
                 cells()
             except Exception as ex:  # noqa: BLE001
                 B.say(f"{cells.__name__} FAILED {ex!r}"[:300])
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "wgmma_bench.txt"), "w") as fh:
-        fh.write("\n".join(B.LINES) + "\n")
+    save(a.out, "wgmma_bench.txt")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ FAMILIES = {
                            dq_atomic=(False, True)),
     "wgmma": dict(kind=("fwd", "dq", "dkdv"), D=(32, 64, 96, 128), dtype=("float16", "bfloat16", "float32"), NW=(4, 8),
                   MT=(1,), BN=(32, 64, 96, 128), a_smem=(True,), wgmma=(True,)),
+    "wgmma serial twins": dict(kind=("dq", "dkdv"), D=(32, 64, 96, 128), dtype=("float16", "float32"), NW=(4, 8),
+                               MT=(1,), BN=(32, 64, 128), a_smem=(True,), wgmma=(True,), overlap=(False,)),
+    "fused wgmma": dict(kind=("dkdv",), D=(32, 64, 96, 128), dtype=("float16", "bfloat16"), NW=(4, 8), MT=(1,),
+                        BN=(64, 128), a_smem=(True,), wgmma=(True,), fuse_dq=(True,), dq_atomic=(False, True)),
     "pruned forward": dict(kind=("fwd",), D=(64, 128), dtype=("float16", "float32"), NW=(4, 8), MT=(1, 2),
                            BN=(32, 64, 128), a_smem=(False, True), wgmma=(False, True), prune=(True,)),
 }
@@ -56,6 +60,7 @@ PTX_SET = [
     dict(kind="dkdv", D=64, dtype="float32", NW=4, MT=1, BN=32, a_smem=True, fuse_dq=True, dq_atomic=True),
     dict(kind="fwd", D=64, NW=4, MT=1, BN=128, a_smem=True, wgmma=True, prune=True),  # wgmma, fence, gate
     dict(kind="dq", D=64, dtype="float32", NW=4, MT=1, BN=64, a_smem=True, wgmma=True),  # split3x2, sts_u32x2, stg_v2
+    dict(kind="dkdv", D=64, NW=8, MT=1, BN=64, a_smem=True, wgmma=True, fuse_dq=True),  # st chain, wgmma_wait
 ]
 
 

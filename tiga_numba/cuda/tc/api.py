@@ -75,7 +75,9 @@ FUSED_DKDV = {
 #: 16-33 %, D=128 2-25 % faster). 16-bit: within 2 % at D=64 but for one cell, slower at D=128: not offered.
 ATOMIC_DQ = {("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
              ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True)}
-#: the same opt-in on sm_90a (16-bit; D -> shape): the fused wgmma kernel with dQ added by red.global
+#: the same opt-in on sm_90a (16-bit; D -> shape, the whole wgmma Variant fields as in TUNING_WGMMA):
+#: the fused wgmma kernel with dQ added by red.global. Empty: it was not faster than the overlapped
+#: two-kernel backward (results/wgmma-fused-bwd-h200-2026-11-30.txt runs 1-2)
 ATOMIC_DQ_WGMMA = {}
 
 
@@ -147,8 +149,10 @@ _padded_dims(TUNING_WGMMA_F32)   # not swept separately
 #: (Variant.overlap), measured per kernel against the serial twin on the H200 (bench_tc_bwd.py
 #: --wgmma --no-fused, results/wgmma-fused-bwd-h200-2026-11-30.txt runs 2-3): faster at D = 32 / 64 /
 #: 96 (16-bit 1-11 %, float32 2-6 %; one D = 64 cell 2 % slower); at D = 128 the dK/dV kernel is
-#: slower overlapped (16-bit up to 16 %: it runs at 255 registers and spills more) while the dQ
-#: kernel gains a little, so the D = 128 dK/dV kernels keep every chain serial
+#: slower overlapped (16-bit up to 16 %; both twins run at 255 registers and ptxas reports fewer spill
+#: bytes for the overlapped one, 8 vs 20 B (bench_tc_bwd.py --wgmma --no-fused --spills sm_90), so
+#: the cause is not the spills; no profiler run yet) while the dQ kernel gains a little, so the
+#: D = 128 dK/dV kernels keep every chain serial
 for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
     _table[("dkdv", 128)]["overlap"] = False
 
@@ -174,17 +178,19 @@ def tuning_table(dtype, wgmma=None):
 _VARIANTS = {}
 
 
-def variant(kind, D, Dv, dtype, wgmma=None):
-    """the shipped Variant of (kind, D, dtype); wgmma None: as use_wgmma(dtype) decides now.
-    Memoised per table entry (asked several times per call); a sweep that assigns a new shape
-    dict to a table entry gets a new Variant."""
-    table = tuning_table(dtype, wgmma)
-    shape = table[(kind, D)]
-    key = (kind, D, Dv, dtype, id(table))
+def _entry_variant(key, shape, kind, D, Dv, dtype, **fixed):
+    """the Variant of one table entry (`shape`: its Variant fields), memoised per entry object:
+    asked several times per call, and a sweep that assigns a new shape dict gets a new Variant."""
     hit = _VARIANTS.get(key)
     if hit is None or hit[0] is not shape:
-        hit = _VARIANTS[key] = (shape, G.Variant(kind, D, Dv, dtype=dtype, **shape))
+        hit = _VARIANTS[key] = (shape, G.Variant(kind, D, Dv, dtype=dtype, **fixed, **shape))
     return hit[1]
+
+
+def variant(kind, D, Dv, dtype, wgmma=None):
+    """the shipped Variant of (kind, D, dtype); wgmma None: as use_wgmma(dtype) decides now."""
+    table = tuning_table(dtype, wgmma)
+    return _entry_variant((kind, D, Dv, dtype, id(table)), table[(kind, D)], kind, D, Dv, dtype)
 
 
 _WGMMA_DEVICES = {}
@@ -892,19 +898,11 @@ def atomic_shape(D, dtype, wgmma):
 
 
 def atomic_variant(D, dtype, wgmma=False):
-    """the opt-in float-atomic backward's Variant, or None where none is offered (memoised per table
-    entry: it is asked per call)."""
+    """the opt-in float-atomic backward's Variant, or None where none is offered."""
     shape = atomic_shape(D, dtype, wgmma)
     if shape is None:
         return None
-    hit = _ATOMIC_VARIANTS.get((D, dtype, wgmma))
-    if hit is None or hit[0] is not shape:
-        hit = _ATOMIC_VARIANTS[(D, dtype, wgmma)] = (shape, G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True,
-                                                                      dq_atomic=True, **shape))
-    return hit[1]
-
-
-_ATOMIC_VARIANTS = {}
+    return _entry_variant(("dkdv_atomic", D, dtype, wgmma), shape, "dkdv", D, D, dtype, fuse_dq=True, dq_atomic=True)
 
 
 def deterministic():

@@ -323,10 +323,10 @@ class Variant:
 # ----------------------------------------------------------------------------- source writer
 class Source:
     """the kernel text: `def kernel` and, before it, the module-level lines that make the wgmma
-    chain intrinsics it calls (chain())."""
+    intrinsics it calls (chain(), wait())."""
 
     def __init__(self):
-        self.lines, self.ind, self.prelude, self.chains = [], 0, [], {}
+        self.lines, self.ind, self.prelude, self.made = [], 0, [], {}
 
     def chain(self, form, N, steps, wait=True):
         """the name of a wgmma chain intrinsic (ptx.wgmma_chain(form, N, steps[, wait])), made once per text."""
@@ -337,10 +337,11 @@ class Source:
         return self._made(f"wgmma_wait({n}, {count})")
 
     def _made(self, ctor):
-        if ctor not in self.chains:
-            self.chains[ctor] = name = f"wgc{len(self.chains)}"
+        """the name bound to the intrinsic `ctor` (a ptx call) in the prelude, made once per text."""
+        if ctor not in self.made:
+            self.made[ctor] = name = f"wgc{len(self.made)}"
             self.prelude.append(f"{name} = {ctor}")
-        return self.chains[ctor]
+        return self.made[ctor]
 
     def __call__(self, s):
         self.lines.append("    " * self.ind + s)
@@ -1365,6 +1366,13 @@ def fetch_acc(e, v):
     e("cp_commit()")
 
 
+def pass_turn(e):
+    """after the barrier that ends flush_dq's reads of sq and its stores: thread 0 hands the pending
+    block's turn to the next rank (st.release at GPU scope publishes every thread's stores)."""
+    e("cuda.syncthreads()")
+    e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")
+
+
 def flush_dq(e, v):
     """pending block: running sum + staged dQ -> the float32 accumulator, or (last visitor) dQ =
     scale * total in q's dtype. Coalesced 16-byte rows; tail rows are not written."""
@@ -1542,6 +1550,10 @@ def gen_dkdv(v):
                         for r in range(4):
                             x = f"s{m}_{j}_{r}"
                             e(f"{x} = ex2({x} * sc - cl{j}{r % 2})")
+            def to_ds(m, tiles):   # dS = P (dP - Delta), in place
+                for j in tiles:
+                    for r in range(4):
+                        e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
             if v.wg_async:
                 # P's A operands are packed k-step by k-step and each k-step's P turns into dS right
                 # after (dP dies as P is packed: no more registers live than before); then dV += P^T dO
@@ -1549,12 +1561,7 @@ def gen_dkdv(v):
                 # need the result at once) and dK += dS^T Q
                 wg_wait(e, 0, "dp", nt)
                 col_stats(e, range(nt), "cd", "dltp")
-
-                def to_ds(ks):
-                    for j in (2 * ks, 2 * ks + 1):
-                        for r in range(4):
-                            e(f"s0_{j}_{r} = s0_{j}_{r} * (dp0_{j}_{r} - cd{j}{r % 2})")
-                wg_pack(e, v, "pa", "s", BN // 16, to_ds)
+                wg_pack(e, v, "pa", "s", BN // 16, lambda ks: to_ds(0, (2 * ks, 2 * ks + 1)))
                 mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv, wait=v.split, packed=True)
             else:
                 mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
@@ -1562,9 +1569,7 @@ def gen_dkdv(v):
                 mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
                 col_stats(e, range(nt), "cd", "dltp")
                 for m in range(MT):
-                    for j in range(nt):
-                        for r in range(4):
-                            e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
+                    to_ds(m, range(nt))
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
             if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
                 wg_wait(e, 0, "dv", Dv // 8)
@@ -1579,8 +1584,7 @@ def gen_dkdv(v):
                     e("if p_on != 0:")
                     with e.indent():
                         flush_dq(e, v)
-                    e("cuda.syncthreads()")
-                    e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")
+                    pass_turn(e)
                 wg_dq(e, v, "dsb", kept["ka"])
             elif fq:
                 store_ds(e, v, "dsb")
@@ -1598,8 +1602,7 @@ def gen_dkdv(v):
                     atomic_dq(e, v, "dqc")
             if fq and not v.dq_atomic:
                 if not v.wgmma:
-                    e("cuda.syncthreads()")   # flush_dq's reads of sq and its stores are done ...
-                    e("stg_release_if(u32((tx == 0) & (p_on != 0)), turn, rank + 1)")   # ... so pass the turn on
+                    pass_turn(e)
                     stage_dq(e, v, "dqc")
                 e(f"nvis = sel(causal != 0, imin(ntk, ((qb + 1) * {BN} - 1) // {v.BM} + 1), ntk)")
                 e("p_on = 1; p_hq = hq; p_cq = cq; p_last = u32(rank + 1 == nvis)")

@@ -8,6 +8,8 @@ mirrored in emulator.py; keep the two in step.
 """
 from __future__ import annotations
 
+import zlib
+
 _CACHE = {}
 
 #: the element kinds the tensor-core path understands, with their PTX spellings (float32 runs as
@@ -364,7 +366,7 @@ def intrinsics(dtype="float16"):
         wait=False issues and commits the chain without waiting: its outputs are not the results
         yet, and the program must not touch them before a wgmma_wait that ties them (the generator
         overlaps the chain with CUDA-core work that way; the emulator poisons them until the wait).
-        Arguments: ss (da, db, *acc); rs (*a_regs, db, *acc)."""
+        Arguments: ss / st (da, db, *acc); rs (*a_regs, db, *acc)."""
         n = N // 2
         ss = form in ("ss", "st")
         na = chain_operands(form, steps)
@@ -394,7 +396,6 @@ def intrinsics(dtype="float16"):
                 r = asm(bld, ir.LiteralStructType([F32] * n), ir_tys, text, cons, args)
                 return tuple_of(ctx, bld, sig, r, n)
             return sig, cg
-        import zlib
         return named_intrinsic(f"wgmma_{form}_{N}_{zlib.crc32(repr(steps).encode()):08x}" + ("" if wait else "_nw"),
                                len(in_tys), typer)
 
