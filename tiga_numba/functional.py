@@ -12,13 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays, dispatch
+from .merge import log_sum_exp
 
 _last_plan = None
 
 
 class AttentionStats:
     """Per-row softmax state of a forward: m = max scaled score, l = sum exp(s - m), both
-    (num_dst, H) in the accumulation dtype ((num_dst,) for 2-D one-head inputs)."""
+    (num_dst, H) in the accumulation dtype ((num_dst,) for 2-D one-head inputs), and
+    lse = m + log(l) (flash-attn's softmax_lse; -inf for an empty row)."""
 
     __slots__ = ("m", "l", "block_prune_threshold", "plan")
 
@@ -30,6 +32,11 @@ class AttentionStats:
 
     def __iter__(self):
         return iter((self.m, self.l))
+
+    @property
+    def lse(self):
+        """m + log(l) per (destination, head); -inf where the row has no edges."""
+        return log_sum_exp(self.m, self.l)
 
     def __repr__(self):
         return f"AttentionStats(m shape={tuple(self.m.shape)}, l shape={tuple(self.l.shape)}, dtype={self.m.dtype})"
