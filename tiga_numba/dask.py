@@ -25,8 +25,10 @@ recompute a lost one. See docs/dask.md.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import operator
+import threading
 import uuid
 
 import dask.array as da
@@ -44,6 +46,10 @@ __all__ = ["attention", "attention_backward", "DaskAttentionStats", "plan_summar
 
 # Fan-in of the merge and sum trees: at most this many partial results meet in one task.
 TREE_FAN_IN = 4
+# Per worker process, local relations of recent tasks are kept (with the realisations and the
+# transpose the kernels derive from them) up to about this many bytes, so that a repeated call
+# does not rebuild them; a pure memo: results never depend on it, and a new worker starts empty.
+WARM_GRAPH_BYTES = 1 << 30
 
 
 class DaskAttentionStats:
@@ -239,14 +245,18 @@ def _plan(graph, q, k):
 def plan_summary(graph, q, k):
     """What the tasks of this graph and chunking read, without running anything.
 
-    Returns a dict: ``kind`` ('csr' or 'blocks'), ``tasks`` (forward tasks), and per
-    destination partition ``halo_rows`` (CSR: source rows gathered for it) or ``blocks``
-    (implicit: key chunks it meets), plus ``edges`` per partition."""
+    Returns a dict with ``kind`` ('csr' or 'blocks'), ``tasks`` (forward tasks) and ``edges``
+    (per destination partition), and
+
+    * CSR: ``halo`` per destination partition, ``{source chunk: rows gathered from it}``
+      (``halo_rows`` their sum): a partition's task receives exactly these rows of k and v;
+    * implicit: ``blocks`` per destination partition, the key chunks it meets."""
     _check_dask("q", q)
     _check_dask("k", k)
     plan = _plan(graph, q, k)
     if plan.kind == "csr":
         return {"kind": "csr", "tasks": len(plan.parts),
+                "halo": [{c: int(r.shape[0]) for c, r, _, _ in p.pieces} for p in plan.parts],
                 "halo_rows": [p.graph.num_src for p in plan.parts],
                 "edges": [p.graph.num_edges for p in plan.parts]}
     return {"kind": "blocks", "tasks": sum(len(b) for b in plan.blocks),
@@ -255,6 +265,25 @@ def plan_summary(graph, q, k):
 
 
 # --------------------------------------------------------------------------- task functions
+_warm_graphs = collections.OrderedDict()   # (plan token, task) -> (Graph, bytes), newest last
+_warm_lock = threading.Lock()
+
+
+def _warm(graph, key):
+    """The local relation of task `key` as a previous task in this process left it (realised,
+    transposed), else `graph`, remembered for the next call."""
+    with _warm_lock:
+        hit = _warm_graphs.get(key)
+        if hit is not None:
+            _warm_graphs.move_to_end(key)
+            return hit[0]
+        _warm_graphs[key] = (graph, 24 * graph.num_edges + 16 * graph.num_dst)
+        total = sum(b for _, b in _warm_graphs.values())
+        while total > WARM_GRAPH_BYTES and len(_warm_graphs) > 1:
+            total -= _warm_graphs.popitem(last=False)[1][1]
+    return graph
+
+
 # Module-level functions (they pickle by reference); every literal they need is bound with
 # functools.partial so that the scheduler never mistakes it for a key or a task.
 def _take(chunk, rows):
@@ -267,16 +296,16 @@ def _concat(parts):
     return parts[0] if len(parts) == 1 else _xp_of(parts[0]).concatenate(parts, axis=0)
 
 
-def _csr_forward(q_p, k_parts, v_parts, *, graph, scale):
+def _csr_forward(q_p, k_parts, v_parts, *, graph, warm, scale):
     k, v = _concat(k_parts), _concat(v_parts)
-    out, stats = _attention(q_p, k, v, graph, scale=scale, return_stats=True)
+    out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True)
     return out, stats.m, stats.l
 
 
-def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, *, graph, scale):
+def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, *, graph, warm, scale):
     k, v = _concat(k_parts), _concat(v_parts)
-    return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p), graph,
-                               scale=scale)
+    return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
+                               _warm(graph, warm), scale=scale)
 
 
 def _halo_piece(result, which, start, stop):
@@ -289,12 +318,15 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     xp = _xp_of(like)
     total = xp.zeros(like.shape, dtype=acc)
     for r, piece in zip(rows, pieces):
-        total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
+        if r.shape[0] == like.shape[0]:   # the whole chunk, in order
+            total += piece
+        else:
+            total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
     return total.astype(dtype, copy=False)
 
 
-def _block_forward(q_p, k_c, v_c, *, graph, scale, acc):
-    out, stats = _attention(q_p, k_c, v_c, graph, scale=scale, return_stats=True)
+def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc):
+    out, stats = _attention(q_p, k_c, v_c, _warm(graph, warm), scale=scale, return_stats=True)
     return out.astype(acc, copy=False), stats.m, stats.l   # partials merge in the accumulation dtype
 
 
@@ -310,9 +342,9 @@ def _empty_forward(q_p, *, value_dim, acc):
             xp.zeros(lead, dtype=acc))
 
 
-def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, scale, acc):
-    grads = _attention_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p), graph,
-                                scale=scale)
+def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc):
+    grads = _attention_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p),
+                                _warm(graph, warm), scale=scale)
     return tuple(g.astype(acc, copy=False) for g in grads)
 
 
@@ -401,7 +433,8 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
             key = (core_name, "forward", p)
-            core[key] = (functools.partial(_csr_forward, graph=part.graph, scale=scale),
+            core[key] = (functools.partial(_csr_forward, graph=part.graph, warm=(plan.token, p),
+                                           scale=scale),
                          _chunk_key(q, p), k_parts, v_parts)
             roots.append(key)
         cast_out = functools.partial(_cast, dtype=dtype, which=0)
@@ -410,7 +443,8 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
             leaves = []
             for c, sub in row_blocks:
                 key = (core_name, "block", p, c)
-                core[key] = (functools.partial(_block_forward, graph=sub, scale=scale, acc=acc),
+                core[key] = (functools.partial(_block_forward, graph=sub, warm=(plan.token, p, c),
+                                               scale=scale, acc=acc),
                              _chunk_key(q, p), _chunk_key(k, c), _chunk_key(v, c))
                 leaves.append(key)
             if not leaves:
@@ -442,7 +476,11 @@ def _gather_halo(core, core_name, p, part, k, v):
     so only those rows travel). A partition without edges takes zero rows of chunk 0."""
     k_parts, v_parts = [], []
     for c, local_rows, _, _ in part.pieces or [(0, np.zeros(0, np.int64), 0, 0)]:
+        whole = local_rows.shape[0] == k.chunks[0][c]   # sorted and unique: the chunk itself
         for src, parts, tag in ((k, k_parts, "k-halo"), (v, v_parts, "v-halo")):
+            if whole:
+                parts.append(_chunk_key(src, c))
+                continue
             key = (core_name, tag, p, c)
             core[key] = (functools.partial(_take, rows=local_rows), _chunk_key(src, c))
             parts.append(key)
@@ -488,7 +526,8 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
             key = (core_name, "backward", p)
-            core[key] = (functools.partial(_csr_backward, graph=part.graph, scale=scale),
+            core[key] = (functools.partial(_csr_backward, graph=part.graph, warm=(plan.token, p),
+                                           scale=scale),
                          *row_inputs(p), k_parts, v_parts,
                          *stat_inputs(p))
             dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
@@ -511,7 +550,8 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
         for p, row_blocks in enumerate(plan.blocks):
             for c, sub in row_blocks:
                 key = (core_name, "block", p, c)
-                core[key] = (functools.partial(_block_backward, graph=sub, scale=scale, acc=acc),
+                core[key] = (functools.partial(_block_backward, graph=sub, warm=(plan.token, p, c),
+                                               scale=scale, acc=acc),
                              *row_inputs(p), _chunk_key(k, c), _chunk_key(v, c), *stat_inputs(p))
                 for which, leaves, i in ((0, dq_leaves, p), (1, dk_leaves, c), (2, dv_leaves, c)):
                     part = (core_name, "part", which, p, c)
