@@ -52,23 +52,45 @@ def _best(fn, repeat):
     return min(times), result
 
 
-def _model_bytes(summary, row_bytes_kv, k_chunk_rows, workers):
-    """Bytes the scaling model of docs/dask.md predicts, with chunk i on worker i mod W and every
-    task run next to its destination chunk (where most of its input bytes are).
+def _model_bytes(summary, q_rows, k_rows, workers, heads, kv_heads, dim, value_dim, itemsize):
+    """Bytes the scaling model of docs/dask.md predicts for (forward, backward), with chunk i
+    on worker i mod W. A task runs on the worker that holds more of its input bytes (dask's
+    rule); an input fetched to a worker stays there for the other tasks of the call.
 
-    CSR: a partition receives its remote halo rows of k and v; the backward receives them again
-    and sends the partial dk/dv of the same rows back. Implicit: a worker fetches each remote
-    key chunk its blocks meet once (k and v); the backward fetches it again and sends back the
-    partial dk/dv of that chunk."""
-    fwd = 0
+    CSR: a partition's task (next to its rows) receives the remote halo rows of k and v; the
+    backward receives them again and sends the partial dk/dv of the same rows back.
+    Implicit: per block (p, c) on different workers, either k_c and v_c travel to p's worker
+    (once per worker) or q_p travels to c's worker (once per worker) and the partial result
+    comes back; the backward likewise, with the partial dk/dv (or dq) sent to its sum."""
+    acc = 4 if itemsize <= 4 else 8
     if summary["kind"] == "csr":
-        for p, halo in enumerate(summary["halo"]):
-            fwd += sum(rows for c, rows in halo.items() if c % workers != p % workers) * row_bytes_kv
-    else:
-        fetched = {(p % workers, c) for p, blocks in enumerate(summary["blocks"])
-                   for c in blocks if c % workers != p % workers}
-        fwd = sum(k_chunk_rows[c] for _, c in fetched) * row_bytes_kv
-    return fwd, 2 * fwd
+        kv_row = kv_heads * (dim + value_dim) * itemsize
+        fwd = sum(rows for p, halo in enumerate(summary["halo"])
+                  for c, rows in halo.items() if c % workers != p % workers) * kv_row
+        return fwd, 2 * fwd
+    fwd, bwd, seen_f, seen_b = 0, 0, set(), set()
+    for p, blocks in enumerate(summary["blocks"]):
+        for c in blocks:
+            wq, wk = p % workers, c % workers
+            if wq == wk:
+                continue
+            kv = k_rows[c] * kv_heads * (dim + value_dim) * itemsize
+            q_in = q_rows[p] * heads * dim * itemsize
+            partial_out = q_rows[p] * heads * (value_dim * acc + 2 * acc)
+            if kv > q_in:
+                fwd += (q_in if (wk, "q", p) not in seen_f else 0) + partial_out
+                seen_f.add((wk, "q", p))
+            else:
+                fwd += kv if (wq, "kv", c) not in seen_f else 0
+                seen_f.add((wq, "kv", c))
+            q_side = q_rows[p] * heads * (dim * itemsize + 2 * value_dim * itemsize + 2 * acc)
+            if kv > q_side:
+                bwd += (q_side if (wk, "q", p) not in seen_b else 0) + q_rows[p] * heads * dim * acc
+                seen_b.add((wk, "q", p))
+            else:
+                bwd += (kv if (wq, "kv", c) not in seen_b else 0) + kv // itemsize * acc
+                seen_b.add((wq, "kv", c))
+    return fwd, bwd
 
 
 def run(args):
@@ -90,7 +112,6 @@ def run(args):
     q, k, v, dout = (rng.standard_normal((n, heads, dim), dtype=dtype) for _ in range(4))
     print(f"# {args.case}: N={n}, edges={graph.num_edges}, H={heads}, D={dim}, float32; "
           f"graph built in {build_s:.1f} s")
-    row_kv = heads * 2 * dim * 4
     # single process (warm: one call first compiles or loads the kernels)
     out, stats = tg.attention(q, k, v, graph, return_stats=True)
     t_fwd, (out, stats) = _best(lambda: tg.attention(q, k, v, graph, return_stats=True), args.repeat)
@@ -127,6 +148,7 @@ def run(args):
 
             def timed(make):
                 best, result, sent, busy = None, None, 0, None
+                distributed.wait(client.persist(list(make())))   # warm: kernels compiled or loaded
                 for _ in range(args.repeat):
                     result = None
                     gc.collect()
@@ -154,7 +176,7 @@ def run(args):
             b_s, grads, b_bytes, b_busy = timed(lambda: tgd.attention_backward(DO, Q, K, V, O, S, graph))
             got = [np.asarray(x) for x in client.gather([O.persist(), grads[1].persist()])]
             err = max(float(np.abs(got[0] - out).max()), float(np.abs(got[1] - ref[1]).max()))
-            m_f, m_b = _model_bytes(summary, row_kv, K.chunks[0], workers)
+            m_f, m_b = _model_bytes(summary, Q.chunks[0], K.chunks[0], workers, heads, heads, dim, dim, 4)
             fmt_busy = lambda b: "/".join(f"{x:.1f}" for x in sorted(b.values()))  # noqa: E731
             print(f"| {workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}, "
                   f"{chunks} chunks | {plan_s:.2f} | {f_s:.2f} | {b_s:.2f} | "
