@@ -13,7 +13,7 @@ other axes must be one chunk. Every task is a call of the single-process kernels
   renumbered into the halo, so the forward needs no merge. The backward computes dq locally and
   the halo's partial dk/dv, which are scattered back to their source chunks and summed there in
   increasing partition order.
-* Implicit relations (dense, triangular, segments): one task per (query chunk, key chunk) block
+* Implicit relations (dense, triangular, segments, band): one task per (query chunk, key chunk) block
   that the relation touches (blocks without edges are never created). The partial results of a
   query chunk are combined by the exact online-softmax merge in a fixed-order tree; the backward
   runs per block with the merged (full-row) statistics and sums dq per query chunk and dk/dv per
@@ -182,53 +182,16 @@ def _csr_plan(graph, dst_bounds, src_bounds):
     return _Plan("csr", parts=parts)
 
 
-def _row_source_ranges(graph, d0, d1):
-    """Sources of an implicit relation's rows [d0, d1): each row's sources are one contiguous
-    range [lo, hi) of global source ids."""
-    rel = graph._blocks
-    rows = np.arange(d0, d1, dtype=np.int64)
-    seg = np.searchsorted(rel.dst_offsets, rows, side="right") - 1
-    lo = rel.src_offsets[seg]
-    end = rel.src_offsets[seg + 1]
-    causal_hi = lo + (rows - rel.dst_offsets[seg]) + 1
-    hi = np.where(rel.causal[seg].astype(bool), np.minimum(causal_hi, end), end)
-    return lo, hi
-
-
-def _restrict_block(graph, d0, d1, s0, s1, lo, hi):
-    """The relation between rows [d0, d1) and sources [s0, s1), in local ids; None when the
-    block has no edge. Dense and causal-diagonal blocks stay implicit; any other block is
-    materialised as CSR (only its own edges)."""
-    lo = np.maximum(lo, s0)
-    hi = np.minimum(hi, s1)
-    counts = np.maximum(hi - lo, 0)
-    if not counts.any():
-        return None
-    nd, ns = d1 - d0, s1 - s0
-    if np.all(lo == s0) and np.all(hi == s1):
-        return Graph.dense(ns, nd)
-    if nd == ns and np.all(lo == s0) and np.array_equal(hi - s0, np.arange(1, nd + 1)):
-        return Graph.triangular(nd)
-    indptr = np.zeros(nd + 1, np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    row_start = np.repeat(np.where(counts > 0, lo - s0, 0) - indptr[:-1], counts)
-    indices = (np.arange(int(indptr[-1]), dtype=np.int64) + row_start).astype(np.int32)
-    return Graph.from_csr(indptr, indices, num_src=ns)
-
-
 def _block_plan(graph, dst_bounds, src_bounds):
+    """Per query chunk, the key chunks whose block holds an edge, with the block's relation
+    (implicit: dense, triangular, band or segments, renumbered from 0)."""
     blocks = []
     for d0, d1 in zip(dst_bounds[:-1], dst_bounds[1:]):
-        lo, hi = _row_source_ranges(graph, d0, d1)
         row_blocks = []
-        if d1 > d0:
-            first, last = int(lo.min()), int(hi.max())
-            for c, (s0, s1) in enumerate(zip(src_bounds[:-1], src_bounds[1:])):
-                if s1 <= first or s0 >= last or s1 == s0:
-                    continue
-                sub = _restrict_block(graph, d0, d1, s0, s1, lo, hi)
-                if sub is not None:
-                    row_blocks.append((c, sub))
+        for c, (s0, s1) in enumerate(zip(src_bounds[:-1], src_bounds[1:])):
+            sub = graph.restrict(d0, d1, s0, s1)
+            if sub.num_edges:
+                row_blocks.append((c, sub))
         blocks.append(row_blocks)
     return _Plan("blocks", blocks=blocks)
 
