@@ -201,8 +201,24 @@ def _plan(graph, q, k):
     dropped with the graph, and never pickled with it)."""
     dst_bounds, src_bounds = _bounds(q.chunks[0]), _bounds(k.chunks[0])
     build = _block_plan if graph.is_implicit else _csr_plan
-    return graph._cached(("dask plan", dst_bounds, src_bounds),
+    plan = graph._cached(("dask plan", dst_bounds, src_bounds),
                          lambda: build(graph, dst_bounds, src_bounds))
+    if plan.kind == "blocks" and not isinstance(q._meta, np.ndarray):
+        _check_cuda_blocks(graph, plan)
+    return plan
+
+
+def _check_cuda_blocks(graph, plan):
+    # The CUDA block kernels take full and square-causal blocks only: refuse a band block when
+    # the dask graph is built rather than in a task on a worker.
+    for p, row_blocks in enumerate(plan.blocks):
+        for c, sub in row_blocks:
+            if not sub._blocks.standard:
+                raise NotImplementedError(
+                    f"block (query chunk {p}, key chunk {c}) of this {graph.kind} relation is a band "
+                    f"({sub.kind}), which the CUDA backend does not run yet; on cupy chunks give q "
+                    "and k the same chunk boundaries (causal diagonal blocks are then triangles), "
+                    "or use a CSR relation: Graph.from_scipy(graph.to_scipy())")
 
 
 def plan_summary(graph, q, k):
