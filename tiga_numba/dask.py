@@ -410,7 +410,7 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     roots = []
     if plan.kind == "csr":
         for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
+            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "forward", p)
             core[key] = (functools.partial(_csr_forward, graph=part.graph, warm=(plan.token, p),
                                            scale=scale),
@@ -450,9 +450,11 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     return arrays[0]
 
 
-def _gather_halo(core, core_name, p, part, k, v):
+def _gather_halo(core, plan, p, part, k, v):
     """Tasks that take, from each source chunk, the rows partition p needs (next to the chunk,
-    so only those rows travel). A partition without edges takes zero rows of chunk 0."""
+    so only those rows travel). A partition without edges takes zero rows of chunk 0. The
+    forward and the backward name them alike, so one computation of both gathers once."""
+    halo_name = f"tiga-attention-halo-{tokenize(plan.token, k.name, v.name)}"
     k_parts, v_parts = [], []
     for c, local_rows, _, _ in part.pieces or [(0, np.zeros(0, np.int64), 0, 0)]:
         whole = local_rows.shape[0] == k.chunks[0][c]   # sorted and unique: the chunk itself
@@ -460,7 +462,7 @@ def _gather_halo(core, core_name, p, part, k, v):
             if whole:
                 parts.append(_chunk_key(src, c))
                 continue
-            key = (core_name, tag, p, c)
+            key = (halo_name, tag, p, c)
             core[key] = (functools.partial(_take, rows=local_rows), _chunk_key(src, c))
             parts.append(key)
     return k_parts, v_parts
@@ -503,7 +505,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
         # per source chunk: (partition rows, key of the halo piece) in increasing partition
         incoming = {c: ([], [], []) for c in range(nk)}
         for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
+            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "backward", p)
             core[key] = (functools.partial(_csr_backward, graph=part.graph, warm=(plan.token, p),
                                            scale=scale),
