@@ -9,7 +9,9 @@ a vectorised loop.
 
 Forward: one work item = (head, block, query tile); it walks the key tiles of its block only
 (causal blocks: tiles at or left of the diagonal; only tiles crossing the diagonal are
-masked) with the FlashAttention-2 recurrence, and writes per-row (out, m, l).
+masked) with the FlashAttention-2 recurrence, and writes per-row (out, m2, l), m2 the row max
+in base 2 exactly as the kernel found it (the backward subtracts it from the same recomputed
+scores, so it must not go through a rounded unit conversion; ``api.py`` derives the natural m).
 Optional tile pruning (``PRUNE``): after the score tile is computed it is admitted only if
 ``max(tile) >= m_run_block + log(rho)`` (in base 2: ``+ log2(rho)``), ``m_run_block`` the
 running max over every row of the query tile; a rejected tile skips its value product and
@@ -62,7 +64,6 @@ def _exp2d(x):
 def make_forward(acc, BM, BN, prune):
     """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off."""
     dt = np.float32 if acc == "float32" else np.float64
-    ln2 = LN2
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def forward(qh, ktt, vh, items, dst_off, src_off, causal, tile_base, group, log2_rho,
@@ -151,7 +152,7 @@ def make_forward(acc, BM, BN, prune):
                 inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
                 for d in range(Dv):
                     out[i, h, d] = acc_[r, d] * inv
-                m_out[i, h] = m[r] * ln2 if l[r] > 0 else -np.inf
+                m_out[i, h] = m[r] if l[r] > 0 else -np.inf  # base 2, as the kernel found it
                 l_out[i, h] = l[r]
             tiles_total[w] = n_total
             tiles_pruned[w] = n_pruned

@@ -7,7 +7,8 @@ Arrays are node-major contiguous in the accumulation dtype: ``q (Nq, H, D)`` pre
 
 Forward: one destination row per ``prange`` iteration, all heads; its edges are streamed in
 chunks of ``CH`` with the online-softmax recurrence, so scratch is O(H * (CH + Dv)) per row.
-Empty rows: out 0, m = -inf, l = 0.
+The row max is written in base 2 (m2), as the kernel found it; ``api.py`` derives the natural m.
+Empty rows: out 0, m2 = -inf, l = 0.
 
 Backward (deterministic, no atomics, no (E,)-sized scratch):
   * pass 1, by destination rows: dq_i = scale * sum_e ds_e k_j and, when there is a bias,
@@ -32,7 +33,6 @@ RB = 32  # rows per prange iteration (amortises scratch allocation)
 
 def make_forward(acc):
     dt = np.float32 if acc == "float32" else np.float64
-    ln2 = LN2
     log2e = dt(LOG2E)
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
@@ -100,7 +100,7 @@ def make_forward(acc):
                     o = out[i, h]
                     for d in range(Dv):
                         o[d] = ar[d] * inv
-                    m_out[i, h] = m[h] * ln2 if l[h] > 0 else -np.inf
+                    m_out[i, h] = m[h] if l[h] > 0 else -np.inf  # base 2, as found
                     l_out[i, h] = l[h]
             restore_mxcsr(mxcsr)
 
