@@ -77,6 +77,7 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
         out = xp.zeros((shape.num_dst, shape.heads, shape.value_dim), dtype=shape.dtype)
         m = xp.full((shape.num_dst, shape.heads), -np.inf, dtype=shape.accum_dtype)
         l = xp.zeros((shape.num_dst, shape.heads), dtype=shape.accum_dtype)
+        m_kernel = []
         plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a",
                              pruned_tiles=0, total_tiles=0)
     else:
