@@ -82,44 +82,73 @@ def graph_of(kind, n):
 N_BIG, H_BIG, HKV_BIG, D_BIG = 150, 2, 1, 16
 
 
-@pytest.mark.parametrize("kind", ["dense", "triangular", "cu_seqlens", "csr"])
-@pytest.mark.parametrize("dtype, max_score", [(np.float32, 1e2), (np.float32, 5e4),
-                                              (np.float32, 1e6), (np.float32, 1e8),
-                                              (np.float16, 3e4)])
-def test_backward_accurate_at_large_scores(kind, dtype, max_score):
-    """The backward's error against float64 stays that of a materialised float32 numpy
-    backward at any score magnitude where the forward is finite."""
+LARGE_SCORE_CASES = [(np.float32, 1e2), (np.float32, 5e4), (np.float32, 1e6), (np.float32, 1e8),
+                     (np.float16, 3e4)]
+
+
+def _large_score_inputs(kind, dtype, max_score, d=D_BIG):
     r = np.random.default_rng(int(np.log10(max_score)) + 10 * (dtype == np.float16))
     g = graph_of(kind, N_BIG)
     mask = dense_mask(g)
-    scale = D_BIG ** -0.5
-    q = r.standard_normal((N_BIG, H_BIG, D_BIG))
-    k = r.standard_normal((N_BIG, HKV_BIG, D_BIG))
-    raw = np.abs(np.einsum("ihd,jhd->hij", q, np.repeat(k, H_BIG // HKV_BIG, 1)) * scale)
+    q = r.standard_normal((N_BIG, H_BIG, d))
+    k = r.standard_normal((N_BIG, HKV_BIG, d))
+    raw = np.abs(np.einsum("ihd,jhd->hij", q, np.repeat(k, H_BIG // HKV_BIG, 1)) * d ** -0.5)
     amp = np.sqrt(max_score / raw[:, mask].max())
     q, k = (x * amp for x in (q, k))
-    v = r.standard_normal((N_BIG, HKV_BIG, D_BIG))
-    dout = r.standard_normal((N_BIG, H_BIG, D_BIG))
-    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+    v = r.standard_normal((N_BIG, HKV_BIG, d))
+    dout = r.standard_normal((N_BIG, H_BIG, d))
+    return g, mask, [x.astype(dtype) for x in (q, k, v, dout)]
 
-    out, stats = tg.attention(q, k, v, g, return_stats=True)
-    dq, dk, dv = tg.attention_backward(dout, q, k, v, out, stats, g)
+
+def check_large_scores(kind, dtype, max_score, to_dev=lambda x: x, to_host=lambda x: x):
+    """The backward's error against float64 stays that of a materialised float32 numpy
+    backward at any score magnitude where the forward is finite."""
+    g, mask, (q, k, v, dout) = _large_score_inputs(kind, dtype, max_score)
+    d = q.shape[2]
+    scale = d ** -0.5
+    qd, kd, vd, dd = (to_dev(x) for x in (q, k, v, dout))
+    out, stats = tg.attention(qd, kd, vd, g, return_stats=True)
+    dq, dk, dv = tg.attention_backward(dd, qd, kd, vd, out, stats, g)
+    out, dq, dk, dv, m = (to_host(x) for x in (out, dq, dk, dv, stats.m))
     ref = oracle(q, k, v, dout, mask, scale)
     f32 = oracle(q, k, v, dout, mask, scale, np.float32)
     for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert np.all(np.isfinite(x)), name
     live = np.isfinite(ref["m"])
-    np.testing.assert_allclose(stats.m[live], ref["m"][live], rtol=1e-5 * D_BIG, atol=1e-5)
+    np.testing.assert_allclose(m[live], ref["m"][live], rtol=1e-5 * d, atol=1e-5)
     tol_in = float(np.finfo(dtype).eps)  # out and dv are stored in the input dtype
     for name in ("out", "dv"):
         got = {"out": out, "dv": dv}[name]
-        assert rel_err(got, ref[name]) <= 20 * rel_err(f32[name], ref[name]) + 4 * tol_in, name
+        assert rel_err(got, ref[name]) <= 20 * rel_err(f32[name], ref[name]) + 4 * tol_in, \
+            (name, rel_err(got, ref[name]), rel_err(f32[name], ref[name]))
     # dq, dk: the float32 rounding bound of p * (dp - Delta) (summation orders differ from
     # numpy's, so exact cancellation in one-hot rows is not reproduced, nor required)
     for name, got in (("dq", dq), ("dk", dk)):
         err = np.abs(np.asarray(got, np.float64) - ref[name])
-        bound = 4 * D_BIG * EPS32 * ref["bound_" + name] + 4 * tol_in * max(1.0, np.abs(ref[name]).max())
+        bound = 4 * d * EPS32 * ref["bound_" + name] + 4 * tol_in * max(1.0, np.abs(ref[name]).max())
         assert np.all(err <= bound), (name, float((err / np.maximum(bound, 1e-300)).max()))
+
+
+@pytest.mark.parametrize("kind", ["dense", "triangular", "cu_seqlens", "csr"])
+@pytest.mark.parametrize("dtype, max_score", LARGE_SCORE_CASES)
+def test_backward_accurate_at_large_scores(kind, dtype, max_score):
+    check_large_scores(kind, dtype, max_score)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "triangular", "cu_seqlens", "csr"])
+@pytest.mark.parametrize("dtype, max_score", LARGE_SCORE_CASES)
+def test_cuda_core_backward_accurate_at_large_scores(kind, dtype, max_score, monkeypatch):
+    """The same on the CUDA-core kernels (D = 16: no tensor-core kernel takes it)."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no CUDA device")
+    except Exception:
+        pytest.skip("no CUDA device")
+    from tiga_numba.cuda import api
+    monkeypatch.setattr(api, "USE_TC", False)
+    check_large_scores(kind, dtype, max_score, cupy.asarray, cupy.asnumpy)
 
 
 def test_stats_keep_the_kernel_row_max_exactly():
