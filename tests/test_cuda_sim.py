@@ -316,7 +316,7 @@ def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bi
     ns, Hkv, DV = v.shape
     t = tiles(dtype, D, DV, R=1, NT=8)
     acc = np.dtype(t.acc)
-    st = np.full((nq, H, 2), np.nan, acc)
+    st = np.full((nq, H, 3), np.nan, acc)
     skern = make_stats(dtype, t.acc)
     df, ds = base_and_strides(dout)
     of, os_ = base_and_strides(out)

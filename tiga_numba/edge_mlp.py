@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .cpu.threads import serialised
 # `from .nn import ...` imports the submodule directly (the package's lazy __getattr__ is not
 # involved, see docs/requests/gat-helper.md)
 from .nn import LeakyReLU, Linear, ReLU, Tanh
@@ -457,6 +458,7 @@ def _ir_stages(kernel):
 
 
 # --------------------------------------------------------------------------- forward
+@serialised
 def forward(graph, net, args, value, return_state=True):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
     plan with explain()/run_info."""
@@ -494,6 +496,7 @@ def forward(graph, net, args, value, return_state=True):
 
 
 # --------------------------------------------------------------------------- backward
+@serialised
 def backward(graph, net, args, value, state, dout):
     """Gradients of sum(out * dout): {"args": [grad or None per arg], "value": grad,
     "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}."""

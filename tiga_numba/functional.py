@@ -20,15 +20,24 @@ _last_plan = None
 class AttentionStats:
     """Per-row softmax state of a forward: m = max scaled score, l = sum exp(s - m), both
     (num_dst, H) in the accumulation dtype ((num_dst,) for 2-D one-head inputs), and
-    lse = m + log(l) (flash-attn's softmax_lse; -inf for an empty row)."""
+    lse = m + log(l) (flash-attn's softmax_lse; -inf for an empty row).
 
-    __slots__ = ("m", "l", "block_prune_threshold", "plan")
+    A forward's stats also remember what they belong to (`plan`, `graph`) so that
+    attention_backward can refuse stats of another call, and may carry `m_kernel`, the row
+    max in the units of the backend's kernels exactly as they found it (the CPU kernels work
+    in base 2), which the backward uses instead of converting `m` back (docs/robustness.md).
+    Stats built by hand, or merged, have none of these and are checked by shape only."""
 
-    def __init__(self, m, l, block_prune_threshold=None, plan=None):
+    __slots__ = ("m", "l", "block_prune_threshold", "plan", "graph", "m_kernel")
+
+    def __init__(self, m, l, block_prune_threshold=None, plan=None, *, graph=None,
+                 m_kernel=None):
         self.m = m
         self.l = l
         self.block_prune_threshold = block_prune_threshold
         self.plan = plan
+        self.graph = graph
+        self.m_kernel = m_kernel
 
     def __iter__(self):
         return iter((self.m, self.l))
@@ -75,15 +84,18 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
         out = xp.zeros((shape.num_dst, shape.heads, shape.value_dim), dtype=shape.dtype)
         m = xp.full((shape.num_dst, shape.heads), -np.inf, dtype=shape.accum_dtype)
         l = xp.zeros((shape.num_dst, shape.heads), dtype=shape.accum_dtype)
+        m_kernel = []
         plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a",
                              pruned_tiles=0, total_tiles=0)
     else:
         backend = dispatch.backend_module(plan.backend)
-        out, m, l = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias)
+        out, m, l, *m_kernel = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias)
     _remember(plan)
+    m_kernel = m_kernel[0] if m_kernel else None
     if shape.squeezed:
         out, m, l = out[:, 0, :], m[:, 0], l[:, 0]
-    return out, AttentionStats(m, l, rho, plan), plan
+        m_kernel = None if m_kernel is None else m_kernel[:, 0]
+    return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel), plan
 
 
 def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False):
@@ -123,6 +135,9 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         l = xp.asarray(l, dtype=acc)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias)
+    m_kernel = _check_stats_belong(stats, graph, plan, lead)
+    if shape.squeezed and m_kernel is not None:
+        m_kernel = m_kernel[:, None]
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
         xp = _xp(shape.library)
         dq = xp.zeros(q.shape, dtype=shape.dtype)
@@ -134,11 +149,61 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         backend = dispatch.backend_module(plan.backend)
         dq, dk, dv, dbias = backend.backward(
             plan, dout, q, k, v, out, m, l, graph.realize(plan.backend),
-            graph.realize_transpose(plan.backend), bias)
+            graph.realize_transpose(plan.backend), bias,
+            **({} if m_kernel is None else {"m_kernel": m_kernel}))
     _remember(plan)
     if shape.squeezed:
         dq, dk, dv = dq[:, 0, :], dk[:, 0, :], dv[:, 0, :]
     return dq, dk, dv, dbias, plan
+
+
+def _check_stats_belong(stats, graph, plan, lead):
+    """ValueError naming `stats` when a forward's stats come from another graph, other
+    shapes, another scale or another score; returns the forward's kernel-unit row max when
+    it can be used. Stats without a forward plan (built by hand, merged) pass: their shape
+    was checked already."""
+    fwd = getattr(stats, "plan", None)
+    if not isinstance(fwd, type(plan)):
+        # merged stats (attention_merge) know only the backend of their parts' kernel maxima
+        m_kernel = getattr(stats, "m_kernel", None)
+        if m_kernel is not None and getattr(fwd, "backend", None) == plan.backend and \
+                tuple(m_kernel.shape) == lead:
+            return m_kernel
+        return None
+    got = (fwd.num_dst, fwd.num_src, fwd.heads, fwd.kv_heads, fwd.head_dim, fwd.value_dim)
+    want = (plan.num_dst, plan.num_src, plan.heads, plan.kv_heads, plan.head_dim, plan.value_dim)
+    if got != want:
+        names = "(num_dst, num_src, heads, kv_heads, head_dim, value_dim)"
+        raise ValueError(f"stats belong to a forward of other shapes: {names} = {got} in the "
+                         f"forward, {want} here")
+    if fwd.scale != plan.scale:
+        raise ValueError(f"stats belong to a forward with scale={fwd.scale!r}, but this "
+                         f"backward has scale={plan.scale!r}; pass the forward's scale")
+    if fwd.score != plan.score:
+        raise ValueError(f"stats belong to a forward with score {fwd.score!r}, but this "
+                         f"backward computes {plan.score!r}")
+    fwd_graph = getattr(stats, "graph", None)
+    if fwd_graph is not None and fwd_graph is not graph and not _same_relation(fwd_graph, graph):
+        raise ValueError(f"stats belong to a forward over another graph ({fwd_graph.explain()}) "
+                         f"than this backward's ({graph.explain()})")
+    m_kernel = getattr(stats, "m_kernel", None)
+    if m_kernel is None or fwd.backend != plan.backend or tuple(m_kernel.shape) != lead:
+        return None
+    return m_kernel
+
+
+def _same_relation(a, b):
+    """Whether two Graph objects hold the same relation: cheap facts first, then the
+    kernel-facing arrays (O(blocks) for implicit relations, O(edges) for CSR)."""
+    if (a.kind, a.num_src, a.num_dst, a.num_edges) != (b.kind, b.num_src, b.num_dst, b.num_edges):
+        return False
+    ra, rb = a.realize("cpu"), b.realize("cpu")
+    if type(ra) is not type(rb):
+        return False
+    fields = ("dst_offsets", "src_offsets", "lo", "hi") if hasattr(ra, "dst_offsets") \
+        else ("indptr", "indices")
+    return all(np.array_equal(np.asarray(getattr(ra, f)), np.asarray(getattr(rb, f)))
+               for f in fields)
 
 
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):

@@ -99,7 +99,29 @@ def _to_host(name, array):
         raise ValueError(f"{name} must be 1-D, got shape {out.shape}")
     if out.size and not np.issubdtype(out.dtype, np.integer):
         raise TypeError(f"{name} must have an integer dtype, got {out.dtype}")
-    return out.astype(np.int64, copy=False) if out.size else np.zeros(0, np.int64)
+    if not out.size:
+        return np.zeros(0, np.int64)
+    if out.dtype.kind == "u" and out.dtype.itemsize >= 8:
+        # uint64 values >= 2**63 would wrap to negative int64 and be reported as such
+        too_big = out > np.iinfo(np.int64).max
+        if too_big.any():
+            bad = int(np.argmax(too_big))
+            raise ValueError(f"{name}[{bad}]={int(out[bad])} is out of range: indices, offsets "
+                             "and lengths must be below 2**63")
+    return out.astype(np.int64, copy=False)
+
+
+def _dia_structure(dia):
+    """COO of every in-bounds position of a DIA matrix's stored diagonals, values ignored
+    (ones): scipy's DIA conversions drop zero values, which would drop stored entries."""
+    import scipy.sparse as sp
+    nrows, ncols = dia.shape
+    width = min(dia.data.shape[1], ncols)
+    cols = np.arange(width, dtype=np.int64)
+    rows = cols[None, :] - np.asarray(dia.offsets, np.int64)[:, None]
+    keep = (rows >= 0) & (rows < nrows)
+    r, c = rows[keep], np.broadcast_to(cols, rows.shape)[keep]
+    return sp.coo_matrix((np.ones(r.shape[0], np.int8), (r, c)), shape=dia.shape)
 
 
 def _rows_of(indptr):
@@ -417,13 +439,21 @@ class Graph:
 
     @classmethod
     def from_scipy(cls, matrix, *, device=None):
-        """Any scipy.sparse matrix/array; rows = destinations, columns = sources. The stored
-        entries are the edges (explicit zeros included, values ignored; duplicates are summed
-        into one entry by scipy's tocsr())."""
+        """Any scipy.sparse matrix/array; rows = destinations, columns = sources.
+
+        Every stored position is an edge and the values are ignored, in every format: explicit
+        zeros are edges (CSR, CSC, COO; LIL and DOK do not store assigned zeros), every element of a stored block is an edge
+        (BSR, zeros inside the block included), every in-bounds position of a stored diagonal
+        is an edge (DIA, zeros included: scipy's own DIA -> CSR conversion would drop them).
+        Duplicate entries (COO, repeated DIA offsets) are one edge. To make zero values mean
+        "no edge", drop them first: ``m = m.tocsr(); m.eliminate_zeros()``."""
         import scipy.sparse as sp
         if not sp.issparse(matrix):
             raise TypeError(f"matrix must be a scipy.sparse matrix or array, got {type(matrix).__name__}")
+        if matrix.format == "dia":
+            matrix = _dia_structure(matrix)
         csr = matrix.tocsr()
+        csr.sum_duplicates()  # duplicates merged into one entry (no-op when canonical)
         return cls.from_csr(csr.indptr, csr.indices, num_src=csr.shape[1], device=device)
 
     @classmethod

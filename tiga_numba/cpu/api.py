@@ -1,8 +1,15 @@
 """CPU backend entry points (docs/INTERNALS.md, "Backend entry points").
 
-    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
-    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None)
-        -> (dq, dk, dv, dbias)
+    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l, m_kernel)
+    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             m_kernel=None) -> (dq, dk, dv, dbias)
+
+``m_kernel`` is the row max in the kernels' units (base 2: ``m * log2(e)``), exactly as the
+forward's kernels found it.  The backward subtracts it from scores it recomputes bit for bit
+like the forward did, so ``exp2(s2 - m2)`` of the row's largest score is exactly 1 at any score
+magnitude; going through the natural-log ``m`` instead would exponentiate that conversion's
+rounding error (``|m| * 2**-24`` in float32: already 0.3 % at |m| = 5e4).  Without
+``m_kernel`` (stats built by the caller, merged stats) the backward converts ``m``.
 
 Arrays arrive validated (numpy, any strides, one dtype in float16/32/64).  This module
 makes the layouts the kernels want (``layout.py``), picks the compiled specialisation from
@@ -20,8 +27,10 @@ from . import csr as _csr
 from . import split as _split
 from .blas import single_threaded_blas
 from .layout import acc_dtype_of, head_major, node_major, order_balanced
+from .threads import serialised
 
 LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
 
 # Tile sizes (query rows x key columns) of the block kernels.  Measured on the 2-core AVX-512
 # machine (single thread, N=4096, H=4, D=64 f32, forward / backward ms): 64x64 182/366,
@@ -145,6 +154,7 @@ def _is_blocks(relation):
 
 
 # --------------------------------------------------------------------------- forward
+@serialised
 def forward(plan, q, k, v, relation, edge_bias=None):
     acc = acc_dtype_of(q.dtype)
     copies = []
@@ -211,7 +221,9 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     info["copies"] = copies
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
-    return out, m, l
+    m2 = m  # the kernels wrote base-2 maxima (-inf for empty rows)
+    m_nat = (m2 * LN2).astype(acc) if acc == np.float32 else m2 * LN2  # rounded once
+    return out, m_nat, l, m2
 
 
 def _ranges(sizes, step):
@@ -331,7 +343,9 @@ def _bias(edge_bias, acc, H, copies):
 
 
 # --------------------------------------------------------------------------- backward
-def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
+@serialised
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             m_kernel=None):
     if plan.prune_threshold is not None:  # dispatch refuses this first; fail closed anyway
         raise NotImplementedError("block_prune_threshold: the backward of a pruned forward "
                                   "is not implemented")
@@ -350,8 +364,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     delta = np.einsum("nhd,nhd->nh", np.asarray(dout, acc), np.asarray(out, acc))
     with np.errstate(divide="ignore"):
         linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
-    # base-2 maxima for the kernels; -inf (empty rows) -> the kernels' finite NEG sentinel
-    m2 = np.where(np.isfinite(m), m * LOG2E, _blocks.NEG).astype(acc)
+    # base-2 maxima for the kernels: the forward's own when given (exact), else converted from
+    # m; -inf (empty rows) -> the kernels' finite NEG sentinel
+    m2 = np.asarray(m_kernel, acc) if m_kernel is not None else m * acc.type(LOG2E)
+    m2 = np.where(np.isfinite(m2), m2, acc.type(_blocks.NEG)).astype(acc)
     dbias = None
     if _is_blocks(relation):
         if edge_bias is not None:

@@ -16,7 +16,9 @@ partial states land in slots that a second parallel loop merges in slot order. I
 value product reads only band cells (``band_rows_mm``), so a non-finite key or value outside a
 row's relation never reaches that row (0 * inf would be NaN). Blocks narrower than a quarter tile
 are not packed: their score gemm reads the K rows directly, so memory stays O(N) however many
-short segments there are.
+short segments there are. The row max is written in base 2 (m2) exactly as the kernel found
+it (the backward subtracts it from the same recomputed scores, so it must not go through a
+rounded unit conversion; ``api.py`` derives the natural m).
 Optional tile pruning (``PRUNE``): after the score tile is computed it is admitted only if
 ``max(tile) >= m_run_block + log(rho)`` (in base 2: ``+ log2(rho)``), ``m_run_block`` the
 running max over every row of the query tile; a rejected tile skips its value product and
@@ -131,7 +133,6 @@ def band_cols_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
 def make_forward(acc, BM, BN, prune):
     """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off."""
     dt = np.float32 if acc == "float32" else np.float64
-    ln2 = LN2
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def forward(qh, ktt, kh, vh, items, dst_off, src_off, band_lo, band_hi, tile_base, group,
@@ -246,7 +247,7 @@ def make_forward(acc, BM, BN, prune):
                 inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
                 for d in range(Dv):
                     out[i, h, d] = acc_[r, d] * inv
-                m_out[i, h] = m[r] * ln2 if l[r] > 0 else -np.inf
+                m_out[i, h] = m[r] if l[r] > 0 else -np.inf  # base 2, as the kernel found it
                 l_out[i, h] = l[r]
             restore_mxcsr(mxcsr)
         # merge the key ranges of every split item, in slot order (deterministic)
@@ -276,7 +277,7 @@ def make_forward(acc, BM, BN, prune):
                 inv = dt(1.0) / tot if tot > 0 else dt(0.0)
                 for d in range(Dv):
                     o[d] *= inv
-                m_out[i, h] = mx * ln2 if tot > 0 else -np.inf
+                m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
                 l_out[i, h] = tot
 
     return forward

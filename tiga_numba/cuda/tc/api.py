@@ -365,7 +365,11 @@ def _load_cached_module(name, src, dtype):
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod   # numba's cache wants the function's module importable
-    spec.loader.exec_module(mod)
+    # compiled from the file's text rather than through the import system: no .pyc lands in
+    # the cache directory (the text is compiled once per process; numba's cache only needs
+    # the code object's file name to be the real file)
+    with open(path) as fh:
+        exec(compile(fh.read(), path, "exec"), mod.__dict__)
     return mod.kernel
 
 
