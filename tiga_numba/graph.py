@@ -292,6 +292,15 @@ class Graph:
         self._cache = {}
         self._edge_perm = None
 
+    def __getstate__(self):
+        # Pickles (to dask workers, other processes) carry the relation, not its realisations:
+        # the per-device cache is rebuilt on first use where the graph lands.
+        return {name: ({} if name == "_cache" else getattr(self, name)) for name in self.__slots__}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def dense(cls, num_src, num_dst=None, *, device=None):
