@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays, dispatch
+from .interop import foreign_arrays
 
 _last_plan = None
 
@@ -79,6 +80,7 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     return out, AttentionStats(m, l, rho, plan), plan
 
 
+@foreign_arrays
 def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False):
     """Attention of q (num_dst, H, D) over k (num_src, Hkv, D), v (num_src, Hkv, Dv) along the
     edges of `graph`. Returns out (num_dst, H, Dv) [, stats with .m, .l]."""
@@ -134,6 +136,7 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     return dq, dk, dv, dbias, plan
 
 
+@foreign_arrays
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
     """Fused backward: rebuilds p = exp(s - m) / l from the forward's stats; returns dq, dk, dv."""
     dq, dk, dv, _, _ = run_backward(dout, q, k, v, out, stats, graph, scale=scale)
