@@ -8,7 +8,7 @@ fused attention kernels (numpy on the CPU, cupy on CUDA). See docs/layers.md.
     grads = vjp(dout)      # {"x": dx, "edge_attr": d_edge_attr, "params": {pyg_name: grad}}
 """
 from .gat import GATConv
-#from .gatv2 import GATv2Conv
-#from .transformer import TransformerConv
+from .gatv2 import GATv2Conv
+from .transformer import TransformerConv
 
 __all__ = ["GATConv", "GATv2Conv", "TransformerConv"]
