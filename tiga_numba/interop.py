@@ -20,6 +20,7 @@ explicit (``vjp``, ``attention_backward``); ``tiga_numba.torch`` connects them t
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 
@@ -123,7 +124,13 @@ def _scan(obj, depth=0):
             if lib is not None:
                 return lib
         return None
+    if type(obj).__name__ == "AttentionStats":
+        return library_name(obj.m)
     return library_name(obj)
+
+
+def _stats_like(stats, convert):
+    return type(stats)(convert(stats.m), convert(stats.l), stats.block_prune_threshold, stats.plan)
 
 
 def _inward(obj, name="array", depth=0):
@@ -134,6 +141,8 @@ def _inward(obj, name="array", depth=0):
     if isinstance(obj, (list, tuple)) and depth < 4:
         items = [_inward(v, f"{name}[{i}]", depth + 1) for i, v in enumerate(obj)]
         return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    if type(obj).__name__ == "AttentionStats":
+        return _stats_like(obj, lambda a: to_native(a, f"{name}.m/l"))
     return to_native(obj, name)
 
 
@@ -148,15 +157,24 @@ def _outward(obj, lib, depth=0):
     if isinstance(obj, types.FunctionType):  # a vjp closure: takes and returns lib arrays
         return _convert_call(obj, lib)
     if type(obj).__name__ == "AttentionStats":
-        return type(obj)(to_library(obj.m, lib), to_library(obj.l, lib),
-                         obj.block_prune_threshold, obj.plan)
+        return _stats_like(obj, lambda a: to_library(a, lib))
     return obj
 
 
-def _convert_call(fn, lib):
+def _arg_names(fn):
+    try:
+        return [p for p in inspect.signature(fn).parameters]
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        return []
+
+
+def _convert_call(fn, lib, names=None):
+    names = _arg_names(fn) if names is None else names
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        args = _inward(args)
+        args = tuple(_inward(a, names[i] if i < len(names) else f"argument {i}")
+                     for i, a in enumerate(args))
         kwargs = {k: _inward(v, k) for k, v in kwargs.items()}
         return _outward(fn(*args, **kwargs), lib)
     return call
@@ -165,6 +183,8 @@ def _convert_call(fn, lib):
 def foreign_arrays(fn):
     """Let `fn` take foreign arrays (converted in, without a copy) and return its results in the
     caller's library. Argument names are kept in error messages for foreign inputs."""
+    names = _arg_names(fn)
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
         lib = _scan(args)
@@ -175,7 +195,7 @@ def foreign_arrays(fn):
                     break
         if lib is None:
             return fn(*args, **kwargs)
-        return _convert_call(fn, lib)(*args, **kwargs)
+        return _convert_call(fn, lib, names)(*args, **kwargs)
     return call
 
 

@@ -172,13 +172,21 @@ class _TorchLayer(torch.nn.Module):
             self._graph_memo = (key, graph_of(edge_index, ns, nd))
         return self._graph_memo[1]
 
+    def _lookup(self, name):
+        # getattr, not get_parameter: torch.func.functional_call swaps in plain tensors
+        owner = self
+        *path, leaf = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return getattr(owner, leaf)
+
     def forward(self, x, edge_index, edge_attr=None):
         """x: (N, F) or (x_src, x_dst); edge_index: PyG's (2, E) tensor or a tiga_numba.Graph."""
         graph = self._graph(edge_index, x)
         self.core.training = self.training
         bip = isinstance(x, (tuple, list))
         x_src, x_dst = (x[0], x[1]) if bip else (x, None)
-        params = [self.get_parameter(n) for n in self._names]
+        params = [self._lookup(n) for n in self._names]
         return _LayerFunction.apply(self.core, graph, bip, self._names, self._aliases, x_src,
                                     x_dst, edge_attr, *params)
 
