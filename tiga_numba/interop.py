@@ -108,9 +108,14 @@ def to_library(x, lib):
 
 
 # --------------------------------------------------------------------------- the decorator
+_NATIVE_TYPES = {np.ndarray, int, float, bool, str, type(None)}  # types seen not to be foreign
+
+
 def _scan(obj, depth=0):
-    """The library of the first foreign array in obj (dicts, lists and tuples searched)."""
-    if isinstance(obj, np.ndarray):
+    """The library of the first foreign array in obj (dicts, lists and tuples searched).
+    Runs on every call of a wrapped entry point: types already seen to be native (numpy,
+    cupy, Graph, numbers, ...) cost one set lookup."""
+    if type(obj) in _NATIVE_TYPES:
         return None
     if isinstance(obj, dict):
         for v in obj.values():
@@ -126,7 +131,10 @@ def _scan(obj, depth=0):
         return None
     if type(obj).__name__ == "AttentionStats":
         return library_name(obj.m)
-    return library_name(obj)
+    lib = library_name(obj)
+    if lib is None:
+        _NATIVE_TYPES.add(type(obj))
+    return lib
 
 
 def _stats_like(stats, convert):
