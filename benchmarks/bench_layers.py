@@ -11,7 +11,8 @@ Zipf-like weights: a few hubs receive most edges), both with --nodes nodes and -
 Each (method, configuration, graph) runs in its own subprocess so that its peak memory is its
 own: kernels are compiled/warmed on a small graph and once on the measured one, then the
 peak-RSS counter is reset (/proc/self/clear_refs) and "extra peak" = peak RSS during the
-measured calls minus RSS before them. Times: median of --reps forward and forward+backward
+measured calls minus RSS before them (--device cuda: device memory, torch's allocator statistics
+for PyG, a cupy memory hook for tiga_numba). Times: median of --reps forward and forward+backward
 (dout given, gradients for x and every parameter).
 
     PYTHONPATH=. python benchmarks/bench_layers.py [--nodes 100000] [--edges 1600000] [--reps 3]
@@ -67,13 +68,68 @@ def make_graph(kind, n, e, seed=0):
     return src, dst
 
 
+class _GpuPeak:
+    """Peak of the device memory a method allocates: torch's allocator statistics for PyG,
+    a cupy memory hook (pool mallocs and frees) for tiga_numba."""
+
+    def __init__(self, method):
+        self.method = method
+        if method == "tiga":
+            import cupy
+            from cupy.cuda import memory_hook
+
+            class Hook(memory_hook.MemoryHook):
+                name = "PeakHook"
+
+                def __init__(self):
+                    self.now = self.peak = 0
+
+                def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+                    self.now += mem_size
+                    self.peak = max(self.peak, self.now)
+
+                def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+                    self.now -= mem_size
+
+            self.hook = Hook()
+            cupy.get_default_memory_pool().free_all_blocks()  # every block is malloc'ed anew
+            self.hook.__enter__()
+
+    def reset(self):
+        if self.method == "tiga":
+            self.hook.peak = self.hook.now
+            self.base = self.hook.now
+        else:
+            import torch
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+
+    def extra(self):
+        if self.method == "tiga":
+            return self.hook.peak - self.base
+        import torch
+        return torch.cuda.max_memory_allocated() - self.base
+
+
+def _sync(device):
+    if device == "cuda":
+        import cupy
+        cupy.cuda.Device().synchronize()
+        import torch
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
 # --------------------------------------------------------------------------- one measurement
-def worker(method, config, graph_kind, n, e, reps):
+def worker(method, config, graph_kind, n, e, reps, device="cpu"):
     import torch
     import torch_geometric.nn as pyg_nn
     import tiga_numba as tg
     import tiga_numba.layers as layers
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    gpu = device == "cuda"
+    if gpu:
+        import cupy
     name, f_in, c, h = CONFIGS[config]
     torch.manual_seed(0)
     pyg = getattr(pyg_nn, name)(f_in, c, heads=h)
@@ -88,12 +144,17 @@ def worker(method, config, graph_kind, n, e, reps):
     if method == "tiga":
         conv = getattr(layers, name)(f_in, c, heads=h)
         conv.load_state_dict(state)
+        if gpu:
+            conv.to("cuda")
 
         def setup(nn_, ee):
             src, dst, x = problem(nn_, ee)
             g = tg.Graph.from_coo(src, dst, nn_, nn_)
+            if gpu:
+                x = cupy.asarray(x)
             out = conv(x, g)  # builds and caches the edge structures (self loops, transpose)
-            return (g, x, np.random.default_rng(2).standard_normal(out.shape).astype(np.float32))
+            dout = np.random.default_rng(2).standard_normal(out.shape).astype(np.float32)
+            return (g, x, cupy.asarray(dout) if gpu else dout)
 
         def fwd(g, x, dout):
             return conv(x, g)
@@ -102,10 +163,13 @@ def worker(method, config, graph_kind, n, e, reps):
             _, vjp = conv.vjp(x, g)
             return vjp(dout)
     else:
+        dev = torch.device(device)
+        pyg.to(dev)
+
         def setup(nn_, ee):
             src, dst, x = problem(nn_, ee)
-            ei = torch.from_numpy(np.stack([src, dst]))
-            xt = torch.from_numpy(x).requires_grad_(True)
+            ei = torch.from_numpy(np.stack([src, dst])).to(dev)
+            xt = torch.from_numpy(x).to(dev).requires_grad_(True)
             with torch.no_grad():
                 out = pyg(xt, ei)
             return ei, xt, torch.randn_like(out)
@@ -125,18 +189,26 @@ def worker(method, config, graph_kind, n, e, reps):
     args = setup(n, e)
     fwd_bwd(*args)  # warm on the measured size (allocator, caches)
     res = {}
+    probe = _GpuPeak(method) if gpu else None
     for label, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        have = _reset_peak()
-        base = _status("VmRSS")
+        _sync(device)
+        if gpu:
+            probe.reset()
+        else:
+            have = _reset_peak()
+            base = _status("VmRSS")
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
             r = fn(*args)
+            _sync(device)
             times.append(time.perf_counter() - t0)
             del r
-        peak = _status("VmHWM")
-        res[label] = {"ms": 1e3 * float(np.median(times)),
-                      "extra_peak_mb": (peak - base) / 2**20 if have else None}
+        if gpu:
+            extra = probe.extra() / 2**20
+        else:
+            extra = (_status("VmHWM") - base) / 2**20 if have else None
+        res[label] = {"ms": 1e3 * float(np.median(times)), "extra_peak_mb": extra}
     return res
 
 
@@ -148,15 +220,17 @@ def main():
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--graphs", nargs="+", default=["random", "powerlaw"])
     ap.add_argument("--methods", nargs="+", default=["tiga", "pyg"])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: tiga_numba on cupy arrays vs PyG on CUDA tensors; device memory")
     ap.add_argument("--json")
     ap.add_argument("--worker", nargs=3, metavar=("METHOD", "CONFIG", "GRAPH"))
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(*a.worker, a.nodes, a.edges, a.reps)))
+        print("RESULT " + json.dumps(worker(*a.worker, a.nodes, a.edges, a.reps, a.device)))
         return
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("OPENBLAS_NUM_THREADS", "1")  # see examples/gat_training.py
-    print(f"# {platform.node()} {platform.processor() or platform.machine()}, "
+    print(f"# device {a.device}; {platform.node()} {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS', 'all')}; "
           f"{a.nodes} nodes, {a.edges} edges, median of {a.reps}")
     print(f"{'config':9s} {'graph':9s} {'method':6s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} "
@@ -167,7 +241,8 @@ def main():
             got = {}
             for method in a.methods:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, config, graph,
-                       "--nodes", str(a.nodes), "--edges", str(a.edges), "--reps", str(a.reps)]
+                       "--nodes", str(a.nodes), "--edges", str(a.edges), "--reps", str(a.reps),
+                       "--device", a.device]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if proc.returncode != 0 or not line:
