@@ -258,3 +258,23 @@ def test_errors_name_the_argument():
     _, vjp = GATConv(3, 2).vjp(x, g)
     with pytest.raises(ValueError, match="dout"):
         vjp(np.ones((2, 3), np.float32))
+
+
+def test_gat_source_features_only_matches_pyg():
+    """x = (x_src, None): PyG drops the destination term of the score; "x" is (dx_src, None)."""
+    torch = pytest.importorskip("torch")
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    rng = np.random.default_rng(11)
+    n = 15
+    src, dst = random_edges(rng, n, n, 50)
+    pyg = pyg_nn.GATConv(4, 3, heads=2)
+    ours = GATConv(4, 3, heads=2)
+    ours.load_state_dict({k: v.detach().numpy() for k, v in pyg.state_dict().items()})
+    x = torch.randn(n, 4, requires_grad=True)
+    ref = pyg((x, None), torch.from_numpy(np.stack([src, dst])))
+    ref.sum().backward()
+    out, vjp = ours.vjp((x.detach().numpy(), None), tg.Graph.from_coo(src, dst, n, n))
+    grads = vjp(np.ones(out.shape, np.float32))
+    np.testing.assert_allclose(out, ref.detach().numpy(), rtol=1e-4, atol=2e-5)
+    assert grads["x"][1] is None
+    np.testing.assert_allclose(grads["x"][0], x.grad.numpy(), rtol=1e-4, atol=2e-5)

@@ -200,11 +200,12 @@ class Layer:
         lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
         out, backward = self._run(x, graph, edge_attr, None, want_grad=True)
         params = self._params
+        pair = isinstance(x, (tuple, list))
 
         def vjp(dout):
             dout = interop.to_native(dout, "dout")
             dx_src, dx_dst, d_ea, dparams = backward(dout)
-            grads = {"x": dx_src if dx_dst is None else (dx_src, dx_dst),
+            grads = {"x": (dx_src, dx_dst) if pair else dx_src,
                      "edge_attr": d_ea,
                      "params": {k: dparams[k].astype(params[k].dtype, copy=False) for k in params}}
             return interop.outward(grads, lib)
