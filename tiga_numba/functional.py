@@ -13,6 +13,7 @@ import numpy as np
 
 from . import arrays, dispatch
 from .merge import log_sum_exp
+from .interop import foreign_arrays
 
 _last_plan = None
 
@@ -98,6 +99,7 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel), plan
 
 
+@foreign_arrays
 def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False):
     """Attention of q (num_dst, H, D) over k (num_src, Hkv, D), v (num_src, Hkv, Dv) along the
     edges of `graph`. Returns out (num_dst, H, Dv) [, stats with .m, .l]."""
@@ -206,6 +208,7 @@ def _same_relation(a, b):
                for f in fields)
 
 
+@foreign_arrays
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
     """Fused backward: rebuilds p = exp(s - m) / l from the forward's stats; returns dq, dk, dv."""
     dq, dk, dv, _, _ = run_backward(dout, q, k, v, out, stats, graph, scale=scale)
