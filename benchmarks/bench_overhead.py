@@ -1,5 +1,5 @@
 """Per-call host overhead of tg.attention / tg.attention_backward on a tiny problem
-(issue 4: "launch overhead under 50 us for a tiny problem"), CPU and GPU.
+(target: under 50 us of host time per call on a tiny problem), CPU and GPU.
 
     PYTHONPATH=$PWD python benchmarks/bench_overhead.py [--gpu] [--profile] [--out FILE]
 
@@ -222,7 +222,7 @@ def launcher_table(q, k, v, g, ref_out):
 
 
 def tc_host_time(profile):
-    """Host time of a call routed to the tensor-core helper (fp16, N=4096, H=16, D=64, dense):
+    """Host time of a call routed to the tensor-core kernels (fp16, N=4096, H=16, D=64, dense):
     the time until the call returns, with the GPU busy (so no wait is included)."""
     import cupy
     import tiga_numba as tg

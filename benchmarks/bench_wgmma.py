@@ -44,7 +44,7 @@ CANDIDATES = {
                   (dict(NW=8, BN=64, **S), dict(NW=4, BN=64, **S))],
     ("fwd", 32): [dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)],
     ("bwd", 32): [(dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S)),
-                  # session 6 (overlapped backward chains): the other pairings of one / two warpgroups
+                  # overlapped backward chains: the other pairings of one / two warpgroups
                   (dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=4, BN=128, **S)),
                   (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=64, **S)),
                   (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S))],

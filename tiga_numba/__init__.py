@@ -1,7 +1,7 @@
 """tiga-numba: attention over relations (dense, causal, varlen, graphs) for numpy and cupy.
 
 numpy arrays run on numba parallel CPU kernels; cupy arrays on numba.cuda kernels (loaded on
-the first GPU call: importing this package never touches CUDA). See DESIGN.md / README.md.
+the first GPU call: importing this package never touches CUDA). See docs/design.md / README.md.
 """
 import importlib as _importlib
 import sys as _sys

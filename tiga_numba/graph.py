@@ -50,7 +50,7 @@ class CSRTranspose:
     perm: Any  # int64 (E,)
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- validation
 def _check_device(device):
     if device is None:
         return "cpu"

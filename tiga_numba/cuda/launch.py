@@ -121,7 +121,7 @@ class Kernel:
     def dispatcher(self, value):
         self._dispatcher = value
 
-    # -- compile-only helpers: work without a GPU (CI)
+    # -- compile-only methods: work without a GPU (CI)
     def compile_ptx(self, cc=(9, 0)):
         """PTX text for compute capability `cc`, compiled here (no device needed)."""
         ptx, _ = cuda.compile_ptx(self.pyfunc, self.argtypes, cc=cc, **self.jit_options)
