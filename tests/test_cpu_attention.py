@@ -89,7 +89,7 @@ def test_forward_backward_vs_oracle(kind, dt, heads):
     _check_all(g, q, k, v, do, dt)
     info = functional.last_plan().run_info
     assert info["kernel"].startswith("cpu.")
-    assert isinstance(info["copies"], list) and info["cache"] in ("hit", "miss")
+    assert isinstance(info["copies"], list) and info["cache"] in ("memory hit", "disk hit", "compiled")
 
 
 def test_empty_rows_csr_no_nan():
