@@ -10,7 +10,7 @@ one `struct.pack_into` of the scalars into a parameter buffer made once per kern
 cuLaunchKernel (cupy's driver binding) on cupy's current stream: no per-argument objects,
 no numba dispatcher. Fallbacks, tried in order when a path cannot be set up or its first
 launch on a device fails: cupy's Function call, cuda.core's launch, numba's own launch
-(TIGA_NUMBA_LAUNCHER names the first one to try; benchmarks/bench_overhead.py compares them).
+(TIGA_NUMBA_LAUNCHER names the first one to try; benchmarks/tuning/bench_overhead.py compares them).
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1) there are no pointers: the same kernel body is
 wrapped to take host arrays directly, so the logic can be checked without a GPU.

@@ -62,7 +62,7 @@ TUNING = {
 }
 #: shapes of the fused dK/dV/dQ kernel (Variant.fuse_dq: 5 products, ordered dQ accumulation) per
 #: (16-bit or float32, D). Not shipped: on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt)
-#: the two-kernel backward was faster in every cell; benchmarks/bench_tc_bwd.py runs the A/B.
+#: the two-kernel backward was faster in every cell; benchmarks/tuning/bench_tc_bwd.py runs the A/B.
 FUSED_DKDV = {
     ("float16", 64): dict(NW=4, MT=1, BN=64, a_smem=True), ("float16", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
     ("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True), ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True),

@@ -1,7 +1,7 @@
 """Per-call host overhead of tg.attention / tg.attention_backward on a tiny problem
 (target: under 50 us of host time per call on a tiny problem), CPU and GPU.
 
-    PYTHONPATH=$PWD python benchmarks/bench_overhead.py [--gpu] [--profile] [--out FILE]
+    PYTHONPATH=$PWD python benchmarks/tuning/bench_overhead.py [--gpu] [--profile] [--out FILE]
 
 Tiny problem: N = 16, H = 1, D = 16, triangular relation, float32. Each line is the best of
 5 rounds of n calls (us per call); the minimum, because the machine may be shared.
@@ -27,7 +27,7 @@ import types
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 LINES = []
 
