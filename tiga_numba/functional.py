@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays, dispatch
+from .merge import log_sum_exp
 
 _last_plan = None
 
@@ -20,7 +21,9 @@ class AttentionStats:
     """Per-row softmax state of a forward, returned by `attention(..., return_stats=True)`.
 
     Both arrays are in the accumulation dtype (float32; float64 for float64 inputs) and the
-    caller's array library; `(num_dst,)` for 2-D one-head inputs. Unpacks as `m, l = stats`.
+    caller's array library; `(num_dst,)` for 2-D one-head inputs. Unpacks as `m, l = stats`;
+    `lse` = m + log(l) is flash-attn's `softmax_lse` (-inf for an empty row), and
+    `tg.attention_merge` combines results through these stats.
 
     Attributes
     ----------
@@ -43,6 +46,11 @@ class AttentionStats:
 
     def __iter__(self):
         return iter((self.m, self.l))
+
+    @property
+    def lse(self):
+        """m + log(l) per (destination, head); -inf where the row has no edges."""
+        return log_sum_exp(self.m, self.l)
 
     def __repr__(self):
         return f"AttentionStats(m shape={tuple(self.m.shape)}, l shape={tuple(self.l.shape)}, dtype={self.m.dtype})"

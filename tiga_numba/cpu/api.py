@@ -168,9 +168,9 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
         with single_threaded_blas():
-            _run(kern, items.shape[0], qh, ktt, vh, items, relation.dst_offsets,
-                 relation.src_offsets, relation.causal, tile_base, group, log2_rho, out, m, l,
-                 total, pruned)
+            _run(kern, items.shape[0], qh, ktt, kh, vh, items, relation.dst_offsets,
+                 relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
+                 out, m, l, total, pruned)
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
                     tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir_of(kern))
         if prune:
@@ -212,12 +212,15 @@ def _forward_items(rel, H):
     """(head, block, query-tile start) work items, ordered so equal prange chunks balance."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
-    causal = np.asarray(rel.causal).astype(bool)
+    lo = np.asarray(rel.lo)
+    hi = np.asarray(rel.hi)
     blk, starts = _ranges(nd, BM)
     if blk.shape[0] == 0:
         return np.zeros((0, 3), np.int64)
-    key_tiles = np.where(causal[blk], (np.minimum(starts + BM, ns[blk]) + BN - 1) // BN,
-                         (ns[blk] + BN - 1) // BN)
+    rows = np.minimum(BM, nd[blk] - starts)
+    kbeg = np.maximum(0, starts + lo[blk])
+    kend = np.minimum(ns[blk], starts + rows - 1 + hi[blk] + 1)
+    key_tiles = np.where(kend > kbeg, (kend + BN - 1) // BN - kbeg // BN, 0)
     costs = key_tiles + 1  # + 1: the per-item fixed work
     n = blk.shape[0]
     items = np.empty((H * n, 3), np.int64)
@@ -227,16 +230,26 @@ def _forward_items(rel, H):
     return items[order_balanced(np.tile(costs, H))]
 
 
+# Blocks with at most this many keys are not packed into (D, BN) tiles: their score gemm reads
+# the K rows in place. Packing pads every block to whole BN-wide tiles, which for many short
+# segments would cost segments x D x BN memory instead of O(N D).
+PACK_MIN_KEYS = BN // 4
+
+
 def _tiles(rel):
-    """Key tiles of every block: (tile_base per block, start and width of every tile)."""
+    """Packed key tiles of the blocks wider than PACK_MIN_KEYS: (tile_base per block, -1 for
+    blocks read in place; start and width of every tile)."""
     ns = np.diff(np.asarray(rel.src_offsets))
-    counts = (ns + BN - 1) // BN
+    packed = ns > PACK_MIN_KEYS
+    counts = np.where(packed, (ns + BN - 1) // BN, 0)
     tile_base = np.zeros(ns.shape[0], np.int64)
     if ns.shape[0] > 1:
         np.cumsum(counts[:-1], out=tile_base[1:])
+    tile_base = np.where(packed, tile_base, -1)
     nt = int(counts.sum())
-    starts = np.repeat(np.asarray(rel.src_offsets[:-1], np.int64) - tile_base * BN, counts) \
-        + np.arange(nt, dtype=np.int64) * BN
+    first = np.repeat(np.where(packed, tile_base, 0), counts)
+    starts = np.repeat(np.asarray(rel.src_offsets[:-1], np.int64), counts) \
+        + (np.arange(nt, dtype=np.int64) - first) * BN
     ends = np.repeat(np.asarray(rel.src_offsets[1:], np.int64), counts)
     return tile_base, starts, np.minimum(BN, ends - starts)
 
@@ -244,8 +257,9 @@ def _tiles(rel):
 def _pack(xh, rel, name, copies):
     tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BN), lambda: _tiles(rel))
     out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
-    _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
-    copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
+    if starts.shape[0]:
+        _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
+        copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
     return tile_base, out
 
 
@@ -305,9 +319,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         dkh = np.zeros((Hkv, Nk, D), acc)
         dvh = np.zeros((Hkv, Nk, Dv), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, qh, kh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
-                 relation.dst_offsets, relation.src_offsets, relation.causal, tile_base, group,
-                 n_parts, dq_part, dkh, dvh)
+            _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
+                 relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
+                 tile_base, group, n_parts, dq_part, dkh, dvh)
         dq = np.empty((Nq, H, D), acc)
         _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
@@ -349,12 +363,16 @@ def _backward_items(rel, Hkv, group):
     """(kv head, block, key-tile start) work items and their costs (query tiles visited)."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
-    causal = np.asarray(rel.causal).astype(bool)
+    lo = np.asarray(rel.lo)
+    hi = np.asarray(rel.hi)
     blk, starts = _ranges(np.where(nd > 0, ns, 0), BN)
     if blk.shape[0] == 0:
         return np.zeros((0, 3), np.int64), np.zeros(0, np.int64)
-    first_q = np.where(causal[blk], (starts // BM) * BM, 0)
-    costs = ((nd[blk] - first_q + BM - 1) // BM + 1) * group
+    cols = np.minimum(BN, ns[blk] - starts)
+    qbeg = np.maximum(0, starts - hi[blk])
+    qend = np.minimum(nd[blk], starts + cols - lo[blk])
+    q_tiles = np.where(qend > qbeg, (qend + BM - 1) // BM - qbeg // BM, 0)
+    costs = (q_tiles + 1) * group
     n = blk.shape[0]
     items = np.empty((Hkv * n, 3), np.int64)
     items[:, 0] = np.repeat(np.arange(Hkv, dtype=np.int64), n)
