@@ -68,7 +68,7 @@ class CSRTranspose:
     perm: Any  # int64 (E,)
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- validation
 def _check_device(device):
     if device is None:
         return "cpu"
@@ -266,7 +266,16 @@ def _window(window):
 
 # --------------------------------------------------------------------------- the Graph
 class Graph:
-    """An immutable attention relation. Build it with one of the constructors."""
+    """An immutable attention relation: which sources j each destination i attends.
+
+    An edge (j -> i) goes from source j (the row of `k` and `v`) to destination i (the row of
+    `q` and of the output); rows of the relation are destinations. Build a Graph with one of
+    the constructors (`dense`, `triangular`, `band`, `cu_seqlens`, `cat`, `from_csr`,
+    `from_scipy`, `from_coo`, `from_edge_index`, `radius`, `knn`). Implicit relations (dense,
+    triangular, band, segments) store
+    no per-edge data; a CSR relation keeps one copy of its indices per device, made on first
+    use and cached. The `device=` keyword ("cpu" / "cuda") is accepted by every constructor
+    and only says where the relation is expected to be used first."""
 
     __slots__ = ("_kind", "_num_src", "_num_dst", "_num_edges", "_blocks", "_indptr",
                  "_indices", "_device", "_positions", "_cache", "_edge_perm", "_dev_csr")
@@ -514,7 +523,7 @@ class Graph:
 
     @classmethod
     def radius(cls, positions, cutoff, exclude_self=True, *, device=None):
-        """Edges (j -> i) for every pair with |pos[j] - pos[i]| <= cutoff (cell lists; on the
+        """Edges (j -> i) for every pair with `|pos[j] - pos[i]| <= cutoff` (cell lists; on the
         GPU for cupy positions, the CSR then stays there). Rows list their sources in
         increasing id. Edge fields: `displacement` = pos[src] - pos[dst] and `distance`."""
         from . import neighbors
@@ -546,43 +555,55 @@ class Graph:
     # ------------------------------------------------------------------ properties
     @property
     def kind(self):
-        """'dense', 'triangular', 'segments', 'band' (implicit) or 'csr'."""
+        """The relation's kind, one of 'dense', 'triangular', 'segments' (cu_seqlens, and cat
+        of implicit blocks), 'band' (all four implicit) or 'csr'."""
         return self._kind
 
     @property
     def num_src(self):
+        """Number of source nodes (rows of `k` and `v`), a Python int."""
         return self._num_src
 
     @property
     def num_dst(self):
+        """Number of destination nodes (rows of `q` and of the output), a Python int."""
         return self._num_dst
 
     @property
     def num_edges(self):
+        """Exact number of edges (j -> i), a Python int (computed, not stored, for implicit
+        relations)."""
         return self._num_edges
 
     @property
     def device(self):
+        """Where the relation was built or first meant to be used, 'cpu' or 'cuda'. Calls
+        realise it on the device of their arrays whatever this says."""
         return self._device
 
     @property
     def is_implicit(self):
+        """True for dense, triangular, band and segment relations (no index arrays), False for CSR."""
         return self._blocks is not None
 
     @property
     def positions(self):
-        """Node positions of a geometric (radius/knn) graph, else None."""
+        """Node positions `(N, dim)` of a geometric (radius / knn) graph, in the array library
+        they were given in, else None."""
         return self._positions
 
     @property
     def edge_permutation(self):
-        """For a graph built by from_coo: edge e (in CSR order, the order every per-edge field
-        and gradient uses) is input edge edge_permutation[e]. Reorder COO-ordered fields with
-        `field[graph.edge_permutation]`. None for the other constructors (input order = CSR)."""
+        """For a graph built by from_coo, an int64 array `(num_edges,)`; edge e in CSR order (the
+        order every per-edge field and gradient uses) is input edge `edge_permutation[e]`.
+        Reorder COO-ordered fields with `field[graph.edge_permutation]`. None for the other
+        constructors (their input order is the CSR order)."""
         return self._edge_perm
 
     @property
     def edge_field_names(self):
+        """Names of the per-edge fields a program's `edge.<name>` can read, ('displacement',
+        'distance') for radius / knn graphs and () otherwise."""
         return ("displacement", "distance") if self._positions is not None else ()
 
     def __repr__(self):

@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import numba
 
-from ..kernel_cache import KERNELS
+from ..kernel_cache import KERNELS, source as kernel_source
 from . import blocks as _blocks
 from . import csr as _csr
 from . import split as _split
@@ -99,8 +99,9 @@ def _run(kernel, items, *args):
 
 
 def _kernel(key, build):
+    """(kernel, where it came from: "memory hit" / "disk hit" / "compiled", read after the launch)."""
     kern = KERNELS.get(key, build)
-    return kern, ("hit" if KERNELS.last_was_hit else "miss")
+    return kern, kernel_source(kern, KERNELS.last_was_hit)
 
 
 _IR_TEXT = {}

@@ -37,7 +37,7 @@ from . import tiles as _tiles
 from .common import make_delta, make_stats
 from .launch import current_stream
 
-try:  # the tensor-core helper's package; absent or partial -> CUDA-core kernels only
+try:  # the tensor-core kernels (cuda/tc); absent or partial -> CUDA-core kernels only
     from . import tc as _tc
 except ImportError:  # pragma: no cover
     _tc = None
