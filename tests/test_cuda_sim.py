@@ -203,7 +203,7 @@ def pruned_oracle(q, k, v, dst_off, src_off, causal, scale, BM, BN, rho):
     return out, m_out, l_out, pruned, total
 
 
-# --------------------------------------------------------------------------- launch helpers
+# --------------------------------------------------------------------------- launch utilities
 def flat(x):
     item = x.dtype.itemsize
     return x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1), \

@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .cpu.threads import serialised
-# `from .nn import ...` imports the submodule directly (the package's lazy __getattr__ is not
-# involved, see docs/requests/gat-helper.md)
+# `from .nn import ...` imports the submodule directly: the package's lazy __getattr__ (which
+# would import this module again while it is being imported) is not involved
 from .nn import LeakyReLU, Linear, ReLU, Tanh
 
 __all__ = ["FieldArg", "GATState", "GATPlan", "forward", "backward"]
@@ -388,7 +388,7 @@ def _inverse(order):
 
 def _graph_cached(graph, key, build):
     # Graph keeps per-device realisations in a private cache; the relabelled CSR is one more
-    # realisation of the same relation (see docs/requests/gat-helper.md).
+    # realisation of the same relation, built once per graph and key.
     cached = getattr(graph, "_cached", None)
     return cached(key, build) if callable(cached) else build()
 

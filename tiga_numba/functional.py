@@ -12,19 +12,38 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays, dispatch
+from .merge import log_sum_exp
+from .interop import foreign_arrays
 
 _last_plan = None
 
 
 class AttentionStats:
-    """Per-row softmax state of a forward: m = max scaled score, l = sum exp(s - m), both
-    (num_dst, H) in the accumulation dtype ((num_dst,) for 2-D one-head inputs).
+    """Per-row softmax state of a forward, returned by `attention(..., return_stats=True)`.
 
-    A forward's stats also remember what they belong to (`plan`, `graph`) so that
-    attention_backward can refuse stats of another call, and may carry `m_kernel`, the row
-    max in the units of the backend's kernels exactly as they found it (the CPU kernels work
-    in base 2), which the backward uses instead of converting `m` back (docs/robustness.md).
-    Stats built by hand, or merged, have none of these and are checked by shape only."""
+    Both arrays are in the accumulation dtype (float32; float64 for float64 inputs) and the
+    caller's array library; `(num_dst,)` for 2-D one-head inputs. Unpacks as `m, l = stats`;
+    `lse` = m + log(l) is flash-attn's `softmax_lse` (-inf for an empty row), and
+    `tg.attention_merge` combines results through these stats.
+
+    Attributes
+    ----------
+    m : array (num_dst, H)
+        Max scaled score of each row and head; -inf for a row with no edges.
+    l : array (num_dst, H)
+        Sum of exp(s - m) over the row's edges; 0 for a row with no edges.
+    block_prune_threshold : float or None
+        The forward's tile-pruning threshold; `attention_backward` refuses pruned stats.
+    plan : Plan
+        The forward's plan (what `explain()` reports).
+    graph : Graph
+        The forward's relation: `attention_backward` refuses stats of another call (other
+        graph, shapes, scale or score).
+    m_kernel : array or None
+        The row max in the units of the backend's kernels exactly as they found it (the CPU
+        kernels work in base 2); the backward uses it instead of converting `m` back, which
+        keeps gradients exact at large scores. Stats built by hand have none of these and are
+        checked by shape only; merged stats keep `m_kernel` when every part has it."""
 
     __slots__ = ("m", "l", "block_prune_threshold", "plan", "graph", "m_kernel")
 
@@ -40,6 +59,11 @@ class AttentionStats:
     def __iter__(self):
         return iter((self.m, self.l))
 
+    @property
+    def lse(self):
+        """m + log(l) per (destination, head); -inf where the row has no edges."""
+        return log_sum_exp(self.m, self.l)
+
     def __repr__(self):
         return f"AttentionStats(m shape={tuple(self.m.shape)}, l shape={tuple(self.l.shape)}, dtype={self.m.dtype})"
 
@@ -52,11 +76,21 @@ def _xp(library):
 
 
 def last_plan():
-    """The plan of the most recent functional call (for explain())."""
+    """The plan of the most recent call (forward or backward, functional or program), or None.
+
+    Its `run_info` dict holds what the backend did: kernel, tiles, copies, cache, pruning."""
     return _last_plan
 
 
 def explain():
+    """A multi-line report of the most recent call's plan: backend, kernel, relation and its
+    realisation, score, heads, dtypes, tiles, copies made, what was not materialised, tile
+    pruning, and where the kernel came from (memory hit / disk hit / compiled).
+
+    Returns
+    -------
+    str
+        The report, or "no attention call has run yet"."""
     return _last_plan.explain() if _last_plan is not None else "no attention call has run yet"
 
 
@@ -91,9 +125,46 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel), plan
 
 
+@foreign_arrays
 def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False):
-    """Attention of q (num_dst, H, D) over k (num_src, Hkv, D), v (num_src, Hkv, Dv) along the
-    edges of `graph`. Returns out (num_dst, H, Dv) [, stats with .m, .l]."""
+    """Attention along the edges of `graph`: out_i = sum_j softmax_j(scale * q_i . k_j) v_j.
+
+    Parameters
+    ----------
+    q : array (num_dst, H, D)
+        Queries, one row per destination. numpy arrays run on the CPU kernels, cupy arrays
+        (anything with `__cuda_array_interface__`) on the CUDA kernels. float16, bfloat16
+        (GPU), float32 or float64; any strides. 2-D `(num_dst, D)` is one head.
+    k : array (num_src, Hkv, D)
+        Keys, one row per source; same dtype and library as q. `H % Hkv == 0`: query head h
+        reads key/value head `h // (H // Hkv)` (grouped-query attention).
+    v : array (num_src, Hkv, Dv)
+        Values; Dv may differ from D.
+    graph : Graph
+        The relation; `graph.num_dst == len(q)`, `graph.num_src == len(k) == len(v)`.
+    scale : float, optional
+        Score scale; default `D ** -0.5`.
+    block_prune_threshold : float, optional
+        `0 < rho <= 1`: approximate tile pruning (a key tile whose max score is below the
+        query tile's running max + ln(rho) is skipped). Block relations only; None = exact.
+    return_stats : bool
+        Also return the per-row softmax state needed by `attention_backward`.
+
+    Returns
+    -------
+    out : array (num_dst, H, Dv)
+        In q's dtype and array library. A destination with no edges gets 0.
+    stats : AttentionStats
+        Only with `return_stats=True`.
+
+    Raises
+    ------
+    TypeError
+        Wrong array type, mixed libraries, unsupported or mixed dtypes.
+    ValueError
+        Shape, head or graph-size mismatch; threshold out of range.
+    NotImplementedError
+        A valid request this backend cannot do (e.g. pruning on a CSR relation)."""
     out, stats, _ = run_forward(q, k, v, graph, scale=scale,
                                 block_prune_threshold=block_prune_threshold)
     return (out, stats) if return_stats else out
@@ -157,6 +228,11 @@ def _check_stats_belong(stats, graph, plan, lead):
     was checked already."""
     fwd = getattr(stats, "plan", None)
     if not isinstance(fwd, type(plan)):
+        # merged stats (attention_merge) know only the backend of their parts' kernel maxima
+        m_kernel = getattr(stats, "m_kernel", None)
+        if m_kernel is not None and getattr(fwd, "backend", None) == plan.backend and \
+                tuple(m_kernel.shape) == lead:
+            return m_kernel
         return None
     got = (fwd.num_dst, fwd.num_src, fwd.heads, fwd.kv_heads, fwd.head_dim, fwd.value_dim)
     want = (plan.num_dst, plan.num_src, plan.heads, plan.kv_heads, plan.head_dim, plan.value_dim)
@@ -188,13 +264,49 @@ def _same_relation(a, b):
     ra, rb = a.realize("cpu"), b.realize("cpu")
     if type(ra) is not type(rb):
         return False
-    fields = ("dst_offsets", "src_offsets", "causal") if hasattr(ra, "dst_offsets") \
+    fields = ("dst_offsets", "src_offsets", "lo", "hi") if hasattr(ra, "dst_offsets") \
         else ("indptr", "indices")
     return all(np.array_equal(np.asarray(getattr(ra, f)), np.asarray(getattr(rb, f)))
                for f in fields)
 
 
+@foreign_arrays
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
-    """Fused backward: rebuilds p = exp(s - m) / l from the forward's stats; returns dq, dk, dv."""
+    """Fused backward of `attention`: gradients of the loss with respect to q, k and v.
+
+    Rebuilds p = exp(s - m) / l from the forward's stats, uses Delta_i = sum(dout_i * out_i)
+    and ds = p * (dp - Delta_i); writes no (num_edges,)-sized buffer. Deterministic: the same
+    bits on every run (dq by destination rows, dk / dv by source rows over the transposed
+    relation, no float atomics).
+
+    Parameters
+    ----------
+    dout : array (num_dst, H, Dv)
+        Gradient of the loss with respect to `out`.
+    q, k, v : arrays
+        The forward's inputs (shapes as in `attention`).
+    out : array (num_dst, H, Dv)
+        The forward's output.
+    stats : AttentionStats
+        From `attention(..., return_stats=True)` of an exact (not tile-pruned) forward.
+    graph : Graph
+        The forward's relation.
+    scale : float, optional
+        The forward's scale; default `D ** -0.5`.
+
+    Returns
+    -------
+    dq : array (num_dst, H, D)
+    dk : array (num_src, Hkv, D)
+    dv : array (num_src, Hkv, Dv)
+        In q's dtype and array library.
+
+    Raises
+    ------
+    NotImplementedError
+        The stats come from a tile-pruned forward (it has no exact gradient).
+    TypeError, ValueError
+        As for `attention`; also for stats that are not an AttentionStats or dout / out of
+        the wrong shape."""
     dq, dk, dv, _, _ = run_backward(dout, q, k, v, out, stats, graph, scale=scale)
     return dq, dk, dv

@@ -37,7 +37,7 @@ from . import tiles as _tiles
 from .common import make_delta, make_stats
 from .launch import current_stream
 
-try:  # the tensor-core helper's package; absent or partial -> CUDA-core kernels only
+try:  # the tensor-core kernels (cuda/tc); absent or partial -> CUDA-core kernels only
     from . import tc as _tc
 except ImportError:  # pragma: no cover
     _tc = None
@@ -254,9 +254,20 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
         tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
+def _check_banded(plan, relation):
+    """The CUDA block kernels take full and square-causal blocks; bands (Graph.band, windows,
+    bottom-right-aligned causal segments of unequal lengths) are refused, never approximated."""
+    if _is_blocks(relation) and not relation.standard:
+        raise NotImplementedError(
+            f"the CUDA backend does not yet run banded block relations ({plan.relation_kind}: "
+            "Graph.band, cu_seqlens with window= or with cu_seqlens_k and causal=True); run it "
+            "on numpy arrays, or as CSR: Graph.from_scipy(graph.to_scipy())")
+
+
 # --------------------------------------------------------------------------- forward
 def forward(plan, q, k, v, relation, edge_bias=None):
     info = plan.run_info
+    _check_banded(plan, relation)
     if _tc_supports(plan, q, k, v, relation):
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
@@ -311,6 +322,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
 # --------------------------------------------------------------------------- backward
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
     info = plan.run_info
+    _check_banded(plan, relation)
     if _tc_supports(plan, q, k, v, relation) and hasattr(_tc, "backward"):
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)

@@ -25,8 +25,8 @@ Why the three kernels spell out their row loads, tile staging and lane-group dot
 instead of calling shared device functions: numba-cuda (0.30) compiles a device function for
 the *current device* (`Dispatcher.compile_device` asks `get_current_device()`), so a kernel that
 calls one can no longer be compiled by `compile_ptx(..., cc=(9, 0))` on a machine without a GPU
-(CI's sm_90 compile test, `prebuild`); tried in session 6 and reverted. register_jitable helpers
-go through the same path.
+(CI's sm_90 compile test, `prebuild`); a shared-function version was tried and reverted for this
+reason. register_jitable functions go through the same path.
 """
 from __future__ import annotations
 
