@@ -146,9 +146,8 @@ def test_cuda_core_backward_accurate_at_large_scores(kind, dtype, max_score, mon
             pytest.skip("no CUDA device")
     except Exception:
         pytest.skip("no CUDA device")
-    from tiga_numba.cuda import api
-    monkeypatch.setattr(api, "USE_TC", False)
-    check_large_scores(kind, dtype, max_score, cupy.asarray, cupy.asnumpy)
+    with tg.options(tensor_cores=False):
+        check_large_scores(kind, dtype, max_score, cupy.asarray, cupy.asnumpy)
 
 
 def test_stats_keep_the_kernel_row_max_exactly():

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import arrays, dispatch
 from .merge import log_sum_exp
+from . import run_options as _options
 from .interop import foreign_arrays
 
 _last_plan = None
@@ -104,7 +105,8 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     rho = arrays.check_prune_threshold(block_prune_threshold)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
-    plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias)
+    plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias,
+                              arrays=(q, k, v), options=_options.resolve())
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
         xp = _xp(shape.library)
         # Nothing to reduce: the contract's empty-row values, no kernel launch.
@@ -123,6 +125,21 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
         out, m, l = out[:, 0, :], m[:, 0], l[:, 0]
         m_kernel = None if m_kernel is None else m_kernel[:, 0]
     return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel), plan
+
+
+@foreign_arrays
+def make_plan(q, k, v, graph, *, op="forward", scale=None, block_prune_threshold=None,
+              deterministic=None):
+    """The plan a call would run, made without running it: ``make_plan(...).explain()``
+    says which kernel family the registry chose for these inputs and why every other one was
+    refused (`op` "forward" or "backward"; the other arguments as for `attention` /
+    `attention_backward`)."""
+    if op not in ("forward", "backward"):
+        raise ValueError(f"op must be 'forward' or 'backward', got {op!r}")
+    q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
+    rho = arrays.check_prune_threshold(block_prune_threshold) if op == "forward" else None
+    return dispatch.make_plan(op, graph, shape, scale, prune_threshold=rho, arrays=(q, k, v),
+                              options=_options.resolve(deterministic=deterministic))
 
 
 @foreign_arrays
@@ -170,7 +187,8 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
     return (out, stats) if return_stats else out
 
 
-def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None):
+def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None,
+                 deterministic=None):
     """Validated fused backward. Returns (dq, dk, dv, dbias, plan)."""
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     if getattr(stats, "block_prune_threshold", None) is not None:
@@ -198,7 +216,8 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         m = xp.asarray(m, dtype=acc)
         l = xp.asarray(l, dtype=acc)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
-    plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias)
+    plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias,
+                              arrays=(q, k, v), options=_options.resolve(deterministic=deterministic))
     m_kernel = _check_stats_belong(stats, graph, plan, lead)
     if shape.squeezed and m_kernel is not None:
         m_kernel = m_kernel[:, None]
@@ -271,13 +290,13 @@ def _same_relation(a, b):
 
 
 @foreign_arrays
-def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
+def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, deterministic=None):
     """Fused backward of `attention`: gradients of the loss with respect to q, k and v.
 
     Rebuilds p = exp(s - m) / l from the forward's stats, uses Delta_i = sum(dout_i * out_i)
-    and ds = p * (dp - Delta_i); writes no (num_edges,)-sized buffer. Deterministic: the same
-    bits on every run (dq by destination rows, dk / dv by source rows over the transposed
-    relation, no float atomics).
+    and ds = p * (dp - Delta_i); writes no (num_edges,)-sized buffer. Deterministic by default:
+    the same bits on every run (dq by destination rows, dk / dv by source rows over the
+    transposed relation, no float atomics).
 
     Parameters
     ----------
@@ -293,6 +312,10 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
         The forward's relation.
     scale : float, optional
         The forward's scale; default `D ** -0.5`.
+    deterministic : bool, optional
+        ``True`` (the default, see `tiga_numba.run_options`): same bits on every run. ``False``
+        allows a faster float-atomic backward where one is registered for the device (as
+        flash-attn's ``deterministic=False``); results then differ in the last bits.
 
     Returns
     -------
@@ -308,5 +331,6 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
     TypeError, ValueError
         As for `attention`; also for stats that are not an AttentionStats or dout / out of
         the wrong shape."""
-    dq, dk, dv, _, _ = run_backward(dout, q, k, v, out, stats, graph, scale=scale)
+    dq, dk, dv, _, _ = run_backward(dout, q, k, v, out, stats, graph, scale=scale,
+                                    deterministic=deterministic)
     return dq, dk, dv

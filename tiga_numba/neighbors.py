@@ -78,6 +78,13 @@ def check_positions(positions):
     return arr
 
 
+def _family(positions):
+    """The registry's neighbour-builder family for these positions (cpu or cuda)."""
+    from . import registry
+    backend = "cuda" if on_device(positions) else "cpu"
+    return registry.choose(registry.Request(op="neighbors", backend=backend)).family.name
+
+
 def _gpu_builder():
     try:
         from .cuda import neighbors as gpu
@@ -256,7 +263,7 @@ def radius_graph(positions, cutoff, exclude_self=True):
     scipy.spatial.cKDTree.query_ball_point). positions: (N, 1|2|3) float array; numpy in,
     numpy out (host builder), cupy in, cupy out (GPU builder, no host copy)."""
     cutoff = check_cutoff(cutoff)
-    if on_device(positions):
+    if _family(positions) == "cuda.neighbors":
         gpu = _gpu_builder()
         indptr, indices, info = gpu.radius_graph(check_positions(positions), cutoff,
                                                  bool(exclude_self))
@@ -349,7 +356,7 @@ def knn_graph(positions, k, exclude_self=True):
     by lower index; self excluded unless exclude_self=False). With fewer than k candidates
     every row gets all of them (N - 1 or N). numpy in, numpy out; cupy in, cupy out."""
     k = check_k(k)
-    if on_device(positions):
+    if _family(positions) == "cuda.neighbors":
         gpu = _gpu_builder()
         indptr, indices, info = gpu.knn_graph(check_positions(positions), k, bool(exclude_self))
         _record(**info)

@@ -150,6 +150,12 @@ def _pieces(owner, indptr):
                            lambda: _split.row_pieces(indptr, _csr.RB))
 
 
+def _family(plan, relation):
+    """The family the plan was made for; direct backend calls without a registry decision
+    (tests of this module) name it by the relation record they pass."""
+    return getattr(plan, "family", "") or ("cpu.blocks" if _is_blocks(relation) else "cpu.csr")
+
+
 def _is_blocks(relation):
     return hasattr(relation, "dst_offsets")
 
@@ -164,7 +170,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     group = H // Hkv
     c = float(plan.scale) * LOG2E
     info = plan.run_info
-    if _is_blocks(relation):
+    if _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
@@ -370,7 +376,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     m2 = np.asarray(m_kernel, acc) if m_kernel is not None else m * acc.type(LOG2E)
     m2 = np.where(np.isfinite(m2), m2, acc.type(_blocks.NEG)).astype(acc)
     dbias = None
-    if _is_blocks(relation):
+    if _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")

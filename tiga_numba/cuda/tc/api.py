@@ -35,6 +35,7 @@ import weakref
 
 import numpy as np
 
+from ... import run_options as _options
 from ...kernel_cache import KERNELS
 from ...plan import defer_counts
 from . import generator as G
@@ -200,7 +201,7 @@ def use_wgmma(dtype):
     """True on a compute capability 9.0 device (sm_90a: H100 / H200) unless TIGA_NUMBA_WGMMA=0
     (read per call): the warpgroup kernels (float32: on bf16 x 3 splits); else the mma.sync ones
     (float32: 3xTF32)."""
-    if os.environ.get("TIGA_NUMBA_WGMMA", "1") == "0":
+    if not _options.current().wgmma:
         return False
     try:
         dev = _device()
@@ -257,7 +258,7 @@ def supports(plan, q, k, v, relation):
             return False
         if D not in head_dims(dn, use_wgmma(dn)):
             return False
-        if dn == "float32" and os.environ.get("TIGA_NUMBA_FP32_TENSOR_CORES", "1") == "0":
+        if dn == "float32" and not _options.current().fp32_tensor_cores:
             return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
         H, Hkv = int(q.shape[1]), int(k.shape[1])
         if Hkv < 1 or H % Hkv:
@@ -909,10 +910,12 @@ def atomic_variant(D, dtype, wgmma=False):
     return _entry_variant(("dkdv_atomic", D, dtype, wgmma), shape, "dkdv", D, D, dtype, fuse_dq=True, dq_atomic=True)
 
 
-def deterministic():
-    """False when the user opted out of bit-reproducible backward passes (TIGA_NUMBA_DETERMINISTIC=0,
-    read per call, like torch.use_deterministic_algorithms(False))."""
-    return os.environ.get("TIGA_NUMBA_DETERMINISTIC", "1") != "0"
+def deterministic(plan=None):
+    """False when the call opted out of bit-reproducible backward passes
+    (attention_backward(..., deterministic=False), tg.options, or the TIGA_NUMBA_DETERMINISTIC=0
+    default; like torch.use_deterministic_algorithms(False))."""
+    opts = getattr(plan, "options", None) or _options.current()
+    return opts.deterministic
 
 
 def _dq_zero_fill(rec, nd, fused):
@@ -998,7 +1001,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
-    vq, vk = backward_variants(D, Dv, dt, deterministic())
+    vq, vk = backward_variants(D, Dv, dt, deterministic(plan))
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
