@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import arrays
+from .interop import foreign_arrays
 from .tracing import TracedEdge, is_score_net, record_reduce, trace_edge
 
 __all__ = ["MessagePassing", "online_softmax", "OnlineSoftmaxReducer"]
@@ -422,12 +423,14 @@ class MessagePassing:
         return self._lower(graph, src, dst, edge, params).traced
 
     # ------------------------------------------------------------------ running
+    @foreign_arrays
     def __call__(self, graph=None, src=None, dst=None, edge=None, **params):
         lowered = self._lower(graph, src, dst, edge, params)
         out, plan = lowered.forward()
         self._record(lowered, plan, None)
         return out
 
+    @foreign_arrays
     def vjp(self, graph=None, src=None, dst=None, edge=None, **params):
         """Forward plus a function from the output cotangent to gradients:
 
