@@ -207,8 +207,13 @@ def main():
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--chunks-per-worker", type=int, default=1)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--no-stealing", action="store_true",
+                   help="turn dask.distributed's work stealing off (tasks stay with their data)")
     args = p.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", "2")
+    if args.no_stealing:
+        import dask
+        dask.config.set({"distributed.scheduler.work-stealing": False})
     run(args)
 
 
