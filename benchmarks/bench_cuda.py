@@ -14,6 +14,7 @@ Timing: CUDA events around each call on the current stream, median of several ca
 warm-up (first call = compile, excluded).
 """
 import argparse
+import contextlib
 import sys
 import time
 
@@ -125,9 +126,15 @@ def flops(N, H, D, causal, bwd=False):
     return f * (3.5 if bwd else 1.0)  # fwd+bwd = fwd x (1 + 2.5)
 
 
+_TC_OFF = contextlib.ExitStack()
+
+
 def set_tc(on):
-    from tiga_numba.cuda import api
-    api.USE_TC = on
+    """Tensor-core kernels allowed (True) or not for the calls that follow: the run option
+    tg.options(tensor_cores=False), held open until the next set_tc."""
+    _TC_OFF.close()
+    if not on:
+        _TC_OFF.enter_context(tg.options(tensor_cores=False))
 
 
 def ours(q, k, v, g, bwd, dout=None):
@@ -303,7 +310,9 @@ def csr_table(quick):
 def launch_overhead(profile=False):
     """Host time per call on a tiny problem (forward and backward, public call and backend
     entry, every launch path of cuda/launch.py, the host time of a tensor-core-routed call):
-    benchmarks/bench_overhead.py's GPU part, so that both scripts print the same table."""
+    benchmarks/tuning/bench_overhead.py's GPU part, so that both scripts print the same table."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning"))
     import bench_overhead
     bench_overhead.LINES = LINES  # one output file
     bench_overhead.gpu_part(profile)

@@ -222,7 +222,6 @@ from tiga_numba.graph import BlockRelation, CSRRelation, CSRTranspose
 CALLS = []
 launch.Kernel.__call__ = lambda self, grid, block, stream, *a: CALLS.append((self, grid, block, a))
 from tiga_numba.cuda import api, tiles
-api.USE_TC = False
 _real = tg.Graph.realize, tg.Graph.realize_transpose
 
 def on_dev(rec):

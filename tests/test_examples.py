@@ -1,5 +1,6 @@
-"""Every seed example runs (CPU, numpy) and passes its own check against the float64 oracle."""
+"""Every example runs (CPU, numpy) and passes its own check against the float64 oracle."""
 import os
+import re
 import subprocess
 import sys
 
@@ -32,3 +33,6 @@ def test_example_runs_and_matches_oracle(name):
         assert "Graph.cat == Graph.cu_seqlens outputs (bitwise): OK" in out
     if name == "tile_pruned_attention.py":
         assert "tiles pruned" in out and "approximate vs exact" in out
+        # the local workload must prune at the default (CPU) size, else it demonstrates nothing
+        local = re.search(r"\[local scores\].*?: (\d+)/(\d+) tiles pruned", out)
+        assert local and int(local.group(1)) > 0, out

@@ -1,7 +1,21 @@
 """tiga-numba: attention over relations (dense, causal, varlen, graphs) for numpy and cupy.
 
 numpy arrays run on numba parallel CPU kernels; cupy arrays on numba.cuda kernels (loaded on
-the first GPU call: importing this package never touches CUDA). See DESIGN.md / README.md.
+the first GPU call: importing this package never touches CUDA).
+
+Public names:
+
+- `attention`, `attention_backward`, `AttentionStats`, `explain`: the functional API;
+- `attention_merge`: the exact merge of results over disjoint edge subsets of the same rows;
+- `Graph`: the relations (dense, triangular, band, cu_seqlens, cat, CSR, COO, edge_index,
+  scipy, radius, knn);
+- `MessagePassing`, `online_softmax`, `OnlineSoftmaxReducer`: programs whose `edge()` is
+  traced and lowered onto the same kernels (loaded on first use);
+- `nn`: score networks for `edge()` (`Linear`, `LeakyReLU`, `ReLU`, `Tanh`, `Sequential`,
+  `trace`);
+- `reference`: float64 numpy oracles of the same operations.
+
+See README.md and docs/design.md.
 """
 import importlib as _importlib
 import sys as _sys
@@ -27,12 +41,15 @@ def _shield_from_numba_cuda_redirector():
 _shield_from_numba_cuda_redirector()
 
 from .graph import Graph  # noqa: E402
-from .functional import AttentionStats, attention, attention_backward, explain  # noqa: E402
+from .functional import AttentionStats, attention, attention_backward, explain, make_plan  # noqa: E402
+from .merge import attention_merge  # noqa: E402
+from .run_options import Options, options  # noqa: E402
 from . import reference  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "attention", "attention_backward", "AttentionStats", "explain", "reference",
+__all__ = ["Graph", "attention", "attention_backward", "attention_merge", "AttentionStats",
+           "make_plan", "options", "Options", "explain", "reference",
            "MessagePassing", "online_softmax", "OnlineSoftmaxReducer", "nn"]
 
 _LAZY = {"MessagePassing": "program", "online_softmax": "program",

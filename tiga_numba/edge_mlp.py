@@ -30,8 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# `from .nn import ...` imports the submodule directly (the package's lazy __getattr__ is not
-# involved, see docs/requests/gat-helper.md)
+from .cpu.threads import serialised
+# `from .nn import ...` imports the submodule directly: the package's lazy __getattr__ (which
+# would import this module again while it is being imported) is not involved
 from .nn import LeakyReLU, Linear, ReLU, Tanh
 
 __all__ = ["FieldArg", "GATState", "GATPlan", "forward", "backward"]
@@ -67,6 +68,8 @@ class GATPlan:
     args: str
     dtype: Any
     accum_dtype: Any
+    family: str = ""
+    considered: tuple = ()
     run_info: dict = field(default_factory=dict)
 
     def explain(self):
@@ -76,6 +79,9 @@ class GATPlan:
         lines = [
             f"op: {self.op}",
             f"backend: {self.backend}",
+            f"kernel family: {self.family}"
+            + (f" (considered: {'; '.join(f'{n} {w}' for n, w in self.considered)})"
+               if self.considered else ""),
             f"kernel: {info.get('kernel', '(not run)')}",
             f"relation: CSR ({self.num_dst} dst x {self.num_src} src, {self.num_edges} edges)",
             f"score: net({self.args}) with net = {self.net}",
@@ -387,7 +393,7 @@ def _inverse(order):
 
 def _graph_cached(graph, key, build):
     # Graph keeps per-device realisations in a private cache; the relabelled CSR is one more
-    # realisation of the same relation (see docs/requests/gat-helper.md).
+    # realisation of the same relation, built once per graph and key.
     cached = getattr(graph, "_cached", None)
     return cached(key, build) if callable(cached) else build()
 
@@ -416,11 +422,21 @@ def _net_desc(net):
     return " -> ".join(repr(layer) for layer in net.layers())
 
 
-def _plan(op, prep, net):
+def _decide(op, graph, prep):
+    """The registry's choice of score-network kernel family for this call."""
+    from . import registry
+    backend = "cuda" if (prep.library == "cupy" or _CUDA_SIM) else "cpu"
+    return registry.choose(registry.Request(op=f"gat.{op}", backend=backend,
+                                            relation_kind=graph.kind, dtype=str(prep.dtype)))
+
+
+def _plan(op, prep, net, decision=None):
     return GATPlan(op=op, backend="cpu" if prep.library == "numpy" else "cuda",
                    num_dst=prep.num_dst, num_src=prep.num_src, num_edges=prep.num_edges,
                    net=_net_desc(net), args=prep.arg_desc, dtype=np.dtype(prep.dtype),
-                   accum_dtype=prep.acc)
+                   accum_dtype=prep.acc,
+                   family=decision.family.name if decision is not None else "",
+                   considered=decision.considered if decision is not None else ())
 
 
 def _csr(graph, library):
@@ -457,11 +473,13 @@ def _ir_stages(kernel):
 
 
 # --------------------------------------------------------------------------- forward
+@serialised
 def forward(graph, net, args, value, return_state=True):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
     plan with explain()/run_info."""
     prep = _prepare(graph, net, args, value)
-    if prep.library == "cupy" or _CUDA_SIM:
+    decision = _decide("forward", graph, prep)
+    if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat
         if _CUDA_SIM:
             return cuda_gat.forward(graph, net, prep, return_state, xp=np, device="cpu")
@@ -481,7 +499,7 @@ def forward(graph, net, args, value, return_state=True):
     out_k = out
     out, M, L = lay.scatter(out), lay.scatter(M), lay.scatter(L)
     order_note = lay.note
-    plan = _plan("forward", prep, net)
+    plan = _plan("forward", prep, net, decision)
     plan.run_info.update(kernel=f"cpu.gat_forward[{variant}] (fused score MLP + online softmax, "
                                 "one destination row per iteration)",
                          cache=cache, copies=list(prep.copies), order=order_note,
@@ -494,6 +512,7 @@ def forward(graph, net, args, value, return_state=True):
 
 
 # --------------------------------------------------------------------------- backward
+@serialised
 def backward(graph, net, args, value, state, dout):
     """Gradients of sum(out * dout): {"args": [grad or None per arg], "value": grad,
     "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}."""
@@ -507,7 +526,8 @@ def backward(graph, net, args, value, state, dout):
         raise ValueError(f"dout must have shape {expected}, got {tuple(dout.shape)}")
     if _library("dout", dout) != prep.library:
         raise TypeError(f"dout must be a {prep.library} array like the inputs, got {type(dout).__name__}")
-    if prep.library == "cupy" or _CUDA_SIM:
+    decision = _decide("backward", graph, prep)
+    if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat
         if _CUDA_SIM:  # tests: the CUDA kernels under NUMBA_ENABLE_CUDASIM on numpy arrays
             return cuda_gat.backward(graph, net, prep, state, dout, args, value, xp=np, device="cpu")
@@ -551,7 +571,7 @@ def backward(graph, net, args, value, state, dout):
 
     res = _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV,
                           (dposA + dposB) if prep.geometric else None, graph)
-    plan = _plan("backward", prep, net)
+    plan = _plan("backward", prep, net, decision)
     plan.run_info.update(kernel=f"cpu.gat_backward_rows + cpu.gat_backward_cols [{variant}] "
                                 "(score MLP recomputed per edge, softmax adjoint in locals)",
                          cache=cache, copies=list(prep.copies), order=order_note,

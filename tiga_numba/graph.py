@@ -21,13 +21,31 @@ _DEVICES = ("cpu", "cuda")
 # --------------------------------------------------------------------------- kernel-facing records
 @dataclass(frozen=True)
 class BlockRelation:
-    """Block-diagonal relation: block b pairs dst [dst_offsets[b], dst_offsets[b+1]) with
-    src [src_offsets[b], src_offsets[b+1]); a causal block is square and keeps j <= i locally."""
+    """Block-diagonal relation of S banded blocks. Block b pairs the destinations
+    [dst_offsets[b], dst_offsets[b+1]) with the sources [src_offsets[b], src_offsets[b+1]); in
+    block-local positions (r, c) it holds the edge when lo[b] <= c - r <= hi[b]. Full blocks
+    have lo = -(rows-1), hi = cols-1; square causal blocks hi = 0 (their `causal` flag is set);
+    bottom-right-aligned causal blocks hi = cols - rows; sliding windows bound both sides.
+    `lo`/`hi` are clipped to the block, so lo > hi means an empty block."""
     dst_offsets: Any  # int64 (S+1,)
     src_offsets: Any  # int64 (S+1,)
-    causal: Any  # uint8 (S,)
+    causal: Any  # uint8 (S,): 1 where the block is square with hi == 0 and no lower bound
     max_block_dst: int
     max_block_src: int
+    lo: Any = None  # int64 (S,); None: -(rows - 1), i.e. no lower bound
+    hi: Any = None  # int64 (S,); None: 0 for causal blocks, cols - 1 for the others
+    # every block is full or square-causal (what the CUDA kernels take today)
+    standard: bool = True
+
+    def __post_init__(self):
+        # records built from (offsets, causal) alone: full or causal blocks, in any array library
+        if self.lo is None or self.hi is None:
+            nd = self.dst_offsets[1:] - self.dst_offsets[:-1]
+            ns = self.src_offsets[1:] - self.src_offsets[:-1]
+            if self.lo is None:
+                object.__setattr__(self, "lo", 1 - nd)
+            if self.hi is None:
+                object.__setattr__(self, "hi", (ns - 1) * (1 - (self.causal != 0)))
 
     @property
     def num_blocks(self):
@@ -50,7 +68,7 @@ class CSRTranspose:
     perm: Any  # int64 (E,)
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- validation
 def _check_device(device):
     if device is None:
         return "cpu"
@@ -81,7 +99,29 @@ def _to_host(name, array):
         raise ValueError(f"{name} must be 1-D, got shape {out.shape}")
     if out.size and not np.issubdtype(out.dtype, np.integer):
         raise TypeError(f"{name} must have an integer dtype, got {out.dtype}")
-    return out.astype(np.int64, copy=False) if out.size else np.zeros(0, np.int64)
+    if not out.size:
+        return np.zeros(0, np.int64)
+    if out.dtype.kind == "u" and out.dtype.itemsize >= 8:
+        # uint64 values >= 2**63 would wrap to negative int64 and be reported as such
+        too_big = out > np.iinfo(np.int64).max
+        if too_big.any():
+            bad = int(np.argmax(too_big))
+            raise ValueError(f"{name}[{bad}]={int(out[bad])} is out of range: indices, offsets "
+                             "and lengths must be below 2**63")
+    return out.astype(np.int64, copy=False)
+
+
+def _dia_structure(dia):
+    """COO of every in-bounds position of a DIA matrix's stored diagonals, values ignored
+    (ones): scipy's DIA conversions drop zero values, which would drop stored entries."""
+    import scipy.sparse as sp
+    nrows, ncols = dia.shape
+    width = min(dia.data.shape[1], ncols)
+    cols = np.arange(width, dtype=np.int64)
+    rows = cols[None, :] - np.asarray(dia.offsets, np.int64)[:, None]
+    keep = (rows >= 0) & (rows < nrows)
+    r, c = rows[keep], np.broadcast_to(cols, rows.shape)[keep]
+    return sp.coo_matrix((np.ones(r.shape[0], np.int8), (r, c)), shape=dia.shape)
 
 
 def _rows_of(indptr):
@@ -90,24 +130,26 @@ def _rows_of(indptr):
 
 
 def _blocks_to_csr(rel: BlockRelation, num_dst):
-    """Materialise a block relation as CSR (for to_scipy and mixed Graph.cat)."""
+    """Materialise a block relation as CSR (for to_scipy and mixed Graph.cat); rows list their
+    sources in increasing order."""
     counts = np.zeros(num_dst, np.int64)
     pieces = []
     for b in range(rel.num_blocks):
         d0, d1 = int(rel.dst_offsets[b]), int(rel.dst_offsets[b + 1])
         s0, s1 = int(rel.src_offsets[b]), int(rel.src_offsets[b + 1])
         nd, ns = d1 - d0, s1 - s0
-        if nd == 0 or ns == 0:
+        lo, hi = int(rel.lo[b]), int(rel.hi[b])
+        if nd == 0 or ns == 0 or lo > hi:
             continue
-        if rel.causal[b]:
-            row_len = np.arange(1, nd + 1)
-            counts[d0:d1] = row_len
-            # row i holds columns 0..i: a running index minus each row's start
-            cols = np.arange(nd * (nd + 1) // 2) - np.repeat(np.cumsum(row_len) - row_len, row_len)
-        else:
-            counts[d0:d1] = ns
-            cols = np.tile(np.arange(ns), nd)
-        pieces.append((d0, cols.astype(np.int64) + s0))
+        r = np.arange(nd, dtype=np.int64)
+        first = np.clip(r + lo, 0, ns)
+        last = np.clip(r + hi + 1, 0, ns)
+        row_len = np.maximum(last - first, 0)
+        counts[d0:d1] = row_len
+        # row r holds columns first[r] .. last[r]-1: a running index minus each row's start
+        starts = np.cumsum(row_len) - row_len
+        cols = np.arange(int(row_len.sum()), dtype=np.int64) - np.repeat(starts - first, row_len)
+        pieces.append((d0, cols + s0))
     indptr = np.zeros(num_dst + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
     indices = np.zeros(int(indptr[-1]), np.int32)
@@ -117,32 +159,123 @@ def _blocks_to_csr(rel: BlockRelation, num_dst):
     return indptr, indices
 
 
+def _cells_at_or_below(nd, ns, x):
+    """Number of cells (r, c) of an nd x ns block with c - r <= x (exact for Python ints and
+    elementwise for int64/object arrays)."""
+    t = x + 1
+    zero = 0 * nd
+    lo_r = np.minimum(nd, np.maximum(zero, -t))
+    hi_r = np.minimum(nd, np.maximum(zero, ns - t))
+    hi_r = np.maximum(hi_r, lo_r)
+    width = hi_r - lo_r
+    return width * t + (lo_r + hi_r - 1) * width // 2 + (nd - hi_r) * ns
+
+
+def _band_edges(nd, ns, lo, hi):
+    """Edges of blocks (nd x ns, lo <= c - r <= hi), elementwise, exact."""
+    return np.where(lo > hi, 0, _cells_at_or_below(nd, ns, hi) - _cells_at_or_below(nd, ns, lo - 1))
+
+
 def _block_edges(rel: BlockRelation):
-    nd = np.diff(rel.dst_offsets)
-    ns = np.diff(rel.src_offsets)
-    causal = rel.causal.astype(bool)
-    return int(np.sum(np.where(causal, nd * (nd + 1) // 2, nd * ns)))
+    """Exact edge count (a Python int, whatever the sizes)."""
+    nd = np.diff(np.asarray(rel.dst_offsets))
+    ns = np.diff(np.asarray(rel.src_offsets))
+    lo = np.asarray(rel.lo)
+    hi = np.asarray(rel.hi)
+    big = nd.size and max(int(nd.max()), int(ns.max())) >= 2**30
+    if big:  # products may pass int64: Python integers
+        nd, ns, lo, hi = (x.astype(object) for x in (nd, ns, lo, hi))
+    return int(sum(int(e) for e in _band_edges(nd, ns, lo, hi))) if big else \
+        int(np.sum(_band_edges(nd, ns, lo, hi), dtype=np.int64))
 
 
-def _make_blocks(dst_sizes, src_sizes, causal):
-    dst_sizes = np.asarray(dst_sizes, np.int64)
-    src_sizes = np.asarray(src_sizes, np.int64)
-    dst_offsets = np.zeros(dst_sizes.shape[0] + 1, np.int64)
-    src_offsets = np.zeros(src_sizes.shape[0] + 1, np.int64)
+UNBOUNDED = None
+
+
+def _make_blocks(dst_sizes, src_sizes, lo=None, hi=None):
+    """BlockRelation from per-block sizes and diagonal bounds (None = unbounded on that side),
+    clipped to each block."""
+    dst_sizes = np.asarray(dst_sizes, np.int64).reshape(-1)
+    src_sizes = np.asarray(src_sizes, np.int64).reshape(-1)
+    S = dst_sizes.shape[0]
+    full_lo = -(dst_sizes - 1)
+    full_hi = src_sizes - 1
+    lo = full_lo if lo is None else np.maximum(np.asarray(lo, np.int64).reshape(-1), full_lo)
+    hi = full_hi if hi is None else np.minimum(np.asarray(hi, np.int64).reshape(-1), full_hi)
+    lo = np.broadcast_to(lo, (S,)).astype(np.int64)
+    hi = np.broadcast_to(hi, (S,)).astype(np.int64)
+    empty = (dst_sizes == 0) | (src_sizes == 0) | (lo > hi)
+    lo = np.where(empty, 0, lo)
+    hi = np.where(empty, -1, hi)
+    nonempty = ~empty
+    full = nonempty & (lo == full_lo) & (hi == full_hi)
+    causal = nonempty & (dst_sizes == src_sizes) & (lo == full_lo) & (hi == 0)
+    dst_offsets = np.zeros(S + 1, np.int64)
+    src_offsets = np.zeros(S + 1, np.int64)
     np.cumsum(dst_sizes, out=dst_offsets[1:])
     np.cumsum(src_sizes, out=src_offsets[1:])
     return BlockRelation(
         dst_offsets=dst_offsets,
         src_offsets=src_offsets,
-        causal=np.asarray(causal, np.uint8).reshape(-1),
-        max_block_dst=int(dst_sizes.max()) if dst_sizes.size else 0,
-        max_block_src=int(src_sizes.max()) if src_sizes.size else 0,
+        causal=causal.astype(np.uint8),
+        max_block_dst=int(dst_sizes.max()) if S else 0,
+        max_block_src=int(src_sizes.max()) if S else 0,
+        lo=lo,
+        hi=hi,
+        standard=bool(np.all(full | causal | empty)),
     )
+
+
+def _bound(name, value):
+    if value is None:
+        return None
+    try:
+        return int(operator.index(value))
+    except TypeError:
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}") from None
+
+
+def _check_cu(name, cu_seqlens):
+    cu = _to_host(name, cu_seqlens)
+    if cu.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one entry (0), got an empty array")
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0]={int(cu[0])}")
+    lengths = np.diff(cu)
+    if np.any(lengths < 0):
+        bad = int(np.argmax(lengths < 0))
+        raise ValueError(
+            f"{name} must be non-decreasing, got {name}[{bad}]={int(cu[bad])} > "
+            f"{name}[{bad + 1}]={int(cu[bad + 1])}")
+    return cu, lengths
+
+
+def _window(window):
+    if window is None:
+        return None, None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window must be a (left, right) pair of ints or None, got {window!r}") from None
+    left, right = _bound("window[0]", left), _bound("window[1]", right)
+    for nm, x in (("window[0]", left), ("window[1]", right)):
+        if x is not None and x < 0:
+            raise ValueError(f"{nm} must be >= 0 or None (unbounded), got {x}")
+    return left, right
 
 
 # --------------------------------------------------------------------------- the Graph
 class Graph:
-    """An immutable attention relation. Build it with one of the constructors."""
+    """An immutable attention relation: which sources j each destination i attends.
+
+    An edge (j -> i) goes from source j (the row of `k` and `v`) to destination i (the row of
+    `q` and of the output); rows of the relation are destinations. Build a Graph with one of
+    the constructors (`dense`, `triangular`, `band`, `cu_seqlens`, `cat`, `from_csr`,
+    `from_scipy`, `from_coo`, `from_edge_index`, `radius`, `knn`). Implicit relations (dense,
+    triangular, band, segments) store
+    no per-edge data; a CSR relation keeps one copy of its indices per device, made on first
+    use and cached. The `device=` keyword ("cpu" / "cuda") is accepted by every constructor
+    and only says where the relation is expected to be used first."""
 
     __slots__ = ("_kind", "_num_src", "_num_dst", "_num_edges", "_blocks", "_indptr",
                  "_indices", "_device", "_positions", "_cache", "_edge_perm", "_dev_csr")
@@ -168,45 +301,82 @@ class Graph:
         self._cache = {}
         self._edge_perm = None
 
+    def __getstate__(self):
+        # Pickles (to dask workers, other processes) carry the relation, not its realisations:
+        # the per-device cache is rebuilt on first use where the graph lands.
+        return {name: ({} if name == "_cache" else getattr(self, name)) for name in self.__slots__}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def dense(cls, num_src, num_dst=None, *, device=None):
-        """All pairs; `num_dst` defaults to `num_src` (rectangular is cross-attention)."""
+        """All pairs; `num_dst` defaults to `num_src` (rectangular is cross-attention;
+        `Graph.dense(num_keys, 1)` is one decode step)."""
         num_src = _count("num_src", num_src)
         num_dst = num_src if num_dst is None else _count("num_dst", num_dst)
         return cls(kind="dense", num_src=num_src, num_dst=num_dst,
-                   blocks=_make_blocks([num_dst], [num_src], [0]), device=_check_device(device))
+                   blocks=_make_blocks([num_dst], [num_src]), device=_check_device(device))
 
     @classmethod
     def triangular(cls, n, *, device=None):
         """Causal attention: edge (j -> i) for every j <= i."""
         n = _count("n", n)
         return cls(kind="triangular", num_src=n, num_dst=n,
-                   blocks=_make_blocks([n], [n], [1]), device=_check_device(device))
+                   blocks=_make_blocks([n], [n], hi=[0]), device=_check_device(device))
 
     @classmethod
-    def cu_seqlens(cls, cu_seqlens, causal=True, *, device=None):
-        """Block-diagonal relation from cumulative sequence lengths (flash-attn varlen)."""
-        cu = _to_host("cu_seqlens", cu_seqlens)
-        if cu.shape[0] == 0:
-            raise ValueError("cu_seqlens must hold at least one entry (0), got an empty array")
-        if cu[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={int(cu[0])}")
-        lengths = np.diff(cu)
-        if np.any(lengths < 0):
-            bad = int(np.argmax(lengths < 0))
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}]={int(cu[bad])} > "
-                f"cu_seqlens[{bad + 1}]={int(cu[bad + 1])}")
-        n = int(cu[-1])
-        blocks = _make_blocks(lengths, lengths, np.full(lengths.shape[0], bool(causal)))
-        return cls(kind="segments", num_src=n, num_dst=n, blocks=blocks,
+    def band(cls, num_src, num_dst=None, *, left=None, right=0, device=None):
+        """Banded (sliding-window) relation: edge (j -> i) when i - left <= j <= i + right.
+
+        flash-attn's ``window_size=(left, right)``; ``None`` leaves that side unbounded, so
+        ``band(n, left=None, right=0)`` is ``triangular(n)`` and ``band(n, left=W - 1)`` is causal
+        attention over the last W keys. Positions are global (no alignment for rectangular
+        shapes); negative bounds shift the band off the diagonal. Stays implicit: key tiles
+        outside the band are never visited."""
+        num_src = _count("num_src", num_src)
+        num_dst = num_src if num_dst is None else _count("num_dst", num_dst)
+        left, right = _bound("left", left), _bound("right", right)
+        lo = None if left is None else [-left]
+        hi = None if right is None else [right]
+        return cls(kind="band", num_src=num_src, num_dst=num_dst,
+                   blocks=_make_blocks([num_dst], [num_src], lo, hi), device=_check_device(device))
+
+    @classmethod
+    def cu_seqlens(cls, cu_seqlens, causal=True, *, cu_seqlens_k=None, window=None, device=None):
+        """Block-diagonal relation from cumulative sequence lengths (flash-attn varlen).
+
+        Segment b pairs queries ``[cu_seqlens[b], cu_seqlens[b+1])`` with keys
+        ``[cu_seqlens_k[b], cu_seqlens_k[b+1])`` (``cu_seqlens_k=None``: the same as the
+        queries). ``causal`` is bottom-right aligned as in flash-attn >= 2.1: query r of a
+        segment with Lq queries and Lk keys attends key c when ``c <= r + Lk - Lq``.
+        ``window=(left, right)`` keeps keys ``r + Lk - Lq - left <= c <= r + Lk - Lq + right``
+        (``None`` = unbounded side). Zero-length segments are legal."""
+        cu, lengths = _check_cu("cu_seqlens", cu_seqlens)
+        if cu_seqlens_k is None:
+            cu_k, lengths_k = cu, lengths
+        else:
+            cu_k, lengths_k = _check_cu("cu_seqlens_k", cu_seqlens_k)
+            if cu_k.shape != cu.shape:
+                raise ValueError(f"cu_seqlens_k must have the length of cu_seqlens "
+                                 f"({cu.shape[0]}), got {cu_k.shape[0]}")
+        left, right = _window(window)
+        offset = lengths_k - lengths  # bottom-right alignment
+        hi = offset if causal else None
+        if right is not None:
+            hi = offset + right if hi is None else np.minimum(hi, offset + right)
+        lo = None if left is None else offset - left
+        blocks = _make_blocks(lengths, lengths_k, lo, hi)
+        return cls(kind="segments", num_src=int(cu_k[-1]), num_dst=int(cu[-1]), blocks=blocks,
                    device=_check_device(device))
 
     @classmethod
     def cat(cls, graphs, *, device=None):
         """Block-diagonal composition: graph b's sources and destinations follow graph b-1's.
-        Stays implicit when every block is dense/triangular/segments, else becomes CSR."""
+        Stays implicit when every block is implicit (dense/triangular/segments/band), else
+        becomes CSR."""
         graphs = list(graphs)
         if not graphs:
             raise ValueError("graphs must hold at least one Graph, got an empty sequence")
@@ -218,12 +388,17 @@ class Graph:
         device = _check_device(device) if device is not None else (
             graphs[0].device if graphs else "cpu")
         if all(g._blocks is not None for g in graphs):
-            dst_sizes = np.concatenate([np.diff(g._blocks.dst_offsets) for g in graphs] or [np.zeros(0, np.int64)])
-            src_sizes = np.concatenate([np.diff(g._blocks.src_offsets) for g in graphs] or [np.zeros(0, np.int64)])
-            causal = np.concatenate([g._blocks.causal for g in graphs] or [np.zeros(0, np.uint8)])
-            kind = graphs[0].kind if len(graphs) == 1 else "segments"
-            return cls(kind=kind, num_src=num_src, num_dst=num_dst,
-                       blocks=_make_blocks(dst_sizes, src_sizes, causal), device=device)
+            if len(graphs) == 1:
+                return graphs[0] if device == graphs[0].device else cls(
+                    kind=graphs[0].kind, num_src=num_src, num_dst=num_dst,
+                    blocks=graphs[0]._blocks, device=device)
+            cat = np.concatenate
+            blocks = _make_blocks(cat([np.diff(g._blocks.dst_offsets) for g in graphs]),
+                                  cat([np.diff(g._blocks.src_offsets) for g in graphs]),
+                                  cat([g._blocks.lo for g in graphs]),
+                                  cat([g._blocks.hi for g in graphs]))
+            return cls(kind="segments", num_src=num_src, num_dst=num_dst, blocks=blocks,
+                       device=device)
         indptrs, indices = [np.zeros(1, np.int64)], []
         edge_offset = src_offset = 0
         for g in graphs:
@@ -282,13 +457,21 @@ class Graph:
 
     @classmethod
     def from_scipy(cls, matrix, *, device=None):
-        """Any scipy.sparse matrix/array; rows = destinations, columns = sources. The stored
-        entries are the edges (explicit zeros included, values ignored; duplicates are summed
-        into one entry by scipy's tocsr())."""
+        """Any scipy.sparse matrix/array; rows = destinations, columns = sources.
+
+        Every stored position is an edge and the values are ignored, in every format: explicit
+        zeros are edges (CSR, CSC, COO; LIL and DOK do not store assigned zeros), every element of a stored block is an edge
+        (BSR, zeros inside the block included), every in-bounds position of a stored diagonal
+        is an edge (DIA, zeros included: scipy's own DIA -> CSR conversion would drop them).
+        Duplicate entries (COO, repeated DIA offsets) are one edge. To make zero values mean
+        "no edge", drop them first: ``m = m.tocsr(); m.eliminate_zeros()``."""
         import scipy.sparse as sp
         if not sp.issparse(matrix):
             raise TypeError(f"matrix must be a scipy.sparse matrix or array, got {type(matrix).__name__}")
+        if matrix.format == "dia":
+            matrix = _dia_structure(matrix)
         csr = matrix.tocsr()
+        csr.sum_duplicates()  # duplicates merged into one entry (no-op when canonical)
         return cls.from_csr(csr.indptr, csr.indices, num_src=csr.shape[1], device=device)
 
     @classmethod
@@ -325,8 +508,22 @@ class Graph:
         return graph
 
     @classmethod
+    def from_edge_index(cls, edge_index, num_nodes=None, *, device=None):
+        """PyG's convention: ``edge_index`` of shape (2, E), row 0 the sources, row 1 the
+        destinations; the same relation (and edge order) as
+        ``from_coo(edge_index[0], edge_index[1], num_nodes, num_nodes)``."""
+        shape = getattr(edge_index, "shape", None)
+        if shape is None:
+            edge_index = np.asarray(edge_index)
+            shape = edge_index.shape
+        if len(shape) != 2 or shape[0] != 2:
+            raise ValueError(f"edge_index must have shape (2, E), got {tuple(shape)}")
+        n = None if num_nodes is None else _count("num_nodes", num_nodes)
+        return cls.from_coo(edge_index[0], edge_index[1], n, n, device=device)
+
+    @classmethod
     def radius(cls, positions, cutoff, exclude_self=True, *, device=None):
-        """Edges (j -> i) for every pair with |pos[j] - pos[i]| <= cutoff (cell lists; on the
+        """Edges (j -> i) for every pair with `|pos[j] - pos[i]| <= cutoff` (cell lists; on the
         GPU for cupy positions, the CSR then stays there). Rows list their sources in
         increasing id. Edge fields: `displacement` = pos[src] - pos[dst] and `distance`."""
         from . import neighbors
@@ -358,43 +555,55 @@ class Graph:
     # ------------------------------------------------------------------ properties
     @property
     def kind(self):
-        """'dense', 'triangular', 'segments' (implicit) or 'csr'."""
+        """The relation's kind, one of 'dense', 'triangular', 'segments' (cu_seqlens, and cat
+        of implicit blocks), 'band' (all four implicit) or 'csr'."""
         return self._kind
 
     @property
     def num_src(self):
+        """Number of source nodes (rows of `k` and `v`), a Python int."""
         return self._num_src
 
     @property
     def num_dst(self):
+        """Number of destination nodes (rows of `q` and of the output), a Python int."""
         return self._num_dst
 
     @property
     def num_edges(self):
+        """Exact number of edges (j -> i), a Python int (computed, not stored, for implicit
+        relations)."""
         return self._num_edges
 
     @property
     def device(self):
+        """Where the relation was built or first meant to be used, 'cpu' or 'cuda'. Calls
+        realise it on the device of their arrays whatever this says."""
         return self._device
 
     @property
     def is_implicit(self):
+        """True for dense, triangular, band and segment relations (no index arrays), False for CSR."""
         return self._blocks is not None
 
     @property
     def positions(self):
-        """Node positions of a geometric (radius/knn) graph, else None."""
+        """Node positions `(N, dim)` of a geometric (radius / knn) graph, in the array library
+        they were given in, else None."""
         return self._positions
 
     @property
     def edge_permutation(self):
-        """For a graph built by from_coo: edge e (in CSR order, the order every per-edge field
-        and gradient uses) is input edge edge_permutation[e]. Reorder COO-ordered fields with
-        `field[graph.edge_permutation]`. None for the other constructors (input order = CSR)."""
+        """For a graph built by from_coo, an int64 array `(num_edges,)`; edge e in CSR order (the
+        order every per-edge field and gradient uses) is input edge `edge_permutation[e]`.
+        Reorder COO-ordered fields with `field[graph.edge_permutation]`. None for the other
+        constructors (their input order is the CSR order)."""
         return self._edge_perm
 
     @property
     def edge_field_names(self):
+        """Names of the per-edge fields a program's `edge.<name>` can read, ('displacement',
+        'distance') for radius / knn graphs and () otherwise."""
         return ("displacement", "distance") if self._positions is not None else ()
 
     def __repr__(self):
@@ -497,6 +706,53 @@ class Graph:
         indptr, indices = self._host_csr()
         data = np.ones(indices.shape[0], dtype=bool)
         return sp.csr_array((data, indices.copy(), indptr.copy()), shape=(self._num_dst, self._num_src))
+
+    def restrict(self, dst_start, dst_stop, src_start, src_stop):
+        """The sub-relation between destinations [dst_start, dst_stop) and sources
+        [src_start, src_stop), renumbered from 0 on both sides (a tile of the relation, e.g. a
+        (query chunk, key chunk) block of a partitioned call). Implicit relations stay implicit
+        (a band of the block); CSR keeps each row's edge order. ``num_edges`` is exact, so an
+        empty block can be skipped without touching it."""
+        d0, d1 = _count("dst_start", dst_start), _count("dst_stop", dst_stop)
+        s0, s1 = _count("src_start", src_start), _count("src_stop", src_stop)
+        if not (d0 <= d1 <= self._num_dst):
+            raise ValueError(f"dst range [{d0}, {d1}) must lie within [0, num_dst={self._num_dst}]")
+        if not (s0 <= s1 <= self._num_src):
+            raise ValueError(f"src range [{s0}, {s1}) must lie within [0, num_src={self._num_src}]")
+        if self._blocks is None:
+            indptr, indices = self._host_csr()
+            lo_e, hi_e = int(indptr[d0]), int(indptr[d1])
+            idx = indices[lo_e:hi_e].astype(np.int64)
+            keep = (idx >= s0) & (idx < s1)
+            rows = _rows_of(indptr[d0:d1 + 1] - lo_e)
+            counts = np.bincount(rows[keep], minlength=d1 - d0)
+            sub_indptr = np.zeros(d1 - d0 + 1, np.int64)
+            np.cumsum(counts, out=sub_indptr[1:])
+            return Graph(kind="csr", num_src=s1 - s0, num_dst=d1 - d0, indptr=sub_indptr,
+                         indices=(idx[keep] - s0).astype(np.int32), device=self._device)
+        rel = self._blocks
+        doff, soff = np.asarray(rel.dst_offsets), np.asarray(rel.src_offsets)
+        # blocks overlapping either range form one contiguous run (offsets increase in both)
+        first = min(int(np.searchsorted(doff, d0, "right")) - 1, int(np.searchsorted(soff, s0, "right")) - 1)
+        last = max(int(np.searchsorted(doff, d1, "left")), int(np.searchsorted(soff, s1, "left")))
+        first = max(first, 0)
+        last = min(last, rel.num_blocks)
+        b = np.arange(first, last)
+        a0 = np.clip(doff[b], d0, d1)
+        a1 = np.clip(doff[b + 1], d0, d1)
+        c0 = np.clip(soff[b], s0, s1)
+        c1 = np.clip(soff[b + 1], s0, s1)
+        # local positions shift by the clipped starts: c - r keeps its meaning
+        shift = (c0 - soff[b]) - (a0 - doff[b])
+        blocks = _make_blocks(a1 - a0, c1 - c0, np.asarray(rel.lo)[b] - shift,
+                              np.asarray(rel.hi)[b] - shift)
+        if blocks.num_blocks == 1:
+            nd, ns = d1 - d0, s1 - s0
+            kind = ("dense" if int(blocks.lo[0]) == -(nd - 1) and int(blocks.hi[0]) == ns - 1
+                    else "triangular" if bool(blocks.causal[0]) else "band")
+        else:
+            kind = "segments"
+        return Graph(kind=kind, num_src=s1 - s0, num_dst=d1 - d0, blocks=blocks, device=self._device)
 
 
 # --------------------------------------------------------------------------- device plumbing

@@ -18,6 +18,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .cpu.threads import serialised
+
 __all__ = ["radius_graph", "knn_graph", "last_build_info", "spatial_order"]
 
 _LAST = {}
@@ -74,6 +76,13 @@ def check_positions(positions):
             raise ValueError("positions span more than the float64 range in some axis "
                              "(max - min overflows); rescale them")
     return arr
+
+
+def _family(positions):
+    """The registry's neighbour-builder family for these positions (cpu or cuda)."""
+    from . import registry
+    backend = "cuda" if on_device(positions) else "cpu"
+    return registry.choose(registry.Request(op="neighbors", backend=backend)).family.name
 
 
 def _gpu_builder():
@@ -248,12 +257,13 @@ def _radius_pass(order, cstart, spos, lo, cell, dims, r2, exclude_self, indptr, 
             indptr[i + 1] = cnt
 
 
+@serialised
 def radius_graph(positions, cutoff, exclude_self=True):
     """CSR of every pair with |pos[j] - pos[i]| <= cutoff (inclusive, like
     scipy.spatial.cKDTree.query_ball_point). positions: (N, 1|2|3) float array; numpy in,
     numpy out (host builder), cupy in, cupy out (GPU builder, no host copy)."""
     cutoff = check_cutoff(cutoff)
-    if on_device(positions):
+    if _family(positions) == "cuda.neighbors":
         gpu = _gpu_builder()
         indptr, indices, info = gpu.radius_graph(check_positions(positions), cutoff,
                                                  bool(exclude_self))
@@ -340,12 +350,13 @@ def _knn_kernel(order, cstart, spos, lo, cell, dims, kk, exclude_self, indices):
             _sort_row(indices, base, base + kk)
 
 
+@serialised
 def knn_graph(positions, k, exclude_self=True):
     """CSR where destination i receives edges from its k nearest sources (Euclidean; ties
     by lower index; self excluded unless exclude_self=False). With fewer than k candidates
     every row gets all of them (N - 1 or N). numpy in, numpy out; cupy in, cupy out."""
     k = check_k(k)
-    if on_device(positions):
+    if _family(positions) == "cuda.neighbors":
         gpu = _gpu_builder()
         indptr, indices, info = gpu.knn_graph(check_positions(positions), k, bool(exclude_self))
         _record(**info)
@@ -367,6 +378,7 @@ def knn_graph(positions, k, exclude_self=True):
 
 
 # --------------------------------------------------------------------------- locality order
+@serialised
 def spatial_order(positions, points_per_cell=4.0):
     """A permutation of the points sorted by grid cell (row-major cells of ~points_per_cell
     points). Kernels that visit rows in this order find the neighbours' data of consecutive

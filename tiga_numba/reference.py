@@ -102,8 +102,8 @@ def pruned_attention(q, k, v, graph, *, rho, block_m, block_n, scale=None, retur
     """The tile-pruning admission rule, applied literally on an implicit relation.
 
     Query blocks of `block_m` rows and key tiles of `block_n` columns are aligned to the start
-    of each relation block; key tiles are visited in increasing order (causal blocks: up to
-    the diagonal). Per head, a tile is admitted iff max(its valid scores) >=
+    of each relation block; key tiles are visited in increasing order (banded blocks: only
+    the tiles the band touches). Per head, a tile is admitted iff max(its valid scores) >=
     m_run_block + ln(rho), m_run_block being the running max over the whole query block
     (admitted tiles only; a rejected tile's max is below it anyway). Returns out (and m, l,
     and the (pruned, total) tile counts with return_stats=True)."""
@@ -123,7 +123,7 @@ def pruned_attention(q, k, v, graph, *, rho, block_m, block_n, scale=None, retur
     for b in range(rel.num_blocks):
         d0, d1 = int(rel.dst_offsets[b]), int(rel.dst_offsets[b + 1])
         s0, s1 = int(rel.src_offsets[b]), int(rel.src_offsets[b + 1])
-        causal = bool(rel.causal[b])
+        lo, hi = int(rel.lo[b]), int(rel.hi[b])
         for h in range(H):
             hk = h // (H // Hkv)
             for i0 in range(d0, d1, block_m):
@@ -132,14 +132,16 @@ def pruned_attention(q, k, v, graph, *, rho, block_m, block_n, scale=None, retur
                 l_run = np.zeros(i1 - i0)
                 acc = np.zeros((i1 - i0, v.shape[2]))
                 block_max = -np.inf
-                last = min(s1, s0 + (i1 - d0)) if causal else s1
-                for j0 in range(s0, last, block_n):
+                # key tiles stay aligned to the block start; those left of the band's first
+                # key or right of its last one are never visited
+                first = s0 + (max(0, i0 - d0 + lo) // block_n) * block_n
+                last = min(s1, s0 + (i1 - 1 - d0) + hi + 1)
+                for j0 in range(first, last, block_n):
                     j1 = min(j0 + block_n, last)
                     s = q[i0:i1, h] @ k[j0:j1, hk].T * scale
-                    if causal:
-                        qi = np.arange(i0 - d0, i1 - d0)[:, None]
-                        kj = np.arange(j0 - s0, j1 - s0)[None, :]
-                        s = np.where(kj <= qi, s, -np.inf)
+                    qi = np.arange(i0 - d0, i1 - d0)[:, None]
+                    kj = np.arange(j0 - s0, j1 - s0)[None, :]
+                    s = np.where((kj - qi >= lo) & (kj - qi <= hi), s, -np.inf)
                     total += 1
                     tile_max = s.max()
                     if tile_max < block_max + log_rho:

@@ -1,8 +1,15 @@
 """CPU backend entry points (docs/INTERNALS.md, "Backend entry points").
 
-    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
-    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None)
-        -> (dq, dk, dv, dbias)
+    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l, m_kernel)
+    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             m_kernel=None) -> (dq, dk, dv, dbias)
+
+``m_kernel`` is the row max in the kernels' units (base 2: ``m * log2(e)``), exactly as the
+forward's kernels found it.  The backward subtracts it from scores it recomputes bit for bit
+like the forward did, so ``exp2(s2 - m2)`` of the row's largest score is exactly 1 at any score
+magnitude; going through the natural-log ``m`` instead would exponentiate that conversion's
+rounding error (``|m| * 2**-24`` in float32: already 0.3 % at |m| = 5e4).  Without
+``m_kernel`` (stats built by the caller, merged stats) the backward converts ``m``.
 
 Arrays arrive validated (numpy, any strides, one dtype in float16/32/64).  This module
 makes the layouts the kernels want (``layout.py``), picks the compiled specialisation from
@@ -14,13 +21,16 @@ import warnings
 import numpy as np
 import numba
 
-from ..kernel_cache import KERNELS
+from ..kernel_cache import KERNELS, source as kernel_source
 from . import blocks as _blocks
 from . import csr as _csr
+from . import split as _split
 from .blas import single_threaded_blas
 from .layout import acc_dtype_of, head_major, node_major, order_balanced
+from .threads import serialised
 
 LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
 
 # Tile sizes (query rows x key columns) of the block kernels.  Measured on the 2-core AVX-512
 # machine (single thread, N=4096, H=4, D=64 f32, forward / backward ms): 64x64 182/366,
@@ -89,8 +99,9 @@ def _run(kernel, items, *args):
 
 
 def _kernel(key, build):
+    """(kernel, where it came from: "memory hit" / "disk hit" / "compiled", read after the launch)."""
     kern = KERNELS.get(key, build)
-    return kern, ("hit" if KERNELS.last_was_hit else "miss")
+    return kern, kernel_source(kern, KERNELS.last_was_hit)
 
 
 _IR_TEXT = {}
@@ -133,11 +144,24 @@ def _inspect(kernel, name, sig):
     return kernel.inspect_llvm(sig) if name == "llvm" else kernel.inspect_asm(sig)
 
 
+def _pieces(owner, indptr):
+    """Edge-balanced work items of a CSR pass (split.row_pieces), memoised per relation record."""
+    return KERNELS.derived(owner, ("cpu.csr_pieces", _csr.RB),
+                           lambda: _split.row_pieces(indptr, _csr.RB))
+
+
+def _family(plan, relation):
+    """The family the plan was made for; direct backend calls without a registry decision
+    (tests of this module) name it by the relation record they pass."""
+    return getattr(plan, "family", "") or ("cpu.blocks" if _is_blocks(relation) else "cpu.csr")
+
+
 def _is_blocks(relation):
     return hasattr(relation, "dst_offsets")
 
 
 # --------------------------------------------------------------------------- forward
+@serialised
 def forward(plan, q, k, v, relation, edge_bias=None):
     acc = acc_dtype_of(q.dtype)
     copies = []
@@ -146,7 +170,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     group = H // Hkv
     c = float(plan.scale) * LOG2E
     info = plan.run_info
-    if _is_blocks(relation):
+    if _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
@@ -157,8 +181,9 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         vh = head_major(v, acc, "v", copies)
         tile_base, ktt = _pack(kh, relation, "k", copies)
         # work items depend on the relation and H only: built once per relation record
-        items = KERNELS.derived(relation, ("cpu.forward_items", BM, BN, H),
-                                lambda: _forward_items(relation, H))
+        items, splits, n_slots = KERNELS.derived(
+            relation, ("cpu.forward_items", BM, BN, H, prune),
+            lambda: _forward_items(relation, H, split=not prune))
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune))
         out = np.zeros((Nq, H, v.shape[2]), acc)
@@ -166,12 +191,17 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         l = np.zeros((Nq, H), acc)
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
+        part_acc = np.empty((n_slots, BM, v.shape[2]), acc)
+        part_m = np.empty((n_slots, BM), acc)
+        part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], qh, ktt, vh, items, relation.dst_offsets,
-                 relation.src_offsets, relation.causal, tile_base, group, log2_rho, out, m, l,
-                 total, pruned)
+            _run(kern, items.shape[0], qh, ktt, kh, vh, items, relation.dst_offsets,
+                 relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
+                 splits, part_acc, part_m, part_l, out, m, l, total, pruned)
+        split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
+                      "merged in fixed order" if n_slots else "")
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
-                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir_of(kern))
+                    tiles=f"BM={BM} BN={BN}{split_note}", cache=hit, ir=_ir_of(kern))
         if prune:
             info.update(pruned_tiles=int(pruned.sum()), total_tiles=int(total.sum()))
     else:
@@ -181,17 +211,26 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         bias = _bias(edge_bias, acc, H, copies)
         kern, hit = _kernel(("cpu", "csr.forward", _name(acc)),
                             lambda: _csr.make_forward(acc.name))
-        out = np.empty((Nq, H, v.shape[2]), acc)
+        items, splits, n_slots = _pieces(relation, relation.indptr)
+        Dv = v.shape[2]
+        out = np.empty((Nq, H, Dv), acc)
         m = np.empty((Nq, H), acc)
         l = np.empty((Nq, H), acc)
-        _run(kern, -(-Nq // _csr.RB), qn, kn, vn, relation.indptr, relation.indices, bias,
-             group, out, m, l)
-        info.update(kernel="cpu.csr.forward (row-streaming online softmax)",
-                    tiles=f"edge chunk={_csr.CH}", cache=hit, ir=_ir_of(kern))
+        part_acc = np.empty((n_slots, H, Dv), acc)
+        part_m = np.empty((n_slots, H), acc)
+        part_l = np.empty((n_slots, H), acc)
+        _run(kern, items.shape[0], qn, kn, vn, relation.indptr, relation.indices, bias,
+             group, items, splits, part_acc, part_m, part_l, out, m, l)
+        info.update(kernel="cpu.csr.forward (edge-balanced online softmax, long rows split "
+                           "and merged)",
+                    tiles=f"edge chunk={_csr.CH}; " + _split.describe(splits, n_slots, items.shape[0]),
+                    cache=hit, ir=_ir_of(kern))
     info["copies"] = copies
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
-    return out, m, l
+    m2 = m  # the kernels wrote base-2 maxima (-inf for empty rows)
+    m_nat = (m2 * LN2).astype(acc) if acc == np.float32 else m2 * LN2  # rounded once
+    return out, m_nat, l, m2
 
 
 def _ranges(sizes, step):
@@ -207,35 +246,84 @@ def _ranges(sizes, step):
     return blk, starts
 
 
-def _forward_items(rel, H):
-    """(head, block, query-tile start) work items, ordered so equal prange chunks balance."""
+# Key-range splitting of the forward: an item whose key tiles exceed twice the piece length is
+# cut into pieces of about that length. The piece length follows the relation's total work (see
+# split.py: never the thread count, so the bits do not depend on it).
+MIN_PIECE_TILES = 16
+
+
+def _forward_items(rel, H, split=True):
+    """(head, block, query-tile start, first key tile, end key tile, slot) work items ordered
+    so equal prange chunks balance, the split table (head, block, query-tile start, first slot,
+    slots) and the number of slots."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
-    causal = np.asarray(rel.causal).astype(bool)
+    lo = np.asarray(rel.lo)
+    hi = np.asarray(rel.hi)
     blk, starts = _ranges(nd, BM)
+    none = np.zeros((0, 5), np.int64)
     if blk.shape[0] == 0:
-        return np.zeros((0, 3), np.int64)
-    key_tiles = np.where(causal[blk], (np.minimum(starts + BM, ns[blk]) + BN - 1) // BN,
-                         (ns[blk] + BN - 1) // BN)
-    costs = key_tiles + 1  # + 1: the per-item fixed work
+        return np.zeros((0, 6), np.int64), none, 0
+    rows = np.minimum(BM, nd[blk] - starts)
+    kbeg = np.maximum(0, starts + lo[blk])
+    kend = np.minimum(ns[blk], starts + rows - 1 + hi[blk] + 1)
+    t0 = kbeg // BN
+    t1 = np.where(kend > kbeg, (kend + BN - 1) // BN, t0)
     n = blk.shape[0]
-    items = np.empty((H * n, 3), np.int64)
-    items[:, 0] = np.repeat(np.arange(H, dtype=np.int64), n)
-    items[:, 1] = np.tile(blk, H)
-    items[:, 2] = np.tile(starts, H)
-    return items[order_balanced(np.tile(costs, H))]
+    base = np.empty((H * n, 5), np.int64)
+    base[:, 0] = np.repeat(np.arange(H, dtype=np.int64), n)
+    base[:, 1] = np.tile(blk, H)
+    base[:, 2] = np.tile(starts, H)
+    base[:, 3] = np.tile(t0, H)
+    base[:, 4] = np.tile(t1, H)
+    tiles = base[:, 4] - base[:, 3]
+    piece = max(MIN_PIECE_TILES, -(-int(tiles.sum()) // _split.TARGET_PIECES))
+    cut = (tiles > 2 * piece) if split else np.zeros(tiles.shape[0], bool)
+    whole = np.concatenate([base[~cut], np.full((int((~cut).sum()), 1), -1, np.int64)], axis=1)
+    parts = [whole]
+    splits = none
+    n_slots = 0
+    if cut.any():
+        cb = base[cut]
+        k = -(-(cb[:, 4] - cb[:, 3]) // piece)
+        n_slots = int(k.sum())
+        first = np.zeros(k.shape[0], np.int64)
+        np.cumsum(k[:-1], out=first[1:])
+        splits = np.concatenate([cb[:, :3], first[:, None], k[:, None]], axis=1)
+        owner = np.repeat(np.arange(k.shape[0]), k)
+        p = np.arange(n_slots) - first[owner]
+        width = cb[owner, 4] - cb[owner, 3]
+        pieces = np.empty((n_slots, 6), np.int64)
+        pieces[:, :3] = cb[owner, :3]
+        pieces[:, 3] = cb[owner, 3] + (width * p) // k[owner]
+        pieces[:, 4] = cb[owner, 3] + (width * (p + 1)) // k[owner]
+        pieces[:, 5] = np.arange(n_slots)
+        parts.append(pieces)
+    items = np.concatenate(parts)
+    costs = items[:, 4] - items[:, 3] + 1  # + 1: the per-item fixed work
+    return items[order_balanced(costs)], splits, n_slots
+
+
+# Blocks with at most this many keys are not packed into (D, BN) tiles: their score gemm reads
+# the K rows in place. Packing pads every block to whole BN-wide tiles, which for many short
+# segments would cost segments x D x BN memory instead of O(N D).
+PACK_MIN_KEYS = BN // 4
 
 
 def _tiles(rel):
-    """Key tiles of every block: (tile_base per block, start and width of every tile)."""
+    """Packed key tiles of the blocks wider than PACK_MIN_KEYS: (tile_base per block, -1 for
+    blocks read in place; start and width of every tile)."""
     ns = np.diff(np.asarray(rel.src_offsets))
-    counts = (ns + BN - 1) // BN
+    packed = ns > PACK_MIN_KEYS
+    counts = np.where(packed, (ns + BN - 1) // BN, 0)
     tile_base = np.zeros(ns.shape[0], np.int64)
     if ns.shape[0] > 1:
         np.cumsum(counts[:-1], out=tile_base[1:])
+    tile_base = np.where(packed, tile_base, -1)
     nt = int(counts.sum())
-    starts = np.repeat(np.asarray(rel.src_offsets[:-1], np.int64) - tile_base * BN, counts) \
-        + np.arange(nt, dtype=np.int64) * BN
+    first = np.repeat(np.where(packed, tile_base, 0), counts)
+    starts = np.repeat(np.asarray(rel.src_offsets[:-1], np.int64), counts) \
+        + (np.arange(nt, dtype=np.int64) - first) * BN
     ends = np.repeat(np.asarray(rel.src_offsets[1:], np.int64), counts)
     return tile_base, starts, np.minimum(BN, ends - starts)
 
@@ -243,8 +331,9 @@ def _tiles(rel):
 def _pack(xh, rel, name, copies):
     tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BN), lambda: _tiles(rel))
     out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
-    _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
-    copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
+    if starts.shape[0]:
+        _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
+        copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
     return tile_base, out
 
 
@@ -261,7 +350,9 @@ def _bias(edge_bias, acc, H, copies):
 
 
 # --------------------------------------------------------------------------- backward
-def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
+@serialised
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             m_kernel=None):
     if plan.prune_threshold is not None:  # dispatch refuses this first; fail closed anyway
         raise NotImplementedError("block_prune_threshold: the backward of a pruned forward "
                                   "is not implemented")
@@ -280,10 +371,12 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     delta = np.einsum("nhd,nhd->nh", np.asarray(dout, acc), np.asarray(out, acc))
     with np.errstate(divide="ignore"):
         linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
-    # base-2 maxima for the kernels; -inf (empty rows) -> the kernels' finite NEG sentinel
-    m2 = np.where(np.isfinite(m), m * LOG2E, _blocks.NEG).astype(acc)
+    # base-2 maxima for the kernels: the forward's own when given (exact), else converted from
+    # m; -inf (empty rows) -> the kernels' finite NEG sentinel
+    m2 = np.asarray(m_kernel, acc) if m_kernel is not None else m * acc.type(LOG2E)
+    m2 = np.where(np.isfinite(m2), m2, acc.type(_blocks.NEG)).astype(acc)
     dbias = None
-    if _is_blocks(relation):
+    if _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
@@ -304,9 +397,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         dkh = np.zeros((Hkv, Nk, D), acc)
         dvh = np.zeros((Hkv, Nk, Dv), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, qh, kh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
-                 relation.dst_offsets, relation.src_offsets, relation.causal, tile_base, group,
-                 n_parts, dq_part, dkh, dvh)
+            _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
+                 relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
+                 tile_base, group, n_parts, dq_part, dkh, dvh)
         dq = np.empty((Nq, H, D), acc)
         _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
@@ -327,16 +420,24 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         dq = np.empty((Nq, H, D), acc)
         E = int(relation.indices.shape[0])
         dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
-        _run(k_dst, -(-Nq // _csr.RB), qn, kn, vn, don, m2, linv, delta, relation.indptr,
-             relation.indices, bias, group, acc.type(scale), dq, dbias)
+        items, splits, n_slots = _pieces(relation, relation.indptr)
+        part_dq = np.empty((n_slots, H, D), acc)
+        _run(k_dst, items.shape[0], qn, kn, vn, don, m2, linv, delta, relation.indptr,
+             relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias)
         dk = np.empty((Nk, Hkv, D), acc)
         dv = np.empty((Nk, Hkv, Dv), acc)
-        _run(k_src, -(-Nk // _csr.RB), qn, kn, vn, don, m2, linv, delta, transpose.indptr,
-             transpose.indices, transpose.perm, bias, group, dk, dv)
+        t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)
+        part_dk = np.empty((t_slots, Hkv, D), acc)
+        part_dv = np.empty((t_slots, Hkv, Dv), acc)
+        _run(k_src, t_items.shape[0], qn, kn, vn, don, m2, linv, delta, transpose.indptr,
+             transpose.indices, transpose.perm, bias, group, t_items, t_splits, part_dk,
+             part_dv, dk, dv)
         if edge_bias is None:
             dbias = None
         info.update(kernel="cpu.csr.backward (dq by destination rows, dk/dv by source rows "
-                           "over the transpose)", tiles="per edge", cache=hit,
+                           "over the transpose, long rows split and summed in order)",
+                    tiles="dq: " + _split.describe(splits, n_slots, items.shape[0]) + "; dk/dv: "
+                    + _split.describe(t_splits, t_slots, t_items.shape[0]), cache=hit,
                     ir=_ir_of(k_src))
     info["copies"] = copies
     dt = q.dtype
@@ -348,12 +449,16 @@ def _backward_items(rel, Hkv, group):
     """(kv head, block, key-tile start) work items and their costs (query tiles visited)."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
-    causal = np.asarray(rel.causal).astype(bool)
+    lo = np.asarray(rel.lo)
+    hi = np.asarray(rel.hi)
     blk, starts = _ranges(np.where(nd > 0, ns, 0), BN)
     if blk.shape[0] == 0:
         return np.zeros((0, 3), np.int64), np.zeros(0, np.int64)
-    first_q = np.where(causal[blk], (starts // BM) * BM, 0)
-    costs = ((nd[blk] - first_q + BM - 1) // BM + 1) * group
+    cols = np.minimum(BN, ns[blk] - starts)
+    qbeg = np.maximum(0, starts - hi[blk])
+    qend = np.minimum(nd[blk], starts + cols - lo[blk])
+    q_tiles = np.where(qend > qbeg, (qend + BM - 1) // BM - qbeg // BM, 0)
+    costs = (q_tiles + 1) * group
     n = blk.shape[0]
     items = np.empty((Hkv * n, 3), np.int64)
     items[:, 0] = np.repeat(np.arange(Hkv, dtype=np.int64), n)

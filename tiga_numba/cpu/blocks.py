@@ -7,9 +7,18 @@ tile is in base 2 (``exp(s - m) == exp2(s2 - m2)``, see ``fastexp.py``), ``kh (H
 an ``out=`` buffer, i.e. one BLAS gemm per tile with no allocation; the softmax between them is
 a vectorised loop.
 
-Forward: one work item = (head, block, query tile); it walks the key tiles of its block only
-(causal blocks: tiles at or left of the diagonal; only tiles crossing the diagonal are
-masked) with the FlashAttention-2 recurrence, and writes per-row (out, m, l).
+Blocks are banded (``lo <= c - r <= hi`` in block-local positions: full, causal, bottom-right
+causal, sliding window). Forward: one work item = (head, block, query tile, key-tile range); it walks only the
+key tiles of its range that its rows' band touches, with the FlashAttention-2 recurrence, and
+writes per-row (out, m, l). Few query tiles over long key ranges (decode, cross-attention to a
+long context) would leave cores idle, so such items are cut into key ranges (api.py) whose
+partial states land in slots that a second parallel loop merges in slot order. In a tile the band cuts, cells outside it are masked before the softmax and the
+value product reads only band cells (``band_rows_mm``), so a non-finite key or value outside a
+row's relation never reaches that row (0 * inf would be NaN). Blocks narrower than a quarter tile
+are not packed: their score gemm reads the K rows directly, so memory stays O(N) however many
+short segments there are. The row max is written in base 2 (m2) exactly as the kernel found
+it (the backward subtracts it from the same recomputed scores, so it must not go through a
+rounded unit conversion; ``api.py`` derives the natural m).
 Optional tile pruning (``PRUNE``): after the score tile is computed it is admitted only if
 ``max(tile) >= m_run_block + log(rho)`` (in base 2: ``+ log2(rho)``), ``m_run_block`` the
 running max over every row of the query tile; a rejected tile skips its value product and
@@ -59,14 +68,76 @@ def _exp2d(x):
     return 0.0  # NEG (masked / empty) -> 0
 
 
+@njit(inline="always", cache=True)
+def _row_span(r, lo_rel, hi_rel, cols):
+    """Columns [first, last) of tile row r inside the band lo_rel <= c - r <= hi_rel."""
+    return max(0, r + lo_rel), min(cols, r + hi_rel + 1)
+
+
+@njit(inline="always", cache=True)
+def common_span(rows, lo_rel, hi_rel, cols):
+    """Columns [ca, cb) inside the band for every row of the tile (ca = cb when none)."""
+    ca = max(0, rows - 1 + lo_rel)
+    cb = min(cols, hi_rel + 1)
+    if cb < ca:
+        cb = ca
+    return ca, cb
+
+
+@njit(inline="always", cache=True)
+def band_rows_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
+    """acc[r] += sum_c A[r, c] X[c] over the band cells of a tile. The columns [ca, cb) that
+    every row keeps go through one gemm; the rest of each row's span is added with loops that
+    touch only its own cells, so a value outside a row's band is never read for that row
+    (0 * inf would be NaN)."""
+    if cb > ca:
+        mm(A[:rows, ca:cb], X[ca:cb], acc, 1.0, False, False)
+    n = X.shape[1]
+    for r in range(rows):
+        first, last = _row_span(r, lo_rel, hi_rel, cols)
+        ar = acc[r]
+        for c in range(first, min(last, ca)):
+            a = A[r, c]
+            xc = X[c]
+            for d in range(n):
+                ar[d] += a * xc[d]
+        for c in range(max(first, cb), last):
+            a = A[r, c]
+            xc = X[c]
+            for d in range(n):
+                ar[d] += a * xc[d]
+
+
+@njit(inline="always", cache=True)
+def band_cols_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
+    """acc[c] += sum_r A[r, c] X[r] over the band cells of a tile (the transposed product of
+    band_rows_mm, same cells)."""
+    if cb > ca:
+        mm(A[:rows, ca:cb], X, acc[ca:cb], 1.0, True, False)
+    n = X.shape[1]
+    for r in range(rows):
+        first, last = _row_span(r, lo_rel, hi_rel, cols)
+        xr = X[r]
+        for c in range(first, min(last, ca)):
+            a = A[r, c]
+            ac = acc[c]
+            for d in range(n):
+                ac[d] += a * xr[d]
+        for c in range(max(first, cb), last):
+            a = A[r, c]
+            ac = acc[c]
+            for d in range(n):
+                ac[d] += a * xr[d]
+
+
 def make_forward(acc, BM, BN, prune):
     """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off."""
     dt = np.float32 if acc == "float32" else np.float64
-    ln2 = LN2
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-    def forward(qh, ktt, vh, items, dst_off, src_off, causal, tile_base, group, log2_rho,
-                out, m_out, l_out, tiles_total, tiles_pruned):
+    def forward(qh, ktt, kh, vh, items, dst_off, src_off, band_lo, band_hi, tile_base, group,
+                log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
+                tiles_pruned):
         D = qh.shape[2]
         Dv = vh.shape[2]
         n_items = items.shape[0]
@@ -76,12 +147,15 @@ def make_forward(acc, BM, BN, prune):
             h = items[w, 0]
             b = items[w, 1]
             q0 = items[w, 2]
+            slot = items[w, 5]
             hk = h // group
             d0 = dst_off[b]
             s0 = src_off[b]
             nd = dst_off[b + 1] - d0
             ns = src_off[b + 1] - s0
-            is_causal = causal[b] != 0
+            lo = band_lo[b]
+            hi = band_hi[b]
+            tb = tile_base[b]
             rows = min(BM, nd - q0)
             sbuf = np.empty((BM, BN), dt)
             acc_ = np.zeros((rows, Dv), dt)
@@ -91,25 +165,35 @@ def make_forward(acc, BM, BN, prune):
             alph = np.empty(rows, dt)
             mref = np.empty(rows, dt)
             qt = qh[h, d0 + q0:d0 + q0 + rows]
-            kend = ns
-            if is_causal:
-                kend = min(ns, q0 + rows)  # keys j <= i: nothing right of the last row
+            # keys of the band for these rows: [kbeg, kend); tiles stay aligned to the block
+            # (a piece of a split item covers key tiles [items[w, 3], items[w, 4]) only)
+            kbeg = max(0, q0 + lo, items[w, 3] * BN)
+            kend = min(ns, q0 + rows - 1 + hi + 1, items[w, 4] * BN)
             m_blk = dt(NEG)
             n_total = 0
             n_pruned = 0
-            for c0 in range(0, kend, BN):
+            for c0 in range((kbeg // BN) * BN, kend, BN):
                 cols = min(BN, kend - c0)
                 n_total += 1
                 S = sbuf[:rows, :cols]
-                if D > 0:
-                    mm(qt, ktt[hk, tile_base[b] + c0 // BN, :, :cols], S, 0.0, False, False)
-                else:
+                if D == 0:
                     S[:, :] = 0.0
+                elif tb >= 0:
+                    mm(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False)
+                else:  # narrow block, not packed: K rows as the transposed operand
+                    mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
+                lo_rel = q0 + lo - c0
+                hi_rel = q0 + hi - c0
+                ca, cb = common_span(rows, lo_rel, hi_rel, cols)
+                banded = ca > 0 or cb < cols
                 # element loops go through contiguous row views so that LLVM vectorises them
-                if is_causal and c0 + cols - 1 > q0:  # tile crosses the diagonal
+                if banded:
                     for r in range(rows):
                         Sr = sbuf[r]
-                        for c in range(max(0, q0 + r + 1 - c0), cols):
+                        first, last = _row_span(r, lo_rel, hi_rel, cols)
+                        for c in range(0, min(first, cols)):
+                            Sr[c] = NEG
+                        for c in range(max(last, 0), cols):
                             Sr[c] = NEG
                 tmax = dt(NEG)
                 for r in range(rows):
@@ -145,17 +229,56 @@ def make_forward(acc, BM, BN, prune):
                         for d in range(Dv):
                             ar[d] *= alpha
                 if Dv > 0:  # acc += P @ V, accumulated by the gemm itself
-                    mm(S, vh[hk, s0 + c0:s0 + c0 + cols], acc_, 1.0, False, False)
+                    vt = vh[hk, s0 + c0:s0 + c0 + cols]
+                    if banded:
+                        band_rows_mm(sbuf, vt, acc_, rows, cols, lo_rel, hi_rel, ca, cb)
+                    else:
+                        mm(S, vt, acc_, 1.0, False, False)
+            tiles_total[w] = n_total
+            tiles_pruned[w] = n_pruned
+            if slot >= 0:  # one key range of a split item: its partial state, merged below
+                part_m[slot, :rows] = m
+                part_l[slot, :rows] = l
+                part_acc[slot, :rows] = acc_
+                restore_mxcsr(mxcsr)
+                continue
             for r in range(rows):
                 i = d0 + q0 + r
                 inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
                 for d in range(Dv):
                     out[i, h, d] = acc_[r, d] * inv
-                m_out[i, h] = m[r] * ln2 if l[r] > 0 else -np.inf
+                m_out[i, h] = m[r] if l[r] > 0 else -np.inf  # base 2, as the kernel found it
                 l_out[i, h] = l[r]
-            tiles_total[w] = n_total
-            tiles_pruned[w] = n_pruned
             restore_mxcsr(mxcsr)
+        # merge the key ranges of every split item, in slot order (deterministic)
+        for t in prange(splits.shape[0]):
+            h = splits[t, 0]
+            b = splits[t, 1]
+            q0 = splits[t, 2]
+            first = splits[t, 3]
+            last = first + splits[t, 4]
+            rows = min(BM, dst_off[b + 1] - dst_off[b] - q0)
+            for r in range(rows):
+                i = dst_off[b] + q0 + r
+                mx = dt(NEG)
+                for p in range(first, last):
+                    mx = fmax(mx, part_m[p, r])
+                ms = mx if mx > EMPTY else dt(0.0)
+                tot = dt(0.0)
+                o = out[i, h]
+                for d in range(Dv):
+                    o[d] = 0.0
+                for p in range(first, last):
+                    a = exp2_any(part_m[p, r] - ms)
+                    tot += part_l[p, r] * a
+                    pa = part_acc[p, r]
+                    for d in range(Dv):
+                        o[d] += a * pa[d]
+                inv = dt(1.0) / tot if tot > 0 else dt(0.0)
+                for d in range(Dv):
+                    o[d] *= inv
+                m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
+                l_out[i, h] = tot
 
     return forward
 
@@ -165,8 +288,8 @@ def make_backward(acc, BM, BN):
     ln2 = LN2
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-    def backward(qh, kh, ktt, vtt, doh, m2, linv, delta, kitems, dst_off, src_off, causal,
-                 tile_base, group, n_parts, dq_part, dk, dv):
+    def backward(qh, kh, vh, ktt, vtt, doh, m2, linv, delta, kitems, dst_off, src_off,
+                 band_lo, band_hi, tile_base, group, n_parts, dq_part, dk, dv):
         D = qh.shape[2]
         Dv = doh.shape[2]
         n_items = kitems.shape[0]
@@ -187,35 +310,42 @@ def make_backward(acc, BM, BN):
                 s0 = src_off[b]
                 nd = dst_off[b + 1] - d0
                 ns = src_off[b + 1] - s0
-                is_causal = causal[b] != 0
+                lo = band_lo[b]
+                hi = band_hi[b]
+                tb = tile_base[b]
                 cols = min(BN, ns - c0)
-                tile = tile_base[b] + c0 // BN
                 dka = dk_acc[:cols]
                 dva = dv_acc[:cols]
                 dka[:, :] = 0.0
                 dva[:, :] = 0.0
                 kt = kh[hk, s0 + c0:s0 + c0 + cols]  # (cols, D)
-                ktT = ktt[hk, tile, :, :cols]  # (D, cols)
-                vtT = vtt[hk, tile, :, :cols]  # (Dv, cols)
-                qstart = 0
-                if is_causal:
-                    qstart = (c0 // BM) * BM  # first query tile holding a row i >= c0
+                vt = vh[hk, s0 + c0:s0 + c0 + cols]  # (cols, Dv)
+                # query rows that reach this key tile: c0 - hi <= r <= c0 + cols - 1 - lo
+                qbeg = max(0, c0 - hi)
+                qend = min(nd, c0 + cols - lo)
                 for h in range(hk * group, (hk + 1) * group):
-                    for q0 in range(qstart, nd, BM):
+                    for q0 in range((qbeg // BM) * BM, qend, BM):
                         rows = min(BM, nd - q0)
                         qt = qh[h, d0 + q0:d0 + q0 + rows]
                         dot = doh[h, d0 + q0:d0 + q0 + rows]
                         P = pbuf[:rows, :cols]
                         dP = sbuf[:rows, :cols]
-                        if D > 0:
-                            mm(qt, ktT, P, 0.0, False, False)
-                        else:
+                        if D == 0:
                             P[:, :] = 0.0
-                        if Dv > 0:
-                            mm(dot, vtT, dP, 0.0, False, False)
+                        elif tb >= 0:
+                            mm(qt, ktt[hk, tb + c0 // BN, :, :cols], P, 0.0, False, False)
                         else:
+                            mm(qt, kt, P, 0.0, False, True)
+                        if Dv == 0:
                             dP[:, :] = 0.0
-                        mask = is_causal and c0 + cols - 1 > q0
+                        elif tb >= 0:
+                            mm(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False)
+                        else:
+                            mm(dot, vt, dP, 0.0, False, True)
+                        lo_rel = q0 + lo - c0
+                        hi_rel = q0 + hi - c0
+                        ca, cb = common_span(rows, lo_rel, hi_rel, cols)
+                        banded = ca > 0 or cb < cols
                         for r in range(rows):
                             i = d0 + q0 + r
                             mr = m2[h, i]
@@ -228,17 +358,28 @@ def make_backward(acc, BM, BN):
                                 p = exp2_any(Pr[c] - ms) * li
                                 Pr[c] = p
                                 dPr[c] = p * (dPr[c] - de)
-                            if mask:
-                                for c in range(max(0, q0 + r + 1 - c0), cols):
+                            if banded:
+                                first, last = _row_span(r, lo_rel, hi_rel, cols)
+                                for c in range(0, min(first, cols)):
+                                    Pr[c] = 0.0
+                                    dPr[c] = 0.0
+                                for c in range(max(last, 0), cols):
                                     Pr[c] = 0.0
                                     dPr[c] = 0.0
                         # dv += P^T dO ; dk += dS^T Q2 ; dq_part += dS K   (dS lives in dP)
-                        if Dv > 0:
-                            mm(P, dot, dva, 1.0, True, False)
-                        if D > 0:
-                            mm(dP, qt, dka, 1.0, True, False)
-                            mm(dP, kt, dq_part[part, h, d0 + q0:d0 + q0 + rows], 1.0,
-                               False, False)
+                        dqt = dq_part[part, h, d0 + q0:d0 + q0 + rows]
+                        if banded:  # only band cells: nothing outside a row's band is read
+                            if Dv > 0:
+                                band_cols_mm(pbuf, dot, dva, rows, cols, lo_rel, hi_rel, ca, cb)
+                            if D > 0:
+                                band_cols_mm(sbuf, qt, dka, rows, cols, lo_rel, hi_rel, ca, cb)
+                                band_rows_mm(sbuf, kt, dqt, rows, cols, lo_rel, hi_rel, ca, cb)
+                        else:
+                            if Dv > 0:
+                                mm(P, dot, dva, 1.0, True, False)
+                            if D > 0:
+                                mm(dP, qt, dka, 1.0, True, False)
+                                mm(dP, kt, dqt, 1.0, False, False)
                 for c in range(cols):
                     for d in range(D):
                         dk[hk, s0 + c0 + c, d] = dka[c, d] * ln2

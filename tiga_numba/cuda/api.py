@@ -37,15 +37,15 @@ from . import tiles as _tiles
 from .common import make_delta, make_stats
 from .launch import current_stream
 
-try:  # the tensor-core helper's package; absent or partial -> CUDA-core kernels only
+try:  # the tensor-core kernels (cuda/tc); absent or partial -> CUDA-core kernels only
     from . import tc as _tc
 except ImportError:  # pragma: no cover
     _tc = None
 
 
-# Test hooks: USE_TC=False keeps every call on the CUDA-core kernels of this package;
-# POISON=True fills every output with NaN before the kernels run (unwritten element -> NaN).
-USE_TC = True
+# Test hook: POISON=True fills every output with NaN before the kernels run (an element no
+# kernel writes then shows as NaN). The tensor-core / CUDA-core choice is an option
+# (tg.options(tensor_cores=False)), decided by the registry.
 POISON = False
 
 
@@ -55,13 +55,30 @@ def _empty(shape, dtype):
     return cupy.empty(shape, dtype)
 
 
-def _tc_supports(plan, q, k, v, relation):
-    if not USE_TC or _tc is None:
-        return False
-    supports = getattr(_tc, "supports", None)
+class _Asked:
+    """The plan facts the tensor-core admission reads (the plan itself is made afterwards)."""
+    __slots__ = ("score", "scale")
+
+    def __init__(self, score, scale):
+        self.score, self.scale = score, scale
+
+
+def tensor_core_probe(graph, arrays, scale, score):
+    """The registry's device-level check for the ``cuda.tc`` family: None when the generated
+    tensor-core kernels compute this request on this device exactly, else the reason."""
+    supports = getattr(_tc, "supports", None) if _tc is not None else None
     if supports is None or not hasattr(_tc, "forward"):
-        return False
-    return bool(supports(plan, q, k, v, relation))
+        return None
+
+    def check(req):
+        if req.op == "backward" and not hasattr(_tc, "backward"):
+            return "no tensor-core backward"
+        q, k, v = arrays
+        if not supports(_Asked(score, scale), q, k, v, graph.realize("cuda")):
+            return ("dtype, head dim, strides or device outside the tensor-core tables "
+                    "(tiga_numba.cuda.tc.api.supports)")
+        return None
+    return check
 
 
 def _is_blocks(relation):
@@ -220,7 +237,7 @@ def _forward_record(rel, dname, D, DV, H, prune, has_bias):
 def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
     rec = _Record()
     g = rec.geo
-    if not _is_blocks(rel):  # CSR: (lse, Delta) pairs, one per gathered (row, head)
+    if not _is_blocks(rel):  # CSR: (m, log l, Delta) records, one per gathered (row, head)
         g["pre"] = rec.kernel(("stats", dname, aname), lambda: make_stats(dname, aname))
     else:
         g["pre"] = rec.kernel(("delta", dname, aname), lambda: make_delta(dname, aname))
@@ -254,10 +271,21 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
         tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
+def _check_banded(plan, relation):
+    """The CUDA block kernels take full and square-causal blocks; bands (Graph.band, windows,
+    bottom-right-aligned causal segments of unequal lengths) are refused, never approximated."""
+    if _is_blocks(relation) and not relation.standard:
+        raise NotImplementedError(
+            f"the CUDA backend does not yet run banded block relations ({plan.relation_kind}: "
+            "Graph.band, cu_seqlens with window= or with cu_seqlens_k and causal=True); run it "
+            "on numpy arrays, or as CSR: Graph.from_scipy(graph.to_scipy())")
+
+
 # --------------------------------------------------------------------------- forward
 def forward(plan, q, k, v, relation, edge_bias=None):
     info = plan.run_info
-    if _tc_supports(plan, q, k, v, relation):
+    _check_banded(plan, relation)
+    if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
 
@@ -311,7 +339,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
 # --------------------------------------------------------------------------- backward
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
     info = plan.run_info
-    if _tc_supports(plan, q, k, v, relation) and hasattr(_tc, "backward"):
+    _check_banded(plan, relation)
+    if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)
 
@@ -346,12 +375,12 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     l = _contig(l, acc, "stats.l", copies)
 
     # Delta_i = sum(dO_i * O_i): one pass, read by both gradient kernels (the CSR kernels get
-    # it interleaved with lse = m + log(l), one pair per gathered (row, head))
+    # it interleaved with m and log(l), one record per gathered (row, head))
     if blocks:
         delta = _empty((Nq, H), acc)
         pre_args = (dop, outp, delta.data.ptr)
     else:
-        delta = _empty((Nq, H, 2), acc)
+        delta = _empty((Nq, H, 3), acc)
         pre_args = (dop, outp, m.data.ptr, l.data.ptr, delta.data.ptr)
     if Nq * H:
         g["pre"](g["pre_grid"], g["pre_block"], stream, *pre_args,

@@ -720,7 +720,7 @@ def forward(graph, net, prep, return_state, xp=None, device="cuda"):
         kern.forward((kern.blocks(nd), 1, 1), (kern.nt, 1, 1), _stream(xp),
                      *_ptrs(xp, rel.indptr, rel.indices, As, Ad, WeT, prep.pos, prep.EX, prep.P,
                             prep.V, out, M, L), nd)
-    plan = em._plan("forward", prep, net)
+    plan = em._plan("forward", prep, net, em._decide("forward", graph, prep))
     plan.run_info.update(kernel=f"cuda.gat_forward ({kern.G} lanes per destination row, "
                                 f"{kern.nt} threads/block; score MLP in registers per edge, "
                                 "online softmax, feature-split value accumulation)",
@@ -776,7 +776,7 @@ def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda")
     pg = PG.sum(axis=0) if nblocks else xp.zeros(max(n_pg, 1), acc)  # block order: fixed
     grads = _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV,
                             dpos if prep.geometric else None, graph, xp)
-    plan = em._plan("backward", prep, net)
+    plan = em._plan("backward", prep, net, em._decide("backward", graph, prep))
     plan.run_info.update(kernel=f"cuda.gat_backward_rows ({kern.G} lanes per row, {nblocks} "
                                 f"blocks x {kern.nt} threads, grid-stride; parameter partials "
                                 "reduced per group and block in a fixed order) + "

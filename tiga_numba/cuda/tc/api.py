@@ -1,4 +1,4 @@
-"""Tensor-core attention entry points for the CUDA backend (INTERNALS.md contract).
+"""Tensor-core attention entry points for the CUDA backend (docs/INTERNALS.md contract).
 
 supports(plan, q, k, v, relation) -> bool      this path can run the request exactly
 forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
@@ -35,6 +35,7 @@ import weakref
 
 import numpy as np
 
+from ... import run_options as _options
 from ...kernel_cache import KERNELS
 from ...plan import defer_counts
 from . import generator as G
@@ -62,7 +63,7 @@ TUNING = {
 }
 #: shapes of the fused dK/dV/dQ kernel (Variant.fuse_dq: 5 products, ordered dQ accumulation) per
 #: (16-bit or float32, D). Not shipped: on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt)
-#: the two-kernel backward was faster in every cell; benchmarks/bench_tc_bwd.py runs the A/B.
+#: the two-kernel backward was faster in every cell; benchmarks/tuning/bench_tc_bwd.py runs the A/B.
 FUSED_DKDV = {
     ("float16", 64): dict(NW=4, MT=1, BN=64, a_smem=True), ("float16", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
     ("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True), ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True),
@@ -71,13 +72,13 @@ FUSED_DKDV = {
 
 #: opt-in, not deterministic (TIGA_NUMBA_DETERMINISTIC=0): the fused dK/dV/dQ kernel adding dQ with
 #: float atomics, for the (dtype, D) where it beat the deterministic two-kernel backward in every
-#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt runs 3-5; run 5: float32 D=64
+#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt; final kernels: float32 D=64
 #: 16-33 %, D=128 2-25 % faster). 16-bit: within 2 % at D=64 but for one cell, slower at D=128: not offered.
 ATOMIC_DQ = {("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
              ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True)}
 #: the same opt-in on sm_90a (16-bit; D -> shape, the whole wgmma Variant fields as in TUNING_WGMMA):
 #: the fused wgmma kernel with dQ added by red.global. Empty: it was not faster than the overlapped
-#: two-kernel backward (results/wgmma-fused-bwd-h200-2026-11-30.txt runs 1-2)
+#: two-kernel backward (results/wgmma-fused-bwd-h200-2026-11-30.txt)
 ATOMIC_DQ_WGMMA = {}
 
 
@@ -85,7 +86,7 @@ ATOMIC_DQ_WGMMA = {}
 #: fragment twice the registers (big and small halves), so MT = 1; the CTA's own operand stays in
 #: shared memory but for the D = 64 forward. 8 warps (BM = 128: each streamed block feeds twice the
 #: warps) won for the forwards and the D = 128 backward in the --wide sweep on the H200
-#: (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt run 4: fwd D=128 5.45 -> 5.08 ms,
+#: (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt, --wide sweep: fwd D=128 5.45 -> 5.08 ms,
 #: bwd D=128 25.7 -> 22.2 ms, fwd D=64 2.52 -> 2.49 ms; bwd D=64 stayed with 4 warps: 10.7 vs 11.2).
 TUNING_F32 = {
     ("fwd", 64): dict(NW=8, MT=1, BN=64),
@@ -96,13 +97,13 @@ TUNING_F32 = {
     ("dkdv", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
 }
 # dq D = 128: BN = 64 was 3% faster in the first sweep (before per-block partials) but then
-# spilled and did not finish compiling within 190 s on the H200 in the second run; BN = 32 did.
+# spilled and did not finish compiling within 190 s on the H200 in the second sweep; BN = 32 did.
 
 
 #: 16-bit shapes on compute capability 9.0 (H100 / H200): warpgroup wgmma products, compiled
 #: for sm_90a (generator "wgmma"); each warpgroup owns 64 rows (NW = 4: one group, 8: two).
-#: Chosen by benchmarks/bench_wgmma.py's sweep on the H200 (2026-11-29, results/wgmma-h200-2026-11-29.txt
-#: runs 1-2; sum over N = 4096 / 16384 x causal 0 / 1, run 2): fwd D=64 4.35 ms (NW=4 BN=64: 4.36,
+#: Chosen by benchmarks/tuning/bench_wgmma.py's sweep on the H200 (2026-11-29, results/wgmma-h200-2026-11-29.txt;
+#: sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64 4.35 ms (NW=4 BN=64: 4.36,
 #: NW=8 BN=128: 5.51), fwd D=128 8.27 (NW=4 BN=64 8.54, NW=4 BN=128 11.0), bwd D=64 18.1 (BN=64: 20.4;
 #: 8 warps 18.6-30.4), bwd D=128 29.4 (dK/dV with 8 warps: 31.2; 4 warps BN=64 / 32 throughout: 37.1).
 TUNING_WGMMA = {
@@ -121,7 +122,7 @@ def _padded_dims(table):
                   for d, like in ((32, 64), (96, 128))})
 
 
-# 16-bit: the run-4 sweep of their own candidates chose the same ones (no spills at 159-253 /
+# 16-bit: a sweep of their own candidates (results/wgmma-h200-2026-11-29.txt) chose the same ones (no spills at 159-253 /
 # 176-246 registers, ptxas report)
 _padded_dims(TUNING_WGMMA)
 
@@ -130,10 +131,10 @@ _padded_dims(TUNING_WGMMA)
 #: (generator "split": 6 passes per product, per-block partials). Three bf16 parts take 1.5x the
 #: shared memory of a float32 tile and a float32 staging tile is added, so blocks are narrower
 #: than the 16-bit ones; D = 128 backward kernels hold one warpgroup (two would not fit).
-#: Chosen by benchmarks/bench_fp32_wgmma.py's sweep on the H200 (2026-11-30,
-#: results/fp32-wgmma-h200-2026-11-30.txt run 1; sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64
+#: Chosen by benchmarks/tuning/bench_fp32_wgmma.py's sweep on the H200 (2026-11-30,
+#: results/fp32-wgmma-h200-2026-11-30.txt; sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64
 #: 19.5 ms (NW=4 BN=64: 23.2, BN=128: 31.1), fwd D=128 43.8 (NW=4 BN=64: 59.1, BN=32: 66.6), bwd D=64
-#: 86.4 (4 warps: 88.3-96.5), bwd D=128 225 (dK/dV BN=16: 296); run 6: dK/dV D=128 with 32-column
+#: 86.4 (4 warps: 88.3-96.5), bwd D=128 225 (dK/dV BN=16: 296); a later sweep: dK/dV D=128 with 32-column
 #: P B chains (pb_cols, fewer partial registers: 236 B of spills instead of 328) 220.3.
 TUNING_WGMMA_F32 = {
     ("fwd", 64): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True),
@@ -200,7 +201,7 @@ def use_wgmma(dtype):
     """True on a compute capability 9.0 device (sm_90a: H100 / H200) unless TIGA_NUMBA_WGMMA=0
     (read per call): the warpgroup kernels (float32: on bf16 x 3 splits); else the mma.sync ones
     (float32: 3xTF32)."""
-    if os.environ.get("TIGA_NUMBA_WGMMA", "1") == "0":
+    if not _options.current().wgmma:
         return False
     try:
         dev = _device()
@@ -257,7 +258,7 @@ def supports(plan, q, k, v, relation):
             return False
         if D not in head_dims(dn, use_wgmma(dn)):
             return False
-        if dn == "float32" and os.environ.get("TIGA_NUMBA_FP32_TENSOR_CORES", "1") == "0":
+        if dn == "float32" and not _options.current().fp32_tensor_cores:
             return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
         H, Hkv = int(q.shape[1]), int(k.shape[1])
         if Hkv < 1 or H % Hkv:
@@ -365,7 +366,11 @@ def _load_cached_module(name, src, dtype):
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod   # numba's cache wants the function's module importable
-    spec.loader.exec_module(mod)
+    # compiled from the file's text rather than through the import system: no .pyc lands in
+    # the cache directory (the text is compiled once per process; numba's cache only needs
+    # the code object's file name to be the real file)
+    with open(path) as fh:
+        exec(compile(fh.read(), path, "exec"), mod.__dict__)
     return mod.kernel
 
 
@@ -905,10 +910,12 @@ def atomic_variant(D, dtype, wgmma=False):
     return _entry_variant(("dkdv_atomic", D, dtype, wgmma), shape, "dkdv", D, D, dtype, fuse_dq=True, dq_atomic=True)
 
 
-def deterministic():
-    """False when the user opted out of bit-reproducible backward passes (TIGA_NUMBA_DETERMINISTIC=0,
-    read per call, like torch.use_deterministic_algorithms(False))."""
-    return os.environ.get("TIGA_NUMBA_DETERMINISTIC", "1") != "0"
+def deterministic(plan=None):
+    """False when the call opted out of bit-reproducible backward passes
+    (attention_backward(..., deterministic=False), tg.options, or the TIGA_NUMBA_DETERMINISTIC=0
+    default; like torch.use_deterministic_algorithms(False))."""
+    opts = getattr(plan, "options", None) or _options.current()
+    return opts.deterministic
 
 
 def _dq_zero_fill(rec, nd, fused):
@@ -994,7 +1001,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
-    vq, vk = backward_variants(D, Dv, dt, deterministic())
+    vq, vk = backward_variants(D, Dv, dt, deterministic(plan))
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)

@@ -1,0 +1,90 @@
+"""attention_merge and stats.lse: partial results over disjoint edge subsets merge exactly."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import tiga_numba as tg
+
+
+def _random_csr(nd, ns, density, rng, empty_rows=()):
+    a = sp.random(nd, ns, density=density, random_state=np.random.RandomState(int(rng.integers(1 << 30))),
+                  format="csr")
+    a = a.tolil()
+    for r in empty_rows:
+        a.rows[r] = []
+        a.data[r] = []
+    return a.tocsr()
+
+
+def _qkv(nd, ns, h, hkv, d, rng, dtype=np.float64):
+    q = rng.standard_normal((nd, h, d)).astype(dtype)
+    k = rng.standard_normal((ns, hkv, d)).astype(dtype)
+    v = rng.standard_normal((ns, hkv, d + 1)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+def test_merge_of_disjoint_edge_subsets_equals_the_union(dtype, tol):
+    rng = np.random.default_rng(1)
+    nd, ns, h, hkv, d = 37, 29, 4, 2, 8
+    full = _random_csr(nd, ns, 0.3, rng, empty_rows=(3, 17))
+    # split every row's edges at random into three disjoint parts (some rows empty in a part)
+    coo = full.tocoo()
+    part_of = rng.integers(0, 3, coo.nnz)
+    graphs = [tg.Graph.from_scipy(sp.csr_matrix((coo.data[part_of == p], (coo.row[part_of == p],
+                                                 coo.col[part_of == p])), shape=full.shape))
+              for p in range(3)]
+    g = tg.Graph.from_scipy(full)
+    q, k, v = _qkv(nd, ns, h, hkv, d, rng, dtype)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    parts = [tg.attention(q, k, v, gp, return_stats=True) for gp in graphs]
+    mo, ms = tg.attention_merge(parts)
+    assert mo.dtype == out.dtype and mo.shape == out.shape
+    np.testing.assert_allclose(mo, out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(ms.l * np.exp(ms.m - np.where(np.isfinite(st.m), st.m, 0)),
+                               np.where(st.l > 0, st.l, 0), rtol=tol * 10, atol=0)
+    fin = np.isfinite(st.lse)
+    assert np.array_equal(fin, np.isfinite(ms.lse))
+    np.testing.assert_allclose(ms.lse[fin], st.lse[fin], rtol=tol, atol=tol)
+    assert np.all(ms.lse[~fin] == -np.inf) and np.all(mo[3] == 0) and not np.isnan(mo).any()
+    # merged stats feed the backward of the union
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g)
+    got = tg.attention_backward(dout, q, k, v, mo, ms, g)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, atol=tol * 50, rtol=tol * 50)
+    # same parts, same order: same bits; other order: equal within rounding
+    again, _ = tg.attention_merge(parts)
+    assert np.array_equal(again, mo)
+    rev, _ = tg.attention_merge(parts[::-1])
+    np.testing.assert_allclose(rev, mo, atol=tol, rtol=tol)
+
+
+def test_lse_matches_float64_oracle_and_empty_part_is_neutral():
+    rng = np.random.default_rng(2)
+    n, h, d = 20, 2, 4
+    q, k, v = _qkv(n, n, h, h, d, rng)
+    g = tg.Graph.triangular(n)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    s = np.einsum("ihd,jhd->hij", q, k) * d ** -0.5
+    s = np.where(np.tril(np.ones((n, n), bool))[None], s, -np.inf)
+    lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    np.testing.assert_allclose(st.lse, lse.T, rtol=1e-12, atol=1e-12)
+    empty = (np.zeros_like(out), tg.AttentionStats(np.full(st.m.shape, -np.inf), np.zeros(st.l.shape)))
+    mo, ms = tg.attention_merge([empty, (out, st), empty])
+    np.testing.assert_allclose(mo, out, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ms.lse, st.lse, rtol=1e-13, atol=1e-13)
+
+
+def test_merge_rejects_bad_parts():
+    o = np.zeros((3, 2, 4))
+    st = tg.AttentionStats(np.zeros((3, 2)), np.ones((3, 2)))
+    with pytest.raises(ValueError, match="parts"):
+        tg.attention_merge([])
+    with pytest.raises(TypeError, match=r"parts\[1\]"):
+        tg.attention_merge([(o, st), o])
+    with pytest.raises(ValueError, match=r"parts\[1\] out"):
+        tg.attention_merge([(o, st), (np.zeros((4, 2, 4)), st)])
+    pruned = tg.AttentionStats(st.m, st.l, block_prune_threshold=0.5)
+    with pytest.raises(NotImplementedError, match="pruned"):
+        tg.attention_merge([(o, st), (o, pruned)])
