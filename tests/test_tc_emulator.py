@@ -12,8 +12,26 @@ import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba
 from tiga_numba.cuda.tc import admission, api, build, device, tuning  # noqa: E402
 from tiga_numba.cuda.tc import emulator as E  # noqa: E402
 from tiga_numba.cuda.tc import generator as G  # noqa: E402
+from tiga_numba.cuda.tc.generator import shared as GS  # noqa: E402
+from tiga_numba.cuda.tc.generator import source as GSrc  # noqa: E402
+from tiga_numba.cuda.tc.generator import variant as GV  # noqa: E402
+from tiga_numba.cuda.tc.generator import wgmma as GW  # noqa: E402
 from tiga_numba.cuda.tc import schedule as S  # noqa: E402
 
+
+
+def patch_generator(monkeypatch, name, value):
+    """Replace `name` in every generator module that holds it (each module imports the helpers it
+    calls by name, so a stand-in must reach all of them)."""
+    import importlib
+    import pkgutil
+    found = False
+    for info in pkgutil.iter_modules(G.__path__):
+        mod = importlib.import_module(f"{G.__name__}.{info.name}")
+        if hasattr(mod, name):
+            monkeypatch.setattr(mod, name, value)
+            found = True
+    assert found, name
 
 def oracle(q, k, v, do, dst, src, causal, scale):
     """float64 reference: out, m, l and the gradients (dq, dk, dv)."""
@@ -252,12 +270,12 @@ def test_fused_ptx_compiles_for_sm90():
 
 def test_broken_swizzle_is_caught(monkeypatch):
     """A wrong fragment layout must fail the emulator check (the test can fail)."""
-    real = G.thread_geometry
+    real = GS.thread_geometry
 
     def broken(e, v):
         real(e, v)
         e("xa128_0 = xa128_1")   # k-step 0 would read k-step 1's chunk
-    monkeypatch.setattr(G, "thread_geometry", broken)
+    patch_generator(monkeypatch, "thread_geometry", broken)
     dst, src, causal = (np.array(x) for x in RELATIONS["dense_rect_tail"])
     rng = np.random.default_rng(3)
     q, k, v, _ = _inputs(rng, dst[-1], src[-1], 1, 1, 64, "float16")
@@ -277,7 +295,7 @@ def _fp32_case(relname, D=64):
 def test_plain_tf32_is_caught(monkeypatch):
     """One tf32 pass (big * big, i.e. plain TF32) must fail the float32 tolerances of the forward
     and the backward: the tests above really check 3xTF32 accuracy."""
-    monkeypatch.setattr(G, "TF32_PASSES", (("big", "big"),))
+    patch_generator(monkeypatch, "TF32_PASSES", (("big", "big"),))
     q, k, v, do, dst, src, causal = _fp32_case("causal_tail")
     scale = 64 ** -0.5
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
@@ -297,7 +315,7 @@ def test_fp32_long_rows_accumulate_per_block(monkeypatch, pb_pairs, ok):
     """2048 keys a row: with O accumulated per block (generator.PB_PAIRS) the forward stays
     fp32-class under the emulator's truncating accumulation; feeding O back into the mma across
     all 32 blocks (PB_PAIRS = None) drifts past the float32 tolerance, as it did on the H200."""
-    monkeypatch.setattr(G, "PB_PAIRS", pb_pairs)
+    patch_generator(monkeypatch, "PB_PAIRS", pb_pairs)
     dst, src, causal = np.array([0, 16]), np.array([0, 2048]), np.array([0])
     rng = np.random.default_rng()
     q, k, v, _ = _inputs(rng, 16, 2048, 1, 1, 64, "float32")
@@ -649,7 +667,7 @@ def test_wgmma_overlap_changes_no_arithmetic(dtype, NW, BN):
 def test_reading_an_in_flight_accumulator_is_caught(monkeypatch, kind):
     """without its wgmma_wait the overlapped dP (dV) chain's registers hold no result: the emulator
     poisons them until the wait, so a kernel reading them early fails (the test can fail)."""
-    monkeypatch.setattr(G, "wg_wait", lambda *a: None)
+    patch_generator(monkeypatch, "wg_wait", lambda *a: None)
     dst, src, causal = (np.array(x) for x in RELATIONS["causal_tail"])
     q, k, v, do = _inputs(np.random.default_rng(1), dst[-1], src[-1], 1, 1, 64, "float16")
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, 0.125)
@@ -708,26 +726,26 @@ def test_split_narrow_value_chains(relname):
 def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
     """a wrong descriptor (8-row stride), k-step advance or sub-tile offset must fail (the test can fail)."""
     if broken == "sbo":
-        real = G.wg_desc
-        monkeypatch.setattr(G, "wg_desc", lambda addr, lbo: real(addr, lbo, sbo=512))
+        real = GW.wg_desc
+        patch_generator(monkeypatch, "wg_desc", lambda addr, lbo: real(addr, lbo, sbo=512))
     elif broken == "k_step":
-        real_chain = G.Source.chain
+        real_chain = GSrc.Source.chain
 
         def chain(self, form, N, steps, wait=True):
             steps = list(steps)
             if form == "ss":   # k-step 1 of B re-reads k-step 0
                 steps[1] = (steps[1][0], steps[0][1])
             return real_chain(self, form, N, steps, wait)
-        monkeypatch.setattr(G.Source, "chain", chain)
+        monkeypatch.setattr(GSrc.Source, "chain", chain)
     else:
-        real_load = G.load_tile
+        real_load = GS.load_tile
 
         def load(e, v, smem, gbase, gstride, nvalid, rows, width):
-            sub = G.Source()
+            sub = GSrc.Source()
             real_load(sub, v, smem, gbase, gstride, nvalid, rows, width)
             for line in sub.lines:
                 e(line.replace(f"* {rows * 128})", "* 128)"))   # sub-tiles overlap the first one
-        monkeypatch.setattr(G, "load_tile", load)
+        patch_generator(monkeypatch, "load_tile", load)
     D = 128 if broken == "sub_tile" else 64
     dst, src, causal = (np.array(x) for x in RELATIONS["dense_rect_tail"])
     rng = np.random.default_rng(5)
@@ -742,7 +760,7 @@ def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
     assert rel(o, ro) > 1e-2
 
 
-@pytest.mark.parametrize("passes", [(("hi", "hi"),), G.SPLIT_PASSES[2:]])
+@pytest.mark.parametrize("passes", [(("hi", "hi"),), GV.SPLIT_PASSES[2:]])
 def test_split_needs_every_pass(monkeypatch, passes):
     """float32 on wgmma: the six passes are fp32-class (< 1e-6 here, ~3e-7), plain bf16 (hi x hi,
     ~3e-3) and the four passes without the lo parts (16-bit mantissas, ~5e-6) are not."""
@@ -754,7 +772,7 @@ def test_split_needs_every_pass(monkeypatch, passes):
         vf = G.Variant("fwd", 64, 64, dtype="float32", NW=4, BN=64, **WG).check()
         return rel(E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), 0.125)[0], ro)
     assert run() < 1e-6
-    monkeypatch.setattr(G, "SPLIT_PASSES", passes)
+    patch_generator(monkeypatch, "SPLIT_PASSES", passes)
     assert run() > 2e-6
 
 
@@ -792,7 +810,7 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune,
     rep = build.kernel(v)[0].ptxas("sm_90a")
     ptx = rep["ptx"]
     products = {"fwd": (1, 1), "dq": (2, 1), "dkdv": (2, 2)}[kind]   # (A B^T, P B) products per block
-    passes, groups = len(G._passes(v)), len(G.pb_groups(v, D))   # float32: 6 passes, a chain per group
+    passes, groups = len(GW._passes(v)), len(GV.pb_groups(v, D))   # float32: 6 passes, a chain per group
     nk_abt, nk_pb = D // 16, BN // 16
     assert ptx.count("wgmma.mma_async.sync.aligned") == passes * (products[0] * nk_abt + products[1] * groups * nk_pb)
     chains = products[0] + products[1] * groups
