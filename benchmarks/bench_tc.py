@@ -41,7 +41,7 @@ try:   # --build-wide runs where torch is absent (off-device cubin builds)
 except ImportError:
     torch = TF = None
 
-from tiga_numba.cuda.tc import api  # noqa: E402
+from tiga_numba.cuda.tc import api, build, device, tuning  # noqa: E402
 
 H = 16
 REPS, WARM = 10, 3
@@ -112,7 +112,7 @@ class Ours:
         self.st = Stream()
 
     def fwd(self):
-        vr = api.variant("fwd", self.D, self.D, self.dt)
+        vr = tuning.variant("fwd", self.D, self.D, self.dt)
         api.launch_forward(vr, self.rec, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
                            self.out.data_ptr(), self.m.data_ptr(), self.l.data_ptr(), self.scale, self.st)
 
@@ -120,7 +120,7 @@ class Ours:
         if not hasattr(self, "dq"):
             self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
             self.delta, self.lse2 = torch.empty_like(self.m), torch.empty_like(self.m)
-        vq, vk = api.backward_variants(self.D, self.D, self.dt, api.deterministic())
+        vq, vk = tuning.backward_variants(self.D, self.D, self.dt, tuning.deterministic())
         api.launch_backward(vq, vk, self.rec, self.N, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
                             op(dout), op(self.out), self.m.data_ptr(), self.l.data_ptr(), self.delta.data_ptr(),
                             self.lse2.data_ptr(), self.dq.data_ptr(), self.dk.data_ptr(), self.dv.data_ptr(),
@@ -294,7 +294,7 @@ WIDE32 = {
 def build_wide(arch="sm_90", jobs=2):
     """compile the --wide sweep's cubins into the cubin cache without a GPU."""
     specs = [_as_spec(x) for x in _sweep_specs({"float16": WIDE16, "float32": WIDE32})]
-    for name in api.build_cubins(arch=arch, jobs=jobs, specs=specs):
+    for name in build.build_cubins(arch=arch, jobs=jobs, specs=specs):
         print(name, flush=True)
 
 
@@ -386,13 +386,13 @@ def fmt32(r):
 
 def precompile(dtypes, jobs=14, with_sweep=True):
     """compile the shipped kernels of `dtypes` (and the float32 sweep's) in parallel processes
-    into the cubin cache (tc.api.build_cubins), which hands them to this process without NVVM."""
-    specs = set(api.shipped_kernels(dtypes))
+    into the cubin cache (tc.build.build_cubins), which hands them to this process without NVVM."""
+    specs = set(build.shipped_kernels(dtypes))
     if "float32" in dtypes and with_sweep:
         specs |= set(_sweep_specs({"float32": SWEEP_F32}))
     t0 = time.time()
     try:
-        names = api.build_cubins(arch=_arch(), jobs=jobs, specs=[_as_spec(x) for x in sorted(specs, key=str)])
+        names = build.build_cubins(arch=_arch(), jobs=jobs, specs=[_as_spec(x) for x in sorted(specs, key=str)])
         say(f"precompile {dtypes}: {len(names)} kernels in {time.time() - t0:.0f}s")
     except Exception as e:  # noqa: BLE001 - the timed sections compile what is missing
         say(f"precompile FAILED {e!r}"[:300])
@@ -425,13 +425,13 @@ TESTS_FAILED = False
 def save_tuning():
     if TUNING_OUT:
         with open(TUNING_OUT, "w") as fh:
-            json.dump([[k[0], k[1], v] for k, v in api.TUNING.items()]
-                      + [[k[0], k[1], v, "float32"] for k, v in api.TUNING_F32.items()], fh)
+            json.dump([[k[0], k[1], v] for k, v in tuning.TUNING.items()]
+                      + [[k[0], k[1], v, "float32"] for k, v in tuning.TUNING_F32.items()], fh)
 
 
 def sweep(quick, dtype="float16", cands=None):
     """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in the
-    dtype's tuning table (api.TUNING, or api.TUNING_F32 for float32)"""
+    dtype's tuning table (tuning.TUNING, or tuning.TUNING_F32 for float32)"""
     import tiga_numba as tg
     # the mma.sync shapes (bench_wgmma.py sweeps the wgmma ones): pinned for the whole sweep
     with tg.options(wgmma=False):
@@ -440,7 +440,7 @@ def sweep(quick, dtype="float16", cands=None):
 
 def _sweep(quick, dtype, cands):
     S = dict(a_smem=True)
-    table = api.tuning_table(dtype, wgmma=False)
+    table = tuning.tuning_table(dtype, wgmma=False)
     tdt = {"float16": torch.float16, "float32": torch.float32}[dtype]
     cands = cands or (SWEEP_F32 if dtype == "float32" else {
         ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32)],
@@ -577,7 +577,7 @@ def plot(rows, path):
 def fp32_section(a, late):
     if not a.no_sweep:
         sweep(a.quick, "float32")
-    say(f"float32 tuning in use: {api.TUNING_F32}")
+    say(f"float32 tuning in use: {tuning.TUNING_F32}")
     rows = []
     for N in (4096, 16384):
         for D in (64, 128):
@@ -642,7 +642,7 @@ def main():
     if a.tuning_in and os.path.exists(a.tuning_in):
         with open(a.tuning_in) as fh:
             for kind, D, cfg, *dt in json.load(fh):   # rows: [kind, D, shape(, "float32")]
-                api.tuning_table(dt[0] if dt else "float16", wgmma=False)[(kind, D)] = cfg
+                tuning.tuning_table(dt[0] if dt else "float16", wgmma=False)[(kind, D)] = cfg
     if a.sanitize:
         sanitize()
         return
@@ -669,7 +669,7 @@ def main():
     if a.wide:
         sweep(a.quick, "float16", WIDE16)
         sweep(a.quick, "float32", WIDE32)
-        say(f"tuning in use: {api.TUNING} | float32: {api.TUNING_F32}")
+        say(f"tuning in use: {tuning.TUNING} | float32: {tuning.TUNING_F32}")
         save_tuning()
         with open(os.path.join(a.out, "tc_wide_sweep.txt"), "w") as fh:
             fh.write("\n".join(LINES) + "\n")
@@ -679,14 +679,14 @@ def main():
         resources()
         say(f"total bench time {time.time() - t0:.0f}s")
         with open(os.path.join(a.out, "tc_fp32_bench.json"), "w") as fh:
-            json.dump(dict(fp32=rows32, tuning_f32={str(k): v for k, v in api.TUNING_F32.items()}), fh, indent=1)
+            json.dump(dict(fp32=rows32, tuning_f32={str(k): v for k, v in tuning.TUNING_F32.items()}), fh, indent=1)
         with open(os.path.join(a.out, "tc_bench.txt"), "w") as fh:
             fh.write("\n".join(LINES) + "\n")
         return
     if not a.no_sweep:
         sweep(a.quick)
-    say(f"tuning in use: {api.TUNING_WGMMA if api.use_wgmma('float16') else api.TUNING}"
-        f" ({'wgmma, sm_90a' if api.use_wgmma('float16') else 'mma.sync'})")
+    say(f"tuning in use: {tuning.TUNING_WGMMA if device.use_wgmma('float16') else tuning.TUNING}"
+        f" ({'wgmma, sm_90a' if device.use_wgmma('float16') else 'mma.sync'})")
     save_tuning()
     if a.sweep_only:
         return
@@ -741,7 +741,7 @@ def main():
     resources()
     say(f"total bench time {time.time() - t0:.0f}s")
     with open(os.path.join(a.out, "tc_bench.json"), "w") as fh:
-        json.dump(dict(dense=rows, varlen=var, tuning={str(k): v for k, v in api.TUNING.items()}), fh, indent=1)
+        json.dump(dict(dense=rows, varlen=var, tuning={str(k): v for k, v in tuning.TUNING.items()}), fh, indent=1)
     with open(os.path.join(a.out, "tc_bench.txt"), "w") as fh:
         fh.write("\n".join(LINES) + "\n")
     plot(rows, os.path.join(a.out, "tc_tfs.png"))

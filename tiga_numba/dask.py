@@ -316,9 +316,9 @@ def _merge(*parts):
 
 def _empty_forward(q_p, *, value_dim, acc):
     xp = _xp_of(q_p)
-    lead = tuple(q_p.shape[:-1])
-    return (xp.zeros(lead + (value_dim,), dtype=acc), xp.full(lead, -np.inf, dtype=acc),
-            xp.zeros(lead, dtype=acc))
+    row_shape = tuple(q_p.shape[:-1])
+    return (xp.zeros(row_shape + (value_dim,), dtype=acc), xp.full(row_shape, -np.inf, dtype=acc),
+            xp.zeros(row_shape, dtype=acc))
 
 
 def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc):

@@ -24,7 +24,6 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
 
 import numba
 
@@ -695,16 +694,8 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
 
 
 def _cache_dir():
-    root = os.environ.get("TIGA_NUMBA_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "tiga_numba")
-    path = os.path.join(root, "gat_cpu")
-    try:
-        os.makedirs(path, exist_ok=True)
-        return path
-    except OSError:  # read-only home: a private temp dir still works (no reuse across runs)
-        return tempfile.mkdtemp(prefix="tiga_numba_gat_")
+    from ..disk_cache import module_folder
+    return module_folder("gat_cpu")
 
 
 def _load(source, prefix="tiga_gat_cpu"):

@@ -43,8 +43,13 @@ def leaky_relu(xp, pre, slope):
 def leaky_relu_grad(xp, out, grad, slope):
     """Gradient through leaky_relu given its output (torch's rule: slope where the input is
     <= 0). For slope >= 0 the output is > 0 exactly where the input is, so the input need not
-    be kept; a negative slope flips the sign, handled by the caller keeping the input."""
-    return xp.where(out > 0, grad, grad * grad.dtype.type(slope))
+    be kept; a negative slope flips the sign, handled by the caller keeping the input.
+    Overwrites `grad` (the caller's own (E, H) buffer): no new (E, H) float array."""
+    s = grad.dtype.type(slope)
+    if xp is np:
+        return np.multiply(grad, s, out=grad, where=out <= 0)
+    grad *= xp.where(out > 0, grad.dtype.type(1), s)
+    return grad
 
 
 def edge_attention(values, score, es):
