@@ -11,6 +11,8 @@ import types
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tiga_numba as tg
 from tiga_numba import AttentionStats
@@ -369,8 +371,6 @@ def test_concurrent_calls_on_the_workqueue_layer(tmp_path):
 
 
 # ----------------------------------------------------------------------------- fuzz
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 FUZZ_FWD_TOL = {np.float16: 4e-3, np.float32: 2e-5, np.float64: 1e-11}
 FUZZ_BWD_TOL = {np.float16: 2e-2, np.float32: 1e-4, np.float64: 1e-10}
