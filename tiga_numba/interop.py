@@ -139,7 +139,15 @@ def _scan(obj, depth=0):
 
 
 def _stats_like(stats, convert):
-    return type(stats)(convert(stats.m), convert(stats.l), stats.block_prune_threshold, stats.plan)
+    """A copy of an AttentionStats with its array fields (m, l and any kernel-side arrays)
+    converted and everything else (plan, graph, ...) kept."""
+    new = object.__new__(type(stats))
+    for name in getattr(type(stats), "__slots__", ()):
+        value = getattr(stats, name, None)
+        if isinstance(value, np.ndarray) or _is_cupy(value) or library_name(value) is not None:
+            value = convert(value)
+        object.__setattr__(new, name, value)
+    return new
 
 
 def _inward(obj, name="array", depth=0):
