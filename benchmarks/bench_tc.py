@@ -13,13 +13,14 @@ Cells (H = 16, fp16, node-major (N, H, D) data; torch reads the same memory as (
 Checks: ours vs an fp32 torch reference (forward and gradients) at N = 4096, vs torch flash at
 16384. Writes DIR/tc_bench.json, DIR/tc_bench.txt and DIR/tc_tfs.png (matplotlib, if present).
 float32 section: ours (the call's routing: bf16 x 3 on wgmma on H100 / H200, 3xTF32 elsewhere or
-with TIGA_NUMBA_WGMMA=0; its sweep tunes the 3xTF32 table, benchmarks/tuning/bench_fp32_wgmma.py the
+with tg.options(wgmma=False); its sweep tunes the 3xTF32 table, benchmarks/tuning/bench_fp32_wgmma.py the
 wgmma one) vs torch SDPA's efficient kernel in fp32 (3xTF32) at
 N = 4096, 16384, D = 64, 128, causal and not, forward and forward+backward, relative errors of
 both vs a float64 reference (all heads at 4096, heads 0-1 at 16384), and at N = 4096 the
 CUDA-core float32 kernels (tiga_numba.attention with tensor cores off) for the routing decision.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -45,6 +46,17 @@ from tiga_numba.cuda.tc import api, build, device, tuning  # noqa: E402
 H = 16
 REPS, WARM = 10, 3
 LINES = []
+
+
+_ENGINE = contextlib.ExitStack()
+
+
+def engine(wgmma):
+    """Pin the tensor-core engine for the calls that follow (the run option
+    tg.options(wgmma=...), held open until the next engine() call): True = the wgmma kernels on
+    compute capability 9.0, False = the mma.sync ones (float32 then as 3xTF32)."""
+    _ENGINE.close()
+    _ENGINE.enter_context(tiga_numba.options(wgmma=bool(wgmma)))
 
 
 def say(s):
@@ -305,27 +317,20 @@ class CudaCore:
         import cupy
 
         import tiga_numba as tg
-        from tiga_numba.cuda import api as capi
-        self.tg, self.capi = tg, capi
+        self.tg = tg
         self.q, self.k, self.v = (cupy.asarray(x) for x in (q, k, v))
         N = q.shape[0]
         self.g = tg.Graph.triangular(N) if causal else tg.Graph.dense(N)
 
     def fwd(self):
-        old, self.capi.USE_TC = self.capi.USE_TC, False
-        try:
+        with self.tg.options(tensor_cores=False):
             self.out, self.stats = self.tg.attention(self.q, self.k, self.v, self.g, return_stats=True)
-        finally:
-            self.capi.USE_TC = old
 
     def fwd_bwd(self, do):
         import cupy
         self.fwd()
-        old, self.capi.USE_TC = self.capi.USE_TC, False
-        try:
+        with self.tg.options(tensor_cores=False):
             self.tg.attention_backward(cupy.asarray(do), self.q, self.k, self.v, self.out, self.stats, self.g)
-        finally:
-            self.capi.USE_TC = old
 
 
 def rel64(a, b):
@@ -427,9 +432,14 @@ def save_tuning():
 def sweep(quick, dtype="float16", cands=None):
     """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in the
     dtype's tuning table (tuning.TUNING, or tuning.TUNING_F32 for float32)"""
-    S = dict(a_smem=True)
+    import tiga_numba as tg
     # the mma.sync shapes (bench_wgmma.py sweeps the wgmma ones): pinned for the whole sweep
-    os.environ["TIGA_NUMBA_WGMMA"] = "0"
+    with tg.options(wgmma=False):
+        _sweep(quick, dtype, cands)
+
+
+def _sweep(quick, dtype, cands):
+    S = dict(a_smem=True)
     table = tuning.tuning_table(dtype, wgmma=False)
     tdt = {"float16": torch.float16, "float32": torch.float32}[dtype]
     cands = cands or (SWEEP_F32 if dtype == "float32" else {
@@ -487,7 +497,6 @@ def sweep(quick, dtype="float16", cands=None):
                 table[k_] = val
             say(f"sweep {dtype} {kind} D={D}: chose {best[1]}")
             save_tuning()   # per section: a later crash (sticky CUDA error) keeps what was chosen
-    os.environ.pop("TIGA_NUMBA_WGMMA", None)   # back to the device's default routing
 
 
 def resources():

@@ -58,15 +58,23 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
             raise ValueError(f"{name}={size} is beyond what the kernels index (< 2**31 rows)")
     backend = BACKEND_OF_LIBRARY[shape.library]
     opts = options if options is not None else _options.current()
-    blocks = graph._blocks
-    request = Request(
-        op=op, backend=backend, relation_kind=graph.kind, implicit=implicit,
-        banded=bool(implicit and not blocks.standard), score=score,
-        modified=score.startswith("modified"), dtype=str(shape.dtype),
-        head_dim=shape.head_dim, value_dim=shape.value_dim, heads=shape.heads,
-        kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
-        options=opts, probe=_device_probe(backend, graph, arrays, scale, score))
-    decision = _registry.choose(request)
+    banded = bool(implicit and not graph._blocks.standard)
+    probe = _device_probe(backend, graph, arrays, scale, score)
+    # Decisions that need no device probe depend on these facts only: made once, then looked
+    # up (a call's planning stays a few microseconds).
+    key = (op, backend, graph.kind, implicit, banded, score, shape.dtype, shape.head_dim,
+           shape.value_dim, prune_threshold is not None, opts) if probe is None else None
+    decision = _DECISIONS.get(key) if key is not None else None
+    if decision is None:
+        request = Request(
+            op=op, backend=backend, relation_kind=graph.kind, implicit=implicit, banded=banded,
+            score=score, modified=score.startswith("modified"), dtype=_dtype_name(shape.dtype),
+            head_dim=shape.head_dim, value_dim=shape.value_dim, heads=shape.heads,
+            kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
+            options=opts, probe=probe)
+        decision = _registry.choose(request)
+        if key is not None:
+            _DECISIONS[key] = decision
     return Plan(
         op=op,
         backend=backend,
@@ -88,6 +96,17 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         considered=decision.considered,
         options=opts,
     )
+
+
+_DECISIONS = {}
+_DTYPE_NAMES = {}
+
+
+def _dtype_name(dtype):
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # str(dtype) costs microseconds: once per dtype
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def _device_probe(backend, graph, arrays, scale, score):

@@ -199,12 +199,12 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     if not (hasattr(stats, "m") and hasattr(stats, "l")):
         raise TypeError(f"stats must be the AttentionStats returned by attention(..., "
                         f"return_stats=True), got {type(stats).__name__}")
-    lead = (shape.num_dst,) if shape.squeezed else (shape.num_dst, shape.heads)
-    out_shape = lead + (shape.value_dim,)
+    row_shape = (shape.num_dst,) if shape.squeezed else (shape.num_dst, shape.heads)
+    out_shape = row_shape + (shape.value_dim,)
     dout = arrays.check_like("dout", dout, shape.library, expected_shape=out_shape)
     out = arrays.check_like("out", out, shape.library, expected_shape=out_shape)
-    m = arrays.check_like("stats.m", stats.m, shape.library, expected_shape=lead)
-    l = arrays.check_like("stats.l", stats.l, shape.library, expected_shape=lead)
+    m = arrays.check_like("stats.m", stats.m, shape.library, expected_shape=row_shape)
+    l = arrays.check_like("stats.l", stats.l, shape.library, expected_shape=row_shape)
     if shape.squeezed:
         dout, out, m, l = dout[:, None, :], out[:, None, :], m[:, None], l[:, None]
     for name, a in (("dout", dout), ("out", out)):
@@ -218,7 +218,7 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias,
                               arrays=(q, k, v), options=_options.resolve(deterministic=deterministic))
-    m_kernel = _check_stats_belong(stats, graph, plan, lead)
+    m_kernel = _check_stats_belong(stats, graph, plan, row_shape)
     if shape.squeezed and m_kernel is not None:
         m_kernel = m_kernel[:, None]
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
@@ -240,7 +240,7 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     return dq, dk, dv, dbias, plan
 
 
-def _check_stats_belong(stats, graph, plan, lead):
+def _check_stats_belong(stats, graph, plan, row_shape):
     """ValueError naming `stats` when a forward's stats come from another graph, other
     shapes, another scale or another score; returns the forward's kernel-unit row max when
     it can be used. Stats without a forward plan (built by hand, merged) pass: their shape
@@ -250,7 +250,7 @@ def _check_stats_belong(stats, graph, plan, lead):
         # merged stats (attention_merge) know only the backend of their parts' kernel maxima
         m_kernel = getattr(stats, "m_kernel", None)
         if m_kernel is not None and getattr(fwd, "backend", None) == plan.backend and \
-                tuple(m_kernel.shape) == lead:
+                tuple(m_kernel.shape) == row_shape:
             return m_kernel
         return None
     got = (fwd.num_dst, fwd.num_src, fwd.heads, fwd.kv_heads, fwd.head_dim, fwd.value_dim)
@@ -270,7 +270,7 @@ def _check_stats_belong(stats, graph, plan, lead):
         raise ValueError(f"stats belong to a forward over another graph ({fwd_graph.explain()}) "
                          f"than this backward's ({graph.explain()})")
     m_kernel = getattr(stats, "m_kernel", None)
-    if m_kernel is None or fwd.backend != plan.backend or tuple(m_kernel.shape) != lead:
+    if m_kernel is None or fwd.backend != plan.backend or tuple(m_kernel.shape) != row_shape:
         return None
     return m_kernel
 

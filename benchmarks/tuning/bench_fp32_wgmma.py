@@ -10,7 +10,7 @@ vs torch SDPA's efficient kernel in fp32, same run (H = 16, node-major (N, H, D)
 1. sweep: each candidate shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
    backward time; results checked against torch SDPA efficient fp32 (relative L2 < 1e-4, else
    dropped); the fastest goes into tuning.TUNING_WGMMA_F32 for the rest of the run.
-2. table: per cell, ours on wgmma (TIGA_NUMBA_WGMMA=1), ours 3xTF32 (=0) and torch, forward and
+2. table: per cell, ours on wgmma (tg.options(wgmma=True)), ours 3xTF32 (wgmma=False) and torch, forward and
    forward+backward (ratio = torch time / ours), forward+backward / forward, and the relative L2
    error of out / dq / dk / dv against float64 (ours and torch).
 Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
@@ -74,7 +74,7 @@ def table(Ns, engines, dims=(64, 128)):
             for causal in (False, True):
                 got = {}
                 for wg in engines if D in tuning.F32_HEAD_DIMS else ("1",):   # 3xTF32 serves 64 / 128 only
-                    os.environ["TIGA_NUMBA_WGMMA"] = wg
+                    B.engine(wg == "1")
                     got[wg] = B.fp32_cell(N, D, causal)
                 a = got["1"]
                 b = got.get("0")
@@ -86,7 +86,7 @@ def table(Ns, engines, dims=(64, 128)):
                       f"{m(b, 'fb_ms_ours')} / {a['fb_ms_torch']:.3f} ({a['fb_tfs_torch']:.0f}) | {a['fb_ratio']:.2f} / "
                       f"{rt(b, 'fb_ratio')} | {a['fb_ms_ours'] / a['fwd_ms_ours']:.2f} | "
                       + " ".join(f"{k[4:]}={v:.1e}" for k, v in a.items() if k.startswith("err")))
-    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    B.engine(True)
 
 
 def main():
