@@ -6,13 +6,9 @@ import scipy.sparse as sp
 
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
-cupy = pytest.importorskip("cupy")
-try:
-    _HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # pragma: no cover - no driver
-    _HAVE_GPU = False
+cupy = pytest.importorskip("cupy")   # without cupy: nothing to test; without a device: conftest skips
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_GPU, reason="no CUDA device")]
+pytestmark = pytest.mark.gpu
 
 import tiga_numba as tg  # noqa: E402
 import tiga_numba.dask as tgd  # noqa: E402

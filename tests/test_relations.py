@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tiga_numba as tg
+from conftest import attention_oracle
 
 
 def band_mask(nd, ns, lo, hi):
@@ -28,40 +29,6 @@ def segments_mask(cu_q, cu_k, causal, window):
     return M
 
 
-def oracle(q, k, v, M, scale=None):
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
-    g = H // Hkv
-    scale = D ** -0.5 if scale is None else scale
-    kk = np.repeat(k, g, axis=1)
-    vv = np.repeat(v, g, axis=1)
-    s = np.einsum("ihd,jhd->hij", q, kk) * scale
-    s = np.where(M[None], s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    p = np.where(M[None], np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
-    l = p.sum(-1, keepdims=True)
-    pn = p / np.where(l > 0, l, 1)
-    out = np.einsum("hij,jhd->ihd", pn, vv)
-    return out, pn, s
-
-
-def oracle_grads(q, k, v, M, dout):
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
-    g = H // Hkv
-    scale = D ** -0.5
-    out, p, _ = oracle(q, k, v, M)
-    kk = np.repeat(k, g, axis=1)
-    vv = np.repeat(v, g, axis=1)
-    dp = np.einsum("ihd,jhd->hij", dout, vv)
-    delta = np.einsum("ihd,ihd->hi", dout, out)[..., None]
-    ds = p * (dp - delta) * scale
-    dq = np.einsum("hij,jhd->ihd", ds, kk)
-    dk = np.einsum("hij,ihd->jhd", ds, q).reshape(k.shape[0], Hkv, g, D).sum(2)
-    dv = np.einsum("hij,ihd->jhd", p, dout).reshape(v.shape[0], Hkv, g, v.shape[2]).sum(2)
-    return dq, dk, dv
-
-
 def check(graph, M, seed, dtype=np.float32, h=4, hkv=2, d=16, tol=3e-5, poison=True):
     rng = np.random.default_rng(seed)
     nd, ns = M.shape
@@ -71,13 +38,13 @@ def check(graph, M, seed, dtype=np.float32, h=4, hkv=2, d=16, tol=3e-5, poison=T
     dout = rng.standard_normal((nd, h, d + 3)).astype(dtype)
     assert graph.num_edges == int(M.sum())
     assert np.array_equal(graph.to_scipy().toarray(), M)
-    ref = oracle(q, k, v, M)[0]
+    ref = attention_oracle(q, k, v, M)[0]
     out, st = tg.attention(q, k, v, graph, return_stats=True)
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
     empty = ~M.any(1)
     assert np.all(out[empty] == 0) and np.all(st.m[empty] == -np.inf) and np.all(st.l[empty] == 0)
     dq, dk, dv = tg.attention_backward(dout, q, k, v, out, st, graph)
-    for got, want in zip((dq, dk, dv), oracle_grads(q, k, v, M, dout)):
+    for got, want in zip((dq, dk, dv), attention_oracle(q, k, v, M, dout=dout)[3:]):
         np.testing.assert_allclose(got, want, atol=tol * 10, rtol=tol * 10)
     if poison:
         # a non-finite key / value outside a row's band never reaches that row
@@ -218,5 +185,5 @@ def test_many_short_segments_memory_is_linear():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 12 * inputs, (peak, inputs)
-    ref = oracle(q[:10], k[:10], v[:10], segments_mask([0, 5, 10], [0, 5, 10], True, None))[0]
+    ref = attention_oracle(q[:10], k[:10], v[:10], segments_mask([0, 5, 10], [0, 5, 10], True, None))[0]
     np.testing.assert_allclose(out[:10], ref, atol=3e-5)

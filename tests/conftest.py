@@ -1,0 +1,93 @@
+"""Shared test machinery: the GPU marker, the GPU fixtures and the float64 attention oracle.
+
+GPU tests. A test (or a whole module, through ``pytestmark = pytest.mark.gpu``) marked ``gpu``
+is skipped here when cupy is not installed or no CUDA device answers, and only then. When cupy
+and a device are present, the package's CUDA modules must import: a broken import is an error
+of the test that needs it (``cupy_gpu`` fixture), never a skip.
+
+The oracle. `attention_oracle` is the one float64 reference for attention over an explicit
+boolean mask (num_dst, num_src): every new test compares against it (fresh random inputs, empty
+rows, GQA H != Hkv). Empty rows give out 0, m -inf, l 0, as the contract says.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+
+def _gpu_state():
+    """(cupy module or None, reason when the GPU tests cannot run)."""
+    if importlib.util.find_spec("cupy") is None:
+        return None, "cupy is not installed"
+    import cupy
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return cupy, "no CUDA device"
+    except Exception as exc:  # noqa: BLE001 - no driver / no device: the only reasons to skip
+        return cupy, f"no CUDA device ({type(exc).__name__})"
+    return cupy, None
+
+
+CUPY, NO_GPU = _gpu_state()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip every test marked gpu, with the reason, when cupy or a device is missing."""
+    if NO_GPU is None:
+        return
+    skip = pytest.mark.skip(reason=NO_GPU)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cupy_gpu():
+    """cupy, with the package's CUDA backend imported: skipped only without cupy or a device;
+    an ImportError of tiga_numba.cuda (or its tensor-core package) fails the test."""
+    if NO_GPU is not None:
+        pytest.skip(NO_GPU)
+    import tiga_numba.cuda.api  # noqa: F401  (must import when a GPU is present)
+    import tiga_numba.cuda.tc  # noqa: F401
+    return CUPY
+
+
+# ----------------------------------------------------------------------------- the oracle
+def attention_oracle(q, k, v, mask, scale=None, dout=None):
+    """Materialised float64 attention over `mask` (num_dst, num_src) booleans.
+
+    q (num_dst, H, D), k (num_src, Hkv, D), v (num_src, Hkv, Dv); query head h reads key/value
+    head h // (H // Hkv). Returns (out, m, l) with out (num_dst, H, Dv), m the row max of the
+    scaled scores and l the softmax denominator (num_dst, H); with `dout` also (dq, dk, dv), the
+    gradients of sum(out * dout)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    mask = np.asarray(mask, bool)
+    nd, H, D = q.shape
+    ns, Hkv = k.shape[:2]
+    g = H // Hkv
+    scale = D ** -0.5 if scale is None else float(scale)
+    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = np.where(mask[None], np.einsum("ihd,jhd->hij", q, kk) * scale, -np.inf)
+    m = s.max(axis=-1) if ns else np.full((H, nd), -np.inf)
+    p = np.where(mask[None], np.exp(s - np.where(np.isfinite(m), m, 0.0)[..., None]), 0.0)
+    l = p.sum(axis=-1)
+    P = p / np.where(l > 0, l, 1.0)[..., None]
+    out = np.einsum("hij,jhd->ihd", P, vv)
+    if dout is None:
+        return out, m.T, l.T
+    dout = np.asarray(dout, np.float64)
+    dp = np.einsum("ihd,jhd->hij", dout, vv)
+    delta = np.einsum("ihd,ihd->hi", dout, out)
+    ds = P * (dp - delta[..., None]) * scale
+    dq = np.einsum("hij,jhd->ihd", ds, kk)
+    dk = np.einsum("hij,ihd->jhd", ds, q).reshape(ns, Hkv, g, D).sum(axis=2)
+    dv = np.einsum("hij,ihd->jhd", P, dout).reshape(ns, Hkv, g, v.shape[2]).sum(axis=2)
+    return out, m.T, l.T, dq, dk, dv
+
+
+@pytest.fixture
+def oracle():
+    """The float64 attention oracle (attention_oracle) for tests that take it as a fixture."""
+    return attention_oracle
