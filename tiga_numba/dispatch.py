@@ -28,12 +28,21 @@ def backend_module(name):
     return _LOADED[name]
 
 
-def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, score=None):
+def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, score=None,
+              score_mod=None):
     """Build the plan and refuse, before any kernel runs, what no kernel implements."""
     implicit = graph.is_implicit
     if score is None:
         score = "dot" if edge_bias is None else (
             "edge score" if shape.head_dim == 0 else "dot + edge bias")
+        if score_mod is not None:
+            score = f"modified: f = {score_mod.tree}" + (
+                "" if score_mod.uses_score and shape.head_dim else " (no dot product: gather only)")
+    if score_mod is not None and BACKEND_OF_LIBRARY[shape.library] != "cpu":
+        raise NotImplementedError(
+            f"the score modifier [{score_mod.tree}] (softcap / alibi_slopes / a modified edge() "
+            "score) is implemented on the CPU backend only; the CUDA kernels do not compile "
+            "score modifiers yet (numpy inputs run it)")
     if edge_bias is not None and implicit:
         raise NotImplementedError(
             f"per-edge fields (edge bias / edge score) need a CSR relation; graph is {graph.kind} "
