@@ -27,8 +27,11 @@ def _refuse(construct):
     raise NotImplementedError(
         f"edge() uses {construct}, which tiga_numba cannot lower to a compiled kernel. "
         "Recognised: score = (src.a * dst.b).sum(axis=-1) [* or / scalar params] "
-        "[+ edge.bias], a per-edge score field edge.score, or a tg.nn.trace score network "
-        "self.net(fields...); return self.reducer(score, src.value). See docs/program.md.")
+        "[+ edge.bias], a per-edge score field edge.score, a tg.nn.trace score network "
+        "self.net(fields...), or an elementwise score modifier of these (arithmetic, "
+        "comparisons, np.where, np.tanh/exp/log/abs/sqrt/minimum/maximum, tg.leaky_relu; per-head "
+        "params, per-node fields, src.index/dst.index); return self.reducer(score, src.value). "
+        "See docs/program.md and docs/score_mods.md.")
 
 
 def is_number(x):
@@ -421,6 +424,16 @@ class Product(Symbolic):
     def __rtruediv__(self, other):
         return modify("div", other, self, construct="a division")
 
+    def __sub__(self, other):
+        if self.is_edge_field() and _linear_term(other):
+            return self + (-other)
+        return modify("sub", self, other, construct="a subtraction")
+
+    def __rsub__(self, other):
+        if self.is_edge_field() and _linear_term(other):
+            return (-self) + other
+        return modify("sub", other, self, construct="a subtraction")
+
     def __add__(self, other):
         if self.is_edge_field() and isinstance(other, (Score, Product)) and (
                 not isinstance(other, Product) or other.is_edge_field()):
@@ -543,7 +556,7 @@ class Score(Symbolic):
         return modify("div", other, self, construct="a division")
 
     def __add__(self, other):
-        if self.net is not None or getattr(other, "net", None) is not None:
+        if self.net is not None or (isinstance(other, Score) and other.net is not None):
             _refuse("adding to the output of a score network (a network score must be the whole "
                     "score)")
         if isinstance(other, Product) and other.is_edge_field():
@@ -554,6 +567,22 @@ class Score(Symbolic):
             return modify("add", self, other, construct="an addition")
         dot, factor = (self.dot, self.dot_factor) if self.dot is not None else (other.dot, other.dot_factor)
         return Score(dot, factor, self.biases + other.biases)
+
+    def __sub__(self, other):
+        if _linear_term(other):
+            return self + (-other)
+        return modify("sub", self, other, construct="a subtraction")
+
+    def __rsub__(self, other):
+        if _linear_term(other):
+            return (-self) + other
+        return modify("sub", other, self, construct="a subtraction")
+
+
+def _linear_term(x):
+    """x joins a score linearly (an edge field or a bias-only score): kept as an edge bias."""
+    return (isinstance(x, Product) and x.is_edge_field()) or (
+        isinstance(x, Score) and x.dot is None and x.net is None)
 
 
 def as_score(x, where):

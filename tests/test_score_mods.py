@@ -1,0 +1,226 @@
+"""Score modifiers: tracing to one expression tree, generated code and its derivatives, and the
+compiled kernels (dense, triangular, segments, band, CSR) forward and backward against a
+float64 oracle that evaluates the same Python function on numpy arrays."""
+import math
+
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from tiga_numba import score_mod as sm
+from tiga_numba.cpu import score_codegen as cg
+from tiga_numba.graph import _rows_of
+
+RNG = np.random.default_rng(7)
+
+
+# --------------------------------------------------------------------------- generated code
+def _leaf(op, attr):
+    return sm.Expr(op, (), attr)
+
+
+C = _leaf("scalar", "c")
+SLOPES = _leaf("head", "slopes")
+DA = _leaf("node", ("dst", "a"))
+SA = _leaf("node", ("src", "a"))
+EB = _leaf("edge", "b")
+I = _leaf("index", "dst")
+J = _leaf("index", "src")
+S = sm.SCORE
+
+
+def E(op, *args):
+    return sm.make(op, *args) if op in ("add", "sub", "mul", "div", "neg", "where") else sm.Expr(op, args)
+
+
+TREES = {
+    "softcap": E("mul", C, E("tanh", E("div", S, C))),
+    "alibi": E("sub", S, E("mul", SLOPES, E("abs", E("sub", I, J)))),
+    "gat": E("leaky_relu", E("add", SA, DA), sm.const(0.2)),
+    "mix": E("add", E("where", E("gt", S, sm.ZERO), E("exp", E("mul", sm.const(0.3), S)),
+                      E("minimum", S, E("mul", EB, DA))),
+             E("maximum", E("log", E("add", SA, sm.const(2.0))),
+                E("sqrt", E("add", E("mul", DA, DA), sm.const(0.5))))),
+    "ratio": E("div", E("add", S, SA), E("add", sm.const(3.0), E("abs", DA))),
+}
+
+
+def _env(tree, H=3, N=6, Ne=5):
+    lay = sm.Layout(tree)
+    sc = RNG.uniform(1.0, 3.0, len(lay.scalars))
+    hp = RNG.uniform(0.1, 1.0, (len(lay.heads), H))
+    nd = RNG.uniform(-1.0, 1.0, (len(lay.dst), N, H))
+    ns = RNG.uniform(-1.0, 1.0, (len(lay.src), N, H))
+    ef = RNG.uniform(-1.0, 1.0, (len(lay.edges), Ne, H))
+    return lay, [sc, hp, nd, ns, ef]
+
+
+def _point_env(lay, arrays, s, i, j, e, h):
+    sc, hp, nd, ns, ef = arrays
+    env = {S: s, I: float(i), J: float(j)}
+    for x in lay.scalars:
+        env[x] = sc[lay.slot[x]]
+    for x in lay.heads:
+        env[x] = hp[lay.slot[x], h]
+    for x in lay.dst:
+        env[x] = nd[lay.slot[x], i, h]
+    for x in lay.src:
+        env[x] = ns[lay.slot[x], j, h]
+    for x in lay.edges:
+        env[x] = ef[lay.slot[x], e, h]
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_generated_value_and_derivatives_match_the_tree(name):
+    tree = TREES[name]
+    lay, arrays = _env(tree)
+    g = cg.generated(tree, lay.differentiable(), "float64")
+    grad = g.grad(cg.TARGETS)
+    for _ in range(12):
+        s = RNG.uniform(-2, 2)
+        i, j, e, h = (int(RNG.integers(0, n)) for n in (6, 6, 5, 3))
+        want = sm.evaluate(tree, _point_env(lay, arrays, s, i, j, e, h))
+        assert g.value(s, i, j, e, h, *arrays) == pytest.approx(want, rel=1e-12, abs=1e-12)
+        bufs = [np.zeros_like(a) for a in arrays[1:]]
+        dF = RNG.uniform(0.5, 1.5)
+        ds = grad(s, i, j, e, h, *arrays, dF, *bufs)
+        eps = 1e-6
+        fd = (g.value(s + eps, i, j, e, h, *arrays) - g.value(s - eps, i, j, e, h, *arrays)) / (2 * eps)
+        assert ds == pytest.approx(dF * fd, rel=1e-6, abs=1e-7)
+        # every differentiable leaf: central difference on its packed cell
+        for group, buf, idx in ((1, bufs[0], lambda k: (k, h)), (2, bufs[1], lambda k: (k, i, h)),
+                                (3, bufs[2], lambda k: (k, j, h)), (4, bufs[3], lambda k: (k, e, h))):
+            a = arrays[group]
+            for k in range(a.shape[0]):
+                cell = idx(k)
+                old = a[cell]
+                a[cell] = old + eps
+                up = g.value(s, i, j, e, h, *arrays)
+                a[cell] = old - eps
+                dn = g.value(s, i, j, e, h, *arrays)
+                a[cell] = old
+                # dst and src fields share a cell when i == j only through different arrays
+                assert buf[cell] == pytest.approx(dF * (up - dn) / (2 * eps), rel=1e-6, abs=1e-7), (name, group, k)
+
+
+def test_float32_code_uses_fast_tanh_and_exp_within_float32_accuracy():
+    tree = E("add", TREES["softcap"], E("exp", E("mul", sm.const(0.1), S)))
+    lay, arrays = _env(tree)
+    g32 = cg.generated(tree, (), "float32")
+    a32 = [a.astype(np.float32) for a in arrays]
+    for s in np.linspace(-40, 40, 81):
+        want = sm.evaluate(tree, _point_env(lay, a32, float(np.float32(s)), 0, 0, 0, 0))
+        got = g32.value(np.float32(s), 0, 0, 0, 0, *a32)
+        assert abs(got - want) <= 2e-6 * max(1.0, abs(want))
+
+
+def test_value_never_returns_non_finite():
+    tree = E("log", S)  # log of a negative score: NaN -> the masked value; log(0) -> -inf
+    g = cg.generated(tree, (), "float64")
+    empty = [np.zeros(0), np.zeros((0, 1)), np.zeros((0, 1, 1)), np.zeros((0, 1, 1)), np.zeros((0, 1, 1))]
+    for s in (-1.0, 0.0):
+        v = g.value(s, 0, 0, 0, 0, *empty)
+        assert np.isfinite(v) and v <= -1e29
+    big = cg.generated(E("exp", S), (), "float64")
+    assert np.isfinite(big.value(1e4, 0, 0, 0, 0, *empty))
+
+
+def test_generated_code_is_memoised_per_tree():
+    a = cg.generated(TREES["softcap"], (), "float64")
+    assert cg.generated(E("mul", C, E("tanh", E("div", S, C))), (), "float64") is a
+    assert cg.generated(TREES["alibi"], (), "float64") is not a
+    assert cg.generated(TREES["softcap"], (), "float32") is not a
+
+
+def test_trees_are_structural_and_print_as_written():
+    assert TREES["softcap"] == E("mul", C, E("tanh", E("div", S, C)))
+    assert hash(TREES["softcap"]) == hash(E("mul", C, E("tanh", E("div", S, C))))
+    assert TREES["softcap"] != TREES["alibi"]
+    assert str(TREES["softcap"]) == "c * tanh(s / c)"
+    assert str(TREES["alibi"]) == "s - slopes[h] * abs(dst.index - src.index)"
+    assert str(E("sub", S, E("sub", I, J))) == "s - (dst.index - src.index)"
+
+
+# --------------------------------------------------------------------------- tracing
+class ModProgram(tg.MessagePassing):
+    """score = fn(scale * <src.key, dst.query>, src, dst, edge, params)."""
+    reducer = tg.online_softmax()
+
+    def __init__(self, fn, dot=True):
+        self.fn = fn
+        self.dot = dot
+
+    def edge(self, src, dst, edge, scale, **params):
+        s = (src.key * dst.query).sum(-1) * scale if self.dot else None
+        return self.reducer(self.fn(s, src, dst, edge, params), src.value)
+
+
+def _trace(fn, n=6, H=2, D=4, dot=True, src=None, dst=None, edge=None, graph=None, **params):
+    src = dict(src or {})
+    dst = dict(dst or {})
+    if dot:
+        src.setdefault("key", RNG.standard_normal((n, H, D)))
+        dst.setdefault("query", RNG.standard_normal((n, H, D)))
+    src.setdefault("value", RNG.standard_normal((n, H, D)))
+    graph = graph or tg.Graph.dense(n)
+    return ModProgram(fn, dot).traced_form(graph, src=src, dst=dst, edge=edge, scale=0.5, **params)
+
+
+def test_trace_lowers_flash_style_modifiers_to_one_tree():
+    t = _trace(lambda s, src, dst, edge, p: p["c"] * np.tanh(s / p["c"]), c=30.0)
+    assert t.kind == "modified"
+    assert str(t.score.expr) == "c * tanh(s)"  # the 1 / c folds into the dot's scale
+    assert "(scale * (1 / c)) * <src.key, dst.query>" in t.describe()
+    t = _trace(lambda s, src, dst, edge, p: s - p["slopes"] * np.abs(dst.index - src.index),
+               slopes=np.ones(2))
+    assert str(t.score.expr) == "s - slopes[h] * abs(dst.index - src.index)"
+
+
+def test_trace_classic_gat_has_no_dot_product():
+    t = _trace(lambda s, src, dst, edge, p: tg.leaky_relu(src.a + dst.a, 0.2), dot=False,
+               src={"a": RNG.standard_normal((6, 2))}, dst={"a": RNG.standard_normal((6, 2))})
+    assert t.score.dot is None
+    assert str(t.score.expr) == "leaky_relu(src.a + dst.a, 0.2)"
+
+
+def test_every_listed_construct_traces():
+    def fn(s, src, dst, edge, p):
+        x = np.where(s > 0.5, np.exp(s), np.log(np.abs(s) + 1.0)) + np.minimum(s, dst.a)
+        x = x - np.maximum(src.a, 0.1) * np.sqrt(dst.a * dst.a + 1.0) + abs(s) / 3.0
+        x = x + (s >= src.a) * 1.0 - (s <= 2) + (s < p["c"]) * (dst.index != src.index)
+        return tg.leaky_relu(x, 0.1) * p["w"] + 0.5 * np.tanh(s) / (1.0 + s * s) - (s == 0)
+
+    t = _trace(fn, src={"a": RNG.standard_normal(6)}, dst={"a": RNG.standard_normal((6, 2))},
+               c=1.0, w=np.ones(2))
+    ops = {x.op for x in sm.walk(t.score.expr)}
+    assert {"where", "exp", "log", "abs", "minimum", "maximum", "sqrt", "tanh", "leaky_relu",
+            "gt", "ge", "le", "lt", "ne", "eq", "div", "mul", "add", "sub", "head", "node",
+            "index", "scalar", "score"} <= ops
+
+
+REFUSED = [
+    ("np.sin", lambda s, src, dst, edge, p: np.sin(s)),
+    ("power (**)", lambda s, src, dst, edge, p: s ** 2),
+    ("float()", lambda s, src, dst, edge, p: math.tanh(s)),
+    ("np.arctan2", lambda s, src, dst, edge, p: np.arctan2(s, 1.0)),
+    ("bool()", lambda s, src, dst, edge, p: s if s > 0 else -s),
+    ("modulo", lambda s, src, dst, edge, p: s % 2.0),
+    ("np.where with other than three", lambda s, src, dst, edge, p: np.where(s > 0)),
+    ("two dot scores", lambda s, src, dst, edge, p: np.tanh(s) + (src.key * dst.query).sum(-1) * 2.0),
+    ("np.clip", lambda s, src, dst, edge, p: np.clip(s, 0, 1)),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])
+def test_constructs_outside_the_grammar_name_themselves(case):
+    needle, fn = case
+    with pytest.raises(NotImplementedError) as info:
+        _trace(fn)
+    assert needle in str(info.value), str(info.value)
+
+
+def test_leaky_relu_is_eager_on_arrays():
+    x = np.array([-2.0, 0.0, 3.0])
+    np.testing.assert_array_equal(tg.leaky_relu(x, 0.2), [-0.4, 0.0, 3.0])
+    assert tg.leaky_relu(-1.0, 0.5) == -0.5
