@@ -17,6 +17,7 @@ import numba
 from ..kernel_cache import KERNELS
 from . import blocks as _blocks
 from . import csr as _csr
+from . import split as _split
 from .blas import single_threaded_blas
 from .layout import acc_dtype_of, head_major, node_major, order_balanced
 
@@ -133,6 +134,12 @@ def _inspect(kernel, name, sig):
     return kernel.inspect_llvm(sig) if name == "llvm" else kernel.inspect_asm(sig)
 
 
+def _pieces(owner, indptr):
+    """Edge-balanced work items of a CSR pass (split.row_pieces), memoised per relation record."""
+    return KERNELS.derived(owner, ("cpu.csr_pieces", _csr.RB),
+                           lambda: _split.row_pieces(indptr, _csr.RB))
+
+
 def _is_blocks(relation):
     return hasattr(relation, "dst_offsets")
 
@@ -181,13 +188,20 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         bias = _bias(edge_bias, acc, H, copies)
         kern, hit = _kernel(("cpu", "csr.forward", _name(acc)),
                             lambda: _csr.make_forward(acc.name))
-        out = np.empty((Nq, H, v.shape[2]), acc)
+        items, splits, n_slots = _pieces(relation, relation.indptr)
+        Dv = v.shape[2]
+        out = np.empty((Nq, H, Dv), acc)
         m = np.empty((Nq, H), acc)
         l = np.empty((Nq, H), acc)
-        _run(kern, -(-Nq // _csr.RB), qn, kn, vn, relation.indptr, relation.indices, bias,
-             group, out, m, l)
-        info.update(kernel="cpu.csr.forward (row-streaming online softmax)",
-                    tiles=f"edge chunk={_csr.CH}", cache=hit, ir=_ir_of(kern))
+        part_acc = np.empty((n_slots, H, Dv), acc)
+        part_m = np.empty((n_slots, H), acc)
+        part_l = np.empty((n_slots, H), acc)
+        _run(kern, items.shape[0], qn, kn, vn, relation.indptr, relation.indices, bias,
+             group, items, splits, part_acc, part_m, part_l, out, m, l)
+        info.update(kernel="cpu.csr.forward (edge-balanced online softmax, long rows split "
+                           "and merged)",
+                    tiles=f"edge chunk={_csr.CH}; " + _split.describe(splits, n_slots, items.shape[0]),
+                    cache=hit, ir=_ir_of(kern))
     info["copies"] = copies
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
@@ -341,16 +355,24 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         dq = np.empty((Nq, H, D), acc)
         E = int(relation.indices.shape[0])
         dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
-        _run(k_dst, -(-Nq // _csr.RB), qn, kn, vn, don, m2, linv, delta, relation.indptr,
-             relation.indices, bias, group, acc.type(scale), dq, dbias)
+        items, splits, n_slots = _pieces(relation, relation.indptr)
+        part_dq = np.empty((n_slots, H, D), acc)
+        _run(k_dst, items.shape[0], qn, kn, vn, don, m2, linv, delta, relation.indptr,
+             relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias)
         dk = np.empty((Nk, Hkv, D), acc)
         dv = np.empty((Nk, Hkv, Dv), acc)
-        _run(k_src, -(-Nk // _csr.RB), qn, kn, vn, don, m2, linv, delta, transpose.indptr,
-             transpose.indices, transpose.perm, bias, group, dk, dv)
+        t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)
+        part_dk = np.empty((t_slots, Hkv, D), acc)
+        part_dv = np.empty((t_slots, Hkv, Dv), acc)
+        _run(k_src, t_items.shape[0], qn, kn, vn, don, m2, linv, delta, transpose.indptr,
+             transpose.indices, transpose.perm, bias, group, t_items, t_splits, part_dk,
+             part_dv, dk, dv)
         if edge_bias is None:
             dbias = None
         info.update(kernel="cpu.csr.backward (dq by destination rows, dk/dv by source rows "
-                           "over the transpose)", tiles="per edge", cache=hit,
+                           "over the transpose, long rows split and summed in order)",
+                    tiles="dq: " + _split.describe(splits, n_slots, items.shape[0]) + "; dk/dv: "
+                    + _split.describe(t_splits, t_slots, t_items.shape[0]), cache=hit,
                     ir=_ir_of(k_src))
     info["copies"] = copies
     dt = q.dtype

@@ -5,15 +5,19 @@ Arrays are node-major contiguous in the accumulation dtype: ``q (Nq, H, D)`` pre
 ``v (Nk, Hkv, Dv)``: one gathered source row brings every head at once.  ``bias`` is
 ``(E, H)`` in natural units (multiplied by log2(e) here) or an empty ``(0, H)`` array.
 
-Forward: one destination row per ``prange`` iteration, all heads; its edges are streamed in
-chunks of ``CH`` with the online-softmax recurrence, so scratch is O(H * (CH + Dv)) per row.
-Empty rows: out 0, m = -inf, l = 0.
+Work is divided by edges (``split.py``): a ``prange`` item is a run of short rows or one piece
+of a long row, all heads; a row's edges are streamed in chunks of ``CH`` with the online-softmax
+recurrence, so scratch is O(H * (CH + Dv)) per item. A piece leaves its partial (acc, m, l) in a
+slot and a second parallel loop merges each long row's slots in order (deterministic, no
+atomics). Empty rows: out 0, m = -inf, l = 0.
 
 Backward (deterministic, no atomics, no (E,)-sized scratch):
   * pass 1, by destination rows: dq_i = scale * sum_e ds_e k_j and, when there is a bias,
     dbias[e] = ds_e (an output, not scratch);
   * pass 2, by source rows over the transposed CSR (entries in increasing edge id):
     dv_j = sum p_e dO_i, dk_j = scale * sum ds_e q_i, with ``perm`` locating the edge's bias.
+  Both passes cut long rows into the same kind of pieces, whose partial sums are added in
+  slot order.
   p and ds are recomputed in both passes rather than stored.
 """
 import math
@@ -36,25 +40,30 @@ def make_forward(acc):
     log2e = dt(LOG2E)
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-    def forward(q, k, v, indptr, indices, bias, group, out, m_out, l_out):
+    def forward(q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
+                out, m_out, l_out):
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
-        n_blk = (Nq + RB - 1) // RB
-        for blk in prange(n_blk):
+        for w in prange(items.shape[0]):
             mxcsr = denormals_off()
-            # scratch once per block of rows; element loops run over contiguous 1-D views
+            r0 = items[w, 0]
+            r1 = items[w, 1]
+            lo_e = items[w, 2]
+            hi_e = items[w, 3]
+            slot = items[w, 4]
+            # scratch once per item; element loops run over contiguous 1-D views
             acc_ = np.empty((H, Dv), dt)
             m = np.empty(H, dt)
             l = np.empty(H, dt)
             s = np.empty((H, CH), dt)
-            for i in range(blk * RB, min(Nq, (blk + 1) * RB)):
+            for i in range(r0, r1):
                 acc_[:, :] = 0.0
                 m[:] = NEG
                 l[:] = 0.0
                 qi = q[i]
-                e0 = indptr[i]
-                e1 = indptr[i + 1]
+                e0 = max(indptr[i], lo_e)
+                e1 = min(indptr[i + 1], hi_e)
                 for c0 in range(e0, e1, CH):
                     n = min(CH, e1 - c0)
                     for t in range(n):
@@ -94,6 +103,15 @@ def make_forward(acc):
                             p = s[h, t]
                             for d in range(Dv):
                                 ar[d] += p * vr[d]
+                if slot >= 0:  # one piece of a long row: its partial state, merged below
+                    for h in range(H):
+                        part_m[slot, h] = m[h]
+                        part_l[slot, h] = l[h]
+                        pa = part_acc[slot, h]
+                        ar = acc_[h]
+                        for d in range(Dv):
+                            pa[d] = ar[d]
+                    continue
                 for h in range(H):
                     inv = dt(1.0) / l[h] if l[h] > 0 else dt(0.0)
                     ar = acc_[h]
@@ -103,6 +121,31 @@ def make_forward(acc):
                     m_out[i, h] = m[h] * ln2 if l[h] > 0 else -np.inf
                     l_out[i, h] = l[h]
             restore_mxcsr(mxcsr)
+        # merge the pieces of every split row, in slot order (deterministic)
+        for t in prange(splits.shape[0]):
+            i = splits[t, 0]
+            first = splits[t, 1]
+            last = first + splits[t, 2]
+            for h in range(H):
+                mx = dt(NEG)
+                for p in range(first, last):
+                    mx = fmax(mx, part_m[p, h])
+                ms = mx if mx > EMPTY else dt(0.0)
+                tot = dt(0.0)
+                o = out[i, h]
+                for d in range(Dv):
+                    o[d] = 0.0
+                for p in range(first, last):
+                    a = exp2_any(part_m[p, h] - ms)
+                    tot += part_l[p, h] * a
+                    pa = part_acc[p, h]
+                    for d in range(Dv):
+                        o[d] += a * pa[d]
+                inv = dt(1.0) / tot if tot > 0 else dt(0.0)
+                for d in range(Dv):
+                    o[d] *= inv
+                m_out[i, h] = mx * ln2 if tot > 0 else -np.inf
+                l_out[i, h] = tot
 
     return forward
 
@@ -114,20 +157,24 @@ def make_backward(acc):
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward_dst(q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
-                     dq, dbias):
-        """dq (and dbias) by destination rows."""
+                     items, splits, part_dq, dq, dbias):
+        """dq (and dbias) by destination rows; long rows in pieces summed in slot order."""
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
-        n_blk = (Nq + RB - 1) // RB
-        for blk in prange(n_blk):
+        for w in prange(items.shape[0]):
             mxcsr = denormals_off()
+            r0 = items[w, 0]
+            r1 = items[w, 1]
+            lo_e = items[w, 2]
+            hi_e = items[w, 3]
+            slot = items[w, 4]
             acc_ = np.empty((H, D), dt)
-            for i in range(blk * RB, min(Nq, (blk + 1) * RB)):
+            for i in range(r0, r1):
                 acc_[:, :] = 0.0
                 qi = q[i]
                 doi = do[i]
-                for e in range(indptr[i], indptr[i + 1]):
+                for e in range(max(indptr[i], lo_e), min(indptr[i + 1], hi_e)):
                     j = indices[e]
                     kj = k[j]
                     vj = v[j]
@@ -154,30 +201,47 @@ def make_backward(acc):
                             ar[d] += ds * kr[d]
                 for h in range(H):
                     ar = acc_[h]
-                    o = dq[i, h]
+                    o = part_dq[slot, h] if slot >= 0 else dq[i, h]
+                    f = dt(1.0) if slot >= 0 else scale
                     for d in range(D):
-                        o[d] = ar[d] * scale
+                        o[d] = ar[d] * f
             restore_mxcsr(mxcsr)
+        for t in prange(splits.shape[0]):
+            i = splits[t, 0]
+            first = splits[t, 1]
+            last = first + splits[t, 2]
+            for h in range(H):
+                o = dq[i, h]
+                for d in range(D):
+                    x = part_dq[first, h, d]
+                    for p in range(first + 1, last):
+                        x += part_dq[p, h, d]
+                    o[d] = x * scale
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
-                     dk, dv):
-        """dk, dv by source rows over the transposed relation."""
+                     items, splits, part_dk, part_dv, dk, dv):
+        """dk, dv by source rows over the transposed relation; a source read by very many
+        destinations is cut into pieces summed in slot order."""
         Nk, Hkv, D = k.shape
         H = q.shape[1]
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
-        n_blk = (Nk + RB - 1) // RB
-        for blk in prange(n_blk):
+        for w in prange(items.shape[0]):
             mxcsr = denormals_off()
+            r0 = items[w, 0]
+            r1 = items[w, 1]
+            lo_e = items[w, 2]
+            hi_e = items[w, 3]
+            slot = items[w, 4]
             dk_acc = np.empty((Hkv, D), dt)
             dv_acc = np.empty((Hkv, Dv), dt)
-            for j in range(blk * RB, min(Nk, (blk + 1) * RB)):
+            for j in range(r0, r1):
                 dk_acc[:, :] = 0.0
                 dv_acc[:, :] = 0.0
                 kj = k[j]
                 vj = v[j]
-                for t in range(t_indptr[j], t_indptr[j + 1]):
+                for t in range(max(t_indptr[j], lo_e), min(t_indptr[j + 1], hi_e)):
                     i = t_indices[t]
                     qi = q[i]
                     doi = do[i]
@@ -207,12 +271,30 @@ def make_backward(acc):
                 for hk in range(Hkv):
                     ka = dk_acc[hk]
                     va = dv_acc[hk]
-                    ok = dk[j, hk]
-                    ov = dv[j, hk]
+                    ok = part_dk[slot, hk] if slot >= 0 else dk[j, hk]
+                    ov = part_dv[slot, hk] if slot >= 0 else dv[j, hk]
+                    f = dt(1.0) if slot >= 0 else dt(ln2)
                     for d in range(D):
-                        ok[d] = ka[d] * ln2
+                        ok[d] = ka[d] * f
                     for d in range(Dv):
                         ov[d] = va[d]
             restore_mxcsr(mxcsr)
+        for t in prange(splits.shape[0]):
+            j = splits[t, 0]
+            first = splits[t, 1]
+            last = first + splits[t, 2]
+            for hk in range(Hkv):
+                ok = dk[j, hk]
+                ov = dv[j, hk]
+                for d in range(D):
+                    x = part_dk[first, hk, d]
+                    for p in range(first + 1, last):
+                        x += part_dk[p, hk, d]
+                    ok[d] = x * ln2
+                for d in range(Dv):
+                    x = part_dv[first, hk, d]
+                    for p in range(first + 1, last):
+                        x += part_dv[p, hk, d]
+                    ov[d] = x
 
     return backward_dst, backward_src
