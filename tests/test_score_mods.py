@@ -84,7 +84,7 @@ def test_generated_value_and_derivatives_match_the_tree(name):
         assert g.value(s, i, j, e, h, *arrays) == pytest.approx(want, rel=1e-12, abs=1e-12)
         bufs = [np.zeros_like(a) for a in arrays[1:]]
         dF = RNG.uniform(0.5, 1.5)
-        ds = grad(s, i, j, e, h, *arrays, dF, *bufs)
+        ds = grad(s, i, j, e, h, *arrays, dF, bufs[0], bufs[1], i, bufs[2], j, bufs[3])
         eps = 1e-6
         fd = (g.value(s + eps, i, j, e, h, *arrays) - g.value(s - eps, i, j, e, h, *arrays)) / (2 * eps)
         assert ds == pytest.approx(dF * fd, rel=1e-6, abs=1e-7)

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-LEAVES = ("score", "const", "scalar", "head", "node", "edge", "index")
+LEAVES = ("score", "const", "scalar", "head", "node", "edge", "index", "dot")
 UNARY = ("neg", "tanh", "exp", "log", "abs", "sqrt")
 BINARY = ("add", "sub", "mul", "div", "minimum", "maximum", "leaky_relu")
 COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
@@ -95,6 +95,8 @@ def _format(e, prec):
         return f"edge.{e.attr}"
     if op == "index":
         return f"{e.attr}.index"
+    if op == "dot":  # while tracing: the dot score scaled by the factor `attr`
+        return f"({e.attr}) * <dot>"
     if op == "neg":
         text = "-" + _format(e.args[0], 3)
         return f"({text})" if prec > 3 else text
@@ -196,6 +198,23 @@ def walk(e):
 def leaves(e, op=None):
     """Leaves of the tree in first-use order (optionally only those of kind `op`)."""
     return [x for x in walk(e) if x.is_leaf and (op is None or x.op == op)]
+
+
+def substitute(e, mapping):
+    """The tree with the leaves in `mapping` replaced (constant folding re-applied)."""
+    memo = {}
+    for x in walk(e):
+        if x in mapping:
+            memo[x] = mapping[x]
+        elif x.is_leaf:
+            memo[x] = x
+        else:
+            args = [memo[a] for a in x.args]
+            memo[x] = make(x.op, *args) if x.op in _FOLDED else Expr(x.op, args)
+    return memo[e]
+
+
+_FOLDED = ("add", "sub", "mul", "div", "neg", "where")
 
 
 def uses_score(e):

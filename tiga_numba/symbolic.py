@@ -587,7 +587,9 @@ def _linear_term(x):
 
 def as_score(x, where):
     """The score argument of the reducer: a Score, or one edge field (precomputed score)."""
-    if isinstance(x, (Score, ScoreExpr)):
+    if isinstance(x, ScoreExpr):
+        return finalize(x)
+    if isinstance(x, Score):
         return x
     if isinstance(x, Product) and x.is_edge_field():
         return Score(biases=[(x.fields[0], x.factor)])
@@ -765,8 +767,11 @@ def _to_mod(x, construct):
         tree, scalars = sm.ZERO, {}
         dot = None
         if x.dot is not None:
-            tree = sm.SCORE
-            dot = (x.dot[0], x.dot[1], x.dot_factor)
+            # the dot score scaled by its factor; resolved to the "score" leaf by finalize()
+            text = str(x.dot_factor)
+            tree = sm.Expr("dot", (), text)
+            scalars[text] = x.dot_factor
+            dot = (x.dot[0], x.dot[1], None)
         for f, c in x.biases:
             term, _, sc = _to_mod(f, construct)
             ct, _, sc2 = _to_mod(c, construct)
@@ -789,8 +794,37 @@ def _to_mod(x, construct):
 
 
 def _dot_key(dot):
-    s, d, factor = dot
-    return (s.key, d.key, str(factor))
+    s, d, _ = dot
+    return (s.key, d.key)
+
+
+def finalize(se):
+    """The modifier as the kernels see it: its dot leaves become the one "score" leaf. When
+    every use of the dot product has the same factor (``c * tanh(s / c)`` folds 1 / c into it),
+    the factor scales q once; otherwise the leaf is the unscaled dot product and each use
+    multiplies by its own factor."""
+    from . import score_mod as sm
+    dots = sm.leaves(se.expr, "dot")
+    used = {x.attr for x in sm.leaves(se.expr, "scalar")}
+    scalars = {t: v for t, v in se.scalars.items() if t in used}
+    if not dots:
+        return ScoreExpr(se.expr, None, scalars)
+    if len({d.attr for d in dots}) == 1:
+        factor = se.scalars[dots[0].attr]
+        tree = sm.substitute(se.expr, {dots[0]: sm.SCORE})
+    else:
+        factor = ONE
+        mapping = {}
+        for d in dots:
+            f = se.scalars[d.attr]
+            if f.op == "const":
+                fx = sm.const(f.arg)
+            else:
+                fx = sm.Expr("scalar", (), d.attr)
+                scalars[d.attr] = f
+            mapping[d] = sm.make("mul", fx, sm.SCORE)
+        tree = sm.substitute(se.expr, mapping)
+    return ScoreExpr(tree, (se.dot[0], se.dot[1], factor), scalars)
 
 
 def modify(op, *operands, construct=None):
@@ -803,9 +837,8 @@ def modify(op, *operands, construct=None):
         if d is not None:
             if dot is not None and _dot_key(dot) != _dot_key(d):
                 _refuse(f"{construct} combining two different dot scores "
-                        f"(<{dot[0].ref}, {dot[1].ref}> scaled by {dot[2]} and "
-                        f"<{d[0].ref}, {d[1].ref}> scaled by {d[2]}): a score has one dot product, "
-                        "not two dot scores")
+                        f"<{dot[0].ref}, {dot[1].ref}> and <{d[0].ref}, {d[1].ref}>: a score has "
+                        "one dot product, not two dot scores")
             dot = dot or d
         scalars.update(sc)
         trees.append(t)

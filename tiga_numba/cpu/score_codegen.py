@@ -5,10 +5,12 @@ them with ``numba.njit`` and memoises them per (tree, gradient leaves, dtype) fo
 the process (exec'd code cannot use numba's on-disk cache):
 
     value(s, i, j, e, h, sc, hp, nd, ns, ef) -> f                    (natural units)
-    grad_<targets>(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gns, gef) -> dF * df/ds
+    grad_<targets>(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gi, gns, gj, gef)
+        -> dF * df/ds
 
 ``grad`` also adds ``dF * df/dx`` for each differentiable leaf x of the requested target kinds
-into its gradient buffer (``ghp[k, h]``, ``gnd[k, i, h]``, ``gns[k, j, h]``, ``gef[k, e, h]``):
+into its gradient buffer (``ghp[k, h]``, ``gnd[k, gi, h]``, ``gns[k, gj, h]``, ``gef[k, e, h]``;
+``gi`` / ``gj`` are the rows of the buffers, which a kernel may keep per row or per piece):
 a kernel asks only for the kinds it owns (the CSR destination pass owns dst fields, edge fields
 and head params, the source pass owns src fields), so no two threads ever add to one cell.
 
@@ -183,13 +185,13 @@ class Generated:
         wanted = [x for x in self.grad_leaves if _kind(x) in targets]
         derivs = [sm.diff(self.tree, sm.SCORE)] + [sm.diff(self.tree, x) for x in wanted]
         lines, text, num = self._emit(derivs)
-        out = [f"def {name}(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gns, gef):"]
+        out = [f"def {name}(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gi, gns, gj, gef):"]
         out += lines
         for x, dx in zip(wanted, derivs[1:]):
             if dx == sm.ZERO:
                 continue
             k = lay.slot[x]
-            cell = {"head": f"ghp[{k}, h]", "dst": f"gnd[{k}, i, h]", "src": f"gns[{k}, j, h]",
+            cell = {"head": f"ghp[{k}, h]", "dst": f"gnd[{k}, gi, h]", "src": f"gns[{k}, gj, h]",
                     "edge": f"gef[{k}, e, h]"}[_kind(x)]
             out.append(f"    {cell} += dF * {num(dx)}")
         out.append(f"    return dF * {num(derivs[0])}")
@@ -204,6 +206,31 @@ class Generated:
         code = compile(source, f"<score modifier {name}: {self.tree}>", "exec")
         exec(code, g)
         return njit(nogil=True, error_model="numpy")(g[name])
+
+
+@njit(inline="always", cache=True)
+def no_value(s, i, j, e, h, sc, hp, nd, ns, ef):
+    """Stand-in of `value` in kernels compiled without a modifier (never called)."""
+    return s
+
+
+@njit(inline="always", cache=True)
+def no_grad(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gi, gns, gj, gef):
+    """Stand-in of `grad` in kernels compiled without a modifier (never called)."""
+    return dF
+
+
+_EMPTY = {}
+
+
+def empty_context(dt):
+    """(sc, hp, nd, ns, ef) of a kernel without a modifier: empty arrays of the right ranks
+    (made once per dtype; the kernels never write them)."""
+    ctx = _EMPTY.get(dt)
+    if ctx is None:
+        ctx = _EMPTY[dt] = (np.zeros(0, dt), np.zeros((0, 1), dt), np.zeros((0, 1, 1), dt),
+                            np.zeros((0, 1, 1), dt), np.zeros((0, 1, 1), dt))
+    return ctx
 
 
 def _kind(leaf):
