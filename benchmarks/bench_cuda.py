@@ -303,7 +303,9 @@ def csr_table(quick):
 def launch_overhead(profile=False):
     """Host time per call on a tiny problem (forward and backward, public call and backend
     entry, every launch path of cuda/launch.py, the host time of a tensor-core-routed call):
-    benchmarks/bench_overhead.py's GPU part, so that both scripts print the same table."""
+    benchmarks/tuning/bench_overhead.py's GPU part, so that both scripts print the same table."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning"))
     import bench_overhead
     bench_overhead.LINES = LINES  # one output file
     bench_overhead.gpu_part(profile)

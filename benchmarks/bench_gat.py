@@ -1,6 +1,6 @@
 """GAT-MLP edge attention: fused tiga_numba kernels vs the same model written eagerly.
 
-Model (the seed's): s_e = MLP(pos_j - pos_i || x_j || x_i), MLP = Linear(3+2F, hidden) ->
+Model (examples/gat_edge_attention.py's): s_e = MLP(pos_j - pos_i || x_j || x_i), MLP = Linear(3+2F, hidden) ->
 LeakyReLU(0.2) -> Linear(hidden, 1); out_i = sum_e softmax_i(s)_e x_j, on a radius graph of
 uniform random points (average degree ~16).
 

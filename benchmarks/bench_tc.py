@@ -13,7 +13,7 @@ Cells (H = 16, fp16, node-major (N, H, D) data; torch reads the same memory as (
 Checks: ours vs an fp32 torch reference (forward and gradients) at N = 4096, vs torch flash at
 16384. Writes DIR/tc_bench.json, DIR/tc_bench.txt and DIR/tc_tfs.png (matplotlib, if present).
 float32 section: ours (the call's routing: bf16 x 3 on wgmma on H100 / H200, 3xTF32 elsewhere or
-with TIGA_NUMBA_WGMMA=0; its sweep tunes the 3xTF32 table, benchmarks/bench_fp32_wgmma.py the
+with TIGA_NUMBA_WGMMA=0; its sweep tunes the 3xTF32 table, benchmarks/tuning/bench_fp32_wgmma.py the
 wgmma one) vs torch SDPA's efficient kernel in fp32 (3xTF32) at
 N = 4096, 16384, D = 64, 128, causal and not, forward and forward+backward, relative errors of
 both vs a float64 reference (all heads at 4096, heads 0-1 at 16384), and at N = 4096 the

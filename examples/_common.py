@@ -1,7 +1,7 @@
 """Shared set-up for the examples: array library (cupy on a GPU, else numpy), sizes, checks.
 
-The seed's programs are unchanged; only the storage differs: numpy's Generator makes the
-inputs on the host, and they are moved to the GPU when cupy and a device are present.
+The programs are the same on both libraries; only the storage differs: numpy's Generator
+makes the inputs on the host, and they are moved to the GPU when cupy and a device are present.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 
 def array_library(argv=None):
     """(xp, on_gpu, full): cupy when it imports and sees a device (TIGA_EXAMPLES_CPU=1 forces
-    numpy), and whether to run the seed's full sizes (--full, or always on a GPU)."""
+    numpy), and whether to run the full sizes (--full, or always on a GPU)."""
     argv = sys.argv[1:] if argv is None else argv
     full = "--full" in argv
     if os.environ.get("TIGA_EXAMPLES_CPU") != "1":
@@ -41,7 +41,7 @@ def to_host(a):
 
 
 def lane_major(xp, gen, heads, nodes, width, dtype):
-    """The seed's layout: build (H, N, D), hand over the (N, H, D) view (strided, no copy)."""
+    """Head-major storage: build (H, N, D), hand over the (N, H, D) view (strided, no copy)."""
     host = gen.standard_normal((heads, nodes, width), dtype=np.float32).astype(dtype)
     return to_library(xp, host).transpose(1, 0, 2)
 
@@ -70,7 +70,7 @@ def check(label, out, oracle, dtype):
 def dense_oracle(q, k, v, scale, budget=1 << 24):
     """float64 oracle of dense attention for a prefix of the query rows.
 
-    The oracle materialises every edge (E x H x D float64); for the seed's 1024-node runs
+    The oracle materialises every edge (E x H x D float64); for the full 1024-node runs
     that is gigabytes, so large runs are checked on the first rows that fit `budget`
     elements per array. Rows of dense attention are independent, so the prefix is checked
     exactly (a rectangular relation)."""

@@ -1,6 +1,6 @@
 """A causal reducer expressed as a triangular Graph, not a core NN operator.
 
-Port of the seed's examples/causal_dense_relation.py: the edge function has no mask code;
+The edge function has no mask code;
 Graph.triangular(n) holds exactly the edges j <= i and stays implicit (no index arrays).
 cupy on a GPU when present (float16), numpy on the CPU otherwise (float32).
 """
@@ -13,7 +13,7 @@ from tiga_numba import reference
 
 xp, on_gpu, full = array_library()
 gen = np.random.default_rng(7)
-nodes, heads, width = 256, 2, 64  # the seed's sizes: small enough for CI on a CPU
+nodes, heads, width = 256, 2, 64  # small enough for CI on a CPU
 dtype = np.float16 if on_gpu else np.float32
 # the streaming kernel reads any strides: (H, N, D) viewed as (N, H, D)
 query = lane_major(xp, gen, heads, nodes, width, dtype)

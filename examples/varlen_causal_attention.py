@@ -1,11 +1,10 @@
 """Varlen causal attention: compose independent triangular graph blocks.
 
-Port of the seed's examples/varlen_causal_attention.py. Graph.cat of per-sequence
-triangles is the block-diagonal causal relation of flash-attn's cu_seqlens convention;
-here it stays implicit (a list of causal blocks, no index arrays) and runs the same
-compiled streaming kernel as the dense and triangular relations (the seed fell back to an
-eager oracle). Graph.cu_seqlens(boundaries, causal=True) builds the same relation; both
-are run and must agree bit for bit. The check is per sequence, against the float64 oracle.
+Graph.cat of per-sequence triangles is the block-diagonal causal relation of flash-attn's
+cu_seqlens convention; here it stays implicit (a list of causal blocks, no index arrays) and
+runs the same compiled streaming kernel as the dense and triangular relations (no
+per-sequence loop, no padding). Graph.cu_seqlens(boundaries, causal=True) builds the same
+relation; both are run and must agree bit for bit. The check is per sequence, against the float64 oracle.
 """
 import numpy as np
 

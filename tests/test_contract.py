@@ -1,4 +1,4 @@
-"""Acceptance tests of the public contract (DESIGN.md), written as an outside QA engineer would.
+"""Acceptance tests of the public contract (docs/design.md), written as an outside QA engineer would.
 
 Only documented names are used. Every number is compared with a float64 numpy oracle written
 here (tiga_numba.reference is deliberately not used). CPU only: numpy arrays. Shapes are small
@@ -1166,7 +1166,7 @@ def test_gat_errors():
 
 # ----------------------------------------------------------------------------- the admission rule, tile by tile
 def emulate_pruning(q, k, v, mask, scale, rho, bm, bn):
-    """DESIGN.md's rule on a (bm, bn) grid from (0, 0), key tiles visited in increasing order (the
+    """docs/design.md's rule on a (bm, bn) grid from (0, 0), key tiles visited in increasing order (the
     natural reading for a single block; the grid is the one explain() reports): a tile is admitted iff
     max(its scores) >= m_run_block + ln(rho), m_run_block = running max of the query block (per head).
     Returns the output over admitted edges, the pruned and visited tile counts, and the smallest
@@ -1376,7 +1376,7 @@ def _cupy_missing():
 
 @pytest.mark.skipif(not _cupy_missing(), reason="only meaningful where cupy is not installed")
 def test_device_arrays_without_cupy_give_a_clear_error():
-    # DESIGN.md: anything with __cuda_array_interface__ takes the GPU path; where that path cannot
+    # docs/design.md: anything with __cuda_array_interface__ takes the GPU path; where that path cannot
     # run, the error must still name the argument and say what is missing, not leak an import.
     q, k, v = qkv(5, 5)
     with pytest.raises((ImportError, NotImplementedError, TypeError)) as e:
@@ -1417,7 +1417,7 @@ def test_inputs_are_not_modified_and_read_only_or_broadcast_inputs_work():
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    # stronger than DESIGN.md's "same bits every run": also the same bits for 1 and 2 threads
+    # stronger than docs/design.md's "same bits every run": also the same bits for 1 and 2 threads
     numba = pytest.importorskip("numba")
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs two numba threads")
@@ -1449,7 +1449,7 @@ def test_cu_seqlens_equals_cat_of_triangles_and_program_explain_details():
     outs = [prog(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.3) for g in (a, b, a)]
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
     text = prog.explain().lower()
-    # DESIGN.md: backend, kernel, relation realization, dtypes, tiles, what was NOT materialized,
+    # docs/design.md: backend, kernel, relation realization, dtypes, tiles, what was NOT materialized,
     # cache hits/misses
     for word in ("cpu", "float32", "materializ", "hit", "miss"):
         assert word in text, word

@@ -89,7 +89,7 @@ def test_forward_backward_vs_oracle(kind, dt, heads):
     _check_all(g, q, k, v, do, dt)
     info = functional.last_plan().run_info
     assert info["kernel"].startswith("cpu.")
-    assert isinstance(info["copies"], list) and info["cache"] in ("hit", "miss")
+    assert isinstance(info["copies"], list) and info["cache"] in ("memory hit", "disk hit", "compiled")
 
 
 def test_empty_rows_csr_no_nan():
@@ -209,7 +209,7 @@ def test_random_csr_graphs(g, seed):
     rng = np.random.default_rng(seed)
     q, k, v, do = _inputs(rng, g, np.float32, 2, 1)
     if g.num_edges == 0:
-        return  # the front end answers without a kernel; covered by the lead's tests
+        return  # the front end answers without a kernel; covered by test_api_errors / test_contract
     _check_all(g, q, k, v, do, np.float32)
 
 

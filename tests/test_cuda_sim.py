@@ -203,7 +203,7 @@ def pruned_oracle(q, k, v, dst_off, src_off, causal, scale, BM, BN, rho):
     return out, m_out, l_out, pruned, total
 
 
-# --------------------------------------------------------------------------- launch helpers
+# --------------------------------------------------------------------------- launch utilities
 def flat(x):
     item = x.dtype.itemsize
     return x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1), \
@@ -316,7 +316,7 @@ def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bi
     ns, Hkv, DV = v.shape
     t = tiles(dtype, D, DV, R=1, NT=8)
     acc = np.dtype(t.acc)
-    st = np.full((nq, H, 2), np.nan, acc)
+    st = np.full((nq, H, 3), np.nan, acc)
     skern = make_stats(dtype, t.acc)
     df, ds = base_and_strides(dout)
     of, os_ = base_and_strides(out)

@@ -6,7 +6,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import tiga_numba.nn as nn  # submodule import (see docs/requests/gat-helper.md)
+import tiga_numba.nn as nn  # submodule import: the lazy package attribute is not involved
 from tiga_numba import edge_mlp
 from tiga_numba.edge_mlp import FieldArg
 from tiga_numba.graph import Graph
@@ -99,7 +99,7 @@ def oracle(graph, net, args, value, dout=None):
                                 "params": params, "positions": dpos}
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- inputs and oracle
 def random_cloud(rng, n, dim=3, isolated=3):
     """Uniform points plus a few far-away ones (isolated nodes: empty rows and columns)."""
     pos = rng.random((n, dim))
@@ -352,7 +352,7 @@ def test_errors_name_the_argument():
 
 
 def test_front_end_program_uses_fused_kernel():
-    """The seed's program through tg.MessagePassing (when the front end is present)."""
+    """The GAT example's program through tg.MessagePassing (when the front end is present)."""
     program = pytest.importorskip("tiga_numba.program")
     rng = np.random.default_rng(10)
     n, f = 40, 3

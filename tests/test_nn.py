@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-import tiga_numba.nn as nn  # submodule import (see docs/requests/gat-helper.md)
+import tiga_numba.nn as nn  # submodule import: the lazy package attribute is not involved
 
 
 def test_linear_shapes_init_range_and_seed():

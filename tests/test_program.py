@@ -275,7 +275,7 @@ class _FakePlan:
 
 
 def _fake_edge_mlp(record):
-    """Stands in for tiga_numba.edge_mlp (the GAT helper's module): records what the front end
+    """Stands in for tiga_numba.edge_mlp (the fused score-network kernels): records what the front end
     passes and returns recognisable gradients, so the mapping onto grads is checked exactly."""
     import collections
     import types
@@ -348,7 +348,7 @@ def test_score_network_lowering_and_gradient_names(monkeypatch):
 
 def test_score_network_program_with_the_real_edge_mlp():
     """End to end through tiga_numba.edge_mlp: output == materialized eager model + oracle."""
-    import tiga_numba.nn as tnn  # submodule import (see docs/requests/gat-helper.md)
+    import tiga_numba.nn as tnn  # submodule import: the lazy package attribute is not involved
 
     class GAT(tg.MessagePassing):
         reducer = tg.online_softmax()

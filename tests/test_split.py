@@ -101,3 +101,40 @@ def test_hub_rows_match_oracle_and_bits_do_not_depend_on_threads(dtype, tol):
     assert np.array_equal(out1, out)
     for a, b in zip(grads1, (dq, dk, dv)):
         assert np.array_equal(a, b)
+
+
+def _dense_oracle(q, k, v, M):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    grp = q.shape[1] // k.shape[1]
+    kk, vv = np.repeat(k, grp, 1), np.repeat(v, grp, 1)
+    s = np.einsum("ihd,jhd->hij", q, kk) * q.shape[2] ** -0.5
+    s = np.where(M[None], s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    p = np.where(M[None], np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
+    p /= np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("hij,jhd->ihd", p, vv)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tg.Graph.dense(40000, 1),
+    lambda: tg.Graph.cu_seqlens([0, 1, 2, 2, 5], cu_seqlens_k=[0, 9000, 30000, 30001, 39000]),
+    lambda: tg.Graph.band(40000, 3, left=None, right=39000)])
+def test_decode_shapes_split_the_key_range(make):
+    g = make()
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((g.num_dst, 8, 32)).astype(np.float32)
+    k = rng.standard_normal((g.num_src, 2, 32)).astype(np.float32)
+    v = rng.standard_normal((g.num_src, 2, 16)).astype(np.float32)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    assert "key ranges" in st.plan.run_info["tiles"]
+    np.testing.assert_allclose(out, _dense_oracle(q, k, v, g.to_scipy().toarray()), atol=2e-5)
+    have = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        out1 = tg.attention(q, k, v, g)
+    finally:
+        numba.set_num_threads(have)
+    assert np.array_equal(out1, out)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    grads = tg.attention_backward(dout, q, k, v, out, st, g)
+    assert all(np.isfinite(x).all() for x in grads)

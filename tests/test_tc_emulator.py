@@ -847,7 +847,7 @@ def test_wgmma_fused_ptx_links_for_sm90a(atomic):
 # ----------------------------------------------------------------------------- tile pruning
 def prune_oracle(q, k, v, dst, src, causal, scale, rho, BM, BN):
     """float64 replay of the pruned forward: the kernel's tiles (BM query rows x BN keys), its
-    visiting order (from the key block facing the query tile, wrapping) and DESIGN.md's rule (admit iff the query tile's running max is unset or
+    visiting order (from the key block facing the query tile, wrapping) and docs/design.md's rule (admit iff the query tile's running max is unset or
     max(tile scores) >= running max + ln(rho), both over the tile's real rows). Returns the
     output over the admitted entries and (pruned, visited) tile counts."""
     nd, H, D = q.shape

@@ -1,7 +1,21 @@
 """tiga-numba: attention over relations (dense, causal, varlen, graphs) for numpy and cupy.
 
 numpy arrays run on numba parallel CPU kernels; cupy arrays on numba.cuda kernels (loaded on
-the first GPU call: importing this package never touches CUDA). See DESIGN.md / README.md.
+the first GPU call: importing this package never touches CUDA).
+
+Public names:
+
+- `attention`, `attention_backward`, `AttentionStats`, `explain`: the functional API;
+- `attention_merge`: the exact merge of results over disjoint edge subsets of the same rows;
+- `Graph`: the relations (dense, triangular, band, cu_seqlens, cat, CSR, COO, edge_index,
+  scipy, radius, knn);
+- `MessagePassing`, `online_softmax`, `OnlineSoftmaxReducer`: programs whose `edge()` is
+  traced and lowered onto the same kernels (loaded on first use);
+- `nn`: score networks for `edge()` (`Linear`, `LeakyReLU`, `ReLU`, `Tanh`, `Sequential`,
+  `trace`);
+- `reference`: float64 numpy oracles of the same operations.
+
+See README.md and docs/design.md.
 """
 import importlib as _importlib
 import sys as _sys

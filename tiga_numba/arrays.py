@@ -47,11 +47,25 @@ def _is_cupy_ndarray(array):
 
 def library_of(name, array):
     """'numpy' or 'cupy' (anything with __cuda_array_interface__); TypeError otherwise."""
+    if type(array) is np.ndarray:
+        return "numpy"
     if isinstance(array, np.ndarray):
+        _check_subclass(name, array)
         return "numpy"
     if _is_cupy_ndarray(array) or hasattr(array, "__cuda_array_interface__"):
         return "cupy"
     raise TypeError(f"{name} must be a numpy or cupy array, got {type(array).__name__}")
+
+
+def _check_subclass(name, array):
+    """Refuse ndarray subclasses whose meaning the kernels would drop: np.matrix is always
+    2-D (indexing a row keeps 2 dimensions) and a masked array's mask would be ignored."""
+    if isinstance(array, np.matrix):
+        raise TypeError(f"{name} is a numpy.matrix; pass a numpy.ndarray instead "
+                        "(np.asarray(x)), np.matrix keeps every slice 2-D")
+    if isinstance(array, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy masked array, whose mask the kernels cannot honour; "
+                        "pass np.ma.filled(x) or express the mask in the graph")
 
 
 def _cupy(name):

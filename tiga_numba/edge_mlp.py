@@ -30,8 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# `from .nn import ...` imports the submodule directly (the package's lazy __getattr__ is not
-# involved, see docs/requests/gat-helper.md)
+from .cpu.threads import serialised
+# `from .nn import ...` imports the submodule directly: the package's lazy __getattr__ (which
+# would import this module again while it is being imported) is not involved
 from .nn import LeakyReLU, Linear, ReLU, Tanh
 
 __all__ = ["FieldArg", "GATState", "GATPlan", "forward", "backward"]
@@ -387,7 +388,7 @@ def _inverse(order):
 
 def _graph_cached(graph, key, build):
     # Graph keeps per-device realisations in a private cache; the relabelled CSR is one more
-    # realisation of the same relation (see docs/requests/gat-helper.md).
+    # realisation of the same relation, built once per graph and key.
     cached = getattr(graph, "_cached", None)
     return cached(key, build) if callable(cached) else build()
 
@@ -457,6 +458,7 @@ def _ir_stages(kernel):
 
 
 # --------------------------------------------------------------------------- forward
+@serialised
 def forward(graph, net, args, value, return_state=True):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
     plan with explain()/run_info."""
@@ -494,6 +496,7 @@ def forward(graph, net, args, value, return_state=True):
 
 
 # --------------------------------------------------------------------------- backward
+@serialised
 def backward(graph, net, args, value, state, dout):
     """Gradients of sum(out * dout): {"args": [grad or None per arg], "value": grad,
     "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}."""

@@ -13,22 +13,48 @@ import numpy as np
 
 from . import arrays, dispatch
 from .merge import log_sum_exp
+from .interop import foreign_arrays
 
 _last_plan = None
 
 
 class AttentionStats:
-    """Per-row softmax state of a forward: m = max scaled score, l = sum exp(s - m), both
-    (num_dst, H) in the accumulation dtype ((num_dst,) for 2-D one-head inputs), and
-    lse = m + log(l) (flash-attn's softmax_lse; -inf for an empty row)."""
+    """Per-row softmax state of a forward, returned by `attention(..., return_stats=True)`.
 
-    __slots__ = ("m", "l", "block_prune_threshold", "plan")
+    Both arrays are in the accumulation dtype (float32; float64 for float64 inputs) and the
+    caller's array library; `(num_dst,)` for 2-D one-head inputs. Unpacks as `m, l = stats`;
+    `lse` = m + log(l) is flash-attn's `softmax_lse` (-inf for an empty row), and
+    `tg.attention_merge` combines results through these stats.
 
-    def __init__(self, m, l, block_prune_threshold=None, plan=None):
+    Attributes
+    ----------
+    m : array (num_dst, H)
+        Max scaled score of each row and head; -inf for a row with no edges.
+    l : array (num_dst, H)
+        Sum of exp(s - m) over the row's edges; 0 for a row with no edges.
+    block_prune_threshold : float or None
+        The forward's tile-pruning threshold; `attention_backward` refuses pruned stats.
+    plan : Plan
+        The forward's plan (what `explain()` reports).
+    graph : Graph
+        The forward's relation: `attention_backward` refuses stats of another call (other
+        graph, shapes, scale or score).
+    m_kernel : array or None
+        The row max in the units of the backend's kernels exactly as they found it (the CPU
+        kernels work in base 2); the backward uses it instead of converting `m` back, which
+        keeps gradients exact at large scores. Stats built by hand have none of these and are
+        checked by shape only; merged stats keep `m_kernel` when every part has it."""
+
+    __slots__ = ("m", "l", "block_prune_threshold", "plan", "graph", "m_kernel")
+
+    def __init__(self, m, l, block_prune_threshold=None, plan=None, *, graph=None,
+                 m_kernel=None):
         self.m = m
         self.l = l
         self.block_prune_threshold = block_prune_threshold
         self.plan = plan
+        self.graph = graph
+        self.m_kernel = m_kernel
 
     def __iter__(self):
         return iter((self.m, self.l))
@@ -50,11 +76,21 @@ def _xp(library):
 
 
 def last_plan():
-    """The plan of the most recent functional call (for explain())."""
+    """The plan of the most recent call (forward or backward, functional or program), or None.
+
+    Its `run_info` dict holds what the backend did: kernel, tiles, copies, cache, pruning."""
     return _last_plan
 
 
 def explain():
+    """A multi-line report of the most recent call's plan: backend, kernel, relation and its
+    realisation, score, heads, dtypes, tiles, copies made, what was not materialised, tile
+    pruning, and where the kernel came from (memory hit / disk hit / compiled).
+
+    Returns
+    -------
+    str
+        The report, or "no attention call has run yet"."""
     return _last_plan.explain() if _last_plan is not None else "no attention call has run yet"
 
 
@@ -79,19 +115,20 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
         out = xp.zeros((shape.num_dst, shape.heads, shape.value_dim), dtype=shape.dtype)
         m = xp.full((shape.num_dst, shape.heads), -np.inf, dtype=shape.accum_dtype)
         l = xp.zeros((shape.num_dst, shape.heads), dtype=shape.accum_dtype)
+        m_kernel = []
         plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a",
                              pruned_tiles=0, total_tiles=0)
     else:
         backend = dispatch.backend_module(plan.backend)
-        if score_mod is None:
-            out, m, l = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias)
-        else:
-            out, m, l = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias,
-                                        score_mod=score_mod)
+        kw = {} if score_mod is None else {"score_mod": score_mod}
+        out, m, l, *m_kernel = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias,
+                                               **kw)
     _remember(plan)
+    m_kernel = m_kernel[0] if m_kernel else None
     if shape.squeezed:
         out, m, l = out[:, 0, :], m[:, 0], l[:, 0]
-    return out, AttentionStats(m, l, rho, plan), plan
+        m_kernel = None if m_kernel is None else m_kernel[:, 0]
+    return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel), plan
 
 
 def _check_modifier(score_mod, shape, graph):
@@ -160,13 +197,52 @@ def _alibi_shift(graph):
     return np.repeat(per_block, nd).astype(np.int64)
 
 
+@foreign_arrays
 def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False,
               softcap=None, alibi_slopes=None):
-    """Attention of q (num_dst, H, D) over k (num_src, Hkv, D), v (num_src, Hkv, Dv) along the
-    edges of `graph`. Returns out (num_dst, H, Dv) [, stats with .m, .l].
+    """Attention along the edges of `graph`: out_i = sum_j softmax_j(scale * q_i . k_j) v_j.
 
-    `softcap` (c > 0) replaces the scaled score s by ``c * tanh(s / c)``; `alibi_slopes` (H,)
-    subtracts ``slopes[h] * |i - j|`` (flash-attn's conventions, docs/score_mods.md)."""
+    Parameters
+    ----------
+    q : array (num_dst, H, D)
+        Queries, one row per destination. numpy arrays run on the CPU kernels, cupy arrays
+        (anything with `__cuda_array_interface__`) on the CUDA kernels. float16, bfloat16
+        (GPU), float32 or float64; any strides. 2-D `(num_dst, D)` is one head.
+    k : array (num_src, Hkv, D)
+        Keys, one row per source; same dtype and library as q. `H % Hkv == 0`: query head h
+        reads key/value head `h // (H // Hkv)` (grouped-query attention).
+    v : array (num_src, Hkv, Dv)
+        Values; Dv may differ from D.
+    graph : Graph
+        The relation; `graph.num_dst == len(q)`, `graph.num_src == len(k) == len(v)`.
+    scale : float, optional
+        Score scale; default `D ** -0.5`.
+    block_prune_threshold : float, optional
+        `0 < rho <= 1`: approximate tile pruning (a key tile whose max score is below the
+        query tile's running max + ln(rho) is skipped). Block relations only; None = exact.
+    return_stats : bool
+        Also return the per-row softmax state needed by `attention_backward`.
+    softcap : float, optional
+        c > 0: the scaled score s becomes ``c * tanh(s / c)`` (flash-attn's soft-cap).
+    alibi_slopes : array (H,), optional
+        ALiBi: ``slopes[h] * |i - j|`` is subtracted from the score (bottom-right aligned in
+        rectangular dense / cu_seqlens blocks, as flash-attn). See docs/score_mods.md.
+
+    Returns
+    -------
+    out : array (num_dst, H, Dv)
+        In q's dtype and array library. A destination with no edges gets 0.
+    stats : AttentionStats
+        Only with `return_stats=True`.
+
+    Raises
+    ------
+    TypeError
+        Wrong array type, mixed libraries, unsupported or mixed dtypes.
+    ValueError
+        Shape, head or graph-size mismatch; threshold out of range.
+    NotImplementedError
+        A valid request this backend cannot do (e.g. pruning on a CSR relation)."""
     mod = flash_modifier(q, graph, softcap, alibi_slopes)
     out, stats, _ = run_forward(q, k, v, graph, scale=scale,
                                 block_prune_threshold=block_prune_threshold, score_mod=mod)
@@ -205,6 +281,9 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     _check_modifier(score_mod, shape, graph)
     plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias, score_mod=score_mod)
     mod_grads = {}
+    m_kernel = _check_stats_belong(stats, graph, plan, lead)
+    if shape.squeezed and m_kernel is not None:
+        m_kernel = m_kernel[:, None]
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
         xp = _xp(shape.library)
         dq = xp.zeros(q.shape, dtype=shape.dtype)
@@ -219,10 +298,11 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         backend = dispatch.backend_module(plan.backend)
         args = (plan, dout, q, k, v, out, m, l, graph.realize(plan.backend),
                 graph.realize_transpose(plan.backend), bias)
+        kw = {} if m_kernel is None else {"m_kernel": m_kernel}
         if score_mod is None:
-            dq, dk, dv, dbias = backend.backward(*args)
+            dq, dk, dv, dbias = backend.backward(*args, **kw)
         else:
-            dq, dk, dv, dbias, mod_grads = backend.backward(*args, score_mod=score_mod)
+            dq, dk, dv, dbias, mod_grads = backend.backward(*args, score_mod=score_mod, **kw)
     _remember(plan)
     if shape.squeezed:
         dq, dk, dv = dq[:, 0, :], dk[:, 0, :], dv[:, 0, :]
@@ -231,10 +311,96 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     return dq, dk, dv, dbias, plan
 
 
+def _check_stats_belong(stats, graph, plan, lead):
+    """ValueError naming `stats` when a forward's stats come from another graph, other
+    shapes, another scale or another score; returns the forward's kernel-unit row max when
+    it can be used. Stats without a forward plan (built by hand, merged) pass: their shape
+    was checked already."""
+    fwd = getattr(stats, "plan", None)
+    if not isinstance(fwd, type(plan)):
+        # merged stats (attention_merge) know only the backend of their parts' kernel maxima
+        m_kernel = getattr(stats, "m_kernel", None)
+        if m_kernel is not None and getattr(fwd, "backend", None) == plan.backend and \
+                tuple(m_kernel.shape) == lead:
+            return m_kernel
+        return None
+    got = (fwd.num_dst, fwd.num_src, fwd.heads, fwd.kv_heads, fwd.head_dim, fwd.value_dim)
+    want = (plan.num_dst, plan.num_src, plan.heads, plan.kv_heads, plan.head_dim, plan.value_dim)
+    if got != want:
+        names = "(num_dst, num_src, heads, kv_heads, head_dim, value_dim)"
+        raise ValueError(f"stats belong to a forward of other shapes: {names} = {got} in the "
+                         f"forward, {want} here")
+    if fwd.scale != plan.scale:
+        raise ValueError(f"stats belong to a forward with scale={fwd.scale!r}, but this "
+                         f"backward has scale={plan.scale!r}; pass the forward's scale")
+    if fwd.score != plan.score:
+        raise ValueError(f"stats belong to a forward with score {fwd.score!r}, but this "
+                         f"backward computes {plan.score!r}")
+    fwd_graph = getattr(stats, "graph", None)
+    if fwd_graph is not None and fwd_graph is not graph and not _same_relation(fwd_graph, graph):
+        raise ValueError(f"stats belong to a forward over another graph ({fwd_graph.explain()}) "
+                         f"than this backward's ({graph.explain()})")
+    m_kernel = getattr(stats, "m_kernel", None)
+    if m_kernel is None or fwd.backend != plan.backend or tuple(m_kernel.shape) != lead:
+        return None
+    return m_kernel
+
+
+def _same_relation(a, b):
+    """Whether two Graph objects hold the same relation: cheap facts first, then the
+    kernel-facing arrays (O(blocks) for implicit relations, O(edges) for CSR)."""
+    if (a.kind, a.num_src, a.num_dst, a.num_edges) != (b.kind, b.num_src, b.num_dst, b.num_edges):
+        return False
+    ra, rb = a.realize("cpu"), b.realize("cpu")
+    if type(ra) is not type(rb):
+        return False
+    fields = ("dst_offsets", "src_offsets", "lo", "hi") if hasattr(ra, "dst_offsets") \
+        else ("indptr", "indices")
+    return all(np.array_equal(np.asarray(getattr(ra, f)), np.asarray(getattr(rb, f)))
+               for f in fields)
+
+
+@foreign_arrays
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=None,
                        alibi_slopes=None):
-    """Fused backward: rebuilds p = exp(s - m) / l from the forward's stats; returns dq, dk, dv.
-    Pass the forward's `softcap` / `alibi_slopes` again (the score is recomputed)."""
+    """Fused backward of `attention`: gradients of the loss with respect to q, k and v.
+
+    Rebuilds p = exp(s - m) / l from the forward's stats, uses Delta_i = sum(dout_i * out_i)
+    and ds = p * (dp - Delta_i); writes no (num_edges,)-sized buffer. Deterministic: the same
+    bits on every run (dq by destination rows, dk / dv by source rows over the transposed
+    relation, no float atomics).
+
+    Parameters
+    ----------
+    dout : array (num_dst, H, Dv)
+        Gradient of the loss with respect to `out`.
+    q, k, v : arrays
+        The forward's inputs (shapes as in `attention`).
+    out : array (num_dst, H, Dv)
+        The forward's output.
+    stats : AttentionStats
+        From `attention(..., return_stats=True)` of an exact (not tile-pruned) forward.
+    graph : Graph
+        The forward's relation.
+    scale : float, optional
+        The forward's scale; default `D ** -0.5`.
+    softcap, alibi_slopes : optional
+        The forward's score modifiers (the score is recomputed with them).
+
+    Returns
+    -------
+    dq : array (num_dst, H, D)
+    dk : array (num_src, Hkv, D)
+    dv : array (num_src, Hkv, Dv)
+        In q's dtype and array library.
+
+    Raises
+    ------
+    NotImplementedError
+        The stats come from a tile-pruned forward (it has no exact gradient).
+    TypeError, ValueError
+        As for `attention`; also for stats that are not an AttentionStats or dout / out of
+        the wrong shape."""
     mod = flash_modifier(q, graph, softcap, alibi_slopes)
     res = run_backward(dout, q, k, v, out, stats, graph, scale=scale, score_mod=mod)
     return res[0], res[1], res[2]

@@ -68,7 +68,7 @@ class CSRTranspose:
     perm: Any  # int64 (E,)
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- validation
 def _check_device(device):
     if device is None:
         return "cpu"
@@ -99,7 +99,29 @@ def _to_host(name, array):
         raise ValueError(f"{name} must be 1-D, got shape {out.shape}")
     if out.size and not np.issubdtype(out.dtype, np.integer):
         raise TypeError(f"{name} must have an integer dtype, got {out.dtype}")
-    return out.astype(np.int64, copy=False) if out.size else np.zeros(0, np.int64)
+    if not out.size:
+        return np.zeros(0, np.int64)
+    if out.dtype.kind == "u" and out.dtype.itemsize >= 8:
+        # uint64 values >= 2**63 would wrap to negative int64 and be reported as such
+        too_big = out > np.iinfo(np.int64).max
+        if too_big.any():
+            bad = int(np.argmax(too_big))
+            raise ValueError(f"{name}[{bad}]={int(out[bad])} is out of range: indices, offsets "
+                             "and lengths must be below 2**63")
+    return out.astype(np.int64, copy=False)
+
+
+def _dia_structure(dia):
+    """COO of every in-bounds position of a DIA matrix's stored diagonals, values ignored
+    (ones): scipy's DIA conversions drop zero values, which would drop stored entries."""
+    import scipy.sparse as sp
+    nrows, ncols = dia.shape
+    width = min(dia.data.shape[1], ncols)
+    cols = np.arange(width, dtype=np.int64)
+    rows = cols[None, :] - np.asarray(dia.offsets, np.int64)[:, None]
+    keep = (rows >= 0) & (rows < nrows)
+    r, c = rows[keep], np.broadcast_to(cols, rows.shape)[keep]
+    return sp.coo_matrix((np.ones(r.shape[0], np.int8), (r, c)), shape=dia.shape)
 
 
 def _rows_of(indptr):
@@ -244,7 +266,16 @@ def _window(window):
 
 # --------------------------------------------------------------------------- the Graph
 class Graph:
-    """An immutable attention relation. Build it with one of the constructors."""
+    """An immutable attention relation: which sources j each destination i attends.
+
+    An edge (j -> i) goes from source j (the row of `k` and `v`) to destination i (the row of
+    `q` and of the output); rows of the relation are destinations. Build a Graph with one of
+    the constructors (`dense`, `triangular`, `band`, `cu_seqlens`, `cat`, `from_csr`,
+    `from_scipy`, `from_coo`, `from_edge_index`, `radius`, `knn`). Implicit relations (dense,
+    triangular, band, segments) store
+    no per-edge data; a CSR relation keeps one copy of its indices per device, made on first
+    use and cached. The `device=` keyword ("cpu" / "cuda") is accepted by every constructor
+    and only says where the relation is expected to be used first."""
 
     __slots__ = ("_kind", "_num_src", "_num_dst", "_num_edges", "_blocks", "_indptr",
                  "_indices", "_device", "_positions", "_cache", "_edge_perm", "_dev_csr")
@@ -269,6 +300,15 @@ class Graph:
             self._num_edges = int((indices if dev_csr is None else dev_csr[1]).shape[0])
         self._cache = {}
         self._edge_perm = None
+
+    def __getstate__(self):
+        # Pickles (to dask workers, other processes) carry the relation, not its realisations:
+        # the per-device cache is rebuilt on first use where the graph lands.
+        return {name: ({} if name == "_cache" else getattr(self, name)) for name in self.__slots__}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -417,13 +457,21 @@ class Graph:
 
     @classmethod
     def from_scipy(cls, matrix, *, device=None):
-        """Any scipy.sparse matrix/array; rows = destinations, columns = sources. The stored
-        entries are the edges (explicit zeros included, values ignored; duplicates are summed
-        into one entry by scipy's tocsr())."""
+        """Any scipy.sparse matrix/array; rows = destinations, columns = sources.
+
+        Every stored position is an edge and the values are ignored, in every format: explicit
+        zeros are edges (CSR, CSC, COO; LIL and DOK do not store assigned zeros), every element of a stored block is an edge
+        (BSR, zeros inside the block included), every in-bounds position of a stored diagonal
+        is an edge (DIA, zeros included: scipy's own DIA -> CSR conversion would drop them).
+        Duplicate entries (COO, repeated DIA offsets) are one edge. To make zero values mean
+        "no edge", drop them first: ``m = m.tocsr(); m.eliminate_zeros()``."""
         import scipy.sparse as sp
         if not sp.issparse(matrix):
             raise TypeError(f"matrix must be a scipy.sparse matrix or array, got {type(matrix).__name__}")
+        if matrix.format == "dia":
+            matrix = _dia_structure(matrix)
         csr = matrix.tocsr()
+        csr.sum_duplicates()  # duplicates merged into one entry (no-op when canonical)
         return cls.from_csr(csr.indptr, csr.indices, num_src=csr.shape[1], device=device)
 
     @classmethod
@@ -475,7 +523,7 @@ class Graph:
 
     @classmethod
     def radius(cls, positions, cutoff, exclude_self=True, *, device=None):
-        """Edges (j -> i) for every pair with |pos[j] - pos[i]| <= cutoff (cell lists; on the
+        """Edges (j -> i) for every pair with `|pos[j] - pos[i]| <= cutoff` (cell lists; on the
         GPU for cupy positions, the CSR then stays there). Rows list their sources in
         increasing id. Edge fields: `displacement` = pos[src] - pos[dst] and `distance`."""
         from . import neighbors
@@ -507,43 +555,55 @@ class Graph:
     # ------------------------------------------------------------------ properties
     @property
     def kind(self):
-        """'dense', 'triangular', 'segments', 'band' (implicit) or 'csr'."""
+        """The relation's kind, one of 'dense', 'triangular', 'segments' (cu_seqlens, and cat
+        of implicit blocks), 'band' (all four implicit) or 'csr'."""
         return self._kind
 
     @property
     def num_src(self):
+        """Number of source nodes (rows of `k` and `v`), a Python int."""
         return self._num_src
 
     @property
     def num_dst(self):
+        """Number of destination nodes (rows of `q` and of the output), a Python int."""
         return self._num_dst
 
     @property
     def num_edges(self):
+        """Exact number of edges (j -> i), a Python int (computed, not stored, for implicit
+        relations)."""
         return self._num_edges
 
     @property
     def device(self):
+        """Where the relation was built or first meant to be used, 'cpu' or 'cuda'. Calls
+        realise it on the device of their arrays whatever this says."""
         return self._device
 
     @property
     def is_implicit(self):
+        """True for dense, triangular, band and segment relations (no index arrays), False for CSR."""
         return self._blocks is not None
 
     @property
     def positions(self):
-        """Node positions of a geometric (radius/knn) graph, else None."""
+        """Node positions `(N, dim)` of a geometric (radius / knn) graph, in the array library
+        they were given in, else None."""
         return self._positions
 
     @property
     def edge_permutation(self):
-        """For a graph built by from_coo: edge e (in CSR order, the order every per-edge field
-        and gradient uses) is input edge edge_permutation[e]. Reorder COO-ordered fields with
-        `field[graph.edge_permutation]`. None for the other constructors (input order = CSR)."""
+        """For a graph built by from_coo, an int64 array `(num_edges,)`; edge e in CSR order (the
+        order every per-edge field and gradient uses) is input edge `edge_permutation[e]`.
+        Reorder COO-ordered fields with `field[graph.edge_permutation]`. None for the other
+        constructors (their input order is the CSR order)."""
         return self._edge_perm
 
     @property
     def edge_field_names(self):
+        """Names of the per-edge fields a program's `edge.<name>` can read, ('displacement',
+        'distance') for radius / knn graphs and () otherwise."""
         return ("displacement", "distance") if self._positions is not None else ()
 
     def __repr__(self):

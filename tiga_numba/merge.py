@@ -106,4 +106,28 @@ def attention_merge(parts):
         inv = xp.where(l_run > 0, 1 / xp.where(l_run > 0, l_run, 1), 0).astype(acc)
     out = (o_run * inv[..., None]).astype(out0.dtype, copy=False)
     m_run = xp.where(l_run > 0, m_run, -xp.inf).astype(acc)
-    return out, AttentionStats(m_run, l_run)
+    # The kernels' own row maxima (exact, in their units) merge by max like m; kept only when
+    # every part has them from one backend, so the backward of the union stays as exact as a
+    # single forward's.
+    kernel_ms = [getattr(p[1], "m_kernel", None) for p in parts]
+    plans = [getattr(p[1], "plan", None) for p in parts]
+    m_kernel = None
+    if all(mk is not None and tuple(mk.shape) == tuple(m0.shape) for mk in kernel_ms) and \
+            len({getattr(pl, "backend", None) for pl in plans}) == 1 and plans[0] is not None:
+        m_kernel = kernel_ms[0]
+        for mk in kernel_ms[1:]:
+            m_kernel = xp.maximum(m_kernel, mk)
+    stats = AttentionStats(m_run, l_run, m_kernel=m_kernel)
+    if m_kernel is not None:
+        stats.plan = _BackendOnly(plans[0].backend)
+    return out, stats
+
+
+class _BackendOnly:
+    """What merged stats know of the forwards they came from: the backend whose kernel units
+    their m_kernel is in (no single plan, graph or scale)."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend):
+        self.backend = backend

@@ -18,6 +18,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .cpu.threads import serialised
+
 __all__ = ["radius_graph", "knn_graph", "last_build_info", "spatial_order"]
 
 _LAST = {}
@@ -248,6 +250,7 @@ def _radius_pass(order, cstart, spos, lo, cell, dims, r2, exclude_self, indptr, 
             indptr[i + 1] = cnt
 
 
+@serialised
 def radius_graph(positions, cutoff, exclude_self=True):
     """CSR of every pair with |pos[j] - pos[i]| <= cutoff (inclusive, like
     scipy.spatial.cKDTree.query_ball_point). positions: (N, 1|2|3) float array; numpy in,
@@ -340,6 +343,7 @@ def _knn_kernel(order, cstart, spos, lo, cell, dims, kk, exclude_self, indices):
             _sort_row(indices, base, base + kk)
 
 
+@serialised
 def knn_graph(positions, k, exclude_self=True):
     """CSR where destination i receives edges from its k nearest sources (Euclidean; ties
     by lower index; self excluded unless exclude_self=False). With fewer than k candidates
@@ -367,6 +371,7 @@ def knn_graph(positions, k, exclude_self=True):
 
 
 # --------------------------------------------------------------------------- locality order
+@serialised
 def spatial_order(positions, points_per_cell=4.0):
     """A permutation of the points sorted by grid cell (row-major cells of ~points_per_cell
     points). Kernels that visit rows in this order find the neighbours' data of consecutive

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import arrays
 from .score_mod import leaf_name as sm_leaf_name
+from .interop import foreign_arrays
 from .tracing import TracedEdge, is_score_net, record_reduce, trace_edge
 
 __all__ = ["MessagePassing", "online_softmax", "OnlineSoftmaxReducer"]
@@ -504,12 +505,14 @@ class MessagePassing:
         return self._lower(graph, src, dst, edge, params).traced
 
     # ------------------------------------------------------------------ running
+    @foreign_arrays
     def __call__(self, graph=None, src=None, dst=None, edge=None, **params):
         lowered = self._lower(graph, src, dst, edge, params)
         out, plan = lowered.forward()
         self._record(lowered, plan, None)
         return out
 
+    @foreign_arrays
     def vjp(self, graph=None, src=None, dst=None, edge=None, **params):
         """Forward plus a function from the output cotangent to gradients:
 

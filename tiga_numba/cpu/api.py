@@ -1,8 +1,15 @@
 """CPU backend entry points (docs/INTERNALS.md, "Backend entry points").
 
-    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
-    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None)
-        -> (dq, dk, dv, dbias)
+    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l, m_kernel)
+    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             m_kernel=None) -> (dq, dk, dv, dbias)
+
+``m_kernel`` is the row max in the kernels' units (base 2: ``m * log2(e)``), exactly as the
+forward's kernels found it.  The backward subtracts it from scores it recomputes bit for bit
+like the forward did, so ``exp2(s2 - m2)`` of the row's largest score is exactly 1 at any score
+magnitude; going through the natural-log ``m`` instead would exponentiate that conversion's
+rounding error (``|m| * 2**-24`` in float32: already 0.3 % at |m| = 5e4).  Without
+``m_kernel`` (stats built by the caller, merged stats) the backward converts ``m``.
 
 Arrays arrive validated (numpy, any strides, one dtype in float16/32/64).  This module
 makes the layouts the kernels want (``layout.py``), picks the compiled specialisation from
@@ -14,15 +21,17 @@ import warnings
 import numpy as np
 import numba
 
-from ..kernel_cache import KERNELS
+from ..kernel_cache import KERNELS, source as kernel_source
 from . import blocks as _blocks
 from . import csr as _csr
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
 from .layout import acc_dtype_of, head_major, node_major, order_balanced
+from .threads import serialised
 
 LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
 
 # Tile sizes (query rows x key columns) of the block kernels.  Measured on the 2-core AVX-512
 # machine (single thread, N=4096, H=4, D=64 f32, forward / backward ms): 64x64 182/366,
@@ -91,8 +100,9 @@ def _run(kernel, items, *args):
 
 
 def _kernel(key, build):
+    """(kernel, where it came from: "memory hit" / "disk hit" / "compiled", read after the launch)."""
     kern = KERNELS.get(key, build)
-    return kern, ("hit" if KERNELS.last_was_hit else "miss")
+    return kern, kernel_source(kern, KERNELS.last_was_hit)
 
 
 _IR_TEXT = {}
@@ -162,6 +172,7 @@ def _mod_key(gen):
     return None if gen is None else (gen.tree, gen.grad_leaves)
 
 
+@serialised
 def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     acc = acc_dtype_of(q.dtype)
     copies = []
@@ -185,8 +196,9 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         vh = head_major(v, acc, "v", copies)
         tile_base, ktt = _pack(kh, relation, "k", copies)
         # work items depend on the relation and H only: built once per relation record
-        items = KERNELS.derived(relation, ("cpu.forward_items", BM, BN, H),
-                                lambda: _forward_items(relation, H))
+        items, splits, n_slots = KERNELS.derived(
+            relation, ("cpu.forward_items", BM, BN, H, prune),
+            lambda: _forward_items(relation, H, split=not prune))
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune))
         out = np.zeros((Nq, H, v.shape[2]), acc)
@@ -194,12 +206,17 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         l = np.zeros((Nq, H), acc)
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
+        part_acc = np.empty((n_slots, BM, v.shape[2]), acc)
+        part_m = np.empty((n_slots, BM), acc)
+        part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
             _run(kern, items.shape[0], qh, ktt, kh, vh, items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
-                 out, m, l, total, pruned)
+                 splits, part_acc, part_m, part_l, out, m, l, total, pruned)
+        split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
+                      "merged in fixed order" if n_slots else "")
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
-                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir_of(kern))
+                    tiles=f"BM={BM} BN={BN}{split_note}", cache=hit, ir=_ir_of(kern))
         if prune:
             info.update(pruned_tiles=int(pruned.sum()), total_tiles=int(total.sum()))
     else:
@@ -226,7 +243,9 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     info["copies"] = copies
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
-    return out, m, l
+    m2 = m  # the kernels wrote base-2 maxima (-inf for empty rows)
+    m_nat = (m2 * LN2).astype(acc) if acc == np.float32 else m2 * LN2  # rounded once
+    return out, m_nat, l, m2
 
 
 def _ranges(sizes, step):
@@ -242,26 +261,62 @@ def _ranges(sizes, step):
     return blk, starts
 
 
-def _forward_items(rel, H):
-    """(head, block, query-tile start) work items, ordered so equal prange chunks balance."""
+# Key-range splitting of the forward: an item whose key tiles exceed twice the piece length is
+# cut into pieces of about that length. The piece length follows the relation's total work (see
+# split.py: never the thread count, so the bits do not depend on it).
+MIN_PIECE_TILES = 16
+
+
+def _forward_items(rel, H, split=True):
+    """(head, block, query-tile start, first key tile, end key tile, slot) work items ordered
+    so equal prange chunks balance, the split table (head, block, query-tile start, first slot,
+    slots) and the number of slots."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
     lo = np.asarray(rel.lo)
     hi = np.asarray(rel.hi)
     blk, starts = _ranges(nd, BM)
+    none = np.zeros((0, 5), np.int64)
     if blk.shape[0] == 0:
-        return np.zeros((0, 3), np.int64)
+        return np.zeros((0, 6), np.int64), none, 0
     rows = np.minimum(BM, nd[blk] - starts)
     kbeg = np.maximum(0, starts + lo[blk])
     kend = np.minimum(ns[blk], starts + rows - 1 + hi[blk] + 1)
-    key_tiles = np.where(kend > kbeg, (kend + BN - 1) // BN - kbeg // BN, 0)
-    costs = key_tiles + 1  # + 1: the per-item fixed work
+    t0 = kbeg // BN
+    t1 = np.where(kend > kbeg, (kend + BN - 1) // BN, t0)
     n = blk.shape[0]
-    items = np.empty((H * n, 3), np.int64)
-    items[:, 0] = np.repeat(np.arange(H, dtype=np.int64), n)
-    items[:, 1] = np.tile(blk, H)
-    items[:, 2] = np.tile(starts, H)
-    return items[order_balanced(np.tile(costs, H))]
+    base = np.empty((H * n, 5), np.int64)
+    base[:, 0] = np.repeat(np.arange(H, dtype=np.int64), n)
+    base[:, 1] = np.tile(blk, H)
+    base[:, 2] = np.tile(starts, H)
+    base[:, 3] = np.tile(t0, H)
+    base[:, 4] = np.tile(t1, H)
+    tiles = base[:, 4] - base[:, 3]
+    piece = max(MIN_PIECE_TILES, -(-int(tiles.sum()) // _split.TARGET_PIECES))
+    cut = (tiles > 2 * piece) if split else np.zeros(tiles.shape[0], bool)
+    whole = np.concatenate([base[~cut], np.full((int((~cut).sum()), 1), -1, np.int64)], axis=1)
+    parts = [whole]
+    splits = none
+    n_slots = 0
+    if cut.any():
+        cb = base[cut]
+        k = -(-(cb[:, 4] - cb[:, 3]) // piece)
+        n_slots = int(k.sum())
+        first = np.zeros(k.shape[0], np.int64)
+        np.cumsum(k[:-1], out=first[1:])
+        splits = np.concatenate([cb[:, :3], first[:, None], k[:, None]], axis=1)
+        owner = np.repeat(np.arange(k.shape[0]), k)
+        p = np.arange(n_slots) - first[owner]
+        width = cb[owner, 4] - cb[owner, 3]
+        pieces = np.empty((n_slots, 6), np.int64)
+        pieces[:, :3] = cb[owner, :3]
+        pieces[:, 3] = cb[owner, 3] + (width * p) // k[owner]
+        pieces[:, 4] = cb[owner, 3] + (width * (p + 1)) // k[owner]
+        pieces[:, 5] = np.arange(n_slots)
+        parts.append(pieces)
+    items = np.concatenate(parts)
+    costs = items[:, 4] - items[:, 3] + 1  # + 1: the per-item fixed work
+    return items[order_balanced(costs)], splits, n_slots
 
 
 # Blocks with at most this many keys are not packed into (D, BN) tiles: their score gemm reads
@@ -310,7 +365,9 @@ def _bias(edge_bias, acc, H, copies):
 
 
 # --------------------------------------------------------------------------- backward
-def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None, score_mod=None):
+@serialised
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             m_kernel=None, score_mod=None):
     if plan.prune_threshold is not None:  # dispatch refuses this first; fail closed anyway
         raise NotImplementedError("block_prune_threshold: the backward of a pruned forward "
                                   "is not implemented")
@@ -341,8 +398,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     delta = np.einsum("nhd,nhd->nh", np.asarray(dout, acc), np.asarray(out, acc))
     with np.errstate(divide="ignore"):
         linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
-    # base-2 maxima for the kernels; -inf (empty rows) -> the kernels' finite NEG sentinel
-    m2 = np.where(np.isfinite(m), m * LOG2E, _blocks.NEG).astype(acc)
+    # base-2 maxima for the kernels: the forward's own when given (exact), else converted from
+    # m; -inf (empty rows) -> the kernels' finite NEG sentinel
+    m2 = np.asarray(m_kernel, acc) if m_kernel is not None else m * acc.type(LOG2E)
+    m2 = np.where(np.isfinite(m2), m2, acc.type(_blocks.NEG)).astype(acc)
     dbias = None
     if _is_blocks(relation):
         if edge_bias is not None:

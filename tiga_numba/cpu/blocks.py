@@ -8,13 +8,17 @@ an ``out=`` buffer, i.e. one BLAS gemm per tile with no allocation; the softmax 
 a vectorised loop.
 
 Blocks are banded (``lo <= c - r <= hi`` in block-local positions: full, causal, bottom-right
-causal, sliding window). Forward: one work item = (head, block, query tile); it walks only the
-key tiles its rows' band touches, with the FlashAttention-2 recurrence, and writes per-row
-(out, m, l). In a tile the band cuts, cells outside it are masked before the softmax and the
+causal, sliding window). Forward: one work item = (head, block, query tile, key-tile range); it walks only the
+key tiles of its range that its rows' band touches, with the FlashAttention-2 recurrence, and
+writes per-row (out, m, l). Few query tiles over long key ranges (decode, cross-attention to a
+long context) would leave cores idle, so such items are cut into key ranges (api.py) whose
+partial states land in slots that a second parallel loop merges in slot order. In a tile the band cuts, cells outside it are masked before the softmax and the
 value product reads only band cells (``band_rows_mm``), so a non-finite key or value outside a
 row's relation never reaches that row (0 * inf would be NaN). Blocks narrower than a quarter tile
 are not packed: their score gemm reads the K rows directly, so memory stays O(N) however many
-short segments there are.
+short segments there are. The row max is written in base 2 (m2) exactly as the kernel found
+it (the backward subtracts it from the same recomputed scores, so it must not go through a
+rounded unit conversion; ``api.py`` derives the natural m).
 Optional tile pruning (``PRUNE``): after the score tile is computed it is admitted only if
 ``max(tile) >= m_run_block + log(rho)`` (in base 2: ``+ log2(rho)``), ``m_run_block`` the
 running max over every row of the query tile; a rejected tile skips its value product and
@@ -129,11 +133,11 @@ def band_cols_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
 def make_forward(acc, BM, BN, prune):
     """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off."""
     dt = np.float32 if acc == "float32" else np.float64
-    ln2 = LN2
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def forward(qh, ktt, kh, vh, items, dst_off, src_off, band_lo, band_hi, tile_base, group,
-                log2_rho, out, m_out, l_out, tiles_total, tiles_pruned):
+                log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
+                tiles_pruned):
         D = qh.shape[2]
         Dv = vh.shape[2]
         n_items = items.shape[0]
@@ -143,6 +147,7 @@ def make_forward(acc, BM, BN, prune):
             h = items[w, 0]
             b = items[w, 1]
             q0 = items[w, 2]
+            slot = items[w, 5]
             hk = h // group
             d0 = dst_off[b]
             s0 = src_off[b]
@@ -161,8 +166,9 @@ def make_forward(acc, BM, BN, prune):
             mref = np.empty(rows, dt)
             qt = qh[h, d0 + q0:d0 + q0 + rows]
             # keys of the band for these rows: [kbeg, kend); tiles stay aligned to the block
-            kbeg = max(0, q0 + lo)
-            kend = min(ns, q0 + rows - 1 + hi + 1)
+            # (a piece of a split item covers key tiles [items[w, 3], items[w, 4]) only)
+            kbeg = max(0, q0 + lo, items[w, 3] * BN)
+            kend = min(ns, q0 + rows - 1 + hi + 1, items[w, 4] * BN)
             m_blk = dt(NEG)
             n_total = 0
             n_pruned = 0
@@ -228,16 +234,51 @@ def make_forward(acc, BM, BN, prune):
                         band_rows_mm(sbuf, vt, acc_, rows, cols, lo_rel, hi_rel, ca, cb)
                     else:
                         mm(S, vt, acc_, 1.0, False, False)
+            tiles_total[w] = n_total
+            tiles_pruned[w] = n_pruned
+            if slot >= 0:  # one key range of a split item: its partial state, merged below
+                part_m[slot, :rows] = m
+                part_l[slot, :rows] = l
+                part_acc[slot, :rows] = acc_
+                restore_mxcsr(mxcsr)
+                continue
             for r in range(rows):
                 i = d0 + q0 + r
                 inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
                 for d in range(Dv):
                     out[i, h, d] = acc_[r, d] * inv
-                m_out[i, h] = m[r] * ln2 if l[r] > 0 else -np.inf
+                m_out[i, h] = m[r] if l[r] > 0 else -np.inf  # base 2, as the kernel found it
                 l_out[i, h] = l[r]
-            tiles_total[w] = n_total
-            tiles_pruned[w] = n_pruned
             restore_mxcsr(mxcsr)
+        # merge the key ranges of every split item, in slot order (deterministic)
+        for t in prange(splits.shape[0]):
+            h = splits[t, 0]
+            b = splits[t, 1]
+            q0 = splits[t, 2]
+            first = splits[t, 3]
+            last = first + splits[t, 4]
+            rows = min(BM, dst_off[b + 1] - dst_off[b] - q0)
+            for r in range(rows):
+                i = dst_off[b] + q0 + r
+                mx = dt(NEG)
+                for p in range(first, last):
+                    mx = fmax(mx, part_m[p, r])
+                ms = mx if mx > EMPTY else dt(0.0)
+                tot = dt(0.0)
+                o = out[i, h]
+                for d in range(Dv):
+                    o[d] = 0.0
+                for p in range(first, last):
+                    a = exp2_any(part_m[p, r] - ms)
+                    tot += part_l[p, r] * a
+                    pa = part_acc[p, r]
+                    for d in range(Dv):
+                        o[d] += a * pa[d]
+                inv = dt(1.0) / tot if tot > 0 else dt(0.0)
+                for d in range(Dv):
+                    o[d] *= inv
+                m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
+                l_out[i, h] = tot
 
     return forward
 

@@ -9,7 +9,8 @@ Work is divided by edges (``split.py``): a ``prange`` item is a run of short row
 of a long row, all heads; a row's edges are streamed in chunks of ``CH`` with the online-softmax
 recurrence, so scratch is O(H * (CH + Dv)) per item. A piece leaves its partial (acc, m, l) in a
 slot and a second parallel loop merges each long row's slots in order (deterministic, no
-atomics). Empty rows: out 0, m = -inf, l = 0.
+atomics). The row max is written in base 2 (m2), as the kernel found it; ``api.py`` derives
+the natural m. Empty rows: out 0, m2 = -inf, l = 0.
 
 Backward (deterministic, no atomics, no (E,)-sized scratch):
   * pass 1, by destination rows: dq_i = scale * sum_e ds_e k_j and, when there is a bias,
@@ -45,7 +46,6 @@ RB = 32  # rows per prange iteration (amortises scratch allocation)
 
 def make_forward(acc, mod=None):
     dt = np.float32 if acc == "float32" else np.float64
-    ln2 = LN2
     log2e = dt(LOG2E)
     MOD = mod is not None
     f_val = mod.value if MOD else no_value
@@ -133,7 +133,7 @@ def make_forward(acc, mod=None):
                     o = out[i, h]
                     for d in range(Dv):
                         o[d] = ar[d] * inv
-                    m_out[i, h] = m[h] * ln2 if l[h] > 0 else -np.inf
+                    m_out[i, h] = m[h] if l[h] > 0 else -np.inf  # base 2, as found
                     l_out[i, h] = l[h]
             restore_mxcsr(mxcsr)
         # merge the pieces of every split row, in slot order (deterministic)
@@ -159,7 +159,7 @@ def make_forward(acc, mod=None):
                 inv = dt(1.0) / tot if tot > 0 else dt(0.0)
                 for d in range(Dv):
                     o[d] *= inv
-                m_out[i, h] = mx * ln2 if tot > 0 else -np.inf
+                m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
                 l_out[i, h] = tot
 
     return forward

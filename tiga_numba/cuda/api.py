@@ -37,7 +37,7 @@ from . import tiles as _tiles
 from .common import make_delta, make_stats
 from .launch import current_stream
 
-try:  # the tensor-core helper's package; absent or partial -> CUDA-core kernels only
+try:  # the tensor-core kernels (cuda/tc); absent or partial -> CUDA-core kernels only
     from . import tc as _tc
 except ImportError:  # pragma: no cover
     _tc = None
@@ -220,7 +220,7 @@ def _forward_record(rel, dname, D, DV, H, prune, has_bias):
 def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
     rec = _Record()
     g = rec.geo
-    if not _is_blocks(rel):  # CSR: (lse, Delta) pairs, one per gathered (row, head)
+    if not _is_blocks(rel):  # CSR: (m, log l, Delta) records, one per gathered (row, head)
         g["pre"] = rec.kernel(("stats", dname, aname), lambda: make_stats(dname, aname))
     else:
         g["pre"] = rec.kernel(("delta", dname, aname), lambda: make_delta(dname, aname))
@@ -358,12 +358,12 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     l = _contig(l, acc, "stats.l", copies)
 
     # Delta_i = sum(dO_i * O_i): one pass, read by both gradient kernels (the CSR kernels get
-    # it interleaved with lse = m + log(l), one pair per gathered (row, head))
+    # it interleaved with m and log(l), one record per gathered (row, head))
     if blocks:
         delta = _empty((Nq, H), acc)
         pre_args = (dop, outp, delta.data.ptr)
     else:
-        delta = _empty((Nq, H, 2), acc)
+        delta = _empty((Nq, H, 3), acc)
         pre_args = (dop, outp, m.data.ptr, l.data.ptr, delta.data.ptr)
     if Nq * H:
         g["pre"](g["pre_grid"], g["pre_block"], stream, *pre_args,

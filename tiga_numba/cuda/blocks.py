@@ -16,13 +16,17 @@ phase 2 (no V use, no softmax update) when max(tile) < m_run_block + ln(rho).
 backward (deterministic, no atomics): `dq` walks key tiles per query tile (like the forward);
 `dkdv` walks query tiles per key tile, summing the query heads of a GQA group in a fixed order.
 Both rebuild p = exp(s - m) / l from the forward's (m, l); Delta comes from common.make_delta.
+Every kernel computes a score the same way, (q * scale) . k with the same lane slices and
+the same shuffle tree (tiles.py gives the three kernels the same G and VEC), so the backward's
+score equals the forward's bit for bit and exp(s - m) of a row's largest score is exactly 1,
+at any score magnitude (a last-bit difference would be multiplied by |s|).
 
 Why the three kernels spell out their row loads, tile staging and lane-group dot products
 instead of calling shared device functions: numba-cuda (0.30) compiles a device function for
 the *current device* (`Dispatcher.compile_device` asks `get_current_device()`), so a kernel that
 calls one can no longer be compiled by `compile_ptx(..., cc=(9, 0))` on a machine without a GPU
-(CI's sm_90 compile test, `prebuild`); tried in session 6 and reverted. register_jitable helpers
-go through the same path.
+(CI's sm_90 compile test, `prebuild`); a shared-function version was tried and reverted for this
+reason. register_jitable functions go through the same path.
 """
 from __future__ import annotations
 
@@ -548,7 +552,7 @@ def make_dkdv(t):
                 d = ((c // VEC) * G + lane) * VEC + c % VEC
                 x = ACC(0.0)
                 if kl < ns and d < D:
-                    x = ACC(k[U(j * ks0 + hk * ks1 + d * ks2)]) * scale
+                    x = ACC(k[U(j * ks0 + hk * ks1 + d * ks2)])
                 kr[U(r * DSQ + c)] = x
                 dka[U(r * DSQ + c)] = ACC(0.0)
             for c in range(DSV):
@@ -573,7 +577,9 @@ def make_dkdv(t):
                     d = e - jq * DP
                     x = ACC(0.0)
                     if jq < nq and d < D:
-                        x = ACC(q[U((qb + jq) * qs0 + h * qs1 + d * qs2)])
+                        # scaled q, as the forward scales it: the same products, summed in
+                        # the same order, give the forward's score bit for bit
+                        x = ACC(q[U((qb + jq) * qs0 + h * qs1 + d * qs2)]) * scale
                     sQ[U(e)] = x
                 for e in range(tid, BN * DVP, NT):
                     jq = e // DVP
@@ -643,7 +649,7 @@ def make_dkdv(t):
                 for c in range(DSQ):
                     d = ((c // VEC) * G + lane) * VEC + c % VEC
                     if d < D:
-                        dk[U(ob + d)] = IN(dka[U(r * DSQ + c)] * scale)
+                        dk[U(ob + d)] = IN(dka[U(r * DSQ + c)])  # sQ holds scaled q
                 ob = (j * Hkv + hk) * DV
                 for c in range(DSV):
                     d = ((c // VEC) * G + lane) * VEC + c % VEC

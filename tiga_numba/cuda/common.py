@@ -56,9 +56,10 @@ def make_delta(dtype, acc):
 
 
 def make_stats(dtype, acc):
-    """st[i, h] = (lse, Delta) interleaved, lse = m + log(l) (+inf for an empty row), Delta as
-    in make_delta. The CSR backward reads one 8/16-byte pair per gathered (row, head) instead
-    of three scattered scalars (m, l, Delta)."""
+    """st[i, h] = (m, log(l), Delta) interleaved (m = +inf and log(l) = 0 for an empty row),
+    Delta as in make_delta. The CSR backward reads one 12/24-byte record per gathered
+    (row, head) instead of three scattered scalars. m and log(l) stay apart: their sum rounded
+    once would lose log(l) against a large m."""
     IN, ACC = nbtype(dtype), nbtype(acc)
     GD = 1 if SIM else 32
     NT = 32 if SIM else 128
@@ -85,11 +86,14 @@ def make_stats(dtype, acc):
             off //= 2
         if lane == 0 and row < nrows:
             lv = lo[U(row)]
-            lse = ACC(math.inf)
+            mx = ACC(math.inf)
+            lgl = ACC(0.0)
             if lv > 0:
-                lse = mo[U(row)] + math.log(lv)
-            st[U(2 * row)] = lse
-            st[U(2 * row + 1)] = a
+                mx = mo[U(row)]
+                lgl = math.log(lv)
+            st[U(3 * row)] = mx
+            st[U(3 * row + 1)] = lgl
+            st[U(3 * row + 2)] = a
 
     i64 = numba.int64
     spec = [("dout", "a", IN), ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC),

@@ -10,7 +10,11 @@ forward: online softmax over the row's edges, four edges per step (eight gathere
 flight, the running max rescaled once per step); edge_bias (E, H) is added to the scaled score; D = 0
 (precomputed per-edge scores) works: the dot product is empty.
 
-backward, deterministic without atomics, reading (lse, Delta) pairs from common.make_stats:
+backward, deterministic without atomics, reading (m, log l, Delta) triples from common.make_stats
+(p = exp((s - m) - log l): s - m is exact for a row's largest score, which a single rounded
+lse = m + log l is not once |m| * eps exceeds log l's own size). Every kernel computes a
+score as (q * scale) . k with the same lane slices and shuffle tree, so the backward's score
+equals the forward's bit for bit:
 dq (and dbias, one writer per edge) by destination rows over the CSR; dk/dv by source rows over the transposed CSR (rows = sources, `perm` maps
 each entry to its edge id for the bias), summing a GQA group's query heads in a fixed order.
 """
@@ -211,9 +215,10 @@ def make_dq(t, bias):
                 x = ACC(dout[U(i * os0 + h * os1 + d * os2)])
             dor[U(c)] = x
         row = i * H + h
-        lse = st[U(2 * row)]
-        dl = st[U(2 * row + 1)]
-        live = lse < math.inf
+        mx = st[U(3 * row)]
+        lgl = st[U(3 * row + 1)]
+        dl = st[U(3 * row + 2)]
+        live = mx < math.inf
         e = indptr[U(i)]
         e1 = indptr[U(i + 1)]
         while e < e1:
@@ -260,9 +265,9 @@ def make_dq(t, bias):
             ds0 = ACC(0.0)
             ds1 = ACC(0.0)
             if live:
-                ds0 = math.exp(s0 - lse) * (dp0 - dl)
+                ds0 = math.exp((s0 - mx) - lgl) * (dp0 - dl)
                 if two:
-                    ds1 = math.exp(s1 - lse) * (dp1 - dl)
+                    ds1 = math.exp((s1 - mx) - lgl) * (dp1 - dl)
             for c in range(DSQ):
                 dqa[U(c)] += ds0 * ka[U(c)] + ds1 * kb[U(c)]
             if BIAS and lane == 0:
@@ -329,7 +334,7 @@ def make_dkdv(t, bias):
             d = c * G + lane
             x = ACC(0.0)
             if d < D:
-                x = ACC(k[U(j * ks0 + hk * ks1 + d * ks2)]) * scale
+                x = ACC(k[U(j * ks0 + hk * ks1 + d * ks2)])
             kr[U(c)] = x
             dka[U(c)] = ACC(0.0)
         for c in range(DSV):
@@ -360,9 +365,9 @@ def make_dkdv(t, bias):
                     d = c * G + lane
                     x0 = ACC(0.0)
                     x1 = ACC(0.0)
-                    if d < D:
-                        x0 = ACC(q[U(i0 * qs0 + h * qs1 + d * qs2)])
-                        x1 = ACC(q[U(i1 * qs0 + h * qs1 + d * qs2)])
+                    if d < D:  # scaled q, as in the forward: the same score bits
+                        x0 = ACC(q[U(i0 * qs0 + h * qs1 + d * qs2)]) * scale
+                        x1 = ACC(q[U(i1 * qs0 + h * qs1 + d * qs2)]) * scale
                     qa[U(c)] = x0
                     qb[U(c)] = x1
                     s0 += kr[U(c)] * x0
@@ -380,10 +385,12 @@ def make_dkdv(t, bias):
                     dp1 += vr[U(c)] * x1
                 r0 = i0 * H + h
                 r1 = i1 * H + h
-                lse0 = st[U(2 * r0)]
-                dl0 = st[U(2 * r0 + 1)]
-                lse1 = st[U(2 * r1)]
-                dl1 = st[U(2 * r1 + 1)]
+                mx0 = st[U(3 * r0)]
+                lgl0 = st[U(3 * r0 + 1)]
+                dl0 = st[U(3 * r0 + 2)]
+                mx1 = st[U(3 * r1)]
+                lgl1 = st[U(3 * r1 + 1)]
+                dl1 = st[U(3 * r1 + 2)]
                 off = G // 2
                 while off > 0:
                     s0 += cuda.shfl_xor_sync(mask, s0, off)
@@ -396,10 +403,10 @@ def make_dkdv(t, bias):
                     s1 += eb[U(e1 * H + h)]
                 p0 = ACC(0.0)
                 p1 = ACC(0.0)
-                if lse0 < math.inf:
-                    p0 = math.exp(s0 - lse0)
-                if two and lse1 < math.inf:
-                    p1 = math.exp(s1 - lse1)
+                if mx0 < math.inf:
+                    p0 = math.exp((s0 - mx0) - lgl0)
+                if two and mx1 < math.inf:
+                    p1 = math.exp((s1 - mx1) - lgl1)
                 ds0 = p0 * (dp0 - dl0)
                 ds1 = p1 * (dp1 - dl1)
                 for c in range(DSV):
@@ -411,7 +418,7 @@ def make_dkdv(t, bias):
         for c in range(DSQ):
             d = c * G + lane
             if d < D:
-                dk[U(ob + d)] = IN(dka[U(c)] * scale)
+                dk[U(ob + d)] = IN(dka[U(c)])  # qa, qb hold scaled q
         ob = (j * Hkv + hk) * DV
         for c in range(DSV):
             d = c * G + lane

@@ -10,7 +10,7 @@ one `struct.pack_into` of the scalars into a parameter buffer made once per kern
 cuLaunchKernel (cupy's driver binding) on cupy's current stream: no per-argument objects,
 no numba dispatcher. Fallbacks, tried in order when a path cannot be set up or its first
 launch on a device fails: cupy's Function call, cuda.core's launch, numba's own launch
-(TIGA_NUMBA_LAUNCHER names the first one to try; benchmarks/bench_overhead.py compares them).
+(TIGA_NUMBA_LAUNCHER names the first one to try; benchmarks/tuning/bench_overhead.py compares them).
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1) there are no pointers: the same kernel body is
 wrapped to take host arrays directly, so the logic can be checked without a GPU.
@@ -121,7 +121,7 @@ class Kernel:
     def dispatcher(self, value):
         self._dispatcher = value
 
-    # -- compile-only helpers: work without a GPU (CI)
+    # -- compile-only methods: work without a GPU (CI)
     def compile_ptx(self, cc=(9, 0)):
         """PTX text for compute capability `cc`, compiled here (no device needed)."""
         ptx, _ = cuda.compile_ptx(self.pyfunc, self.argtypes, cc=cc, **self.jit_options)

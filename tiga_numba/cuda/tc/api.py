@@ -1,4 +1,4 @@
-"""Tensor-core attention entry points for the CUDA backend (INTERNALS.md contract).
+"""Tensor-core attention entry points for the CUDA backend (docs/INTERNALS.md contract).
 
 supports(plan, q, k, v, relation) -> bool      this path can run the request exactly
 forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
@@ -62,7 +62,7 @@ TUNING = {
 }
 #: shapes of the fused dK/dV/dQ kernel (Variant.fuse_dq: 5 products, ordered dQ accumulation) per
 #: (16-bit or float32, D). Not shipped: on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt)
-#: the two-kernel backward was faster in every cell; benchmarks/bench_tc_bwd.py runs the A/B.
+#: the two-kernel backward was faster in every cell; benchmarks/tuning/bench_tc_bwd.py runs the A/B.
 FUSED_DKDV = {
     ("float16", 64): dict(NW=4, MT=1, BN=64, a_smem=True), ("float16", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
     ("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True), ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True),
@@ -71,13 +71,13 @@ FUSED_DKDV = {
 
 #: opt-in, not deterministic (TIGA_NUMBA_DETERMINISTIC=0): the fused dK/dV/dQ kernel adding dQ with
 #: float atomics, for the (dtype, D) where it beat the deterministic two-kernel backward in every
-#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt runs 3-5; run 5: float32 D=64
+#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt; final kernels: float32 D=64
 #: 16-33 %, D=128 2-25 % faster). 16-bit: within 2 % at D=64 but for one cell, slower at D=128: not offered.
 ATOMIC_DQ = {("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
              ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True)}
 #: the same opt-in on sm_90a (16-bit; D -> shape, the whole wgmma Variant fields as in TUNING_WGMMA):
 #: the fused wgmma kernel with dQ added by red.global. Empty: it was not faster than the overlapped
-#: two-kernel backward (results/wgmma-fused-bwd-h200-2026-11-30.txt runs 1-2)
+#: two-kernel backward (results/wgmma-fused-bwd-h200-2026-11-30.txt)
 ATOMIC_DQ_WGMMA = {}
 
 
@@ -85,7 +85,7 @@ ATOMIC_DQ_WGMMA = {}
 #: fragment twice the registers (big and small halves), so MT = 1; the CTA's own operand stays in
 #: shared memory but for the D = 64 forward. 8 warps (BM = 128: each streamed block feeds twice the
 #: warps) won for the forwards and the D = 128 backward in the --wide sweep on the H200
-#: (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt run 4: fwd D=128 5.45 -> 5.08 ms,
+#: (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt, --wide sweep: fwd D=128 5.45 -> 5.08 ms,
 #: bwd D=128 25.7 -> 22.2 ms, fwd D=64 2.52 -> 2.49 ms; bwd D=64 stayed with 4 warps: 10.7 vs 11.2).
 TUNING_F32 = {
     ("fwd", 64): dict(NW=8, MT=1, BN=64),
@@ -96,13 +96,13 @@ TUNING_F32 = {
     ("dkdv", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
 }
 # dq D = 128: BN = 64 was 3% faster in the first sweep (before per-block partials) but then
-# spilled and did not finish compiling within 190 s on the H200 in the second run; BN = 32 did.
+# spilled and did not finish compiling within 190 s on the H200 in the second sweep; BN = 32 did.
 
 
 #: 16-bit shapes on compute capability 9.0 (H100 / H200): warpgroup wgmma products, compiled
 #: for sm_90a (generator "wgmma"); each warpgroup owns 64 rows (NW = 4: one group, 8: two).
-#: Chosen by benchmarks/bench_wgmma.py's sweep on the H200 (2026-11-29, results/wgmma-h200-2026-11-29.txt
-#: runs 1-2; sum over N = 4096 / 16384 x causal 0 / 1, run 2): fwd D=64 4.35 ms (NW=4 BN=64: 4.36,
+#: Chosen by benchmarks/tuning/bench_wgmma.py's sweep on the H200 (2026-11-29, results/wgmma-h200-2026-11-29.txt;
+#: sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64 4.35 ms (NW=4 BN=64: 4.36,
 #: NW=8 BN=128: 5.51), fwd D=128 8.27 (NW=4 BN=64 8.54, NW=4 BN=128 11.0), bwd D=64 18.1 (BN=64: 20.4;
 #: 8 warps 18.6-30.4), bwd D=128 29.4 (dK/dV with 8 warps: 31.2; 4 warps BN=64 / 32 throughout: 37.1).
 TUNING_WGMMA = {
@@ -121,7 +121,7 @@ def _padded_dims(table):
                   for d, like in ((32, 64), (96, 128))})
 
 
-# 16-bit: the run-4 sweep of their own candidates chose the same ones (no spills at 159-253 /
+# 16-bit: a sweep of their own candidates (results/wgmma-h200-2026-11-29.txt) chose the same ones (no spills at 159-253 /
 # 176-246 registers, ptxas report)
 _padded_dims(TUNING_WGMMA)
 
@@ -130,10 +130,10 @@ _padded_dims(TUNING_WGMMA)
 #: (generator "split": 6 passes per product, per-block partials). Three bf16 parts take 1.5x the
 #: shared memory of a float32 tile and a float32 staging tile is added, so blocks are narrower
 #: than the 16-bit ones; D = 128 backward kernels hold one warpgroup (two would not fit).
-#: Chosen by benchmarks/bench_fp32_wgmma.py's sweep on the H200 (2026-11-30,
-#: results/fp32-wgmma-h200-2026-11-30.txt run 1; sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64
+#: Chosen by benchmarks/tuning/bench_fp32_wgmma.py's sweep on the H200 (2026-11-30,
+#: results/fp32-wgmma-h200-2026-11-30.txt; sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64
 #: 19.5 ms (NW=4 BN=64: 23.2, BN=128: 31.1), fwd D=128 43.8 (NW=4 BN=64: 59.1, BN=32: 66.6), bwd D=64
-#: 86.4 (4 warps: 88.3-96.5), bwd D=128 225 (dK/dV BN=16: 296); run 6: dK/dV D=128 with 32-column
+#: 86.4 (4 warps: 88.3-96.5), bwd D=128 225 (dK/dV BN=16: 296); a later sweep: dK/dV D=128 with 32-column
 #: P B chains (pb_cols, fewer partial registers: 236 B of spills instead of 328) 220.3.
 TUNING_WGMMA_F32 = {
     ("fwd", 64): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True),
@@ -365,7 +365,11 @@ def _load_cached_module(name, src, dtype):
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod   # numba's cache wants the function's module importable
-    spec.loader.exec_module(mod)
+    # compiled from the file's text rather than through the import system: no .pyc lands in
+    # the cache directory (the text is compiled once per process; numba's cache only needs
+    # the code object's file name to be the real file)
+    with open(path) as fh:
+        exec(compile(fh.read(), path, "exec"), mod.__dict__)
     return mod.kernel
 
 

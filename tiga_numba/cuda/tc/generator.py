@@ -76,7 +76,7 @@ SPLIT_PARTS = ("hi", "mid", "lo")
 SPLIT_PASSES = (("lo", "hi"), ("hi", "lo"), ("mid", "mid"), ("mid", "hi"), ("hi", "mid"), ("hi", "hi"))
 #: split P B products accumulate each streamed block in fresh partial tiles, added to the
 #: accumulator in ordinary fp32 (PB_PAIRS's reason, measured for wgmma too: results file
-#: fp32-wgmma-h200-2026-11-30.txt run 4); False feeds the accumulator into the chain
+#: fp32-wgmma-h200-2026-11-30.txt); False feeds the accumulator into the chain
 SPLIT_PARTIALS = True
 
 #: tf32 mma_pb accumulates each streamed block into fresh partial C tiles, PB_PAIRS n-tile pairs
@@ -104,7 +104,7 @@ class Variant:
     #                          no fixed order: NOT deterministic, an experiment / opt-in only
     wgmma: bool = False  # sm_90a warpgroup products (see "wgmma" below): each group of 4 warps
     #                      multiplies its 64 rows at once, operands straight from shared memory
-    prune: bool = False  # fwd only: tile-pruning admission (DESIGN.md), see prune_gate
+    prune: bool = False  # fwd only: tile-pruning admission (docs/design.md), see prune_gate
     pb_cols: int = 64    # split: output columns per P B chain and its per-block partial (pb_groups);
     #                      fewer columns, fewer partial registers
     overlap: bool = True  # wgmma backward: the dP chain (and, 16-bit dK/dV, the dV chain) is issued
@@ -400,7 +400,7 @@ def load_rows_per_pass(v, rs):
 
 
 def thread_geometry(e, v):
-    """lane decomposition used by every fragment helper, plus this lane's swizzled shared offsets:
+    """lane decomposition used by every fragment emitter, plus this lane's swizzled shared offsets:
     xa{rs}_{c}: row lrow16, chunk 2c + mhi (A fragments of k-step c; B.trans of n-tile pair c);
     xb{rs}_{c}: row r8, chunk 4c + mi (B fragments of k-steps 2c, 2c+1);
     ls{rs}_{o}: tile-load slot of a pass starting o rows (mod 8) into the tile;
@@ -1041,7 +1041,7 @@ def stream_key_blocks(e, v, qa_where, block, issue=None):
 
 # ============================================================================= forward
 def prune_gate(e, v):
-    """Tile-pruning admission (DESIGN.md): admit iff the running max R over the whole query tile is
+    """Tile-pruning admission (docs/design.md): admit iff the running max R over the whole query tile is
     still unset or max(tile scores) T >= R + ln(rho), both over this CTA's real rows (tail rows
     hold zero-filled queries), in the exp2 domain (ln(rho) arrives as lg2rho = log2(rho)).
     T >= R + c holds iff some thread's own rows reach R + c, so one barrier-or decides for the

@@ -9,7 +9,7 @@
 #   3. the other GPU tests (CUDA-core, program, GAT, neighbours);
 #   4. bench_overhead.py --gpu (tiny-call host overhead).
 # Outputs under $OUT (default /tmp/gpu_check). Usage, from the repository root:
-#   bash benchmarks/gpu_check.sh
+#   bash benchmarks/tuning/gpu_check.sh
 set -u
 . "$(dirname "$0")/gpu_env.sh" gpu_check
 
@@ -28,7 +28,7 @@ timeout ${CHECK_TESTS_S:-330} python3 -m pytest -m gpu tests --ignore=tests/test
 rc=$?; tail -n 6 "$OUT/tests_other.txt"; stamp "other GPU tests rc=$rc"; [ $rc -eq 0 ] || status=1
 
 stamp "per-call overhead"
-timeout 90 python3 benchmarks/bench_overhead.py --gpu --no-cpu > "$OUT/overhead.txt" 2>&1
+timeout 90 python3 benchmarks/tuning/bench_overhead.py --gpu --no-cpu > "$OUT/overhead.txt" 2>&1
 rc=$?; tail -n 25 "$OUT/overhead.txt"; stamp "overhead rc=$rc"
 echo "check status=$status"
 exit $status

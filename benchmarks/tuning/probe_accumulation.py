@@ -3,12 +3,12 @@ running sum is fed back into the chain across many blocks? float32 on wgmma (bf1
 and without per-block partials (generator.SPLIT_PARTIALS), forward and backward, N = 4096 / 16384,
 relative L2 error vs float64 (2 heads). Compiles its kernels in-process (no cubin cache needed).
 
-  PYTHONPATH=. python benchmarks/probe_accumulation.py
+  PYTHONPATH=. python benchmarks/tuning/probe_accumulation.py
 """
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_tc
 import bench_tc as B  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

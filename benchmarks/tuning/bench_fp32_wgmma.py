@@ -1,10 +1,10 @@
 """float32 on the H200's wgmma (bf16 x 3 splits, 6 passes per product) vs the 3xTF32 mma.sync kernels
 vs torch SDPA's efficient kernel in fp32, same run (H = 16, node-major (N, H, D) float32 data).
 
-  PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py [--out DIR] [--no-sweep] [--N 4096,16384]
-  PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py --build sm_90   # cubins of every kernel this run
+  PYTHONPATH=. python benchmarks/tuning/bench_fp32_wgmma.py [--out DIR] [--no-sweep] [--N 4096,16384]
+  PYTHONPATH=. python benchmarks/tuning/bench_fp32_wgmma.py --build sm_90   # cubins of every kernel this run
                                                                       # launches, into the cache (no GPU)
-  PYTHONPATH=. python benchmarks/bench_fp32_wgmma.py --resources --dims 32,64,96,128
+  PYTHONPATH=. python benchmarks/tuning/bench_fp32_wgmma.py --resources --dims 32,64,96,128
                                                     # ptxas registers / spills of the shipped kernels (no GPU)
 
 1. sweep: each candidate shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
@@ -18,7 +18,7 @@ Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_tc
 import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
 import bench_wgmma as W  # noqa: E402  (the shape sweep)
 from tiga_numba.cuda.tc import api  # noqa: E402

@@ -4,7 +4,7 @@ vs the two-kernel backward it replaced (dQ kernel + dK/dV kernel, 7 products), n
 (for the forward+backward / forward ratio) and torch SDPA forward+backward (flash for 16-bit,
 efficient for float32) as the anchor.
 
-  PYTHONPATH=. python benchmarks/bench_tc_bwd.py [--dtypes float16,float32] [--N 4096,16384]
+  PYTHONPATH=. python benchmarks/tuning/bench_tc_bwd.py [--dtypes float16,float32] [--N 4096,16384]
          [--build sm_90]    # only fill the cubin cache for every kernel this run launches (no GPU)
          [--spills sm_90]   # ptxas registers / spill bytes of the backward kernels (no GPU)
          [--wgmma --dims 32,64,128]   # the sm_90a kernels: shipped two-kernel wgmma backward vs the
@@ -23,7 +23,7 @@ import numpy as np
 
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
 from tiga_numba.cuda.tc import api  # noqa: E402
@@ -165,7 +165,7 @@ def main():
         return spills(a.spills, dtypes, dims, pick)
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_tc
     if a.sanitize:
         return sanitize(dtypes, dims, pick)
     import bench_tc as BT

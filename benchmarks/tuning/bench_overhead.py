@@ -1,7 +1,7 @@
 """Per-call host overhead of tg.attention / tg.attention_backward on a tiny problem
-(issue 4: "launch overhead under 50 us for a tiny problem"), CPU and GPU.
+(target: under 50 us of host time per call on a tiny problem), CPU and GPU.
 
-    PYTHONPATH=$PWD python benchmarks/bench_overhead.py [--gpu] [--profile] [--out FILE]
+    PYTHONPATH=$PWD python benchmarks/tuning/bench_overhead.py [--gpu] [--profile] [--out FILE]
 
 Tiny problem: N = 16, H = 1, D = 16, triangular relation, float32. Each line is the best of
 5 rounds of n calls (us per call); the minimum, because the machine may be shared.
@@ -27,7 +27,7 @@ import types
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 LINES = []
 
@@ -222,7 +222,7 @@ def launcher_table(q, k, v, g, ref_out):
 
 
 def tc_host_time(profile):
-    """Host time of a call routed to the tensor-core helper (fp16, N=4096, H=16, D=64, dense):
+    """Host time of a call routed to the tensor-core kernels (fp16, N=4096, H=16, D=64, dense):
     the time until the call returns, with the GPU busy (so no wait is included)."""
     import cupy
     import tiga_numba as tg

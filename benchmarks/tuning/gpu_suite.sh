@@ -8,8 +8,8 @@
 # benchmark grid (N <= 4096, D = 64, 200k-node CSR). Measured 2026-11-29 on a warm H200:
 # memcheck 25 s + tests 82 s + benchmark 163 s = 296 s wall.
 # Writes logs under $OUT (default /tmp/gpu_suite); the last lines printed are the tables.
-#   bash benchmarks/gpu_suite.sh            (from the repository root)
-#   SUITE_QUICK=1 bash benchmarks/gpu_suite.sh   (smaller benchmark grid)
+#   bash benchmarks/tuning/gpu_suite.sh            (from the repository root)
+#   SUITE_QUICK=1 bash benchmarks/tuning/gpu_suite.sh   (smaller benchmark grid)
 set -u
 . "$(dirname "$0")/gpu_env.sh" gpu_suite
 

@@ -4,7 +4,7 @@
 # cache (else TIGA_NUMBA_CACHE_DIR or /tmp/tiga_numba_cubins: one cache for every step), makes
 # $OUT (default /tmp/NAME), starts status=0 and the clock of stamp(), and writes the header
 # (GPU, package versions, commit) to $OUT/gpu.txt.
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ -d .tccubin ]; then export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-$PWD/.tccubin}; fi
 export TIGA_NUMBA_CACHE_DIR=${TIGA_NUMBA_CACHE_DIR:-/tmp/tiga_numba_cubins}

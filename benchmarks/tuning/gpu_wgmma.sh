@@ -2,12 +2,12 @@
 # One device call for the wgmma (sm_90a) tensor-core kernels on the H200: the tensor-core GPU tests
 # with them (default on compute capability 9.0) and again with TIGA_NUMBA_WGMMA=0 (the mma.sync
 # kernels), compute-sanitizer memcheck and racecheck on a small segments/tails/GQA case, then
-# benchmarks/bench_wgmma.py (shape sweep; wgmma vs mma.sync vs torch SDPA flash table).
+# benchmarks/tuning/bench_wgmma.py (shape sweep; wgmma vs mma.sync vs torch SDPA flash table).
 # Cubins: carry .tccubin built off-device with
-#   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python benchmarks/bench_wgmma.py --build sm_90
+#   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python benchmarks/tuning/bench_wgmma.py --build sm_90
 #   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python -m tiga_numba.cuda.tc.prebuild --jobs 2
-#   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python benchmarks/bench_tc_bwd.py --build sm_90
-# Usage, from the repository root: bash benchmarks/gpu_wgmma.sh   (outputs under $OUT)
+#   TIGA_NUMBA_CACHE_DIR=$PWD/.tccubin python benchmarks/tuning/bench_tc_bwd.py --build sm_90
+# Usage, from the repository root: bash benchmarks/tuning/gpu_wgmma.sh   (outputs under $OUT)
 set -u
 . "$(dirname "$0")/gpu_env.sh" gpu_wgmma
 
@@ -23,7 +23,7 @@ if [ "${WG_SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
 fi
 
 stamp "wgmma sweep + table"
-timeout ${WG_BENCH_S:-300} python3 benchmarks/bench_wgmma.py --out "$OUT" ${WG_BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
+timeout ${WG_BENCH_S:-300} python3 benchmarks/tuning/bench_wgmma.py --out "$OUT" ${WG_BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
 rc=$?; grep -v Warning "$OUT/bench.txt" | tail -n 60; stamp "bench rc=$rc"; [ $rc -eq 0 ] || status=1
 if [ "${WG_TC_BENCH:-0}" = 1 ]; then
   stamp "bench_tc.py tables, plot, bf16, varlen vs FlexAttention (shipped shapes)"

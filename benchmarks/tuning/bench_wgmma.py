@@ -1,8 +1,8 @@
 """wgmma (sm_90a warpgroup) tensor-core kernels vs the mma.sync ones vs torch SDPA flash, same run
 (H200; H = 16, node-major (N, H, D) fp16 / bf16 data; torch reads the same memory as (1, H, N, D)).
 
-  PYTHONPATH=. python benchmarks/bench_wgmma.py [--out DIR] [--no-sweep] [--N 4096,16384]
-  PYTHONPATH=. python benchmarks/bench_wgmma.py --build sm_90   # cubins of every kernel this run
+  PYTHONPATH=. python benchmarks/tuning/bench_wgmma.py [--out DIR] [--no-sweep] [--N 4096,16384]
+  PYTHONPATH=. python benchmarks/tuning/bench_wgmma.py --build sm_90   # cubins of every kernel this run
                                                                 # launches, into the cache (no GPU)
 
 1. sweep: each candidate wgmma shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_tc
 import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
 from tiga_numba.cuda.tc import api  # noqa: E402
 
@@ -44,7 +44,7 @@ CANDIDATES = {
                   (dict(NW=8, BN=64, **S), dict(NW=4, BN=64, **S))],
     ("fwd", 32): [dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S), dict(NW=4, BN=64, **S)],
     ("bwd", 32): [(dict(NW=4, BN=128, **S), dict(NW=4, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=8, BN=128, **S)),
-                  # session 6 (overlapped backward chains): the other pairings of one / two warpgroups
+                  # overlapped backward chains: the other pairings of one / two warpgroups
                   (dict(NW=4, BN=128, **S), dict(NW=8, BN=128, **S)), (dict(NW=8, BN=128, **S), dict(NW=4, BN=128, **S)),
                   (dict(NW=4, BN=128, **S), dict(NW=8, BN=64, **S)), (dict(NW=8, BN=64, **S), dict(NW=8, BN=64, **S)),
                   (dict(NW=4, BN=128, **S), dict(NW=4, BN=64, **S))],

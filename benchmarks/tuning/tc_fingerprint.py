@@ -1,7 +1,7 @@
 """Fingerprints of the tensor-core kernels, to show that a refactor changed no kernel (no GPU).
 
-  PYTHONPATH=. python benchmarks/tc_fingerprint.py          # generated-source hashes (CPU only)
-  PYTHONPATH=. python benchmarks/tc_fingerprint.py --ptx    # + sm_90 PTX of kernels that use every
+  PYTHONPATH=. python benchmarks/tuning/tc_fingerprint.py          # generated-source hashes (CPU only)
+  PYTHONPATH=. python benchmarks/tuning/tc_fingerprint.py --ptx    # + sm_90 PTX of kernels that use every
                                                             #   intrinsic (needs numba-cuda)
 
 Run it before and after a change (e.g. in a `git worktree` of the old commit): equal source hashes
@@ -14,7 +14,7 @@ import itertools
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
 from tiga_numba.cuda.tc import generator as G  # noqa: E402

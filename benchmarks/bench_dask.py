@@ -1,0 +1,204 @@
+"""tiga_numba.dask against the single-process call: time, bytes moved, the Dask layer's overhead.
+
+    python benchmarks/bench_dask.py csr --nodes 1000000 --degree 16           # H=4, D=32
+    python benchmarks/bench_dask.py csr-local --nodes 1000000 --degree 16     # sources near the row
+    python benchmarks/bench_dask.py causal --n 32768                           # H=4, D=64
+
+For each worker count W (--workers, default 1 2) a dask.distributed.LocalCluster of W
+single-thread worker processes runs the forward and the backward; numba gets 2 // W threads per
+worker, so every configuration uses the same two cores as the single-process call. The inputs are
+placed before timing (chunk i on worker i mod W), as data already distributed would be; a timed
+call runs the tasks and leaves the results on the workers. Reported per configuration:
+
+  plan s      client-side index plan (halos or blocks), first call; later calls reuse it
+  fwd s, bwd s  wall time, best of --repeat
+  moved MB    bytes the workers sent each other during the call (distributed's transfer counters)
+  model MB    what the scaling model in docs/dask.md predicts for the same call
+  busy s/wkr  task compute time per worker (task stream), the compute-per-worker of the model
+  overhead    (dask time / single-process time) - 1
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+import numpy as np
+
+
+def _graph(case, n, degree, rng):
+    import tiga_numba as tg
+    if case == "causal":
+        return tg.Graph.triangular(n)
+    dst = np.repeat(np.arange(n, dtype=np.int64), degree)
+    if case == "csr":
+        src = rng.integers(0, n, dst.shape[0])
+    else:   # csr-local: every source within n / 64 rows of its destination
+        width = max(n // 64, degree)
+        src = np.clip(dst + rng.integers(-width, width + 1, dst.shape[0]), 0, n - 1)
+    indptr = np.arange(0, dst.shape[0] + 1, degree, dtype=np.int64)
+    return tg.Graph.from_csr(indptr, np.sort(src.reshape(n, degree), axis=1).reshape(-1), num_src=n)
+
+
+def _best(fn, repeat):
+    times, result = [], None
+    for _ in range(repeat):
+        result = None
+        gc.collect()
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), result
+
+
+def _model_bytes(summary, q_rows, k_rows, workers, heads, kv_heads, dim, value_dim, itemsize):
+    """Bytes the scaling model of docs/dask.md predicts for (forward, backward), with chunk i
+    on worker i mod W. A task runs on the worker that holds more of its input bytes (dask's
+    rule); an input fetched to a worker stays there for the other tasks of the call.
+
+    CSR: a partition's task (next to its rows) receives the remote halo rows of k and v; the
+    backward receives them again and sends the partial dk/dv of the same rows back.
+    Implicit: per block (p, c) on different workers, either k_c and v_c travel to p's worker
+    (once per worker) or q_p travels to c's worker (once per worker) and the partial result
+    comes back; the backward likewise, with the partial dk/dv (or dq) sent to its sum."""
+    acc = 4 if itemsize <= 4 else 8
+    if summary["kind"] == "csr":
+        kv_row = kv_heads * (dim + value_dim) * itemsize
+        fwd = sum(rows for p, halo in enumerate(summary["halo"])
+                  for c, rows in halo.items() if c % workers != p % workers) * kv_row
+        return fwd, 2 * fwd
+    fwd, bwd, seen_f, seen_b = 0, 0, set(), set()
+    for p, blocks in enumerate(summary["blocks"]):
+        for c in blocks:
+            wq, wk = p % workers, c % workers
+            if wq == wk:
+                continue
+            kv = k_rows[c] * kv_heads * (dim + value_dim) * itemsize
+            q_in = q_rows[p] * heads * dim * itemsize
+            partial_out = q_rows[p] * heads * (value_dim * acc + 2 * acc)
+            if kv > q_in:
+                fwd += (q_in if (wk, "q", p) not in seen_f else 0) + partial_out
+                seen_f.add((wk, "q", p))
+            else:
+                fwd += kv if (wq, "kv", c) not in seen_f else 0
+                seen_f.add((wq, "kv", c))
+            q_side = q_rows[p] * heads * (dim * itemsize + 2 * value_dim * itemsize + 2 * acc)
+            if kv > q_side:
+                bwd += (q_side if (wk, "q", p) not in seen_b else 0) + q_rows[p] * heads * dim * acc
+                seen_b.add((wk, "q", p))
+            else:
+                bwd += (kv if (wq, "kv", c) not in seen_b else 0) + kv // itemsize * acc
+                seen_b.add((wq, "kv", c))
+    return fwd, bwd
+
+
+def run(args):
+    import dask.array as da
+    import distributed
+
+    import tiga_numba as tg
+    import tiga_numba.dask as tgd
+
+    rng = np.random.default_rng(0)
+    if args.case == "causal":
+        n, heads, dim = args.n, 4, 64
+    else:
+        n, heads, dim = args.nodes, 4, 32
+    t0 = time.perf_counter()
+    graph = _graph(args.case, n, args.degree, rng)
+    build_s = time.perf_counter() - t0
+    dtype = np.float32
+    q, k, v, dout = (rng.standard_normal((n, heads, dim), dtype=dtype) for _ in range(4))
+    print(f"# {args.case}: N={n}, edges={graph.num_edges}, H={heads}, D={dim}, float32; "
+          f"graph built in {build_s:.1f} s")
+    # single process (warm: one call first compiles or loads the kernels)
+    out, stats = tg.attention(q, k, v, graph, return_stats=True)
+    t_fwd, (out, stats) = _best(lambda: tg.attention(q, k, v, graph, return_stats=True), args.repeat)
+    tg.attention_backward(dout, q, k, v, out, stats, graph)
+    t_bwd, ref = _best(lambda: tg.attention_backward(dout, q, k, v, out, stats, graph), args.repeat)
+    print(f"| config | plan s | fwd s | bwd s | moved MB fwd / bwd | model MB fwd / bwd | "
+          f"busy s/wkr fwd / bwd | overhead fwd / bwd |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| single process, 2 threads | - | {t_fwd:.2f} | {t_bwd:.2f} | 0 / 0 | - | - | - |")
+    for workers in args.workers:
+        chunks = workers * args.chunks_per_worker
+        rows = -(-n // chunks)
+        threads = max(1, 2 // workers)
+        with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                      dashboard_address=None, silence_logs=40,
+                                      env={"NUMBA_NUM_THREADS": str(threads)}) as cluster, \
+                distributed.Client(cluster) as client:
+            addrs = sorted(client.scheduler_info()["workers"])
+
+            def place(a):
+                parts = []
+                for i, s in enumerate(range(0, n, rows)):
+                    fut = client.scatter(a[s:s + rows], workers=[addrs[i % workers]])
+                    parts.append(da.from_delayed(fut, a[s:s + rows].shape, dtype=a.dtype))
+                return da.concatenate(parts)
+
+            Q, K, V, DO = (place(a) for a in (q, k, v, dout))
+            t0 = time.perf_counter()
+            summary = tgd.plan_summary(graph, Q, K)
+            plan_s = time.perf_counter() - t0
+
+            def moved():
+                return sum(client.run(lambda dask_worker: dask_worker.transfer_outgoing_bytes_total).values())
+
+            def timed(make):
+                best, result, sent, busy = None, None, 0, None
+                distributed.wait(client.persist(list(make())))   # warm: kernels compiled or loaded
+                for _ in range(args.repeat):
+                    result = None
+                    gc.collect()
+                    before = moved()
+                    with distributed.get_task_stream(client) as stream:
+                        t0 = time.perf_counter()
+                        result = client.persist(list(make()))
+                        distributed.wait(result)
+                        dt = time.perf_counter() - t0
+                    per = {}
+                    for rec in stream.data:
+                        for ss in rec["startstops"]:
+                            if ss["action"] == "compute":
+                                per[rec["worker"]] = per.get(rec["worker"], 0) + ss["stop"] - ss["start"]
+                    if best is None or dt < best:
+                        best, sent, busy = dt, moved() - before, per
+                return best, result, sent, busy
+
+            def forward():
+                o, st = tgd.attention(Q, K, V, graph, return_stats=True)
+                return o, st.m, st.l
+
+            f_s, fwd, f_bytes, f_busy = timed(forward)
+            O, S = fwd[0], tgd.DaskAttentionStats(fwd[1], fwd[2])
+            b_s, grads, b_bytes, b_busy = timed(lambda: tgd.attention_backward(DO, Q, K, V, O, S, graph))
+            got = [np.asarray(x) for x in client.gather([O.persist(), grads[1].persist()])]
+            err = max(float(np.abs(got[0] - out).max()), float(np.abs(got[1] - ref[1]).max()))
+            m_f, m_b = _model_bytes(summary, Q.chunks[0], K.chunks[0], workers, heads, heads, dim, dim, 4)
+            fmt_busy = lambda b: "/".join(f"{x:.1f}" for x in sorted(b.values()))  # noqa: E731
+            print(f"| {workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}, "
+                  f"{chunks} chunks | {plan_s:.2f} | {f_s:.2f} | {b_s:.2f} | "
+                  f"{f_bytes / 1e6:.0f} / {b_bytes / 1e6:.0f} | {m_f / 1e6:.0f} / {m_b / 1e6:.0f} | "
+                  f"{fmt_busy(f_busy)} / {fmt_busy(b_busy)} | "
+                  f"{f_s / t_fwd - 1:+.0%} / {b_s / t_bwd - 1:+.0%} |  max |err| {err:.1e}")
+            del O, S, grads, fwd, Q, K, V, DO
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("case", choices=["csr", "csr-local", "causal"])
+    p.add_argument("--nodes", type=int, default=1_000_000)
+    p.add_argument("--degree", type=int, default=16)
+    p.add_argument("--n", type=int, default=32768, help="sequence length (causal)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--chunks-per-worker", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=2)
+    args = p.parse_args()
+    os.environ.setdefault("NUMBA_NUM_THREADS", "2")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

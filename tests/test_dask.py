@@ -1,0 +1,211 @@
+"""tiga_numba.dask: attention and its backward over dask arrays equal the single-process call."""
+import os
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+
+import tiga_numba as tg  # noqa: E402
+import tiga_numba.dask as tgd  # noqa: E402
+
+H, HKV, D = 4, 2, 8   # grouped-query attention in every case
+
+
+def _csr_graph():
+    """60 destinations x 50 sources: an empty row, a hub row (every source), a whole empty
+    partition (rows 26..38 with the chunks below) and a source chunk no edge reads (44..49)."""
+    a = sp.random(60, 50, density=0.15, random_state=np.random.RandomState(3), format="lil")
+    for r in [3] + list(range(26, 39)):
+        a.rows[r], a.data[r] = [], []
+    for r in range(a.shape[0]):
+        a.rows[r] = [j for j in a.rows[r] if j < 44]
+        a.data[r] = [1.0] * len(a.rows[r])
+    a.rows[10], a.data[10] = list(range(44)), [1.0] * 44
+    return tg.Graph.from_scipy(a.tocsr())
+
+
+CASES = {
+    # name: (graph builder, num_dst, num_src, q rows per chunk, k rows per chunk)
+    "csr": (_csr_graph, 60, 50, 13, 11),
+    "triangular": (lambda: tg.Graph.triangular(45), 45, 45, 12, 12),
+    "triangular-uneven": (lambda: tg.Graph.triangular(45), 45, 45, 12, 7),
+    "segments": (lambda: tg.Graph.cu_seqlens([0, 5, 5, 20, 21, 45]), 45, 45, 12, 10),
+    "segments-full": (lambda: tg.Graph.cu_seqlens([0, 7, 7, 30, 45], causal=False), 45, 45, 9, 16),
+    "dense-rect": (lambda: tg.Graph.dense(37, 50), 50, 37, 16, 10),
+    "empty-rows-cat": (lambda: tg.Graph.cat([tg.Graph.dense(0, 10), tg.Graph.triangular(20)]),
+                       30, 20, 8, 6),
+}
+
+
+def _problem(name, dtype=np.float64, seed=0):
+    build, nd, ns, qc, kc = CASES[name]
+    g = build()
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((nd, H, D)).astype(dtype)
+    k = rng.standard_normal((ns, HKV, D)).astype(dtype)
+    v = rng.standard_normal((ns, HKV, D + 3)).astype(dtype)
+    dout = rng.standard_normal((nd, H, D + 3)).astype(dtype)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g)
+    chunked = dict(q=da.from_array(q, chunks=(qc, -1, -1)), k=da.from_array(k, chunks=(kc, -1, -1)),
+                   v=da.from_array(v, chunks=(kc, -1, -1)), dout=da.from_array(dout, chunks=(qc, -1, -1)))
+    return g, (out, st, ref), chunked
+
+
+def _lazy(g, c):
+    out, stats = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True)
+    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], out, stats, g)
+    return out, stats, grads
+
+
+def _check(got, expected, tol):
+    (o, m, l, lse, *grads), (out, st, ref) = got, expected
+    np.testing.assert_allclose(o, out, rtol=tol, atol=tol)
+    fin = np.isfinite(st.m)
+    assert np.array_equal(np.isfinite(m), fin) and np.array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(m[fin], st.m[fin], rtol=tol, atol=tol)
+    np.testing.assert_allclose(l, st.l, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse[fin], st.lse[fin], rtol=tol, atol=tol)
+    assert not any(np.isnan(a).any() for a in (o, *grads))
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, rtol=tol * 10, atol=tol * 10, err_msg=name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_threaded_equals_single_process(name):
+    g, expected, c = _problem(name)
+    out, stats, grads = _lazy(g, c)
+    assert out.chunks == c["q"].chunks[:1] + ((H,), (D + 3,))
+    assert stats.m.chunks == c["q"].chunks[:2] and stats.l.chunks == c["q"].chunks[:2]
+    assert grads[0].chunks == c["q"].chunks and grads[1].chunks == c["k"].chunks
+    assert grads[2].chunks == c["v"].chunks
+    got = dask.compute(out, stats.m, stats.l, stats.lse, *grads, scheduler="threads")
+    _check(got, expected, 1e-12)
+    # the backward sums partial gradients in a fixed order: the same bits on every run
+    again = dask.compute(*grads, scheduler="threads")
+    assert all(np.array_equal(a, b) for a, b in zip(again, got[4:]))
+
+
+def test_blocks_outside_the_relation_are_never_created():
+    g, _, c = _problem("triangular")
+    summary = tgd.plan_summary(g, c["q"], c["k"])
+    assert summary["blocks"] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert sum(summary["edges"]) == g.num_edges
+    g, _, c = _problem("csr")
+    summary = tgd.plan_summary(g, c["q"], c["k"])
+    assert summary["kind"] == "csr" and sum(summary["edges"]) == g.num_edges
+    assert summary["halo_rows"][2] == 0   # the partition without edges reads no source row
+
+
+def test_float32_and_one_head_2d_inputs():
+    g, (out, st, ref), c = _problem("csr", dtype=np.float32, seed=1)
+    o, m = dask.compute(*(lambda r: (r[0], r[1].m))(tgd.attention(c["q"], c["k"], c["v"], g,
+                                                                  return_stats=True)),
+                        scheduler="threads")
+    assert o.dtype == np.float32 and m.dtype == np.float32
+    np.testing.assert_allclose(o, out, rtol=2e-6, atol=2e-6)
+    rng = np.random.default_rng(2)
+    g = tg.Graph.triangular(30)
+    q, k, v, dout = (rng.standard_normal((30, 5)) for _ in range(4))
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g)
+    Q, K, V, DO = (da.from_array(a, chunks=(8, -1)) for a in (q, k, v, dout))
+    O, S = tgd.attention(Q, K, V, g, return_stats=True)
+    assert S.m.ndim == 1
+    got = dask.compute(O, *tgd.attention_backward(DO, Q, K, V, O, S, g), scheduler="threads")
+    for a, b in zip(got, (out,) + tuple(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_processes_scheduler():
+    g, expected, c = _problem("segments")
+    out, stats, grads = _lazy(g, c)
+    got = dask.compute(out, stats.m, stats.l, stats.lse, *grads, scheduler="processes",
+                       num_workers=2)
+    _check(got, expected, 1e-12)
+
+
+# --------------------------------------------------------------------------- dask.distributed
+@pytest.fixture(scope="module")
+def client():
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=None, silence_logs=40) as cluster, \
+            distributed.Client(cluster) as c:
+        yield c
+
+
+def test_local_cluster_equals_single_process(client):
+    names = ["csr", "triangular", "segments", "dense-rect"]
+    problems = [_problem(n) for n in names]
+    lazy = [_lazy(g, c) for g, _, c in problems]
+    computed = client.compute([(o, s.m, s.l, s.lse, *gr) for o, s, gr in lazy], sync=True)
+    for got, (_, expected, _) in zip(computed, problems):
+        _check(got, expected, 1e-12)
+
+
+def test_a_worker_lost_mid_run_is_recomputed(client, tmp_path):
+    g, expected, c = _problem("csr", seed=4)
+    marker = str(tmp_path / "killed")
+
+    def kill_worker_once(block, block_info=None):
+        # the first task to get here takes down its worker process (with the forward results it
+        # holds); dask reschedules everything lost on the other, and the restarted, worker
+        if block_info[0]["chunk-location"][0] == 1:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+                os._exit(1)
+            except FileExistsError:
+                pass
+        return block
+
+    out, stats = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True)
+    passed_on = out.map_blocks(kill_worker_once, dtype=out.dtype)
+    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], passed_on, stats, g)
+    got = client.compute((passed_on, stats.m, stats.l, stats.lse, *grads), sync=True)
+    assert os.path.exists(marker)
+    _check(got, expected, 1e-12)
+
+
+# --------------------------------------------------------------------------- errors
+def test_errors_name_the_argument():
+    g, _, c = _problem("csr")
+    q, k, v, dout = c["q"], c["k"], c["v"], c["dout"]
+    with pytest.raises(ValueError, match=r"^q is chunked along axis 1"):
+        tgd.attention(q.rechunk((13, 2, -1)), k, v, g)
+    with pytest.raises(ValueError, match=r"^k is chunked along axis 2"):
+        tgd.attention(q, k.rechunk((11, -1, 4)), v, g)
+    with pytest.raises(ValueError, match=r"^v is chunked"):
+        tgd.attention(q, k, v.rechunk((7, -1, -1)), g)
+    with pytest.raises(ValueError, match=r"num_dst=60 but q has 59 rows"):
+        tgd.attention(q[:59], k, v, g)
+    with pytest.raises(ValueError, match=r"num_src=50 but k has 49 rows"):
+        tgd.attention(q, k[:49], v[:49], g)
+    with pytest.raises(TypeError, match=r"^k must be a dask array"):
+        tgd.attention(q, np.zeros(k.shape), v, g)
+    with pytest.raises(TypeError, match=r"graph must be a tiga_numba.Graph"):
+        tgd.attention(q, k, v, g.to_scipy())
+    with pytest.raises(ValueError, match=r"heads"):
+        tgd.attention(q[:, :3], k, v, g)
+    out, stats = tgd.attention(q, k, v, g, return_stats=True)
+    with pytest.raises(ValueError, match=r"^dout is chunked \(20, 20, 20\)"):
+        tgd.attention_backward(dout.rechunk((20, -1, -1)), q, k, v, out, stats, g)
+    with pytest.raises(ValueError, match=r"^stats.m is chunked"):
+        tgd.attention_backward(dout, q, k, v, out, tgd.DaskAttentionStats(stats.m.rechunk(30), stats.l), g)
+    with pytest.raises(ValueError, match=r"^out is chunked along axis 2"):
+        tgd.attention_backward(dout, q, k, v, out.rechunk((13, -1, 5)), stats, g)
+    with pytest.raises(ValueError, match=r"dout must have shape"):
+        tgd.attention_backward(dout[..., :5], q, k, v, out, stats, g)
+    with pytest.raises(TypeError, match=r"^stats must be"):
+        tgd.attention_backward(dout, q, k, v, out, (stats.m, stats.l), g)
+
+
+def test_importing_the_package_does_not_import_dask():
+    import subprocess
+    import sys
+    code = "import sys, tiga_numba; assert 'dask' not in sys.modules, 'dask imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

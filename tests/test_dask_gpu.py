@@ -1,0 +1,53 @@
+"""tiga_numba.dask with cupy chunks (marked gpu; skipped without dask, cupy and a CUDA device):
+results stay cupy, chunked like the inputs, and equal the single-process GPU call."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+cupy = pytest.importorskip("cupy")
+try:
+    _HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # pragma: no cover - no driver
+    _HAVE_GPU = False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_GPU, reason="no CUDA device")]
+
+import tiga_numba as tg  # noqa: E402
+import tiga_numba.dask as tgd  # noqa: E402
+
+
+def _csr():
+    a = sp.random(300, 250, density=0.05, random_state=np.random.RandomState(5), format="lil")
+    a.rows[7], a.data[7] = [], []
+    a.rows[20], a.data[20] = list(range(250)), [1.0] * 250
+    return tg.Graph.from_scipy(a.tocsr())
+
+
+@pytest.mark.parametrize("name,build,nd,ns,qc,kc", [
+    ("csr", _csr, 300, 250, 70, 64),
+    ("triangular", lambda: tg.Graph.triangular(256), 256, 256, 64, 64),
+    ("segments", lambda: tg.Graph.cu_seqlens([0, 30, 30, 200, 256]), 256, 256, 64, 50),
+    ("dense-rect", lambda: tg.Graph.dense(190, 256), 256, 190, 100, 64),
+])
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float64, 1e-11)])
+def test_cupy_chunks_equal_the_single_process_call(name, build, nd, ns, qc, kc, dtype, tol):
+    g = build()
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype))
+                     for s in ((nd, 4, 32), (ns, 2, 32), (ns, 2, 16), (nd, 4, 16)))
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g)
+    Q, DO = (da.from_array(a, chunks=(qc, -1, -1), asarray=False) for a in (q, dout))
+    K, V = (da.from_array(a, chunks=(kc, -1, -1), asarray=False) for a in (k, v))
+    O, S = tgd.attention(Q, K, V, g, return_stats=True)
+    grads = tgd.attention_backward(DO, Q, K, V, O, S, g)
+    assert isinstance(O._meta, cupy.ndarray) and isinstance(grads[1]._meta, cupy.ndarray)
+    got = dask.compute(O, S.lse, *grads, scheduler="threads")
+    assert all(isinstance(a, cupy.ndarray) for a in got)
+    fin = cupy.isfinite(st.lse)
+    np.testing.assert_allclose(cupy.asnumpy(got[0]), cupy.asnumpy(out), rtol=tol, atol=tol)
+    np.testing.assert_allclose(cupy.asnumpy(got[1][fin]), cupy.asnumpy(st.lse[fin]), rtol=tol, atol=tol)
+    for a, b in zip(got[2:], ref):
+        np.testing.assert_allclose(cupy.asnumpy(a), cupy.asnumpy(b), rtol=tol * 10, atol=tol * 10)

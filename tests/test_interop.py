@@ -1,0 +1,219 @@
+"""Interop: torch / JAX / DLPack arrays at the public entry points without copies, results in
+the caller's library; the tiga_numba.torch adapter's gradients against torch (SDPA, autograd,
+gradcheck in float64, PyG's layers)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from tiga_numba import interop
+
+torch = pytest.importorskip("torch")
+
+
+def _ptr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_package_import_does_not_import_torch():
+    code = ("import sys, numpy as np, tiga_numba as tg, tiga_numba.layers, tiga_numba.interop\n"
+            "g = tg.Graph.dense(3)\n"
+            "q = np.ones((3, 1, 2), np.float32)\n"
+            "tg.attention(q, q, q, g)\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert 'jax' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_dlpack_views_share_memory_both_ways():
+    t = torch.randn(5, 2, 3)
+    a = interop.to_native(t)
+    assert isinstance(a, np.ndarray) and _ptr(a) == t.data_ptr()
+    t_req = torch.randn(4, 3, requires_grad=True)
+    assert _ptr(interop.to_native(t_req)) == t_req.data_ptr()  # detached view, no copy
+    back = interop.to_library(a, "torch")
+    assert isinstance(back, torch.Tensor) and back.data_ptr() == _ptr(a)
+    a[0, 0, 0] = 42.0  # one buffer: visible through the tensor
+    assert float(t[0, 0, 0]) == 42.0
+    strided = torch.randn(6, 4)[:, ::2]  # non-contiguous: a strided view, still no copy
+    v = interop.to_native(strided)
+    np.testing.assert_array_equal(v, strided.numpy())
+    assert _ptr(v) == strided.data_ptr()
+
+
+def test_attention_and_backward_take_and_return_torch_tensors():
+    rng = np.random.default_rng(0)
+    q = torch.from_numpy(rng.normal(size=(9, 2, 4)).astype(np.float32))
+    k = torch.from_numpy(rng.normal(size=(11, 1, 4)).astype(np.float32))
+    v = torch.from_numpy(rng.normal(size=(11, 1, 3)).astype(np.float32))
+    g = tg.Graph.from_coo(rng.integers(0, 11, 40), rng.integers(0, 9, 40), 11, 9)
+    out, stats = tg.attention(q, k, v, g, return_stats=True)
+    assert isinstance(out, torch.Tensor) and isinstance(stats.m, torch.Tensor)
+    ref, ref_stats = tg.attention(q.numpy(), k.numpy(), v.numpy(), g, return_stats=True)
+    np.testing.assert_array_equal(out.numpy(), ref)
+    dout = torch.randn_like(out)
+    grads = tg.attention_backward(dout, q, k, v, out, stats, g)
+    ref_grads = tg.attention_backward(dout.numpy(), q.numpy(), k.numpy(), v.numpy(), ref,
+                                      ref_stats, g)
+    for a, b in zip(grads, ref_grads):
+        assert isinstance(a, torch.Tensor)
+        np.testing.assert_array_equal(a.numpy(), b)
+
+
+def test_program_and_layer_take_torch_tensors():
+    from tiga_numba.layers import GATConv
+
+    class Full(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def edge(self, src, dst, edge, scale):
+            return self.reducer((src.key * dst.query).sum(axis=-1) * scale, src.value)
+
+    q = torch.randn(6, 2, 4)
+    g = tg.Graph.dense(6)
+    prog = Full()
+    out, vjp = prog.vjp(graph=g, src={"key": q, "value": q}, dst={"query": q}, scale=0.5)
+    assert isinstance(out, torch.Tensor)
+    grads = vjp(torch.ones_like(out))
+    assert isinstance(grads["dst"]["query"], torch.Tensor)
+    ref = prog(graph=g, src={"key": q.numpy(), "value": q.numpy()}, dst={"query": q.numpy()},
+               scale=0.5)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-6)
+
+    conv = GATConv(4, 3, heads=2, seed=0)
+    x = torch.randn(6, 4)
+    out, vjp = conv.vjp(x, g)
+    assert isinstance(out, torch.Tensor)
+    grads = vjp(torch.ones_like(out))
+    assert isinstance(grads["x"], torch.Tensor) and isinstance(grads["params"]["lin.weight"], torch.Tensor)
+    np.testing.assert_allclose(out.numpy(), conv(x.numpy(), g), rtol=1e-6)
+    conv.load_state_dict({k: torch.from_numpy(v) for k, v in conv.state_dict().items()})
+
+
+def test_jax_arrays_round_trip():
+    jnp = pytest.importorskip("jax.numpy")
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(5, 1, 4)).astype(np.float32))
+    g = tg.Graph.triangular(5)
+    out = tg.attention(q, q, q, g)
+    assert type(out).__module__.startswith("jax")
+    np.testing.assert_allclose(np.asarray(out), tg.attention(np.asarray(q), np.asarray(q),
+                                                             np.asarray(q), g), rtol=1e-6)
+
+
+def test_foreign_dtype_is_refused_by_name():
+    with pytest.raises(TypeError, match="q"):
+        tg.attention(torch.ones(3, 1, 2, dtype=torch.bfloat16), torch.ones(3, 1, 2),
+                     torch.ones(3, 1, 2), tg.Graph.dense(3))
+
+
+# --------------------------------------------------------------------------- the adapter
+def _sdpa_layout(x):
+    return x.permute(1, 0, 2).unsqueeze(0)  # (N, H, D) -> (1, H, N, D)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_adapter_attention_gradients_match_torch_sdpa(causal):
+    import tiga_numba.torch as tgt
+    gen = torch.Generator().manual_seed(int(causal))
+    n, h, d = 33, 2, 8
+    q, k, v = (torch.randn(n, h, d, generator=gen, requires_grad=True) for _ in range(3))
+    g = tg.Graph.triangular(n) if causal else tg.Graph.dense(n)
+    out = tgt.attention(q, k, v, g)
+    dout = torch.randn(n, h, d, generator=gen)
+    out.backward(dout)
+    ours = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        _sdpa_layout(q), _sdpa_layout(k), _sdpa_layout(v), is_causal=causal)
+    ref = ref.squeeze(0).permute(1, 0, 2)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, t in zip(ours, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_adapter_gradcheck_float64():
+    import tiga_numba.torch as tgt
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 7, (20,), generator=gen)
+    dst = torch.randint(0, 5, (20,), generator=gen)
+    g = tg.Graph.from_coo(src.numpy(), dst.numpy(), 7, 5)
+    q = torch.randn(5, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(7, 1, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(7, 1, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: tgt.attention(a, b, c, g), (q, k, v))
+    ei = torch.stack([src, dst % 7])
+    for cls, kw in ((tgt.GATConv, dict(heads=2, edge_dim=2)),
+                    (tgt.GATv2Conv, dict(heads=2, edge_dim=2)),
+                    (tgt.TransformerConv, dict(heads=2, edge_dim=2, beta=True))):
+        conv = cls(3, 2, **kw).double()
+        x = torch.randn(7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+        ea = torch.randn(20, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda a, b: conv(a, ei, b), (x, ea)), cls.__name__
+        names = [name for name, _ in conv.named_parameters()]
+
+        def of_params(*ws, conv=conv, names=names, x=x, ea=ea):
+            return torch.func.functional_call(conv, dict(zip(names, ws)), (x.detach(), ei, ea.detach()))
+        ws = tuple(p.detach().clone().requires_grad_(True) for p in conv.parameters())
+        assert torch.autograd.gradcheck(of_params, ws), cls.__name__
+
+
+def test_adapter_program_gradients_match_autograd():
+    import tiga_numba.torch as tgt
+
+    class Scored(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def edge(self, src, dst, edge, scale):
+            return self.reducer((src.key * dst.query).sum(axis=-1) * scale, src.value)
+
+    gen = torch.Generator().manual_seed(4)
+    n = 9
+    q, k, v = (torch.randn(n, 2, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+               for _ in range(3))
+    g = tg.Graph.triangular(n)
+    out = tgt.program(Scored(), g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5)
+    cot = torch.randn_like(out)
+    out.backward(cot)
+    ours = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    s = torch.einsum("ihd,jhd->hij", q, k) * 0.5
+    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    ref = torch.einsum("hij,jhd->ihd", s.softmax(-1), v)
+    ref.backward(cot)
+    torch.testing.assert_close(out, ref)
+    for a, t in zip(ours, (q, k, v)):
+        torch.testing.assert_close(a, t.grad)
+
+
+def test_adapter_layers_train_like_pyg():
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    import tiga_numba.torch as tgt
+    torch.manual_seed(0)
+    n, f = 40, 6
+    ei = torch.randint(0, n, (2, 200))
+    ei[:, :3] = ei[0, :3]  # self loops
+    x = torch.randn(n, f)
+    ea = torch.randn(200, 2)
+    for name, kw in (("GATConv", dict(heads=4, edge_dim=2)),
+                     ("GATv2Conv", dict(heads=2, share_weights=True)),
+                     ("TransformerConv", dict(heads=2, edge_dim=2, beta=True))):
+        pyg = getattr(pyg_nn, name)(f, 3, **kw)
+        ours = getattr(tgt, name)(f, 3, **kw)
+        assert sorted(ours.state_dict()) == sorted(pyg.state_dict())
+        ours.load_state_dict(pyg.state_dict())
+        use_ea = ea if "edge_dim" in kw else None
+        for model in (pyg, ours):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                opt.zero_grad()
+                model(x, ei, use_ea).square().mean().backward()
+                opt.step()
+        for key, value in pyg.state_dict().items():
+            torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-4, atol=1e-5,
+                                       msg=f"{name} {key}")

@@ -1,0 +1,123 @@
+"""tiga_numba.kernel_cache: where a call's kernel came from (memory / disk / compiled), the
+first-compile notice, and tiga_numba.precompile."""
+import collections
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+from tiga_numba import kernel_cache
+from tiga_numba.kernel_cache import KernelCache, KernelSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FakeDispatcher:
+    """Stands in for a numba dispatcher: only the disk-cache counters KernelSource reads."""
+
+    def __init__(self):
+        self.overloads = {}
+        self.hits = collections.Counter()
+        self.misses = collections.Counter()
+
+    @property
+    def stats(self):
+        return collections.namedtuple("Stats", "cache_path cache_hits cache_misses")(
+            None, self.hits, self.misses)
+
+
+@pytest.mark.parametrize("event, expected", [("compile", "compiled"), ("load", "disk hit"),
+                                             (None, "memory hit")])
+def test_kernel_source_reads_the_counters_after_the_launch(event, expected):
+    d = FakeDispatcher()
+    d.misses["old signature"] = 1  # compiled before the lookup: not this call's doing
+    src = KernelSource(d, memory_hit=event is None)
+    if event == "compile":
+        d.misses["(float32[:, :, ::1],)"] += 1
+    elif event == "load":
+        d.hits["(float32[:, :, ::1],)"] += 1
+    assert src.text == expected and str(src) == expected and f"{src}" == expected
+    assert src == expected and src != "miss"
+
+
+def test_kernel_source_finds_dispatchers_in_tuples_and_modules():
+    a, b, c = FakeDispatcher(), FakeDispatcher(), FakeDispatcher()
+    module = type(sys)("generated_kernels")
+    module.forward, module.backward, module.not_a_kernel = b, c, 3
+    assert kernel_cache.dispatchers_in((a, [b])) == [a, b]
+    assert kernel_cache.dispatchers_in(module) == [b, c]
+    src = KernelSource((a, module), memory_hit=False)
+    c.hits["sig"] += 1
+    assert src.text == "disk hit"
+
+
+def _fresh_kernel(cache, family):
+    # a new function object per call: numba compiles it (no disk cache: cache=False)
+    return cache.get((family, "probe", "float64"), lambda: numba.njit(lambda x: x + 1.5))
+
+
+def test_first_compile_of_a_family_prints_one_notice(capfd, monkeypatch):
+    monkeypatch.delenv("TIGA_NUMBA_QUIET", raising=False)
+    cache = KernelCache()
+    family = f"test{os.getpid()}a"
+    kern = _fresh_kernel(cache, family)
+    src = kernel_cache.source(kern, cache.last_was_hit)
+    assert kern(1.0) == 2.5
+    assert src == "compiled"
+    kern2 = cache.get((family, "probe", "int64"), lambda: numba.njit(lambda x: x * 2))
+    assert kern2(3) == 6  # second compile of the same family: no second line
+    err = capfd.readouterr().err
+    assert err.count(f"tiga_numba: compiling {family} probe kernels (once; cached on disk)") == 1
+    assert kernel_cache.source(kern, True) == "memory hit"
+
+
+def test_quiet_silences_the_notice(capfd, monkeypatch):
+    monkeypatch.setenv("TIGA_NUMBA_QUIET", "1")
+    cache = KernelCache()
+    kern = _fresh_kernel(cache, f"test{os.getpid()}b")
+    assert kern(0.5) == 2.0
+    assert "tiga_numba: compiling" not in capfd.readouterr().err
+
+
+_CALL = """
+import numpy as np, tiga_numba as tg
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((64, 2, 16)).astype(np.float32) for _ in range(3))
+g = tg.Graph.dense(64)
+tg.attention(q, k, v, g)
+print("first:", tg.functional.last_plan().run_info["cache"])
+tg.attention(q, k, v, g)
+print("second:", tg.functional.last_plan().run_info["cache"])
+print(tg.explain())
+"""
+
+
+def test_a_new_process_reports_a_disk_hit():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TIGA_NUMBA_QUIET="1")
+    runs = [subprocess.run([sys.executable, "-c", _CALL], cwd=ROOT, env=env, text=True,
+                           capture_output=True, timeout=600) for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = (proc.stdout for proc in runs)
+    assert "first: compiled" in first or "first: disk hit" in first, first
+    # the first process left the kernel in numba's disk cache: the second one loads it
+    assert "first: disk hit" in second and "second: memory hit" in second, second
+    assert "kernel cache: this call memory hit" in second
+
+
+def test_precompile_runs_and_then_everything_is_in_memory(capsys):
+    from tiga_numba import precompile
+
+    assert precompile.main(["--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "tiga_numba.precompile: CPU kernels for float32" in out and "done in" in out
+    records = precompile.precompile(["float32"])
+    assert [r[1] for r in records] == ["blocks forward", "blocks forward, tile-pruned",
+                                       "blocks backward", "csr forward", "csr backward"]
+    assert all(r[0] == "float32" and r[2] == "memory hit" for r in records), records
+    with pytest.raises(ValueError, match="dtypes"):
+        precompile.precompile([np.int32])

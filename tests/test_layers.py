@@ -1,0 +1,280 @@
+"""tiga_numba.layers: GATConv, GATv2Conv, TransformerConv against PyG's layers (same weights,
+outputs and every gradient) and against float64 oracles; the per-head edge-score attention
+they are built on against a float64 softmax oracle."""
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from tiga_numba.layers import GATConv, GATv2Conv, TransformerConv
+from tiga_numba.layers._edges import edge_set
+from tiga_numba.layers.gat import edge_attention
+
+LAYERS = {"GATConv": GATConv, "GATv2Conv": GATv2Conv, "TransformerConv": TransformerConv}
+
+
+def random_edges(rng, num_src, num_dst, num_edges, self_loops=4, isolated=3):
+    """Random (src, dst) with a hub destination, some existing self loops, duplicate edges and
+    `isolated` destinations that receive no edge."""
+    dst = rng.integers(0, num_dst - isolated, num_edges)
+    dst[: num_edges // 5] = 1  # a hub row
+    src = rng.integers(0, num_src, num_edges)
+    n = min(self_loops, num_src, num_dst - isolated)
+    src[-n:] = dst[-n:]  # self loops (i -> i)
+    src[-n - 2], dst[-n - 2] = src[-n - 1], dst[-n - 1]  # a duplicate edge
+    return src, dst
+
+
+# --------------------------------------------------------------------------- edge-score oracle
+def softmax_oracle(score, values, rows, cols, num_dst, dout):
+    """float64 per-head softmax over each destination's edges; (out, dvalues, dscore)."""
+    score, values, dout = (np.asarray(a, np.float64) for a in (score, values, dout))
+    E, H = score.shape
+    out = np.zeros((num_dst, H, values.shape[2]))
+    dvalues = np.zeros_like(values)
+    dscore = np.zeros_like(score)
+    for i in range(num_dst):
+        e = np.nonzero(rows == i)[0]
+        if e.size == 0:
+            continue
+        s = score[e]
+        p = np.exp(s - s.max(0))
+        p /= p.sum(0)
+        out[i] = np.einsum("eh,ehc->hc", p, values[cols[e]])
+        dp = np.einsum("hc,ehc->eh", dout[i], values[cols[e]])
+        dscore[e] = p * (dp - (dout[i] * out[i]).sum(-1))
+        np.add.at(dvalues, cols[e], p[:, :, None] * dout[i][None])
+    return out, dvalues, dscore
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_per_head_edge_scores_match_float64_oracle(heads):
+    rng = np.random.default_rng(heads)
+    ns, nd = 23, 17
+    src, dst = random_edges(rng, ns, nd, 90)
+    g = tg.Graph.from_coo(src, dst, ns, nd)
+    es = edge_set(g, False, np)
+    score = rng.normal(size=(g.num_edges, heads)).astype(np.float32) * 3
+    values = rng.normal(size=(ns, heads, 5)).astype(np.float32)
+    dout = rng.normal(size=(nd, heads, 5)).astype(np.float32)
+    out, backward = edge_attention(values, score, es)
+    dv, ds = backward(dout)
+    ref_out, ref_dv, ref_ds = softmax_oracle(score, values, es.rows, es.cols, nd, dout)
+    np.testing.assert_allclose(out, ref_out, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(dv, ref_dv, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(ds, ref_ds, rtol=2e-5, atol=2e-6)
+    assert np.all(out[nd - 3:] == 0)  # destinations without edges
+
+
+def test_self_loop_rule_and_edge_order():
+    """PyG's rule: existing loops dropped, one loop per node i < min(num_src, num_dst), the
+    edge map back to the caller's (COO) order, 'mean' fill of the loop's attribute."""
+    src = np.array([2, 0, 1, 1, 3, 0])
+    dst = np.array([0, 1, 1, 2, 0, 0])
+    g = tg.Graph.from_coo(src, dst, 4, 3)
+    es = edge_set(g, True, np)
+    pairs = sorted(zip(es.rows.tolist(), es.cols.tolist(), es.source.tolist()))
+    assert pairs == [(0, 0, -1), (0, 2, 0), (0, 3, 4), (1, 0, 1), (1, 1, -1), (2, 1, 3), (2, 2, -1)]
+    ea = np.arange(12, dtype=np.float64).reshape(6, 2)
+    got = es.edge_attr(ea, "mean")
+    for k, (r, c, s) in enumerate(zip(es.rows, es.cols, es.source)):
+        if s >= 0:
+            np.testing.assert_array_equal(got[k], ea[s])
+    loops = {int(r): got[k] for k, (r, s) in enumerate(zip(es.rows, es.source)) if s < 0}
+    np.testing.assert_allclose(loops[0], (ea[0] + ea[4]) / 2)   # mean of the kept edges into 0
+    np.testing.assert_allclose(loops[1], ea[1])                   # (1 -> 1) itself was dropped
+    np.testing.assert_allclose(loops[2], ea[3])
+
+
+# --------------------------------------------------------------------------- float64 oracles
+def _numeric_grad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        idx = it.multi_index
+        old = x[idx]
+        x[idx] = old + eps
+        fp = f()
+        x[idx] = old - eps
+        fm = f()
+        x[idx] = old
+        g[idx] = (fp - fm) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("GATConv", dict(heads=2, edge_dim=2)),
+    ("GATv2Conv", dict(heads=2, edge_dim=2, concat=False)),
+    ("TransformerConv", dict(heads=2, edge_dim=2, beta=True)),
+])
+def test_gradients_match_finite_differences_float64(name, kwargs):
+    """Every gradient (x, edge_attr, each parameter) against central differences in float64
+    (runs without torch)."""
+    rng = np.random.default_rng(7)
+    n, f = 7, 3
+    src, dst = random_edges(rng, n, n, 16, self_loops=2, isolated=1)
+    g = tg.Graph.from_coo(src, dst, n, n)
+    layer = LAYERS[name](f, 2, dtype=np.float64, seed=3, **kwargs)
+    x = rng.normal(size=(n, f))
+    ea = rng.normal(size=(g.num_edges, 2))
+    w = rng.normal(size=layer(x, g, ea).shape)
+    loss = lambda: float((layer(x, g, ea) * w).sum())  # noqa: E731
+    _, vjp = layer.vjp(x, g, ea)
+    grads = vjp(w)
+    np.testing.assert_allclose(grads["x"], _numeric_grad(loss, x), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grads["edge_attr"], _numeric_grad(loss, ea), rtol=1e-5, atol=1e-7)
+    for pname, p in layer.state_dict().items():
+        np.testing.assert_allclose(grads["params"][pname], _numeric_grad(loss, p), rtol=1e-5,
+                                   atol=1e-7, err_msg=pname)
+
+
+# --------------------------------------------------------------------------- against PyG
+CASES = [
+    # (layer, kwargs, bipartite)
+    ("GATConv", dict(heads=4, concat=True), False),
+    ("GATConv", dict(heads=3, concat=False, edge_dim=3), False),
+    ("GATConv", dict(heads=2, edge_dim=2, fill_value="add", residual=True), False),
+    ("GATConv", dict(heads=2, add_self_loops=False, edge_dim=2), True),
+    ("GATConv", dict(heads=2, edge_dim=2), True),                 # loops on min(Ns, Nd) nodes
+    ("GATConv", dict(heads=2, negative_slope=0.1, bias=False, fill_value=0.5, edge_dim=1), False),
+    ("GATv2Conv", dict(heads=3), False),
+    ("GATv2Conv", dict(heads=2, concat=False, edge_dim=3, share_weights=True), False),
+    ("GATv2Conv", dict(heads=2, edge_dim=2, residual=True, add_self_loops=False), True),
+    ("TransformerConv", dict(heads=3), False),
+    ("TransformerConv", dict(heads=2, concat=False, edge_dim=3, beta=True), False),
+    ("TransformerConv", dict(heads=2, edge_dim=2, root_weight=False, bias=False), True),
+    ("TransformerConv", dict(heads=2, edge_dim=2, beta=True), True),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,bipartite", CASES)
+def test_matches_pyg(name, kwargs, bipartite):
+    torch = pytest.importorskip("torch")
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    rng = np.random.default_rng(abs(hash((name, str(sorted(kwargs.items())), bipartite))) % 2**32)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    ns, nd = (29, 21) if bipartite else (25, 25)
+    fs, fd = (6, 4) if bipartite else (5, 5)
+    src, dst = random_edges(rng, ns, nd, 110)
+    graph = tg.Graph.from_coo(src, dst, ns, nd)
+    edge_index = torch.from_numpy(np.stack([src, dst]))
+    in_ch = (fs, fd) if bipartite else fs
+    pyg = getattr(pyg_nn, name)(in_ch, 4, **kwargs)
+    ours = LAYERS[name](in_ch, 4, **kwargs)
+    assert list(ours.state_dict()) == list(pyg.state_dict())
+    ours.load_state_dict({k: v.detach().numpy() for k, v in pyg.state_dict().items()})
+    xs = torch.randn(ns, fs, requires_grad=True)
+    xd = torch.randn(nd, fd, requires_grad=True) if bipartite else None
+    ed = kwargs.get("edge_dim")
+    ea = torch.randn(len(src), ed, requires_grad=True) if ed else None
+    x_t = (xs, xd) if bipartite else xs
+    out_t = pyg(x_t, edge_index, ea)
+    dout = torch.randn_like(out_t)
+    out_t.backward(dout)
+    x_n = (xs.detach().numpy(), xd.detach().numpy()) if bipartite else xs.detach().numpy()
+    out, vjp = ours.vjp(x_n, graph, None if ea is None else ea.detach().numpy())
+    grads = vjp(dout.numpy())
+    tol = dict(rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **tol)
+    if bipartite:
+        np.testing.assert_allclose(grads["x"][0], xs.grad.numpy(), **tol)
+        np.testing.assert_allclose(grads["x"][1], xd.grad.numpy(), **tol)
+    else:
+        np.testing.assert_allclose(grads["x"], xs.grad.numpy(), **tol)
+    if ea is not None:
+        np.testing.assert_allclose(grads["edge_attr"], ea.grad.numpy(), **tol)
+    else:
+        assert grads["edge_attr"] is None
+    named = dict(pyg.named_parameters())
+    for pname in pyg.state_dict():
+        p = named.get(pname)
+        if p is None:  # a shared parameter listed under a second name (share_weights)
+            p = named[pname.replace("lin_r", "lin_l")]
+        want = p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
+        np.testing.assert_allclose(grads["params"][pname], want, err_msg=pname, **tol)
+    assert np.setdiff1d(np.arange(nd), dst).size > 0  # the graph has isolated destinations
+
+
+def test_from_csr_graph_edge_attr_in_csr_order():
+    """A graph without an edge permutation takes edge_attr in its own (CSR) order; the same
+    edges through from_coo in another order give the same result with edge_attr permuted."""
+    rng = np.random.default_rng(3)
+    n = 12
+    pairs = rng.choice(n * n, 40, replace=False)  # unique edges (scipy would merge duplicates)
+    src, dst = pairs % n, pairs // n
+    coo = tg.Graph.from_coo(src, dst, n, n)
+    csr = tg.Graph.from_scipy(coo.to_scipy())
+    order = np.argsort(dst, kind="stable")
+    ea = rng.normal(size=(len(src), 2)).astype(np.float32)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    for cls in (GATConv, GATv2Conv, TransformerConv):
+        layer = cls(4, 3, heads=2, edge_dim=2, seed=1)
+        a = layer(x, coo, ea)
+        b = layer(x, csr, ea[order])
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        _, vjp = layer.vjp(x, csr, ea[order])
+        _, vjp_coo = layer.vjp(x, coo, ea)
+        w = np.ones_like(a)
+        np.testing.assert_allclose(vjp(w)["edge_attr"], vjp_coo(w)["edge_attr"][order],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_isolated_nodes_without_self_loops_get_bias_only():
+    rng = np.random.default_rng(5)
+    n = 10
+    src, dst = random_edges(rng, n, n, 30, self_loops=0, isolated=3)
+    g = tg.Graph.from_coo(src, dst, n, n)
+    layer = GATConv(4, 3, heads=2, add_self_loops=False, seed=0)
+    layer.load_state_dict({**layer.state_dict(), "bias": np.arange(6, dtype=np.float32)})
+    out = layer(rng.normal(size=(n, 4)).astype(np.float32), g)
+    iso = np.setdiff1d(np.arange(n), dst)
+    np.testing.assert_array_equal(out[iso], np.broadcast_to(np.arange(6, dtype=np.float32), (iso.size, 6)))
+
+
+# --------------------------------------------------------------------------- errors
+def test_errors_name_the_argument():
+    g = tg.Graph.from_coo(np.array([0, 1]), np.array([1, 0]), 2, 2)
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="edge_attr"):
+        GATConv(3, 2)(x, g, np.ones((2, 1), np.float32))
+    with pytest.raises(ValueError, match="edge_attr"):
+        GATConv(3, 2, edge_dim=2)(x, g, np.ones((3, 2), np.float32))
+    with pytest.raises(ValueError, match="in_channels"):
+        GATConv(4, 2)(x, g)
+    with pytest.raises(ValueError, match="num_src"):
+        GATConv(3, 2)(np.ones((3, 3), np.float32), g)
+    with pytest.raises(TypeError, match="graph"):
+        GATConv(3, 2)(x, np.array([[0, 1], [1, 0]]))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        GATConv(3, 2, dropout=0.5)(x, g)
+    GATConv(3, 2, dropout=0.5).eval()(x, g)  # inactive in eval mode, as in PyG
+    with pytest.raises(ValueError, match="edge_attr is required"):
+        TransformerConv(3, 2, edge_dim=2)(x, g)
+    with pytest.raises(ValueError, match="missing"):
+        GATConv(3, 2).load_state_dict({"bias": np.zeros(2)})
+    with pytest.raises(ValueError, match="shape"):
+        GATConv(3, 2).load_state_dict({**GATConv(3, 2).state_dict(), "bias": np.zeros(3)})
+    with pytest.raises(NotImplementedError, match="fill_value"):
+        GATConv(3, 2, fill_value="max")
+    _, vjp = GATConv(3, 2).vjp(x, g)
+    with pytest.raises(ValueError, match="dout"):
+        vjp(np.ones((2, 3), np.float32))
+
+
+def test_gat_source_features_only_matches_pyg():
+    """x = (x_src, None): PyG drops the destination term of the score; "x" is (dx_src, None)."""
+    torch = pytest.importorskip("torch")
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    rng = np.random.default_rng(11)
+    n = 15
+    src, dst = random_edges(rng, n, n, 50)
+    pyg = pyg_nn.GATConv(4, 3, heads=2)
+    ours = GATConv(4, 3, heads=2)
+    ours.load_state_dict({k: v.detach().numpy() for k, v in pyg.state_dict().items()})
+    x = torch.randn(n, 4, requires_grad=True)
+    ref = pyg((x, None), torch.from_numpy(np.stack([src, dst])))
+    ref.sum().backward()
+    out, vjp = ours.vjp((x.detach().numpy(), None), tg.Graph.from_coo(src, dst, n, n))
+    grads = vjp(np.ones(out.shape, np.float32))
+    np.testing.assert_allclose(out, ref.detach().numpy(), rtol=1e-4, atol=2e-5)
+    assert grads["x"][1] is None
+    np.testing.assert_allclose(grads["x"][0], x.grad.numpy(), rtol=1e-4, atol=2e-5)

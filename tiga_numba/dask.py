@@ -1,0 +1,579 @@
+"""Attention and its backward over dask arrays chunked along the node axis.
+
+    import tiga_numba.dask as tgd
+    out, stats = tgd.attention(q, k, v, graph, return_stats=True)      # dask arrays in, dask arrays out
+    dq, dk, dv = tgd.attention_backward(dout, q, k, v, out, stats, graph)
+
+q's chunks along axis 0 are the destination partitions, k's (and v's) the source chunks; the
+other axes must be one chunk. Every task is a call of the single-process kernels on one piece:
+
+* CSR relations: one task per destination partition. It receives q's chunk and, from every
+  source chunk that holds a source of its edges, only those rows (a *halo*, gathered by a small
+  task next to the source chunk). Its local relation is the partition's rows with the source ids
+  renumbered into the halo, so the forward needs no merge. The backward computes dq locally and
+  the halo's partial dk/dv, which are scattered back to their source chunks and summed there in
+  increasing partition order.
+* Implicit relations (dense, triangular, segments): one task per (query chunk, key chunk) block
+  that the relation touches (blocks without edges are never created). The partial results of a
+  query chunk are combined by the exact online-softmax merge in a fixed-order tree; the backward
+  runs per block with the merged (full-row) statistics and sums dq per query chunk and dk/dv per
+  key chunk, again in a fixed-order tree.
+
+The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
+and kept on the graph. Tasks hold no state outside their results, so any dask scheduler may
+recompute a lost one. See docs/dask.md.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import operator
+import threading
+import uuid
+
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from .functional import AttentionStats
+from .functional import attention as _attention
+from .functional import attention_backward as _attention_backward
+from .graph import Graph
+from .merge import attention_merge, log_sum_exp
+
+__all__ = ["attention", "attention_backward", "DaskAttentionStats", "plan_summary"]
+
+# Fan-in of the merge and sum trees: at most this many partial results meet in one task.
+TREE_FAN_IN = 4
+# Per worker process, local relations of recent tasks are kept (with the realisations and the
+# transpose the kernels derive from them) up to about this many bytes, so that a repeated call
+# does not rebuild them; a pure memo: results never depend on it, and a new worker starts empty.
+WARM_GRAPH_BYTES = 1 << 30
+
+
+class DaskAttentionStats:
+    """Per-row softmax statistics of :func:`attention`, as dask arrays chunked like q's rows:
+    ``m`` (max scaled score), ``l`` (sum of exp(s - m)) and ``lse`` (m + log l, -inf for an
+    empty row). Pass it to :func:`attention_backward`."""
+
+    __slots__ = ("m", "l")
+    block_prune_threshold = None  # dask attention is always exact
+
+    def __init__(self, m, l):
+        self.m = m
+        self.l = l
+
+    def __iter__(self):
+        return iter((self.m, self.l))
+
+    @property
+    def lse(self):
+        return da.map_blocks(log_sum_exp, self.m, self.l, dtype=self.m.dtype)
+
+    def __repr__(self):
+        return (f"DaskAttentionStats(m shape={tuple(self.m.shape)}, chunks={self.m.chunks[0]}, "
+                f"dtype={self.m.dtype})")
+
+
+# --------------------------------------------------------------------------- validation
+def _check_dask(name, array):
+    if not isinstance(array, da.Array):
+        raise TypeError(f"{name} must be a dask array, got {type(array).__name__}; wrap it with "
+                        f"dask.array.from_array({name}, chunks=(rows_per_chunk,) + {name}.shape[1:])")
+    if any(np.isnan(c) for axis in array.chunks for c in axis):
+        raise ValueError(f"{name} has unknown chunk sizes {array.chunks}; call "
+                         f"{name}.compute_chunk_sizes() first")
+    for axis in range(1, array.ndim):
+        if len(array.chunks[axis]) > 1:
+            raise ValueError(
+                f"{name} is chunked along axis {axis} (chunks {array.chunks[axis]}); only the node "
+                f"axis (0) may be chunked: use {name}.rechunk({{{axis}: -1}})")
+    return array
+
+
+def _check_rows_like(name, array, q):
+    _check_dask(name, array)
+    if array.chunks[0] != q.chunks[0]:
+        raise ValueError(f"{name} is chunked {array.chunks[0]} along axis 0 but q is chunked "
+                         f"{q.chunks[0]}; the chunk boundaries must agree")
+    return array
+
+
+def _check_inputs(q, k, v, graph):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        _check_dask(name, a)
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+    if v.chunks[0] != k.chunks[0]:
+        raise ValueError(f"v is chunked {v.chunks[0]} along axis 0 but k is chunked {k.chunks[0]}; "
+                         "k and v must share their chunk boundaries")
+    if q.shape[0] != graph.num_dst:
+        raise ValueError(f"graph has num_dst={graph.num_dst} but q has {q.shape[0]} rows (axis 0)")
+    if k.shape[0] != graph.num_src:
+        raise ValueError(f"graph has num_src={graph.num_src} but k has {k.shape[0]} rows (axis 0)")
+    if v.shape[0] != graph.num_src:
+        raise ValueError(f"graph has num_src={graph.num_src} but v has {v.shape[0]} rows (axis 0)")
+    # The single-process checks (library, dtype, heads, dims) on zero-row stand-ins: they run
+    # no kernel and give the result dtypes.
+    mq, mk, mv = (_empty_rows(a) for a in (q, k, v))
+    out, stats = _attention(mq, mk, mv, Graph.dense(0, 0), return_stats=True)
+    return out, stats
+
+
+def _empty_rows(array, dtype=None):
+    meta = array._meta
+    xp = _xp_of(meta)
+    return xp.zeros((0,) + tuple(array.shape[1:]), dtype=dtype or array.dtype)
+
+
+def _xp_of(array):
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def _bounds(chunks):
+    return tuple(int(b) for b in np.concatenate([[0], np.cumsum(chunks)]))
+
+
+def _chunk_key(array, i):
+    return (array.name, i) + (0,) * (array.ndim - 1)
+
+
+# --------------------------------------------------------------------------- index plans
+class _CSRPart:
+    """One destination partition: rows [d0, d1), its local relation over the halo, and per
+    source chunk c the rows of chunk c it needs (local to the chunk) with their slice of the
+    halo."""
+    __slots__ = ("d0", "d1", "graph", "pieces")
+
+    def __init__(self, d0, d1, graph, pieces):
+        self.d0, self.d1, self.graph, self.pieces = d0, d1, graph, pieces
+
+
+class _Plan:
+    __slots__ = ("token", "kind", "parts", "blocks")
+
+    def __init__(self, kind, parts=None, blocks=None):
+        self.token = uuid.uuid4().hex
+        self.kind = kind
+        self.parts = parts      # CSR: list of _CSRPart, one per destination partition
+        self.blocks = blocks    # implicit: per query chunk, list of (key chunk, block Graph)
+
+
+def _csr_plan(graph, dst_bounds, src_bounds):
+    indptr, indices = graph._host_csr()
+    src_bounds = np.asarray(src_bounds, np.int64)
+    parts = []
+    for d0, d1 in zip(dst_bounds[:-1], dst_bounds[1:]):
+        e0, e1 = int(indptr[d0]), int(indptr[d1])
+        sources = indices[e0:e1]
+        # the halo: every needed source once, in increasing id, so it is grouped by source chunk
+        needed, local = np.unique(sources, return_inverse=True)
+        sub = Graph.from_csr(indptr[d0:d1 + 1] - e0, local.astype(np.int32).reshape(-1),
+                             num_src=int(needed.shape[0]))
+        cuts = np.searchsorted(needed, src_bounds)
+        pieces = [(c, (needed[cuts[c]:cuts[c + 1]] - src_bounds[c]).astype(np.int64),
+                   int(cuts[c]), int(cuts[c + 1]))
+                  for c in range(len(src_bounds) - 1) if cuts[c + 1] > cuts[c]]
+        parts.append(_CSRPart(d0, d1, sub, pieces))
+    return _Plan("csr", parts=parts)
+
+
+def _row_source_ranges(graph, d0, d1):
+    """Sources of an implicit relation's rows [d0, d1): each row's sources are one contiguous
+    range [lo, hi) of global source ids."""
+    rel = graph._blocks
+    rows = np.arange(d0, d1, dtype=np.int64)
+    seg = np.searchsorted(rel.dst_offsets, rows, side="right") - 1
+    lo = rel.src_offsets[seg]
+    end = rel.src_offsets[seg + 1]
+    causal_hi = lo + (rows - rel.dst_offsets[seg]) + 1
+    hi = np.where(rel.causal[seg].astype(bool), np.minimum(causal_hi, end), end)
+    return lo, hi
+
+
+def _restrict_block(graph, d0, d1, s0, s1, lo, hi):
+    """The relation between rows [d0, d1) and sources [s0, s1), in local ids; None when the
+    block has no edge. Dense and causal-diagonal blocks stay implicit; any other block is
+    materialised as CSR (only its own edges)."""
+    lo = np.maximum(lo, s0)
+    hi = np.minimum(hi, s1)
+    counts = np.maximum(hi - lo, 0)
+    if not counts.any():
+        return None
+    nd, ns = d1 - d0, s1 - s0
+    if np.all(lo == s0) and np.all(hi == s1):
+        return Graph.dense(ns, nd)
+    if nd == ns and np.all(lo == s0) and np.array_equal(hi - s0, np.arange(1, nd + 1)):
+        return Graph.triangular(nd)
+    indptr = np.zeros(nd + 1, np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    row_start = np.repeat(np.where(counts > 0, lo - s0, 0) - indptr[:-1], counts)
+    indices = (np.arange(int(indptr[-1]), dtype=np.int64) + row_start).astype(np.int32)
+    return Graph.from_csr(indptr, indices, num_src=ns)
+
+
+def _block_plan(graph, dst_bounds, src_bounds):
+    blocks = []
+    for d0, d1 in zip(dst_bounds[:-1], dst_bounds[1:]):
+        lo, hi = _row_source_ranges(graph, d0, d1)
+        row_blocks = []
+        if d1 > d0:
+            first, last = int(lo.min()), int(hi.max())
+            for c, (s0, s1) in enumerate(zip(src_bounds[:-1], src_bounds[1:])):
+                if s1 <= first or s0 >= last or s1 == s0:
+                    continue
+                sub = _restrict_block(graph, d0, d1, s0, s1, lo, hi)
+                if sub is not None:
+                    row_blocks.append((c, sub))
+        blocks.append(row_blocks)
+    return _Plan("blocks", blocks=blocks)
+
+
+def _plan(graph, q, k):
+    """The index plan for this graph and chunking, computed once and kept on the graph (it is
+    dropped with the graph, and never pickled with it)."""
+    dst_bounds, src_bounds = _bounds(q.chunks[0]), _bounds(k.chunks[0])
+    build = _block_plan if graph.is_implicit else _csr_plan
+    return graph._cached(("dask plan", dst_bounds, src_bounds),
+                         lambda: build(graph, dst_bounds, src_bounds))
+
+
+def plan_summary(graph, q, k):
+    """What the tasks of this graph and chunking read, without running anything.
+
+    Returns a dict with ``kind`` ('csr' or 'blocks'), ``tasks`` (forward tasks) and ``edges``
+    (per destination partition), and
+
+    * CSR: ``halo`` per destination partition, ``{source chunk: rows gathered from it}``
+      (``halo_rows`` their sum): a partition's task receives exactly these rows of k and v;
+    * implicit: ``blocks`` per destination partition, the key chunks it meets."""
+    _check_dask("q", q)
+    _check_dask("k", k)
+    plan = _plan(graph, q, k)
+    if plan.kind == "csr":
+        return {"kind": "csr", "tasks": len(plan.parts),
+                "halo": [{c: int(r.shape[0]) for c, r, _, _ in p.pieces} for p in plan.parts],
+                "halo_rows": [p.graph.num_src for p in plan.parts],
+                "edges": [p.graph.num_edges for p in plan.parts]}
+    return {"kind": "blocks", "tasks": sum(len(b) for b in plan.blocks),
+            "blocks": [[c for c, _ in b] for b in plan.blocks],
+            "edges": [sum(g.num_edges for _, g in b) for b in plan.blocks]}
+
+
+# --------------------------------------------------------------------------- task functions
+_warm_graphs = collections.OrderedDict()   # (plan token, task) -> (Graph, bytes), newest last
+_warm_lock = threading.Lock()
+
+
+def _warm(graph, key):
+    """The local relation of task `key` as a previous task in this process left it (realised,
+    transposed), else `graph`, remembered for the next call."""
+    with _warm_lock:
+        hit = _warm_graphs.get(key)
+        if hit is not None:
+            _warm_graphs.move_to_end(key)
+            return hit[0]
+        _warm_graphs[key] = (graph, 24 * graph.num_edges + 16 * graph.num_dst)
+        total = sum(b for _, b in _warm_graphs.values())
+        while total > WARM_GRAPH_BYTES and len(_warm_graphs) > 1:
+            total -= _warm_graphs.popitem(last=False)[1][1]
+    return graph
+
+
+# Module-level functions (they pickle by reference); every literal they need is bound with
+# functools.partial so that the scheduler never mistakes it for a key or a task.
+def _take(chunk, rows):
+    if not isinstance(chunk, np.ndarray):
+        rows = _xp_of(chunk).asarray(rows)
+    return chunk[rows]
+
+
+def _concat(parts):
+    return parts[0] if len(parts) == 1 else _xp_of(parts[0]).concatenate(parts, axis=0)
+
+
+def _csr_forward(q_p, k_parts, v_parts, *, graph, warm, scale):
+    k, v = _concat(k_parts), _concat(v_parts)
+    out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True)
+    return out, stats.m, stats.l
+
+
+def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, *, graph, warm, scale):
+    k, v = _concat(k_parts), _concat(v_parts)
+    return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
+                               _warm(graph, warm), scale=scale)
+
+
+def _halo_piece(result, which, start, stop):
+    return result[which][start:stop]
+
+
+def _scatter_sum(like, pieces, *, rows, dtype, acc):
+    """Sum the partial gradients of one source chunk, in the order given (increasing
+    destination partition)."""
+    xp = _xp_of(like)
+    total = xp.zeros(like.shape, dtype=acc)
+    for r, piece in zip(rows, pieces):
+        if r.shape[0] == like.shape[0]:   # the whole chunk, in order
+            total += piece
+        else:
+            total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
+    return total.astype(dtype, copy=False)
+
+
+def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc):
+    out, stats = _attention(q_p, k_c, v_c, _warm(graph, warm), scale=scale, return_stats=True)
+    return out.astype(acc, copy=False), stats.m, stats.l   # partials merge in the accumulation dtype
+
+
+def _merge(*parts):
+    out, stats = attention_merge([(o, AttentionStats(m, l)) for o, m, l in parts])
+    return out, stats.m, stats.l
+
+
+def _empty_forward(q_p, *, value_dim, acc):
+    xp = _xp_of(q_p)
+    lead = tuple(q_p.shape[:-1])
+    return (xp.zeros(lead + (value_dim,), dtype=acc), xp.full(lead, -np.inf, dtype=acc),
+            xp.zeros(lead, dtype=acc))
+
+
+def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc):
+    grads = _attention_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p),
+                                _warm(graph, warm), scale=scale)
+    return tuple(g.astype(acc, copy=False) for g in grads)
+
+
+def _sum(*parts):
+    return functools.reduce(operator.add, parts)   # left to right: a fixed order
+
+
+def _zeros_like(like, *, dtype):
+    return _xp_of(like).zeros(like.shape, dtype=dtype)
+
+
+def _cast(part, *, dtype, which=None):
+    x = part if which is None else part[which]
+    return x.astype(dtype, copy=False)
+
+
+def _tree(dsk, prefix, leaves, combine):
+    """Combine `leaves` (keys, in order) in a tree of fan-in TREE_FAN_IN; returns the root key.
+    The tree's shape depends only on the number of leaves: the same bits on every run."""
+    level = 0
+    while len(leaves) > 1:
+        nxt = []
+        for i in range(0, len(leaves), TREE_FAN_IN):
+            group = leaves[i:i + TREE_FAN_IN]
+            if len(group) == 1:
+                nxt.append(group[0])
+                continue
+            key = prefix + (level, i // TREE_FAN_IN)
+            dsk[key] = (combine,) + tuple(group)
+            nxt.append(key)
+        leaves = nxt
+        level += 1
+    return leaves[0]
+
+
+# --------------------------------------------------------------------------- graph assembly
+def _collect(core_name, core, inputs, outputs):
+    """dask arrays for `outputs` = [(name, layer dict, chunks, meta)], all reading the tasks of
+    layer `core`, which reads the `inputs` collections."""
+    layers, deps = {}, {}
+    for a in inputs:
+        g = a.__dask_graph__()
+        layers.update(g.layers)
+        deps.update(g.dependencies)
+    layers[core_name] = MaterializedLayer(core)
+    deps[core_name] = {a.name for a in inputs}
+    for name, layer, _, _ in outputs:
+        layers[name] = MaterializedLayer(layer)
+        deps[name] = {core_name}
+    graph = HighLevelGraph(layers, deps)
+    return [da.Array(graph, name, chunks, meta=meta) for name, _, chunks, meta in outputs]
+
+
+def _row_outputs(name, q, nparts, source, ndim_tail):
+    """Layer for an output chunked like q's rows: key (name, p, 0, ...) <- source(p)."""
+    return {(name, p) + (0,) * ndim_tail: source(p) for p in range(nparts)}
+
+
+def attention(q, k, v, graph, *, scale=None, return_stats=False):
+    """Attention of q over k, v along `graph`, with dask arrays chunked along the node axis.
+
+    Parameters
+    ----------
+    q : dask array ``(num_dst, H, D)`` (or ``(num_dst, D)``), numpy or cupy chunks; its chunks
+        along axis 0 are the destination partitions.
+    k, v : dask arrays ``(num_src, Hkv, D)`` / ``(num_src, Hkv, Dv)`` with the same chunks along
+        axis 0. Only axis 0 may be chunked.
+    graph : tiga_numba.Graph with ``num_dst == q.shape[0]`` and ``num_src == k.shape[0]``.
+
+    Returns
+    -------
+    out : dask array ``(num_dst, H, Dv)`` in q's dtype, chunked like q.
+    stats : :class:`DaskAttentionStats` (``return_stats=True``), ``m``/``l``/``lse`` chunked like
+        q's rows. Equal to the single-process call within rounding, on any dask scheduler.
+    """
+    meta_out, meta_stats = _check_inputs(q, k, v, graph)
+    plan = _plan(graph, q, k)
+    dtype, acc = meta_out.dtype, meta_stats.m.dtype
+    value_dim = int(v.shape[-1])
+    token = tokenize(plan.token, q.name, k.name, v.name, scale)
+    core_name = f"tiga-attention-tasks-{token}"
+    core = {}
+    nparts = len(q.chunks[0])
+    roots = []
+    if plan.kind == "csr":
+        for p, part in enumerate(plan.parts):
+            k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
+            key = (core_name, "forward", p)
+            core[key] = (functools.partial(_csr_forward, graph=part.graph, warm=(plan.token, p),
+                                           scale=scale),
+                         _chunk_key(q, p), k_parts, v_parts)
+            roots.append(key)
+        cast_out = functools.partial(_cast, dtype=dtype, which=0)
+    else:
+        for p, row_blocks in enumerate(plan.blocks):
+            leaves = []
+            for c, sub in row_blocks:
+                key = (core_name, "block", p, c)
+                core[key] = (functools.partial(_block_forward, graph=sub, warm=(plan.token, p, c),
+                                               scale=scale, acc=acc),
+                             _chunk_key(q, p), _chunk_key(k, c), _chunk_key(v, c))
+                leaves.append(key)
+            if not leaves:
+                key = (core_name, "empty", p)
+                core[key] = (functools.partial(_empty_forward, value_dim=value_dim, acc=acc),
+                             _chunk_key(q, p))
+                leaves.append(key)
+            roots.append(_tree(core, (core_name, "merge", p), leaves, _merge))
+        cast_out = functools.partial(_cast, dtype=dtype, which=0)
+    tail = q.ndim - 1
+    rows = q.chunks[0]
+    out_name, m_name, l_name = (f"tiga-attention-{w}-{token}" for w in ("out", "m", "l"))
+    outputs = [(out_name, _row_outputs(out_name, q, nparts, lambda p: (cast_out, roots[p]), tail),
+                (rows,) + tuple((s,) for s in meta_out.shape[1:]), meta_out)]
+    if return_stats:
+        for name, which in ((m_name, 1), (l_name, 2)):
+            outputs.append((name, _row_outputs(name, q, nparts,
+                                               lambda p, w=which: (operator.getitem, roots[p], w),
+                                               tail - 1),
+                            (rows,) + tuple((s,) for s in meta_stats.m.shape[1:]), meta_stats.m))
+    arrays = _collect(core_name, core, [q, k, v], outputs)
+    if return_stats:
+        return arrays[0], DaskAttentionStats(arrays[1], arrays[2])
+    return arrays[0]
+
+
+def _gather_halo(core, core_name, p, part, k, v):
+    """Tasks that take, from each source chunk, the rows partition p needs (next to the chunk,
+    so only those rows travel). A partition without edges takes zero rows of chunk 0."""
+    k_parts, v_parts = [], []
+    for c, local_rows, _, _ in part.pieces or [(0, np.zeros(0, np.int64), 0, 0)]:
+        whole = local_rows.shape[0] == k.chunks[0][c]   # sorted and unique: the chunk itself
+        for src, parts, tag in ((k, k_parts, "k-halo"), (v, v_parts, "v-halo")):
+            if whole:
+                parts.append(_chunk_key(src, c))
+                continue
+            key = (core_name, tag, p, c)
+            core[key] = (functools.partial(_take, rows=local_rows), _chunk_key(src, c))
+            parts.append(key)
+    return k_parts, v_parts
+
+
+def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
+    """Backward of :func:`attention` over dask arrays: returns ``dq`` (chunked like q) and
+    ``dk``, ``dv`` (chunked like k, v), in q's dtype.
+
+    ``out`` and ``stats`` are the forward's (``attention(..., return_stats=True)``); ``dout``,
+    ``out``, ``stats.m`` and ``stats.l`` must be chunked like q along axis 0. The partial
+    gradients of a source chunk are summed in a fixed order: the same bits on every run."""
+    meta_out, meta_stats = _check_inputs(q, k, v, graph)
+    if not (hasattr(stats, "m") and hasattr(stats, "l")):
+        raise TypeError(f"stats must be the stats returned by tiga_numba.dask.attention(..., "
+                        f"return_stats=True), got {type(stats).__name__}")
+    for name, a in (("dout", dout), ("out", out), ("stats.m", stats.m), ("stats.l", stats.l)):
+        _check_rows_like(name, a, q)
+    # the single-process checks of dout/out/stats shapes and dtypes, on zero-row stand-ins
+    mq, mk, mv = (_empty_rows(a) for a in (q, k, v))
+    _attention_backward(_empty_rows(dout), mq, mk, mv, _empty_rows(out),
+                        AttentionStats(_empty_rows(stats.m), _empty_rows(stats.l)),
+                        Graph.dense(0, 0), scale=scale)
+    plan = _plan(graph, q, k)
+    dtype, acc = meta_out.dtype, meta_stats.m.dtype
+    token = tokenize(plan.token, dout.name, q.name, k.name, v.name, out.name, stats.m.name,
+                     stats.l.name, scale)
+    core_name = f"tiga-attention-backward-tasks-{token}"
+    core = {}
+    nq, nk = len(q.chunks[0]), len(k.chunks[0])
+    dq_src, dk_src, dv_src = {}, {}, {}
+
+    def row_inputs(p):
+        return (_chunk_key(dout, p), _chunk_key(q, p))
+
+    def stat_inputs(p):
+        return (_chunk_key(out, p), _chunk_key(stats.m, p), _chunk_key(stats.l, p))
+
+    if plan.kind == "csr":
+        # per source chunk: (partition rows, key of the halo piece) in increasing partition
+        incoming = {c: ([], [], []) for c in range(nk)}
+        for p, part in enumerate(plan.parts):
+            k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
+            key = (core_name, "backward", p)
+            core[key] = (functools.partial(_csr_backward, graph=part.graph, warm=(plan.token, p),
+                                           scale=scale),
+                         *row_inputs(p), k_parts, v_parts,
+                         *stat_inputs(p))
+            dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
+            for c, local_rows, start, stop in part.pieces:
+                rows_c, dk_c, dv_c = incoming[c]
+                rows_c.append(local_rows)
+                for which, dst in ((1, dk_c), (2, dv_c)):
+                    piece = (core_name, "piece", which, p, c)
+                    core[piece] = (_halo_piece, key, which, start, stop)
+                    dst.append(piece)
+        for c in range(nk):
+            rows_c, dk_c, dv_c = incoming[c]
+            summ = functools.partial(_scatter_sum, rows=rows_c, dtype=dtype, acc=acc)
+            dk_src[c] = (summ, _chunk_key(k, c), dk_c)
+            dv_src[c] = (summ, _chunk_key(v, c), dv_c)
+    else:
+        dq_leaves = {p: [] for p in range(nq)}
+        dk_leaves = {c: [] for c in range(nk)}
+        dv_leaves = {c: [] for c in range(nk)}
+        for p, row_blocks in enumerate(plan.blocks):
+            for c, sub in row_blocks:
+                key = (core_name, "block", p, c)
+                core[key] = (functools.partial(_block_backward, graph=sub, warm=(plan.token, p, c),
+                                               scale=scale, acc=acc),
+                             *row_inputs(p), _chunk_key(k, c), _chunk_key(v, c), *stat_inputs(p))
+                for which, leaves, i in ((0, dq_leaves, p), (1, dk_leaves, c), (2, dv_leaves, c)):
+                    part = (core_name, "part", which, p, c)
+                    core[part] = (operator.getitem, key, which)
+                    leaves[i].append(part)
+
+        def summed(tag, leaves, like_key, i):
+            if not leaves:
+                return (functools.partial(_zeros_like, dtype=dtype), like_key)
+            return (functools.partial(_cast, dtype=dtype),
+                    _tree(core, (core_name, tag, i), leaves, _sum))
+
+        for p in range(nq):
+            dq_src[p] = summed("dq", dq_leaves[p], _chunk_key(q, p), p)
+        for c in range(nk):
+            dk_src[c] = summed("dk", dk_leaves[c], _chunk_key(k, c), c)
+            dv_src[c] = summed("dv", dv_leaves[c], _chunk_key(v, c), c)
+
+    outputs = []
+    for tag, like, src in (("dq", q, dq_src), ("dk", k, dk_src), ("dv", v, dv_src)):
+        name = f"tiga-attention-backward-{tag}-{token}"
+        layer = {(name, i) + (0,) * (like.ndim - 1): task for i, task in src.items()}
+        meta = _empty_rows(like, dtype=dtype)
+        outputs.append((name, layer, like.chunks, meta))
+    return tuple(_collect(core_name, core, [dout, q, k, v, out, stats.m, stats.l], outputs))

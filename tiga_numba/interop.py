@@ -1,0 +1,225 @@
+"""Arrays from other libraries (torch tensors, JAX arrays, anything with ``__dlpack__``).
+
+The kernels run on numpy (CPU) and cupy (CUDA) arrays. Arrays of other libraries are viewed as
+one of those through DLPack, without a copy: a CPU tensor becomes ``np.from_dlpack(x)``, a CUDA
+tensor ``cupy.from_dlpack(x)``; the results are handed back the same way, so a caller that passed
+torch tensors gets torch tensors (``torch.from_dlpack``), one that passed JAX arrays gets JAX arrays.
+
+    @interop.foreign_arrays
+    def attention(q, k, v, graph, ...): ...
+
+``foreign_arrays`` converts every array argument (also inside dicts, lists and tuples), calls the
+function on numpy/cupy arrays and converts its result back into the library of the first foreign
+argument; a returned function (a ``vjp``) is wrapped the same way. Calls whose arguments are all
+numpy/cupy pass straight through. torch and JAX are never imported here unless the caller passed
+one of their arrays (the check reads ``type(x).__module__``).
+
+A torch tensor that requires grad is detached (a view, no copy): the package's own gradients are
+explicit (``vjp``, ``attention_backward``); ``tiga_numba.torch`` connects them to autograd.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import types
+
+import numpy as np
+
+__all__ = ["foreign_arrays", "is_foreign", "to_native", "to_library", "library_name"]
+
+_DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def _root_module(x):
+    return type(x).__module__.partition(".")[0]
+
+
+def _is_cupy(x):
+    cp = sys.modules.get("cupy")
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def library_name(x):
+    """'torch', 'jax' or 'dlpack' for a foreign array; None for numpy, cupy and non-arrays."""
+    if isinstance(x, np.ndarray) or _is_cupy(x):
+        return None
+    root = _root_module(x)
+    if root == "torch":
+        return "torch" if hasattr(x, "__dlpack__") else None
+    if root in ("jax", "jaxlib"):
+        return "jax"
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return "dlpack"
+    return None
+
+
+def is_foreign(x):
+    return library_name(x) is not None
+
+
+def _cupy_from_dlpack(x, name):
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(f"{name} is a CUDA array but cupy is not installed: pip install "
+                          "'tiga-numba[cuda]' to run on the GPU") from exc
+    return cupy.from_dlpack(x)
+
+
+def to_native(x, name="array"):
+    """The numpy (CPU) or cupy (CUDA) view of a foreign array; numpy/cupy/other objects as given."""
+    lib = library_name(x)
+    if lib is None:
+        return x
+    if lib == "torch":
+        if x.requires_grad:
+            x = x.detach()
+        if x.is_cuda:
+            return _cupy_from_dlpack(x, name)
+        if x.dtype.is_complex or str(x.dtype) == "torch.bfloat16":
+            raise TypeError(f"{name} has torch dtype {x.dtype}, which numpy cannot view; "
+                            "expected float16, float32 or float64 (or a CUDA tensor)")
+        if x.is_conj() or x.is_neg():
+            x = x.resolve_conj().resolve_neg()
+        return np.from_dlpack(x)
+    device_type = int(x.__dlpack_device__()[0])
+    if device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+        return _cupy_from_dlpack(x, name)
+    if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+        return np.from_dlpack(x)
+    raise TypeError(f"{name} lives on DLPack device type {device_type}; only CPU and CUDA "
+                    "arrays are supported")
+
+
+def to_library(x, lib):
+    """A numpy/cupy array `x` as an array of library `lib` ('torch', 'jax'), without a copy."""
+    if lib is None or lib == "dlpack" or not (isinstance(x, np.ndarray) or _is_cupy(x)):
+        return x
+    if lib == "torch":
+        import torch
+        if isinstance(x, np.ndarray) and not x.flags.writeable:
+            x = x.copy()  # numpy exports no read-only buffer through DLPack
+        return torch.from_dlpack(x)
+    if lib == "jax":
+        import jax.numpy as jnp
+        return jnp.from_dlpack(x)
+    return x
+
+
+# --------------------------------------------------------------------------- the decorator
+_NATIVE_TYPES = {np.ndarray, int, float, bool, str, type(None)}  # types seen not to be foreign
+
+
+def _scan(obj, depth=0):
+    """The library of the first foreign array in obj (dicts, lists and tuples searched).
+    Runs on every call of a wrapped entry point: types already seen to be native (numpy,
+    cupy, Graph, numbers, ...) cost one set lookup."""
+    if type(obj) in _NATIVE_TYPES:
+        return None
+    if isinstance(obj, dict):
+        for v in obj.values():
+            lib = _scan(v, depth + 1)
+            if lib is not None:
+                return lib
+        return None
+    if isinstance(obj, (list, tuple)) and depth < 4:
+        for v in obj:
+            lib = _scan(v, depth + 1)
+            if lib is not None:
+                return lib
+        return None
+    if type(obj).__name__ == "AttentionStats":
+        return library_name(obj.m)
+    lib = library_name(obj)
+    if lib is None:
+        _NATIVE_TYPES.add(type(obj))
+    return lib
+
+
+def _stats_like(stats, convert):
+    return type(stats)(convert(stats.m), convert(stats.l), stats.block_prune_threshold, stats.plan)
+
+
+def _inward(obj, name="array", depth=0):
+    if isinstance(obj, np.ndarray):
+        return obj
+    if isinstance(obj, dict):
+        return {k: _inward(v, f"{name}[{k!r}]", depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and depth < 4:
+        items = [_inward(v, f"{name}[{i}]", depth + 1) for i, v in enumerate(obj)]
+        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    if type(obj).__name__ == "AttentionStats":
+        return _stats_like(obj, lambda a: to_native(a, f"{name}.m/l"))
+    return to_native(obj, name)
+
+
+def _outward(obj, lib, depth=0):
+    if isinstance(obj, np.ndarray) or _is_cupy(obj):
+        return to_library(obj, lib)
+    if isinstance(obj, dict):
+        return {k: _outward(v, lib, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and depth < 4:
+        items = [_outward(v, lib, depth + 1) for v in obj]
+        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    if isinstance(obj, types.FunctionType):  # a vjp closure: takes and returns lib arrays
+        return _convert_call(obj, lib)
+    if type(obj).__name__ == "AttentionStats":
+        return _stats_like(obj, lambda a: to_library(a, lib))
+    return obj
+
+
+def _arg_names(fn):
+    try:
+        return [p for p in inspect.signature(fn).parameters]
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        return []
+
+
+def _convert_call(fn, lib, names=None):
+    names = _arg_names(fn) if names is None else names
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        args = tuple(_inward(a, names[i] if i < len(names) else f"argument {i}")
+                     for i, a in enumerate(args))
+        kwargs = {k: _inward(v, k) for k, v in kwargs.items()}
+        return _outward(fn(*args, **kwargs), lib)
+    return call
+
+
+def foreign_arrays(fn):
+    """Let `fn` take foreign arrays (converted in, without a copy) and return its results in the
+    caller's library. Argument names are kept in error messages for foreign inputs."""
+    names = _arg_names(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        lib = _scan(args)
+        if lib is None:
+            for v in kwargs.values():
+                lib = _scan(v)
+                if lib is not None:
+                    break
+        if lib is None:
+            return fn(*args, **kwargs)
+        return _convert_call(fn, lib, names)(*args, **kwargs)
+    return call
+
+
+def convert_args(args, kwargs):
+    """(library of the first foreign array or None, args, kwargs converted to numpy/cupy)."""
+    lib = _scan(args)
+    if lib is None:
+        for v in kwargs.values():
+            lib = _scan(v)
+            if lib is not None:
+                break
+    if lib is None:
+        return None, args, kwargs
+    return lib, _inward(args), {k: _inward(v, k) for k, v in kwargs.items()}
+
+
+def outward(obj, lib):
+    """Results (arrays, containers, AttentionStats, vjp closures) into library `lib`."""
+    return obj if lib is None else _outward(obj, lib)

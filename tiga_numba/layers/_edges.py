@@ -1,0 +1,189 @@
+"""The edges a layer attends over, and the per-edge sums its gradients need.
+
+A layer sees the caller's Graph, optionally with PyG's self-loop rule applied (existing loops
+(i -> i) removed, one loop added for every node i < min(num_src, num_dst)). `EdgeSet` holds that
+relation in CSR order (the order the kernels and every per-edge array use) together with the map
+back to the caller's edge order (`Graph.edge_permutation` for from_coo / from_edge_index graphs),
+so `edge_attr` is given, and its gradient returned, in the caller's order.
+
+Sums over edges are sparse products with scipy.sparse (numpy) or cupyx.scipy.sparse (cupy):
+deterministic on the CPU, and no (E, H, C) array is ever formed. Edge sets are cached on the
+graph (graphs are immutable), per device.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import Graph
+
+__all__ = ["EdgeSet", "edge_set", "xp_of", "sparse_of", "scatter_rows"]
+
+
+def xp_of(array):
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def sparse_of(xp):
+    if xp is np:
+        import scipy.sparse as sp
+        return sp
+    import cupyx.scipy.sparse as csp
+    return csp
+
+
+def scatter_rows(xp, index, values, n):
+    """(n, F) sums of the rows of `values` (m, F) into rows `index` (m,) (a sparse product)."""
+    sp = sparse_of(xp)
+    m = index.shape[0]
+    ones = xp.ones(m, dtype=values.dtype)
+    mat = sp.csr_matrix((ones, (index, xp.arange(m))), shape=(n, m))
+    return xp.asarray(mat @ values)
+
+
+class EdgeSet:
+    """Edges (j -> i) = (cols[e] -> rows[e]) in CSR order of `graph` (destination rows)."""
+
+    def __init__(self, graph, rows, cols, source, loop_pos, loop_node, kept_count, xp):
+        self.graph = graph
+        self.num_src = graph.num_src
+        self.num_dst = graph.num_dst
+        self.num_edges = graph.num_edges
+        self.xp = xp
+        self.rows = rows            # (E,) int64 destination of each edge
+        self.cols = cols            # (E,) int64 source of each edge
+        self.source = source        # (E,) int64 caller's edge id, -1 for an added loop
+        self.loop_pos = loop_pos    # (L,) int64 positions of the added loops
+        self.loop_node = loop_node  # (L,) int64 their nodes
+        self.kept_count = kept_count  # (num_dst,) caller edges kept into each node
+        self.has_loops = int(loop_pos.shape[0]) > 0
+        kept = source >= 0
+        self.kept_pos = xp.nonzero(kept)[0]
+        self.kept_source = source[self.kept_pos]
+        rel = graph.realize("cpu" if xp is np else "cuda")
+        self.indptr = rel.indptr
+        self.indices = rel.indices
+        self._inc = {}
+
+    # ------------------------------------------------------------------ incidence sums
+    def _incidence(self, side, dtype):
+        key = (side, np.dtype(dtype))
+        mat = self._inc.get(key)
+        if mat is None:
+            xp, sp, E = self.xp, sparse_of(self.xp), self.num_edges
+            ones = xp.ones(E, dtype=dtype)
+            if side == "dst":  # (num_dst, E): row i holds the edges into i
+                mat = sp.csr_matrix((ones, xp.arange(E, dtype=np.int64), self.indptr),
+                                    shape=(self.num_dst, E))
+            else:  # (num_src, E): row j holds the edges out of j
+                t = self.graph.realize_transpose("cpu" if xp is np else "cuda")
+                mat = sp.csr_matrix((ones, t.perm, t.indptr), shape=(self.num_src, E))
+            self._inc[key] = mat
+        return mat
+
+    def sum_by_dst(self, values):
+        """(num_dst, F): sum of the rows of `values` (E, F) over each destination's edges."""
+        return self.xp.asarray(self._incidence("dst", values.dtype) @ values)
+
+    def sum_by_src(self, values):
+        """(num_src, F): sum of the rows of `values` (E, F) over each source's edges."""
+        return self.xp.asarray(self._incidence("src", values.dtype) @ values)
+
+    def adjacency(self, weights):
+        """Sparse (num_dst, num_src) with weights[e] at (rows[e], cols[e]): `A @ X` sums
+        w_e X[j] into i, `A.T @ Y` sums w_e Y[i] into j."""
+        sp = sparse_of(self.xp)
+        return sp.csr_matrix((weights, self.indices, self.indptr),
+                             shape=(self.num_dst, self.num_src))
+
+    def edge_matrix(self, weights):
+        """Sparse (num_dst, E) with weights[e] at (rows[e], e): `M @ A` sums w_e A_e into i,
+        `M.T @ Y` gives w_e Y[i] per edge."""
+        sp = sparse_of(self.xp)
+        return sp.csr_matrix((weights, self.xp.arange(self.num_edges, dtype=np.int64),
+                              self.indptr), shape=(self.num_dst, self.num_edges))
+
+    # ------------------------------------------------------------------ edge attributes
+    def edge_attr(self, edge_attr, fill_value):
+        """Caller-ordered (E_in, F) -> this set's (E, F); the added loops get PyG's fill
+        ('mean' / 'add' of the node's incoming attributes, or a constant)."""
+        xp = self.xp
+        ea = xp.zeros((self.num_edges, edge_attr.shape[1]), dtype=edge_attr.dtype)
+        ea[self.kept_pos] = edge_attr[self.kept_source]
+        if self.has_loops:
+            if isinstance(fill_value, str):
+                node = self.sum_by_dst(ea)  # loops still hold 0
+                if fill_value == "mean":
+                    cnt = xp.maximum(self.kept_count, 1).astype(ea.dtype)
+                    node = node / cnt[:, None]
+                ea[self.loop_pos] = node[self.loop_node]
+            else:
+                ea[self.loop_pos] = xp.asarray(fill_value, dtype=ea.dtype)
+        return ea
+
+    def edge_attr_grad(self, d_ea, fill_value, num_in):
+        """Gradient of edge_attr() w.r.t. the caller's (num_in, F) edge attributes."""
+        xp = self.xp
+        d_in = xp.zeros((num_in, d_ea.shape[1]), dtype=d_ea.dtype)
+        d_kept = d_ea[self.kept_pos]
+        if self.has_loops and isinstance(fill_value, str):
+            d_node = xp.zeros((self.num_dst, d_ea.shape[1]), dtype=d_ea.dtype)
+            d_node[self.loop_node] = d_ea[self.loop_pos]
+            if fill_value == "mean":
+                d_node /= xp.maximum(self.kept_count, 1).astype(d_ea.dtype)[:, None]
+            d_kept = d_kept + d_node[self.rows[self.kept_pos]]
+        d_in[self.kept_source] = d_kept
+        return d_in
+
+
+def _host_csr(graph):
+    rel = graph.realize("cpu")
+    if hasattr(rel, "indptr"):
+        return np.asarray(rel.indptr, np.int64), np.asarray(rel.indices, np.int64)
+    csr = graph.to_scipy()  # an implicit relation: its edges, explicitly
+    return csr.indptr.astype(np.int64), csr.indices.astype(np.int64)
+
+
+def _build(graph, self_loops, xp):
+    indptr, indices = _host_csr(graph)
+    nd = graph.num_dst
+    rows = np.repeat(np.arange(nd, dtype=np.int64), np.diff(indptr))
+    perm = graph.edge_permutation
+    source = np.asarray(perm, np.int64) if perm is not None else np.arange(rows.shape[0])
+    empty = np.zeros(0, np.int64)
+    if not self_loops:
+        kept_count = np.diff(indptr)
+        out_graph, loop_pos, loop_node = graph, empty, empty
+        if graph.is_implicit:
+            out_graph = Graph.from_csr(indptr, indices, num_src=graph.num_src)
+    else:
+        keep = rows != indices
+        n_loops = min(graph.num_src, nd)
+        k_rows, k_cols, k_src = rows[keep], indices[keep], source[keep]
+        loop = np.arange(n_loops, dtype=np.int64)
+        all_rows = np.concatenate([k_rows, loop])
+        all_cols = np.concatenate([k_cols, loop])
+        all_src = np.concatenate([k_src, np.full(n_loops, -1, np.int64)])
+        is_loop = np.concatenate([np.zeros(k_rows.shape[0], np.int8), np.ones(n_loops, np.int8)])
+        order = np.lexsort((is_loop, all_rows))  # by row; a row's loop after its edges
+        rows, indices, source = all_rows[order], all_cols[order], all_src[order]
+        kept_count = np.bincount(k_rows, minlength=nd)
+        new_indptr = np.zeros(nd + 1, np.int64)
+        np.cumsum(np.bincount(rows, minlength=nd), out=new_indptr[1:])
+        out_graph = Graph.from_csr(new_indptr, indices, num_src=graph.num_src,
+                                   device=graph.device)
+        loop_pos = np.nonzero(source < 0)[0]
+        loop_node = rows[loop_pos]
+    on = (lambda a: a) if xp is np else xp.asarray
+    return EdgeSet(out_graph, on(rows), on(indices), on(source), on(loop_pos), on(loop_node),
+                   on(kept_count.astype(np.int64)), xp)
+
+
+def edge_set(graph, self_loops, xp):
+    """The (cached) EdgeSet of `graph`, with PyG's self-loop rule when `self_loops`."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+    key = ("layers.edge_set", bool(self_loops), "numpy" if xp is np else "cupy")
+    return graph._cached(key, lambda: _build(graph, self_loops, xp))

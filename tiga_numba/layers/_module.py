@@ -1,0 +1,266 @@
+"""What every layer shares: PyG-named parameters, state dicts, input checks and the call protocol.
+
+A layer holds its parameters as arrays under PyG's names and shapes (`state_dict()` /
+`load_state_dict()`), and computes with a pure function of (parameters, inputs):
+
+    out, backward = layer._apply(params, x_src, x_dst, single, graph, edge_attr)
+    dx_src, dx_dst, d_edge_attr, dparams = backward(dout)
+
+`__call__` and `vjp` wrap that function for users (foreign arrays converted through
+`tiga_numba.interop`), `tiga_numba.torch` wraps the same function for autograd.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import arrays, interop
+from ._edges import xp_of
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def glorot(rng, shape, fan_in, fan_out, dtype):
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-bound, bound, size=shape).astype(dtype)
+
+
+def kaiming_linear(rng, out_f, in_f, dtype, bias=True):
+    """torch.nn.Linear's default initialisation: U(-1/sqrt(in), 1/sqrt(in))."""
+    bound = 1.0 / math.sqrt(in_f) if in_f > 0 else 0.0
+    w = rng.uniform(-bound, bound, size=(out_f, in_f)).astype(dtype)
+    b = rng.uniform(-bound, bound, size=(out_f,)).astype(dtype) if bias else None
+    return w, b
+
+
+def check_positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_channels(in_channels):
+    """PyG's in_channels: an int, or (source, destination) ints for bipartite layers.
+    -1 (PyG's lazy size) is not supported: the parameters must have a shape."""
+    if isinstance(in_channels, (tuple, list)):
+        if len(in_channels) != 2:
+            raise ValueError(f"in_channels must be an int or a pair of ints, got {in_channels!r}")
+        return tuple(check_positive("in_channels", c) for c in in_channels)
+    return check_positive("in_channels", in_channels)
+
+
+class Layer:
+    """Base class: parameters by PyG name, state dicts, train/eval, the call protocol."""
+
+    def __init__(self, dtype=np.float32):
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _FLOATS:
+            raise TypeError(f"dtype must be float16, float32 or float64, got {self.dtype}")
+        self._params = {}
+        self.training = True
+
+    # ------------------------------------------------------------------ parameters
+    def _add(self, name, array):
+        self._params[name] = array
+
+    def state_dict(self):
+        """{PyG name: array} (the arrays themselves, not copies)."""
+        return dict(self._params)
+
+    def named_parameters(self):
+        return list(self._params.items())
+
+    def parameters(self):
+        return list(self._params.values())
+
+    def param_shapes(self):
+        return {k: tuple(v.shape) for k, v in self._params.items()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy arrays (numpy, cupy, torch tensors, ...) into the parameters by PyG name.
+        Shapes must match; with strict=True, the names must match exactly."""
+        if not hasattr(state_dict, "items"):
+            raise TypeError(f"state_dict must be a mapping of name -> array, got {type(state_dict).__name__}")
+        given = dict(state_dict.items())
+        missing = [k for k in self._params if k not in given]
+        unexpected = [k for k in given if k not in self._params]
+        if strict and (missing or unexpected):
+            raise ValueError(f"state_dict does not match {type(self).__name__}'s parameters: "
+                             f"missing {missing}, unexpected {unexpected}")
+        for name in self._params:
+            if name not in given:
+                continue
+            value = interop.to_native(given[name], f"state_dict[{name!r}]")
+            if not hasattr(value, "shape"):
+                value = np.asarray(value)
+            want = tuple(self._params[name].shape)
+            if tuple(value.shape) != want:
+                raise ValueError(f"state_dict[{name!r}] must have shape {want}, got {tuple(value.shape)}")
+            xp = xp_of(value)
+            self._params[name] = xp.array(value, dtype=self._params[name].dtype, copy=True)
+        return self
+
+    def to(self, device):
+        """Move the parameters to "cpu" (numpy) or "cuda" (cupy)."""
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        for name, a in self._params.items():
+            if device == "cpu":
+                self._params[name] = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
+            else:
+                import cupy
+                self._params[name] = cupy.asarray(a)
+        return self
+
+    def train(self, mode=True):
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def _check_dropout(self):
+        if self.dropout and self.training:
+            raise NotImplementedError(
+                f"{type(self).__name__}: attention dropout (dropout={self.dropout}) is not "
+                "implemented; call .eval() (dropout is then inactive, as in PyG) or use dropout=0")
+
+    # ------------------------------------------------------------------ inputs
+    def _inputs(self, x, graph, edge_attr):
+        """(x_src, x_dst or None, single, edge_attr 2-D or None, edge_attr was 1-D)."""
+        single = not isinstance(x, (tuple, list))
+        if single:
+            x_src = x_dst = x
+        else:
+            if len(x) != 2:
+                raise ValueError(f"x must be an array or a pair (x_src, x_dst), got {len(x)} items")
+            x_src, x_dst = x
+        if x_src is None:
+            raise ValueError("x_src must be an array, got None")
+        lib = arrays.library_of("x" if single else "x_src", x_src)
+        names = ("x",) if single else ("x_src", "x_dst")
+        for name, a in zip(names, (x_src, x_dst)):
+            if a is None:
+                continue
+            if arrays.library_of(name, a) != lib:
+                raise TypeError(f"{name} is from another array library than x_src (mixed numpy/cupy)")
+            if a.ndim != 2:
+                raise ValueError(f"{name} must be 2-D (nodes, features), got shape {tuple(a.shape)}")
+            if np.dtype(a.dtype) not in _FLOATS:
+                raise TypeError(f"{name} has unsupported dtype {a.dtype}; expected float16, float32 or float64")
+        if x_dst is not None and x_dst.dtype != x_src.dtype:
+            raise TypeError(f"x_dst has dtype {x_dst.dtype} but x_src has {x_src.dtype}")
+        fs, fd = self._in_pair
+        if x_src.shape[1] != fs:
+            raise ValueError(f"{names[0]} must have {fs} features (in_channels), got {x_src.shape[1]}")
+        if x_dst is not None and x_dst.shape[1] != fd:
+            raise ValueError(f"{names[-1]} must have {fd} features (in_channels), got {x_dst.shape[1]}")
+        from ..graph import Graph
+        if not isinstance(graph, Graph):
+            raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+        if graph.num_src != x_src.shape[0]:
+            raise ValueError(f"{names[0]} has {x_src.shape[0]} rows but graph.num_src is {graph.num_src}")
+        if x_dst is not None and graph.num_dst != x_dst.shape[0]:
+            raise ValueError(f"{names[-1]} has {x_dst.shape[0]} rows but graph.num_dst is {graph.num_dst}")
+        squeeze = False
+        if edge_attr is not None:
+            if self.edge_dim is None:
+                raise ValueError(f"edge_attr was given but {type(self).__name__} was built with "
+                                 "edge_dim=None (pass edge_dim=... to use edge features)")
+            if arrays.library_of("edge_attr", edge_attr) != lib:
+                raise TypeError("edge_attr is from another array library than x (mixed numpy/cupy)")
+            if edge_attr.ndim == 1:
+                squeeze = True
+                edge_attr = edge_attr[:, None]
+            if edge_attr.ndim != 2 or edge_attr.shape != (graph.num_edges, self.edge_dim):
+                raise ValueError(f"edge_attr must have shape ({graph.num_edges}, {self.edge_dim}) "
+                                 f"(one row per edge of graph), got {tuple(edge_attr.shape)}")
+            edge_attr = edge_attr.astype(x_src.dtype, copy=False)
+        return x_src, x_dst, single, edge_attr, squeeze
+
+    def _params_like(self, x, params=None):
+        """The parameters in x's library and dtype (a view when they already are)."""
+        xp = xp_of(x)
+        params = self._params if params is None else params
+        return {k: xp.asarray(v, dtype=x.dtype) for k, v in params.items()}
+
+    # ------------------------------------------------------------------ calls
+    def forward(self, x, graph, edge_attr=None):
+        return self(x, graph, edge_attr)
+
+    def __call__(self, x, graph, edge_attr=None):
+        lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
+        out, _ = self._run(x, graph, edge_attr, None, want_grad=False)
+        return interop.outward(out, lib)
+
+    def vjp(self, x, graph, edge_attr=None):
+        """out, vjp = layer.vjp(x, graph, edge_attr); vjp(dout) returns
+        {"x": dx (or (dx_src, dx_dst)), "edge_attr": d_edge_attr or None, "params": {name: grad}}."""
+        lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
+        out, backward = self._run(x, graph, edge_attr, None, want_grad=True)
+        params = self._params
+        pair = isinstance(x, (tuple, list))
+
+        def vjp(dout):
+            dout = interop.to_native(dout, "dout")
+            dx_src, dx_dst, d_ea, dparams = backward(dout)
+            grads = {"x": (dx_src, dx_dst) if pair else dx_src,
+                     "edge_attr": d_ea,
+                     "params": {k: dparams[k].astype(params[k].dtype, copy=False) for k in params}}
+            return interop.outward(grads, lib)
+
+        return interop.outward(out, lib), vjp
+
+    def _run(self, x, graph, edge_attr, params, want_grad):
+        """Checked inputs -> (out, backward(dout) -> (dx_src, dx_dst or None, d_edge_attr, dparams)).
+        For a single x, dx_dst is None and dx_src is the whole gradient."""
+        if want_grad or self.training:
+            self._check_dropout()
+        x_src, x_dst, single, edge_attr, squeeze = self._inputs(x, graph, edge_attr)
+        p = self._params_like(x_src, params)
+        out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr)
+
+        def checked_backward(dout):
+            if arrays.library_of("dout", dout) != arrays.library_of("x", x_src):
+                raise TypeError("dout is from another array library than x (mixed numpy/cupy)")
+            if tuple(dout.shape) != tuple(out.shape):
+                raise ValueError(f"dout must have shape {tuple(out.shape)}, got {tuple(dout.shape)}")
+            xp = xp_of(x_src)
+            dout = xp.ascontiguousarray(dout, dtype=out.dtype)
+            dxs, dxd, d_ea, dparams = backward(dout)
+            if single and dxd is not None:
+                dxs, dxd = dxs + dxd, None
+            elif not single and x_dst is not None and dxd is None:
+                dxd = xp.zeros_like(x_dst)
+            if d_ea is not None and squeeze:
+                d_ea = d_ea[:, 0]
+            full = {k: (dparams[k] if dparams.get(k) is not None else xp.zeros_like(v))
+                    for k, v in p.items()}
+            return dxs, (None if single else dxd), d_ea, full
+
+        return out, checked_backward
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
+
+
+def linear_grads(dy, x, weight):
+    """For y = x @ weight.T: (dW, dx)."""
+    return dy.T @ x, dy @ weight
+
+
+def heads_out(out_h, concat):
+    """(N, H, C) -> (N, H*C) concatenated or (N, C) head mean, as PyG."""
+    n, h, c = out_h.shape
+    return out_h.reshape(n, h * c) if concat else out_h.mean(axis=1)
+
+
+def heads_grad(xp, dout, heads, channels, concat):
+    """Gradient of heads_out w.r.t. (N, H, C), contiguous."""
+    n = dout.shape[0]
+    if concat:
+        return xp.ascontiguousarray(dout.reshape(n, heads, channels))
+    g = xp.empty((n, heads, channels), dtype=dout.dtype)
+    g[...] = (dout / heads)[:, None, :]
+    return g

@@ -1,0 +1,102 @@
+"""Compile the CPU kernels ahead of time: ``python -m tiga_numba.precompile``.
+
+The CPU kernels are numba functions compiled on first use and kept in numba's on-disk cache
+(``cache=True``: next to the package's sources, or under ``NUMBA_CACHE_DIR``). A first call
+therefore takes seconds (about 10 s for a small dense call on a 2-core machine); later
+processes load the kernels from disk in about a second. This command makes one tiny call of
+every CPU kernel family for each dtype asked for, so that the first real call of a script
+finds them on disk:
+
+    python -m tiga_numba.precompile                      # float32 and float64
+    python -m tiga_numba.precompile --dtypes float32     # float16 inputs use these too
+
+Families: block relations (dense, causal, cu_seqlens) forward, tile-pruned forward and
+backward; CSR relations forward and backward. The GAT score-network kernels are generated per
+network shape and compile on their first call (see docs/gat.md); the GPU kernels have their
+own command, ``python -m tiga_numba.cuda.tc.prebuild``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+#: float16 inputs accumulate in float32 and run the float32 kernels
+DEFAULT_DTYPES = ("float32", "float64")
+
+
+def _calls(dtype):
+    """(label, thunk) for one tiny call per CPU kernel family; each thunk returns its plan."""
+    import tiga_numba as tg
+    from tiga_numba import functional
+
+    rng = np.random.default_rng(0)
+    n, heads, width = 8, 1, 4
+    q, k, v, dout = (rng.standard_normal((n, heads, width)).astype(dtype) for _ in range(4))
+    dense = tg.Graph.dense(n)
+    ring = tg.Graph.from_csr(np.arange(0, 2 * n + 1, 2), (np.arange(2 * n) * 3) % n, num_src=n)
+
+    def forward(graph, **options):
+        def run():
+            tg.attention(q, k, v, graph, **options)
+            return functional.last_plan()
+        return run
+
+    def backward(graph):
+        def run():
+            out, stats = tg.attention(q, k, v, graph, return_stats=True)
+            tg.attention_backward(dout, q, k, v, out, stats, graph)
+            return functional.last_plan()
+        return run
+
+    return [("blocks forward", forward(dense)),
+            ("blocks forward, tile-pruned", forward(dense, block_prune_threshold=0.5)),
+            ("blocks backward", backward(dense)),
+            ("csr forward", forward(ring)),
+            ("csr backward", backward(ring))]
+
+
+def precompile(dtypes=DEFAULT_DTYPES, out=None):
+    """Run one tiny call per CPU kernel family and dtype. Returns a list of
+    (dtype, family label, where the kernel came from, seconds); where is "compiled",
+    "disk hit" (numba's on-disk cache) or "memory hit" (already in this process)."""
+    records = []
+    for dtype in dtypes:
+        dtype = np.dtype(dtype).name
+        if dtype not in DEFAULT_DTYPES:
+            raise ValueError(f"dtypes: the CPU kernels are compiled for float32 (also used by "
+                             f"float16 inputs) and float64, got {dtype!r}")
+        for label, run in _calls(dtype):
+            t0 = time.perf_counter()
+            plan = run()
+            seconds = time.perf_counter() - t0
+            record = (dtype, label, str(plan.run_info.get("cache", "n/a")), seconds)
+            records.append(record)
+            if out is not None:
+                print(f"  {dtype:8s} {label:28s} {record[2]:11s} {seconds:6.1f} s", file=out,
+                      flush=True)
+    return records
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tiga_numba.precompile",
+                                     description="Compile tiga_numba's CPU kernels into numba's "
+                                                 "on-disk cache ahead of the first call.")
+    parser.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES),
+                        choices=list(DEFAULT_DTYPES),
+                        help="input dtypes to compile for (float16 inputs use the float32 "
+                             "kernels); default: %(default)s")
+    args = parser.parse_args(argv)
+    print(f"tiga_numba.precompile: CPU kernels for {', '.join(args.dtypes)}", flush=True)
+    t0 = time.perf_counter()
+    records = precompile(args.dtypes, out=sys.stdout)
+    compiled = sum(r[2] == "compiled" for r in records)
+    print(f"done in {time.perf_counter() - t0:.1f} s: {compiled} compiled, "
+          f"{len(records) - compiled} already cached", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""PyTorch adapter: the fused kernels inside torch.autograd (optional; needs torch).
+
+    import tiga_numba.torch as tgt
+    out = tgt.attention(q, k, v, graph)                      # torch tensors in and out
+    conv = tgt.GATConv(64, 8, heads=8)                        # a torch.nn.Module
+    conv.load_state_dict(pyg_conv.state_dict())               # PyG's names and shapes
+    out = conv(x, edge_index)                                 # or conv(x, graph)
+    out.sum().backward()                                      # gradients through the fused backward
+
+Tensors are viewed as numpy (CPU) or cupy (CUDA) arrays through DLPack, without a copy; results
+come back as tensors the same way. Each wrapper is a `torch.autograd.Function` whose backward is
+the package's fused backward (`attention_backward`, a program's or a layer's `vjp`); double
+backward is not supported. This module is the only one that imports torch at import time, and
+nothing else in the package imports it.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import interop
+from .functional import run_backward, run_forward
+from .graph import Graph
+from . import layers as _layers
+
+__all__ = ["attention", "program", "GATConv", "GATv2Conv", "TransformerConv", "graph_of"]
+
+
+def _native(t, name="tensor"):
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return interop.to_native(t, name)
+
+
+def _tensor(a):
+    return None if a is None else interop.to_library(a, "torch")
+
+
+# --------------------------------------------------------------------------- attention
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, graph, scale):
+        qn, kn, vn = _native(q, "q"), _native(k, "k"), _native(v, "v")
+        out, stats, _ = run_forward(qn, kn, vn, graph, scale=scale)
+        ctx.arrays = (qn, kn, vn, out, stats)
+        ctx.graph, ctx.scale = graph, scale
+        return _tensor(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        qn, kn, vn, out, stats = ctx.arrays
+        dq, dk, dv, _, _ = run_backward(_native(dout, "dout"), qn, kn, vn, out, stats, ctx.graph,
+                                        scale=ctx.scale)
+        return _tensor(dq), _tensor(dk), _tensor(dv), None, None
+
+
+def attention(q, k, v, graph, *, scale=None):
+    """tg.attention for torch tensors, differentiable w.r.t. q, k and v."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+    return _Attention.apply(q, k, v, graph, scale)
+
+
+# --------------------------------------------------------------------------- programs
+class _Program(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, slots, *tensors):
+        out, vjp = run([_native(t) for t in tensors])
+        ctx.vjp, ctx.slots = vjp, slots
+        return _tensor(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        grads = ctx.vjp(_native(dout, "dout"))
+        return (None, None) + tuple(_tensor(grads.get(role, {}).get(name))
+                                    for role, name in ctx.slots)
+
+
+def program(prog, graph, src=None, dst=None, edge=None, **params):
+    """Run a tg.MessagePassing program on torch tensors, differentiable w.r.t. every tensor in
+    src / dst / edge (scalar params pass through; score-network weights are not torch
+    parameters and get no gradient here: use prog.vjp for those)."""
+    fields = {"src": dict(src or {}), "dst": dict(dst or {}), "edge": dict(edge or {})}
+    slots = [(role, name) for role in ("src", "dst", "edge") for name in fields[role]]
+    tensors = [fields[role][name] for role, name in slots]
+
+    def run(arrays):
+        given = {"src": {}, "dst": {}, "edge": {}}
+        for (role, name), a in zip(slots, arrays):
+            given[role][name] = a
+        return prog.vjp(graph=graph, src=given["src"], dst=given["dst"],
+                        edge=given["edge"] or None, **params)
+
+    return _Program.apply(run, slots, *tensors)
+
+
+# --------------------------------------------------------------------------- layers
+def graph_of(edge_index, num_src, num_dst=None):
+    """A Graph for PyG's edge_index (2, E) (row 0 sources, row 1 destinations); edge order
+    (for edge_attr) as given. A Graph passes through unchanged."""
+    if isinstance(edge_index, Graph):
+        return edge_index
+    ei = edge_index.detach().cpu().numpy() if isinstance(edge_index, torch.Tensor) else edge_index
+    if getattr(ei, "ndim", 0) != 2 or ei.shape[0] != 2:
+        raise ValueError(f"edge_index must have shape (2, E), got {tuple(getattr(ei, 'shape', ()))}")
+    num_dst = num_src if num_dst is None else num_dst
+    return Graph.from_coo(ei[0], ei[1], num_src, num_dst)
+
+
+class _LayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, core, graph, bipartite, names, aliases, x_src, x_dst, edge_attr, *params):
+        x = (_native(x_src, "x_src"), _native(x_dst, "x_dst")) if bipartite else _native(x_src, "x")
+        p = {n: _native(t, n) for n, t in zip(names, params)}
+        p.update({alias: p[name] for alias, name in aliases.items()})
+        out, backward = core._run(x, graph, _native(edge_attr, "edge_attr"), p, want_grad=True)
+        ctx.backward, ctx.names = backward, names
+        return _tensor(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        dx_src, dx_dst, d_ea, dparams = ctx.backward(_native(dout, "dout"))
+        return ((None,) * 5 + (_tensor(dx_src), _tensor(dx_dst), _tensor(d_ea))
+                + tuple(_tensor(dparams[n]) for n in ctx.names))
+
+
+class _TorchLayer(torch.nn.Module):
+    """A torch.nn.Module around a tiga_numba.layers layer: torch Parameters under PyG's names
+    (nested modules, so `state_dict()` has PyG's keys), forward through the fused kernels."""
+
+    _core_class = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        core = self._core_class(*args, **kwargs)
+        object.__setattr__(self, "core", core)  # not a torch submodule
+        made = {}
+        self._names, self._aliases = [], {}  # distinct parameters; other names for them
+        for name, array in core.state_dict().items():
+            owner, leaf = self, name
+            if "." in name:
+                mod_name, leaf = name.split(".", 1)
+                owner = getattr(self, mod_name, None)
+                if owner is None:
+                    owner = torch.nn.Module()
+                    self.add_module(mod_name, owner)
+            key = id(array)  # one array under two names (GATv2 share_weights): one Parameter
+            if key in made:
+                if "." in name:  # the whole submodule is shared, as in PyG
+                    self.add_module(name.split(".", 1)[0], made[key][0])
+                self._aliases[name] = made[key][1]
+                continue
+            owner.register_parameter(leaf, torch.nn.Parameter(torch.from_numpy(array.copy())))
+            made[key] = (owner, name)
+            self._names.append(name)
+        for attr in ("in_channels", "out_channels", "heads", "concat", "edge_dim"):
+            setattr(self, attr, getattr(core, attr))
+        self._graph_memo = None
+
+    def _graph(self, edge_index, x):
+        if isinstance(edge_index, Graph):
+            return edge_index
+        bip = isinstance(x, (tuple, list))
+        ns = x[0].shape[0] if bip else x.shape[0]
+        nd = (x[1].shape[0] if x[1] is not None else ns) if bip else ns
+        key = (edge_index.data_ptr(), tuple(edge_index.shape), edge_index._version, ns, nd)
+        if self._graph_memo is None or self._graph_memo[0] != key:
+            self._graph_memo = (key, graph_of(edge_index, ns, nd))
+        return self._graph_memo[1]
+
+    def _lookup(self, name):
+        # getattr, not get_parameter: torch.func.functional_call swaps in plain tensors
+        owner = self
+        *path, leaf = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return getattr(owner, leaf)
+
+    def forward(self, x, edge_index, edge_attr=None):
+        """x: (N, F) or (x_src, x_dst); edge_index: PyG's (2, E) tensor or a tiga_numba.Graph."""
+        graph = self._graph(edge_index, x)
+        self.core.training = self.training
+        bip = isinstance(x, (tuple, list))
+        x_src, x_dst = (x[0], x[1]) if bip else (x, None)
+        params = [self._lookup(n) for n in self._names]
+        return _LayerFunction.apply(self.core, graph, bip, self._names, self._aliases, x_src,
+                                    x_dst, edge_attr, *params)
+
+    def extra_repr(self):
+        return f"{self.in_channels}, {self.out_channels}, heads={self.heads} (tiga_numba fused)"
+
+
+class GATConv(_TorchLayer):
+    """torch.nn.Module twin of PyG's GATConv (same arguments and state_dict)."""
+    _core_class = _layers.GATConv
+
+
+class GATv2Conv(_TorchLayer):
+    """torch.nn.Module twin of PyG's GATv2Conv (same arguments and state_dict)."""
+    _core_class = _layers.GATv2Conv
+
+
+class TransformerConv(_TorchLayer):
+    """torch.nn.Module twin of PyG's TransformerConv (same arguments and state_dict)."""
+    _core_class = _layers.TransformerConv
