@@ -426,23 +426,122 @@ def test_float32_modifier_matches_the_float64_oracle():
     _check_all(out, grads, want, wgrads, 2e-4)
 
 
-def test_modifier_backward_is_deterministic():
+# --------------------------------------------------------------------------- functional API
+def _flash_shift(rel, graph):
+    """flash-attn's bottom-right ALiBi shift (global positions): i + shift - j is
+    r + Lk - Lq - c in block-local positions; 0 where the relation has no blocks to align."""
+    n = graph.num_dst
+    if rel == "dense-rect":
+        return np.full(n, graph.num_src - n)
+    if rel.startswith("segments"):
+        cu = np.array([0, 5, 5, 12, N_NODES])
+        cu_k = np.array([0, 7, 9, 12, N_NODES + 3]) if rel == "segments-rect" else cu
+        shift = np.zeros(n, np.int64)
+        for b in range(len(cu) - 1):
+            shift[cu[b]:cu[b + 1]] = (cu_k[b + 1] - cu_k[b]) - (cu[b + 1] - cu[b]) - cu[b] + cu_k[b]
+        return shift
+    return np.zeros(n, np.int64)
+
+
+@pytest.mark.parametrize("rel", ["dense-rect", "segments-rect", "triangular", "csr"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_functional_softcap_and_alibi_match_flash_attn_conventions(rel, dtype):
+    g = RELATIONS[rel]
+    H, Hkv, D = 4, 2, 6
+    q = RNG.standard_normal((g.num_dst, H, D)) * 2
+    k = RNG.standard_normal((g.num_src, Hkv, D)) * 2
+    v = RNG.standard_normal((g.num_src, Hkv, 3))
+    dout = RNG.standard_normal((g.num_dst, H, 3))
+    slopes = RNG.uniform(0.1, 0.6, H)
+    cap = 1.5
+    shift = _flash_shift(rel, g)
+
+    def fn(s, src, dst, edge, p):
+        i = dst.index + shift[dst.index]
+        return cap * np.tanh(s / cap) - slopes * np.abs(i - src.index)
+
+    want, wg = oracle(fn, g, q, k, v, dout, D ** -0.5, {}, {}, {}, {})
+    c = [x.astype(dtype) for x in (q, k, v)]
+    out, stats = tg.attention(*c, g, softcap=cap, alibi_slopes=slopes.astype(dtype),
+                              return_stats=True)
+    dq, dk, dv = tg.attention_backward(dout.astype(dtype), *c, out, stats, g, softcap=cap,
+                                       alibi_slopes=slopes.astype(dtype))
+    tol = 1e-9 if dtype == np.float64 else 2e-4
+    _close(out, want, tol, "out")
+    _close(dq, wg["dst"]["query"], max(tol, 1e-6), "dq")
+    _close(dk, wg["src"]["key"], max(tol, 1e-6), "dk")
+    _close(dv, wg["src"]["value"], tol, "dv")
+
+
+def test_softcap_alone_and_alibi_alone():
     g = RELATIONS["dense"]
-    args = dict(c=2.5, slopes=np.linspace(0.2, 1.0, 4))
-    r1 = _run_program(_full_mod, g, np.float64, **args)
-    RNG2 = np.random.default_rng(0)
-    del RNG2
-    # same inputs twice: rebuild with one seed
-    outs = []
-    for _ in range(2):
-        rng = np.random.default_rng(3)
-        n = g.num_dst
-        src = {"key": rng.standard_normal((n, 2, 5)), "value": rng.standard_normal((n, 2, 3)),
-               "a": rng.standard_normal(n)}
-        dst = {"query": rng.standard_normal((n, 4, 5)), "a": rng.standard_normal((n, 4))}
-        out, vjp = ModProgram(_full_mod).vjp(graph=g, src=src, dst=dst, scale=0.4, **args)
-        outs.append(vjp(rng.standard_normal(out.shape)))
+    q, k, v = (RNG.standard_normal((g.num_dst, 2, 4)) for _ in range(3))
+    for kw, fn in (({"softcap": 0.7}, lambda s, src, dst, edge, p: 0.7 * np.tanh(s / 0.7)),
+                   ({"alibi_slopes": np.array([0.3, 0.9])},
+                    lambda s, src, dst, edge, p: s - np.array([0.3, 0.9]) * np.abs(dst.index - src.index))):
+        want, _ = oracle(fn, g, q, k, v, np.zeros((g.num_dst, 2, 4)), 0.5, {}, {}, {}, {})
+        _close(tg.attention(q, k, v, g, scale=0.5, **kw), want, 1e-10, str(kw))
+
+
+def test_functional_modifier_errors():
+    g = RELATIONS["dense"]
+    q, k, v = (RNG.standard_normal((g.num_dst, 2, 4)) for _ in range(3))
+    with pytest.raises(ValueError, match="softcap"):
+        tg.attention(q, k, v, g, softcap=-1.0)
+    with pytest.raises(TypeError, match="softcap"):
+        tg.attention(q, k, v, g, softcap="30")
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\)"):
+        tg.attention(q, k, v, g, alibi_slopes=np.ones(3))
+    out, stats = tg.attention(q, k, v, g, softcap=2.0, return_stats=True)
+    with pytest.raises(ValueError, match="score"):  # stats of another score
+        tg.attention_backward(out, q, k, v, out, stats, g)
+
+
+def test_kernel_cache_is_keyed_on_the_tree():
+    from tiga_numba import functional
+    g = RELATIONS["triangular"]
+    q, k, v = (RNG.standard_normal((g.num_dst, 2, 4)) for _ in range(3))
+    tg.attention(q, k, v, g, softcap=3.0)
+    tg.attention(q, k, v, g, softcap=5.0)  # same tree, other value: the same kernel
+    assert functional.last_plan().run_info["cache"] == "hit"
+    a = tg.attention(q, k, v, g, alibi_slopes=np.array([0.5, 0.5]))
+    b = tg.attention(q, k, v, g, softcap=3.0, alibi_slopes=np.array([0.5, 0.5]))
+    assert not np.allclose(a, b)  # two different expressions never share a kernel
+    from tiga_numba.kernel_cache import KERNELS
+    keys = [key for key in KERNELS._kernels if key[:2] == ("cpu", "blocks.forward") and key[-1]]
+    trees = {str(key[-1][0]) for key in keys}
+    assert {"softcap * tanh(s / softcap)", "s - alibi_slopes[h] * abs(dst.index - src.index)",
+            "softcap * tanh(s / softcap) - alibi_slopes[h] * abs(dst.index - src.index)"} <= trees
+
+
+@pytest.mark.parametrize("rel", ["csr", "segments-rect"])
+def test_modifier_bits_do_not_depend_on_the_thread_count(rel):
+    import numba
+    g = RELATIONS[rel]
+    res = []
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        try:
+            rng = np.random.default_rng(5)
+            src = {"key": rng.standard_normal((g.num_src, 2, 5)),
+                   "value": rng.standard_normal((g.num_src, 2, 3)), "a": rng.standard_normal(g.num_src)}
+            dst = {"query": rng.standard_normal((g.num_dst, 4, 5)),
+                   "a": rng.standard_normal((g.num_dst, 4))}
+            out, vjp = ModProgram(_full_mod).vjp(graph=g, src=src, dst=dst, scale=0.4, c=2.5,
+                                                 slopes=np.linspace(0.2, 1.0, 4))
+            res.append((out, vjp(rng.standard_normal(out.shape))))
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    np.testing.assert_array_equal(res[0][0], res[1][0])
     for role in ("src", "dst", "params"):
-        for n in outs[0][role]:
-            np.testing.assert_array_equal(outs[0][role][n], outs[1][role][n])
-    assert r1 is not None
+        for n in res[0][1][role]:
+            np.testing.assert_array_equal(res[0][1][role][n], res[1][1][role][n])
+
+
+def test_cuda_arrays_refuse_modifiers_before_any_kernel():
+    from tiga_numba import dispatch
+    from tiga_numba.arrays import AttentionShape
+    shape = AttentionShape("cupy", np.dtype(np.float32), 4, 4, 2, 2, 4, 4, False)
+    mod = sm.BoundModifier(sm.softcap_tree(sm.SCORE), {sm.Expr("scalar", (), "softcap"): 3.0})
+    with pytest.raises(NotImplementedError, match=r"softcap \* tanh\(s / softcap\)"):
+        dispatch.make_plan("forward", tg.Graph.dense(4), shape, 0.5, score_mod=mod)

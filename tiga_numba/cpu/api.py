@@ -187,8 +187,6 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
-        if gen is not None:
-            raise NotImplementedError("score modifiers on block relations")
         prune = plan.prune_threshold is not None
         log2_rho = math.log2(plan.prune_threshold) if prune else 0.0
         qh = head_major(q, acc, "q", copies, scale=c)
@@ -199,8 +197,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune),
             lambda: _forward_items(relation, H, split=not prune))
-        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune),
-                            lambda: _blocks.make_forward(acc.name, BM, BN, prune))
+        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, _mod_key(gen)),
+                            lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen))
         out = np.zeros((Nq, H, v.shape[2]), acc)
         m = np.full((Nq, H), -np.inf, acc)
         l = np.zeros((Nq, H), acc)
@@ -212,7 +210,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         with single_threaded_blas():
             _run(kern, items.shape[0], qh, ktt, kh, vh, items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
-                 splits, part_acc, part_m, part_l, out, m, l, total, pruned)
+                 splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
                       "merged in fixed order" if n_slots else "")
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
@@ -418,15 +416,23 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         deltah = np.ascontiguousarray(delta.T)
         kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group))
-        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN),
-                            lambda: _blocks.make_backward(acc.name, BM, BN))
+        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, _mod_key(gen)),
+                            lambda: _blocks.make_backward(acc.name, BM, BN, gen))
         dq_part = np.zeros((n_parts, H, Nq, D), acc)
         dkh = np.zeros((Hkv, Nk, D), acc)
         dvh = np.zeros((Hkv, Nk, Dv), acc)
+        # modifier gradients: per-head params and dst fields per dq partition (summed in
+        # partition order below), src fields owned by their key tile's item
+        ghp_part = np.zeros((n_parts, n_hp, H), acc)
+        gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
             _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
                  relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
-                 tile_base, group, n_parts, dq_part, dkh, dvh)
+                 tile_base, group, n_parts, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
+        if n_hp:
+            np.sum(ghp_part, axis=0, out=ghp)
+        if n_nd:
+            np.sum(gnd_part, axis=0, out=gnd)
         dq = np.empty((Nq, H, D), acc)
         _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
