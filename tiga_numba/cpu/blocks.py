@@ -37,9 +37,13 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .fastexp import FASTMATH, denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
+from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
-from .score_codegen import no_grad, no_value
+from .score_codegen import jit_kernel, no_grad, no_value
+
+# the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
+MOD_VALUE = no_value
+MOD_GRAD = no_grad
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -140,10 +144,9 @@ def make_forward(acc, BM, BN, prune, mod=None):
     right after the score gemm, before masking (without it the hook is compiled out)."""
     dt = np.float32 if acc == "float32" else np.float64
     MOD = mod is not None
-    f_val = mod.value if MOD else no_value
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value}
     log2e = dt(LOG2E)
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=not MOD, nogil=True)
     def forward(qh, ktt, kh, vh, items, dst_off, src_off, band_lo, band_hi, tile_base, group,
                 log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
                 tiles_pruned, mctx):
@@ -197,7 +200,7 @@ def make_forward(acc, BM, BN, prune, mod=None):
                         Sr = sbuf[r]
                         i = d0 + q0 + r
                         for c in range(cols):
-                            Sr[c] = f_val(Sr[c], i, s0 + c0 + c, -1, h, sc, hp, nd_f, ns_f,
+                            Sr[c] = MOD_VALUE(Sr[c], i, s0 + c0 + c, -1, h, sc, hp, nd_f, ns_f,
                                           ef) * log2e
                 lo_rel = q0 + lo - c0
                 hi_rel = q0 + hi - c0
@@ -297,7 +300,7 @@ def make_forward(acc, BM, BN, prune, mod=None):
                 m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
                 l_out[i, h] = tot
 
-    return forward
+    return jit_kernel(forward, mod, **hooks)
 
 
 def make_backward(acc, BM, BN, mod=None):
@@ -309,12 +312,11 @@ def make_backward(acc, BM, BN, mod=None):
     dt = np.float32 if acc == "float32" else np.float64
     ln2 = LN2
     MOD = mod is not None
-    f_val = mod.value if MOD else no_value
-    g_all = mod.grad(("head", "dst", "src")) if MOD else no_grad
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value,
+                                "MOD_GRAD": mod.grad(("head", "dst", "src"))}
     log2e = dt(LOG2E)
     kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=not MOD, nogil=True)
     def backward(qh, kh, vh, ktt, vtt, doh, m2, linv, delta, kitems, dst_off, src_off,
                  band_lo, band_hi, tile_base, group, n_parts, dq_part, dk, dv, mctx, mgrad):
         sc, hp, nd_f, ns_f, ef = mctx
@@ -390,10 +392,10 @@ def make_backward(acc, BM, BN, mod=None):
                                 for c in range(max(first, 0), min(last, cols)):
                                     x = Pr[c]
                                     j = s0 + c0 + c
-                                    p = exp2_any(f_val(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef)
+                                    p = exp2_any(MOD_VALUE(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef)
                                                  * log2e - ms) * li
                                     Pr[c] = p
-                                    dPr[c] = g_all(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef,
+                                    dPr[c] = MOD_GRAD(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef,
                                                    p * (dPr[c] - de), ghp, gnd, i, gns, j, ef)
                             else:
                                 for c in range(cols):
@@ -429,7 +431,7 @@ def make_backward(acc, BM, BN, mod=None):
                         dv[hk, s0 + c0 + c, d] = dva[c, d]
             restore_mxcsr(mxcsr)
 
-    return backward
+    return jit_kernel(backward, mod, **hooks)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -32,11 +32,16 @@ kernel (the hooks are compiled out).
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from .blocks import EMPTY, NEG, exp2_any
-from .fastexp import FASTMATH, denormals_off, fmax, restore_mxcsr
-from .score_codegen import no_grad, no_value
+from .fastexp import denormals_off, fmax, restore_mxcsr
+from .score_codegen import jit_kernel, no_grad, no_value
+
+# the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
+MOD_VALUE = no_value
+MOD_GRAD = no_grad
+MOD_GRAD_SRC = no_grad
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -48,9 +53,8 @@ def make_forward(acc, mod=None):
     dt = np.float32 if acc == "float32" else np.float64
     log2e = dt(LOG2E)
     MOD = mod is not None
-    f_val = mod.value if MOD else no_value
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value}
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=not MOD, nogil=True)
     def forward(q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
                 out, m_out, l_out, mctx):
         sc, hp, nd, ns, ef = mctx
@@ -88,7 +92,7 @@ def make_forward(acc, mod=None):
                             for d in range(D):
                                 x += qr[d] * kr[d]
                             if MOD:
-                                x = f_val(x, i, j, c0 + t, h, sc, hp, nd, ns, ef) * log2e
+                                x = MOD_VALUE(x, i, j, c0 + t, h, sc, hp, nd, ns, ef) * log2e
                             elif has_bias:
                                 x += bias[c0 + t, h] * log2e
                             s[h, t] = x
@@ -162,7 +166,7 @@ def make_forward(acc, mod=None):
                 m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
                 l_out[i, h] = tot
 
-    return forward
+    return jit_kernel(forward, mod, **hooks)
 
 
 def make_backward(acc, mod=None):
@@ -170,12 +174,11 @@ def make_backward(acc, mod=None):
     ln2 = LN2
     log2e = dt(LOG2E)
     MOD = mod is not None
-    f_val = mod.value if MOD else no_value
-    g_dst = mod.grad(("head", "dst", "edge")) if MOD else no_grad
-    g_src = mod.grad(("src",)) if MOD else no_grad
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value,
+                                "MOD_GRAD": mod.grad(("head", "dst", "edge")),
+                                "MOD_GRAD_SRC": mod.grad(("src",))}
     kmul = 1.0 if MOD else ln2  # modified kernels take q scaled by `scale` only
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=not MOD, nogil=True)
     def backward_dst(q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
                      items, splits, part_dq, dq, dbias, mctx, mgrad):
         """dq (and dbias) by destination rows; long rows in pieces summed in slot order.
@@ -217,7 +220,7 @@ def make_backward(acc, mod=None):
                             x += qr[d] * kr[d]
                         x2 = x
                         if MOD:
-                            x2 = f_val(x, i, j, e, h, sc, hp, nd, ns, ef) * log2e
+                            x2 = MOD_VALUE(x, i, j, e, h, sc, hp, nd, ns, ef) * log2e
                         elif has_bias:
                             x2 += bias[e, h] * log2e
                         mr = m2[i, h]
@@ -227,7 +230,7 @@ def make_backward(acc, mod=None):
                             dp += dr[d] * vr[d]
                         ds = p * (dp - delta[i, h])
                         if MOD:
-                            ds = g_dst(x, i, j, e, h, sc, hp, nd, ns, ef, ds, ghp, row_nd, 0,
+                            ds = MOD_GRAD(x, i, j, e, h, sc, hp, nd, ns, ef, ds, ghp, row_nd, 0,
                                        row_nd, 0, gef)
                         elif has_bias:
                             dbias[e, h] = ds
@@ -266,7 +269,6 @@ def make_backward(acc, mod=None):
                             x += part_gnd[p, c, h]
                         gnd[c, i, h] = x
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=not MOD, nogil=True)
     def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
                      items, splits, part_dk, part_dv, dk, dv, mctx, mgrad):
         """dk, dv by source rows over the transposed relation; a source read by very many
@@ -311,7 +313,7 @@ def make_backward(acc, mod=None):
                             x += qr[d] * kr[d]
                         x2 = x
                         if MOD:
-                            x2 = f_val(x, i, j, perm[t], h, sc, hp, nd, ns, ef) * log2e
+                            x2 = MOD_VALUE(x, i, j, perm[t], h, sc, hp, nd, ns, ef) * log2e
                         elif has_bias:
                             x2 += bias[perm[t], h] * log2e
                         mr = m2[i, h]
@@ -321,8 +323,8 @@ def make_backward(acc, mod=None):
                             dp += dr[d] * vr[d]
                         ds = p * (dp - delta[i, h])
                         if MOD:
-                            ds = g_src(x, i, j, perm[t], h, sc, hp, nd, ns, ef, ds, row_ns[0],
-                                       row_ns, 0, row_ns, 0, row_ns)
+                            ds = MOD_GRAD_SRC(x, i, j, perm[t], h, sc, hp, nd, ns, ef, ds,
+                                              row_ns[0], row_ns, 0, row_ns, 0, row_ns)
                         va = dv_acc[hk]
                         for d in range(Dv):
                             va[d] += p * dr[d]
@@ -372,4 +374,4 @@ def make_backward(acc, mod=None):
                             x += part_gns[p, c, h]
                         gns[c, j, h] = x
 
-    return backward_dst, backward_src
+    return jit_kernel(backward_dst, mod, **hooks), jit_kernel(backward_src, mod, **hooks)

@@ -233,6 +233,25 @@ def empty_context(dt):
     return ctx
 
 
+def jit_kernel(py_func, mod, **hooks):
+    """numba.njit(parallel, fastmath) of a kernel whose modifier calls go through the global
+    names in `hooks`. Without a modifier the kernel is compiled as written (its globals are the
+    module's never-called stand-ins, so numba's on-disk cache works as for any kernel); with one,
+    the same code is compiled with `hooks` bound to the generated functions (exec'd code: not
+    disk-cacheable, memoised per tree in-process by the kernel cache)."""
+    import types
+    from .fastexp import FASTMATH
+    opts = dict(parallel=True, fastmath=FASTMATH, nogil=True)
+    if mod is None:
+        return njit(cache=True, **opts)(py_func)
+    g = dict(py_func.__globals__)
+    g.update(hooks)
+    fn = types.FunctionType(py_func.__code__, g, py_func.__name__, py_func.__defaults__,
+                            py_func.__closure__)
+    fn.__qualname__ = py_func.__qualname__
+    return njit(cache=False, **opts)(fn)
+
+
 def _kind(leaf):
     return leaf.attr[0] if leaf.op == "node" else leaf.op
 
