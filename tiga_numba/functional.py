@@ -137,7 +137,7 @@ def _check_modifier(score_mod, shape, graph):
                         graph.is_implicit)
 
 
-def flash_modifier(q, graph, softcap, alibi_slopes, want_slopes_grad=False):
+def flash_modifier(q, graph, softcap, alibi_slopes):
     """The score modifier of flash-attn's `softcap=` / `alibi_slopes=` (None when neither is
     given): ``softcap * tanh(s / softcap)``, then ``- slopes[h] * |i - j|`` with the distance
     bottom-right aligned in each rectangular block of a dense or cu_seqlens relation
@@ -157,7 +157,6 @@ def flash_modifier(q, graph, softcap, alibi_slopes, want_slopes_grad=False):
             raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
         tree = sm.softcap_tree(tree)
         values[sm.Expr("scalar", (), "softcap")] = softcap
-    want = ()
     if alibi_slopes is not None:
         lib = arrays.library_of("alibi_slopes", alibi_slopes)
         qlib = arrays.library_of("q", q)
@@ -177,9 +176,8 @@ def flash_modifier(q, graph, softcap, alibi_slopes, want_slopes_grad=False):
         if shift is not None:
             xp = _xp(lib)
             values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(shift)
-        if want_slopes_grad:
-            want = (head,)
-    return sm.BoundModifier(tree, values, want)
+    # no gradients besides q, k, v here (the program API gives the slopes' gradient)
+    return sm.BoundModifier(tree, values)
 
 
 def _alibi_shift(graph):
