@@ -177,6 +177,12 @@ def test_trace_lowers_flash_style_modifiers_to_one_tree():
     assert str(t.score.expr) == "s - slopes[h] * abs(dst.index - src.index)"
 
 
+def test_one_dot_product_with_several_factors_is_one_score_leaf():
+    t = _trace(lambda s, src, dst, edge, p: np.tanh(s) + (src.key * dst.query).sum(-1) * 2.0)
+    assert str(t.score.expr) == "tanh(scale * s) + 2 * s"  # s: the unscaled dot product
+    assert t.score.dot[2].is_one()
+
+
 def test_trace_classic_gat_has_no_dot_product():
     t = _trace(lambda s, src, dst, edge, p: tg.leaky_relu(src.a + dst.a, 0.2), dot=False,
                src={"a": RNG.standard_normal((6, 2))}, dst={"a": RNG.standard_normal((6, 2))})
@@ -207,7 +213,7 @@ REFUSED = [
     ("bool()", lambda s, src, dst, edge, p: s if s > 0 else -s),
     ("modulo", lambda s, src, dst, edge, p: s % 2.0),
     ("np.where with other than three", lambda s, src, dst, edge, p: np.where(s > 0)),
-    ("two dot scores", lambda s, src, dst, edge, p: np.tanh(s) + (src.key * dst.query).sum(-1) * 2.0),
+    ("two dot scores", lambda s, src, dst, edge, p: np.tanh(s) + (src.value * dst.query).sum(-1)),
     ("np.clip", lambda s, src, dst, edge, p: np.clip(s, 0, 1)),
 ]
 
