@@ -14,6 +14,7 @@ Timing: CUDA events around each call on the current stream, median of several ca
 warm-up (first call = compile, excluded).
 """
 import argparse
+import contextlib
 import sys
 import time
 
@@ -125,9 +126,15 @@ def flops(N, H, D, causal, bwd=False):
     return f * (3.5 if bwd else 1.0)  # fwd+bwd = fwd x (1 + 2.5)
 
 
+_TC_OFF = contextlib.ExitStack()
+
+
 def set_tc(on):
-    from tiga_numba.cuda import api
-    api.USE_TC = on
+    """Tensor-core kernels allowed (True) or not for the calls that follow: the run option
+    tg.options(tensor_cores=False), held open until the next set_tc."""
+    _TC_OFF.close()
+    if not on:
+        _TC_OFF.enter_context(tg.options(tensor_cores=False))
 
 
 def ours(q, k, v, g, bwd, dout=None):

@@ -7,7 +7,7 @@
 For each worker count W (--workers, default 1 2) a dask.distributed.LocalCluster of W
 single-thread worker processes runs the forward and the backward; numba gets 2 // W threads per
 worker, so every configuration uses the same two cores as the single-process call. The inputs are
-placed before timing (chunk i on worker i mod W), as data already distributed would be; a timed
+placed before timing (chunk i on worker i mod W, checked), as data already distributed would be; a timed
 call runs the tasks and leaves the results on the workers. Reported per configuration:
 
   plan s      client-side index plan (halos or blocks), first call; later calls reuse it
@@ -52,9 +52,9 @@ def _best(fn, repeat):
     return min(times), result
 
 
-def _model_bytes(summary, q_rows, k_rows, workers, heads, kv_heads, dim, value_dim, itemsize):
-    """Bytes the scaling model of docs/dask.md predicts for (forward, backward), with chunk i
-    on worker i mod W. A task runs on the worker that holds more of its input bytes (dask's
+def _model_bytes(summary, q_rows, k_rows, q_owner, k_owner, heads, kv_heads, dim, value_dim, itemsize):
+    """Bytes the scaling model of docs/dask.md predicts for (forward, backward), with q chunk p
+    on worker q_owner[p] and k, v chunk c on k_owner[c]. A task runs on the worker that holds more of its input bytes (dask's
     rule); an input fetched to a worker stays there for the other tasks of the call.
 
     CSR: a partition's task (next to its rows) receives the remote halo rows of k and v; the
@@ -66,12 +66,12 @@ def _model_bytes(summary, q_rows, k_rows, workers, heads, kv_heads, dim, value_d
     if summary["kind"] == "csr":
         kv_row = kv_heads * (dim + value_dim) * itemsize
         fwd = sum(rows for p, halo in enumerate(summary["halo"])
-                  for c, rows in halo.items() if c % workers != p % workers) * kv_row
+                  for c, rows in halo.items() if k_owner[c] != q_owner[p]) * kv_row
         return fwd, 2 * fwd
     fwd, bwd, seen_f, seen_b = 0, 0, set(), set()
     for p, blocks in enumerate(summary["blocks"]):
         for c in blocks:
-            wq, wk = p % workers, c % workers
+            wq, wk = q_owner[p], k_owner[c]
             if wq == wk:
                 continue
             kv = k_rows[c] * kv_heads * (dim + value_dim) * itemsize
@@ -136,9 +136,19 @@ def run(args):
                 for i, s in enumerate(range(0, n, rows)):
                     fut = client.scatter(a[s:s + rows], workers=[addrs[i % workers]])
                     parts.append(da.from_delayed(fut, a[s:s + rows].shape, dtype=a.dtype))
-                return da.concatenate(parts)
+                placed = client.persist(da.concatenate(parts))
+                distributed.wait(placed)
+                return placed
+
+            def owners(x):
+                where = client.who_has(x)
+                return [addrs.index(where[key][0]) for key in (
+                    (x.name, i) + (0,) * (x.ndim - 1) for i in range(len(x.chunks[0])))]
 
             Q, K, V, DO = (place(a) for a in (q, k, v, dout))
+            q_owner, k_owner = owners(Q), owners(K)
+            if owners(V) != k_owner or owners(DO) != q_owner or q_owner != [i % workers for i in range(chunks)]:
+                print(f"# note: chunks placed q {q_owner}, k {k_owner}, v {owners(V)}, dout {owners(DO)}")
             t0 = time.perf_counter()
             summary = tgd.plan_summary(graph, Q, K)
             plan_s = time.perf_counter() - t0
@@ -175,14 +185,16 @@ def run(args):
             O, S = fwd[0], tgd.DaskAttentionStats(fwd[1], fwd[2])
             b_s, grads, b_bytes, b_busy = timed(lambda: tgd.attention_backward(DO, Q, K, V, O, S, graph))
             got = [np.asarray(x) for x in client.gather([O.persist(), grads[1].persist()])]
-            err = max(float(np.abs(got[0] - out).max()), float(np.abs(got[1] - ref[1]).max()))
-            m_f, m_b = _model_bytes(summary, Q.chunks[0], K.chunks[0], workers, heads, heads, dim, dim, 4)
+            err = max(float(np.abs(got[0] - out).max() / np.abs(out).max()),
+                      float(np.abs(got[1] - ref[1]).max() / np.abs(ref[1]).max()))
+            m_f, m_b = _model_bytes(summary, Q.chunks[0], K.chunks[0], q_owner, k_owner, heads, heads, dim,
+                                    dim, 4)
             fmt_busy = lambda b: "/".join(f"{x:.1f}" for x in sorted(b.values()))  # noqa: E731
             print(f"| {workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}, "
                   f"{chunks} chunks | {plan_s:.2f} | {f_s:.2f} | {b_s:.2f} | "
                   f"{f_bytes / 1e6:.0f} / {b_bytes / 1e6:.0f} | {m_f / 1e6:.0f} / {m_b / 1e6:.0f} | "
                   f"{fmt_busy(f_busy)} / {fmt_busy(b_busy)} | "
-                  f"{f_s / t_fwd - 1:+.0%} / {b_s / t_bwd - 1:+.0%} |  max |err| {err:.1e}")
+                  f"{f_s / t_fwd - 1:+.0%} / {b_s / t_bwd - 1:+.0%} |  max |err| / max |ref| (out, dk) {err:.1e}")
             del O, S, grads, fwd, Q, K, V, DO
 
 
@@ -195,8 +207,13 @@ def main():
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--chunks-per-worker", type=int, default=1)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--no-stealing", action="store_true",
+                   help="turn dask.distributed's work stealing off (tasks stay with their data)")
     args = p.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", "2")
+    if args.no_stealing:
+        import dask
+        dask.config.set({"distributed.scheduler.work-stealing": False})
     run(args)
 
 

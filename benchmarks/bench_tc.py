@@ -13,13 +13,14 @@ Cells (H = 16, fp16, node-major (N, H, D) data; torch reads the same memory as (
 Checks: ours vs an fp32 torch reference (forward and gradients) at N = 4096, vs torch flash at
 16384. Writes DIR/tc_bench.json, DIR/tc_bench.txt and DIR/tc_tfs.png (matplotlib, if present).
 float32 section: ours (the call's routing: bf16 x 3 on wgmma on H100 / H200, 3xTF32 elsewhere or
-with TIGA_NUMBA_WGMMA=0; its sweep tunes the 3xTF32 table, benchmarks/tuning/bench_fp32_wgmma.py the
+with tg.options(wgmma=False); its sweep tunes the 3xTF32 table, benchmarks/tuning/bench_fp32_wgmma.py the
 wgmma one) vs torch SDPA's efficient kernel in fp32 (3xTF32) at
 N = 4096, 16384, D = 64, 128, causal and not, forward and forward+backward, relative errors of
 both vs a float64 reference (all heads at 4096, heads 0-1 at 16384), and at N = 4096 the
 CUDA-core float32 kernels (tiga_numba.attention with tensor cores off) for the routing decision.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -40,11 +41,22 @@ try:   # --build-wide runs where torch is absent (off-device cubin builds)
 except ImportError:
     torch = TF = None
 
-from tiga_numba.cuda.tc import api  # noqa: E402
+from tiga_numba.cuda.tc import api, build, device, tuning  # noqa: E402
 
 H = 16
 REPS, WARM = 10, 3
 LINES = []
+
+
+_ENGINE = contextlib.ExitStack()
+
+
+def engine(wgmma):
+    """Pin the tensor-core engine for the calls that follow (the run option
+    tg.options(wgmma=...), held open until the next engine() call): True = the wgmma kernels on
+    compute capability 9.0, False = the mma.sync ones (float32 then as 3xTF32)."""
+    _ENGINE.close()
+    _ENGINE.enter_context(tiga_numba.options(wgmma=bool(wgmma)))
 
 
 def say(s):
@@ -100,7 +112,7 @@ class Ours:
         self.st = Stream()
 
     def fwd(self):
-        vr = api.variant("fwd", self.D, self.D, self.dt)
+        vr = tuning.variant("fwd", self.D, self.D, self.dt)
         api.launch_forward(vr, self.rec, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
                            self.out.data_ptr(), self.m.data_ptr(), self.l.data_ptr(), self.scale, self.st)
 
@@ -108,7 +120,7 @@ class Ours:
         if not hasattr(self, "dq"):
             self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
             self.delta, self.lse2 = torch.empty_like(self.m), torch.empty_like(self.m)
-        vq, vk = api.backward_variants(self.D, self.D, self.dt, api.deterministic())
+        vq, vk = tuning.backward_variants(self.D, self.D, self.dt, tuning.deterministic())
         api.launch_backward(vq, vk, self.rec, self.N, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
                             op(dout), op(self.out), self.m.data_ptr(), self.l.data_ptr(), self.delta.data_ptr(),
                             self.lse2.data_ptr(), self.dq.data_ptr(), self.dk.data_ptr(), self.dv.data_ptr(),
@@ -282,7 +294,7 @@ WIDE32 = {
 def build_wide(arch="sm_90", jobs=2):
     """compile the --wide sweep's cubins into the cubin cache without a GPU."""
     specs = [_as_spec(x) for x in _sweep_specs({"float16": WIDE16, "float32": WIDE32})]
-    for name in api.build_cubins(arch=arch, jobs=jobs, specs=specs):
+    for name in build.build_cubins(arch=arch, jobs=jobs, specs=specs):
         print(name, flush=True)
 
 
@@ -305,27 +317,20 @@ class CudaCore:
         import cupy
 
         import tiga_numba as tg
-        from tiga_numba.cuda import api as capi
-        self.tg, self.capi = tg, capi
+        self.tg = tg
         self.q, self.k, self.v = (cupy.asarray(x) for x in (q, k, v))
         N = q.shape[0]
         self.g = tg.Graph.triangular(N) if causal else tg.Graph.dense(N)
 
     def fwd(self):
-        old, self.capi.USE_TC = self.capi.USE_TC, False
-        try:
+        with self.tg.options(tensor_cores=False):
             self.out, self.stats = self.tg.attention(self.q, self.k, self.v, self.g, return_stats=True)
-        finally:
-            self.capi.USE_TC = old
 
     def fwd_bwd(self, do):
         import cupy
         self.fwd()
-        old, self.capi.USE_TC = self.capi.USE_TC, False
-        try:
+        with self.tg.options(tensor_cores=False):
             self.tg.attention_backward(cupy.asarray(do), self.q, self.k, self.v, self.out, self.stats, self.g)
-        finally:
-            self.capi.USE_TC = old
 
 
 def rel64(a, b):
@@ -381,13 +386,13 @@ def fmt32(r):
 
 def precompile(dtypes, jobs=14, with_sweep=True):
     """compile the shipped kernels of `dtypes` (and the float32 sweep's) in parallel processes
-    into the cubin cache (tc.api.build_cubins), which hands them to this process without NVVM."""
-    specs = set(api.shipped_kernels(dtypes))
+    into the cubin cache (tc.build.build_cubins), which hands them to this process without NVVM."""
+    specs = set(build.shipped_kernels(dtypes))
     if "float32" in dtypes and with_sweep:
         specs |= set(_sweep_specs({"float32": SWEEP_F32}))
     t0 = time.time()
     try:
-        names = api.build_cubins(arch=_arch(), jobs=jobs, specs=[_as_spec(x) for x in sorted(specs, key=str)])
+        names = build.build_cubins(arch=_arch(), jobs=jobs, specs=[_as_spec(x) for x in sorted(specs, key=str)])
         say(f"precompile {dtypes}: {len(names)} kernels in {time.time() - t0:.0f}s")
     except Exception as e:  # noqa: BLE001 - the timed sections compile what is missing
         say(f"precompile FAILED {e!r}"[:300])
@@ -420,17 +425,22 @@ TESTS_FAILED = False
 def save_tuning():
     if TUNING_OUT:
         with open(TUNING_OUT, "w") as fh:
-            json.dump([[k[0], k[1], v] for k, v in api.TUNING.items()]
-                      + [[k[0], k[1], v, "float32"] for k, v in api.TUNING_F32.items()], fh)
+            json.dump([[k[0], k[1], v] for k, v in tuning.TUNING.items()]
+                      + [[k[0], k[1], v, "float32"] for k, v in tuning.TUNING_F32.items()], fh)
 
 
 def sweep(quick, dtype="float16", cands=None):
     """try a few tile shapes per head dim on N=4096 (causal and not); keep the fastest in the
-    dtype's tuning table (api.TUNING, or api.TUNING_F32 for float32)"""
-    S = dict(a_smem=True)
+    dtype's tuning table (tuning.TUNING, or tuning.TUNING_F32 for float32)"""
+    import tiga_numba as tg
     # the mma.sync shapes (bench_wgmma.py sweeps the wgmma ones): pinned for the whole sweep
-    os.environ["TIGA_NUMBA_WGMMA"] = "0"
-    table = api.tuning_table(dtype, wgmma=False)
+    with tg.options(wgmma=False):
+        _sweep(quick, dtype, cands)
+
+
+def _sweep(quick, dtype, cands):
+    S = dict(a_smem=True)
+    table = tuning.tuning_table(dtype, wgmma=False)
     tdt = {"float16": torch.float16, "float32": torch.float32}[dtype]
     cands = cands or (SWEEP_F32 if dtype == "float32" else {
         ("fwd", 64): [dict(NW=4, MT=2, BN=64), dict(NW=4, MT=2, BN=32)],
@@ -487,7 +497,6 @@ def sweep(quick, dtype="float16", cands=None):
                 table[k_] = val
             say(f"sweep {dtype} {kind} D={D}: chose {best[1]}")
             save_tuning()   # per section: a later crash (sticky CUDA error) keeps what was chosen
-    os.environ.pop("TIGA_NUMBA_WGMMA", None)   # back to the device's default routing
 
 
 def resources():
@@ -568,7 +577,7 @@ def plot(rows, path):
 def fp32_section(a, late):
     if not a.no_sweep:
         sweep(a.quick, "float32")
-    say(f"float32 tuning in use: {api.TUNING_F32}")
+    say(f"float32 tuning in use: {tuning.TUNING_F32}")
     rows = []
     for N in (4096, 16384):
         for D in (64, 128):
@@ -633,7 +642,7 @@ def main():
     if a.tuning_in and os.path.exists(a.tuning_in):
         with open(a.tuning_in) as fh:
             for kind, D, cfg, *dt in json.load(fh):   # rows: [kind, D, shape(, "float32")]
-                api.tuning_table(dt[0] if dt else "float16", wgmma=False)[(kind, D)] = cfg
+                tuning.tuning_table(dt[0] if dt else "float16", wgmma=False)[(kind, D)] = cfg
     if a.sanitize:
         sanitize()
         return
@@ -660,7 +669,7 @@ def main():
     if a.wide:
         sweep(a.quick, "float16", WIDE16)
         sweep(a.quick, "float32", WIDE32)
-        say(f"tuning in use: {api.TUNING} | float32: {api.TUNING_F32}")
+        say(f"tuning in use: {tuning.TUNING} | float32: {tuning.TUNING_F32}")
         save_tuning()
         with open(os.path.join(a.out, "tc_wide_sweep.txt"), "w") as fh:
             fh.write("\n".join(LINES) + "\n")
@@ -670,14 +679,14 @@ def main():
         resources()
         say(f"total bench time {time.time() - t0:.0f}s")
         with open(os.path.join(a.out, "tc_fp32_bench.json"), "w") as fh:
-            json.dump(dict(fp32=rows32, tuning_f32={str(k): v for k, v in api.TUNING_F32.items()}), fh, indent=1)
+            json.dump(dict(fp32=rows32, tuning_f32={str(k): v for k, v in tuning.TUNING_F32.items()}), fh, indent=1)
         with open(os.path.join(a.out, "tc_bench.txt"), "w") as fh:
             fh.write("\n".join(LINES) + "\n")
         return
     if not a.no_sweep:
         sweep(a.quick)
-    say(f"tuning in use: {api.TUNING_WGMMA if api.use_wgmma('float16') else api.TUNING}"
-        f" ({'wgmma, sm_90a' if api.use_wgmma('float16') else 'mma.sync'})")
+    say(f"tuning in use: {tuning.TUNING_WGMMA if device.use_wgmma('float16') else tuning.TUNING}"
+        f" ({'wgmma, sm_90a' if device.use_wgmma('float16') else 'mma.sync'})")
     save_tuning()
     if a.sweep_only:
         return
@@ -732,7 +741,7 @@ def main():
     resources()
     say(f"total bench time {time.time() - t0:.0f}s")
     with open(os.path.join(a.out, "tc_bench.json"), "w") as fh:
-        json.dump(dict(dense=rows, varlen=var, tuning={str(k): v for k, v in api.TUNING.items()}), fh, indent=1)
+        json.dump(dict(dense=rows, varlen=var, tuning={str(k): v for k, v in tuning.TUNING.items()}), fh, indent=1)
     with open(os.path.join(a.out, "tc_bench.txt"), "w") as fh:
         fh.write("\n".join(LINES) + "\n")
     plot(rows, os.path.join(a.out, "tc_tfs.png"))

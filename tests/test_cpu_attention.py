@@ -118,12 +118,13 @@ def test_block_with_no_sources_gives_empty_rows():
     q = rng.standard_normal((8, 2, 16)).astype(np.float32)
     k = rng.standard_normal((6, 2, 16)).astype(np.float32)
     v = rng.standard_normal((6, 2, 8)).astype(np.float32)
-    out, m, l = api.forward(_plan(0.25), q, k, v, rel)
+    out, m, l, m2 = api.forward(_plan(0.25), q, k, v, rel)  # m2: the kernels' base-2 row max
     assert np.all(out[:3] == 0) and np.all(m[:3] == -np.inf) and np.all(l[:3] == 0)
+    assert np.all(m2[:3] == -np.inf)
     want = reference.attention(q[3:], k, v, Graph.dense(6, 5), scale=0.25)
     _close(out[3:], want, np.float32, "out")
     do = rng.standard_normal(out.shape).astype(np.float32)
-    dq, dk, dv, db = api.backward(_plan(0.25), do, q, k, v, out, m, l, rel, None)
+    dq, dk, dv, db = api.backward(_plan(0.25), do, q, k, v, out, m, l, rel, None, m_kernel=m2)
     assert db is None and np.all(dq[:3] == 0)
     rdq, rdk, rdv, _ = reference.attention_backward(do[3:], q[3:], k, v, Graph.dense(6, 5),
                                                      scale=0.25)

@@ -64,16 +64,47 @@ def _ids():
     return [f"{d}-D{a}-Dv{b}" for d, a, b in CONFIGS]
 
 
-@pytest.mark.parametrize("dtype,D,DV", CONFIGS, ids=_ids())
-def test_compile_ptx_sm90(dtype, D, DV):
+def _compile_config(dtype, D, DV):
+    """Compile every family of one configuration; returns the problems found (empty: all good)."""
+    problems = []
     for name, make in _factories(dtype, D, DV):
         kern = make()
         ptx = kern.compile_ptx(cc=(9, 0))
-        assert ".target sm_90" in ptx, name
-        assert ".entry" in ptx or ".visible .entry" in ptx, name
-        assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: local memory used"
-        if name.startswith(("blocks", "csr")) and D > 0:
-            assert "shfl.sync" in ptx or kern.name.endswith("g1"), f"{name}: no lane-group reduction"
+        if ".target sm_90" not in ptx:
+            problems.append(f"{name}: no .target sm_90")
+        if ".entry" not in ptx:
+            problems.append(f"{name}: no .entry")
+        if "ld.local" in ptx or "st.local" in ptx:
+            problems.append(f"{name}: local memory used")
+        if name.startswith(("blocks", "csr")) and D > 0 and not (
+                "shfl.sync" in ptx or kern.name.endswith("g1")):
+            problems.append(f"{name}: no lane-group reduction")
+    return problems
+
+
+# NVVM compiles are single-threaded and take most of this file's time: the configurations are
+# compiled in worker processes (one per core), so a 2-core machine compiles two at a time;
+# each test then reads its configuration's result. Only the selected configurations compile.
+@pytest.fixture(scope="module")
+def compiled(request):
+    import concurrent.futures
+    import multiprocessing
+    import os
+    wanted = [tuple(item.callspec.params[n] for n in ("dtype", "D", "DV"))
+              for item in request.session.items
+              if getattr(item, "originalname", None) == "test_compile_ptx_sm90"]
+    workers = max(1, min(len(wanted), os.cpu_count() or 1))
+    ex = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = {c: ex.submit(_compile_config, *c) for c in wanted}
+    yield lambda config: futures[config].result()
+    ex.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("dtype,D,DV", CONFIGS, ids=_ids())
+def test_compile_ptx_sm90(dtype, D, DV, compiled):
+    problems = compiled((dtype, D, DV))
+    assert not problems, problems
 
 
 def test_tile_geometry_fits_static_shared_memory():
@@ -222,7 +253,6 @@ from tiga_numba.graph import BlockRelation, CSRRelation, CSRTranspose
 CALLS = []
 launch.Kernel.__call__ = lambda self, grid, block, stream, *a: CALLS.append((self, grid, block, a))
 from tiga_numba.cuda import api, tiles
-api.USE_TC = False
 _real = tg.Graph.realize, tg.Graph.realize_transpose
 
 def on_dev(rec):

@@ -6,7 +6,7 @@ every backend output poisoned with NaN before the kernels run. Also: determinism
 backward (same bits twice), any strides (no copy recorded), a non-default cupy stream,
 edge bias / precomputed scores (D = 0) on CSR, D = Dv = 256, tile pruning (counts exposed,
 rule replayed by the oracle with the GPU's tile sizes, rho -> 0 exact).
-The tensor-core path is switched off here (api.USE_TC = False): its own tests cover it.
+The tensor-core path is switched off here (tg.options(tensor_cores=False)): its own tests cover it.
 """
 import sys
 
@@ -49,10 +49,11 @@ TOL = {"float16": (4e-3, 1e-2), "float32": (2e-5, 2e-4), "float64": (1e-11, 1e-1
 @pytest.fixture(autouse=True)
 def _cuda_core_only_poisoned():
     from tiga_numba.cuda import api
-    old = api.USE_TC, api.POISON
-    api.USE_TC, api.POISON = False, True
-    yield api
-    api.USE_TC, api.POISON = old
+    old = api.POISON
+    api.POISON = True
+    with tg.options(tensor_cores=False):
+        yield api
+    api.POISON = old
 
 
 def rel_err(got, want):

@@ -35,6 +35,10 @@ CASES = {
     "segments": (lambda: tg.Graph.cu_seqlens([0, 5, 5, 20, 21, 45]), 45, 45, 12, 10),
     "segments-full": (lambda: tg.Graph.cu_seqlens([0, 7, 7, 30, 45], causal=False), 45, 45, 9, 16),
     "dense-rect": (lambda: tg.Graph.dense(37, 50), 50, 37, 16, 10),
+    "band": (lambda: tg.Graph.band(50, 45, left=6, right=2), 45, 50, 12, 10),
+    "varlen-kv-causal": (lambda: tg.Graph.cu_seqlens([0, 5, 5, 20, 30], cu_seqlens_k=[0, 9, 12, 12, 40]),
+                         30, 40, 7, 9),
+    "window": (lambda: tg.Graph.cu_seqlens([0, 20, 45], window=(4, 1)), 45, 45, 10, 10),
     "empty-rows-cat": (lambda: tg.Graph.cat([tg.Graph.dense(0, 10), tg.Graph.triangular(20)]),
                        30, 20, 8, 6),
 }

@@ -28,7 +28,8 @@ def _csr():
 @pytest.mark.parametrize("name,build,nd,ns,qc,kc", [
     ("csr", _csr, 300, 250, 70, 64),
     ("triangular", lambda: tg.Graph.triangular(256), 256, 256, 64, 64),
-    ("segments", lambda: tg.Graph.cu_seqlens([0, 30, 30, 200, 256]), 256, 256, 64, 50),
+    ("segments", lambda: tg.Graph.cu_seqlens([0, 30, 30, 200, 256], causal=False), 256, 256, 64, 50),
+    ("segments-causal", lambda: tg.Graph.cu_seqlens([0, 30, 30, 200, 256]), 256, 256, 64, 64),
     ("dense-rect", lambda: tg.Graph.dense(190, 256), 256, 190, 100, 64),
 ])
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float64, 1e-11)])
@@ -51,3 +52,10 @@ def test_cupy_chunks_equal_the_single_process_call(name, build, nd, ns, qc, kc, 
     np.testing.assert_allclose(cupy.asnumpy(got[1][fin]), cupy.asnumpy(st.lse[fin]), rtol=tol, atol=tol)
     for a, b in zip(got[2:], ref):
         np.testing.assert_allclose(cupy.asnumpy(a), cupy.asnumpy(b), rtol=tol * 10, atol=tol * 10)
+
+
+def test_band_blocks_are_refused_when_the_graph_is_built():
+    q = da.from_array(cupy.zeros((64, 2, 8), np.float32), chunks=(16, -1, -1), asarray=False)
+    k = da.from_array(cupy.zeros((64, 2, 8), np.float32), chunks=(20, -1, -1), asarray=False)
+    with pytest.raises(NotImplementedError, match="same chunk boundaries"):
+        tgd.attention(q, k, k, tg.Graph.triangular(64))

@@ -136,6 +136,8 @@ CASES = [
     ("GATConv", dict(heads=2, add_self_loops=False, edge_dim=2), True),
     ("GATConv", dict(heads=2, edge_dim=2), True),                 # loops on min(Ns, Nd) nodes
     ("GATConv", dict(heads=2, negative_slope=0.1, bias=False, fill_value=0.5, edge_dim=1), False),
+    ("GATConv", dict(heads=2, negative_slope=-0.3), False),      # sign-flipping slope
+    ("GATConv", dict(heads=2, negative_slope=1.5, edge_dim=2), False),
     ("GATv2Conv", dict(heads=3), False),
     ("GATv2Conv", dict(heads=2, concat=False, edge_dim=3, share_weights=True), False),
     ("GATv2Conv", dict(heads=2, edge_dim=2, residual=True, add_self_loops=False), True),

@@ -11,6 +11,8 @@ import types
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tiga_numba as tg
 from tiga_numba import AttentionStats
@@ -92,9 +94,14 @@ def _large_score_inputs(kind, dtype, max_score, d=D_BIG):
     mask = dense_mask(g)
     q = r.standard_normal((N_BIG, H_BIG, d))
     k = r.standard_normal((N_BIG, HKV_BIG, d))
-    raw = np.abs(np.einsum("ihd,jhd->hij", q, np.repeat(k, H_BIG // HKV_BIG, 1)) * d ** -0.5)
+    raw = np.abs(np.einsum("ihd,jhd->hij", q, np.repeat(k, H_BIG // HKV_BIG, 1)) * 0.3)
     amp = np.sqrt(max_score / raw[:, mask].max())
     q, k = (x * amp for x in (q, k))
+    if kind == "csr":
+        # exact ties (rows holding both copies have l = 2 at any magnitude): only where every
+        # score is computed by the same instructions; a BLAS tile may round its columns
+        # differently, which at |s| ~ 1e8 breaks a tie in the forward already
+        k[20:40] = k[0:20]
     v = r.standard_normal((N_BIG, HKV_BIG, d))
     dout = r.standard_normal((N_BIG, H_BIG, d))
     return g, mask, [x.astype(dtype) for x in (q, k, v, dout)]
@@ -105,10 +112,10 @@ def check_large_scores(kind, dtype, max_score, to_dev=lambda x: x, to_host=lambd
     backward at any score magnitude where the forward is finite."""
     g, mask, (q, k, v, dout) = _large_score_inputs(kind, dtype, max_score)
     d = q.shape[2]
-    scale = d ** -0.5
+    scale = 0.3  # not a power of two: scaling q or k rounds differently
     qd, kd, vd, dd = (to_dev(x) for x in (q, k, v, dout))
-    out, stats = tg.attention(qd, kd, vd, g, return_stats=True)
-    dq, dk, dv = tg.attention_backward(dd, qd, kd, vd, out, stats, g)
+    out, stats = tg.attention(qd, kd, vd, g, scale=scale, return_stats=True)
+    dq, dk, dv = tg.attention_backward(dd, qd, kd, vd, out, stats, g, scale=scale)
     out, dq, dk, dv, m = (to_host(x) for x in (out, dq, dk, dv, stats.m))
     ref = oracle(q, k, v, dout, mask, scale)
     f32 = oracle(q, k, v, dout, mask, scale, np.float32)
@@ -125,7 +132,9 @@ def check_large_scores(kind, dtype, max_score, to_dev=lambda x: x, to_host=lambd
     # numpy's, so exact cancellation in one-hot rows is not reproduced, nor required)
     for name, got in (("dq", dq), ("dk", dk)):
         err = np.abs(np.asarray(got, np.float64) - ref[name])
-        bound = 4 * d * EPS32 * ref["bound_" + name] + 4 * tol_in * max(1.0, np.abs(ref[name]).max())
+        # (Delta uses `out` as returned, rounded to the input dtype)
+        eps = max(EPS32, tol_in)
+        bound = 4 * d * eps * ref["bound_" + name] + 4 * tol_in * max(1.0, np.abs(ref[name]).max())
         assert np.all(err <= bound), (name, float((err / np.maximum(bound, 1e-300)).max()))
 
 
@@ -146,9 +155,8 @@ def test_cuda_core_backward_accurate_at_large_scores(kind, dtype, max_score, mon
             pytest.skip("no CUDA device")
     except Exception:
         pytest.skip("no CUDA device")
-    from tiga_numba.cuda import api
-    monkeypatch.setattr(api, "USE_TC", False)
-    check_large_scores(kind, dtype, max_score, cupy.asarray, cupy.asnumpy)
+    with tg.options(tensor_cores=False):
+        check_large_scores(kind, dtype, max_score, cupy.asarray, cupy.asnumpy)
 
 
 def test_stats_keep_the_kernel_row_max_exactly():
@@ -362,8 +370,6 @@ def test_concurrent_calls_on_the_workqueue_layer(tmp_path):
 
 
 # ----------------------------------------------------------------------------- fuzz
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 FUZZ_FWD_TOL = {np.float16: 4e-3, np.float32: 2e-5, np.float64: 1e-11}
 FUZZ_BWD_TOL = {np.float16: 2e-2, np.float32: 1e-4, np.float64: 1e-10}
@@ -458,12 +464,11 @@ def test_fuzz_against_float64_with_non_finite_values_outside_the_relation(case):
     assert np.all(dk[bad_src] == 0) and np.all(dv[bad_src] == 0)
 
 
-@pytest.mark.xfail(strict=False, reason="the CPU block kernels multiply masked scores' zero "
-                   "probabilities with the values of their tile, so a NaN value right of the "
-                   "causal diagonal reaches the earlier rows of the same query tile")
 @pytest.mark.parametrize("make", [lambda: tg.Graph.triangular(130),
                                   lambda: tg.Graph.cu_seqlens(np.array([0, 130]))])
 def test_nan_beyond_causal_diagonal_does_not_leak(make):
+    """A NaN value right of the causal diagonal reaches no earlier row of its query tile
+    (a masked entry contributes nothing, not 0 * value)."""
     g = make()
     q, k, v, dout = _small(7, n=130)
     v[120, 0, 3] = np.nan

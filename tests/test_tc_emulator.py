@@ -9,10 +9,29 @@ import pytest
 
 import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
 
+from tiga_numba.cuda.tc import admission, api, build, device, tuning  # noqa: E402
 from tiga_numba.cuda.tc import emulator as E  # noqa: E402
 from tiga_numba.cuda.tc import generator as G  # noqa: E402
+from tiga_numba.cuda.tc.generator import shared as GS  # noqa: E402
+from tiga_numba.cuda.tc.generator import source as GSrc  # noqa: E402
+from tiga_numba.cuda.tc.generator import variant as GV  # noqa: E402
+from tiga_numba.cuda.tc.generator import wgmma as GW  # noqa: E402
 from tiga_numba.cuda.tc import schedule as S  # noqa: E402
 
+
+
+def patch_generator(monkeypatch, name, value):
+    """Replace `name` in every generator module that holds it (each module imports the helpers it
+    calls by name, so a stand-in must reach all of them)."""
+    import importlib
+    import pkgutil
+    found = False
+    for info in pkgutil.iter_modules(G.__path__):
+        mod = importlib.import_module(f"{G.__name__}.{info.name}")
+        if hasattr(mod, name):
+            monkeypatch.setattr(mod, name, value)
+            found = True
+    assert found, name
 
 def oracle(q, k, v, do, dst, src, causal, scale):
     """float64 reference: out, m, l and the gradients (dq, dk, dv)."""
@@ -125,7 +144,7 @@ def test_backward_emulated(D, H, Hkv, dtype, BNq, BNk, a_smem, NW, relname):
         assert rel(got, want) < tol
 
 
-#: api.FUSED_DKDV's shapes and the other warp splits of the dQ product
+#: tuning.FUSED_DKDV's shapes and the other warp splits of the dQ product
 FUSED = [(64, 2, 1, "float16", dict(NW=4, MT=1, BN=64)),                       # K in registers and shared
          (128, 2, 1, "float16", dict(NW=4, MT=1, BN=32, a_smem=True)),         # 2 x 2 warp grid for dQ
          (64, 3, 3, "bfloat16", dict(NW=4, MT=1, BN=64, a_smem=True)),
@@ -172,20 +191,19 @@ def test_fused_atomic_dq_emulated(D, dtype, shape, relname):
 
 
 def test_atomic_opt_in_routing(monkeypatch):
-    """TIGA_NUMBA_DETERMINISTIC=0 selects the float-atomic fused kernel only where api.ATOMIC_DQ
+    """TIGA_NUMBA_DETERMINISTIC=0 selects the float-atomic fused kernel only where tuning.ATOMIC_DQ
     lists it (float32); everything else keeps the deterministic kernels; prebuild covers it."""
-    from tiga_numba.cuda.tc import api
     monkeypatch.delenv("TIGA_NUMBA_DETERMINISTIC", raising=False)
-    assert api.deterministic()
+    assert tuning.deterministic()
     monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
-    assert not api.deterministic()
-    for dt in api.TC_DTYPES:
+    assert not tuning.deterministic()
+    for dt in tuning.TC_DTYPES:
         for D in (64, 128):
-            vq, vk = api.backward_variants(D, D, dt, api.deterministic())
-            assert (vq is None and vk.dq_atomic) == ((dt, D) in api.ATOMIC_DQ)
-            assert api.backward_variants(D, D, dt, True)[1].dq_atomic is False
-    assert {(D, dt) for kind, D, dt in api.shipped_kernels() if kind == "dkdv_atomic"} == \
-        {(D, dt) for dt, D in api.ATOMIC_DQ}
+            vq, vk = tuning.backward_variants(D, D, dt, tuning.deterministic())
+            assert (vq is None and vk.dq_atomic) == ((dt, D) in tuning.ATOMIC_DQ)
+            assert tuning.backward_variants(D, D, dt, True)[1].dq_atomic is False
+    assert {(D, dt) for kind, D, dt in build.shipped_kernels() if kind == "dkdv_atomic"} == \
+        {(D, dt) for dt, D in tuning.ATOMIC_DQ}
 
 
 def test_fused_turn_order_is_enforced(monkeypatch):
@@ -236,11 +254,10 @@ def test_fused_ptx_compiles_for_sm90():
     import numba
     from numba import cuda
 
-    from tiga_numba.cuda.tc import api
     v = G.Variant("dkdv", 64, 64, NW=4, MT=1, BN=64, fuse_dq=True)
-    env = api._env("float16")
+    env = build._env("float16")
     exec(compile(G.gen_source(v), "<k>", "exec"), env)
-    ni, nf = api.signature(v)
+    ni, nf = build.signature(v)
     ptx, _ = cuda.compile_ptx(env["kernel"], numba.void(*((numba.int64,) * ni + (numba.float32,) * nf)),
                               cc=(9, 0), fastmath=True)
     per_product = v.MT * (v.BN // 8) * (64 // 16)   # per warp: m16 tiles x n8 tiles x k16 steps (all five equal)
@@ -253,12 +270,12 @@ def test_fused_ptx_compiles_for_sm90():
 
 def test_broken_swizzle_is_caught(monkeypatch):
     """A wrong fragment layout must fail the emulator check (the test can fail)."""
-    real = G.thread_geometry
+    real = GS.thread_geometry
 
     def broken(e, v):
         real(e, v)
         e("xa128_0 = xa128_1")   # k-step 0 would read k-step 1's chunk
-    monkeypatch.setattr(G, "thread_geometry", broken)
+    patch_generator(monkeypatch, "thread_geometry", broken)
     dst, src, causal = (np.array(x) for x in RELATIONS["dense_rect_tail"])
     rng = np.random.default_rng(3)
     q, k, v, _ = _inputs(rng, dst[-1], src[-1], 1, 1, 64, "float16")
@@ -278,7 +295,7 @@ def _fp32_case(relname, D=64):
 def test_plain_tf32_is_caught(monkeypatch):
     """One tf32 pass (big * big, i.e. plain TF32) must fail the float32 tolerances of the forward
     and the backward: the tests above really check 3xTF32 accuracy."""
-    monkeypatch.setattr(G, "TF32_PASSES", (("big", "big"),))
+    patch_generator(monkeypatch, "TF32_PASSES", (("big", "big"),))
     q, k, v, do, dst, src, causal = _fp32_case("causal_tail")
     scale = 64 ** -0.5
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
@@ -298,7 +315,7 @@ def test_fp32_long_rows_accumulate_per_block(monkeypatch, pb_pairs, ok):
     """2048 keys a row: with O accumulated per block (generator.PB_PAIRS) the forward stays
     fp32-class under the emulator's truncating accumulation; feeding O back into the mma across
     all 32 blocks (PB_PAIRS = None) drifts past the float32 tolerance, as it did on the H200."""
-    monkeypatch.setattr(G, "PB_PAIRS", pb_pairs)
+    patch_generator(monkeypatch, "PB_PAIRS", pb_pairs)
     dst, src, causal = np.array([0, 16]), np.array([0, 2048]), np.array([0])
     rng = np.random.default_rng()
     q, k, v, _ = _inputs(rng, 16, 2048, 1, 1, 64, "float32")
@@ -358,11 +375,10 @@ def test_shipped_tuning_is_valid():
     limit and its generator runs."""
     import dataclasses
 
-    from tiga_numba.cuda.tc import api
     for dt in ("float16", "bfloat16", "float32"):
         for wg in (False, True):
-            for (kind, D) in api.tuning_table(dt, wgmma=wg):
-                v = api.variant(kind, D, D, dt, wgmma=wg)
+            for (kind, D) in tuning.tuning_table(dt, wgmma=wg):
+                v = tuning.variant(kind, D, D, dt, wgmma=wg)
                 for x in ((v, dataclasses.replace(v, prune=True)) if kind == "fwd" else (v,)):
                     assert x.check().smem_bytes() <= G.MAX_SMEM
                     compile(G.gen_source(x), "<gen>", "exec")
@@ -373,11 +389,10 @@ def test_ptx_compiles_for_sm90():
     import numba
     from numba import cuda
 
-    from tiga_numba.cuda.tc import api
     v = G.Variant("fwd", 64, 64, NW=4, MT=1, BN=64)
-    env = api._env("float16")
+    env = build._env("float16")
     exec(compile(G.gen_source(v), "<k>", "exec"), env)
-    ni, nf = api._SIGS["fwd"]
+    ni, nf = build._SIGS["fwd"]
     ptx, _ = cuda.compile_ptx(env["kernel"], numba.void(*((numba.int64,) * ni + (numba.float32,) * nf)),
                               cc=(9, 0), fastmath=True)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * 4 * 8 * 1
@@ -393,11 +408,10 @@ def test_fp32_ptx_compiles_for_sm90(kind):
     import numba
     from numba import cuda
 
-    from tiga_numba.cuda.tc import api
     v = G.Variant(kind, 64, 64, dtype="float32", NW=4, MT=1, BN=16, a_smem=kind != "fwd")
-    env = api._env("float32")
+    env = build._env("float32")
     exec(compile(G.gen_source(v), "<k>", "exec"), env)
-    ni, nf = api._SIGS[kind]
+    ni, nf = build._SIGS[kind]
     ptx, _ = cuda.compile_ptx(env["kernel"], numba.void(*((numba.int64,) * ni + (numba.float32,) * nf)),
                               cc=(9, 0), fastmath=True)
     products = {"fwd": 2, "dq": 3, "dkdv": 4}[kind]   # S, PV | S, dP, dS K | S, P^T dO, dP, dS^T Q
@@ -414,10 +428,9 @@ def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monke
     pytest.importorskip("cuda.core")
     from numba import cuda
 
-    from tiga_numba.cuda.tc import api
     monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path))
     src = G.gen_delta("float16", 64)
-    k = api.Compiled("tc_delta_test", src, "float16", 12, 0)
+    k = build.Compiled("tc_delta_test", src, "float16", 12, 0)
     entry, data = k.cubin("sm_90")
     assert data[:4] == b"\x7fELF" and "tc_delta_test" in entry
     files = sorted(p.name for p in (tmp_path / "tc").iterdir() if p.name.endswith(".cubin"))
@@ -426,9 +439,9 @@ def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monke
     def no_compile(*a, **kw):
         raise AssertionError("cache hit expected: NVVM must not run")
     monkeypatch.setattr(cuda, "compile_ptx", no_compile)
-    again = api.Compiled("tc_delta_test", src, "float16", 12, 0)
+    again = build.Compiled("tc_delta_test", src, "float16", 12, 0)
     assert again.cubin("sm_90") == (entry, data)
-    other = api.Compiled("tc_delta_test", G.gen_delta("float16", 128), "float16", 12, 0)
+    other = build.Compiled("tc_delta_test", G.gen_delta("float16", 128), "float16", 12, 0)
     with pytest.raises(AssertionError, match="cache hit expected"):
         other.cubin("sm_90")
 
@@ -439,28 +452,26 @@ def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monke
 def test_cubin_cache_off_writes_nothing(tmp_path, monkeypatch):
     pytest.importorskip("numba_cuda")
     pytest.importorskip("cuda.core")
-    from tiga_numba.cuda.tc import api
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", "0")
-    assert api._cache_dir() is None
-    entry, data = api.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("sm_90")
+    assert build._cache_dir() is None
+    entry, data = build.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("sm_90")
     assert data[:4] == b"\x7fELF" and entry
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="arch"):
-        api.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("90")
+        build.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("90")
 
 
 def test_shipped_kernel_list_covers_every_routed_variant():
-    from tiga_numba.cuda.tc import api
-    shipped = set(api.shipped_kernels())
-    for dt in api.TC_DTYPES:
-        for D in api.head_dims(dt, False):
-            vq, vk = api.backward_variants(D, D, dt)   # the kernels forward() / backward() launch
+    shipped = set(build.shipped_kernels())
+    for dt in tuning.TC_DTYPES:
+        for D in tuning.head_dims(dt, False):
+            vq, vk = tuning.backward_variants(D, D, dt)   # the kernels forward() / backward() launch
             routed = ["fwd", "dkdv", "delta"] + (["dq"] if vq is not None else [])
             for kind in routed:
                 assert (kind, D, dt) in shipped
             assert (vq is None) == vk.fuse_dq
-        for D in api.head_dims(dt, True):   # sm_90a
+        for D in tuning.head_dims(dt, True):   # sm_90a
             assert all((k, D, dt) in shipped for k in ("wg:fwd", "wg:dq", "wg:dkdv", "delta"))
 
 
@@ -476,8 +487,7 @@ class _FakeDev:
 def test_supports_rules_without_gpu(monkeypatch):
     import types
 
-    from tiga_numba.cuda.tc import api
-    monkeypatch.setattr(api, "_device_can_run", lambda D, Dv, dt: True)   # no device here
+    monkeypatch.setattr(admission, "_device_can_run", lambda D, Dv, dt: True)   # no device here
     from tiga_numba.graph import BlockRelation
     rel_ = BlockRelation(np.array([0, 10]), np.array([0, 10]), np.array([1], np.uint8), 10, 10)
     plan = types.SimpleNamespace(scale=0.125, prune_threshold=None, score="dot", run_info={})
@@ -501,18 +511,17 @@ def test_supports_rules_without_gpu(monkeypatch):
     assert api.supports(types.SimpleNamespace(**{**vars(plan), "prune_threshold": 0.5}), q, kv, kv, rel_)
     assert not api.supports(plan, np.zeros((10, 4, 64), np.float16), kv, kv, rel_)      # host array
     # compute capability 9.0 (wgmma): D = 32 and 96 too, every dtype
-    monkeypatch.setattr(api, "use_wgmma", lambda dt: True)
+    monkeypatch.setattr(device, "use_wgmma", lambda dt: True)
     for d in (32, 96):
         qd, kvd = _FakeDev((10, 4, d)), _FakeDev((10, 2, d))
         assert api.supports(plan, qd, kvd, kvd, rel_)
         assert api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
-    monkeypatch.setattr(api, "use_wgmma", lambda dt: False)   # elsewhere: 64 / 128 only
+    monkeypatch.setattr(device, "use_wgmma", lambda dt: False)   # elsewhere: 64 / 128 only
     assert not api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
     assert not api.supports(plan, _FakeDev((10, 4, 80)), _FakeDev((10, 2, 80)), _FakeDev((10, 2, 80)), rel_)
 
 
 def test_operand_reads_aligned_strides_in_place():
-    from tiga_numba.cuda.tc import api
     copies = []
     x = _FakeDev((10, 4, 64), strides=(4 * 64 * 2 * 3, 64 * 2 * 3, 2))   # every 3rd head slice: aligned
     _, ptr, rs, hs = api._operand(x, "q", copies)
@@ -531,10 +540,9 @@ def test_launch_paths_are_per_device_and_fall_back_once(monkeypatch):
     """Compiled.__call__ without a GPU: the launcher functions stubbed. A path refused on its
     first launch falls back to the next one; each device gets its own path (a cubin loaded into
     one device's context must not be launched on another)."""
-    from tiga_numba.cuda.tc import api
-    k = api.Compiled("tc_stub", "def kernel(a):\n    pass\n", "float16", 1, 0)
+    k = build.Compiled("tc_stub", "def kernel(a):\n    pass\n", "float16", 1, 0)
     dev = [0]
-    monkeypatch.setattr(api, "_device", lambda: dev[0])
+    monkeypatch.setattr(device, "current_device", lambda: dev[0])
     made, launched = [], []
 
     def driver_path():
@@ -659,7 +667,7 @@ def test_wgmma_overlap_changes_no_arithmetic(dtype, NW, BN):
 def test_reading_an_in_flight_accumulator_is_caught(monkeypatch, kind):
     """without its wgmma_wait the overlapped dP (dV) chain's registers hold no result: the emulator
     poisons them until the wait, so a kernel reading them early fails (the test can fail)."""
-    monkeypatch.setattr(G, "wg_wait", lambda *a: None)
+    patch_generator(monkeypatch, "wg_wait", lambda *a: None)
     dst, src, causal = (np.array(x) for x in RELATIONS["causal_tail"])
     q, k, v, do = _inputs(np.random.default_rng(1), dst[-1], src[-1], 1, 1, 64, "float16")
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, 0.125)
@@ -718,26 +726,26 @@ def test_split_narrow_value_chains(relname):
 def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
     """a wrong descriptor (8-row stride), k-step advance or sub-tile offset must fail (the test can fail)."""
     if broken == "sbo":
-        real = G.wg_desc
-        monkeypatch.setattr(G, "wg_desc", lambda addr, lbo: real(addr, lbo, sbo=512))
+        real = GW.wg_desc
+        patch_generator(monkeypatch, "wg_desc", lambda addr, lbo: real(addr, lbo, sbo=512))
     elif broken == "k_step":
-        real_chain = G.Source.chain
+        real_chain = GSrc.Source.chain
 
         def chain(self, form, N, steps, wait=True):
             steps = list(steps)
             if form == "ss":   # k-step 1 of B re-reads k-step 0
                 steps[1] = (steps[1][0], steps[0][1])
             return real_chain(self, form, N, steps, wait)
-        monkeypatch.setattr(G.Source, "chain", chain)
+        monkeypatch.setattr(GSrc.Source, "chain", chain)
     else:
-        real_load = G.load_tile
+        real_load = GS.load_tile
 
         def load(e, v, smem, gbase, gstride, nvalid, rows, width):
-            sub = G.Source()
+            sub = GSrc.Source()
             real_load(sub, v, smem, gbase, gstride, nvalid, rows, width)
             for line in sub.lines:
                 e(line.replace(f"* {rows * 128})", "* 128)"))   # sub-tiles overlap the first one
-        monkeypatch.setattr(G, "load_tile", load)
+        patch_generator(monkeypatch, "load_tile", load)
     D = 128 if broken == "sub_tile" else 64
     dst, src, causal = (np.array(x) for x in RELATIONS["dense_rect_tail"])
     rng = np.random.default_rng(5)
@@ -752,7 +760,7 @@ def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
     assert rel(o, ro) > 1e-2
 
 
-@pytest.mark.parametrize("passes", [(("hi", "hi"),), G.SPLIT_PASSES[2:]])
+@pytest.mark.parametrize("passes", [(("hi", "hi"),), GV.SPLIT_PASSES[2:]])
 def test_split_needs_every_pass(monkeypatch, passes):
     """float32 on wgmma: the six passes are fp32-class (< 1e-6 here, ~3e-7), plain bf16 (hi x hi,
     ~3e-3) and the four passes without the lo parts (16-bit mantissas, ~5e-6) are not."""
@@ -764,7 +772,7 @@ def test_split_needs_every_pass(monkeypatch, passes):
         vf = G.Variant("fwd", 64, 64, dtype="float32", NW=4, BN=64, **WG).check()
         return rel(E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), 0.125)[0], ro)
     assert run() < 1e-6
-    monkeypatch.setattr(G, "SPLIT_PASSES", passes)
+    patch_generator(monkeypatch, "SPLIT_PASSES", passes)
     assert run() > 2e-6
 
 
@@ -776,13 +784,12 @@ def test_wgmma_variant_rules():
     with pytest.raises(ValueError, match="shared memory"):   # three bf16 parts + staging: too big
         G.Variant("fwd", 128, 128, dtype="float32", NW=8, BN=128, **WG).check()
     assert G.Variant("fwd", 64, 64, dtype="float32", NW=4, BN=64, **WG).check().split
-    from tiga_numba.cuda.tc import api
-    for table, dt in ((api.TUNING_WGMMA, "float16"), (api.TUNING_WGMMA_F32, "float32")):
+    for table, dt in ((tuning.TUNING_WGMMA, "float16"), (tuning.TUNING_WGMMA_F32, "float32")):
         for (kind, D), shape in table.items():
             assert G.Variant(kind, D, D, dtype=dt, **shape).check().wgmma
-    assert ("wg:fwd", 128, "bfloat16") in api.shipped_kernels()
+    assert ("wg:fwd", 128, "bfloat16") in build.shipped_kernels()
     with pytest.raises(ValueError, match="sm_90a"):
-        api.kernel(api.variant("fwd", 64, 64, "float16", wgmma=True))[0].cubin("sm_80")
+        build.kernel(tuning.variant("fwd", 64, 64, "float16", wgmma=True))[0].cubin("sm_80")
 
 
 @pytest.mark.parametrize("kind,D,NW,BN,prune,dtype", [("fwd", 64, 8, 128, False, "float16"),
@@ -799,12 +806,11 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune,
     pytest.importorskip("cuda.core")
     import re
 
-    from tiga_numba.cuda.tc import api
     v = G.Variant(kind, D, D, dtype=dtype, NW=NW, BN=BN, prune=prune, **WG).check()
-    rep = api.kernel(v)[0].ptxas("sm_90a")
+    rep = build.kernel(v)[0].ptxas("sm_90a")
     ptx = rep["ptx"]
     products = {"fwd": (1, 1), "dq": (2, 1), "dkdv": (2, 2)}[kind]   # (A B^T, P B) products per block
-    passes, groups = len(G._passes(v)), len(G.pb_groups(v, D))   # float32: 6 passes, a chain per group
+    passes, groups = len(GW._passes(v)), len(GV.pb_groups(v, D))   # float32: 6 passes, a chain per group
     nk_abt, nk_pb = D // 16, BN // 16
     assert ptx.count("wgmma.mma_async.sync.aligned") == passes * (products[0] * nk_abt + products[1] * groups * nk_pb)
     chains = products[0] + products[1] * groups
@@ -827,9 +833,8 @@ def test_wgmma_fused_ptx_links_for_sm90a(atomic):
     pytest.importorskip("cuda.core")
     import re
 
-    from tiga_numba.cuda.tc import api
     v = G.Variant("dkdv", 64, 64, NW=8, BN=64, fuse_dq=True, dq_atomic=atomic, **WG).check()
-    rep = api.kernel(v)[0].ptxas("sm_90a")
+    rep = build.kernel(v)[0].ptxas("sm_90a")
     ptx = rep["ptx"]
     per = v.wg_dq_units()[3]
     assert ptx.count("wgmma.mma_async.sync.aligned") == 2 * (64 // 16) + 2 * (v.BN // 16) + per * (v.BM // 16)

@@ -161,7 +161,7 @@ def test_launches_take_the_driver_path_and_match_the_fallback(monkeypatch):
         nd = int(d[-1])
         q, k, v = (cupy.asarray(rng.standard_normal((nd, 2, D)).astype(np.float16)) for _ in range(3))
         out, m, l = tc.forward(plan(D ** -0.5), q, k, v, rel_)
-        kern, _ = tc.api.kernel(tc.api.variant("fwd", D, D, "float16"))
+        kern, _ = tc.build.kernel(tc.tuning.variant("fwd", D, D, "float16"))
         assert kern.launch_path == "driver"
         dev = cupy.cuda.runtime.getDevice()
         saved = kern._paths[dev]
@@ -179,14 +179,14 @@ def test_launches_take_the_driver_path_and_match_the_fallback(monkeypatch):
 
 @pytest.mark.parametrize("dt", ["float16", "float32"])
 def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
-    """The fused backward (api.FUSED_DKDV routed in for this test) adds each key tile's dQ block in
+    """The fused backward (tuning.FUSED_DKDV routed in for this test) adds each key tile's dQ block in
     a fixed order (turn counters), not with atomics: the same bits on every run, with many key tiles
     racing for each query block (N = 2048: 16-32 key tiles per block), GQA, causal and not; and the
     same values as the two-kernel backward."""
-    from tiga_numba.cuda.tc import api
+    from tiga_numba.cuda.tc import tuning
     monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # the fused kernel is an mma.sync one
     N, H, Hkv, D = 2048, 8, 2, 64
-    table = api.tuning_table(dt, wgmma=False)
+    table = tuning.tuning_table(dt, wgmma=False)
     rng = np.random.default_rng()
     mk = lambda sh: cupy.asarray(rng.standard_normal(sh).astype(dt))  # noqa: E731
     q, k, v, do = mk((N, H, D)), mk((N, Hkv, D)), mk((N, Hkv, D)), mk((N, H, D))
@@ -197,7 +197,7 @@ def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
         out, m, l = tc.forward(p, q, k, v, rel_)
         two_kernel = tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3]
         with monkeypatch.context() as mp:
-            mp.setitem(table, ("dkdv", D), dict(api.FUSED_DKDV[("float32" if dt == "float32" else "float16", D)],
+            mp.setitem(table, ("dkdv", D), dict(tuning.FUSED_DKDV[("float32" if dt == "float32" else "float16", D)],
                                                  fuse_dq=True))
             runs = [tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3] for _ in range(3)]
             assert "fixed key-tile order" in p.run_info["kernel"]
@@ -212,10 +212,10 @@ def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
                                     (64, "no_keys")])
 def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     """TIGA_NUMBA_DETERMINISTIC=0 routes float32 to the fused kernel that adds dQ with float atomics
-    (api.ATOMIC_DQ: measured faster): same oracle bounds, dQ rows without keys zero, explain() says
+    (tuning.ATOMIC_DQ: measured faster): same oracle bounds, dQ rows without keys zero, explain() says
     it is not deterministic; without the variable the deterministic two-kernel path runs."""
-    from tiga_numba.cuda.tc import api
-    assert ("float32", D) in api.ATOMIC_DQ
+    from tiga_numba.cuda.tc import tuning
+    assert ("float32", D) in tuning.ATOMIC_DQ
     monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # the fused atomic kernel is a 3xTF32 mma.sync one
     _poison(monkeypatch)
     rel_, (d, s, c) = relation(name)
@@ -256,7 +256,7 @@ def test_wgmma_fused_backward(D, shape, atomic, monkeypatch):
     float-atomic (TIGA_NUMBA_DETERMINISTIC=0 with ATOMIC_DQ_WGMMA), against the oracle on every
     relation incl. no keys at all, GQA, poisoned outputs; the ordered one is bitwise repeatable with
     16 key tiles racing per query block, causal and not."""
-    from tiga_numba.cuda.tc import api
+    from tiga_numba.cuda.tc import tuning
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels need sm_90")
     if D == 96 and not atomic:
@@ -264,10 +264,10 @@ def test_wgmma_fused_backward(D, shape, atomic, monkeypatch):
     monkeypatch.setenv("TIGA_NUMBA_WGMMA", "1")
     fields = dict(shape, MT=1, a_smem=True, wgmma=True)
     if atomic:
-        monkeypatch.setitem(api.ATOMIC_DQ_WGMMA, D, fields)
+        monkeypatch.setitem(tuning.ATOMIC_DQ_WGMMA, D, fields)
         monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
     else:
-        monkeypatch.setitem(api.TUNING_WGMMA, ("dkdv", D), dict(fields, fuse_dq=True))
+        monkeypatch.setitem(tuning.TUNING_WGMMA, ("dkdv", D), dict(fields, fuse_dq=True))
     _poison(monkeypatch)
     rng = np.random.default_rng()
     f = lambda x: x.get().astype(np.float64)  # noqa: E731
@@ -397,7 +397,7 @@ def test_pruned_forward_on_the_tensor_cores(dt, wgmma, causal, monkeypatch):
     fall below the threshold) against the float64 replay of the rule with the kernel's own tiles
     and order; explain()'s counts are the replay's; the backward of a pruned call refuses."""
     from test_tc_emulator import _local_inputs, prune_oracle
-    from tiga_numba.cuda.tc import api
+    from tiga_numba.cuda.tc import tuning
     monkeypatch.setenv("TIGA_NUMBA_WGMMA", wgmma)
     n, D, rho = 1000, 64, 0.05
     q, k, v = _local_inputs(np.random.default_rng(), n, 4, 2, D, dt)
@@ -407,7 +407,7 @@ def test_pruned_forward_on_the_tensor_cores(dt, wgmma, causal, monkeypatch):
     p = types.SimpleNamespace(scale=0.125, prune_threshold=rho, score="dot", run_info={})
     assert tc.supports(p, qg, kg, vg, rel_)
     out, m, l = tc.forward(p, qg, kg, vg, rel_)
-    vr = api.variant("fwd", D, D, dt)
+    vr = tuning.variant("fwd", D, D, dt)
     ro, pruned, visited = prune_oracle(q, k, v, d, s, [causal], 0.125, rho, vr.BM, vr.BN)
     assert "tile pruning" in p.run_info["kernel"]
     assert (p.run_info["pruned_tiles"], p.run_info["total_tiles"]) == (pruned, visited) and pruned > 0

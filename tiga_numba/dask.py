@@ -13,7 +13,7 @@ other axes must be one chunk. Every task is a call of the single-process kernels
   renumbered into the halo, so the forward needs no merge. The backward computes dq locally and
   the halo's partial dk/dv, which are scattered back to their source chunks and summed there in
   increasing partition order.
-* Implicit relations (dense, triangular, segments): one task per (query chunk, key chunk) block
+* Implicit relations (dense, triangular, segments, band): one task per (query chunk, key chunk) block
   that the relation touches (blocks without edges are never created). The partial results of a
   query chunk are combined by the exact online-softmax merge in a fixed-order tree; the backward
   runs per block with the merged (full-row) statistics and sums dq per query chunk and dk/dv per
@@ -182,53 +182,16 @@ def _csr_plan(graph, dst_bounds, src_bounds):
     return _Plan("csr", parts=parts)
 
 
-def _row_source_ranges(graph, d0, d1):
-    """Sources of an implicit relation's rows [d0, d1): each row's sources are one contiguous
-    range [lo, hi) of global source ids."""
-    rel = graph._blocks
-    rows = np.arange(d0, d1, dtype=np.int64)
-    seg = np.searchsorted(rel.dst_offsets, rows, side="right") - 1
-    lo = rel.src_offsets[seg]
-    end = rel.src_offsets[seg + 1]
-    causal_hi = lo + (rows - rel.dst_offsets[seg]) + 1
-    hi = np.where(rel.causal[seg].astype(bool), np.minimum(causal_hi, end), end)
-    return lo, hi
-
-
-def _restrict_block(graph, d0, d1, s0, s1, lo, hi):
-    """The relation between rows [d0, d1) and sources [s0, s1), in local ids; None when the
-    block has no edge. Dense and causal-diagonal blocks stay implicit; any other block is
-    materialised as CSR (only its own edges)."""
-    lo = np.maximum(lo, s0)
-    hi = np.minimum(hi, s1)
-    counts = np.maximum(hi - lo, 0)
-    if not counts.any():
-        return None
-    nd, ns = d1 - d0, s1 - s0
-    if np.all(lo == s0) and np.all(hi == s1):
-        return Graph.dense(ns, nd)
-    if nd == ns and np.all(lo == s0) and np.array_equal(hi - s0, np.arange(1, nd + 1)):
-        return Graph.triangular(nd)
-    indptr = np.zeros(nd + 1, np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    row_start = np.repeat(np.where(counts > 0, lo - s0, 0) - indptr[:-1], counts)
-    indices = (np.arange(int(indptr[-1]), dtype=np.int64) + row_start).astype(np.int32)
-    return Graph.from_csr(indptr, indices, num_src=ns)
-
-
 def _block_plan(graph, dst_bounds, src_bounds):
+    """Per query chunk, the key chunks whose block holds an edge, with the block's relation
+    (implicit: dense, triangular, band or segments, renumbered from 0)."""
     blocks = []
     for d0, d1 in zip(dst_bounds[:-1], dst_bounds[1:]):
-        lo, hi = _row_source_ranges(graph, d0, d1)
         row_blocks = []
-        if d1 > d0:
-            first, last = int(lo.min()), int(hi.max())
-            for c, (s0, s1) in enumerate(zip(src_bounds[:-1], src_bounds[1:])):
-                if s1 <= first or s0 >= last or s1 == s0:
-                    continue
-                sub = _restrict_block(graph, d0, d1, s0, s1, lo, hi)
-                if sub is not None:
-                    row_blocks.append((c, sub))
+        for c, (s0, s1) in enumerate(zip(src_bounds[:-1], src_bounds[1:])):
+            sub = graph.restrict(d0, d1, s0, s1)
+            if sub.num_edges:
+                row_blocks.append((c, sub))
         blocks.append(row_blocks)
     return _Plan("blocks", blocks=blocks)
 
@@ -238,8 +201,24 @@ def _plan(graph, q, k):
     dropped with the graph, and never pickled with it)."""
     dst_bounds, src_bounds = _bounds(q.chunks[0]), _bounds(k.chunks[0])
     build = _block_plan if graph.is_implicit else _csr_plan
-    return graph._cached(("dask plan", dst_bounds, src_bounds),
+    plan = graph._cached(("dask plan", dst_bounds, src_bounds),
                          lambda: build(graph, dst_bounds, src_bounds))
+    if plan.kind == "blocks" and not isinstance(q._meta, np.ndarray):
+        _check_cuda_blocks(graph, plan)
+    return plan
+
+
+def _check_cuda_blocks(graph, plan):
+    # The CUDA block kernels take full and square-causal blocks only: refuse a band block when
+    # the dask graph is built rather than in a task on a worker.
+    for p, row_blocks in enumerate(plan.blocks):
+        for c, sub in row_blocks:
+            if not sub._blocks.standard:
+                raise NotImplementedError(
+                    f"block (query chunk {p}, key chunk {c}) of this {graph.kind} relation is a band "
+                    f"({sub.kind}), which the CUDA backend does not run yet; on cupy chunks give q "
+                    "and k the same chunk boundaries (causal diagonal blocks are then triangles), "
+                    "or use a CSR relation: Graph.from_scipy(graph.to_scipy())")
 
 
 def plan_summary(graph, q, k):
@@ -337,9 +316,9 @@ def _merge(*parts):
 
 def _empty_forward(q_p, *, value_dim, acc):
     xp = _xp_of(q_p)
-    lead = tuple(q_p.shape[:-1])
-    return (xp.zeros(lead + (value_dim,), dtype=acc), xp.full(lead, -np.inf, dtype=acc),
-            xp.zeros(lead, dtype=acc))
+    row_shape = tuple(q_p.shape[:-1])
+    return (xp.zeros(row_shape + (value_dim,), dtype=acc), xp.full(row_shape, -np.inf, dtype=acc),
+            xp.zeros(row_shape, dtype=acc))
 
 
 def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc):
@@ -431,7 +410,7 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     roots = []
     if plan.kind == "csr":
         for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
+            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "forward", p)
             core[key] = (functools.partial(_csr_forward, graph=part.graph, warm=(plan.token, p),
                                            scale=scale),
@@ -471,9 +450,11 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     return arrays[0]
 
 
-def _gather_halo(core, core_name, p, part, k, v):
+def _gather_halo(core, plan, p, part, k, v):
     """Tasks that take, from each source chunk, the rows partition p needs (next to the chunk,
-    so only those rows travel). A partition without edges takes zero rows of chunk 0."""
+    so only those rows travel). A partition without edges takes zero rows of chunk 0. The
+    forward and the backward name them alike, so one computation of both gathers once."""
+    halo_name = f"tiga-attention-halo-{tokenize(plan.token, k.name, v.name)}"
     k_parts, v_parts = [], []
     for c, local_rows, _, _ in part.pieces or [(0, np.zeros(0, np.int64), 0, 0)]:
         whole = local_rows.shape[0] == k.chunks[0][c]   # sorted and unique: the chunk itself
@@ -481,7 +462,7 @@ def _gather_halo(core, core_name, p, part, k, v):
             if whole:
                 parts.append(_chunk_key(src, c))
                 continue
-            key = (core_name, tag, p, c)
+            key = (halo_name, tag, p, c)
             core[key] = (functools.partial(_take, rows=local_rows), _chunk_key(src, c))
             parts.append(key)
     return k_parts, v_parts
@@ -524,7 +505,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
         # per source chunk: (partition rows, key of the halo piece) in increasing partition
         incoming = {c: ([], [], []) for c in range(nk)}
         for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(core, core_name, p, part, k, v)
+            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "backward", p)
             core[key] = (functools.partial(_csr_backward, graph=part.graph, warm=(plan.token, p),
                                            scale=scale),

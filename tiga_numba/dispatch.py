@@ -1,15 +1,18 @@
-"""The dispatcher: one place that turns validated inputs into a Plan and picks the backend.
+"""The dispatcher: one place that turns validated inputs into a Plan.
 
-Backends register by array library; their modules are imported on first use, so importing
-tiga_numba never touches numba.cuda. A backend module exposes `forward` and `backward`
-(docs/INTERNALS.md) and chooses among its own kernel families, recording the choice in
-`plan.run_info["kernel"]`.
+The array library picks the backend; `tiga_numba.registry` picks the kernel family (the plan
+stores the decision and every refusal); the backend module (imported on first use, so importing
+tiga_numba never touches numba.cuda) runs the family it is handed through its `forward` and
+`backward` (docs/INTERNALS.md) and records what it did in `plan.run_info`.
 """
 from __future__ import annotations
 
 import importlib
 
+from . import run_options as _options
+from . import registry as _registry
 from .plan import BACKEND_OF_LIBRARY, Plan
+from .registry import Request
 
 _BACKEND_MODULES = {"cpu": "tiga_numba.cpu.api", "cuda": "tiga_numba.cuda.api"}
 _LOADED = {}
@@ -29,8 +32,12 @@ def backend_module(name):
 
 
 def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, score=None,
-              score_mod=None):
-    """Build the plan and refuse, before any kernel runs, what no kernel implements."""
+              arrays=None, options=None, score_mod=None):
+    """Build the plan and refuse, before any kernel runs, what no kernel implements.
+
+    `arrays` (q, k, v) let device-level families (the tensor cores) check strides and the
+    device; `options` are the call's resolved run options (tiga_numba.run_options);
+    `score_mod` a score_mod.BoundModifier (CPU backend only)."""
     implicit = graph.is_implicit
     if score is None:
         score = "dot" if edge_bias is None else (
@@ -38,11 +45,6 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         if score_mod is not None:
             score = f"modified: f = {score_mod.tree}" + (
                 "" if score_mod.uses_score and shape.head_dim else " (no dot product: gather only)")
-    if score_mod is not None and BACKEND_OF_LIBRARY[shape.library] != "cpu":
-        raise NotImplementedError(
-            f"the score modifier [{score_mod.tree}] (softcap / alibi_slopes / a modified edge() "
-            "score) is implemented on the CPU backend only; the CUDA kernels do not compile "
-            "score modifiers yet (numpy inputs run it)")
     if edge_bias is not None and implicit:
         raise NotImplementedError(
             f"per-edge fields (edge bias / edge score) need a CSR relation; graph is {graph.kind} "
@@ -55,9 +57,31 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
             raise NotImplementedError(
                 f"tile pruning (block_prune_threshold={prune_threshold:g}) is implemented for "
                 f"dense, triangular and segments relations only, not {graph.kind}")
+    for name, size in (("graph.num_dst", shape.num_dst), ("graph.num_src", shape.num_src)):
+        if size >= 2**31:
+            raise ValueError(f"{name}={size} is beyond what the kernels index (< 2**31 rows)")
+    backend = BACKEND_OF_LIBRARY[shape.library]
+    opts = options if options is not None else _options.current()
+    banded = bool(implicit and not graph._blocks.standard)
+    probe = _device_probe(backend, graph, arrays, scale, score)
+    # Decisions that need no device probe depend on these facts only: made once, then looked
+    # up (a call's planning stays a few microseconds).
+    key = (op, backend, graph.kind, implicit, banded, score, shape.dtype, shape.head_dim,
+           shape.value_dim, prune_threshold is not None, opts) if probe is None else None
+    decision = _DECISIONS.get(key) if key is not None else None
+    if decision is None:
+        request = Request(
+            op=op, backend=backend, relation_kind=graph.kind, implicit=implicit, banded=banded,
+            score=score, modified=score.startswith("modified"), dtype=_dtype_name(shape.dtype),
+            head_dim=shape.head_dim, value_dim=shape.value_dim, heads=shape.heads,
+            kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
+            options=opts, probe=probe)
+        decision = _registry.choose(request)
+        if key is not None:
+            _DECISIONS[key] = decision
     return Plan(
         op=op,
-        backend=BACKEND_OF_LIBRARY[shape.library],
+        backend=backend,
         relation_kind=graph.kind,
         realization="implicit blocks" if implicit else "CSR",
         score=score,
@@ -72,4 +96,29 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         value_dim=shape.value_dim,
         scale=scale,
         prune_threshold=prune_threshold,
+        family=decision.family.name,
+        considered=decision.considered,
+        options=opts,
     )
+
+
+_DECISIONS = {}
+_DTYPE_NAMES = {}
+
+
+def _dtype_name(dtype):
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # str(dtype) costs microseconds: once per dtype
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+def _device_probe(backend, graph, arrays, scale, score):
+    """For the CUDA backend: a lazy check of the tensor-core kernels on this device and these
+    arrays (strides, head dims, shared memory), asked only by the family that needs it."""
+    if backend != "cuda" or arrays is None:
+        return None
+
+    def probe():
+        return backend_module("cuda").tensor_core_probe(graph, arrays, scale, score)
+    return probe

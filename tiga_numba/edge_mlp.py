@@ -25,91 +25,18 @@ Entry points (used by tiga_numba.program, also usable directly):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .cpu.threads import serialised
+from .edge_mlp_records import FieldArg, GATPlan, GATState, finish_grads, make_plan
 # `from .nn import ...` imports the submodule directly: the package's lazy __getattr__ (which
 # would import this module again while it is being imported) is not involved
 from .nn import LeakyReLU, Linear, ReLU, Tanh
 
 __all__ = ["FieldArg", "GATState", "GATPlan", "forward", "backward"]
-
-
-class FieldArg(NamedTuple):
-    role: str  # "src" | "dst" | "edge"
-    name: str
-    array: Any  # numpy/cupy; None for a geometric edge field computed from graph.positions
-
-
-@dataclass
-class GATState:
-    """What the backward needs, all O(N): the per-row softmax state and the per-node halves
-    of the first Linear (so the backward does not redo the node products)."""
-    m: Any  # (num_dst,) accumulation dtype; -inf for an empty row (caller's node order)
-    l: Any  # (num_dst,)
-    out: Any  # (num_dst, Fv) accumulation dtype, kernel node order (for Delta = dout . out)
-    As: Any  # (num_src, hidden), kernel node order
-    Ad: Any  # (num_dst, hidden), first bias included, kernel node order
-    prep: Any = None
-    WeT: Any = None  # (edge columns, hidden) of the first Linear, as the forward used it (CUDA)
-
-
-@dataclass
-class GATPlan:
-    op: str
-    backend: str
-    num_dst: int
-    num_src: int
-    num_edges: int
-    net: str
-    args: str
-    dtype: Any
-    accum_dtype: Any
-    run_info: dict = field(default_factory=dict)
-
-    def explain(self):
-        info = self.run_info
-        from .kernel_cache import KERNELS
-        stats = KERNELS.stats()
-        lines = [
-            f"op: {self.op}",
-            f"backend: {self.backend}",
-            f"kernel: {info.get('kernel', '(not run)')}",
-            f"relation: CSR ({self.num_dst} dst x {self.num_src} src, {self.num_edges} edges)",
-            f"score: net({self.args}) with net = {self.net}",
-            f"dtypes: inputs {self.dtype}, accumulation {self.accum_dtype}",
-            "structure: first Linear split per argument: node products W_src x_j, W_dst x_i + b "
-            "computed once per node (O(N x hidden)); edge columns and the rest of the network "
-            "evaluated per edge in per-thread scratch",
-        ]
-        if info.get("geometry"):
-            lines.append(f"geometry: {info['geometry']}")
-        if info.get("order"):
-            lines.append(f"schedule: {info['order']}, {info.get('chunks', '')}".rstrip(", "))
-        copies = info.get("copies") or []
-        lines.append("copies: " + ("; ".join(copies) if copies else "none"))
-        lines.append("not materialized: scores (E,), attention weights (E,), hidden activations "
-                     "(E, hidden), concatenated inputs (E, in)"
-                     + (", displacement/distance (E, D)" if info.get("geometry") else "")
-                     + "; persisted: per-row (m, l) and per-node (N, hidden) products")
-        if self.op == "backward":
-            lines.append("backward: deterministic; dst rows (dst-side grads, parameter partials "
-                         "per fixed row chunk, reduced in order), then src rows over the "
-                         "transposed relation (src-side grads); no float atomics")
-        lines.append(f"kernel cache: this call {info.get('cache', 'n/a')}; "
-                     f"total hits={stats['hits']}, misses={stats['misses']}")
-        return "\n".join(lines)
-
-    __str__ = explain
-
-    def ir(self, stage):
-        stages = self.run_info.get("ir") or {}
-        if stage not in stages:
-            raise KeyError(f"IR stage {stage!r} is not available; available: {sorted(stages)}")
-        return stages[stage]()
 
 
 # --------------------------------------------------------------------------- preparation
@@ -297,7 +224,7 @@ def _prepare(graph, net, args, value):
             raise NotImplementedError(f"layer {idx}: {type(layer).__name__}")
     P = (xp.concatenate([c.astype(acc, copy=False) for c in chunks]) if chunks else xp.zeros(1, acc))
     fv = V.shape[1]
-    from .cpu.gat import Spec
+    from .score_net_source import Spec
     spec = Spec(klayers, h1, edge_items, fe, pd, fv)
     return _Prep(library=library, dtype=value.dtype, acc=acc, num_src=num_src, num_dst=num_dst,
                  num_edges=num_edges, layers=layers, node_cols=node_cols,
@@ -413,15 +340,12 @@ def _layout(graph, prep):
                    "relabelled CSR cached on the graph)")
 
 
-def _net_desc(net):
-    return " -> ".join(repr(layer) for layer in net.layers())
-
-
-def _plan(op, prep, net):
-    return GATPlan(op=op, backend="cpu" if prep.library == "numpy" else "cuda",
-                   num_dst=prep.num_dst, num_src=prep.num_src, num_edges=prep.num_edges,
-                   net=_net_desc(net), args=prep.arg_desc, dtype=np.dtype(prep.dtype),
-                   accum_dtype=prep.acc)
+def _decide(op, graph, prep):
+    """The registry's choice of score-network kernel family for this call."""
+    from . import registry
+    backend = "cuda" if (prep.library == "cupy" or _CUDA_SIM) else "cpu"
+    return registry.choose(registry.Request(op=f"gat.{op}", backend=backend,
+                                            relation_kind=graph.kind, dtype=str(prep.dtype)))
 
 
 def _csr(graph, library):
@@ -463,11 +387,12 @@ def forward(graph, net, args, value, return_state=True):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
     plan with explain()/run_info."""
     prep = _prepare(graph, net, args, value)
-    if prep.library == "cupy" or _CUDA_SIM:
+    decision = _decide("forward", graph, prep)
+    if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat
         if _CUDA_SIM:
-            return cuda_gat.forward(graph, net, prep, return_state, xp=np, device="cpu")
-        return cuda_gat.forward(graph, net, prep, return_state)
+            return cuda_gat.forward(graph, net, prep, return_state, decision, xp=np, device="cpu")
+        return cuda_gat.forward(graph, net, prep, return_state, decision)
     from .cpu import gat as cpu_gat
     params = dict(net.named_parameters())
     As, Ad, WeT = _node_products(prep, params, np)
@@ -483,7 +408,7 @@ def forward(graph, net, args, value, return_state=True):
     out_k = out
     out, M, L = lay.scatter(out), lay.scatter(M), lay.scatter(L)
     order_note = lay.note
-    plan = _plan("forward", prep, net)
+    plan = make_plan("forward", prep, net, decision)
     plan.run_info.update(kernel=f"cpu.gat_forward[{variant}] (fused score MLP + online softmax, "
                                 "one destination row per iteration)",
                          cache=cache, copies=list(prep.copies), order=order_note,
@@ -510,11 +435,12 @@ def backward(graph, net, args, value, state, dout):
         raise ValueError(f"dout must have shape {expected}, got {tuple(dout.shape)}")
     if _library("dout", dout) != prep.library:
         raise TypeError(f"dout must be a {prep.library} array like the inputs, got {type(dout).__name__}")
-    if prep.library == "cupy" or _CUDA_SIM:
+    decision = _decide("backward", graph, prep)
+    if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat
         if _CUDA_SIM:  # tests: the CUDA kernels under NUMBA_ENABLE_CUDASIM on numpy arrays
-            return cuda_gat.backward(graph, net, prep, state, dout, args, value, xp=np, device="cpu")
-        return cuda_gat.backward(graph, net, prep, state, dout, args, value)
+            return cuda_gat.backward(graph, net, prep, state, dout, args, value, decision, xp=np, device="cpu")
+        return cuda_gat.backward(graph, net, prep, state, dout, args, value, decision)
     from .cpu import gat as cpu_gat
     params = dict(net.named_parameters())
     acc = prep.acc
@@ -554,7 +480,7 @@ def backward(graph, net, args, value, state, dout):
 
     res = _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV,
                           (dposA + dposB) if prep.geometric else None, graph)
-    plan = _plan("backward", prep, net)
+    plan = make_plan("backward", prep, net, decision)
     plan.run_info.update(kernel=f"cpu.gat_backward_rows + cpu.gat_backward_cols [{variant}] "
                                 "(score MLP recomputed per edge, softmax adjoint in locals)",
                          cache=cache, copies=list(prep.copies), order=order_note,
@@ -583,41 +509,3 @@ def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, 
         orig = args[k][2]
         arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
     return finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads)
-
-
-def col_runs(cols):
-    """[(first index in cols, first column, length)] of the consecutive runs in cols (slices
-    instead of fancy indexing: one copy per run, on the host or the device)."""
-    runs = []
-    for k, c in enumerate(cols):
-        if runs and c == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([k, c, 1])
-    return runs
-
-
-def finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads):
-    """What both backends share once the node columns of dW1 and the node-argument gradients are
-    in: the edge columns of dW1 and the later layers from the reduced partials pg (numpy or cupy),
-    explicit edge-field gradients, the first layer's bias, positions; everything in the caller's
-    dtypes and shapes."""
-    h1 = dW1.shape[0]
-    if prep.edge_cols:
-        P = prep.P.shape[0]
-        pge = pg[P:P + prep.spec.fe * h1].reshape(prep.spec.fe, h1)
-        for k0, c0, length in col_runs(prep.edge_cols):
-            dW1[:, c0:c0 + length] = pge[k0:k0 + length].T
-    for k, width, xcol, _ in prep.explicit:
-        orig = args[k][2]
-        arg_grads[k] = dEX[:, xcol:xcol + width].reshape(orig.shape).astype(orig.dtype, copy=False)
-    grads = {"0.weight": dW1.astype(params["0.weight"].dtype, copy=False),
-             "0.bias": dAd.sum(axis=0).astype(params["0.bias"].dtype, copy=False)}
-    for name, off, shape in prep.p_index:
-        size = int(np.prod(shape))
-        grads[name] = pg[off:off + size].reshape(shape).astype(params[name].dtype, copy=False)
-    positions = None
-    if dpos is not None:
-        positions = dpos.astype(graph.positions.dtype, copy=False)
-    return {"args": arg_grads, "value": dV.astype(value.dtype, copy=False).reshape(value.shape),
-            "params": grads, "positions": positions}

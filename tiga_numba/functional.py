@@ -13,6 +13,7 @@ import numpy as np
 
 from . import arrays, dispatch
 from .merge import log_sum_exp
+from . import run_options as _options
 from .interop import foreign_arrays
 
 _last_plan = None
@@ -108,7 +109,7 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     _check_modifier(score_mod, shape, graph)
     plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias,
-                              score_mod=score_mod)
+                              arrays=(q, k, v), options=_options.resolve(), score_mod=score_mod)
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
         xp = _xp(shape.library)
         # Nothing to reduce: the contract's empty-row values, no kernel launch.
@@ -196,6 +197,21 @@ def _alibi_shift(graph):
 
 
 @foreign_arrays
+def make_plan(q, k, v, graph, *, op="forward", scale=None, block_prune_threshold=None,
+              deterministic=None):
+    """The plan a call would run, made without running it: ``make_plan(...).explain()``
+    says which kernel family the registry chose for these inputs and why every other one was
+    refused (`op` "forward" or "backward"; the other arguments as for `attention` /
+    `attention_backward`)."""
+    if op not in ("forward", "backward"):
+        raise ValueError(f"op must be 'forward' or 'backward', got {op!r}")
+    q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
+    rho = arrays.check_prune_threshold(block_prune_threshold) if op == "forward" else None
+    return dispatch.make_plan(op, graph, shape, scale, prune_threshold=rho, arrays=(q, k, v),
+                              options=_options.resolve(deterministic=deterministic))
+
+
+@foreign_arrays
 def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False,
               softcap=None, alibi_slopes=None):
     """Attention along the edges of `graph`: out_i = sum_j softmax_j(scale * q_i . k_j) v_j.
@@ -247,7 +263,8 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
     return (out, stats) if return_stats else out
 
 
-def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None, score_mod=None):
+def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None,
+                 deterministic=None, score_mod=None):
     """Validated fused backward. Returns (dq, dk, dv, dbias, plan), and with `score_mod`
     (dq, dk, dv, dbias, {leaf: gradient}, plan)."""
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
@@ -259,12 +276,12 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     if not (hasattr(stats, "m") and hasattr(stats, "l")):
         raise TypeError(f"stats must be the AttentionStats returned by attention(..., "
                         f"return_stats=True), got {type(stats).__name__}")
-    lead = (shape.num_dst,) if shape.squeezed else (shape.num_dst, shape.heads)
-    out_shape = lead + (shape.value_dim,)
+    row_shape = (shape.num_dst,) if shape.squeezed else (shape.num_dst, shape.heads)
+    out_shape = row_shape + (shape.value_dim,)
     dout = arrays.check_like("dout", dout, shape.library, expected_shape=out_shape)
     out = arrays.check_like("out", out, shape.library, expected_shape=out_shape)
-    m = arrays.check_like("stats.m", stats.m, shape.library, expected_shape=lead)
-    l = arrays.check_like("stats.l", stats.l, shape.library, expected_shape=lead)
+    m = arrays.check_like("stats.m", stats.m, shape.library, expected_shape=row_shape)
+    l = arrays.check_like("stats.l", stats.l, shape.library, expected_shape=row_shape)
     if shape.squeezed:
         dout, out, m, l = dout[:, None, :], out[:, None, :], m[:, None], l[:, None]
     for name, a in (("dout", dout), ("out", out)):
@@ -277,9 +294,11 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         l = xp.asarray(l, dtype=acc)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     _check_modifier(score_mod, shape, graph)
-    plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias, score_mod=score_mod)
+    plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias,
+                              arrays=(q, k, v), options=_options.resolve(deterministic=deterministic),
+                              score_mod=score_mod)
     mod_grads = {}
-    m_kernel = _check_stats_belong(stats, graph, plan, lead)
+    m_kernel = _check_stats_belong(stats, graph, plan, row_shape)
     if shape.squeezed and m_kernel is not None:
         m_kernel = m_kernel[:, None]
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
@@ -309,7 +328,7 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     return dq, dk, dv, dbias, plan
 
 
-def _check_stats_belong(stats, graph, plan, lead):
+def _check_stats_belong(stats, graph, plan, row_shape):
     """ValueError naming `stats` when a forward's stats come from another graph, other
     shapes, another scale or another score; returns the forward's kernel-unit row max when
     it can be used. Stats without a forward plan (built by hand, merged) pass: their shape
@@ -319,7 +338,7 @@ def _check_stats_belong(stats, graph, plan, lead):
         # merged stats (attention_merge) know only the backend of their parts' kernel maxima
         m_kernel = getattr(stats, "m_kernel", None)
         if m_kernel is not None and getattr(fwd, "backend", None) == plan.backend and \
-                tuple(m_kernel.shape) == lead:
+                tuple(m_kernel.shape) == row_shape:
             return m_kernel
         return None
     got = (fwd.num_dst, fwd.num_src, fwd.heads, fwd.kv_heads, fwd.head_dim, fwd.value_dim)
@@ -339,7 +358,7 @@ def _check_stats_belong(stats, graph, plan, lead):
         raise ValueError(f"stats belong to a forward over another graph ({fwd_graph.explain()}) "
                          f"than this backward's ({graph.explain()})")
     m_kernel = getattr(stats, "m_kernel", None)
-    if m_kernel is None or fwd.backend != plan.backend or tuple(m_kernel.shape) != lead:
+    if m_kernel is None or fwd.backend != plan.backend or tuple(m_kernel.shape) != row_shape:
         return None
     return m_kernel
 
@@ -359,14 +378,14 @@ def _same_relation(a, b):
 
 
 @foreign_arrays
-def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=None,
-                       alibi_slopes=None):
+def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, deterministic=None,
+                       softcap=None, alibi_slopes=None):
     """Fused backward of `attention`: gradients of the loss with respect to q, k and v.
 
     Rebuilds p = exp(s - m) / l from the forward's stats, uses Delta_i = sum(dout_i * out_i)
-    and ds = p * (dp - Delta_i); writes no (num_edges,)-sized buffer. Deterministic: the same
-    bits on every run (dq by destination rows, dk / dv by source rows over the transposed
-    relation, no float atomics).
+    and ds = p * (dp - Delta_i); writes no (num_edges,)-sized buffer. Deterministic by default:
+    the same bits on every run (dq by destination rows, dk / dv by source rows over the
+    transposed relation, no float atomics).
 
     Parameters
     ----------
@@ -382,6 +401,10 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
         The forward's relation.
     scale : float, optional
         The forward's scale; default `D ** -0.5`.
+    deterministic : bool, optional
+        ``True`` (the default, see `tiga_numba.run_options`): same bits on every run. ``False``
+        allows a faster float-atomic backward where one is registered for the device (as
+        flash-attn's ``deterministic=False``); results then differ in the last bits.
     softcap, alibi_slopes : optional
         The forward's score modifiers (the score is recomputed with them).
 
@@ -400,5 +423,6 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
         As for `attention`; also for stats that are not an AttentionStats or dout / out of
         the wrong shape."""
     mod = flash_modifier(q, graph, softcap, alibi_slopes)
-    res = run_backward(dout, q, k, v, out, stats, graph, scale=scale, score_mod=mod)
+    res = run_backward(dout, q, k, v, out, stats, graph, scale=scale,
+                       deterministic=deterministic, score_mod=mod)
     return res[0], res[1], res[2]

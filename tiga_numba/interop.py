@@ -26,7 +26,8 @@ import types
 
 import numpy as np
 
-__all__ = ["foreign_arrays", "is_foreign", "to_native", "to_library", "library_name"]
+__all__ = ["foreign_arrays", "convert_args", "outward", "is_foreign", "to_native", "to_library",
+           "library_name"]
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
 

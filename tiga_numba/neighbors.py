@@ -19,17 +19,11 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu.threads import serialised
+from .neighbor_grid import RING_SLACK, cell_grid, knn_grid, knn_row_length, radius_grid
 
 __all__ = ["radius_graph", "knn_graph", "last_build_info", "spatial_order"]
 
 _LAST = {}
-
-# A cell a hair wider than the cutoff: a pair at distance exactly `cutoff` can then never land
-# two cells apart through the rounding of (p - lo) / cell.
-_CELL_SLACK = 1.0 + 2.0 ** -40
-# The ring bound a hair smaller than r * cell, for the same reason (knn termination).
-_RING_SLACK = 1.0 - 2.0 ** -40
-
 
 def last_build_info():
     """What the last radius_graph/knn_graph call did (builder, grid, copies), for explain()."""
@@ -78,6 +72,13 @@ def check_positions(positions):
     return arr
 
 
+def _family(positions):
+    """The registry's neighbour-builder family for these positions (cpu or cuda)."""
+    from . import registry
+    backend = "cuda" if on_device(positions) else "cpu"
+    return registry.choose(registry.Request(op="neighbors", backend=backend)).family.name
+
+
 def _gpu_builder():
     try:
         from .cuda import neighbors as gpu
@@ -106,16 +107,6 @@ def check_k(k):
     return k
 
 
-def knn_row_length(n, k, exclude_self):
-    """Edges per row of a knn graph: k, or every candidate when fewer than k exist."""
-    if n == 0:
-        return 0
-    kk = max(min(k, n - 1 if exclude_self else n), 0)
-    if n * kk >= 2**31:
-        raise ValueError(f"knn graph would hold {n * kk} edges (>= 2**31); lower k")
-    return kk
-
-
 def _host_positions(positions):
     """(N, 3) float64 host copy (padded), plus the copies made, for the host builder."""
     copies = []
@@ -126,40 +117,6 @@ def _host_positions(positions):
     pos = np.zeros((arr.shape[0], 3), np.float64)
     pos[:, : arr.shape[1]] = arr
     return pos, copies
-
-
-# --------------------------------------------------------------------------- the grid (shared)
-def _grid(lo, extent, n, cell):
-    """Cell size and cells per axis; the cell grows when the point cloud is sparse so that the
-    grid never holds more than ~2 cells per point (memory O(N) however far apart they are)."""
-    cell = max(float(cell), 1e-300)
-    cap = max(2 * n, 64)
-    with np.errstate(over="ignore"):
-        while True:
-            dims = np.floor(extent / cell) + 1.0
-            if float(np.prod(dims)) <= cap:
-                break
-            cell *= 1.25
-    return cell, dims.astype(np.int64)
-
-
-def radius_grid(lo, extent, n, cutoff):
-    """(cell, dims) of the radius builders: cells at least `cutoff` wide, so every neighbour
-    of a point lies in its own or one of the 3**3 surrounding cells."""
-    return _grid(lo, extent, n, cutoff * _CELL_SLACK if cutoff > 0 else 1.0)
-
-
-def knn_grid(lo, extent, n, kk):
-    """(cell, dims) of the knn builders: about max(2, k/4) points per cell, so that a few
-    rings of cells find the k best."""
-    live = extent[extent > 0]
-    if live.size:
-        per_cell = max(2.0, kk / 4.0)
-        cell = float(np.prod(live) * per_cell / n) ** (1.0 / live.size)
-        cell = max(cell, float(live.max()) * 1e-9)
-    else:
-        cell = 1.0
-    return _grid(lo, extent, n, cell)
 
 
 def _bounds(pos):
@@ -256,7 +213,7 @@ def radius_graph(positions, cutoff, exclude_self=True):
     scipy.spatial.cKDTree.query_ball_point). positions: (N, 1|2|3) float array; numpy in,
     numpy out (host builder), cupy in, cupy out (GPU builder, no host copy)."""
     cutoff = check_cutoff(cutoff)
-    if on_device(positions):
+    if _family(positions) == "cuda.neighbors":
         gpu = _gpu_builder()
         indptr, indices, info = gpu.radius_graph(check_positions(positions), cutoff,
                                                  bool(exclude_self))
@@ -333,7 +290,7 @@ def _knn_kernel(order, cstart, spos, lo, cell, dims, kk, exclude_self, indices):
                                 bd[pos_] = d2
                                 bi[pos_] = j
                 if found == kk:
-                    bound = r * cell * _RING_SLACK
+                    bound = r * cell * RING_SLACK
                     if bd[kk - 1] < bound * bound:
                         break
                 r += 1
@@ -349,7 +306,7 @@ def knn_graph(positions, k, exclude_self=True):
     by lower index; self excluded unless exclude_self=False). With fewer than k candidates
     every row gets all of them (N - 1 or N). numpy in, numpy out; cupy in, cupy out."""
     k = check_k(k)
-    if on_device(positions):
+    if _family(positions) == "cuda.neighbors":
         gpu = _gpu_builder()
         indptr, indices, info = gpu.knn_graph(check_positions(positions), k, bool(exclude_self))
         _record(**info)
@@ -386,6 +343,6 @@ def spatial_order(positions, points_per_cell=4.0):
         return np.arange(n, dtype=np.int64)
     cell = float(np.prod(live) * points_per_cell / n) ** (1.0 / live.size)
     cell = max(cell, float(live.max()) * 1e-9)
-    cell, dims = _grid(lo, extent, n, cell)
+    cell, dims = cell_grid(lo, extent, n, cell)
     order, _, _ = _bin(pos, lo, cell, dims)
     return order

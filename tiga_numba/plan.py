@@ -78,8 +78,12 @@ def defer_counts(info, fetch):
         info["pruned_tiles"], info["total_tiles"] = fetch()
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Plan:
+    """What a call runs and why, fixed before any kernel runs: the request's facts, the kernel
+    family the registry chose (`family`) with every family it considered (`considered`), and
+    the run options. `run_info` is the one mutable part: what the backend then did (kernel
+    variant, tiles, copies, cache)."""
     op: str  # "forward" | "backward"
     backend: str  # "cpu" | "cuda"
     relation_kind: str  # graph.kind
@@ -96,6 +100,9 @@ class Plan:
     value_dim: int
     scale: float
     prune_threshold: float | None = None
+    family: str = ""
+    considered: tuple = ()
+    options: object = None
     run_info: dict = field(default_factory=RunInfo)
 
     def explain(self):
@@ -103,7 +110,10 @@ class Plan:
         lines = [
             f"op: {self.op}",
             f"backend: {self.backend}",
-            f"kernel: {info.get('kernel', '(not run)')}",
+            f"kernel family: {self.family or '(none)'}"
+            + (f" (considered: {'; '.join(f'{n} {w}' for n, w in self.considered)})"
+               if self.considered else ""),
+            f"kernel: {info.get('kernel', '(not run yet)')}",
             f"relation: {self.relation_kind}, realization: {self.realization} "
             f"({self.num_dst} dst x {self.num_src} src, {self.num_edges} edges)",
             f"score: {self.score}, scale={self.scale:.6g}",
@@ -129,6 +139,8 @@ class Plan:
             lines.append(f"tile pruning: APPROXIMATE, rho={self.prune_threshold:g}; last call: {frac}")
         else:
             lines.append("tile pruning: off (exact)")
+        if self.options is not None:
+            lines.append(f"options: {self.options.describe()}")
         cache = KERNELS.stats()
         lines.append(f"kernel cache: this call {info.get('cache', 'n/a')}; "
                      f"total hits={cache['hits']}, misses={cache['misses']}")

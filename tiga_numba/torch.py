@@ -167,6 +167,8 @@ class _TorchLayer(torch.nn.Module):
         bip = isinstance(x, (tuple, list))
         ns = x[0].shape[0] if bip else x.shape[0]
         nd = (x[1].shape[0] if x[1] is not None else ns) if bip else ns
+        if not isinstance(edge_index, torch.Tensor):
+            return graph_of(edge_index, ns, nd)
         key = (edge_index.data_ptr(), tuple(edge_index.shape), edge_index._version, ns, nd)
         if self._graph_memo is None or self._graph_memo[0] != key:
             self._graph_memo = (key, graph_of(edge_index, ns, nd))

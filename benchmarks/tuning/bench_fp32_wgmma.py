@@ -9,8 +9,8 @@ vs torch SDPA's efficient kernel in fp32, same run (H = 16, node-major (N, H, D)
 
 1. sweep: each candidate shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
    backward time; results checked against torch SDPA efficient fp32 (relative L2 < 1e-4, else
-   dropped); the fastest goes into api.TUNING_WGMMA_F32 for the rest of the run.
-2. table: per cell, ours on wgmma (TIGA_NUMBA_WGMMA=1), ours 3xTF32 (=0) and torch, forward and
+   dropped); the fastest goes into tuning.TUNING_WGMMA_F32 for the rest of the run.
+2. table: per cell, ours on wgmma (tg.options(wgmma=True)), ours 3xTF32 (wgmma=False) and torch, forward and
    forward+backward (ratio = torch time / ours), forward+backward / forward, and the relative L2
    error of out / dq / dk / dv against float64 (ours and torch).
 Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_tc
 import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
 import bench_wgmma as W  # noqa: E402  (the shape sweep)
-from tiga_numba.cuda.tc import api  # noqa: E402
+from tiga_numba.cuda.tc import build, tuning  # noqa: E402
 
 S = dict(MT=1, a_smem=True, wgmma=True)
 #: (kind, D) -> shapes; "bwd" entries are (dq shape, dkdv shape). Shared memory allows BN <= 128
@@ -44,9 +44,9 @@ def specs():
     out = W.candidate_specs(CANDIDATES, "float32")
     for D in (64, 128):
         for kind in ("fwd", "dq", "dkdv"):
-            out.append((kind, D, "float32", dict(api.TUNING_WGMMA_F32[(kind, D)])))
-            out.append((kind, D, "float32", dict(api.TUNING_F32[(kind, D)])))
-        out.append(("fwd", D, "float32", dict(api.TUNING_WGMMA_F32[("fwd", D)], prune=True)))
+            out.append((kind, D, "float32", dict(tuning.TUNING_WGMMA_F32[(kind, D)])))
+            out.append((kind, D, "float32", dict(tuning.TUNING_F32[(kind, D)])))
+        out.append(("fwd", D, "float32", dict(tuning.TUNING_WGMMA_F32[("fwd", D)], prune=True)))
         out.append(("delta", D, "float32"))
     return out
 
@@ -55,15 +55,15 @@ def resources(dims):
     """ptxas's registers / spills of the shipped float32 wgmma kernels (sm_90a, no GPU)."""
     for D in dims:
         for kind in ("fwd", "dq", "dkdv"):
-            v = api.variant(kind, D, D, "float32", wgmma=True)
-            r = api.kernel(v)[0].ptxas("sm_90a")
+            v = tuning.variant(kind, D, D, "float32", wgmma=True)
+            r = build.kernel(v)[0].ptxas("sm_90a")
             print(f"{v.name():56s} regs {r['regs']!s:>4s}  spill stores/loads {r['spill_stores']} / "
                   f"{r['spill_loads']} B  smem {v.smem_bytes()} B{'  SERIALISED' if r['serialised'] else ''}",
                   flush=True)
 
 
 def sweep(Ns, dims):
-    W.sweep(Ns, {k: c for k, c in CANDIDATES.items() if k[1] in dims}, api.TUNING_WGMMA_F32, "float32", tol=1e-4)
+    W.sweep(Ns, {k: c for k, c in CANDIDATES.items() if k[1] in dims}, tuning.TUNING_WGMMA_F32, "float32", tol=1e-4)
 
 
 def table(Ns, engines, dims=(64, 128)):
@@ -73,8 +73,8 @@ def table(Ns, engines, dims=(64, 128)):
         for D in dims:
             for causal in (False, True):
                 got = {}
-                for wg in engines if D in api.F32_HEAD_DIMS else ("1",):   # 3xTF32 serves 64 / 128 only
-                    os.environ["TIGA_NUMBA_WGMMA"] = wg
+                for wg in engines if D in tuning.F32_HEAD_DIMS else ("1",):   # 3xTF32 serves 64 / 128 only
+                    B.engine(wg == "1")
                     got[wg] = B.fp32_cell(N, D, causal)
                 a = got["1"]
                 b = got.get("0")
@@ -86,7 +86,7 @@ def table(Ns, engines, dims=(64, 128)):
                       f"{m(b, 'fb_ms_ours')} / {a['fb_ms_torch']:.3f} ({a['fb_tfs_torch']:.0f}) | {a['fb_ratio']:.2f} / "
                       f"{rt(b, 'fb_ratio')} | {a['fb_ms_ours'] / a['fwd_ms_ours']:.2f} | "
                       + " ".join(f"{k[4:]}={v:.1e}" for k, v in a.items() if k.startswith("err")))
-    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    B.engine(True)
 
 
 def main():
@@ -101,7 +101,7 @@ def main():
     if a.resources:
         return resources(dims)
     Ns = [int(x) for x in a.N.split(",")]
-    B.say(f"float32 tuning (wgmma) at start: {api.TUNING_WGMMA_F32}")
+    B.say(f"float32 tuning (wgmma) at start: {tuning.TUNING_WGMMA_F32}")
     if not a.no_sweep:
         sweep(Ns, dims)
     if not a.sweep_only:

@@ -93,8 +93,8 @@ def frontend_only(tg, q, k, v, do, g, out, st, n):
     real = dispatch._LOADED.get(backend)
     m, l = st.m, st.l
     dispatch._LOADED[backend] = types.SimpleNamespace(
-        forward=lambda plan, q_, k_, v_, rel, bias=None: (out, m, l),
-        backward=lambda plan, *a: (q, k, v, None))
+        forward=lambda plan, *a, **kw: (out, m, l),
+        backward=lambda plan, *a, **kw: (q, k, v, None))
     try:
         f = per_call_us(lambda: tg.attention(q, k, v, g), n)
         b = per_call_us(lambda: tg.attention_backward(do, q, k, v, out, st, g), n)
@@ -148,9 +148,7 @@ def gpu_part(profile, launchers=True, tc_route=True):
          "CUDA-core kernels: us per call (best of 5 rounds)")
     g = tg.Graph.triangular(16)
     q, k, v, do = tiny(cupy)
-    old_tc = api.USE_TC
-    api.USE_TC = False
-    try:
+    with tg.options(tensor_cores=False):  # the CUDA-core kernels
         out, st = tg.attention(q, k, v, g, return_stats=True)
         grads = tg.attention_backward(do, q, k, v, out, st, g)
         check(out, st, grads, q, k, v, do, g, "gpu")
@@ -182,8 +180,6 @@ def gpu_part(profile, launchers=True, tc_route=True):
             emit(profile_text(lambda: tg.attention(q, k, v, g)))
             emit("-- cProfile, 1000 tiny tg.attention_backward calls (GPU), sorted by own time")
             emit(profile_text(lambda: tg.attention_backward(do, q, k, v, out, st, g), top=15))
-    finally:
-        api.USE_TC = old_tc
     if tc_route:
         tc_host_time(profile)
 
@@ -238,14 +234,14 @@ def tc_host_time(profile):
     kname = plan.run_info.get("kernel", "?")
     emit(f"== host time of a routed call, fp16 N={N} H={H} D={D} dense -> {kname.split(' (')[0]}: "
          "us until the call returns (GPU kept busy, 50 calls per round, best of 5)")
-    if not api._tc_supports(plan, q, k, v, g.realize("cuda")):
-        emit("  (tensor-core path not taken here; nothing to split)")
+    if plan.family != "cuda.tc":
+        emit(f"  (the registry chose {plan.family}, not the tensor cores; nothing to split)")
         return
+    from tiga_numba.cuda import tc
     rel = g.realize("cuda")
     parts = [("tg.attention", lambda: tg.attention(q, k, v, g)),
-             ("cuda.api.forward (backend entry)", lambda: api.forward(plan, q, k, v, rel)),
-             ("tc.supports", lambda: api._tc.supports(plan, q, k, v, rel)),
-             ("tc.forward", lambda: api._tc.forward(plan, q, k, v, rel))]
+             ("tg.make_plan (validation + registry choice)", lambda: tg.make_plan(q, k, v, g)),
+             ("tc.forward (backend entry)", lambda: tc.forward(plan, q, k, v, rel))]
     for name, fn in parts:
         best = float("inf")
         for _ in range(5):

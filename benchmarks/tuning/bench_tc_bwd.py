@@ -26,11 +26,11 @@ if not hasattr(np, "row_stack"):
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
-from tiga_numba.cuda.tc import api  # noqa: E402
+from tiga_numba.cuda.tc import api, build, tuning  # noqa: E402
 from tiga_numba.cuda.tc import generator as G  # noqa: E402
 
 H = 16
-#: fused shapes tried next to api.FUSED_DKDV's, (dtype, D) -> [Variant fields]
+#: fused shapes tried next to tuning.FUSED_DKDV's, (dtype, D) -> [Variant fields]
 CANDIDATES = {
     ("float16", 64): [dict(NW=4, MT=1, BN=64)],
     ("float16", 128): [dict(NW=4, MT=1, BN=64, a_smem=True)],
@@ -53,7 +53,7 @@ def wg_variants(dtype, D, fused=True):
     """the sm_90a counterpart of variants(): the shipped two-kernel wgmma backward; candidates: the
     same two kernels with Variant.overlap flipped (both; without `fused` also one at a time), or
     (fused) the fused wgmma shapes, ordered then atomic for each."""
-    unf = (api.variant("dq", D, D, dtype, wgmma=True), api.variant("dkdv", D, D, dtype, wgmma=True))
+    unf = (tuning.variant("dq", D, D, dtype, wgmma=True), tuning.variant("dkdv", D, D, dtype, wgmma=True))
     flip = [dataclasses.replace(x, overlap=not x.overlap).check() for x in unf]
     cands = [tuple(flip)] + ([] if fused else [(flip[0], unf[1]), (unf[0], flip[1])])   # both, or one kernel flipped
     cands += [(None, G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=at, **WG, **c).check())
@@ -62,11 +62,11 @@ def wg_variants(dtype, D, fused=True):
 
 
 def variants(dtype, D):
-    """(two-kernel (dq, dkdv) as shipped, [fused candidates]); the first candidate is api.FUSED_DKDV's"""
-    dq, dkdv = api.variant("dq", D, D, dtype), api.variant("dkdv", D, D, dtype)
+    """(two-kernel (dq, dkdv) as shipped, [fused candidates]); the first candidate is tuning.FUSED_DKDV's"""
+    dq, dkdv = tuning.variant("dq", D, D, dtype), tuning.variant("dkdv", D, D, dtype)
     fields = {f: getattr(dkdv, f) for f in ("NW", "MT", "BN", "a_smem")}
     unf = (dq, G.Variant("dkdv", D, D, dtype=dtype, **fields).check())
-    first = api.FUSED_DKDV[("float32" if dtype == "float32" else "float16", D)]
+    first = tuning.FUSED_DKDV[("float32" if dtype == "float32" else "float16", D)]
     cands = [(None, G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, **c).check())
              for c in [first] + CANDIDATES[(dtype, D)]]
     # the same kernel with float atomics for dQ (FA2's scheme, not deterministic): what the turn
@@ -80,11 +80,11 @@ def build(arch, dtypes, dims, pick):
     for dt in dtypes:
         for D in dims:
             (vq, vk), cands = pick(dt, D)
-            for v in (vq, vk, *(x for c in cands for x in c if x), api.variant("fwd", D, D, dt, wgmma=vq.wgmma)):
+            for v in (vq, vk, *(x for c in cands for x in c if x), tuning.variant("fwd", D, D, dt, wgmma=vq.wgmma)):
                 fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v) if f.name not in ("kind", "D", "Dv", "dtype")}
                 specs.append((v.kind, D, dt, fields))
             specs.append(("delta", D, dt))
-    names = api.build_cubins(specs=specs, arch=arch, jobs=2)
+    names = build.build_cubins(specs=specs, arch=arch, jobs=2)
     print(f"{len(names)} cubins for {arch}: {', '.join(names)}")
 
 
@@ -94,7 +94,7 @@ def spills(arch, dtypes, dims, pick):
         for D in dims:
             (vq, vk), cands = pick(dt, D)
             for v in dict.fromkeys((vq, vk, *(x for c in cands for x in c if x))):   # each kernel once
-                r = api.kernel(v)[0].ptxas(arch)
+                r = build.kernel(v)[0].ptxas(arch)
                 print(f"{v.name():52s} regs {r['regs']!s:>4s}  spill stores/loads {r['spill_stores']} / "
                       f"{r['spill_loads']} B  smem {v.smem_bytes()} B", flush=True)
 

@@ -7,9 +7,9 @@
 
 1. sweep: each candidate wgmma shape (CANDIDATES) on N = 4096 and 16384, causal and not, forward or
    backward time; results checked against torch flash (relative L2 < 2e-2, else the shape is
-   dropped); the fastest goes into api.TUNING_WGMMA for the rest of the run (printed as a table to
+   dropped); the fastest goes into tuning.TUNING_WGMMA for the rest of the run (printed as a table to
    paste into api.py).
-2. table: per cell, ours with wgmma (TIGA_NUMBA_WGMMA=1), ours with mma.sync (=0) and torch flash,
+2. table: per cell, ours with wgmma (tg.options(wgmma=True)), ours with mma.sync (wgmma=False) and torch flash,
    forward and forward+backward (ratio = torch time / ours), plus bf16 with wgmma.
 Timing: CUDA events, median of bench_tc.REPS after warm-up (bench_tc.bench).
 """
@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_tc
 import bench_tc as B  # noqa: E402  (sets up the import path, torch, the Ours wrapper)
-from tiga_numba.cuda.tc import api  # noqa: E402
+from tiga_numba.cuda.tc import api, build, tuning  # noqa: E402
 
 S = dict(MT=1, a_smem=True, wgmma=True)
 #: (kind, D) -> shapes; "bwd" entries are (dq shape, dkdv shape)
@@ -65,7 +65,7 @@ def build_specs(specs, arch):
         if repr(s) not in seen:
             seen.add(repr(s))
             uniq.append(s)
-    names = api.build_cubins(specs=uniq, arch=arch, jobs=2)
+    names = build.build_cubins(specs=uniq, arch=arch, jobs=2)
     print(f"{len(names)} cubins ({arch}; wgmma ones as sm_90a) in {time.time() - t0:.0f} s")
 
 
@@ -75,11 +75,11 @@ def specs():
     for dt in ("float16", "bfloat16"):
         for D in (64, 128):
             for kind in ("fwd", "dq", "dkdv"):
-                out.append((kind, D, dt, dict(api.TUNING_WGMMA[(kind, D)])))
-                out.append((kind, D, dt, dict(api.TUNING[(kind, D)])))
+                out.append((kind, D, dt, dict(tuning.TUNING_WGMMA[(kind, D)])))
+                out.append((kind, D, dt, dict(tuning.TUNING[(kind, D)])))
             out.append(("delta", D, dt))
     for dt, D in (("float16", 64), ("float16", 128), ("float32", 64)):   # pruned forwards (tests, prune_cells)
-        for table in ((api.TUNING_WGMMA, api.TUNING) if dt == "float16" else (api.TUNING_F32,)):
+        for table in ((tuning.TUNING_WGMMA, tuning.TUNING) if dt == "float16" else (tuning.TUNING_F32,)):
             out.append(("fwd", D, dt, dict(table[("fwd", D)], prune=True)))
     return out
 
@@ -111,10 +111,10 @@ def cell_time(kind, D, N, causal, dtype="float16"):
 
 def sweep(Ns, cands=None, table=None, dtype="float16", tol=2e-2):
     """time every candidate of `cands` (default CANDIDATES) in the wgmma table `table` (default
-    api.TUNING_WGMMA); results off torch by tol or more are dropped; the fastest stays in the table."""
-    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    tuning.TUNING_WGMMA); results off torch by tol or more are dropped; the fastest stays in the table."""
+    B.engine(True)
     cands = CANDIDATES if cands is None else cands
-    table = api.TUNING_WGMMA if table is None else table
+    table = tuning.TUNING_WGMMA if table is None else table
     for (kind, D), opts in cands.items():
         keys = [("fwd", D)] if kind == "fwd" else [("dq", D), ("dkdv", D)]
         saved = {k: table[k] for k in keys}
@@ -160,7 +160,7 @@ def table(Ns):
             for causal in (False, True):
                 got = {}
                 for wg in ("1", "0"):
-                    os.environ["TIGA_NUMBA_WGMMA"] = wg
+                    B.engine(wg == "1")
                     got[wg] = B.dense_cell(N, D, causal, check=(N == Ns[0]))
                 a, b = got["1"], got["0"]
                 B.say(f"N={N:6d} D={D:3d} causal={int(causal)} | {a['fwd_ms_ours']:.3f} ({a['fwd_tfs_ours']:.0f}) | "
@@ -169,7 +169,7 @@ def table(Ns):
                       f"{a['fb_ms_ours']:.3f} / {b['fb_ms_ours']:.3f} / {a['fb_ms_torch']:.3f} | "
                       f"{a['fb_ratio']:.2f} / {b['fb_ratio']:.2f}   fb/fwd {a['fb_ms_ours'] / a['fwd_ms_ours']:.2f}  "
                       + " ".join(f"{k[4:]}={v:.1e}" for k, v in a.items() if k.startswith("err")))
-    os.environ["TIGA_NUMBA_WGMMA"] = "1"
+    B.engine(True)
     for D in (32, 96):   # wgmma only (the mma.sync kernels do not take them)
         for causal in (False, True):
             r = B.dense_cell(Ns[-1], D, causal)
@@ -214,7 +214,7 @@ def prune_cells(n=16384, D=64):
         exact = tc.forward(plan(None), q, k, v, rel_)[0]
         t_exact = B.bench(lambda: tc.forward(plan(None), q, k, v, rel_))
         # the kernels alone (raw launches, no counter read-back): exact vs pruned variant
-        vr = api.variant("fwd", D, D, "float16")
+        vr = tuning.variant("fwd", D, D, "float16")
         rec = api.relation_record([0, n], [0, n], [causal])
         o_, m_, l_ = cupy.empty_like(q), cupy.empty((n, B.H), cupy.float32), cupy.empty((n, B.H), cupy.float32)
         ops = [(int(x.data.ptr), x.strides[0], x.strides[1]) for x in (q, k, v)]
@@ -234,21 +234,17 @@ def prune_cells(n=16384, D=64):
 
 def prune_paths(n=8192, D=64):
     """whole tg.attention calls, fp16 local workload (as prune_cells), pruned and exact, on the
-    tensor-core path vs the CUDA-core kernels (tiga_numba.cuda.api.USE_TC off): what a user asking
-    for pruning gets now vs before the tensor-core path took pruned calls."""
+    tensor-core path vs the CUDA-core kernels (tg.options(tensor_cores=False)): what a user asking
+    for pruning gets on each path."""
     import tiga_numba as tg
-    from tiga_numba.cuda import api as cuda_api
     q, k, v = local_qkv(n, D)
     for causal in (True, False):
         g = tg.Graph.triangular(n) if causal else tg.Graph.dense(n)
         row = []
         for use_tc in (True, False):
-            cuda_api.USE_TC = use_tc
-            try:
+            with tg.options(tensor_cores=use_tc):
                 t_ex = B.bench(lambda: tg.attention(q, k, v, g))
                 t_pr = B.bench(lambda: tg.attention(q, k, v, g, block_prune_threshold=1e-2))
-            finally:
-                cuda_api.USE_TC = True
             row.append((t_ex, t_pr))
         (tc_ex, tc_pr), (cc_ex, cc_pr) = row
         B.say(f"pruning paths N={n} D={D} fp16 causal={int(causal)} rho=1e-2 (tg.attention): tensor cores exact "

@@ -13,12 +13,12 @@ import bench_tc as B  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tiga_numba.cuda.tc import generator as G  # noqa: E402
+from tiga_numba.cuda.tc.generator import wgmma as GW  # noqa: E402  (the module that reads SPLIT_PARTIALS)
 from tiga_numba.kernel_cache import KERNELS  # noqa: E402
 
-os.environ["TIGA_NUMBA_WGMMA"] = "1"
+B.engine(True)
 for partials in (True, False):
-    G.SPLIT_PARTIALS = partials
+    GW.SPLIT_PARTIALS = partials
     KERNELS.clear()   # kernels are cached per Variant: the other text needs its own compile
     for N in (4096, 16384):
         D = 64

@@ -68,19 +68,19 @@ def ptx_hash():
     import numba
     from numba import cuda
 
-    from tiga_numba.cuda.tc import api
+    from tiga_numba.cuda.tc import build
     h = hashlib.sha1()
     for f in PTX_SET:
         f = dict(f)
         kind, D = f.pop("kind"), f.pop("D")
         v = G.Variant(kind, D, D, **f).check()
-        env = api._env(v.dtype)
+        env = build._env(v.dtype)
         exec(compile(G.gen_source(v), "<k>", "exec"), env)
-        ni, nf = api.signature(v)
+        ni, nf = build.signature(v)
         ptx, _ = cuda.compile_ptx(env["kernel"], numba.void(*((numba.int64,) * ni + (numba.float32,) * nf)),
                                   cc=(9, 0), fastmath=True)
         h.update(ptx.encode())
-    env = api._env("float16")
+    env = build._env("float16")
     exec(compile(G.gen_delta("float16", 64), "<k>", "exec"), env)
     ptx, _ = cuda.compile_ptx(env["kernel"], numba.void(*((numba.int64,) * 12)), cc=(9, 0), fastmath=True)
     h.update(ptx.encode())

@@ -151,6 +151,12 @@ def _pieces(owner, indptr):
                            lambda: _split.row_pieces(indptr, _csr.RB))
 
 
+def _family(plan, relation):
+    """The family the plan was made for; direct backend calls without a registry decision
+    (tests of this module) name it by the relation record they pass."""
+    return getattr(plan, "family", "") or ("cpu.blocks" if _is_blocks(relation) else "cpu.csr")
+
+
 def _is_blocks(relation):
     return hasattr(relation, "dst_offsets")
 
@@ -183,7 +189,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     info = plan.run_info
     gen, mctx = _modifier(score_mod, acc, False, H, Nq, k.shape[0],
                           0 if _is_blocks(relation) else int(relation.indices.shape[0]), copies)
-    if _is_blocks(relation):
+    if _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
@@ -401,7 +407,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     m2 = np.asarray(m_kernel, acc) if m_kernel is not None else m * acc.type(LOG2E)
     m2 = np.where(np.isfinite(m2), m2, acc.type(_blocks.NEG)).astype(acc)
     dbias = None
-    if _is_blocks(relation):
+    if _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")

@@ -7,7 +7,8 @@ Model (see tiga_numba.edge_mlp): per edge e = (j -> i)
 
 The per-edge part of the network is emitted as Python source specialised on the layer
 stack, the edge features and the value width (compile-time constants: loops have fixed
-trip counts, offsets are literals), written to a per-user cache directory and imported,
+trip counts, offsets are literals; the unrolled emitters are tiga_numba.score_net_source, shared
+with the CUDA kernels), written to the cache folder (tiga_numba.disk_cache) and imported,
 so numba's on-disk cache (cache=True) works for generated code too.
 
 Work split, all deterministic:
@@ -20,52 +21,21 @@ Only per-row (m, l, Delta) and per-node (N, hidden) products persist; no (E, .) 
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import sys
-import tempfile
-
 import numba
 
+from .. import disk_cache
 from ..kernel_cache import KERNELS
+from ..score_net_source import (indented, layer_widths, route_edge_grad, u_backward, u_edge_grad,
+                               u_features, u_hoist, u_score, u_weights, unrollable)
 
-__all__ = ["Spec", "get_kernels", "NUM_CHUNKS"]
+__all__ = ["get_kernels", "NUM_CHUNKS"]
 
 # Fixed chunk count (not thread-count dependent): the parameter-gradient partial sums, and
 # so their rounding, are the same on every machine and every run.
 NUM_CHUNKS = 1024
 
 
-class Spec(tuple):
-    """Hashable compile-time description:
-    (layers, h1, edge_items, fe, pd, fv)
-      layers: tuple after the first Linear: ("linear", in, out, w_off, b_off) |
-              ("leaky_relu", slope) | ("relu",) | ("tanh",)
-      h1: width of the first Linear
-      edge_items: (("disp", off, pd) | ("dist", off) | ("x", off, width, xcol), ...)
-      fe: total edge-feature width; pd: position dims; fv: value width
-    """
-
-    def __new__(cls, layers, h1, edge_items, fe, pd, fv):
-        return super().__new__(cls, (tuple(layers), int(h1), tuple(edge_items), int(fe),
-                                     int(pd), int(fv)))
-
-    layers = property(lambda s: s[0])
-    h1 = property(lambda s: s[1])
-    edge_items = property(lambda s: s[2])
-    fe = property(lambda s: s[3])
-    pd = property(lambda s: s[4])
-    fv = property(lambda s: s[5])
-
-
 # --------------------------------------------------------------------------- code generation
-def _widths(spec):
-    """Output width of every stage: stage 0 = h0, stage k = output of layers[k-1]."""
-    w = [spec.h1]
-    for layer in spec.layers:
-        w.append(layer[2] if layer[0] == "linear" else w[-1])
-    return w
 
 
 def _offsets(widths):
@@ -102,7 +72,7 @@ def _emit_edge_features(spec, ind):
 def _emit_score(spec, ind):
     """h0 = As[j] + Ad[i] + We @ ef, then the remaining layers; leaves s in a local.
     Loops run along contiguous memory (WeT is (fe, h1)) so LLVM can vectorise them."""
-    widths = _widths(spec)
+    widths = layer_widths(spec)
     off, _ = _offsets(widths)
     L = [f"for r in range({spec.h1}):",
          "    A[r] = As[j, r] + Ad[i, r]"]
@@ -139,7 +109,7 @@ def _emit_score(spec, ind):
 def _emit_mlp_backward(spec, ind, param_grads):
     """From ds (a local) back to gh0 = G0[0:h1]; with param_grads, accumulates the
     parameter gradients of layers >= 1 into PG[ch, ...] (this chunk's partial row)."""
-    widths = _widths(spec)
+    widths = layer_widths(spec)
     off, _ = _offsets(widths)
     L = ["G1[0] = ds"]
     cur, other = "G1", "G0"
@@ -176,26 +146,6 @@ def _emit_mlp_backward(spec, ind, param_grads):
     return [ind + s for s in L]
 
 
-def _route_edge_grad(spec, side, ge, explicit):
-    """Route the edge-feature gradient ge(i) to the positions (side 'dst': minus, 'src':
-    plus) and, on the dst side, through explicit(off, width, xcol) to explicit edge features.
-    Shared by the looped and the unrolled generators; only how an element is named differs."""
-    L = []
-    sign = "-" if side == "dst" else "+"
-    for it in spec.edge_items:
-        if it[0] == "disp":
-            for d in range(spec.pd):
-                L.append(f"gp{d} {sign}= {ge(it[1] + d)}")
-        elif it[0] == "dist":
-            L.append("if dist > ZERO:")
-            L.append(f"    gd = {ge(it[1])} / dist")
-            for d in range(spec.pd):
-                L.append(f"    gp{d} {sign}= gd * d{d}")
-        elif side == "dst":
-            L += explicit(*it[1:])
-    return L
-
-
 def _emit_edge_grad(spec, ind, side):
     """gef = We^T gh0 into the scratch GE, then routed (looped generator)."""
     if not spec.fe:
@@ -205,7 +155,7 @@ def _emit_edge_grad(spec, ind, side):
          f"    for r in range({spec.h1}):",
          "        acc += WeT[c, r] * G0[r]",
          "    GE[c] = acc"]
-    L += _route_edge_grad(spec, side, lambda i: f"GE[{i}]",
+    L += route_edge_grad(spec, side, lambda i: f"GE[{i}]",
                           lambda off, width, xcol: [f"for c in range({width}):",
                                                     f"    dEX[e, {xcol} + c] = GE[{off} + c]"])
     return [ind + s for s in L]
@@ -227,7 +177,7 @@ _FM = "{'reassoc', 'contract'}"  # reductions may vectorise; no nnan/ninf (m can
 
 
 def generate_source(spec, p_size, dtype_name):
-    widths = _widths(spec)
+    widths = layer_widths(spec)
     _, n_act = _offsets(widths)
     gmax = max(widths)
     fe1 = max(spec.fe, 1)
@@ -389,94 +339,6 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
 
 
 # --------------------------------------------------------------------------- unrolled variant
-# For small networks (the common case: hidden <= 32) every activation, weight and gradient
-# of the per-edge network is a scalar local: LLVM keeps them in registers and SLP-vectorises
-# the straight-line code; weights are loaded once per chunk, parameter-gradient partials are
-# summed in locals and stored once per chunk.
-UNROLL_LIMIT = 1200  # weights of layers >= 1 plus edge columns of the first Linear
-
-
-def unrollable(spec, p_size):
-    return p_size + spec.h1 * spec.fe <= UNROLL_LIMIT and max(_widths(spec)) <= 64
-
-
-def _u_features(spec, hoisted=None):
-    """hoisted="dst": the row's position sits in locals pi<d>; "src": in pj<d>."""
-    L = []
-    geo = any(it[0] in ("disp", "dist") for it in spec.edge_items)
-    if geo:
-        for d in range(spec.pd):
-            pj = f"pj{d}" if hoisted == "src" else f"pos[j, {d}]"
-            pi = f"pi{d}" if hoisted == "dst" else f"pos[i, {d}]"
-            L.append(f"d{d} = {pj} - {pi}")
-        if any(it[0] == "dist" for it in spec.edge_items):
-            L.append("dist = T(math.sqrt(" + " + ".join(f"d{d} * d{d}" for d in range(spec.pd)) + "))")
-    for it in spec.edge_items:
-        if it[0] == "disp":
-            for d in range(spec.pd):
-                L.append(f"ef{it[1] + d} = d{d}")
-        elif it[0] == "dist":
-            L.append(f"ef{it[1]} = dist")
-        else:
-            _, off, width, xcol = it
-            for c in range(width):
-                L.append(f"ef{off + c} = EX[e, {xcol + c}]")
-    return L
-
-
-def _u_weights(spec):
-    """Loads of every weight into locals (once per chunk)."""
-    L = []
-    for c in range(spec.fe):
-        for r in range(spec.h1):
-            L.append(f"we{c}_{r} = WeT[{c}, {r}]")
-    for layer in spec.layers:
-        if layer[0] == "linear":
-            _, n_in, n_out, w_off, b_off = layer
-            for k in range(n_in * n_out + n_out):
-                L.append(f"w{w_off + k} = P[{w_off + k}]")
-    return L
-
-
-def _u_score(spec, hoisted=None):
-    """hoisted="dst": the row's Ad[i] sits in locals ad<r> (loaded once per row, see
-    _u_hoist); "src": As[j] in as<r>. None: both read per edge."""
-    widths = _widths(spec)
-    L = []
-    for r in range(spec.h1):
-        a_s = f"as{r}" if hoisted == "src" else f"As[j, {r}]"
-        a_d = f"ad{r}" if hoisted == "dst" else f"Ad[i, {r}]"
-        terms = [a_s, a_d] + [f"we{c}_{r} * ef{c}" for c in range(spec.fe)]
-        L.append(f"a0_{r} = " + " + ".join(terms))
-    for k, layer in enumerate(spec.layers, 1):
-        kind = layer[0]
-        if kind == "linear":
-            _, n_in, n_out, w_off, b_off = layer
-            for r in range(n_out):
-                terms = [f"w{b_off + r}"] + [f"w{w_off + r * n_in + c} * a{k - 1}_{c}" for c in range(n_in)]
-                L.append(f"a{k}_{r} = " + " + ".join(terms))
-        else:
-            for c in range(widths[k]):
-                x = f"a{k - 1}_{c}"
-                if kind == "leaky_relu":
-                    L.append(f"a{k}_{c} = {x} if {x} > ZERO else {x} * T({layer[1]!r})")
-                elif kind == "relu":
-                    L.append(f"a{k}_{c} = {x} if {x} > ZERO else ZERO")
-                else:
-                    L.append(f"a{k}_{c} = T(math.tanh({x}))")
-    L.append(f"s = a{len(spec.layers)}_0")
-    return L
-
-
-def _u_hoist(spec, side):
-    """Per-row loads of the row's own first-layer product and position (the edge loop then
-    reads only the neighbour's)."""
-    geo = any(it[0] in ("disp", "dist") for it in spec.edge_items)
-    if side == "dst":
-        return ([f"ad{r} = Ad[i, {r}]" for r in range(spec.h1)]
-                + ([f"pi{d} = pos[i, {d}]" for d in range(spec.pd)] if geo else []))
-    return ([f"as{r} = As[j, {r}]" for r in range(spec.h1)]
-            + ([f"pj{d} = pos[j, {d}]" for d in range(spec.pd)] if geo else []))
 
 
 SMALL_VALUE = 16  # value widths up to this keep the value accumulators in scalar locals
@@ -518,72 +380,26 @@ def _value_code(fv):
         c_store=[f"for f in range({fv}):", "    dV[j, f] = gV[f]"])
 
 
-def _u_backward(spec, param_grads):
-    """ds -> g0_r (gradient of h0); param partials into pg<idx> locals."""
-    widths = _widths(spec)
-    K = len(spec.layers)
-    L = [f"g{K}_0 = ds"]
-    for k in range(K, 0, -1):
-        layer = spec.layers[k - 1]
-        kind = layer[0]
-        if kind == "linear":
-            _, n_in, n_out, w_off, b_off = layer
-            for c in range(n_in):
-                terms = [f"w{w_off + r * n_in + c} * g{k}_{r}" for r in range(n_out)]
-                L.append(f"g{k - 1}_{c} = " + " + ".join(terms))
-            if param_grads:
-                for r in range(n_out):
-                    L.append(f"pg{b_off + r} += g{k}_{r}")
-                    for c in range(n_in):
-                        L.append(f"pg{w_off + r * n_in + c} += g{k}_{r} * a{k - 1}_{c}")
-        else:
-            for c in range(widths[k]):
-                g = f"g{k}_{c}"
-                if kind == "leaky_relu":
-                    L.append(f"g{k - 1}_{c} = {g} if a{k - 1}_{c} > ZERO else {g} * T({layer[1]!r})")
-                elif kind == "relu":
-                    L.append(f"g{k - 1}_{c} = {g} if a{k - 1}_{c} > ZERO else ZERO")
-                else:
-                    L.append(f"g{k - 1}_{c} = {g} * (ONE - a{k}_{c} * a{k}_{c})")
-    return L
-
-
-def _u_edge_grad(spec, side):
-    """gef = We^T gh0 into scalars ge<c>, then routed (unrolled generator)."""
-    if not spec.fe:
-        return []
-    L = [f"ge{c} = " + " + ".join(f"we{c}_{r} * g0_{r}" for r in range(spec.h1))
-         for c in range(spec.fe)]
-    L += _route_edge_grad(spec, side, lambda i: f"ge{i}",
-                          lambda off, width, xcol: [f"dEX[e, {xcol + c}] = ge{off + c}"
-                                                    for c in range(width)])
-    return L
-
-
-def _block(lines, n):
-    return "\n".join(" " * n + x for x in lines)
-
-
 def generate_source_unrolled(spec, p_size, dtype_name):
     h1, fe, fv, pd = spec.h1, spec.fe, spec.fv, spec.pd
     we_off = p_size
     vc = _value_code(fv)
-    weights = _block(_u_weights(spec), 8)
-    feat = _block(_u_features(spec, "dst"), 16)
-    feat_src = _block(_u_features(spec, "src"), 16)
-    score = _block(_u_score(spec, "dst"), 16)
-    score_src = _block(_u_score(spec, "src"), 16)
-    hoist_dst = _block(_u_hoist(spec, "dst"), 12)
-    hoist_src = _block(_u_hoist(spec, "src"), 12)
+    weights = indented(u_weights(spec), 8)
+    feat = indented(u_features(spec, "dst"), 16)
+    feat_src = indented(u_features(spec, "src"), 16)
+    score = indented(u_score(spec, "dst"), 16)
+    score_src = indented(u_score(spec, "src"), 16)
+    hoist_dst = indented(u_hoist(spec, "dst"), 12)
+    hoist_src = indented(u_hoist(spec, "src"), 12)
     read_perm = _read_perm(spec)
     p_slots = [k for layer in spec.layers if layer[0] == "linear"
                for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
-    pg_init = _block([f"pg{k} = ZERO" for k in p_slots]
+    pg_init = indented([f"pg{k} = ZERO" for k in p_slots]
                      + [f"pge{c}_{r} = ZERO" for c in range(fe) for r in range(h1)], 8)
-    pg_store = _block([f"PG[ch, {k}] = pg{k}" for k in p_slots]
+    pg_store = indented([f"PG[ch, {k}] = pg{k}" for k in p_slots]
                       + [f"PG[ch, {we_off + c * h1 + r}] = pge{c}_{r}"
                          for c in range(fe) for r in range(h1)], 8)
-    gp_init = _block([f"gp{d} = ZERO" for d in range(pd)], 12)
+    gp_init = indented([f"gp{d} = ZERO" for d in range(pd)], 12)
     fwd = f"""
 @numba.njit(parallel=True, cache=True, fastmath={_FM})
 def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
@@ -599,7 +415,7 @@ def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
 {hoist_dst}
             m = T(-np.inf)
             l = ZERO
-{_block(vc["f_init"], 12)}
+{indented(vc["f_init"], 12)}
             for e in range(indptr[i], indptr[i + 1]):
                 j = indices[e]
 {feat}
@@ -607,14 +423,14 @@ def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
                 if s > m:
                     corr = T(math.exp(m - s))
                     l = l * corr + ONE
-{_block(vc["f_rescale"], 20)}
+{indented(vc["f_rescale"], 20)}
                     m = s
                 else:
                     p = T(math.exp(s - m))
                     l += p
-{_block(vc["f_add"], 20)}
+{indented(vc["f_add"], 20)}
             inv = ONE / l if l > ZERO else ZERO
-{_block(vc["f_store"], 12)}
+{indented(vc["f_store"], 12)}
             M[i] = m
             L[i] = l
 """
@@ -634,10 +450,10 @@ def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, d
         for t in range(r0, r1):
             i = order[t]
 {hoist_dst}
-{_block(vc["r_hoist"], 12)}
-{_block(vc["r_delta"], 12)}
+{indented(vc["r_hoist"], 12)}
+{indented(vc["r_delta"], 12)}
             Delta[i] = delta
-{_block([f"gad{r} = ZERO" for r in range(h1)], 12)}
+{indented([f"gad{r} = ZERO" for r in range(h1)], 12)}
 {gp_init}
             mi = M[i]
             li = L[i]
@@ -647,13 +463,13 @@ def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, d
 {feat}
 {score}
                 p = T(math.exp(s - mi)) * inv_l
-{_block(vc["r_dp"], 16)}
+{indented(vc["r_dp"], 16)}
                 ds = p * (dp - delta)
-{_block(_u_backward(spec, True), 16)}
-{_block(gad_lines, 16)}
-{_block(_u_edge_grad(spec, "dst"), 16)}
-{_block([f"dAd[i, {r}] = gad{r}" for r in range(h1)], 12)}
-{_block([f"dpos[i, {d}] = gp{d}" for d in range(pd)], 12)}
+{indented(u_backward(spec, True), 16)}
+{indented(gad_lines, 16)}
+{indented(u_edge_grad(spec, "dst"), 16)}
+{indented([f"dAd[i, {r}] = gad{r}" for r in range(h1)], 12)}
+{indented([f"dpos[i, {d}] = gp{d}" for d in range(pd)], 12)}
 {pg_store}
 """
     bwd_cols = f"""
@@ -670,8 +486,8 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
         for tt_ in range(r0, r1):
             j = order[tt_]
 {hoist_src}
-{_block([f"gas{r} = ZERO" for r in range(h1)], 12)}
-{_block(vc["c_init"], 12)}
+{indented([f"gas{r} = ZERO" for r in range(h1)], 12)}
+{indented(vc["c_init"], 12)}
 {gp_init}
             for t in range(tptr[j], tptr[j + 1]):
                 i = tind[t]
@@ -679,14 +495,14 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
 {feat_src}
 {score_src}
                 p = T(math.exp(s - M[i])) / L[i]
-{_block(vc["c_dp"], 16)}
+{indented(vc["c_dp"], 16)}
                 ds = p * (dp - Delta[i])
-{_block(_u_backward(spec, False), 16)}
-{_block([f"gas{r} += g0_{r}" for r in range(h1)], 16)}
-{_block(_u_edge_grad(spec, "src"), 16)}
-{_block([f"dAs[j, {r}] = gas{r}" for r in range(h1)], 12)}
-{_block(vc["c_store"], 12)}
-{_block([f"dpos[j, {d}] = gp{d}" for d in range(pd)], 12)}
+{indented(u_backward(spec, False), 16)}
+{indented([f"gas{r} += g0_{r}" for r in range(h1)], 16)}
+{indented(u_edge_grad(spec, "src"), 16)}
+{indented([f"dAs[j, {r}] = gas{r}" for r in range(h1)], 12)}
+{indented(vc["c_store"], 12)}
+{indented([f"dpos[j, {d}] = gp{d}" for d in range(pd)], 12)}
 """
     header = (f"# generated by tiga_numba.cpu.gat (unrolled) for spec {spec!r}, {dtype_name}\n"
               "import math\nimport numba\nimport numpy as np\n"
@@ -694,35 +510,8 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
     return header + fwd + bwd_rows + bwd_cols
 
 
-def _cache_dir():
-    root = os.environ.get("TIGA_NUMBA_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "tiga_numba")
-    path = os.path.join(root, "gat_cpu")
-    try:
-        os.makedirs(path, exist_ok=True)
-        return path
-    except OSError:  # read-only home: a private temp dir still works (no reuse across runs)
-        return tempfile.mkdtemp(prefix="tiga_numba_gat_")
-
-
 def _load(source, prefix="tiga_gat_cpu"):
-    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
-    name = f"{prefix}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(_cache_dir(), name + ".py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(source)
-        os.replace(tmp, path)  # atomic: concurrent processes never see half a file
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules[name] = module
-    return module
+    return disk_cache.import_source(source, prefix, "gat")
 
 
 def get_kernels(spec, p_size, dtype, unroll=None):

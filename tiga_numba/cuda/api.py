@@ -43,9 +43,9 @@ except ImportError:  # pragma: no cover
     _tc = None
 
 
-# Test hooks: USE_TC=False keeps every call on the CUDA-core kernels of this package;
-# POISON=True fills every output with NaN before the kernels run (unwritten element -> NaN).
-USE_TC = True
+# Test hook: POISON=True fills every output with NaN before the kernels run (an element no
+# kernel writes then shows as NaN). The tensor-core / CUDA-core choice is an option
+# (tg.options(tensor_cores=False)), decided by the registry.
 POISON = False
 
 
@@ -55,13 +55,30 @@ def _empty(shape, dtype):
     return cupy.empty(shape, dtype)
 
 
-def _tc_supports(plan, q, k, v, relation):
-    if not USE_TC or _tc is None:
-        return False
-    supports = getattr(_tc, "supports", None)
+class _Asked:
+    """The plan facts the tensor-core admission reads (the plan itself is made afterwards)."""
+    __slots__ = ("score", "scale")
+
+    def __init__(self, score, scale):
+        self.score, self.scale = score, scale
+
+
+def tensor_core_probe(graph, arrays, scale, score):
+    """The registry's device-level check for the ``cuda.tc`` family: None when the generated
+    tensor-core kernels compute this request on this device exactly, else the reason."""
+    supports = getattr(_tc, "supports", None) if _tc is not None else None
     if supports is None or not hasattr(_tc, "forward"):
-        return False
-    return bool(supports(plan, q, k, v, relation))
+        return None
+
+    def check(req):
+        if req.op == "backward" and not hasattr(_tc, "backward"):
+            return "no tensor-core backward"
+        q, k, v = arrays
+        if not supports(_Asked(score, scale), q, k, v, graph.realize("cuda")):
+            return ("dtype, head dim, strides or device outside the tensor-core tables "
+                    "(tiga_numba.cuda.tc.api.supports)")
+        return None
+    return check
 
 
 def _is_blocks(relation):
@@ -268,7 +285,7 @@ def _check_banded(plan, relation):
 def forward(plan, q, k, v, relation, edge_bias=None):
     info = plan.run_info
     _check_banded(plan, relation)
-    if _tc_supports(plan, q, k, v, relation):
+    if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
 
@@ -323,7 +340,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
     info = plan.run_info
     _check_banded(plan, relation)
-    if _tc_supports(plan, q, k, v, relation) and hasattr(_tc, "backward"):
+    if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)
 

@@ -42,8 +42,10 @@ import re
 import numba
 import numpy as np
 
-from ..cpu.gat import (_block, _load, _route_edge_grad, _u_backward, _u_features, _u_hoist,
-                       _u_score, _u_weights, unrollable)
+from .. import disk_cache
+from ..score_net_source import (indented, route_edge_grad, u_backward, u_features, u_hoist, u_score, u_weights,
+                                unrollable)
+from ..edge_mlp_records import GATState, col_runs, finish_grads, make_plan
 from ..kernel_cache import KERNELS
 
 # Simulator only: set by tests after installing a lane-group shuffle emulation; without it
@@ -129,7 +131,7 @@ def _edge_grad(spec, side):
         return []
     L = [f"ge{c} = " + " + ".join(f"we{c}_{r} * g0_{r}" for r in range(spec.h1))
          for c in range(spec.fe)]
-    L += _route_edge_grad(spec, side, lambda i: f"ge{i}",
+    L += route_edge_grad(spec, side, lambda i: f"ge{i}",
                           lambda off, width, xcol: ["if valid:"] + [
                               f"    dEX[e, {xcol + c}] = ge{off + c}" for c in range(width)])
     return L
@@ -146,9 +148,9 @@ def generate_source(spec, p_size, dtype_name, G, nt, sim):
     fsl = _feature_slice(fv, G)
 
     def fl(lines, n):
-        return _block(_flat(lines, widths), n)
+        return indented(_flat(lines, widths), n)
 
-    weights = fl(_u_weights(spec), 4)
+    weights = fl(u_weights(spec), 4)
     p_slots = [k for layer in spec.layers if layer[0] == "linear"
                for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
     pg_names = [f"pg{k}" for k in p_slots] + [f"pge{c}_{r}" for c in range(fe) for r in range(h1)]
@@ -209,29 +211,29 @@ def gat_forward(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, o
     gbase = (tid % 32) - lane
     mask = u32({(1 << G) - 1} << gbase)
 {weights}
-{fl(_u_hoist(spec, "dst"), 4)}
+{fl(u_hoist(spec, "dst"), 4)}
     m = NEG
     l = ZERO
-{_block([f"acc{c} = ZERO" for c, _ in fsl], 4)}
+{indented([f"acc{c} = ZERO" for c, _ in fsl], 4)}
     e1 = indptr[i + 1]
     for base in range(indptr[i], e1, {G}):
-{_block(step_head, 8)}
+{indented(step_head, 8)}
         j = indices[e]
-{fl(_u_features(spec, "dst"), 8)}
-{fl(_u_score(spec, "dst"), 8)}
+{fl(u_features(spec, "dst"), 8)}
+{fl(u_score(spec, "dst"), 8)}
         if not valid:
             s = NEG
-{_block(["mx = s"] + _xor_all("mx", G, "max"), 8)}
+{indented(["mx = s"] + _xor_all("mx", G, "max"), 8)}
         mn = max(m, mx)
         alpha = T(math.exp(m - mn))
         p = T(math.exp(s - mn))
-{_block(["ps = p"] + _xor_all("ps", G, "sum"), 8)}
+{indented(["ps = p"] + _xor_all("ps", G, "sum"), 8)}
         l = l * alpha + ps
-{_block([f"acc{c} = acc{c} * alpha" for c, _ in fsl], 8)}
-{_block(fwd_u, 8)}
+{indented([f"acc{c} = acc{c} * alpha" for c, _ in fsl], 8)}
+{indented(fwd_u, 8)}
         m = mn
     inv = ONE / l if l > ZERO else ZERO
-{_block([x for c, gd in fsl for x in guard(c, gd, f"out[i * {fv} + {fidx(c)}] = acc{c} * inv")], 4)}
+{indented([x for c, gd in fsl for x in guard(c, gd, f"out[i * {fv} + {fidx(c)}] = acc{c} * inv")], 4)}
     if lane == 0:
         M[i] = m
         L[i] = l
@@ -285,43 +287,43 @@ def gat_backward_rows(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, 
     mask = u32({(1 << G) - 1} << gbase)
     ngroups = i64(cuda.gridDim.x) * {gpb}
 {weights}
-{_block([f"{nm} = ZERO" for nm in pg_names], 4)}
+{indented([f"{nm} = ZERO" for nm in pg_names], 4)}
     i = grp
     while i < nrows:
-{fl(_u_hoist(spec, "dst"), 8)}
-{_block([f"do{c} = ZERO" for c, gd in fsl if gd], 8)}
-{_block([x for c, gd in fsl for x in guard(c, gd, f"do{c} = dout[i * {fv} + {fidx(c)}]")], 8)}
-{_block(["delta = ZERO"] + [x for c, gd in fsl for x in guard(c, gd, f"delta += do{c} * out[i * {fv} + {fidx(c)}]")], 8)}
-{_block(_xor_all("delta", G, "sum"), 8)}
+{fl(u_hoist(spec, "dst"), 8)}
+{indented([f"do{c} = ZERO" for c, gd in fsl if gd], 8)}
+{indented([x for c, gd in fsl for x in guard(c, gd, f"do{c} = dout[i * {fv} + {fidx(c)}]")], 8)}
+{indented(["delta = ZERO"] + [x for c, gd in fsl for x in guard(c, gd, f"delta += do{c} * out[i * {fv} + {fidx(c)}]")], 8)}
+{indented(_xor_all("delta", G, "sum"), 8)}
         if lane == 0:
             Delta[i] = delta
-{_block([f"gad{r} = ZERO" for r in range(h1)] + [f"gp{d} = ZERO" for d in range(pd)], 8)}
+{indented([f"gad{r} = ZERO" for r in range(h1)] + [f"gp{d} = ZERO" for d in range(pd)], 8)}
         mi = M[i]
         li = L[i]
         inv_l = ONE / li if li > ZERO else ZERO
         e1 = indptr[i + 1]
         for base in range(indptr[i], e1, {G}):
-{_block(step_head, 12)}
+{indented(step_head, 12)}
             j = indices[e]
-{fl(_u_features(spec, "dst"), 12)}
-{fl(_u_score(spec, "dst"), 12)}
+{fl(u_features(spec, "dst"), 12)}
+{fl(u_score(spec, "dst"), 12)}
             p = T(math.exp(s - mi)) * inv_l if valid else ZERO
-{_block([f"dq{u} = ZERO" for u in range(G)], 12)}
-{_block(rows_u, 12)}
-{_block(_reduce_scatter([f"dq{u}" for u in range(G)], G, "dp"), 12)}
+{indented([f"dq{u} = ZERO" for u in range(G)], 12)}
+{indented(rows_u, 12)}
+{indented(_reduce_scatter([f"dq{u}" for u in range(G)], G, "dp"), 12)}
             ds = p * (dp - delta)
-{fl(_u_backward(spec, True), 12)}
-{_block(gad_lines, 12)}
+{fl(u_backward(spec, True), 12)}
+{indented(gad_lines, 12)}
 {fl(_edge_grad(spec, "dst"), 12)}
-{_block(row_end, 8)}
+{indented(row_end, 8)}
         if lane == 0:
 {fl(row_store, 12) if row_store else " " * 12 + "pass"}
         i += ngroups
     # parameter partials: group butterfly, then the block's groups in order (deterministic)
-{_block(pg_group, 4)}
+{indented(pg_group, 4)}
     sh = cuda.shared.array(({gpb}, {npg1}), T)
     if lane == 0:
-{_block([f"sh[grp % {gpb}, {k}] = {nm}" for k, nm in zip(pg_slots, pg_names)] + unset_pg or ["pass"], 8)}
+{indented([f"sh[grp % {gpb}, {k}] = {nm}" for k, nm in zip(pg_slots, pg_names)] + unset_pg or ["pass"], 8)}
     cuda.syncthreads()
     for k in range(tid, {n_pg}, {nt}):
         acc = ZERO
@@ -379,10 +381,10 @@ def gat_backward_cols(tptr_p, tind_p, perm_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_
     gbase = (tid % 32) - lane
     mask = u32({(1 << G) - 1} << gbase)
 {weights}
-{fl(_u_hoist(spec, "src"), 4)}
-{_block([f"vj{c} = ZERO" for c, gd in fsl if gd], 4)}
-{_block([x for c, gd in fsl for x in guard(c, gd, f"vj{c} = V[j * {fv} + {fidx(c)}]")], 4)}
-{_block([f"gv{c} = ZERO" for c, _ in fsl] + [f"gas{r} = ZERO" for r in range(h1)] + [f"gp{d} = ZERO" for d in range(pd)], 4)}
+{fl(u_hoist(spec, "src"), 4)}
+{indented([f"vj{c} = ZERO" for c, gd in fsl if gd], 4)}
+{indented([x for c, gd in fsl for x in guard(c, gd, f"vj{c} = V[j * {fv} + {fidx(c)}]")], 4)}
+{indented([f"gv{c} = ZERO" for c, _ in fsl] + [f"gas{r} = ZERO" for r in range(h1)] + [f"gp{d} = ZERO" for d in range(pd)], 4)}
     t1 = tptr[j + 1]
     for base in range(tptr[j], t1, {G}):
         t = base + lane
@@ -390,22 +392,22 @@ def gat_backward_cols(tptr_p, tind_p, perm_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_
         if not valid:
             t = t1 - 1
         i = tind[t]
-{_block(read_perm, 8)}
-{fl(_u_features(spec, "src"), 8)}
-{fl(_u_score(spec, "src"), 8)}
+{indented(read_perm, 8)}
+{fl(u_features(spec, "src"), 8)}
+{fl(u_score(spec, "src"), 8)}
         p = T(math.exp(s - M[i])) / L[i] if valid else ZERO
         dl = Delta[i]
-{_block([f"dq{u} = ZERO" for u in range(G)], 8)}
-{_block(cols_u, 8)}
-{_block(_reduce_scatter([f"dq{u}" for u in range(G)], G, "dp"), 8)}
+{indented([f"dq{u} = ZERO" for u in range(G)], 8)}
+{indented(cols_u, 8)}
+{indented(_reduce_scatter([f"dq{u}" for u in range(G)], G, "dp"), 8)}
         ds = p * (dp - dl)
-{fl(_u_backward(spec, False), 8)}
-{_block([f"gas{r} += g0_{r}" for r in range(h1)], 8)}
+{fl(u_backward(spec, False), 8)}
+{indented([f"gas{r} += g0_{r}" for r in range(h1)], 8)}
 {fl(_edge_grad(spec, "src"), 8)}
-{_block(col_end, 4)}
+{indented(col_end, 4)}
     if lane == 0:
 {fl(col_store, 8) if col_store else " " * 8 + "pass"}
-{_block([x for c, gd in fsl for x in guard(c, gd, f"dV[j * {fv} + {fidx(c)}] = gv{c}")], 4)}
+{indented([x for c, gd in fsl for x in guard(c, gd, f"dV[j * {fv} + {fidx(c)}] = gv{c}")], 4)}
 """
     header = (f"# generated by tiga_numba.cuda.gat for spec {spec!r}, {dtype_name}, "
               f"lanes={G}, nt={nt}, sim={sim}\n"
@@ -462,18 +464,18 @@ def gat_node_products(W_p, b_p, As_p, Ad_p, {x_params + ", " if x_params else ""
     b = AS_T(b_p)
     As = AS_T(As_p)
     Ad = AS_T(Ad_p)
-{_block(views_x, 4)}
-{_block(stage_lines, 4)}
+{indented(views_x, 4)}
+{indented(stage_lines, 4)}
     gid = i64(cuda.blockIdx.x) * {nt} + cuda.threadIdx.x
     n = gid // {h1}
     r = gid - n * {h1}
     if n < ns:
         a = ZERO
-{_block(sums("src", "a"), 8)}
+{indented(sums("src", "a"), 8)}
         As[n * {h1} + r] = a
     if n < nd:
         a = b[r]
-{_block(sums("dst", "a"), 8)}
+{indented(sums("dst", "a"), 8)}
         Ad[n * {h1} + r] = a
 """
     tw = sum(w for _, w, _ in layout)
@@ -493,11 +495,11 @@ def gat_node_grads(W_p, dAs_p, dAd_p, {g_params + ", " if g_params else ""}ns, n
     W = AS_T(W_p)
     dAs = AS_T(dAs_p)
     dAd = AS_T(dAd_p)
-{_block(views_g, 4)}
+{indented(views_g, 4)}
     gid = i64(cuda.blockIdx.x) * {nt} + cuda.threadIdx.x
     n = gid // {max(tw, 1)}
     q = gid - n * {max(tw, 1)}
-{_block(chain or ["pass"], 4)}
+{indented(chain or ["pass"], 4)}
 """
     header = (f"# generated by tiga_numba.cuda.gat (node kernels) for layout {layout!r}, "
               f"h1={h1}, in={n_in}, {dtype_name}, nt={nt}, sim={sim}\n"
@@ -570,7 +572,7 @@ def get_kernels(spec, p_size, dtype):
     key = ("gat-cuda", spec, int(p_size), name, G, nt, SIM, SIM_GROUP_SHUFFLES)
 
     def build():
-        module = _load(generate_source(spec, p_size, name, G, nt, SIM), prefix="tiga_gat_cuda")
+        module = disk_cache.import_source(generate_source(spec, p_size, name, G, nt, SIM), "tiga_gat_cuda", "gat")
         digest = module.__name__.rsplit("_", 1)[-1]
         return GATKernels(module, digest, numba.float64 if name == "float64" else numba.float32,
                           G, nt, n_pg)
@@ -612,8 +614,8 @@ def get_node_kernels(layout, h1, n_in, dtype):
     key = ("gat-cuda-nodes", layout, int(h1), int(n_in), name, nt, SIM)
 
     def build():
-        module = _load(generate_node_source(layout, h1, n_in, name, nt, SIM),
-                       prefix="tiga_gat_cuda_nodes")
+        module = disk_cache.import_source(generate_node_source(layout, h1, n_in, name, nt, SIM),
+                                          "tiga_gat_cuda_nodes", "gat")
         digest = module.__name__.rsplit("_", 1)[-1]
         nk = NodeKernels(module, digest, numba.float64 if name == "float64" else numba.float32,
                          layout, h1)
@@ -696,7 +698,6 @@ def _edge_weights_t(W1, prep, xp):
     h1 = W1.shape[0]
     if not prep.edge_cols:
         return xp.zeros((0, h1), W1.dtype)
-    from ..edge_mlp import col_runs
     runs = col_runs(prep.edge_cols)
     if len(runs) == 1:
         _, c0, length = runs[0]
@@ -704,8 +705,8 @@ def _edge_weights_t(W1, prep, xp):
     return xp.ascontiguousarray(W1[:, prep.edge_cols].T)
 
 
-def forward(graph, net, prep, return_state, xp=None, device="cuda"):
-    from .. import edge_mlp as em
+def forward(graph, net, prep, return_state, decision, xp=None, device="cuda"):
+    """The forward of a prepared call (edge_mlp._prepare) on the GPU, for the registry's `decision`."""
     if xp is None:
         import cupy as xp
     params = dict(net.named_parameters())
@@ -720,7 +721,7 @@ def forward(graph, net, prep, return_state, xp=None, device="cuda"):
         kern.forward((kern.blocks(nd), 1, 1), (kern.nt, 1, 1), _stream(xp),
                      *_ptrs(xp, rel.indptr, rel.indices, As, Ad, WeT, prep.pos, prep.EX, prep.P,
                             prep.V, out, M, L), nd)
-    plan = em._plan("forward", prep, net)
+    plan = make_plan("forward", prep, net, decision)
     plan.run_info.update(kernel=f"cuda.gat_forward ({kern.G} lanes per destination row, "
                                 f"{kern.nt} threads/block; score MLP in registers per edge, "
                                 "online softmax, feature-split value accumulation)",
@@ -730,12 +731,12 @@ def forward(graph, net, prep, return_state, xp=None, device="cuda"):
                          geometry=("displacement/distance computed per edge from positions"
                                    if prep.geometric else None))
     result = out.astype(prep.dtype, copy=False).reshape((nd,) + prep.value_shape[1:])
-    state = em.GATState(m=M, l=L, out=out, As=As, Ad=Ad, prep=prep, WeT=WeT) if return_state else None
+    state = GATState(m=M, l=L, out=out, As=As, Ad=Ad, prep=prep, WeT=WeT) if return_state else None
     return result, state, plan
 
 
-def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda"):
-    from .. import edge_mlp as em
+def backward(graph, net, prep, state, dout, args, value, decision, xp=None, device="cuda"):
+    """The backward of a prepared call on the GPU, for the registry's `decision`."""
     if xp is None:
         import cupy as xp
     params = dict(net.named_parameters())
@@ -776,7 +777,7 @@ def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda")
     pg = PG.sum(axis=0) if nblocks else xp.zeros(max(n_pg, 1), acc)  # block order: fixed
     grads = _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV,
                             dpos if prep.geometric else None, graph, xp)
-    plan = em._plan("backward", prep, net)
+    plan = make_plan("backward", prep, net, decision)
     plan.run_info.update(kernel=f"cuda.gat_backward_rows ({kern.G} lanes per row, {nblocks} "
                                 f"blocks x {kern.nt} threads, grid-stride; parameter partials "
                                 "reduced per group and block in a fixed order) + "
@@ -793,7 +794,7 @@ def backward(graph, net, prep, state, dout, args, value, xp=None, device="cuda")
 def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, graph, xp):
     """Gradients in the caller's arrays and dtypes: node-argument gradients in one launch
     (dx = dA_role W1[:, cols]), the node columns of dW1 as dA^T x (BLAS, deterministic); the
-    rest (edge columns, later layers, explicit fields, positions) in edge_mlp.finish_grads."""
+    rest (edge columns, later layers, explicit fields, positions) in edge_mlp_records.finish_grads."""
     acc = prep.acc
     h1, n_in = W1.shape
     layout, arrays = _node_args(prep, xp)
@@ -810,8 +811,7 @@ def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, 
         dW1[:, cols] = (dAs if role == "src" else dAd).T @ a
         orig = args[k][2]
         arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
-    from .. import edge_mlp as em
-    return em.finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads)
+    return finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads)
 
 
 def _cuda_ir(kernel):

@@ -397,12 +397,12 @@ def write_cubin(path, entry, data):
 
 def _cache_path(name, cc, source=None):
     """Cubin cache file for kernel `name` defined in file `source` (None when caching is off:
-    TIGA_NUMBA_CACHE_DIR=0). The key holds the shared sources' hash and the defining file's
+    TIGA_NUMBA_CACHE_DIR=0; disk_cache.py holds the folder). The key holds the shared sources' hash and the defining file's
     own hash, so an edit of any module that defines kernels (blocks.py, csr.py, neighbors.py,
     ...) never loads a stale cubin under an unchanged kernel name."""
-    root = os.environ.get("TIGA_NUMBA_CACHE_DIR", os.path.join(
-        os.path.expanduser("~"), ".cache", "tiga_numba", "cuda"))
-    if root in ("", "0"):
+    from .. import disk_cache
+    root = disk_cache.folder("cuda")
+    if root is None:
         return None
     key = _shared_hash() + (_file_hash(source) if source else "")
     try:

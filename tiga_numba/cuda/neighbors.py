@@ -31,7 +31,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from .. import neighbors as host
+from .. import neighbor_grid as host
 from ..kernel_cache import KERNELS
 from .launch import SIM, Kernel, array_view, current_stream
 
@@ -39,7 +39,7 @@ __all__ = ["radius_graph", "knn_graph", "make_radius_pass", "make_knn_pass"]
 
 U = numba.uint64  # index cast: unsigned indices skip numba's negative-index wraparound code
 NT = 32 if SIM else 128
-_RING_SLACK = host._RING_SLACK
+RING_SLACK = host.RING_SLACK
 
 
 def _source_tag():
@@ -122,7 +122,7 @@ def make_knn_pass():
     point at sorted position t; best_d (scratch, rows by t) holds the squared distances."""
     AF, AI, AJ = array_view(numba.float64), array_view(numba.int64), array_view(numba.int32)
     MUL = _dmul()
-    SLACK = _RING_SLACK
+    SLACK = RING_SLACK
 
     def knn_pass(order_p, scid_p, cstart_p, spos_p, bd_p, bi_p, n, d0, d1, d2, kk, excl,
                  cell, maxr):

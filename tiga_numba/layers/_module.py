@@ -97,20 +97,27 @@ class Layer:
             want = tuple(self._params[name].shape)
             if tuple(value.shape) != want:
                 raise ValueError(f"state_dict[{name!r}] must have shape {want}, got {tuple(value.shape)}")
-            xp = xp_of(value)
-            self._params[name] = xp.array(value, dtype=self._params[name].dtype, copy=True)
+            current = self._params[name]
+            if xp_of(current) is np:  # keep each parameter where it is (numpy or cupy)
+                value = value.get() if not isinstance(value, np.ndarray) and hasattr(value, "get") else value
+                self._params[name] = np.array(value, dtype=current.dtype, copy=True)
+            else:
+                self._params[name] = xp_of(current).array(value, dtype=current.dtype, copy=True)
         return self
 
     def to(self, device):
         """Move the parameters to "cpu" (numpy) or "cuda" (cupy)."""
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        moved = {}  # id -> moved array: one array under two names stays one array
         for name, a in self._params.items():
-            if device == "cpu":
-                self._params[name] = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
-            else:
-                import cupy
-                self._params[name] = cupy.asarray(a)
+            if id(a) not in moved:
+                if device == "cpu":
+                    moved[id(a)] = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
+                else:
+                    import cupy
+                    moved[id(a)] = cupy.asarray(a)
+            self._params[name] = moved[id(a)]
         return self
 
     def train(self, mode=True):

@@ -6,15 +6,15 @@
 The score is a per-edge, per-head additive term, so the attention runs on the fused kernels as
 an edge score ((E, H), no dot product: q and k of head dim 0) over values x_src (N, H, C); the
 backward returns the score's gradient (E, H), from which the attention vectors, the node
-features, the edge features and W_e get theirs. Temporaries: the (E, H) score, its
-pre-activation and its gradient; nothing (E, H, C)-sized.
+features, the edge features and W_e get theirs. Temporaries: the (E, H) score (the
+pre-activation is overwritten by it) and its gradient; nothing (E, H, C)-sized.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..functional import run_backward, run_forward
-from ._edges import edge_set, xp_of
+from ._edges import edge_set, gather, xp_of
 from ._module import (Layer, check_channels, check_positive, glorot, heads_grad, heads_out,
                       linear_grads)
 
@@ -33,12 +33,23 @@ def check_fill_value(fill_value):
 
 
 def leaky_relu(xp, pre, slope):
-    return xp.where(pre > 0, pre, pre * pre.dtype.type(slope))
+    """leaky_relu(pre), in place when 0 <= slope <= 1 (then it is max(pre, slope * pre))."""
+    s = pre.dtype.type(slope)
+    if 0 <= slope <= 1:
+        return xp.maximum(pre, pre * s, out=pre)
+    return xp.where(pre > 0, pre, pre * s)
 
 
-def leaky_relu_grad(xp, pre, grad, slope):
-    # torch's rule: slope where pre <= 0
-    return xp.where(pre > 0, grad, grad * grad.dtype.type(slope))
+def leaky_relu_grad(xp, out, grad, slope):
+    """Gradient through leaky_relu given its output (torch's rule: slope where the input is
+    <= 0). For slope >= 0 the output is > 0 exactly where the input is, so the input need not
+    be kept; a negative slope flips the sign, handled by the caller keeping the input.
+    Overwrites `grad` (the caller's own (E, H) buffer): no new (E, H) float array."""
+    s = grad.dtype.type(slope)
+    if xp is np:
+        return np.multiply(grad, s, out=grad, where=out <= 0)
+    grad *= xp.where(out > 0, grad.dtype.type(1), s)
+    return grad
 
 
 def edge_attention(values, score, es):
@@ -127,16 +138,18 @@ class GATConv(Layer):
         a_src = xp.einsum("nhc,hc->nh", xs, att_src)
         a_dst = None if xd is None else xp.einsum("nhc,hc->nh", xd, att_dst)
         es = edge_set(graph, self.add_self_loops, xp)
-        pre = a_src[es.cols]
+        pre = gather(xp, a_src, es.cols)
         if a_dst is not None:
-            pre = pre + a_dst[es.rows]
+            pre += gather(xp, a_dst, es.rows)
         ea = w_att = None
         if edge_attr is not None:
             ea = es.edge_attr(edge_attr, self.fill_value)
             w_e3 = p["lin_edge.weight"].reshape(H, C, self.edge_dim)
             w_att = xp.einsum("hcd,hc->dh", w_e3, p["att_edge"][0])  # (edge_dim, H)
-            pre = pre + ea @ w_att
-        score = leaky_relu(xp, pre, slope)
+            pre += ea @ w_att
+        keep = pre.copy() if slope < 0 else None  # only a negative slope needs the input
+        score = leaky_relu(xp, pre, slope)  # (may reuse pre's memory)
+        sign_of = score if keep is None else keep
         out_h, attn_backward = edge_attention(xs, score, es)
         out = heads_out(out_h, self.concat)
         res_in = x_dst if x_dst is not None else None
@@ -153,7 +166,7 @@ class GATConv(Layer):
             if self.residual and res_in is not None:
                 g["res.weight"], dxd_in = linear_grads(dout, res_in, p["res.weight"])
             dxs, dscore = attn_backward(heads_grad(xp, dout, H, C, self.concat))
-            dpre = leaky_relu_grad(xp, pre, dscore, slope)
+            dpre = leaky_relu_grad(xp, sign_of, dscore, slope)
             da_src = es.sum_by_src(dpre)
             dxs = dxs + da_src[:, :, None] * att_src
             g["att_src"] = xp.einsum("nh,nhc->hc", da_src, xs)[None]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._edges import edge_set, scatter_rows, xp_of
+from ._edges import edge_set, gather, scatter_rows, xp_of
 from ._module import (Layer, check_channels, check_positive, glorot, heads_grad, heads_out,
                       linear_grads)
 from .gat import check_fill_value, edge_attention
@@ -102,7 +102,8 @@ class GATv2Conv(Layer):
         dt = xl.dtype.type
 
         def pre_activation(e0, e1):
-            z = xl[es.cols[e0:e1]] + xr[es.rows[e0:e1]]
+            z = gather(xp, xl, es.cols[e0:e1])
+            z += gather(xp, xr, es.rows[e0:e1])
             if ea is not None:
                 z += (ea[e0:e1] @ w_e.T).reshape(e1 - e0, H, C)
             return z

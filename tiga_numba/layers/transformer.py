@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from ..functional import run_backward, run_forward
-from ._edges import edge_set, xp_of
+from ._edges import edge_set, gather, xp_of
 from ._module import Layer, check_channels, check_positive, heads_grad, heads_out, kaiming_linear
 
 __all__ = ["TransformerConv"]
@@ -151,7 +151,7 @@ class TransformerConv(Layer):
                 # the edge value term's share of the score gradient:
                 # alpha_e (g_i . e_ij - g_i . out_a_i)
                 extra = alpha * (self._edge_dot(xp, g_e, ea, es)
-                                 - xp.einsum("nhd,nhd->nh", g_e, out_a)[es.rows])
+                                 - gather(xp, xp.einsum("nhd,nhd->nh", g_e, out_a), es.rows))
                 d_ea = xp.zeros((E, self.edge_dim), dtype=q.dtype)
                 sc = q.dtype.type(scale)
                 for h in range(H):
@@ -197,7 +197,7 @@ class TransformerConv(Layer):
         chunk = max(1, CHUNK_ELEMENTS // max(1, H * d))
         for e0 in range(0, E, chunk):
             e1 = min(E, e0 + chunk)
-            out[e0:e1] = xp.einsum("ehd,ed->eh", node[es.rows[e0:e1]], ea[e0:e1])
+            out[e0:e1] = xp.einsum("ehd,ed->eh", gather(xp, node, es.rows[e0:e1]), ea[e0:e1])
         return out
 
     @staticmethod
@@ -211,6 +211,7 @@ class TransformerConv(Layer):
         for e0 in range(0, E, chunk):
             e1 = min(E, e0 + chunk)
             r = es.rows[e0:e1]
-            s = xp.einsum("ehc,ehc->eh", q[r], k[es.cols[e0:e1]]) * scale + bias[e0:e1]
-            alpha[e0:e1] = xp.exp(s - m[r]) * linv[r]
+            s = xp.einsum("ehc,ehc->eh", gather(xp, q, r), gather(xp, k, es.cols[e0:e1]))
+            s = s * scale + bias[e0:e1]
+            alpha[e0:e1] = xp.exp(s - gather(xp, m, r)) * gather(xp, linv, r)
         return alpha

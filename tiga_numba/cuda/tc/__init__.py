@@ -3,6 +3,7 @@
 tuned on the H200). The CUDA backend asks `supports()` and routes here; see api.py for the
 scope and docs/tensor_cores.md for the design. Importing this package needs only numpy:
 numba.cuda is imported when a kernel is first compiled."""
-from .api import TUNING, TUNING_F32, backward, forward, supports
+from .api import backward, forward, supports
+from .tuning import TUNING, TUNING_F32
 
 __all__ = ["supports", "forward", "backward", "TUNING", "TUNING_F32"]

@@ -11,7 +11,7 @@ import time
 
 import tiga_numba.cuda  # noqa: F401  (numpy >= 2.5 shim before numba.cuda compiles)
 
-from .api import build_cubins
+from .build import build_cubins
 
 
 def main(argv=None):

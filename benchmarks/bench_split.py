@@ -1,0 +1,145 @@
+"""Work divided by edges on the CPU: a call's time should follow its edge count, not its degree
+distribution; decode (one query row, a long key range) should use every core.
+
+    python benchmarks/bench_split.py                    # the sizes below (a few minutes, 2 cores)
+    python benchmarks/bench_split.py --nodes 20000 --edges 320000 --keys 16384   # smaller
+
+CSR part: N nodes, E edges, H=4, D=32, float32, three graphs with the same edge count:
+  uniform    every destination receives E/N edges from random sources
+  power-law  in-degrees drawn from a Zipf law (max in-degree printed)
+  hub        one destination receives 3/4 of the edges (and one source is read by
+             a quarter of them: the backward's transpose has a hub too)
+Times: forward, forward+backward (min of --reps runs after a warm-up), and the ratio to the
+uniform graph. The anchor is the eager torch version of the same computation (gather, PyG-style
+segment softmax with torch_scatter-free index ops, weighted scatter-add), when torch is installed.
+
+Decode part: one sequence of --keys keys, H=8 query heads (Hkv=8), D=128, float32:
+Graph.dense(keys, 1) vs torch CPU scaled_dot_product_attention, same thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+
+import tiga_numba as tg
+
+
+def best(fn, reps):
+    fn()
+    t = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+    return min(t)
+
+
+def graphs(n, e, rng):
+    out = {}
+    dst = np.repeat(np.arange(n), e // n)
+    out["uniform"] = (rng.integers(0, n, dst.shape[0]), dst)
+    deg = rng.zipf(1.8, n).astype(np.float64)
+    deg = np.maximum(1, np.round(deg / deg.sum() * e)).astype(np.int64)
+    deg[np.argmax(deg)] += e - deg.sum()
+    dst = np.repeat(np.arange(n), deg)
+    out["power-law"] = (rng.integers(0, n, dst.shape[0]), rng.permutation(n)[dst])
+    hub_e = 3 * e // 4
+    dst = np.concatenate([np.full(hub_e, 7), rng.integers(0, n, e - hub_e)])
+    src = rng.integers(0, n, e)
+    src[: e // 4] = 11
+    out["hub"] = (src, dst)
+    return {k: tg.Graph.from_coo(s, d, n, n) for k, (s, d) in out.items()}
+
+
+def torch_version(q, k, v, src, dst, n):
+    import torch
+    qt, kt, vt = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    s_idx = torch.from_numpy(src)
+    d_idx = torch.from_numpy(dst)
+
+    def run(backward):
+        s = (qt[d_idx] * kt[s_idx]).sum(-1) * q.shape[-1] ** -0.5           # (E, H)
+        mx = torch.full((n, q.shape[1]), -torch.inf).scatter_reduce(0, d_idx[:, None].expand_as(s), s, "amax")
+        p = torch.exp(s - mx[d_idx])
+        den = torch.zeros(n, q.shape[1]).index_add(0, d_idx, p)
+        p = p / den[d_idx]
+        out = torch.zeros(n, q.shape[1], v.shape[2]).index_add(0, d_idx, p[..., None] * vt[s_idx])
+        if backward:
+            out.backward(torch.ones_like(out))
+        return out
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=100_000)
+    ap.add_argument("--edges", type=int, default=1_600_000)
+    ap.add_argument("--keys", type=int, default=131_072)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    import numba
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cpus, numba threads {numba.get_num_threads()}, numba {numba.__version__}")
+    try:
+        import torch
+        torch.set_num_threads(numba.get_num_threads())
+        print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(0)
+    n, e, H, D = args.nodes, args.edges, 4, 32
+    q = rng.standard_normal((n, H, D), dtype=np.float32)
+    k = rng.standard_normal((n, H, D), dtype=np.float32)
+    v = rng.standard_normal((n, H, D), dtype=np.float32)
+    print(f"\n## CSR: {n} nodes, {e} edges, H={H}, D={D}, float32")
+    print("| graph | max in-degree | max out-degree | fwd ms | fwd+bwd ms | fwd / uniform | fwd+bwd / uniform | torch fwd+bwd ms | torch / tiga |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = None
+    for name, g in graphs(n, e, rng).items():
+        ip, ix = g._host_csr()
+        indeg = int(np.diff(ip).max())
+        outdeg = int(np.bincount(ix, minlength=n).max())
+
+        def fwd():
+            return tg.attention(q, k, v, g, return_stats=True)
+
+        def fb():
+            out, st = tg.attention(q, k, v, g, return_stats=True)
+            tg.attention_backward(out, q, k, v, out, st, g)
+        tf, tb = best(fwd, args.reps), best(fb, args.reps)
+        if base is None:
+            base = (tf, tb)
+        anchor = ""
+        if torch is not None:
+            rows = np.repeat(np.arange(n), np.diff(ip))
+            ta = best(lambda: torch_version(q, k, v, ix.astype(np.int64), rows, n)(True), args.reps)
+            anchor = f"{ta * 1e3:.1f} | {ta / tb:.2f}x"
+        else:
+            anchor = "- | -"
+        print(f"| {name} | {indeg} | {outdeg} | {tf * 1e3:.1f} | {tb * 1e3:.1f} | {tf / base[0]:.2f} | "
+              f"{tb / base[1]:.2f} | {anchor} |")
+
+    L, Hd, Dd = args.keys, 8, 128
+    print(f"\n## decode: 1 query row x {L} keys, H=8 (Hkv=8), D={Dd}, float32")
+    qd = rng.standard_normal((1, Hd, Dd), dtype=np.float32)
+    kd = rng.standard_normal((L, Hd, Dd), dtype=np.float32)
+    vd = rng.standard_normal((L, Hd, Dd), dtype=np.float32)
+    gd = tg.Graph.dense(L, 1)
+    t_ours = best(lambda: tg.attention(qd, kd, vd, gd), args.reps)
+    gb = 2 * kd.nbytes / t_ours / 1e9
+    line = f"tiga {t_ours * 1e3:.2f} ms ({gb:.1f} GB/s of K+V)"
+    if torch is not None:
+        import torch.nn.functional as F
+        tq, tk, tv = (torch.from_numpy(x).transpose(0, 1)[None] for x in (qd, kd, vd))
+        t_t = best(lambda: F.scaled_dot_product_attention(tq, tk, tv), args.reps)
+        line += f"; torch SDPA {t_t * 1e3:.2f} ms; torch / tiga = {t_t / t_ours:.2f}x"
+    print(line)
+    print(tg.explain().splitlines()[3])
+
+
+if __name__ == "__main__":
+    main()

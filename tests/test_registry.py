@@ -1,0 +1,90 @@
+"""The registry decides: plans name the chosen kernel family and every refusal, before the call;
+run options are call arguments or a context, environment variables only defaults."""
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from tiga_numba import registry
+
+
+def _qkv(n=12, h=2, d=8):
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal((n, h, d)).astype(np.float32) for _ in range(3))
+
+
+def test_plan_names_family_and_refusals_before_the_call():
+    q, k, v = _qkv()
+    csr = tg.Graph.from_coo([0, 1, 2, 5], [1, 2, 0, 7], 12, 12)
+    plan = tg.make_plan(q, k, v, csr)
+    assert plan.family == "cpu.csr"
+    assert dict(plan.considered)["cpu.blocks"].startswith("refused")
+    text = plan.explain()
+    assert "kernel family: cpu.csr" in text and "needs an implicit" in text
+    assert "(not run yet)" in text
+    out = tg.attention(q, k, v, csr)
+    assert tg.explain().splitlines()[2] == text.splitlines()[2]
+    assert out.shape == (12, 2, 8)
+    assert tg.make_plan(q, k, v, tg.Graph.band(12, left=2)).family == "cpu.blocks"
+
+
+def test_plan_is_frozen():
+    q, k, v = _qkv()
+    plan = tg.make_plan(q, k, v, tg.Graph.dense(12))
+    with pytest.raises(Exception):
+        plan.family = "cuda.tc"
+
+
+def test_options_are_arguments_and_contexts():
+    q, k, v = _qkv()
+    g = tg.Graph.triangular(12)
+    assert tg.make_plan(q, k, v, g, op="backward").options.deterministic is True
+    assert tg.make_plan(q, k, v, g, op="backward", deterministic=False).options.deterministic is False
+    with tg.options(deterministic=False, wgmma=False):
+        p = tg.make_plan(q, k, v, g, op="backward")
+        assert not p.options.deterministic and not p.options.wgmma
+        # the call's keyword wins over the context
+        assert tg.make_plan(q, k, v, g, op="backward", deterministic=True).options.deterministic
+    assert tg.make_plan(q, k, v, g).options.wgmma is True
+    with pytest.raises(TypeError, match="unknown option"):
+        with tg.options(fast=True):
+            pass
+    with pytest.raises(TypeError, match="True or False"):
+        with tg.options(deterministic=1):
+            pass
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    a = tg.attention_backward(out, q, k, v, out, st, g, deterministic=False)
+    b = tg.attention_backward(out, q, k, v, out, st, g)
+    for x, y in zip(a, b):  # the CPU backward is deterministic either way
+        assert np.array_equal(x, y)
+
+
+def test_every_family_lives_in_the_registry():
+    names = [f.name for f in registry.families()]
+    for want in ("cuda.tc", "cuda.blocks", "cuda.csr", "cpu.blocks", "cpu.csr", "cpu.gat",
+                 "cuda.gat", "cpu.neighbors", "cuda.neighbors"):
+        assert want in names
+    assert [f.name for f in registry.families("forward", "cuda")] == ["cuda.tc", "cuda.blocks", "cuda.csr"]
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(registry.families()[0])
+
+
+def test_no_family_raises_with_every_refusal():
+    req = registry.Request(op="forward", backend="cuda", relation_kind="band", implicit=True,
+                           banded=True, score="dot", dtype="float16")
+    with pytest.raises(NotImplementedError) as err:
+        registry.choose(req)
+    msg = str(err.value)
+    assert "cuda.tc" in msg and "cuda.blocks" in msg and "cuda.csr" in msg and "banded" in msg
+
+
+def test_cuda_tensor_core_refusals_are_stated():
+    base = dict(op="forward", backend="cuda", relation_kind="dense", implicit=True, score="dot",
+                dtype="float16", options=tg.Options())
+    off = registry.choose(registry.Request(**{**base, "options": tg.Options(tensor_cores=False)}))
+    assert off.family.name == "cuda.blocks" and "tensor_cores=False" in off.considered[0][1]
+    probe = registry.choose(registry.Request(**base, probe=lambda: (lambda req: None)))
+    assert probe.family.name == "cuda.tc"
+    fp32 = registry.choose(registry.Request(**{**base, "dtype": "float32",
+                                               "options": tg.Options(fp32_tensor_cores=False)},
+                                            probe=lambda: (lambda req: None)))
+    assert fp32.family.name == "cuda.blocks"

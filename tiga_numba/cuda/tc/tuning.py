@@ -1,0 +1,218 @@
+"""Tuning data of the tensor-core kernels: the shipped tile shapes per (kernel kind, head dim)
+for each engine (mma.sync, wgmma) and dtype class, the head dims each engine serves, and the
+Variant each table entry names. The tables are the measured choices (the results files named
+at each table); everything that picks a kernel for a call reads them through `variant()` and
+`backward_variants()`."""
+from __future__ import annotations
+
+from ... import run_options as _options
+from . import device
+from . import generator as G
+
+TC_DTYPES = ("float16", "bfloat16", "float32")
+HEAD_DIMS = (64, 128)
+#: head dims served on compute capability 9.0 by the wgmma kernels, every dtype (rows padded to
+#: whole 128-byte sub-tile rows, Variant.row_bytes); elsewhere 32 / 96 go to the CUDA-core kernels
+WGMMA_HEAD_DIMS = (32, 64, 96, 128)
+#: head dims whose float32 calls come here off sm_90 (3xTF32): only where it measured faster than
+#: the CUDA-core float32 kernels (bench_tc.py fp32 section, H200, 2026-11-29); the rest stay on CUDA cores
+F32_HEAD_DIMS = (64, 128)
+
+#: per (kernel kind, head dim): warps, m16 tiles per warp, streamed block width, resident operand
+#: in shared memory. Chosen by benchmarks/bench_tc.py's sweep on the H200 (2026-11-29); the
+#: D = 128 shapes use dynamic shared memory (64-96 KB). Other head dims are not served here.
+TUNING = {
+    ("fwd", 64): dict(NW=4, MT=2, BN=64),
+    ("fwd", 128): dict(NW=4, MT=2, BN=32, a_smem=True),
+    ("dq", 64): dict(NW=4, MT=1, BN=64),
+    ("dq", 128): dict(NW=4, MT=1, BN=64, a_smem=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=64),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+}
+#: shapes of the fused dK/dV/dQ kernel (Variant.fuse_dq: 5 products, ordered dQ accumulation) per
+#: (16-bit or float32, D). Not shipped: on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt)
+#: the two-kernel backward was faster in every cell; benchmarks/tuning/bench_tc_bwd.py runs the A/B.
+FUSED_DKDV = {
+    ("float16", 64): dict(NW=4, MT=1, BN=64, a_smem=True), ("float16", 128): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True), ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True),
+}
+
+
+#: opt-in, not deterministic (TIGA_NUMBA_DETERMINISTIC=0): the fused dK/dV/dQ kernel adding dQ with
+#: float atomics, for the (dtype, D) where it beat the deterministic two-kernel backward in every
+#: cell on the H200 (benchmarks/results/tc-bwd-h200-2026-11-29.txt; final kernels: float32 D=64
+#: 16-33 %, D=128 2-25 % faster). 16-bit: within 2 % at D=64 but for one cell, slower at D=128: not offered.
+ATOMIC_DQ = {("float32", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
+             ("float32", 128): dict(NW=4, MT=1, BN=16, a_smem=True)}
+#: the same opt-in on sm_90a (16-bit; D -> shape, the whole wgmma Variant fields as in TUNING_WGMMA):
+#: the fused wgmma kernel with dQ added by red.global. Empty: it was not faster than the overlapped
+#: two-kernel backward (results/wgmma-fused-bwd-h200-2026-11-30.txt)
+ATOMIC_DQ_WGMMA = {}
+
+
+#: float32 (3xTF32) shapes, same keys: fp32 tiles take twice the shared memory and each A/B
+#: fragment twice the registers (big and small halves), so MT = 1; the CTA's own operand stays in
+#: shared memory but for the D = 64 forward. 8 warps (BM = 128: each streamed block feeds twice the
+#: warps) won for the forwards and the D = 128 backward in the --wide sweep on the H200
+#: (2026-11-29, benchmarks/results/tc-fp32-h200-2026-11-29.txt, --wide sweep: fwd D=128 5.45 -> 5.08 ms,
+#: bwd D=128 25.7 -> 22.2 ms, fwd D=64 2.52 -> 2.49 ms; bwd D=64 stayed with 4 warps: 10.7 vs 11.2).
+TUNING_F32 = {
+    ("fwd", 64): dict(NW=8, MT=1, BN=64),
+    ("fwd", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
+    ("dq", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dq", 128): dict(NW=8, MT=1, BN=32, a_smem=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=32, a_smem=True),
+    ("dkdv", 128): dict(NW=8, MT=1, BN=16, a_smem=True),
+}
+# dq D = 128: BN = 64 was 3% faster in the first sweep (before per-block partials) but then
+# spilled and did not finish compiling within 190 s on the H200 in the second sweep; BN = 32 did.
+
+
+#: 16-bit shapes on compute capability 9.0 (H100 / H200): warpgroup wgmma products, compiled
+#: for sm_90a (generator "wgmma"); each warpgroup owns 64 rows (NW = 4: one group, 8: two).
+#: Chosen by benchmarks/tuning/bench_wgmma.py's sweep on the H200 (2026-11-29, results/wgmma-h200-2026-11-29.txt;
+#: sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64 4.35 ms (NW=4 BN=64: 4.36,
+#: NW=8 BN=128: 5.51), fwd D=128 8.27 (NW=4 BN=64 8.54, NW=4 BN=128 11.0), bwd D=64 18.1 (BN=64: 20.4;
+#: 8 warps 18.6-30.4), bwd D=128 29.4 (dK/dV with 8 warps: 31.2; 4 warps BN=64 / 32 throughout: 37.1).
+TUNING_WGMMA = {
+    ("fwd", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dq", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dkdv", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
+}
+
+
+def _padded_dims(table):
+    """D = 32 / 96 run the shapes of D = 64 / 128 (rows padded to whole 128-byte sub-tile rows)."""
+    table.update({(kind, d): dict(table[(kind, like)]) for kind in ("fwd", "dq", "dkdv")
+                  for d, like in ((32, 64), (96, 128))})
+
+
+# 16-bit: a sweep of their own candidates (results/wgmma-h200-2026-11-29.txt) chose the same ones (no spills at 159-253 /
+# 176-246 registers, ptxas report)
+_padded_dims(TUNING_WGMMA)
+
+
+#: float32 on compute capability 9.0: the same wgmma kernels on bf16 x 3 operand parts
+#: (generator "split": 6 passes per product, per-block partials). Three bf16 parts take 1.5x the
+#: shared memory of a float32 tile and a float32 staging tile is added, so blocks are narrower
+#: than the 16-bit ones; D = 128 backward kernels hold one warpgroup (two would not fit).
+#: Chosen by benchmarks/tuning/bench_fp32_wgmma.py's sweep on the H200 (2026-11-30,
+#: results/fp32-wgmma-h200-2026-11-30.txt; sum over N = 4096 / 16384 x causal 0 / 1): fwd D=64
+#: 19.5 ms (NW=4 BN=64: 23.2, BN=128: 31.1), fwd D=128 43.8 (NW=4 BN=64: 59.1, BN=32: 66.6), bwd D=64
+#: 86.4 (4 warps: 88.3-96.5), bwd D=128 225 (dK/dV BN=16: 296); a later sweep: dK/dV D=128 with 32-column
+#: P B chains (pb_cols, fewer partial registers: 236 B of spills instead of 328) 220.3.
+TUNING_WGMMA_F32 = {
+    ("fwd", 64): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True),
+    ("fwd", 128): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dq", 64): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dq", 128): dict(NW=4, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dkdv", 64): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dkdv", 128): dict(NW=4, MT=1, BN=32, a_smem=True, wgmma=True, pb_cols=32),
+}
+_padded_dims(TUNING_WGMMA_F32)   # not swept separately
+
+#: the wgmma backward overlaps its dP chain (16-bit dK/dV: and dV) with the softmax / dS work
+#: (Variant.overlap), measured per kernel against the serial twin on the H200 (bench_tc_bwd.py
+#: --wgmma --no-fused, results/wgmma-fused-bwd-h200-2026-11-30.txt runs 2-3): faster at D = 32 / 64 /
+#: 96 (16-bit 1-11 %, float32 2-6 %; one D = 64 cell 2 % slower); at D = 128 the dK/dV kernel is
+#: slower overlapped (16-bit up to 16 %; both twins run at 255 registers and ptxas reports fewer spill
+#: bytes for the overlapped one, 8 vs 20 B (bench_tc_bwd.py --wgmma --no-fused --spills sm_90), so
+#: the cause is not the spills; no profiler run yet) while the dQ kernel gains a little, so the
+#: D = 128 dK/dV kernels keep every chain serial
+for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
+    _table[("dkdv", 128)]["overlap"] = False
+
+
+def head_dims(dtype, wgmma):
+    """the head dims (D == Dv) the tensor-core kernels of `dtype` serve, on wgmma or mma.sync."""
+    if wgmma:
+        return WGMMA_HEAD_DIMS
+    return F32_HEAD_DIMS if dtype == "float32" else HEAD_DIMS
+
+
+def tuning_table(dtype, wgmma=None):
+    """the shape table for a dtype and engine: mma.sync (16-bit, or float32 as 3xTF32) or wgmma on
+    sm_90 (16-bit, or float32 as bf16 x 3 splits); wgmma None: the table this call's routing uses
+    (device.use_wgmma)."""
+    if wgmma is None:
+        wgmma = device.use_wgmma(dtype)
+    if dtype == "float32":
+        return TUNING_WGMMA_F32 if wgmma else TUNING_F32
+    return TUNING_WGMMA if wgmma else TUNING
+
+
+_VARIANTS = {}
+
+
+def _entry_variant(key, shape, kind, D, Dv, dtype, **fixed):
+    """the Variant of one table entry (`shape`: its Variant fields), memoised per entry object:
+    asked several times per call, and a sweep that assigns a new shape dict gets a new Variant."""
+    hit = _VARIANTS.get(key)
+    if hit is None or hit[0] is not shape:
+        hit = _VARIANTS[key] = (shape, G.Variant(kind, D, Dv, dtype=dtype, **fixed, **shape))
+    return hit[1]
+
+
+def variant(kind, D, Dv, dtype, wgmma=None):
+    """the shipped Variant of (kind, D, dtype); wgmma None: as use_wgmma(dtype) decides now."""
+    table = tuning_table(dtype, wgmma)
+    return _entry_variant((kind, D, Dv, dtype, id(table)), table[(kind, D)], kind, D, Dv, dtype)
+
+
+def precision(v):
+    """run_info["precision"]: what the tensor cores of Variant v computed in."""
+    if v.split:
+        return ("bf16 x 3 splits (fp32-class: x = hi + mid + lo bfloat16 parts, 6 wgmma passes per product, "
+                "fp32 accumulation, value products summed per block)")
+    if v.tf32:
+        return ("3xTF32 (fp32-class: x = big + small tf32 halves, 3 mma.m16n8k8.tf32 passes per product, "
+                "fp32 accumulation)")
+    return f"{v.dtype} operands, fp32 accumulation and softmax (mma.m16n8k16 or, on sm_90, wgmma m64nNk16)"
+
+
+def backward_variants(D, Dv, dtype, deterministic=True):
+    """(dQ variant, dK/dV variant) of the shipped tuning: (None, fused) when the dK/dV kernel also
+    computes dQ (Variant.fuse_dq). deterministic=False picks the float-atomic fused kernel where
+    the engine's atomic table (ATOMIC_DQ, ATOMIC_DQ_WGMMA) has a shape (it measured faster there),
+    else the same as True."""
+    if not deterministic and Dv == D:
+        va = atomic_variant(D, dtype, device.use_wgmma(dtype))
+        if va is not None:
+            return None, va
+    vk = variant("dkdv", D, Dv, dtype)
+    return (None if vk.fuse_dq else variant("dq", D, Dv, dtype)), vk
+
+
+def atomic_shape(D, dtype, wgmma):
+    """the opt-in float-atomic backward's tile shape for (D, dtype) on an engine, or None."""
+    if wgmma:
+        return None if dtype == "float32" else ATOMIC_DQ_WGMMA.get(D)
+    return ATOMIC_DQ.get((dtype, D))
+
+
+def atomic_variant(D, dtype, wgmma=False):
+    """the opt-in float-atomic backward's Variant, or None where none is offered."""
+    shape = atomic_shape(D, dtype, wgmma)
+    if shape is None:
+        return None
+    return _entry_variant(("dkdv_atomic", D, dtype, wgmma), shape, "dkdv", D, D, dtype, fuse_dq=True, dq_atomic=True)
+
+
+def deterministic(plan=None):
+    """False when the call opted out of bit-reproducible backward passes
+    (attention_backward(..., deterministic=False), tg.options, or the TIGA_NUMBA_DETERMINISTIC=0
+    default; like torch.use_deterministic_algorithms(False))."""
+    opts = getattr(plan, "options", None) or _options.current()
+    return opts.deterministic
+
+
+def _engine(v):
+    """which tensor-core instruction a Variant's products use (explain())."""
+    if v.split:
+        return "wgmma m64nNk16 warpgroups on bf16 x 3 splits, 6 passes per product, sm_90a"
+    if v.wgmma:
+        return "wgmma m64nNk16 warpgroups, sm_90a"
+    return "mma.sync m16n8k8 tf32 x3" if v.tf32 else "mma.sync m16n8k16"

@@ -1,0 +1,74 @@
+"""Where compiled kernels and generated kernel sources are kept between processes.
+
+One root folder, ``$TIGA_NUMBA_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tiga_numba``, else
+``~/.cache/tiga_numba``), with one sub-folder per producer:
+
+    cuda/      cubins of the CUDA-core kernels (cuda/launch.py)
+    tc/        generated tensor-core kernel texts and their cubins (cuda/tc/build.py)
+    gat/       generated score-network kernel modules, CPU and CUDA (cpu/gat.py, cuda/gat.py)
+
+``TIGA_NUMBA_CACHE_DIR=0`` (or empty) turns the caches off: cubins are compiled in every
+process. Generated modules must still be imported from a file (numba's own cache and the
+import system want one), so they go to a private temporary folder instead. The variable is
+read at each call, so a test or a deployment can point it elsewhere at any time.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+
+__all__ = ["root", "folder", "module_folder", "import_source"]
+
+
+def root():
+    """The cache root, or None when caching is off (TIGA_NUMBA_CACHE_DIR = "0" or "")."""
+    d = os.environ.get("TIGA_NUMBA_CACHE_DIR")
+    if d is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "tiga_numba")
+    return None if d in ("", "0") else d
+
+
+def folder(name):
+    """The path of sub-folder `name` of the cache root (not created), or None when caching is off."""
+    r = root()
+    return None if r is None else os.path.join(r, name)
+
+
+def module_folder(name):
+    """An existing folder for generated modules: sub-folder `name` of the cache root, or a
+    private temporary folder when caching is off or the root cannot be written (no reuse
+    across processes then, but the import still works)."""
+    path = folder(name)
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+            return path
+        except OSError:
+            pass
+    return tempfile.mkdtemp(prefix=f"tiga_numba_{name}_")
+
+
+def import_source(source, prefix, name):
+    """Import generated Python `source` as module `{prefix}_{digest}` from a file in
+    module_folder(name), written once per digest (atomically: concurrent processes never see
+    half a file). A real file lets numba's on-disk cache (cache=True) serve generated code too;
+    the digest in the module name means a changed text is never served from an old file."""
+    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
+    modname = f"{prefix}_{digest}"
+    if modname in sys.modules:
+        return sys.modules[modname]
+    path = os.path.join(module_folder(name), modname + ".py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(modname, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[modname] = module
+    return module

@@ -1,0 +1,85 @@
+"""Run options: the choices a caller makes about HOW a result is computed (never what).
+
+    tg.attention_backward(..., deterministic=False)        # one call
+    with tg.options(wgmma=False, fp32_tensor_cores=False):  # a block of code (this thread /
+        ...                                                 # this asyncio task only)
+
+| option | default | meaning |
+|---|---|---|
+| ``deterministic`` | True | the backward gives the same bits on every run (no float atomics); ``False`` allows a faster float-atomic backward where one is registered |
+| ``tensor_cores`` | True | CUDA: the tensor-core kernel families may be chosen; ``False`` keeps every call on the CUDA-core kernels |
+| ``wgmma`` | True | CUDA, compute capability 9.0: the warpgroup (wgmma) tensor-core kernels; ``False`` uses the mma.sync ones |
+| ``fp32_tensor_cores`` | True | CUDA: float32 inputs run on the tensor cores at fp32-class precision (bf16 x 3 splits on wgmma, 3xTF32 on mma.sync); ``False`` keeps float32 on the SIMT fp32 kernels |
+
+Environment variables only set the defaults, and they are read here, once per process:
+``TIGA_NUMBA_DETERMINISTIC``, ``TIGA_NUMBA_TENSOR_CORES``, ``TIGA_NUMBA_WGMMA``,
+``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` turns the option off). The plan records the options it
+was made with, and ``explain()`` prints them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["Options", "options", "current", "resolve"]
+
+
+@dataclass(frozen=True)
+class Options:
+    deterministic: bool = True
+    tensor_cores: bool = True
+    wgmma: bool = True
+    fp32_tensor_cores: bool = True
+
+    def describe(self):
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+def _env_flag(name, default=True):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value != "0"
+
+
+_DEFAULTS = Options(
+    deterministic=_env_flag("TIGA_NUMBA_DETERMINISTIC"),
+    tensor_cores=_env_flag("TIGA_NUMBA_TENSOR_CORES"),
+    wgmma=_env_flag("TIGA_NUMBA_WGMMA"),
+    fp32_tensor_cores=_env_flag("TIGA_NUMBA_FP32_TENSOR_CORES"),
+)
+_CURRENT = contextvars.ContextVar("tiga_numba_options", default=_DEFAULTS)
+_NAMES = frozenset(f.name for f in fields(Options))
+
+
+def _checked(changes):
+    for name, value in changes.items():
+        if name not in _NAMES:
+            raise TypeError(f"unknown option {name!r}; options are {sorted(_NAMES)}")
+        if not isinstance(value, bool):
+            raise TypeError(f"option {name} must be True or False, got {value!r}")
+    return changes
+
+
+def current():
+    """The options in force in this context (thread / asyncio task)."""
+    return _CURRENT.get()
+
+
+def resolve(**overrides):
+    """current() with the non-None keyword overrides of one call applied."""
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    base = _CURRENT.get()
+    return replace(base, **_checked(changes)) if changes else base
+
+
+@contextlib.contextmanager
+def options(**changes):
+    """Context manager: the given options hold for the calls made inside the block."""
+    token = _CURRENT.set(replace(_CURRENT.get(), **_checked(changes)))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
