@@ -510,7 +510,7 @@ def test_kernel_cache_is_keyed_on_the_tree():
     q, k, v = (RNG.standard_normal((g.num_dst, 2, 4)) for _ in range(3))
     tg.attention(q, k, v, g, softcap=3.0)
     tg.attention(q, k, v, g, softcap=5.0)  # same tree, other value: the same kernel
-    assert functional.last_plan().run_info["cache"] == "hit"
+    assert "hit" in str(functional.last_plan().run_info["cache"])
     a = tg.attention(q, k, v, g, alibi_slopes=np.array([0.5, 0.5]))
     b = tg.attention(q, k, v, g, softcap=3.0, alibi_slopes=np.array([0.5, 0.5]))
     assert not np.allclose(a, b)  # two different expressions never share a kernel
