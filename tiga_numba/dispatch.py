@@ -32,15 +32,19 @@ def backend_module(name):
 
 
 def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, score=None,
-              arrays=None, options=None):
+              arrays=None, options=None, score_mod=None):
     """Build the plan and refuse, before any kernel runs, what no kernel implements.
 
     `arrays` (q, k, v) let device-level families (the tensor cores) check strides and the
-    device; `options` are the call's resolved run options (tiga_numba.run_options)."""
+    device; `options` are the call's resolved run options (tiga_numba.run_options);
+    `score_mod` a score_mod.BoundModifier (CPU backend only)."""
     implicit = graph.is_implicit
     if score is None:
         score = "dot" if edge_bias is None else (
             "edge score" if shape.head_dim == 0 else "dot + edge bias")
+        if score_mod is not None:
+            score = f"modified: f = {score_mod.tree}" + (
+                "" if score_mod.uses_score and shape.head_dim else " (no dot product: gather only)")
     if edge_bias is not None and implicit:
         raise NotImplementedError(
             f"per-edge fields (edge bias / edge score) need a CSR relation; graph is {graph.kind} "

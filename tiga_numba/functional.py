@@ -100,13 +100,16 @@ def _remember(plan):
     _last_plan = plan
 
 
-def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_bias=None):
-    """Validated forward. Returns (out, stats, plan)."""
+def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_bias=None,
+                score_mod=None):
+    """Validated forward. Returns (out, stats, plan). `score_mod` is a
+    score_mod.BoundModifier applied to the scaled score in the kernels."""
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     rho = arrays.check_prune_threshold(block_prune_threshold)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
+    _check_modifier(score_mod, shape, graph)
     plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias,
-                              arrays=(q, k, v), options=_options.resolve())
+                              arrays=(q, k, v), options=_options.resolve(), score_mod=score_mod)
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
         xp = _xp(shape.library)
         # Nothing to reduce: the contract's empty-row values, no kernel launch.
@@ -118,13 +121,79 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
                              pruned_tiles=0, total_tiles=0)
     else:
         backend = dispatch.backend_module(plan.backend)
-        out, m, l, *m_kernel = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias)
+        kw = {} if score_mod is None else {"score_mod": score_mod}
+        out, m, l, *m_kernel = backend.forward(plan, q, k, v, graph.realize(plan.backend), bias,
+                                               **kw)
     _remember(plan)
     m_kernel = m_kernel[0] if m_kernel else None
     if shape.squeezed:
         out, m, l = out[:, 0, :], m[:, 0], l[:, 0]
         m_kernel = None if m_kernel is None else m_kernel[:, 0]
     return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel), plan
+
+
+def _check_modifier(score_mod, shape, graph):
+    if score_mod is not None:
+        score_mod.check(shape.heads, shape.num_dst, shape.num_src, graph.num_edges,
+                        graph.is_implicit)
+
+
+def flash_modifier(q, graph, softcap, alibi_slopes):
+    """The score modifier of flash-attn's `softcap=` / `alibi_slopes=` (None when neither is
+    given): ``softcap * tanh(s / softcap)``, then ``- slopes[h] * |i - j|`` with the distance
+    bottom-right aligned in each rectangular block of a dense or cu_seqlens relation
+    (``|r + Lk - Lq - c|`` in block-local positions, as flash-attn); triangular, band and CSR
+    relations use the node positions as they are."""
+    if softcap is None and alibi_slopes is None:
+        return None
+    from . import score_mod as sm
+    tree = sm.SCORE
+    values = {}
+    if softcap is not None:
+        if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+                softcap, (int, float, np.integer, np.floating)):
+            raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
+        softcap = float(softcap)
+        if not (softcap > 0 and np.isfinite(softcap)):
+            raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
+        tree = sm.softcap_tree(tree)
+        values[sm.Expr("scalar", (), "softcap")] = softcap
+    if alibi_slopes is not None:
+        lib = arrays.library_of("alibi_slopes", alibi_slopes)
+        qlib = arrays.library_of("q", q)
+        if lib != qlib:
+            raise TypeError(f"alibi_slopes is a {lib} array but q is {qlib} (mixed numpy/cupy)")
+        slopes = arrays.as_library_array(alibi_slopes, lib, "alibi_slopes")
+        heads = 1 if q.ndim == 2 else q.shape[1]
+        if slopes.ndim != 1 or slopes.shape[0] != heads:
+            raise ValueError(f"alibi_slopes must have shape ({heads},) (one slope per query "
+                             f"head), got {tuple(slopes.shape)}")
+        if not np.issubdtype(np.dtype(slopes.dtype), np.floating):
+            raise TypeError(f"alibi_slopes must be floating point, got {slopes.dtype}")
+        shift = _alibi_shift(graph)
+        tree = sm.alibi_tree(tree, aligned=shift is not None)
+        head = sm.Expr("head", (), "alibi_slopes")
+        values[head] = slopes
+        if shift is not None:
+            xp = _xp(lib)
+            values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(shift)
+    # no gradients besides q, k, v here (the program API gives the slopes' gradient)
+    return sm.BoundModifier(tree, values)
+
+
+def _alibi_shift(graph):
+    """Per destination row, Lk - Lq of its block (dense / segments relations), or None where
+    every shift is 0 (nothing to align)."""
+    if graph.kind not in ("dense", "segments"):
+        return None
+    rel = graph.realize("cpu")
+    nd = np.diff(np.asarray(rel.dst_offsets))
+    ns = np.diff(np.asarray(rel.src_offsets))
+    # the shift is applied to i - j with global positions: (i - d0) + (ns - nd) - (j - s0)
+    per_block = (ns - nd) - np.asarray(rel.dst_offsets[:-1]) + np.asarray(rel.src_offsets[:-1])
+    if not np.any(per_block):
+        return None
+    return np.repeat(per_block, nd).astype(np.int64)
 
 
 @foreign_arrays
@@ -143,7 +212,8 @@ def make_plan(q, k, v, graph, *, op="forward", scale=None, block_prune_threshold
 
 
 @foreign_arrays
-def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False):
+def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False,
+              softcap=None, alibi_slopes=None):
     """Attention along the edges of `graph`: out_i = sum_j softmax_j(scale * q_i . k_j) v_j.
 
     Parameters
@@ -166,6 +236,11 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
         query tile's running max + ln(rho) is skipped). Block relations only; None = exact.
     return_stats : bool
         Also return the per-row softmax state needed by `attention_backward`.
+    softcap : float, optional
+        c > 0: the scaled score s becomes ``c * tanh(s / c)`` (flash-attn's soft-cap).
+    alibi_slopes : array (H,), optional
+        ALiBi: ``slopes[h] * |i - j|`` is subtracted from the score (bottom-right aligned in
+        rectangular dense / cu_seqlens blocks, as flash-attn). See docs/score_mods.md.
 
     Returns
     -------
@@ -182,14 +257,16 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
         Shape, head or graph-size mismatch; threshold out of range.
     NotImplementedError
         A valid request this backend cannot do (e.g. pruning on a CSR relation)."""
+    mod = flash_modifier(q, graph, softcap, alibi_slopes)
     out, stats, _ = run_forward(q, k, v, graph, scale=scale,
-                                block_prune_threshold=block_prune_threshold)
+                                block_prune_threshold=block_prune_threshold, score_mod=mod)
     return (out, stats) if return_stats else out
 
 
 def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None,
-                 deterministic=None):
-    """Validated fused backward. Returns (dq, dk, dv, dbias, plan)."""
+                 deterministic=None, score_mod=None):
+    """Validated fused backward. Returns (dq, dk, dv, dbias, plan), and with `score_mod`
+    (dq, dk, dv, dbias, {leaf: gradient}, plan)."""
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     if getattr(stats, "block_prune_threshold", None) is not None:
         raise NotImplementedError(
@@ -216,8 +293,11 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         m = xp.asarray(m, dtype=acc)
         l = xp.asarray(l, dtype=acc)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
+    _check_modifier(score_mod, shape, graph)
     plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias,
-                              arrays=(q, k, v), options=_options.resolve(deterministic=deterministic))
+                              arrays=(q, k, v), options=_options.resolve(deterministic=deterministic),
+                              score_mod=score_mod)
+    mod_grads = {}
     m_kernel = _check_stats_belong(stats, graph, plan, row_shape)
     if shape.squeezed and m_kernel is not None:
         m_kernel = m_kernel[:, None]
@@ -227,16 +307,24 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         dk = xp.zeros(k.shape, dtype=shape.dtype)
         dv = xp.zeros(v.shape, dtype=shape.dtype)
         dbias = None if bias is None else xp.zeros(bias.shape, dtype=acc)
+        if score_mod is not None:
+            mod_grads = {x: xp.zeros(score_mod.values[x].shape, dtype=score_mod.values[x].dtype)
+                         for x in score_mod.grad_leaves}
         plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a")
     else:
         backend = dispatch.backend_module(plan.backend)
-        dq, dk, dv, dbias = backend.backward(
-            plan, dout, q, k, v, out, m, l, graph.realize(plan.backend),
-            graph.realize_transpose(plan.backend), bias,
-            **({} if m_kernel is None else {"m_kernel": m_kernel}))
+        args = (plan, dout, q, k, v, out, m, l, graph.realize(plan.backend),
+                graph.realize_transpose(plan.backend), bias)
+        kw = {} if m_kernel is None else {"m_kernel": m_kernel}
+        if score_mod is None:
+            dq, dk, dv, dbias = backend.backward(*args, **kw)
+        else:
+            dq, dk, dv, dbias, mod_grads = backend.backward(*args, score_mod=score_mod, **kw)
     _remember(plan)
     if shape.squeezed:
         dq, dk, dv = dq[:, 0, :], dk[:, 0, :], dv[:, 0, :]
+    if score_mod is not None:
+        return dq, dk, dv, dbias, mod_grads, plan
     return dq, dk, dv, dbias, plan
 
 
@@ -290,7 +378,8 @@ def _same_relation(a, b):
 
 
 @foreign_arrays
-def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, deterministic=None):
+def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, deterministic=None,
+                       softcap=None, alibi_slopes=None):
     """Fused backward of `attention`: gradients of the loss with respect to q, k and v.
 
     Rebuilds p = exp(s - m) / l from the forward's stats, uses Delta_i = sum(dout_i * out_i)
@@ -316,6 +405,8 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, determin
         ``True`` (the default, see `tiga_numba.run_options`): same bits on every run. ``False``
         allows a faster float-atomic backward where one is registered for the device (as
         flash-attn's ``deterministic=False``); results then differ in the last bits.
+    softcap, alibi_slopes : optional
+        The forward's score modifiers (the score is recomputed with them).
 
     Returns
     -------
@@ -331,6 +422,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, determin
     TypeError, ValueError
         As for `attention`; also for stats that are not an AttentionStats or dout / out of
         the wrong shape."""
-    dq, dk, dv, _, _ = run_backward(dout, q, k, v, out, stats, graph, scale=scale,
-                                    deterministic=deterministic)
-    return dq, dk, dv
+    mod = flash_modifier(q, graph, softcap, alibi_slopes)
+    res = run_backward(dout, q, k, v, out, stats, graph, scale=scale,
+                       deterministic=deterministic, score_mod=mod)
+    return res[0], res[1], res[2]

@@ -213,12 +213,20 @@ def _listen():
     class _CompileNotice(event.Listener):
         def on_start(self, ev):
             data = ev.data if isinstance(ev.data, dict) else {}
-            family = _FAMILY_OF.get(id(data.get("dispatcher")))
-            if family is None or family in _ANNOUNCED:
+            dispatcher = data.get("dispatcher")
+            family = _FAMILY_OF.get(id(dispatcher))
+            if family is None:
+                return
+            on_disk = getattr(dispatcher, "targetoptions", {}).get("cache", True)
+            if not on_disk:  # generated score-modifier kernels: announced per expression
+                family = f"{family} kernels for a score modifier (once per expression and process)"
+            else:
+                family = f"{family} kernels (once; cached on disk)"
+            if family in _ANNOUNCED:
                 return
             _ANNOUNCED.add(family)
             if not quiet():
-                sys.stderr.write(f"tiga_numba: compiling {family} kernels (once; cached on disk)\n")
+                sys.stderr.write(f"tiga_numba: compiling {family}\n")
                 sys.stderr.flush()
 
         def on_end(self, ev):

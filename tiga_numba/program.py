@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import arrays
+from .score_mod import leaf_name as sm_leaf_name
 from .interop import foreign_arrays
 from .tracing import TracedEdge, is_score_net, record_reduce, trace_edge
 
@@ -165,7 +166,20 @@ class _Call:
         attrs = tuple(sorted((k, id(v)) for k, v in vars(program).items()
                              if isinstance(v, OnlineSoftmaxReducer) or is_score_net(v)))
         return (tuple(parts), tuple(self.graph_fields), tuple(sorted(self.params)),
-                self.graph.kind, attrs)
+                tuple(sorted(self.head_params())), self.graph.kind, attrs)
+
+    def head_params(self):
+        """Params given as 1-D arrays: per-head params (shape (H,)) inside edge()."""
+        return {n for n, v in self.params.items()
+                if getattr(v, "ndim", 0) == 1 and hasattr(v, "dtype")}
+
+    def head_param_value(self, name):
+        v = self.params[name]
+        lib = arrays.library_of(f"param {name!r}", v)
+        if lib != self.library:
+            raise TypeError(f"param {name!r} is a {lib} array but the fields are {self.library} "
+                            "(mixed numpy/cupy)")
+        return arrays.as_library_array(v, lib, f"param {name!r}")
 
     def trace_fields(self):
         fields = {role: {n: a.ndim for n, a in self.roles[role].items()} for role in ROLES}
@@ -202,6 +216,9 @@ class _Lowered:
                     "score-network (tg.nn.trace) programs; use online_softmax() without it")
             return
         xp = _xp(call.library)
+        if traced.kind == "modified":
+            self._lower_modifier(xp, values)
+            return
         if score.dot is not None:
             s, d = score.dot
             self.q = call.field("dst", d.name)
@@ -225,6 +242,52 @@ class _Lowered:
                     self.value = v = v[:, None, :]
                 self.q = xp.empty((call.graph.num_dst, heads, 0), dtype=v.dtype)
                 self.k = xp.empty((call.graph.num_src, v.shape[1], 0), dtype=v.dtype)
+
+    def _lower_modifier(self, xp, values):
+        """q, k (zero-width without a dot product), scale and the bound modifier tree."""
+        from . import score_mod as sm
+        call, score = self.call, self.traced.score
+        self.edge_bias = None
+        self.bias_terms = []
+        leaf_values = {}
+        for text, se in score.scalars.items():
+            leaf_values[sm.Expr("scalar", (), text)] = se.evaluate(values)
+        for x in sm.leaves(score.expr):
+            if x.op == "head":
+                leaf_values[x] = call.head_param_value(x.attr)
+            elif x.op == "node":
+                leaf_values[x] = call.field(*x.attr)
+            elif x.op == "edge":
+                leaf_values[x] = call.field("edge", x.attr)
+        self.modifier = sm.BoundModifier(score.expr, leaf_values,
+                                         sm.Layout(score.expr).differentiable())
+        if score.dot is not None:
+            s, d, factor = score.dot
+            self.q = call.field("dst", d.name)
+            self.k = call.field("src", s.name)
+            self.scale = factor.evaluate(values)
+            return
+        # no dot product: zero-width q and k, the heads from the fields / params / value
+        self.scale = 1.0
+        heads = {int(a.shape[1]) for x, a in leaf_values.items()
+                 if x.op in ("node", "edge") and a.ndim == 2 and a.shape[1] != 1}
+        heads |= {int(a.shape[0]) for x, a in leaf_values.items() if x.op == "head"}
+        if len(heads) > 1:
+            raise ValueError(f"the fields and params of the score disagree on the number of "
+                             f"heads: {sorted(heads)}")
+        v = self.value
+        if heads:
+            H = heads.pop()
+        else:
+            H = 1 if v.ndim == 2 else int(v.shape[1])
+        if v.ndim == 2 and H == 1:
+            self.q = xp.empty((call.graph.num_dst, 0), dtype=v.dtype)
+            self.k = xp.empty((call.graph.num_src, 0), dtype=v.dtype)
+        else:
+            if v.ndim == 2:
+                self.value = v = v[:, None, :]
+            self.q = xp.empty((call.graph.num_dst, H, 0), dtype=v.dtype)
+            self.k = xp.empty((call.graph.num_src, v.shape[1], 0), dtype=v.dtype)
 
     def _heads(self):
         if self.q is not None:
@@ -273,7 +336,8 @@ class _Lowered:
         try:
             out, self.stats, plan = functional.run_forward(
                 self.q, self.k, self.value, self.call.graph, scale=self.scale,
-                block_prune_threshold=self.rho, edge_bias=self.edge_bias)
+                block_prune_threshold=self.rho, edge_bias=self.edge_bias,
+                score_mod=getattr(self, "modifier", None))
         except (TypeError, ValueError) as exc:
             # The functional layer names q, k, v, edge_bias: say which fields those are.
             raise type(exc)(f"{exc} [{self.roles_note()}]") from exc
@@ -283,13 +347,15 @@ class _Lowered:
     def roles_note(self):
         score = self.traced.score
         parts = []
+        if self.traced.kind == "modified":
+            parts.append(f"score modifier = {self.modifier.tree}")
         if score.dot is not None:
-            s, d = score.dot
+            s, d = score.dot[:2]
             parts += [f"q = {d.ref}", f"k = {s.ref}"]
         else:
             parts.append("q, k = zero-width (precomputed edge score)")
         parts.append(f"v = {self.traced.value.ref}")
-        if score.biases:
+        if getattr(score, "biases", None):
             parts.append(f"edge_bias = {' + '.join(f.ref for f, _ in score.biases)}")
         return f"in {self.traced.program}.edge(): " + ", ".join(parts)
 
@@ -323,12 +389,28 @@ class _Lowered:
             grads["positions"] = res.get("positions")
             return grads, res.get("plan")
         from . import functional
-        dq, dk, dv, dbias, plan = functional.run_backward(
-            dout, self.q, self.k, self.value, self.out, self.stats, self.call.graph,
-            scale=self.scale, edge_bias=self.edge_bias)
         score = self.traced.score
+        if self.traced.kind == "modified":
+            dq, dk, dv, dbias, mod_grads, plan = functional.run_backward(
+                dout, self.q, self.k, self.value, self.out, self.stats, self.call.graph,
+                scale=self.scale, score_mod=self.modifier)
+            for x, g in mod_grads.items():
+                if x.op == "head":
+                    grads["params"][x.attr] = g
+                elif x.op == "node":
+                    add(x.attr[0], x.attr[1], g)
+                else:
+                    add("edge", x.attr, g)
+                    if x.attr in self.call.graph_fields:
+                        gp = _geometric_positions_grad(self.call.graph, x.attr, g)
+                        cur = grads["positions"]
+                        grads["positions"] = gp if cur is None else cur + gp
+        else:
+            dq, dk, dv, dbias, plan = functional.run_backward(
+                dout, self.q, self.k, self.value, self.out, self.stats, self.call.graph,
+                scale=self.scale, edge_bias=self.edge_bias)
         if score.dot is not None:
-            s, d = score.dot
+            s, d = score.dot[:2]
             add("dst", d.name, dq)
             add("src", s.name, dk)
         vname = self.traced.value.name
@@ -408,7 +490,7 @@ class MessagePassing:
         traced = st["traces"].get(key)
         st["trace_hit"] = traced is not None
         if traced is None:
-            traced = trace_edge(self, call.trace_fields(), sorted(call.params))
+            traced = trace_edge(self, call.trace_fields(), sorted(call.params), call.head_params())
             unread = [(role, name) for role in ROLES for name in call.roles[role]
                       if (role, name) not in traced.reads]
             if unread:
@@ -487,6 +569,21 @@ class MessagePassing:
             net = traced.score.net
             lines.append(f"lowered to: fused score-network attention (tiga_numba.edge_mlp), "
                          f"network {net.attr}, value {traced.value.ref}")
+        elif traced.kind == "modified":
+            score = traced.score
+            mod = lowered.modifier
+            if score.dot is not None:
+                s, d = score.dot[:2]
+                low = (f"lowered to: attention kernel with q = {d.ref}, k = {s.ref}, "
+                       f"v = {traced.value.ref}, s = {lowered.scale:.6g} * <k, q>")
+            else:
+                low = (f"lowered to: gather-only attention kernel (no dot product, zero-width "
+                       f"q/k), v = {traced.value.ref}")
+            lines.append(low)
+            lines.append(f"compiled score modifier: f = {mod.tree}")
+            if mod.grad_leaves:
+                lines.append("modifier gradients: " + ", ".join(
+                    sm_leaf_name(x) for x in mod.grad_leaves))
         else:
             score = traced.score
             if score.dot is not None:

@@ -27,8 +27,11 @@ def _refuse(construct):
     raise NotImplementedError(
         f"edge() uses {construct}, which tiga_numba cannot lower to a compiled kernel. "
         "Recognised: score = (src.a * dst.b).sum(axis=-1) [* or / scalar params] "
-        "[+ edge.bias], a per-edge score field edge.score, or a tg.nn.trace score network "
-        "self.net(fields...); return self.reducer(score, src.value). See docs/program.md.")
+        "[+ edge.bias], a per-edge score field edge.score, a tg.nn.trace score network "
+        "self.net(fields...), or an elementwise score modifier of these (arithmetic, "
+        "comparisons, np.where, np.tanh/exp/log/abs/sqrt/minimum/maximum, tg.leaky_relu; per-head "
+        "params, per-node fields, src.index/dst.index); return self.reducer(score, src.value). "
+        "See docs/program.md and docs/score_mods.md.")
 
 
 def is_number(x):
@@ -50,6 +53,10 @@ class Symbolic:
     # numpy protocol: arithmetic ufuncs map to our operators, np.sum to .sum, rest refuses
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if method == "__call__" and not kwargs:
+            mod_op = _MOD_UFUNCS.get(ufunc.__name__)
+            if mod_op is not None and len(inputs) == ufunc.nin and any(
+                    _is_modifier_operand(x) for x in inputs):
+                return modify(mod_op, *inputs, construct=f"np.{ufunc.__name__}")
             op = _UFUNC_OPERATORS.get(ufunc.__name__)
             if op is not None and len(inputs) == ufunc.nin:
                 for x in inputs:
@@ -64,6 +71,10 @@ class Symbolic:
     def __array_function__(self, func, types, args, kwargs):
         if func is np.sum and args and args[0] is self:
             return self.sum(*args[1:], **kwargs)
+        if func is np.where:
+            if kwargs or len(args) != 3:
+                _refuse("np.where with other than three positional arguments (condition, x, y)")
+            return modify("where", *args, construct="np.where")
         _refuse(f"np.{func.__name__} on {self.describe()}")
 
     def __getattr__(self, name):
@@ -201,6 +212,11 @@ def _ufunc_unary(name):
     return apply
 
 
+# numpy ufuncs that build score-modifier nodes when an operand is a per-edge quantity
+_MOD_UFUNCS = {"tanh": "tanh", "exp": "exp", "log": "log", "sqrt": "sqrt", "absolute": "abs",
+               "minimum": "minimum", "maximum": "maximum", "greater": "gt", "greater_equal": "ge",
+               "less": "lt", "less_equal": "le", "equal": "eq", "not_equal": "ne"}
+
 _UFUNC_OPERATORS = {
     "multiply": operator.mul, "true_divide": operator.truediv, "divide": operator.truediv,
     "add": operator.add, "subtract": operator.sub, "negative": operator.neg,
@@ -314,7 +330,28 @@ class ScalarExpr(Symbolic):
     def __neg__(self):
         return self._bin("*", -1, swap=True)
 
+    def _compare(self, other, sym):
+        if _is_modifier_operand(other):
+            return NotImplemented  # the score side builds the modifier node (reflected)
+        _refuse(f"comparison ({sym}) of {self.describe()} (scalar params are not traced as "
+                "conditions)")
 
+    def __lt__(self, other):
+        return self._compare(other, "<")
+
+    def __le__(self, other):
+        return self._compare(other, "<=")
+
+    def __gt__(self, other):
+        return self._compare(other, ">")
+
+    def __ge__(self, other):
+        return self._compare(other, ">=")
+
+    __hash__ = object.__hash__
+
+
+_SYMBOL_OF = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 _BINOPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
            "**": operator.pow}
 ONE = ScalarExpr.const(1)
@@ -381,14 +418,27 @@ class Product(Symbolic):
     def __truediv__(self, other):
         s = ScalarExpr.lift(other)
         if s is None:
-            _refuse(f"dividing {self.describe()} by {_describe(other)} (only scalar divisors)")
+            return modify("div", self, other, construct="a division")
         return Product(self.fields, _fold(ScalarExpr("bin", "/", (self.factor, s))))
 
+    def __rtruediv__(self, other):
+        return modify("div", other, self, construct="a division")
+
+    def __sub__(self, other):
+        if self.is_edge_field() and _linear_term(other):
+            return self + (-other)
+        return modify("sub", self, other, construct="a subtraction")
+
+    def __rsub__(self, other):
+        if self.is_edge_field() and _linear_term(other):
+            return (-self) + other
+        return modify("sub", other, self, construct="a subtraction")
+
     def __add__(self, other):
-        if self.is_edge_field() and isinstance(other, (Score, Product)):
+        if self.is_edge_field() and isinstance(other, (Score, Product)) and (
+                not isinstance(other, Product) or other.is_edge_field()):
             return as_score(self, "an addition") + other
-        _refuse(f"adding {_describe(other)} to {self.describe()} (only per-edge fields such as "
-                "edge.bias add to a score)")
+        return modify("add", self, other, construct="an addition")
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False, *, dim=None, **extra):
         if extra:
@@ -486,45 +536,59 @@ class Score(Symbolic):
     def __mul__(self, other):
         s = ScalarExpr.lift(other)
         if s is None:
-            if isinstance(other, Score):
-                _refuse(f"a product of two scores ({self.formula()}) * ({other.formula()}) "
-                        "(scores only scale by scalars)")
-            if isinstance(other, Product):
-                _refuse(f"multiplying {self.describe()} by {other.describe()} (scores only scale "
-                        "by scalars)")
-            _bad(other) if not isinstance(other, Symbolic) else _refuse(
-                f"multiplying {self.describe()} by {other.describe()}")
+            if not isinstance(other, Symbolic):
+                _bad(other)
+            if self.net is not None:
+                _refuse(f"multiplying the output of the score network {self.net.attr} by "
+                        f"{other.describe()} (a network score must be the whole score)")
+            return modify("mul", self, other, construct="a product")
         return self._scaled(s)
 
     def __truediv__(self, other):
         s = ScalarExpr.lift(other)
         if s is None:
-            _refuse(f"dividing {self.describe()} by {_describe(other)} (only scalar divisors)")
+            if not isinstance(other, Symbolic):
+                _bad(other)
+            return modify("div", self, other, construct="a division")
         return self._scaled(_fold(ScalarExpr("bin", "/", (ONE, s))))
 
+    def __rtruediv__(self, other):
+        return modify("div", other, self, construct="a division")
+
     def __add__(self, other):
-        if isinstance(other, Product) and not other.is_edge_field():
-            _refuse(f"adding {other.describe()} to a score (only per-edge fields such as edge.bias "
-                    "add to a score)")
-        if isinstance(other, Product):
-            other = as_score(other, "an addition")
-        if not isinstance(other, Score):
-            if is_number(other) or isinstance(other, ScalarExpr):
-                _refuse(f"adding the scalar {_describe(other)} to a score (a constant shift "
-                        "cancels in the softmax; drop it)")
-            _bad(other) if not isinstance(other, Symbolic) else _refuse(
-                f"adding {other.describe()} to a score")
-        if self.net is not None or other.net is not None:
+        if self.net is not None or (isinstance(other, Score) and other.net is not None):
             _refuse("adding to the output of a score network (a network score must be the whole "
                     "score)")
-        if self.dot is not None and other.dot is not None:
-            _refuse(f"a sum of two dot scores ({self.formula()}) + ({other.formula()})")
+        if isinstance(other, Product) and other.is_edge_field():
+            other = as_score(other, "an addition")
+        if not isinstance(other, Score) or (self.dot is not None and other.dot is not None):
+            if not (isinstance(other, Symbolic) or is_number(other)):
+                _bad(other)
+            return modify("add", self, other, construct="an addition")
         dot, factor = (self.dot, self.dot_factor) if self.dot is not None else (other.dot, other.dot_factor)
         return Score(dot, factor, self.biases + other.biases)
+
+    def __sub__(self, other):
+        if _linear_term(other):
+            return self + (-other)
+        return modify("sub", self, other, construct="a subtraction")
+
+    def __rsub__(self, other):
+        if _linear_term(other):
+            return (-self) + other
+        return modify("sub", other, self, construct="a subtraction")
+
+
+def _linear_term(x):
+    """x joins a score linearly (an edge field or a bias-only score): kept as an edge bias."""
+    return (isinstance(x, Product) and x.is_edge_field()) or (
+        isinstance(x, Score) and x.dot is None and x.net is None)
 
 
 def as_score(x, where):
     """The score argument of the reducer: a Score, or one edge field (precomputed score)."""
+    if isinstance(x, ScoreExpr):
+        return finalize(x)
     if isinstance(x, Score):
         return x
     if isinstance(x, Product) and x.is_edge_field():
@@ -587,6 +651,9 @@ class Role:
             raise AttributeError(name)
         fields = object.__getattribute__(self, "_fields")
         role = object.__getattribute__(self, "_role")
+        if name == "index" and name not in fields and role != "edge":
+            from . import score_mod as sm
+            return ScoreExpr(sm.Expr("index", (), role))
         if name not in fields:
             given = ", ".join(sorted(fields)) or "none"
             raise ValueError(f"edge() reads {role}.{name} but the call gives no {role} field "
@@ -614,3 +681,209 @@ class ReducerOutput(Symbolic):
 
     def describe(self):
         return "the reducer output (post-processing after the reduction)"
+
+
+# --------------------------------------------------------------------------- score modifiers
+class HeadParam(Symbolic):
+    """A param given as an array of shape (H,): one value per head (ALiBi slopes)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        object.__setattr__(self, "name", name)
+
+    def describe(self):
+        return f"the per-head param {self.name!r}"
+
+
+class ScoreExpr(Symbolic):
+    """An elementwise expression of the score (a score modifier), lowered to one tree of
+    tiga_numba.score_mod. `dot` is (src field, dst field, factor) of the one dot score the
+    tree's "score" leaf stands for (None: no dot product); `scalars` maps the text of each
+    scalar-param leaf to its ScalarExpr (evaluated per call)."""
+
+    __slots__ = ("expr", "dot", "scalars")
+
+    def __init__(self, expr, dot=None, scalars=None):
+        object.__setattr__(self, "expr", expr)
+        object.__setattr__(self, "dot", dot)
+        object.__setattr__(self, "scalars", dict(scalars or {}))
+
+    def describe(self):
+        return f"the score expression [{self.expr}]"
+
+    def formula(self):
+        text = str(self.expr)
+        if self.dot is not None:
+            s, d, factor = self.dot
+            dot = f"<{s.ref}, {d.ref}>"
+            text += f"  with s = {dot}" if factor.is_one() else f"  with s = {factor} * {dot}"
+        return text
+
+    def fields(self):
+        from . import score_mod as sm
+        out = list(self.dot[:2]) if self.dot is not None else []
+        for leaf in sm.leaves(self.expr):
+            if leaf.op == "node":
+                role, name = leaf.attr
+                out.append(Field(role, name, 0))
+            elif leaf.op == "edge":
+                out.append(Field("edge", leaf.attr, 0))
+        return out
+
+    def __bool__(self):
+        _refuse(f"bool() of {self.describe()} (data-dependent control flow; use np.where)")
+
+    def __abs__(self):
+        return modify("abs", self, construct="abs()")
+
+
+def _is_modifier_operand(x):
+    return isinstance(x, Symbolic) and not isinstance(x, (ScalarExpr, ReducerOutput))
+
+
+def _to_mod(x, construct):
+    """Operand -> (tree, dot, scalars) for a score-modifier node."""
+    from . import score_mod as sm
+    if isinstance(x, ScoreExpr):
+        return x.expr, x.dot, x.scalars
+    if isinstance(x, bool) or isinstance(x, np.bool_):
+        _refuse(f"the boolean constant {x!r} in {construct}")
+    if is_number(x):
+        return sm.const(x), None, {}
+    if isinstance(x, np.generic) and is_number(x.item()):
+        return sm.const(x.item()), None, {}
+    if isinstance(x, ScalarExpr):
+        if x.op == "const":
+            return sm.const(x.arg), None, {}
+        text = str(x)
+        return sm.Expr("scalar", (), text), None, {text: x}
+    if isinstance(x, HeadParam):
+        return sm.Expr("head", (), x.name), None, {}
+    if isinstance(x, Score):
+        if x.net is not None:
+            _refuse(f"{construct} on the output of the score network {x.net.attr} (a network "
+                    "score must be the whole score)")
+        tree, scalars = sm.ZERO, {}
+        dot = None
+        if x.dot is not None:
+            # the dot score scaled by its factor; resolved to the "score" leaf by finalize()
+            text = str(x.dot_factor)
+            tree = sm.Expr("dot", (), text)
+            scalars[text] = x.dot_factor
+            dot = (x.dot[0], x.dot[1], None)
+        for f, c in x.biases:
+            term, _, sc = _to_mod(f, construct)
+            ct, _, sc2 = _to_mod(c, construct)
+            scalars.update(sc)
+            scalars.update(sc2)
+            tree = sm.make("add", tree, sm.make("mul", ct, term))
+        return tree, dot, scalars
+    if isinstance(x, Field):
+        if x.role == "edge":
+            return sm.Expr("edge", (), x.name), None, {}
+        return sm.Expr("node", (), (x.role, x.name)), None, {}
+    if isinstance(x, Product):
+        tree, _, scalars = _to_mod(x.factor, construct)
+        for f in x.fields:
+            tree = sm.make("mul", tree, _to_mod(f, construct)[0])
+        return tree, None, scalars
+    if isinstance(x, Symbolic):
+        _refuse(f"{construct} with {x.describe()}")
+    _refuse(f"{construct} with {_describe(x)}")
+
+
+def _dot_key(dot):
+    s, d, _ = dot
+    return (s.key, d.key)
+
+
+def finalize(se):
+    """The modifier as the kernels see it: its dot leaves become the one "score" leaf. When
+    every use of the dot product has the same factor (``c * tanh(s / c)`` folds 1 / c into it),
+    the factor scales q once; otherwise the leaf is the unscaled dot product and each use
+    multiplies by its own factor."""
+    from . import score_mod as sm
+    dots = sm.leaves(se.expr, "dot")
+    used = {x.attr for x in sm.leaves(se.expr, "scalar")}
+    scalars = {t: v for t, v in se.scalars.items() if t in used}
+    if not dots:
+        return ScoreExpr(se.expr, None, scalars)
+    if len({d.attr for d in dots}) == 1:
+        factor = se.scalars[dots[0].attr]
+        tree = sm.substitute(se.expr, {dots[0]: sm.SCORE})
+    else:
+        factor = ONE
+        mapping = {}
+        for d in dots:
+            f = se.scalars[d.attr]
+            if f.op == "const":
+                fx = sm.const(f.arg)
+            else:
+                fx = sm.Expr("scalar", (), d.attr)
+                scalars[d.attr] = f
+            mapping[d] = sm.make("mul", fx, sm.SCORE)
+        tree = sm.substitute(se.expr, mapping)
+    return ScoreExpr(tree, (se.dot[0], se.dot[1], factor), scalars)
+
+
+def modify(op, *operands, construct=None):
+    """A score-modifier node `op` over the operands (scores, fields, params, numbers)."""
+    from . import score_mod as sm
+    construct = construct or op
+    trees, dot, scalars = [], None, {}
+    for x in operands:
+        t, d, sc = _to_mod(x, construct)
+        if d is not None:
+            if dot is not None and _dot_key(dot) != _dot_key(d):
+                _refuse(f"{construct} combining two different dot scores "
+                        f"<{dot[0].ref}, {dot[1].ref}> and <{d[0].ref}, {d[1].ref}>: a score has "
+                        "one dot product, not two dot scores")
+            dot = dot or d
+        scalars.update(sc)
+        trees.append(t)
+    if op == "where":
+        trees[0] = trees[0] if trees[0].is_bool else sm.Expr("ne", (trees[0], sm.ZERO))
+    if op in sm.COMPARE or op == "where" or op == "leaky_relu":
+        expr = sm.make(op, *trees) if op == "where" else sm.Expr(op, trees)
+    else:
+        expr = sm.make(op, *trees)
+    return ScoreExpr(expr, dot, scalars)
+
+
+def leaky_relu_symbolic(x, negative_slope):
+    if not (is_number(negative_slope) or isinstance(negative_slope, ScalarExpr)):
+        _refuse(f"tg.leaky_relu with negative_slope {_describe(negative_slope)} (a number or a "
+                "scalar param)")
+    return modify("leaky_relu", x, negative_slope, construct="tg.leaky_relu")
+
+
+def _binary(op, swap=False, construct=None):
+    def method(self, other):
+        if not (_is_modifier_operand(other) or isinstance(other, ScalarExpr) or is_number(other)
+                or (isinstance(other, np.generic) and is_number(other.item()))):
+            _refuse(f"{construct or op} of {self.describe()} with {_describe(other)}")
+        return modify(op, other, self, construct=construct) if swap else modify(
+            op, self, other, construct=construct)
+    return method
+
+
+_ARITH = {"__add__": ("add", False, "an addition"), "__radd__": ("add", True, "an addition"),
+          "__sub__": ("sub", False, "a subtraction"), "__rsub__": ("sub", True, "a subtraction"),
+          "__mul__": ("mul", False, "a product"), "__rmul__": ("mul", True, "a product"),
+          "__truediv__": ("div", False, "a division"),
+          "__rtruediv__": ("div", True, "a division")}
+_COMPARISONS = {"__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__eq__": "eq",
+                "__ne__": "ne"}
+
+for _cls in (ScoreExpr, HeadParam):
+    for _m, (_op, _swap, _what) in _ARITH.items():
+        setattr(_cls, _m, _binary(_op, _swap, _what))
+    _cls.__neg__ = lambda self: modify("neg", self, construct="a negation")
+    _cls.__abs__ = lambda self: modify("abs", self, construct="abs()")
+for _cls in (ScoreExpr, HeadParam, Score, Product):
+    for _m, _op in _COMPARISONS.items():
+        setattr(_cls, _m, _binary(_op, construct=f"a comparison ({_SYMBOL_OF[_op]})"))
+    _cls.__hash__ = object.__hash__
+Score.__abs__ = lambda self: modify("abs", self, construct="abs()")
+Product.__abs__ = lambda self: modify("abs", self, construct="abs()")

@@ -42,6 +42,8 @@ class TracedEdge:
 
     @property
     def kind(self):
+        if isinstance(self.score, symbolic.ScoreExpr):
+            return "modified"
         return "net" if self.score.net is not None else "attention"
 
     def reaching_fields(self):
@@ -54,6 +56,13 @@ class TracedEdge:
 
     def param_names(self):
         names = set()
+        if self.kind == "modified":
+            score = self.score
+            if score.dot is not None:
+                names |= score.dot[2].params()
+            for sc in score.scalars.values():
+                names |= sc.params()
+            return names
         if self.score.net is None:
             names |= self.score.dot_factor.params()
             for _, c in self.score.biases:
@@ -117,11 +126,13 @@ def _shadow(program):
     return shadow
 
 
-def trace_edge(program, fields, param_names):
-    """Trace `program.edge` with fields {role: {name: ndim}} and symbolic params."""
+def trace_edge(program, fields, param_names, head_params=()):
+    """Trace `program.edge` with fields {role: {name: ndim}} and symbolic params (those in
+    `head_params` are per-head arrays)."""
     rec = _Recorder()
     roles = {r: Role(r, fields.get(r, {}), rec) for r in symbolic.ROLES}
-    params = {name: symbolic.param(name) for name in param_names}
+    params = {name: (symbolic.HeadParam(name) if name in head_params else symbolic.param(name))
+              for name in param_names}
     shadow = _shadow(program)
     prev = getattr(_ACTIVE, "recorder", None)
     _ACTIVE.recorder = rec

@@ -24,6 +24,7 @@ import numba
 from ..kernel_cache import KERNELS, source as kernel_source
 from . import blocks as _blocks
 from . import csr as _csr
+from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
 from .layout import acc_dtype_of, head_major, node_major, order_balanced
@@ -161,15 +162,33 @@ def _is_blocks(relation):
 
 
 # --------------------------------------------------------------------------- forward
+def _modifier(score_mod, acc, grads, H, Nq, Nk, E, copies):
+    """(generated functions, packed context) of a score modifier; (None, empty context)
+    without one. Modified kernels take q scaled by `scale` alone (natural units)."""
+    if score_mod is None:
+        return None, _codegen.empty_context(acc)
+    gen = _codegen.generated(score_mod.tree, score_mod.grad_leaves if grads else (), acc.name)
+    ctx = score_mod.pack(np, acc, H, Nq, Nk, E)
+    if any(a.size for a in ctx[1:]):
+        copies.append(f"score-modifier inputs -> packed {acc.name} (n, N, H) arrays")
+    return gen, ctx
+
+
+def _mod_key(gen):
+    return None if gen is None else (gen.tree, gen.grad_leaves)
+
+
 @serialised
-def forward(plan, q, k, v, relation, edge_bias=None):
+def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     acc = acc_dtype_of(q.dtype)
     copies = []
     Nq, H, D = q.shape
     Hkv = k.shape[1]
     group = H // Hkv
-    c = float(plan.scale) * LOG2E
+    c = float(plan.scale) * (LOG2E if score_mod is None else 1.0)
     info = plan.run_info
+    gen, mctx = _modifier(score_mod, acc, False, H, Nq, k.shape[0],
+                          0 if _is_blocks(relation) else int(relation.indices.shape[0]), copies)
     if _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
@@ -184,8 +203,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune),
             lambda: _forward_items(relation, H, split=not prune))
-        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune),
-                            lambda: _blocks.make_forward(acc.name, BM, BN, prune))
+        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, _mod_key(gen)),
+                            lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen))
         out = np.zeros((Nq, H, v.shape[2]), acc)
         m = np.full((Nq, H), -np.inf, acc)
         l = np.zeros((Nq, H), acc)
@@ -197,7 +216,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         with single_threaded_blas():
             _run(kern, items.shape[0], qh, ktt, kh, vh, items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
-                 splits, part_acc, part_m, part_l, out, m, l, total, pruned)
+                 splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
                       "merged in fixed order" if n_slots else "")
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
@@ -209,8 +228,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         kn = node_major(k, acc, "k", copies)
         vn = node_major(v, acc, "v", copies)
         bias = _bias(edge_bias, acc, H, copies)
-        kern, hit = _kernel(("cpu", "csr.forward", _name(acc)),
-                            lambda: _csr.make_forward(acc.name))
+        kern, hit = _kernel(("cpu", "csr.forward", _name(acc), _mod_key(gen)),
+                            lambda: _csr.make_forward(acc.name, gen))
         items, splits, n_slots = _pieces(relation, relation.indptr)
         Dv = v.shape[2]
         out = np.empty((Nq, H, Dv), acc)
@@ -220,7 +239,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         part_m = np.empty((n_slots, H), acc)
         part_l = np.empty((n_slots, H), acc)
         _run(kern, items.shape[0], qn, kn, vn, relation.indptr, relation.indices, bias,
-             group, items, splits, part_acc, part_m, part_l, out, m, l)
+             group, items, splits, part_acc, part_m, part_l, out, m, l, mctx)
         info.update(kernel="cpu.csr.forward (edge-balanced online softmax, long rows split "
                            "and merged)",
                     tiles=f"edge chunk={_csr.CH}; " + _split.describe(splits, n_slots, items.shape[0]),
@@ -352,7 +371,7 @@ def _bias(edge_bias, acc, H, copies):
 # --------------------------------------------------------------------------- backward
 @serialised
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
-             m_kernel=None):
+             m_kernel=None, score_mod=None):
     if plan.prune_threshold is not None:  # dispatch refuses this first; fail closed anyway
         raise NotImplementedError("block_prune_threshold: the backward of a pruned forward "
                                   "is not implemented")
@@ -363,8 +382,20 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     Dv = v.shape[2]
     group = H // Hkv
     scale = float(plan.scale)
-    c = scale * LOG2E
+    c = scale * (LOG2E if score_mod is None else 1.0)
     info = plan.run_info
+    E = 0 if _is_blocks(relation) else int(relation.indices.shape[0])
+    gen, mctx = _modifier(score_mod, acc, True, H, Nq, Nk, E, copies)
+    if gen is None:  # no modifier: the kernels' gradient buffers are empty stand-ins
+        n_hp = n_nd = n_ns = 0
+        _, ghp, gnd, gns, gef = mctx
+    else:
+        lay = gen.layout
+        n_hp, n_nd, n_ns = len(lay.heads), len(lay.dst), len(lay.src)
+        ghp = np.zeros((n_hp, H), acc)
+        gnd = np.zeros((n_nd, Nq, H), acc)
+        gns = np.zeros((n_ns, Nk, H), acc)
+        gef = np.zeros((len(lay.edges), E, H), acc)
     m = np.asarray(m, acc)
     l = np.asarray(l, acc)
     # Delta_i = sum(dO_i * O_i), per (row, head), in the accumulation dtype: O(N H D) work
@@ -391,15 +422,23 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         deltah = np.ascontiguousarray(delta.T)
         kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group))
-        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN),
-                            lambda: _blocks.make_backward(acc.name, BM, BN))
+        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, _mod_key(gen)),
+                            lambda: _blocks.make_backward(acc.name, BM, BN, gen))
         dq_part = np.zeros((n_parts, H, Nq, D), acc)
         dkh = np.zeros((Hkv, Nk, D), acc)
         dvh = np.zeros((Hkv, Nk, Dv), acc)
+        # modifier gradients: per-head params and dst fields per dq partition (summed in
+        # partition order below), src fields owned by their key tile's item
+        ghp_part = np.zeros((n_parts, n_hp, H), acc)
+        gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
             _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
                  relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
-                 tile_base, group, n_parts, dq_part, dkh, dvh)
+                 tile_base, group, n_parts, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
+        if n_hp:
+            np.sum(ghp_part, axis=0, out=ghp)
+        if n_nd:
+            np.sum(gnd_part, axis=0, out=gnd)
         dq = np.empty((Nq, H, D), acc)
         _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
@@ -415,23 +454,29 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         don = node_major(dout, acc, "dout", copies)
         bias = _bias(edge_bias, acc, H, copies)
         k_dst, k_src = None, None
-        (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", _name(acc)),
-                                      lambda: _csr.make_backward(acc.name))
+        (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", _name(acc), _mod_key(gen)),
+                                      lambda: _csr.make_backward(acc.name, gen))
         dq = np.empty((Nq, H, D), acc)
         E = int(relation.indices.shape[0])
         dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
         items, splits, n_slots = _pieces(relation, relation.indptr)
         part_dq = np.empty((n_slots, H, D), acc)
+        ghp_items = np.zeros((items.shape[0], n_hp, H), acc)
+        part_gnd = np.zeros((n_slots, n_nd, H), acc)
         _run(k_dst, items.shape[0], qn, kn, vn, don, m2, linv, delta, relation.indptr,
-             relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias)
+             relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias,
+             mctx, (ghp_items, gnd, part_gnd, gef))
+        if n_hp:
+            np.sum(ghp_items, axis=0, out=ghp)  # per work item, in item order
         dk = np.empty((Nk, Hkv, D), acc)
         dv = np.empty((Nk, Hkv, Dv), acc)
         t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)
         part_dk = np.empty((t_slots, Hkv, D), acc)
         part_dv = np.empty((t_slots, Hkv, Dv), acc)
+        part_gns = np.zeros((t_slots, n_ns, H), acc)
         _run(k_src, t_items.shape[0], qn, kn, vn, don, m2, linv, delta, transpose.indptr,
              transpose.indices, transpose.perm, bias, group, t_items, t_splits, part_dk,
-             part_dv, dk, dv)
+             part_dv, dk, dv, mctx, (gns, part_gns))
         if edge_bias is None:
             dbias = None
         info.update(kernel="cpu.csr.backward (dq by destination rows, dk/dv by source rows "
@@ -441,8 +486,11 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
                     ir=_ir_of(k_src))
     info["copies"] = copies
     dt = q.dtype
-    return (np.ascontiguousarray(dq, dtype=dt), np.ascontiguousarray(dk, dtype=dt),
-            np.ascontiguousarray(dv, dtype=dt), dbias)
+    res = (np.ascontiguousarray(dq, dtype=dt), np.ascontiguousarray(dk, dtype=dt),
+           np.ascontiguousarray(dv, dtype=dt), dbias)
+    if score_mod is None:
+        return res
+    return res + (score_mod.grads_to_user((ghp, gnd, gns, gef)),)
 
 
 def _backward_items(rel, Hkv, group):

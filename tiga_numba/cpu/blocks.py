@@ -37,8 +37,15 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .fastexp import FASTMATH, denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
+from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
+from .score_codegen import jit_kernel, no_grad, no_value
+
+# the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
+MOD_VALUE = no_value
+MOD_GRAD = no_grad
+
+LOG2E = 1.0 / math.log(2.0)
 
 LN2 = math.log(2.0)
 # The kernels never form infinities: fastmath=True lets LLVM assume there are none ('ninf')
@@ -130,14 +137,20 @@ def band_cols_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
                 ac[d] += a * xr[d]
 
 
-def make_forward(acc, BM, BN, prune):
-    """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off."""
+def make_forward(acc, BM, BN, prune, mod=None):
+    """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off, and an
+    optional score modifier ``mod`` (score_codegen.Generated): q then arrives scaled by
+    ``scale`` only and each score s of a tile becomes ``mod.value(s, i, j, ...) * log2(e)``
+    right after the score gemm, before masking (without it the hook is compiled out)."""
     dt = np.float32 if acc == "float32" else np.float64
+    MOD = mod is not None
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value}
+    log2e = dt(LOG2E)
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def forward(qh, ktt, kh, vh, items, dst_off, src_off, band_lo, band_hi, tile_base, group,
                 log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
-                tiles_pruned):
+                tiles_pruned, mctx):
+        sc, hp, nd_f, ns_f, ef = mctx
         D = qh.shape[2]
         Dv = vh.shape[2]
         n_items = items.shape[0]
@@ -182,6 +195,13 @@ def make_forward(acc, BM, BN, prune):
                     mm(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False)
                 else:  # narrow block, not packed: K rows as the transposed operand
                     mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
+                if MOD:  # natural-unit scores -> modified scores in base 2
+                    for r in range(rows):
+                        Sr = sbuf[r]
+                        i = d0 + q0 + r
+                        for c in range(cols):
+                            Sr[c] = MOD_VALUE(Sr[c], i, s0 + c0 + c, -1, h, sc, hp, nd_f, ns_f,
+                                          ef) * log2e
                 lo_rel = q0 + lo - c0
                 hi_rel = q0 + hi - c0
                 ca, cb = common_span(rows, lo_rel, hi_rel, cols)
@@ -280,16 +300,27 @@ def make_forward(acc, BM, BN, prune):
                 m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
                 l_out[i, h] = tot
 
-    return forward
+    return jit_kernel(forward, mod, **hooks)
 
 
-def make_backward(acc, BM, BN):
+def make_backward(acc, BM, BN, mod=None):
+    """Fused backward; with a score modifier ``mod`` (q scaled by ``scale`` only) the score
+    cells are rebuilt as ``mod.value(s) * log2(e)`` and dS = dF * df/ds (``mod.grad``), which
+    also accumulates the modifier's gradients into ``mgrad`` = (per-partition per-head params
+    (P, n, H), per-partition dst fields (P, n, Nq, H), src fields (n, Nk, H), owned by the key
+    tile's item)."""
     dt = np.float32 if acc == "float32" else np.float64
     ln2 = LN2
+    MOD = mod is not None
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value,
+                                "MOD_GRAD": mod.grad(("head", "dst", "src"))}
+    log2e = dt(LOG2E)
+    kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward(qh, kh, vh, ktt, vtt, doh, m2, linv, delta, kitems, dst_off, src_off,
-                 band_lo, band_hi, tile_base, group, n_parts, dq_part, dk, dv):
+                 band_lo, band_hi, tile_base, group, n_parts, dq_part, dk, dv, mctx, mgrad):
+        sc, hp, nd_f, ns_f, ef = mctx
+        ghp_part, gnd_part, gns = mgrad
         D = qh.shape[2]
         Dv = doh.shape[2]
         n_items = kitems.shape[0]
@@ -300,6 +331,8 @@ def make_backward(acc, BM, BN):
             sbuf = np.empty((BM, BN), dt)
             dk_acc = np.empty((BN, D), dt)
             dv_acc = np.empty((BN, Dv), dt)
+            ghp = ghp_part[part]
+            gnd = gnd_part[part]
             for w in range(part, n_items, n_parts):
                 hk = kitems[w, 0]
                 b = kitems[w, 1]
@@ -354,10 +387,21 @@ def make_backward(acc, BM, BN):
                             de = delta[h, i]
                             Pr = pbuf[r]
                             dPr = sbuf[r]
-                            for c in range(cols):
-                                p = exp2_any(Pr[c] - ms) * li
-                                Pr[c] = p
-                                dPr[c] = p * (dPr[c] - de)
+                            if MOD:  # only band cells reach the modifier's gradients
+                                first, last = _row_span(r, lo_rel, hi_rel, cols)
+                                for c in range(max(first, 0), min(last, cols)):
+                                    x = Pr[c]
+                                    j = s0 + c0 + c
+                                    p = exp2_any(MOD_VALUE(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef)
+                                                 * log2e - ms) * li
+                                    Pr[c] = p
+                                    dPr[c] = MOD_GRAD(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef,
+                                                   p * (dPr[c] - de), ghp, gnd, i, gns, j, ef)
+                            else:
+                                for c in range(cols):
+                                    p = exp2_any(Pr[c] - ms) * li
+                                    Pr[c] = p
+                                    dPr[c] = p * (dPr[c] - de)
                             if banded:
                                 first, last = _row_span(r, lo_rel, hi_rel, cols)
                                 for c in range(0, min(first, cols)):
@@ -382,12 +426,12 @@ def make_backward(acc, BM, BN):
                                 mm(dP, kt, dqt, 1.0, False, False)
                 for c in range(cols):
                     for d in range(D):
-                        dk[hk, s0 + c0 + c, d] = dka[c, d] * ln2
+                        dk[hk, s0 + c0 + c, d] = dka[c, d] * kmul
                     for d in range(Dv):
                         dv[hk, s0 + c0 + c, d] = dva[c, d]
             restore_mxcsr(mxcsr)
 
-    return backward
+    return jit_kernel(backward, mod, **hooks)
 
 
 @njit(parallel=True, cache=True, nogil=True)

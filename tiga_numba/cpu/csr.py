@@ -20,14 +20,28 @@ Backward (deterministic, no atomics, no (E,)-sized scratch):
   Both passes cut long rows into the same kind of pieces, whose partial sums are added in
   slot order.
   p and ds are recomputed in both passes rather than stored.
+
+Score modifiers (``mod``, score_codegen.Generated): q is then pre-multiplied by ``scale`` only,
+the kernels apply ``f = mod.value(s, i, j, e, h, ...)`` to each natural-unit score and continue
+in base 2 with ``f * log2(e)``. The backward turns ``dF = p (dp - Delta)`` into ``dF * df/ds``
+(``mod.grad``), which also accumulates the gradients of the modifier's fields: dst fields and
+per-head params in pass 1 (per row / per work item, pieces of long rows in slots merged in
+order), edge fields per edge, src fields in pass 2. Without a modifier the code is the plain
+kernel (the hooks are compiled out).
 """
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from .blocks import EMPTY, NEG, exp2_any
-from .fastexp import FASTMATH, denormals_off, fmax, restore_mxcsr
+from .fastexp import denormals_off, fmax, restore_mxcsr
+from .score_codegen import jit_kernel, no_grad, no_value
+
+# the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
+MOD_VALUE = no_value
+MOD_GRAD = no_grad
+MOD_GRAD_SRC = no_grad
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -35,13 +49,15 @@ CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/
 RB = 32  # rows per prange iteration (amortises scratch allocation)
 
 
-def make_forward(acc):
+def make_forward(acc, mod=None):
     dt = np.float32 if acc == "float32" else np.float64
     log2e = dt(LOG2E)
+    MOD = mod is not None
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value}
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def forward(q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
-                out, m_out, l_out):
+                out, m_out, l_out, mctx):
+        sc, hp, nd, ns, ef = mctx
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
@@ -67,14 +83,17 @@ def make_forward(acc):
                 for c0 in range(e0, e1, CH):
                     n = min(CH, e1 - c0)
                     for t in range(n):
-                        kj = k[indices[c0 + t]]
+                        j = indices[c0 + t]
+                        kj = k[j]
                         for h in range(H):
                             qr = qi[h]
                             kr = kj[h // group]
                             x = dt(0.0)
                             for d in range(D):
                                 x += qr[d] * kr[d]
-                            if has_bias:
+                            if MOD:
+                                x = MOD_VALUE(x, i, j, c0 + t, h, sc, hp, nd, ns, ef) * log2e
+                            elif has_bias:
                                 x += bias[c0 + t, h] * log2e
                             s[h, t] = x
                     for h in range(H):
@@ -147,18 +166,27 @@ def make_forward(acc):
                 m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
                 l_out[i, h] = tot
 
-    return forward
+    return jit_kernel(forward, mod, **hooks)
 
 
-def make_backward(acc):
+def make_backward(acc, mod=None):
     dt = np.float32 if acc == "float32" else np.float64
     ln2 = LN2
     log2e = dt(LOG2E)
+    MOD = mod is not None
+    hooks = {} if not MOD else {"MOD_VALUE": mod.value,
+                                "MOD_GRAD": mod.grad(("head", "dst", "edge")),
+                                "MOD_GRAD_SRC": mod.grad(("src",))}
+    kmul = 1.0 if MOD else ln2  # modified kernels take q scaled by `scale` only
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward_dst(q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
-                     items, splits, part_dq, dq, dbias):
-        """dq (and dbias) by destination rows; long rows in pieces summed in slot order."""
+                     items, splits, part_dq, dq, dbias, mctx, mgrad):
+        """dq (and dbias) by destination rows; long rows in pieces summed in slot order.
+        With a modifier, mgrad = (ghp per item (n_items, n, H), gnd (n, Nq, H), part_gnd per
+        slot (n_slots, n, H), gef (n, E, H)) receives the dst/edge/head gradients."""
+        sc, hp, nd, ns, ef = mctx
+        ghp_items, gnd, part_gnd, gef = mgrad
+        n_nd = gnd.shape[0]
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
@@ -170,8 +198,12 @@ def make_backward(acc):
             hi_e = items[w, 3]
             slot = items[w, 4]
             acc_ = np.empty((H, D), dt)
+            row_nd = np.zeros((n_nd, 1, H), dt)  # this row's dst-field gradient
+            ghp = ghp_items[w]
             for i in range(r0, r1):
                 acc_[:, :] = 0.0
+                if MOD:
+                    row_nd[:, :, :] = 0.0
                 qi = q[i]
                 doi = do[i]
                 for e in range(max(indptr[i], lo_e), min(indptr[i + 1], hi_e)):
@@ -186,15 +218,21 @@ def make_backward(acc):
                         x = dt(0.0)
                         for d in range(D):
                             x += qr[d] * kr[d]
-                        if has_bias:
-                            x += bias[e, h] * log2e
+                        x2 = x
+                        if MOD:
+                            x2 = MOD_VALUE(x, i, j, e, h, sc, hp, nd, ns, ef) * log2e
+                        elif has_bias:
+                            x2 += bias[e, h] * log2e
                         mr = m2[i, h]
-                        p = exp2_any(x - (mr if mr > EMPTY else dt(0.0))) * linv[i, h]
+                        p = exp2_any(x2 - (mr if mr > EMPTY else dt(0.0))) * linv[i, h]
                         dp = dt(0.0)
                         for d in range(Dv):
                             dp += dr[d] * vr[d]
                         ds = p * (dp - delta[i, h])
-                        if has_bias:
+                        if MOD:
+                            ds = MOD_GRAD(x, i, j, e, h, sc, hp, nd, ns, ef, ds, ghp, row_nd, 0,
+                                       row_nd, 0, gef)
+                        elif has_bias:
                             dbias[e, h] = ds
                         ar = acc_[h]
                         for d in range(D):
@@ -205,6 +243,13 @@ def make_backward(acc):
                     f = dt(1.0) if slot >= 0 else scale
                     for d in range(D):
                         o[d] = ar[d] * f
+                if MOD:
+                    for c in range(n_nd):
+                        for h in range(H):
+                            if slot >= 0:
+                                part_gnd[slot, c, h] = row_nd[c, 0, h]
+                            else:
+                                gnd[c, i, h] = row_nd[c, 0, h]
             restore_mxcsr(mxcsr)
         for t in prange(splits.shape[0]):
             i = splits[t, 0]
@@ -217,12 +262,21 @@ def make_backward(acc):
                     for p in range(first + 1, last):
                         x += part_dq[p, h, d]
                     o[d] = x * scale
+                if MOD:
+                    for c in range(n_nd):
+                        x = part_gnd[first, c, h]
+                        for p in range(first + 1, last):
+                            x += part_gnd[p, c, h]
+                        gnd[c, i, h] = x
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
     def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
-                     items, splits, part_dk, part_dv, dk, dv):
+                     items, splits, part_dk, part_dv, dk, dv, mctx, mgrad):
         """dk, dv by source rows over the transposed relation; a source read by very many
-        destinations is cut into pieces summed in slot order."""
+        destinations is cut into pieces summed in slot order. With a modifier, mgrad =
+        (gns (n, Nk, H), part_gns per slot (n_slots, n, H)) receives the src-field gradients."""
+        sc, hp, nd, ns, ef = mctx
+        gns, part_gns = mgrad
+        n_ns = gns.shape[0]
         Nk, Hkv, D = k.shape
         H = q.shape[1]
         Dv = v.shape[2]
@@ -236,9 +290,12 @@ def make_backward(acc):
             slot = items[w, 4]
             dk_acc = np.empty((Hkv, D), dt)
             dv_acc = np.empty((Hkv, Dv), dt)
+            row_ns = np.zeros((n_ns, 1, H), dt)  # this source's src-field gradient
             for j in range(r0, r1):
                 dk_acc[:, :] = 0.0
                 dv_acc[:, :] = 0.0
+                if MOD:
+                    row_ns[:, :, :] = 0.0
                 kj = k[j]
                 vj = v[j]
                 for t in range(max(t_indptr[j], lo_e), min(t_indptr[j + 1], hi_e)):
@@ -254,14 +311,20 @@ def make_backward(acc):
                         x = dt(0.0)
                         for d in range(D):
                             x += qr[d] * kr[d]
-                        if has_bias:
-                            x += bias[perm[t], h] * log2e
+                        x2 = x
+                        if MOD:
+                            x2 = MOD_VALUE(x, i, j, perm[t], h, sc, hp, nd, ns, ef) * log2e
+                        elif has_bias:
+                            x2 += bias[perm[t], h] * log2e
                         mr = m2[i, h]
-                        p = exp2_any(x - (mr if mr > EMPTY else dt(0.0))) * linv[i, h]
+                        p = exp2_any(x2 - (mr if mr > EMPTY else dt(0.0))) * linv[i, h]
                         dp = dt(0.0)
                         for d in range(Dv):
                             dp += dr[d] * vr[d]
                         ds = p * (dp - delta[i, h])
+                        if MOD:
+                            ds = MOD_GRAD_SRC(x, i, j, perm[t], h, sc, hp, nd, ns, ef, ds,
+                                              row_ns[0], row_ns, 0, row_ns, 0, row_ns)
                         va = dv_acc[hk]
                         for d in range(Dv):
                             va[d] += p * dr[d]
@@ -273,11 +336,18 @@ def make_backward(acc):
                     va = dv_acc[hk]
                     ok = part_dk[slot, hk] if slot >= 0 else dk[j, hk]
                     ov = part_dv[slot, hk] if slot >= 0 else dv[j, hk]
-                    f = dt(1.0) if slot >= 0 else dt(ln2)
+                    f = dt(1.0) if slot >= 0 else dt(kmul)
                     for d in range(D):
                         ok[d] = ka[d] * f
                     for d in range(Dv):
                         ov[d] = va[d]
+                if MOD:
+                    for c in range(n_ns):
+                        for h in range(H):
+                            if slot >= 0:
+                                part_gns[slot, c, h] = row_ns[c, 0, h]
+                            else:
+                                gns[c, j, h] = row_ns[c, 0, h]
             restore_mxcsr(mxcsr)
         for t in prange(splits.shape[0]):
             j = splits[t, 0]
@@ -290,11 +360,18 @@ def make_backward(acc):
                     x = part_dk[first, hk, d]
                     for p in range(first + 1, last):
                         x += part_dk[p, hk, d]
-                    ok[d] = x * ln2
+                    ok[d] = x * kmul
                 for d in range(Dv):
                     x = part_dv[first, hk, d]
                     for p in range(first + 1, last):
                         x += part_dv[p, hk, d]
                     ov[d] = x
+            if MOD:
+                for c in range(n_ns):
+                    for h in range(H):
+                        x = part_gns[first, c, h]
+                        for p in range(first + 1, last):
+                            x += part_gns[p, c, h]
+                        gns[c, j, h] = x
 
-    return backward_dst, backward_src
+    return jit_kernel(backward_dst, mod, **hooks), jit_kernel(backward_src, mod, **hooks)

@@ -1,0 +1,81 @@
+"""CPU benchmark of score modifiers and sliding windows, side by side in one run.
+
+    python benchmarks/bench_score_mods.py              # N = 4096, H = 4, D = 64, float32
+    python benchmarks/bench_score_mods.py --n 1024     # quicker
+
+Rows: plain causal (Graph.triangular), causal + tanh soft-cap 30 (softcap=), ALiBi causal
+(alibi_slopes=), sliding window of W keys (Graph.band(n, left=W - 1), causal), dense. Each row
+reports forward and forward+backward ms (best of --reps after a warm-up call that compiles) and
+its ratio to plain causal; the window row also its speed-up over dense. Targets: every modifier
+within 20% of plain causal (ratio <= 1.2) and the window at least (N / W) / 2 times faster than
+dense.
+"""
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import tiga_numba as tg  # noqa: E402
+
+
+def best(fn, reps):
+    fn()  # warm-up: compiles on first use
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    n, H, D, W = args.n, args.heads, args.dim, args.window
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((n, H, D)).astype(np.float32) for _ in range(4))
+    slopes = (2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(np.float32)  # ALiBi's slopes
+    causal = tg.Graph.triangular(n)
+    rows = [
+        ("plain causal", causal, {}),
+        ("causal + softcap 30", causal, {"softcap": 30.0}),
+        ("ALiBi causal", causal, {"alibi_slopes": slopes}),
+        (f"sliding window W={W} (band)", tg.Graph.band(n, left=W - 1), {}),
+        ("dense", tg.Graph.dense(n), {}),
+    ]
+    print(f"CPU score modifiers: N={n}, H={H}, D={D}, float32, {os.cpu_count()} cores "
+          f"({platform.processor() or platform.machine()}), NUMBA_NUM_THREADS="
+          f"{os.environ.get('NUMBA_NUM_THREADS', 'default')}; best of {args.reps}")
+    results = {}
+    for name, g, kw in rows:
+        def fwd():
+            return tg.attention(q, k, v, g, **kw)
+
+        def fwd_bwd():
+            out, st = tg.attention(q, k, v, g, return_stats=True, **kw)
+            return tg.attention_backward(dout, q, k, v, out, st, g, **kw)
+
+        results[name] = (best(fwd, args.reps), best(fwd_bwd, args.reps))
+    base = results["plain causal"]
+    dense = results["dense"]
+    print(f"{'relation / score':32s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd ratio':>10s} "
+          f"{'f+b ratio':>10s}")
+    for name, (f, fb) in results.items():
+        print(f"{name:32s} {f * 1e3:9.1f} {fb * 1e3:11.1f} {f / base[0]:10.2f} {fb / base[1]:10.2f}")
+    wf, wfb = results[f"sliding window W={W} (band)"]
+    print(f"ratios are to plain causal (target for modifiers: <= 1.20)")
+    print(f"sliding window vs dense: forward {dense[0] / wf:.1f}x, forward+backward "
+          f"{dense[1] / wfb:.1f}x faster (target >= (N/W)/2 = {n / W / 2:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,554 @@
+"""Score modifiers: tracing to one expression tree, generated code and its derivatives, and the
+compiled kernels (dense, triangular, segments, band, CSR) forward and backward against a
+float64 oracle that evaluates the same Python function on numpy arrays."""
+import math
+
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from tiga_numba import score_mod as sm
+from tiga_numba.cpu import score_codegen as cg
+from tiga_numba.graph import _rows_of
+
+RNG = np.random.default_rng(7)
+
+
+# --------------------------------------------------------------------------- generated code
+def _leaf(op, attr):
+    return sm.Expr(op, (), attr)
+
+
+C = _leaf("scalar", "c")
+SLOPES = _leaf("head", "slopes")
+DA = _leaf("node", ("dst", "a"))
+SA = _leaf("node", ("src", "a"))
+EB = _leaf("edge", "b")
+I = _leaf("index", "dst")
+J = _leaf("index", "src")
+S = sm.SCORE
+
+
+def E(op, *args):
+    return sm.make(op, *args) if op in ("add", "sub", "mul", "div", "neg", "where") else sm.Expr(op, args)
+
+
+TREES = {
+    "softcap": E("mul", C, E("tanh", E("div", S, C))),
+    "alibi": E("sub", S, E("mul", SLOPES, E("abs", E("sub", I, J)))),
+    "gat": E("leaky_relu", E("add", SA, DA), sm.const(0.2)),
+    "mix": E("add", E("where", E("gt", S, sm.ZERO), E("exp", E("mul", sm.const(0.3), S)),
+                      E("minimum", S, E("mul", EB, DA))),
+             E("maximum", E("log", E("add", SA, sm.const(2.0))),
+                E("sqrt", E("add", E("mul", DA, DA), sm.const(0.5))))),
+    "ratio": E("div", E("add", S, SA), E("add", sm.const(3.0), E("abs", DA))),
+}
+
+
+def _env(tree, H=3, N=6, Ne=5):
+    lay = sm.Layout(tree)
+    sc = RNG.uniform(1.0, 3.0, len(lay.scalars))
+    hp = RNG.uniform(0.1, 1.0, (len(lay.heads), H))
+    nd = RNG.uniform(-1.0, 1.0, (len(lay.dst), N, H))
+    ns = RNG.uniform(-1.0, 1.0, (len(lay.src), N, H))
+    ef = RNG.uniform(-1.0, 1.0, (len(lay.edges), Ne, H))
+    return lay, [sc, hp, nd, ns, ef]
+
+
+def _point_env(lay, arrays, s, i, j, e, h):
+    sc, hp, nd, ns, ef = arrays
+    env = {S: s, I: float(i), J: float(j)}
+    for x in lay.scalars:
+        env[x] = sc[lay.slot[x]]
+    for x in lay.heads:
+        env[x] = hp[lay.slot[x], h]
+    for x in lay.dst:
+        env[x] = nd[lay.slot[x], i, h]
+    for x in lay.src:
+        env[x] = ns[lay.slot[x], j, h]
+    for x in lay.edges:
+        env[x] = ef[lay.slot[x], e, h]
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_generated_value_and_derivatives_match_the_tree(name):
+    tree = TREES[name]
+    lay, arrays = _env(tree)
+    g = cg.generated(tree, lay.differentiable(), "float64")
+    grad = g.grad(cg.TARGETS)
+    for _ in range(12):
+        s = RNG.uniform(-2, 2)
+        i, j, e, h = (int(RNG.integers(0, n)) for n in (6, 6, 5, 3))
+        want = sm.evaluate(tree, _point_env(lay, arrays, s, i, j, e, h))
+        assert g.value(s, i, j, e, h, *arrays) == pytest.approx(want, rel=1e-12, abs=1e-12)
+        bufs = [np.zeros_like(a) for a in arrays[1:]]
+        dF = RNG.uniform(0.5, 1.5)
+        ds = grad(s, i, j, e, h, *arrays, dF, bufs[0], bufs[1], i, bufs[2], j, bufs[3])
+        eps = 1e-6
+        fd = (g.value(s + eps, i, j, e, h, *arrays) - g.value(s - eps, i, j, e, h, *arrays)) / (2 * eps)
+        assert ds == pytest.approx(dF * fd, rel=1e-6, abs=1e-7)
+        # every differentiable leaf: central difference on its packed cell
+        for group, buf, idx in ((1, bufs[0], lambda k: (k, h)), (2, bufs[1], lambda k: (k, i, h)),
+                                (3, bufs[2], lambda k: (k, j, h)), (4, bufs[3], lambda k: (k, e, h))):
+            a = arrays[group]
+            for k in range(a.shape[0]):
+                cell = idx(k)
+                old = a[cell]
+                a[cell] = old + eps
+                up = g.value(s, i, j, e, h, *arrays)
+                a[cell] = old - eps
+                dn = g.value(s, i, j, e, h, *arrays)
+                a[cell] = old
+                # dst and src fields share a cell when i == j only through different arrays
+                assert buf[cell] == pytest.approx(dF * (up - dn) / (2 * eps), rel=1e-6, abs=1e-7), (name, group, k)
+
+
+def test_float32_code_uses_fast_tanh_and_exp_within_float32_accuracy():
+    tree = E("add", TREES["softcap"], E("exp", E("mul", sm.const(0.1), S)))
+    lay, arrays = _env(tree)
+    g32 = cg.generated(tree, (), "float32")
+    a32 = [a.astype(np.float32) for a in arrays]
+    for s in np.linspace(-40, 40, 81):
+        want = sm.evaluate(tree, _point_env(lay, a32, float(np.float32(s)), 0, 0, 0, 0))
+        got = g32.value(np.float32(s), 0, 0, 0, 0, *a32)
+        assert abs(got - want) <= 2e-6 * max(1.0, abs(want))
+
+
+def test_value_never_returns_non_finite():
+    tree = E("log", S)  # log of a negative score: NaN -> the masked value; log(0) -> -inf
+    g = cg.generated(tree, (), "float64")
+    empty = [np.zeros(0), np.zeros((0, 1)), np.zeros((0, 1, 1)), np.zeros((0, 1, 1)), np.zeros((0, 1, 1))]
+    for s in (-1.0, 0.0):
+        v = g.value(s, 0, 0, 0, 0, *empty)
+        assert np.isfinite(v) and v <= -1e29
+    big = cg.generated(E("exp", S), (), "float64")
+    assert np.isfinite(big.value(1e4, 0, 0, 0, 0, *empty))
+
+
+def test_generated_code_is_memoised_per_tree():
+    a = cg.generated(TREES["softcap"], (), "float64")
+    assert cg.generated(E("mul", C, E("tanh", E("div", S, C))), (), "float64") is a
+    assert cg.generated(TREES["alibi"], (), "float64") is not a
+    assert cg.generated(TREES["softcap"], (), "float32") is not a
+
+
+def test_trees_are_structural_and_print_as_written():
+    assert TREES["softcap"] == E("mul", C, E("tanh", E("div", S, C)))
+    assert hash(TREES["softcap"]) == hash(E("mul", C, E("tanh", E("div", S, C))))
+    assert TREES["softcap"] != TREES["alibi"]
+    assert str(TREES["softcap"]) == "c * tanh(s / c)"
+    assert str(TREES["alibi"]) == "s - slopes[h] * abs(dst.index - src.index)"
+    assert str(E("sub", S, E("sub", I, J))) == "s - (dst.index - src.index)"
+
+
+# --------------------------------------------------------------------------- tracing
+class ModProgram(tg.MessagePassing):
+    """score = fn(scale * <src.key, dst.query>, src, dst, edge, params)."""
+    reducer = tg.online_softmax()
+
+    def __init__(self, fn, dot=True):
+        self.fn = fn
+        self.dot = dot
+
+    def edge(self, src, dst, edge, scale, **params):
+        s = (src.key * dst.query).sum(-1) * scale if self.dot else None
+        return self.reducer(self.fn(s, src, dst, edge, params), src.value)
+
+
+def _trace(fn, n=6, H=2, D=4, dot=True, src=None, dst=None, edge=None, graph=None, **params):
+    src = dict(src or {})
+    dst = dict(dst or {})
+    if dot:
+        src.setdefault("key", RNG.standard_normal((n, H, D)))
+        dst.setdefault("query", RNG.standard_normal((n, H, D)))
+    src.setdefault("value", RNG.standard_normal((n, H, D)))
+    graph = graph or tg.Graph.dense(n)
+    return ModProgram(fn, dot).traced_form(graph, src=src, dst=dst, edge=edge, scale=0.5, **params)
+
+
+def test_trace_lowers_flash_style_modifiers_to_one_tree():
+    t = _trace(lambda s, src, dst, edge, p: p["c"] * np.tanh(s / p["c"]), c=30.0)
+    assert t.kind == "modified"
+    assert str(t.score.expr) == "c * tanh(s)"  # the 1 / c folds into the dot's scale
+    assert "(scale * (1 / c)) * <src.key, dst.query>" in t.describe()
+    t = _trace(lambda s, src, dst, edge, p: s - p["slopes"] * np.abs(dst.index - src.index),
+               slopes=np.ones(2))
+    assert str(t.score.expr) == "s - slopes[h] * abs(dst.index - src.index)"
+
+
+def test_one_dot_product_with_several_factors_is_one_score_leaf():
+    t = _trace(lambda s, src, dst, edge, p: np.tanh(s) + (src.key * dst.query).sum(-1) * 2.0)
+    assert str(t.score.expr) == "tanh(scale * s) + 2 * s"  # s: the unscaled dot product
+    assert t.score.dot[2].is_one()
+
+
+def test_trace_classic_gat_has_no_dot_product():
+    t = _trace(lambda s, src, dst, edge, p: tg.leaky_relu(src.a + dst.a, 0.2), dot=False,
+               src={"a": RNG.standard_normal((6, 2))}, dst={"a": RNG.standard_normal((6, 2))})
+    assert t.score.dot is None
+    assert str(t.score.expr) == "leaky_relu(src.a + dst.a, 0.2)"
+
+
+def test_every_listed_construct_traces():
+    def fn(s, src, dst, edge, p):
+        x = np.where(s > 0.5, np.exp(s), np.log(np.abs(s) + 1.0)) + np.minimum(s, dst.a)
+        x = x - np.maximum(src.a, 0.1) * np.sqrt(dst.a * dst.a + 1.0) + abs(s) / 3.0
+        x = x + (s >= src.a) * 1.0 - (s <= 2) + (s < p["c"]) * (dst.index != src.index)
+        return tg.leaky_relu(x, 0.1) * p["w"] + 0.5 * np.tanh(s) / (1.0 + s * s) - (s == 0)
+
+    t = _trace(fn, src={"a": RNG.standard_normal(6)}, dst={"a": RNG.standard_normal((6, 2))},
+               c=1.0, w=np.ones(2))
+    ops = {x.op for x in sm.walk(t.score.expr)}
+    assert {"where", "exp", "log", "abs", "minimum", "maximum", "sqrt", "tanh", "leaky_relu",
+            "gt", "ge", "le", "lt", "ne", "eq", "div", "mul", "add", "sub", "head", "node",
+            "index", "scalar", "score"} <= ops
+
+
+REFUSED = [
+    ("np.sin", lambda s, src, dst, edge, p: np.sin(s)),
+    ("power (**)", lambda s, src, dst, edge, p: s ** 2),
+    ("float()", lambda s, src, dst, edge, p: math.tanh(s)),
+    ("np.arctan2", lambda s, src, dst, edge, p: np.arctan2(s, 1.0)),
+    ("bool()", lambda s, src, dst, edge, p: s if s > 0 else -s),
+    ("modulo", lambda s, src, dst, edge, p: s % 2.0),
+    ("np.where with other than three", lambda s, src, dst, edge, p: np.where(s > 0)),
+    ("two dot scores", lambda s, src, dst, edge, p: np.tanh(s) + (src.value * dst.query).sum(-1)),
+    ("np.clip", lambda s, src, dst, edge, p: np.clip(s, 0, 1)),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])
+def test_constructs_outside_the_grammar_name_themselves(case):
+    needle, fn = case
+    with pytest.raises(NotImplementedError) as info:
+        _trace(fn)
+    assert needle in str(info.value), str(info.value)
+
+
+def test_leaky_relu_is_eager_on_arrays():
+    x = np.array([-2.0, 0.0, 3.0])
+    np.testing.assert_array_equal(tg.leaky_relu(x, 0.2), [-0.4, 0.0, 3.0])
+    assert tg.leaky_relu(-1.0, 0.5) == -0.5
+
+
+# --------------------------------------------------------------------------- kernels vs oracle
+class _NS:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _edges(graph):
+    indptr, indices = graph._host_csr()
+    return _rows_of(indptr), indices.astype(np.int64)
+
+
+def oracle(fn, graph, q, k, v, dout, scale, src, dst, edge, params, dot=True):
+    """float64 forward and gradients of attention with score fn(s, src, dst, edge, params),
+    evaluated on numpy arrays; derivatives of fn by central differences per edge."""
+    rows, cols = _edges(graph)
+    E = rows.shape[0]
+    H = v.shape[1] if q is None else q.shape[1]
+    Hkv = v.shape[1]
+    kvh = np.arange(H) // (H // Hkv) if H >= Hkv else np.zeros(H, np.int64)
+    s = scale * np.einsum("ehd,ehd->eh", q[rows], k[cols][:, kvh]) if dot else None
+
+    def gather(a, idx):
+        return a[idx][:, None] if a.ndim == 1 else a[idx]
+
+    base = {"src": {n: gather(a, cols) for n, a in src.items()},
+            "dst": {n: gather(a, rows) for n, a in dst.items()},
+            "edge": {n: (a[:, None] if a.ndim == 1 else a) for n, a in edge.items()},
+            "params": dict(params)}
+
+    def F(s, vals):
+        out = fn(s, _NS(index=cols[:, None], **vals["src"]), _NS(index=rows[:, None], **vals["dst"]),
+                 _NS(**vals["edge"]), vals["params"])
+        return np.broadcast_to(np.asarray(out, np.float64), (E, H))
+
+    f = F(s, base)
+    m = np.full((graph.num_dst, H), -np.inf)
+    np.maximum.at(m, rows, f)
+    pu = np.exp(f - m[rows])
+    l = np.zeros((graph.num_dst, H))
+    np.add.at(l, rows, pu)
+    p = pu / l[rows]
+    vg = v[cols][:, kvh]
+    out = np.zeros((graph.num_dst, H, v.shape[2]))
+    np.add.at(out, rows, p[:, :, None] * vg)
+    dp = np.einsum("ehd,ehd->eh", dout[rows], vg)
+    delta = np.einsum("nhd,nhd->nh", dout, out)[rows]
+    dF = p * (dp - delta)
+    eps = 1e-6
+    grads = {"src": {}, "dst": {}, "edge": {}, "params": {}}
+    dv = np.zeros((v.shape[0], H, v.shape[2]))
+    np.add.at(dv, cols, p[:, :, None] * dout[rows])
+    grads["src"]["value"] = dv.reshape(v.shape[0], Hkv, -1, v.shape[2]).sum(axis=2) if H >= Hkv else dv
+    if dot:
+        dS = dF * (F(s + eps, base) - F(s - eps, base)) / (2 * eps)
+        dq = np.zeros_like(q)
+        np.add.at(dq, rows, scale * dS[:, :, None] * k[cols][:, kvh])
+        dkf = np.zeros((k.shape[0], H, k.shape[2]))
+        np.add.at(dkf, cols, scale * dS[:, :, None] * q[rows])
+        grads["dst"]["query"] = dq
+        grads["src"]["key"] = dkf.reshape(k.shape[0], Hkv, -1, k.shape[2]).sum(axis=2)
+    for role, given, idx in (("src", src, cols), ("dst", dst, rows), ("edge", edge, None),
+                             ("params", params, None)):
+        for n, a in given.items():
+            if not (isinstance(a, np.ndarray) and a.dtype.kind == "f"):
+                continue
+            up = {r: dict(d) for r, d in base.items()}
+            dn = {r: dict(d) for r, d in base.items()}
+            up[role][n] = base[role][n] + eps
+            dn[role][n] = base[role][n] - eps
+            d = dF * (F(s, up) - F(s, dn)) / (2 * eps)  # (E, H)
+            if role == "params":
+                g = d.sum(axis=0)
+            elif role == "edge":
+                g = d if a.ndim == 2 and a.shape[1] == H else d.sum(axis=1).reshape(a.shape)
+            else:
+                g = np.zeros((a.shape[0], H))
+                np.add.at(g, idx, d)
+                g = g.sum(axis=1).reshape(a.shape) if a.ndim == 1 or a.shape[1] == 1 else g
+            grads[role][n] = g
+    return out, grads
+
+
+def _relations(n):
+    cu = np.array([0, 5, 5, 12, n])           # an empty segment
+    cu_k = np.array([0, 7, 9, 12, n + 3])     # rectangular segments (bottom-right causal)
+    mask = RNG.random((n, n)) < 0.3
+    mask[3] = False                           # an empty row
+    mask[:, 2] = True                         # a hub source
+    import scipy.sparse as sp
+    return {
+        "dense": tg.Graph.dense(n),
+        "dense-rect": tg.Graph.dense(n + 4, n),
+        "triangular": tg.Graph.triangular(n),
+        "segments": tg.Graph.cu_seqlens(cu, causal=True),
+        "segments-rect": tg.Graph.cu_seqlens(cu, causal=False, cu_seqlens_k=cu_k),
+        "band": tg.Graph.band(n, left=4, right=1),
+        "csr": tg.Graph.from_scipy(sp.csr_matrix(mask.astype(np.float64))),
+    }
+
+
+N_NODES = 19
+RELATIONS = _relations(N_NODES)
+
+
+def _full_mod(s, src, dst, edge, p):
+    x = p["c"] * np.tanh(s / p["c"]) - p["slopes"] * np.abs(dst.index - src.index) * 0.1
+    x = np.where(x > 0.2, x, 0.5 * x) + np.minimum(src.a, dst.a) * np.maximum(s, -1.0)
+    return x + tg.leaky_relu(src.a + dst.a, 0.2) + np.sqrt(dst.a * dst.a + 1.0) * np.exp(0.1 * s) \
+        - np.log(np.abs(src.a) + 1.0) / 2.0 + (s >= 0.3) * 0.25
+
+
+def _gat_mod(s, src, dst, edge, p):
+    return tg.leaky_relu(src.a + dst.a, 0.2)
+
+
+def _edge_mod(s, src, dst, edge, p):
+    return np.tanh(s + edge.b) * 2.0 - edge.w * np.abs(s)
+
+
+def _run_program(fn, graph, dtype, H=4, Hkv=2, D=5, dot=True, node_shapes=("N", "NH"),
+                 edge_fields=(), **params):
+    n_dst, n_src = graph.num_dst, graph.num_src
+    src, dst, edge = {}, {}, {}
+    if dot:
+        dst["query"] = RNG.standard_normal((n_dst, H, D))
+        src["key"] = RNG.standard_normal((n_src, Hkv, D))
+    src["value"] = RNG.standard_normal((n_src, Hkv if dot else H, 3))
+    if "a" in (fn.__code__.co_names + fn.__code__.co_varnames) or fn in (_full_mod, _gat_mod):
+        shp_d, shp_s = node_shapes
+        dst["a"] = RNG.standard_normal((n_dst,) if shp_d == "N" else (n_dst, H))
+        src["a"] = RNG.standard_normal((n_src,) if shp_s == "N" else (n_src, H))
+    for name in edge_fields:
+        edge[name] = RNG.standard_normal((graph.num_edges, H) if name == "b" else graph.num_edges)
+    cast = {r: {n: a.astype(dtype) for n, a in d.items()} for r, d in
+            (("src", src), ("dst", dst), ("edge", edge))}
+    prog = ModProgram(fn, dot)
+    out, vjp = prog.vjp(graph=graph, src=cast["src"], dst=cast["dst"], edge=cast["edge"],
+                        scale=0.4, **params)
+    dout = RNG.standard_normal(out.shape)
+    grads = vjp(dout.astype(dtype))
+    want, wgrads = oracle(fn, graph, dst.get("query"), src.get("key"), src["value"], dout, 0.4,
+                          {n: a for n, a in src.items() if n not in ("key", "value")},
+                          {n: a for n, a in dst.items() if n != "query"}, edge,
+                          {n: (np.asarray(v, np.float64) if isinstance(v, np.ndarray) else v)
+                           for n, v in params.items()}, dot=dot)
+    return prog, out, grads, want, wgrads
+
+
+def _close(got, want, tol, what):
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = np.max(np.abs(got - want)) if want.size else 0.0
+    assert err <= tol * max(1.0, np.max(np.abs(want)) if want.size else 1.0), (what, err)
+
+
+def _check_all(out, grads, want, wgrads, tol):
+    _close(out, want, tol, "out")
+    for role in ("src", "dst", "edge", "params"):
+        for n, w in wgrads[role].items():
+            assert n in grads[role], (role, n, sorted(grads[role]))
+            _close(grads[role][n], w, tol, f"{role}.{n}")
+
+
+@pytest.mark.parametrize("rel", sorted(RELATIONS))
+def test_modifier_forward_and_gradients_on_every_relation(rel):
+    g = RELATIONS[rel]
+    prog, out, grads, want, wgrads = _run_program(
+        _full_mod, g, np.float64, c=2.5, slopes=RNG.uniform(0.2, 1.0, 4))
+    _check_all(out, grads, want, wgrads, 1e-6)
+    assert "compiled score modifier: f = " in prog.explain()
+
+
+@pytest.mark.parametrize("rel", ["dense", "segments-rect", "band", "csr"])
+def test_classic_gat_score_without_dot_product(rel):
+    g = RELATIONS[rel]
+    prog, out, grads, want, wgrads = _run_program(_gat_mod, g, np.float64, dot=False,
+                                                  node_shapes=("NH", "NH"))
+    _check_all(out, grads, want, wgrads, 1e-6)
+    text = prog.explain()
+    assert "gather-only" in text and "leaky_relu(src.a + dst.a, 0.2)" in text
+
+
+def test_edge_fields_in_a_modifier_on_csr():
+    prog, out, grads, want, wgrads = _run_program(_edge_mod, RELATIONS["csr"], np.float64,
+                                                  edge_fields=("b", "w"))
+    _check_all(out, grads, want, wgrads, 1e-6)
+
+
+def test_edge_fields_in_a_modifier_refuse_implicit_relations():
+    with pytest.raises(NotImplementedError, match="need a CSR relation"):
+        _run_program(_edge_mod, RELATIONS["dense"], np.float64, edge_fields=("b", "w"))
+
+
+def test_float32_modifier_matches_the_float64_oracle():
+    g = RELATIONS["segments-rect"]
+    prog, out, grads, want, wgrads = _run_program(
+        _full_mod, g, np.float32, c=2.5, slopes=RNG.uniform(0.2, 1.0, 4))
+    _check_all(out, grads, want, wgrads, 2e-4)
+
+
+# --------------------------------------------------------------------------- functional API
+def _flash_shift(rel, graph):
+    """flash-attn's bottom-right ALiBi shift (global positions): i + shift - j is
+    r + Lk - Lq - c in block-local positions; 0 where the relation has no blocks to align."""
+    n = graph.num_dst
+    if rel == "dense-rect":
+        return np.full(n, graph.num_src - n)
+    if rel.startswith("segments"):
+        cu = np.array([0, 5, 5, 12, N_NODES])
+        cu_k = np.array([0, 7, 9, 12, N_NODES + 3]) if rel == "segments-rect" else cu
+        shift = np.zeros(n, np.int64)
+        for b in range(len(cu) - 1):
+            shift[cu[b]:cu[b + 1]] = (cu_k[b + 1] - cu_k[b]) - (cu[b + 1] - cu[b]) - cu[b] + cu_k[b]
+        return shift
+    return np.zeros(n, np.int64)
+
+
+@pytest.mark.parametrize("rel, dtype", [("dense-rect", np.float64), ("segments-rect", np.float64),
+                                        ("triangular", np.float64), ("csr", np.float64),
+                                        ("segments-rect", np.float32)])
+def test_functional_softcap_and_alibi_match_flash_attn_conventions(rel, dtype):
+    g = RELATIONS[rel]
+    H, Hkv, D = 4, 2, 6
+    q = RNG.standard_normal((g.num_dst, H, D)) * 2
+    k = RNG.standard_normal((g.num_src, Hkv, D)) * 2
+    v = RNG.standard_normal((g.num_src, Hkv, 3))
+    dout = RNG.standard_normal((g.num_dst, H, 3))
+    slopes = RNG.uniform(0.1, 0.6, H)
+    cap = 1.5
+    shift = _flash_shift(rel, g)
+
+    def fn(s, src, dst, edge, p):
+        i = dst.index + shift[dst.index]
+        return cap * np.tanh(s / cap) - slopes * np.abs(i - src.index)
+
+    want, wg = oracle(fn, g, q, k, v, dout, D ** -0.5, {}, {}, {}, {})
+    c = [x.astype(dtype) for x in (q, k, v)]
+    out, stats = tg.attention(*c, g, softcap=cap, alibi_slopes=slopes.astype(dtype),
+                              return_stats=True)
+    dq, dk, dv = tg.attention_backward(dout.astype(dtype), *c, out, stats, g, softcap=cap,
+                                       alibi_slopes=slopes.astype(dtype))
+    tol = 1e-9 if dtype == np.float64 else 2e-4
+    _close(out, want, tol, "out")
+    _close(dq, wg["dst"]["query"], max(tol, 1e-6), "dq")
+    _close(dk, wg["src"]["key"], max(tol, 1e-6), "dk")
+    _close(dv, wg["src"]["value"], tol, "dv")
+
+
+def test_softcap_alone_and_alibi_alone():
+    g = RELATIONS["dense"]
+    q, k, v = (RNG.standard_normal((g.num_dst, 2, 4)) for _ in range(3))
+    for kw, fn in (({"softcap": 0.7}, lambda s, src, dst, edge, p: 0.7 * np.tanh(s / 0.7)),
+                   ({"alibi_slopes": np.array([0.3, 0.9])},
+                    lambda s, src, dst, edge, p: s - np.array([0.3, 0.9]) * np.abs(dst.index - src.index))):
+        want, _ = oracle(fn, g, q, k, v, np.zeros((g.num_dst, 2, 4)), 0.5, {}, {}, {}, {})
+        _close(tg.attention(q, k, v, g, scale=0.5, **kw), want, 1e-10, str(kw))
+
+
+def test_functional_modifier_errors():
+    g = RELATIONS["dense"]
+    q, k, v = (RNG.standard_normal((g.num_dst, 2, 4)) for _ in range(3))
+    with pytest.raises(ValueError, match="softcap"):
+        tg.attention(q, k, v, g, softcap=-1.0)
+    with pytest.raises(TypeError, match="softcap"):
+        tg.attention(q, k, v, g, softcap="30")
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\)"):
+        tg.attention(q, k, v, g, alibi_slopes=np.ones(3))
+    out, stats = tg.attention(q, k, v, g, softcap=2.0, return_stats=True)
+    with pytest.raises(ValueError, match="score"):  # stats of another score
+        tg.attention_backward(out, q, k, v, out, stats, g)
+
+
+def test_kernel_cache_is_keyed_on_the_tree():
+    from tiga_numba import functional
+    g = RELATIONS["triangular"]
+    q, k, v = (RNG.standard_normal((g.num_dst, 2, 4)) for _ in range(3))
+    tg.attention(q, k, v, g, softcap=3.0)
+    tg.attention(q, k, v, g, softcap=5.0)  # same tree, other value: the same kernel
+    assert "hit" in str(functional.last_plan().run_info["cache"])
+    a = tg.attention(q, k, v, g, alibi_slopes=np.array([0.5, 0.5]))
+    b = tg.attention(q, k, v, g, softcap=3.0, alibi_slopes=np.array([0.5, 0.5]))
+    assert not np.allclose(a, b)  # two different expressions never share a kernel
+    from tiga_numba.kernel_cache import KERNELS
+    keys = [key for key in KERNELS._kernels if key[:2] == ("cpu", "blocks.forward") and key[-1]]
+    trees = {str(key[-1][0]) for key in keys}
+    assert {"softcap * tanh(s / softcap)", "s - alibi_slopes[h] * abs(dst.index - src.index)",
+            "softcap * tanh(s / softcap) - alibi_slopes[h] * abs(dst.index - src.index)"} <= trees
+
+
+@pytest.mark.parametrize("rel", ["csr", "segments-rect"])
+def test_modifier_bits_do_not_depend_on_the_thread_count(rel):
+    import numba
+    g = RELATIONS[rel]
+    res = []
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        try:
+            rng = np.random.default_rng(5)
+            src = {"key": rng.standard_normal((g.num_src, 2, 5)),
+                   "value": rng.standard_normal((g.num_src, 2, 3)), "a": rng.standard_normal(g.num_src)}
+            dst = {"query": rng.standard_normal((g.num_dst, 4, 5)),
+                   "a": rng.standard_normal((g.num_dst, 4))}
+            out, vjp = ModProgram(_full_mod).vjp(graph=g, src=src, dst=dst, scale=0.4, c=2.5,
+                                                 slopes=np.linspace(0.2, 1.0, 4))
+            res.append((out, vjp(rng.standard_normal(out.shape))))
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    np.testing.assert_array_equal(res[0][0], res[1][0])
+    for role in ("src", "dst", "params"):
+        for n in res[0][1][role]:
+            np.testing.assert_array_equal(res[0][1][role][n], res[1][1][role][n])
+
+
+def test_cuda_arrays_refuse_modifiers_before_any_kernel():
+    from tiga_numba import dispatch
+    from tiga_numba.arrays import AttentionShape
+    shape = AttentionShape("cupy", np.dtype(np.float32), 4, 4, 2, 2, 4, 4, False)
+    mod = sm.BoundModifier(sm.softcap_tree(sm.SCORE), {sm.Expr("scalar", (), "softcap"): 3.0})
+    with pytest.raises(NotImplementedError, match=r"softcap \* tanh\(s / softcap\)"):
+        dispatch.make_plan("forward", tg.Graph.dense(4), shape, 0.5, score_mod=mod)
