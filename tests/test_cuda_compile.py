@@ -258,17 +258,18 @@ def check_call(g, H=2, Hkv=1, D=16, DV=8, dt=np.float32, prune=None, bias=False)
             t = tiles.block_tiles("fwd", np.dtype(dt).name, D, DV)
             tpb = -(-rel.max_block_dst // t.BM)
             assert grid == (rel.num_blocks * tpb, H, 1) and block == (t.NT, 1, 1)
-            assert a[6:9] == (addr(rel.dst_offsets), addr(rel.src_offsets), addr(rel.causal))
-            assert a[10:13] == qs and a[19:22] == (tpb, H, H // Hkv)
+            assert a[6:11] == (addr(rel.dst_offsets), addr(rel.src_offsets), addr(rel.causal),
+                               addr(rel.lo), addr(rel.hi))
+            assert a[12:15] == qs and a[21:24] == (tpb, H, H // Hkv)
         else:
             t = tiles.csr_tiles("fwd", np.dtype(dt).name, D, DV)
             assert grid == (-(-g.num_dst * H * t.G // t.NT), 1, 1)
             assert a[6:8] == (addr(rel.indptr), addr(rel.indices))
             assert a[8] == (addr(eb) if bias else 0) and a[9:12] == qs
         assert plan.run_info["kernel"] and plan.run_info["copies"] == []
-        # a pruned call's tile counters (a[9]) are a fresh buffer per call: the first call's stays
+        # a pruned call's tile counters (a[11]) are a fresh buffer per call: the first call's stays
         # alive until its run_info is read (deferred), so its address may differ
-        rest = a[6:9] + a[10:] if prune is not None else a[6:]
+        rest = a[6:11] + a[12:] if prune is not None else a[6:]
         if rep == 1:  # memoised launch record: same launch, counted as kernel-cache hits
             assert plan.run_info["cache"] == "hit" and KERNELS.hits == hits + 1
             assert (grid, block, a[:3], rest) == seen[0], "second call launched differently"
@@ -286,6 +287,8 @@ for dt in (np.float32, np.float16, np.float64):
     check_call(tg.Graph.triangular(40), dt=dt)
     check_call(tg.Graph.cu_seqlens([0, 3, 3, 70, 71]), H=4, Hkv=2, D=64, DV=64, dt=dt)
     check_call(tg.Graph.dense(30, 50), prune=0.1, dt=dt)
+    check_call(tg.Graph.cu_seqlens([0, 3, 9, 20], cu_seqlens_k=[0, 7, 9, 40], causal=True), dt=dt)
+    check_call(tg.Graph.band(30, 45, 4, 2), dt=dt)
     csr = tg.Graph.from_coo([0, 1, 2, 5, 5], [1, 2, 3, 0, 4], num_src=7, num_dst=6)
     check_call(csr, dt=dt)
     check_call(csr, dt=dt, bias=True)

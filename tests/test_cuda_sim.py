@@ -46,7 +46,7 @@ def _have_numba_cuda():
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
              "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
-             "blocks_lane_groups"]
+             "blocks_lane_groups", "blocks_banded_nan"]
 
 
 @pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
@@ -98,6 +98,21 @@ RNG = np.random.default_rng(20261129)
 
 
 # --------------------------------------------------------------------------- oracle
+def band_of(dst_off, src_off, causal):
+    """(lo, hi) of full / square-causal blocks, as BlockRelation defines them."""
+    nd, ns = np.diff(dst_off), np.diff(src_off)
+    return (1 - nd).astype(np.int64), np.where(causal != 0, 0, ns - 1).astype(np.int64)
+
+
+def band_mask(dst_off, src_off, lo, hi, nq, ns):
+    M = np.zeros((nq, ns), bool)
+    for b in range(len(lo)):
+        r = np.arange(dst_off[b + 1] - dst_off[b])[:, None]
+        c = np.arange(src_off[b + 1] - src_off[b])[None, :]
+        M[dst_off[b]:dst_off[b + 1], src_off[b]:src_off[b + 1]] = (c - r >= lo[b]) & (c - r <= hi[b])
+    return M
+
+
 def dense_mask(dst_off, src_off, causal, nq, ns):
     M = np.zeros((nq, ns), bool)
     for b in range(len(causal)):
@@ -234,8 +249,14 @@ def tiles(dtype, D, DV, R=2, NT=4, BN=4, G=1, VEC=1):
     return Tiles(dtype, acc, D, DV, G, R, NT, BN, VEC)
 
 
+def _band_rel(rel):
+    if len(rel) == 3:
+        return tuple(rel) + band_of(*rel)
+    return rel
+
+
 def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
-    dst_off, src_off, causal = rel
+    dst_off, src_off, causal, lo, hi = _band_rel(rel)
     nq, H, D = q.shape
     Hkv, DV = k.shape[1], v.shape[2]
     t = t or tiles(dtype, D, DV)
@@ -252,13 +273,13 @@ def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
     maxd = int(np.diff(dst_off).max())
     tpb = -(-maxd // t.BM)
     kern((S * tpb, H, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
-         l.reshape(-1), dst_off, src_off, causal, cnt, *qs, *ks, *vs, tpb, H, H // Hkv,
+         l.reshape(-1), dst_off, src_off, causal, lo, hi, cnt, *qs, *ks, *vs, tpb, H, H // Hkv,
          acc.type(scale), acc.type(math.log(prune) if prune else 0.0))
     return out, m, l, cnt
 
 
 def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
-    dst_off, src_off, causal = rel
+    dst_off, src_off, causal, lo, hi = _band_rel(rel)
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
     tq = tiles(dtype, D, DV, R=2, NT=4, BN=4)
@@ -283,12 +304,12 @@ def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
     S = len(causal)
     tpb = -(-int(np.diff(dst_off).max()) // tq.BM)
     blocks.make_dq(tq)((S * tpb, H, 1), (tq.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
-                       l.reshape(-1), delta.reshape(-1), dq.reshape(-1), dst_off, src_off, causal,
+                       l.reshape(-1), delta.reshape(-1), dq.reshape(-1), dst_off, src_off, causal, lo, hi,
                        *qs, *ks, *vs, *ds, tpb, H, H // Hkv, acc.type(scale))
     tpbk = -(-int(np.diff(src_off).max()) // tk.BM)
     blocks.make_dkdv(tk)((S * tpbk, Hkv, 1), (tk.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
                          l.reshape(-1), delta.reshape(-1), dk.reshape(-1), dv.reshape(-1), dst_off,
-                         src_off, causal, *qs, *ks, *vs, *ds, tpbk, H, H // Hkv, acc.type(scale))
+                         src_off, causal, lo, hi, *qs, *ks, *vs, *ds, tpbk, H, H // Hkv, acc.type(scale))
     return dq, dk, dv, delta
 
 
@@ -499,7 +520,62 @@ def case_lane_groups():
         check(tag + " dv", dv, rdv, 1e-4)
 
 
+def case_banded_nan():
+    """Banded blocks (bottom-right causal with Lq < Lk and Lq > Lk, sliding windows, an empty
+    band, a rectangular band leaving keys unreachable and rows empty) against the oracle, then
+    NaN / inf put in every k, v row no destination reaches and in the q, dout rows of empty
+    destinations: every output must stay finite and equal the clean result."""
+    blocks_ = [(5, 9, -4, 4), (9, 5, -8, -4), (12, 12, -3, 0), (7, 7, 0, -1), (0, 3, 0, -1),
+               (10, 20, -2, 3), (20, 10, -3, 0), (1, 1, 0, 0)]
+    nd = np.array([b[0] for b in blocks_])
+    ns = np.array([b[1] for b in blocks_])
+    dst_off = np.concatenate([[0], np.cumsum(nd)]).astype(np.int64)
+    src_off = np.concatenate([[0], np.cumsum(ns)]).astype(np.int64)
+    lo = np.array([b[2] for b in blocks_], np.int64)
+    hi = np.array([b[3] for b in blocks_], np.int64)
+    causal = np.zeros(len(blocks_), np.uint8)
+    causal[2] = 0  # hi = 0 with a lower bound: a window, not the causal flag
+    rel = (dst_off, src_off, causal, lo, hi)
+    nq, nk = int(dst_off[-1]), int(src_off[-1])
+    M = band_mask(dst_off, src_off, lo, hi, nq, nk)
+    H, Hkv = 2, 1
+    for D, DV, lanes in ((3, 5, None), (16, 12, (4, 4))):
+        q, k, v = rand(nq, H, D), rand(nk, Hkv, D), rand(nk, Hkv, DV)
+        dout = rand(nq, H, DV)
+        scale = D ** -0.5
+        ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, M, scale, dout=dout)
+        t = None if lanes is None else tiles("float32", D, DV, R=2, NT=16, BN=8, G=4, VEC=4)
+        tag = f"banded D={D}/{DV} lanes={lanes}"
+        out, m, l, _ = blocks_forward(q, k, v, rel, scale, "float32", t=t)
+        check(tag + " out", out, ro, 2e-5)
+        check(tag + " l", l, rl, 2e-5)
+        dq, dk, dv, _ = blocks_backward(dout, q, k, v, out, m, l, rel, scale, "float32", lanes=lanes)
+        check(tag + " dq", dq, rdq, 1e-4)
+        check(tag + " dk", dk, rdk, 1e-4)
+        check(tag + " dv", dv, rdv, 1e-4)
+        dead_keys = ~M.any(axis=0)
+        dead_rows = ~M.any(axis=1)
+        assert dead_keys.sum() >= 7 and dead_rows.sum() >= 7
+        kp, vp, qp, dp = k.copy(), v.copy(), q.copy(), dout.copy()
+        kp[dead_keys] = np.nan
+        vp[dead_keys] = np.inf
+        vp[np.flatnonzero(dead_keys)[::2]] = np.nan
+        qp[dead_rows] = np.nan
+        dp[dead_rows] = np.inf
+        out2, m2, l2, _ = blocks_forward(qp, kp, vp, rel, scale, "float32", t=t)
+        assert np.isfinite(out2).all(), tag + ": non-finite value outside the band reached out"
+        check(tag + " out with NaN outside the band", out2, ro, 2e-5)
+        dq2, dk2, dv2, _ = blocks_backward(dp, qp, kp, vp, out2, m2, l2, rel, scale, "float32",
+                                           lanes=lanes)
+        for name, got, want in (("dq", dq2, rdq), ("dk", dk2[~dead_keys], rdk[~dead_keys]),
+                                ("dv", dv2[~dead_keys], rdv[~dead_keys])):
+            assert np.isfinite(got).all(), f"{tag}: non-finite value outside the band reached {name}"
+            check(f"{tag} {name} with NaN outside the band", got, want, 1e-4)
+        assert (dk2[dead_keys] == 0).all() and (dv2[dead_keys] == 0).all()
+
+
 CASES = {
+    "blocks_banded_nan": case_banded_nan,
     "blocks_f32_gqa_segments": lambda: case_blocks(),
     "blocks_f64_dense_rect": lambda: case_blocks("float64", H=2, Hkv=2, D=4, DV=2,
                                                  layout=(("d", 6, 13, 0),), tol=1e-12),

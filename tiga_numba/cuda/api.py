@@ -58,6 +58,8 @@ def _empty(shape, dtype):
 def _tc_supports(plan, q, k, v, relation):
     if not USE_TC or _tc is None:
         return False
+    if _is_blocks(relation) and not relation.standard:
+        return False  # bands run on the CUDA-core kernels (explain() says so: _BANDED_NOTE)
     supports = getattr(_tc, "supports", None)
     if supports is None or not hasattr(_tc, "forward"):
         return False
@@ -190,11 +192,10 @@ def _forward_blocks(rel, dname, D, DV, H, prune):
     tpb = _cdiv(int(rel.max_block_dst), t.BM)
     S = int(rel.causal.shape[0])
     rec.geo.update(grid=(S * tpb, H, 1), block=(t.NT, 1, 1), tpb=tpb,
-                   rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr),
-                   dummy=_dummy("int64").data.ptr)
+                   rel=_block_rel(rel), dummy=_dummy("int64").data.ptr)
     return rec.finish(
         kernel=("cuda.blocks.forward (CUDA cores, streaming online softmax"
-                + (", tile pruning)" if prune else ")")),
+                + (", tile pruning)" if prune else ")") + _banded_note(rel)),
         tiles=t.describe())
 
 
@@ -236,10 +237,10 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
         g["tpbk"] = _cdiv(int(rel.max_block_src), tk.BM)
         g.update(q_grid=(S * g["tpb"], H, 1), q_block=(tq.NT, 1, 1),
                  k_grid=(S * g["tpbk"], Hkv, 1), k_block=(tk.NT, 1, 1),
-                 rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr))
+                 rel=_block_rel(rel))
         return rec.finish(
             kernel=("cuda.blocks.backward (CUDA cores, deterministic: dq by query tiles, "
-                    "dk/dv by key tiles)"),
+                    "dk/dv by key tiles)" + _banded_note(rel)),
             tiles=f"dq: {tq.describe()}; dk/dv: {tk.describe()}")
     Ns = int(rel.num_src)
     t = _csr_tiles("bwd", dname, D, DV)
@@ -254,20 +255,29 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
         tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
-def _check_banded(plan, relation):
-    """The CUDA block kernels take full and square-causal blocks; bands (Graph.band, windows,
-    bottom-right-aligned causal segments of unequal lengths) are refused, never approximated."""
-    if _is_blocks(relation) and not relation.standard:
-        raise NotImplementedError(
-            f"the CUDA backend does not yet run banded block relations ({plan.relation_kind}: "
-            "Graph.band, cu_seqlens with window= or with cu_seqlens_k and causal=True); run it "
-            "on numpy arrays, or as CSR: Graph.from_scipy(graph.to_scipy())")
+def _block_rel(rel):
+    """Device addresses of a block relation, in the block kernels' argument order."""
+    for name in ("lo", "hi"):
+        x = getattr(rel, name)
+        if x.dtype != np.int64 or not x.flags.c_contiguous:
+            raise TypeError(f"relation.{name} must be a contiguous int64 device array")
+    return (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr,
+            rel.lo.data.ptr, rel.hi.data.ptr)
+
+
+def _banded_note(rel):
+    """explain()'s word on a banded relation: the tensor-core kernels take full and
+    square-causal blocks only, so bands run here on the CUDA cores, by design."""
+    if rel.standard:
+        return ""
+    return ("; banded blocks (lo <= c - r <= hi): only key tiles inside the band are visited; "
+            "the tensor-core kernels take full and square-causal blocks only, so bands run on "
+            "CUDA cores")
 
 
 # --------------------------------------------------------------------------- forward
 def forward(plan, q, k, v, relation, edge_bias=None):
     info = plan.run_info
-    _check_banded(plan, relation)
     if _tc_supports(plan, q, k, v, relation):
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
@@ -322,7 +332,6 @@ def forward(plan, q, k, v, relation, edge_bias=None):
 # --------------------------------------------------------------------------- backward
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
     info = plan.run_info
-    _check_banded(plan, relation)
     if _tc_supports(plan, q, k, v, relation) and hasattr(_tc, "backward"):
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)
