@@ -288,7 +288,7 @@ for dt in (np.float32, np.float16, np.float64):
     check_call(tg.Graph.cu_seqlens([0, 3, 3, 70, 71]), H=4, Hkv=2, D=64, DV=64, dt=dt)
     check_call(tg.Graph.dense(30, 50), prune=0.1, dt=dt)
     check_call(tg.Graph.cu_seqlens([0, 3, 9, 20], cu_seqlens_k=[0, 7, 9, 40], causal=True), dt=dt)
-    check_call(tg.Graph.band(30, 45, 4, 2), dt=dt)
+    check_call(tg.Graph.band(45, 30, left=4, right=2), dt=dt)
     csr = tg.Graph.from_coo([0, 1, 2, 5, 5], [1, 2, 3, 0, 4], num_src=7, num_dst=6)
     check_call(csr, dt=dt)
     check_call(csr, dt=dt, bias=True)

@@ -46,7 +46,7 @@ def _have_numba_cuda():
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
              "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
-             "blocks_lane_groups", "blocks_banded_nan"]
+             "blocks_lane_groups", "blocks_banded_nan", "decode_split"]
 
 
 @pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
@@ -574,7 +574,79 @@ def case_banded_nan():
         assert (dk2[dead_keys] == 0).all() and (dv2[dead_keys] == 0).all()
 
 
+def decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk):
+    """The split-key kernel (+ merge when splits > 1), launched as api.py launches it."""
+    from tiga_numba.cuda import decode
+    dst_off, src_off, causal, lo, hi = rel
+    nq, H, D = q.shape
+    Hkv, DV = k.shape[1], v.shape[2]
+    grp = H // Hkv
+    acc = np.dtype(t.acc)
+    nrg = max(1, -(-int(np.diff(dst_off).max()) * grp // t.ROWS))
+    out = np.full((nq, H, DV), np.nan, dtype)
+    m = np.full((nq, H), np.nan, acc)
+    l = np.full((nq, H), np.nan, acc)
+    pacc = np.full(nq * H * splits * DV, np.nan, acc)
+    pm = np.full(nq * H * splits, np.nan, acc)
+    pl = np.full(nq * H * splits, np.nan, acc)
+    qf, qs = base_and_strides(q)
+    kf, ks = base_and_strides(k)
+    vf, vs = base_and_strides(v)
+    kern = decode.make_decode(t)
+    kern((splits, len(lo), Hkv * nrg), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
+         l.reshape(-1), pacc, pm, pl, dst_off, src_off, lo, hi, *qs, *ks, *vs, H, grp, nrg, splits,
+         chunk, acc.type(scale))
+    if splits > 1:
+        mk = decode.make_merge(dtype, t.acc, DV)
+        mk((nq * H, 1, 1), (mk.NT, 1, 1), None, pacc, pm, pl, out.reshape(-1), m.reshape(-1),
+           l.reshape(-1), nq * H, splits)
+    return out, m, l
+
+
+def case_decode_split():
+    """Split-key decode kernel: 1-3 query rows per block over long key ranges, GQA packing
+    (2 query heads per kv head), a bottom-right causal band, an empty block, splits from 1 to
+    several (partials merged), every tail; then NaN / inf in k, v rows no row reaches."""
+    from tiga_numba.cuda.decode import DecodeTiles
+    blocks_ = [(1, 37, 0, 36), (2, 29, -1, 27), (3, 20, -2, 17), (1, 0, 0, -1), (2, 9, -1, 8),
+               (1, 40, 0, 20)]
+    nd = np.array([b[0] for b in blocks_])
+    ns = np.array([b[1] for b in blocks_])
+    dst_off = np.concatenate([[0], np.cumsum(nd)]).astype(np.int64)
+    src_off = np.concatenate([[0], np.cumsum(ns)]).astype(np.int64)
+    lo = np.array([b[2] for b in blocks_], np.int64)
+    hi = np.array([b[3] for b in blocks_], np.int64)
+    rel = (dst_off, src_off, np.zeros(len(lo), np.uint8), lo, hi)
+    nq, nk = int(dst_off[-1]), int(src_off[-1])
+    M = band_mask(dst_off, src_off, lo, hi, nq, nk)
+    H, Hkv = 4, 2
+    for dtype, D, DV, G, tol in (("float32", 8, 6, 4, 2e-5), ("float64", 5, 3, 1, 1e-12),
+                                 ("float16", 8, 8, 2, 2e-3)):
+        q, k, v = rand(nq, H, D, dtype=dtype), rand(nk, Hkv, D, dtype=dtype), rand(nk, Hkv, DV, dtype=dtype)
+        scale = D ** -0.5
+        ro, rm, rl = oracle(q, k, v, M, scale)
+        acc = "float64" if dtype == "float64" else "float32"
+        t = DecodeTiles(dtype, acc, D, DV, G=G, T=2, NW=1, ROWS=4, threads=2 * G)
+        for splits, chunk in ((1, 64), (3, 16), (10, t.step)):
+            tag = f"decode {dtype} D={D}/{DV} G={G} splits={splits}"
+            out, m, l = decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk)
+            check(tag + " out", out, ro, tol)
+            fin = np.isfinite(rm)
+            assert np.array_equal(np.isfinite(m), fin) and (l[~fin] == 0).all()
+            check(tag + " m", m[fin], rm[fin], tol)
+            check(tag + " l", l, rl, tol)
+        dead = ~M.any(axis=0)
+        assert dead.sum() >= 19
+        kp, vp = k.copy(), v.copy()
+        kp[dead] = np.nan
+        vp[dead] = np.inf
+        out2, _, _ = decode_forward(q, kp, vp, rel, scale, dtype, t, 3, 16)
+        assert np.isfinite(out2).all(), "non-finite k / v outside the band reached a row"
+        check(f"decode {dtype} with NaN outside the band", out2, ro, tol)
+
+
 CASES = {
+    "decode_split": case_decode_split,
     "blocks_banded_nan": case_banded_nan,
     "blocks_f32_gqa_segments": lambda: case_blocks(),
     "blocks_f64_dense_rect": lambda: case_blocks("float64", H=2, Hkv=2, D=4, DV=2,

@@ -33,6 +33,7 @@ from ..kernel_cache import KERNELS
 from ..plan import defer_counts
 from . import blocks as _blocks
 from . import csr as _csr
+from . import decode as _decode
 from . import tiles as _tiles
 from .common import make_delta, make_stats
 from .launch import current_stream
@@ -47,6 +48,11 @@ except ImportError:  # pragma: no cover
 # POISON=True fills every output with NaN before the kernels run (unwritten element -> NaN).
 USE_TC = True
 POISON = False
+USE_DECODE = True  # few-query block relations -> the split-key kernel of decode.py
+
+# the split-key (decode) path: block relations whose blocks have at most this many query rows
+DECODE_MAX_ROWS = 8
+DECODE_DTYPES = ("float16", "float32", "float64")
 
 
 def _empty(shape, dtype):
@@ -212,6 +218,48 @@ def _forward_csr(rel, dname, D, DV, H, has_bias):
         tiles=t.describe_csr())
 
 
+def _decode_eligible(plan, q, relation, prune, has_bias):
+    return (USE_DECODE and _is_blocks(relation) and not prune and not has_bias
+            and int(relation.max_block_dst) <= DECODE_MAX_ROWS
+            and np.dtype(q.dtype).name in DECODE_DTYPES)
+
+
+def _forward_decode(rel, dname, D, DV, H, Hkv):
+    """Split-key launch: the chunk length follows the longest band of any block and the
+    number of CTAs the GPU holds (flash-decoding's rule), read once from the relation."""
+    rec = _Record()
+    grp = H // Hkv
+    S = int(rel.causal.shape[0])
+    t = _decode.decode_tiles(dname, D, DV, int(rel.max_block_dst) * grp)
+    nrg = max(1, _cdiv(int(rel.max_block_dst) * grp, t.ROWS))
+    doff, soff, lo, hi = (cupy.asnumpy(x).astype(np.int64) for x in
+                          (rel.dst_offsets, rel.src_offsets, rel.lo, rel.hi))
+    nd, ns = np.diff(doff), np.diff(soff)
+    kbeg = np.maximum(0, lo)
+    kend = np.minimum(ns, nd - 1 + hi + 1)
+    span = np.where((lo <= hi) & (nd > 0), np.maximum(kend - kbeg, 0), 0)
+    longest = int(span.max()) if S else 0
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    base = max(1, S * Hkv * nrg)
+    splits = max(1, min(_cdiv(8 * sms, base), _cdiv(longest, 4 * t.step)))
+    chunk = max(t.step, _cdiv(_cdiv(max(longest, 1), splits), t.step) * t.step)
+    splits = max(1, _cdiv(longest, chunk))
+    rec.geo["kern"] = rec.kernel(("decode", t), lambda: _decode.make_decode(t))
+    if splits > 1:
+        rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
+                                      lambda: _decode.make_merge(dname, t.acc, DV))
+    rec.geo.update(grid=(splits, S, Hkv * nrg), block=(t.NT, 1, 1), nrg=nrg, splits=splits,
+                   chunk=chunk, rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr,
+                                     rel.lo.data.ptr, rel.hi.data.ptr))
+    return rec.finish(
+        kernel=(f"cuda.decode.forward (CUDA cores, split-key flash-decoding: {splits} key "
+                f"chunk{'s' if splits > 1 else ''} of <= {chunk} keys per block, the {grp} query "
+                "heads of a kv head read each K/V row once"
+                + (", partials merged in split order)" if splits > 1 else ")")
+                + _banded_note(rel).replace("only key tiles inside the band are visited; ", "")),
+        tiles=t.describe())
+
+
 def _forward_record(rel, dname, D, DV, H, prune, has_bias):
     if _is_blocks(rel):
         return _forward_blocks(rel, dname, D, DV, H, prune)
@@ -278,6 +326,8 @@ def _banded_note(rel):
 # --------------------------------------------------------------------------- forward
 def forward(plan, q, k, v, relation, edge_bias=None):
     info = plan.run_info
+    if _decode_eligible(plan, q, relation, plan.prune_threshold is not None, edge_bias is not None):
+        return _decode_forward(plan, q, k, v, relation)
     if _tc_supports(plan, q, k, v, relation):
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
@@ -324,6 +374,49 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
                   l.data.ptr, *g["rel"], _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2,
                   vs0, vs1, vs2, Nq, H, grp, scale)
+    info["copies"] = copies
+    info["cache"] = cache
+    return out, m, l
+
+
+def _decode_forward(plan, q, k, v, relation):
+    info = plan.run_info
+    copies = []
+    Nq, H, D = q.shape
+    Hkv = k.shape[1]
+    DV = v.shape[2]
+    dtype, dname, acc, _ = _dtypes(q.dtype)
+    rec, cache = _record(relation, ("cuda.decode", dname, D, DV, H, Hkv), _forward_decode)
+    g = rec.geo
+    stream = current_stream()
+    q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
+    k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
+    v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
+    out = _empty((Nq, H, DV), dtype)
+    m = _empty((Nq, H), acc)
+    l = _empty((Nq, H), acc)
+    info.update(rec.info)
+    splits = g["splits"]
+    if g["grid"][1] == 0 or Nq * H == 0:
+        out.fill(0)
+        m.fill(-np.inf)
+        l.fill(0)
+    else:
+        if splits > 1:
+            pacc = cupy.empty((Nq * H * splits * max(DV, 1),), acc)
+            pm = cupy.empty((Nq * H * splits,), acc)
+            pl = cupy.empty((Nq * H * splits,), acc)
+            parts = (pacc.data.ptr, pm.data.ptr, pl.data.ptr)
+        else:
+            d = _dummy(acc).data.ptr
+            parts = (d, d, d)
+        g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+                  *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
+                  H, H // Hkv, g["nrg"], splits, g["chunk"], float(plan.scale))
+        if splits > 1:
+            mk = g["merge"]
+            mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, out.data.ptr, m.data.ptr,
+               l.data.ptr, Nq * H, splits)
     info["copies"] = copies
     info["cache"] = cache
     return out, m, l

@@ -321,26 +321,26 @@ def make_forward(t, prune):
                 lrow[U(r)] = lrow[U(r)] * alpha + ps
             if SYNC_GROUP:
                 cuda.syncwarp()
+            if cut:
+                # masked cells add nothing (not 0 * v: a non-finite v[j] outside row i's band
+                # must not reach row i); a compact loop, taken only by tiles the band cuts
+                for j in range(nkv):
+                    for c in range(DSV):
+                        vv = sV[U(j * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                        for r in range(R):
+                            dl = kt0 + j - (qoff + grow * R + r)
+                            if dl >= blo and dl <= bhi:
+                                acc[U(r * DSV + c)] += sS[U((grow * R + r) * BNP + j)] * vv
+                continue
             for j0 in range(0, nkv, VEC):
                 for r in range(R):  # VEC consecutive p of a row: one 16-byte load
                     for jj in range(VEC):
                         pv[U(r * VEC + jj)] = sS[U((grow * R + r) * BNP + j0 + jj)]
-                if cut:
-                    # masked cells add nothing (not 0 * v: a non-finite v[j] outside row i's
-                    # band must not reach row i)
-                    for jj in range(VEC):
-                        for c in range(DSV):
-                            vv = sV[U((j0 + jj) * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
-                            for r in range(R):
-                                dl = kt0 + j0 + jj - (qoff + grow * R + r)
-                                if dl >= blo and dl <= bhi:
-                                    acc[U(r * DSV + c)] += pv[U(r * VEC + jj)] * vv
-                else:
-                    for jj in range(VEC):
-                        for c in range(DSV):
-                            vv = sV[U((j0 + jj) * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
-                            for r in range(R):
-                                acc[U(r * DSV + c)] += pv[U(r * VEC + jj)] * vv
+                for jj in range(VEC):
+                    for c in range(DSV):
+                        vv = sV[U((j0 + jj) * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                        for r in range(R):
+                            acc[U(r * DSV + c)] += pv[U(r * VEC + jj)] * vv
 
         for r in range(R):
             il = qoff + grow * R + r
