@@ -48,6 +48,10 @@ def _factories(dtype, D, DV):
         out.append(("csr.fwd" + tag, lambda b=bias: csr.make_forward(cf, b)))
         out.append(("csr.dq" + tag, lambda b=bias: csr.make_dq(cb, b)))
         out.append(("csr.dkdv" + tag, lambda b=bias: csr.make_dkdv(cb, b)))
+    from tiga_numba.cuda import decode
+    td = decode.decode_tiles(dtype, D, DV, 4)
+    out.append(("decode", lambda: decode.make_decode(td)))
+    out.append(("decode.merge", lambda: decode.make_merge(dtype, tiles.acc_of(dtype), DV)))
     out.append(("delta", lambda: make_delta(dtype, tiles.acc_of(dtype))))
     out.append(("stats", lambda: make_stats(dtype, tiles.acc_of(dtype))))
     return out
