@@ -48,6 +48,11 @@ def _factories(dtype, D, DV):
         out.append(("csr.fwd" + tag, lambda b=bias: csr.make_forward(cf, b)))
         out.append(("csr.dq" + tag, lambda b=bias: csr.make_dq(cb, b)))
         out.append(("csr.dkdv" + tag, lambda b=bias: csr.make_dkdv(cb, b)))
+    out.append(("csr.fwd+items", lambda: csr.make_forward(cf, False, True)))
+    out.append(("csr.dq+items", lambda: csr.make_dq(cb, False, True)))
+    out.append(("csr.dkdv+items", lambda: csr.make_dkdv(cb, False, True)))
+    out.append(("csr.softmax_merge", lambda: csr.make_softmax_merge(dtype, tiles.acc_of(dtype), DV)))
+    out.append(("csr.sum_merge", lambda: csr.make_sum_merge(dtype, tiles.acc_of(dtype), D)))
     from tiga_numba.cuda import decode
     td = decode.decode_tiles(dtype, D, DV, 4)
     out.append(("decode", lambda: decode.make_decode(td)))
@@ -212,8 +217,10 @@ cp.zeros = lambda s, d=np.float32: W(np.zeros(s, d))
 cp.ascontiguousarray = lambda a, dtype=None: W(np.ascontiguousarray(a, dtype=dtype))
 cp.asarray = lambda a, dtype=None: W(np.asarray(a, dtype=dtype))
 cp.broadcast_to = lambda a, shape: W(np.broadcast_to(a, shape))
+cp.asnumpy = lambda a: np.asarray(a)
 cp.cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0),
-                          get_current_stream=lambda: SimpleNamespace(ptr=0))
+                          get_current_stream=lambda: SimpleNamespace(ptr=0),
+                          Device=lambda *a: SimpleNamespace(attributes={"MultiProcessorCount": 132}))
 sys.modules["cupy"] = cp
 
 import tiga_numba as tg

@@ -46,7 +46,7 @@ def _have_numba_cuda():
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
              "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
-             "blocks_lane_groups", "blocks_banded_nan", "decode_split"]
+             "blocks_lane_groups", "blocks_banded_nan", "decode_split", "csr_split_hub"]
 
 
 @pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
@@ -313,12 +313,24 @@ def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
     return dq, dk, dv, delta
 
 
-def csr_forward(q, k, v, indptr, indices, bias, scale, dtype):
+def csr_forward(q, k, v, indptr, indices, bias, scale, dtype, piece=None, t=None):
+    """piece: cut rows longer than `piece` edges into pieces merged by make_softmax_merge."""
     nq, H, D = q.shape
     Hkv, DV = k.shape[1], v.shape[2]
-    t = tiles(dtype, D, DV, R=1, NT=8)
+    t = t or tiles(dtype, D, DV, R=1, NT=8)
     acc = np.dtype(t.acc)
-    kern = csr.make_forward(t, bias is not None)
+    items = splits = None
+    if piece is not None:
+        items, splits, n_slots = csr.row_pieces(indptr, piece)
+        assert splits.shape[0] > 0, "the test graph must have a row longer than a piece"
+        pacc = np.full(n_slots * H * DV, np.nan, acc)
+        pm = np.full(n_slots * H, np.nan, acc)
+        pl = np.full(n_slots * H, np.nan, acc)
+        tail = (items.reshape(-1), pacc, pm, pl)
+    else:
+        tail = (np.zeros(4, np.int64), np.zeros(2, acc), np.zeros(2, acc), np.zeros(2, acc))
+    nrows = nq if items is None else items.shape[0]
+    kern = csr.make_forward(t, bias is not None, items is not None)
     out = np.full((nq, H, DV), np.nan, dtype)
     m = np.full((nq, H), np.nan, acc)
     l = np.full((nq, H), np.nan, acc)
@@ -326,16 +338,21 @@ def csr_forward(q, k, v, indptr, indices, bias, scale, dtype):
     kf, ks = base_and_strides(k)
     vf, vs = base_and_strides(v)
     b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
-    kern((-(-nq * H // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1),
-         m.reshape(-1), l.reshape(-1), indptr, indices, b, *qs, *ks, *vs, nq, H, H // Hkv,
-         acc.type(scale))
+    kern((-(-nrows * H * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1),
+         m.reshape(-1), l.reshape(-1), indptr, indices, b, *qs, *ks, *vs, nrows, H, H // Hkv,
+         acc.type(scale), *tail)
+    if items is not None:
+        mk = csr.make_softmax_merge(dtype, t.acc, DV)
+        mk((splits.shape[0] * H, 1, 1), (mk.NT, 1, 1), None, *tail[1:], splits.reshape(-1),
+           out.reshape(-1), m.reshape(-1), l.reshape(-1), splits.shape[0], H)
     return out, m, l
 
 
-def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bias, scale, dtype):
+def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bias, scale, dtype,
+                 piece=None, t=None):
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
-    t = tiles(dtype, D, DV, R=1, NT=8)
+    t = t or tiles(dtype, D, DV, R=1, NT=8)
     acc = np.dtype(t.acc)
     st = np.full((nq, H, 3), np.nan, acc)
     skern = make_stats(dtype, t.acc)
@@ -352,12 +369,34 @@ def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bi
     E = indices.shape[0]
     dbias = np.full((E, H), np.nan, acc) if bias is not None else np.zeros(2, acc)
     b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
-    csr.make_dq(t, bias is not None)((-(-nq * H // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df,
-                                     st.reshape(-1), dq.reshape(-1), dbias.reshape(-1), indptr,
-                                     indices, b, *qs, *ks, *vs, *ds, nq, H, H // Hkv, acc.type(scale))
-    csr.make_dkdv(t, bias is not None)((-(-ns * Hkv // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf,
-                                       df, st.reshape(-1), dk.reshape(-1), dv.reshape(-1), tptr, tind,
-                                       perm, b, *qs, *ks, *vs, *ds, ns, H, H // Hkv, acc.type(scale))
+    z8, za = np.zeros(4, np.int64), np.zeros(2, acc)
+    qi = ki = None
+    tq = tk = (z8, za, za, za)
+    if piece is not None:
+        qi, qsp, qslots = csr.row_pieces(indptr, piece)
+        ki, ksp, kslots = csr.row_pieces(tptr, piece)
+        assert qsp.shape[0] and ksp.shape[0], "the test graph must have long rows on both sides"
+        pdq = np.full(qslots * H * D, np.nan, acc)
+        pdk = np.full(kslots * Hkv * D, np.nan, acc)
+        pdv = np.full(kslots * Hkv * DV, np.nan, acc)
+        tq = (qi.reshape(-1), pdq, za, za)
+        tk = (ki.reshape(-1), pdk, pdv, za)
+    nqi = nq if qi is None else qi.shape[0]
+    nki = ns if ki is None else ki.shape[0]
+    csr.make_dq(t, bias is not None, qi is not None)(
+        (-(-nqi * H * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df, st.reshape(-1),
+        dq.reshape(-1), dbias.reshape(-1), indptr, indices, b, *qs, *ks, *vs, *ds, nqi, H, H // Hkv,
+        acc.type(scale), *tq)
+    csr.make_dkdv(t, bias is not None, ki is not None)(
+        (-(-nki * Hkv * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df, st.reshape(-1),
+        dk.reshape(-1), dv.reshape(-1), tptr, tind, perm, b, *qs, *ks, *vs, *ds, nki, H, H // Hkv,
+        acc.type(scale), *tk)
+    if piece is not None:
+        for part, sp, dst, Hh, W, mult in ((pdq, qsp, dq, H, D, scale), (pdk, ksp, dk, Hkv, D, 1.0),
+                                           (pdv, ksp, dv, Hkv, DV, 1.0)):
+            mk = csr.make_sum_merge(dtype, t.acc, W)
+            mk((sp.shape[0] * Hh, 1, 1), (mk.NT, 1, 1), None, part, sp.reshape(-1), dst.reshape(-1),
+               sp.shape[0], Hh, acc.type(mult))
     return dq, dk, dv, (dbias if bias is not None else None)
 
 
@@ -645,7 +684,59 @@ def case_decode_split():
         check(f"decode {dtype} with NaN outside the band", out2, ro, tol)
 
 
+def case_csr_split_hub():
+    """Split rows: one destination holding most of the edges and one source read by every
+    destination (the transposed pass's hub), cut into pieces merged in fixed order, forward,
+    dq, dk/dv and dbias, against the float64 oracle; the split result equals the unsplit one
+    within rounding and repeats bit for bit."""
+    nq, ns, H, Hkv, D, DV = 9, 12, 2, 1, 3, 4
+    rows, cols = [], []
+    for i in range(nq):
+        if i == 4:
+            cs = np.arange(ns)  # hub destination: every source
+        elif i == 2:
+            cs = np.array([], np.int64)
+        else:
+            cs = np.unique(np.concatenate([[0], RNG.choice(ns, 2, replace=False)]))  # source 0: every row
+        rows += [i] * len(cs)
+        cols += list(cs)
+    rows, cols = np.array(rows), np.array(cols)
+    deg = np.bincount(rows, minlength=nq)
+    indptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
+    indices = cols.astype(np.int32)
+    perm = np.argsort(indices, kind="stable").astype(np.int64)
+    tptr = np.concatenate([[0], np.cumsum(np.bincount(indices, minlength=ns))]).astype(np.int64)
+    tind = rows[perm].astype(np.int32)
+    q, k, v = rand(nq, H, D), rand(ns, Hkv, D), rand(ns, Hkv, DV)
+    E = indices.shape[0]
+    bias = rand(E, H)
+    M = np.zeros((nq, ns), bool)
+    M[rows, indices] = True
+    dense_bias = np.zeros((nq, ns, H))
+    dense_bias[rows, indices] = bias
+    scale = D ** -0.5
+    dout = rand(nq, H, DV)
+    ro, rm, rl, rdq, rdk, rdv, dS = oracle(q, k, v, M, scale, dense_bias, dout)
+    t = tiles("float32", D, DV, R=1, NT=8)
+    base = csr_forward(q, k, v, indptr, indices, bias, scale, "float32")
+    for piece in (3, 5):
+        tag = f"csr split piece={piece}"
+        out, m, l = csr_forward(q, k, v, indptr, indices, bias, scale, "float32", piece=piece, t=t)
+        check(tag + " out", out, ro, 2e-5)
+        check(tag + " l", l, rl, 2e-5)
+        check(tag + " out vs unsplit", out, base[0], 2e-6)
+        again = csr_forward(q, k, v, indptr, indices, bias, scale, "float32", piece=piece, t=t)
+        assert np.array_equal(out, again[0]) and np.array_equal(m, again[1]), "split not repeatable"
+        dq, dk, dv, dbias = csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm,
+                                         bias, scale, "float32", piece=piece, t=t)
+        check(tag + " dq", dq, rdq, 1e-4)
+        check(tag + " dk", dk, rdk, 1e-4)
+        check(tag + " dv", dv, rdv, 1e-4)
+        check(tag + " dbias", dbias, dS.transpose(1, 2, 0)[rows, indices], 1e-4)
+
+
 CASES = {
+    "csr_split_hub": case_csr_split_hub,
     "decode_split": case_decode_split,
     "blocks_banded_nan": case_banded_nan,
     "blocks_f32_gqa_segments": lambda: case_blocks(),

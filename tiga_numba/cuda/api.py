@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover
 USE_TC = True
 POISON = False
 USE_DECODE = True  # few-query block relations -> the split-key kernel of decode.py
+USE_SPLIT = True  # CSR rows longer than a piece -> pieces merged in fixed order
 
 # the split-key (decode) path: block relations whose blocks have at most this many query rows
 DECODE_MAX_ROWS = 8
@@ -205,16 +206,63 @@ def _forward_blocks(rel, dname, D, DV, H, prune):
         tiles=t.describe())
 
 
+# rows longer than a piece are cut into pieces (one lane group each) merged in slot order; a
+# piece holds at least CSR_MIN_PIECE edges and about E / (CSR_PIECES_PER_SM * SMs): the rows
+# then carry about equal work, and a graph whose rows are all shorter keeps the one-pass kernels
+CSR_MIN_PIECE = 1024
+CSR_PIECES_PER_SM = 64
+
+
+class _Split:
+    """Work items of one CSR pass whose long rows were cut (None when no row is)."""
+    __slots__ = ("items", "splits", "n_items", "n_split", "n_slots", "piece", "longest")
+
+
+def _csr_split(owner, indptr):
+    """The pieces of a CSR pass over `indptr` (device array), memoised on its relation record:
+    one device-to-host copy of indptr the first time, none after."""
+    def build():
+        host = cupy.asnumpy(indptr).astype(np.int64)
+        deg = np.diff(host)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        piece = max(CSR_MIN_PIECE, _cdiv(int(host[-1]) if host.size else 0, CSR_PIECES_PER_SM * sms))
+        longest = int(deg.max()) if deg.size else 0
+        if longest <= piece:
+            return None
+        items, splits, n_slots = _csr.row_pieces(host, piece)
+        sp = _Split()
+        sp.items, sp.splits = cupy.asarray(items), cupy.asarray(splits)
+        sp.n_items, sp.n_split, sp.n_slots = int(items.shape[0]), int(splits.shape[0]), n_slots
+        sp.piece, sp.longest = piece, longest
+        return sp
+    return KERNELS.derived(owner, ("cuda.csr.split", indptr.data.ptr), build)
+
+
+def _split_note(sp, what):
+    if sp is None:
+        return ""
+    return (f"; {what}: {sp.n_split} row(s) longer than {sp.piece} edges (longest {sp.longest}) "
+            f"split into {sp.n_slots} pieces, merged in fixed order")
+
+
 def _forward_csr(rel, dname, D, DV, H, has_bias):
     rec = _Record()
     t = _csr_tiles("fwd", dname, D, DV)
-    rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias), lambda: _csr.make_forward(t, has_bias))
-    threads = (int(rel.indptr.shape[0]) - 1) * H * t.G
+    sp = _csr_split(rel, rel.indptr) if USE_SPLIT else None
+    items = sp is not None
+    rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias, items),
+                                 lambda: _csr.make_forward(t, has_bias, items))
+    nrows = sp.n_items if items else int(rel.indptr.shape[0]) - 1
+    threads = nrows * H * t.G
     rec.geo.update(grid=(_cdiv(threads, t.NT), 1, 1), block=(t.NT, 1, 1),
-                   rel=(rel.indptr.data.ptr, rel.indices.data.ptr))
+                   rel=(rel.indptr.data.ptr, rel.indices.data.ptr), split=sp, nrows=nrows)
+    if items:
+        acc = _tiles.acc_of(dname)
+        rec.geo["merge"] = rec.kernel(("csr.softmax_merge", dname, acc, DV),
+                                      lambda: _csr.make_softmax_merge(dname, acc, DV))
     return rec.finish(
         kernel=("cuda.csr.forward (CUDA cores, online softmax per edge"
-                + (", edge bias)" if has_bias else ")")),
+                + (", edge bias" if has_bias else "") + _split_note(sp, "split rows") + ")"),
         tiles=t.describe_csr())
 
 
@@ -266,7 +314,7 @@ def _forward_record(rel, dname, D, DV, H, prune, has_bias):
     return _forward_csr(rel, dname, D, DV, H, has_bias)
 
 
-def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
+def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=None):
     rec = _Record()
     g = rec.geo
     if not _is_blocks(rel):  # CSR: (m, log l, Delta) records, one per gathered (row, head)
@@ -292,14 +340,31 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
             tiles=f"dq: {tq.describe()}; dk/dv: {tk.describe()}")
     Ns = int(rel.num_src)
     t = _csr_tiles("bwd", dname, D, DV)
-    g["kq"] = rec.kernel(("csr.dq", t, has_bias), lambda: _csr.make_dq(t, has_bias))
-    g["kk"] = rec.kernel(("csr.dkdv", t, has_bias), lambda: _csr.make_dkdv(t, has_bias))
-    g.update(q_grid=(_cdiv(Nq * H * t.G, t.NT), 1, 1), k_grid=(_cdiv(Ns * Hkv * t.G, t.NT), 1, 1),
+    sq = _csr_split(rel, rel.indptr) if USE_SPLIT else None
+    sk = _csr_split(transpose, transpose.indptr) if USE_SPLIT else None
+    g["kq"] = rec.kernel(("csr.dq", t, has_bias, sq is not None),
+                         lambda: _csr.make_dq(t, has_bias, sq is not None))
+    g["kk"] = rec.kernel(("csr.dkdv", t, has_bias, sk is not None),
+                         lambda: _csr.make_dkdv(t, has_bias, sk is not None))
+    nq_items = sq.n_items if sq is not None else Nq
+    nk_items = sk.n_items if sk is not None else Ns
+    g.update(q_grid=(_cdiv(nq_items * H * t.G, t.NT), 1, 1),
+             k_grid=(_cdiv(nk_items * Hkv * t.G, t.NT), 1, 1), nq_items=nq_items,
+             nk_items=nk_items, sq=sq, sk=sk,
              block=(t.NT, 1, 1), rel=(rel.indptr.data.ptr, rel.indices.data.ptr))
+    if sq is not None:
+        g["mq"] = rec.kernel(("csr.sum_merge", dname, aname, D),
+                             lambda: _csr.make_sum_merge(dname, aname, D))
+    if sk is not None:
+        g["mk"] = rec.kernel(("csr.sum_merge", dname, aname, D),
+                             lambda: _csr.make_sum_merge(dname, aname, D))
+        g["mv"] = rec.kernel(("csr.sum_merge", dname, aname, DV),
+                             lambda: _csr.make_sum_merge(dname, aname, DV))
     return rec.finish(
         kernel=("cuda.csr.backward (CUDA cores, deterministic: dq"
                 + (" and dbias" if has_bias else "")
-                + " by destination rows, dk/dv by source rows of the transposed CSR)"),
+                + " by destination rows, dk/dv by source rows of the transposed CSR"
+                + _split_note(sq, "dq") + _split_note(sk, "dk/dv") + ")"),
         tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
@@ -371,9 +436,22 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         if prune:  # the one device-to-host read of the backend: explain()'s pruning counts, when asked
             defer_counts(info, lambda s=cupy.cuda.get_current_stream(): tuple(int(x) for x in cnt.get(stream=s)))
     elif g["grid"][0]:
+        sp = g["split"]
+        if sp is None:
+            d = _dummy(acc).data.ptr
+            tail = (_dummy("int64").data.ptr, d, d, d)
+        else:
+            pacc = cupy.empty((sp.n_slots * H * max(DV, 1),), acc)
+            pm = cupy.empty((sp.n_slots * H,), acc)
+            pl = cupy.empty((sp.n_slots * H,), acc)
+            tail = (sp.items.data.ptr, pacc.data.ptr, pm.data.ptr, pl.data.ptr)
         g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
                   l.data.ptr, *g["rel"], _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2,
-                  vs0, vs1, vs2, Nq, H, grp, scale)
+                  vs0, vs1, vs2, g["nrows"], H, grp, scale, *tail)
+        if sp is not None:
+            mk = g["merge"]
+            mk((sp.n_split * H, 1, 1), (mk.NT, 1, 1), stream, *tail[1:], sp.splits.data.ptr,
+               out.data.ptr, m.data.ptr, l.data.ptr, sp.n_split, H)
     info["copies"] = copies
     info["cache"] = cache
     return out, m, l
@@ -442,7 +520,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     bias = _contig(edge_bias, acc, "edge_bias", copies)
     has_bias = bias is not None
     rec, cache = _record(relation, ("cuda.bwd", dname, aname, D, DV, Nq, H, Hkv, has_bias),
-                         _backward_record)
+                         lambda rel, *a: _backward_record(rel, *a, transpose=transpose))
     g = rec.geo
     stream = current_stream()
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
@@ -492,14 +570,34 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     else:
         if has_bias:
             dbias = _empty((int(relation.indices.shape[0]), H), acc)
+        di, da = _dummy("int64").data.ptr, _dummy(acc).data.ptr
+        sq, sk = g["sq"], g["sk"]
         if Nq * H:
+            tail = (di, da, da, da)
+            if sq is not None:
+                pdq = cupy.empty((sq.n_slots * H * max(D, 1),), acc)
+                tail = (sq.items.data.ptr, pdq.data.ptr, da, da)
             g["kq"](g["q_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
-                    dq.data.ptr, _ptr(dbias), *g["rel"], _ptr(bias), *strides, Nq, H, grp, scale)
+                    dq.data.ptr, _ptr(dbias), *g["rel"], _ptr(bias), *strides, g["nq_items"],
+                    H, grp, scale, *tail)
+            if sq is not None:
+                mk = g["mq"]
+                mk((sq.n_split * H, 1, 1), (mk.NT, 1, 1), stream, pdq.data.ptr,
+                   sq.splits.data.ptr, dq.data.ptr, sq.n_split, H, scale)
         if Ns * Hkv:
+            tail = (di, da, da, da)
+            if sk is not None:
+                pdk = cupy.empty((sk.n_slots * Hkv * max(D, 1),), acc)
+                pdv = cupy.empty((sk.n_slots * Hkv * max(DV, 1),), acc)
+                tail = (sk.items.data.ptr, pdk.data.ptr, pdv.data.ptr, da)
             g["kk"](g["k_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
                     dk.data.ptr, dv.data.ptr, transpose.indptr.data.ptr,
                     transpose.indices.data.ptr, transpose.perm.data.ptr, _ptr(bias), *strides,
-                    Ns, H, grp, scale)
+                    g["nk_items"], H, grp, scale, *tail)
+            if sk is not None:
+                for mk, part, dst in ((g["mk"], pdk, dk), (g["mv"], pdv, dv)):
+                    mk((sk.n_split * Hkv, 1, 1), (mk.NT, 1, 1), stream, part.data.ptr,
+                       sk.splits.data.ptr, dst.data.ptr, sk.n_split, Hkv, 1.0)
     info.update(rec.info)
     info["copies"] = copies
     info["cache"] = cache
