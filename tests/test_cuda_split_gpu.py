@@ -6,7 +6,8 @@ Against a float64 oracle on fresh random inputs, outputs poisoned with NaN first
 Lq < Lk, empty segments) forward and backward on the CUDA-core kernels, with NaN / inf in
 every row that no destination reaches; decode shapes (Graph.dense(num_keys, 1), cu_seqlens
 with one query per segment, grouped-query heads) on the split-key kernel; same bits on a
-second run. The tensor-core kernels still multiply masked cells of a tile by 0 (a known
+second run; CSR hub rows (one destination with every source, one source read by every
+destination) split into pieces, against the oracle and the unsplit kernels. The tensor-core kernels still multiply masked cells of a tile by 0 (a known
 limitation, marked xfail).
 """
 import numpy as np
@@ -181,3 +182,51 @@ def test_decode_split_key_vs_oracle(kind, dtype, D, H, Hkv):
         vp[dead] = np.inf
         out3, _, _, _ = _run(g, q, kp, vp, dout)
         assert rel_err(out3, ro) < ftol
+
+
+def _hub_csr(nq=1500, ns=3000, hub=7):
+    """Row `hub` holds every source; every other row holds source 0 and a few random ones, so
+    source 0 is read by every destination (the transposed pass's hub)."""
+    rows, cols = [], []
+    for i in range(nq):
+        cs = np.arange(ns) if i == hub else np.unique(np.concatenate([[0], RNG.choice(ns, 5)]))
+        if i == 11:
+            cs = np.zeros(0, np.int64)  # an empty row
+        rows.append(np.full(len(cs), i))
+        cols.append(cs)
+    rows, cols = np.concatenate(rows), np.concatenate(cols)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=nq))]).astype(np.int64)
+    return tg.Graph.from_csr(indptr, cols.astype(np.int32), num_src=ns)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_csr_hub_rows_split_vs_oracle(dtype, _poisoned):
+    g = _hub_csr()
+    H, Hkv, D = 4, 2, 32
+    q = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
+    k = RNG.standard_normal((g.num_src, Hkv, D)).astype(dtype)
+    v = RNG.standard_normal((g.num_src, Hkv, D)).astype(dtype)
+    dout = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
+    ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, _mask(g), D ** -0.5, dout=dout)
+    out, stats, kern, grads = _run(g, q, k, v, dout)
+    assert "split into" in kern, kern
+    bk = functional.last_plan().run_info["kernel"]
+    assert "dq:" in bk and "dk/dv:" in bk, bk
+    ftol, btol = TOL[dtype]
+    assert rel_err(out, ro) < ftol and rel_err(stats.l, rl) < ftol
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        assert rel_err(got, want) < btol, name
+    out2, _, _, grads2 = _run(g, q, k, v, dout)
+    assert bool(cupy.all(out == out2))
+    for a, b in zip(grads, grads2):
+        assert bool(cupy.all(a == b)), "split backward not bitwise repeatable"
+    # equal, within rounding, to the unsplit kernels
+    _poisoned.USE_SPLIT = False
+    try:
+        out3, _, kern3, grads3 = _run(tg.Graph.from_scipy(g.to_scipy()), q, k, v, dout)
+    finally:
+        _poisoned.USE_SPLIT = True
+    assert "split" not in kern3
+    assert rel_err(out, cupy.asnumpy(out3)) < ftol
+    for a, b in zip(grads, grads3):
+        assert rel_err(a, cupy.asnumpy(b)) < btol
