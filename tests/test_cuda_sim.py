@@ -632,7 +632,7 @@ def decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk):
     kf, ks = base_and_strides(k)
     vf, vs = base_and_strides(v)
     kern = decode.make_decode(t)
-    kern((splits, len(lo), Hkv * nrg), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
+    kern((len(lo), splits, Hkv * nrg), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
          l.reshape(-1), pacc, pm, pl, dst_off, src_off, lo, hi, *qs, *ks, *vs, H, grp, nrg, splits,
          chunk, acc.type(scale))
     if splits > 1:

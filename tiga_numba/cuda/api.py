@@ -211,6 +211,9 @@ def _forward_blocks(rel, dname, D, DV, H, prune):
 # then carry about equal work, and a graph whose rows are all shorter keeps the one-pass kernels
 CSR_MIN_PIECE = 1024
 CSR_PIECES_PER_SM = 64
+# degrees this skewed (longest row > SKEW x the mean, plus a margin) take the work-item path
+# even without a row to cut: rows ordered by length keep the lanes of a warp equally busy
+CSR_SKEW = 8
 
 
 class _Split:
@@ -227,7 +230,8 @@ def _csr_split(owner, indptr):
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         piece = max(CSR_MIN_PIECE, _cdiv(int(host[-1]) if host.size else 0, CSR_PIECES_PER_SM * sms))
         longest = int(deg.max()) if deg.size else 0
-        if longest <= piece:
+        mean = float(host[-1]) / max(1, deg.size)
+        if longest <= piece and longest <= CSR_SKEW * mean + 32:
             return None
         items, splits, n_slots = _csr.row_pieces(host, piece)
         sp = _Split()
@@ -241,8 +245,10 @@ def _csr_split(owner, indptr):
 def _split_note(sp, what):
     if sp is None:
         return ""
-    return (f"; {what}: {sp.n_split} row(s) longer than {sp.piece} edges (longest {sp.longest}) "
-            f"split into {sp.n_slots} pieces, merged in fixed order")
+    cut = (f"{sp.n_split} row(s) longer than {sp.piece} edges (longest {sp.longest}) split into "
+           f"{sp.n_slots} pieces, merged in fixed order" if sp.n_split else
+           f"no row longer than {sp.piece} edges (longest {sp.longest})")
+    return f"; {what}: rows ordered by length, {cut}"
 
 
 def _forward_csr(rel, dname, D, DV, H, has_bias):
@@ -296,7 +302,7 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
     if splits > 1:
         rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
                                       lambda: _decode.make_merge(dname, t.acc, DV))
-    rec.geo.update(grid=(splits, S, Hkv * nrg), block=(t.NT, 1, 1), nrg=nrg, splits=splits,
+    rec.geo.update(grid=(S, splits, Hkv * nrg), block=(t.NT, 1, 1), nrg=nrg, splits=splits,
                    chunk=chunk, rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr,
                                      rel.lo.data.ptr, rel.hi.data.ptr))
     return rec.finish(
@@ -475,7 +481,7 @@ def _decode_forward(plan, q, k, v, relation):
     l = _empty((Nq, H), acc)
     info.update(rec.info)
     splits = g["splits"]
-    if g["grid"][1] == 0 or Nq * H == 0:
+    if g["grid"][0] == 0 or Nq * H == 0:
         out.fill(0)
         m.fill(-np.inf)
         l.fill(0)

@@ -511,11 +511,16 @@ def _ITEM_ARGS(ACC):
     return [("items", "a", i64), ("part0", "a", ACC), ("part1", "a", ACC), ("part2", "a", ACC)]
 
 
-def row_pieces(indptr, piece):
+def row_pieces(indptr, piece, longest_first=True):
     """Work items of a CSR pass (host, numpy): every row of degree <= piece is one item
     (row, e0, e1, -1), written directly; a longer row becomes ceil(deg / piece) near-equal
     pieces, each with its own partial-state slot. Returns (items (n, 4) int64, splits (s, 3)
-    int64 rows (row, first slot, number of slots), number of slots). Items keep row order."""
+    int64 rows (row, first slot, number of slots), number of slots).
+
+    With `longest_first` the items are ordered by decreasing length (ties in row order): the
+    lane groups of a warp then walk rows of about the same length (a warp lasts as long as its
+    longest row) and the longest work starts first. Slots stay numbered in row order, so the
+    merge order, and the bits, do not depend on the item order."""
     import numpy as np
     indptr = np.asarray(indptr, np.int64)
     deg = np.diff(indptr)
@@ -532,6 +537,8 @@ def row_pieces(indptr, piece):
     slot_base = np.concatenate([[0], np.cumsum(np.where(long_, k, 0))])
     slot = np.where(long_[row], slot_base[:-1][row] + p, -1)
     items = np.stack([row, e0, e1, slot], axis=1).astype(np.int64)
+    if longest_first:
+        items = items[np.argsort(e0 - e1, kind="stable")]
     srows = np.flatnonzero(long_)
     splits = np.stack([srows, slot_base[:-1][srows], k[srows]], axis=1).astype(np.int64)
     return np.ascontiguousarray(items), np.ascontiguousarray(splits.reshape(-1, 3)), int(slot_base[-1])

@@ -3,7 +3,7 @@
 A block with a handful of query rows and a long key range gives the query-tile kernels of
 blocks.py one CTA per (query tile, head): a few CTAs for the whole GPU, each walking every key
 alone. Here the key range of a block is cut into `splits` chunks (flash-decoding): grid =
-(splits, blocks, kv heads x row groups). One CTA takes one chunk of keys and *all* the query
+(blocks, splits, kv heads x row groups). One CTA takes one chunk of keys and *all* the query
 rows of its block times the `grp` query heads that share its kv head ("rows" below, query-row
 major: row rl is query row rl // grp, head hk * grp + rl % grp), so every K / V row of the
 chunk is read once for all of them (grouped-query heads packed together).
@@ -122,8 +122,8 @@ def make_decode(t):
         sA = cuda.shared.array(SA, ACC)
         neg = ACC(NEG_INF)
         tid = cuda.threadIdx.x
-        c = i64(cuda.blockIdx.x)
-        b = i64(cuda.blockIdx.y)
+        b = i64(cuda.blockIdx.x)  # blocks on x: up to 2^31 - 1 of them (y and z stop at 65535)
+        c = i64(cuda.blockIdx.y)
         z = i64(cuda.blockIdx.z)
         hk = z // nrg
         rg = z - hk * nrg
