@@ -199,7 +199,7 @@ def _forward_blocks(rel, dname, D, DV, H, prune):
     tpb = _cdiv(int(rel.max_block_dst), t.BM)
     S = int(rel.causal.shape[0])
     rec.geo.update(grid=(S * tpb, H, 1), block=(t.NT, 1, 1), tpb=tpb,
-                   rel=_block_rel(rel), dummy=_dummy("int64").data.ptr)
+                   rel=_block_rel(rel, rec.geo), dummy=_dummy("int64").data.ptr)
     return rec.finish(
         kernel=("cuda.blocks.forward (CUDA cores, streaming online softmax"
                 + (", tile pruning)" if prune else ")") + _banded_note(rel)),
@@ -303,8 +303,9 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
         rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
                                       lambda: _decode.make_merge(dname, t.acc, DV))
     rec.geo.update(grid=(S, splits, Hkv * nrg), block=(t.NT, 1, 1), nrg=nrg, splits=splits,
-                   chunk=chunk, rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr,
-                                     rel.lo.data.ptr, rel.hi.data.ptr))
+                   chunk=chunk)
+    lo_d, hi_d = rec.geo["band"] = _band_arrays(rel)
+    rec.geo["rel"] = (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, lo_d.data.ptr, hi_d.data.ptr)
     return rec.finish(
         kernel=(f"cuda.decode.forward (CUDA cores, split-key flash-decoding: {splits} key "
                 f"chunk{'s' if splits > 1 else ''} of <= {chunk} keys per block, the {grp} query "
@@ -339,7 +340,7 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=N
         g["tpbk"] = _cdiv(int(rel.max_block_src), tk.BM)
         g.update(q_grid=(S * g["tpb"], H, 1), q_block=(tq.NT, 1, 1),
                  k_grid=(S * g["tpbk"], Hkv, 1), k_block=(tk.NT, 1, 1),
-                 rel=_block_rel(rel))
+                 rel=_block_rel(rel, g))
         return rec.finish(
             kernel=("cuda.blocks.backward (CUDA cores, deterministic: dq by query tiles, "
                     "dk/dv by key tiles)" + _banded_note(rel)),
@@ -374,14 +375,17 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=N
         tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
-def _block_rel(rel):
+def _band_arrays(rel):
+    """lo, hi of a block relation as contiguous int64 device arrays (what the kernels read);
+    kept alive by the launch record that holds their addresses."""
+    return tuple(cupy.ascontiguousarray(cupy.asarray(x), dtype=np.int64) for x in (rel.lo, rel.hi))
+
+
+def _block_rel(rel, geo):
     """Device addresses of a block relation, in the block kernels' argument order."""
-    for name in ("lo", "hi"):
-        x = getattr(rel, name)
-        if x.dtype != np.int64 or not x.flags.c_contiguous:
-            raise TypeError(f"relation.{name} must be a contiguous int64 device array")
+    lo, hi = geo["band"] = _band_arrays(rel)
     return (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr,
-            rel.lo.data.ptr, rel.hi.data.ptr)
+            lo.data.ptr, hi.data.ptr)
 
 
 def _banded_note(rel):

@@ -101,6 +101,7 @@ def make_decode(t):
     AS = ROWS * DVS
     SCN = ROWS * T
     KS = DS * T
+    VSB = DVS * T
 
     def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
              qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
@@ -158,7 +159,7 @@ def make_decode(t):
         sc = cuda.local.array(SCN, ACC)
         ok = cuda.local.array(SCN, numba.boolean)
         kv = cuda.local.array(KS, ACC)
-        vv = cuda.local.array(DVS, ACC)
+        vv = cuda.local.array(VSB, ACC)
         for r in range(ROWS):
             rl = r0 + r
             il = rl // grp
@@ -178,7 +179,8 @@ def make_decode(t):
         # takes keys [j0 + gid * T, j0 + gid * T + T) of each step
         for js in range(cb, ce, NGT * T):
             j0 = js + gid * T
-            # scores of this group's T keys for every row
+            # this group's T keys: K and V rows loaded together (2 T rows in flight per
+            # group), then the scores of every row
             for tt in range(T):
                 j = j0 + tt
                 for cc in range(DS):
@@ -187,6 +189,12 @@ def make_decode(t):
                     if j < ce and d < D:
                         x = ACC(k[U((s0 + j) * ks0 + hk * ks1 + d * ks2)])
                     kv[U(tt * DS + cc)] = x
+                for cc in range(DVS):
+                    d = cc * G + lane
+                    x = ACC(0.0)
+                    if j < ce and d < DV:
+                        x = ACC(v[U((s0 + j) * vs0 + hk * vs1 + d * vs2)])
+                    vv[U(tt * DVS + cc)] = x
             for tt in range(T):
                 for r in range(ROWS):
                     x = ACC(0.0)
@@ -229,24 +237,17 @@ def make_decode(t):
                     for tt in range(T):
                         sc[U(r * T + tt)] = ACC(0.0)
             for tt in range(T):
-                j = j0 + tt
-                for cc in range(DVS):
-                    d = cc * G + lane
-                    x = ACC(0.0)
-                    if j < ce and d < DV:
-                        x = ACC(v[U((s0 + j) * vs0 + hk * vs1 + d * vs2)])
-                    vv[U(cc)] = x
                 if cut:
                     for r in range(ROWS):
                         if ok[U(r * T + tt)]:  # masked cells add nothing, not 0 * v
                             p = sc[U(r * T + tt)]
                             for cc in range(DVS):
-                                acc[U(r * DVS + cc)] += p * vv[U(cc)]
+                                acc[U(r * DVS + cc)] += p * vv[U(tt * DVS + cc)]
                 else:  # every cell of the chunk is in the band (keys past ce have v = 0)
                     for r in range(ROWS):
                         p = sc[U(r * T + tt)]
                         for cc in range(DVS):
-                            acc[U(r * DVS + cc)] += p * vv[U(cc)]
+                            acc[U(r * DVS + cc)] += p * vv[U(tt * DVS + cc)]
 
         # the groups' states meet in shared memory; combined in group order
         for r in range(ROWS):
