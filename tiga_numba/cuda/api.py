@@ -9,10 +9,14 @@ their strides (the kernels take element strides); only arrays with negative or
 non-element-multiple strides, and non-contiguous per-row stats / edge bias, are copied,
 and each copy is recorded in plan.run_info["copies"].
 
-Routing: the tensor-core kernels (tiga_numba.cuda.tc, when present) take what their
-`supports()` accepts (block relations with D in {64, 128}: float16/bfloat16, and float32 as
-3xTF32 at fp32-class accuracy); everything else (float64, CSR, pruning, edge bias, other head
-dims) runs on the CUDA-core kernels of blocks.py / csr.py.
+Routing: block relations whose blocks have at most DECODE_MAX_ROWS query rows (decode,
+few queries over long key ranges), float16/float32/float64 without pruning, run the split-key
+forward of decode.py. Otherwise the tensor-core kernels (tiga_numba.cuda.tc, when present) take
+what their `supports()` accepts (full and square-causal block relations with D in {64, 128}:
+float16/bfloat16, and float32 as 3xTF32 at fp32-class accuracy); everything else (float64, CSR,
+banded blocks, pruning, edge bias, other head dims) runs on the CUDA-core kernels of blocks.py /
+csr.py. CSR passes over skewed degrees run on a work-item table: long rows cut into pieces merged
+in fixed order, items ordered by length (_csr_split).
 
 Per-call cost: everything that depends only on the relation and the call's sizes (kernel
 objects, tiles, grids, the relation's device addresses, the run_info text) is a *launch
@@ -66,7 +70,7 @@ def _tc_supports(plan, q, k, v, relation):
     if not USE_TC or _tc is None:
         return False
     if _is_blocks(relation) and not relation.standard:
-        return False  # bands run on the CUDA-core kernels (explain() says so: _BANDED_NOTE)
+        return False  # bands run on the CUDA-core kernels (explain() says so: _banded_note)
     supports = getattr(_tc, "supports", None)
     if supports is None or not hasattr(_tc, "forward"):
         return False
