@@ -48,6 +48,15 @@ def _factories(dtype, D, DV):
         out.append(("csr.fwd" + tag, lambda b=bias: csr.make_forward(cf, b)))
         out.append(("csr.dq" + tag, lambda b=bias: csr.make_dq(cb, b)))
         out.append(("csr.dkdv" + tag, lambda b=bias: csr.make_dkdv(cb, b)))
+    out.append(("csr.fwd+items", lambda: csr.make_forward(cf, False, True)))
+    out.append(("csr.dq+items", lambda: csr.make_dq(cb, False, True)))
+    out.append(("csr.dkdv+items", lambda: csr.make_dkdv(cb, False, True)))
+    out.append(("csr.softmax_merge", lambda: csr.make_softmax_merge(dtype, tiles.acc_of(dtype), DV)))
+    out.append(("csr.sum_merge", lambda: csr.make_sum_merge(dtype, tiles.acc_of(dtype), D)))
+    from tiga_numba.cuda import decode
+    td = decode.decode_tiles(dtype, D, DV, 4)
+    out.append(("decode", lambda: decode.make_decode(td)))
+    out.append(("decode.merge", lambda: decode.make_merge(dtype, tiles.acc_of(dtype), DV)))
     out.append(("delta", lambda: make_delta(dtype, tiles.acc_of(dtype))))
     out.append(("stats", lambda: make_stats(dtype, tiles.acc_of(dtype))))
     return out
@@ -76,7 +85,7 @@ def _compile_config(dtype, D, DV):
             problems.append(f"{name}: no .entry")
         if "ld.local" in ptx or "st.local" in ptx:
             problems.append(f"{name}: local memory used")
-        if name.startswith(("blocks", "csr")) and D > 0 and not (
+        if name.startswith(("blocks", "csr")) and "merge" not in name and D > 0 and not (
                 "shfl.sync" in ptx or kern.name.endswith("g1")):
             problems.append(f"{name}: no lane-group reduction")
     return problems
@@ -239,8 +248,10 @@ cp.zeros = lambda s, d=np.float32: W(np.zeros(s, d))
 cp.ascontiguousarray = lambda a, dtype=None: W(np.ascontiguousarray(a, dtype=dtype))
 cp.asarray = lambda a, dtype=None: W(np.asarray(a, dtype=dtype))
 cp.broadcast_to = lambda a, shape: W(np.broadcast_to(a, shape))
+cp.asnumpy = lambda a: np.asarray(a)
 cp.cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0),
-                          get_current_stream=lambda: SimpleNamespace(ptr=0))
+                          get_current_stream=lambda: SimpleNamespace(ptr=0),
+                          Device=lambda *a: SimpleNamespace(attributes={"MultiProcessorCount": 132}))
 sys.modules["cupy"] = cp
 
 import tiga_numba as tg
@@ -288,17 +299,18 @@ def check_call(g, H=2, Hkv=1, D=16, DV=8, dt=np.float32, prune=None, bias=False)
             t = tiles.block_tiles("fwd", np.dtype(dt).name, D, DV)
             tpb = -(-rel.max_block_dst // t.BM)
             assert grid == (rel.num_blocks * tpb, H, 1) and block == (t.NT, 1, 1)
-            assert a[6:9] == (addr(rel.dst_offsets), addr(rel.src_offsets), addr(rel.causal))
-            assert a[10:13] == qs and a[19:22] == (tpb, H, H // Hkv)
+            assert a[6:11] == (addr(rel.dst_offsets), addr(rel.src_offsets), addr(rel.causal),
+                               addr(rel.lo), addr(rel.hi))
+            assert a[12:15] == qs and a[21:24] == (tpb, H, H // Hkv)
         else:
             t = tiles.csr_tiles("fwd", np.dtype(dt).name, D, DV)
             assert grid == (-(-g.num_dst * H * t.G // t.NT), 1, 1)
             assert a[6:8] == (addr(rel.indptr), addr(rel.indices))
             assert a[8] == (addr(eb) if bias else 0) and a[9:12] == qs
         assert plan.run_info["kernel"] and plan.run_info["copies"] == []
-        # a pruned call's tile counters (a[9]) are a fresh buffer per call: the first call's stays
+        # a pruned call's tile counters (a[11]) are a fresh buffer per call: the first call's stays
         # alive until its run_info is read (deferred), so its address may differ
-        rest = a[6:9] + a[10:] if prune is not None else a[6:]
+        rest = a[6:11] + a[12:] if prune is not None else a[6:]
         if rep == 1:  # memoised launch record: same launch, counted as kernel-cache hits
             assert plan.run_info["cache"] == "hit" and KERNELS.hits == hits + 1
             assert (grid, block, a[:3], rest) == seen[0], "second call launched differently"
@@ -316,6 +328,8 @@ for dt in (np.float32, np.float16, np.float64):
     check_call(tg.Graph.triangular(40), dt=dt)
     check_call(tg.Graph.cu_seqlens([0, 3, 3, 70, 71]), H=4, Hkv=2, D=64, DV=64, dt=dt)
     check_call(tg.Graph.dense(30, 50), prune=0.1, dt=dt)
+    check_call(tg.Graph.cu_seqlens([0, 3, 9, 20], cu_seqlens_k=[0, 7, 9, 40], causal=True), dt=dt)
+    check_call(tg.Graph.band(45, 30, left=4, right=2), dt=dt)
     csr = tg.Graph.from_coo([0, 1, 2, 5, 5], [1, 2, 3, 0, 4], num_src=7, num_dst=6)
     check_call(csr, dt=dt)
     check_call(csr, dt=dt, bias=True)
@@ -324,6 +338,40 @@ for n in range(5):
     g = tg.Graph.from_coo(rng.integers(0, 9, 12), np.sort(rng.integers(0, 9, 12)), num_src=9, num_dst=9)
     check_call(g)
     del g
+# every launch passes exactly the kernel's parameters
+def n_args_ok():
+    for kern, grid, block, a in CALLS:
+        assert len(a) == len(kern.spec), (kern.name, len(a), len(kern.spec))
+
+# CSR with a hub destination (every source) and a hub source (every destination): work items,
+# merges after the item kernels; decode shapes: the split-key kernel and its merge
+n, ns = 40, 3000
+rows = np.concatenate([np.zeros(ns, np.int64), np.arange(1, n)])
+cols = np.concatenate([np.arange(ns), np.zeros(n - 1, np.int64)])
+hub = tg.Graph.from_coo(cols, rows, num_src=ns, num_dst=n)
+q, k, v = arr(n, 2, 16), arr(ns, 1, 16), arr(ns, 1, 16)
+CALLS.clear()
+out, st, plan = functional.run_forward(q, k, v, hub)
+names = [c[0].name for c in CALLS]
+assert names[0].endswith("_items") and names[1].startswith("csr_softmax_merge"), names
+assert "split into" in plan.run_info["kernel"], plan.run_info["kernel"]
+n_args_ok()
+CALLS.clear()
+functional.run_backward(arr(n, 2, 16), q, k, v, out, st, hub)
+names = [c[0].name for c in CALLS]
+assert names[0].startswith("stats") and names[1].startswith("csr_dq") and names[1].endswith("_items")
+assert names[2].startswith("csr_sum_merge") and "dkdv" in names[3], names
+n_args_ok()
+for g in (tg.Graph.dense(5000, 1), tg.Graph.cu_seqlens([0, 1, 2, 4], cu_seqlens_k=[0, 9, 900, 930])):
+    q, k, v = arr(g.num_dst, 8, 64), arr(g.num_src, 2, 64), arr(g.num_src, 2, 64)
+    CALLS.clear()
+    out, st, plan = functional.run_forward(q, k, v, g)
+    assert CALLS[0][0].name.startswith("decode_float32"), CALLS[0][0].name
+    assert plan.run_info["kernel"].startswith("cuda.decode.forward"), plan.run_info["kernel"]
+    grid = CALLS[0][1]
+    assert grid[0] == g.realize("cuda").num_blocks and grid[1] > 1, grid  # long keys: split
+    assert CALLS[1][0].name.startswith("decode_merge")
+    n_args_ok()
 print("records ok")
 '''
 

@@ -46,7 +46,7 @@ def _have_numba_cuda():
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
              "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
-             "blocks_lane_groups"]
+             "blocks_lane_groups", "blocks_banded_nan", "decode_split", "csr_split_hub"]
 
 
 @pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
@@ -98,6 +98,21 @@ RNG = np.random.default_rng(20261129)
 
 
 # --------------------------------------------------------------------------- oracle
+def band_of(dst_off, src_off, causal):
+    """(lo, hi) of full / square-causal blocks, as BlockRelation defines them."""
+    nd, ns = np.diff(dst_off), np.diff(src_off)
+    return (1 - nd).astype(np.int64), np.where(causal != 0, 0, ns - 1).astype(np.int64)
+
+
+def band_mask(dst_off, src_off, lo, hi, nq, ns):
+    M = np.zeros((nq, ns), bool)
+    for b in range(len(lo)):
+        r = np.arange(dst_off[b + 1] - dst_off[b])[:, None]
+        c = np.arange(src_off[b + 1] - src_off[b])[None, :]
+        M[dst_off[b]:dst_off[b + 1], src_off[b]:src_off[b + 1]] = (c - r >= lo[b]) & (c - r <= hi[b])
+    return M
+
+
 def dense_mask(dst_off, src_off, causal, nq, ns):
     M = np.zeros((nq, ns), bool)
     for b in range(len(causal)):
@@ -234,8 +249,14 @@ def tiles(dtype, D, DV, R=2, NT=4, BN=4, G=1, VEC=1):
     return Tiles(dtype, acc, D, DV, G, R, NT, BN, VEC)
 
 
+def _band_rel(rel):
+    if len(rel) == 3:
+        return tuple(rel) + band_of(*rel)
+    return rel
+
+
 def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
-    dst_off, src_off, causal = rel
+    dst_off, src_off, causal, lo, hi = _band_rel(rel)
     nq, H, D = q.shape
     Hkv, DV = k.shape[1], v.shape[2]
     t = t or tiles(dtype, D, DV)
@@ -252,13 +273,13 @@ def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
     maxd = int(np.diff(dst_off).max())
     tpb = -(-maxd // t.BM)
     kern((S * tpb, H, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
-         l.reshape(-1), dst_off, src_off, causal, cnt, *qs, *ks, *vs, tpb, H, H // Hkv,
+         l.reshape(-1), dst_off, src_off, causal, lo, hi, cnt, *qs, *ks, *vs, tpb, H, H // Hkv,
          acc.type(scale), acc.type(math.log(prune) if prune else 0.0))
     return out, m, l, cnt
 
 
 def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
-    dst_off, src_off, causal = rel
+    dst_off, src_off, causal, lo, hi = _band_rel(rel)
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
     tq = tiles(dtype, D, DV, R=2, NT=4, BN=4)
@@ -283,21 +304,33 @@ def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
     S = len(causal)
     tpb = -(-int(np.diff(dst_off).max()) // tq.BM)
     blocks.make_dq(tq)((S * tpb, H, 1), (tq.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
-                       l.reshape(-1), delta.reshape(-1), dq.reshape(-1), dst_off, src_off, causal,
+                       l.reshape(-1), delta.reshape(-1), dq.reshape(-1), dst_off, src_off, causal, lo, hi,
                        *qs, *ks, *vs, *ds, tpb, H, H // Hkv, acc.type(scale))
     tpbk = -(-int(np.diff(src_off).max()) // tk.BM)
     blocks.make_dkdv(tk)((S * tpbk, Hkv, 1), (tk.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
                          l.reshape(-1), delta.reshape(-1), dk.reshape(-1), dv.reshape(-1), dst_off,
-                         src_off, causal, *qs, *ks, *vs, *ds, tpbk, H, H // Hkv, acc.type(scale))
+                         src_off, causal, lo, hi, *qs, *ks, *vs, *ds, tpbk, H, H // Hkv, acc.type(scale))
     return dq, dk, dv, delta
 
 
-def csr_forward(q, k, v, indptr, indices, bias, scale, dtype):
+def csr_forward(q, k, v, indptr, indices, bias, scale, dtype, piece=None, t=None):
+    """piece: cut rows longer than `piece` edges into pieces merged by make_softmax_merge."""
     nq, H, D = q.shape
     Hkv, DV = k.shape[1], v.shape[2]
-    t = tiles(dtype, D, DV, R=1, NT=8)
+    t = t or tiles(dtype, D, DV, R=1, NT=8)
     acc = np.dtype(t.acc)
-    kern = csr.make_forward(t, bias is not None)
+    items = splits = None
+    if piece is not None:
+        items, splits, n_slots = csr.row_pieces(indptr, piece)
+        assert splits.shape[0] > 0, "the test graph must have a row longer than a piece"
+        pacc = np.full(n_slots * H * DV, np.nan, acc)
+        pm = np.full(n_slots * H, np.nan, acc)
+        pl = np.full(n_slots * H, np.nan, acc)
+        tail = (items.reshape(-1), pacc, pm, pl)
+    else:
+        tail = (np.zeros(4, np.int64), np.zeros(2, acc), np.zeros(2, acc), np.zeros(2, acc))
+    nrows = nq if items is None else items.shape[0]
+    kern = csr.make_forward(t, bias is not None, items is not None)
     out = np.full((nq, H, DV), np.nan, dtype)
     m = np.full((nq, H), np.nan, acc)
     l = np.full((nq, H), np.nan, acc)
@@ -305,16 +338,21 @@ def csr_forward(q, k, v, indptr, indices, bias, scale, dtype):
     kf, ks = base_and_strides(k)
     vf, vs = base_and_strides(v)
     b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
-    kern((-(-nq * H // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1),
-         m.reshape(-1), l.reshape(-1), indptr, indices, b, *qs, *ks, *vs, nq, H, H // Hkv,
-         acc.type(scale))
+    kern((-(-nrows * H * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1),
+         m.reshape(-1), l.reshape(-1), indptr, indices, b, *qs, *ks, *vs, nrows, H, H // Hkv,
+         acc.type(scale), *tail)
+    if items is not None:
+        mk = csr.make_softmax_merge(dtype, t.acc, DV)
+        mk((splits.shape[0] * H, 1, 1), (mk.NT, 1, 1), None, *tail[1:], splits.reshape(-1),
+           out.reshape(-1), m.reshape(-1), l.reshape(-1), splits.shape[0], H)
     return out, m, l
 
 
-def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bias, scale, dtype):
+def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bias, scale, dtype,
+                 piece=None, t=None):
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
-    t = tiles(dtype, D, DV, R=1, NT=8)
+    t = t or tiles(dtype, D, DV, R=1, NT=8)
     acc = np.dtype(t.acc)
     st = np.full((nq, H, 3), np.nan, acc)
     skern = make_stats(dtype, t.acc)
@@ -331,12 +369,34 @@ def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bi
     E = indices.shape[0]
     dbias = np.full((E, H), np.nan, acc) if bias is not None else np.zeros(2, acc)
     b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
-    csr.make_dq(t, bias is not None)((-(-nq * H // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df,
-                                     st.reshape(-1), dq.reshape(-1), dbias.reshape(-1), indptr,
-                                     indices, b, *qs, *ks, *vs, *ds, nq, H, H // Hkv, acc.type(scale))
-    csr.make_dkdv(t, bias is not None)((-(-ns * Hkv // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf,
-                                       df, st.reshape(-1), dk.reshape(-1), dv.reshape(-1), tptr, tind,
-                                       perm, b, *qs, *ks, *vs, *ds, ns, H, H // Hkv, acc.type(scale))
+    z8, za = np.zeros(4, np.int64), np.zeros(2, acc)
+    qi = ki = None
+    tq = tk = (z8, za, za, za)
+    if piece is not None:
+        qi, qsp, qslots = csr.row_pieces(indptr, piece)
+        ki, ksp, kslots = csr.row_pieces(tptr, piece)
+        assert qsp.shape[0] and ksp.shape[0], "the test graph must have long rows on both sides"
+        pdq = np.full(qslots * H * D, np.nan, acc)
+        pdk = np.full(kslots * Hkv * D, np.nan, acc)
+        pdv = np.full(kslots * Hkv * DV, np.nan, acc)
+        tq = (qi.reshape(-1), pdq, za, za)
+        tk = (ki.reshape(-1), pdk, pdv, za)
+    nqi = nq if qi is None else qi.shape[0]
+    nki = ns if ki is None else ki.shape[0]
+    csr.make_dq(t, bias is not None, qi is not None)(
+        (-(-nqi * H * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df, st.reshape(-1),
+        dq.reshape(-1), dbias.reshape(-1), indptr, indices, b, *qs, *ks, *vs, *ds, nqi, H, H // Hkv,
+        acc.type(scale), *tq)
+    csr.make_dkdv(t, bias is not None, ki is not None)(
+        (-(-nki * Hkv * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df, st.reshape(-1),
+        dk.reshape(-1), dv.reshape(-1), tptr, tind, perm, b, *qs, *ks, *vs, *ds, nki, H, H // Hkv,
+        acc.type(scale), *tk)
+    if piece is not None:
+        for part, sp, dst, Hh, W, mult in ((pdq, qsp, dq, H, D, scale), (pdk, ksp, dk, Hkv, D, 1.0),
+                                           (pdv, ksp, dv, Hkv, DV, 1.0)):
+            mk = csr.make_sum_merge(dtype, t.acc, W)
+            mk((sp.shape[0] * Hh, 1, 1), (mk.NT, 1, 1), None, part, sp.reshape(-1), dst.reshape(-1),
+               sp.shape[0], Hh, acc.type(mult))
     return dq, dk, dv, (dbias if bias is not None else None)
 
 
@@ -499,7 +559,186 @@ def case_lane_groups():
         check(tag + " dv", dv, rdv, 1e-4)
 
 
+def case_banded_nan():
+    """Banded blocks (bottom-right causal with Lq < Lk and Lq > Lk, sliding windows, an empty
+    band, a rectangular band leaving keys unreachable and rows empty) against the oracle, then
+    NaN / inf put in every k, v row no destination reaches and in the q, dout rows of empty
+    destinations: every output must stay finite and equal the clean result."""
+    blocks_ = [(5, 9, -4, 4), (9, 5, -8, -4), (12, 12, -3, 0), (7, 7, 0, -1), (0, 3, 0, -1),
+               (10, 20, -2, 3), (20, 10, -3, 0), (1, 1, 0, 0)]
+    nd = np.array([b[0] for b in blocks_])
+    ns = np.array([b[1] for b in blocks_])
+    dst_off = np.concatenate([[0], np.cumsum(nd)]).astype(np.int64)
+    src_off = np.concatenate([[0], np.cumsum(ns)]).astype(np.int64)
+    lo = np.array([b[2] for b in blocks_], np.int64)
+    hi = np.array([b[3] for b in blocks_], np.int64)
+    causal = np.zeros(len(blocks_), np.uint8)
+    causal[2] = 0  # hi = 0 with a lower bound: a window, not the causal flag
+    rel = (dst_off, src_off, causal, lo, hi)
+    nq, nk = int(dst_off[-1]), int(src_off[-1])
+    M = band_mask(dst_off, src_off, lo, hi, nq, nk)
+    H, Hkv = 2, 1
+    for D, DV, lanes in ((3, 5, None), (16, 12, (4, 4))):
+        q, k, v = rand(nq, H, D), rand(nk, Hkv, D), rand(nk, Hkv, DV)
+        dout = rand(nq, H, DV)
+        scale = D ** -0.5
+        ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, M, scale, dout=dout)
+        t = None if lanes is None else tiles("float32", D, DV, R=2, NT=16, BN=8, G=4, VEC=4)
+        tag = f"banded D={D}/{DV} lanes={lanes}"
+        out, m, l, _ = blocks_forward(q, k, v, rel, scale, "float32", t=t)
+        check(tag + " out", out, ro, 2e-5)
+        check(tag + " l", l, rl, 2e-5)
+        dq, dk, dv, _ = blocks_backward(dout, q, k, v, out, m, l, rel, scale, "float32", lanes=lanes)
+        check(tag + " dq", dq, rdq, 1e-4)
+        check(tag + " dk", dk, rdk, 1e-4)
+        check(tag + " dv", dv, rdv, 1e-4)
+        dead_keys = ~M.any(axis=0)
+        dead_rows = ~M.any(axis=1)
+        assert dead_keys.sum() >= 7 and dead_rows.sum() >= 7
+        kp, vp, qp, dp = k.copy(), v.copy(), q.copy(), dout.copy()
+        kp[dead_keys] = np.nan
+        vp[dead_keys] = np.inf
+        vp[np.flatnonzero(dead_keys)[::2]] = np.nan
+        qp[dead_rows] = np.nan
+        dp[dead_rows] = np.inf
+        out2, m2, l2, _ = blocks_forward(qp, kp, vp, rel, scale, "float32", t=t)
+        assert np.isfinite(out2).all(), tag + ": non-finite value outside the band reached out"
+        check(tag + " out with NaN outside the band", out2, ro, 2e-5)
+        dq2, dk2, dv2, _ = blocks_backward(dp, qp, kp, vp, out2, m2, l2, rel, scale, "float32",
+                                           lanes=lanes)
+        for name, got, want in (("dq", dq2, rdq), ("dk", dk2[~dead_keys], rdk[~dead_keys]),
+                                ("dv", dv2[~dead_keys], rdv[~dead_keys])):
+            assert np.isfinite(got).all(), f"{tag}: non-finite value outside the band reached {name}"
+            check(f"{tag} {name} with NaN outside the band", got, want, 1e-4)
+        assert (dk2[dead_keys] == 0).all() and (dv2[dead_keys] == 0).all()
+
+
+def decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk):
+    """The split-key kernel (+ merge when splits > 1), launched as api.py launches it."""
+    from tiga_numba.cuda import decode
+    dst_off, src_off, causal, lo, hi = rel
+    nq, H, D = q.shape
+    Hkv, DV = k.shape[1], v.shape[2]
+    grp = H // Hkv
+    acc = np.dtype(t.acc)
+    nrg = max(1, -(-int(np.diff(dst_off).max()) * grp // t.ROWS))
+    out = np.full((nq, H, DV), np.nan, dtype)
+    m = np.full((nq, H), np.nan, acc)
+    l = np.full((nq, H), np.nan, acc)
+    pacc = np.full(nq * H * splits * DV, np.nan, acc)
+    pm = np.full(nq * H * splits, np.nan, acc)
+    pl = np.full(nq * H * splits, np.nan, acc)
+    qf, qs = base_and_strides(q)
+    kf, ks = base_and_strides(k)
+    vf, vs = base_and_strides(v)
+    kern = decode.make_decode(t)
+    kern((len(lo), splits, Hkv * nrg), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
+         l.reshape(-1), pacc, pm, pl, dst_off, src_off, lo, hi, *qs, *ks, *vs, H, grp, nrg, splits,
+         chunk, acc.type(scale))
+    if splits > 1:
+        mk = decode.make_merge(dtype, t.acc, DV)
+        mk((nq * H, 1, 1), (mk.NT, 1, 1), None, pacc, pm, pl, out.reshape(-1), m.reshape(-1),
+           l.reshape(-1), nq * H, splits)
+    return out, m, l
+
+
+def case_decode_split():
+    """Split-key decode kernel: 1-3 query rows per block over long key ranges, GQA packing
+    (2 query heads per kv head), a bottom-right causal band, an empty block, splits from 1 to
+    several (partials merged), every tail; then NaN / inf in k, v rows no row reaches."""
+    from tiga_numba.cuda.decode import DecodeTiles
+    blocks_ = [(1, 37, 0, 36), (2, 29, -1, 27), (3, 20, -2, 17), (1, 0, 0, -1), (2, 9, -1, 8),
+               (1, 40, 0, 20)]
+    nd = np.array([b[0] for b in blocks_])
+    ns = np.array([b[1] for b in blocks_])
+    dst_off = np.concatenate([[0], np.cumsum(nd)]).astype(np.int64)
+    src_off = np.concatenate([[0], np.cumsum(ns)]).astype(np.int64)
+    lo = np.array([b[2] for b in blocks_], np.int64)
+    hi = np.array([b[3] for b in blocks_], np.int64)
+    rel = (dst_off, src_off, np.zeros(len(lo), np.uint8), lo, hi)
+    nq, nk = int(dst_off[-1]), int(src_off[-1])
+    M = band_mask(dst_off, src_off, lo, hi, nq, nk)
+    H, Hkv = 4, 2
+    for dtype, D, DV, G, tol in (("float32", 8, 6, 4, 2e-5), ("float64", 5, 3, 1, 1e-12),
+                                 ("float16", 8, 8, 2, 2e-3)):
+        q, k, v = rand(nq, H, D, dtype=dtype), rand(nk, Hkv, D, dtype=dtype), rand(nk, Hkv, DV, dtype=dtype)
+        scale = D ** -0.5
+        ro, rm, rl = oracle(q, k, v, M, scale)
+        acc = "float64" if dtype == "float64" else "float32"
+        t = DecodeTiles(dtype, acc, D, DV, G=G, T=2, NW=1, ROWS=4, threads=2 * G)
+        for splits, chunk in ((1, 64), (3, 16), (10, t.step)):
+            tag = f"decode {dtype} D={D}/{DV} G={G} splits={splits}"
+            out, m, l = decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk)
+            check(tag + " out", out, ro, tol)
+            fin = np.isfinite(rm)
+            assert np.array_equal(np.isfinite(m), fin) and (l[~fin] == 0).all()
+            check(tag + " m", m[fin], rm[fin], tol)
+            check(tag + " l", l, rl, tol)
+        dead = ~M.any(axis=0)
+        assert dead.sum() >= 19
+        kp, vp = k.copy(), v.copy()
+        kp[dead] = np.nan
+        vp[dead] = np.inf
+        out2, _, _ = decode_forward(q, kp, vp, rel, scale, dtype, t, 3, 16)
+        assert np.isfinite(out2).all(), "non-finite k / v outside the band reached a row"
+        check(f"decode {dtype} with NaN outside the band", out2, ro, tol)
+
+
+def case_csr_split_hub():
+    """Split rows: one destination holding most of the edges and one source read by every
+    destination (the transposed pass's hub), cut into pieces merged in fixed order, forward,
+    dq, dk/dv and dbias, against the float64 oracle; the split result equals the unsplit one
+    within rounding and repeats bit for bit."""
+    nq, ns, H, Hkv, D, DV = 9, 12, 2, 1, 3, 4
+    rows, cols = [], []
+    for i in range(nq):
+        if i == 4:
+            cs = np.arange(ns)  # hub destination: every source
+        elif i == 2:
+            cs = np.array([], np.int64)
+        else:
+            cs = np.unique(np.concatenate([[0], RNG.choice(ns, 2, replace=False)]))  # source 0: every row
+        rows += [i] * len(cs)
+        cols += list(cs)
+    rows, cols = np.array(rows), np.array(cols)
+    deg = np.bincount(rows, minlength=nq)
+    indptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
+    indices = cols.astype(np.int32)
+    perm = np.argsort(indices, kind="stable").astype(np.int64)
+    tptr = np.concatenate([[0], np.cumsum(np.bincount(indices, minlength=ns))]).astype(np.int64)
+    tind = rows[perm].astype(np.int32)
+    q, k, v = rand(nq, H, D), rand(ns, Hkv, D), rand(ns, Hkv, DV)
+    E = indices.shape[0]
+    bias = rand(E, H)
+    M = np.zeros((nq, ns), bool)
+    M[rows, indices] = True
+    dense_bias = np.zeros((nq, ns, H))
+    dense_bias[rows, indices] = bias
+    scale = D ** -0.5
+    dout = rand(nq, H, DV)
+    ro, rm, rl, rdq, rdk, rdv, dS = oracle(q, k, v, M, scale, dense_bias, dout)
+    t = tiles("float32", D, DV, R=1, NT=8)
+    base = csr_forward(q, k, v, indptr, indices, bias, scale, "float32")
+    for piece in (3, 5):
+        tag = f"csr split piece={piece}"
+        out, m, l = csr_forward(q, k, v, indptr, indices, bias, scale, "float32", piece=piece, t=t)
+        check(tag + " out", out, ro, 2e-5)
+        check(tag + " l", l, rl, 2e-5)
+        check(tag + " out vs unsplit", out, base[0], 2e-6)
+        again = csr_forward(q, k, v, indptr, indices, bias, scale, "float32", piece=piece, t=t)
+        assert np.array_equal(out, again[0]) and np.array_equal(m, again[1]), "split not repeatable"
+        dq, dk, dv, dbias = csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm,
+                                         bias, scale, "float32", piece=piece, t=t)
+        check(tag + " dq", dq, rdq, 1e-4)
+        check(tag + " dk", dk, rdk, 1e-4)
+        check(tag + " dv", dv, rdv, 1e-4)
+        check(tag + " dbias", dbias, dS.transpose(1, 2, 0)[rows, indices], 1e-4)
+
+
 CASES = {
+    "csr_split_hub": case_csr_split_hub,
+    "decode_split": case_decode_split,
+    "blocks_banded_nan": case_banded_nan,
     "blocks_f32_gqa_segments": lambda: case_blocks(),
     "blocks_f64_dense_rect": lambda: case_blocks("float64", H=2, Hkv=2, D=4, DV=2,
                                                  layout=(("d", 6, 13, 0),), tol=1e-12),

@@ -66,8 +66,10 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
     probe = _device_probe(backend, graph, arrays, scale, score)
     # Decisions that need no device probe depend on these facts only: made once, then looked
     # up (a call's planning stays a few microseconds).
+    rows = int(graph._blocks.max_block_dst) if implicit else 0
     key = (op, backend, graph.kind, implicit, banded, score, shape.dtype, shape.head_dim,
-           shape.value_dim, prune_threshold is not None, opts) if probe is None else None
+           shape.value_dim, prune_threshold is not None, min(rows, 9), opts) \
+        if probe is None else None
     decision = _DECISIONS.get(key) if key is not None else None
     if decision is None:
         request = Request(
@@ -75,7 +77,7 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
             score=score, modified=score.startswith("modified"), dtype=_dtype_name(shape.dtype),
             head_dim=shape.head_dim, value_dim=shape.value_dim, heads=shape.heads,
             kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
-            options=opts, probe=probe)
+            max_block_rows=rows, options=opts, probe=probe)
         decision = _registry.choose(request)
         if key is not None:
             _DECISIONS[key] = decision

@@ -14,6 +14,7 @@ silently).
 
 | family | backend | serves |
 |---|---|---|
+| ``cuda.decode`` | cuda | forward of blocks with at most 8 query rows (decode): key range split across CTAs, fixed-order merge |
 | ``cuda.tc`` | cuda | implicit (block) relations, plain dot scores, fp16/bf16 (fp32 on request), tensor cores: wgmma on sm_90, mma.sync on sm_80+ |
 | ``cuda.blocks`` | cuda | implicit relations on CUDA cores (any head dim, float64) |
 | ``cuda.csr`` | cuda | CSR relations, per-edge bias / scores, CUDA cores |
@@ -47,6 +48,7 @@ class Request:
     kv_heads: int = 0
     scale: float = 1.0
     pruned: bool = False
+    max_block_rows: int = 0      # most destination rows of any block (implicit relations)
     options: Any = None
     # device-level facts are asked lazily, only by the families that need them
     probe: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
@@ -124,12 +126,30 @@ def _tensor_cores(req):
     return probe(req)
 
 
+# few query rows per block: the split-key (flash-decoding) kernel reads each K/V row once
+DECODE_MAX_ROWS = 8
+_DECODE_DTYPES = ("float16", "float32", "float64")
+
+
+def _cuda_decode(req):
+    if req.op != "forward":
+        return "forward only (the backward is parallel over key tiles already)"
+    if not req.implicit:
+        return "needs an implicit (block) relation"
+    if req.max_block_rows > DECODE_MAX_ROWS:
+        return f"blocks of more than {DECODE_MAX_ROWS} query rows"
+    if req.pruned:
+        return "tile pruning is not implemented in the split-key kernel"
+    if req.score != "dot":
+        return f"score {req.score!r}: plain dot scores only"
+    if req.dtype not in _DECODE_DTYPES:
+        return f"{req.dtype} (bfloat16 runs on the tensor cores)"
+    return None
+
+
 def _cuda_blocks(req):
     if not req.implicit:
         return "needs an implicit (block) relation"
-    if req.banded:
-        return ("banded blocks (Graph.band, window=, bottom-right causal segments) are not "
-                "implemented on the CUDA cores yet")
     if req.modified:
         return "score modifiers are compiled into the CPU kernels only"
     return None
@@ -151,6 +171,9 @@ def _cpu_csr(req):
     return None if not req.implicit else "needs a CSR relation"
 
 
+register(Family("cuda.decode", _ATTENTION, "cuda", "tiga_numba.cuda.decode",
+                "split-key forward for few query rows per block, partials merged in fixed order",
+                _cuda_decode))
 register(Family("cuda.tc", _ATTENTION, "cuda", "tiga_numba.cuda.tc",
                 "generated tensor-core kernels (wgmma on sm_90, mma.sync on sm_80+)", _tensor_cores))
 register(Family("cuda.blocks", _ATTENTION, "cuda", "tiga_numba.cuda.api",

@@ -9,10 +9,14 @@ their strides (the kernels take element strides); only arrays with negative or
 non-element-multiple strides, and non-contiguous per-row stats / edge bias, are copied,
 and each copy is recorded in plan.run_info["copies"].
 
-Routing: the tensor-core kernels (tiga_numba.cuda.tc, when present) take what their
-`supports()` accepts (block relations with D in {64, 128}: float16/bfloat16, and float32 as
-3xTF32 at fp32-class accuracy); everything else (float64, CSR, pruning, edge bias, other head
-dims) runs on the CUDA-core kernels of blocks.py / csr.py.
+Routing is the registry's (tiga_numba/registry.py: cuda.decode, cuda.tc, cuda.blocks,
+cuda.csr); this module runs the family the plan names. cuda.decode: block relations whose
+blocks have at most DECODE_MAX_ROWS query rows (decode, few queries over long key ranges),
+float16/float32/float64 without pruning: the split-key forward of decode.py. cuda.tc: what the
+tensor-core `supports()` accepts (full and square-causal blocks). Everything else (float64, CSR,
+banded blocks, pruning, edge bias, other head dims) runs on the CUDA-core kernels of blocks.py /
+csr.py. CSR passes over skewed degrees run on a work-item table: long rows cut into pieces merged
+in fixed order, items ordered by length (_csr_split).
 
 Per-call cost: everything that depends only on the relation and the call's sizes (kernel
 objects, tiles, grids, the relation's device addresses, the run_info text) is a *launch
@@ -33,6 +37,7 @@ from ..kernel_cache import KERNELS
 from ..plan import defer_counts
 from . import blocks as _blocks
 from . import csr as _csr
+from . import decode as _decode
 from . import tiles as _tiles
 from .common import make_delta, make_stats
 from .launch import current_stream
@@ -47,6 +52,10 @@ except ImportError:  # pragma: no cover
 # kernel writes then shows as NaN). The tensor-core / CUDA-core choice is an option
 # (tg.options(tensor_cores=False)), decided by the registry.
 POISON = False
+USE_SPLIT = True  # CSR rows longer than a piece -> pieces merged in fixed order
+
+# the split-key (decode) path: block relations whose blocks have at most this many query rows
+from ..registry import DECODE_MAX_ROWS  # noqa: E402,F401  (the cuda.decode family's bound)
 
 
 def _empty(shape, dtype):
@@ -207,25 +216,114 @@ def _forward_blocks(rel, dname, D, DV, H, prune):
     tpb = _cdiv(int(rel.max_block_dst), t.BM)
     S = int(rel.causal.shape[0])
     rec.geo.update(grid=(S * tpb, H, 1), block=(t.NT, 1, 1), tpb=tpb,
-                   rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr),
-                   dummy=_dummy("int64").data.ptr)
+                   rel=_block_rel(rel, rec.geo), dummy=_dummy("int64").data.ptr)
     return rec.finish(
         kernel=("cuda.blocks.forward (CUDA cores, streaming online softmax"
-                + (", tile pruning)" if prune else ")")),
+                + (", tile pruning)" if prune else ")") + _banded_note(rel)),
         tiles=t.describe())
+
+
+# rows longer than a piece are cut into pieces (one lane group each) merged in slot order; a
+# piece holds at least CSR_MIN_PIECE edges and about E / (CSR_PIECES_PER_SM * SMs): the rows
+# then carry about equal work, and a graph whose rows are all shorter keeps the one-pass kernels
+CSR_MIN_PIECE = 1024
+CSR_PIECES_PER_SM = 64
+# degrees this skewed (longest row > SKEW x the mean, plus a margin) take the work-item path
+# even without a row to cut: rows ordered by length keep the lanes of a warp equally busy
+CSR_SKEW = 8
+
+
+class _Split:
+    """Work items of one CSR pass whose long rows were cut (None when no row is)."""
+    __slots__ = ("items", "splits", "n_items", "n_split", "n_slots", "piece", "longest")
+
+
+def _csr_split(owner, indptr):
+    """The pieces of a CSR pass over `indptr` (device array), memoised on its relation record:
+    one device-to-host copy of indptr the first time, none after."""
+    def build():
+        host = cupy.asnumpy(indptr).astype(np.int64)
+        deg = np.diff(host)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        piece = max(CSR_MIN_PIECE, _cdiv(int(host[-1]) if host.size else 0, CSR_PIECES_PER_SM * sms))
+        longest = int(deg.max()) if deg.size else 0
+        mean = float(host[-1]) / max(1, deg.size)
+        if longest <= piece and longest <= CSR_SKEW * mean + 32:
+            return None
+        items, splits, n_slots = _csr.row_pieces(host, piece)
+        sp = _Split()
+        sp.items, sp.splits = cupy.asarray(items), cupy.asarray(splits)
+        sp.n_items, sp.n_split, sp.n_slots = int(items.shape[0]), int(splits.shape[0]), n_slots
+        sp.piece, sp.longest = piece, longest
+        return sp
+    return KERNELS.derived(owner, ("cuda.csr.split", indptr.data.ptr), build)
+
+
+def _split_note(sp, what):
+    if sp is None:
+        return ""
+    cut = (f"{sp.n_split} row(s) longer than {sp.piece} edges (longest {sp.longest}) split into "
+           f"{sp.n_slots} pieces, merged in fixed order" if sp.n_split else
+           f"no row longer than {sp.piece} edges (longest {sp.longest})")
+    return f"; {what}: rows ordered by length, {cut}"
 
 
 def _forward_csr(rel, dname, D, DV, H, has_bias):
     rec = _Record()
     t = _csr_tiles("fwd", dname, D, DV)
-    rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias), lambda: _csr.make_forward(t, has_bias))
-    threads = (int(rel.indptr.shape[0]) - 1) * H * t.G
+    sp = _csr_split(rel, rel.indptr) if USE_SPLIT else None
+    items = sp is not None
+    rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias, items),
+                                 lambda: _csr.make_forward(t, has_bias, items))
+    nrows = sp.n_items if items else int(rel.indptr.shape[0]) - 1
+    threads = nrows * H * t.G
     rec.geo.update(grid=(_cdiv(threads, t.NT), 1, 1), block=(t.NT, 1, 1),
-                   rel=(rel.indptr.data.ptr, rel.indices.data.ptr))
+                   rel=(rel.indptr.data.ptr, rel.indices.data.ptr), split=sp, nrows=nrows)
+    if items:
+        acc = _tiles.acc_of(dname)
+        rec.geo["merge"] = rec.kernel(("csr.softmax_merge", dname, acc, DV),
+                                      lambda: _csr.make_softmax_merge(dname, acc, DV))
     return rec.finish(
         kernel=("cuda.csr.forward (CUDA cores, online softmax per edge"
-                + (", edge bias)" if has_bias else ")")),
+                + (", edge bias" if has_bias else "") + _split_note(sp, "split rows") + ")"),
         tiles=t.describe_csr())
+
+
+def _forward_decode(rel, dname, D, DV, H, Hkv):
+    """Split-key launch: the chunk length follows the longest band of any block and the
+    number of CTAs the GPU holds (flash-decoding's rule), read once from the relation."""
+    rec = _Record()
+    grp = H // Hkv
+    S = int(rel.causal.shape[0])
+    t = _decode.decode_tiles(dname, D, DV, int(rel.max_block_dst) * grp)
+    nrg = max(1, _cdiv(int(rel.max_block_dst) * grp, t.ROWS))
+    doff, soff, lo, hi = (cupy.asnumpy(x).astype(np.int64) for x in
+                          (rel.dst_offsets, rel.src_offsets, rel.lo, rel.hi))
+    nd, ns = np.diff(doff), np.diff(soff)
+    kbeg = np.maximum(0, lo)
+    kend = np.minimum(ns, nd - 1 + hi + 1)
+    span = np.where((lo <= hi) & (nd > 0), np.maximum(kend - kbeg, 0), 0)
+    longest = int(span.max()) if S else 0
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    base = max(1, S * Hkv * nrg)
+    splits = max(1, min(_cdiv(8 * sms, base), _cdiv(longest, 4 * t.step)))
+    chunk = max(t.step, _cdiv(_cdiv(max(longest, 1), splits), t.step) * t.step)
+    splits = max(1, _cdiv(longest, chunk))
+    rec.geo["kern"] = rec.kernel(("decode", t), lambda: _decode.make_decode(t))
+    if splits > 1:
+        rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
+                                      lambda: _decode.make_merge(dname, t.acc, DV))
+    rec.geo.update(grid=(S, splits, Hkv * nrg), block=(t.NT, 1, 1), nrg=nrg, splits=splits,
+                   chunk=chunk)
+    lo_d, hi_d = rec.geo["band"] = _band_arrays(rel)
+    rec.geo["rel"] = (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, lo_d.data.ptr, hi_d.data.ptr)
+    return rec.finish(
+        kernel=(f"cuda.decode.forward (CUDA cores, split-key flash-decoding: {splits} key "
+                f"chunk{'s' if splits > 1 else ''} of <= {chunk} keys per block, the {grp} query "
+                "heads of a kv head read each K/V row once"
+                + (", partials merged in split order)" if splits > 1 else ")")
+                + _banded_note(rel).replace("only key tiles inside the band are visited; ", "")),
+        tiles=t.describe())
 
 
 def _forward_record(rel, dname, D, DV, H, prune, has_bias):
@@ -234,7 +332,7 @@ def _forward_record(rel, dname, D, DV, H, prune, has_bias):
     return _forward_csr(rel, dname, D, DV, H, has_bias)
 
 
-def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
+def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=None):
     rec = _Record()
     g = rec.geo
     if not _is_blocks(rel):  # CSR: (m, log l, Delta) records, one per gathered (row, head)
@@ -253,38 +351,69 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias):
         g["tpbk"] = _cdiv(int(rel.max_block_src), tk.BM)
         g.update(q_grid=(S * g["tpb"], H, 1), q_block=(tq.NT, 1, 1),
                  k_grid=(S * g["tpbk"], Hkv, 1), k_block=(tk.NT, 1, 1),
-                 rel=(rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr))
+                 rel=_block_rel(rel, g))
         return rec.finish(
             kernel=("cuda.blocks.backward (CUDA cores, deterministic: dq by query tiles, "
-                    "dk/dv by key tiles)"),
+                    "dk/dv by key tiles)" + _banded_note(rel)),
             tiles=f"dq: {tq.describe()}; dk/dv: {tk.describe()}")
     Ns = int(rel.num_src)
     t = _csr_tiles("bwd", dname, D, DV)
-    g["kq"] = rec.kernel(("csr.dq", t, has_bias), lambda: _csr.make_dq(t, has_bias))
-    g["kk"] = rec.kernel(("csr.dkdv", t, has_bias), lambda: _csr.make_dkdv(t, has_bias))
-    g.update(q_grid=(_cdiv(Nq * H * t.G, t.NT), 1, 1), k_grid=(_cdiv(Ns * Hkv * t.G, t.NT), 1, 1),
+    sq = _csr_split(rel, rel.indptr) if USE_SPLIT else None
+    sk = _csr_split(transpose, transpose.indptr) if USE_SPLIT else None
+    g["kq"] = rec.kernel(("csr.dq", t, has_bias, sq is not None),
+                         lambda: _csr.make_dq(t, has_bias, sq is not None))
+    g["kk"] = rec.kernel(("csr.dkdv", t, has_bias, sk is not None),
+                         lambda: _csr.make_dkdv(t, has_bias, sk is not None))
+    nq_items = sq.n_items if sq is not None else Nq
+    nk_items = sk.n_items if sk is not None else Ns
+    g.update(q_grid=(_cdiv(nq_items * H * t.G, t.NT), 1, 1),
+             k_grid=(_cdiv(nk_items * Hkv * t.G, t.NT), 1, 1), nq_items=nq_items,
+             nk_items=nk_items, sq=sq, sk=sk,
              block=(t.NT, 1, 1), rel=(rel.indptr.data.ptr, rel.indices.data.ptr))
+    if sq is not None:
+        g["mq"] = rec.kernel(("csr.sum_merge", dname, aname, D),
+                             lambda: _csr.make_sum_merge(dname, aname, D))
+    if sk is not None:
+        g["mk"] = rec.kernel(("csr.sum_merge", dname, aname, D),
+                             lambda: _csr.make_sum_merge(dname, aname, D))
+        g["mv"] = rec.kernel(("csr.sum_merge", dname, aname, DV),
+                             lambda: _csr.make_sum_merge(dname, aname, DV))
     return rec.finish(
         kernel=("cuda.csr.backward (CUDA cores, deterministic: dq"
                 + (" and dbias" if has_bias else "")
-                + " by destination rows, dk/dv by source rows of the transposed CSR)"),
+                + " by destination rows, dk/dv by source rows of the transposed CSR"
+                + _split_note(sq, "dq") + _split_note(sk, "dk/dv") + ")"),
         tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
-def _check_banded(plan, relation):
-    """The CUDA block kernels take full and square-causal blocks; bands (Graph.band, windows,
-    bottom-right-aligned causal segments of unequal lengths) are refused, never approximated."""
-    if _is_blocks(relation) and not relation.standard:
-        raise NotImplementedError(
-            f"the CUDA backend does not yet run banded block relations ({plan.relation_kind}: "
-            "Graph.band, cu_seqlens with window= or with cu_seqlens_k and causal=True); run it "
-            "on numpy arrays, or as CSR: Graph.from_scipy(graph.to_scipy())")
+def _band_arrays(rel):
+    """lo, hi of a block relation as contiguous int64 device arrays (what the kernels read);
+    kept alive by the launch record that holds their addresses."""
+    return tuple(cupy.ascontiguousarray(cupy.asarray(x), dtype=np.int64) for x in (rel.lo, rel.hi))
+
+
+def _block_rel(rel, geo):
+    """Device addresses of a block relation, in the block kernels' argument order."""
+    lo, hi = geo["band"] = _band_arrays(rel)
+    return (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, rel.causal.data.ptr,
+            lo.data.ptr, hi.data.ptr)
+
+
+def _banded_note(rel):
+    """explain()'s word on a banded relation: the tensor-core kernels take full and
+    square-causal blocks only, so bands run here on the CUDA cores, by design."""
+    if rel.standard:
+        return ""
+    return ("; banded blocks (lo <= c - r <= hi): only key tiles inside the band are visited; "
+            "the tensor-core kernels take full and square-causal blocks only, so bands run on "
+            "CUDA cores")
 
 
 # --------------------------------------------------------------------------- forward
 def forward(plan, q, k, v, relation, edge_bias=None):
     info = plan.run_info
-    _check_banded(plan, relation)
+    if plan.family == "cuda.decode":
+        return _decode_forward(plan, q, k, v, relation)
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
@@ -328,9 +457,65 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         if prune:  # the one device-to-host read of the backend: explain()'s pruning counts, when asked
             defer_counts(info, lambda s=cupy.cuda.get_current_stream(): tuple(int(x) for x in cnt.get(stream=s)))
     elif g["grid"][0]:
+        sp = g["split"]
+        if sp is None:
+            d = _dummy(acc).data.ptr
+            tail = (_dummy("int64").data.ptr, d, d, d)
+        else:
+            pacc = cupy.empty((sp.n_slots * H * max(DV, 1),), acc)
+            pm = cupy.empty((sp.n_slots * H,), acc)
+            pl = cupy.empty((sp.n_slots * H,), acc)
+            tail = (sp.items.data.ptr, pacc.data.ptr, pm.data.ptr, pl.data.ptr)
         g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
                   l.data.ptr, *g["rel"], _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2,
-                  vs0, vs1, vs2, Nq, H, grp, scale)
+                  vs0, vs1, vs2, g["nrows"], H, grp, scale, *tail)
+        if sp is not None:
+            mk = g["merge"]
+            mk((sp.n_split * H, 1, 1), (mk.NT, 1, 1), stream, *tail[1:], sp.splits.data.ptr,
+               out.data.ptr, m.data.ptr, l.data.ptr, sp.n_split, H)
+    info["copies"] = copies
+    info["cache"] = cache
+    return out, m, l
+
+
+def _decode_forward(plan, q, k, v, relation):
+    info = plan.run_info
+    copies = []
+    Nq, H, D = q.shape
+    Hkv = k.shape[1]
+    DV = v.shape[2]
+    dtype, dname, acc, _ = _dtypes(q.dtype)
+    rec, cache = _record(relation, ("cuda.decode", dname, D, DV, H, Hkv), _forward_decode)
+    g = rec.geo
+    stream = current_stream()
+    q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
+    k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
+    v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
+    out = _empty((Nq, H, DV), dtype)
+    m = _empty((Nq, H), acc)
+    l = _empty((Nq, H), acc)
+    info.update(rec.info)
+    splits = g["splits"]
+    if g["grid"][0] == 0 or Nq * H == 0:
+        out.fill(0)
+        m.fill(-np.inf)
+        l.fill(0)
+    else:
+        if splits > 1:
+            pacc = cupy.empty((Nq * H * splits * max(DV, 1),), acc)
+            pm = cupy.empty((Nq * H * splits,), acc)
+            pl = cupy.empty((Nq * H * splits,), acc)
+            parts = (pacc.data.ptr, pm.data.ptr, pl.data.ptr)
+        else:
+            d = _dummy(acc).data.ptr
+            parts = (d, d, d)
+        g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+                  *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
+                  H, H // Hkv, g["nrg"], splits, g["chunk"], float(plan.scale))
+        if splits > 1:
+            mk = g["merge"]
+            mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, out.data.ptr, m.data.ptr,
+               l.data.ptr, Nq * H, splits)
     info["copies"] = copies
     info["cache"] = cache
     return out, m, l
@@ -339,7 +524,6 @@ def forward(plan, q, k, v, relation, edge_bias=None):
 # --------------------------------------------------------------------------- backward
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
     info = plan.run_info
-    _check_banded(plan, relation)
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)
@@ -357,7 +541,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     bias = _contig(edge_bias, acc, "edge_bias", copies)
     has_bias = bias is not None
     rec, cache = _record(relation, ("cuda.bwd", dname, aname, D, DV, Nq, H, Hkv, has_bias),
-                         _backward_record)
+                         lambda rel, *a: _backward_record(rel, *a, transpose=transpose))
     g = rec.geo
     stream = current_stream()
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
@@ -407,14 +591,34 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     else:
         if has_bias:
             dbias = _empty((int(relation.indices.shape[0]), H), acc)
+        di, da = _dummy("int64").data.ptr, _dummy(acc).data.ptr
+        sq, sk = g["sq"], g["sk"]
         if Nq * H:
+            tail = (di, da, da, da)
+            if sq is not None:
+                pdq = cupy.empty((sq.n_slots * H * max(D, 1),), acc)
+                tail = (sq.items.data.ptr, pdq.data.ptr, da, da)
             g["kq"](g["q_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
-                    dq.data.ptr, _ptr(dbias), *g["rel"], _ptr(bias), *strides, Nq, H, grp, scale)
+                    dq.data.ptr, _ptr(dbias), *g["rel"], _ptr(bias), *strides, g["nq_items"],
+                    H, grp, scale, *tail)
+            if sq is not None:
+                mk = g["mq"]
+                mk((sq.n_split * H, 1, 1), (mk.NT, 1, 1), stream, pdq.data.ptr,
+                   sq.splits.data.ptr, dq.data.ptr, sq.n_split, H, scale)
         if Ns * Hkv:
+            tail = (di, da, da, da)
+            if sk is not None:
+                pdk = cupy.empty((sk.n_slots * Hkv * max(D, 1),), acc)
+                pdv = cupy.empty((sk.n_slots * Hkv * max(DV, 1),), acc)
+                tail = (sk.items.data.ptr, pdk.data.ptr, pdv.data.ptr, da)
             g["kk"](g["k_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
                     dk.data.ptr, dv.data.ptr, transpose.indptr.data.ptr,
                     transpose.indices.data.ptr, transpose.perm.data.ptr, _ptr(bias), *strides,
-                    Ns, H, grp, scale)
+                    g["nk_items"], H, grp, scale, *tail)
+            if sk is not None:
+                for mk, part, dst in ((g["mk"], pdk, dk), (g["mv"], pdv, dv)):
+                    mk((sk.n_split * Hkv, 1, 1), (mk.NT, 1, 1), stream, part.data.ptr,
+                       sk.splits.data.ptr, dst.data.ptr, sk.n_split, Hkv, 1.0)
     info.update(rec.info)
     info["copies"] = copies
     info["cache"] = cache

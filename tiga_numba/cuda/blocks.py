@@ -1,11 +1,17 @@
 """CUDA-core kernels for block relations (dense rectangular, triangular, segments).
 
-A BlockRelation is S blocks; block b pairs destinations [dst_offsets[b], dst_offsets[b+1])
-with sources [src_offsets[b], src_offsets[b+1]), causal blocks keeping j_local <= i_local.
+A BlockRelation is S banded blocks; block b pairs destinations [dst_offsets[b], dst_offsets[b+1])
+with sources [src_offsets[b], src_offsets[b+1]) and holds the cell (r, c) (block-local) when
+lo[b] <= c - r <= hi[b] (full, square causal, bottom-right-aligned causal, sliding window).
 The grid is (S * tiles_per_block, heads): CTA x handles query tile x % tiles_per_block of
 block x // tiles_per_block and returns at once when that tile lies past the block's end
 (flash-attn's varlen convention: no host-side tile table, so no device->host copy per call).
-Key tiles outside the block, and fully masked causal tiles, are never visited.
+Only key tiles holding band cells of the CTA's rows are visited (and, in dk/dv, only query
+tiles whose band reaches the CTA's keys). In a tile the band cuts, masked cells contribute
+nothing: their score is set to -inf (never computed into p), and the products with V, K, Q or
+dO of a masked cell are skipped rather than multiplied by 0, so a NaN or inf in a key / value
+row outside row i's band never reaches row i (0 * inf would be NaN). Tiles inside the band
+take the unguarded loops.
 
 forward: streaming online softmax over BN-key tiles. Phase 1 computes the BM x BN score
 tile into shared memory (lane-group dot products, see tiles.py); phase 2 rescales the
@@ -73,7 +79,7 @@ def make_forward(t, prune):
     SS = BM * BNP
     SYNC_GROUP = G > 1
 
-    def fwd_body(q_p, k_p, v_p, out_p, mo_p, lo_p, doff_p, soff_p, caus_p, cnt_p,
+    def fwd_body(q_p, k_p, v_p, out_p, mo_p, lo_p, doff_p, soff_p, caus_p, blo_p, bhi_p, cnt_p,
                  qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, tpb, H, grp, scale, log_rho):
         q = AS_IN(q_p)
         k = AS_IN(k_p)
@@ -85,6 +91,8 @@ def make_forward(t, prune):
         soff = AS_I64(soff_p)
         cnt = AS_I64(cnt_p)
         caus = AS_U8(caus_p)
+        blo_a = AS_I64(blo_p)
+        bhi_a = AS_I64(bhi_p)
         sK = cuda.shared.array(SK, ACC, alignment=ALIGN)
         sV = cuda.shared.array(SV, ACC, alignment=ALIGN)
         sS = cuda.shared.array(SS, ACC, alignment=ALIGN)
@@ -105,6 +113,8 @@ def make_forward(t, prune):
         s0 = soff[U(b)]
         ns = soff[U(b + 1)] - s0
         causal = caus[U(b)] != 0
+        blo = blo_a[U(b)]
+        bhi = bhi_a[U(b)]
         hk = h // grp
         lane = tid % G
         grow = tid // G
@@ -130,17 +140,22 @@ def make_forward(t, prune):
             mrow[U(r)] = neg
             lrow[U(r)] = ACC(0.0)
 
-        kend = ns
-        if causal:
-            kend = min(ns, qoff + BM)
+        # keys of the band for this tile's rows [qoff, qlast]: [kbeg, kend); key tiles stay
+        # aligned to the block, so only tiles holding band cells are visited
+        qlast = min(qoff + BM, nd) - 1
+        kbeg = max(i64(0), qoff + blo)
+        kend = min(ns, qlast + bhi + 1)
+        tfirst = kbeg // BN
+        ntl = i64(0)
+        if kend > kbeg and blo <= bhi:
+            ntl = (kend + BN - 1) // BN - tfirst
         npruned = 0
         ntotal = 0
-        ntl = (kend + BN - 1) // BN
-        t0 = 0
+        t0 = i64(0)
         if PRUNE and not causal and ntl > 0:
             # start at the key tile facing this query tile (same relative position), so a
             # local score pattern sets the running max first; then wrap around
-            t0 = min(ntl - 1, ((qoff + BM // 2) * ns // max(nd, 1)) // BN)
+            t0 = min(ntl - 1, max(i64(0), ((qoff + BM // 2) * ns // max(nd, 1)) // BN - tfirst))
         for it in range(ntl):
             tix = it
             if PRUNE:
@@ -150,8 +165,10 @@ def make_forward(t, prune):
                     tix = t0 + it
                     if tix >= ntl:
                         tix -= ntl
-            kt0 = tix * BN
+            kt0 = (tfirst + tix) * BN
             nk = min(BN, kend - kt0)
+            # a tile the band cuts for some valid row: masked cells there must not multiply V
+            cut = kt0 - qlast < blo or kt0 + nk - 1 - qoff > bhi
             nkv = (nk + KV - 1) // KV * KV  # keys padded: whole p vectors (and lane groups)
             kb = s0 + kt0
             cuda.syncthreads()  # the previous tile's readers are done with sK / sV / sS
@@ -203,7 +220,8 @@ def make_forward(t, prune):
                         sc = part[U(r * G)]
                         rl = grow * R + r
                         il = qoff + rl
-                        if j >= nk or il >= nd or (causal and kt0 + j > il):
+                        dl = kt0 + j - il
+                        if j >= nk or il >= nd or dl < blo or dl > bhi:
                             sc = neg
                         sS[U(rl * BNP + j)] = sc
                         if sc > tmax[U(r)]:
@@ -231,7 +249,8 @@ def make_forward(t, prune):
                             off //= 2
                         rl = grow * R + r
                         il = qoff + rl
-                        if il >= nd or (causal and kt0 + j > il):
+                        dl = kt0 + j - il
+                        if il >= nd or dl < blo or dl > bhi:
                             sc = neg
                         if lane == 0:
                             sS[U(rl * BNP + j)] = sc
@@ -302,6 +321,17 @@ def make_forward(t, prune):
                 lrow[U(r)] = lrow[U(r)] * alpha + ps
             if SYNC_GROUP:
                 cuda.syncwarp()
+            if cut:
+                # masked cells add nothing (not 0 * v: a non-finite v[j] outside row i's band
+                # must not reach row i); a compact loop, taken only by tiles the band cuts
+                for j in range(nkv):
+                    for c in range(DSV):
+                        vv = sV[U(j * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                        for r in range(R):
+                            dl = kt0 + j - (qoff + grow * R + r)
+                            if dl >= blo and dl <= bhi:
+                                acc[U(r * DSV + c)] += sS[U((grow * R + r) * BNP + j)] * vv
+                continue
             for j0 in range(0, nkv, VEC):
                 for r in range(R):  # VEC consecutive p of a row: one 16-byte load
                     for jj in range(VEC):
@@ -334,7 +364,7 @@ def make_forward(t, prune):
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("doff", "a", i64), ("soff", "a", i64),
-             ("caus", "a", numba.uint8), ("cnt", "a", i64)]
+             ("caus", "a", numba.uint8), ("blo", "a", i64), ("bhi", "a", i64), ("cnt", "a", i64)]
             + _strides("q") + _strides("k") + _strides("v")
             + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC),
                ("log_rho", "s", ACC)])
@@ -354,6 +384,7 @@ def make_dq(t):
     SV = max(1, BN * DVP)
 
     def dq_body(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dq_p, doff_p, soff_p, caus_p,
+                blo_p, bhi_p,
                 qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
                 tpb, H, grp, scale):
         q = AS_IN(q_p)
@@ -366,7 +397,8 @@ def make_dq(t):
         delta = AS_ACC(delta_p)
         doff = AS_I64(doff_p)
         soff = AS_I64(soff_p)
-        caus = AS_U8(caus_p)
+        blo_a = AS_I64(blo_p)
+        bhi_a = AS_I64(bhi_p)
         sK = cuda.shared.array(SK, ACC, alignment=ALIGN)
         sV = cuda.shared.array(SV, ACC, alignment=ALIGN)
         tid = cuda.threadIdx.x
@@ -382,13 +414,15 @@ def make_dq(t):
         nd = d1 - d0
         s0 = soff[U(b)]
         ns = soff[U(b + 1)] - s0
-        causal = caus[U(b)] != 0
+        blo = blo_a[U(b)]
+        bhi = bhi_a[U(b)]
         hk = h // grp
         lane = tid % G
         grow = tid // G
 
         qr = cuda.local.array(QS, ACC)
         dqa = cuda.local.array(QS, ACC)
+        okr = cuda.local.array(R, numba.boolean)
         dor = cuda.local.array(VS, ACC)
         mm = cuda.local.array(R, ACC)
         il_ = cuda.local.array(R, ACC)
@@ -421,12 +455,15 @@ def make_dq(t):
                     il_[U(r)] = ACC(1.0) / lv
                     dl[U(r)] = delta[U(i * H + h)]
 
-        kend = ns
-        if causal:
-            kend = min(ns, qoff + BM)
-        for kt0 in range(0, kend, BN):
+        qlast = min(qoff + BM, nd) - 1
+        kbeg = max(i64(0), qoff + blo)
+        kend = min(ns, qlast + bhi + 1)
+        if blo > bhi:  # empty block
+            kend = kbeg
+        for kt0 in range(kbeg // BN * BN, kend, BN):
             nk = min(BN, kend - kt0)
             kb = s0 + kt0
+            cut = kt0 - qlast < blo or kt0 + nk - 1 - qoff > bhi
             cuda.syncthreads()
             for e in range(tid, BN * DP, NT):
                 j = e // DP
@@ -464,14 +501,24 @@ def make_dq(t):
                         dp += cuda.shfl_xor_sync(FULL, dp, off)
                         off //= 2
                     il = qoff + grow * R + r
-                    p = ACC(0.0)
-                    if il_[U(r)] > 0 and not (causal and kt0 + j > il):
-                        p = math.exp(s - mm[U(r)]) * il_[U(r)]
-                    ps[U(r)] = p * (dp - dl[U(r)])
-                for c in range(DSQ):
-                    kv = sK[U(j * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
-                    for r in range(R):
-                        dqa[U(r * DSQ + c)] += ps[U(r)] * kv
+                    dlt = kt0 + j - il
+                    inb = dlt >= blo and dlt <= bhi
+                    okr[U(r)] = inb
+                    g_ = ACC(0.0)  # masked cells: 0, not 0 * (dp - Delta) (dp may be non-finite)
+                    if il_[U(r)] > 0 and inb:
+                        g_ = math.exp(s - mm[U(r)]) * il_[U(r)] * (dp - dl[U(r)])
+                    ps[U(r)] = g_
+                if cut:  # masked cells add nothing (k[j] outside the band may be non-finite)
+                    for c in range(DSQ):
+                        kv = sK[U(j * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                        for r in range(R):
+                            if okr[U(r)]:
+                                dqa[U(r * DSQ + c)] += ps[U(r)] * kv
+                else:
+                    for c in range(DSQ):
+                        kv = sK[U(j * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                        for r in range(R):
+                            dqa[U(r * DSQ + c)] += ps[U(r)] * kv
 
         for r in range(R):
             il = qoff + grow * R + r
@@ -484,7 +531,8 @@ def make_dq(t):
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dq", "a", IN),
-             ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8)]
+             ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8),
+             ("blo", "a", i64), ("bhi", "a", i64)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
     return Kernel(f"blocks_dq_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}", dq_body, spec)
@@ -502,6 +550,7 @@ def make_dkdv(t):
     SO = max(1, BN * DVP)
 
     def dkdv_body(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dk_p, dv_p, doff_p, soff_p, caus_p,
+                  blo_p, bhi_p,
                   qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
                   tpb, H, grp, scale):
         q = AS_IN(q_p)
@@ -515,7 +564,8 @@ def make_dkdv(t):
         delta = AS_ACC(delta_p)
         doff = AS_I64(doff_p)
         soff = AS_I64(soff_p)
-        caus = AS_U8(caus_p)
+        blo_a = AS_I64(blo_p)
+        bhi_a = AS_I64(bhi_p)
         sQ = cuda.shared.array(SQ, ACC, alignment=ALIGN)
         sO = cuda.shared.array(SO, ACC, alignment=ALIGN)
         sM = cuda.shared.array(BN, ACC)
@@ -535,7 +585,8 @@ def make_dkdv(t):
         ns = s1 - s0
         d0 = doff[U(b)]
         nd = doff[U(b + 1)] - d0
-        causal = caus[U(b)] != 0
+        blo = blo_a[U(b)]
+        bhi = bhi_a[U(b)]
         lane = tid % G
         grow = tid // G
 
@@ -545,6 +596,7 @@ def make_dkdv(t):
         dva = cuda.local.array(VS, ACC)
         ps = cuda.local.array(R, ACC)
         pd = cuda.local.array(R, ACC)
+        okr = cuda.local.array(R, numba.boolean)
         for r in range(R):
             kl = koff + grow * R + r
             j = s0 + kl
@@ -563,14 +615,18 @@ def make_dkdv(t):
                 vr[U(r * DSV + c)] = x
                 dva[U(r * DSV + c)] = ACC(0.0)
 
-        qstart = 0
-        if causal:
-            qstart = koff
+        # query rows whose band reaches this tile's keys [koff, klast]: [qbeg, qend)
+        klast = min(koff + BM, ns) - 1
+        qbeg = max(i64(0), koff - bhi)
+        qend = min(nd, klast - blo + 1)
+        if blo > bhi:  # empty block
+            qend = qbeg
         for g in range(grp):
             h = hk * grp + g
-            for qt0 in range(qstart, nd, BN):
-                nq = min(BN, nd - qt0)
+            for qt0 in range(qbeg, qend, BN):
+                nq = min(BN, qend - qt0)
                 qb = d0 + qt0
+                cut = koff - (qt0 + nq - 1) < blo or klast - qt0 > bhi
                 cuda.syncthreads()
                 for e in range(tid, BN * DP, NT):
                     jq = e // DP
@@ -627,19 +683,36 @@ def make_dkdv(t):
                             dp += cuda.shfl_xor_sync(FULL, dp, off)
                             off //= 2
                         kl = koff + grow * R + r
+                        dq_ = kl - (qt0 + jq)
+                        inb = kl < ns and dq_ >= blo and dq_ <= bhi
+                        okr[U(r)] = inb
                         p = ACC(0.0)
-                        if lv > 0 and kl < ns and not (causal and qt0 + jq < kl):
+                        g_ = ACC(0.0)  # masked cells: 0, not 0 * (dp - Delta)
+                        if lv > 0 and inb:
                             p = math.exp(s - mv) * lv
+                            g_ = p * (dp - dlt)
                         ps[U(r)] = p
-                        pd[U(r)] = p * (dp - dlt)
-                    for c in range(DSV):
-                        ov = sO[U(jq * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
-                        for r in range(R):
-                            dva[U(r * DSV + c)] += ps[U(r)] * ov
-                    for c in range(DSQ):
-                        qv = sQ[U(jq * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
-                        for r in range(R):
-                            dka[U(r * DSQ + c)] += pd[U(r)] * qv
+                        pd[U(r)] = g_
+                    if cut:  # masked cells add nothing (q / dout outside the band may be non-finite)
+                        for c in range(DSV):
+                            ov = sO[U(jq * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                            for r in range(R):
+                                if okr[U(r)]:
+                                    dva[U(r * DSV + c)] += ps[U(r)] * ov
+                        for c in range(DSQ):
+                            qv = sQ[U(jq * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                            for r in range(R):
+                                if okr[U(r)]:
+                                    dka[U(r * DSQ + c)] += pd[U(r)] * qv
+                    else:
+                        for c in range(DSV):
+                            ov = sO[U(jq * DVP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                            for r in range(R):
+                                dva[U(r * DSV + c)] += ps[U(r)] * ov
+                        for c in range(DSQ):
+                            qv = sQ[U(jq * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
+                            for r in range(R):
+                                dka[U(r * DSQ + c)] += pd[U(r)] * qv
 
         for r in range(R):
             kl = koff + grow * R + r
@@ -658,7 +731,8 @@ def make_dkdv(t):
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dk", "a", IN),
-             ("dv", "a", IN), ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8)]
+             ("dv", "a", IN), ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8),
+             ("blo", "a", i64), ("bhi", "a", i64)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
     return Kernel(f"blocks_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}", dkdv_body, spec)

@@ -26,7 +26,7 @@ import numba
 from numba import cuda
 
 from .common import NEG_INF, nbtype
-from .launch import Kernel, array_view
+from .launch import SIM, Kernel, array_view
 
 i64 = numba.int64
 U = numba.uint64  # index cast: unsigned indices skip numba's negative-index wraparound code
@@ -38,19 +38,21 @@ def _strides(prefix):
     return [(f"{prefix}s{n}", "s", i64) for n in range(3)]
 
 
-def make_forward(t, bias):
+def make_forward(t, bias, items=False):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
     D, DV, G, NT = t.D, t.DV, t.G, t.NT
     DSQ, DSV = t.DSQ, t.DSV
     QS, VS = max(1, DSQ), max(1, DSV)
     BIAS = bool(bias)
+    ITEMS = bool(items)
     GM = (1 << G) - 1
     UE = 4  # edges per step
     UVS = UE * VS
 
     def csr_fwd(q_p, k_p, v_p, out_p, mo_p, lo_p, indptr_p, indices_p, bias_p,
-                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, nrows, H, grp, scale):
+                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, nrows, H, grp, scale,
+                items_p, pacc_p, pm_p, pl_p):
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -60,15 +62,29 @@ def make_forward(t, bias):
         indptr = AS_I64(indptr_p)
         indices = AS_I32(indices_p)
         eb = AS_ACC(bias_p)
+        witems = AS_I64(items_p)
+        pacc = AS_ACC(pacc_p)
+        pm = AS_ACC(pm_p)
+        pl = AS_ACC(pl_p)
         tid = cuda.threadIdx.x
         neg = ACC(NEG_INF)
         gid = i64(cuda.blockIdx.x) * NT + tid
         gi = gid // G
         lane = gid - gi * G
-        i = gi // H
-        h = gi - i * H
-        if i >= nrows:
+        w = gi // H
+        h = gi - w * H
+        if w >= nrows:
             return
+        if ITEMS:  # work item w: edges [e, e1) of row i; slot >= 0: one piece of a long row
+            i = witems[U(4 * w)]
+            e = witems[U(4 * w + 1)]
+            e1 = witems[U(4 * w + 2)]
+            slot = witems[U(4 * w + 3)]
+        else:
+            i = w
+            e = indptr[U(i)]
+            e1 = indptr[U(i + 1)]
+            slot = i64(-1)
         mask = u32(GM << ((tid % 32) - lane))
         hk = h // grp
         qr = cuda.local.array(QS, ACC)
@@ -88,8 +104,6 @@ def make_forward(t, bias):
             acc[U(c)] = ACC(0.0)
         m = neg
         l = ACC(0.0)
-        e = indptr[U(i)]
-        e1 = indptr[U(i + 1)]
         while e < e1:
             # UE edges per step: 2*UE gathered rows in flight, one rescale per step; slots
             # past the row's end repeat its first edge (valid addresses) and get p = 0
@@ -144,6 +158,16 @@ def make_forward(t, bias):
                     acc[U(c)] = a_
                 m = mn
             e += nu
+        if slot >= 0:  # unnormalised partial state of one piece; make_softmax_merge combines
+            pb = slot * H + h
+            for c in range(DSV):
+                d = c * G + lane
+                if d < DV:
+                    pacc[U(pb * DV + d)] = acc[U(c)]
+            if lane == 0:
+                pm[U(pb)] = m
+                pl[U(pb)] = l
+            return
         inv = ACC(0.0)
         if l > 0:
             inv = ACC(1.0) / l
@@ -160,22 +184,25 @@ def make_forward(t, bias):
              ("mo", "a", ACC), ("lo", "a", ACC), ("indptr", "a", i64), ("indices", "a", i32),
              ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v")
-            + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
-    return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_fwd, spec)
+            + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
+            + _ITEM_ARGS(ACC))
+    return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
+                  + ("_items" if ITEMS else ""), csr_fwd, spec)
 
 
-def make_dq(t, bias):
+def make_dq(t, bias, items=False):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
     D, DV, G, NT = t.D, t.DV, t.G, t.NT
     DSQ, DSV = t.DSQ, t.DSV
     QS, VS = max(1, DSQ), max(1, DSV)
     BIAS = bool(bias)
+    ITEMS = bool(items)
     GM = (1 << G) - 1
 
     def csr_dq(q_p, k_p, v_p, dout_p, st_p, dq_p, dbias_p, indptr_p, indices_p,
                bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
-               nrows, H, grp, scale):
+               nrows, H, grp, scale, items_p, pdq_p, unused1_p, unused2_p):
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -186,14 +213,26 @@ def make_dq(t, bias):
         indptr = AS_I64(indptr_p)
         indices = AS_I32(indices_p)
         eb = AS_ACC(bias_p)
+        witems = AS_I64(items_p)
+        pdq = AS_ACC(pdq_p)
         tid = cuda.threadIdx.x
         gid = i64(cuda.blockIdx.x) * NT + tid
         gi = gid // G
         lane = gid - gi * G
-        i = gi // H
-        h = gi - i * H
-        if i >= nrows:
+        w = gi // H
+        h = gi - w * H
+        if w >= nrows:
             return
+        if ITEMS:
+            i = witems[U(4 * w)]
+            e = witems[U(4 * w + 1)]
+            e1 = witems[U(4 * w + 2)]
+            slot = witems[U(4 * w + 3)]
+        else:
+            i = w
+            e = indptr[U(i)]
+            e1 = indptr[U(i + 1)]
+            slot = i64(-1)
         mask = u32(GM << ((tid % 32) - lane))
         hk = h // grp
         qr = cuda.local.array(QS, ACC)
@@ -219,8 +258,6 @@ def make_dq(t, bias):
         lgl = st[U(3 * row + 1)]
         dl = st[U(3 * row + 2)]
         live = mx < math.inf
-        e = indptr[U(i)]
-        e1 = indptr[U(i + 1)]
         while e < e1:
             two = e + 1 < e1  # two edges per step: four gathered rows in flight
             j0 = i64(indices[U(e)])
@@ -275,6 +312,13 @@ def make_dq(t, bias):
                 if two:
                     dbias[U((e + 1) * H + h)] = ds1
             e += 2
+        if slot >= 0:  # partial sum of one piece; make_sum_merge adds the pieces in order
+            pb = (slot * H + h) * D
+            for c in range(DSQ):
+                d = c * G + lane
+                if d < D:
+                    pdq[U(pb + d)] = dqa[U(c)]
+            return
         ob = (i * H + h) * D
         for c in range(DSQ):
             d = c * G + lane
@@ -285,22 +329,25 @@ def make_dq(t, bias):
              ("st", "a", ACC), ("dq", "a", IN), ("dbias", "a", ACC), ("indptr", "a", i64),
              ("indices", "a", i32), ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
-            + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
-    return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_dq, spec)
+            + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
+            + _ITEM_ARGS(ACC))
+    return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
+                  + ("_items" if ITEMS else ""), csr_dq, spec)
 
 
-def make_dkdv(t, bias):
+def make_dkdv(t, bias, items=False):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
     D, DV, G, NT = t.D, t.DV, t.G, t.NT
     DSQ, DSV = t.DSQ, t.DSV
     QS, VS = max(1, DSQ), max(1, DSV)
     BIAS = bool(bias)
+    ITEMS = bool(items)
     GM = (1 << G) - 1
 
     def csr_dkdv(q_p, k_p, v_p, dout_p, st_p, dk_p, dv_p, tptr_p, tind_p,
                  perm_p, bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
-                 nsrc, H, grp, scale):
+                 nsrc, H, grp, scale, items_p, pdk_p, pdv_p, unused_p):
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -312,15 +359,28 @@ def make_dkdv(t, bias):
         tind = AS_I32(tind_p)
         perm = AS_I64(perm_p)
         eb = AS_ACC(bias_p)
+        witems = AS_I64(items_p)
+        pdk = AS_ACC(pdk_p)
+        pdv = AS_ACC(pdv_p)
         tid = cuda.threadIdx.x
         gid = i64(cuda.blockIdx.x) * NT + tid
         gi = gid // G
         lane = gid - gi * G
         Hkv = H // grp
-        j = gi // Hkv
-        hk = gi - j * Hkv
-        if j >= nsrc:
+        w = gi // Hkv
+        hk = gi - w * Hkv
+        if w >= nsrc:
             return
+        if ITEMS:  # work item w: entries [tt, t1) of source row j of the transpose
+            j = witems[U(4 * w)]
+            tt = witems[U(4 * w + 1)]
+            t1 = witems[U(4 * w + 2)]
+            slot = witems[U(4 * w + 3)]
+        else:
+            j = w
+            tt = tptr[U(j)]
+            t1 = tptr[U(j + 1)]
+            slot = i64(-1)
         mask = u32(GM << ((tid % 32) - lane))
         kr = cuda.local.array(QS, ACC)
         vr = cuda.local.array(VS, ACC)
@@ -344,8 +404,6 @@ def make_dkdv(t, bias):
                 x = ACC(v[U(j * vs0 + hk * vs1 + d * vs2)])
             vr[U(c)] = x
             dva[U(c)] = ACC(0.0)
-        tt = tptr[U(j)]
-        t1 = tptr[U(j + 1)]
         while tt < t1:
             two = tt + 1 < t1  # two incoming edges per step: four gathered rows in flight
             i0 = i64(tind[U(tt)])
@@ -414,6 +472,17 @@ def make_dkdv(t, bias):
                 for c in range(DSQ):
                     dka[U(c)] += ds0 * qa[U(c)] + ds1 * qb[U(c)]
             tt += 2
+        if slot >= 0:  # partial sums of one piece; make_sum_merge adds the pieces in order
+            pb = slot * Hkv + hk
+            for c in range(DSQ):
+                d = c * G + lane
+                if d < D:
+                    pdk[U(pb * D + d)] = dka[U(c)]
+            for c in range(DSV):
+                d = c * G + lane
+                if d < DV:
+                    pdv[U(pb * DV + d)] = dva[U(c)]
+            return
         ob = (j * Hkv + hk) * D
         for c in range(DSQ):
             d = c * G + lane
@@ -429,5 +498,138 @@ def make_dkdv(t, bias):
              ("st", "a", ACC), ("dk", "a", IN), ("dv", "a", IN), ("tptr", "a", i64),
              ("tind", "a", i32), ("perm", "a", i64), ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
-            + [("nsrc", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
-    return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else ""), csr_dkdv, spec)
+            + [("nsrc", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
+            + _ITEM_ARGS(ACC))
+    return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
+                  + ("_items" if ITEMS else ""), csr_dkdv, spec)
+
+
+# --------------------------------------------------------------------------- split rows
+def _ITEM_ARGS(ACC):
+    """Trailing arguments of the three kernels: the work-item table (row, e0, e1, slot) and
+    up to three partial-state buffers; unused (any 8-byte address) without `items`."""
+    return [("items", "a", i64), ("part0", "a", ACC), ("part1", "a", ACC), ("part2", "a", ACC)]
+
+
+def row_pieces(indptr, piece, longest_first=True):
+    """Work items of a CSR pass (host, numpy): every row of degree <= piece is one item
+    (row, e0, e1, -1), written directly; a longer row becomes ceil(deg / piece) near-equal
+    pieces, each with its own partial-state slot. Returns (items (n, 4) int64, splits (s, 3)
+    int64 rows (row, first slot, number of slots), number of slots).
+
+    With `longest_first` the items are ordered by decreasing length (ties in row order): the
+    lane groups of a warp then walk rows of about the same length (a warp lasts as long as its
+    longest row) and the longest work starts first. Slots stay numbered in row order, so the
+    merge order, and the bits, do not depend on the item order."""
+    import numpy as np
+    indptr = np.asarray(indptr, np.int64)
+    deg = np.diff(indptr)
+    n = deg.shape[0]
+    k = np.where(deg > piece, -(-deg // piece), 1)
+    long_ = deg > piece
+    first_item = np.concatenate([[0], np.cumsum(k)])
+    n_items = int(first_item[-1])
+    row = np.repeat(np.arange(n, dtype=np.int64), k)
+    p = np.arange(n_items, dtype=np.int64) - first_item[:-1][row]  # piece index in its row
+    kk = k[row]
+    e0 = indptr[row] + (deg[row] * p) // kk
+    e1 = indptr[row] + (deg[row] * (p + 1)) // kk
+    slot_base = np.concatenate([[0], np.cumsum(np.where(long_, k, 0))])
+    slot = np.where(long_[row], slot_base[:-1][row] + p, -1)
+    items = np.stack([row, e0, e1, slot], axis=1).astype(np.int64)
+    if longest_first:
+        items = items[np.argsort(e0 - e1, kind="stable")]
+    srows = np.flatnonzero(long_)
+    splits = np.stack([srows, slot_base[:-1][srows], k[srows]], axis=1).astype(np.int64)
+    return np.ascontiguousarray(items), np.ascontiguousarray(splits.reshape(-1, 3)), int(slot_base[-1])
+
+
+def make_softmax_merge(dtype, acc, DV):
+    """out, m, l of each split row from its pieces' partial states, in slot order:
+    M = max m_s, l = sum l_s e^(m_s - M), out = sum acc_s e^(m_s - M) / l."""
+    IN, ACC = nbtype(dtype), nbtype(acc)
+    AS_IN, AS_ACC, AS_I64 = array_view(IN), array_view(ACC), array_view(i64)
+    NT = 32 if SIM else 128
+    DVM = max(DV, 1)
+
+    def body(pacc_p, pm_p, pl_p, splits_p, out_p, mo_p, lo_p, nsplit, H):
+        pacc = AS_ACC(pacc_p)
+        pm = AS_ACC(pm_p)
+        pl = AS_ACC(pl_p)
+        sp = AS_I64(splits_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        x = i64(cuda.blockIdx.x)
+        si = x // H
+        h = x - si * H
+        if si >= nsplit:
+            return
+        i = sp[U(3 * si)]
+        s0 = sp[U(3 * si + 1)]
+        ns = sp[U(3 * si + 2)]
+        neg = ACC(NEG_INF)
+        M = neg
+        for s in range(s0, s0 + ns):
+            M = max(M, pm[U(s * H + h)])
+        L = ACC(0.0)
+        if M > neg:
+            for s in range(s0, s0 + ns):
+                ms = pm[U(s * H + h)]
+                if ms > neg:
+                    L += pl[U(s * H + h)] * math.exp(ms - M)
+        inv = ACC(0.0)
+        if L > 0:
+            inv = ACC(1.0) / L
+        for d in range(cuda.threadIdx.x, DVM, NT):
+            if d < DV:
+                a = ACC(0.0)
+                if M > neg:
+                    for s in range(s0, s0 + ns):
+                        ms = pm[U(s * H + h)]
+                        if ms > neg:
+                            a += pacc[U((s * H + h) * DV + d)] * math.exp(ms - M)
+                out[U((i * H + h) * DV + d)] = IN(a * inv)
+        if cuda.threadIdx.x == 0:
+            mo[U(i * H + h)] = M
+            lo[U(i * H + h)] = L
+
+    spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("splits", "a", i64),
+            ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC), ("nsplit", "s", i64),
+            ("H", "s", i64)]
+    kern = Kernel(f"csr_softmax_merge_{dtype}_dv{DV}", body, spec)
+    kern.NT = NT
+    return kern
+
+
+def make_sum_merge(dtype, acc, W):
+    """out[row, h, :] = mult * sum of the row's pieces (slot order), for the split rows."""
+    IN, ACC = nbtype(dtype), nbtype(acc)
+    AS_IN, AS_ACC, AS_I64 = array_view(IN), array_view(ACC), array_view(i64)
+    NT = 32 if SIM else 128
+    WM = max(W, 1)
+
+    def body(part_p, splits_p, out_p, nsplit, Hh, mult):
+        part = AS_ACC(part_p)
+        sp = AS_I64(splits_p)
+        out = AS_IN(out_p)
+        x = i64(cuda.blockIdx.x)
+        si = x // Hh
+        h = x - si * Hh
+        if si >= nsplit:
+            return
+        i = sp[U(3 * si)]
+        s0 = sp[U(3 * si + 1)]
+        ns = sp[U(3 * si + 2)]
+        for d in range(cuda.threadIdx.x, WM, NT):
+            if d < W:
+                a = ACC(0.0)
+                for s in range(s0, s0 + ns):
+                    a += part[U((s * Hh + h) * W + d)]
+                out[U((i * Hh + h) * W + d)] = IN(a * mult)
+
+    spec = [("part", "a", ACC), ("splits", "a", i64), ("out", "a", IN), ("nsplit", "s", i64),
+            ("Hh", "s", i64), ("mult", "s", ACC)]
+    kern = Kernel(f"csr_sum_merge_{dtype}_w{W}", body, spec)
+    kern.NT = NT
+    return kern

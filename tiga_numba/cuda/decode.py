@@ -1,0 +1,360 @@
+"""Split-key forward for few-query block relations (decode, short queries over long contexts).
+
+A block with a handful of query rows and a long key range gives the query-tile kernels of
+blocks.py one CTA per (query tile, head): a few CTAs for the whole GPU, each walking every key
+alone. Here the key range of a block is cut into `splits` chunks (flash-decoding): grid =
+(blocks, splits, kv heads x row groups). One CTA takes one chunk of keys and *all* the query
+rows of its block times the `grp` query heads that share its kv head ("rows" below, query-row
+major: row rl is query row rl // grp, head hk * grp + rl % grp), so every K / V row of the
+chunk is read once for all of them (grouped-query heads packed together).
+
+Inside a CTA, a lane group of G lanes owns one key at a time (lane s holds dims c * G + s, so
+one load instruction reads G consecutive elements of a row); the NW * 32 / G groups walk the
+chunk T keys per step, each keeping its own online-softmax state (m, l, acc) for every row.
+Per step: T scores per row (dot products meeting through log2(G) xor shuffles), one rescale
+per row, T exps, acc += p * V. At the end the groups' states meet in shared memory, summed in
+group order. With one split the CTA writes (out, m, l) itself; otherwise it writes its
+unnormalised partial (acc, m, l) and `make_merge` combines the splits of each row in split
+order:  M = max_c m_c,  l = sum_c l_c e^(m_c - M),  out = sum_c acc_c e^(m_c - M) / l.
+Fixed orders everywhere, no atomics: the bits do not depend on scheduling.
+
+Bands (lo <= c - r <= hi) are honoured cell by cell; masked cells get no score and add
+nothing (their V row is not multiplied by 0), so a non-finite value outside a row's band never
+reaches it. m is the row's largest scaled score and l = sum exp(s - m), as the other CUDA
+forwards write them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+from numba import cuda
+
+from .common import FULL, NEG_INF, array_view, nbtype
+from .launch import SIM, Kernel
+
+i64 = numba.int64
+U = numba.uint64
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    dtype: str
+    acc: str
+    D: int
+    DV: int
+    G: int = 8  # lanes per key
+    T: int = 2  # keys per lane group and step
+    NW: int = 4  # warps per CTA
+    ROWS: int = 4  # (query row, head) rows per CTA
+    threads: int = 0  # 0: 32 * NW (the simulator's tests take fewer)
+
+    @property
+    def NT(self):
+        return self.threads or 32 * self.NW
+
+    @property
+    def groups(self):
+        return self.NT // self.G
+
+    @property
+    def DS(self):
+        return max(1, -(-self.D // self.G))
+
+    @property
+    def DVS(self):
+        return max(1, -(-self.DV // self.G))
+
+    @property
+    def step(self):
+        """Keys a CTA consumes per step."""
+        return self.groups * self.T
+
+    def describe(self):
+        return (f"{self.G} lanes per key, {self.T} keys per lane group and step, "
+                f"{self.NT} threads, {self.ROWS} rows per CTA")
+
+
+def decode_tiles(dtype, D, DV, rows):
+    """Geometry for `rows` (query row, head) pairs per block: about 16 elements of a K / V row
+    per lane; up to 8 rows per CTA for D <= 64, 4 above (q and acc stay in registers)."""
+    G = 1
+    while G < 32 and G * 16 < max(D, DV):
+        G *= 2
+    R = 1
+    while R < rows and R < (8 if max(D, DV) <= 64 else 4):
+        R *= 2
+    acc = "float64" if dtype == "float64" else "float32"
+    return DecodeTiles(dtype, acc, D, DV, G=G, T=2, NW=4, ROWS=R)
+
+
+def make_decode(t):
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
+    D, DV, G, T, NT, ROWS = t.D, t.DV, t.G, t.T, t.NT, t.ROWS
+    DS, DVS, NGT = t.DS, t.DVS, t.groups
+    LOGG = G.bit_length() - 1
+    SM = NGT * ROWS
+    SA = NGT * ROWS * DV if DV else 1
+    QS = ROWS * DS
+    AS = ROWS * DVS
+    SCN = ROWS * T
+    KS = DS * T
+    VSB = DVS * T
+
+    def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
+             qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
+        q = AS_IN(q_p)
+        k = AS_IN(k_p)
+        v = AS_IN(v_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        pacc = AS_ACC(pacc_p)
+        pm = AS_ACC(pm_p)
+        pl = AS_ACC(pl_p)
+        doff = AS_I64(doff_p)
+        soff = AS_I64(soff_p)
+        blo_a = AS_I64(blo_p)
+        bhi_a = AS_I64(bhi_p)
+        sM = cuda.shared.array(SM, ACC)
+        sL = cuda.shared.array(SM, ACC)
+        sA = cuda.shared.array(SA, ACC)
+        neg = ACC(NEG_INF)
+        tid = cuda.threadIdx.x
+        b = i64(cuda.blockIdx.x)  # blocks on x: up to 2^31 - 1 of them (y and z stop at 65535)
+        c = i64(cuda.blockIdx.y)
+        z = i64(cuda.blockIdx.z)
+        hk = z // nrg
+        rg = z - hk * nrg
+        d0 = doff[U(b)]
+        nd = doff[U(b + 1)] - d0
+        s0 = soff[U(b)]
+        ns = soff[U(b + 1)] - s0
+        nrows = nd * grp
+        r0 = rg * ROWS
+        if r0 >= nrows:
+            return
+        blo = blo_a[U(b)]
+        bhi = bhi_a[U(b)]
+        # keys of the band of any row of the block, then this CTA's chunk of them
+        kbeg = max(i64(0), blo)
+        kend = min(ns, nd - 1 + bhi + 1)
+        if blo > bhi:
+            kend = kbeg
+        cb = kbeg + c * chunk
+        ce = min(kend, cb + chunk)
+        # rows of this CTA: [r0, r0 + ROWS) of the block's nd * grp; query rows [qa, qz]
+        qa = r0 // grp
+        qz = (min(r0 + ROWS, nrows) - 1) // grp
+        cut = cb - qz < blo or ce - 1 - qa > bhi  # the band cuts this chunk for some row
+
+        lane = tid % G
+        gid = tid // G
+        qr = cuda.local.array(QS, ACC)
+        acc = cuda.local.array(AS, ACC)
+        mrow = cuda.local.array(ROWS, ACC)
+        lrow = cuda.local.array(ROWS, ACC)
+        sc = cuda.local.array(SCN, ACC)
+        ok = cuda.local.array(SCN, numba.boolean)
+        kv = cuda.local.array(KS, ACC)
+        vv = cuda.local.array(VSB, ACC)
+        for r in range(ROWS):
+            rl = r0 + r
+            il = rl // grp
+            h = hk * grp + (rl - il * grp)
+            for cc in range(DS):
+                d = cc * G + lane
+                x = ACC(0.0)
+                if rl < nrows and d < D:
+                    x = ACC(q[U((d0 + il) * qs0 + h * qs1 + d * qs2)]) * scale
+                qr[U(r * DS + cc)] = x
+            for cc in range(DVS):
+                acc[U(r * DVS + cc)] = ACC(0.0)
+            mrow[U(r)] = neg
+            lrow[U(r)] = ACC(0.0)
+
+        # every thread runs the same number of steps (the shuffles need whole warps); group gid
+        # takes keys [j0 + gid * T, j0 + gid * T + T) of each step
+        for js in range(cb, ce, NGT * T):
+            j0 = js + gid * T
+            # this group's T keys: K and V rows loaded together (2 T rows in flight per
+            # group), then the scores of every row
+            for tt in range(T):
+                j = j0 + tt
+                for cc in range(DS):
+                    d = cc * G + lane
+                    x = ACC(0.0)
+                    if j < ce and d < D:
+                        x = ACC(k[U((s0 + j) * ks0 + hk * ks1 + d * ks2)])
+                    kv[U(tt * DS + cc)] = x
+                for cc in range(DVS):
+                    d = cc * G + lane
+                    x = ACC(0.0)
+                    if j < ce and d < DV:
+                        x = ACC(v[U((s0 + j) * vs0 + hk * vs1 + d * vs2)])
+                    vv[U(tt * DVS + cc)] = x
+            for tt in range(T):
+                for r in range(ROWS):
+                    x = ACC(0.0)
+                    for cc in range(DS):
+                        x += qr[U(r * DS + cc)] * kv[U(tt * DS + cc)]
+                    for lvl in range(LOGG):
+                        x += cuda.shfl_xor_sync(FULL, x, 1 << lvl)
+                    sc[U(r * T + tt)] = x
+            for r in range(ROWS):
+                rl = r0 + r
+                il = rl // grp
+                tmax = neg
+                for tt in range(T):
+                    j = j0 + tt
+                    dl = j - il
+                    inb = j < ce and rl < nrows and dl >= blo and dl <= bhi
+                    ok[U(r * T + tt)] = inb
+                    x = sc[U(r * T + tt)]
+                    if not inb:
+                        x = neg
+                    sc[U(r * T + tt)] = x
+                    tmax = max(tmax, x)
+                mo_ = mrow[U(r)]
+                mn = max(mo_, tmax)
+                if mn > neg:
+                    alpha = math.exp(mo_ - mn)
+                    mrow[U(r)] = mn
+                    ps = ACC(0.0)
+                    for tt in range(T):
+                        x = sc[U(r * T + tt)]
+                        p = ACC(0.0)
+                        if x > neg:
+                            p = math.exp(x - mn)
+                        sc[U(r * T + tt)] = p
+                        ps += p
+                    lrow[U(r)] = lrow[U(r)] * alpha + ps
+                    for cc in range(DVS):
+                        acc[U(r * DVS + cc)] *= alpha
+                else:
+                    for tt in range(T):
+                        sc[U(r * T + tt)] = ACC(0.0)
+            for tt in range(T):
+                if cut:
+                    for r in range(ROWS):
+                        if ok[U(r * T + tt)]:  # masked cells add nothing, not 0 * v
+                            p = sc[U(r * T + tt)]
+                            for cc in range(DVS):
+                                acc[U(r * DVS + cc)] += p * vv[U(tt * DVS + cc)]
+                else:  # every cell of the chunk is in the band (keys past ce have v = 0)
+                    for r in range(ROWS):
+                        p = sc[U(r * T + tt)]
+                        for cc in range(DVS):
+                            acc[U(r * DVS + cc)] += p * vv[U(tt * DVS + cc)]
+
+        # the groups' states meet in shared memory; combined in group order
+        for r in range(ROWS):
+            if lane == 0:
+                sM[U(gid * ROWS + r)] = mrow[U(r)]
+                sL[U(gid * ROWS + r)] = lrow[U(r)]
+            for cc in range(DVS):
+                d = cc * G + lane
+                if d < DV:
+                    sA[U((gid * ROWS + r) * DV + d)] = acc[U(r * DVS + cc)]
+        cuda.syncthreads()
+        for e in range(tid, ROWS * max(DV, 1), NT):
+            r = e // max(DV, 1)
+            d = e - r * max(DV, 1)
+            rl = r0 + r
+            if rl < nrows:
+                M = neg
+                for g in range(NGT):
+                    M = max(M, sM[U(g * ROWS + r)])
+                L = ACC(0.0)
+                A = ACC(0.0)
+                if M > neg:
+                    for g in range(NGT):
+                        mg = sM[U(g * ROWS + r)]
+                        if mg > neg:
+                            w = math.exp(mg - M)
+                            L += sL[U(g * ROWS + r)] * w
+                            if DV:
+                                A += sA[U((g * ROWS + r) * DV + d)] * w
+                il = rl // grp
+                h = hk * grp + (rl - il * grp)
+                i = d0 + il
+                if splits == 1:
+                    if DV:
+                        inv = ACC(0.0)
+                        if L > 0:
+                            inv = ACC(1.0) / L
+                        out[U((i * H + h) * DV + d)] = IN(A * inv)
+                    if d == 0:
+                        mo[U(i * H + h)] = M
+                        lo[U(i * H + h)] = L
+                else:
+                    # partial row (split c of row i, head h)
+                    pr = (i * H + h) * splits + c
+                    if DV:
+                        pacc[U(pr * DV + d)] = A
+                    if d == 0:
+                        pm[U(pr)] = M
+                        pl[U(pr)] = L
+
+    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("pacc", "a", ACC), ("pm", "a", ACC),
+             ("pl", "a", ACC), ("doff", "a", i64), ("soff", "a", i64), ("blo", "a", i64),
+             ("bhi", "a", i64)]
+            + [(f"{p}s{n}", "s", i64) for p in "qkv" for n in range(3)]
+            + [("H", "s", i64), ("grp", "s", i64), ("nrg", "s", i64), ("splits", "s", i64),
+               ("chunk", "s", i64), ("scale", "s", ACC)])
+    name = f"decode_{t.dtype}_d{D}_dv{DV}_g{G}_t{T}_nw{t.NW}_r{ROWS}"
+    return Kernel(name, body, spec)
+
+
+def make_merge(dtype, acc, DV):
+    """out, m, l of each (row, head) from its `splits` partials, in split order."""
+    IN, ACC = nbtype(dtype), nbtype(acc)
+    AS_IN, AS_ACC = array_view(IN), array_view(ACC)
+    NT = 32 if SIM else 128
+    DVM = max(DV, 1)
+
+    def body(pacc_p, pm_p, pl_p, out_p, mo_p, lo_p, nrows, splits):
+        pacc = AS_ACC(pacc_p)
+        pm = AS_ACC(pm_p)
+        pl = AS_ACC(pl_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        row = i64(cuda.blockIdx.x)
+        if row >= nrows:
+            return
+        tid = cuda.threadIdx.x
+        neg = ACC(NEG_INF)
+        M = neg
+        for c in range(splits):
+            M = max(M, pm[U(row * splits + c)])
+        L = ACC(0.0)
+        if M > neg:
+            for c in range(splits):
+                mc = pm[U(row * splits + c)]
+                if mc > neg:
+                    L += pl[U(row * splits + c)] * math.exp(mc - M)
+        inv = ACC(0.0)
+        if L > 0:
+            inv = ACC(1.0) / L
+        for d in range(tid, DVM, NT):
+            if d < DV:
+                A = ACC(0.0)
+                if M > neg:
+                    for c in range(splits):
+                        mc = pm[U(row * splits + c)]
+                        if mc > neg:
+                            A += pacc[U((row * splits + c) * DV + d)] * math.exp(mc - M)
+                out[U(row * DV + d)] = IN(A * inv)
+        if tid == 0:
+            mo[U(row)] = M
+            lo[U(row)] = L
+
+    spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("out", "a", IN),
+            ("mo", "a", ACC), ("lo", "a", ACC), ("nrows", "s", i64), ("splits", "s", i64)]
+    kern = Kernel(f"decode_merge_{dtype}_dv{DV}", body, spec)
+    kern.NT = NT
+    return kern
