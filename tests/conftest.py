@@ -91,3 +91,14 @@ def attention_oracle(q, k, v, mask, scale=None, dout=None):
 def oracle():
     """The float64 attention oracle (attention_oracle) for tests that take it as a fixture."""
     return attention_oracle
+
+
+def set_run_option(monkeypatch, name, value):
+    """Set one run option (tiga_numba.run_options) for the rest of a test, undone with the
+    monkeypatch: the environment variables are only read once, as defaults."""
+    import contextvars
+    import dataclasses
+    from tiga_numba import run_options
+    new = dataclasses.replace(run_options.current(), **{name: value not in ("0", False)})
+    monkeypatch.setattr(run_options, "_CURRENT",
+                        contextvars.ContextVar("tiga_numba_options", default=new))

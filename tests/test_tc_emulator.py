@@ -7,6 +7,8 @@ is installed."""
 import numpy as np
 import pytest
 
+from conftest import set_run_option
+
 import tiga_numba  # noqa: E402,F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
 
 from tiga_numba.cuda.tc import admission, api, build, device, tuning  # noqa: E402
@@ -193,9 +195,9 @@ def test_fused_atomic_dq_emulated(D, dtype, shape, relname):
 def test_atomic_opt_in_routing(monkeypatch):
     """TIGA_NUMBA_DETERMINISTIC=0 selects the float-atomic fused kernel only where tuning.ATOMIC_DQ
     lists it (float32); everything else keeps the deterministic kernels; prebuild covers it."""
-    monkeypatch.delenv("TIGA_NUMBA_DETERMINISTIC", raising=False)
+    set_run_option(monkeypatch, "deterministic", "1")
     assert tuning.deterministic()
-    monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
+    set_run_option(monkeypatch, "deterministic", "0")
     assert not tuning.deterministic()
     for dt in tuning.TC_DTYPES:
         for D in (64, 128):
@@ -500,9 +502,9 @@ def test_supports_rules_without_gpu(monkeypatch):
     assert not api.supports(plan, _FakeDev((10, 4, 64), "float32"), kv, kv, rel_)         # mixed dtypes
     f32 = [_FakeDev(x.shape, "float32") for x in (q, kv, kv)]
     assert api.supports(plan, *f32, rel_)                                                # 3xTF32
-    monkeypatch.setenv("TIGA_NUMBA_FP32_TENSOR_CORES", "0")                             # user opt-out
+    set_run_option(monkeypatch, "fp32_tensor_cores", "0")                             # user opt-out
     assert not api.supports(plan, *f32, rel_) and api.supports(plan, q, kv, kv, rel_)
-    monkeypatch.delenv("TIGA_NUMBA_FP32_TENSOR_CORES")
+    set_run_option(monkeypatch, "fp32_tensor_cores", "1")
     assert not api.supports(plan, *(_FakeDev(x.shape, "float64") for x in (q, kv, kv)), rel_)
     assert not api.supports(plan, q, kv, kv, object())                                    # CSR & co
     for field, bad in (("score", "dot + edge bias"), ("scale", -1.0)):

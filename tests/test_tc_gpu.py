@@ -9,6 +9,8 @@ import types
 import numpy as np
 import pytest
 
+from conftest import set_run_option
+
 from test_tc_emulator import oracle, rel  # also tames numba-cuda's import redirector
 
 cupy = pytest.importorskip("cupy")
@@ -132,7 +134,7 @@ def test_strided_inputs_are_copied_or_read_in_place(dt):
 
 
 def test_supports_refuses_what_it_cannot_do(monkeypatch):
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # D = 96 below: served by wgmma only
+    set_run_option(monkeypatch, "wgmma", "0")   # D = 96 below: served by wgmma only
     rel_, _ = relation("causal")
     x = cupy.zeros((333, 2, 64), np.float16)
     assert tc.supports(plan(0.1), x, x, x, rel_)
@@ -154,7 +156,7 @@ def test_launches_take_the_driver_path_and_match_the_fallback(monkeypatch):
     raised on that function) gives the same bits as numba's own launch of its own compile; D = 128
     (> 48 KB of dynamic shared memory) only, to keep the extra NVVM compile to one kernel. mma.sync
     kernels: numba's own compile targets sm_90, which has no wgmma."""
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")
+    set_run_option(monkeypatch, "wgmma", "0")
     rng = np.random.default_rng()
     for D in (128,):
         rel_, (d, s, c) = relation("segments")
@@ -184,7 +186,7 @@ def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
     racing for each query block (N = 2048: 16-32 key tiles per block), GQA, causal and not; and the
     same values as the two-kernel backward."""
     from tiga_numba.cuda.tc import tuning
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # the fused kernel is an mma.sync one
+    set_run_option(monkeypatch, "wgmma", "0")   # the fused kernel is an mma.sync one
     N, H, Hkv, D = 2048, 8, 2, 64
     table = tuning.tuning_table(dt, wgmma=False)
     rng = np.random.default_rng()
@@ -216,7 +218,7 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     it is not deterministic; without the variable the deterministic two-kernel path runs."""
     from tiga_numba.cuda.tc import tuning
     assert ("float32", D) in tuning.ATOMIC_DQ
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")   # the fused atomic kernel is a 3xTF32 mma.sync one
+    set_run_option(monkeypatch, "wgmma", "0")   # the fused atomic kernel is a 3xTF32 mma.sync one
     _poison(monkeypatch)
     rel_, (d, s, c) = relation(name)
     nd, ns, H, Hkv = int(d[-1]), int(s[-1]), 4, 2
@@ -228,7 +230,7 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     out, m, l = tc.forward(p, qg, kg, vg, rel_)
     f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
     *_, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, D ** -0.5)
-    monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
+    set_run_option(monkeypatch, "deterministic", "0")
     got = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)[:3]
     assert "NOT deterministic" in p.run_info["kernel"]
     for g, want in zip(got, (rdq, rdk, rdv)):
@@ -237,7 +239,7 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
         assert gh.size == 0 or rel(gh, want) < 3 * TOL["float32"]
     if name == "no_keys":
         assert not np.any(f(got[0].get()))   # no key anywhere: dQ is exactly zero
-    monkeypatch.delenv("TIGA_NUMBA_DETERMINISTIC")
+    set_run_option(monkeypatch, "deterministic", "1")
     tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
     assert "NOT deterministic" not in p.run_info["kernel"]
 
@@ -261,11 +263,11 @@ def test_wgmma_fused_backward(D, shape, atomic, monkeypatch):
         pytest.skip("wgmma kernels need sm_90")
     if D == 96 and not atomic:
         pytest.skip("ordered: a 96-wide float32 row is not whole 16-byte passes of 128 threads")
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "1")
+    set_run_option(monkeypatch, "wgmma", "1")
     fields = dict(shape, MT=1, a_smem=True, wgmma=True)
     if atomic:
         monkeypatch.setitem(tuning.ATOMIC_DQ_WGMMA, D, fields)
-        monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "0")
+        set_run_option(monkeypatch, "deterministic", "0")
     else:
         monkeypatch.setitem(tuning.TUNING_WGMMA, ("dkdv", D), dict(fields, fuse_dq=True))
     _poison(monkeypatch)
@@ -313,7 +315,7 @@ def test_wgmma_routing_and_agreement(monkeypatch):
     sm90 = cupy.cuda.Device().compute_capability == "90"
     res = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("TIGA_NUMBA_WGMMA", flag)
+        set_run_option(monkeypatch, "wgmma", flag)
         p = plan(128 ** -0.5)
         out, m, l = tc.forward(p, q, k, v, rel_)
         assert ("wgmma" in p.run_info["kernel"]) == (sm90 and flag == "1")
@@ -346,7 +348,7 @@ def test_float32_engines_agree_on_long_rows(D, causal, monkeypatch):
     sm90 = cupy.cuda.Device().compute_capability == "90"
     res = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("TIGA_NUMBA_WGMMA", flag)
+        set_run_option(monkeypatch, "wgmma", flag)
         p = plan(D ** -0.5)
         out, m, l = tc.forward(p, q, k, v, rel_)
         assert ("bf16 x 3" in p.run_info["precision"]) == (sm90 and flag == "1")
@@ -365,7 +367,7 @@ def test_wgmma_head_dims_32_and_96(D, dt, monkeypatch):
     """compute capability 9.0: D = 32 and 96 run on the wgmma kernels (rows padded in shared
     memory; float32 on bf16 x 3 splits) against the oracle, poisoned outputs, GQA, segments with
     length-0/1 blocks; elsewhere supports() refuses them (the CUDA-core kernels take them)."""
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "1")
+    set_run_option(monkeypatch, "wgmma", "1")
     rel_, (d, s, c) = relation("segments")
     nd = int(d[-1])
     rng = np.random.default_rng()
@@ -386,7 +388,7 @@ def test_wgmma_head_dims_32_and_96(D, dt, monkeypatch):
     assert out.dtype == q.dtype and rel(f(out), ro) < tol
     for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert np.isfinite(f(got)).all() and rel(f(got), want) < 3 * tol
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", "0")
+    set_run_option(monkeypatch, "wgmma", "0")
     assert not tc.supports(p, q, k, v, rel_)
 
 
@@ -398,7 +400,7 @@ def test_pruned_forward_on_the_tensor_cores(dt, wgmma, causal, monkeypatch):
     and order; explain()'s counts are the replay's; the backward of a pruned call refuses."""
     from test_tc_emulator import _local_inputs, prune_oracle
     from tiga_numba.cuda.tc import tuning
-    monkeypatch.setenv("TIGA_NUMBA_WGMMA", wgmma)
+    set_run_option(monkeypatch, "wgmma", wgmma)
     n, D, rho = 1000, 64, 0.05
     q, k, v = _local_inputs(np.random.default_rng(), n, 4, 2, D, dt)
     qg, kg, vg = (cupy.asarray(x.astype(dt)) for x in (q, k, v))
