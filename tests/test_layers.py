@@ -204,8 +204,9 @@ def test_from_csr_graph_edge_attr_in_csr_order():
     pairs = rng.choice(n * n, 40, replace=False)  # unique edges (scipy would merge duplicates)
     src, dst = pairs % n, pairs // n
     coo = tg.Graph.from_coo(src, dst, n, n)
-    csr = tg.Graph.from_scipy(coo.to_scipy())
-    order = np.argsort(dst, kind="stable")
+    rel = coo.realize("cpu")
+    csr = tg.Graph.from_csr(rel.indptr, rel.indices, num_src=n)  # coo's own CSR order
+    order = coo.edge_permutation  # CSR edge e of coo (and of csr) is input edge order[e]
     ea = rng.normal(size=(len(src), 2)).astype(np.float32)
     x = rng.normal(size=(n, 4)).astype(np.float32)
     for cls in (GATConv, GATv2Conv, TransformerConv):
