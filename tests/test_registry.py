@@ -63,25 +63,34 @@ def test_every_family_lives_in_the_registry():
     for want in ("cuda.tc", "cuda.blocks", "cuda.csr", "cpu.blocks", "cpu.csr", "cpu.gat",
                  "cuda.gat", "cpu.neighbors", "cuda.neighbors"):
         assert want in names
-    assert [f.name for f in registry.families("forward", "cuda")] == ["cuda.tc", "cuda.blocks", "cuda.csr"]
+    assert [f.name for f in registry.families("forward", "cuda")] == [
+        "cuda.decode", "cuda.tc", "cuda.blocks", "cuda.csr"]
+    # the backward of few-query blocks is parallel over key tiles already: no decode family
+    assert [f.name for f in registry.families("backward", "cuda")] == [
+        "cuda.tc", "cuda.blocks", "cuda.csr"]
     with pytest.raises(ValueError, match="already registered"):
         registry.register(registry.families()[0])
 
 
 def test_no_family_raises_with_every_refusal():
     req = registry.Request(op="forward", backend="cuda", relation_kind="band", implicit=True,
-                           banded=True, score="dot", dtype="float16")
+                           banded=True, score="modified: f = softcap(s)", modified=True,
+                           dtype="float16", max_block_rows=4)
     with pytest.raises(NotImplementedError) as err:
         registry.choose(req)
     msg = str(err.value)
-    assert "cuda.tc" in msg and "cuda.blocks" in msg and "cuda.csr" in msg and "banded" in msg
+    for family in ("cuda.decode", "cuda.tc", "cuda.blocks", "cuda.csr"):
+        assert family in msg
+    assert "banded" in msg and "score modifiers" in msg
 
 
 def test_cuda_tensor_core_refusals_are_stated():
     base = dict(op="forward", backend="cuda", relation_kind="dense", implicit=True, score="dot",
-                dtype="float16", options=tg.Options())
+                dtype="float16", max_block_rows=64, options=tg.Options())
     off = registry.choose(registry.Request(**{**base, "options": tg.Options(tensor_cores=False)}))
-    assert off.family.name == "cuda.blocks" and "tensor_cores=False" in off.considered[0][1]
+    assert off.family.name == "cuda.blocks"
+    assert "tensor_cores=False" in dict(off.considered)["cuda.tc"]
+    assert "more than 8 query rows" in dict(off.considered)["cuda.decode"]
     probe = registry.choose(registry.Request(**base, probe=lambda: (lambda req: None)))
     assert probe.family.name == "cuda.tc"
     fp32 = registry.choose(registry.Request(**{**base, "dtype": "float32",

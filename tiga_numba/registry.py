@@ -132,11 +132,9 @@ _DECODE_DTYPES = ("float16", "float32", "float64")
 
 
 def _cuda_decode(req):
-    if req.op != "forward":
-        return "forward only (the backward is parallel over key tiles already)"
     if not req.implicit:
         return "needs an implicit (block) relation"
-    if req.max_block_rows > DECODE_MAX_ROWS:
+    if not 0 < req.max_block_rows <= DECODE_MAX_ROWS:
         return f"blocks of more than {DECODE_MAX_ROWS} query rows"
     if req.pruned:
         return "tile pruning is not implemented in the split-key kernel"
@@ -171,7 +169,7 @@ def _cpu_csr(req):
     return None if not req.implicit else "needs a CSR relation"
 
 
-register(Family("cuda.decode", _ATTENTION, "cuda", "tiga_numba.cuda.decode",
+register(Family("cuda.decode", ("forward",), "cuda", "tiga_numba.cuda.decode",
                 "split-key forward for few query rows per block, partials merged in fixed order",
                 _cuda_decode))
 register(Family("cuda.tc", _ATTENTION, "cuda", "tiga_numba.cuda.tc",
