@@ -1,28 +1,37 @@
 #!/bin/bash
-# One device call: tensor-core cubins, every GPU test file, compute-sanitizer on the split /
-# decode / band kernels. usage (repo root on the GPU machine, wheels carried in .whl):
-#   OUT=dir bash benchmarks/gpu/session_check.sh
+# One device call: tensor-core cubins, every GPU test file (each under its own time limit, so a
+# slow file cannot hide the others' results), compute-sanitizer on the split / decode / band
+# kernels. usage (repo root on the GPU machine; wheels, if any, carried in .whl):
+#   OUT=dir FILES="tests/test_cuda_gpu.py ..." bash benchmarks/gpu/session_check.sh
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > $OUT/pip.txt 2>&1
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=$PWD:$PYTHONPATH TIGA_NUMBA_CACHE_DIR=/tmp/tiga_cubins
+export PYTHONPATH=$PWD:$PYTHONPATH TIGA_NUMBA_CACHE_DIR=/tmp/tiga_cubins TIGA_NUMBA_QUIET=1
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $OUT/steps.txt; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import numba, cupy, numpy, torch; print('numba', numba.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
   python3 -m pytest --version; } > $OUT/env.txt 2>&1
-stamp prebuild
-timeout ${T_PREBUILD:-170} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
-timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider --durations=15 \
-  tests/test_cuda_split_gpu.py tests/test_cuda_gpu.py tests/test_tc_gpu.py \
-  tests/test_layers_gpu.py tests/test_dask_gpu.py > $OUT/tests.txt 2>&1; stamp "gpu tests rc=$?"
-timeout ${T_MIXED:-90} python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or cupy" \
-  tests/test_robustness.py tests/test_score_mods.py tests/test_interop.py > $OUT/tests_mixed.txt 2>&1
-stamp "mixed tests rc=$?"
-timeout ${T_SAN:-60} compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/gpu/split_sanitize.py \
-  > $OUT/sanitizer.txt 2>&1; stamp "memcheck rc=$?"
-timeout ${T_RACE:-40} compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/gpu/split_sanitize.py \
-  > $OUT/racecheck.txt 2>&1; stamp "racecheck rc=$?"
-tail -3 $OUT/tests.txt $OUT/tests_mixed.txt
+if [ "${T_PREBUILD:-170}" != 0 ]; then
+  stamp prebuild
+  timeout ${T_PREBUILD:-170} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
+fi
+FILES=${FILES:-"tests/test_cuda_split_gpu.py tests/test_cuda_gpu.py tests/test_tc_gpu.py tests/test_layers_gpu.py tests/test_dask_gpu.py"}
+for f in $FILES; do
+  timeout ${T_FILE:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 $f \
+    >> $OUT/tests.txt 2>&1; stamp "$f rc=$?"
+done
+if [ "${T_MIXED:-90}" != 0 ]; then
+  timeout ${T_MIXED:-90} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -k "cuda or gpu or cupy" \
+    tests/test_robustness.py tests/test_score_mods.py tests/test_interop.py > $OUT/tests_mixed.txt 2>&1
+  stamp "mixed tests rc=$?"
+fi
+if [ "${T_SAN:-60}" != 0 ]; then
+  timeout ${T_SAN:-60} compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/gpu/split_sanitize.py \
+    > $OUT/sanitizer.txt 2>&1; stamp "memcheck rc=$?"
+  timeout ${T_RACE:-40} compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/gpu/split_sanitize.py \
+    > $OUT/racecheck.txt 2>&1; stamp "racecheck rc=$?"
+fi
+grep -E "passed|failed|error" $OUT/tests.txt | tail -20
