@@ -123,7 +123,9 @@ class AttentionShape:
         return f"AttentionShape({fields})"
 
 
-_ALLOWED = {}  # library -> frozenset of accepted dtypes (bfloat16 on cupy where ml_dtypes exists)
+# library -> frozenset of accepted dtypes; bfloat16 (ml_dtypes' numpy dtype) wherever ml_dtypes
+# is installed: on the CPU it is widened to float32 inside the head-major copy every input gets
+_ALLOWED = {}
 
 
 def _allowed(library):
@@ -131,7 +133,7 @@ def _allowed(library):
     if allowed is None:
         dts = list(FLOAT_DTYPES)
         bf16 = bfloat16_dtype()
-        if library == "cupy" and bf16 is not None:
+        if bf16 is not None:
             dts.append(bf16)
         allowed = _ALLOWED[library] = (frozenset(dts), dts)
     return allowed
