@@ -537,11 +537,11 @@ def case_lane_groups():
     """G = 4 lanes per row with 16-byte slices (VEC = 4): the GPU layout, the reduce-scatter
     of scores (D = 16) and the per-key shuffle path (D = 72: loop too large for it), forward
     and backward, causal segments with GQA, through the emulated shuffles."""
-    dst_off = np.array([0, 9, 9, 22], np.int64)
+    dst_off = np.array([0, 5, 5, 13], np.int64)
     causal = np.array([1, 1, 0], np.uint8)
-    src_off = np.array([0, 9, 9, 26], np.int64)
+    src_off = np.array([0, 5, 5, 17], np.int64)  # 12 keys of the last block: two key tiles
     rel = (dst_off, src_off, causal)
-    nq, ns, H, Hkv = 22, 26, 2, 1
+    nq, ns, H, Hkv = 13, 17, 2, 1
     M = dense_mask(dst_off, src_off, causal, nq, ns)
     for D, DV, R in ((16, 12, 2), (72, 20, 4)):
         q, k, v = rand(nq, H, D), rand(ns, Hkv, D), rand(ns, Hkv, DV)
@@ -565,7 +565,7 @@ def case_banded_nan():
     NaN / inf put in every k, v row no destination reaches and in the q, dout rows of empty
     destinations: every output must stay finite and equal the clean result."""
     blocks_ = [(5, 9, -4, 4), (9, 5, -8, -4), (12, 12, -3, 0), (7, 7, 0, -1), (0, 3, 0, -1),
-               (10, 20, -2, 3), (20, 10, -3, 0), (1, 1, 0, 0)]
+               (6, 13, -2, 3), (13, 6, -3, 0), (1, 1, 0, 0)]
     nd = np.array([b[0] for b in blocks_])
     ns = np.array([b[1] for b in blocks_])
     dst_off = np.concatenate([[0], np.cumsum(nd)]).astype(np.int64)
@@ -647,8 +647,8 @@ def case_decode_split():
     (2 query heads per kv head), a bottom-right causal band, an empty block, splits from 1 to
     several (partials merged), every tail; then NaN / inf in k, v rows no row reaches."""
     from tiga_numba.cuda.decode import DecodeTiles
-    blocks_ = [(1, 37, 0, 36), (2, 29, -1, 27), (3, 20, -2, 17), (1, 0, 0, -1), (2, 9, -1, 8),
-               (1, 40, 0, 20)]
+    blocks_ = [(1, 21, 0, 20), (2, 17, -1, 15), (3, 12, -2, 9), (1, 0, 0, -1), (2, 9, -1, 8),
+               (1, 23, 0, 11)]
     nd = np.array([b[0] for b in blocks_])
     ns = np.array([b[1] for b in blocks_])
     dst_off = np.concatenate([[0], np.cumsum(nd)]).astype(np.int64)
@@ -658,7 +658,7 @@ def case_decode_split():
     rel = (dst_off, src_off, np.zeros(len(lo), np.uint8), lo, hi)
     nq, nk = int(dst_off[-1]), int(src_off[-1])
     M = band_mask(dst_off, src_off, lo, hi, nq, nk)
-    H, Hkv = 4, 2
+    H, Hkv = 2, 1  # two query heads per kv head (one kv head: half the simulated CTAs)
     for dtype, D, DV, G, tol in (("float32", 8, 6, 4, 2e-5), ("float64", 5, 3, 1, 1e-12),
                                  ("float16", 8, 8, 2, 2e-3)):
         q, k, v = rand(nq, H, D, dtype=dtype), rand(nk, Hkv, D, dtype=dtype), rand(nk, Hkv, DV, dtype=dtype)
@@ -666,7 +666,8 @@ def case_decode_split():
         ro, rm, rl = oracle(q, k, v, M, scale)
         acc = "float64" if dtype == "float64" else "float32"
         t = DecodeTiles(dtype, acc, D, DV, G=G, T=2, NW=1, ROWS=4, threads=2 * G)
-        for splits, chunk in ((1, 64), (3, 16), (10, t.step)):
+        # every split count for float32; the split logic is the same code for the others
+        for splits, chunk in ((1, 64), (3, 16), (10, t.step)) if dtype == "float32" else ((3, 16),):
             tag = f"decode {dtype} D={D}/{DV} G={G} splits={splits}"
             out, m, l = decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk)
             check(tag + " out", out, ro, tol)
@@ -675,7 +676,7 @@ def case_decode_split():
             check(tag + " m", m[fin], rm[fin], tol)
             check(tag + " l", l, rl, tol)
         dead = ~M.any(axis=0)
-        assert dead.sum() >= 19
+        assert dead.sum() >= 11
         kp, vp = k.copy(), v.copy()
         kp[dead] = np.nan
         vp[dead] = np.inf
@@ -755,6 +756,9 @@ CASES = {
 assert sorted(CASES) == sorted(SIM_CASES)
 
 if __name__ == "__main__":
+    # the simulator runs every CUDA thread as a Python thread and polls them from this one; a
+    # short GIL switch interval hands the GIL to the waiting threads sooner (2-3x faster here)
+    sys.setswitchinterval(50e-6)
     _kernels()
     names = sys.argv[1:] or list(CASES)
     for n in names:
