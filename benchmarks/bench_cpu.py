@@ -217,8 +217,8 @@ def local_inputs(N, H, D, sink, rng, width=16.0):
 def table_prune(N, reps):
     H, D = 4, 64
     rng = np.random.default_rng(2)
-    from tiga_numba.cpu import api
-    print(f"== tile pruning vs exact (CPU tiles BM={api.BM} x BN={api.BN}), N={N}, H={H}, D={D}, "
+    from tiga_numba.cpu import tiles as _tiles
+    print(f"== tile pruning vs exact (CPU pruning tiles BM x BN = {_tiles.PRUNE_TILES}), N={N}, H={H}, D={D}, "
           f"float32, scale=1 for the local workloads, D^-0.5 for the random one "
           f"(rel err = max|pruned-exact| / max|exact|)")
     print(f"{'workload':>22} {'mask':>6} {'rho':>6} | {'exact':>9} {'pruned':>9} {'speed-up':>8} | "

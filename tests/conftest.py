@@ -12,6 +12,12 @@ rows, GQA H != Hkv). Empty rows give out 0, m -inf, l 0, as the contract says.
 from __future__ import annotations
 
 import importlib.util
+import os
+
+# The CPU block kernels' tiles come from the machine (tiga_numba/cpu/tiles.py); the suite pins
+# small 64 x 128 tiles so that its small shapes still cross many query and key tiles, tails and
+# band edges on any machine. test_cpu_tiles.py runs the machine's own choice and others.
+os.environ.setdefault("TIGA_NUMBA_CPU_TILES", "64x128")
 
 import numpy as np
 import pytest

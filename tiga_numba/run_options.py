@@ -10,10 +10,12 @@
 | ``tensor_cores`` | True | CUDA: the tensor-core kernel families may be chosen; ``False`` keeps every call on the CUDA-core kernels |
 | ``wgmma`` | True | CUDA, compute capability 9.0: the warpgroup (wgmma) tensor-core kernels; ``False`` uses the mma.sync ones |
 | ``fp32_tensor_cores`` | True | CUDA: float32 inputs run on the tensor cores at fp32-class precision (bf16 x 3 splits on wgmma, 3xTF32 on mma.sync); ``False`` keeps float32 on the SIMT fp32 kernels |
+| ``cpu_tiles`` | None | CPU block kernels: ``(BM, BN)`` query rows x keys per tile; ``None`` takes the machine's rule (``tiga_numba/cpu/tiles.py``: from the L2 cache size). Results agree within rounding whatever the tiles; tile pruning keeps its own fixed tiles |
 
 Environment variables only set the defaults, and they are read here, once per process:
 ``TIGA_NUMBA_DETERMINISTIC``, ``TIGA_NUMBA_TENSOR_CORES``, ``TIGA_NUMBA_WGMMA``,
-``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` turns the option off). The plan records the options it
+``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` turns the option off), ``TIGA_NUMBA_CPU_TILES``
+(``256x256``). The plan records the options it
 was made with, and ``explain()`` prints them.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Options:
     tensor_cores: bool = True
     wgmma: bool = True
     fp32_tensor_cores: bool = True
+    cpu_tiles: "tuple | None" = None
 
     def describe(self):
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -44,11 +47,33 @@ def _env_flag(name, default=True):
     return value != "0"
 
 
+def _env_tiles(name):
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    try:
+        return _check_tiles(tuple(int(x) for x in value.lower().split("x")))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}={value!r}: expected BMxBN, e.g. 256x256 ({exc})") from None
+
+
+def _check_tiles(value):
+    if value is None:
+        return None
+    if (not isinstance(value, tuple) or len(value) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+        raise TypeError(f"option cpu_tiles must be None or a pair of ints (BM, BN), got {value!r}")
+    if not all(8 <= x <= 1024 for x in value):
+        raise ValueError(f"option cpu_tiles: BM and BN must lie in [8, 1024], got {value!r}")
+    return value
+
+
 _DEFAULTS = Options(
     deterministic=_env_flag("TIGA_NUMBA_DETERMINISTIC"),
     tensor_cores=_env_flag("TIGA_NUMBA_TENSOR_CORES"),
     wgmma=_env_flag("TIGA_NUMBA_WGMMA"),
     fp32_tensor_cores=_env_flag("TIGA_NUMBA_FP32_TENSOR_CORES"),
+    cpu_tiles=_env_tiles("TIGA_NUMBA_CPU_TILES"),
 )
 _CURRENT = contextvars.ContextVar("tiga_numba_options", default=_DEFAULTS)
 _NAMES = frozenset(f.name for f in fields(Options))
@@ -58,7 +83,9 @@ def _checked(changes):
     for name, value in changes.items():
         if name not in _NAMES:
             raise TypeError(f"unknown option {name!r}; options are {sorted(_NAMES)}")
-        if not isinstance(value, bool):
+        if name == "cpu_tiles":
+            changes[name] = _check_tiles(tuple(value) if isinstance(value, list) else value)
+        elif not isinstance(value, bool):
             raise TypeError(f"option {name} must be True or False, got {value!r}")
     return changes
 

@@ -29,16 +29,13 @@ from . import split as _split
 from .blas import single_threaded_blas
 from .layout import acc_dtype_of, head_major, node_major, order_balanced
 from .threads import serialised
+from . import tiles as _tile_rule
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
-# Tile sizes (query rows x key columns) of the block kernels.  Measured on the 2-core AVX-512
-# machine (single thread, N=4096, H=4, D=64 f32, forward / backward ms): 64x64 182/366,
-# 128x64 164/359, 64x128 159/348, 128x128 206/472, 64x256 231/497.  64 x 128 keeps the score
-# tile (32 KiB) in L1/L2, and OpenBLAS's small-matrix gemm path fast.  docs/cpu_backend.md.
-BM = 64
-BN = 128
+# Tile sizes (query rows x key columns) of the block kernels come from tiles.py (the machine's
+# rule, or options.cpu_tiles); the plan's options carry the choice and run_info shows it.
 # dq partitions of the block backward.  A constant, not the thread count: the summation order
 # of dq (partition by partition) then depends on the problem only, so the backward gives the
 # same bits with any number of threads.  4 keeps 2-4 cores busy and balanced; memory is
@@ -194,15 +191,16 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
         prune = plan.prune_threshold is not None
+        BM, BN, tiles_why = _tile_rule.choose(plan.options, prune)
         log2_rho = math.log2(plan.prune_threshold) if prune else 0.0
         qh = head_major(q, acc, "q", copies, scale=c)
         kh = head_major(k, acc, "k", copies)
         vh = head_major(v, acc, "v", copies)
-        tile_base, ktt = _pack(kh, relation, "k", copies)
-        # work items depend on the relation and H only: built once per relation record
+        tile_base, ktt = _pack(kh, relation, "k", copies, BN)
+        # work items depend on the relation, the tiles and H only: built once per relation record
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune),
-            lambda: _forward_items(relation, H, split=not prune))
+            lambda: _forward_items(relation, H, BM, BN, split=not prune))
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen))
         out = np.zeros((Nq, H, v.shape[2]), acc)
@@ -220,7 +218,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
                       "merged in fixed order" if n_slots else "")
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
-                    tiles=f"BM={BM} BN={BN}{split_note}", cache=hit, ir=_ir_of(kern))
+                    tiles=f"BM={BM} BN={BN} ({tiles_why}){split_note}", cache=hit,
+                    ir=_ir_of(kern))
         if prune:
             info.update(pruned_tiles=int(pruned.sum()), total_tiles=int(total.sum()))
     else:
@@ -271,7 +270,7 @@ def _ranges(sizes, step):
 MIN_PIECE_TILES = 16
 
 
-def _forward_items(rel, H, split=True):
+def _forward_items(rel, H, BM, BN, split=True):
     """(head, block, query-tile start, first key tile, end key tile, slot) work items ordered
     so equal prange chunks balance, the split table (head, block, query-tile start, first slot,
     slots) and the number of slots."""
@@ -323,17 +322,17 @@ def _forward_items(rel, H, split=True):
     return items[order_balanced(costs)], splits, n_slots
 
 
-# Blocks with at most this many keys are not packed into (D, BN) tiles: their score gemm reads
-# the K rows in place. Packing pads every block to whole BN-wide tiles, which for many short
-# segments would cost segments x D x BN memory instead of O(N D).
-PACK_MIN_KEYS = BN // 4
+# Blocks with at most BN / PACK_MIN_FRACTION keys are not packed into (D, BN) tiles: their score
+# gemm reads the K rows in place. Packing pads every block to whole BN-wide tiles, which for many
+# short segments would cost segments x D x BN memory instead of O(N D).
+PACK_MIN_FRACTION = 4
 
 
-def _tiles(rel):
-    """Packed key tiles of the blocks wider than PACK_MIN_KEYS: (tile_base per block, -1 for
-    blocks read in place; start and width of every tile)."""
+def _tiles(rel, BN):
+    """Packed key tiles of the blocks wider than BN / PACK_MIN_FRACTION: (tile_base per block,
+    -1 for blocks read in place; start and width of every tile)."""
     ns = np.diff(np.asarray(rel.src_offsets))
-    packed = ns > PACK_MIN_KEYS
+    packed = ns > BN // PACK_MIN_FRACTION
     counts = np.where(packed, (ns + BN - 1) // BN, 0)
     tile_base = np.zeros(ns.shape[0], np.int64)
     if ns.shape[0] > 1:
@@ -347,8 +346,8 @@ def _tiles(rel):
     return tile_base, starts, np.minimum(BN, ends - starts)
 
 
-def _pack(xh, rel, name, copies):
-    tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BN), lambda: _tiles(rel))
+def _pack(xh, rel, name, copies, BN):
+    tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BN), lambda: _tiles(rel, BN))
     out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
     if starts.shape[0]:
         _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
@@ -415,13 +414,14 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kh = head_major(k, acc, "k", copies)
         vh = head_major(v, acc, "v", copies)
         doh = head_major(dout, acc, "dout", copies)
-        tile_base, ktt = _pack(kh, relation, "k", copies)
-        _, vtt = _pack(vh, relation, "v", copies)
+        BM, BN, tiles_why = _tile_rule.choose(plan.options, False)
+        tile_base, ktt = _pack(kh, relation, "k", copies, BN)
+        _, vtt = _pack(vh, relation, "v", copies, BN)
         m2h = np.ascontiguousarray(m2.T)
         linvh = np.ascontiguousarray(linv.T)
         deltah = np.ascontiguousarray(delta.T)
         kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
-                                          lambda: _dealt_backward_items(relation, Hkv, group))
+                                          lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen))
         dq_part = np.zeros((n_parts, H, Nq, D), acc)
@@ -446,7 +446,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         copies.append(f"dq partials: {n_parts} x (H, Nq, D) {_name(acc)} (one per partition, "
                       "summed in order)")
         info.update(kernel="cpu.blocks.backward (fused, key-tile parallel, BLAS tiles)",
-                    tiles=f"BM={BM} BN={BN}", cache=hit, ir=_ir_of(kern))
+                    tiles=f"BM={BM} BN={BN} ({tiles_why})", cache=hit, ir=_ir_of(kern))
     else:
         qn = node_major(q, acc, "q", copies, scale=c)
         kn = node_major(k, acc, "k", copies)
@@ -493,7 +493,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     return res + (score_mod.grads_to_user((ghp, gnd, gns, gef)),)
 
 
-def _backward_items(rel, Hkv, group):
+def _backward_items(rel, Hkv, group, BM, BN):
     """(kv head, block, key-tile start) work items and their costs (query tiles visited)."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
@@ -515,9 +515,9 @@ def _backward_items(rel, Hkv, group):
     return items, np.tile(costs, Hkv)
 
 
-def _dealt_backward_items(rel, Hkv, group):
+def _dealt_backward_items(rel, Hkv, group, BM, BN):
     """(work items dealt over the dq partitions, number of partitions)."""
-    kitems, costs = _backward_items(rel, Hkv, group)
+    kitems, costs = _backward_items(rel, Hkv, group, BM, BN)
     n_parts = max(1, min(N_PARTS, kitems.shape[0]))
     return _deal(kitems, costs, n_parts), n_parts
 

@@ -1,0 +1,91 @@
+"""CPU tile shapes: the machine's rule, the cpu_tiles option and its validation; every tile
+choice gives the oracle's results (forward and backward, every block relation kind, tails in
+both directions), and the backward keeps the same bits across thread counts."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from conftest import attention_oracle
+from tiga_numba.cpu import tiles
+
+RNG = np.random.default_rng(5)
+N = 600   # several 256-row / 256-key tiles, with tails
+
+
+def _relations():
+    return {
+        "dense-rect": tg.Graph.dense(N - 77, N),
+        "triangular": tg.Graph.triangular(N),
+        "segments": tg.Graph.cu_seqlens(np.array([0, 300, 300, 301, N]), causal=True),
+        "band": tg.Graph.band(N, left=300, right=20),
+    }
+
+
+RELATIONS = _relations()
+
+
+def test_rule_picks_square_tiles_that_fit_half_the_l2(monkeypatch):
+    for l2, want in ((1 << 20, 256), (512 << 10, 256), (256 << 10, 128), (64 << 10, 64)):
+        monkeypatch.setattr(tiles, "_MACHINE", [])
+        monkeypatch.setattr(tiles, "_l2_bytes", lambda l2=l2: l2)
+        BM, BN, why = tiles.machine_tiles()
+        assert (BM, BN) == (want, want) and f"L2 {l2 // 1024} KiB" in why
+    monkeypatch.setattr(tiles, "_MACHINE", [])
+    monkeypatch.setattr(tiles, "_l2_bytes", lambda: None)
+    assert tiles.machine_tiles()[:2] == (128, 128) and "assumed" in tiles.machine_tiles()[2]
+
+
+def test_option_validation_names_the_option():
+    with pytest.raises(TypeError, match="cpu_tiles"):
+        with tg.options(cpu_tiles=64):
+            pass
+    with pytest.raises(ValueError, match="cpu_tiles"):
+        with tg.options(cpu_tiles=(4, 4096)):
+            pass
+    with tg.options(cpu_tiles=[32, 48]) as o:
+        assert o.cpu_tiles == (32, 48)
+    # pruning keeps its fixed tiles whatever is asked
+    assert tiles.choose(tg.Options(cpu_tiles=(32, 48)), prune=True)[:2] == tiles.PRUNE_TILES
+
+
+def test_environment_default_is_checked():
+    code = "import tiga_numba"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"TIGA_NUMBA_CPU_TILES": "256by256", "PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and "TIGA_NUMBA_CPU_TILES" in r.stderr
+
+
+@pytest.mark.parametrize("choice", [None, (48, 80)], ids=["machine-rule", "48x80"])
+def test_every_tile_choice_matches_the_oracle(choice):
+    H, Hkv, D = 2, 1, 16
+    for name, g in RELATIONS.items():
+        q = RNG.standard_normal((g.num_dst, H, D), dtype=np.float32)
+        k = RNG.standard_normal((g.num_src, Hkv, D), dtype=np.float32)
+        v = RNG.standard_normal((g.num_src, Hkv, 8), dtype=np.float32)
+        dout = RNG.standard_normal((g.num_dst, H, 8), dtype=np.float32)
+        mask = g.to_scipy().toarray() != 0
+        want, _, wl, wdq, wdk, wdv = attention_oracle(q, k, v, mask, dout=dout)
+        with tg.options(cpu_tiles=choice):
+            plan = tg.make_plan(q, k, v, g)
+            out, st = tg.attention(q, k, v, g, return_stats=True)
+            grads = tg.attention_backward(dout, q, k, v, out, st, g)
+        BM, BN, _ = tiles.choose(plan.options, False)
+        assert plan.options.cpu_tiles == choice
+        assert st.plan.run_info["tiles"].startswith(f"BM={BM} BN={BN} ("), st.plan.run_info["tiles"]
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=name)
+        np.testing.assert_allclose(st.l, wl, rtol=2e-5, err_msg=name)
+        for gname, got, ref in zip("qkv", grads, (wdq, wdk, wdv)):
+            np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4, err_msg=f"{name} d{gname}")
+
+
+def test_explain_shows_the_tiles_and_their_reason():
+    g = RELATIONS["triangular"]
+    q = RNG.standard_normal((N, 1, 8), dtype=np.float32)
+    with tg.options(cpu_tiles=None):
+        out, st = tg.attention(q, q, q, g, return_stats=True)
+    text = st.plan.explain()
+    BM, BN, why = tiles.machine_tiles()
+    assert f"BM={BM} BN={BN} ({why})" in text, text

@@ -1,0 +1,70 @@
+"""Tile shapes of the CPU block kernels: chosen from the machine, recorded in the plan.
+
+A forward tile is BM query rows x BN keys: one BLAS gemm for the scores (BM x D x BN), the
+softmax over the (BM, BN) score tile, one gemm for the values (BM x BN x Dv). Larger tiles
+amortise the per-tile work (BLAS call, row max / rescale passes) and run the gemms at a larger
+fraction of the machine's sgemm rate, as long as the score tile and the K / V tiles stay in the
+core's L2 cache. Measured on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core), N=4096, H=4,
+D=64, float32: 64x128 tiles ran the dense forward at 63 GFLOP/s, 256x256 at 87 (numpy sgemm:
+109); the backward 612 -> 438 ms (benchmarks/results/cpu-tiles-2core-2026-12-02.txt).
+
+The rule: the largest T in (256, 128, 64) whose float32 score tile T x T takes at most half of
+one core's L2, and BM = BN = T. The L2 size is read from Linux's sysfs (fallback: 256 KiB,
+which gives 128 x 128). ``tg.options(cpu_tiles=(BM, BN))`` or ``TIGA_NUMBA_CPU_TILES=BMxBN``
+overrides it; every choice gives the same results within rounding (tests run several).
+
+Tile pruning keeps fixed 64 x 128 tiles: the tile is the unit of its admission rule, so an
+approximate result must not depend on the machine it was computed on.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["PRUNE_TILES", "machine_tiles", "choose"]
+
+PRUNE_TILES = (64, 128)
+_FALLBACK_L2 = 256 * 1024
+_MACHINE = []   # memo: [(BM, BN, reason)]
+
+
+def _l2_bytes():
+    """One core's L2 size from sysfs (None where it cannot be read)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in sorted(os.listdir(base)):
+            d = os.path.join(base, entry)
+            with open(os.path.join(d, "level")) as fh:
+                if fh.read().strip() != "2":
+                    continue
+            with open(os.path.join(d, "size")) as fh:
+                text = fh.read().strip().upper()
+            mult = {"K": 1024, "M": 1024 ** 2}.get(text[-1], 1)
+            return int(text.rstrip("KM")) * mult
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def machine_tiles():
+    """(BM, BN, reason) of the rule on this machine, computed once."""
+    if not _MACHINE:
+        l2 = _l2_bytes()
+        size = l2 if l2 else _FALLBACK_L2
+        T = 64
+        for t in (256, 128):
+            if 4 * t * t <= size // 2:
+                T = t
+                break
+        where = f"L2 {size // 1024} KiB per core" + ("" if l2 else " (not readable: assumed)")
+        _MACHINE.append((T, T, f"rule: {where}"))
+    return _MACHINE[0]
+
+
+def choose(options, prune):
+    """(BM, BN, reason) for a call made with run `options`."""
+    if prune:
+        return PRUNE_TILES + ("fixed tiles of the pruning rule",)
+    tiles = getattr(options, "cpu_tiles", None)
+    if tiles is not None:
+        return tuple(tiles) + ("options.cpu_tiles",)
+    return machine_tiles()
