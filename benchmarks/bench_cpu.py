@@ -70,16 +70,22 @@ def numpy_attention(q, k, v, causal, dout=None):
     return out, grads
 
 
-def torch_sdpa(q, k, v, causal, dout=None):
-    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)))[None]
-                  for x in (q, k, v))
+def _to_torch(x, dtype):
+    x = np.ascontiguousarray(x.transpose(1, 0, 2))
+    if dtype is not None and str(x.dtype) == "bfloat16":   # numpy has no bfloat16 for torch
+        return torch.from_numpy(x.astype(np.float32))[None].to(dtype)
+    return torch.from_numpy(x)[None]
+
+
+def torch_sdpa(q, k, v, causal, dout=None, dtype=None):
+    tq, tk, tv = (_to_torch(x, dtype) for x in (q, k, v))
     if dout is None:
         with torch.no_grad():
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
     for t in (tq, tk, tv):
         t.requires_grad_(True)
     o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-    o.backward(torch.from_numpy(np.ascontiguousarray(dout.transpose(1, 0, 2)))[None])
+    o.backward(_to_torch(dout, dtype))
     return o
 
 
@@ -98,16 +104,42 @@ def interleaved(fns, reps):
     return best_t
 
 
-def table_dense(sizes, reps, args):
+def machine_ceilings():
+    """This machine's sgemm rate (float32 2048^3 through numpy's BLAS, every core) and copy
+    bandwidth (256 MiB array copy, read + write): what the attention rates are measured against."""
+    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
+    b = a.copy()
+    t = best(lambda: a @ b, 3)
+    sgemm = 2 * 2048 ** 3 / t / 1e9
+    x = np.ones(64 * 2 ** 20, np.float32)
+    y = np.empty_like(x)
+    t = best(lambda: np.copyto(y, x), 3)
+    bw = 2 * x.nbytes / t / 1e9
+    print(f"# machine ceilings: sgemm {sgemm:.0f} GFLOP/s (numpy float32 2048^3), copy bandwidth "
+          f"{bw:.1f} GB/s (256 MiB copy, read + write)")
+    return sgemm
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def table_dense(sizes, reps, args, sgemm=float("nan"), dtype="float32"):
     H, D = 4, 64
-    print(f"== dense / causal attention, H={H}, D={D}, float32 "
-          f"(GFLOP/s: fwd 4 N^2 H D, /2 causal; fwd+bwd 3.5x that)")
+    dt = _dtype(dtype)
+    torch_dt = None if torch is None else getattr(torch, dtype)
+    print(f"== dense / causal attention, H={H}, D={D}, {dtype} "
+          f"(GFLOP/s: fwd 4 N^2 H D, /2 causal; fwd+bwd 3.5x that; %sgemm: tiga fwd GFLOP/s / "
+          f"the machine's sgemm rate)")
     print(f"{'N':>5} {'mask':>6} | {'tiga fwd':>14} {'tiga fwd+bwd':>16} | {'numpy fwd':>10} "
           f"{'numpy f+b':>10} | {'torch fwd':>10} {'torch f+b':>10} | "
           f"fwd: x numpy, x torch | f+b: x numpy, x torch   (x = speed-up of tiga)")
     rng = np.random.default_rng(0)
     for N in sizes:
-        q, k, v, do = (rng.standard_normal((N, H, D), dtype=np.float32) for _ in range(4))
+        q, k, v, do = (rng.standard_normal((N, H, D), dtype=np.float32).astype(dt) for _ in range(4))
         for causal in (False, True):
             g = tg.Graph.triangular(N) if causal else tg.Graph.dense(N)
             flops = 4 * N * N * H * D / (2 if causal else 1)
@@ -122,12 +154,13 @@ def table_dense(sizes, reps, args):
             fns = [fwd, fwdbwd]
             use_torch = torch is not None and not args.no_torch
             if use_torch:
-                fns += [lambda: torch_sdpa(q, k, v, causal), lambda: torch_sdpa(q, k, v, causal, do)]
+                fns += [lambda: torch_sdpa(q, k, v, causal, dtype=torch_dt),
+                        lambda: torch_sdpa(q, k, v, causal, do, dtype=torch_dt)]
             times = interleaved(fns, reps)
             tf, tb = times[:2]
             tf_t, tb_t = times[2:] if use_torch else (float("nan"),) * 2
             nf = nb = float("nan")
-            if not args.no_numpy and N <= args.numpy_max:
+            if not args.no_numpy and N <= args.numpy_max and dtype == "float32":
                 nf = best(lambda: numpy_attention(q, k, v, causal), 1)
                 if N <= args.numpy_bwd_max:
                     nb = best(lambda: numpy_attention(q, k, v, causal, do), 1)
@@ -139,7 +172,9 @@ def table_dense(sizes, reps, args):
                   f"{tf * 1e3:7.1f} ms {flops / tf / 1e9:4.0f}GF "
                   f"{tb * 1e3:8.1f} ms {3.5 * flops / tb / 1e9:4.0f}GF | "
                   f"{ms(nf)} {ms(nb)} | {ms(tf_t)} {ms(tb_t)} | "
-                  f"{nf / tf:6.1f}x {tf_t / tf:6.2f}x | {nb / tb:6.1f}x {tb_t / tb:6.2f}x")
+                  f"{nf / tf:6.1f}x {tf_t / tf:6.2f}x | {nb / tb:6.1f}x {tb_t / tb:6.2f}x | "
+                  f"fwd {100 * flops / tf / 1e9 / sgemm:3.0f}% sgemm, f+b "
+                  f"{100 * 3.5 * flops / tb / 1e9 / sgemm:3.0f}% sgemm")
             sys.stdout.flush()
         del q, k, v, do
 
@@ -257,6 +292,8 @@ def main():
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--only", choices=["dense", "csr", "prune", "memory"], nargs="*", default=None)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--dtypes", default="float32",
+                    help="dtypes of the dense table, e.g. float32,float16,bfloat16")
     ap.add_argument("--no-numpy", action="store_true")
     ap.add_argument("--numpy-max", type=int, default=8192, help="largest N for numpy forward")
     ap.add_argument("--numpy-bwd-max", type=int, default=4096,
@@ -272,8 +309,14 @@ def main():
           f"{numba.threading_layer() if hasattr(numba, 'threading_layer') else '?'}), numpy "
           f"{np.__version__}, torch {torch.__version__ if torch else 'not installed'}"
           f"{' (threads %d)' % torch.get_num_threads() if torch else ''}")
+    sgemm = machine_ceilings()
+    tiles = tg.make_plan(np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32),
+                         np.zeros((1, 1, 1), np.float32), tg.Graph.dense(1)).options.cpu_tiles
+    from tiga_numba.cpu import tiles as _tiles
+    print(f"# CPU tiles: {tiles if tiles else _tiles.machine_tiles()}")
     if "dense" in only:
-        table_dense(sizes, reps, args)
+        for dtype in args.dtypes.split(","):
+            table_dense(sizes, reps, args, sgemm, dtype)
     if "memory" in only:
         memory_line(max(sizes))
     if "csr" in only:

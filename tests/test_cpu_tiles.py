@@ -47,6 +47,8 @@ def test_option_validation_names_the_option():
             pass
     with tg.options(cpu_tiles=[32, 48]) as o:
         assert o.cpu_tiles == (32, 48)
+    BM, BN, why = tiles.machine_tiles()
+    assert tiles.choose(tg.Options(), False, full=True) == (2 * BM, BN, why + "; full blocks: twice the query rows")
     # pruning keeps its fixed tiles whatever is asked
     assert tiles.choose(tg.Options(cpu_tiles=(32, 48)), prune=True)[:2] == tiles.PRUNE_TILES
 
@@ -72,7 +74,7 @@ def test_every_tile_choice_matches_the_oracle(choice):
             plan = tg.make_plan(q, k, v, g)
             out, st = tg.attention(q, k, v, g, return_stats=True)
             grads = tg.attention_backward(dout, q, k, v, out, st, g)
-        BM, BN, _ = tiles.choose(plan.options, False)
+        BM, BN, _ = tiles.choose(plan.options, False, full=g.kind == "dense")
         assert plan.options.cpu_tiles == choice
         assert st.plan.run_info["tiles"].startswith(f"BM={BM} BN={BN} ("), st.plan.run_info["tiles"]
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=name)

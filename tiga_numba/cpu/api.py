@@ -191,7 +191,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
         prune = plan.prune_threshold is not None
-        BM, BN, tiles_why = _tile_rule.choose(plan.options, prune)
+        BM, BN, tiles_why = _tile_rule.choose(plan.options, prune,
+                                              full=plan.relation_kind == "dense")
         log2_rho = math.log2(plan.prune_threshold) if prune else 0.0
         qh = head_major(q, acc, "q", copies, scale=c)
         kh = head_major(k, acc, "k", copies)
