@@ -219,10 +219,26 @@ def table_csr(n_nodes, degree, reps):
     g.realize_transpose("cpu")  # built once per graph and cached; not part of the timing
     tf = best(fwd, reps)
     tb = best(fwdbwd, reps)
+    # the random-access ceiling: gathering the K and V rows of every edge (each a contiguous
+    # H x D float32 row, read in the graph's order), as numpy's take does with every core idle
+    # but one; the forward must read at least these bytes
+    kf, vf = k.reshape(n_nodes, -1), v.reshape(n_nodes, -1)
+    buf = np.empty((min(E, 1 << 20), kf.shape[1]), np.float32)
+
+    def gather():
+        for e0 in range(0, E, buf.shape[0]):
+            idx = indices[e0:e0 + buf.shape[0]]
+            np.take(kf, idx, axis=0, out=buf[:idx.shape[0]])
+            np.take(vf, idx, axis=0, out=buf[:idx.shape[0]])
+    tg_ = best(gather, reps)
+    row_bytes = 2 * E * kf.shape[1] * 4
     print(f"== CSR attention, random graph: {n_nodes} nodes, {E} edges (degree {degree}), "
           f"H={H}, D={D}, float32")
     print(f"forward {tf * 1e3:8.1f} ms  {E / tf / 1e6:6.1f} M edges/s | forward+backward "
           f"{tb * 1e3:8.1f} ms  {E / tb / 1e6:6.1f} M edges/s")
+    print(f"random-row gather of K and V (np.take, one thread): {tg_ * 1e3:.1f} ms, "
+          f"{row_bytes / tg_ / 1e9:.1f} GB/s; the forward reads them at {row_bytes / tf / 1e9:.1f} GB/s "
+          f"({tg_ / tf:.2f}x the one-thread gather rate)")
 
 
 def local_inputs(N, H, D, sink, rng, width=16.0):

@@ -116,8 +116,10 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
     out = capsys.readouterr().out
     assert "tiga_numba.precompile: CPU kernels for float32" in out and "done in" in out
     records = precompile.precompile(["float32"])
-    assert [r[1] for r in records] == ["blocks forward", "blocks forward, tile-pruned",
-                                       "blocks backward", "csr forward", "csr backward"]
+    assert [r[1] for r in records] == ["blocks forward, dense",
+                                       "blocks forward, causal / segments / bands",
+                                       "blocks forward, tile-pruned", "blocks backward",
+                                       "csr forward", "csr backward"]
     assert all(r[0] == "float32" and r[2] == "memory hit" for r in records), records
     with pytest.raises(ValueError, match="dtypes"):
         precompile.precompile([np.int32])
