@@ -91,3 +91,22 @@ def test_explain_shows_the_tiles_and_their_reason():
     text = st.plan.explain()
     BM, BN, why = tiles.machine_tiles()
     assert f"BM={BM} BN={BN} ({why})" in text, text
+
+
+def test_backward_bits_do_not_depend_on_the_thread_count_with_the_rule_tiles():
+    import numba
+    g = RELATIONS["segments"]
+    q = RNG.standard_normal((N, 2, 16), dtype=np.float32)
+    dout = RNG.standard_normal((N, 2, 16), dtype=np.float32)
+    with tg.options(cpu_tiles=None):
+        out, st = tg.attention(q, q, q, g, return_stats=True)
+        old = numba.get_num_threads()
+        runs = []
+        try:
+            for threads in sorted({1, old}):
+                numba.set_num_threads(threads)
+                runs.append(tg.attention_backward(dout, q, q, q, out, st, g))
+        finally:
+            numba.set_num_threads(old)
+    for a, b in zip(runs[0], runs[-1]):
+        assert np.array_equal(a, b)
