@@ -326,10 +326,10 @@ def main():
           f"{np.__version__}, torch {torch.__version__ if torch else 'not installed'}"
           f"{' (threads %d)' % torch.get_num_threads() if torch else ''}")
     sgemm = machine_ceilings()
-    tiles = tg.make_plan(np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32),
-                         np.zeros((1, 1, 1), np.float32), tg.Graph.dense(1)).options.cpu_tiles
+    from tiga_numba import run_options
     from tiga_numba.cpu import tiles as _tiles
-    print(f"# CPU tiles: {tiles if tiles else _tiles.machine_tiles()}")
+    print(f"# CPU tiles: {_tiles.choose(run_options.current(), False)} "
+          "(dense forward: twice the query rows unless options.cpu_tiles is set)")
     if "dense" in only:
         for dtype in args.dtypes.split(","):
             table_dense(sizes, reps, args, sgemm, dtype)

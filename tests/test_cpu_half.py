@@ -58,10 +58,10 @@ def test_half_inputs_forward_and_backward_match_the_oracle(rel, dtype):
 def test_half_inputs_name_their_widening_copy():
     g = RELATIONS["triangular"]
     q = RNG.standard_normal((g.num_dst, 2, 8)).astype(ml_dtypes.bfloat16)
-    prog_text = tg.make_plan(q, q, q, g).explain()
-    assert "bfloat16" in prog_text
-    out = tg.attention(q, q, q, g)
+    assert "inputs bfloat16, accumulation float32" in tg.make_plan(q, q, q, g).explain()
+    out, st = tg.attention(q, q, q, g, return_stats=True)
     assert out.dtype == q.dtype
+    assert any("bfloat16 -> float32" in c for c in st.plan.run_info["copies"]), st.plan.run_info["copies"]
 
 
 def test_mixed_half_dtypes_are_refused():

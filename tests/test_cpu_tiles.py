@@ -74,7 +74,8 @@ def test_every_tile_choice_matches_the_oracle(choice):
             plan = tg.make_plan(q, k, v, g)
             out, st = tg.attention(q, k, v, g, return_stats=True)
             grads = tg.attention_backward(dout, q, k, v, out, st, g)
-        BM, BN, _ = tiles.choose(plan.options, False, full=g.kind == "dense")
+        BM, BN, _ = plan.tiles  # decided before the call, and what the kernels then ran with
+        assert plan.tiles == tiles.choose(plan.options, False, full=g.kind == "dense")
         assert plan.options.cpu_tiles == choice
         assert st.plan.run_info["tiles"].startswith(f"BM={BM} BN={BN} ("), st.plan.run_info["tiles"]
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=name)

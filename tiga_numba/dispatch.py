@@ -13,6 +13,7 @@ from . import run_options as _options
 from . import registry as _registry
 from .plan import BACKEND_OF_LIBRARY, Plan
 from .registry import Request
+from .cpu import tiles as _cpu_tiles  # pure Python: the CPU tile rule, recorded in the plan
 
 _BACKEND_MODULES = {"cpu": "tiga_numba.cpu.api", "cuda": "tiga_numba.cuda.api"}
 _LOADED = {}
@@ -101,6 +102,9 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         family=decision.family.name,
         considered=decision.considered,
         options=opts,
+        tiles=_cpu_tiles.choose(opts, prune_threshold is not None,
+                                full=op == "forward" and graph.kind == "dense")
+        if decision.family.name == "cpu.blocks" else (),
     )
 
 

@@ -103,6 +103,7 @@ class Plan:
     family: str = ""
     considered: tuple = ()
     options: object = None
+    tiles: tuple = ()  # cpu.blocks: (BM, BN, why) the kernels run with (cpu/tiles.py); else ()
     run_info: dict = field(default_factory=RunInfo)
 
     def explain(self):
@@ -124,6 +125,8 @@ class Plan:
         ]
         if info.get("tiles"):
             lines.append(f"tiles: {info['tiles']}")
+        elif self.tiles:
+            lines.append(f"tiles: BM={self.tiles[0]} BN={self.tiles[1]} ({self.tiles[2]})")
         copies = info.get("copies") or []
         lines.append("copies: " + ("; ".join(copies) if copies else "none (inputs read in place)"))
         if info.get("materialized"):

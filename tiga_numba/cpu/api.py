@@ -155,11 +155,11 @@ def _family(plan, relation):
     return getattr(plan, "family", "") or ("cpu.blocks" if _is_blocks(relation) else "cpu.csr")
 
 
-def _options_of(plan):
-    """The run options the plan was made with; direct backend calls without a plan made by the
-    dispatcher (tests of this module) take the options in force."""
-    opts = getattr(plan, "options", None)
-    return opts if opts is not None else _run_options.current()
+def _tiles_of(plan, prune):
+    """(BM, BN, why) the plan was made with; direct backend calls with a bare plan (tests of
+    this module) take the rule under the options in force."""
+    tiles = getattr(plan, "tiles", ())
+    return tiles if tiles else _tile_rule.choose(_run_options.current(), prune)
 
 
 def _is_blocks(relation):
@@ -199,8 +199,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
         prune = plan.prune_threshold is not None
-        BM, BN, tiles_why = _tile_rule.choose(_options_of(plan), prune,
-                                              full=getattr(plan, "relation_kind", "") == "dense")
+        BM, BN, tiles_why = _tiles_of(plan, prune)
         log2_rho = math.log2(plan.prune_threshold) if prune else 0.0
         qh = head_major(q, acc, "q", copies, scale=c)
         kh = head_major(k, acc, "k", copies)
@@ -423,7 +422,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kh = head_major(k, acc, "k", copies)
         vh = head_major(v, acc, "v", copies)
         doh = head_major(dout, acc, "dout", copies)
-        BM, BN, tiles_why = _tile_rule.choose(_options_of(plan), False)
+        BM, BN, tiles_why = _tiles_of(plan, False)
         tile_base, ktt = _pack(kh, relation, "k", copies, BN)
         _, vtt = _pack(vh, relation, "v", copies, BN)
         m2h = np.ascontiguousarray(m2.T)
