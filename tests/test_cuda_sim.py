@@ -756,9 +756,8 @@ CASES = {
 assert sorted(CASES) == sorted(SIM_CASES)
 
 if __name__ == "__main__":
-    # the simulator runs every CUDA thread as a Python thread and polls them from this one; a
-    # short GIL switch interval hands the GIL to the waiting threads sooner (2-3x faster here)
-    sys.setswitchinterval(50e-6)
+    import sim_support  # faster thread hand-over, atomic shared-array allocation
+    sim_support.prepare_simulator()
     _kernels()
     names = sys.argv[1:] or list(CASES)
     for n in names:

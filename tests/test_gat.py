@@ -427,8 +427,8 @@ def _install_group_shuffles(lanes=4):
 
 _SIM_SCRIPT = r"""
 import sys, numpy as np
-sys.setswitchinterval(50e-6)  # simulated CUDA threads are Python threads: hand the GIL on sooner
 sys.path.insert(0, {tests!r})
+import sim_support; sim_support.prepare_simulator()
 import test_gat as T
 from tiga_numba import edge_mlp
 from tiga_numba.edge_mlp import FieldArg

@@ -373,5 +373,6 @@ def test_gpu_bad_inputs_name_the_argument():
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "sim":
-        sys.setswitchinterval(50e-6)  # simulated CUDA threads are Python threads
+        import sim_support
+        sim_support.prepare_simulator()
         _sim_main(sys.argv[2])
