@@ -1,8 +1,8 @@
 #!/bin/bash
-# One device call: tensor-core cubins, every GPU test file (each under its own time limit, so a
-# slow file cannot hide the others' results), compute-sanitizer on the split / decode / band
-# kernels. usage (repo root on the GPU machine; wheels, if any, carried in .whl):
-#   OUT=dir FILES="tests/test_cuda_gpu.py ..." bash benchmarks/gpu/session_check.sh
+# One device call: tensor-core cubins, every GPU test (xdist workers: the GPU tests are bound by
+# numba-cuda compiles on the host CPU, not by the GPU), compute-sanitizer on the split / decode /
+# band kernels. usage (repo root on the GPU machine; wheels, if any, carried in .whl):
+#   OUT=dir [WORKERS=12] [FILES="tests/test_cuda_gpu.py ..."] bash benchmarks/gpu/session_check.sh
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -19,13 +19,12 @@ if [ "${T_PREBUILD:-170}" != 0 ]; then
   timeout ${T_PREBUILD:-170} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
 FILES=${FILES:-"tests/test_cuda_split_gpu.py tests/test_cuda_gpu.py tests/test_tc_gpu.py tests/test_layers_gpu.py tests/test_dask_gpu.py"}
-for f in $FILES; do
-  timeout ${T_FILE:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 $f \
-    >> $OUT/tests.txt 2>&1; stamp "$f rc=$?"
-done
+timeout ${T_FILES:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-12} -rfEs --tb=short $FILES \
+  > $OUT/tests.txt 2>&1; stamp "gpu test files rc=$?"
 if [ "${T_MIXED:-90}" != 0 ]; then
-  timeout ${T_MIXED:-90} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -k "cuda or gpu or cupy" \
-    tests/test_robustness.py tests/test_score_mods.py tests/test_interop.py > $OUT/tests_mixed.txt 2>&1
+  timeout ${T_MIXED:-90} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-12} -rfE --tb=short -k "cuda or gpu or cupy" \
+    tests/test_robustness.py tests/test_score_mods.py tests/test_interop.py tests/test_gat.py tests/test_neighbors.py \
+    tests/test_program.py > $OUT/tests_mixed.txt 2>&1
   stamp "mixed tests rc=$?"
 fi
 if [ "${T_SAN:-60}" != 0 ]; then
@@ -34,4 +33,4 @@ if [ "${T_SAN:-60}" != 0 ]; then
   timeout ${T_RACE:-40} compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/gpu/split_sanitize.py \
     > $OUT/racecheck.txt 2>&1; stamp "racecheck rc=$?"
 fi
-grep -E "passed|failed|error" $OUT/tests.txt | tail -20
+grep -E "passed|failed|error" $OUT/tests.txt $OUT/tests_mixed.txt | tail -20
