@@ -56,6 +56,9 @@ def _factories(dtype, D, DV):
     from tiga_numba.cuda import decode
     td = decode.decode_tiles(dtype, D, DV, 4)
     out.append(("decode", lambda: decode.make_decode(td)))
+    if decode.vector_loads_fit(dtype, D, DV):
+        tv = decode.decode_tiles(dtype, D, DV, 4, vec=True)
+        out.append(("decode.vec", lambda: decode.make_decode(tv)))
     out.append(("decode.merge", lambda: decode.make_merge(dtype, tiles.acc_of(dtype), DV)))
     out.append(("delta", lambda: make_delta(dtype, tiles.acc_of(dtype))))
     out.append(("stats", lambda: make_stats(dtype, tiles.acc_of(dtype))))

@@ -310,6 +310,10 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
     chunk = max(t.step, _cdiv(_cdiv(max(longest, 1), splits), t.step) * t.step)
     splits = max(1, _cdiv(longest, chunk))
     rec.geo["kern"] = rec.kernel(("decode", t), lambda: _decode.make_decode(t))
+    rec.geo["kern_vec"] = None
+    if not _decode.SIM and _decode.vector_loads_fit(dname, D, DV):
+        tv = _decode.decode_tiles(dname, D, DV, int(rel.max_block_dst) * grp, vec=True)
+        rec.geo["kern_vec"] = rec.kernel(("decode", tv), lambda: _decode.make_decode(tv))
     if splits > 1:
         rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
                                       lambda: _decode.make_merge(dname, t.acc, DV))
@@ -323,7 +327,8 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
                 "heads of a kv head read each K/V row once"
                 + (", partials merged in split order)" if splits > 1 else ")")
                 + _banded_note(rel).replace("only key tiles inside the band are visited; ", "")),
-        tiles=t.describe())
+        tiles=t.describe() + ("; 16-byte K/V loads where k and v rows are 16-byte aligned"
+                              if rec.geo["kern_vec"] is not None else ""))
 
 
 def _forward_record(rel, dname, D, DV, H, prune, has_bias):
@@ -509,7 +514,15 @@ def _decode_forward(plan, q, k, v, relation):
         else:
             d = _dummy(acc).data.ptr
             parts = (d, d, d)
-        g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+        kern = g["kern"]
+        if g["kern_vec"] is not None:
+            if _decode.vector_loads_aligned((kp, vp), ((ks0, ks1, ks2), (vs0, vs1, vs2))):
+                kern = g["kern_vec"]
+                info["kernel"] += "; 16-byte K/V loads"
+            else:
+                info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
+                                   "unit-stride along D)")
+        kern(g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
                   *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
                   H, H // Hkv, g["nrg"], splits, g["chunk"], float(plan.scale))
         if splits > 1:

@@ -49,6 +49,7 @@ class DecodeTiles:
     NW: int = 4  # warps per CTA
     ROWS: int = 4  # (query row, head) rows per CTA
     threads: int = 0  # 0: 32 * NW (the simulator's tests take fewer)
+    vec: bool = False  # 16-bit rows read as 16-byte vectors: lane s holds dims [8 s, 8 s + 8)
 
     @property
     def NT(self):
@@ -73,12 +74,38 @@ class DecodeTiles:
 
     def describe(self):
         return (f"{self.G} lanes per key, {self.T} keys per lane group and step, "
-                f"{self.NT} threads, {self.ROWS} rows per CTA")
+                f"{self.NT} threads, {self.ROWS} rows per CTA"
+                + (", 16-byte K/V loads" if self.vec else ""))
 
 
-def decode_tiles(dtype, D, DV, rows):
+def vector_loads_fit(dtype, D, DV):
+    """Whether the 16-byte-load geometry exists for these sizes: 16-bit rows of D == DV
+    elements, 8 per lane, a power-of-two number of lanes per key (the dot products meet
+    through xor shuffles). The arrays' alignment is checked per call (vector_loads_aligned)."""
+    G = D // 8
+    return (dtype == "float16" and D == DV and D % 8 == 0 and 1 <= G <= 32
+            and G & (G - 1) == 0)
+
+
+def vector_loads_aligned(ptrs, strides):
+    """16-byte loads need every K / V row start 16-byte aligned and unit stride along D."""
+    return (all(p % 16 == 0 for p in ptrs)
+            and all(s0 % 8 == 0 and s1 % 8 == 0 and s2 == 1 for s0, s1, s2 in strides))
+
+
+def decode_tiles(dtype, D, DV, rows, vec=False):
     """Geometry for `rows` (query row, head) pairs per block: about 16 elements of a K / V row
-    per lane; up to 8 rows per CTA for D <= 64, 4 above (q and acc stay in registers)."""
+    per lane; up to 8 rows per CTA for D <= 64, 4 above (q and acc stay in registers).
+
+    With `vec` (vector_loads_fit), a lane holds 8 consecutive elements of a row and reads them
+    with one 16-byte load: D / 8 lanes per key, 4 keys per lane group and step, so each lane has
+    8 K and V loads of 16 bytes in flight per step (the scalar geometry issues one 2-byte load
+    per element)."""
+    if vec:
+        R = 1
+        while R < rows and R < (8 if D <= 64 else 4):
+            R *= 2
+        return DecodeTiles(dtype, "float32", D, DV, G=D // 8, T=4, NW=4, ROWS=R, vec=True)
     G = 1
     while G < 32 and G * 16 < max(D, DV):
         G *= 2
@@ -94,6 +121,14 @@ def make_decode(t):
     AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
     D, DV, G, T, NT, ROWS = t.D, t.DV, t.G, t.T, t.NT, t.ROWS
     DS, DVS, NGT = t.DS, t.DVS, t.groups
+    VEC = t.vec
+    if VEC:  # 16-byte loads (ld.global.nc.v4) and half2 -> float2 unpacking, inline PTX
+        from .tc.ptx import intrinsics
+        _ptx = intrinsics(t.dtype)
+        ldg16, unpack2 = _ptx["ldg_v4_if"], _ptx["unpack2"]
+        assert DS == 8 and DVS == 8
+    else:
+        ldg16 = unpack2 = None
     LOGG = G.bit_length() - 1
     SM = NGT * ROWS
     SA = NGT * ROWS * DV if DV else 1
@@ -165,7 +200,7 @@ def make_decode(t):
             il = rl // grp
             h = hk * grp + (rl - il * grp)
             for cc in range(DS):
-                d = cc * G + lane
+                d = lane * DS + cc if VEC else cc * G + lane
                 x = ACC(0.0)
                 if rl < nrows and d < D:
                     x = ACC(q[U((d0 + il) * qs0 + h * qs1 + d * qs2)]) * scale
@@ -183,18 +218,37 @@ def make_decode(t):
             # group), then the scores of every row
             for tt in range(T):
                 j = j0 + tt
-                for cc in range(DS):
-                    d = cc * G + lane
-                    x = ACC(0.0)
-                    if j < ce and d < D:
-                        x = ACC(k[U((s0 + j) * ks0 + hk * ks1 + d * ks2)])
-                    kv[U(tt * DS + cc)] = x
-                for cc in range(DVS):
-                    d = cc * G + lane
-                    x = ACC(0.0)
-                    if j < ce and d < DV:
-                        x = ACC(v[U((s0 + j) * vs0 + hk * vs1 + d * vs2)])
-                    vv[U(tt * DVS + cc)] = x
+                if VEC:
+                    # one 16-byte load of K and of V per lane (8 halves each); keys past the
+                    # chunk are not read (the predicated load returns zeros)
+                    inr = numba.uint32(1 if j < ce else 0)
+                    jj = min(j, ce - 1)
+                    ka = k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + lane * 8)
+                    va = v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + lane * 8)
+                    k0, k1, k2, k3 = ldg16(inr, ka)
+                    v0, v1, v2, v3 = ldg16(inr, va)
+                    e8 = tt * 8
+                    kv[U(e8)], kv[U(e8 + 1)] = unpack2(k0)
+                    kv[U(e8 + 2)], kv[U(e8 + 3)] = unpack2(k1)
+                    kv[U(e8 + 4)], kv[U(e8 + 5)] = unpack2(k2)
+                    kv[U(e8 + 6)], kv[U(e8 + 7)] = unpack2(k3)
+                    vv[U(e8)], vv[U(e8 + 1)] = unpack2(v0)
+                    vv[U(e8 + 2)], vv[U(e8 + 3)] = unpack2(v1)
+                    vv[U(e8 + 4)], vv[U(e8 + 5)] = unpack2(v2)
+                    vv[U(e8 + 6)], vv[U(e8 + 7)] = unpack2(v3)
+                else:
+                    for cc in range(DS):
+                        d = cc * G + lane
+                        x = ACC(0.0)
+                        if j < ce and d < D:
+                            x = ACC(k[U((s0 + j) * ks0 + hk * ks1 + d * ks2)])
+                        kv[U(tt * DS + cc)] = x
+                    for cc in range(DVS):
+                        d = cc * G + lane
+                        x = ACC(0.0)
+                        if j < ce and d < DV:
+                            x = ACC(v[U((s0 + j) * vs0 + hk * vs1 + d * vs2)])
+                        vv[U(tt * DVS + cc)] = x
             for tt in range(T):
                 for r in range(ROWS):
                     x = ACC(0.0)
@@ -255,7 +309,7 @@ def make_decode(t):
                 sM[U(gid * ROWS + r)] = mrow[U(r)]
                 sL[U(gid * ROWS + r)] = lrow[U(r)]
             for cc in range(DVS):
-                d = cc * G + lane
+                d = lane * DVS + cc if VEC else cc * G + lane
                 if d < DV:
                     sA[U((gid * ROWS + r) * DV + d)] = acc[U(r * DVS + cc)]
         cuda.syncthreads()

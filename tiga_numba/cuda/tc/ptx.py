@@ -193,6 +193,20 @@ def intrinsics(dtype="float16"):
         return sig, cg
 
     @intrinsic
+    def ldg_v4_if(tc, pred, gaddr):
+        """predicated 16-byte read-only load (four u32), zeros when the predicate is false (no
+        access made); the address must be 16-byte aligned."""
+        sig = types.UniTuple(u32, 4)(u32, i64)
+
+        def cg(ctx, bld, sig, args):
+            r = asm(bld, ir.LiteralStructType([I32] * 4), [I32, I64],
+                    "{.reg .pred p; setp.ne.u32 p, $4, 0; mov.u32 $0, 0; mov.u32 $1, 0; mov.u32 $2, 0; "
+                    "mov.u32 $3, 0; @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$5];}",
+                    "=r,=r,=r,=r,r,l", args, side_effect=False)
+            return tuple_of(ctx, bld, sig, r, 4)
+        return sig, cg
+
+    @intrinsic
     def ldg_i32(tc, gaddr):
         sig = i32(i64)
 
@@ -429,7 +443,7 @@ def intrinsics(dtype="float16"):
         stg_v4_if=predicated("st.global.v4.f32", "ffff"), stg_v2_if=predicated("st.global.v2.f32", "ff"),
         split3x2=split3x2, sts_u32x2=shared_store("st.shared.v2.u32", 2, "r"),
         red_v2_if=predicated("red.global.add.v2.f32", "ff"), red_v4_if=predicated("red.global.add.v4.f32", "ffff"),
-        ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
+        ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_v4_if=ldg_v4_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
         ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
         sts_halves=sts_halves, sts_f32=shared_store("st.shared.f32", 1),
         sts_v2=shared_store("st.shared.v2.f32", 2), sts_v4=shared_store("st.shared.v4.f32", 4),
