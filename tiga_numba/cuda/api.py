@@ -314,6 +314,8 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
     if not _decode.SIM and _decode.vector_loads_fit(dname, D, DV):
         tv = _decode.decode_tiles(dname, D, DV, int(rel.max_block_dst) * grp, vec=True)
         rec.geo["kern_vec"] = rec.kernel(("decode", tv), lambda: _decode.make_decode(tv))
+        rec.geo["block_vec"] = (tv.NT, 1, 1)
+        assert tv.ROWS == t.ROWS  # the grid (row groups) is shared by both geometries
     if splits > 1:
         rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
                                       lambda: _decode.make_merge(dname, t.acc, DV))
@@ -514,15 +516,15 @@ def _decode_forward(plan, q, k, v, relation):
         else:
             d = _dummy(acc).data.ptr
             parts = (d, d, d)
-        kern = g["kern"]
+        kern, block = g["kern"], g["block"]
         if g["kern_vec"] is not None:
             if _decode.vector_loads_aligned((kp, vp), ((ks0, ks1, ks2), (vs0, vs1, vs2))):
-                kern = g["kern_vec"]
+                kern, block = g["kern_vec"], g["block_vec"]
                 info["kernel"] += "; 16-byte K/V loads"
             else:
                 info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
                                    "unit-stride along D)")
-        kern(g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+        kern(g["grid"], block, stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
                   *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
                   H, H // Hkv, g["nrg"], splits, g["chunk"], float(plan.scale))
         if splits > 1:
