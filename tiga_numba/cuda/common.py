@@ -103,3 +103,93 @@ def make_stats(dtype, acc):
     kern.rows_per_cta = NT // GD
     kern.NT = NT
     return kern
+
+
+# Threads of a merge CTA: the pieces of one merged row are spread over them, so a row cut into
+# thousands of pieces (a hub destination, a long decode range) is merged by the whole CTA.
+MERGE_NT = 32 if SIM else 512
+
+
+def make_merge_row(IN, ACC, DV):
+    """Device function: merge the partial online-softmax states of one row (tiga_numba.merge
+    has the algebra), with the whole CTA (MERGE_NT threads) working on that row.
+
+        merge_row(pacc, pm, pl, base, n, stride, out, orow, mo, lo)
+
+    Piece p of the row has its state at slot base + p * stride: m = pm[slot], l = pl[slot],
+    unnormalised acc = pacc[slot * DV : slot * DV + DV]. Writes out[orow * DV + d] (the
+    normalised row, input dtype), mo[orow] = M, lo[orow] = L, where
+        M = max_p m_p,  L = sum_p l_p e^(m_p - M),  out = sum_p acc_p e^(m_p - M) / L.
+    Pieces with m = -inf (no edges) add nothing; a row with none left gets out = 0, M = -inf,
+    L = 0. The threads take the pieces in a fixed strided assignment and their partial sums
+    meet in fixed-order tree reductions, so the bits never depend on scheduling. For the
+    output, DW threads cover DW columns and the other NT / DW lanes split the pieces."""
+    NT = MERGE_NT
+    DVM = max(DV, 1)
+    DW = 1
+    while DW < min(DVM, 8 if SIM else 32):
+        DW *= 2
+    PL = NT // DW
+    neg_c = NEG_INF
+
+    @cuda.jit(device=True)
+    def merge_row(pacc, pm, pl, base, n, stride, out, orow, mo, lo):
+        red = cuda.shared.array(NT, ACC)
+        tid = cuda.threadIdx.x
+        neg = ACC(neg_c)
+        mt = neg
+        for p in range(tid, n, NT):
+            mt = max(mt, pm[U(base + p * stride)])
+        red[tid] = mt
+        cuda.syncthreads()
+        w = NT // 2
+        while w > 0:
+            if tid < w:
+                red[tid] = max(red[tid], red[tid + w])
+            cuda.syncthreads()
+            w //= 2
+        M = red[0]
+        cuda.syncthreads()
+        lt = ACC(0.0)
+        if M > neg:
+            for p in range(tid, n, NT):
+                ms = pm[U(base + p * stride)]
+                if ms > neg:
+                    lt += pl[U(base + p * stride)] * math.exp(ms - M)
+        red[tid] = lt
+        cuda.syncthreads()
+        w = NT // 2
+        while w > 0:
+            if tid < w:
+                red[tid] += red[tid + w]
+            cuda.syncthreads()
+            w //= 2
+        L = red[0]
+        cuda.syncthreads()
+        inv = ACC(0.0)
+        if L > 0:
+            inv = ACC(1.0) / L
+        dl = tid % DW
+        lane = tid // DW
+        for d0 in range(0, DVM, DW):
+            d = d0 + dl
+            a = ACC(0.0)
+            if d < DV and M > neg:
+                for p in range(lane, n, PL):
+                    slot = base + p * stride
+                    ms = pm[U(slot)]
+                    if ms > neg:
+                        a += pacc[U(slot * DV + d)] * math.exp(ms - M)
+            red[tid] = a
+            cuda.syncthreads()
+            if lane == 0 and d < DV:
+                tot = ACC(0.0)
+                for j in range(PL):
+                    tot += red[dl + j * DW]
+                out[U(orow * DV + d)] = IN(tot * inv)
+            cuda.syncthreads()
+        if tid == 0:
+            mo[U(orow)] = M
+            lo[U(orow)] = L
+
+    return merge_row

@@ -25,7 +25,7 @@ import math
 import numba
 from numba import cuda
 
-from .common import NEG_INF, nbtype
+from .common import MERGE_NT, NEG_INF, make_merge_row, nbtype
 from .launch import SIM, Kernel, array_view
 
 i64 = numba.int64
@@ -546,20 +546,14 @@ def row_pieces(indptr, piece, longest_first=True):
 
 def make_softmax_merge(dtype, acc, DV):
     """out, m, l of each split row from its pieces' partial states, in slot order:
-    M = max m_s, l = sum l_s e^(m_s - M), out = sum acc_s e^(m_s - M) / l."""
+    M = max m_s, l = sum l_s e^(m_s - M), out = sum acc_s e^(m_s - M) / l. One CTA per
+    (split row, head), all of its threads on that row (common.make_merge_row)."""
     IN, ACC = nbtype(dtype), nbtype(acc)
     AS_IN, AS_ACC, AS_I64 = array_view(IN), array_view(ACC), array_view(i64)
-    NT = 32 if SIM else 128
-    DVM = max(DV, 1)
+    merge_row = make_merge_row(IN, ACC, DV)
 
     def body(pacc_p, pm_p, pl_p, splits_p, out_p, mo_p, lo_p, nsplit, H):
-        pacc = AS_ACC(pacc_p)
-        pm = AS_ACC(pm_p)
-        pl = AS_ACC(pl_p)
         sp = AS_I64(splits_p)
-        out = AS_IN(out_p)
-        mo = AS_ACC(mo_p)
-        lo = AS_ACC(lo_p)
         x = i64(cuda.blockIdx.x)
         si = x // H
         h = x - si * H
@@ -568,37 +562,14 @@ def make_softmax_merge(dtype, acc, DV):
         i = sp[U(3 * si)]
         s0 = sp[U(3 * si + 1)]
         ns = sp[U(3 * si + 2)]
-        neg = ACC(NEG_INF)
-        M = neg
-        for s in range(s0, s0 + ns):
-            M = max(M, pm[U(s * H + h)])
-        L = ACC(0.0)
-        if M > neg:
-            for s in range(s0, s0 + ns):
-                ms = pm[U(s * H + h)]
-                if ms > neg:
-                    L += pl[U(s * H + h)] * math.exp(ms - M)
-        inv = ACC(0.0)
-        if L > 0:
-            inv = ACC(1.0) / L
-        for d in range(cuda.threadIdx.x, DVM, NT):
-            if d < DV:
-                a = ACC(0.0)
-                if M > neg:
-                    for s in range(s0, s0 + ns):
-                        ms = pm[U(s * H + h)]
-                        if ms > neg:
-                            a += pacc[U((s * H + h) * DV + d)] * math.exp(ms - M)
-                out[U((i * H + h) * DV + d)] = IN(a * inv)
-        if cuda.threadIdx.x == 0:
-            mo[U(i * H + h)] = M
-            lo[U(i * H + h)] = L
+        merge_row(AS_ACC(pacc_p), AS_ACC(pm_p), AS_ACC(pl_p), s0 * H + h, ns, H, AS_IN(out_p),
+                  i * H + h, AS_ACC(mo_p), AS_ACC(lo_p))
 
     spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("splits", "a", i64),
             ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC), ("nsplit", "s", i64),
             ("H", "s", i64)]
     kern = Kernel(f"csr_softmax_merge_{dtype}_dv{DV}", body, spec)
-    kern.NT = NT
+    kern.NT = MERGE_NT
     return kern
 
 

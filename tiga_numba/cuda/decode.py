@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numba
 from numba import cuda
 
-from .common import FULL, NEG_INF, array_view, nbtype
+from .common import FULL, MERGE_NT, NEG_INF, array_view, make_merge_row, nbtype
 from .launch import SIM, Kernel
 
 i64 = numba.int64
@@ -364,51 +364,21 @@ def make_decode(t):
 
 
 def make_merge(dtype, acc, DV):
-    """out, m, l of each (row, head) from its `splits` partials, in split order."""
+    """out, m, l of each (row, head) from its `splits` partials, in split order; one CTA per
+    row, all of its threads on that row (common.make_merge_row)."""
     IN, ACC = nbtype(dtype), nbtype(acc)
     AS_IN, AS_ACC = array_view(IN), array_view(ACC)
-    NT = 32 if SIM else 128
-    DVM = max(DV, 1)
+    merge_row = make_merge_row(IN, ACC, DV)
 
     def body(pacc_p, pm_p, pl_p, out_p, mo_p, lo_p, nrows, splits):
-        pacc = AS_ACC(pacc_p)
-        pm = AS_ACC(pm_p)
-        pl = AS_ACC(pl_p)
-        out = AS_IN(out_p)
-        mo = AS_ACC(mo_p)
-        lo = AS_ACC(lo_p)
         row = i64(cuda.blockIdx.x)
         if row >= nrows:
             return
-        tid = cuda.threadIdx.x
-        neg = ACC(NEG_INF)
-        M = neg
-        for c in range(splits):
-            M = max(M, pm[U(row * splits + c)])
-        L = ACC(0.0)
-        if M > neg:
-            for c in range(splits):
-                mc = pm[U(row * splits + c)]
-                if mc > neg:
-                    L += pl[U(row * splits + c)] * math.exp(mc - M)
-        inv = ACC(0.0)
-        if L > 0:
-            inv = ACC(1.0) / L
-        for d in range(tid, DVM, NT):
-            if d < DV:
-                A = ACC(0.0)
-                if M > neg:
-                    for c in range(splits):
-                        mc = pm[U(row * splits + c)]
-                        if mc > neg:
-                            A += pacc[U((row * splits + c) * DV + d)] * math.exp(mc - M)
-                out[U(row * DV + d)] = IN(A * inv)
-        if tid == 0:
-            mo[U(row)] = M
-            lo[U(row)] = L
+        merge_row(AS_ACC(pacc_p), AS_ACC(pm_p), AS_ACC(pl_p), row * splits, splits, i64(1),
+                  AS_IN(out_p), row, AS_ACC(mo_p), AS_ACC(lo_p))
 
     spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("out", "a", IN),
             ("mo", "a", ACC), ("lo", "a", ACC), ("nrows", "s", i64), ("splits", "s", i64)]
     kern = Kernel(f"decode_merge_{dtype}_dv{DV}", body, spec)
-    kern.NT = NT
+    kern.NT = MERGE_NT
     return kern
