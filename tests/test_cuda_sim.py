@@ -637,8 +637,8 @@ def decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk):
          chunk, acc.type(scale))
     if splits > 1:
         mk = decode.make_merge(dtype, t.acc, DV)
-        mk((nq * H, 1, 1), (mk.NT, 1, 1), None, pacc, pm, pl, out.reshape(-1), m.reshape(-1),
-           l.reshape(-1), nq * H, splits)
+        mk((nq * H, 1, 1), (mk.NT, 1, 1), None, pacc, pm, pl, np.zeros(3, np.int64), out.reshape(-1),
+           m.reshape(-1), l.reshape(-1), nq * H, splits)
     return out, m, l
 
 

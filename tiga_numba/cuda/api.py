@@ -529,8 +529,8 @@ def _decode_forward(plan, q, k, v, relation):
                   H, H // Hkv, g["nrg"], splits, g["chunk"], float(plan.scale))
         if splits > 1:
             mk = g["merge"]
-            mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, out.data.ptr, m.data.ptr,
-               l.data.ptr, Nq * H, splits)
+            mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,
+               out.data.ptr, m.data.ptr, l.data.ptr, Nq * H, splits)
     info["copies"] = copies
     info["cache"] = cache
     return out, m, l

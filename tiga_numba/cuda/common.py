@@ -110,33 +110,62 @@ def make_stats(dtype, acc):
 MERGE_NT = 32 if SIM else 512
 
 
-def make_merge_row(IN, ACC, DV):
-    """Device function: merge the partial online-softmax states of one row (tiga_numba.merge
-    has the algebra), with the whole CTA (MERGE_NT threads) working on that row.
+def make_softmax_merge(dtype, acc, DV, table):
+    """Kernel: merge the partial online-softmax states of rows cut into pieces (tiga_numba.merge
+    has the algebra), one CTA per merged row with all MERGE_NT threads on that row:
 
-        merge_row(pacc, pm, pl, base, n, stride, out, orow, mo, lo)
+        merge(pacc, pm, pl, rows, out, mo, lo, nrows, P)
 
-    Piece p of the row has its state at slot base + p * stride: m = pm[slot], l = pl[slot],
-    unnormalised acc = pacc[slot * DV : slot * DV + DV]. Writes out[orow * DV + d] (the
-    normalised row, input dtype), mo[orow] = M, lo[orow] = L, where
+    Piece p of a merged row has its state at slot base + p * stride: m = pm[slot],
+    l = pl[slot], unnormalised acc = pacc[slot * DV : (slot + 1) * DV]. With `table` (CSR split
+    rows) merged row x = (si, h), si < nrows, is destination rows[3 si] head h of P heads, its
+    pieces the slots rows[3 si + 1] + [0, rows[3 si + 2]) times P plus h; without it (split-key
+    decode) merged row x < nrows has pieces x * P + [0, P) and `rows` is not read. Writes
+    out[orow * DV + d] (input dtype), mo[orow] = M, lo[orow] = L:
         M = max_p m_p,  L = sum_p l_p e^(m_p - M),  out = sum_p acc_p e^(m_p - M) / L.
     Pieces with m = -inf (no edges) add nothing; a row with none left gets out = 0, M = -inf,
     L = 0. The threads take the pieces in a fixed strided assignment and their partial sums
-    meet in fixed-order tree reductions, so the bits never depend on scheduling. For the
-    output, DW threads cover DW columns and the other NT / DW lanes split the pieces."""
+    meet in fixed-order tree reductions, so the bits never depend on scheduling; DW threads
+    cover DW output columns while the other NT / DW lanes split the pieces."""
+    IN, ACC = nbtype(dtype), nbtype(acc)
+    AS_IN, AS_ACC, AS_I64 = array_view(IN), array_view(ACC), array_view(numba.int64)
+    i64 = numba.int64
     NT = MERGE_NT
     DVM = max(DV, 1)
     DW = 1
     while DW < min(DVM, 8 if SIM else 32):
         DW *= 2
     PL = NT // DW
-    neg_c = NEG_INF
+    TABLE = bool(table)
 
-    @cuda.jit(device=True)
-    def merge_row(pacc, pm, pl, base, n, stride, out, orow, mo, lo):
+    def body(pacc_p, pm_p, pl_p, rows_p, out_p, mo_p, lo_p, nrows, P):
+        pacc = AS_ACC(pacc_p)
+        pm = AS_ACC(pm_p)
+        pl = AS_ACC(pl_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        x = i64(cuda.blockIdx.x)
+        if TABLE:
+            rows = AS_I64(rows_p)
+            si = x // P
+            h = x - si * P
+            if si >= nrows:
+                return
+            orow = rows[U(3 * si)] * P + h
+            base = rows[U(3 * si + 1)] * P + h
+            n = rows[U(3 * si + 2)]
+            stride = P
+        else:
+            if x >= nrows:
+                return
+            orow = x
+            base = x * P
+            n = P
+            stride = i64(1)
         red = cuda.shared.array(NT, ACC)
         tid = cuda.threadIdx.x
-        neg = ACC(neg_c)
+        neg = ACC(NEG_INF)
         mt = neg
         for p in range(tid, n, NT):
             mt = max(mt, pm[U(base + p * stride)])
@@ -192,4 +221,9 @@ def make_merge_row(IN, ACC, DV):
             mo[U(orow)] = M
             lo[U(orow)] = L
 
-    return merge_row
+    spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("rows", "a", i64),
+            ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC), ("nrows", "s", i64),
+            ("P", "s", i64)]
+    kern = Kernel(f"softmax_merge_{'rows' if TABLE else 'splits'}_{dtype}_dv{DV}", body, spec)
+    kern.NT = NT
+    return kern

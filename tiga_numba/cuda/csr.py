@@ -25,7 +25,8 @@ import math
 import numba
 from numba import cuda
 
-from .common import MERGE_NT, NEG_INF, make_merge_row, nbtype
+from .common import NEG_INF, nbtype
+from .common import make_softmax_merge as _softmax_merge
 from .launch import SIM, Kernel, array_view
 
 i64 = numba.int64
@@ -546,31 +547,10 @@ def row_pieces(indptr, piece, longest_first=True):
 
 def make_softmax_merge(dtype, acc, DV):
     """out, m, l of each split row from its pieces' partial states, in slot order:
-    M = max m_s, l = sum l_s e^(m_s - M), out = sum acc_s e^(m_s - M) / l. One CTA per
-    (split row, head), all of its threads on that row (common.make_merge_row)."""
-    IN, ACC = nbtype(dtype), nbtype(acc)
-    AS_IN, AS_ACC, AS_I64 = array_view(IN), array_view(ACC), array_view(i64)
-    merge_row = make_merge_row(IN, ACC, DV)
-
-    def body(pacc_p, pm_p, pl_p, splits_p, out_p, mo_p, lo_p, nsplit, H):
-        sp = AS_I64(splits_p)
-        x = i64(cuda.blockIdx.x)
-        si = x // H
-        h = x - si * H
-        if si >= nsplit:
-            return
-        i = sp[U(3 * si)]
-        s0 = sp[U(3 * si + 1)]
-        ns = sp[U(3 * si + 2)]
-        merge_row(AS_ACC(pacc_p), AS_ACC(pm_p), AS_ACC(pl_p), s0 * H + h, ns, H, AS_IN(out_p),
-                  i * H + h, AS_ACC(mo_p), AS_ACC(lo_p))
-
-    spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("splits", "a", i64),
-            ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC), ("nsplit", "s", i64),
-            ("H", "s", i64)]
-    kern = Kernel(f"csr_softmax_merge_{dtype}_dv{DV}", body, spec)
-    kern.NT = MERGE_NT
-    return kern
+    M = max m_s, l = sum l_s e^(m_s - M), out = sum acc_s e^(m_s - M) / l. Launched with
+    (pacc, pm, pl, splits table, out, m, l, number of split rows, H); common.make_softmax_merge
+    has the kernel (one CTA per (split row, head))."""
+    return _softmax_merge(dtype, acc, DV, table=True)
 
 
 def make_sum_merge(dtype, acc, W):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numba
 from numba import cuda
 
-from .common import FULL, MERGE_NT, NEG_INF, array_view, make_merge_row, nbtype
+from .common import FULL, NEG_INF, array_view, make_softmax_merge, nbtype
 from .launch import SIM, Kernel
 
 i64 = numba.int64
@@ -364,21 +364,7 @@ def make_decode(t):
 
 
 def make_merge(dtype, acc, DV):
-    """out, m, l of each (row, head) from its `splits` partials, in split order; one CTA per
-    row, all of its threads on that row (common.make_merge_row)."""
-    IN, ACC = nbtype(dtype), nbtype(acc)
-    AS_IN, AS_ACC = array_view(IN), array_view(ACC)
-    merge_row = make_merge_row(IN, ACC, DV)
-
-    def body(pacc_p, pm_p, pl_p, out_p, mo_p, lo_p, nrows, splits):
-        row = i64(cuda.blockIdx.x)
-        if row >= nrows:
-            return
-        merge_row(AS_ACC(pacc_p), AS_ACC(pm_p), AS_ACC(pl_p), row * splits, splits, i64(1),
-                  AS_IN(out_p), row, AS_ACC(mo_p), AS_ACC(lo_p))
-
-    spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("out", "a", IN),
-            ("mo", "a", ACC), ("lo", "a", ACC), ("nrows", "s", i64), ("splits", "s", i64)]
-    kern = Kernel(f"decode_merge_{dtype}_dv{DV}", body, spec)
-    kern.NT = MERGE_NT
-    return kern
+    """out, m, l of each (row, head) from its `splits` partials, in split order. Launched with
+    (pacc, pm, pl, unused int64 array, out, m, l, rows, splits); common.make_softmax_merge has
+    the kernel (one CTA per row)."""
+    return make_softmax_merge(dtype, acc, DV, table=False)
