@@ -46,21 +46,23 @@ def run(B, L, variant):
           f"{functional.last_plan().run_info['kernel'][-60:]}", flush=True)
 
 
-VARIANTS = {"scalar": None, "vec T4 NW4": (4, 4), "vec T8 NW4": (8, 4), "vec T4 NW8": (4, 8),
-            "vec T2 NW4": (2, 4), "vec T8 NW2": (8, 2)}
-for name, tn in VARIANTS.items():
-    if tn is None:
-        decode.vector_loads_fit_saved = decode.vector_loads_fit
+# (16-byte loads per lane and row, keys per lane group and step, warps per CTA)
+VARIANTS = {"scalar": None, "vec L1 T8 NW4": (1, 8, 4), "vec L1 T8 NW2": (1, 8, 2),
+            "vec L2 T4 NW4": (2, 4, 4), "vec L2 T8 NW4": (2, 8, 4), "vec L4 T4 NW4": (4, 4, 4),
+            "vec L2 T4 NW2": (2, 4, 2), "vec L1 T16 NW2": (1, 16, 2)}
+_fit = decode.vector_loads_fit
+for name, var in VARIANTS.items():
+    if var is None:
         decode.vector_loads_fit = lambda *a: False
     else:
-        decode.vector_loads_fit = decode.vector_loads_fit_saved
-        T, NW = tn
+        decode.vector_loads_fit = _fit
+        decode.VEC_LOADS, decode.VEC_KEYS, NW = var
 
-        def tiles(dtype, D_, DV, rows, vec=False, T=T, NW=NW):
+        def tiles(dtype, D_, DV, rows, vec=False, NW=NW):
             t = _orig(dtype, D_, DV, rows, vec=vec)
             if vec:
                 from dataclasses import replace
-                t = replace(t, T=T, NW=NW)
+                t = replace(t, NW=NW)
             return t
         decode.decode_tiles = tiles
     for B, L in ((1, 131072), (16, 8192)):

@@ -49,7 +49,7 @@ class DecodeTiles:
     NW: int = 4  # warps per CTA
     ROWS: int = 4  # (query row, head) rows per CTA
     threads: int = 0  # 0: 32 * NW (the simulator's tests take fewer)
-    vec: bool = False  # 16-bit rows read as 16-byte vectors: lane s holds dims [8 s, 8 s + 8)
+    vec: bool = False  # 16-bit rows read as 16-byte vectors: lane s holds dims [s DS, s DS + DS)
 
     @property
     def NT(self):
@@ -80,11 +80,13 @@ class DecodeTiles:
 
 def vector_loads_fit(dtype, D, DV):
     """Whether the 16-byte-load geometry exists for these sizes: 16-bit rows of D == DV
-    elements, 8 per lane, a power-of-two number of lanes per key (the dot products meet
+    elements, a multiple of 8, split over a power-of-two number of lanes (the dot products meet
     through xor shuffles). The arrays' alignment is checked per call (vector_loads_aligned)."""
-    G = D // 8
-    return (dtype == "float16" and D == DV and D % 8 == 0 and 1 <= G <= 32
-            and G & (G - 1) == 0)
+    return dtype == "float16" and D == DV and D % 8 == 0 and D // 8 <= 64 and _pow2(D // 8)
+
+
+def _pow2(n):
+    return n >= 1 and n & (n - 1) == 0
 
 
 def vector_loads_aligned(ptrs, strides):
@@ -93,19 +95,26 @@ def vector_loads_aligned(ptrs, strides):
             and all(s0 % 8 == 0 and s1 % 8 == 0 and s2 == 1 for s0, s1, s2 in strides))
 
 
+# vector geometry: 16-byte loads per lane and K / V row, keys per lane group and step (chosen
+# on the H200 with benchmarks/gpu/decode_probe.py)
+VEC_LOADS = 1
+VEC_KEYS = 8
+
+
 def decode_tiles(dtype, D, DV, rows, vec=False):
     """Geometry for `rows` (query row, head) pairs per block: about 16 elements of a K / V row
     per lane; up to 8 rows per CTA for D <= 64, 4 above (q and acc stay in registers).
 
-    With `vec` (vector_loads_fit), a lane holds 8 consecutive elements of a row and reads them
-    with one 16-byte load: D / 8 lanes per key, 4 keys per lane group and step, so each lane has
-    8 K and V loads of 16 bytes in flight per step (the scalar geometry issues one 2-byte load
-    per element)."""
+    With `vec` (vector_loads_fit), a lane holds 8 * VEC_LOADS consecutive elements of a row and
+    reads them with VEC_LOADS 16-byte loads, VEC_KEYS keys per lane group and step, so each lane
+    has 2 * VEC_LOADS * VEC_KEYS loads of 16 bytes in flight per step (the scalar geometry
+    issues one 2-byte load per element)."""
     if vec:
         R = 1
         while R < rows and R < (8 if D <= 64 else 4):
             R *= 2
-        return DecodeTiles(dtype, "float32", D, DV, G=D // 8, T=4, NW=4, ROWS=R, vec=True)
+        G = max(1, min(32, D // 8 // VEC_LOADS))  # lanes per key; each holds D / G elements
+        return DecodeTiles(dtype, "float32", D, DV, G=G, T=VEC_KEYS, NW=4, ROWS=R, vec=True)
     G = 1
     while G < 32 and G * 16 < max(D, DV):
         G *= 2
@@ -126,9 +135,10 @@ def make_decode(t):
         from .tc.ptx import intrinsics
         _ptx = intrinsics(t.dtype)
         ldg16, unpack2 = _ptx["ldg_v4_if"], _ptx["unpack2"]
-        assert DS == 8 and DVS == 8
+        assert DS == DVS and DS % 8 == 0
     else:
         ldg16 = unpack2 = None
+    NV = DS // 8  # with VEC: 16-byte loads per lane and K / V row
     LOGG = G.bit_length() - 1
     SM = NGT * ROWS
     SA = NGT * ROWS * DV if DV else 1
@@ -219,23 +229,24 @@ def make_decode(t):
             for tt in range(T):
                 j = j0 + tt
                 if VEC:
-                    # one 16-byte load of K and of V per lane (8 halves each); keys past the
+                    # NV 16-byte loads of K and of V per lane (8 halves each); keys past the
                     # chunk are not read (the predicated load returns zeros)
                     inr = numba.uint32(1 if j < ce else 0)
                     jj = min(j, ce - 1)
-                    ka = k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + lane * 8)
-                    va = v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + lane * 8)
-                    k0, k1, k2, k3 = ldg16(inr, ka)
-                    v0, v1, v2, v3 = ldg16(inr, va)
-                    e8 = tt * 8
-                    kv[U(e8)], kv[U(e8 + 1)] = unpack2(k0)
-                    kv[U(e8 + 2)], kv[U(e8 + 3)] = unpack2(k1)
-                    kv[U(e8 + 4)], kv[U(e8 + 5)] = unpack2(k2)
-                    kv[U(e8 + 6)], kv[U(e8 + 7)] = unpack2(k3)
-                    vv[U(e8)], vv[U(e8 + 1)] = unpack2(v0)
-                    vv[U(e8 + 2)], vv[U(e8 + 3)] = unpack2(v1)
-                    vv[U(e8 + 4)], vv[U(e8 + 5)] = unpack2(v2)
-                    vv[U(e8 + 6)], vv[U(e8 + 7)] = unpack2(v3)
+                    for w in range(NV):
+                        ka = k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + lane * DS + 8 * w)
+                        va = v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + lane * DS + 8 * w)
+                        k0, k1, k2, k3 = ldg16(inr, ka)
+                        v0, v1, v2, v3 = ldg16(inr, va)
+                        e8 = tt * DS + 8 * w
+                        kv[U(e8)], kv[U(e8 + 1)] = unpack2(k0)
+                        kv[U(e8 + 2)], kv[U(e8 + 3)] = unpack2(k1)
+                        kv[U(e8 + 4)], kv[U(e8 + 5)] = unpack2(k2)
+                        kv[U(e8 + 6)], kv[U(e8 + 7)] = unpack2(k3)
+                        vv[U(e8)], vv[U(e8 + 1)] = unpack2(v0)
+                        vv[U(e8 + 2)], vv[U(e8 + 3)] = unpack2(v1)
+                        vv[U(e8 + 4)], vv[U(e8 + 5)] = unpack2(v2)
+                        vv[U(e8 + 6)], vv[U(e8 + 7)] = unpack2(v3)
                 else:
                     for cc in range(DS):
                         d = cc * G + lane
