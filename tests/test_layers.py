@@ -221,6 +221,65 @@ def test_from_csr_graph_edge_attr_in_csr_order():
                                    rtol=1e-5, atol=1e-6)
 
 
+class PointerReadSparse:
+    """scipy.sparse as cuSPARSE sees a cupyx.scipy.sparse matrix: cupyx keeps a strided view as
+    the matrix's values and cuSPARSE reads them from the view's first element on as if they were
+    contiguous. Running the numpy path with this in place of scipy.sparse shows, on the CPU,
+    what the cupy path computes from the same calls."""
+
+    @staticmethod
+    def _as_read_from_pointer(a):
+        a = np.asarray(a)
+        owner = a
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        _, end = np.lib.array_utils.byte_bounds(owner)
+        start = a.__array_interface__["data"][0]
+        assert start + a.shape[0] * a.itemsize <= end  # the read stays inside the buffer
+        return np.lib.stride_tricks.as_strided(a, shape=a.shape, strides=(a.itemsize,)).copy()
+
+    @classmethod
+    def csr_matrix(cls, arg, shape=None):
+        import scipy.sparse as sp
+        data, rest = arg[0], arg[1:]
+        return sp.csr_matrix((cls._as_read_from_pointer(data), *rest), shape=shape)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("GATConv", dict(heads=3, edge_dim=2)),
+    ("GATv2Conv", dict(heads=3, edge_dim=2)),
+    ("TransformerConv", dict(heads=3, edge_dim=2, beta=True)),
+    ("TransformerConv", dict(heads=2, edge_dim=3, concat=False, root_weight=False)),
+])
+def test_sparse_values_are_read_as_cusparse_reads_them(name, kwargs, monkeypatch):
+    """The layers' sparse products give the same results when the sparse library reads a
+    matrix's values from its pointer, as cuSPARSE does under cupyx: every per-head column of
+    an (E, H) array goes in contiguous (a view alpha[:, h] would be read as
+    alpha.flat[h:h + E], wrong for h > 0 and for h = 0 with H > 1)."""
+    from tiga_numba.layers import _edges
+    rng = np.random.default_rng(21)
+    n = 30
+    src, dst = random_edges(rng, n, n, 200)
+    g = tg.Graph.from_coo(src, dst, n, n)
+    layer = LAYERS[name](5, 4, seed=2, **kwargs)
+    x = rng.normal(size=(n, 5)).astype(np.float32)
+    ea = rng.normal(size=(len(src), kwargs["edge_dim"])).astype(np.float32)
+    out, vjp = layer.vjp(x, g, ea)
+    dout = rng.normal(size=out.shape).astype(np.float32)
+    ref = vjp(dout)
+    real = _edges.sparse_of
+    monkeypatch.setattr(_edges, "sparse_of",
+                        lambda xp: PointerReadSparse if xp is np else real(xp))
+    out2, vjp2 = layer.vjp(x, g, ea)
+    got = vjp2(dout)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out2, out, **tol)
+    np.testing.assert_allclose(got["x"], ref["x"], **tol)
+    np.testing.assert_allclose(got["edge_attr"], ref["edge_attr"], **tol)
+    for k, v in ref["params"].items():
+        np.testing.assert_allclose(got["params"][k], v, err_msg=k, **tol)
+
+
 def test_isolated_nodes_without_self_loops_get_bias_only():
     rng = np.random.default_rng(5)
     n = 10

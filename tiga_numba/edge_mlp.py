@@ -15,8 +15,11 @@ row-centric kernel, in per-thread scratch. The forward keeps (m, l) per row; the
 recomputes every edge's score and never writes an (E,)- or (E, hidden)-sized buffer
 (explicit, user-given edge fields do get an (E, F) gradient: that is their gradient).
 
-Heads: the score is one scalar per edge. A value of shape (N, H, F) is combined with the
-same weights for every head (out (num_dst, H, F)).
+Heads: a network whose last Linear has one output gives one scalar per edge; a value of shape
+(N, H, F) is then combined with the same weights for every head (out (num_dst, H, F)). A
+network with H > 1 outputs gives one softmax per head; that runs in tiga_numba.edge_mlp_heads
+(per-edge scores (E, H), the mechanism of the GNN layers), entered from forward() / backward()
+here.
 
 Entry points (used by tiga_numba.program, also usable directly):
     forward(graph, net, args, value, return_state=True) -> (out, state, plan)
@@ -387,6 +390,9 @@ def forward(graph, net, args, value, return_state=True):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
     plan with explain()/run_info."""
     prep = _prepare(graph, net, args, value)
+    from . import edge_mlp_heads
+    if edge_mlp_heads.net_heads(net) > 1:
+        return edge_mlp_heads.forward(graph, net, prep, _node_products, return_state)
     decision = _decide("forward", graph, prep)
     if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat
@@ -427,6 +433,12 @@ def backward(graph, net, args, value, state, dout):
     "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}."""
     if state is None:
         raise ValueError("state must be the state returned by forward(..., return_state=True)")
+    from . import edge_mlp_heads
+    if isinstance(state, edge_mlp_heads.HeadScoreState):
+        if _library("dout", dout) != state.prep.library:
+            raise TypeError(f"dout must be a {state.prep.library} array like the inputs, got "
+                            f"{type(dout).__name__}")
+        return edge_mlp_heads.backward(graph, net, args, value, state, dout)
     prep = getattr(state, "prep", None)
     if prep is None or not _same_call(prep, graph, net, args, value):
         prep = _prepare(graph, net, args, value)

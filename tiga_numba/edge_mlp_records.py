@@ -61,21 +61,41 @@ class GATPlan:
             f"relation: CSR ({self.num_dst} dst x {self.num_src} src, {self.num_edges} edges)",
             f"score: net({self.args}) with net = {self.net}",
             f"dtypes: inputs {self.dtype}, accumulation {self.accum_dtype}",
-            "structure: first Linear split per argument: node products W_src x_j, W_dst x_i + b "
-            "computed once per node (O(N x hidden)); edge columns and the rest of the network "
-            "evaluated per edge in per-thread scratch",
         ]
+        heads = info.get("heads")
+        if heads:
+            lines.append(
+                f"structure: {heads} scores per edge (one softmax per head); first Linear split "
+                "per argument: node products W_src x_j, W_dst x_i + b computed once per node "
+                "(O(N x hidden)); edge columns and the rest of the network evaluated with array "
+                f"operations in chunks of {info.get('chunk')} edges")
+        else:
+            lines.append(
+                "structure: first Linear split per argument: node products W_src x_j, W_dst x_i "
+                "+ b computed once per node (O(N x hidden)); edge columns and the rest of the "
+                "network evaluated per edge in per-thread scratch")
         if info.get("geometry"):
             lines.append(f"geometry: {info['geometry']}")
         if info.get("order"):
             lines.append(f"schedule: {info['order']}, {info.get('chunks', '')}".rstrip(", "))
         copies = info.get("copies") or []
         lines.append("copies: " + ("; ".join(copies) if copies else "none"))
-        lines.append("not materialized: scores (E,), attention weights (E,), hidden activations "
-                     "(E, hidden), concatenated inputs (E, in)"
-                     + (", displacement/distance (E, D)" if info.get("geometry") else "")
-                     + "; persisted: per-row (m, l) and per-node (N, hidden) products")
-        if self.op == "backward":
+        if heads:
+            lines.append(f"materialized: per-head scores (E, {heads}) (kept for the backward) and "
+                         f"their gradient (E, {heads}); per chunk: the chunk's activations. Not "
+                         "materialized: hidden activations (E, hidden), attention weights, "
+                         "concatenated inputs (E, in); persisted: per-row (m, l) and per-node "
+                         "(N, hidden) products")
+        else:
+            lines.append("not materialized: scores (E,), attention weights (E,), hidden "
+                         "activations (E, hidden), concatenated inputs (E, in)"
+                         + (", displacement/distance (E, D)" if info.get("geometry") else "")
+                         + "; persisted: per-row (m, l) and per-node (N, hidden) products")
+        if self.op == "backward" and heads:
+            lines.append("backward: the attention kernels' backward gives the scores' gradient "
+                         "(E, H); the network's backward runs per edge chunk, per-edge gradients "
+                         "summed into nodes with sparse products")
+        elif self.op == "backward":
             lines.append("backward: deterministic; dst rows (dst-side grads, parameter partials "
                          "per fixed row chunk, reduced in order), then src rows over the "
                          "transposed relation (src-side grads); no float atomics")

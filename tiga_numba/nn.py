@@ -185,7 +185,8 @@ def _positive(name, value):
 # --------------------------------------------------------------------------- tracing
 class TracedNet:
     """A score network usable inside `edge()`: `self.attn(a, b, c)` scores each edge with
-    module(concat(a, b, c, axis=-1)), one scalar per edge.
+    module(concat(a, b, c, axis=-1)): one scalar per edge, or one per edge and head when the
+    last Linear has H > 1 outputs (then the reducer takes one softmax per head).
 
     The front end recognises it by `__tiga_score_net__`; the kernels read `layers()`.
     Calling it on concrete arrays runs the module eagerly (materialized; a reference).
@@ -216,8 +217,12 @@ class TracedNet:
             elif not isinstance(layer, (LeakyReLU, ReLU, Tanh)):
                 raise NotImplementedError(f"layer {i}: {type(layer).__name__} is not supported in a "
                                           "score network (Linear, LeakyReLU, ReLU, Tanh)")
-        if width != 1:
-            raise ValueError(f"score network must end with width 1 (one score per edge), got {width}")
+        self._heads = width
+
+    @property
+    def out_features(self):
+        """Scores per edge: the last Linear's width (1, or H for one softmax per head)."""
+        return self._heads
 
     @property
     def in_features(self):

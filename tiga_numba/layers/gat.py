@@ -52,20 +52,28 @@ def leaky_relu_grad(xp, out, grad, slope):
     return grad
 
 
-def edge_attention(values, score, es):
+def edge_attention(values, score, es, plans=None):
     """Per-head softmax of `score` (E, H) over each destination's edges, weighting
-    `values` (num_src, H, C). Returns (out (num_dst, H, C), backward(dout) -> (dvalues, dscore))."""
+    `values` (num_src, Hv, C) with H % Hv == 0 (head h reads value head h // (H // Hv), as in
+    grouped-query attention). Returns (out (num_dst, H, C), backward(dout) -> (dvalues,
+    dscore)). The score runs on the fused kernels as a per-edge bias with zero-width q and k.
+    `plans`, a dict when given, receives the kernels' plans under "forward" and "backward"."""
     xp = xp_of(values)
-    _, H, _ = values.shape
+    Hv = values.shape[1]
+    H = score.shape[1] if score.ndim == 2 else Hv
     q = xp.empty((es.num_dst, H, 0), dtype=values.dtype)
-    k = xp.empty((es.num_src, H, 0), dtype=values.dtype)
-    out, stats, _ = run_forward(q, k, values, es.graph, scale=1.0, edge_bias=score)
+    k = xp.empty((es.num_src, Hv, 0), dtype=values.dtype)
+    out, stats, plan = run_forward(q, k, values, es.graph, scale=1.0, edge_bias=score)
+    if plans is not None:
+        plans["forward"] = plan
 
     def backward(dout):
-        _, _, dv, dscore, _ = run_backward(dout, q, k, values, out, stats, es.graph, scale=1.0,
-                                           edge_bias=score)
+        _, _, dv, dscore, bplan = run_backward(dout, q, k, values, out, stats, es.graph,
+                                               scale=1.0, edge_bias=score)
+        if plans is not None:
+            plans["backward"] = bplan
         if dscore is None:  # no edges
-            dscore = xp.zeros(score.shape, dtype=values.dtype)
+            dscore = xp.zeros((es.num_edges, H), dtype=values.dtype)
         return dv, dscore.astype(values.dtype, copy=False)
 
     return out, backward
