@@ -97,8 +97,8 @@ def vector_loads_aligned(ptrs, strides):
 
 # vector geometry: 16-byte loads per lane and K / V row, keys per lane group and step (chosen
 # on the H200 with benchmarks/gpu/decode_probe.py)
-VEC_LOADS = 1
-VEC_KEYS = 8
+VEC_LOADS = 2
+VEC_KEYS = 4
 
 
 def decode_tiles(dtype, D, DV, rows, vec=False):
