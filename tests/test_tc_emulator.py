@@ -994,6 +994,9 @@ def _check_rows(got, want, clean, name):
 @pytest.mark.parametrize("relname", list(NONFINITE_CASES))
 @pytest.mark.parametrize("name", list(NONFINITE_VARIANTS))
 def test_nonfinite_outside_the_relation_never_reaches_a_row(monkeypatch, name, relname):
+    """One kind of bad input at a time, so that each reaches the rows of its relation through the
+    guard's poisoning alone where it is zeroed (the backward gets the clean out / m / l): NaN in V
+    (out), inf in K (dq), inf in dO (dq, dk, dv), NaN in Q (dq, dk, dv)."""
     monkeypatch.setattr(E, "NAN_DATA", True)
     dtype, fshape, bshape = NONFINITE_VARIANTS[name]
     _check_rows.dtype = dtype
@@ -1004,37 +1007,29 @@ def test_nonfinite_outside_the_relation_never_reaches_a_row(monkeypatch, name, r
     q, k, v, do = _inputs(np.random.default_rng(5), dst[-1], src[-1], H, Hkv, D, dtype)
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
     c8 = causal.astype(np.uint8)
-    # forward: inf in K, NaN in V at the bad keys; the rows that reach them get a non-finite value
     vf = G.Variant("fwd", D, D, dtype=dtype, **fshape).check()
-    kp, vp = k.copy(), v.copy()
-    if not vf.prune:   # pruning compares tiles with the running max of the whole CTA: an inf score
-        kp[bad_keys] = np.inf   # of one row prunes the other rows' later tiles (its rule, not a mask)
+    vp = v.copy()
     vp[bad_keys] = np.nan
-    o, m, l = E.forward(vf, q, kp, vp, dst, src, c8, scale, rho=1e-30 if vf.prune else None)
+    o, m, l = E.forward(vf, q, k, vp, dst, src, c8, scale, rho=1e-30 if vf.prune else None)
     clean_rows = ~M[:, bad_keys].any(1)
     _check_rows(o, ro, clean_rows, "out")
     if bshape is None:
         return
     vq = G.Variant("dq", D, D, dtype=dtype, **bshape).check()
     vk = G.Variant("dkdv", D, D, dtype=dtype, **bshape).check()
-    out = rounded(ro.astype(np.float32), dtype)
-    # dQ with the same bad keys (dk / dv: every key of those segments is reached by a bad row)
-    dq, _, _ = E.backward(vq, vk, do, q, kp, vp, np.where(clean_rows[:, None, None], out, np.nan),
-                          np.where(clean_rows[:, None], rm, np.nan).astype(np.float32),
-                          rl.astype(np.float32), dst, src, c8, scale)
-    _check_rows(dq, rdq, clean_rows, "dq (bad keys)")
-    # NaN in Q, inf in dO at the bad rows (their out / m / l are NaN too): keys outside their
-    # relation keep exact dK / dV, the other rows exact dQ
-    qp, dop = q.copy(), do.copy()
-    qp[bad_rows] = np.nan
-    dop[bad_rows] = np.inf
-    outp, mp = out.copy(), rm.astype(np.float32)
-    outp[bad_rows] = np.nan
-    mp[bad_rows] = np.nan
-    dq, dk, dv = E.backward(vq, vk, dop, qp, k, v, outp, mp, rl.astype(np.float32), dst, src, c8, scale)
+    stats = (rounded(ro.astype(np.float32), dtype), rm.astype(np.float32), rl.astype(np.float32))
+    kp = k.copy()
+    kp[bad_keys] = np.inf
+    dq, _, _ = E.backward(vq, vk, do, q, kp, v, *stats, dst, src, c8, scale)
+    _check_rows(dq, rdq, clean_rows, "dq (inf in K)")
     clean_keys = ~M[bad_rows].any(0)
     clean_q = np.ones(len(q), bool)
     clean_q[bad_rows] = False
-    _check_rows(dq, rdq, clean_q, "dq (bad rows)")
-    _check_rows(dk, rdk, clean_keys, "dk")
-    _check_rows(dv, rdv, clean_keys, "dv")
+    for what, x in (("inf in dO", do), ("NaN in Q", q)):
+        xp = x.copy()
+        xp[bad_rows] = np.inf if x is do else np.nan
+        args = (xp, q) if x is do else (do, xp)
+        dq, dk, dv = E.backward(vq, vk, *args, k, v, *stats, dst, src, c8, scale)
+        _check_rows(dq, rdq, clean_q, f"dq ({what})")
+        _check_rows(dk, rdk, clean_keys, f"dk ({what})")
+        _check_rows(dv, rdv, clean_keys, f"dv ({what})")
