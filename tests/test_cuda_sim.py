@@ -46,7 +46,7 @@ def _have_numba_cuda():
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
              "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
-             "blocks_lane_groups", "blocks_banded_nan", "decode_split", "csr_split_hub"]
+             "blocks_lane_groups", "blocks_banded_nan", "blocks_causal_nan", "decode_split", "csr_split_hub"]
 
 
 @pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
@@ -613,6 +613,50 @@ def case_banded_nan():
         assert (dk2[dead_keys] == 0).all() and (dv2[dead_keys] == 0).all()
 
 
+def case_causal_nan():
+    """NaN / inf inside a causal block, in the middle of a key tile the diagonal cuts: v[j] = NaN,
+    k[j] = inf leave rows i < j of the block equal to the clean oracle (out, dq), q[i] = NaN,
+    dout[i] = inf leave keys j > i equal to it (dk, dv); the rows that reach a bad row get a
+    non-finite value. One lane per row and 4-lane groups (the reduce-scatter and per-key paths)."""
+    dst_off = np.array([0, 3, 16], np.int64)   # a short block before: the bad rows are not its own
+    src_off = dst_off.copy()
+    causal = np.array([1, 1], np.uint8)
+    rel = (dst_off, src_off, causal)
+    n, H, Hkv = 16, 2, 1
+    M = dense_mask(dst_off, src_off, causal, n, n)
+    bad_key, bad_row = 9, 6   # block-local 6 and 3: inside key tiles of 4 and 8
+    for D, DV, lanes in ((3, 5, None), (16, 12, (4, 4))):
+        q, k, v, dout = rand(n, H, D), rand(n, Hkv, D), rand(n, Hkv, DV), rand(n, H, DV)
+        scale = D ** -0.5
+        ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, M, scale, dout=dout)
+        t = None if lanes is None else tiles("float32", D, DV, R=2, NT=16, BN=8, G=4, VEC=4)
+        tag = f"causal NaN D={D}/{DV} lanes={lanes}"
+        kp, vp = k.copy(), v.copy()
+        kp[bad_key] = np.inf
+        vp[bad_key] = np.nan
+        out, m, l, _ = blocks_forward(q, kp, vp, rel, scale, "float32", t=t)
+        clean = ~M[:, bad_key]
+        assert np.isfinite(out[clean]).all(), tag + ": v / k of a later key reached out"
+        assert (~np.isfinite(out[~clean])).any(axis=(1, 2)).all(), tag + ": a bad key in the relation was cleaned"
+        check(tag + " out (bad key)", out[clean], ro[clean], 2e-5)
+        dq, _, _, _ = blocks_backward(dout, q, kp, vp, out, m, l, rel, scale, "float32", lanes=lanes)
+        assert np.isfinite(dq[clean]).all(), tag + ": v / k of a later key reached dq"
+        check(tag + " dq (bad key)", dq[clean], rdq[clean], 1e-4)
+        qp, dp = q.copy(), dout.copy()
+        qp[bad_row] = np.nan
+        dp[bad_row] = np.inf
+        out, m, l, _ = blocks_forward(qp, k, v, rel, scale, "float32", t=t)
+        dq, dk, dv, _ = blocks_backward(dp, qp, k, v, out, m, l, rel, scale, "float32", lanes=lanes)
+        ck = ~M[bad_row]
+        for name, got, want in (("dk", dk, rdk), ("dv", dv, rdv)):
+            assert np.isfinite(got[ck]).all(), f"{tag}: q / dout of an earlier row reached {name}"
+            assert (~np.isfinite(got[~ck])).any(axis=(1, 2)).all(), f"{tag}: {name} cleaned a bad row"
+            check(f"{tag} {name} (bad row)", got[ck], want[ck], 1e-4)
+        cq = np.arange(n) != bad_row
+        assert np.isfinite(dq[cq]).all()
+        check(f"{tag} dq (bad row)", dq[cq], rdq[cq], 1e-4)
+
+
 def decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk):
     """The split-key kernel (+ merge when splits > 1), launched as api.py launches it."""
     from tiga_numba.cuda import decode
@@ -740,6 +784,7 @@ CASES = {
     "csr_split_hub": case_csr_split_hub,
     "decode_split": case_decode_split,
     "blocks_banded_nan": case_banded_nan,
+    "blocks_causal_nan": case_causal_nan,
     "blocks_f32_gqa_segments": lambda: case_blocks(),
     "blocks_f64_dense_rect": lambda: case_blocks("float64", H=2, Hkv=2, D=4, DV=2,
                                                  layout=(("d", 6, 13, 0),), tol=1e-12),

@@ -7,8 +7,8 @@ Lq < Lk, empty segments) forward and backward on the CUDA-core kernels, with NaN
 every row that no destination reaches; decode shapes (Graph.dense(num_keys, 1), cu_seqlens
 with one query per segment, grouped-query heads) on the split-key kernel; same bits on a
 second run; CSR hub rows (one destination with every source, one source read by every
-destination) split into pieces, against the oracle and the unsplit kernels. The tensor-core kernels still multiply masked cells of a tile by 0 (a known
-limitation, marked xfail).
+destination) split into pieces, against the oracle and the unsplit kernels. NaN / inf outside a causal row's relation (inside its diagonal tile) on
+the CUDA-core and the tensor-core kernels, forward and backward.
 """
 import numpy as np
 import pytest
@@ -111,34 +111,63 @@ def test_banded_vs_oracle_and_nan_outside_the_band(kind, dtype):
         assert rel_err(got, want) < btol, name
 
 
-def test_nan_does_not_cross_the_causal_mask_on_cuda_cores(_poisoned):
-    """v[j] = NaN in a causal segment: rows i < j of the same tile stay finite (CUDA cores)."""
-    _poisoned.USE_TC = False
-    try:
-        g = tg.Graph.cu_seqlens([0, 200], causal=True)
-        q, k, v = (RNG.standard_normal((200, 2, 64)).astype(np.float32) for _ in range(3))
-        dout = RNG.standard_normal((200, 2, 64)).astype(np.float32)
-        ro, _, _, rdq, _, _, _ = oracle(q, k, v, _mask(g), 64 ** -0.5, dout=dout)
-        v[120] = np.nan
-        k[120] = np.inf
-        out, _, _, (dq, _, _) = _run(g, q, k, v, dout)
-        out, dq = cupy.asnumpy(out), cupy.asnumpy(dq)
-        assert np.isfinite(out[:120]).all() and np.isfinite(dq[:120]).all()
-        assert rel_err(out[:120], ro[:120]) < 2e-5 and rel_err(dq[:120], rdq[:120]) < 2e-4
-    finally:
-        _poisoned.USE_TC = True
-
-
-@pytest.mark.xfail(reason="the tensor-core kernels multiply a tile's masked cells by 0 "
-                          "(0 * NaN = NaN): a non-finite v[j] reaches rows i < j of its tile",
-                   strict=False)
-def test_nan_does_not_cross_the_causal_mask_on_tensor_cores():
-    g = tg.Graph.triangular(128)
-    q, k, v = (cupy.asarray(RNG.standard_normal((128, 2, 64)).astype(np.float16)) for _ in range(3))
+def _causal_poisoned(dtype, kind):
+    """v[120] = NaN, k[120] = inf, q[60] = NaN, dout[60] = inf in one causal segment of 200 rows:
+    rows i < 120 keep the clean out and dq (row 60 aside), keys j > 60 the clean dk / dv; the
+    rows that do reach a bad row get a non-finite value. `kind` is the kernel family the call
+    must take (in run_info: "cuda.blocks" or "tensor-core")."""
+    g = tg.Graph.cu_seqlens([0, 200], causal=True)
+    q, k, v, dout = (RNG.standard_normal((200, 2, 64)).astype(dtype) for _ in range(4))
+    M = _mask(g)
+    ro, _, _, rdq, rdk, rdv, _ = oracle(q, k, v, M, 64 ** -0.5, dout=dout)
     v[120] = np.nan
-    out = tg.attention(q, k, v, g)
-    assert functional.last_plan().run_info["kernel"].startswith("cuda.tc")
-    assert bool(cupy.isfinite(out[:120]).all())
+    k[120] = np.inf
+    out, _, kern, (dq, _, _) = _run(g, q, k, v, dout)
+    assert kind in kern, kern
+    out, dq = cupy.asnumpy(out), cupy.asnumpy(dq)
+    ftol, btol = TOL[dtype]
+    assert np.isfinite(out[:120]).all() and np.isfinite(dq[:120]).all()
+    assert rel_err(out[:120], ro[:120]) < ftol and rel_err(dq[:120], rdq[:120]) < btol
+    assert (~np.isfinite(out[120:])).any(axis=(1, 2)).all(), "v[120] must reach the rows that attend to it"
+    # NaN / inf in one query row: keys j > 60 do not see it
+    k[120], v[120] = RNG.standard_normal((2, 2, 64)).astype(dtype)
+    ro, _, _, rdq, rdk, rdv, _ = oracle(q, k, v, M, 64 ** -0.5, dout=dout)
+    q[60] = np.nan
+    dout[60] = np.inf
+    _, _, _, (dq, dk, dv) = _run(g, q, k, v, dout)
+    dq, dk, dv = (cupy.asnumpy(x) for x in (dq, dk, dv))
+    keep = np.arange(200) != 60
+    assert np.isfinite(dq[keep]).all() and rel_err(dq[keep], rdq[keep]) < btol
+    for name, got, want in (("dk", dk, rdk), ("dv", dv, rdv)):
+        assert np.isfinite(got[61:]).all(), f"a NaN in q / dout of row 60 reached {name} of a later key"
+        assert rel_err(got[61:], want[61:]) < btol, name
+        assert (~np.isfinite(got[:61])).any(axis=(1, 2)).all(), name
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_nan_does_not_cross_the_causal_mask_on_cuda_cores(dtype):
+    """CUDA-core block kernels (tensor cores switched off by the run option)."""
+    with tg.options(tensor_cores=False):
+        _causal_poisoned(dtype, "cuda.blocks")
+
+
+@pytest.mark.parametrize("fp32_tc", [True, False])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_nan_does_not_cross_the_causal_mask_on_tensor_cores(dtype, fp32_tc):
+    """tensor-core kernels (float32: bf16 x 3 on wgmma / 3xTF32 on mma.sync): the masked blocks'
+    B tiles are guarded (generator/guard.py)."""
+    if dtype == "float32" and not fp32_tc:
+        pytest.skip("float32 without fp32 tensor cores runs on the CUDA cores")
+    with tg.options(fp32_tensor_cores=fp32_tc):
+        _causal_poisoned(dtype, "tensor-core")
+
+
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_nan_does_not_cross_the_causal_mask_on_mma_sync_and_wgmma(wgmma):
+    """the same on both tensor-core engines (wgmma=False: mma.sync on an sm_90 device too)."""
+    with tg.options(wgmma=wgmma):
+        _causal_poisoned("float16", "tensor-core")
+        _causal_poisoned("float32", "tensor-core")
 
 
 def decode_graphs():

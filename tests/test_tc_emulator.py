@@ -955,3 +955,81 @@ def test_pruned_forward_with_a_tiny_threshold_is_exact():
     ro, rm, rl, *_ = oracle(q, k, v, q, dst, src, causal, 0.125)
     assert stats["pruned_tiles"] == 0 and stats["total_tiles"] > 0
     assert rel(o, ro) < TOL["float16"]
+
+
+# ----------------------------------------------------------------------------- non-finite values
+# Masked cells never multiply values (generator/guard.py): an inf / NaN in a key, value, query or
+# output-gradient row outside a row's relation leaves that row bit-for-bit as without it (exact to
+# the clean oracle), on the diagonal tiles of causal blocks and on the tails of every block (the
+# neighbouring segment's rows sit right after the tile); inside a row's relation it reaches the row.
+#: (relation, poisoned keys, poisoned query rows): key 100 / query 70 fall in the middle of a
+#: diagonal tile; keys 39 and 97 end causal segments right before / after a non-causal one
+NONFINITE_CASES = {"causal_tail": ([100], [70]), "segments": ([39, 97], [20, 60])}
+NONFINITE_VARIANTS = {
+    "f16": ("float16", dict(NW=4, MT=2, BN=64), dict(NW=4, MT=1, BN=64)),
+    "bf16_as": ("bfloat16", dict(NW=4, MT=1, BN=32, a_smem=True), dict(NW=4, MT=1, BN=32, a_smem=True)),
+    "f32_tf32": ("float32", dict(NW=8, MT=1, BN=64), dict(NW=4, MT=1, BN=32, a_smem=True)),
+    "f16_prune": ("float16", dict(NW=4, MT=1, BN=64, prune=True), None),
+    "f16_wgmma": ("float16", dict(NW=4, BN=64, **WG), dict(NW=4, BN=64, **WG)),
+    "f32_wgmma_split": ("float32", dict(NW=4, BN=32, **WG), dict(NW=4, BN=32, **WG)),
+}
+
+
+def relation_mask(dst, src, causal):
+    M = np.zeros((dst[-1], src[-1]), bool)
+    for b in range(len(causal)):
+        blk = np.ones((dst[b + 1] - dst[b], src[b + 1] - src[b]), bool)
+        M[dst[b]:dst[b + 1], src[b]:src[b + 1]] = np.tril(blk) if causal[b] else blk
+    return M
+
+
+def _check_rows(got, want, clean, name):
+    """rows `clean` equal the clean oracle (finite); every other row holds a non-finite value."""
+    assert np.isfinite(got[clean]).all(), f"a non-finite value outside the relation reached {name}"
+    assert rel(got[clean], want[clean]) < 3 * TOL[_check_rows.dtype], name
+    assert (~np.isfinite(got[~clean])).reshape((~clean).sum(), -1).any(1).all(), \
+        f"a non-finite value inside the relation did not reach {name}"
+
+
+@pytest.mark.parametrize("relname", list(NONFINITE_CASES))
+@pytest.mark.parametrize("name", list(NONFINITE_VARIANTS))
+def test_nonfinite_outside_the_relation_never_reaches_a_row(monkeypatch, name, relname):
+    """One kind of bad input at a time, so that each reaches the rows of its relation through the
+    guard's poisoning alone where it is zeroed (the backward gets the clean out / m / l): NaN in V
+    (out), inf in K (dq), inf in dO (dq, dk, dv), NaN in Q (dq, dk, dv)."""
+    monkeypatch.setattr(E, "NAN_DATA", True)
+    dtype, fshape, bshape = NONFINITE_VARIANTS[name]
+    _check_rows.dtype = dtype
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    bad_keys, bad_rows = NONFINITE_CASES[relname]
+    M = relation_mask(dst, src, causal)
+    D, H, Hkv, scale = 64, 2, 1, 0.125
+    q, k, v, do = _inputs(np.random.default_rng(5), dst[-1], src[-1], H, Hkv, D, dtype)
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
+    c8 = causal.astype(np.uint8)
+    vf = G.Variant("fwd", D, D, dtype=dtype, **fshape).check()
+    vp = v.copy()
+    vp[bad_keys] = np.nan
+    o, m, l = E.forward(vf, q, k, vp, dst, src, c8, scale, rho=1e-30 if vf.prune else None)
+    clean_rows = ~M[:, bad_keys].any(1)
+    _check_rows(o, ro, clean_rows, "out")
+    if bshape is None:
+        return
+    vq = G.Variant("dq", D, D, dtype=dtype, **bshape).check()
+    vk = G.Variant("dkdv", D, D, dtype=dtype, **bshape).check()
+    stats = (rounded(ro.astype(np.float32), dtype), rm.astype(np.float32), rl.astype(np.float32))
+    kp = k.copy()
+    kp[bad_keys] = np.inf
+    dq, _, _ = E.backward(vq, vk, do, q, kp, v, *stats, dst, src, c8, scale)
+    _check_rows(dq, rdq, clean_rows, "dq (inf in K)")
+    clean_keys = ~M[bad_rows].any(0)
+    clean_q = np.ones(len(q), bool)
+    clean_q[bad_rows] = False
+    for what, x in (("inf in dO", do), ("NaN in Q", q)):
+        xp = x.copy()
+        xp[bad_rows] = np.inf if x is do else np.nan
+        args = (xp, q) if x is do else (do, xp)
+        dq, dk, dv = E.backward(vq, vk, *args, k, v, *stats, dst, src, c8, scale)
+        _check_rows(dq, rdq, clean_q, f"dq ({what})")
+        _check_rows(dk, rdk, clean_keys, f"dk ({what})")
+        _check_rows(dv, rdv, clean_keys, f"dv ({what})")

@@ -123,7 +123,7 @@ def intrinsics(dtype="float16"):
 
     def shared_load(op, kind, n):
         """n registers ("r": u32, "f": f32) loaded by `op` from one shared address: lds64 (fp32 B
-        operands, no ldmatrix.trans), lds_f32x4, and ldmatrix.x4 (ldsm_x4, .trans: ldsm_x4_t)."""
+        operands, no ldmatrix.trans), lds_f32x4, lds_u32x4 (the guard's raw bits), and ldmatrix.x4 (ldsm_x4, .trans: ldsm_x4_t)."""
         ty, nb = (I32, u32) if kind == "r" else (F32, f32)
         text = f"{op} {{" + ",".join(f"${i}" for i in range(n)) + f"}}, [${n}];"
         cons = ",".join([f"={kind}"] * n) + ",r,~{memory}"
@@ -136,7 +136,7 @@ def intrinsics(dtype="float16"):
 
     def shared_store(op, n, kind="f"):
         """n registers ("f": f32, "r": u32) stored by `op` at one shared address: sts_f32, sts_v2,
-        sts_v4, sts_u32x2 (split's bf16 parts)."""
+        sts_v4, sts_u32x2 (split's bf16 parts), sts_u32x4 (the guard's zeroed chunks)."""
         vals = "$1" if n == 1 else "{" + ",".join(f"${i + 1}" for i in range(n)) + "}"
         text = f"{op} [$0], {vals};"
         cons = "r," + ",".join([kind] * n) + ",~{memory}"
@@ -447,5 +447,6 @@ def intrinsics(dtype="float16"):
         ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
         sts_halves=sts_halves, sts_f32=shared_store("st.shared.f32", 1),
         sts_v2=shared_store("st.shared.v2.f32", 2), sts_v4=shared_store("st.shared.v4.f32", 4),
-        lds_f32x4=shared_load("ld.shared.v4.f32", "f", 4), **wg)
+        lds_f32x4=shared_load("ld.shared.v4.f32", "f", 4),
+        lds_u32x4=shared_load("ld.shared.v4.u32", "r", 4), sts_u32x4=shared_store("st.shared.v4.u32", 4, "r"), **wg)
     return _CACHE[dtype]

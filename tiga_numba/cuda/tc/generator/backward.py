@@ -3,7 +3,9 @@ fused dK/dV/dQ kernel (ordered accumulator or float atomics), on mma.sync or wgm
 from __future__ import annotations
 
 from .fragments import a_regs, c_regs, ldsm_a, mma, split_tf32, zero_c
+from .guard import guard_init, guard_tiles, poison_rows, zero_masked
 from .pipeline import read_work, store_c_rows, stream_key_blocks, StreamedPair
+from .softmax import row_limits
 from .products import mma_abt, mma_pb, resident
 from .shared import landed, sa, shared_array, shared_base, thread_geometry
 from .source import Source, udiv, umod
@@ -67,8 +69,13 @@ def gen_dq(v):
                         for r in range(4):
                             s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                             e(f"{s} = ex2({s} * sc - ls{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
+            # masked cells: dS = 0 exactly (0 * (dP - Delta) is NaN where V outside the row is)
+            e("if kb >= nfull:")
+            with e.indent():
+                row_limits(e, v, "lim", "wrow")
+                zero_masked(e, "s", MT, BN // 8, lambda m, j, r: f"kb * {BN} + {8 * j + r % 2} + 2 * t < lim{m}{r // 2}")
             mma_pb(e, v, "acc", "sa", "s", kbuf, D // 8, BN, D)
-        stream_key_blocks(e, v, where["qa"], block, issue if v.wg_async else None)
+        stream_key_blocks(e, v, where["qa"], block, "k", [("acc", D // 8)], issue if v.wg_async else None)
         store_c_rows(e, v, "acc", D // 8, f"dqp + row0 * dq_rs + hh * {rsk}", "dq_rs", "wrow", "rows",
                      lambda m, h: "scale")
     return e.text()
@@ -396,6 +403,11 @@ def gen_dkdv(v):
             qo.last()
             e(f"cq = qb * {BN}")
             landed(e, v)
+            if not fq:   # masked cells never multiply Q / dO rows (guard.py); the fused kernel: not yet
+                guard_init(e, v, "last")
+                e("if (qb < qfull) | (qb >= qlast):")
+                with e.indent():
+                    guard_tiles(e, v, [(qbuf("cur"), D), (obuf("cur"), Dv)], "last")
             if fq and not v.dq_atomic:   # the previous block's turn: fetch its running sum while this block computes
                 e("if p_on != 0:")
                 with e.indent():
@@ -423,6 +435,13 @@ def gen_dkdv(v):
                         for r in range(4):
                             x = f"s{m}_{j}_{r}"
                             e(f"{x} = ex2({x} * sc - cl{j}{r % 2})")
+            # key j sees query ci when ci < cols and (causal) ci >= kl: the masked-block test
+            keep = lambda m, j, r: (f"(cq + {8 * j + r % 2} + 2 * t < cols) & ((causal == 0) | "  # noqa: E731
+                                    f"(cq + {8 * j + r % 2} + 2 * t >= kl{m}{r // 2}))")
+            if not fq:   # masked cells: P = 0 exactly (a non-finite lse of a masked query gives NaN)
+                e("if (qb < qfull) | (qb >= qlast):")
+                with e.indent():
+                    zero_masked(e, "s", MT, nt, keep)
             def to_ds(m, tiles):   # dS = P (dP - Delta), in place
                 for j in tiles:
                     for r in range(4):
@@ -443,9 +462,16 @@ def gen_dkdv(v):
                 col_stats(e, range(nt), "cd", "dltp")
                 for m in range(MT):
                     to_ds(m, range(nt))
+            if not fq:   # masked cells: dS = 0 exactly (dP and Delta of a masked query may be non-finite)
+                e("if (qb < qfull) | (qb >= qlast):")
+                with e.indent():
+                    zero_masked(e, "s", MT, nt, keep)
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
             if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
                 wg_wait(e, 0, "dv", Dv // 8)
+            if not fq:   # key row kl sees query cq + jb (the last bad one) when it is real and, causal, >= kl
+                poison_rows(e, v, [("dk", D // 8), ("dv", Dv // 8)], "last",
+                            lambda m, h: f"(cq + jb < cols) & ((causal == 0) | (cq + jb >= kl{m}{h}))")
             if fq and v.wgmma:
                 wg_store_ds(e, v, "dsb")
                 if not v.dq_atomic:

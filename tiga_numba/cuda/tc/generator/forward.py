@@ -55,7 +55,7 @@ def gen_forward(v):
             e("npr = npr + sel(adm != 0, 0, 1)")
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
-        stream_key_blocks(e, v, where["qa"], block)
+        stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)])
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l
         for m in range(MT):
             for h in (0, 1):

@@ -4,6 +4,7 @@ tile-pruning gate, and the stores of C fragments to global memory."""
 from __future__ import annotations
 
 from .fragments import zero_c
+from .guard import guard_init, guard_tiles, poison_rows
 from .products import mma_abt
 from .shared import convert_tile, landed, load_tile, sa, stage_tile
 from .softmax import mask_rows, row_limits
@@ -102,13 +103,15 @@ class StreamedPair:
                 self.e("cp_wait0()")
 
 
-def stream_key_blocks(e, v, qa_where, block, issue=None):
+def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None):
     """The key loop of the forward and dQ kernels: the block's K/V tiles stream through StreamedPair
     (block kb+1 is copied while kb computes); per block S = Q K^T, masked only where the
     block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
     kernel's own use of S with the current buffers; issue(kbuf, vbuf), if given, right after S (a
-    wgmma product issued there runs while S is masked and exponentiated). Expects ss, kg, vg,
-    cols, nkb, nfull."""
+    wgmma product issued there runs while S is masked and exponentiated). On those masked blocks the
+    tile `guarded` ("k" or "v": the B operand of the kernel's P B product) is guarded before any
+    product reads it and the accumulators `accs` [(name, n-tiles)] are poisoned after (guard.py).
+    Expects ss, kg, vg, cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     # the key blocks in key order, or (pruning) the near ones first so that the running max is set
     # early: from the block holding key `diag` (the one facing the query tile; causal: its first
@@ -136,6 +139,10 @@ def stream_key_blocks(e, v, qa_where, block, issue=None):
             kv.prefetch(block_at("c1"))
         kv.last()
         landed(e, v)
+        guard_init(e, v, "first")
+        e("if kb >= nfull:")
+        with e.indent():
+            guard_tiles(e, v, [(f"{guarded}buf_cur", D if guarded == "k" else Dv)], "first")
         zero_c(e, "s", MT, BN // 8)
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
         if issue is not None:
@@ -145,6 +152,9 @@ def stream_key_blocks(e, v, qa_where, block, issue=None):
             row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
         block("kbuf_cur", "vbuf_cur")
+        # row rl sees block row jb when key kb * BN + jb lies below its limit (row_limits)
+        poison_rows(e, v, accs, "first", lambda m, h: f"kb * {BN} + jb < sel(causal != 0, imin(cols, diag + wrow + "
+                                                      f"{16 * m + 8 * h} + g + 1), cols)")
         e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
 
 
