@@ -410,3 +410,60 @@ def test_cubin_cache_key_follows_the_defining_file(tmp_path, monkeypatch):
     assert launch._cache_path("k_f32", "90", str(a)) != launch._cache_path("k_f16", "90", str(a))
     monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", "0")
     assert launch._cache_path("k_f32", "90", str(a)) is None
+
+
+# --------------------------------------------------------------------------- score modifiers
+def _modifier_trees():
+    from tiga_numba import score_mod as sm
+    S = sm.SCORE
+    c = sm.Expr("scalar", (), "softcap")
+    slopes = sm.Expr("head", (), "alibi_slopes")
+    da, sa = sm.Expr("node", (), ("dst", "a")), sm.Expr("node", (), ("src", "a"))
+    eb = sm.Expr("edge", (), "b")
+    flash = sm.alibi_tree(sm.softcap_tree(S), aligned=False)
+    fields = sm.make("add", sm.make("mul", slopes, sm.Expr("tanh", (sm.make("add", S, sa),))),
+                     sm.Expr("where", (sm.Expr("gt", (S, da)), sm.Expr("exp", (da,)),
+                                       sm.make("mul", eb, S))))
+    gat = sm.Expr("leaky_relu", (sm.make("add", sa, da), sm.const(0.2)))
+    return {"flash": flash, "fields": fields, "gat": gat}
+
+
+# (tree, kernels, dtype, D, DV): flash-attn's soft-cap + ALiBi in the block kernels (float16
+# inputs), a tree with per-head params, dst / src / edge fields in the split-row CSR kernels
+# (GQA group 2), and classic GAT (no dot product: D = 0) in the CSR kernels. Few: each PTX
+# compile takes seconds.
+MOD_CONFIGS = [("flash", "blocks", "float16", 64, 64), ("fields", "csr", "float32", 64, 64),
+               ("gat", "csr", "float32", 0, 32)]
+
+
+@pytest.mark.parametrize("tree,family,dtype,D,DV", MOD_CONFIGS,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-D{c[3]}" for c in MOD_CONFIGS])
+def test_compile_ptx_sm90_score_modifiers(tree, family, dtype, D, DV):
+    """The modifier's device functions are inlined into the CUDA-core kernels (forward and both
+    backward passes) and compile for sm_90 without a GPU; the plain kernels' properties hold:
+    lane-group shuffles, and no local memory (the gradient sums stay in registers), except the
+    per-query-head src-field sums of the CSR dk/dv pass under GQA (a few floats, L1-resident)."""
+    _shield()
+    from tiga_numba import score_mod as sm
+    from tiga_numba.cuda import blocks, csr, tiles
+    from tiga_numba.cuda import score_codegen as mods
+    t = _modifier_trees()[tree]
+    gen = mods.generated(t, sm.Layout(t).differentiable(), tiles.acc_of(dtype))
+    if family == "blocks":
+        kernels = [blocks.make_forward(tiles.block_tiles("fwd", dtype, D, DV), False, gen),
+                   blocks.make_dq(tiles.block_tiles("dq", dtype, D, DV), gen),
+                   blocks.make_dkdv(tiles.block_tiles("dkdv", dtype, D, DV), gen)]
+    else:
+        cf, cb = tiles.csr_tiles("fwd", dtype, D, DV), tiles.csr_tiles("bwd", dtype, D, DV)
+        kernels = [csr.make_forward(cf, False, True, gen), csr.make_dq(cb, False, True, gen),
+                   csr.make_dkdv(cb, False, True, gen, 2)]
+    for kern in kernels:
+        assert kern.name.endswith(mods.tag(gen)) or "_grp" in kern.name, kern.name
+        ptx = kern.compile_ptx(cc=(9, 0))
+        assert ".target sm_90" in ptx and ".entry" in ptx, kern.name
+        # one exception, by design: the CSR dk/dv pass of a GQA group > 1 keeps its src-field
+        # sums per query head in a small array indexed by the (not unrolled) head loop
+        if "_grp" not in kern.name or kern.name.endswith("_grp1"):
+            assert "ld.local" not in ptx and "st.local" not in ptx, f"{kern.name}: local memory used"
+        if D > 0:
+            assert "shfl.sync" in ptx or kern.name.split("_m")[0].endswith("g1"), kern.name

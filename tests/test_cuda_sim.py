@@ -249,18 +249,24 @@ def tiles(dtype, D, DV, R=2, NT=4, BN=4, G=1, VEC=1):
     return Tiles(dtype, acc, D, DV, G, R, NT, BN, VEC)
 
 
+def nomod(acc):
+    """The trailing modifier arguments of a kernel compiled without a modifier (never read)."""
+    return (np.zeros(2, acc),) * 7
+
+
 def _band_rel(rel):
     if len(rel) == 3:
         return tuple(rel) + band_of(*rel)
     return rel
 
 
-def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
+def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None, mod=None):
+    """mod: a score modifier's launch state (test_cuda_sim_mods.SimModifier) or None."""
     dst_off, src_off, causal, lo, hi = _band_rel(rel)
     nq, H, D = q.shape
     Hkv, DV = k.shape[1], v.shape[2]
     t = t or tiles(dtype, D, DV)
-    kern = blocks.make_forward(t, prune is not None)
+    kern = blocks.make_forward(t, prune is not None, None if mod is None else mod.gen)
     acc = np.dtype(t.acc)
     out = np.full((nq, H, DV), np.nan, dtype)
     m = np.full((nq, H), np.nan, acc)
@@ -274,11 +280,12 @@ def blocks_forward(q, k, v, rel, scale, dtype, prune=None, t=None):
     tpb = -(-maxd // t.BM)
     kern((S * tpb, H, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1), m.reshape(-1),
          l.reshape(-1), dst_off, src_off, causal, lo, hi, cnt, *qs, *ks, *vs, tpb, H, H // Hkv,
-         acc.type(scale), acc.type(math.log(prune) if prune else 0.0))
+         acc.type(scale), acc.type(math.log(prune) if prune else 0.0),
+         *(nomod(acc) if mod is None else mod.forward_args()))
     return out, m, l, cnt
 
 
-def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
+def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None, mod=None):
     dst_off, src_off, causal, lo, hi = _band_rel(rel)
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
@@ -303,17 +310,21 @@ def blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype, lanes=None):
     dv = np.full(v.shape, np.nan, dtype)
     S = len(causal)
     tpb = -(-int(np.diff(dst_off).max()) // tq.BM)
-    blocks.make_dq(tq)((S * tpb, H, 1), (tq.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
-                       l.reshape(-1), delta.reshape(-1), dq.reshape(-1), dst_off, src_off, causal, lo, hi,
-                       *qs, *ks, *vs, *ds, tpb, H, H // Hkv, acc.type(scale))
+    gen = None if mod is None else mod.gen
+    blocks.make_dq(tq, gen)((S * tpb, H, 1), (tq.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
+                            l.reshape(-1), delta.reshape(-1), dq.reshape(-1), dst_off, src_off,
+                            causal, lo, hi, *qs, *ks, *vs, *ds, tpb, H, H // Hkv, acc.type(scale),
+                            *(nomod(acc) if mod is None else mod.dst_args()))
     tpbk = -(-int(np.diff(src_off).max()) // tk.BM)
-    blocks.make_dkdv(tk)((S * tpbk, Hkv, 1), (tk.NT, 1, 1), None, qf, kf, vf, df, m.reshape(-1),
-                         l.reshape(-1), delta.reshape(-1), dk.reshape(-1), dv.reshape(-1), dst_off,
-                         src_off, causal, lo, hi, *qs, *ks, *vs, *ds, tpbk, H, H // Hkv, acc.type(scale))
+    blocks.make_dkdv(tk, gen)((S * tpbk, Hkv, 1), (tk.NT, 1, 1), None, qf, kf, vf, df,
+                              m.reshape(-1), l.reshape(-1), delta.reshape(-1), dk.reshape(-1),
+                              dv.reshape(-1), dst_off, src_off, causal, lo, hi, *qs, *ks, *vs, *ds,
+                              tpbk, H, H // Hkv, acc.type(scale),
+                              *(nomod(acc) if mod is None else mod.src_args()))
     return dq, dk, dv, delta
 
 
-def csr_forward(q, k, v, indptr, indices, bias, scale, dtype, piece=None, t=None):
+def csr_forward(q, k, v, indptr, indices, bias, scale, dtype, piece=None, t=None, mod=None):
     """piece: cut rows longer than `piece` edges into pieces merged by make_softmax_merge."""
     nq, H, D = q.shape
     Hkv, DV = k.shape[1], v.shape[2]
@@ -330,7 +341,7 @@ def csr_forward(q, k, v, indptr, indices, bias, scale, dtype, piece=None, t=None
     else:
         tail = (np.zeros(4, np.int64), np.zeros(2, acc), np.zeros(2, acc), np.zeros(2, acc))
     nrows = nq if items is None else items.shape[0]
-    kern = csr.make_forward(t, bias is not None, items is not None)
+    kern = csr.make_forward(t, bias is not None, items is not None, None if mod is None else mod.gen)
     out = np.full((nq, H, DV), np.nan, dtype)
     m = np.full((nq, H), np.nan, acc)
     l = np.full((nq, H), np.nan, acc)
@@ -340,7 +351,7 @@ def csr_forward(q, k, v, indptr, indices, bias, scale, dtype, piece=None, t=None
     b = bias.reshape(-1) if bias is not None else np.zeros(2, acc)
     kern((-(-nrows * H * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, out.reshape(-1),
          m.reshape(-1), l.reshape(-1), indptr, indices, b, *qs, *ks, *vs, nrows, H, H // Hkv,
-         acc.type(scale), *tail)
+         acc.type(scale), *tail, *(nomod(acc) if mod is None else mod.forward_args()))
     if items is not None:
         mk = csr.make_softmax_merge(dtype, t.acc, DV)
         mk((splits.shape[0] * H, 1, 1), (mk.NT, 1, 1), None, *tail[1:], splits.reshape(-1),
@@ -349,7 +360,7 @@ def csr_forward(q, k, v, indptr, indices, bias, scale, dtype, piece=None, t=None
 
 
 def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bias, scale, dtype,
-                 piece=None, t=None):
+                 piece=None, t=None, mod=None):
     nq, H, D = q.shape
     ns, Hkv, DV = v.shape
     t = t or tiles(dtype, D, DV, R=1, NT=8)
@@ -383,14 +394,19 @@ def csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, bi
         tk = (ki.reshape(-1), pdk, pdv, za)
     nqi = nq if qi is None else qi.shape[0]
     nki = ns if ki is None else ki.shape[0]
-    csr.make_dq(t, bias is not None, qi is not None)(
+    gen = None if mod is None else mod.gen
+    csr.make_dq(t, bias is not None, qi is not None, gen)(
         (-(-nqi * H * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df, st.reshape(-1),
         dq.reshape(-1), dbias.reshape(-1), indptr, indices, b, *qs, *ks, *vs, *ds, nqi, H, H // Hkv,
-        acc.type(scale), *tq)
-    csr.make_dkdv(t, bias is not None, ki is not None)(
+        acc.type(scale), *tq,
+        *(nomod(acc) if mod is None else mod.dst_args(None if qi is None else qslots)))
+    csr.make_dkdv(t, bias is not None, ki is not None, gen, H // Hkv)(
         (-(-nki * Hkv * t.G // t.NT), 1, 1), (t.NT, 1, 1), None, qf, kf, vf, df, st.reshape(-1),
         dk.reshape(-1), dv.reshape(-1), tptr, tind, perm, b, *qs, *ks, *vs, *ds, nki, H, H // Hkv,
-        acc.type(scale), *tk)
+        acc.type(scale), *tk,
+        *(nomod(acc) if mod is None else mod.src_args(None if ki is None else kslots)))
+    if mod is not None and piece is not None:
+        mod.merge(qsp, ksp)
     if piece is not None:
         for part, sp, dst, Hh, W, mult in ((pdq, qsp, dq, H, D, scale), (pdk, ksp, dk, Hkv, D, 1.0),
                                            (pdv, ksp, dv, Hkv, DV, 1.0)):

@@ -73,15 +73,27 @@ def test_every_family_lives_in_the_registry():
 
 
 def test_no_family_raises_with_every_refusal():
-    req = registry.Request(op="forward", backend="cuda", relation_kind="band", implicit=True,
-                           banded=True, score="modified: f = softcap(s)", modified=True,
-                           dtype="float16", max_block_rows=4)
+    req = registry.Request(op="gat.forward", backend="cuda", relation_kind="band", implicit=True,
+                           banded=True, score="network", dtype="float32")
     with pytest.raises(NotImplementedError) as err:
         registry.choose(req)
     msg = str(err.value)
-    for family in ("cuda.decode", "cuda.tc", "cuda.blocks", "cuda.csr"):
-        assert family in msg
-    assert "banded" in msg and "score modifiers" in msg
+    assert "cuda.gat" in msg and "score networks run over CSR relations" in msg
+
+
+def test_score_modifiers_run_on_the_cuda_cores_with_the_refusals_stated():
+    req = registry.Request(op="forward", backend="cuda", relation_kind="band", implicit=True,
+                           banded=True, score="modified: f = softcap(s)", modified=True,
+                           dtype="float16", max_block_rows=4, probe=lambda: (lambda r: None))
+    got = registry.choose(req)
+    assert got.family.name == "cuda.blocks"
+    why = dict(got.considered)
+    assert "score modifiers are not compiled into the split-key kernel" in why["cuda.decode"]
+    assert "score modifiers are not compiled into the tensor-core kernels yet" in why["cuda.tc"]
+    csr = registry.choose(registry.Request(op="backward", backend="cuda", relation_kind="csr",
+                                           score="modified: f = softcap(s)", modified=True,
+                                           dtype="float32"))
+    assert csr.family.name == "cuda.csr"
 
 
 def test_cuda_tensor_core_refusals_are_stated():

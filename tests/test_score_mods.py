@@ -573,10 +573,18 @@ def test_modifier_bits_do_not_depend_on_the_thread_count(rel):
             np.testing.assert_array_equal(res[0][1][role][n], res[1][1][role][n])
 
 
-def test_cuda_arrays_refuse_modifiers_before_any_kernel():
+def test_cuda_plans_run_modifiers_on_the_cuda_cores_and_say_why_not_tensor_cores():
     from tiga_numba import dispatch
     from tiga_numba.arrays import AttentionShape
-    shape = AttentionShape("cupy", np.dtype(np.float32), 4, 4, 2, 2, 4, 4, False)
-    mod = sm.BoundModifier(sm.softcap_tree(sm.SCORE), {sm.Expr("scalar", (), "softcap"): 3.0})
-    with pytest.raises(NotImplementedError, match=r"softcap \* tanh\(s / softcap\)"):
-        dispatch.make_plan("forward", tg.Graph.dense(4), shape, 0.5, score_mod=mod)
+    shape = AttentionShape("cupy", np.dtype(np.float16), 4, 4, 2, 2, 64, 64, False)
+    tree = sm.softcap_tree(sm.SCORE)
+    mod = sm.BoundModifier(tree, {sm.Expr("scalar", (), "softcap"): 3.0})
+    plan = dispatch.make_plan("forward", tg.Graph.dense(4), shape, 0.5, score_mod=mod)
+    assert plan.family == "cuda.blocks" and plan.modifier == tree
+    text = plan.explain()
+    assert "cuda.tc refused (score modifiers are not compiled into the tensor-core kernels yet)" in text
+    assert "softcap * tanh(s / softcap)" in text
+    import scipy.sparse as sps
+    csr = tg.Graph.from_scipy(sps.csr_matrix(np.ones((4, 4))))
+    plan = dispatch.make_plan("backward", csr, shape, 0.5, score_mod=mod)
+    assert plan.family == "cuda.csr" and plan.modifier == tree

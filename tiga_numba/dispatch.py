@@ -38,7 +38,8 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
 
     `arrays` (q, k, v) let device-level families (the tensor cores) check strides and the
     device; `options` are the call's resolved run options (tiga_numba.run_options);
-    `score_mod` a score_mod.BoundModifier (CPU backend only)."""
+    `score_mod` a score_mod.BoundModifier (its tree is part of the score text the decision
+    is keyed on, and the plan carries it: `Plan.modifier`)."""
     implicit = graph.is_implicit
     if score is None:
         score = "dot" if edge_bias is None else (
@@ -105,6 +106,7 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         tiles=_cpu_tiles.choose(opts, prune_threshold is not None,
                                 full=op == "forward" and graph.kind == "dense")
         if decision.family.name == "cpu.blocks" else (),
+        modifier=None if score_mod is None else score_mod.tree,
     )
 
 

@@ -104,6 +104,7 @@ class Plan:
     considered: tuple = ()
     options: object = None
     tiles: tuple = ()  # cpu.blocks: (BM, BN, why) the kernels run with (cpu/tiles.py); else ()
+    modifier: object = None  # the score-modifier tree compiled into the kernels (score_mod.Expr)
     run_info: dict = field(default_factory=RunInfo)
 
     def explain(self):
@@ -123,6 +124,9 @@ class Plan:
             f"dtypes: inputs {self.dtype}, accumulation {self.accum_dtype}; "
             f"head dim {self.head_dim}, value dim {self.value_dim}",
         ]
+        if self.modifier is not None:
+            lines.append(f"score modifier (compiled into the {self.backend} kernels): "
+                         f"f = {self.modifier}")
         if info.get("tiles"):
             lines.append(f"tiles: {info['tiles']}")
         elif self.tiles:

@@ -16,8 +16,8 @@ silently).
 |---|---|---|
 | ``cuda.decode`` | cuda | forward of blocks with at most 8 query rows (decode): key range split across CTAs, fixed-order merge |
 | ``cuda.tc`` | cuda | implicit (block) relations, plain dot scores, fp16/bf16 (fp32 on request), tensor cores: wgmma on sm_90, mma.sync on sm_80+ |
-| ``cuda.blocks`` | cuda | implicit relations on CUDA cores (any head dim, float64) |
-| ``cuda.csr`` | cuda | CSR relations, per-edge bias / scores, CUDA cores |
+| ``cuda.blocks`` | cuda | implicit relations on CUDA cores (any head dim, float64, compiled score modifiers) |
+| ``cuda.csr`` | cuda | CSR relations, per-edge bias / scores, compiled score modifiers, CUDA cores |
 | ``cpu.blocks`` | cpu | implicit relations (dense, causal, segments, bands), BLAS tiles, key ranges split for few queries |
 | ``cpu.csr`` | cpu | CSR relations, edge-balanced pieces for long rows |
 | ``cpu.gat`` / ``cuda.gat`` | cpu / cuda | score networks (``tg.nn.trace``) over CSR relations |
@@ -112,6 +112,8 @@ _CUDA_SCORES = ("dot", "dot + edge bias", "edge score")
 def _tensor_cores(req):
     if req.options is not None and not req.options.tensor_cores:
         return "tensor cores switched off (options.tensor_cores=False)"
+    if req.modified:
+        return "score modifiers are not compiled into the tensor-core kernels yet"
     if not req.implicit:
         return "needs an implicit (block) relation"
     if req.banded:
@@ -138,6 +140,8 @@ def _cuda_decode(req):
         return f"blocks of more than {DECODE_MAX_ROWS} query rows"
     if req.pruned:
         return "tile pruning is not implemented in the split-key kernel"
+    if req.modified:
+        return "score modifiers are not compiled into the split-key kernel"
     if req.score != "dot":
         return f"score {req.score!r}: plain dot scores only"
     if req.dtype not in _DECODE_DTYPES:
@@ -146,19 +150,13 @@ def _cuda_decode(req):
 
 
 def _cuda_blocks(req):
-    if not req.implicit:
-        return "needs an implicit (block) relation"
-    if req.modified:
-        return "score modifiers are compiled into the CPU kernels only"
-    return None
+    # score modifiers included: compiled into the kernels (cuda/score_codegen.py)
+    return None if req.implicit else "needs an implicit (block) relation"
 
 
 def _cuda_csr(req):
-    if req.implicit:
-        return "needs a CSR relation"
-    if req.modified:
-        return "score modifiers are compiled into the CPU kernels only"
-    return None
+    # score modifiers included: compiled into the kernels (cuda/score_codegen.py)
+    return None if not req.implicit else "needs a CSR relation"
 
 
 def _cpu_blocks(req):

@@ -18,7 +18,7 @@ if [ "${T_PREBUILD:-170}" != 0 ]; then
   stamp prebuild
   timeout ${T_PREBUILD:-170} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
-FILES=${FILES:-"tests/test_cuda_split_gpu.py tests/test_cuda_gpu.py tests/test_tc_gpu.py tests/test_layers_gpu.py tests/test_dask_gpu.py"}
+FILES=${FILES:-"tests/test_cuda_split_gpu.py tests/test_cuda_gpu.py tests/test_tc_gpu.py tests/test_layers_gpu.py tests/test_dask_gpu.py tests/test_score_mods_gpu.py"}
 timeout ${T_FILES:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-12} -rfEs --tb=short $FILES \
   > $OUT/tests.txt 2>&1; stamp "gpu test files rc=$?"
 if [ "${T_MIXED:-90}" != 0 ]; then

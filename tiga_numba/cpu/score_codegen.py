@@ -1,7 +1,8 @@
 """Generate numba functions from a score-modifier tree (tiga_numba.score_mod).
 
-For a tree ``f`` and a dtype this module writes small Python functions as source text, compiles
-them with ``numba.njit`` and memoises them per (tree, gradient leaves, dtype) for the life of
+For a tree ``f`` and a dtype this module has tiga_numba.score_source write small Python functions
+as source text (the generator the CUDA backend shares; `CpuTarget` is the CPU's calling
+convention), compiles them with ``numba.njit`` and memoises them per (tree, gradient leaves, dtype) for the life of
 the process (exec'd code cannot use numba's on-disk cache):
 
     value(s, i, j, e, h, sc, hp, nd, ns, ef) -> f                    (natural units)
@@ -29,12 +30,12 @@ import numpy as np
 from numba import njit
 
 from .. import score_mod as sm
+from .. import score_source
 from .fastexp import exp2f
 
-NEG = -1e30  # blocks.NEG (not imported: blocks imports this module)
-BIG = 1e30
+NEG = score_source.NEG  # blocks.NEG (not imported: blocks imports this module)
 LOG2E = 1.0 / math.log(2.0)
-TARGETS = ("head", "dst", "src", "edge")
+TARGETS = score_source.TARGETS
 
 _MEMO = {}
 _LOCK = threading.Lock()
@@ -62,6 +63,29 @@ def exp_f64(x):
     return math.exp(x)
 
 
+class CpuTarget(score_source.Target):
+    """The CPU kernels' calling convention: the packed (n, N, H) arrays of score_mod.Layout
+    indexed directly; gradients added into ``ghp[k, h]``, ``gnd[k, gi, h]``, ``gns[k, gj, h]``,
+    ``gef[k, e, h]`` (``gi`` / ``gj``: the buffer rows the kernel owns)."""
+
+    value_args = "s, i, j, e, h, sc, hp, nd, ns, ef"
+    grad_args = "s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gi, gns, gj, gef"
+
+    def leaf(self, x, slot):
+        if x.op == "scalar":
+            return f"sc[{slot}]"
+        if x.op == "head":
+            return f"hp[{slot}, h]"
+        if x.op == "node":
+            return f"nd[{slot}, i, h]" if x.attr[0] == "dst" else f"ns[{slot}, j, h]"
+        return f"ef[{slot}, e, h]"
+
+    def accumulate(self, x, slot, pos, value):
+        cell = {"head": f"ghp[{slot}, h]", "dst": f"gnd[{slot}, gi, h]",
+                "src": f"gns[{slot}, gj, h]", "edge": f"gef[{slot}, e, h]"}[score_source.kind(x)]
+        return f"{cell} += {value}"
+
+
 class Generated:
     """The compiled functions of one (tree, gradient leaves, dtype)."""
 
@@ -71,7 +95,8 @@ class Generated:
         self.grad_leaves = tuple(grad_leaves)
         self.dtype_name = dtype_name
         self.sources = {}
-        self.value = self._build("value", self._value_source())
+        self._src = score_source.Source(tree, grad_leaves, CpuTarget())
+        self.value = self._build("value", self._src.value())
         self._grads = {}
 
     def grad(self, targets):
@@ -80,129 +105,16 @@ class Generated:
         fn = self._grads.get(key)
         if fn is None:
             name = "grad_" + ("_".join(key) or "score")
-            fn = self._grads[key] = self._build(name, self._grad_source(name, key))
+            fn = self._grads[key] = self._build(name, self._src.grad(name, key))
         return fn
-
-    # ------------------------------------------------------------------ source text
-    def _globals(self):
-        f32 = self.dtype_name == "float32"
-        return {"math": math, "_dt": np.float32 if f32 else np.float64,
-                "_tanh": tanh_f32 if f32 else tanh_f64, "_exp": exp_f32 if f32 else exp_f64}
-
-    def _emit(self, roots):
-        """Assignments computing every node of `roots` once (common subexpressions shared);
-        returns (lines, {node: expression text}), constants as typed globals."""
-        lay = self.layout
-        text = {}
-        lines = []
-        self._consts = getattr(self, "_consts", {})
-        is_bool = {}
-        seen = set()
-        order = []
-        for r in roots:
-            for x in sm.walk(r):
-                if x not in seen:
-                    seen.add(x)
-                    order.append(x)
-
-        def num(x):
-            return f"(_dt(1.0) if {text[x]} else _dt(0.0))" if is_bool[x] else text[x]
-
-        n = 0
-        for x in order:
-            op = x.op
-            is_bool[x] = op in sm.COMPARE
-            if op == "score":
-                text[x] = "s"
-                continue
-            if op == "const":
-                name = self._consts.setdefault(x.attr, f"_k{len(self._consts)}")
-                text[x] = name
-                continue
-            if op == "scalar":
-                text[x] = f"sc[{lay.slot[x]}]"
-                continue
-            if op == "head":
-                text[x] = f"hp[{lay.slot[x]}, h]"
-                continue
-            if op == "node":
-                text[x] = (f"nd[{lay.slot[x]}, i, h]" if x.attr[0] == "dst"
-                           else f"ns[{lay.slot[x]}, j, h]")
-                continue
-            if op == "edge":
-                text[x] = f"ef[{lay.slot[x]}, e, h]"
-                continue
-            if op == "index":
-                text[x] = "_dt(i)" if x.attr == "dst" else "_dt(j)"
-                continue
-            a = x.args
-            if op in ("add", "sub", "mul", "div"):
-                rhs = f"{num(a[0])} {sm._SYMBOL[op]} {num(a[1])}"
-            elif op in sm.COMPARE:
-                rhs = f"{num(a[0])} {sm._SYMBOL[op]} {num(a[1])}"
-            elif op == "neg":
-                rhs = f"-{num(a[0])}"
-            elif op == "where":
-                cond = text[a[0]] if is_bool[a[0]] else f"{text[a[0]]} != 0"
-                rhs = f"{num(a[1])} if {cond} else {num(a[2])}"
-            elif op == "tanh":
-                rhs = f"_tanh({num(a[0])})"
-            elif op == "exp":
-                rhs = f"_exp({num(a[0])})"
-            elif op in ("log", "sqrt"):
-                rhs = f"_dt(math.{op}({num(a[0])}))"
-            elif op == "abs":
-                rhs = f"abs({num(a[0])})"
-            elif op == "sign":
-                v = num(a[0])
-                rhs = f"_dt(1.0) if {v} > 0 else (_dt(-1.0) if {v} < 0 else _dt(0.0))"
-            elif op == "minimum":
-                rhs = f"{num(a[0])} if {num(a[0])} <= {num(a[1])} else {num(a[1])}"
-            elif op == "maximum":
-                rhs = f"{num(a[0])} if {num(a[0])} >= {num(a[1])} else {num(a[1])}"
-            elif op == "leaky_relu":
-                v = num(a[0])
-                rhs = f"{v} if {v} > 0 else {num(a[1])} * {v}"
-            else:  # pragma: no cover - the tracer builds only the ops above
-                raise NotImplementedError(f"score modifier op {op!r} has no code generator")
-            name = f"t{n}"
-            n += 1
-            lines.append(f"    {name} = {rhs}")
-            text[x] = name
-        return lines, text, num
-
-    def _value_source(self):
-        lines, text, num = self._emit([self.tree])
-        body = "\n".join(lines)
-        return (f"def value(s, i, j, e, h, sc, hp, nd, ns, ef):\n{body}\n"
-                f"    v = {num(self.tree)}\n"
-                f"    if v > _BIG:\n        return _BIG\n"
-                f"    if v > _NEG:\n        return v\n"
-                f"    return _NEG\n")
-
-    def _grad_source(self, name, targets):
-        lay = self.layout
-        wanted = [x for x in self.grad_leaves if _kind(x) in targets]
-        derivs = [sm.diff(self.tree, sm.SCORE)] + [sm.diff(self.tree, x) for x in wanted]
-        lines, text, num = self._emit(derivs)
-        out = [f"def {name}(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gi, gns, gj, gef):"]
-        out += lines
-        for x, dx in zip(wanted, derivs[1:]):
-            if dx == sm.ZERO:
-                continue
-            k = lay.slot[x]
-            cell = {"head": f"ghp[{k}, h]", "dst": f"gnd[{k}, gi, h]", "src": f"gns[{k}, gj, h]",
-                    "edge": f"gef[{k}, e, h]"}[_kind(x)]
-            out.append(f"    {cell} += dF * {num(dx)}")
-        out.append(f"    return dF * {num(derivs[0])}")
-        return "\n".join(out) + "\n"
 
     def _build(self, name, source):
         self.sources[name] = source
-        g = self._globals()
-        dt = g["_dt"]
-        g.update({v: dt(k) for k, v in self._consts.items()})
-        g["_NEG"], g["_BIG"] = dt(NEG), dt(BIG)
+        f32 = self.dtype_name == "float32"
+        dt = np.float32 if f32 else np.float64
+        g = {"math": math, "_dt": dt, "_tanh": tanh_f32 if f32 else tanh_f64,
+             "_exp": exp_f32 if f32 else exp_f64}
+        g.update(self._src.constants(dt))
         code = compile(source, f"<score modifier {name}: {self.tree}>", "exec")
         exec(code, g)
         return njit(nogil=True, error_model="numpy")(g[name])
@@ -250,10 +162,6 @@ def jit_kernel(py_func, mod, **hooks):
                             py_func.__closure__)
     fn.__qualname__ = py_func.__qualname__
     return njit(cache=False, **opts)(fn)
-
-
-def _kind(leaf):
-    return leaf.attr[0] if leaf.op == "node" else leaf.op
 
 
 def generated(tree, grad_leaves, dtype_name):

@@ -1,8 +1,14 @@
 """CUDA backend entry points (docs/INTERNALS.md, "Backend entry points").
 
-    forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
-    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None)
-        -> (dq, dk, dv, dbias)
+    forward(plan, q, k, v, relation, edge_bias=None, score_mod=None) -> (out, m, l)
+    backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             score_mod=None) -> (dq, dk, dv, dbias) [+ ({leaf: gradient},) with score_mod]
+
+Score modifiers (score_mod.BoundModifier) run on the CUDA-core kernels (cuda.blocks, cuda.csr):
+the tree is compiled into them (cuda/score_codegen.py; kernels and launch records are keyed on
+the tree and its gradient leaves), its per-call values packed once per call (`pack`), and the
+modifier's gradients come back from row-owned buffers (no float atomics, see blocks.py /
+csr.py).
 
 cupy arrays in, cupy arrays out, on cupy's current stream. Inputs are read in place with
 their strides (the kernels take element strides); only arrays with negative or
@@ -38,6 +44,7 @@ from ..plan import defer_counts
 from . import blocks as _blocks
 from . import csr as _csr
 from . import decode as _decode
+from . import score_codegen as _mods
 from . import tiles as _tiles
 from .common import make_delta, make_stats
 from .launch import current_stream
@@ -208,18 +215,46 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+def _mod_key(gen):
+    """What a modified kernel is cached under: the tree and its gradient leaves (None: plain)."""
+    return None if gen is None else (gen.tree, gen.grad_leaves)
+
+
+def _modifier(score_mod, aname, grads, edge_bias):
+    """The compiled device functions of a call's modifier (None without one)."""
+    if score_mod is None:
+        return None
+    if edge_bias is not None:
+        raise NotImplementedError("a score modifier and an edge_bias in one call: express the "
+                                  "bias as a per-edge field of the modifier (edge.<name>)")
+    return _mods.generated(score_mod.tree, score_mod.grad_leaves if grads else (), aname)
+
+
+def _mod_values(score_mod, acc, H, Nq, Nk, E, copies):
+    """Device addresses of the modifier's packed values (mv, mnd, mns, mef) and the arrays
+    that keep them alive; the accumulation-dtype dummy four times without a modifier."""
+    if score_mod is None:
+        d = _dummy(acc).data.ptr
+        return (d, d, d, d), ()
+    arrays = _mods.pack(score_mod, cupy, acc, H, Nq, Nk, E)
+    if any(a.size > 1 for a in arrays[1:]):
+        copies.append(f"score-modifier fields -> packed {np.dtype(acc).name} (N, n, H) arrays")
+    return tuple(a.data.ptr for a in arrays), arrays
+
+
 # --------------------------------------------------------------------------- launch records
-def _forward_blocks(rel, dname, D, DV, H, prune):
+def _forward_blocks(rel, dname, D, DV, H, prune, mod=None):
     rec = _Record()
     t = _block_tiles("fwd", dname, D, DV)
-    rec.geo["kern"] = rec.kernel(("blocks.fwd", t, prune), lambda: _blocks.make_forward(t, prune))
+    rec.geo["kern"] = rec.kernel(("blocks.fwd", t, prune, _mod_key(mod)),
+                                 lambda: _blocks.make_forward(t, prune, mod))
     tpb = _cdiv(int(rel.max_block_dst), t.BM)
     S = int(rel.causal.shape[0])
     rec.geo.update(grid=(S * tpb, H, 1), block=(t.NT, 1, 1), tpb=tpb,
                    rel=_block_rel(rel, rec.geo), dummy=_dummy("int64").data.ptr)
     return rec.finish(
         kernel=("cuda.blocks.forward (CUDA cores, streaming online softmax"
-                + (", tile pruning)" if prune else ")") + _banded_note(rel)),
+                + (", tile pruning" if prune else "") + _mod_note(mod) + ")" + _banded_note(rel)),
         tiles=t.describe())
 
 
@@ -268,13 +303,13 @@ def _split_note(sp, what):
     return f"; {what}: rows ordered by length, {cut}"
 
 
-def _forward_csr(rel, dname, D, DV, H, has_bias):
+def _forward_csr(rel, dname, D, DV, H, has_bias, mod=None):
     rec = _Record()
     t = _csr_tiles("fwd", dname, D, DV)
     sp = _csr_split(rel, rel.indptr) if USE_SPLIT else None
     items = sp is not None
-    rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias, items),
-                                 lambda: _csr.make_forward(t, has_bias, items))
+    rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias, items, _mod_key(mod)),
+                                 lambda: _csr.make_forward(t, has_bias, items, mod))
     nrows = sp.n_items if items else int(rel.indptr.shape[0]) - 1
     threads = nrows * H * t.G
     rec.geo.update(grid=(_cdiv(threads, t.NT), 1, 1), block=(t.NT, 1, 1),
@@ -285,7 +320,8 @@ def _forward_csr(rel, dname, D, DV, H, has_bias):
                                       lambda: _csr.make_softmax_merge(dname, acc, DV))
     return rec.finish(
         kernel=("cuda.csr.forward (CUDA cores, online softmax per edge"
-                + (", edge bias" if has_bias else "") + _split_note(sp, "split rows") + ")"),
+                + (", edge bias" if has_bias else "") + _mod_note(mod)
+                + _split_note(sp, "split rows") + ")"),
         tiles=t.describe_csr())
 
 
@@ -333,13 +369,17 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
                               if rec.geo["kern_vec"] is not None else ""))
 
 
-def _forward_record(rel, dname, D, DV, H, prune, has_bias):
+def _forward_record(rel, dname, D, DV, H, prune, has_bias, mod=None):
     if _is_blocks(rel):
-        return _forward_blocks(rel, dname, D, DV, H, prune)
-    return _forward_csr(rel, dname, D, DV, H, has_bias)
+        return _forward_blocks(rel, dname, D, DV, H, prune, mod)
+    return _forward_csr(rel, dname, D, DV, H, has_bias, mod)
 
 
-def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=None):
+def _mod_note(mod):
+    return "" if mod is None else f", compiled score modifier f = {mod.tree}"
+
+
+def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, mod=None, transpose=None):
     rec = _Record()
     g = rec.geo
     if not _is_blocks(rel):  # CSR: (m, log l, Delta) records, one per gathered (row, head)
@@ -352,8 +392,9 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=N
         S = int(rel.causal.shape[0])
         tq = _block_tiles("dq", dname, D, DV)
         tk = _block_tiles("dkdv", dname, D, DV)
-        g["kq"] = rec.kernel(("blocks.dq", tq), lambda: _blocks.make_dq(tq))
-        g["kk"] = rec.kernel(("blocks.dkdv", tk), lambda: _blocks.make_dkdv(tk))
+        g["kq"] = rec.kernel(("blocks.dq", tq, _mod_key(mod)), lambda: _blocks.make_dq(tq, mod))
+        g["kk"] = rec.kernel(("blocks.dkdv", tk, _mod_key(mod)),
+                             lambda: _blocks.make_dkdv(tk, mod))
         g["tpb"] = _cdiv(int(rel.max_block_dst), tq.BM)
         g["tpbk"] = _cdiv(int(rel.max_block_src), tk.BM)
         g.update(q_grid=(S * g["tpb"], H, 1), q_block=(tq.NT, 1, 1),
@@ -361,16 +402,23 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=N
                  rel=_block_rel(rel, g))
         return rec.finish(
             kernel=("cuda.blocks.backward (CUDA cores, deterministic: dq by query tiles, "
-                    "dk/dv by key tiles)" + _banded_note(rel)),
+                    "dk/dv by key tiles" + _mod_note(mod) + ")" + _banded_note(rel)),
             tiles=f"dq: {tq.describe()}; dk/dv: {tk.describe()}")
     Ns = int(rel.num_src)
     t = _csr_tiles("bwd", dname, D, DV)
     sq = _csr_split(rel, rel.indptr) if USE_SPLIT else None
     sk = _csr_split(transpose, transpose.indptr) if USE_SPLIT else None
-    g["kq"] = rec.kernel(("csr.dq", t, has_bias, sq is not None),
-                         lambda: _csr.make_dq(t, has_bias, sq is not None))
-    g["kk"] = rec.kernel(("csr.dkdv", t, has_bias, sk is not None),
-                         lambda: _csr.make_dkdv(t, has_bias, sk is not None))
+    grp = H // Hkv
+    g["kq"] = rec.kernel(("csr.dq", t, has_bias, sq is not None, _mod_key(mod)),
+                         lambda: _csr.make_dq(t, has_bias, sq is not None, mod))
+    g["kk"] = rec.kernel(("csr.dkdv", t, has_bias, sk is not None, _mod_key(mod), grp),
+                         lambda: _csr.make_dkdv(t, has_bias, sk is not None, mod, grp))
+    if mod is not None:  # modifier gradient sums of split rows: pieces merged in slot order
+        for side, targets, sp in (("mgq", ("head", "dst", "edge"), sq), ("mgk", ("src",), sk)):
+            width = len(mod.grad(targets)[1]) * H
+            if sp is not None and width:
+                g[side] = rec.kernel(("csr.sum_merge", aname, aname, width),
+                                     lambda w=width: _csr.make_sum_merge(aname, aname, w))
     nq_items = sq.n_items if sq is not None else Nq
     nk_items = sk.n_items if sk is not None else Ns
     g.update(q_grid=(_cdiv(nq_items * H * t.G, t.NT), 1, 1),
@@ -389,7 +437,7 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, transpose=N
         kernel=("cuda.csr.backward (CUDA cores, deterministic: dq"
                 + (" and dbias" if has_bias else "")
                 + " by destination rows, dk/dv by source rows of the transposed CSR"
-                + _split_note(sq, "dq") + _split_note(sk, "dk/dv") + ")"),
+                + _mod_note(mod) + _split_note(sq, "dq") + _split_note(sk, "dk/dv") + ")"),
         tiles=f"{t.G} lanes per (row, head), {t.NT} threads per CTA")
 
 
@@ -417,7 +465,7 @@ def _banded_note(rel):
 
 
 # --------------------------------------------------------------------------- forward
-def forward(plan, q, k, v, relation, edge_bias=None):
+def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     info = plan.run_info
     if plan.family == "cuda.decode":
         return _decode_forward(plan, q, k, v, relation)
@@ -433,12 +481,17 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     Nq, H, D = q.shape
     Hkv = k.shape[1]
     DV = v.shape[2]
-    dtype, dname, acc, _ = _dtypes(q.dtype)
+    dtype, dname, acc, aname = _dtypes(q.dtype)
     rho = plan.prune_threshold
     prune = rho is not None
+    gen = _modifier(score_mod, aname, False, edge_bias)
     bias = _contig(edge_bias, acc, "edge_bias", copies)
-    rec, cache = _record(relation, ("cuda.fwd", dname, D, DV, H, prune, bias is not None),
+    rec, cache = _record(relation, ("cuda.fwd", dname, D, DV, H, prune, bias is not None, gen),
                          _forward_record)
+    mptrs, mkeep = _mod_values(score_mod, acc, H, Nq, k.shape[0],
+                               0 if blocks else int(relation.indices.shape[0]), copies)
+    da = _dummy(acc).data.ptr
+    margs = mptrs + (da, da, da)
     g = rec.geo
     stream = current_stream()
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
@@ -460,7 +513,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
             g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
                       l.data.ptr, *g["rel"], cnt.data.ptr if prune else g["dummy"],
                       qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, g["tpb"], H, grp, scale,
-                      math.log(rho) if prune else 0.0)
+                      math.log(rho) if prune else 0.0, *margs)
         if prune:  # the one device-to-host read of the backend: explain()'s pruning counts, when asked
             defer_counts(info, lambda s=cupy.cuda.get_current_stream(): tuple(int(x) for x in cnt.get(stream=s)))
     elif g["grid"][0]:
@@ -475,7 +528,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
             tail = (sp.items.data.ptr, pacc.data.ptr, pm.data.ptr, pl.data.ptr)
         g["kern"](g["grid"], g["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr,
                   l.data.ptr, *g["rel"], _ptr(bias), qs0, qs1, qs2, ks0, ks1, ks2,
-                  vs0, vs1, vs2, g["nrows"], H, grp, scale, *tail)
+                  vs0, vs1, vs2, g["nrows"], H, grp, scale, *tail, *margs)
         if sp is not None:
             mk = g["merge"]
             mk((sp.n_split * H, 1, 1), (mk.NT, 1, 1), stream, *tail[1:], sp.splits.data.ptr,
@@ -537,7 +590,8 @@ def _decode_forward(plan, q, k, v, relation):
 
 
 # --------------------------------------------------------------------------- backward
-def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None):
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
+             score_mod=None):
     info = plan.run_info
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
@@ -553,10 +607,25 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     dtype, dname, acc, aname = _dtypes(q.dtype)
     scale = float(plan.scale)
     grp = H // Hkv
+    gen = _modifier(score_mod, aname, True, edge_bias)
     bias = _contig(edge_bias, acc, "edge_bias", copies)
     has_bias = bias is not None
-    rec, cache = _record(relation, ("cuda.bwd", dname, aname, D, DV, Nq, H, Hkv, has_bias),
+    rec, cache = _record(relation, ("cuda.bwd", dname, aname, D, DV, Nq, H, Hkv, has_bias, gen),
                          lambda rel, *a: _backward_record(rel, *a, transpose=transpose))
+    # the modifier: packed values, and its gradients' buffers (rows of the dq pass, rows of
+    # the dk/dv pass, edges), zeroed: a row no kernel visits keeps gradient 0
+    E = 0 if blocks else int(relation.indices.shape[0])
+    mptrs, mkeep = _mod_values(score_mod, acc, H, Nq, Ns, E, copies)
+    da = _dummy(acc).data.ptr
+    mgq = mgk = mge = None
+    if gen is not None:
+        _, rows_q, edges_q = gen.grad(("head", "dst", "edge"))
+        _, rows_k, _ = gen.grad(("src",))
+        mgq = cupy.zeros((Nq, len(rows_q), H), acc) if rows_q else None
+        mgk = cupy.zeros((Ns, len(rows_k), H), acc) if rows_k else None
+        mge = cupy.zeros((E, len(edges_q), H), acc) if edges_q else None
+    mq_args = mptrs + (mgq.data.ptr if mgq is not None else da, da, da)
+    mk_args = mptrs + (mgk.data.ptr if mgk is not None else da, da, da)
     g = rec.geo
     stream = current_stream()
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
@@ -593,13 +662,14 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     if blocks:
         if g["q_grid"][0]:
             g["kq"](g["q_grid"], g["q_block"], stream, qp, kp, vp, dop, m.data.ptr, l.data.ptr,
-                    delta.data.ptr, dq.data.ptr, *g["rel"], *strides, g["tpb"], H, grp, scale)
+                    delta.data.ptr, dq.data.ptr, *g["rel"], *strides, g["tpb"], H, grp, scale,
+                    *mq_args)
         else:
             dq.fill(0)
         if g["k_grid"][0]:
             g["kk"](g["k_grid"], g["k_block"], stream, qp, kp, vp, dop, m.data.ptr, l.data.ptr,
                     delta.data.ptr, dk.data.ptr, dv.data.ptr, *g["rel"], *strides,
-                    g["tpbk"], H, grp, scale)
+                    g["tpbk"], H, grp, scale, *mk_args)
         else:
             dk.fill(0)
             dv.fill(0)
@@ -610,31 +680,50 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         sq, sk = g["sq"], g["sk"]
         if Nq * H:
             tail = (di, da, da, da)
+            mpart = None
             if sq is not None:
                 pdq = cupy.empty((sq.n_slots * H * max(D, 1),), acc)
                 tail = (sq.items.data.ptr, pdq.data.ptr, da, da)
+                if mgq is not None:
+                    mpart = cupy.empty((sq.n_slots, mgq.shape[1], H), acc)
             g["kq"](g["q_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
                     dq.data.ptr, _ptr(dbias), *g["rel"], _ptr(bias), *strides, g["nq_items"],
-                    H, grp, scale, *tail)
+                    H, grp, scale, *tail, *mptrs, mq_args[4], _ptr(mpart) or da,
+                    _ptr(mge) or da)
             if sq is not None:
                 mk = g["mq"]
                 mk((sq.n_split * H, 1, 1), (mk.NT, 1, 1), stream, pdq.data.ptr,
                    sq.splits.data.ptr, dq.data.ptr, sq.n_split, H, scale)
+                if mpart is not None:
+                    mk = g["mgq"]
+                    mk((sq.n_split, 1, 1), (mk.NT, 1, 1), stream, mpart.data.ptr,
+                       sq.splits.data.ptr, mgq.data.ptr, sq.n_split, 1, 1.0)
         if Ns * Hkv:
             tail = (di, da, da, da)
+            mpart = None
             if sk is not None:
                 pdk = cupy.empty((sk.n_slots * Hkv * max(D, 1),), acc)
                 pdv = cupy.empty((sk.n_slots * Hkv * max(DV, 1),), acc)
                 tail = (sk.items.data.ptr, pdk.data.ptr, pdv.data.ptr, da)
+                if mgk is not None:
+                    mpart = cupy.empty((sk.n_slots, mgk.shape[1], H), acc)
             g["kk"](g["k_grid"], g["block"], stream, qp, kp, vp, dop, delta.data.ptr,
                     dk.data.ptr, dv.data.ptr, transpose.indptr.data.ptr,
                     transpose.indices.data.ptr, transpose.perm.data.ptr, _ptr(bias), *strides,
-                    g["nk_items"], H, grp, scale, *tail)
+                    g["nk_items"], H, grp, scale, *tail, *mptrs, mk_args[4],
+                    _ptr(mpart) or da, da)
             if sk is not None:
                 for mk, part, dst in ((g["mk"], pdk, dk), (g["mv"], pdv, dv)):
                     mk((sk.n_split * Hkv, 1, 1), (mk.NT, 1, 1), stream, part.data.ptr,
                        sk.splits.data.ptr, dst.data.ptr, sk.n_split, Hkv, 1.0)
+                if mpart is not None:
+                    mk = g["mgk"]
+                    mk((sk.n_split, 1, 1), (mk.NT, 1, 1), stream, mpart.data.ptr,
+                       sk.splits.data.ptr, mgk.data.ptr, sk.n_split, 1, 1.0)
     info.update(rec.info)
     info["copies"] = copies
     info["cache"] = cache
-    return dq, dk, dv, dbias
+    if score_mod is None:
+        return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, _mods.unpack(score_mod, gen, cupy, acc, H, Nq, Ns, E,
+                                           dst_rows=mgq, src_rows=mgk, edges=mge)

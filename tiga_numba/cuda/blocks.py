@@ -27,12 +27,22 @@ the same shuffle tree (tiles.py gives the three kernels the same G and VEC), so 
 score equals the forward's bit for bit and exp(s - m) of a row's largest score is exactly 1,
 at any score magnitude (a last-bit difference would be multiplied by |s|).
 
+Score modifiers (`mod`, cuda/score_codegen.Generated): each in-range score s of cell (i, j) is
+replaced by f = value(s, i, j, ...) before masking (global node positions i, j); the backward
+kernels rebuild p from f and turn dF = p (dp - Delta) into ds = dF * df/ds with `grad`. The
+modifier's gradients are owned by rows: dq sums per-head params and dst fields per (query row,
+head) in registers over all its key tiles, dk/dv sums src fields per (key row, query head);
+each row writes its sums once (lane 0) into the (rows, n, H) buffer `mg`, so no float atomics.
+A kernel compiled without a modifier calls never-used stand-ins (the hooks are compiled out).
+
 Why the three kernels spell out their row loads, tile staging and lane-group dot products
 instead of calling shared device functions: numba-cuda (0.30) compiles a device function for
 the *current device* (`Dispatcher.compile_device` asks `get_current_device()`), so a kernel that
 calls one can no longer be compiled by `compile_ptx(..., cc=(9, 0))` on a machine without a GPU
 (CI's sm_90 compile test, `prebuild`); a shared-function version was tried and reverted for this
-reason. register_jitable functions go through the same path.
+reason. register_jitable functions go through the same path. The modifier functions are the
+exception that works: they are compiled with ``inline="always"``, which numba inlines at its
+own IR level, before any device compile.
 """
 from __future__ import annotations
 
@@ -44,6 +54,7 @@ from numba import cuda
 from .common import FULL, NEG_INF, array_view, nbtype
 from . import launch as _launch
 from .launch import SIM, Kernel
+from . import score_codegen as _mods
 
 i64 = numba.int64
 ALIGN = None if SIM else 16  # 16-byte vector loads from shared memory (the simulator has no alignment)
@@ -55,8 +66,10 @@ def _strides(prefix):
 
 
 # --------------------------------------------------------------------------- forward
-def make_forward(t, prune):
+def make_forward(t, prune, mod=None):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    MOD = mod is not None
+    MOD_VALUE = mod.value if MOD else _mods.no_value
     AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
     D, DV, G, R, NT, BN, VEC = t.D, t.DV, t.G, t.R, t.NT, t.BN, t.VEC
     BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
@@ -80,7 +93,12 @@ def make_forward(t, prune):
     SYNC_GROUP = G > 1
 
     def fwd_body(q_p, k_p, v_p, out_p, mo_p, lo_p, doff_p, soff_p, caus_p, blo_p, bhi_p, cnt_p,
-                 qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, tpb, H, grp, scale, log_rho):
+                 qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, tpb, H, grp, scale, log_rho,
+                 mv_p, mnd_p, mns_p, mef_p, mg_p, mgp_p, mge_p):
+        mod_v = AS_ACC(mv_p)
+        mod_nd = AS_ACC(mnd_p)
+        mod_ns = AS_ACC(mns_p)
+        mod_ef = AS_ACC(mef_p)
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -221,6 +239,9 @@ def make_forward(t, prune):
                         rl = grow * R + r
                         il = qoff + rl
                         dl = kt0 + j - il
+                        if MOD and j < nk and il < nd:
+                            sc = MOD_VALUE(sc, d0 + il, s0 + kt0 + j, i64(-1), h, H, mod_v,
+                                           mod_nd, mod_ns, mod_ef)
                         if j >= nk or il >= nd or dl < blo or dl > bhi:
                             sc = neg
                         sS[U(rl * BNP + j)] = sc
@@ -250,6 +271,9 @@ def make_forward(t, prune):
                         rl = grow * R + r
                         il = qoff + rl
                         dl = kt0 + j - il
+                        if MOD and il < nd:
+                            sc = MOD_VALUE(sc, d0 + il, s0 + kt0 + j, i64(-1), h, H, mod_v,
+                                           mod_nd, mod_ns, mod_ef)
                         if il >= nd or dl < blo or dl > bhi:
                             sc = neg
                         if lane == 0:
@@ -367,14 +391,19 @@ def make_forward(t, prune):
              ("caus", "a", numba.uint8), ("blo", "a", i64), ("bhi", "a", i64), ("cnt", "a", i64)]
             + _strides("q") + _strides("k") + _strides("v")
             + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC),
-               ("log_rho", "s", ACC)])
-    name = f"blocks_fwd_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}" + ("_prune" if PRUNE else "")
+               ("log_rho", "s", ACC)] + _mods.kernel_args(ACC))
+    name = (f"blocks_fwd_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}" + ("_prune" if PRUNE else "")
+            + _mods.tag(mod))
     return Kernel(name, fwd_body, spec)
 
 
 # --------------------------------------------------------------------------- backward: dq
-def make_dq(t):
+def make_dq(t, mod=None):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    MOD = mod is not None
+    MOD_VALUE = mod.value if MOD else _mods.no_value
+    MOD_GRAD, rows_, _ = mod.grad(("head", "dst")) if MOD else (_mods.no_grad, (), ())
+    NG = len(rows_)  # row-owned gradient sums per (query row, head): per-head params, dst fields
     AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
     D, DV, G, R, NT, BN, VEC = t.D, t.DV, t.G, t.R, t.NT, t.BN, t.VEC
     BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
@@ -382,11 +411,17 @@ def make_dq(t):
     VS = max(1, R * DSV)
     SK = max(1, BN * DP)
     SV = max(1, BN * DVP)
+    GA = max(1, R * NG)
 
     def dq_body(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dq_p, doff_p, soff_p, caus_p,
                 blo_p, bhi_p,
                 qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
-                tpb, H, grp, scale):
+                tpb, H, grp, scale, mv_p, mnd_p, mns_p, mef_p, mg_p, mgp_p, mge_p):
+        mod_v = AS_ACC(mv_p)
+        mod_nd = AS_ACC(mnd_p)
+        mod_ns = AS_ACC(mns_p)
+        mod_ef = AS_ACC(mef_p)
+        mod_g = AS_ACC(mg_p)
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -429,6 +464,10 @@ def make_dq(t):
         dl = cuda.local.array(R, ACC)
         ps = cuda.local.array(R, ACC)
         pd = cuda.local.array(R, ACC)
+        ga = cuda.local.array(GA, ACC)
+        ge = cuda.local.array(1, ACC)
+        for xg in range(GA):
+            ga[U(xg)] = ACC(0.0)
         for r in range(R):
             il = qoff + grow * R + r
             i = d0 + il
@@ -506,7 +545,15 @@ def make_dq(t):
                     okr[U(r)] = inb
                     g_ = ACC(0.0)  # masked cells: 0, not 0 * (dp - Delta) (dp may be non-finite)
                     if il_[U(r)] > 0 and inb:
-                        g_ = math.exp(s - mm[U(r)]) * il_[U(r)] * (dp - dl[U(r)])
+                        if MOD:  # f = value(s); dF = p (dp - Delta); ds = dF * df/ds
+                            i = d0 + il
+                            jg = s0 + kt0 + j
+                            f = MOD_VALUE(s, i, jg, i64(-1), h, H, mod_v, mod_nd, mod_ns, mod_ef)
+                            g_ = MOD_GRAD(s, i, jg, i64(-1), h, H, mod_v, mod_nd, mod_ns, mod_ef,
+                                          math.exp(f - mm[U(r)]) * il_[U(r)] * (dp - dl[U(r)]),
+                                          ga, r * NG, ge)
+                        else:
+                            g_ = math.exp(s - mm[U(r)]) * il_[U(r)] * (dp - dl[U(r)])
                     ps[U(r)] = g_
                 if cut:  # masked cells add nothing (k[j] outside the band may be non-finite)
                     for c in range(DSQ):
@@ -528,19 +575,28 @@ def make_dq(t):
                     d = ((c // VEC) * G + lane) * VEC + c % VEC
                     if d < D:
                         dq[U(ob + d)] = IN(dqa[U(r * DSQ + c)] * scale)
+                if NG and lane == 0:  # this row's modifier gradient sums: one writer per cell
+                    for xg in range(NG):
+                        mod_g[U(((d0 + il) * NG + xg) * H + h)] = ga[U(r * NG + xg)]
 
     spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("dout", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("delta", "a", ACC), ("dq", "a", IN),
              ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8),
              ("blo", "a", i64), ("bhi", "a", i64)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
-            + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
-    return Kernel(f"blocks_dq_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}", dq_body, spec)
+            + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
+            + _mods.kernel_args(ACC))
+    return Kernel(f"blocks_dq_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}" + _mods.tag(mod), dq_body,
+                  spec)
 
 
 # --------------------------------------------------------------------------- backward: dk, dv
-def make_dkdv(t):
+def make_dkdv(t, mod=None):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    MOD = mod is not None
+    MOD_VALUE = mod.value if MOD else _mods.no_value
+    MOD_GRAD, rows_, _ = mod.grad(("src",)) if MOD else (_mods.no_grad, (), ())
+    NG = len(rows_)  # row-owned gradient sums per (key row, query head): src fields
     AS_IN, AS_ACC, AS_I64, AS_U8 = (array_view(x) for x in (IN, ACC, i64, numba.uint8))
     D, DV, G, R, NT, BN, VEC = t.D, t.DV, t.G, t.R, t.NT, t.BN, t.VEC
     BM, DSQ, DSV, DP, DVP = t.BM, t.DSQ, t.DSV, t.DP, t.DVP
@@ -548,11 +604,17 @@ def make_dkdv(t):
     VS = max(1, R * DSV)
     SQ = max(1, BN * DP)
     SO = max(1, BN * DVP)
+    GA = max(1, R * NG)
 
     def dkdv_body(q_p, k_p, v_p, dout_p, mo_p, lo_p, delta_p, dk_p, dv_p, doff_p, soff_p, caus_p,
                   blo_p, bhi_p,
                   qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
-                  tpb, H, grp, scale):
+                  tpb, H, grp, scale, mv_p, mnd_p, mns_p, mef_p, mg_p, mgp_p, mge_p):
+        mod_v = AS_ACC(mv_p)
+        mod_nd = AS_ACC(mnd_p)
+        mod_ns = AS_ACC(mns_p)
+        mod_ef = AS_ACC(mef_p)
+        mod_g = AS_ACC(mg_p)
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -597,6 +659,8 @@ def make_dkdv(t):
         ps = cuda.local.array(R, ACC)
         pd = cuda.local.array(R, ACC)
         okr = cuda.local.array(R, numba.boolean)
+        ga = cuda.local.array(GA, ACC)
+        ge = cuda.local.array(1, ACC)
         for r in range(R):
             kl = koff + grow * R + r
             j = s0 + kl
@@ -623,6 +687,8 @@ def make_dkdv(t):
             qend = qbeg
         for g in range(grp):
             h = hk * grp + g
+            for xg in range(GA):
+                ga[U(xg)] = ACC(0.0)
             for qt0 in range(qbeg, qend, BN):
                 nq = min(BN, qend - qt0)
                 qb = d0 + qt0
@@ -689,8 +755,17 @@ def make_dkdv(t):
                         p = ACC(0.0)
                         g_ = ACC(0.0)  # masked cells: 0, not 0 * (dp - Delta)
                         if lv > 0 and inb:
-                            p = math.exp(s - mv) * lv
-                            g_ = p * (dp - dlt)
+                            if MOD:  # f = value(s); ds = p (dp - Delta) * df/ds
+                                i = qb + jq
+                                jg = s0 + kl
+                                f = MOD_VALUE(s, i, jg, i64(-1), h, H, mod_v, mod_nd, mod_ns,
+                                              mod_ef)
+                                p = math.exp(f - mv) * lv
+                                g_ = MOD_GRAD(s, i, jg, i64(-1), h, H, mod_v, mod_nd, mod_ns,
+                                              mod_ef, p * (dp - dlt), ga, r * NG, ge)
+                            else:
+                                p = math.exp(s - mv) * lv
+                                g_ = p * (dp - dlt)
                         ps[U(r)] = p
                         pd[U(r)] = g_
                     if cut:  # masked cells add nothing (q / dout outside the band may be non-finite)
@@ -713,6 +788,12 @@ def make_dkdv(t):
                             qv = sQ[U(jq * DP + ((c // VEC) * G + lane) * VEC + c % VEC)]
                             for r in range(R):
                                 dka[U(r * DSQ + c)] += pd[U(r)] * qv
+            if NG and lane == 0:  # this query head's src-field sums of each key row
+                for r in range(R):
+                    kl = koff + grow * R + r
+                    if kl < ns:
+                        for xg in range(NG):
+                            mod_g[U(((s0 + kl) * NG + xg) * H + h)] = ga[U(r * NG + xg)]
 
         for r in range(R):
             kl = koff + grow * R + r
@@ -734,5 +815,7 @@ def make_dkdv(t):
              ("dv", "a", IN), ("doff", "a", i64), ("soff", "a", i64), ("caus", "a", numba.uint8),
              ("blo", "a", i64), ("bhi", "a", i64)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
-            + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)])
-    return Kernel(f"blocks_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}", dkdv_body, spec)
+            + [("tpb", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
+            + _mods.kernel_args(ACC))
+    return Kernel(f"blocks_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}_r{R}_bn{BN}" + _mods.tag(mod),
+                  dkdv_body, spec)

@@ -17,6 +17,15 @@ score as (q * scale) . k with the same lane slices and shuffle tree, so the back
 equals the forward's bit for bit:
 dq (and dbias, one writer per edge) by destination rows over the CSR; dk/dv by source rows over the transposed CSR (rows = sources, `perm` maps
 each entry to its edge id for the bias), summing a GQA group's query heads in a fixed order.
+
+Score modifiers (`mod`, cuda/score_codegen.Generated) take the place of the bias: each score s
+of edge e = (i, j) becomes f = value(s, i, j, e, h, ...); the backward turns
+dF = p (dp - Delta) into ds = dF * df/ds with `grad`. Gradients without float atomics: the dq
+pass owns per-head params and dst fields, summed per (row, head) in registers and written once
+(rows in `mg`, pieces of split rows in `mgp`, merged in slot order by make_sum_merge), and edge
+fields, written per edge into `mge`; the dk/dv pass owns src fields, summed per (source row,
+query head) the same way (the kernel is then compiled for the call's GQA group size, which
+sizes its register sums).
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from numba import cuda
 from .common import NEG_INF, nbtype
 from .common import make_softmax_merge as _softmax_merge
 from .launch import SIM, Kernel, array_view
+from . import score_codegen as _mods
 
 i64 = numba.int64
 U = numba.uint64  # index cast: unsigned indices skip numba's negative-index wraparound code
@@ -39,8 +49,10 @@ def _strides(prefix):
     return [(f"{prefix}s{n}", "s", i64) for n in range(3)]
 
 
-def make_forward(t, bias, items=False):
+def make_forward(t, bias, items=False, mod=None):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    MOD = mod is not None
+    MOD_VALUE = mod.value if MOD else _mods.no_value
     AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
     D, DV, G, NT = t.D, t.DV, t.G, t.NT
     DSQ, DSV = t.DSQ, t.DSV
@@ -53,7 +65,11 @@ def make_forward(t, bias, items=False):
 
     def csr_fwd(q_p, k_p, v_p, out_p, mo_p, lo_p, indptr_p, indices_p, bias_p,
                 qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, nrows, H, grp, scale,
-                items_p, pacc_p, pm_p, pl_p):
+                items_p, pacc_p, pm_p, pl_p, mv_p, mnd_p, mns_p, mef_p, mg_p, mgp_p, mge_p):
+        mod_v = AS_ACC(mv_p)
+        mod_nd = AS_ACC(mnd_p)
+        mod_ns = AS_ACC(mns_p)
+        mod_ef = AS_ACC(mef_p)
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -94,6 +110,7 @@ def make_forward(t, bias, items=False):
         sc = cuda.local.array(UE, ACC)
         kb = cuda.local.array(UE, i64)
         vbase = cuda.local.array(UE, i64)
+        ju = cuda.local.array(UE, i64)
         qb = i * qs0 + h * qs1
         for c in range(DSQ):
             d = c * G + lane
@@ -114,6 +131,7 @@ def make_forward(t, bias, items=False):
                 if u < nu:
                     eu = e + u
                 jb = i64(indices[U(eu)])
+                ju[U(u)] = jb
                 kb[U(u)] = jb * ks0 + hk * ks1
                 vbase[U(u)] = jb * vs0 + hk * vs1
                 sc[U(u)] = ACC(0.0)
@@ -138,6 +156,8 @@ def make_forward(t, bias, items=False):
                     off //= 2
                 if BIAS and u < nu:
                     x += eb[U((e + u) * H + h)]
+                if MOD and u < nu:
+                    x = MOD_VALUE(x, i, ju[U(u)], e + u, h, H, mod_v, mod_nd, mod_ns, mod_ef)
                 sc[U(u)] = x
             mn = m
             for u in range(UE):
@@ -186,13 +206,21 @@ def make_forward(t, bias, items=False):
              ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
-            + _ITEM_ARGS(ACC))
+            + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
     return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
-                  + ("_items" if ITEMS else ""), csr_fwd, spec)
+                  + ("_items" if ITEMS else "") + _mods.tag(mod), csr_fwd, spec)
 
 
-def make_dq(t, bias, items=False):
+def make_dq(t, bias, items=False, mod=None):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    MOD = mod is not None
+    MOD_VALUE = mod.value if MOD else _mods.no_value
+    MOD_GRAD, rows_, edges_ = (mod.grad(("head", "dst", "edge")) if MOD
+                               else (_mods.no_grad, (), ()))
+    NG = len(rows_)     # per (row, head) sums: per-head params, dst fields
+    NGE = len(edges_)   # per edge: edge fields
+    GA = max(1, NG)
+    GE = max(1, NGE)
     AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
     D, DV, G, NT = t.D, t.DV, t.G, t.NT
     DSQ, DSV = t.DSQ, t.DSV
@@ -203,7 +231,15 @@ def make_dq(t, bias, items=False):
 
     def csr_dq(q_p, k_p, v_p, dout_p, st_p, dq_p, dbias_p, indptr_p, indices_p,
                bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
-               nrows, H, grp, scale, items_p, pdq_p, unused1_p, unused2_p):
+               nrows, H, grp, scale, items_p, pdq_p, unused1_p, unused2_p,
+               mv_p, mnd_p, mns_p, mef_p, mg_p, mgp_p, mge_p):
+        mod_v = AS_ACC(mv_p)
+        mod_nd = AS_ACC(mnd_p)
+        mod_ns = AS_ACC(mns_p)
+        mod_ef = AS_ACC(mef_p)
+        mod_g = AS_ACC(mg_p)
+        mod_gp = AS_ACC(mgp_p)
+        mod_ge = AS_ACC(mge_p)
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -241,6 +277,10 @@ def make_dq(t, bias, items=False):
         kb = cuda.local.array(QS, ACC)
         dqa = cuda.local.array(QS, ACC)
         dor = cuda.local.array(VS, ACC)
+        ga = cuda.local.array(GA, ACC)
+        ge = cuda.local.array(GE, ACC)
+        for xg in range(GA):
+            ga[U(xg)] = ACC(0.0)
         for c in range(DSQ):
             d = c * G + lane
             x = ACC(0.0)
@@ -302,7 +342,21 @@ def make_dq(t, bias, items=False):
                     s1 += eb[U((e + 1) * H + h)]
             ds0 = ACC(0.0)
             ds1 = ACC(0.0)
-            if live:
+            if live and MOD:  # f = value(s); ds = p (dp - Delta) * df/ds, edge by edge
+                f = MOD_VALUE(s0, i, j0, e, h, H, mod_v, mod_nd, mod_ns, mod_ef)
+                ds0 = MOD_GRAD(s0, i, j0, e, h, H, mod_v, mod_nd, mod_ns, mod_ef,
+                               math.exp((f - mx) - lgl) * (dp0 - dl), ga, 0, ge)
+                if NGE and lane == 0:
+                    for xg in range(NGE):
+                        mod_ge[U((e * NGE + xg) * H + h)] = ge[U(xg)]
+                if two:
+                    f = MOD_VALUE(s1, i, j1, e + 1, h, H, mod_v, mod_nd, mod_ns, mod_ef)
+                    ds1 = MOD_GRAD(s1, i, j1, e + 1, h, H, mod_v, mod_nd, mod_ns, mod_ef,
+                                   math.exp((f - mx) - lgl) * (dp1 - dl), ga, 0, ge)
+                    if NGE and lane == 0:
+                        for xg in range(NGE):
+                            mod_ge[U(((e + 1) * NGE + xg) * H + h)] = ge[U(xg)]
+            elif live:
                 ds0 = math.exp((s0 - mx) - lgl) * (dp0 - dl)
                 if two:
                     ds1 = math.exp((s1 - mx) - lgl) * (dp1 - dl)
@@ -313,6 +367,12 @@ def make_dq(t, bias, items=False):
                 if two:
                     dbias[U((e + 1) * H + h)] = ds1
             e += 2
+        if NG and lane == 0:  # the row's (or piece's) modifier gradient sums, one writer each
+            for xg in range(NG):
+                if slot >= 0:
+                    mod_gp[U((slot * NG + xg) * H + h)] = ga[U(xg)]
+                else:
+                    mod_g[U((i * NG + xg) * H + h)] = ga[U(xg)]
         if slot >= 0:  # partial sum of one piece; make_sum_merge adds the pieces in order
             pb = (slot * H + h) * D
             for c in range(DSQ):
@@ -331,13 +391,21 @@ def make_dq(t, bias, items=False):
              ("indices", "a", i32), ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
-            + _ITEM_ARGS(ACC))
+            + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
     return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
-                  + ("_items" if ITEMS else ""), csr_dq, spec)
+                  + ("_items" if ITEMS else "") + _mods.tag(mod), csr_dq, spec)
 
 
-def make_dkdv(t, bias, items=False):
+def make_dkdv(t, bias, items=False, mod=None, group=1):
+    """`group`: the GQA group size the kernel is compiled for when the modifier has src-field
+    gradients (its per-(row, query head) sums live in registers); any group size otherwise."""
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    MOD = mod is not None
+    MOD_VALUE = mod.value if MOD else _mods.no_value
+    MOD_GRAD, rows_, _ = mod.grad(("src",)) if MOD else (_mods.no_grad, (), ())
+    NG = len(rows_)  # per (source row, query head) sums: src fields
+    GRP = int(group) if NG else 1
+    GA = max(1, GRP * NG)
     AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, i32))
     D, DV, G, NT = t.D, t.DV, t.G, t.NT
     DSQ, DSV = t.DSQ, t.DSV
@@ -348,7 +416,14 @@ def make_dkdv(t, bias, items=False):
 
     def csr_dkdv(q_p, k_p, v_p, dout_p, st_p, dk_p, dv_p, tptr_p, tind_p,
                  perm_p, bias_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2,
-                 nsrc, H, grp, scale, items_p, pdk_p, pdv_p, unused_p):
+                 nsrc, H, grp, scale, items_p, pdk_p, pdv_p, unused_p,
+                 mv_p, mnd_p, mns_p, mef_p, mg_p, mgp_p, mge_p):
+        mod_v = AS_ACC(mv_p)
+        mod_nd = AS_ACC(mnd_p)
+        mod_ns = AS_ACC(mns_p)
+        mod_ef = AS_ACC(mef_p)
+        mod_g = AS_ACC(mg_p)
+        mod_gp = AS_ACC(mgp_p)
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -391,6 +466,10 @@ def make_dkdv(t, bias, items=False):
         ob_ = cuda.local.array(VS, ACC)
         dka = cuda.local.array(QS, ACC)
         dva = cuda.local.array(VS, ACC)
+        ga = cuda.local.array(GA, ACC)
+        ge = cuda.local.array(1, ACC)
+        for xg in range(GA):
+            ga[U(xg)] = ACC(0.0)
         for c in range(DSQ):
             d = c * G + lane
             x = ACC(0.0)
@@ -414,7 +493,7 @@ def make_dkdv(t, bias, items=False):
             if two:
                 i1 = i64(tind[U(tt + 1)])
                 e1 = perm[U(tt + 1)]
-            for g in range(grp):
+            for g in range(GRP if NG else grp):  # compiled group size: sums stay in registers
                 h = hk * grp + g
                 s0 = ACC(0.0)
                 s1 = ACC(0.0)
@@ -462,17 +541,39 @@ def make_dkdv(t, bias, items=False):
                     s1 += eb[U(e1 * H + h)]
                 p0 = ACC(0.0)
                 p1 = ACC(0.0)
-                if mx0 < math.inf:
-                    p0 = math.exp((s0 - mx0) - lgl0)
-                if two and mx1 < math.inf:
-                    p1 = math.exp((s1 - mx1) - lgl1)
-                ds0 = p0 * (dp0 - dl0)
-                ds1 = p1 * (dp1 - dl1)
+                if MOD:  # f = value(s); ds = p (dp - Delta) * df/ds, src sums per query head
+                    ds0 = ACC(0.0)
+                    ds1 = ACC(0.0)
+                    if mx0 < math.inf:
+                        f = MOD_VALUE(s0, i0, j, e0, h, H, mod_v, mod_nd, mod_ns, mod_ef)
+                        p0 = math.exp((f - mx0) - lgl0)
+                        ds0 = MOD_GRAD(s0, i0, j, e0, h, H, mod_v, mod_nd, mod_ns, mod_ef,
+                                       p0 * (dp0 - dl0), ga, g * NG, ge)
+                    if two and mx1 < math.inf:
+                        f = MOD_VALUE(s1, i1, j, e1, h, H, mod_v, mod_nd, mod_ns, mod_ef)
+                        p1 = math.exp((f - mx1) - lgl1)
+                        ds1 = MOD_GRAD(s1, i1, j, e1, h, H, mod_v, mod_nd, mod_ns, mod_ef,
+                                       p1 * (dp1 - dl1), ga, g * NG, ge)
+                else:
+                    if mx0 < math.inf:
+                        p0 = math.exp((s0 - mx0) - lgl0)
+                    if two and mx1 < math.inf:
+                        p1 = math.exp((s1 - mx1) - lgl1)
+                    ds0 = p0 * (dp0 - dl0)
+                    ds1 = p1 * (dp1 - dl1)
                 for c in range(DSV):
                     dva[U(c)] += p0 * oa[U(c)] + p1 * ob_[U(c)]
                 for c in range(DSQ):
                     dka[U(c)] += ds0 * qa[U(c)] + ds1 * qb[U(c)]
             tt += 2
+        if NG and lane == 0:  # the row's (or piece's) src-field sums per query head
+            for g in range(GRP):
+                h = hk * GRP + g
+                for xg in range(NG):
+                    if slot >= 0:
+                        mod_gp[U((slot * NG + xg) * H + h)] = ga[U(g * NG + xg)]
+                    else:
+                        mod_g[U((j * NG + xg) * H + h)] = ga[U(g * NG + xg)]
         if slot >= 0:  # partial sums of one piece; make_sum_merge adds the pieces in order
             pb = slot * Hkv + hk
             for c in range(DSQ):
@@ -500,9 +601,10 @@ def make_dkdv(t, bias, items=False):
              ("tind", "a", i32), ("perm", "a", i64), ("bias", "a", ACC)]
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nsrc", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
-            + _ITEM_ARGS(ACC))
+            + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
     return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
-                  + ("_items" if ITEMS else ""), csr_dkdv, spec)
+                  + ("_items" if ITEMS else "") + _mods.tag(mod) + (f"_grp{GRP}" if NG else ""),
+                  csr_dkdv, spec)
 
 
 # --------------------------------------------------------------------------- split rows

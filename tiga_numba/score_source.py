@@ -1,0 +1,166 @@
+"""Source text of a score modifier's value and gradient functions, for any backend.
+
+One generator turns a tree (tiga_numba.score_mod) into Python source; a backend supplies a
+`Target` that says how its kernels pass the per-call values and gradient buffers (where a leaf
+is read, where a leaf's gradient goes, the argument lists, the tanh / exp it calls) and
+compiles the text with its own decorator (cpu/score_codegen.py: numba.njit; cuda/score_codegen.py:
+numba.cuda.jit(device=True)). The generated functions are
+
+    value(<value args>) -> f                   (clamped to [-1e30, 1e30], NaN -> -1e30)
+    grad(<grad args>)   -> dF * df/ds, and for each wanted leaf x: dF * df/dx into its cell
+
+Every node is computed once (common subexpressions shared); constants become typed globals
+named `_k0, _k1, ...` (the backend binds them in the accumulation dtype).
+"""
+from __future__ import annotations
+
+from . import score_mod as sm
+
+NEG = -1e30  # the kernels' finite masked value: a value below it (or NaN) is clamped to it
+BIG = 1e30
+TARGETS = ("head", "dst", "src", "edge")
+
+
+def kind(leaf):
+    """The gradient target kind of a differentiable leaf: head, dst, src or edge."""
+    return leaf.attr[0] if leaf.op == "node" else leaf.op
+
+
+class Target:
+    """What differs between backends. Subclasses fill in the argument lists and the texts."""
+
+    value_args = ""
+    grad_args = ""
+    tanh = "_tanh"
+    exp = "_exp"
+
+    def leaf(self, x, slot):
+        """Expression reading the per-call value of leaf `x` (packed slot `slot`)."""
+        raise NotImplementedError
+
+    def index(self, role):
+        return "_dt(i)" if role == "dst" else "_dt(j)"
+
+    def accumulate(self, x, slot, pos, value):
+        """Statement adding `value` (dF * df/dx) into the gradient cell of leaf `x`; `pos` is
+        the leaf's position among the wanted leaves of its group (see Source.grad_groups)."""
+        raise NotImplementedError
+
+
+class Source:
+    """The source texts of one (tree, gradient leaves) for one target."""
+
+    def __init__(self, tree, grad_leaves, target):
+        self.tree = tree
+        self.layout = sm.Layout(tree)
+        self.grad_leaves = tuple(grad_leaves)
+        self.target = target
+        self.consts = {}  # value -> global name
+
+    def wanted(self, targets):
+        """The gradient leaves of kinds `targets`, in gradient-leaf order."""
+        return [x for x in self.grad_leaves if kind(x) in targets]
+
+    def grad_groups(self, targets):
+        """(leaves owned by a row: head/dst/src, leaves owned by an edge) of `targets`; a
+        leaf's `pos` in accumulate() is its index in its list."""
+        w = self.wanted(targets)
+        return [x for x in w if kind(x) != "edge"], [x for x in w if kind(x) == "edge"]
+
+    def _emit(self, roots):
+        """Assignments computing every node of `roots` once; returns (lines, num) where num(x)
+        is the numeric expression text of node x (comparisons as 1.0 / 0.0)."""
+        lay = self.layout
+        tg = self.target
+        text = {}
+        is_bool = {}
+        lines = []
+        seen = set()
+        order = []
+        for r in roots:
+            for x in sm.walk(r):
+                if x not in seen:
+                    seen.add(x)
+                    order.append(x)
+
+        def num(x):
+            return f"(_dt(1.0) if {text[x]} else _dt(0.0))" if is_bool[x] else text[x]
+
+        n = 0
+        for x in order:
+            op = x.op
+            is_bool[x] = op in sm.COMPARE
+            if op == "score":
+                text[x] = "s"
+                continue
+            if op == "const":
+                text[x] = self.consts.setdefault(x.attr, f"_k{len(self.consts)}")
+                continue
+            if op in ("scalar", "head", "node", "edge"):
+                text[x] = tg.leaf(x, lay.slot[x])
+                continue
+            if op == "index":
+                text[x] = tg.index(x.attr)
+                continue
+            a = x.args
+            if op in ("add", "sub", "mul", "div") or op in sm.COMPARE:
+                rhs = f"{num(a[0])} {sm._SYMBOL[op]} {num(a[1])}"
+            elif op == "neg":
+                rhs = f"-{num(a[0])}"
+            elif op == "where":
+                cond = text[a[0]] if is_bool[a[0]] else f"{text[a[0]]} != 0"
+                rhs = f"{num(a[1])} if {cond} else {num(a[2])}"
+            elif op == "tanh":
+                rhs = f"{tg.tanh}({num(a[0])})"
+            elif op == "exp":
+                rhs = f"{tg.exp}({num(a[0])})"
+            elif op in ("log", "sqrt"):
+                rhs = f"_dt(math.{op}({num(a[0])}))"
+            elif op == "abs":
+                rhs = f"abs({num(a[0])})"
+            elif op == "sign":
+                v = num(a[0])
+                rhs = f"_dt(1.0) if {v} > 0 else (_dt(-1.0) if {v} < 0 else _dt(0.0))"
+            elif op == "minimum":
+                rhs = f"{num(a[0])} if {num(a[0])} <= {num(a[1])} else {num(a[1])}"
+            elif op == "maximum":
+                rhs = f"{num(a[0])} if {num(a[0])} >= {num(a[1])} else {num(a[1])}"
+            elif op == "leaky_relu":
+                v = num(a[0])
+                rhs = f"{v} if {v} > 0 else {num(a[1])} * {v}"
+            else:  # pragma: no cover - the tracer builds only the ops above
+                raise NotImplementedError(f"score modifier op {op!r} has no code generator")
+            name = f"t{n}"
+            n += 1
+            lines.append(f"    {name} = {rhs}")
+            text[x] = name
+        return lines, num
+
+    def value(self, name="value"):
+        lines, num = self._emit([self.tree])
+        body = "\n".join(lines)
+        return (f"def {name}({self.target.value_args}):\n{body}\n"
+                f"    v = {num(self.tree)}\n"
+                f"    if v > _BIG:\n        return _BIG\n"
+                f"    if v > _NEG:\n        return v\n"
+                f"    return _NEG\n")
+
+    def grad(self, name, targets):
+        rows, edges = self.grad_groups(targets)
+        wanted = rows + edges
+        derivs = [sm.diff(self.tree, sm.SCORE)] + [sm.diff(self.tree, x) for x in wanted]
+        lines, num = self._emit(derivs)
+        out = [f"def {name}({self.target.grad_args}):"] + lines
+        for x, dx in zip(wanted, derivs[1:]):
+            if dx == sm.ZERO:
+                continue
+            pos = (rows if kind(x) != "edge" else edges).index(x)
+            out.append("    " + self.target.accumulate(x, self.layout.slot[x], pos, f"dF * {num(dx)}"))
+        out.append(f"    return dF * {num(derivs[0])}")
+        return "\n".join(out) + "\n"
+
+    def constants(self, dt):
+        """{global name: value in dtype dt} of the constants and the clamp bounds."""
+        g = {name: dt(v) for v, name in self.consts.items()}
+        g["_NEG"], g["_BIG"] = dt(NEG), dt(BIG)
+        return g
