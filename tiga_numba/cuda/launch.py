@@ -29,11 +29,21 @@ import os
 import struct
 import threading
 
+from .. import disk_cache
+
 SIM = bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") or 0))
-# Tests may install a block-synchronous emulation of shfl_xor_sync / syncwarp in the simulator
-# (valid for kernels whose whole CTA takes every shuffle: the block kernels); factories read
-# this flag to compile their multi-lane paths for the simulator too.
-SIM_SHUFFLES = False
+
+
+def simulator_has(*intrinsics):
+    """Under the simulator: whether its `cuda` module offers every one of `intrinsics` (e.g.
+    "shfl_xor_sync"). numba's simulator has no warp shuffles, so kernel factories compile their
+    one-lane paths for it; an emulation installed on the simulator's module
+    (numba.cuda.simulator.kernelapi.FakeCUDAModule) lets them check the multi-lane paths too.
+    False outside the simulator."""
+    if not SIM:
+        return False
+    from numba.cuda.simulator import kernelapi
+    return all(hasattr(kernelapi.FakeCUDAModule, name) for name in intrinsics)
 
 _CTYPES = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "float32": ctypes.c_float,
            "float64": ctypes.c_double, "uint64": ctypes.c_uint64}
@@ -151,13 +161,13 @@ class Kernel:
         version, device) was built before -- no numba compile at all -- else compiled by
         numba and stored."""
         path = _cache_path(self.name, cc, self.pyfunc.__code__.co_filename)
-        hit = read_cubin(path)
+        hit = disk_cache.read_cubin(path)
         if hit is not None:
             return hit
         lib = self.dispatcher.overloads[self.argtypes]._codelibrary
         cubin = lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1])))
         cubin = bytes(getattr(cubin, "code", cubin))  # numba-cuda 0.30: a cuda.core ObjectCode
-        write_cubin(path, lib._entry_name, cubin)
+        disk_cache.write_cubin(path, lib._entry_name, cubin)
         return lib._entry_name, cubin
 
     def _no_launch_path(self):
@@ -416,44 +426,11 @@ def _shared_hash():
     return h
 
 
-def read_cubin(path):
-    """(entry name, cubin bytes) from a cache record written by write_cubin, or None (no path,
-    no file, or anything that is not such a record: an older cache layout counts as a miss)."""
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as fh:
-            entry, _, data = fh.read().partition(b"\n")
-    except OSError:
-        return None
-    if not entry or data[:4] != b"\x7fELF":
-        return None
-    return entry.decode("ascii", "replace"), data
-
-
-def write_cubin(path, entry, data):
-    """Store one cache record: the entry name, a newline, the cubin, published with one rename.
-    One file, not a cubin plus an entry file: the entry name holds a per-process counter of
-    numba's, so two processes compiling the same kernel could otherwise pair one's entry name
-    with the other's cubin. Best effort: an unwritable cache only means compiling again."""
-    if path is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(entry.encode() + b"\n" + data)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def _cache_path(name, cc, source=None):
     """Cubin cache file for kernel `name` defined in file `source` (None when caching is off:
     TIGA_NUMBA_CACHE_DIR=0; disk_cache.py holds the folder). The key holds the shared sources' hash and the defining file's
     own hash, so an edit of any module that defines kernels (blocks.py, csr.py, neighbors.py,
     ...) never loads a stale cubin under an unchanged kernel name."""
-    from .. import disk_cache
     root = disk_cache.folder("cuda")
     if root is None:
         return None

@@ -11,7 +11,7 @@ import os
 
 from ... import disk_cache
 from ...kernel_cache import KERNELS
-from ..launch import CUBIN_LAUNCHERS, Kernel, read_cubin, write_cubin
+from ..launch import CUBIN_LAUNCHERS, Kernel
 from . import generator as G
 from .tuning import WGMMA_HEAD_DIMS, atomic_shape, atomic_variant, head_dims, variant
 
@@ -155,7 +155,7 @@ class TensorCoreKernel(Kernel):
                     "(TIGA_NUMBA_WGMMA=0 selects the mma.sync kernels)")
         return super()._no_launch_path()
 
-    # -- the cubin cache: one record per kernel text x arch (launch.read_cubin / write_cubin)
+    # -- the cubin cache: one record per kernel text x arch (disk_cache.read_cubin / write_cubin)
     def _cubin_file(self, arch):
         import hashlib
         d = _cache_dir()
@@ -196,7 +196,7 @@ class TensorCoreKernel(Kernel):
         wgmma kernels are built for sm_90a (numba's PTX says sm_90: its target line is raised)."""
         arch = self._target(arch)
         path = self._cubin_file(arch)
-        hit = read_cubin(path)
+        hit = disk_cache.read_cubin(path)
         if hit is not None:
             return hit
         import re
@@ -204,7 +204,7 @@ class TensorCoreKernel(Kernel):
         entry = re.search(r"\.entry\s+([\w$]+)", ptx).group(1)
         linked = self._link(ptx, arch)[1]
         data = bytes(getattr(linked, "code", linked))
-        write_cubin(path, entry, data)
+        disk_cache.write_cubin(path, entry, data)
         return entry, data
 
     def ptxas(self, arch="sm_90"):
