@@ -1,4 +1,4 @@
-"""Tile pruning on the CPU block kernels (issue 5, CPU half).
+"""Tile pruning on the CPU block kernels.
 
 The rule (docs/cpu_backend.md): for each (query tile of BM rows, key tile of BN columns),
 per head, the scores are computed, then the tile is admitted only if

@@ -213,20 +213,19 @@ def test_cubin_records_are_one_file_and_refuse_what_is_not_one(tmp_path):
     """write_cubin/read_cubin: entry name and cubin in one file (one rename: no pairing of one
     process's entry name with another's cubin); a raw cubin of an older layout, a truncated or
     missing file read as a miss; no path (caching off) writes nothing."""
-    _shield()
-    from tiga_numba.cuda import launch
+    from tiga_numba import disk_cache
     elf = b"\x7fELF" + bytes(range(256)) * 3          # holds newlines, as real cubins do
     path = str(tmp_path / "c" / "k-sm90.cubin")
-    assert launch.read_cubin(path) is None
-    launch.write_cubin(path, "_Z1kPf", elf)
-    assert launch.read_cubin(path) == ("_Z1kPf", elf)
+    assert disk_cache.read_cubin(path) is None
+    disk_cache.write_cubin(path, "_Z1kPf", elf)
+    assert disk_cache.read_cubin(path) == ("_Z1kPf", elf)
     assert sorted(x.name for x in (tmp_path / "c").iterdir()) == ["k-sm90.cubin"]
     (tmp_path / "c" / "k-sm90.cubin").write_bytes(elf)   # raw cubin, no entry line
-    assert launch.read_cubin(path) is None
+    assert disk_cache.read_cubin(path) is None
     (tmp_path / "c" / "k-sm90.cubin").write_bytes(b"_Z1kPf\n\x7fEL")
-    assert launch.read_cubin(path) is None
-    launch.write_cubin(None, "_Z1kPf", elf)
-    assert launch.read_cubin(None) is None
+    assert disk_cache.read_cubin(path) is None
+    disk_cache.write_cubin(None, "_Z1kPf", elf)
+    assert disk_cache.read_cubin(None) is None
 
 
 _RECORDS_SCRIPT = r'''

@@ -44,12 +44,10 @@ TOL = {"float16": (4e-3, 1e-2), "float32": (2e-5, 2e-4), "float64": (1e-11, 1e-1
 
 @pytest.fixture(autouse=True)
 def _cuda_core_only_poisoned():
+    """every call on the CUDA-core kernels, outputs filled with NaN first (run options)."""
     from tiga_numba.cuda import api
-    old = api.POISON
-    api.POISON = True
-    with tg.options(tensor_cores=False):
+    with tg.options(tensor_cores=False, poison_outputs=True):
         yield api
-    api.POISON = old
 
 
 def rel_err(got, want):

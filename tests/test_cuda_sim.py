@@ -61,10 +61,11 @@ def test_simulated_kernels(case):
 def _install_sim_shuffles():
     """Block-synchronous shfl_xor_sync / syncwarp for the simulator: every thread of the CTA
     posts its value, waits at the block barrier, reads its xor partner's. Valid for kernels
-    whose whole CTA executes every shuffle -- the block kernels (not the CSR ones)."""
+    whose whole CTA executes every shuffle -- the block kernels (not the CSR ones). The kernel
+    factories see the simulator offer the shuffles (launch.simulator_has) and compile their
+    multi-lane paths for it."""
     import threading
     from numba.cuda.simulator import kernelapi
-    from tiga_numba.cuda import launch
 
     def shfl_xor_sync(self, mask, value, lane_mask):
         th = threading.current_thread()
@@ -80,7 +81,6 @@ def _install_sim_shuffles():
 
     kernelapi.FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
     kernelapi.FakeCUDAModule.syncwarp = syncwarp
-    launch.SIM_SHUFFLES = True
 
 
 def _kernels():

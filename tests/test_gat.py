@@ -122,8 +122,8 @@ def assert_close(name, got, want, rtol, atol):
     assert err <= atol * scale + rtol * scale, f"{name}: max err {err:.3g} (scale {scale:.3g})"
 
 
-def check_all(graph, net, args, value, rng, rtol=1e-10, atol=1e-10):
-    out, state, plan = edge_mlp.forward(graph, net, args, value)
+def check_all(graph, net, args, value, rng, rtol=1e-10, atol=1e-10, unroll=None):
+    out, state, plan = edge_mlp.forward(graph, net, args, value, unroll=unroll)
     dout = rng.standard_normal(out.shape)
     ref, (m, l), grads = oracle(graph, net, args, value, dout)
     assert out.dtype == value.dtype and out.shape == ref.shape
@@ -132,7 +132,7 @@ def check_all(graph, net, args, value, rng, rtol=1e-10, atol=1e-10):
     assert np.all(state.l[~nonempty] == 0) and np.all(np.isneginf(state.m[~nonempty]))
     assert_close("m", state.m[nonempty], m[nonempty], rtol, atol)
     assert_close("l", state.l[nonempty], l[nonempty], rtol, atol)
-    res = edge_mlp.backward(graph, net, args, value, state, dout.astype(value.dtype))
+    res = edge_mlp.backward(graph, net, args, value, state, dout.astype(value.dtype), unroll=unroll)
     for k, (a, want) in enumerate(zip(res["args"], grads["args"])):
         if want is None:
             assert a is None, f"args[{k}] is geometric: its gradient goes to positions"
@@ -150,9 +150,12 @@ def check_all(graph, net, args, value, rng, rtol=1e-10, atol=1e-10):
 
 
 @pytest.fixture(params=["unrolled", "loops"])
-def variant(request, monkeypatch):
-    monkeypatch.setattr(edge_mlp, "_UNROLL", request.param == "unrolled")
+def variant(request):
+    """the CPU kernels' code, forced both ways (edge_mlp's `unroll`)."""
     return request.param
+
+
+UNROLL = {"unrolled": True, "loops": False}
 
 
 @pytest.fixture(params=["relabel", "caller-order"])
@@ -173,7 +176,7 @@ def test_seed_model_radius_graph_all_gradients(variant, relabel):
     x = rng.standard_normal((n, f))
     net = seed_net(f, 8)
     args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
-    out, res, plan = check_all(g, net, args, x, rng)
+    out, res, plan = check_all(g, net, args, x, rng, unroll=UNROLL[variant])
     # isolated destinations: output exactly zero, no NaN anywhere
     assert np.all(out[-3:] == 0)
     assert variant in plan.run_info["kernel"]
@@ -202,7 +205,7 @@ def test_deep_net_distance_explicit_edge_field_and_heads(variant):
                                  nn.Linear(4, 1, seed=4, dtype=np.float64)))
     args = [FieldArg("edge", "distance", None), FieldArg("src", "a", xs), FieldArg("dst", "b", xd),
             FieldArg("edge", "w", ew), FieldArg("edge", "displacement", None)]
-    out, res, _ = check_all(g, net, args, value, rng)
+    out, res, _ = check_all(g, net, args, value, rng, unroll=UNROLL[variant])
     assert out.shape == (n, h, fv)
 
 
@@ -215,7 +218,7 @@ def test_knn_graph_2d_positions_and_src_only_args(variant, relabel):
     net = nn.trace(nn.Sequential(nn.Linear(2 + f, 7, seed=5, dtype=np.float64), nn.ReLU(),
                                  nn.Linear(7, 1, seed=6, dtype=np.float64)))
     args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x)]
-    check_all(g, net, args, x, rng)
+    check_all(g, net, args, x, rng, unroll=UNROLL[variant])
 
 
 def test_general_csr_graph_rectangular_no_geometry(variant):
@@ -232,7 +235,7 @@ def test_general_csr_graph_rectangular_no_geometry(variant):
     net = nn.trace(nn.Sequential(nn.Linear(5, 4, seed=7, dtype=np.float64), nn.LeakyReLU(),
                                  nn.Linear(4, 1, seed=8, dtype=np.float64)))
     args = [FieldArg("src", "k", xs), FieldArg("dst", "q", xd)]
-    out, _, _ = check_all(g, net, args, v, rng)
+    out, _, _ = check_all(g, net, args, v, rng, unroll=UNROLL[variant])
     assert np.all(out[2] == 0)
 
 
@@ -244,7 +247,7 @@ def test_single_linear_score_network(variant):
     x = rng.standard_normal((n, 2))
     net = nn.trace(nn.Linear(3 + 2, 1, seed=9, dtype=np.float64))
     args = [FieldArg("edge", "displacement", None), FieldArg("dst", "x", x)]
-    check_all(g, net, args, x, rng)
+    check_all(g, net, args, x, rng, unroll=UNROLL[variant])
 
 
 def test_float32_within_tolerance():
@@ -392,10 +395,12 @@ def _install_group_shuffles(lanes=4):
     """Simulator only: shfl_sync / shfl_xor_sync for the lanes named in `mask` (one lane
     group of a warp), as a rendezvous of exactly those simulator threads: each posts its
     value, waits for the group, reads its source lane's. The CUDA GAT kernels shuffle only
-    inside a lane group whose lanes all take the same path, which is what this requires."""
+    inside a lane group whose lanes all take the same path, which is what this requires.
+    With the shuffles offered, the kernel factories take `lanes` lanes per row
+    (TIGA_NUMBA_GAT_LANES); without them the simulator runs the one-lane kernels."""
+    import os
     import threading
     from numba.cuda.simulator import kernelapi
-    from tiga_numba.cuda import gat as cuda_gat
     lock = threading.Lock()
 
     def exchange(mask, value, source):
@@ -421,8 +426,7 @@ def _install_group_shuffles(lanes=4):
         mask, value, lambda lane: int(src))
     kernelapi.FakeCUDAModule.shfl_xor_sync = lambda self, mask, value, lm: exchange(
         mask, value, lambda lane: lane ^ int(lm))
-    cuda_gat.SIM_GROUP_SHUFFLES = True
-    cuda_gat.DEFAULT_LANES = lanes
+    os.environ["TIGA_NUMBA_GAT_LANES"] = str(lanes)   # this subprocess only
 
 
 _SIM_SCRIPT = r"""
@@ -430,11 +434,9 @@ import sys, numpy as np
 sys.path.insert(0, {tests!r})
 import sim_support; sim_support.prepare_simulator()
 import test_gat as T
-from tiga_numba import edge_mlp
 from tiga_numba.edge_mlp import FieldArg
 from tiga_numba.graph import Graph
 import tiga_numba.nn as nn
-edge_mlp._CUDA_SIM = True
 LANES = {lanes}
 if LANES > 1:
     T._install_group_shuffles(LANES)
@@ -547,7 +549,7 @@ def test_wide_value_keeps_value_loops(variant):
     x = rng.standard_normal((n, f))
     value = rng.standard_normal((n, SMALL_VALUE + 5))
     args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
-    check_all(g, seed_net(f, 6), args, value, rng)
+    check_all(g, seed_net(f, 6), args, value, rng, unroll=UNROLL[variant])
 
 
 _PTX_SCRIPT = r"""

@@ -58,6 +58,24 @@ def test_options_are_arguments_and_contexts():
         assert np.array_equal(x, y)
 
 
+def test_poison_outputs_is_a_debug_option_the_plan_records(monkeypatch):
+    """poison_outputs (NaN-filled outputs on the CUDA-core kernels, a debugging aid) is an
+    ordinary run option: off by default, on in a context, shown by explain();
+    TIGA_NUMBA_POISON_OUTPUTS=1 sets its default (read once, when run_options is loaded)."""
+    from tiga_numba import run_options
+    q, k, v = _qkv()
+    g = tg.Graph.triangular(12)
+    assert tg.make_plan(q, k, v, g).options.poison_outputs is False
+    with tg.options(poison_outputs=True):
+        plan = tg.make_plan(q, k, v, g)
+        assert plan.options.poison_outputs is True
+        assert "poison_outputs=True" in plan.explain()
+    monkeypatch.setenv("TIGA_NUMBA_POISON_OUTPUTS", "1")
+    assert run_options._env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False) is True
+    monkeypatch.delenv("TIGA_NUMBA_POISON_OUTPUTS")
+    assert run_options._env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False) is False
+
+
 def test_every_family_lives_in_the_registry():
     names = [f.name for f in registry.families()]
     for want in ("cuda.tc", "cuda.blocks", "cuda.csr", "cpu.blocks", "cpu.csr", "cpu.gat",

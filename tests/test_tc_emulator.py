@@ -423,7 +423,7 @@ def test_fp32_ptx_compiles_for_sm90(kind):
 
 
 def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monkeypatch):
-    """Compiled.cubin(): compile_ptx + nvJitLink on a machine without a GPU, written under
+    """TensorCoreKernel.cubin(): compile_ptx + nvJitLink on a machine without a GPU, written under
     TIGA_NUMBA_CACHE_DIR/tc; a second kernel object for the same text reads the file (no NVVM),
     and a different text (another head dim) gets its own file."""
     pytest.importorskip("numba_cuda")
@@ -432,7 +432,7 @@ def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monke
 
     monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path))
     src = G.gen_delta("float16", 64)
-    k = build.Compiled("tc_delta_test", src, "float16", 12, 0)
+    k = build.TensorCoreKernel("tc_delta_test", src, "float16", 12, 0)
     entry, data = k.cubin("sm_90")
     assert data[:4] == b"\x7fELF" and "tc_delta_test" in entry
     files = sorted(p.name for p in (tmp_path / "tc").iterdir() if p.name.endswith(".cubin"))
@@ -441,9 +441,9 @@ def test_cubin_cache_builds_without_a_gpu_and_serves_later_calls(tmp_path, monke
     def no_compile(*a, **kw):
         raise AssertionError("cache hit expected: NVVM must not run")
     monkeypatch.setattr(cuda, "compile_ptx", no_compile)
-    again = build.Compiled("tc_delta_test", src, "float16", 12, 0)
+    again = build.TensorCoreKernel("tc_delta_test", src, "float16", 12, 0)
     assert again.cubin("sm_90") == (entry, data)
-    other = build.Compiled("tc_delta_test", G.gen_delta("float16", 128), "float16", 12, 0)
+    other = build.TensorCoreKernel("tc_delta_test", G.gen_delta("float16", 128), "float16", 12, 0)
     with pytest.raises(AssertionError, match="cache hit expected"):
         other.cubin("sm_90")
 
@@ -457,11 +457,11 @@ def test_cubin_cache_off_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", "0")
     assert build._cache_dir() is None
-    entry, data = build.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("sm_90")
+    entry, data = build.TensorCoreKernel("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("sm_90")
     assert data[:4] == b"\x7fELF" and entry
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="arch"):
-        build.Compiled("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("90")
+        build.TensorCoreKernel("tc_delta_off", G.gen_delta("float16", 64), "float16", 12, 0).cubin("90")
 
 
 def test_shipped_kernel_list_covers_every_routed_variant():
@@ -538,31 +538,40 @@ def test_head_dims_the_swizzle_cannot_serve_are_refused():
             G.Variant("fwd", d, d).check()
 
 
-def test_launch_paths_are_per_device_and_fall_back_once(monkeypatch):
-    """Compiled.__call__ without a GPU: the launcher functions stubbed. A path refused on its
-    first launch falls back to the next one; each device gets its own path (a cubin loaded into
-    one device's context must not be launched on another)."""
-    k = build.Compiled("tc_stub", "def kernel(a):\n    pass\n", "float16", 1, 0)
+def _stub_launches(monkeypatch, k, refuse=(), unavailable=()):
+    """Stub launch.Kernel's device query, path set-up and launch for kernel `k`: set-up of a
+    path in `unavailable` raises; a launch on (path, device) in `refuse` raises. Returns the
+    device cell and the lists of paths made and launches done."""
+    from tiga_numba.cuda import launch
     dev = [0]
-    monkeypatch.setattr(device, "current_device", lambda: dev[0])
+    monkeypatch.setattr(launch, "_get_device", lambda: dev[0])
     made, launched = [], []
 
-    def driver_path():
-        made.append(("driver", dev[0]))
-        return ("driver", dev[0])
+    def make_path(name):
+        if name in unavailable:
+            raise ImportError(f"{name} is not installed")
+        made.append((name, dev[0]))
+        return (name, dev[0])
 
-    def core_path():
-        made.append(("cuda.core", dev[0]))
-        return ("cuda.core", dev[0])
-
-    def launch(path, grid, block, stream, args):
-        if path[0] == "driver" and path[1] == 1:
-            raise RuntimeError("refused on device 1")
+    def fake_launch(path, grid, block, stream, args):
+        if (path[0], path[1]) in refuse:
+            raise RuntimeError(f"{path[0]} refused on device {path[1]}")
+        if args and args[0] == "bad":
+            raise TypeError("a caller's bug")
         launched.append((path, args))
 
-    monkeypatch.setattr(k, "_driver_path", driver_path)
-    monkeypatch.setattr(k, "_core_path", core_path)
-    monkeypatch.setattr(k, "_launch", launch)
+    monkeypatch.setattr(k, "_make_path", make_path)
+    monkeypatch.setattr(k, "_launch", fake_launch)
+    return dev, made, launched
+
+
+def test_launch_paths_are_per_device_and_fall_back_once(monkeypatch):
+    """launch.Kernel.__call__ (here a tensor-core kernel's) without a GPU: the launcher functions
+    stubbed. A path refused on its first launch falls back to the next one that can be set up;
+    each device gets its own path (a cubin loaded into one device's context must not be launched
+    on another); a TypeError (wrong arguments) is the caller's and falls back to nothing."""
+    k = build.TensorCoreKernel("tc_stub", "def kernel(a):\n    pass\n", "float16", 1, 0)
+    dev, made, launched = _stub_launches(monkeypatch, k, refuse={("driver", 1)}, unavailable={"cupy"})
     k((1,), (32,), None, 7)
     k((1,), (32,), None, 8)
     assert made == [("driver", 0)] and launched == [(("driver", 0), (7,)), (("driver", 0), (8,))]
@@ -574,6 +583,43 @@ def test_launch_paths_are_per_device_and_fall_back_once(monkeypatch):
     assert k.launch_path == "cuda.core"
     dev[0] = 0
     assert k.launch_path == "driver"
+    dev[0] = 2
+    with pytest.raises(TypeError):
+        k((1,), (32,), None, "bad")
+    assert made[-1] == ("driver", 2) and k.launch_path is None
+
+
+def test_wgmma_kernels_launch_from_their_cubin_only(monkeypatch):
+    """a wgmma kernel exists for sm_90a only, which numba's own compile cannot target: it may take
+    the cubin paths (driver, then cupy's call) and nothing else, whatever TIGA_NUMBA_LAUNCHER says."""
+    from tiga_numba.cuda import launch
+    k = build.TensorCoreKernel("tc_stub_wg", "def kernel(a):\n    pass\n", "float16", 1, 0, wgmma=True)
+    assert k.launchers == launch.CUBIN_LAUNCHERS
+    dev, made, launched = _stub_launches(monkeypatch, k, refuse={("driver", 0), ("cupy", 0)})
+    with pytest.raises(RuntimeError, match="sm_90a cubin could not be launched"):
+        k((1,), (32,), None, 1)
+    assert made == [("driver", 0), ("cupy", 0)] and launched == []
+    monkeypatch.setenv("TIGA_NUMBA_LAUNCHER", "numba")
+    dev[0] = 1
+    k((1,), (32,), None, 2)
+    assert made[-1] == ("driver", 1) and k.launch_path == "driver"
+
+
+def test_launch_passes_the_dynamic_shared_memory(monkeypatch):
+    """the driver path hands the kernel's dyn_smem to cuLaunchKernel (and 0 for a kernel without)."""
+    import numba
+
+    from tiga_numba.cuda import launch
+    seen = []
+
+    def launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        seen.append((func, (gx, gy, gz), (bx, by, bz), smem, stream))
+
+    stream = launch.StreamRef(77)
+    for smem in (0, 99 * 1024):
+        k = build.TensorCoreKernel("tc_stub_smem", "def kernel(a):\n    pass\n", "float16", 1, 0, dyn_smem=smem)
+        k._launch(("driver", launch_kernel, 5, None, launch._Params((numba.int64,))), (3, 2), (128,), stream, (1,))
+    assert seen == [(5, (3, 2, 1), (128, 1, 1), 0, 77), (5, (3, 2, 1), (128, 1, 1), 99 * 1024, 77)]
 
 
 # ----------------------------------------------------------------------------- wgmma (sm_90a)

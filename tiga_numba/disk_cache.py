@@ -7,6 +7,9 @@ One root folder, ``$TIGA_NUMBA_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tiga_numba
     tc/        generated tensor-core kernel texts and their cubins (cuda/tc/build.py)
     gat/       generated score-network kernel modules, CPU and CUDA (cpu/gat.py, cuda/gat.py)
 
+A cubin is kept as one record file (`write_cubin` / `read_cubin`: the entry name, a newline,
+the cubin), the format both cubin producers share.
+
 ``TIGA_NUMBA_CACHE_DIR=0`` (or empty) turns the caches off: cubins are compiled in every
 process. Generated modules must still be imported from a file (numba's own cache and the
 import system want one), so they go to a private temporary folder instead. The variable is
@@ -20,7 +23,7 @@ import os
 import sys
 import tempfile
 
-__all__ = ["root", "folder", "module_folder", "import_source"]
+__all__ = ["root", "folder", "module_folder", "import_source", "read_cubin", "write_cubin"]
 
 
 def root():
@@ -72,3 +75,35 @@ def import_source(source, prefix, name):
     spec.loader.exec_module(module)
     sys.modules[modname] = module
     return module
+
+
+def read_cubin(path):
+    """(entry name, cubin bytes) from a cache record written by write_cubin, or None (no path,
+    no file, or anything that is not such a record: an older cache layout counts as a miss)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            entry, _, data = fh.read().partition(b"\n")
+    except OSError:
+        return None
+    if not entry or data[:4] != b"\x7fELF":
+        return None
+    return entry.decode("ascii", "replace"), data
+
+
+def write_cubin(path, entry, data):
+    """Store one cache record: the entry name, a newline, the cubin, published with one rename.
+    One file, not a cubin plus an entry file: the entry name holds a per-process counter of
+    numba's, so two processes compiling the same kernel could otherwise pair one's entry name
+    with the other's cubin. Best effort: an unwritable cache only means compiling again."""
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(entry.encode() + b"\n" + data)
+        os.replace(tmp, path)
+    except OSError:
+        pass

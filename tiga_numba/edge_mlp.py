@@ -22,9 +22,14 @@ network with H > 1 outputs gives one softmax per head; that runs in tiga_numba.e
 here.
 
 Entry points (used by tiga_numba.program, also usable directly):
-    forward(graph, net, args, value, return_state=True) -> (out, state, plan)
-    backward(graph, net, args, value, state, dout) -> {"args", "value", "params",
-                                                       "positions", "plan"}
+    forward(graph, net, args, value, return_state=True, unroll=None) -> (out, state, plan)
+    backward(graph, net, args, value, state, dout, unroll=None) -> {"args", "value", "params",
+                                                                    "positions", "plan"}
+`unroll` picks the CPU kernels' code: None unrolls small networks and loops over larger ones
+(cpu/gat.py: get_kernels); True / False force one (results agree within rounding).
+
+Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) numpy inputs run the CUDA kernels,
+simulated on host arrays, so their logic can be checked without a GPU.
 """
 from __future__ import annotations
 
@@ -44,8 +49,6 @@ __all__ = ["FieldArg", "GATState", "GATPlan", "forward", "backward"]
 
 # --------------------------------------------------------------------------- preparation
 _GEOMETRIC = ("displacement", "distance")
-_UNROLL = None  # None: unrolled kernels for small networks, loops otherwise (tests force both)
-_CUDA_SIM = False  # tests only: run the CUDA kernels on numpy arrays under NUMBA_ENABLE_CUDASIM
 
 
 def _library(name, a):
@@ -343,10 +346,17 @@ def _layout(graph, prep):
                    "relabelled CSR cached on the graph)")
 
 
+def _cuda_simulator():
+    """True when numba.cuda is numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)."""
+    from numba.core import config
+    return bool(config.ENABLE_CUDASIM)
+
+
 def _decide(op, graph, prep):
-    """The registry's choice of score-network kernel family for this call."""
+    """The registry's choice of score-network kernel family for this call: the CUDA kernels
+    for cupy inputs, and for numpy inputs under the CUDA simulator."""
     from . import registry
-    backend = "cuda" if (prep.library == "cupy" or _CUDA_SIM) else "cpu"
+    backend = "cuda" if (prep.library == "cupy" or _cuda_simulator()) else "cpu"
     return registry.choose(registry.Request(op=f"gat.{op}", backend=backend,
                                             relation_kind=graph.kind, dtype=str(prep.dtype)))
 
@@ -386,9 +396,9 @@ def _ir_stages(kernel):
 
 # --------------------------------------------------------------------------- forward
 @serialised
-def forward(graph, net, args, value, return_state=True):
+def forward(graph, net, args, value, return_state=True, unroll=None):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
-    plan with explain()/run_info."""
+    plan with explain()/run_info. `unroll`: the CPU kernels' code (module docstring)."""
     prep = _prepare(graph, net, args, value)
     from . import edge_mlp_heads
     if edge_mlp_heads.net_heads(net) > 1:
@@ -396,13 +406,13 @@ def forward(graph, net, args, value, return_state=True):
     decision = _decide("forward", graph, prep)
     if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat
-        if _CUDA_SIM:
+        if prep.library == "numpy":   # the CUDA simulator, on host arrays
             return cuda_gat.forward(graph, net, prep, return_state, decision, xp=np, device="cpu")
         return cuda_gat.forward(graph, net, prep, return_state, decision)
     from .cpu import gat as cpu_gat
     params = dict(net.named_parameters())
     As, Ad, WeT = _node_products(prep, params, np)
-    kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], prep.acc, _UNROLL)
+    kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], prep.acc, unroll)
     lay = _layout(graph, prep)
     As, Ad = lay.gather(As), lay.gather(Ad)  # kernel layout; kept so for the backward
     out = np.empty((prep.num_dst, prep.spec.fv), prep.acc)
@@ -428,9 +438,10 @@ def forward(graph, net, args, value, return_state=True):
 
 # --------------------------------------------------------------------------- backward
 @serialised
-def backward(graph, net, args, value, state, dout):
+def backward(graph, net, args, value, state, dout, unroll=None):
     """Gradients of sum(out * dout): {"args": [grad or None per arg], "value": grad,
-    "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}."""
+    "params": {"0.weight": ..., ...}, "positions": grad or None, "plan": plan}. `unroll`: the
+    CPU kernels' code (module docstring)."""
     if state is None:
         raise ValueError("state must be the state returned by forward(..., return_state=True)")
     from . import edge_mlp_heads
@@ -450,7 +461,7 @@ def backward(graph, net, args, value, state, dout):
     decision = _decide("backward", graph, prep)
     if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat
-        if _CUDA_SIM:  # tests: the CUDA kernels under NUMBA_ENABLE_CUDASIM on numpy arrays
+        if prep.library == "numpy":   # the CUDA simulator, on host arrays
             return cuda_gat.backward(graph, net, prep, state, dout, args, value, decision, xp=np, device="cpu")
         return cuda_gat.backward(graph, net, prep, state, dout, args, value, decision)
     from .cpu import gat as cpu_gat
@@ -460,7 +471,7 @@ def backward(graph, net, args, value, state, dout):
     W1 = params["0.weight"].astype(acc)
     h1 = W1.shape[0]
     WeT = np.ascontiguousarray(W1[:, prep.edge_cols].T) if prep.edge_cols else np.zeros((0, h1), acc)
-    kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], acc, _UNROLL)
+    kern, cache, variant = cpu_gat.get_kernels(prep.spec, prep.P.shape[0], acc, unroll)
     lay = _layout(graph, prep)
     order_note = lay.note
     t_indptr, t_indices, t_perm = lay.transpose()

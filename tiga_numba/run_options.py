@@ -11,11 +11,12 @@
 | ``wgmma`` | True | CUDA, compute capability 9.0: the warpgroup (wgmma) tensor-core kernels; ``False`` uses the mma.sync ones |
 | ``fp32_tensor_cores`` | True | CUDA: float32 inputs run on the tensor cores at fp32-class precision (bf16 x 3 splits on wgmma, 3xTF32 on mma.sync); ``False`` keeps float32 on the SIMT fp32 kernels |
 | ``cpu_tiles`` | None | CPU block kernels: ``(BM, BN)`` query rows x keys per tile; ``None`` takes the machine's rule (``tiga_numba/cpu/tiles.py``: from the L2 cache size). Results agree within rounding whatever the tiles; tile pruning keeps its own fixed tiles |
+| ``poison_outputs`` | False | debugging, CUDA-core kernels: the outputs (and the backward's per-row Delta) are filled with NaN before the kernels run, so an element that no kernel writes shows up as NaN (one fill per array) |
 
 Environment variables only set the defaults, and they are read here, once per process:
 ``TIGA_NUMBA_DETERMINISTIC``, ``TIGA_NUMBA_TENSOR_CORES``, ``TIGA_NUMBA_WGMMA``,
 ``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` turns the option off), ``TIGA_NUMBA_CPU_TILES``
-(``256x256``). The plan records the options it
+(``256x256``), ``TIGA_NUMBA_POISON_OUTPUTS`` (``1`` turns it on). The plan records the options it
 was made with, and ``explain()`` prints them.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Options:
     wgmma: bool = True
     fp32_tensor_cores: bool = True
     cpu_tiles: "tuple | None" = None
+    poison_outputs: bool = False
 
     def describe(self):
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -74,6 +76,7 @@ _DEFAULTS = Options(
     wgmma=_env_flag("TIGA_NUMBA_WGMMA"),
     fp32_tensor_cores=_env_flag("TIGA_NUMBA_FP32_TENSOR_CORES"),
     cpu_tiles=_env_tiles("TIGA_NUMBA_CPU_TILES"),
+    poison_outputs=_env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False),
 )
 _CURRENT = contextvars.ContextVar("tiga_numba_options", default=_DEFAULTS)
 _NAMES = frozenset(f.name for f in fields(Options))

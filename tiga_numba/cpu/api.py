@@ -103,8 +103,6 @@ def _kernel(key, build):
     return kern, kernel_source(kern, KERNELS.last_was_hit)
 
 
-_IR_TEXT = {}
-
 
 def _ir(kernel):
     """{"llvm", "asm"} -> zero-arg callables returning the compiled kernel's text.
@@ -117,19 +115,19 @@ def _ir(kernel):
             if not sigs:
                 return ""
             sig = sigs[-1]
-            memo = _IR_TEXT.get((id(kernel), name))
-            if memo is not None and memo[0] is kernel:
-                return memo[1]
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                res = _inspect(kernel, name, sig)
-            if any("cached code" in str(w.message) for w in caught) or not res:
-                opts = {k: v for k, v in kernel.targetoptions.items() if k not in ("cache", "nopython")}
-                fresh = numba.njit(**opts)(kernel.py_func)
-                fresh.compile(sig)
-                res = _inspect(fresh, name, sig)
-            _IR_TEXT[(id(kernel), name)] = (kernel, res)  # recompiling takes seconds: once
-            return res
+
+            def build():
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    res = _inspect(kernel, name, sig)
+                if any("cached code" in str(w.message) for w in caught) or not res:
+                    opts = {k: v for k, v in kernel.targetoptions.items() if k not in ("cache", "nopython")}
+                    fresh = numba.njit(**opts)(kernel.py_func)
+                    fresh.compile(sig)
+                    res = _inspect(fresh, name, sig)
+                return res
+            # recompiling takes seconds: once per kernel and stage, kept while the kernel lives
+            return KERNELS.derived(kernel, ("cpu.ir.text", name), build)
         return text
     return {"llvm": stage("llvm"), "asm": stage("asm")}
 

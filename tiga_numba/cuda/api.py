@@ -55,20 +55,20 @@ except ImportError:  # pragma: no cover
     _tc = None
 
 
-# Test hook: POISON=True fills every output with NaN before the kernels run (an element no
-# kernel writes then shows as NaN). The tensor-core / CUDA-core choice is an option
-# (tg.options(tensor_cores=False)), decided by the registry.
-POISON = False
-USE_SPLIT = True  # CSR rows longer than a piece -> pieces merged in fixed order
-
 # the split-key (decode) path: block relations whose blocks have at most this many query rows
 from ..registry import DECODE_MAX_ROWS  # noqa: E402,F401  (the cuda.decode family's bound)
 
 
-def _empty(shape, dtype):
-    if POISON:
-        return cupy.full(shape, np.nan, dtype)
-    return cupy.empty(shape, dtype)
+def _poisoned(shape, dtype):
+    return cupy.full(shape, np.nan, dtype)
+
+
+def _allocator(plan):
+    """How this call allocates its outputs (and the backward's per-row Delta): cupy.empty, or
+    NaN-filled arrays when the plan's run options ask for them (run option ``poison_outputs``,
+    a debugging aid: an element that no kernel writes then shows as NaN)."""
+    options = getattr(plan, "options", None)
+    return _poisoned if options is not None and options.poison_outputs else cupy.empty
 
 
 class _Asked:
@@ -306,7 +306,7 @@ def _split_note(sp, what):
 def _forward_csr(rel, dname, D, DV, H, has_bias, mod=None):
     rec = _Record()
     t = _csr_tiles("fwd", dname, D, DV)
-    sp = _csr_split(rel, rel.indptr) if USE_SPLIT else None
+    sp = _csr_split(rel, rel.indptr)
     items = sp is not None
     rec.geo["kern"] = rec.kernel(("csr.fwd", t, has_bias, items, _mod_key(mod)),
                                  lambda: _csr.make_forward(t, has_bias, items, mod))
@@ -406,8 +406,8 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, mod=None, t
             tiles=f"dq: {tq.describe()}; dk/dv: {tk.describe()}")
     Ns = int(rel.num_src)
     t = _csr_tiles("bwd", dname, D, DV)
-    sq = _csr_split(rel, rel.indptr) if USE_SPLIT else None
-    sk = _csr_split(transpose, transpose.indptr) if USE_SPLIT else None
+    sq = _csr_split(rel, rel.indptr)
+    sk = _csr_split(transpose, transpose.indptr)
     grp = H // Hkv
     g["kq"] = rec.kernel(("csr.dq", t, has_bias, sq is not None, _mod_key(mod)),
                          lambda: _csr.make_dq(t, has_bias, sq is not None, mod))
@@ -472,6 +472,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.forward(plan, q, k, v, relation, edge_bias)
+    empty = _allocator(plan)
 
     blocks = _is_blocks(relation)
     if blocks and edge_bias is not None:
@@ -497,9 +498,9 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
     k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
     v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
-    out = _empty((Nq, H, DV), dtype)
-    m = _empty((Nq, H), acc)
-    l = _empty((Nq, H), acc)
+    out = empty((Nq, H, DV), dtype)
+    m = empty((Nq, H), acc)
+    l = empty((Nq, H), acc)
     scale = float(plan.scale)
     grp = H // Hkv
     info.update(rec.info)
@@ -540,6 +541,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
 
 def _decode_forward(plan, q, k, v, relation):
     info = plan.run_info
+    empty = _allocator(plan)
     copies = []
     Nq, H, D = q.shape
     Hkv = k.shape[1]
@@ -551,9 +553,9 @@ def _decode_forward(plan, q, k, v, relation):
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
     k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
     v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
-    out = _empty((Nq, H, DV), dtype)
-    m = _empty((Nq, H), acc)
-    l = _empty((Nq, H), acc)
+    out = empty((Nq, H, DV), dtype)
+    m = empty((Nq, H), acc)
+    l = empty((Nq, H), acc)
     info.update(rec.info)
     splits = g["splits"]
     if g["grid"][0] == 0 or Nq * H == 0:
@@ -596,6 +598,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
         return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)
+    empty = _allocator(plan)
 
     blocks = _is_blocks(relation)
     if blocks and edge_bias is not None:
@@ -645,18 +648,18 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     # Delta_i = sum(dO_i * O_i): one pass, read by both gradient kernels (the CSR kernels get
     # it interleaved with m and log(l), one record per gathered (row, head))
     if blocks:
-        delta = _empty((Nq, H), acc)
+        delta = empty((Nq, H), acc)
         pre_args = (dop, outp, delta.data.ptr)
     else:
-        delta = _empty((Nq, H, 3), acc)
+        delta = empty((Nq, H, 3), acc)
         pre_args = (dop, outp, m.data.ptr, l.data.ptr, delta.data.ptr)
     if Nq * H:
         g["pre"](g["pre_grid"], g["pre_block"], stream, *pre_args,
                  os0, os1, os2, oo0, oo1, oo2, Nq * H, H, DV)
 
-    dq = _empty((Nq, H, D), dtype)
-    dk = _empty((Ns, Hkv, D), dtype)
-    dv = _empty((Ns, Hkv, DV), dtype)
+    dq = empty((Nq, H, D), dtype)
+    dk = empty((Ns, Hkv, D), dtype)
+    dv = empty((Ns, Hkv, DV), dtype)
     dbias = None
     strides = (qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2)
     if blocks:
@@ -675,7 +678,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
             dv.fill(0)
     else:
         if has_bias:
-            dbias = _empty((int(relation.indices.shape[0]), H), acc)
+            dbias = empty((int(relation.indices.shape[0]), H), acc)
         di, da = _dummy("int64").data.ptr, _dummy(acc).data.ptr
         sq, sk = g["sq"], g["sk"]
         if Nq * H:

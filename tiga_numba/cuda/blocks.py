@@ -77,7 +77,8 @@ def make_forward(t, prune, mod=None):
     PRUNE = bool(prune)
     # reduce-scatter of G keys' partial scores; only while the G-key loop body (R*G*DSQ FMAs)
     # is small enough for the compiler to unroll it fully (else `part` would go to local memory)
-    TRS = (not SIM or _launch.SIM_SHUFFLES) and 1 < G and R * G <= 32 and R * G * DSQ <= 256
+    # (the simulator: only where it offers the shuffles, see launch.simulator_has)
+    TRS = (not SIM or _launch.simulator_has("shfl_xor_sync", "syncwarp")) and 1 < G and R * G <= 32 and R * G * DSQ <= 256
     LOGG = G.bit_length() - 1
     PS = R * G if TRS else R
     PVS = R * VEC

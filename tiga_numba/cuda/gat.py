@@ -48,9 +48,6 @@ from ..score_net_source import (indented, route_edge_grad, u_backward, u_feature
 from ..edge_mlp_records import GATState, col_runs, finish_grads, make_plan
 from ..kernel_cache import KERNELS
 
-# Simulator only: set by tests after installing a lane-group shuffle emulation; without it
-# the simulator runs the one-lane kernels (no shuffles at all).
-SIM_GROUP_SHUFFLES = False
 DEFAULT_LANES = 4  # measured on one H200 (F = 8 and 64): 4 < 8 < 16 in fwd+bwd time
 MAX_NT = 128
 BLOCKS_PER_SM = 8  # backward A's fixed grid: this many blocks per multiprocessor
@@ -59,13 +56,13 @@ SHARED_BYTES = 40 * 1024
 
 def lanes_for(spec):
     """Lanes per row: TIGA_NUMBA_GAT_LANES overrides (benchmarks); under the simulator 1
-    unless a group-shuffle emulation is installed."""
-    from .launch import SIM
+    unless it offers the lane-group shuffles (launch.simulator_has)."""
+    from .launch import SIM, simulator_has
     env = os.environ.get("TIGA_NUMBA_GAT_LANES")
     g = int(env) if env else DEFAULT_LANES
     if g not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"TIGA_NUMBA_GAT_LANES must be a power of two <= 32, got {g}")
-    if SIM and not SIM_GROUP_SHUFFLES:
+    if SIM and not simulator_has("shfl_sync", "shfl_xor_sync"):
         return 1
     return g
 
@@ -569,7 +566,7 @@ def get_kernels(spec, p_size, dtype):
         raise NotImplementedError(f"score network has {n_pg} parameter-gradient slots per "
                                   "edge; the CUDA kernel's shared reduction takes at most "
                                   f"{SHARED_BYTES // ((nt // G) * itemsize)}")
-    key = ("gat-cuda", spec, int(p_size), name, G, nt, SIM, SIM_GROUP_SHUFFLES)
+    key = ("gat-cuda", spec, int(p_size), name, G, nt, SIM)
 
     def build():
         module = disk_cache.import_source(generate_source(spec, p_size, name, G, nt, SIM), "tiga_gat_cuda", "gat")

@@ -1,5 +1,9 @@
 """Low-overhead kernel launches: raw pointers in, pre-built launch path out.
 
+`Kernel` is the one launch class of the package: the CUDA-core kernels (blocks.py, csr.py,
+decode.py, common.py, neighbors.py, gat.py) are Kernels, and the generated tensor-core kernels
+are a subclass (tc/build.py: `TensorCoreKernel`) that only says how its cubin is built.
+
 Passing cupy arrays to a numba kernel costs tens of microseconds per array (each one is
 re-wrapped as a DeviceNDArray). The kernels here therefore take every array as an int64
 device address and rebuild a flat 1-D array view inside the kernel (`ptr_array`), so that
@@ -14,6 +18,9 @@ launch on a device fails: cupy's Function call, cuda.core's launch, numba's own 
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1) there are no pointers: the same kernel body is
 wrapped to take host arrays directly, so the logic can be checked without a GPU.
+
+numba and numba.cuda are imported on first use, so the tensor-core package (which subclasses
+`Kernel`) still imports with numpy alone.
 """
 from __future__ import annotations
 
@@ -22,14 +29,21 @@ import os
 import struct
 import threading
 
-import numba
-from numba import cuda
+from .. import disk_cache
 
 SIM = bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") or 0))
-# Tests may install a block-synchronous emulation of shfl_xor_sync / syncwarp in the simulator
-# (valid for kernels whose whole CTA takes every shuffle: the block kernels); factories read
-# this flag to compile their multi-lane paths for the simulator too.
-SIM_SHUFFLES = False
+
+
+def simulator_has(*intrinsics):
+    """Under the simulator: whether its `cuda` module offers every one of `intrinsics` (e.g.
+    "shfl_xor_sync"). numba's simulator has no warp shuffles, so kernel factories compile their
+    one-lane paths for it; an emulation installed on the simulator's module
+    (numba.cuda.simulator.kernelapi.FakeCUDAModule) lets them check the multi-lane paths too.
+    False outside the simulator."""
+    if not SIM:
+        return False
+    from numba.cuda.simulator import kernelapi
+    return all(hasattr(kernelapi.FakeCUDAModule, name) for name in intrinsics)
 
 _CTYPES = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "float32": ctypes.c_float,
            "float64": ctypes.c_double, "uint64": ctypes.c_uint64}
@@ -82,7 +96,14 @@ def array_view(nbtype):
 
 
 class Kernel:
-    """A kernel with a fixed all-scalar signature and a cheap launch.
+    """A kernel with a fixed all-scalar signature and a cheap launch: the one launch class.
+
+    Every GPU kernel of the package goes through it: the CUDA-core kernels made here from a
+    Python function and a parameter spec, and the generated tensor-core kernels
+    (cuda/tc/build.py: `TensorCoreKernel`, a subclass that only says how its cubin and numba
+    dispatcher are built). A subclass may set `dyn_smem` (dynamic shared-memory bytes passed
+    at every launch and allowed on the loaded function) and `launchers` (the launch paths it
+    may take, in `_LAUNCHERS` order).
 
     `pyfunc` is the kernel's Python function; spec lists its parameters in order as
     (name, kind, nbtype) with kind "a" for an array (an int64 device address on the GPU,
@@ -90,134 +111,172 @@ class Kernel:
     or "s" for a scalar. Compiled on first launch; `compile_ptx` works without a GPU.
     """
 
+    #: dynamic shared memory of every launch, in bytes
+    dyn_smem = 0
+    #: the launch paths this kernel may take (a subset of _LAUNCHERS)
+    launchers = None
+
     def __init__(self, name, pyfunc, spec, **jit_options):
         pyfunc.__name__ = pyfunc.__qualname__ = name
         self.name = name
         self.spec = spec
+        self.pyfunc = pyfunc
+        self.jit_options = jit_options
+        import numba
+        from numba import cuda
         if SIM:
-            self.pyfunc = pyfunc
             self._dispatcher = cuda.jit(pyfunc)
             self.sig = None
-            self._conv = None
             return
-        argtys = tuple(numba.int64 if kind == "a" else ty for _, kind, ty in spec)
-        self.pyfunc = pyfunc
-        self.sig = numba.void(*argtys)
-        self.argtypes = argtys
-        self.jit_options = jit_options
         self._dispatcher = None
-        self._conv = [_CTYPES[str(t)] for t in argtys]
+        self._set_signature(tuple(numba.int64 if kind == "a" else ty for _, kind, ty in spec))
+
+    def _set_signature(self, argtypes):
+        """The all-scalar signature, and no launch path picked yet on any device."""
+        import numba
+        self.argtypes = tuple(argtypes)
+        self.sig = numba.void(*self.argtypes)
         self._paths = {}  # device id -> launch path (see _LAUNCHERS)
         self._launched = set()  # devices where a launch went through (no more fallbacks)
 
+    # -- how the kernel is built: the hooks a subclass replaces
     @property
     def dispatcher(self):
         """The numba kernel, compiled on first use (needs a GPU)."""
         if self._dispatcher is None:
-            self._dispatcher = cuda.jit(self.sig, **self.jit_options)(self.pyfunc)
+            self._dispatcher = self._make_dispatcher()
         return self._dispatcher
 
     @dispatcher.setter
     def dispatcher(self, value):
         self._dispatcher = value
 
+    def _make_dispatcher(self):
+        from numba import cuda
+        return cuda.jit(self.sig, **self.jit_options)(self.pyfunc)
+
+    def _device_cubin(self, cc):
+        """(entry name, cubin bytes) of this kernel for compute capability `cc` (cupy's "90"):
+        from the on-disk cache when this exact kernel (name, package sources, numba-cuda
+        version, device) was built before -- no numba compile at all -- else compiled by
+        numba and stored."""
+        path = _cache_path(self.name, cc, self.pyfunc.__code__.co_filename)
+        hit = disk_cache.read_cubin(path)
+        if hit is not None:
+            return hit
+        lib = self.dispatcher.overloads[self.argtypes]._codelibrary
+        cubin = lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1])))
+        cubin = bytes(getattr(cubin, "code", cubin))  # numba-cuda 0.30: a cuda.core ObjectCode
+        disk_cache.write_cubin(path, lib._entry_name, cubin)
+        return lib._entry_name, cubin
+
+    def _no_launch_path(self):
+        """The message when no launch path can be set up or launched on a device."""
+        return f"no launch path could be set up for kernel {self.name}"
+
     # -- compile-only methods: work without a GPU (CI)
     def compile_ptx(self, cc=(9, 0)):
         """PTX text for compute capability `cc`, compiled here (no device needed)."""
+        from numba import cuda
         ptx, _ = cuda.compile_ptx(self.pyfunc, self.argtypes, cc=cc, **self.jit_options)
         return ptx
 
     def ptx(self):
         """PTX of the kernel as it runs (compiled for the current device when one exists);
         memoised: explain()/ir() may ask many times."""
-        if getattr(self, "_ptx", None) is None:
+        if getattr(self, "_ptx_text", None) is None:
             try:
-                self._ptx = self.dispatcher.inspect_asm(self.argtypes)
+                self._ptx_text = self.dispatcher.inspect_asm(self.argtypes)
             except Exception:
-                self._ptx = self.compile_ptx()
-        return self._ptx
+                self._ptx_text = self.compile_ptx()
+        return self._ptx_text
 
     def llvm(self):
-        if getattr(self, "_llvm", None) is None:
+        if getattr(self, "_llvm_text", None) is None:
             try:
-                self._llvm = self.dispatcher.inspect_llvm(self.argtypes)
+                self._llvm_text = self.dispatcher.inspect_llvm(self.argtypes)
             except Exception:
                 return "(LLVM IR is produced when the kernel is compiled for a device)"
-        return self._llvm
+        return self._llvm_text
 
     def resources(self):
-        """(registers, static shared bytes, local bytes per thread) of the compiled kernel."""
+        """dict(regs, smem, local): registers, static shared bytes and local bytes per thread,
+        read from the loaded cubin when a cubin path runs on the current device (no NVVM
+        compile), else from numba's kernel."""
+        path = self._paths.get(_get_device()) if self._paths else None
+        if path is not None and path[0] in ("driver", "cupy"):
+            from cupy.cuda import driver
+            f = path[2] if path[0] == "driver" else path[1].ptr
+            # CU_FUNC_ATTRIBUTE_{NUM_REGS, SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES}
+            return dict(regs=driver.funcGetAttribute(4, f), smem=driver.funcGetAttribute(1, f),
+                        local=driver.funcGetAttribute(3, f))
         k = self.dispatcher.overloads[self.argtypes]
-        return (k.get_regs_per_thread(), k.get_shared_mem_per_block(), k.get_local_mem_per_thread())
-
-    def _cubin(self):
-        """(entry name, cubin bytes) of this kernel for the current device: from the on-disk
-        cache when this exact kernel (name, package sources, numba-cuda version, device) was
-        built before -- no numba compile at all -- else compiled by numba and stored."""
-        import cupy
-        cc = cupy.cuda.Device().compute_capability
-        path = _cache_path(self.name, cc, self.pyfunc.__code__.co_filename)
-        hit = read_cubin(path)
-        if hit is not None:
-            return hit
-        lib = self.dispatcher.overloads[self.argtypes]._codelibrary
-        cubin = lib.get_cubin(cc=(int(cc[:-1]), int(cc[-1])))
-        cubin = bytes(getattr(cubin, "code", cubin))  # numba-cuda 0.30: a cuda.core ObjectCode
-        write_cubin(path, lib._entry_name, cubin)
-        return lib._entry_name, cubin
+        return dict(regs=k.get_regs_per_thread(), smem=k.get_shared_mem_per_block(),
+                    local=k.get_local_mem_per_thread())
 
     # -- launch paths, picked once per kernel and device (see _LAUNCHERS)
     def _load_function(self):
-        """(cupy Module, CUfunction handle) of this kernel on the current device."""
+        """(cupy Module, CUfunction) of this kernel on the current device, its dynamic
+        shared-memory limit raised to `dyn_smem` (above the 48 KB default when asked)."""
         import cupy
-        entry, cubin = self._cubin()
+        entry, cubin = self._device_cubin(cupy.cuda.Device().compute_capability)
         module = cupy.cuda.function.Module()
         module.load(cubin)
-        return module, module.get_function(entry)
+        func = module.get_function(entry)
+        if self.dyn_smem:
+            from cupy.cuda import driver
+            driver.funcSetAttribute(func.ptr, 8, int(self.dyn_smem))  # ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
+        return module, func
+
+    def _make_path(self, name):
+        """Set up launch path `name` on the current device (raises when it is not available)."""
+        if name == "driver":
+            from cupy.cuda import driver
+            module, func = self._load_function()
+            return ("driver", driver.launchKernel, int(func.ptr), module, _Params(self.argtypes))
+        if name == "cupy":
+            module, func = self._load_function()
+            return ("cupy", func, [_NP_SCALARS[str(t)] for t in self.argtypes], module)
+        if name == "cuda.core":
+            from cuda.core import LaunchConfig, launch
+            func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
+            return ("cuda.core", launch, LaunchConfig, func, [_CTYPES[str(t)] for t in self.argtypes])
+        self.dispatcher.overloads[self.argtypes]  # noqa: B018 - compiles numba's kernel now
+        return ("numba",)
 
     def _prepare(self, dev, skip=()):
-        """The launch path for device `dev`: the first of _LAUNCHERS (from
+        """The launch path for device `dev`: the first of this kernel's launchers (from
         TIGA_NUMBA_LAUNCHER on) that can be set up, minus those in `skip`."""
+        allowed = self.launchers or _LAUNCHERS
         first = os.environ.get("TIGA_NUMBA_LAUNCHER", "driver")
         order = _LAUNCHERS[_LAUNCHERS.index(first):] if first in _LAUNCHERS else _LAUNCHERS
+        order = [n for n in order if n in allowed] or list(allowed)
+        error = None
         for name in order:
             if name in skip:
                 continue
             try:
-                if name == "driver":
-                    from cupy.cuda import driver
-                    module, func = self._load_function()
-                    path = ("driver", driver.launchKernel, int(func.ptr), module,
-                            _Params(self.argtypes))
-                elif name == "cupy":
-                    module, func = self._load_function()
-                    conv = [_NP_SCALARS[str(t)] for t in self.argtypes]
-                    path = ("cupy", func, conv, module)
-                elif name == "cuda.core":
-                    from cuda.core import LaunchConfig, launch
-                    func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
-                    path = ("cuda.core", launch, LaunchConfig, func)
-                else:
-                    path = ("numba", self.dispatcher.overloads[self.argtypes])
-            except Exception:  # this path is not available here: try the next one
+                path = self._make_path(name)
+            except Exception as exc:  # this path is not available here: try the next one
+                error = exc
                 continue
             self._paths[dev] = path
             return path
-        raise RuntimeError(f"no launch path could be set up for kernel {self.name}")
+        raise RuntimeError(self._no_launch_path()) from error
 
     def __call__(self, grid, block, stream, *args):
         """Launch on `stream` (a StreamRef for cupy's current stream; None under the
-        simulator) with 3-tuples grid and block."""
+        simulator) with grid and block as 1- to 3-tuples."""
         if SIM:
             self.dispatcher[grid, block](*args)
             return
         dev = _get_device()
         path = self._paths.get(dev)
-        if path is None:
-            path = self._prepare(dev)
-        if dev in self._launched:
+        if path is not None and dev in self._launched:
             self._launch(path, grid, block, stream, args)
             return
+        if path is None:
+            path = self._prepare(dev)
         tried = []
         while True:  # the first launch on a device may refuse a path: fall back, once each
             try:
@@ -237,31 +296,35 @@ class Kernel:
         kind = path[0]
         if kind == "driver":
             _, launch_kernel, func, _, params = path
-            params.launch(launch_kernel, func, grid, block, 0, stream.ptr, args)
+            params.launch(launch_kernel, func, grid, block, self.dyn_smem, stream.ptr, args)
         elif kind == "cupy":
             _, func, conv, _ = path
-            func(grid, block, tuple([c(a) for c, a in zip(conv, args)]), 0, stream)
+            func(tuple(grid), tuple(block), tuple([c(a) for c, a in zip(conv, args)]), self.dyn_smem, stream)
         elif kind == "cuda.core":
-            _, launch, LaunchConfig, func = path
-            launch(stream.core(), LaunchConfig(grid=grid, block=block), func,
-                   *[c(a) for c, a in zip(self._conv, args)])
+            _, launch, LaunchConfig, func, conv = path
+            launch(stream.core(), LaunchConfig(grid=grid, block=block, shmem_size=self.dyn_smem), func,
+                   *[c(a) for c, a in zip(conv, args)])
         else:
-            path[1].launch(args, grid, block, stream.numba(), 0)
+            self.dispatcher.overloads[self.argtypes].launch(args, grid, block, stream.numba(), self.dyn_smem)
 
     @property
     def launch_path(self):
         """Which launcher this kernel uses on the current device ("driver", "cupy",
-        "cuda.core", "numba"), or None before its first launch there."""
-        path = self._paths.get(_get_device()) if not SIM else None
-        return path[0] if path else None
+        "cuda.core", "numba") once a launch went through there, else None."""
+        if SIM:
+            return None
+        dev = _get_device()
+        return self._paths[dev][0] if dev in self._launched else None
 
 
 #: launch paths, fastest first. "driver": cuLaunchKernel (cupy's binding) on the cubin loaded
 #: by cupy, the parameters packed into a buffer made once per kernel; "cupy": cupy's
-#: RawModule-style Function call (converts each argument); "cuda.core": cuda.core's launch;
-#: "numba": numba's own launch of its compiled kernel. TIGA_NUMBA_LAUNCHER picks the first
-#: one tried (benchmarks compare them).
+#: RawModule-style Function call on the same cubin (converts each argument); "cuda.core":
+#: cuda.core's launch of numba's compiled kernel; "numba": numba's own launch of it.
+#: TIGA_NUMBA_LAUNCHER picks the first one tried (benchmarks compare them).
 _LAUNCHERS = ("driver", "cupy", "cuda.core", "numba")
+#: the paths that launch the cubin itself, for kernels numba's own compile cannot target
+CUBIN_LAUNCHERS = ("driver", "cupy")
 
 _FORMATS = {"int64": "q", "uint64": "Q", "int32": "i", "float32": "f", "float64": "d"}
 
@@ -363,44 +426,11 @@ def _shared_hash():
     return h
 
 
-def read_cubin(path):
-    """(entry name, cubin bytes) from a cache record written by write_cubin, or None (no path,
-    no file, or anything that is not such a record: an older cache layout counts as a miss)."""
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as fh:
-            entry, _, data = fh.read().partition(b"\n")
-    except OSError:
-        return None
-    if not entry or data[:4] != b"\x7fELF":
-        return None
-    return entry.decode("ascii", "replace"), data
-
-
-def write_cubin(path, entry, data):
-    """Store one cache record: the entry name, a newline, the cubin, published with one rename.
-    One file, not a cubin plus an entry file: the entry name holds a per-process counter of
-    numba's, so two processes compiling the same kernel could otherwise pair one's entry name
-    with the other's cubin. Best effort: an unwritable cache only means compiling again."""
-    if path is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(entry.encode() + b"\n" + data)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def _cache_path(name, cc, source=None):
     """Cubin cache file for kernel `name` defined in file `source` (None when caching is off:
     TIGA_NUMBA_CACHE_DIR=0; disk_cache.py holds the folder). The key holds the shared sources' hash and the defining file's
     own hash, so an edit of any module that defines kernels (blocks.py, csr.py, neighbors.py,
     ...) never loads a stale cubin under an unchanged kernel name."""
-    from .. import disk_cache
     root = disk_cache.folder("cuda")
     if root is None:
         return None
@@ -438,6 +468,7 @@ class StreamRef:
 
     def numba(self):
         if self._numba is None:
+            from numba import cuda
             self._numba = cuda.external_stream(self.ptr) if self.ptr else cuda.default_stream()
         return self._numba
 

@@ -212,17 +212,14 @@ def _dq_from_accumulator(acc, dqp, n, dtype, scale):
     mem = cupy.cuda.UnownedMemory(dqp, n * np.dtype(store).itemsize, None)
     out = cupy.ndarray((n,), dtype=store, memptr=cupy.cuda.MemoryPointer(mem, 0))
     if dtype == "bfloat16":   # round to nearest even on the bits (no bf16 dtype needed)
-        k = _KERN.get("bf16") or _KERN.setdefault("bf16", cupy.ElementwiseKernel(
+        k = KERNELS.derived(None, "tc.dq_bf16", lambda: cupy.ElementwiseKernel(
             "float32 a, float32 s", "uint16 d",
             "unsigned int b = __float_as_uint(a * s); d = (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16)",
             "tiga_dq_bf16"))
     else:
-        k = _KERN.get("cast") or _KERN.setdefault("cast", cupy.ElementwiseKernel(
+        k = KERNELS.derived(None, "tc.dq_cast", lambda: cupy.ElementwiseKernel(
             "float32 a, float32 s", "T d", "d = (T)(a * s)", "tiga_dq_cast"))
     k(acc[:n], np.float32(scale), out)
-
-
-_KERN = {}
 
 
 def _dq_zero_fill(rec, nd, fused):

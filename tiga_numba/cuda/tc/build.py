@@ -1,8 +1,9 @@
-"""Compiled tensor-core kernels: a generated text becomes a launchable kernel (`Compiled`),
-its cubin is built with compile_ptx + nvJitLink (no GPU needed) and kept in the disk cache,
-and `build_cubins()` fills that cache for every shipped kernel ahead of the first call
-(`python -m tiga_numba.cuda.tc.prebuild`). One `Compiled` per Variant lives in the process-wide
-kernel cache (`kernel()`, `delta_kernel()`)."""
+"""Compiled tensor-core kernels: a generated text becomes a launchable kernel
+(`TensorCoreKernel`, a launch.Kernel that knows how its cubin is built), its cubin is built
+with compile_ptx + nvJitLink (no GPU needed) and kept in the disk cache, and `build_cubins()`
+fills that cache for every shipped kernel ahead of the first call
+(`python -m tiga_numba.cuda.tc.prebuild`). One `TensorCoreKernel` per Variant lives in the
+process-wide kernel cache (`kernel()`, `delta_kernel()`)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import os
 
 from ... import disk_cache
 from ...kernel_cache import KERNELS
-from . import device
+from ..launch import CUBIN_LAUNCHERS, Kernel
 from . import generator as G
 from .tuning import WGMMA_HEAD_DIMS, atomic_shape, atomic_variant, head_dims, variant
 
@@ -92,28 +93,33 @@ def _numba_cuda_version():
         return "?"
 
 
-class Compiled:
-    """One generated kernel with an explicit all-scalar signature; cheap launches.
+class TensorCoreKernel(Kernel):
+    """One generated tensor-core kernel: how its cubin and its numba dispatcher are built.
+    Launching is launch.Kernel's (the raw-pointer driver path and its fallbacks), with
+    `dyn_smem` bytes of dynamic shared memory at every launch.
 
     The launch path runs a cubin from the cubin cache (`cubin()`: keyed by the generated text,
-    the intrinsics it imports (ptx.py), the numba-cuda version and the architecture; built on a miss with compile_ptx + nvJitLink,
-    which needs no GPU, so `build_cubins()` can fill the cache on any machine). numba's own
-    dispatcher (NVVM compile of the same function) is made only when something needs it: the
-    fallback launch paths, or PTX / LLVM / resource inspection without a loaded cubin."""
+    the intrinsics it imports (ptx.py), the numba-cuda version and the architecture; built on a
+    miss with compile_ptx + nvJitLink, which needs no GPU, so `build_cubins()` can fill the
+    cache on any machine). numba's own dispatcher (NVVM compile of the same function) is made
+    only when something needs it: the fallback launch paths, or PTX / LLVM / resource
+    inspection without a loaded cubin. wgmma kernels exist for sm_90a only, which numba's own
+    compile (sm_90) cannot target: they launch from their cubin or not at all."""
 
     def __init__(self, name, src, dtype, ni, nf, dyn_smem=0, wgmma=False):
         import numba
         self.name, self.src, self.dtype, self.dyn_smem = name, src, dtype, dyn_smem
         self.wgmma = wgmma   # sm_90a only: wgmma has no sm_90 (or any other arch) encoding
-        self.argtypes = (numba.int64,) * ni + (numba.float32,) * nf
-        self.sig = numba.void(*self.argtypes)
+        if wgmma:
+            self.launchers = CUBIN_LAUNCHERS
+        self.jit_options = dict(fastmath=True)
         self.disk_cache = None      # numba's cache=True in use (known once the function is made)
         self._fn = None
         self._dispatcher = None
-        # launch path per device: a cubin is loaded into one device's context
-        self._paths, self._launched = {}, set()
+        self._set_signature((numba.int64,) * ni + (numba.float32,) * nf)
 
-    def _pyfunc(self):
+    @property
+    def pyfunc(self):
         """the generated kernel as a Python function: imported from a real file when possible, so
         numba's on-disk cache (cache=True) can serve the dispatcher too."""
         if self._fn is None:
@@ -125,24 +131,31 @@ class Compiled:
                 self._fn, self.disk_cache = env["kernel"], False
         return self._fn
 
-    @property
-    def dispatcher(self):
-        if self._dispatcher is None:
-            from numba import cuda
-            fn = self._pyfunc()   # sets disk_cache: an exec'd function has no file numba could cache for
-            self._dispatcher = cuda.jit(self.sig, fastmath=True, cache=bool(self.disk_cache))(fn)
-            if self.dyn_smem:
-                self._raise_smem_limit(self.dyn_smem)
-        return self._dispatcher
+    def _make_dispatcher(self):
+        from numba import cuda
+        fn = self.pyfunc   # sets disk_cache: an exec'd function has no file numba could cache for
+        dispatcher = cuda.jit(self.sig, cache=bool(self.disk_cache), **self.jit_options)(fn)
+        if self.dyn_smem:
+            self._raise_smem_limit(dispatcher, self.dyn_smem)
+        return dispatcher
 
-    def _raise_smem_limit(self, nbytes):
+    def _raise_smem_limit(self, dispatcher, nbytes):
         """allow nbytes of dynamic shared memory (above the 48 KB default) for numba's kernel."""
         from numba.cuda.cudadrv.driver import binding, driver
-        f = self._dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc()
+        f = dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc()
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
 
-    # -- the cubin cache: one record per kernel text x arch (launch.read_cubin / write_cubin)
+    def _device_cubin(self, cc):
+        return self.cubin(f"sm_{cc}")
+
+    def _no_launch_path(self):
+        if self.wgmma:
+            return (f"{self.name}: the sm_90a cubin could not be launched through cupy "
+                    "(TIGA_NUMBA_WGMMA=0 selects the mma.sync kernels)")
+        return super()._no_launch_path()
+
+    # -- the cubin cache: one record per kernel text x arch (disk_cache.read_cubin / write_cubin)
     def _cubin_file(self, arch):
         import hashlib
         d = _cache_dir()
@@ -163,12 +176,10 @@ class Compiled:
     def _ptx(self, arch):
         """numba's PTX for `arch` (NVVM, no GPU); for sm_90a its `.target sm_90` line is raised."""
         import re
-
-        from numba import cuda
         m = re.fullmatch(r"sm_(\d+)(\d)a?", arch)
         if m is None:
             raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
-        ptx, _ = cuda.compile_ptx(self._pyfunc(), self.argtypes, cc=(int(m[1]), int(m[2])), fastmath=True)
+        ptx = self.compile_ptx(cc=(int(m[1]), int(m[2])))
         if arch.endswith("a"):
             ptx, n = re.subn(r"^\.target sm_(\d+)\s*$", f".target {arch}", ptx, count=1, flags=re.M)
             assert n == 1, "no .target line in numba's PTX"
@@ -185,8 +196,7 @@ class Compiled:
         wgmma kernels are built for sm_90a (numba's PTX says sm_90: its target line is raised)."""
         arch = self._target(arch)
         path = self._cubin_file(arch)
-        from .. import launch as L   # lazy: numba.cuda loads with the first GPU use
-        hit = L.read_cubin(path)
+        hit = disk_cache.read_cubin(path)
         if hit is not None:
             return hit
         import re
@@ -194,7 +204,7 @@ class Compiled:
         entry = re.search(r"\.entry\s+([\w$]+)", ptx).group(1)
         linked = self._link(ptx, arch)[1]
         data = bytes(getattr(linked, "code", linked))
-        L.write_cubin(path, entry, data)
+        disk_cache.write_cubin(path, entry, data)
         return entry, data
 
     def ptxas(self, arch="sm_90"):
@@ -209,105 +219,6 @@ class Compiled:
         return dict(regs=int(regs.group(1)) if regs else None,
                     spill_stores=int(spill.group(1)) if spill else 0, spill_loads=int(spill.group(2)) if spill else 0,
                     serialised="C7509" in log or "serialized" in log, ptx=ptx, log=log)
-
-    def ptx(self):
-        return self.dispatcher.inspect_asm(self.argtypes)
-
-    def llvm(self):
-        return self.dispatcher.inspect_llvm(self.argtypes)
-
-    def resources(self):
-        """registers / static shared / local bytes per thread: read from the loaded cubin when
-        the driver path is in use (no NVVM compile), else from numba's kernel."""
-        path = self._paths.get(device.current_device()) if self._paths else None
-        if path is not None and path[0] == "driver":
-            from cupy.cuda import driver
-            f = path[2]   # CU_FUNC_ATTRIBUTE_{NUM_REGS, SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES}
-            return dict(regs=driver.funcGetAttribute(4, f), smem=driver.funcGetAttribute(1, f),
-                        local=driver.funcGetAttribute(3, f))
-        d, sig = self.dispatcher, self.sig
-        return dict(regs=d.get_regs_per_thread(sig), smem=d.get_shared_mem_per_block(sig),
-                    local=d.get_local_mem_per_thread(sig))
-
-    # -- launch paths, fastest first, picked on the first launch (a refused path falls back once):
-    #    "driver": cuLaunchKernel (cupy's binding) on the cubin loaded by cupy, parameters packed
-    #    into a buffer made once (launch._Params), the path launch.Kernel uses for the CUDA-core
-    #    kernels; "cuda.core": cuda.core's launch; "numba": numba's own launch.
-    def _driver_path(self):
-        import cupy
-        from cupy.cuda import driver
-
-        from .. import launch as L
-        entry, data = self.cubin(f"sm_{cupy.cuda.Device().compute_capability}")
-        module = cupy.cuda.function.Module()
-        module.load(data)
-        func = module.get_function(entry)
-        if self.dyn_smem:
-            driver.funcSetAttribute(func.ptr, 8, int(self.dyn_smem))  # ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
-        return ("driver", driver.launchKernel, int(func.ptr), module, L._Params(self.argtypes))
-
-    def _core_path(self):
-        import ctypes
-
-        from cuda.core import LaunchConfig, launch
-        func = self.dispatcher.overloads[self.argtypes]._codelibrary.get_cufunc().kernel
-        conv = [ctypes.c_int64 if str(t) == "int64" else ctypes.c_float for t in self.argtypes]
-        return ("cuda.core", launch, LaunchConfig, func, conv)
-
-    def _next_path(self, tried):
-        if self.wgmma:   # numba's own compile targets sm_90, which has no wgmma: the sm_90a cubin or nothing
-            if tried:
-                raise RuntimeError(f"{self.name}: the sm_90a cubin could not be launched through cupy's "
-                                   "driver binding (TIGA_NUMBA_WGMMA=0 selects the mma.sync kernels)")
-            return self._driver_path()
-        for name, make in (("driver", self._driver_path), ("cuda.core", self._core_path)):
-            if name in tried:
-                continue
-            try:
-                return make()
-            except Exception:  # noqa: BLE001 - not available with this cupy / numba-cuda
-                tried.append(name)
-        return ("numba",)
-
-    def _launch(self, path, grid, block, stream, args):
-        kind = path[0]
-        if kind == "driver":
-            _, launch_kernel, func, _, params = path
-            params.launch(launch_kernel, func, grid, block, self.dyn_smem, stream.ptr, args)
-        elif kind == "cuda.core":
-            _, launch, LaunchConfig, func, conv = path
-            launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=self.dyn_smem), func,
-                   *[c(a) for c, a in zip(conv, args)])
-        else:
-            self.dispatcher[grid, block, stream.numba(), self.dyn_smem](*args)
-
-    def __call__(self, grid, block, stream, *args):
-        dev = device.current_device()
-        path = self._paths.get(dev)
-        if path is not None and dev in self._launched:
-            self._launch(path, grid, block, stream, args)
-            return
-        tried = []
-        if path is None:
-            path = self._paths[dev] = self._next_path(tried)
-        while True:   # the first launch on a device may refuse a path: fall back, once each
-            try:
-                self._launch(path, grid, block, stream, args)
-            except Exception:  # noqa: BLE001
-                if path[0] == "numba":
-                    raise
-                tried.append(path[0])
-                path = self._paths[dev] = self._next_path(tried)
-                continue
-            self._launched.add(dev)
-            return
-
-    @property
-    def launch_path(self):
-        """"driver", "cuda.core" or "numba" once launched on the current device, else None."""
-        dev = device.current_device()
-        return self._paths[dev][0] if dev in self._launched else None
-
 
 
 _INTRINSICS_HASH = []
@@ -333,14 +244,14 @@ def kernel(v):
     """(compiled kernel, cache 'hit'/'miss') for a Variant."""
     before = KERNELS.misses
     ni, nf = signature(v)
-    k = KERNELS.get(("tc", v), lambda: Compiled(v.name(), G.gen_source(v), v.dtype, ni, nf,
+    k = KERNELS.get(("tc", v), lambda: TensorCoreKernel(v.name(), G.gen_source(v), v.dtype, ni, nf,
                                                 v.smem_bytes() if v.dynamic_smem else 0, v.wgmma))
     return k, ("miss" if KERNELS.misses > before else "hit")
 
 
 def delta_kernel(dtype, Dv):
     return KERNELS.get(("tc-delta", dtype, Dv),
-                       lambda: Compiled(f"tc_delta_{dtype}_dv{Dv}", G.gen_delta(dtype, Dv), dtype, 12, 0))
+                       lambda: TensorCoreKernel(f"tc_delta_{dtype}_dv{Dv}", G.gen_delta(dtype, Dv), dtype, 12, 0))
 
 
 def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
@@ -369,7 +280,7 @@ def build_one(kind, D, dtype, arch, shape=None):
         k = delta_kernel(dtype, D)
     elif kind in ("dkdv_atomic", "wg:dkdv_atomic"):
         k = kernel(atomic_variant(D, dtype, kind.startswith("wg:")))[0]
-    elif kind.startswith("wg:"):   # built for sm_90a whatever `arch` says (Compiled.cubin)
+    elif kind.startswith("wg:"):   # built for sm_90a whatever `arch` says (TensorCoreKernel.cubin)
         k = kernel(variant(kind[3:], D, D, dtype, wgmma=True))[0]
     else:
         v = G.Variant(kind, D, D, dtype=dtype, **shape).check() if shape else variant(kind, D, D, dtype, wgmma=False)

@@ -146,7 +146,7 @@ def landed(e, v):
 
 
 def shared_array(e, v):
-    if v.dynamic_smem:   # sized at launch (Compiled passes v.smem_bytes())
+    if v.dynamic_smem:   # sized at launch (build.kernel passes v.smem_bytes() as dyn_smem)
         e("sm = cuda.shared.array(0, u8)")
     else:
         e(f"sm = cuda.shared.array({v.smem_bytes()}, u8, alignment=128)")
