@@ -46,11 +46,16 @@ def _have_numba_cuda():
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
              "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
-             "blocks_lane_groups", "blocks_banded_nan", "blocks_causal_nan", "decode_split", "csr_split_hub"]
+             "blocks_lane_groups", "blocks_banded_nan", "blocks_causal_nan", "decode_split", "csr_split_hub",
+             "large_scores", "large_scores_decode"]
+# not met yet (case_large_scores_decode says why)
+_XFAIL = {"large_scores_decode": "decode forward and blocks backward sum the score dot product in "
+                                 "different orders: P off by e^(ulp of the score) at large scores"}
 
 
 @pytest.mark.skipif(not _have_numba_cuda(), reason="numba-cuda is not installed")
-@pytest.mark.parametrize("case", SIM_CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(reason=_XFAIL[c], strict=True))
+                                  if c in _XFAIL else c for c in SIM_CASES])
 def test_simulated_kernels(case):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, os.path.abspath(__file__), case], env=env,
@@ -796,7 +801,83 @@ def case_csr_split_hub():
         check(tag + " dbias", dbias, dS.transpose(1, 2, 0)[rows, indices], 1e-4)
 
 
+def _large_inputs(M, H, Hkv, D, dtype, max_score, scale, seed):
+    """q, k, v, dout whose largest |score| over the mask M is max_score (test_robustness)."""
+    r = np.random.default_rng(seed)
+    nq, ns = M.shape
+    q, k = r.standard_normal((nq, H, D)), r.standard_normal((ns, Hkv, D))
+    raw = np.abs(np.einsum("ihd,jhd->hij", q, np.repeat(k, H // Hkv, 1)) * scale)
+    amp = np.sqrt(max_score / raw[:, M].max())
+    v, dout = r.standard_normal((ns, Hkv, D)), r.standard_normal((nq, H, D))
+    return [x.astype(dtype) for x in (q * amp, k * amp, v, dout)]
+
+
+def case_large_scores():
+    """CUDA-core kernels at large scores (float32 max score 1e6 and 1e8, float16 3e4): m is the
+    natural-log row max exactly as the forward found it, and the backward recomputes the scores
+    in the same units, so the gradients keep a materialised float32 backward's accuracy
+    (test_robustness.assert_large_score_accuracy): blocks (dense and causal segments), CSR with
+    exact ties and split rows (the softmax merge)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_robustness import assert_large_score_accuracy
+    from tiga_numba.cuda.decode import DecodeTiles
+    H, Hkv, D, scale = 2, 1, 4, 0.3
+    for dtype, mx in (("float32", 1e6), ("float32", 1e8), ("float16", 3e4)):
+        seed = int(np.log10(mx))
+        # blocks: a dense 12 x 12 block and a causal 8 x 8 one
+        dst_off = np.array([0, 12, 20], np.int64)
+        causal = np.array([0, 1], np.uint8)
+        M = dense_mask(dst_off, dst_off, causal, 20, 20)
+        q, k, v, dout = _large_inputs(M, H, Hkv, D, dtype, mx, scale, seed)
+        out, m, l, _ = blocks_forward(q, k, v, (dst_off, dst_off, causal), scale, dtype)
+        dq, dk, dv, _ = blocks_backward(dout, q, k, v, out, m, l, (dst_off, dst_off, causal), scale, dtype)
+        assert_large_score_accuracy(q, k, v, dout, M, scale, out, m, dq, dk, dv)
+        # CSR: a hub row cut into pieces, and keys 6..11 copies of 0..5 (exact ties, l = 2)
+        nq = ns = 12
+        M = RNG.random((nq, ns)) < 0.4
+        M[4] = True
+        M[2] = False
+        rows, cols = np.nonzero(M)
+        indptr = np.concatenate([[0], np.cumsum(M.sum(1))]).astype(np.int64)
+        indices = cols.astype(np.int32)
+        perm = np.argsort(indices, kind="stable").astype(np.int64)
+        tptr = np.concatenate([[0], np.cumsum(np.bincount(indices, minlength=ns))]).astype(np.int64)
+        tind = rows[perm].astype(np.int32)
+        q, k, v, dout = _large_inputs(M, H, Hkv, D, dtype, mx, scale, seed + 1)
+        k[6:12] = k[0:6]
+        t = tiles(dtype, D, D, R=1, NT=8)
+        out, m, l = csr_forward(q, k, v, indptr, indices, None, scale, dtype, piece=3, t=t)
+        dq, dk, dv, _ = csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm,
+                                     None, scale, dtype, piece=3, t=t)
+        assert_large_score_accuracy(q, k, v, dout, M, scale, out, m, dq, dk, dv)
+
+
+def case_large_scores_decode():
+    """The split-key decode forward (2 query rows over 19 keys, bottom-right causal, split in 3
+    and merged) with the blocks backward at large scores. Not met yet: decode sums a dot
+    product over its lane groups in another order than the blocks backward recomputes it, so
+    the recomputed row max differs from m by a rounding of the score, which exp() turns into a
+    factor of e^(ulp(s)) on P (e^8 at 1e8); test_simulated_kernels marks it xfail."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_robustness import assert_large_score_accuracy
+    from tiga_numba.cuda.decode import DecodeTiles
+    H, Hkv, D, scale = 2, 1, 4, 0.3
+    for dtype, mx in (("float32", 1e6), ("float32", 1e8), ("float16", 3e4)):
+        seed = int(np.log10(mx))
+        dst_off, src_off = np.array([0, 2], np.int64), np.array([0, 19], np.int64)
+        lo, hi = np.array([-1], np.int64), np.array([17], np.int64)
+        rel = (dst_off, src_off, np.zeros(1, np.uint8), lo, hi)
+        M = band_mask(dst_off, src_off, lo, hi, 2, 19)
+        q, k, v, dout = _large_inputs(M, H, Hkv, D, dtype, mx, scale, seed + 2)
+        td = DecodeTiles(dtype, "float32", D, D, G=2, T=2, NW=1, ROWS=4, threads=4)
+        out, m, l = decode_forward(q, k, v, rel, scale, dtype, td, 3, 8)
+        dq, dk, dv, _ = blocks_backward(dout, q, k, v, out, m, l, rel, scale, dtype)
+        assert_large_score_accuracy(q, k, v, dout, M, scale, out, m, dq, dk, dv)
+
+
 CASES = {
+    "large_scores": case_large_scores,
+    "large_scores_decode": case_large_scores_decode,
     "csr_split_hub": case_csr_split_hub,
     "decode_split": case_decode_split,
     "blocks_banded_nan": case_banded_nan,

@@ -1079,3 +1079,43 @@ def test_nonfinite_outside_the_relation_never_reaches_a_row(monkeypatch, name, r
         _check_rows(dq, rdq, clean_q, f"dq ({what})")
         _check_rows(dk, rdk, clean_keys, f"dk ({what})")
         _check_rows(dv, rdv, clean_keys, f"dv ({what})")
+
+
+#: (dst_offsets, src_offsets, causal) of test_robustness's large-score relations (150 rows)
+LARGE_RELATIONS = {"dense": ([0, 150], [0, 150], [0]), "triangular": ([0, 150], [0, 150], [1]),
+                   "cu_seqlens": ([0, 1, 1, 70, 150], [0, 1, 1, 70, 150], [1, 1, 1, 1])}
+#: shipped-like shapes of both engines: mma.sync (3xTF32 for float32) and wgmma (bf16 x 3)
+LARGE_VARIANTS = {
+    "mma": (dict(NW=4, MT=1, BN=32, a_smem=True), dict(NW=4, MT=1, BN=32, a_smem=True)),
+    "wgmma": (dict(NW=4, BN=64, **WG), dict(NW=4, BN=32, **WG)),
+}
+
+
+@pytest.mark.parametrize("engine", list(LARGE_VARIANTS))
+@pytest.mark.parametrize("kind", list(LARGE_RELATIONS))
+@pytest.mark.parametrize("dtype, max_score", [("float32", 1e6), ("float32", 1e8), ("float16", 3e4)])
+def test_backward_accurate_at_large_scores_emulated(engine, kind, dtype, max_score):
+    """The forward's base-2 row max (m_kernel) carries into the Delta pre-pass unconverted, so
+    the gradients keep a materialised float32 backward's accuracy at any finite score magnitude
+    (test_robustness.check_large_scores, D = 64). Without it, m log2(e) rounded back from the
+    natural-log m puts an ulp of m into every exponent: 2^16 at 1e8."""
+    from test_robustness import _large_score_inputs, assert_large_score_accuracy
+    np_dt = np.float16 if dtype == "float16" else np.float32
+    _, mask, (q, k, v, do) = _large_score_inputs("dense", np_dt, max_score, d=64)
+    dst, src, causal = (np.array(x) for x in LARGE_RELATIONS[kind])
+    mask = np.zeros((150, 150), bool)
+    for b in range(len(causal)):
+        i0, i1, j0, j1 = dst[b], dst[b + 1], src[b], src[b + 1]
+        blk = np.ones((i1 - i0, j1 - j0), bool)
+        mask[i0:i1, j0:j1] = np.tril(blk) if causal[b] else blk
+    scale = 0.3
+    fwd, bwd = LARGE_VARIANTS[engine]
+    vf = G.Variant("fwd", 64, 64, dtype=dtype, **fwd).check()
+    vq = G.Variant("dq", 64, 64, dtype=dtype, **fwd).check()
+    vk = G.Variant("dkdv", 64, 64, dtype=dtype, **bwd).check()
+    stats = {}
+    o, m, l = E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale, stats=stats)
+    out = rounded(o, dtype)
+    dq, dk, dv = E.backward(vq, vk, do, q, k, v, out, m, l, dst, src, causal.astype(np.uint8), scale,
+                            m_kernel=stats["m_kernel"])
+    assert_large_score_accuracy(q, k, v, do, mask, scale, out.astype(np_dt), m, dq, dk, dv)

@@ -94,7 +94,7 @@ def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
     scale = D ** -0.5
     p = plan(scale)
     assert tc.supports(p, qg, kg, vg, rel_)
-    out, m, l = tc.forward(p, qg, kg, vg, rel_)
+    out, m, l, m_kern = tc.forward(p, qg, kg, vg, rel_)
     f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
     ro, rm, rl, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, scale)
     o = f(out.get())
@@ -108,7 +108,7 @@ def test_forward_backward_vs_oracle(D, H, Hkv, name, dt, monkeypatch):
     assert (mh[~live] == -np.inf).all() and (lh[~live] == 0).all() and (o[~live] == 0).all()
     assert "tensor-core" in p.run_info["kernel"]
     assert ("fp32-class" in p.run_info["precision"]) == (dt == "float32")
-    dq, dk, dv, db = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
+    dq, dk, dv, db = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None, m_kernel=m_kern)
     assert db is None
     for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
         g = f(got.get())
@@ -125,7 +125,7 @@ def test_strided_inputs_are_copied_or_read_in_place(dt):
     k = base[:, :1, 1, :]
     v = cupy.asarray(rng.standard_normal((nd, 1, 65)).astype(dt))[:, :, 1:]  # misaligned: copied
     p = plan(0.125)
-    out, m, l = tc.forward(p, q, k, v, rel_)
+    out, m, l, m_kern = tc.forward(p, q, k, v, rel_)
     copies = p.run_info["copies"]
     assert len(copies) == 1 and copies[0].startswith("v:")
     f = lambda x: x.get().astype(np.float64)  # noqa: E731
@@ -162,14 +162,14 @@ def test_launches_take_the_driver_path_and_match_the_fallback(monkeypatch):
         rel_, (d, s, c) = relation("segments")
         nd = int(d[-1])
         q, k, v = (cupy.asarray(rng.standard_normal((nd, 2, D)).astype(np.float16)) for _ in range(3))
-        out, m, l = tc.forward(plan(D ** -0.5), q, k, v, rel_)
+        out, m, l, m_kern = tc.forward(plan(D ** -0.5), q, k, v, rel_)
         kern, _ = tc.build.kernel(tc.tuning.variant("fwd", D, D, "float16"))
         assert kern.launch_path == "driver"
         dev = cupy.cuda.runtime.getDevice()
         saved = kern._paths[dev]
         try:
             kern._paths[dev] = ("numba",)
-            out2, m2, l2 = tc.forward(plan(D ** -0.5), q, k, v, rel_)
+            out2, m2, l2, _ = tc.forward(plan(D ** -0.5), q, k, v, rel_)
         finally:
             kern._paths[dev] = saved
         for a, b in ((out, out2), (m, m2), (l, l2)):
@@ -196,12 +196,12 @@ def test_fused_backward_is_bitwise_repeatable(dt, monkeypatch):
         rel_ = BlockRelation(cupy.asarray(np.array([0, N])), cupy.asarray(np.array([0, N])),
                              cupy.asarray(np.array([causal], np.uint8)), N, N)
         p = plan(D ** -0.5)
-        out, m, l = tc.forward(p, q, k, v, rel_)
-        two_kernel = tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3]
+        out, m, l, m_kern = tc.forward(p, q, k, v, rel_)
+        two_kernel = tc.backward(p, do, q, k, v, out, m, l, rel_, None, m_kernel=m_kern)[:3]
         with monkeypatch.context() as mp:
             mp.setitem(table, ("dkdv", D), dict(tuning.FUSED_DKDV[("float32" if dt == "float32" else "float16", D)],
                                                  fuse_dq=True))
-            runs = [tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3] for _ in range(3)]
+            runs = [tc.backward(p, do, q, k, v, out, m, l, rel_, None, m_kernel=m_kern)[:3] for _ in range(3)]
             assert "fixed key-tile order" in p.run_info["kernel"]
         for other in runs[1:]:
             for a, b in zip(runs[0], other):
@@ -227,11 +227,11 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     q, k, v, do = mk((nd, H, D)), mk((ns, Hkv, D)), mk((ns, Hkv, D)), mk((nd, H, D))
     qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
     p = plan(D ** -0.5)
-    out, m, l = tc.forward(p, qg, kg, vg, rel_)
+    out, m, l, m_kern = tc.forward(p, qg, kg, vg, rel_)
     f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
     *_, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, D ** -0.5)
     set_run_option(monkeypatch, "deterministic", "0")
-    got = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)[:3]
+    got = tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None, m_kernel=m_kern)[:3]
     assert "NOT deterministic" in p.run_info["kernel"]
     for g, want in zip(got, (rdq, rdk, rdv)):
         gh = f(g.get())
@@ -240,7 +240,7 @@ def test_opt_in_float_atomic_backward(D, name, monkeypatch):
     if name == "no_keys":
         assert not np.any(f(got[0].get()))   # no key anywhere: dQ is exactly zero
     set_run_option(monkeypatch, "deterministic", "1")
-    tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None)
+    tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None, m_kernel=m_kern)
     assert "NOT deterministic" not in p.run_info["kernel"]
 
 
@@ -279,8 +279,8 @@ def test_wgmma_fused_backward(D, shape, atomic, monkeypatch):
         mk = lambda sh, sc=1.0: cupy.asarray((rng.standard_normal(sh) * sc).astype(np.float16))  # noqa: E731
         q, k, v, do = mk((nd, 4, D), 1.5), mk((ns, 2, D)), mk((ns, 2, D)), mk((nd, 4, D))
         p = plan(D ** -0.5)
-        out, m, l = tc.forward(p, q, k, v, rel_)
-        dq, dk, dv, _ = tc.backward(p, do, q, k, v, out, m, l, rel_, None)
+        out, m, l, m_kern = tc.forward(p, q, k, v, rel_)
+        dq, dk, dv, _ = tc.backward(p, do, q, k, v, out, m, l, rel_, None, m_kernel=m_kern)
         assert ("NOT deterministic" if atomic else "fixed key-tile order") in p.run_info["kernel"], p.run_info["kernel"]
         assert "wgmma" in p.run_info["kernel"]
         *_, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, D ** -0.5)
@@ -296,8 +296,8 @@ def test_wgmma_fused_backward(D, shape, atomic, monkeypatch):
         rel_ = BlockRelation(cupy.asarray(np.array([0, N])), cupy.asarray(np.array([0, N])),
                              cupy.asarray(np.array([causal], np.uint8)), N, N)
         p = plan(D ** -0.5)
-        out, m, l = tc.forward(p, q, k, v, rel_)
-        runs = [tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3] for _ in range(3)]
+        out, m, l, m_kern = tc.forward(p, q, k, v, rel_)
+        runs = [tc.backward(p, do, q, k, v, out, m, l, rel_, None, m_kernel=m_kern)[:3] for _ in range(3)]
         for other in runs[1:]:
             for a, b in zip(runs[0], other):
                 assert bool(cupy.all(a.view(np.uint16) == b.view(np.uint16)))
@@ -317,9 +317,9 @@ def test_wgmma_routing_and_agreement(monkeypatch):
     for flag in ("1", "0"):
         set_run_option(monkeypatch, "wgmma", flag)
         p = plan(128 ** -0.5)
-        out, m, l = tc.forward(p, q, k, v, rel_)
+        out, m, l, m_kern = tc.forward(p, q, k, v, rel_)
         assert ("wgmma" in p.run_info["kernel"]) == (sm90 and flag == "1")
-        grads = tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3]
+        grads = tc.backward(p, do, q, k, v, out, m, l, rel_, None, m_kernel=m_kern)[:3]
         assert ("wgmma" in p.run_info["kernel"]) == (sm90 and flag == "1")
         res[flag] = [x.get().astype(np.float64) for x in (out, *grads)]
     f = lambda x: x.get().astype(np.float64)  # noqa: E731
@@ -350,9 +350,9 @@ def test_float32_engines_agree_on_long_rows(D, causal, monkeypatch):
     for flag in ("1", "0"):
         set_run_option(monkeypatch, "wgmma", flag)
         p = plan(D ** -0.5)
-        out, m, l = tc.forward(p, q, k, v, rel_)
+        out, m, l, m_kern = tc.forward(p, q, k, v, rel_)
         assert ("bf16 x 3" in p.run_info["precision"]) == (sm90 and flag == "1")
-        grads = tc.backward(p, do, q, k, v, out, m, l, rel_, None)[:3]
+        grads = tc.backward(p, do, q, k, v, out, m, l, rel_, None, m_kernel=m_kern)[:3]
         assert ("bf16 x 3" in p.run_info["kernel"]) == (sm90 and flag == "1")
         res[flag] = [f(x) for x in (out, *grads)]
         for got, want in zip(res[flag], (ro, rdq, rdk, rdv)):
@@ -379,9 +379,9 @@ def test_wgmma_head_dims_32_and_96(D, dt, monkeypatch):
         return
     assert tc.supports(p, q, k, v, rel_)
     _poison(monkeypatch)
-    out, m, l = tc.forward(p, q, k, v, rel_)
+    out, m, l, m_kern = tc.forward(p, q, k, v, rel_)
     assert "wgmma" in p.run_info["kernel"]
-    dq, dk, dv, _ = tc.backward(p, do, q, k, v, out, m, l, rel_, None)
+    dq, dk, dv, _ = tc.backward(p, do, q, k, v, out, m, l, rel_, None, m_kernel=m_kern)
     f = lambda x: x.get().astype(np.float64)  # noqa: E731
     ro, rm, *_, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, D ** -0.5)
     tol = TOL[dt]
@@ -408,14 +408,14 @@ def test_pruned_forward_on_the_tensor_cores(dt, wgmma, causal, monkeypatch):
     rel_ = BlockRelation(cupy.asarray(d), cupy.asarray(s), cupy.asarray(np.array([causal], np.uint8)), n, n)
     p = types.SimpleNamespace(scale=0.125, prune_threshold=rho, score="dot", run_info={})
     assert tc.supports(p, qg, kg, vg, rel_)
-    out, m, l = tc.forward(p, qg, kg, vg, rel_)
+    out, m, l, m_kern = tc.forward(p, qg, kg, vg, rel_)
     vr = tuning.variant("fwd", D, D, dt)
     ro, pruned, visited = prune_oracle(q, k, v, d, s, [causal], 0.125, rho, vr.BM, vr.BN)
     assert "tile pruning" in p.run_info["kernel"]
     assert (p.run_info["pruned_tiles"], p.run_info["total_tiles"]) == (pruned, visited) and pruned > 0
     assert rel(out.get().astype(np.float64), ro) < (2e-5 if dt == "float32" else 4e-3)
     with pytest.raises(NotImplementedError):
-        tc.backward(p, qg, qg, kg, vg, out, m, l, rel_, None)
+        tc.backward(p, qg, qg, kg, vg, out, m, l, rel_, None, m_kernel=m_kern)
 
 
 def test_pruned_call_defers_its_counter_read():

@@ -1,8 +1,16 @@
 """CUDA backend entry points (docs/INTERNALS.md, "Backend entry points").
 
-    forward(plan, q, k, v, relation, edge_bias=None, score_mod=None) -> (out, m, l)
+    forward(plan, q, k, v, relation, edge_bias=None, score_mod=None) -> (out, m, l[, m_kernel])
     backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
-             score_mod=None) -> (dq, dk, dv, dbias) [+ ({leaf: gradient},) with score_mod]
+             score_mod=None, m_kernel=None) -> (dq, dk, dv, dbias) [+ ({leaf: gradient},) with score_mod]
+
+Row statistics at large scores. The CUDA-core kernels (blocks, csr, decode and their merges)
+compute scores and the softmax in natural-log units, so the m they store is the row max exactly
+as their backward recomputes it (blocks.py, csr.py: exp(s - m) * (1 / l), exp((s - m) - log l));
+they return no m_kernel and their backward reads m. The tensor-core kernels work in base 2
+(scores times scale log2(e)): their forward also returns m_kernel, the base-2 row max as the
+softmax used it, which their backward reads instead of converting m back (cuda/tc/api.py). The
+backend's m_kernel is therefore always in base-2 units; a CUDA-core backward ignores it.
 
 Score modifiers (score_mod.BoundModifier) run on the CUDA-core kernels (cuda.blocks, cuda.csr):
 the tree is compiled into them (cuda/score_codegen.py; kernels and launch records are keyed on
@@ -593,11 +601,13 @@ def _decode_forward(plan, q, k, v, relation):
 
 # --------------------------------------------------------------------------- backward
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
-             score_mod=None):
+             score_mod=None, m_kernel=None):
     info = plan.run_info
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
-        return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias)
+        return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias,
+                            m_kernel=m_kernel)
+    # the CUDA-core kernels work in natural-log units: m is their exact row max (module text)
     empty = _allocator(plan)
 
     blocks = _is_blocks(relation)

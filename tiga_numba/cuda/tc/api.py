@@ -5,8 +5,17 @@ The other jobs live beside this module: tuning.py (the shipped tile shapes), adm
 generator/ (the kernel texts).
 
 supports(plan, q, k, v, relation) -> bool      this path can run the request exactly
-forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l)
-backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None) -> (dq, dk, dv, None)
+forward(plan, q, k, v, relation, edge_bias=None) -> (out, m, l, m_kernel)
+backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None, m_kernel=None)
+    -> (dq, dk, dv, None)
+
+m_kernel is the row max in the kernels' base-2 units (scores times scale log2(e)), float32,
+exactly as the forward's softmax used it. The backward's P = exp2(s sc - lse2) takes
+lse2 = m_kernel + log2(l) from it (Delta pre-pass) instead of from m log2(e) rounded back from
+the natural-log m, whose one-ulp error the exponent would turn into a factor of up to 2^ulp(m)
+on P at large scores. Stats without it (built by hand, or from a CUDA-core forward) are
+converted: m log2(e) in float32. lse2 is one float32: where ulp(m_kernel) exceeds log2(l)'s
+(|m| beyond ~1e7 with l > 1, i.e. near-exact ties), its sum rounds log2(l) to that ulp.
 
 Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat of those),
 float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D (on compute capability
@@ -135,16 +144,18 @@ def relation_record(dst_offsets, src_offsets, causal):
                 causal=np.asarray(causal, np.uint8), tables={})
 
 
-def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, rho=None):
+def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, rho=None, mkp=0):
     """Launch the forward on raw operands: q, k, v = (address, row stride, head stride) in bytes;
-    out (num_dst, H, Dv) contiguous, m, l (num_dst, H) float32 contiguous. Returns (kernel, cache,
+    out (num_dst, H, Dv) contiguous, m, l (num_dst, H) float32 contiguous; mkp, when not 0, the
+    address of a (num_dst, H) float32 array that receives m in the kernel's base-2 units (what
+    the backward reads, see the module text). Returns (kernel, cache,
     tile counts): vr.prune (admission threshold `rho`) also returns the device array of per-CTA
     (pruned, visited) tile counts, else None."""
     kern, cache = kernel(vr)
     work, W = _work(rec, "q", vr.BM)
     counts = None
     if W and H:
-        args = (q[0], k[0], v[0], outp, mp, lp, _ptr(work), q[1], q[2], k[1], k[2], v[1], v[2],
+        args = (q[0], k[0], v[0], outp, mp, lp, mkp, _ptr(work), q[1], q[2], k[1], k[2], v[1], v[2],
                 H * vr.Dv * vr.GB, H // Hkv)
         if vr.prune:
             import cupy
@@ -159,7 +170,8 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, r
 def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
                     stream=None):
     """Delta pre-pass, then dQ and dK/dV on raw operands ((address, row stride, head stride) tuples;
-    outputs contiguous; delta, lse2 float32 (num_dst, H) scratch): two kernels, or one when
+    outputs contiguous; mp: the row max in the kernels' base-2 units (m_kernel); delta, lse2
+    float32 (num_dst, H) scratch): two kernels, or one when
     vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
     Returns (the main kernel, the kernels' cache state)."""
     st = stream or current_stream()
@@ -257,8 +269,10 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     out = _empty((nd, H, Dv), q.dtype) if cover else cupy.zeros((nd, H, Dv), dtype=q.dtype)
     m = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
     l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
+    m2 = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
     kern, cache, counts = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
-                                         _ptr(out), _ptr(m), _ptr(l), float(plan.scale), rho=rho)
+                                         _ptr(out), _ptr(m), _ptr(l), float(plan.scale), rho=rho,
+                                         mkp=_ptr(m2))
     if rho is not None and getattr(plan, "run_info", None) is not None:
         # explain()'s tile counts, summed and read back only when asked (RunInfo), on the
         # stream that wrote them
@@ -273,7 +287,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
           copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
-    return out, m, l
+    return out, m, l, m2
 
 
 def _tile_totals(counts, stream):
@@ -286,7 +300,7 @@ def _tile_totals(counts, stream):
 
 
 # ----------------------------------------------------------------------------- backward
-def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias=None):
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias=None, m_kernel=None):
     if getattr(plan, "prune_threshold", None) is not None:
         raise NotImplementedError("tile pruning is forward-only (approximation is never dropped)")
     if edge_bias is not None:
@@ -307,7 +321,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     out = out if _dtype_name(out) == dt else out.astype(q.dtype)
     dout, dop, do_rs, do_hs = _operand(dout, "dout", copies)
     out, op, o_rs, o_hs = _operand(out, "out", copies)
-    m = cupy.ascontiguousarray(m, dtype=cupy.float32)
+    if m_kernel is None:   # natural-log stats only: the conversion the forward's m_kernel avoids
+        m2 = cupy.ascontiguousarray(m, dtype=cupy.float32) * np.float32(G.LOG2E)
+    else:
+        m2 = cupy.ascontiguousarray(m_kernel, dtype=cupy.float32)
     l = cupy.ascontiguousarray(l, dtype=cupy.float32)
     rec = _host_relation(relation)
     zq = not vk.dq_atomic and _dq_zero_fill(rec, nd, vq is None)   # atomic: the convert pass writes every row
@@ -318,7 +335,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     delta = cupy.empty((nd, H), cupy.float32)
     lse2 = cupy.empty((nd, H), cupy.float32)
     kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
-                                (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m), _ptr(l), _ptr(delta), _ptr(lse2),
+                                (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m2), _ptr(l), _ptr(delta), _ptr(lse2),
                                 _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "

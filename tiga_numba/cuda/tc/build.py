@@ -15,7 +15,7 @@ from ..launch import CUBIN_LAUNCHERS, Kernel
 from . import generator as G
 from .tuning import WGMMA_HEAD_DIMS, atomic_shape, atomic_variant, head_dims, variant
 
-_SIGS = {"fwd": (15, 2), "dq": (18, 2), "dkdv": (21, 2)}   # (int64 args, float32 args)
+_SIGS = {"fwd": (16, 2), "dq": (18, 2), "dkdv": (21, 2)}   # (int64 args, float32 args)
 
 
 def signature(v):

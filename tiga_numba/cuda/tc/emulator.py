@@ -510,7 +510,8 @@ def _put_heads(mem, x, dtype):
 def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stats=None):
     """Emulate the forward on numpy inputs (any float dtype, rounded to v.dtype).
     Returns out (float32, rounded from the kernel's storage type), m, l. v.prune: admission
-    threshold `rho`; `stats` (a dict) receives pruned_tiles / total_tiles as the API reports them."""
+    threshold `rho`; `stats` (a dict) receives pruned_tiles / total_tiles as the API reports them,
+    and m_kernel, the row max in the kernel's base-2 units (what the API's backward reads)."""
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
@@ -522,24 +523,29 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
     ob = mem.alloc(max(nd * H * Dv * GB, 1))
     mb = mem.alloc(max(nd * H * 4, 1))
     lb = mem.alloc(max(nd * H * 4, 1))
+    mkb = mem.alloc(max(nd * H * 4, 1))
     work = schedule.query_tiles(dst_offsets, src_offsets, causal, v.BM)
     if len(work):
         wb = mem.put(work)
         sc = np.float32(scale * G.LOG2E)
         cnt = mem.alloc(len(work) * H * 8) if v.prune else None
-        args = (qb, kb, vb, ob, mb, lb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * GB, H // Hkv)
+        args = (qb, kb, vb, ob, mb, lb, mkb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * GB, H // Hkv)
         args += ((cnt, sc, np.float32(-np.inf), np.float32(np.log2(rho))) if v.prune else (sc, np.float32(-np.inf)))
         launch(G.gen_forward(v), (len(work), H), v.NT, v.smem_bytes(), mem, v.dtype, args)
         if v.prune and stats is not None:
             c = mem.get(cnt, np.uint32, (len(work) * H, 2)).astype(np.int64).sum(0)
             stats.update(pruned_tiles=int(c[0]), total_tiles=int(c[1]))
+    if stats is not None:
+        stats["m_kernel"] = mem.get(mkb, np.float32, (nd, H))
     out = from_storage(mem.get(ob, storage_dtype(v.dtype), (nd, H, Dv)), v.dtype)
     return out, mem.get(mb, np.float32, (nd, H)), mem.get(lb, np.float32, (nd, H))
 
 
-def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, causal, scale):
+def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, causal, scale,
+             m_kernel=None):
     """Emulate Delta pre-pass + dQ kernel + dK/dV kernel (vdq None: vkv.fuse_dq computes dQ too);
-    returns dq, dk, dv as float32."""
+    returns dq, dk, dv as float32. m_kernel: the forward's base-2 row max (else m log2(e) in
+    float32, as the API converts natural-log stats)."""
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
@@ -550,7 +556,8 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     vb, v_rs, v_hs = _put_heads(mem, v_, dt)
     ob, o_rs, o_hs = _put_heads(mem, out, dt)
     db, do_rs, do_hs = _put_heads(mem, dout, dt)
-    mb = mem.put(np.ascontiguousarray(m, np.float32))
+    m2 = (np.asarray(m, np.float32) * np.float32(G.LOG2E) if m_kernel is None else m_kernel)
+    mb = mem.put(np.ascontiguousarray(m2, np.float32))
     lb = mem.put(np.ascontiguousarray(l, np.float32))
     dlt = mem.alloc(max(nd * H * 4, 1))
     lse = mem.alloc(max(nd * H * 4, 1))

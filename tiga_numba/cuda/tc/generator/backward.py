@@ -9,7 +9,7 @@ from .softmax import row_limits
 from .products import mma_abt, mma_pb, resident
 from .shared import landed, sa, shared_array, shared_base, thread_geometry
 from .source import Source, udiv, umod
-from .variant import LOG2E, MASKED
+from .variant import MASKED
 from .wgmma import wg_desc, wg_pack, wg_wait
 
 
@@ -523,8 +523,10 @@ def gen_dkdv(v):
 
 # ============================================================================= backward: Delta pre-pass
 def gen_delta(dtype, Dv):
-    """Delta_i = sum_d dO_id O_id and lse2_i = m_i log2(e) + log2(l_i) (0 for empty rows), one warp
-    per (row, head): the per-row inputs of both backward kernels."""
+    """Delta_i = sum_d dO_id O_id and lse2_i = m2_i + log2(l_i) (0 for empty rows), one warp
+    per (row, head): the per-row inputs of both backward kernels. m2 (at mp) is the row max in
+    the kernels' base-2 units as the forward found it (api.backward converts natural-log stats
+    that lack it), so no rounded unit conversion enters the exponent."""
     e = Source()
     e("def kernel(op, dop, mp, lp, dltp, lsep, n, H, o_rs, o_hs, do_rs, do_hs):")
     with e.indent():
@@ -548,7 +550,7 @@ def gen_delta(dtype, Dv):
         for s in (16, 8, 4, 2, 1):
             e(f"acc = acc + shfl_xor(acc, {s})")
         e("ll = ldg_f32_if(live, lp + rh * 4); mm = ldg_f32_if(live, mp + rh * 4)")
-        e("ls = sel(ll > f32(0.0), mm * f32(%r) + log2f(sel(ll > f32(0.0), ll, f32(1.0))), f32(0.0))" % LOG2E)
+        e("ls = sel(ll > f32(0.0), mm + log2f(sel(ll > f32(0.0), ll, f32(1.0))), f32(0.0))")
         e("ok = live & u32(lane == 0)")
         e("stg_f32_if(ok, dltp + rh * 4, acc)")
         e("stg_f32_if(ok, lsep + rh * 4, ls)")

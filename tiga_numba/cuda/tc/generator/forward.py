@@ -17,7 +17,7 @@ def gen_forward(v):
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     rsv = v.GB * Dv   # bytes of one head's output row
-    e("def kernel(qp, kp, vp, op, mp, lp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, "
+    e("def kernel(qp, kp, vp, op, mp, lp, mkp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, "
       + ("cntp, sc, minf, lg2rho):" if v.prune else "sc, minf):"))
     with e.indent():
         thread_geometry(e, v)
@@ -56,7 +56,10 @@ def gen_forward(v):
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
         stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)])
-        # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l
+        # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l, and (mkp
+        # not 0) m in the kernel's base-2 units exactly as the softmax used it: the backward
+        # reads that one, since m log2(e) rounded back from the natural-log m is off by an ulp
+        # of m, which the exponent turns into a factor of 2^ulp on P at large scores
         for m in range(MT):
             for h in (0, 1):
                 e(f"l{m}{h} = l{m}{h} + shfl_xor(l{m}{h}, 1)")
@@ -71,6 +74,7 @@ def gen_forward(v):
                 e("ok = u32((rl < rows) & (t == 0)); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
                 e(f"stg_f32_if(ok, mp + gi * 4, sel(l{m}{h} > zero, m{m}{h} * f32({1 / LOG2E!r}), minf))")
                 e(f"stg_f32_if(ok, lp + gi * 4, l{m}{h})")
+                e(f"stg_f32_if(ok & u32(mkp != 0), mkp + gi * 4, sel(l{m}{h} > zero, m{m}{h}, minf))")
         if v.prune:   # this CTA's (pruned, visited) tile counts, one slot per CTA: summed on the host
             e("ok = u32(tx == 0); slot = cntp + (i64(cuda.blockIdx.x) * H + hh) * 8")
             e("stg_u32_if(ok, slot, u32(npr)); stg_u32_if(ok, slot + 4, u32(nkb))")
