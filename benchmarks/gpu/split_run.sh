@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU session: split / banded tests, compute-sanitizer on one small call per kernel, benchmark.
+# One GPU machine call: split / banded tests, compute-sanitizer on one small call per kernel, benchmark.
 # usage (repo root on the GPU machine): OUT=dir bash benchmarks/gpu/split_run.sh [tests|bench|all]
 export PYTHONPATH=$PWD
 what=${1:-all}

@@ -4,7 +4,7 @@
 # and racecheck on the split / decode / merge / band kernels and on the score-modifier kernels.
 # usage (repo root on the GPU machine; wheels, if any, carried in .whl; a cubin cache prebuilt
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
-#   OUT=dir [WORKERS=15] [T_PREBUILD=0] bash benchmarks/gpu/session_check.sh
+#   OUT=dir [WORKERS=15] [T_PREBUILD=0] bash benchmarks/gpu/check.sh
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
