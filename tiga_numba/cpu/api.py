@@ -202,7 +202,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         qh = head_major(q, acc, "q", copies, scale=c)
         kh = head_major(k, acc, "k", copies)
         vh = head_major(v, acc, "v", copies)
-        tile_base, ktt = _pack(kh, relation, "k", copies, BN)
+        tile_base, ktt = _pack(kh, relation, "k", copies, BM, BN)
         # work items depend on the relation, the tiles and H only: built once per relation record
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune),
@@ -330,15 +330,20 @@ def _forward_items(rel, H, BM, BN, split=True):
 
 # Blocks with at most BN / PACK_MIN_FRACTION keys are not packed into (D, BN) tiles: their score
 # gemm reads the K rows in place. Packing pads every block to whole BN-wide tiles, which for many
-# short segments would cost segments x D x BN memory instead of O(N D).
+# short segments would cost segments x D x BN memory instead of O(N D). Blocks with at most BM
+# query rows are not packed either: each of their key tiles is read by one query tile only, so
+# the copy would cost as much as the reads it speeds up (decode: one query row over 131,072 keys
+# spent more time packing K than attending).
 PACK_MIN_FRACTION = 4
 
 
-def _tiles(rel, BN):
-    """Packed key tiles of the blocks wider than BN / PACK_MIN_FRACTION: (tile_base per block,
-    -1 for blocks read in place; start and width of every tile)."""
+def _tiles(rel, BM, BN):
+    """Packed key tiles of the blocks wider than BN / PACK_MIN_FRACTION keys and taller than BM
+    query rows: (tile_base per block, -1 for blocks read in place; start and width of every
+    tile)."""
     ns = np.diff(np.asarray(rel.src_offsets))
-    packed = ns > BN // PACK_MIN_FRACTION
+    nd = np.diff(np.asarray(rel.dst_offsets))
+    packed = (ns > BN // PACK_MIN_FRACTION) & (nd > BM)
     counts = np.where(packed, (ns + BN - 1) // BN, 0)
     tile_base = np.zeros(ns.shape[0], np.int64)
     if ns.shape[0] > 1:
@@ -352,8 +357,9 @@ def _tiles(rel, BN):
     return tile_base, starts, np.minimum(BN, ends - starts)
 
 
-def _pack(xh, rel, name, copies, BN):
-    tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BN), lambda: _tiles(rel, BN))
+def _pack(xh, rel, name, copies, BM, BN):
+    tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN),
+                                              lambda: _tiles(rel, BM, BN))
     out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
     if starts.shape[0]:
         _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
@@ -421,8 +427,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         vh = head_major(v, acc, "v", copies)
         doh = head_major(dout, acc, "dout", copies)
         BM, BN, tiles_why = _tiles_of(plan, False)
-        tile_base, ktt = _pack(kh, relation, "k", copies, BN)
-        _, vtt = _pack(vh, relation, "v", copies, BN)
+        tile_base, ktt = _pack(kh, relation, "k", copies, BM, BN)
+        _, vtt = _pack(vh, relation, "v", copies, BM, BN)
         m2h = np.ascontiguousarray(m2.T)
         linvh = np.ascontiguousarray(linv.T)
         deltah = np.ascontiguousarray(delta.T)
