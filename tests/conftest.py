@@ -23,6 +23,64 @@ import numpy as np
 import pytest
 
 
+def _one_compile_per_kernel_across_workers():
+    """Under pytest-xdist, compile each disk-cached numba specialisation in one worker only.
+
+    Both workers often need the same kernel at about the same time (tests of one file are dealt
+    to both), and numba's disk cache only helps the one that asks after the other has saved:
+    otherwise both spend the 10-50 s of one compile on it. Here a worker compiles a
+    specialisation of a ``cache=True`` dispatcher under an exclusive file lock named after numba's
+    cache key for it (index file, signature, bytecode and closure hash); a worker that finds the
+    lock taken waits, then loads the kernel from the disk cache. numba's in-process compiler
+    lock is taken first, so threads of one worker never wait for each other's file locks; nested
+    compiles (a kernel's callees) take their locks in call-graph order, so two workers cannot
+    wait for each other. flock locks go with their process, so a crashed worker blocks nobody."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        import fcntl
+        import hashlib
+        import tempfile
+
+        from numba.core import dispatcher, sigutils
+        from numba.core.caching import NullCache
+        from numba.core.compiler_lock import global_compiler_lock
+    except ImportError:  # not POSIX, or another numba layout: compile as numba does
+        return
+    original = dispatcher.Dispatcher.compile
+    if getattr(original, "_tiga_locked", False):
+        return
+    lock_dir = os.path.join(tempfile.gettempdir(), f"tiga_numba_compile_locks_{os.getuid()}")
+    os.makedirs(lock_dir, exist_ok=True)
+
+    def compile(self, sig):
+        cache = getattr(self, "_cache", None)
+        if cache is None or isinstance(cache, NullCache):
+            return original(self, sig)
+        with global_compiler_lock:
+            try:
+                args, _ = sigutils.normalize_signature(sig)
+                if tuple(args) in self.overloads:
+                    return original(self, sig)
+                key = repr((cache._cache_file._index_path,
+                            cache._index_key(sig, self.targetctx.codegen())))
+            except Exception:  # noqa: BLE001 - no key: no lock, numba compiles as usual
+                return original(self, sig)
+            name = hashlib.sha1(key.encode()).hexdigest()
+            with open(os.path.join(lock_dir, name), "w") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                try:
+                    return original(self, sig)
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+
+    compile._tiga_locked = True
+    dispatcher.Dispatcher.compile = compile
+
+
+_one_compile_per_kernel_across_workers()
+
+
 def _gpu_state():
     """(cupy module or None, reason when the GPU tests cannot run)."""
     if importlib.util.find_spec("cupy") is None:

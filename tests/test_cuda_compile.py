@@ -97,6 +97,9 @@ def _compile_config(dtype, D, DV):
 # NVVM compiles are single-threaded and take most of this file's time: the configurations are
 # compiled in worker processes (one per core), so a 2-core machine compiles two at a time;
 # each test then reads its configuration's result. Only the selected configurations compile.
+# Under pytest-xdist every worker that runs one of these tests builds the fixture, i.e. compiles
+# all the selected configurations: the tests share one xdist group (the README's command runs
+# with --dist loadgroup), so that only one worker does.
 @pytest.fixture(scope="module")
 def compiled(request):
     import concurrent.futures
@@ -113,6 +116,7 @@ def compiled(request):
     ex.shutdown(wait=True, cancel_futures=True)
 
 
+@pytest.mark.xdist_group("ptx_sm90_configs")
 @pytest.mark.parametrize("dtype,D,DV", CONFIGS, ids=_ids())
 def test_compile_ptx_sm90(dtype, D, DV, compiled):
     problems = compiled((dtype, D, DV))

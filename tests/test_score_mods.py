@@ -133,6 +133,31 @@ def test_generated_code_is_memoised_per_tree():
     assert cg.generated(TREES["softcap"], (), "float32") is not a
 
 
+def test_modified_kernels_are_disk_cached_under_a_digest_of_their_generated_code():
+    """A kernel compiled with a modifier is named after a digest of the generated functions'
+    texts, constant values and dtype, so numba's on-disk cache never hands one modifier's
+    kernel to another (two trees that differ only in a constant generate the same text)."""
+    from tiga_numba.cpu import blocks
+    t3 = E("mul", sm.const(0.3), S)
+    t4 = E("mul", sm.const(0.4), S)
+
+    def digest(tree, dt="float64", grads=False):
+        g = cg.generated(tree, sm.Layout(tree).differentiable() if grads else (), dt)
+        hooks = {"MOD_VALUE": g.value}
+        if grads:
+            hooks["MOD_GRAD"] = g.grad(("dst",))
+        return cg.hooks_digest(g, hooks)
+
+    assert cg.generated(t3, (), "float64").sources == cg.generated(t4, (), "float64").sources
+    assert digest(t3) == digest(E("mul", sm.const(0.3), S))
+    assert len({digest(t3), digest(t4), digest(t3, "float32"), digest(TREES["softcap"]),
+                digest(TREES["mix"]), digest(TREES["mix"], grads=True)}) == 6
+    g = cg.generated(t3, (), "float64")
+    kern = blocks.make_forward("float64", 64, 128, False, g)  # not compiled until called
+    assert type(kern._cache).__name__ == "FunctionCache"  # numba's on-disk cache (cache=True)
+    assert kern.py_func.__qualname__.endswith("_mod_" + digest(t3))
+
+
 def test_trees_are_structural_and_print_as_written():
     assert TREES["softcap"] == E("mul", C, E("tanh", E("div", S, C)))
     assert hash(TREES["softcap"]) == hash(E("mul", C, E("tanh", E("div", S, C))))

@@ -217,9 +217,9 @@ def _listen():
             family = _FAMILY_OF.get(id(dispatcher))
             if family is None:
                 return
-            on_disk = getattr(dispatcher, "targetoptions", {}).get("cache", True)
-            if not on_disk:  # generated score-modifier kernels: announced per expression
-                family = f"{family} kernels for a score modifier (once per expression and process)"
+            if "_mod_" in getattr(getattr(dispatcher, "py_func", None), "__qualname__", ""):
+                # score_codegen.jit_kernel: one kernel per modifier expression
+                family = f"{family} kernels for a score modifier (once per expression; cached on disk)"
             else:
                 family = f"{family} kernels (once; cached on disk)"
             if family in _ANNOUNCED:

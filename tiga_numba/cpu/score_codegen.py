@@ -3,7 +3,8 @@
 For a tree ``f`` and a dtype this module has tiga_numba.score_source write small Python functions
 as source text (the generator the CUDA backend shares; `CpuTarget` is the CPU's calling
 convention), compiles them with ``numba.njit`` and memoises them per (tree, gradient leaves, dtype) for the life of
-the process (exec'd code cannot use numba's on-disk cache):
+the process. The functions themselves are exec'd (not disk-cached), but a kernel that calls them
+is: `jit_kernel` names it after a digest of their texts, constants and dtype (see there):
 
     value(s, i, j, e, h, sc, hp, nd, ns, ef) -> f                    (natural units)
     grad_<targets>(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gi, gns, gj, gef)
@@ -23,6 +24,7 @@ kernels run with fast-math and never form infinities.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 
@@ -145,12 +147,27 @@ def empty_context(dt):
     return ctx
 
 
+def hooks_digest(mod, hooks):
+    """A digest of everything the generated functions bound in `hooks` compile from: their
+    source texts, the values of their constants and the dtype."""
+    parts = [mod.dtype_name]
+    for name in sorted(hooks):
+        fn_name = hooks[name].py_func.__name__
+        parts += [name, fn_name, mod.sources[fn_name]]
+    consts = mod._src.constants(float)
+    parts += [f"{k}={float(v).hex()}" for k, v in sorted(consts.items())]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def jit_kernel(py_func, mod, **hooks):
     """numba.njit(parallel, fastmath) of a kernel whose modifier calls go through the global
     names in `hooks`. Without a modifier the kernel is compiled as written (its globals are the
-    module's never-called stand-ins, so numba's on-disk cache works as for any kernel); with one,
-    the same code is compiled with `hooks` bound to the generated functions (exec'd code: not
-    disk-cacheable, memoised per tree in-process by the kernel cache)."""
+    module's never-called stand-ins). With one, the same code is compiled with `hooks` bound to
+    the generated functions, under a qualified name that ends in `hooks_digest`: numba's on-disk
+    cache keys a kernel on its file, qualified name, bytecode and closure values, none of which
+    would tell two modifiers apart otherwise, so the digest in the name gives every modifier its
+    own cache entries and lets other processes (test workers, later runs) load the compiled
+    kernel instead of compiling it again (30 s and more per kernel)."""
     import types
     from .fastexp import FASTMATH
     opts = dict(parallel=True, fastmath=FASTMATH, nogil=True)
@@ -160,8 +177,8 @@ def jit_kernel(py_func, mod, **hooks):
     g.update(hooks)
     fn = types.FunctionType(py_func.__code__, g, py_func.__name__, py_func.__defaults__,
                             py_func.__closure__)
-    fn.__qualname__ = py_func.__qualname__
-    return njit(cache=False, **opts)(fn)
+    fn.__qualname__ = f"{py_func.__qualname__}_mod_{hooks_digest(mod, hooks)}"
+    return njit(cache=True, **opts)(fn)
 
 
 def generated(tree, grad_leaves, dtype_name):
