@@ -12,10 +12,19 @@ call runs the tasks and leaves the results on the workers. Reported per configur
 
   plan s      client-side index plan (halos or blocks), first call; later calls reuse it
   fwd s, bwd s  wall time, best of --repeat
+  cpu s       CPU seconds the call used: the benchmark's process for the single-process call;
+              for dask the workers' processes plus the scheduler's plus the client's (graph
+              build, serialisation). On a loaded machine wall times stretch with the load, CPU
+              seconds much less: they are the load-independent measure of the layer's work
   moved MB    bytes the workers sent each other during the call (distributed's transfer counters)
   model MB    what the scaling model in docs/dask.md predicts for the same call
   busy s/wkr  task compute time per worker (task stream), the compute-per-worker of the model
-  overhead    (dask time / single-process time) - 1
+  overhead    (dask time / single-process time) - 1, wall and CPU
+
+Warm-up: one untimed call of each configuration first compiles (or loads from numba's disk
+cache) the kernels and builds what both sides cache per graph (the single-process graph's
+realisations, the workers' memo of local relations), so the timed calls compare steady
+states. Each timed dask call is checked to have run its tasks (not found earlier results).
 """
 from __future__ import annotations
 
@@ -42,14 +51,23 @@ def _graph(case, n, degree, rng):
 
 
 def _best(fn, repeat):
-    times, result = [], None
+    """(best wall s, CPU s of that call, result)."""
+    best, result = None, None
     for _ in range(repeat):
         result = None
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         result = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), result
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if best is None or dt < best[0]:
+            best = (dt, dc)
+    return best[0], best[1], result
+
+
+def _process_cpu():
+    import psutil
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
 
 
 def _model_bytes(summary, q_rows, k_rows, q_owner, k_owner, heads, kv_heads, dim, value_dim, itemsize):
@@ -114,13 +132,14 @@ def run(args):
           f"graph built in {build_s:.1f} s")
     # single process (warm: one call first compiles or loads the kernels)
     out, stats = tg.attention(q, k, v, graph, return_stats=True)
-    t_fwd, (out, stats) = _best(lambda: tg.attention(q, k, v, graph, return_stats=True), args.repeat)
+    t_fwd, c_fwd, (out, stats) = _best(lambda: tg.attention(q, k, v, graph, return_stats=True), args.repeat)
     tg.attention_backward(dout, q, k, v, out, stats, graph)
-    t_bwd, ref = _best(lambda: tg.attention_backward(dout, q, k, v, out, stats, graph), args.repeat)
-    print(f"| config | plan s | fwd s | bwd s | moved MB fwd / bwd | model MB fwd / bwd | "
-          f"busy s/wkr fwd / bwd | overhead fwd / bwd |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| single process, 2 threads | - | {t_fwd:.2f} | {t_bwd:.2f} | 0 / 0 | - | - | - |")
+    t_bwd, c_bwd, ref = _best(lambda: tg.attention_backward(dout, q, k, v, out, stats, graph), args.repeat)
+    print(f"| config | plan s | fwd s | bwd s | cpu s fwd / bwd | moved MB fwd / bwd | model MB fwd / bwd | "
+          f"busy s/wkr fwd / bwd | overhead wall fwd / bwd | overhead cpu fwd / bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| single process, 2 threads | - | {t_fwd:.2f} | {t_bwd:.2f} | {c_fwd:.2f} / {c_bwd:.2f} | 0 / 0 | - "
+          f"| - | - | - |", flush=True)
     for workers in args.workers:
         chunks = workers * args.chunks_per_worker
         rows = -(-n // chunks)
@@ -156,34 +175,50 @@ def run(args):
             def moved():
                 return sum(client.run(lambda dask_worker: dask_worker.transfer_outgoing_bytes_total).values())
 
+            # a LocalCluster's scheduler runs in this process: its CPU is then in the client's
+            same_process = client.run_on_scheduler(os.getpid) == os.getpid()
+
+            def cpu_now():
+                return (sum(client.run(_process_cpu).values()),
+                        0.0 if same_process else client.run_on_scheduler(_process_cpu),
+                        _process_cpu())
+
             def timed(make):
-                best, result, sent, busy = None, None, 0, None
+                best, result, sent, busy, cpu, split = None, None, 0, None, None, None
                 distributed.wait(client.persist(list(make())))   # warm: kernels compiled or loaded
                 for _ in range(args.repeat):
                     result = None
                     gc.collect()
-                    before = moved()
+                    time.sleep(0.5)   # the release of the previous results reaches the scheduler
+                    before, (w0, s0, c0) = moved(), cpu_now()
                     with distributed.get_task_stream(client) as stream:
                         t0 = time.perf_counter()
                         result = client.persist(list(make()))
                         distributed.wait(result)
                         dt = time.perf_counter() - t0
-                    per = {}
+                    w1, s1, c1 = cpu_now()
+                    per, ran = {}, 0
                     for rec in stream.data:
+                        ran += "-tasks-" in str(rec["key"])
                         for ss in rec["startstops"]:
                             if ss["action"] == "compute":
                                 per[rec["worker"]] = per.get(rec["worker"], 0) + ss["stop"] - ss["start"]
+                    assert ran, "the timed call ran no attention task (results were still in memory)"
                     if best is None or dt < best:
-                        best, sent, busy = dt, moved() - before, per
-                return best, result, sent, busy
+                        best, sent, busy, cpu = dt, moved() - before, per, (w1 - w0) + (s1 - s0) + (c1 - c0)
+                        split = (w1 - w0, s1 - s0, c1 - c0)
+                print(f"# {'fwd' if 'attention-out' in str(result[0].name) else 'bwd'} cpu s: workers {split[0]:.2f}, "
+                      + (f"client and scheduler (one process) {split[2]:.2f}" if same_process else
+                         f"scheduler {split[1]:.2f}, client {split[2]:.2f}"), flush=True)
+                return best, result, sent, busy, cpu
 
             def forward():
                 o, st = tgd.attention(Q, K, V, graph, return_stats=True)
                 return o, st.m, st.l
 
-            f_s, fwd, f_bytes, f_busy = timed(forward)
+            f_s, fwd, f_bytes, f_busy, f_cpu = timed(forward)
             O, S = fwd[0], tgd.DaskAttentionStats(fwd[1], fwd[2])
-            b_s, grads, b_bytes, b_busy = timed(lambda: tgd.attention_backward(DO, Q, K, V, O, S, graph))
+            b_s, grads, b_bytes, b_busy, b_cpu = timed(lambda: tgd.attention_backward(DO, Q, K, V, O, S, graph))
             got = [np.asarray(x) for x in client.gather([O.persist(), grads[1].persist()])]
             err = max(float(np.abs(got[0] - out).max() / np.abs(out).max()),
                       float(np.abs(got[1] - ref[1]).max() / np.abs(ref[1]).max()))
@@ -191,10 +226,11 @@ def run(args):
                                     dim, 4)
             fmt_busy = lambda b: "/".join(f"{x:.1f}" for x in sorted(b.values()))  # noqa: E731
             print(f"| {workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}, "
-                  f"{chunks} chunks | {plan_s:.2f} | {f_s:.2f} | {b_s:.2f} | "
+                  f"{chunks} chunks | {plan_s:.2f} | {f_s:.2f} | {b_s:.2f} | {f_cpu:.2f} / {b_cpu:.2f} | "
                   f"{f_bytes / 1e6:.0f} / {b_bytes / 1e6:.0f} | {m_f / 1e6:.0f} / {m_b / 1e6:.0f} | "
                   f"{fmt_busy(f_busy)} / {fmt_busy(b_busy)} | "
-                  f"{f_s / t_fwd - 1:+.0%} / {b_s / t_bwd - 1:+.0%} |  max |err| / max |ref| (out, dk) {err:.1e}")
+                  f"{f_s / t_fwd - 1:+.0%} / {b_s / t_bwd - 1:+.0%} | {f_cpu / c_fwd - 1:+.0%} / {b_cpu / c_bwd - 1:+.0%} |"
+                  f"  max |err| / max |ref| (out, dk) {err:.1e}", flush=True)
             del O, S, grads, fwd, Q, K, V, DO
 
 

@@ -105,6 +105,34 @@ def test_blocks_outside_the_relation_are_never_created():
     assert summary["halo_rows"][2] == 0   # the partition without edges reads no source row
 
 
+def test_a_chunk_needed_almost_whole_travels_whole():
+    """A partition that reads at least WHOLE_CHUNK_FRACTION of a source chunk's rows takes the
+    whole chunk (no gather copy); one that reads fewer takes only those rows. Same results."""
+    assert tgd.WHOLE_CHUNK_FRACTION == 15 / 16
+    # 2 destination partitions of 4 rows, 2 source chunks of 16 rows. Partition 0 reads 15 rows
+    # of chunk 0 (whole) and 3 of chunk 1 (gathered); partition 1 reads 14 rows of chunk 1.
+    rows = [list(range(0, 8)), list(range(8, 15)) + [16], [20, 30], [],
+            list(range(16, 23)), list(range(23, 30)), [], [16]]
+    a = sp.lil_matrix((8, 32))
+    for r, cols in enumerate(rows):
+        a.rows[r], a.data[r] = cols, [1.0] * len(cols)
+    g = tg.Graph.from_scipy(a.tocsr())
+    rng = np.random.default_rng(5)
+    q, dout = (rng.standard_normal((8, H, D)) for _ in range(2))
+    k, v = (rng.standard_normal((32, HKV, D)) for _ in range(2))
+    Q, DO = (da.from_array(x, chunks=(4, -1, -1)) for x in (q, dout))
+    K, V = (da.from_array(x, chunks=(16, -1, -1)) for x in (k, v))
+    summary = tgd.plan_summary(g, Q, K)
+    assert summary["halo"] == [{0: 16, 1: 3}, {1: 14}]
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g)
+    O, S = tgd.attention(Q, K, V, g, return_stats=True)
+    got = dask.compute(O, *tgd.attention_backward(DO, Q, K, V, O, S, g), scheduler="threads")
+    np.testing.assert_array_equal(got[0], out)   # the CSR forward sums what the single call sums
+    for a_, b_ in zip(got[1:], ref):
+        np.testing.assert_allclose(a_, b_, rtol=1e-12, atol=1e-12)
+
+
 def test_float32_and_one_head_2d_inputs():
     g, (out, st, ref), c = _problem("csr", dtype=np.float32, seed=1)
     o, m = dask.compute(*(lambda r: (r[0], r[1].m))(tgd.attention(c["q"], c["k"], c["v"], g,

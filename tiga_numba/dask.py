@@ -50,6 +50,9 @@ TREE_FAN_IN = 4
 # transpose the kernels derive from them) up to about this many bytes, so that a repeated call
 # does not rebuild them; a pure memo: results never depend on it, and a new worker starts empty.
 WARM_GRAPH_BYTES = 1 << 30
+# A CSR partition that needs at least this fraction of a source chunk's rows receives the whole
+# chunk instead of a gathered copy of those rows (a random graph needs nearly every row).
+WHOLE_CHUNK_FRACTION = 15 / 16
 
 
 class DaskAttentionStats:
@@ -154,26 +157,79 @@ class _CSRPart:
 
 
 class _Plan:
-    __slots__ = ("token", "kind", "parts", "blocks")
+    __slots__ = ("token", "kind", "parts", "blocks", "uploaded", "lock")
 
     def __init__(self, kind, parts=None, blocks=None):
         self.token = uuid.uuid4().hex
         self.kind = kind
         self.parts = parts      # CSR: list of _CSRPart, one per destination partition
         self.blocks = blocks    # implicit: per query chunk, list of (key chunk, block Graph)
+        self.uploaded = {}      # CSR on dask.distributed: client id -> futures of the relations
+        self.lock = threading.Lock()
+
+
+def _default_client():
+    """The dask.distributed Client that computes dask collections by default, else None."""
+    import sys
+    if "distributed" not in sys.modules:   # never imports distributed itself
+        return None
+    import distributed
+    from dask.base import get_scheduler
+    try:
+        client = getattr(get_scheduler(), "__self__", None)
+    except Exception:   # pragma: no cover - a misconfigured scheduler: graphs carry the data
+        return None
+    if isinstance(client, distributed.Client) and client.status == "running":
+        return client
+    return None
+
+
+def _identity(x):
+    return x
+
+
+def _relations(plan):
+    """Per CSR partition, what its tasks get as the local relation: the Graph itself (it then
+    travels inside every call's task graph), or, when a dask.distributed Client is the default
+    scheduler, a future of it uploaded once per plan and client. The upload is a task holding
+    the relation (not a scatter), so the scheduler recomputes it if the worker holding it is
+    lost; the futures live as long as the graph's plan."""
+    client = _default_client()
+    if client is None:
+        return [part.graph for part in plan.parts]
+    with plan.lock:
+        futures = plan.uploaded.get(client.id)
+        if futures is None or any(f.status in ("cancelled", "error", "lost") for f in futures):
+            futures = [client.submit(_identity, part.graph, pure=False,
+                                     key=f"tiga-attention-relation-{plan.token}-{p}")
+                       for p, part in enumerate(plan.parts)]
+            plan.uploaded[client.id] = futures
+    return futures
 
 
 def _csr_plan(graph, dst_bounds, src_bounds):
     indptr, indices = graph._host_csr()
     src_bounds = np.asarray(src_bounds, np.int64)
+    sizes = np.diff(src_bounds)
+    chunk_of = np.repeat(np.arange(sizes.shape[0]), sizes)   # source id -> its chunk
     parts = []
     for d0, d1 in zip(dst_bounds[:-1], dst_bounds[1:]):
         e0, e1 = int(indptr[d0]), int(indptr[d1])
         sources = indices[e0:e1]
         # the halo: every needed source once, in increasing id, so it is grouped by source chunk
-        needed, local = np.unique(sources, return_inverse=True)
-        sub = Graph.from_csr(indptr[d0:d1 + 1] - e0, local.astype(np.int32).reshape(-1),
-                             num_src=int(needed.shape[0]))
+        # (a mask over the sources: O(E_p + N_s), where sorting the edges' sources was
+        # O(E_p log E_p) and most of the plan's time)
+        used = np.zeros(graph.num_src, np.bool_)
+        used[sources] = True
+        # a chunk of which the partition needs at least WHOLE_CHUNK_FRACTION of the rows is
+        # taken whole: no gather task and no copy at the source, for at most
+        # 1 / WHOLE_CHUNK_FRACTION - 1 more bytes moved
+        counts = np.bincount(chunk_of[used], minlength=sizes.shape[0]) if sizes.shape[0] else sizes
+        whole = counts >= WHOLE_CHUNK_FRACTION * sizes
+        used |= whole[chunk_of] & (counts > 0)[chunk_of]
+        needed = np.flatnonzero(used)
+        local = (np.cumsum(used, dtype=np.int64) - 1)[sources]
+        sub = Graph.from_csr(indptr[d0:d1 + 1] - e0, local.astype(np.int32), num_src=int(needed.shape[0]))
         cuts = np.searchsorted(needed, src_bounds)
         pieces = [(c, (needed[cuts[c]:cuts[c + 1]] - src_bounds[c]).astype(np.int64),
                    int(cuts[c]), int(cuts[c + 1]))
@@ -275,13 +331,13 @@ def _concat(parts):
     return parts[0] if len(parts) == 1 else _xp_of(parts[0]).concatenate(parts, axis=0)
 
 
-def _csr_forward(q_p, k_parts, v_parts, *, graph, warm, scale):
+def _csr_forward(q_p, k_parts, v_parts, graph, *, warm, scale):
     k, v = _concat(k_parts), _concat(v_parts)
     out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True)
     return out, stats.m, stats.l
 
 
-def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, *, graph, warm, scale):
+def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale):
     k, v = _concat(k_parts), _concat(v_parts)
     return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
                                _warm(graph, warm), scale=scale)
@@ -295,12 +351,19 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     """Sum the partial gradients of one source chunk, in the order given (increasing
     destination partition)."""
     xp = _xp_of(like)
-    total = xp.zeros(like.shape, dtype=acc)
+    total = None
     for r, piece in zip(rows, pieces):
         if r.shape[0] == like.shape[0]:   # the whole chunk, in order
-            total += piece
-        else:
-            total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
+            if total is None:   # 0 + piece is piece: start from a copy, no zero fill and add
+                total = piece.astype(acc, copy=True)
+            else:
+                total += piece
+            continue
+        if total is None:
+            total = xp.zeros(like.shape, dtype=acc)
+        total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
+    if total is None:
+        total = xp.zeros(like.shape, dtype=acc)
     return total.astype(dtype, copy=False)
 
 
@@ -409,12 +472,12 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     nparts = len(q.chunks[0])
     roots = []
     if plan.kind == "csr":
+        relations = _relations(plan)
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "forward", p)
-            core[key] = (functools.partial(_csr_forward, graph=part.graph, warm=(plan.token, p),
-                                           scale=scale),
-                         _chunk_key(q, p), k_parts, v_parts)
+            core[key] = (functools.partial(_csr_forward, warm=(plan.token, p), scale=scale),
+                         _chunk_key(q, p), k_parts, v_parts, relations[p])
             roots.append(key)
         cast_out = functools.partial(_cast, dtype=dtype, which=0)
     else:
@@ -504,13 +567,13 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
     if plan.kind == "csr":
         # per source chunk: (partition rows, key of the halo piece) in increasing partition
         incoming = {c: ([], [], []) for c in range(nk)}
+        relations = _relations(plan)
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "backward", p)
-            core[key] = (functools.partial(_csr_backward, graph=part.graph, warm=(plan.token, p),
-                                           scale=scale),
+            core[key] = (functools.partial(_csr_backward, warm=(plan.token, p), scale=scale),
                          *row_inputs(p), k_parts, v_parts,
-                         *stat_inputs(p))
+                         *stat_inputs(p), relations[p])
             dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
             for c, local_rows, start, stop in part.pieces:
                 rows_c, dk_c, dv_c = incoming[c]
