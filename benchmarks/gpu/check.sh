@@ -4,7 +4,8 @@
 # and racecheck on the split / decode / merge / band kernels and on the score-modifier kernels.
 # usage (repo root on the GPU machine; wheels, if any, carried in .whl; a cubin cache prebuilt
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
-#   OUT=dir [WORKERS=15] [T_PREBUILD=0] bash benchmarks/gpu/check.sh
+#   OUT=dir [WORKERS=15] [T_PREBUILD=0] [T_TESTS=300] [SAN_SCRIPTS="split_sanitize mods_sanitize"] \
+#     bash benchmarks/gpu/check.sh
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -22,10 +23,11 @@ if [ "${T_PREBUILD:-0}" != 0 ]; then
   stamp prebuild
   timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
-timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rfEs --tb=short -m gpu tests \
+# SIGINT at the limit: pytest stops and still prints what ran and what failed
+timeout -s INT -k 20 ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rfEs --tb=short -m gpu tests \
   > $OUT/tests.txt 2>&1; stamp "gpu tests rc=$?"
 if [ "${T_SAN:-30}" != 0 ]; then
-  for s in split_sanitize mods_sanitize; do
+  for s in ${SAN_SCRIPTS:-split_sanitize mods_sanitize}; do
     timeout ${T_SAN:-30} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
       python3 benchmarks/gpu/$s.py > $OUT/memcheck_$s.txt 2>&1; stamp "memcheck $s rc=$?"
     timeout ${T_SAN:-30} compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
