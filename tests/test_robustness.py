@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import tiga_numba as tg
 from tiga_numba import AttentionStats
+from tiga_numba import functional
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -187,7 +188,7 @@ def test_cuda_csr_split_rows_backward_accurate_at_large_scores(dtype, max_score,
     monkeypatch.setattr(cuda_api, "CSR_MIN_PIECE", 16)
     with tg.options(tensor_cores=False):
         check_large_scores("csr", dtype, max_score, cupy.asarray, cupy.asnumpy)
-    assert "split into" in tg.last_plan().run_info["kernel"]
+    assert "split into" in functional.last_plan().run_info["kernel"]
 
 
 @pytest.mark.gpu
@@ -211,7 +212,7 @@ def test_cuda_decode_backward_accurate_at_large_scores(dtype, max_score):
                                                 r.standard_normal((n, H_BIG, d))))
     qd, kd, vd, dd = (cupy.asarray(x) for x in (q, k, v, dout))
     out, stats = tg.attention(qd, kd, vd, g, scale=scale, return_stats=True)
-    assert tg.last_plan().family == "cuda.decode"
+    assert functional.last_plan().family == "cuda.decode"
     dq, dk, dv = tg.attention_backward(dd, qd, kd, vd, out, stats, g, scale=scale)
     assert_large_score_accuracy(q, k, v, dout, mask, scale, *(cupy.asnumpy(x) for x in
                                                                (out, stats.m, dq, dk, dv)))
@@ -235,9 +236,9 @@ def _tensor_core_large_scores(cupy, kind, dtype, max_score):
     scale = 0.3
     qd, kd, vd, dd = (cupy.asarray(x) for x in (q, k, v, dout))
     out, stats = tg.attention(qd, kd, vd, g, scale=scale, return_stats=True)
-    assert tg.last_plan().family == "cuda.tc" and stats.m_kernel is not None
+    assert functional.last_plan().family == "cuda.tc" and stats.m_kernel is not None
     dq, dk, dv = tg.attention_backward(dd, qd, kd, vd, out, stats, g, scale=scale)
-    assert tg.last_plan().family == "cuda.tc"
+    assert functional.last_plan().family == "cuda.tc"
     assert_large_score_accuracy(q, k, v, dout, mask, scale, *(cupy.asnumpy(x) for x in
                                                                (out, stats.m, dq, dk, dv)))
 
