@@ -359,7 +359,7 @@ q, k, v = arr(n, 2, 16), arr(ns, 1, 16), arr(ns, 1, 16)
 CALLS.clear()
 out, st, plan = functional.run_forward(q, k, v, hub)
 names = [c[0].name for c in CALLS]
-assert names[0].endswith("_items") and names[1].startswith("csr_softmax_merge"), names
+assert names[0].endswith("_items") and names[1].startswith("softmax_merge_rows"), names
 assert "split into" in plan.run_info["kernel"], plan.run_info["kernel"]
 n_args_ok()
 CALLS.clear()
@@ -376,7 +376,7 @@ for g in (tg.Graph.dense(5000, 1), tg.Graph.cu_seqlens([0, 1, 2, 4], cu_seqlens_
     assert plan.run_info["kernel"].startswith("cuda.decode.forward"), plan.run_info["kernel"]
     grid = CALLS[0][1]
     assert grid[0] == g.realize("cuda").num_blocks and grid[1] > 1, grid  # long keys: split
-    assert CALLS[1][0].name.startswith("decode_merge")
+    assert CALLS[1][0].name.startswith("softmax_merge_splits")
     n_args_ok()
 print("records ok")
 '''
