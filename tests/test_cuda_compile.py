@@ -97,14 +97,17 @@ def _compile_config(dtype, D, DV):
 # NVVM compiles are single-threaded and take most of this file's time: the configurations are
 # compiled in worker processes (one per core), so a 2-core machine compiles two at a time;
 # each test then reads its configuration's result. Only the selected configurations compile.
-# Under pytest-xdist every worker that runs one of these tests builds the fixture, i.e. compiles
-# all the selected configurations: the tests share one xdist group (the README's command runs
-# with --dist loadgroup), so that only one worker does.
+# Under pytest-xdist the workers already run tests in parallel and each one sees every selected
+# test in session.items, not only its own: there each test compiles its own configuration in
+# its worker (a pool per worker compiled every configuration in every worker that ran one).
 @pytest.fixture(scope="module")
 def compiled(request):
     import concurrent.futures
     import multiprocessing
     import os
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield lambda config: _compile_config(*config)
+        return
     wanted = [tuple(item.callspec.params[n] for n in ("dtype", "D", "DV"))
               for item in request.session.items
               if getattr(item, "originalname", None) == "test_compile_ptx_sm90"]
@@ -116,7 +119,6 @@ def compiled(request):
     ex.shutdown(wait=True, cancel_futures=True)
 
 
-@pytest.mark.xdist_group("ptx_sm90_configs")
 @pytest.mark.parametrize("dtype,D,DV", CONFIGS, ids=_ids())
 def test_compile_ptx_sm90(dtype, D, DV, compiled):
     problems = compiled((dtype, D, DV))

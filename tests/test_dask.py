@@ -162,8 +162,6 @@ def test_processes_scheduler():
 
 
 # --------------------------------------------------------------------------- dask.distributed
-# a cluster of two worker processes, started once per test process: the tests that use it share
-# one xdist group (README's command: --dist loadgroup), so that only one test worker starts one
 @pytest.fixture(scope="module")
 def client():
     distributed = pytest.importorskip("distributed")
@@ -173,7 +171,6 @@ def client():
         yield c
 
 
-@pytest.mark.xdist_group("dask_local_cluster")
 def test_local_cluster_equals_single_process(client):
     names = ["csr", "triangular", "segments", "dense-rect"]
     problems = [_problem(n) for n in names]
@@ -183,7 +180,6 @@ def test_local_cluster_equals_single_process(client):
         _check(got, expected, 1e-12)
 
 
-@pytest.mark.xdist_group("dask_local_cluster")
 def test_a_worker_lost_mid_run_is_recomputed(client, tmp_path):
     g, expected, c = _problem("csr", seed=4)
     marker = str(tmp_path / "killed")
