@@ -20,8 +20,10 @@ other axes must be one chunk. Every task is a call of the single-process kernels
   key chunk, again in a fixed-order tree.
 
 The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
-and kept on the graph. Tasks hold no state outside their results, so any dask scheduler may
-recompute a lost one. See docs/dask.md.
+and kept on the graph. With a dask.distributed Client as the default scheduler, the CSR local
+relations are submitted to it once per plan and the tasks refer to those futures (a call then
+ships no relation); otherwise they travel inside each call's task graph. Tasks hold no state
+outside their results, so any dask scheduler may recompute a lost one. See docs/dask.md.
 """
 from __future__ import annotations
 
