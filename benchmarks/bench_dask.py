@@ -20,6 +20,7 @@ call runs the tasks and leaves the results on the workers. Reported per configur
   model MB    what the scaling model in docs/dask.md predicts for the same call
   busy s/wkr  task compute time per worker (task stream), the compute-per-worker of the model
   overhead    (dask time / single-process time) - 1, wall and CPU
+  peak memory (a comment line per config) the largest resident size of each worker process
 
 Warm-up: one untimed call of each configuration first compiles (or loads from numba's disk
 cache) the kernels and builds what both sides cache per graph (the single-process graph's
@@ -62,6 +63,11 @@ def _best(fn, repeat):
         if best is None or dt < best[0]:
             best = (dt, dc)
     return best[0], best[1], result
+
+
+def _peak_rss():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
 
 
 def _process_cpu():
@@ -224,6 +230,9 @@ def run(args):
                       float(np.abs(got[1] - ref[1]).max() / np.abs(ref[1]).max()))
             m_f, m_b = _model_bytes(summary, Q.chunks[0], K.chunks[0], q_owner, k_owner, heads, heads, dim,
                                     dim, 4)
+            peak = sorted(client.run(_peak_rss).values())
+            print(f"# peak resident memory per worker process (whole run: inputs, warm and timed calls): "
+                  f"{', '.join(f'{x / 2**30:.2f}' for x in peak)} GiB", flush=True)
             fmt_busy = lambda b: "/".join(f"{x:.1f}" for x in sorted(b.values()))  # noqa: E731
             print(f"| {workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}, "
                   f"{chunks} chunks | {plan_s:.2f} | {f_s:.2f} | {b_s:.2f} | {f_cpu:.2f} / {b_cpu:.2f} | "

@@ -180,6 +180,27 @@ def test_local_cluster_equals_single_process(client):
         _check(got, expected, 1e-12)
 
 
+def test_local_cluster_uploads_csr_relations_once(client):
+    """With a distributed Client as the default scheduler the CSR tasks refer to relations
+    submitted once per graph and chunking: every call holds the same futures."""
+    from distributed import futures_of
+    g, expected, c = _problem("csr", seed=6)
+
+    def relation_keys(*arrays):
+        return sorted({f.key for a in arrays for f in futures_of(a)
+                       if str(f.key).startswith("tiga-attention-relation-")})
+
+    out, stats, grads = _lazy(g, c)
+    first = relation_keys(out)
+    assert len(first) == len(c["q"].chunks[0])
+    assert relation_keys(*grads) == first
+    again, _ = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True)
+    assert relation_keys(again) == first
+    got = client.compute((out, stats.m, stats.l, stats.lse, *grads), sync=True)
+    _check(got, expected, 1e-12)
+    np.testing.assert_array_equal(client.compute(again, sync=True), got[0])
+
+
 def test_a_worker_lost_mid_run_is_recomputed(client, tmp_path):
     g, expected, c = _problem("csr", seed=4)
     marker = str(tmp_path / "killed")

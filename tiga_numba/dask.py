@@ -20,8 +20,10 @@ other axes must be one chunk. Every task is a call of the single-process kernels
   key chunk, again in a fixed-order tree.
 
 The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
-and kept on the graph. Tasks hold no state outside their results, so any dask scheduler may
-recompute a lost one. See docs/dask.md.
+and kept on the graph. With a dask.distributed Client as the default scheduler, the CSR local
+relations are submitted to it once per plan and the tasks refer to those futures (a call then
+ships no relation); otherwise they travel inside each call's task graph. Tasks hold no state
+outside their results, so any dask scheduler may recompute a lost one. See docs/dask.md.
 """
 from __future__ import annotations
 
@@ -349,11 +351,11 @@ def _halo_piece(result, which, start, stop):
 
 def _scatter_sum(like, pieces, *, rows, dtype, acc):
     """Sum the partial gradients of one source chunk, in the order given (increasing
-    destination partition)."""
+    destination partition); `rows` holds, per piece, the chunk's rows it covers (None: all)."""
     xp = _xp_of(like)
     total = None
     for r, piece in zip(rows, pieces):
-        if r.shape[0] == like.shape[0]:   # the whole chunk, in order
+        if r is None:   # the whole chunk, in order
             if total is None:   # 0 + piece is piece: start from a copy, no zero fill and add
                 total = piece.astype(acc, copy=True)
             else:
@@ -577,7 +579,8 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
             dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
             for c, local_rows, start, stop in part.pieces:
                 rows_c, dk_c, dv_c = incoming[c]
-                rows_c.append(local_rows)
+                # a whole chunk's rows are all of them, in order: say so rather than ship them
+                rows_c.append(None if local_rows.shape[0] == k.chunks[0][c] else local_rows)
                 for which, dst in ((1, dk_c), (2, dv_c)):
                     piece = (core_name, "piece", which, p, c)
                     core[piece] = (_halo_piece, key, which, start, stop)
