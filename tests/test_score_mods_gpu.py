@@ -4,8 +4,6 @@ float64 oracle -- every relation kind, forward and every gradient, classic GAT w
 product, edge fields on CSR, float32, the functional soft-cap / ALiBi -- plus what only the GPU
 path has: the registry's choice and refusals in explain(), long CSR rows split into pieces, and
 the same bits on a repeated backward."""
-import sys
-
 import numpy as np
 import pytest
 
@@ -14,19 +12,7 @@ cupy = pytest.importorskip("cupy")   # without cupy: nothing to test; without a 
 pytestmark = pytest.mark.gpu
 
 
-def _shield():
-    """numba-cuda's import redirector matches any module name containing "numba.cuda"."""
-    for finder in sys.meta_path:
-        if type(finder).__name__ == "NumbaCudaFinder" and not getattr(finder, "_tiga_shielded", False):
-            original = finder.find_spec
-
-            def find_spec(name, path=None, target=None, _original=original):
-                if name == "tiga_numba.cuda" or name.startswith("tiga_numba.cuda."):
-                    return None
-                return _original(name, path, target)
-            finder.find_spec = find_spec
-            finder._tiga_shielded = True
-
+from test_cuda_gpu import _shield  # noqa: E402
 
 _shield()
 import tiga_numba as tg  # noqa: E402
