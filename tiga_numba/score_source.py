@@ -14,6 +14,10 @@ named `_k0, _k1, ...` (the backend binds them in the accumulation dtype).
 """
 from __future__ import annotations
 
+import threading
+
+import numpy as np
+
 from . import score_mod as sm
 
 NEG = -1e30  # the kernels' finite masked value: a value below it (or NaN) is clamped to it
@@ -164,3 +168,73 @@ class Source:
         g = {name: dt(v) for v, name in self.consts.items()}
         g["_NEG"], g["_BIG"] = dt(NEG), dt(BIG)
         return g
+
+
+class Compiled:
+    """The compiled value / gradient functions of one (tree, gradient leaves, dtype) on one
+    backend. A backend subclass gives its Target (`_target`), the globals its texts read
+    (`_globals`: `_dt`, tanh / exp) and the decorator that compiles a text (`_compile`);
+    `_grad_entry` may wrap what `grad` returns."""
+
+    def __init__(self, tree, grad_leaves, dtype_name):
+        self.tree = tree
+        self.layout = sm.Layout(tree)
+        self.grad_leaves = tuple(grad_leaves)
+        self.dtype_name = dtype_name
+        self.sources = {}
+        self._src = Source(tree, grad_leaves, self._target())
+        self.value = self._build("value", self._src.value())
+        self._grads = {}
+
+    @property
+    def key(self):
+        """What a kernel compiled with these functions is cached under."""
+        return (self.tree, self.grad_leaves)
+
+    def grad(self, targets):
+        """The gradient function that accumulates the leaves of kinds `targets` (memoised)."""
+        key = tuple(t for t in TARGETS if t in targets)
+        got = self._grads.get(key)
+        if got is None:
+            name = "grad_" + ("_".join(key) or "score")
+            fn = self._build(name, self._src.grad(name, key))
+            got = self._grads[key] = self._grad_entry(fn, key)
+        return got
+
+    def _build(self, name, source):
+        self.sources[name] = source
+        dt = np.float32 if self.dtype_name == "float32" else np.float64
+        g = self._globals(dt)
+        g.update(self._src.constants(dt))
+        exec(compile(source, f"<score modifier {name}: {self.tree}>", "exec"), g)
+        return self._compile(g[name])
+
+    def _grad_entry(self, fn, key):
+        return fn
+
+    def _target(self):
+        raise NotImplementedError
+
+    def _globals(self, dt):
+        raise NotImplementedError
+
+    def _compile(self, fn):
+        raise NotImplementedError
+
+
+def memoised(cls):
+    """generated(tree, grad_leaves, dtype_name): one `cls` instance per key for the life of the
+    process (exec'd functions compile once), safe across threads."""
+    memo = {}
+    lock = threading.Lock()
+
+    def generated(tree, grad_leaves, dtype_name):
+        key = (tree, tuple(grad_leaves), dtype_name)
+        with lock:
+            g = memo.get(key)
+            if g is None:
+                g = memo[key] = cls(tree, grad_leaves, dtype_name)
+        return g
+
+    generated.__doc__ = f"The memoised {cls.__module__}.{cls.__name__} of (tree, grad_leaves, dtype)."
+    return generated

@@ -178,7 +178,7 @@ def _modifier(score_mod, acc, grads, H, Nq, Nk, E, copies):
 
 
 def _mod_key(gen):
-    return None if gen is None else (gen.tree, gen.grad_leaves)
+    return None if gen is None else gen.key
 
 
 @serialised

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 
 import numpy as np
 from numba import njit
 
-from .. import score_mod as sm
 from .. import score_source
 from .fastexp import exp2f
 
@@ -39,8 +37,6 @@ NEG = score_source.NEG  # blocks.NEG (not imported: blocks imports this module)
 LOG2E = 1.0 / math.log(2.0)
 TARGETS = score_source.TARGETS
 
-_MEMO = {}
-_LOCK = threading.Lock()
 
 
 @njit(inline="always", fastmath=True, cache=True)
@@ -88,38 +84,19 @@ class CpuTarget(score_source.Target):
         return f"{cell} += {value}"
 
 
-class Generated:
-    """The compiled functions of one (tree, gradient leaves, dtype)."""
+class Generated(score_source.Compiled):
+    """The compiled functions of one (tree, gradient leaves, dtype): numba.njit."""
 
-    def __init__(self, tree, grad_leaves, dtype_name):
-        self.tree = tree
-        self.layout = sm.Layout(tree)
-        self.grad_leaves = tuple(grad_leaves)
-        self.dtype_name = dtype_name
-        self.sources = {}
-        self._src = score_source.Source(tree, grad_leaves, CpuTarget())
-        self.value = self._build("value", self._src.value())
-        self._grads = {}
+    def _target(self):
+        return CpuTarget()
 
-    def grad(self, targets):
-        """The gradient function that accumulates the leaves of kinds `targets`."""
-        key = tuple(t for t in TARGETS if t in targets)
-        fn = self._grads.get(key)
-        if fn is None:
-            name = "grad_" + ("_".join(key) or "score")
-            fn = self._grads[key] = self._build(name, self._src.grad(name, key))
-        return fn
+    def _globals(self, dt):
+        f32 = dt is np.float32
+        return {"math": math, "_dt": dt, "_tanh": tanh_f32 if f32 else tanh_f64,
+                "_exp": exp_f32 if f32 else exp_f64}
 
-    def _build(self, name, source):
-        self.sources[name] = source
-        f32 = self.dtype_name == "float32"
-        dt = np.float32 if f32 else np.float64
-        g = {"math": math, "_dt": dt, "_tanh": tanh_f32 if f32 else tanh_f64,
-             "_exp": exp_f32 if f32 else exp_f64}
-        g.update(self._src.constants(dt))
-        code = compile(source, f"<score modifier {name}: {self.tree}>", "exec")
-        exec(code, g)
-        return njit(nogil=True, error_model="numpy")(g[name])
+    def _compile(self, fn):
+        return njit(nogil=True, error_model="numpy")(fn)
 
 
 @njit(inline="always", cache=True)
@@ -181,11 +158,4 @@ def jit_kernel(py_func, mod, **hooks):
     return njit(cache=True, **opts)(fn)
 
 
-def generated(tree, grad_leaves, dtype_name):
-    """The memoised Generated functions for (tree, grad_leaves, dtype)."""
-    key = (tree, tuple(grad_leaves), dtype_name)
-    with _LOCK:
-        g = _MEMO.get(key)
-        if g is None:
-            g = _MEMO[key] = Generated(tree, grad_leaves, dtype_name)
-    return g
+generated = score_source.memoised(Generated)

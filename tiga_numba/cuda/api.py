@@ -225,7 +225,7 @@ def _cdiv(a, b):
 
 def _mod_key(gen):
     """What a modified kernel is cached under: the tree and its gradient leaves (None: plain)."""
-    return None if gen is None else (gen.tree, gen.grad_leaves)
+    return None if gen is None else gen.key
 
 
 def _modifier(score_mod, aname, grads, edge_bias):

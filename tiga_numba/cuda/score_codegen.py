@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 
 import numba
 import numpy as np
 from numba import cuda
 
-from .. import score_mod as sm
 from .. import score_source
 
 TARGETS = score_source.TARGETS
-_MEMO = {}
-_LOCK = threading.Lock()
 
 
 class CudaTarget(score_source.Target):
@@ -74,42 +70,30 @@ class CudaTarget(score_source.Target):
         return f"ga[_U(go + {pos})] += {value}"
 
 
-class Generated:
-    """The device functions of one (tree, gradient leaves, dtype); `digest` names the kernels
-    compiled with them (the cubin cache is keyed by kernel name)."""
+class Generated(score_source.Compiled):
+    """The device functions of one (tree, gradient leaves, dtype); `grad(targets)` gives
+    (device function, row-owned leaves, edge leaves); `digest` names the kernels compiled with
+    them (the cubin cache is keyed by kernel name)."""
 
     def __init__(self, tree, grad_leaves, dtype_name):
-        self.tree = tree
-        self.layout = sm.Layout(tree)
-        self.grad_leaves = tuple(grad_leaves)
-        self.dtype_name = dtype_name
-        self.sources = {}
-        self._src = score_source.Source(tree, grad_leaves, CudaTarget(self.layout))
-        self.value = self._build("value", self._src.value())
-        self._grads = {}
+        super().__init__(tree, grad_leaves, dtype_name)
         text = self.sources["value"] + "".join(
             self._src.grad("g", (t,)) for t in TARGETS) + dtype_name
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
 
-    def grad(self, targets):
-        """(device function, row-owned leaves, edge leaves) of the leaves of kinds `targets`."""
-        key = tuple(t for t in TARGETS if t in targets)
-        got = self._grads.get(key)
-        if got is None:
-            name = "grad_" + ("_".join(key) or "score")
-            fn = self._build(name, self._src.grad(name, key))
-            rows, edges = self._src.grad_groups(key)
-            got = self._grads[key] = (fn, tuple(rows), tuple(edges))
-        return got
+    def _grad_entry(self, fn, key):
+        rows, edges = self._src.grad_groups(key)
+        return (fn, tuple(rows), tuple(edges))
 
-    def _build(self, name, source):
-        self.sources[name] = source
-        dt = np.float32 if self.dtype_name == "float32" else np.float64
-        g = {"math": math, "_dt": numba.float32 if dt is np.float32 else numba.float64,
-             "_U": numba.uint64}
-        g.update(self._src.constants(dt))
-        exec(compile(source, f"<score modifier {name}: {self.tree}>", "exec"), g)
-        return cuda.jit(device=True, inline="always")(g[name])
+    def _target(self):
+        return CudaTarget(self.layout)
+
+    def _globals(self, dt):
+        return {"math": math, "_dt": numba.float32 if dt is np.float32 else numba.float64,
+                "_U": numba.uint64}
+
+    def _compile(self, fn):
+        return cuda.jit(device=True, inline="always")(fn)
 
 
 @cuda.jit(device=True, inline="always")
@@ -124,14 +108,7 @@ def no_grad(s, i, j, e, h, H, mv, mnd, mns, mef, dF, ga, go, ge):
     return dF
 
 
-def generated(tree, grad_leaves, dtype_name):
-    """The memoised Generated device functions for (tree, grad_leaves, accumulation dtype)."""
-    key = (tree, tuple(grad_leaves), dtype_name)
-    with _LOCK:
-        g = _MEMO.get(key)
-        if g is None:
-            g = _MEMO[key] = Generated(tree, grad_leaves, dtype_name)
-    return g
+generated = score_source.memoised(Generated)
 
 
 def pack(bound, xp, acc, H, Nq, Nk, E):
