@@ -109,18 +109,15 @@ def decode_tiles(dtype, D, DV, rows, vec=False):
     reads them with VEC_LOADS 16-byte loads, VEC_KEYS keys per lane group and step, so each lane
     has 2 * VEC_LOADS * VEC_KEYS loads of 16 bytes in flight per step (the scalar geometry
     issues one 2-byte load per element)."""
+    R = 1
+    while R < rows and R < (8 if max(D, DV) <= 64 else 4):
+        R *= 2
     if vec:
-        R = 1
-        while R < rows and R < (8 if D <= 64 else 4):
-            R *= 2
         G = max(1, min(32, D // 8 // VEC_LOADS))  # lanes per key; each holds D / G elements
         return DecodeTiles(dtype, "float32", D, DV, G=G, T=VEC_KEYS, NW=4, ROWS=R, vec=True)
     G = 1
     while G < 32 and G * 16 < max(D, DV):
         G *= 2
-    R = 1
-    while R < rows and R < (8 if max(D, DV) <= 64 else 4):
-        R *= 2
     acc = "float64" if dtype == "float64" else "float32"
     return DecodeTiles(dtype, acc, D, DV, G=G, T=2, NW=4, ROWS=R)
 
@@ -236,17 +233,12 @@ def make_decode(t):
                     for w in range(NV):
                         ka = k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + lane * DS + 8 * w)
                         va = v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + lane * DS + 8 * w)
-                        k0, k1, k2, k3 = ldg16(inr, ka)
-                        v0, v1, v2, v3 = ldg16(inr, va)
+                        kw = ldg16(inr, ka)
+                        vw = ldg16(inr, va)
                         e8 = tt * DS + 8 * w
-                        kv[U(e8)], kv[U(e8 + 1)] = unpack2(k0)
-                        kv[U(e8 + 2)], kv[U(e8 + 3)] = unpack2(k1)
-                        kv[U(e8 + 4)], kv[U(e8 + 5)] = unpack2(k2)
-                        kv[U(e8 + 6)], kv[U(e8 + 7)] = unpack2(k3)
-                        vv[U(e8)], vv[U(e8 + 1)] = unpack2(v0)
-                        vv[U(e8 + 2)], vv[U(e8 + 3)] = unpack2(v1)
-                        vv[U(e8 + 4)], vv[U(e8 + 5)] = unpack2(v2)
-                        vv[U(e8 + 6)], vv[U(e8 + 7)] = unpack2(v3)
+                        for p in range(4):  # each u32 holds two halves
+                            kv[U(e8 + 2 * p)], kv[U(e8 + 2 * p + 1)] = unpack2(kw[p])
+                            vv[U(e8 + 2 * p)], vv[U(e8 + 2 * p + 1)] = unpack2(vw[p])
                 else:
                     for cc in range(DS):
                         d = cc * G + lane
