@@ -13,6 +13,26 @@ from tiga_numba.graph import Graph
 
 
 # --------------------------------------------------------------------------- the oracle
+def net_backward(layers, acts, g):
+    """Chain the scores' gradient g (E, outputs) back through a score network's layers, given
+    each layer's input and output (acts): the parameters' gradients by name, and the gradient
+    at the network's input (E, inputs)."""
+    params = {}
+    for idx in range(len(layers) - 1, -1, -1):
+        layer, h_in, h_out = layers[idx], acts[idx], acts[idx + 1]
+        if isinstance(layer, nn.Linear):
+            params[f"{idx}.weight"] = g.T @ h_in
+            params[f"{idx}.bias"] = g.sum(0)
+            g = g @ np.asarray(layer.weight, np.float64)
+        elif isinstance(layer, nn.LeakyReLU):
+            g = g * np.where(h_in > 0, 1.0, layer.negative_slope)
+        elif isinstance(layer, nn.ReLU):
+            g = g * (h_in > 0)
+        else:
+            g = g * (1 - h_out ** 2)
+    return params, g
+
+
 def oracle(graph, net, args, value, dout=None):
     """Materialized float64 model: concat per edge, MLP, segment softmax, weighted sum;
     hand-derived backward. Returns out, (m, l) and, with dout, the gradients."""
@@ -62,19 +82,7 @@ def oracle(graph, net, args, value, dout=None):
     np.add.at(dV, src, p[:, None] * D[dst])
     ds = p * ((D[dst] * V[src]).sum(1) - (D * out).sum(1)[dst])
     g = ds[:, None]
-    params = {}
-    for idx in range(len(layers) - 1, -1, -1):
-        layer, h_in, h_out = layers[idx], acts[idx], acts[idx + 1]
-        if isinstance(layer, nn.Linear):
-            params[f"{idx}.weight"] = g.T @ h_in
-            params[f"{idx}.bias"] = g.sum(0)
-            g = g @ np.asarray(layer.weight, np.float64)
-        elif isinstance(layer, nn.LeakyReLU):
-            g = g * np.where(h_in > 0, 1.0, layer.negative_slope)
-        elif isinstance(layer, nn.ReLU):
-            g = g * (h_in > 0)
-        else:
-            g = g * (1 - h_out ** 2)
+    params, g = net_backward(layers, acts, g)
     arg_grads, c0 = [], 0
     dpos = np.zeros_like(pos) if pos is not None else None
     for (role, name, arr), c in zip(args, cols):

@@ -12,6 +12,8 @@ from tiga_numba import edge_mlp, edge_mlp_heads
 from tiga_numba.edge_mlp import FieldArg
 from tiga_numba.graph import Graph
 
+from test_gat import net_backward  # the network half of the oracle's backward
+
 
 # --------------------------------------------------------------------------- the oracle
 def _edges(graph):
@@ -73,19 +75,7 @@ def oracle(graph, net, args, value, dout):
         dV[:, h // grp] += dVh[:, h]
     ds = p * ((D[dst] * Vh[src]).sum(-1) - (D * out).sum(-1)[dst])
     g = ds
-    params = {}
-    for idx in range(len(layers) - 1, -1, -1):
-        layer, h_in, h_out = layers[idx], acts[idx], acts[idx + 1]
-        if isinstance(layer, nn.Linear):
-            params[f"{idx}.weight"] = g.T @ h_in
-            params[f"{idx}.bias"] = g.sum(0)
-            g = g @ np.asarray(layer.weight, np.float64)
-        elif isinstance(layer, nn.LeakyReLU):
-            g = g * np.where(h_in > 0, 1.0, layer.negative_slope)
-        elif isinstance(layer, nn.ReLU):
-            g = g * (h_in > 0)
-        else:
-            g = g * (1 - h_out ** 2)
+    params, g = net_backward(layers, acts, g)
     arg_grads, c0 = [], 0
     dpos = np.zeros_like(pos) if pos is not None else None
     for (role, name, arr), c in zip(args, cols):
