@@ -141,16 +141,11 @@ def forward(graph, net, prep, node_products, return_state=True):
     values = prep.V.reshape(prep.num_src, hv, -1)
     plans = {}
     out, att_backward = edge_attention(values, score, es, plans)
-    plan = make_plan("forward", prep, net)
-    plan.family = "score network per edge (array ops) + attention over an (E, H) edge score"
     att = plans["forward"]
-    plan.run_info.update(
-        kernel=f"per-edge score network in chunks of {chunk} edges ({prep.library}), then "
-               f"{att.run_info.get('kernel', att.family)}",
-        heads=H, chunk=chunk, copies=list(prep.copies), cache=att.run_info.get("cache"),
-        ir=att.run_info.get("ir"),
-        geometry=("displacement/distance computed per edge chunk from positions"
-                  if prep.geometric else None))
+    plan = _plan("forward", prep, net, att, H, chunk,
+                 f"per-edge score network in chunks of {chunk} edges ({prep.library}), then "
+                 f"{att.run_info.get('kernel', att.family)}",
+                 "displacement/distance computed per edge chunk from positions")
     result = out.astype(prep.dtype, copy=False)
     state = (HeadScoreState(prep=prep, score=score, As=As, Ad=Ad, WeT=WeT, values=values,
                             attention_backward=att_backward, plans=plans)
@@ -238,15 +233,23 @@ def backward(graph, net, args, value, state, dout):
     pg[prep.P.shape[0]:] = dWeT.reshape(-1)
     res = finish_grads(prep, dict(net.named_parameters()), args, value, dW1, dAd, pg,
                        dEX, dv.reshape(prep.num_src, -1), dpos, graph, arg_grads)
-    plan = make_plan("backward", prep, net)
-    plan.family = "score network per edge (array ops) + attention over an (E, H) edge score"
     att = state.plans["backward"]
-    plan.run_info.update(
-        kernel=f"{att.run_info.get('kernel', att.family)}, then the score network backward "
-               f"in chunks of {chunk} edges ({prep.library})",
-        heads=H, chunk=chunk, copies=list(prep.copies), cache=att.run_info.get("cache"),
-        ir=att.run_info.get("ir"),
-        geometry=("displacement/distance gradients routed to positions per edge chunk"
-                  if prep.geometric else None))
+    plan = _plan("backward", prep, net, att, H, chunk,
+                 f"{att.run_info.get('kernel', att.family)}, then the score network backward "
+                 f"in chunks of {chunk} edges ({prep.library})",
+                 "displacement/distance gradients routed to positions per edge chunk")
     res["plan"] = plan
     return res
+
+
+FAMILY = "score network per edge (array ops) + attention over an (E, H) edge score"
+
+
+def _plan(op, prep, net, att, H, chunk, kernel, geometry):
+    """The plan of one per-head call: what ran (`kernel`), and the attention plan's cache / IR."""
+    plan = make_plan(op, prep, net, family=FAMILY)
+    plan.run_info.update(
+        kernel=kernel, heads=H, chunk=chunk, copies=list(prep.copies),
+        cache=att.run_info.get("cache"), ir=att.run_info.get("ir"),
+        geometry=geometry if prep.geometric else None)
+    return plan

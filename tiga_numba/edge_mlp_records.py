@@ -117,13 +117,14 @@ def net_desc(net):
     return " -> ".join(repr(layer) for layer in net.layers())
 
 
-def make_plan(op, prep, net, decision=None):
-    """The GATPlan of one call: what was prepared and the registry's decision (family, refusals)."""
+def make_plan(op, prep, net, decision=None, family=""):
+    """The GATPlan of one call: what was prepared and the registry's decision (family, refusals);
+    without a decision, `family` names what runs."""
     return GATPlan(op=op, backend="cpu" if prep.library == "numpy" else "cuda",
                    num_dst=prep.num_dst, num_src=prep.num_src, num_edges=prep.num_edges,
                    net=net_desc(net), args=prep.arg_desc, dtype=np.dtype(prep.dtype),
                    accum_dtype=prep.acc,
-                   family=decision.family.name if decision is not None else "",
+                   family=decision.family.name if decision is not None else family,
                    considered=decision.considered if decision is not None else ())
 
 
