@@ -158,12 +158,7 @@ def test_backward_accurate_at_large_scores(kind, dtype, max_score):
 @pytest.mark.parametrize("dtype, max_score", LARGE_SCORE_CASES)
 def test_cuda_core_backward_accurate_at_large_scores(kind, dtype, max_score, monkeypatch):
     """The same on the CUDA-core kernels (D = 16: no tensor-core kernel takes it)."""
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            pytest.skip("no CUDA device")
-    except Exception:
-        pytest.skip("no CUDA device")
+    cupy = _need_cuda()
     with tg.options(tensor_cores=False):
         check_large_scores(kind, dtype, max_score, cupy.asarray, cupy.asnumpy)
 
