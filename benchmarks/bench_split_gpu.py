@@ -104,14 +104,13 @@ def bench_csr(lines, reps):
         tg.attention_backward(do, q, k, v, out, st, g)
         sync()
         first = time.perf_counter() - t0
-        r, w = reps, 1
-        tf = _timeit(lambda: tg.attention(q, k, v, g), sync, r, warm=w)
+        tf = _timeit(lambda: tg.attention(q, k, v, g), sync, reps, warm=1)
         kern = functional.last_plan().run_info["kernel"]
 
         def fb():
             out, st = tg.attention(q, k, v, g, return_stats=True)
             tg.attention_backward(do, q, k, v, out, st, g)
-        tb = _timeit(fb, sync, r, warm=w)
+        tb = _timeit(fb, sync, reps, warm=1)
         gathered = e * H * D * 4 * 2
         base = base or tf
         base_b = base_b or tb
