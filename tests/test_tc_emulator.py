@@ -1093,13 +1093,18 @@ LARGE_VARIANTS = {
 
 @pytest.mark.parametrize("engine", list(LARGE_VARIANTS))
 @pytest.mark.parametrize("kind", list(LARGE_RELATIONS))
-@pytest.mark.parametrize("dtype, max_score", [("float32", 1e6), ("float32", 1e8), ("float16", 3e4)])
+@pytest.mark.parametrize("dtype, max_score", [("float32", 5e4), ("float32", 1e6), ("float32", 1e8),
+                                              ("float16", 3e4)])
 def test_backward_accurate_at_large_scores_emulated(engine, kind, dtype, max_score):
     """The forward's base-2 row max (m_kernel) carries into the Delta pre-pass unconverted, so
     the gradients keep a materialised float32 backward's accuracy at any finite score magnitude
     (test_robustness.check_large_scores, D = 64). Without it, m log2(e) rounded back from the
-    natural-log m puts an ulp of m into every exponent: 2^16 at 1e8."""
-    from test_robustness import _large_score_inputs, assert_large_score_accuracy
+    natural-log m puts an ulp of m into every exponent: 2^16 at 1e8. The emulator contracts
+    `a * sc - b` into one fma as the GPU compiler does: with m2 + log2 l added into one float32,
+    or the dK/dV kernel's S^T summing its split parts in another order than the forward's S, the
+    row's largest score would get another exponent than in the forward (2^(ulp(m2) / 2): 0.27%
+    at 5e4)."""
+    from test_robustness import EPS_3XTF32, _large_score_inputs, assert_large_score_accuracy
     np_dt = np.float16 if dtype == "float16" else np.float32
     _, mask, (q, k, v, do) = _large_score_inputs("dense", np_dt, max_score, d=64)
     dst, src, causal = (np.array(x) for x in LARGE_RELATIONS[kind])
@@ -1118,4 +1123,5 @@ def test_backward_accurate_at_large_scores_emulated(engine, kind, dtype, max_sco
     out = rounded(o, dtype)
     dq, dk, dv = E.backward(vq, vk, do, q, k, v, out, m, l, dst, src, causal.astype(np.uint8), scale,
                             m_kernel=stats["m_kernel"])
-    assert_large_score_accuracy(q, k, v, do, mask, scale, out.astype(np_dt), m, dq, dk, dv)
+    assert_large_score_accuracy(q, k, v, do, mask, scale, out.astype(np_dt), m, dq, dk, dv,
+                                eps=EPS_3XTF32 if engine == "mma" and dtype == "float32" else None)

@@ -4,12 +4,14 @@
 # and racecheck on the split / decode / merge / band kernels and on the score-modifier kernels.
 # usage (repo root on the GPU machine; wheels, if any, carried in .whl; a cubin cache prebuilt
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
-#   OUT=dir [WORKERS=15] [T_PREBUILD=0] [T_TESTS=300] [SAN_SCRIPTS="split_sanitize mods_sanitize"] \
-#     bash benchmarks/gpu/check.sh
+#   OUT=dir [WORKERS=15] [T_PREBUILD=0] [T_TESTS=300] [FIRST="pytest selection"] \
+#     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] bash benchmarks/gpu/check.sh
+# Writes five files (the device returns at most eight): env.txt, prebuild.txt, tests.txt
+# (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt.
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > $OUT/pip.txt 2>&1
+    > $OUT/env.txt 2>&1
   export PYTHONPATH=/tmp/site
 fi
 CACHE=/tmp/tiga_cubins
@@ -18,20 +20,25 @@ export PYTHONPATH=$PWD:$PYTHONPATH TIGA_NUMBA_CACHE_DIR=$CACHE TIGA_NUMBA_QUIET=
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $OUT/steps.txt; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import numba, cupy, numpy, torch; print('numba', numba.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
-  python3 -m pytest --version; } > $OUT/env.txt 2>&1
+  python3 -m pytest --version; } >> $OUT/env.txt 2>&1
 if [ "${T_PREBUILD:-0}" != 0 ]; then
   stamp prebuild
   timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
+if [ -n "$FIRST" ]; then
+  timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n 4 -rfEs --tb=long $FIRST \
+    > $OUT/tests.txt 2>&1; stamp "first tests rc=$?"
+fi
 # SIGINT at the limit: pytest stops and still prints what ran and what failed
 timeout -s INT -k 20 ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rfEs --tb=short -m gpu tests \
-  > $OUT/tests.txt 2>&1; stamp "gpu tests rc=$?"
+  >> $OUT/tests.txt 2>&1; stamp "gpu tests rc=$?"
 if [ "${T_SAN:-30}" != 0 ]; then
-  for s in ${SAN_SCRIPTS:-split_sanitize mods_sanitize}; do
-    timeout ${T_SAN:-30} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-      python3 benchmarks/gpu/$s.py > $OUT/memcheck_$s.txt 2>&1; stamp "memcheck $s rc=$?"
-    timeout ${T_SAN:-30} compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
-      python3 benchmarks/gpu/$s.py > $OUT/racecheck_$s.txt 2>&1; stamp "racecheck $s rc=$?"
+  for s in ${SAN_SCRIPTS:-split_sanitize mods_sanitize tc_sanitize}; do
+    for tool in memcheck racecheck; do
+      echo "=== $tool $s" >> $OUT/san.txt
+      timeout ${T_SAN:-30} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
+        python3 benchmarks/gpu/$s.py 2>&1 | tail -30 >> $OUT/san.txt; stamp "$tool $s rc=${PIPESTATUS[0]}"
+    done
   done
 fi
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/tests.txt | tail -40

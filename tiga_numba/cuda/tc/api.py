@@ -10,12 +10,12 @@ backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None, m_
     -> (dq, dk, dv, None)
 
 m_kernel is the row max in the kernels' base-2 units (scores times scale log2(e)), float32,
-exactly as the forward's softmax used it. The backward's P = exp2(s sc - lse2) takes
-lse2 = m_kernel + log2(l) from it (Delta pre-pass) instead of from m log2(e) rounded back from
-the natural-log m, whose one-ulp error the exponent would turn into a factor of up to 2^ulp(m)
-on P at large scores. Stats without it (built by hand, or from a CUDA-core forward) are
-converted: m log2(e) in float32. lse2 is one float32: where ulp(m_kernel) exceeds log2(l)'s
-(|m| beyond ~1e7 with l > 1, i.e. near-exact ties), its sum rounds log2(l) to that ulp.
+exactly as the forward's softmax used it. The backward's P = exp2((s sc - m2) - log2 l) reads
+m2 = m_kernel and log2 l as two floats (the Delta pre-pass writes the pair): from m log2(e)
+rounded back from the natural-log m, the one-ulp error would become a factor of up to 2^ulp(m)
+on P at large scores, and one float32 lse2 = m2 + log2 l would round away the forward's own
+rounding error of m2 that l carries (generator/backward.py gen_delta). Stats without m_kernel
+(built by hand, or from a CUDA-core forward) are converted: m log2(e) in float32.
 
 Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat of those),
 float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D (on compute capability
@@ -170,8 +170,8 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, r
 def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
                     stream=None):
     """Delta pre-pass, then dQ and dK/dV on raw operands ((address, row stride, head stride) tuples;
-    outputs contiguous; mp: the row max in the kernels' base-2 units (m_kernel); delta, lse2
-    float32 (num_dst, H) scratch): two kernels, or one when
+    outputs contiguous; mp: the row max in the kernels' base-2 units (m_kernel); float32 scratch:
+    delta (num_dst, H), lse2 (num_dst, H, 2) for the (m2, log2 l) pairs): two kernels, or one when
     vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
     Returns (the main kernel, the kernels' cache state)."""
     st = stream or current_stream()
@@ -333,7 +333,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dk = (cupy.zeros if zk else cupy.empty)((ns, Hkv, D), dtype=q.dtype)
     dv = (cupy.zeros if zk else cupy.empty)((ns, Hkv, Dv), dtype=q.dtype)
     delta = cupy.empty((nd, H), cupy.float32)
-    lse2 = cupy.empty((nd, H), cupy.float32)
+    lse2 = cupy.empty((nd, H, 2), cupy.float32)   # (m2, log2 l) pairs
     kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                 (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m2), _ptr(l), _ptr(delta), _ptr(lse2),
                                 _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))

@@ -14,6 +14,7 @@ What it cannot see: races between cp.async and readers (lockstep hides them) and
 """
 from __future__ import annotations
 
+import re
 import types as _types
 
 import numpy as np
@@ -460,8 +461,22 @@ def _ex2(x):
     return np.where(np.abs(r) < np.float32(1.1754944e-38), np.float32(0), r)   # .ftz
 
 
+#: `ex2(a * sc - b` in a kernel text: the GPU compiler contracts the product and the
+#: difference into one fma (one rounding); numpy would round a * sc first. Rewritten to
+#: `ex2(fms(a, sc, b)` so that the emulator rounds as the hardware does, which is what makes the
+#: exponent of the row's largest score exactly the rounding error of m = a * sc.
+_CONTRACTED = re.compile(r"ex2\((\w+) \* sc - (\w+)")
+
+
+def _fms(a, b, c):
+    """fma(a, b, -c) in float32: the float32 product is exact in float64 (48 bits), then one
+    rounding of the difference to float64 and one to float32 (differs from a true fma only in
+    double-rounding ties, ~2^-29 of cases)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) - np.asarray(c, np.float64)).astype(np.float32)
+
+
 def compile_source(src, name="<tc-emu>"):
-    code = compile(src, name, "exec")
+    code = compile(_CONTRACTED.sub(r"ex2(fms(\1, sc, \2)", src), name, "exec")
     return code
 
 
@@ -480,7 +495,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                 syncthreads_or=lambda p: np.int32(np.any(np.asarray(p) != 0)))
             env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
                        u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum,
-                       sel=_sel, ex2=_ex2, saddr=lambda a: np.uint32(0), log2f=np.log2,
+                       sel=_sel, ex2=_ex2, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
                        opq=lambda x: np.asarray(x, np.int64)[()],
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
@@ -560,7 +575,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     mb = mem.put(np.ascontiguousarray(m2, np.float32))
     lb = mem.put(np.ascontiguousarray(l, np.float32))
     dlt = mem.alloc(max(nd * H * 4, 1))
-    lse = mem.alloc(max(nd * H * 4, 1))
+    lse = mem.alloc(max(nd * H * 8, 1))   # (m2, log2 l) pairs
     dqb = mem.alloc(max(nd * H * D * GB, 1))
     dkb = mem.alloc(max(ns * Hkv * D * GB, 1))
     dvb = mem.alloc(max(ns * Hkv * Dv * GB, 1))

@@ -16,7 +16,9 @@ from .wgmma import wg_desc, wg_pack, wg_wait
 # ============================================================================= backward: dQ
 def gen_dq(v):
     """dQ = scale * sum_j dS_ij K_j over the key blocks of each query tile (deterministic: one CTA
-    owns its rows). P = exp2(s * sc - lse2) from the forward's (m, l); dS = P (dP - Delta)."""
+    owns its rows). P = exp2(s * sc - m2 - log2 l) from the forward's (m, l); dS = P (dP - Delta).
+    s * sc - m2 is written as the forward writes it, so the compiler contracts both into the same
+    fma and the row's largest score gets exactly the exponent it had in the forward (gen_delta)."""
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
@@ -45,7 +47,8 @@ def gen_dq(v):
             for h in (0, 1):
                 e(f"rl = wrow + {16 * m + 8 * h} + g")
                 e("ok = u32(rl < rows); gi = (row0 + sel(ok != 0, rl, 0)) * H + hh")
-                e(f"ls{m}{h} = ldg_f32_if(ok, lsep + gi * 4); dl{m}{h} = ldg_f32_if(ok, dltp + gi * 4)")
+                e(f"ls{m}{h} = ldg_f32_if(ok, lsep + gi * 8); lg{m}{h} = ldg_f32_if(ok, lsep + gi * 8 + 4)")
+                e(f"dl{m}{h} = ldg_f32_if(ok, dltp + gi * 4)")
         zero_c(e, "acc", MT, D // 8)
 
         def issue(kbuf, vbuf):   # wgmma: dP = dO V^T runs while S is masked and exponentiated
@@ -56,7 +59,7 @@ def gen_dq(v):
             if v.wg_async:
                 for j in range(BN // 8):
                     for r in range(4):
-                        e(f"s0_{j}_{r} = ex2(s0_{j}_{r} * sc - ls0{r // 2})")
+                        e(f"s0_{j}_{r} = ex2(s0_{j}_{r} * sc - ls0{r // 2} - lg0{r // 2})")
                 wg_wait(e, 0, "dp", BN // 8)
                 for j in range(BN // 8):
                     for r in range(4):
@@ -68,7 +71,7 @@ def gen_dq(v):
                     for j in range(BN // 8):
                         for r in range(4):
                             s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
-                            e(f"{s} = ex2({s} * sc - ls{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
+                            e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
             # masked cells: dS = 0 exactly (0 * (dP - Delta) is NaN where V outside the row is)
             e("if kb >= nfull:")
             with e.indent():
@@ -81,13 +84,17 @@ def gen_dq(v):
     return e.text()
 
 
-def col_stats(e, tiles, name, ptr):
-    """per-column float32 statistic (lse2 or Delta) of the query block at cq, for this lane's columns
-    of the n-tiles `tiles`."""
+def col_stats(e, tiles, names, ptr):
+    """per-column float32 statistics of the query block at cq, for this lane's columns of the
+    n-tiles `tiles`: names ("cd",) reads Delta (one float per (row, head)), ("cl", "cg") the
+    (m2, log2 l) pair the Delta pre-pass writes (two floats per (row, head))."""
+    width = 4 * len(names)
     for j in tiles:
         for c in (0, 1):
             e(f"ci = cq + {8 * j + c} + 2 * t; ok = u32(ci < cols)")
-            e(f"{name}{j}{c} = ldg_f32_if(ok, {ptr} + ((col0 + sel(ok != 0, ci, 0)) * H + hq) * 4)")
+            e(f"ca = {ptr} + ((col0 + sel(ok != 0, ci, 0)) * H + hq) * {width}")
+            for i, name in enumerate(names):
+                e(f"{name}{j}{c} = ldg_f32_if(ok, ca{f' + {4 * i}' if i else ''})")
 
 
 # ============================================================================= fused dQ (dkdv, fuse_dq)
@@ -334,7 +341,7 @@ def wg_dq(e, v, dsb, ktile):
 def gen_dkdv(v):
     """dV = sum_i P_ij dO_i, dK = scale * sum_i dS_ij Q_i for one key tile per CTA, all query heads
     of its kv group in order (GQA without atomics). Works on the transposed tile S^T = K Q^T so
-    the accumulators are rows of dK/dV; per-column (query) lse2 and Delta come from global."""
+    the accumulators are rows of dK/dV; per-column (query) (m2, log2 l) and Delta come from global."""
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
@@ -413,7 +420,7 @@ def gen_dkdv(v):
                 with e.indent():
                     fetch_acc(e, v)
             zero_c(e, "s", MT, nt)
-            mma_abt(e, v, "s", "ka", qbuf("cur"), nt, D, where["ka"])
+            mma_abt(e, v, "s", "ka", qbuf("cur"), nt, D, where["ka"], swap=True)   # S^T: the forward's S bits
             if v.wg_async:   # dP^T = V dO^T runs while S^T is masked and exponentiated
                 zero_c(e, "dp", MT, nt)
                 mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"], wait=False)
@@ -426,15 +433,15 @@ def gen_dkdv(v):
                             e(f"ci = cq + {8 * j + r % 2} + 2 * t")
                             e(f"{x} = sel((ci < cols) & ((causal == 0) | (ci >= kl{m}{r // 2})), {x}, masked)")
             # per-column (query) statistics, loaded where used (short live ranges; masked
-            # columns read nothing): lse2 for P, then Delta for dS
+            # columns read nothing): (m2, log2 l) for P, then Delta for dS
             # (overlapped with dP: tile by tile, so that few are live next to the in-flight dP)
             for tiles in ([[j] for j in range(nt)] if v.wg_async else [range(nt)]):
-                col_stats(e, tiles, "cl", "lsep")
+                col_stats(e, tiles, ("cl", "cg"), "lsep")
                 for m in range(MT):
                     for j in tiles:
                         for r in range(4):
                             x = f"s{m}_{j}_{r}"
-                            e(f"{x} = ex2({x} * sc - cl{j}{r % 2})")
+                            e(f"{x} = ex2({x} * sc - cl{j}{r % 2} - cg{j}{r % 2})")
             # key j sees query ci when ci < cols and (causal) ci >= kl: the masked-block test
             keep = lambda m, j, r: (f"(cq + {8 * j + r % 2} + 2 * t < cols) & ((causal == 0) | "  # noqa: E731
                                     f"(cq + {8 * j + r % 2} + 2 * t >= kl{m}{r // 2}))")
@@ -452,14 +459,14 @@ def gen_dkdv(v):
                 # (16-bit: issued, it runs while dS is packed for dK; split: its per-block partials
                 # need the result at once) and dK += dS^T Q
                 wg_wait(e, 0, "dp", nt)
-                col_stats(e, range(nt), "cd", "dltp")
+                col_stats(e, range(nt), ("cd",), "dltp")
                 wg_pack(e, v, "pa", "s", BN // 16, lambda ks: to_ds(0, (2 * ks, 2 * ks + 1)))
                 mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv, wait=v.split, packed=True)
             else:
                 mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
                 zero_c(e, "dp", MT, nt)
                 mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
-                col_stats(e, range(nt), "cd", "dltp")
+                col_stats(e, range(nt), ("cd",), "dltp")
                 for m in range(MT):
                     to_ds(m, range(nt))
             if not fq:   # masked cells: dS = 0 exactly (dP and Delta of a masked query may be non-finite)
@@ -523,10 +530,15 @@ def gen_dkdv(v):
 
 # ============================================================================= backward: Delta pre-pass
 def gen_delta(dtype, Dv):
-    """Delta_i = sum_d dO_id O_id and lse2_i = m2_i + log2(l_i) (0 for empty rows), one warp
+    """Delta_i = sum_d dO_id O_id and the pair (m2_i, log2 l_i) ((0, 0) for empty rows), one warp
     per (row, head): the per-row inputs of both backward kernels. m2 (at mp) is the row max in
     the kernels' base-2 units as the forward found it (api.backward converts natural-log stats
-    that lack it), so no rounded unit conversion enters the exponent."""
+    that lack it), so no rounded unit conversion enters the exponent.
+
+    The pair is not added into one lse2: the forward's exponent for the row's largest score,
+    fma(s, sc, -m2), is the rounding error of m2 = s * sc (up to ulp(m2) / 2, 2^-8 at m2 ~ 7e4),
+    and l carries it as log2 l; m2 + log2 l in float32 would round it away again and leave P off by
+    2^(ulp(m2) / 2) in the backward at large scores. Two floats keep it: exp2((s sc - m2) - log2 l)."""
     e = Source()
     e("def kernel(op, dop, mp, lp, dltp, lsep, n, H, o_rs, o_hs, do_rs, do_hs):")
     with e.indent():
@@ -550,8 +562,10 @@ def gen_delta(dtype, Dv):
         for s in (16, 8, 4, 2, 1):
             e(f"acc = acc + shfl_xor(acc, {s})")
         e("ll = ldg_f32_if(live, lp + rh * 4); mm = ldg_f32_if(live, mp + rh * 4)")
-        e("ls = sel(ll > f32(0.0), mm + log2f(sel(ll > f32(0.0), ll, f32(1.0))), f32(0.0))")
+        e("nz = ll > f32(0.0)")
+        e("ms = sel(nz, mm, f32(0.0)); lg = sel(nz, log2f(sel(nz, ll, f32(1.0))), f32(0.0))")
         e("ok = live & u32(lane == 0)")
         e("stg_f32_if(ok, dltp + rh * 4, acc)")
-        e("stg_f32_if(ok, lsep + rh * 4, ls)")
+        e("stg_f32_if(ok, lsep + rh * 8, ms)")
+        e("stg_f32_if(ok, lsep + rh * 8 + 4, lg)")
     return e.text()

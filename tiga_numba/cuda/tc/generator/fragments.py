@@ -39,8 +39,9 @@ def ldsm_a(e, v, A, m, ks, addr):
         e("; ".join(f"{regs[r]}, {regs[r + 4]} = tf32x2({regs[r]})" for r in range(4)))
 
 
-def mma(e, v, C, a, b):
-    """C += A B for one m16 x n8 tile: a = a_regs(), b = [b0, b1] (tf32: their halves are b0, b0s, ...)."""
+def mma(e, v, C, a, b, swap=False):
+    """C += A B for one m16 x n8 tile: a = a_regs(), b = [b0, b1] (tf32: their halves are b0, b0s, ...).
+    swap (tf32): the TF32_PASSES with the (A, B) halves' roles swapped (products.mma_abt)."""
     c = ", ".join(C)
     if not v.tf32:
         e(f"{c} = mma16816({', '.join(a)}, {', '.join(b)}, {c})")
@@ -48,6 +49,8 @@ def mma(e, v, C, a, b):
     half_a = dict(big=a[:4], small=a[4:])
     half_b = dict(big=b, small=[x + "s" for x in b])
     for ha, hb in TF32_PASSES:
+        if swap:
+            ha, hb = hb, ha
         e(f"{c} = mma1688({', '.join(half_a[ha])}, {', '.join(half_b[hb])}, {c})")
 
 

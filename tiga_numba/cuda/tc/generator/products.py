@@ -9,13 +9,16 @@ from .variant import PB_PAIRS
 from .wgmma import wg_abt, wg_pb
 
 
-def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None, wait=True):
+def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None, wait=True, swap=False):
     """C[m][j] += A[m] . B^T with B row-major [n][k] in shared memory (K for S = Q K^T), k = `width`
     elements. a_smem = (tile, row0): A is read from that shared tile per k-step pair instead of
     registers. One ldmatrix.x4 gives the B fragments of two k-steps (either dtype). wait=False
-    (wgmma only): issued, C is read after wg_wait."""
+    (wgmma only): issued, C is read after wg_wait. swap (float32 splits): the product is the
+    transpose of one computed elsewhere (S^T = K Q^T of S = Q K^T); its part products run with
+    the operands' roles swapped, so every element sums the same part products in the same order
+    and gets the same bits (the backward's P must see the forward's scores exactly)."""
     if v.wgmma:
-        wg_abt(e, v, C, btile, ntiles, width, a_smem[0], wait)
+        wg_abt(e, v, C, btile, ntiles, width, a_smem[0], wait, swap)
         return
     assert wait, "mma.sync products complete in order"
     MT, rs, ksteps = v.MT, width * v.EB, v.ksteps(width)
@@ -25,7 +28,7 @@ def mma_abt(e, v, C, A, btile, ntiles, width, a_smem=None, wait=True):
         split_tf32(e, v, ["b0", "b1", "b2", "b3"])
         for kk, b in enumerate((["b0", "b1"], ["b2", "b3"])):
             for m in range(MT):
-                mma(e, v, c_regs(C, m, j), a_regs(v, A, m, 2 * kp + kk), b)
+                mma(e, v, c_regs(C, m, j), a_regs(v, A, m, 2 * kp + kk), b, swap)
     e(f"# mma_abt: {C} += {A} . B^T, B = shared {btile}" + (f", A from shared {a_smem[0]}" if a_smem else ""))
     if a_smem is None:
         for j in range(ntiles):

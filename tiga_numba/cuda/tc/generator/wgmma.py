@@ -30,14 +30,16 @@ def wg_desc(addr, lbo, sbo=1024):
     return f"(i64({addr} >> 4) | {const})"
 
 
-def _passes(v):
-    """(A part, B part) index pairs of one product: SPLIT_PASSES, or the operands themselves."""
+def _passes(v, swap=False):
+    """(A part, B part) index pairs of one product: SPLIT_PASSES, or the operands themselves.
+    swap: each pair's roles swapped (the transposed product, products.mma_abt)."""
     if not v.split:
         return [(0, 0)]
-    return [(SPLIT_PARTS.index(a), SPLIT_PARTS.index(b)) for a, b in SPLIT_PASSES]
+    return [(SPLIT_PARTS.index(b), SPLIT_PARTS.index(a)) if swap else (SPLIT_PARTS.index(a), SPLIT_PARTS.index(b))
+            for a, b in SPLIT_PASSES]
 
 
-def wg_abt(e, v, C, btile, ntiles, width, atile, wait=True):
+def wg_abt(e, v, C, btile, ntiles, width, atile, wait=True, swap=False):
     """C (this warp's 16 rows x 8 ntiles) += A B^T over k = width: A = this warpgroup's 64 rows of
     the resident tile `atile` (BM rows), B = `btile` (8 ntiles rows), both K-major. split: one chain
     over SPLIT_PASSES x k-steps, part p of a tile p x (its rows x row bytes) further."""
@@ -46,7 +48,7 @@ def wg_abt(e, v, C, btile, ntiles, width, atile, wait=True):
     e(f"da = {wg_desc(sa(atile, 'wga'), 16)}; db = {wg_desc(btile, 16)}")
     step = lambda ks, rows: ((ks // 4) * rows * 128 + (ks % 4) * 32) >> 4  # noqa: E731
     part = lambda p, rows: (p * rows * v.row_bytes(width)) >> 4  # noqa: E731
-    steps = [(part(pa, v.BM) + step(ks, v.BM), part(pb, N) + step(ks, N)) for pa, pb in _passes(v) for ks in range(nk)]
+    steps = [(part(pa, v.BM) + step(ks, v.BM), part(pb, N) + step(ks, N)) for pa, pb in _passes(v, swap) for ks in range(nk)]
     regs = [x for j in range(ntiles) for x in c_regs(C, 0, j)]
     e(f"{', '.join(regs)} = {e.chain('ss', N, steps, wait)}({', '.join(['da', 'db'] + regs)})")
 

@@ -1,0 +1,25 @@
+"""One small forward and backward of each tensor-core kernel family (float16 and float32, the
+wgmma and mma.sync engines, dense-rectangular, causal and cu_seqlens relations with tails, GQA),
+for compute-sanitizer."""
+import cupy
+import numpy as np
+
+import tiga_numba as tg
+from tiga_numba import functional
+
+rng = np.random.default_rng(0)
+H, Hkv, D = 4, 2, 64
+graphs = (tg.Graph.dense(150, 70), tg.Graph.triangular(130),
+          tg.Graph.cu_seqlens([0, 1, 1, 70, 150]))
+for wgmma in (True, False):
+    for dtype in (np.float16, np.float32):
+        for g in graphs:
+            q, k, v, do = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
+                           ((g.num_dst, H, D), (g.num_src, Hkv, D), (g.num_src, Hkv, D), (g.num_dst, H, D)))
+            with tg.options(wgmma=wgmma):
+                out, st = tg.attention(q, k, v, g, return_stats=True)
+                fam = functional.last_plan().family
+                grads = tg.attention_backward(do, q, k, v, out, st, g)
+            print(wgmma, np.dtype(dtype).name, g.kind, fam, functional.last_plan().family)
+cupy.cuda.Device().synchronize()
+print("sanitize run done")
