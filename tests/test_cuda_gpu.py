@@ -254,3 +254,34 @@ def test_launch_records_follow_each_graph_and_fast_path():
     if hasattr(cupy.cuda, "driver") and hasattr(cupy.cuda.driver, "launchKernel"):
         paths = {k.launch_path for k in KERNELS._kernels.values() if isinstance(k, launch.Kernel)}
         assert paths - {None} == {"driver"}, paths
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_calls_from_a_fresh_thread(tensor_cores):
+    """A thread that never called the CUDA runtime has no current context; cupy's memory pool
+    hands it cached blocks without one (dask's threaded scheduler runs tasks on such threads).
+    The kernels' driver launches must still run there, forward and backward."""
+    import threading
+    rng = np.random.default_rng(3)
+    g = tg.Graph.triangular(200)
+    q, k, v, do = (cupy.asarray(rng.standard_normal((200, 4, 64)).astype(np.float16)) for _ in range(4))
+    with tg.options(tensor_cores=tensor_cores):
+        out, st = tg.attention(q, k, v, g, return_stats=True)   # warm: kernels loaded, pool filled
+        ref = [out] + list(tg.attention_backward(do, q, k, v, out, st, g))
+        cupy.cuda.Device().synchronize()
+    got, errors = [], []
+
+    def work():
+        try:
+            with tg.options(tensor_cores=tensor_cores):
+                o, s = tg.attention(q, k, v, g, return_stats=True)
+                got.extend([o] + list(tg.attention_backward(do, q, k, v, o, s, g)))
+            cupy.cuda.Device().synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    for a, b in zip(got, ref):
+        assert cupy.array_equal(a, b)

@@ -271,6 +271,8 @@ class Kernel:
             self.dispatcher[grid, block](*args)
             return
         dev = _get_device()
+        if dev not in getattr(_THREAD, "devices", ()):
+            _bind_context(dev)
         path = self._paths.get(dev)
         if path is not None and dev in self._launched:
             self._launch(path, grid, block, stream, args)
@@ -382,6 +384,21 @@ class _Params:
     def buffer(self):
         """The packed bytes (tests read the values back through the pointer table)."""
         return self._buf.raw
+
+
+#: per thread: the devices whose primary context this thread has made current
+_THREAD = threading.local()
+
+
+def _bind_context(dev):
+    """Make device `dev`'s primary context current on this thread, once per thread. The driver
+    launch path calls cuLaunchKernel directly, and a thread that has only taken cached memory
+    from cupy's pool has no current context yet (CUDA_ERROR_INVALID_CONTEXT): dask's threaded
+    scheduler runs tasks on such threads. cudaSetDevice initialises and binds the primary
+    context, the one cupy and numba use."""
+    import cupy
+    cupy.cuda.runtime.setDevice(dev)
+    _THREAD.devices = getattr(_THREAD, "devices", frozenset()) | {dev}
 
 
 def _get_device():
