@@ -252,3 +252,25 @@ def test_csr_hub_rows_split_vs_oracle(dtype, _poisoned, monkeypatch):
     assert rel_err(out, cupy.asnumpy(out3)) < ftol
     for a, b in zip(grads, grads3):
         assert rel_err(a, cupy.asnumpy(b)) < btol
+
+
+def test_csr_skewed_rows_shorter_than_a_piece(_poisoned):
+    """A row far above the mean degree but shorter than one piece: the pass is scheduled by
+    pieces yet no row is cut, so the merges have no rows (a launch of no blocks). After a
+    graph whose rows are cut (the merge kernels already launched on their fast path), forward
+    and backward against the oracle."""
+    hub = _hub_csr()
+    _run(hub, *(RNG.standard_normal(s).astype(np.float32) for s in
+                ((hub.num_dst, 4, 32), (hub.num_src, 2, 32), (hub.num_src, 2, 32), (hub.num_dst, 4, 32))))
+    import scipy.sparse as sp
+    a = sp.random(300, 250, density=0.05, random_state=np.random.RandomState(5), format="lil")
+    a.rows[20], a.data[20] = list(range(250)), [1.0] * 250   # 250 edges; mean ~13; piece >= 1024
+    g = tg.Graph.from_scipy(a.tocsr())
+    q, dout = (RNG.standard_normal((300, 4, 32)).astype(np.float32) for _ in range(2))
+    k, v = (RNG.standard_normal((250, 2, 32)).astype(np.float32) for _ in range(2))
+    ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, _mask(g), 32 ** -0.5, dout=dout)
+    out, stats, kern, grads = _run(g, q, k, v, dout)
+    ftol, btol = TOL["float32"]
+    assert rel_err(out, ro) < ftol
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        assert rel_err(got, want) < btol, name

@@ -545,6 +545,7 @@ def _stub_launches(monkeypatch, k, refuse=(), unavailable=()):
     from tiga_numba.cuda import launch
     dev = [0]
     monkeypatch.setattr(launch, "_get_device", lambda: dev[0])
+    monkeypatch.setattr(launch, "_bind_context", lambda d: None)
     made, launched = [], []
 
     def make_path(name):
@@ -587,6 +588,19 @@ def test_launch_paths_are_per_device_and_fall_back_once(monkeypatch):
     with pytest.raises(TypeError):
         k((1,), (32,), None, "bad")
     assert made[-1] == ("driver", 2) and k.launch_path is None
+
+
+def test_a_launch_of_no_blocks_runs_nothing(monkeypatch):
+    """A grid with a zero dimension (e.g. a split-row merge when no row was cut) is a no-op on
+    every path: no path is set up, nothing is launched (cuLaunchKernel refuses it with
+    CUDA_ERROR_INVALID_VALUE, and a first launch's refusal would wrongly fall back)."""
+    k = build.TensorCoreKernel("tc_stub_empty", "def kernel(a):\n    pass\n", "float16", 1, 0)
+    dev, made, launched = _stub_launches(monkeypatch, k)
+    k((0, 1, 1), (32,), None, 7)
+    k((4, 0), (32,), None, 7)
+    assert made == [] and launched == []
+    k((1,), (32,), None, 7)
+    assert launched == [(("driver", 0), (7,))]
 
 
 def test_wgmma_kernels_launch_from_their_cubin_only(monkeypatch):

@@ -270,6 +270,8 @@ class Kernel:
         if SIM:
             self.dispatcher[grid, block](*args)
             return
+        if 0 in grid:   # no blocks: nothing to run (cuLaunchKernel would refuse a zero dimension)
+            return
         dev = _get_device()
         if dev not in getattr(_THREAD, "devices", ()):
             _bind_context(dev)
