@@ -119,7 +119,9 @@ class Ours:
     def bwd(self, dout):
         if not hasattr(self, "dq"):
             self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
-            self.delta, self.lse2 = torch.empty_like(self.m), torch.empty_like(self.m)
+            # Delta (N, H) and the (m2, log2 l) pairs (N, H, 2): api.launch_backward's scratch
+            self.delta = torch.empty_like(self.m)
+            self.lse2 = torch.empty(tuple(self.m.shape) + (2,), dtype=self.m.dtype, device=self.m.device)
         vq, vk = tuning.backward_variants(self.D, self.D, self.dt, tuning.deterministic())
         api.launch_backward(vq, vk, self.rec, self.N, self.H, self.Hkv, op(self.q), op(self.k), op(self.v),
                             op(dout), op(self.out), self.m.data_ptr(), self.l.data_ptr(), self.delta.data_ptr(),
