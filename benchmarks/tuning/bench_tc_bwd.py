@@ -112,7 +112,7 @@ def launch(BT, ours, vq, vk, do, out=None):
     """one backward of (vq, vk) on a bench_tc.Ours' forward, into `out` (dq, dk, dv) or its buffers."""
     dq, dk, dv = out or (ours.dq, ours.dk, ours.dv)
     api.launch_backward(vq, vk, ours.rec, ours.N, ours.H, ours.Hkv, BT.op(ours.q), BT.op(ours.k), BT.op(ours.v),
-                        BT.op(do), BT.op(ours.out), ours.m.data_ptr(), ours.l.data_ptr(), ours.delta.data_ptr(),
+                        BT.op(do), BT.op(ours.out), ours.m2.data_ptr(), ours.l.data_ptr(), ours.delta.data_ptr(),
                         ours.lse2.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ours.scale, ours.st)
 
 
