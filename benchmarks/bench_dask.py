@@ -7,7 +7,8 @@
 For each worker count W (--workers, default 1 2) a dask.distributed.LocalCluster of W
 single-thread worker processes runs the forward and the backward; numba gets 2 // W threads per
 worker, so every configuration uses the same two cores as the single-process call. The inputs are
-placed before timing (chunk i on worker i mod W, checked), as data already distributed would be; a timed
+placed before timing (chunk i on worker i mod W, or --placement zigzag; checked), as data already
+distributed would be; a timed
 call runs the tasks and leaves the results on the workers. Reported per configuration:
 
   plan s      client-side index plan (halos or blocks), first call; later calls reuse it
@@ -156,10 +157,17 @@ def run(args):
                 distributed.Client(cluster) as client:
             addrs = sorted(client.scheduler_info()["workers"])
 
+            def owner(i):
+                """the worker of chunk i: cyclic (i mod W), or zigzag (W = 2: chunks 0, 3 | 1, 2), which
+                gives each worker the same share of a causal relation's blocks"""
+                if args.placement == "cyclic" or (i // workers) % 2 == 0:
+                    return i % workers
+                return workers - 1 - i % workers
+
             def place(a):
                 parts = []
                 for i, s in enumerate(range(0, n, rows)):
-                    fut = client.scatter(a[s:s + rows], workers=[addrs[i % workers]])
+                    fut = client.scatter(a[s:s + rows], workers=[addrs[owner(i)]])
                     parts.append(da.from_delayed(fut, a[s:s + rows].shape, dtype=a.dtype))
                 placed = client.persist(da.concatenate(parts))
                 distributed.wait(placed)
@@ -172,7 +180,7 @@ def run(args):
 
             Q, K, V, DO = (place(a) for a in (q, k, v, dout))
             q_owner, k_owner = owners(Q), owners(K)
-            if owners(V) != k_owner or owners(DO) != q_owner or q_owner != [i % workers for i in range(chunks)]:
+            if owners(V) != k_owner or owners(DO) != q_owner or q_owner != [owner(i) for i in range(chunks)]:
                 print(f"# note: chunks placed q {q_owner}, k {k_owner}, v {owners(V)}, dout {owners(DO)}")
             t0 = time.perf_counter()
             summary = tgd.plan_summary(graph, Q, K)
@@ -251,6 +259,8 @@ def main():
     p.add_argument("--n", type=int, default=32768, help="sequence length (causal)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--chunks-per-worker", type=int, default=1)
+    p.add_argument("--placement", choices=["cyclic", "zigzag"], default="cyclic",
+                   help="which worker holds chunk i: i mod W, or zigzag (balanced causal blocks)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--no-stealing", action="store_true",
                    help="turn dask.distributed's work stealing off (tasks stay with their data)")
