@@ -301,12 +301,49 @@ def table_prune(N, reps):
                 sys.stdout.flush()
 
 
+def table_decode(keys, reps, H=8, D=128):
+    """One query row over `keys` keys (Graph.dense(keys, 1)), H heads, D = Dv, float32: ours
+    (the split-key kernel, k / v read in place) against torch CPU SDPA on the same values in its
+    (1, H, L, D) layout, alternating calls; and the K + V bytes per second of each."""
+    import tiga_numba as tg
+    from tiga_numba import functional
+    rng = np.random.default_rng(0)
+    g = tg.Graph.dense(keys, 1)
+    q = rng.standard_normal((1, H, D)).astype(np.float32)
+    k = rng.standard_normal((keys, H, D)).astype(np.float32)
+    v = rng.standard_normal((keys, H, D)).astype(np.float32)
+    out = tg.attention(q, k, v, g)
+    kern = functional.last_plan().run_info["kernel"]
+    print(f"\n# decode: 1 query x {keys} keys, H={H}, D={D}, float32; ours: {kern}")
+    ts, tt = [], []
+    tq = tk = tv = None
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)))[None] for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)[0].numpy().transpose(1, 0, 2)
+        print(f"# max |ours - torch| {np.abs(out - ref).max():.1e}")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        tg.attention(q, k, v, g)
+        ts.append(time.perf_counter() - t0)
+        if torch is not None:
+            t0 = time.perf_counter()
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+            tt.append(time.perf_counter() - t0)
+    gb = 2 * keys * H * D * 4 / 1e9
+    line = f"| decode 1 x {keys} | ours {min(ts) * 1e3:.1f} ms ({gb / min(ts):.1f} GB/s of K+V)"
+    if tt:
+        line += f" | torch {min(tt) * 1e3:.1f} ms ({gb / min(tt):.1f} GB/s) | ratio {min(tt) / min(ts):.2f}x"
+    print(line + " |  (best of " + str(reps) + ")")
+    sys.stdout.flush()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N=1024 only, 20k-node CSR, N=1024 pruning, 2 reps")
     ap.add_argument("--sizes", type=int, nargs="*", default=None)
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--only", choices=["dense", "csr", "prune", "memory"], nargs="*", default=None)
+    ap.add_argument("--only", choices=["dense", "csr", "prune", "memory", "decode"], nargs="*", default=None)
+    ap.add_argument("--decode-keys", type=int, default=131072, help="keys of the decode table")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--dtypes", default="float32",
                     help="dtypes of the dense table, e.g. float32,float16,bfloat16")
@@ -317,7 +354,7 @@ def main():
     args = ap.parse_args()
     sizes = args.sizes or ([1024] if args.quick else [1024, 4096, 8192])
     reps = args.reps or (2 if args.quick else 5)
-    only = set(args.only or ["dense", "memory", "csr", "prune"])
+    only = set(args.only or ["dense", "memory", "csr", "prune", "decode"])
     import numba
     print(f"# {' '.join(sys.argv)}")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, numba "
@@ -339,6 +376,8 @@ def main():
         table_csr(20_000 if args.quick else 100_000, 32, reps)
     if "prune" in only:
         table_prune(1024 if args.quick else 4096, reps)
+    if "decode" in only:
+        table_decode(16384 if args.quick else args.decode_keys, max(reps, 7))
 
 
 if __name__ == "__main__":

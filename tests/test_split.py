@@ -105,10 +105,12 @@ def test_hub_rows_match_oracle_and_bits_do_not_depend_on_threads(dtype, tol):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: tg.Graph.dense(40000, 1),
-    lambda: tg.Graph.cu_seqlens([0, 1, 2, 2, 5], cu_seqlens_k=[0, 9000, 30000, 30001, 39000]),
-    lambda: tg.Graph.band(40000, 3, left=None, right=39000)])
+    lambda: tg.Graph.dense(40000, 12),
+    lambda: tg.Graph.cu_seqlens([0, 10, 20, 20, 32], cu_seqlens_k=[0, 9000, 30000, 30001, 39000]),
+    lambda: tg.Graph.band(40000, 12, left=None, right=39000)])
 def test_decode_shapes_split_the_key_range(make):
+    """Few query tiles over long key ranges in the block kernels (blocks of more than 8 query
+    rows: fewer go to the split-key kernel, tests/test_cpu_decode.py)."""
     g = make()
     rng = np.random.default_rng(4)
     q = rng.standard_normal((g.num_dst, 8, 32)).astype(np.float32)

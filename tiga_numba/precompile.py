@@ -11,9 +11,9 @@ finds them on disk:
     python -m tiga_numba.precompile --dtypes float32     # float16 inputs use these too
 
 Families: block relations (dense, causal, cu_seqlens) forward, tile-pruned forward and
-backward; CSR relations forward and backward. The GAT score-network kernels are generated per
-network shape and compile on their first call (see docs/gat.md); the GPU kernels have their
-own command, ``python -m tiga_numba.cuda.tc.prebuild``.
+backward; the split-key forward of few-query blocks; CSR relations forward and backward.
+The GAT score-network kernels are generated per network shape and compile on their first
+call (see docs/gat.md); the GPU kernels have their own command, ``python -m tiga_numba.cuda.tc.prebuild``.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def _calls(dtype):
             ("blocks forward, causal / segments / bands", forward(tg.Graph.triangular(n))),
             ("blocks forward, tile-pruned", forward(dense, block_prune_threshold=0.5)),
             ("blocks backward", backward(dense)),
+            ("decode forward (few query rows per block)", forward(tg.Graph.dense(n, 1))),
             ("csr forward", forward(ring)),
             ("csr backward", backward(ring))]
 

@@ -24,6 +24,7 @@ import numba
 from ..kernel_cache import KERNELS, source as kernel_source
 from . import blocks as _blocks
 from . import csr as _csr
+from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
@@ -192,7 +193,17 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     info = plan.run_info
     gen, mctx = _modifier(score_mod, acc, False, H, Nq, k.shape[0],
                           0 if _is_blocks(relation) else int(relation.indices.shape[0]), copies)
-    if _family(plan, relation) == "cpu.blocks":
+    if _family(plan, relation) == "cpu.decode":
+        qn = node_major(q, acc, "q", copies, scale=c)
+        kn = _decode.in_place(k, acc, "k", copies)   # any strides; a copy only to change dtype
+        vn = _decode.in_place(v, acc, "v", copies)
+        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc)
+        info.update(kernel="cpu.decode.forward (split-key: K / V read in place, chunks merged in "
+                           "fixed order)",
+                    tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} "
+                          "block(s), every head of a key read together",
+                    cache="numba disk cache")
+    elif _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")
@@ -418,7 +429,17 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     m2 = np.asarray(m_kernel, acc) if m_kernel is not None else m * acc.type(LOG2E)
     m2 = np.where(np.isfinite(m2), m2, acc.type(_blocks.NEG)).astype(acc)
     dbias = None
-    if _family(plan, relation) == "cpu.blocks":
+    if _family(plan, relation) == "cpu.decode":
+        qn = node_major(q, acc, "q", copies, scale=c)
+        kn = _decode.in_place(k, acc, "k", copies)   # any strides; a copy only to change dtype
+        vn = _decode.in_place(v, acc, "v", copies)
+        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc)
+        info.update(kernel="cpu.decode.forward (split-key: K / V read in place, chunks merged in "
+                           "fixed order)",
+                    tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} "
+                          "block(s), every head of a key read together",
+                    cache="numba disk cache")
+    elif _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
                                       "(use a CSR relation)")

@@ -1,0 +1,122 @@
+"""The CPU split-key forward (cpu.decode) for few-query block relations, against the float64
+oracle on fresh random inputs: one query over a long key range, rectangular cu_seqlens with
+bottom-right causal masks and windows, empty segments and rows without keys, grouped-query
+heads, several key chunks per block, float32 and float64, strided k / v read in place; values
+outside every row's relation set to NaN / inf; same bits for any thread count; the backward
+from its stats; routing (more than 8 query rows per block, float16, modifiers: cpu.blocks)."""
+import numba
+import numpy as np
+import pytest
+
+import tiga_numba as tg
+from tiga_numba import functional
+from tiga_numba.cpu import decode
+
+from conftest import attention_oracle
+
+TOL = {np.float32: (3e-6, 2e-5), np.float64: (1e-12, 1e-10)}
+
+
+def _mask(g):
+    return np.asarray(g.to_scipy().toarray() != 0)
+
+
+def _graphs():
+    cq = [0, 1, 1, 4, 9, 10]
+    ck = [0, 1500, 1510, 3000, 3003, 3100]   # long, short, Lq > Lk, a segment with no queries
+    return {
+        "one_query": lambda: tg.Graph.dense(2 * decode.CHUNK + 37, 1),
+        "varlen": lambda: tg.Graph.cu_seqlens(cq, cu_seqlens_k=ck, causal=False),
+        "varlen_causal": lambda: tg.Graph.cu_seqlens(cq, cu_seqlens_k=ck, causal=True),
+        "varlen_window": lambda: tg.Graph.cu_seqlens(cq, cu_seqlens_k=ck, causal=True, window=(700, 0)),
+        "rows_without_keys": lambda: tg.Graph.cu_seqlens([0, 3, 6], cu_seqlens_k=[0, 1, 1300], causal=True),
+    }
+
+
+def _inputs(g, H, Hkv, D, Dv, dtype, seed):
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((g.num_dst, H, D)).astype(dtype)
+    k = r.standard_normal((g.num_src, Hkv, D)).astype(dtype)
+    v = r.standard_normal((g.num_src, Hkv, Dv)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("name", list(_graphs()))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (6, 2)])
+def test_decode_forward_vs_oracle(name, dtype, H, Hkv):
+    g = _graphs()[name]()
+    q, k, v = _inputs(g, H, Hkv, 40, 24, dtype, seed=hash((name, H)) % 2**32)
+    mask = _mask(g)
+    # values no row's relation reaches: NaN / inf must not reach any output (the oracle gets the
+    # clean values: it multiplies every cell, masked ones by 0)
+    unreached = ~mask.any(axis=0)
+    kd, vd = k.copy(), v.copy()
+    kd[unreached], vd[unreached] = np.nan, np.inf
+    out, st = tg.attention(q, kd, vd, g, scale=0.2, return_stats=True)
+    plan = functional.last_plan()
+    assert plan.family == "cpu.decode", plan.explain()
+    assert plan.run_info["copies"] == [q.dtype == k.dtype and "q -> contiguous (N, H, D) "
+                                       f"{np.dtype(dtype).name} (pre-scaled by scale*log2(e))"]
+    ro, rm, rl = attention_oracle(q, k, v, mask, scale=0.2)
+    atol, _ = TOL[dtype]
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ro, atol=atol, rtol=atol)
+    live = np.isfinite(rm)
+    np.testing.assert_allclose(st.m[live], rm[live], rtol=atol, atol=atol)
+    assert np.all(st.m[~live] == -np.inf) and np.all(st.l[~live] == 0)
+    np.testing.assert_allclose(st.l, rl, rtol=atol * 10)
+    assert np.all(out[~mask.any(axis=1)] == 0)
+
+
+def test_decode_reads_strided_kv_in_place_and_any_thread_count_gives_the_same_bits():
+    g = tg.Graph.dense(3 * decode.CHUNK + 5, 2)
+    r = np.random.default_rng(7)
+    q = r.standard_normal((2, 8, 64)).astype(np.float32)
+    kv = r.standard_normal((g.num_src, 2, 2, 64)).astype(np.float32)   # k and v interleaved
+    k, v = kv[:, 0], kv[:, 1]
+    out = tg.attention(q, k, v, g)
+    assert functional.last_plan().run_info["copies"][1:] == []   # only q is copied (pre-scaled)
+    ro, _, _ = attention_oracle(q, k, v, _mask(g))
+    np.testing.assert_allclose(out, ro, atol=3e-6, rtol=3e-6)
+    have = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = tg.attention(q, k, v, g)
+    finally:
+        numba.set_num_threads(have)
+    assert np.array_equal(out, one)
+
+
+def test_decode_stats_feed_the_backward():
+    g = _graphs()["varlen_causal"]()
+    q, k, v = _inputs(g, 4, 2, 32, 32, np.float64, seed=3)
+    dout = np.random.default_rng(4).standard_normal(q.shape)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    assert functional.last_plan().family == "cpu.decode"
+    dq, dk, dv = tg.attention_backward(dout, q, k, v, out, st, g)
+    ro, _, _, rdq, rdk, rdv = attention_oracle(q, k, v, _mask(g), dout=dout)
+    for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=1e-9)
+
+
+def test_work_items_cover_each_block_once_in_key_order():
+    g = tg.Graph.cu_seqlens([0, 2, 2, 5], cu_seqlens_k=[0, 2500, 2600, 2700], causal=True)
+    rel = g.realize("cpu")
+    items, groups = decode.work_items(rel, chunk=1000)
+    # block 0: 2 rows over 2500 keys (causal bottom-right: both see nearly all); block 1 has no rows
+    assert items[:, 0].tolist() == [0, 0, 0, 2] and groups.tolist() == [0, 3, 4]
+    assert items[:3, 1:].tolist() == [[0, 1000], [1000, 2000], [2000, 2500]]
+
+
+@pytest.mark.parametrize("why", ["rows", "float16", "modifier"])
+def test_other_requests_go_to_the_block_kernels(why):
+    g = tg.Graph.dense(500, 9) if why == "rows" else tg.Graph.dense(500, 3)
+    dtype = np.float16 if why == "float16" else np.float32
+    q, k, v = _inputs(g, 2, 2, 16, 16, dtype, seed=1)
+    kw = {"softcap": 5.0} if why == "modifier" else {}
+    out = tg.attention(q, k, v, g, **kw)
+    plan = functional.last_plan()
+    assert plan.family == "cpu.blocks"
+    assert "cpu.decode" in plan.explain()   # considered, and why refused
+    assert np.all(np.isfinite(out))

@@ -1,0 +1,165 @@
+"""Split-key forward for few-query block relations on the CPU (decode, short queries over long
+contexts).
+
+A block with a handful of query rows and a long key range is a poor fit for the tiled kernel of
+blocks.py: a query tile of one row turns every score product into a matrix-vector product, and
+that kernel first copies k and v into head-major order, which for one query row costs more than
+the attention itself. Here each work item is one (block, kv head, chunk of CHUNK keys): it reads
+its K and V rows in place from the caller's node-major arrays, once for all the block's query
+rows times the `group` query heads that share the kv head (grouped-query heads packed, as
+flash-decoding does), and writes an unnormalised partial (acc, m, l) per (query row, head). A
+second pass merges the chunks of each (block, kv head) in chunk order:
+
+    M = max_c m_c,   l = sum_c l_c 2^(m_c - M),   out = sum_c acc_c 2^(m_c - M) / l
+
+Scores are in base 2 (q pre-scaled by scale log2(e)), as the other CPU kernels keep them, so
+m is the kernels' row maximum (`m_kernel`). Fixed orders everywhere: the bits do not depend on
+the thread count. Bands (lo <= c - r <= hi, block-local) are honoured cell by cell; a masked
+cell gets no score and its V row is not read for that row, so a non-finite value outside a
+row's relation never reaches it. The dot products are summed with reassociation allowed (so
+that they vectorise); the order is fixed by the compiled code, not by the thread schedule.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+#: keys per work item: K and V rows of one chunk (2 x 1024 x D x 4 bytes at D = 128) stay in
+#: a core's L2 while every query row of the item reads them
+CHUNK = 1024
+
+
+def in_place(x, acc, name, copies):
+    """x itself when it already holds `acc` elements, whatever its strides (the kernel reads
+    rows where they are); else a converted copy, recorded in `copies`."""
+    if x.dtype == acc:
+        return x
+    copies.append(f"{name} -> {acc.name} copy (the split-key kernel reads {acc.name} rows in place)")
+    return x.astype(acc)
+
+
+def work_items(relation, chunk=CHUNK):
+    """items (n, 3) int64 rows (block, first key, end key), keys block-local and clipped to the
+    columns some row of the block sees, in key order within each block; groups (g + 1,) int64:
+    the items of the i-th block with work are items[groups[i]:groups[i + 1]]."""
+    dst, src = np.asarray(relation.dst_offsets), np.asarray(relation.src_offsets)
+    lo, hi = np.asarray(relation.lo), np.asarray(relation.hi)
+    rows, cols = np.diff(dst), np.diff(src)
+    items, groups = [], [0]
+    for b in range(rows.shape[0]):
+        nr, nc = int(rows[b]), int(cols[b])
+        if nr == 0 or nc == 0 or lo[b] > hi[b]:
+            continue
+        c0 = max(0, int(lo[b]))                    # row 0's first column
+        c1 = min(nc, nr - 1 + int(hi[b]) + 1)      # one past the last row's last column
+        if c0 >= c1:
+            continue
+        for j in range(c0, c1, chunk):
+            items.append((b, j, min(c1, j + chunk)))
+        groups.append(len(items))
+    return np.asarray(items, np.int64).reshape(-1, 3), np.asarray(groups, np.int64)
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, part_l):
+    """One partial (acc, m, l) per (item, query row of the block, query head); q is pre-scaled;
+    zero: 0 in the accumulation dtype (the dot products' type). A key's rows of every kv head
+    are read together (contiguous in node-major k and v)."""
+    D = q.shape[2]
+    Dv = v.shape[2]
+    H = q.shape[1]
+    for it in prange(items.shape[0]):
+        b, c0, c1 = items[it, 0], items[it, 1], items[it, 2]
+        r0 = dst[b]
+        nr = dst[b + 1] - r0
+        s0 = src[b]
+        n = c1 - c0
+        lb, hb = lo[b], hi[b]
+        s = np.empty((n, nr, H), q.dtype)
+        mx = np.full((nr, H), -np.inf, q.dtype)
+        for jj in range(n):
+            j = s0 + c0 + jj
+            for r in range(nr):
+                d = c0 + jj - r
+                if d < lb or d > hb:
+                    continue
+                for h in range(H):
+                    t = zero
+                    for x in range(D):
+                        t += q[r0 + r, h, x] * k[j, h // group, x]
+                    s[jj, r, h] = t
+                    if t > mx[r, h]:
+                        mx[r, h] = t
+        pa = part_acc[it]
+        pl = part_l[it]
+        for r in range(nr):
+            for h in range(H):
+                part_m[it, r, h] = mx[r, h]
+                pl[r, h] = 0.0
+                for x in range(Dv):
+                    pa[r, h, x] = 0.0
+        for jj in range(n):
+            j = s0 + c0 + jj
+            for r in range(nr):
+                d = c0 + jj - r
+                if d < lb or d > hb:
+                    continue
+                for h in range(H):
+                    p = math.exp2(s[jj, r, h] - mx[r, h])
+                    pl[r, h] += p
+                    for x in range(Dv):
+                        pa[r, h, x] += p * v[j, h // group, x]
+
+
+@njit(parallel=True, cache=True)
+def _merge(items, groups, dst, part_acc, part_m, part_l, out, m, l):
+    """Chunks of each block merged in key order into (out, m, l)."""
+    Dv = out.shape[2]
+    H = out.shape[1]
+    for g in prange(groups.shape[0] - 1):
+        i0, i1 = groups[g], groups[g + 1]
+        b = items[i0, 0]
+        r0 = dst[b]
+        for r in range(dst[b + 1] - r0):
+            for h in range(H):
+                mx = -np.inf
+                for it in range(i0, i1):
+                    if part_m[it, r, h] > mx:
+                        mx = part_m[it, r, h]
+                m[r0 + r, h] = mx
+                if mx == -np.inf:   # no key in this row's relation: out 0, l 0
+                    continue
+                tot = 0.0
+                for it in range(i0, i1):
+                    if part_m[it, r, h] == -np.inf:
+                        continue
+                    w = math.exp2(part_m[it, r, h] - mx)
+                    tot += part_l[it, r, h] * w
+                    for x in range(Dv):
+                        out[r0 + r, h, x] += part_acc[it, r, h, x] * w
+                l[r0 + r, h] = tot
+                for x in range(Dv):
+                    out[r0 + r, h, x] /= tot
+
+
+def forward(q, k, v, relation, group, acc):
+    """(out, m, l) in `acc`, m in base 2; q pre-scaled by scale log2(e); k, v read in place.
+    Returns them with the number of work items and of blocks with work."""
+    Nq, H = q.shape[0], q.shape[1]
+    items, groups = work_items(relation)
+    dst = np.asarray(relation.dst_offsets, np.int64)
+    rmax = int(np.diff(dst).max()) if dst.shape[0] > 1 else 0
+    out = np.zeros((Nq, H, v.shape[2]), acc)
+    m = np.full((Nq, H), -np.inf, acc)
+    l = np.zeros((Nq, H), acc)
+    if items.shape[0]:
+        part_acc = np.empty((items.shape[0], rmax, H, v.shape[2]), acc)
+        part_m = np.empty((items.shape[0], rmax, H), acc)
+        part_l = np.empty((items.shape[0], rmax, H), acc)
+        _chunks(q, k, v, dst, np.asarray(relation.src_offsets, np.int64),
+                np.asarray(relation.lo, np.int64), np.asarray(relation.hi, np.int64),
+                items, group, acc.type(0), part_acc, part_m, part_l)
+        _merge(items, groups, dst, part_acc, part_m, part_l, out, m, l)
+    return out, m, l, items.shape[0], groups.shape[0] - 1
