@@ -119,6 +119,7 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
     assert [r[1] for r in records] == ["blocks forward, dense",
                                        "blocks forward, causal / segments / bands",
                                        "blocks forward, tile-pruned", "blocks backward",
+                                       "decode forward (few query rows per block)",
                                        "csr forward", "csr backward"]
     assert all(r[0] == "float32" and r[2] == "memory hit" for r in records), records
     with pytest.raises(ValueError, match="dtypes"):

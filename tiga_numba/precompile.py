@@ -40,7 +40,7 @@ def _calls(dtype):
 
     def forward(graph, **options):
         def run():
-            tg.attention(q, k, v, graph, **options)
+            tg.attention(q[:graph.num_dst], k, v, graph, **options)
             return functional.last_plan()
         return run
 

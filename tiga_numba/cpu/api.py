@@ -197,12 +197,15 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         qn = node_major(q, acc, "q", copies, scale=c)
         kn = _decode.in_place(k, acc, "k", copies)   # any strides; a copy only to change dtype
         vn = _decode.in_place(v, acc, "v", copies)
-        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc)
+        # the dispatcher is memoised under its key like every kernel: explain() reports memory
+        # hit / disk hit / compiled, and the first compile is announced
+        kern, hit = _kernel(("cpu", "decode.forward", _name(acc)), lambda: _decode.chunk_kernel)
+        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc, kern)
         info.update(kernel="cpu.decode.forward (split-key: K / V read in place, chunks merged in "
                            "fixed order)",
                     tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} "
                           "block(s), every head of a key read together",
-                    cache="numba disk cache")
+                    cache=hit, ir=_ir_of(kern))
     elif _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "
@@ -433,12 +436,15 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         qn = node_major(q, acc, "q", copies, scale=c)
         kn = _decode.in_place(k, acc, "k", copies)   # any strides; a copy only to change dtype
         vn = _decode.in_place(v, acc, "v", copies)
-        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc)
+        # the dispatcher is memoised under its key like every kernel: explain() reports memory
+        # hit / disk hit / compiled, and the first compile is announced
+        kern, hit = _kernel(("cpu", "decode.forward", _name(acc)), lambda: _decode.chunk_kernel)
+        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc, kern)
         info.update(kernel="cpu.decode.forward (split-key: K / V read in place, chunks merged in "
                            "fixed order)",
                     tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} "
                           "block(s), every head of a key read together",
-                    cache="numba disk cache")
+                    cache=hit, ir=_ir_of(kern))
     elif _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:
             raise NotImplementedError("edge_bias: the CPU block kernels take no per-edge bias "

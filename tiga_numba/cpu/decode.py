@@ -113,6 +113,10 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
                         pa[r, h, x] += p * v[j, h // group, x]
 
 
+#: the per-chunk kernel (the merge is small and compiled alongside)
+chunk_kernel = _chunks
+
+
 @njit(parallel=True, cache=True)
 def _merge(items, groups, dst, part_acc, part_m, part_l, out, m, l):
     """Chunks of each block merged in key order into (out, m, l)."""
@@ -144,9 +148,11 @@ def _merge(items, groups, dst, part_acc, part_m, part_l, out, m, l):
                     out[r0 + r, h, x] /= tot
 
 
-def forward(q, k, v, relation, group, acc):
+def forward(q, k, v, relation, group, acc, kernel=None):
     """(out, m, l) in `acc`, m in base 2; q pre-scaled by scale log2(e); k, v read in place.
-    Returns them with the number of work items and of blocks with work."""
+    Returns them with the number of work items and of blocks with work. kernel: the chunk
+    kernel (`chunk_kernel`, as the caller's kernel cache handed it out)."""
+    kernel = chunk_kernel if kernel is None else kernel
     Nq, H = q.shape[0], q.shape[1]
     items, groups = work_items(relation)
     dst = np.asarray(relation.dst_offsets, np.int64)
@@ -158,7 +164,7 @@ def forward(q, k, v, relation, group, acc):
         part_acc = np.empty((items.shape[0], rmax, H, v.shape[2]), acc)
         part_m = np.empty((items.shape[0], rmax, H), acc)
         part_l = np.empty((items.shape[0], rmax, H), acc)
-        _chunks(q, k, v, dst, np.asarray(relation.src_offsets, np.int64),
+        kernel(q, k, v, dst, np.asarray(relation.src_offsets, np.int64),
                 np.asarray(relation.lo, np.int64), np.asarray(relation.hi, np.int64),
                 items, group, acc.type(0), part_acc, part_m, part_l)
         _merge(items, groups, dst, part_acc, part_m, part_l, out, m, l)
