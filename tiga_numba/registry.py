@@ -18,7 +18,7 @@ silently).
 | ``cuda.tc`` | cuda | implicit (block) relations, plain dot scores, fp16/bf16 (fp32 on request), tensor cores: wgmma on sm_90, mma.sync on sm_80+ |
 | ``cuda.blocks`` | cuda | implicit relations on CUDA cores (any head dim, float64, compiled score modifiers) |
 | ``cuda.csr`` | cuda | CSR relations, per-edge bias / scores, compiled score modifiers, CUDA cores |
-| ``cpu.decode`` | cpu | forward of blocks with at most 8 query rows (decode): k / v read in place, key chunks merged in fixed order |
+| ``cpu.decode`` | cpu | forward and backward of blocks with at most 8 query rows (decode): k / v read in place, key chunks merged in fixed order |
 | ``cpu.blocks`` | cpu | implicit relations (dense, causal, segments, bands), BLAS tiles, key ranges split for few queries |
 | ``cpu.csr`` | cpu | CSR relations, edge-balanced pieces for long rows |
 | ``cpu.gat`` / ``cuda.gat`` | cpu / cuda | score networks (``tg.nn.trace``) over CSR relations |
@@ -189,8 +189,9 @@ register(Family("cuda.blocks", _ATTENTION, "cuda", "tiga_numba.cuda.api",
                 "CUDA-core tiled online softmax over implicit blocks", _cuda_blocks))
 register(Family("cuda.csr", _ATTENTION, "cuda", "tiga_numba.cuda.api",
                 "CUDA-core row-streaming online softmax over CSR", _cuda_csr))
-register(Family("cpu.decode", ("forward",), "cpu", "tiga_numba.cpu.api",
-                "split-key forward for few query rows per block, k / v read in place, fixed-order merge",
+register(Family("cpu.decode", _ATTENTION, "cpu", "tiga_numba.cpu.api",
+                "split-key forward and backward for few query rows per block, k / v read in place, "
+                "fixed-order merges",
                 _cpu_decode))
 register(Family("cpu.blocks", _ATTENTION, "cpu", "tiga_numba.cpu.api",
                 "numba tiled online softmax over implicit blocks (BLAS tiles)", _cpu_blocks))

@@ -433,17 +433,17 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     m2 = np.where(np.isfinite(m2), m2, acc.type(_blocks.NEG)).astype(acc)
     dbias = None
     if _family(plan, relation) == "cpu.decode":
-        qn = node_major(q, acc, "q", copies, scale=c)
-        kn = _decode.in_place(k, acc, "k", copies)   # any strides; a copy only to change dtype
+        qn = node_major(q, acc, "q", copies, scale=c)   # the forward's pre-scaled q, bit for bit
+        qu = node_major(q, acc, "q (unscaled, for dk)", copies)
+        kn = _decode.in_place(k, acc, "k", copies)
         vn = _decode.in_place(v, acc, "v", copies)
-        # the dispatcher is memoised under its key like every kernel: explain() reports memory
-        # hit / disk hit / compiled, and the first compile is announced
-        kern, hit = _kernel(("cpu", "decode.forward", _name(acc)), lambda: _decode.chunk_kernel)
-        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc, kern)
-        info.update(kernel="cpu.decode.forward (split-key: K / V read in place, chunks merged in "
-                           "fixed order)",
-                    tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} "
-                          "block(s), every head of a key read together",
+        don = _decode.in_place(np.asarray(dout), acc, "dout", copies)
+        kern, hit = _kernel(("cpu", "decode.backward", _name(acc)), lambda: _decode.backward_kernel)
+        dq, dk, dv, n_items, n_pairs = _decode.backward(qn, kn, vn, don, qu, m2, linv, delta,
+                                                        relation, group, acc, scale, kern)
+        info.update(kernel="cpu.decode.backward (split-key: scores recomputed as the forward's, "
+                           "dk / dv per key, dq partials merged in fixed order)",
+                    tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} block(s)",
                     cache=hit, ir=_ir_of(kern))
     elif _family(plan, relation) == "cpu.blocks":
         if edge_bias is not None:

@@ -1,5 +1,5 @@
-"""Split-key forward for few-query block relations on the CPU (decode, short queries over long
-contexts).
+"""Split-key forward and backward for few-query block relations on the CPU (decode, short
+queries over long contexts).
 
 A block with a handful of query rows and a long key range is a poor fit for the tiled kernel of
 blocks.py: a query tile of one row turns every score product into a matrix-vector product, and
@@ -13,7 +13,11 @@ second pass merges the chunks of each (block, kv head) in chunk order:
     M = max_c m_c,   l = sum_c l_c 2^(m_c - M),   out = sum_c acc_c 2^(m_c - M) / l
 
 Scores are in base 2 (q pre-scaled by scale log2(e)), as the other CPU kernels keep them, so
-m is the kernels' row maximum (`m_kernel`). Fixed orders everywhere: the bits do not depend on
+m is the kernels' row maximum (`m_kernel`). The backward walks the same items: per key it
+recomputes the scores with the forward's loop (the same bits, so the row's largest score has
+exponent exactly 0 at any magnitude), P = 2^(s - m2) / l, dP, dS = P (dP - Delta), writes the
+key's dk and dv (a key belongs to one item) and adds to a per-item partial dq, merged per block
+in key order. Fixed orders everywhere: the bits do not depend on
 the thread count. Bands (lo <= c - r <= hi, block-local) are honoured cell by cell; a masked
 cell gets no score and its V row is not read for that row, so a non-finite value outside a
 row's relation never reaches it. The dot products are summed with reassociation allowed (so
@@ -146,6 +150,93 @@ def _merge(items, groups, dst, part_acc, part_m, part_l, out, m, l):
                 l[r0 + r, h] = tot
                 for x in range(Dv):
                     out[r0 + r, h, x] /= tot
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def _backward_chunks(q, k, v, do, qu, m2, linv, delta, dst, src, lo, hi, items, group, zero,
+                     part_dq, dk, dv):
+    """Per item: dk, dv of its keys (each key belongs to one item: written, not added across
+    items) and a partial dq of its block's rows. The scores are recomputed with the forward's
+    loop on the same pre-scaled q, so the row's largest score minus m2 is exactly 0 at any
+    magnitude; qu: q unscaled (dk = scale * sum ds q, applied by the caller)."""
+    D = q.shape[2]
+    Dv = v.shape[2]
+    H = q.shape[1]
+    for it in prange(items.shape[0]):
+        b, c0, c1 = items[it, 0], items[it, 1], items[it, 2]
+        r0 = dst[b]
+        nr = dst[b + 1] - r0
+        s0 = src[b]
+        lb, hb = lo[b], hi[b]
+        pq = part_dq[it]
+        for r in range(nr):
+            for h in range(H):
+                for x in range(D):
+                    pq[r, h, x] = 0.0
+        for jj in range(c1 - c0):
+            j = s0 + c0 + jj
+            for r in range(nr):
+                d = c0 + jj - r
+                if d < lb or d > hb:
+                    continue
+                for h in range(H):
+                    t = zero
+                    for x in range(D):
+                        t += q[r0 + r, h, x] * k[j, h // group, x]
+                    p = math.exp2(t - m2[r0 + r, h]) * linv[r0 + r, h]
+                    dp = zero
+                    for x in range(Dv):
+                        dp += do[r0 + r, h, x] * v[j, h // group, x]
+                    ds = p * (dp - delta[r0 + r, h])
+                    for x in range(Dv):
+                        dv[j, h // group, x] += p * do[r0 + r, h, x]
+                    for x in range(D):
+                        dk[j, h // group, x] += ds * qu[r0 + r, h, x]
+                        pq[r, h, x] += ds * k[j, h // group, x]
+
+
+@njit(parallel=True, cache=True)
+def _merge_dq(items, groups, dst, part_dq, scale, dq):
+    """dq of each block's rows: its items' partials added in key order, times scale."""
+    D = dq.shape[2]
+    H = dq.shape[1]
+    for g in prange(groups.shape[0] - 1):
+        i0, i1 = groups[g], groups[g + 1]
+        b = items[i0, 0]
+        r0 = dst[b]
+        for r in range(dst[b + 1] - r0):
+            for h in range(H):
+                for x in range(D):
+                    t = part_dq[i0, r, h, x]
+                    for it in range(i0 + 1, i1):
+                        t += part_dq[it, r, h, x]
+                    dq[r0 + r, h, x] = t * scale
+
+
+#: the backward's per-chunk kernel
+backward_kernel = _backward_chunks
+
+
+def backward(q, k, v, do, qu, m2, linv, delta, relation, group, acc, scale, kernel=None):
+    """(dq, dk, dv) in `acc`: q pre-scaled by scale log2(e) exactly as the forward's, qu the
+    unscaled q, m2 the forward's base-2 row max (finite sentinel for empty rows), linv = 1 / l
+    (0 for empty rows), delta = rowsum(dO * O). Returns them with the item and block counts."""
+    kernel = backward_kernel if kernel is None else kernel
+    Nq, H, D = q.shape
+    items, groups = work_items(relation)
+    dst = np.asarray(relation.dst_offsets, np.int64)
+    rmax = int(np.diff(dst).max()) if dst.shape[0] > 1 else 0
+    dq = np.zeros((Nq, H, D), acc)
+    dk = np.zeros(k.shape, acc)
+    dv = np.zeros(v.shape, acc)
+    if items.shape[0]:
+        part_dq = np.empty((items.shape[0], rmax, H, D), acc)
+        kernel(q, k, v, do, qu, m2, linv, delta, dst, np.asarray(relation.src_offsets, np.int64),
+               np.asarray(relation.lo, np.int64), np.asarray(relation.hi, np.int64), items, group,
+               acc.type(0), part_dq, dk, dv)
+        _merge_dq(items, groups, dst, part_dq, acc.type(scale), dq)
+        dk *= acc.type(scale)
+    return dq, dk, dv, items.shape[0], groups.shape[0] - 1
 
 
 def forward(q, k, v, relation, group, acc, kernel=None):
