@@ -74,6 +74,30 @@ def test_pieces_cover_every_edge_once():
     assert set(splits[:, 0]) == long_rows
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_items_are_ordered_for_the_static_schedule(threads):
+    """numba's static prange gives each of T threads one contiguous run of equal item counts:
+    order_balanced makes those runs carry about equal work, also when a few items hold most of
+    it (the pieces of a power-law graph's long rows), and the pieces still cover every edge."""
+    from tiga_numba.cpu.layout import order_balanced
+    rng = np.random.default_rng(threads)
+    costs = np.concatenate([rng.integers(1, 60, 3000), np.full(130, 2000), rng.integers(500, 2048, 200)])
+    rng.shuffle(costs)
+    order = order_balanced(costs, threads)
+    assert sorted(order.tolist()) == list(range(costs.size))
+    runs = np.array_split(costs[order], threads)   # numba's static chunks: equal counts
+    loads = np.array([r.sum() for r in runs])
+    assert loads.max() <= 1.02 * loads.mean() + costs.max()
+    if threads == 1:
+        assert np.array_equal(order, np.arange(costs.size))
+    deg = np.concatenate([rng.integers(0, 5, 1000), [50000], rng.integers(0, 3, 500), [3000]])
+    indptr = np.concatenate([[0], np.cumsum(deg)])
+    items, _, _ = split.row_pieces(indptr, 32, threads)
+    ref, _, _ = split.row_pieces(indptr, 32, 1)
+    key = lambda a: sorted(map(tuple, a.tolist()))  # noqa: E731
+    assert key(items) == key(ref)   # the same items, only their order depends on the threads
+
+
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 3e-5), (np.float64, 1e-11)])
 def test_hub_rows_match_oracle_and_bits_do_not_depend_on_threads(dtype, tol):
     rng = np.random.default_rng(1)

@@ -143,9 +143,11 @@ def _inspect(kernel, name, sig):
 
 
 def _pieces(owner, indptr):
-    """Edge-balanced work items of a CSR pass (split.row_pieces), memoised per relation record."""
-    return KERNELS.derived(owner, ("cpu.csr_pieces", _csr.RB),
-                           lambda: _split.row_pieces(indptr, _csr.RB))
+    """Edge-balanced work items of a CSR pass (split.row_pieces), memoised per relation record
+    and thread count (the items' order balances numba's static schedule over the threads)."""
+    threads = _thread_api()[0]()
+    return KERNELS.derived(owner, ("cpu.csr_pieces", _csr.RB, threads),
+                           lambda: _split.row_pieces(indptr, _csr.RB, threads))
 
 
 def _family(plan, relation):
@@ -219,8 +221,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         tile_base, ktt = _pack(kh, relation, "k", copies, BM, BN)
         # work items depend on the relation, the tiles and H only: built once per relation record
         items, splits, n_slots = KERNELS.derived(
-            relation, ("cpu.forward_items", BM, BN, H, prune),
-            lambda: _forward_items(relation, H, BM, BN, split=not prune))
+            relation, ("cpu.forward_items", BM, BN, H, prune, _thread_api()[0]()),
+            lambda: _forward_items(relation, H, BM, BN, split=not prune))   # order: per thread count
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen))
         out = np.zeros((Nq, H, v.shape[2]), acc)
@@ -339,7 +341,7 @@ def _forward_items(rel, H, BM, BN, split=True):
         parts.append(pieces)
     items = np.concatenate(parts)
     costs = items[:, 4] - items[:, 3] + 1  # + 1: the per-item fixed work
-    return items[order_balanced(costs)], splits, n_slots
+    return items[order_balanced(costs, _thread_api()[0]())], splits, n_slots
 
 
 # Blocks with at most BN / PACK_MIN_FRACTION keys are not packed into (D, BN) tiles: their score
@@ -506,7 +508,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
              relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias,
              mctx, (ghp_items, gnd, part_gnd, gef))
         if n_hp:
-            np.sum(ghp_items, axis=0, out=ghp)  # per work item, in item order
+            # per work item, summed in the items' row order (their array order follows the thread
+            # count, the sum must not)
+            np.sum(ghp_items[np.lexsort((items[:, 2], items[:, 0]))], axis=0, out=ghp)
         dk = np.empty((Nk, Hkv, D), acc)
         dv = np.empty((Nk, Hkv, Dv), acc)
         t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)

@@ -52,12 +52,21 @@ def node_major(x, acc, name, copies, scale=None):
     return out
 
 
-def order_balanced(costs):
-    """Permutation of work items such that equal contiguous chunks (numba's static prange
-    schedule) carry about equal work: pair the most expensive with the cheapest."""
-    idx = np.argsort(costs, kind="stable")
-    n = idx.shape[0]
-    out = np.empty(n, np.int64)
-    out[0::2] = idx[::-1][:(n + 1) // 2]
-    out[1::2] = idx[:n // 2]
-    return out
+def order_balanced(costs, threads):
+    """Permutation of work items such that numba's static prange schedule over `threads`
+    threads (equal contiguous counts of items, one run per thread) gives every thread about the
+    same work: the items, most expensive first, are dealt in snake order (0, 1, .., T-1, T-1, ..,
+    0, ...) to T lists of equal length, which are then laid end to end. Pairing the most and
+    least expensive items instead left one thread with every long piece of a power-law graph
+    (1.7x the uniform graph's time on 2 threads, 1.02x with this). The order never changes a
+    result's bits: items write disjoint rows or slots, merged in slot order."""
+    costs = np.asarray(costs)
+    n = costs.shape[0]
+    t = max(1, int(threads))
+    if t == 1 or n <= 1:
+        return np.arange(n, dtype=np.int64)
+    order = np.argsort(-costs, kind="stable")
+    rank = np.arange(n)
+    lap = rank % (2 * t)
+    owner = np.where(lap < t, lap, 2 * t - 1 - lap)
+    return order[np.lexsort((rank, owner))].astype(np.int64)

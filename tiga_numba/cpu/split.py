@@ -75,14 +75,15 @@ def _decompose(indptr, rb, piece):
     return items[:n_items].copy(), splits[:n_split].copy(), n_slots
 
 
-def row_pieces(indptr, rb):
+def row_pieces(indptr, rb, threads=1):
     """Work items of a CSR pass over the rows of ``indptr``.
 
     Returns ``(items, splits, n_slots)``: ``items`` (n, 5) int64 rows ``(r0, r1, e0, e1, slot)``
     -- rows [r0, r1), each restricted to edges [e0, e1); ``slot`` = -1 for a run of whole rows
     written directly, else the partial-state slot of one piece of one long row. ``splits``
     (s, 3) rows ``(row, first slot, number of slots)`` of the rows that were cut. Items are
-    ordered so that numba's static prange chunks carry about equal work."""
+    ordered so that numba's static prange chunks over `threads` threads carry about equal work
+    (layout.order_balanced); the order never changes the bits."""
     from .layout import order_balanced
     indptr = np.ascontiguousarray(indptr, dtype=np.int64)
     total = int(indptr[-1]) + indptr.shape[0] - 1
@@ -90,7 +91,7 @@ def row_pieces(indptr, rb):
     rows = items[:, 1] - items[:, 0]
     edges = np.where(items[:, 4] >= 0, items[:, 3] - items[:, 2],
                      indptr[items[:, 1]] - indptr[items[:, 0]])
-    return items[order_balanced(edges + rows)], splits, int(n_slots)
+    return items[order_balanced(edges + rows, threads)], splits, int(n_slots)
 
 
 def describe(splits, n_slots, n_items):
