@@ -202,7 +202,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         # the dispatcher is memoised under its key like every kernel: explain() reports memory
         # hit / disk hit / compiled, and the first compile is announced
         kern, hit = _kernel(("cpu", "decode.forward", _name(acc)), lambda: _decode.chunk_kernel)
-        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc, kern)
+        work = KERNELS.derived(relation, ("cpu.decode_items",), lambda: _decode.work_items(relation))
+        out, m, l, n_items, n_pairs = _decode.forward(qn, kn, vn, relation, group, acc, kern, work)
         info.update(kernel="cpu.decode.forward (split-key: K / V read in place, chunks merged in "
                            "fixed order)",
                     tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} "
@@ -441,8 +442,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         vn = _decode.in_place(v, acc, "v", copies)
         don = _decode.in_place(np.asarray(dout), acc, "dout", copies)
         kern, hit = _kernel(("cpu", "decode.backward", _name(acc)), lambda: _decode.backward_kernel)
+        work = KERNELS.derived(relation, ("cpu.decode_items",), lambda: _decode.work_items(relation))
         dq, dk, dv, n_items, n_pairs = _decode.backward(qn, kn, vn, don, qu, m2, linv, delta,
-                                                        relation, group, acc, scale, kern)
+                                                        relation, group, acc, scale, kern, work)
         info.update(kernel="cpu.decode.backward (split-key: scores recomputed as the forward's, "
                            "dk / dv per key, dq partials merged in fixed order)",
                     tiles=f"{n_items} chunk(s) of <= {_decode.CHUNK} keys over {n_pairs} block(s)",

@@ -4,11 +4,11 @@ queries over long contexts).
 A block with a handful of query rows and a long key range is a poor fit for the tiled kernel of
 blocks.py: a query tile of one row turns every score product into a matrix-vector product, and
 that kernel first copies k and v into head-major order, which for one query row costs more than
-the attention itself. Here each work item is one (block, kv head, chunk of CHUNK keys): it reads
-its K and V rows in place from the caller's node-major arrays, once for all the block's query
-rows times the `group` query heads that share the kv head (grouped-query heads packed, as
-flash-decoding does), and writes an unnormalised partial (acc, m, l) per (query row, head). A
-second pass merges the chunks of each (block, kv head) in chunk order:
+the attention itself. Here each work item is one (block, chunk of CHUNK keys): it reads each
+key's rows of every kv head together (contiguous in the caller's node-major arrays, read in
+place), once for all the block's query rows and heads (the `group` query heads that share a kv
+head read its row from L1, as flash-decoding packs them), and writes an unnormalised partial
+(acc, m, l) per (query row, head). A second pass merges the chunks of each block in key order:
 
     M = max_c m_c,   l = sum_c l_c 2^(m_c - M),   out = sum_c acc_c 2^(m_c - M) / l
 
@@ -30,8 +30,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-#: keys per work item: K and V rows of one chunk (2 x 1024 x D x 4 bytes at D = 128) stay in
-#: a core's L2 while every query row of the item reads them
+#: keys per work item: enough items to share a long key range among the threads, few enough
+#: that the partials and their merge stay small; each K and V row is read once per item
 CHUNK = 1024
 
 
@@ -47,23 +47,25 @@ def in_place(x, acc, name, copies):
 def work_items(relation, chunk=CHUNK):
     """items (n, 3) int64 rows (block, first key, end key), keys block-local and clipped to the
     columns some row of the block sees, in key order within each block; groups (g + 1,) int64:
-    the items of the i-th block with work are items[groups[i]:groups[i + 1]]."""
-    dst, src = np.asarray(relation.dst_offsets), np.asarray(relation.src_offsets)
-    lo, hi = np.asarray(relation.lo), np.asarray(relation.hi)
+    the items of the i-th block with work are items[groups[i]:groups[i + 1]]. Vectorised: a
+    batched decode can have a block per sequence."""
+    dst, src = np.asarray(relation.dst_offsets, np.int64), np.asarray(relation.src_offsets, np.int64)
+    lo, hi = np.asarray(relation.lo, np.int64), np.asarray(relation.hi, np.int64)
     rows, cols = np.diff(dst), np.diff(src)
-    items, groups = [], [0]
-    for b in range(rows.shape[0]):
-        nr, nc = int(rows[b]), int(cols[b])
-        if nr == 0 or nc == 0 or lo[b] > hi[b]:
-            continue
-        c0 = max(0, int(lo[b]))                    # row 0's first column
-        c1 = min(nc, nr - 1 + int(hi[b]) + 1)      # one past the last row's last column
-        if c0 >= c1:
-            continue
-        for j in range(c0, c1, chunk):
-            items.append((b, j, min(c1, j + chunk)))
-        groups.append(len(items))
-    return np.asarray(items, np.int64).reshape(-1, 3), np.asarray(groups, np.int64)
+    c0 = np.maximum(0, lo)                         # row 0's first column
+    c1 = np.minimum(cols, rows - 1 + hi + 1)       # one past the last row's last column
+    live = (rows > 0) & (cols > 0) & (lo <= hi) & (c0 < c1)
+    blocks = np.flatnonzero(live)
+    n = -(-(c1[blocks] - c0[blocks]) // chunk)
+    groups = np.zeros(blocks.shape[0] + 1, np.int64)
+    np.cumsum(n, out=groups[1:])
+    owner = np.repeat(np.arange(blocks.shape[0]), n)
+    first = c0[blocks][owner] + (np.arange(int(groups[-1])) - groups[owner]) * chunk
+    items = np.empty((int(groups[-1]), 3), np.int64)
+    items[:, 0] = blocks[owner]
+    items[:, 1] = first
+    items[:, 2] = np.minimum(first + chunk, c1[blocks][owner])
+    return items, groups
 
 
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
@@ -217,13 +219,14 @@ def _merge_dq(items, groups, dst, part_dq, scale, dq):
 backward_kernel = _backward_chunks
 
 
-def backward(q, k, v, do, qu, m2, linv, delta, relation, group, acc, scale, kernel=None):
+def backward(q, k, v, do, qu, m2, linv, delta, relation, group, acc, scale, kernel=None,
+             work=None):
     """(dq, dk, dv) in `acc`: q pre-scaled by scale log2(e) exactly as the forward's, qu the
     unscaled q, m2 the forward's base-2 row max (finite sentinel for empty rows), linv = 1 / l
     (0 for empty rows), delta = rowsum(dO * O). Returns them with the item and block counts."""
     kernel = backward_kernel if kernel is None else kernel
     Nq, H, D = q.shape
-    items, groups = work_items(relation)
+    items, groups = work_items(relation) if work is None else work
     dst = np.asarray(relation.dst_offsets, np.int64)
     rmax = int(np.diff(dst).max()) if dst.shape[0] > 1 else 0
     dq = np.zeros((Nq, H, D), acc)
@@ -239,13 +242,13 @@ def backward(q, k, v, do, qu, m2, linv, delta, relation, group, acc, scale, kern
     return dq, dk, dv, items.shape[0], groups.shape[0] - 1
 
 
-def forward(q, k, v, relation, group, acc, kernel=None):
+def forward(q, k, v, relation, group, acc, kernel=None, work=None):
     """(out, m, l) in `acc`, m in base 2; q pre-scaled by scale log2(e); k, v read in place.
     Returns them with the number of work items and of blocks with work. kernel: the chunk
     kernel (`chunk_kernel`, as the caller's kernel cache handed it out)."""
     kernel = chunk_kernel if kernel is None else kernel
     Nq, H = q.shape[0], q.shape[1]
-    items, groups = work_items(relation)
+    items, groups = work_items(relation) if work is None else work
     dst = np.asarray(relation.dst_offsets, np.int64)
     rmax = int(np.diff(dst).max()) if dst.shape[0] > 1 else 0
     out = np.zeros((Nq, H, v.shape[2]), acc)
