@@ -11,6 +11,7 @@ rows, GQA H != Hkv). Empty rows give out 0, m -inf, l 0, as the contract says.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -166,3 +167,16 @@ def set_run_option(monkeypatch, name, value):
     new = dataclasses.replace(run_options.current(), **{name: value not in ("0", False)})
     monkeypatch.setattr(run_options, "_CURRENT",
                         contextvars.ContextVar("tiga_numba_options", default=new))
+
+
+@contextlib.contextmanager
+def numba_threads(n):
+    """numba's thread count set to `n` inside the block, restored after (bits-per-thread-count
+    tests)."""
+    import numba
+    have = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(have)

@@ -1,12 +1,11 @@
 """Work divided by edges: hub rows (one destination with most edges, one source read by every
 destination) are split into pieces and merged in fixed order; results match the float64
 oracle and carry the same bits with any thread count."""
-import numba
 import numpy as np
 import pytest
 
 import tiga_numba as tg
-from conftest import attention_oracle
+from conftest import attention_oracle, numba_threads
 from tiga_numba.cpu import split
 
 
@@ -116,13 +115,9 @@ def test_hub_rows_match_oracle_and_bits_do_not_depend_on_threads(dtype, tol):
     for got, want in zip((out, dq, dk, dv), ref):
         np.testing.assert_allclose(got, want, atol=tol, rtol=tol * 10)
     assert np.all(out[[11, 200]] == 0) and np.all(st.m[[11, 200]] == -np.inf)
-    have = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with numba_threads(1):
         out1, st1 = tg.attention(q, k, v, g, return_stats=True)
         grads1 = tg.attention_backward(dout, q, k, v, out1, st1, g)
-    finally:
-        numba.set_num_threads(have)
     assert np.array_equal(out1, out)
     for a, b in zip(grads1, (dq, dk, dv)):
         assert np.array_equal(a, b)
@@ -145,12 +140,8 @@ def test_decode_shapes_split_the_key_range(make):
     # a key tile read by one query tile only is read in place, not packed first
     assert not any("transposed" in c for c in st.plan.run_info["copies"])
     np.testing.assert_allclose(out, attention_oracle(q, k, v, g.to_scipy().toarray())[0], atol=2e-5)
-    have = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with numba_threads(1):
         out1 = tg.attention(q, k, v, g)
-    finally:
-        numba.set_num_threads(have)
     assert np.array_equal(out1, out)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     grads = tg.attention_backward(dout, q, k, v, out, st, g)

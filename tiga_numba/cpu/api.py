@@ -28,7 +28,7 @@ from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
-from .layout import acc_dtype_of, head_major, node_major, order_balanced
+from .layout import acc_dtype_of, head_major, in_place, node_major, order_balanced
 from .threads import serialised
 from . import tiles as _tile_rule
 from .. import run_options as _run_options
@@ -197,8 +197,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
                           0 if _is_blocks(relation) else int(relation.indices.shape[0]), copies)
     if _family(plan, relation) == "cpu.decode":
         qn = node_major(q, acc, "q", copies, scale=c)
-        kn = _decode.in_place(k, acc, "k", copies)   # any strides; a copy only to change dtype
-        vn = _decode.in_place(v, acc, "v", copies)
+        kn = in_place(k, acc, "k", copies)   # any strides; a copy only to change dtype
+        vn = in_place(v, acc, "v", copies)
         # the dispatcher is memoised under its key like every kernel: explain() reports memory
         # hit / disk hit / compiled, and the first compile is announced
         kern, hit = _kernel(("cpu", "decode.forward", _name(acc)), lambda: _decode.chunk_kernel)
@@ -438,9 +438,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     if _family(plan, relation) == "cpu.decode":
         qn = node_major(q, acc, "q", copies, scale=c)   # the forward's pre-scaled q, bit for bit
         qu = node_major(q, acc, "q (unscaled, for dk)", copies)
-        kn = _decode.in_place(k, acc, "k", copies)
-        vn = _decode.in_place(v, acc, "v", copies)
-        don = _decode.in_place(np.asarray(dout), acc, "dout", copies)
+        kn = in_place(k, acc, "k", copies)
+        vn = in_place(v, acc, "v", copies)
+        don = in_place(np.asarray(dout), acc, "dout", copies)
         kern, hit = _kernel(("cpu", "decode.backward", _name(acc)), lambda: _decode.backward_kernel)
         work = KERNELS.derived(relation, ("cpu.decode_items",), lambda: _decode.work_items(relation))
         dq, dk, dv, n_items, n_pairs = _decode.backward(qn, kn, vn, don, qu, m2, linv, delta,

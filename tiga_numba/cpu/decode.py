@@ -35,15 +35,6 @@ from numba import njit, prange
 CHUNK = 1024
 
 
-def in_place(x, acc, name, copies):
-    """x itself when it already holds `acc` elements, whatever its strides (the kernel reads
-    rows where they are); else a converted copy, recorded in `copies`."""
-    if x.dtype == acc:
-        return x
-    copies.append(f"{name} -> {acc.name} copy (the split-key kernel reads {acc.name} rows in place)")
-    return x.astype(acc)
-
-
 def work_items(relation, chunk=CHUNK):
     """items (n, 3) int64 rows (block, first key, end key), keys block-local and clipped to the
     columns some row of the block sees, in key order within each block; groups (g + 1,) int64:
@@ -68,12 +59,28 @@ def work_items(relation, chunk=CHUNK):
     return items, groups
 
 
+@njit(inline="always", cache=True)
+def _outside(c, r, lb, hb):
+    """whether block-local cell (row r, column c) lies outside the band lb <= c - r <= hb."""
+    return c - r < lb or c - r > hb
+
+
+@njit(inline="always", cache=True, fastmath={"reassoc", "contract"})
+def _score(q, k, i, h, j, hk, zero):
+    """The base-2 score of query row i, head h against key j, kv head hk (q pre-scaled). The
+    forward and the backward both call this one loop, which is what makes the backward's
+    exp2(s - m2) of a row's largest score exactly 1 at any magnitude."""
+    t = zero
+    for x in range(q.shape[2]):
+        t += q[i, h, x] * k[j, hk, x]
+    return t
+
+
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, part_l):
     """One partial (acc, m, l) per (item, query row of the block, query head); q is pre-scaled;
     zero: 0 in the accumulation dtype (the dot products' type). A key's rows of every kv head
     are read together (contiguous in node-major k and v)."""
-    D = q.shape[2]
     Dv = v.shape[2]
     H = q.shape[1]
     for it in prange(items.shape[0]):
@@ -88,13 +95,10 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
         for jj in range(n):
             j = s0 + c0 + jj
             for r in range(nr):
-                d = c0 + jj - r
-                if d < lb or d > hb:
+                if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
-                    t = zero
-                    for x in range(D):
-                        t += q[r0 + r, h, x] * k[j, h // group, x]
+                    t = _score(q, k, r0 + r, h, j, h // group, zero)
                     s[jj, r, h] = t
                     if t > mx[r, h]:
                         mx[r, h] = t
@@ -109,8 +113,7 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
         for jj in range(n):
             j = s0 + c0 + jj
             for r in range(nr):
-                d = c0 + jj - r
-                if d < lb or d > hb:
+                if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
                     p = math.exp2(s[jj, r, h] - mx[r, h])
@@ -178,13 +181,10 @@ def _backward_chunks(q, k, v, do, qu, m2, linv, delta, dst, src, lo, hi, items, 
         for jj in range(c1 - c0):
             j = s0 + c0 + jj
             for r in range(nr):
-                d = c0 + jj - r
-                if d < lb or d > hb:
+                if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
-                    t = zero
-                    for x in range(D):
-                        t += q[r0 + r, h, x] * k[j, h // group, x]
+                    t = _score(q, k, r0 + r, h, j, h // group, zero)
                     p = math.exp2(t - m2[r0 + r, h]) * linv[r0 + r, h]
                     dp = zero
                     for x in range(Dv):

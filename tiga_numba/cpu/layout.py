@@ -52,6 +52,15 @@ def node_major(x, acc, name, copies, scale=None):
     return out
 
 
+def in_place(x, acc, name, copies):
+    """x itself when it already holds `acc` elements, whatever its strides (a kernel that reads
+    rows where they are: the split-key decode); else a converted copy, recorded in `copies`."""
+    if x.dtype == acc:
+        return x
+    copies.append(f"{name} -> {acc.name} copy (read in place otherwise)")
+    return x.astype(acc)
+
+
 def order_balanced(costs, threads):
     """Permutation of work items such that numba's static prange schedule over `threads`
     threads (equal contiguous counts of items, one run per thread) gives every thread about the
