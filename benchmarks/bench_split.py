@@ -14,7 +14,8 @@ uniform graph. The anchor is the eager torch version of the same computation (ga
 segment softmax with torch_scatter-free index ops, weighted scatter-add), when torch is installed.
 
 Decode part: one sequence of --keys keys, H=8 query heads (Hkv=8), D=128, float32:
-Graph.dense(keys, 1) vs torch CPU scaled_dot_product_attention, same thread count.
+Graph.dense(keys, 1) vs torch CPU scaled_dot_product_attention, same thread count
+(bench_cpu.table_decode: torch gets contiguous copies in its own layout).
 """
 from __future__ import annotations
 
@@ -123,23 +124,10 @@ def main():
         print(f"| {name} | {indeg} | {outdeg} | {tf * 1e3:.1f} | {tb * 1e3:.1f} | {tf / base[0]:.2f} | "
               f"{tb / base[1]:.2f} | {anchor} |")
 
-    L, Hd, Dd = args.keys, 8, 128
-    print(f"\n## decode: 1 query row x {L} keys, H=8 (Hkv=8), D={Dd}, float32")
-    qd = rng.standard_normal((1, Hd, Dd), dtype=np.float32)
-    kd = rng.standard_normal((L, Hd, Dd), dtype=np.float32)
-    vd = rng.standard_normal((L, Hd, Dd), dtype=np.float32)
-    gd = tg.Graph.dense(L, 1)
-    t_ours = best(lambda: tg.attention(qd, kd, vd, gd), args.reps)
-    gb = 2 * kd.nbytes / t_ours / 1e9
-    line = f"tiga {t_ours * 1e3:.2f} ms ({gb:.1f} GB/s of K+V)"
-    if torch is not None:
-        import torch.nn.functional as F
-        tq, tk, tv = (torch.from_numpy(x).transpose(0, 1)[None] for x in (qd, kd, vd))
-        t_t = best(lambda: F.scaled_dot_product_attention(tq, tk, tv), args.reps)
-        line += f"; torch SDPA {t_t * 1e3:.2f} ms; torch / tiga = {t_t / t_ours:.2f}x"
-    print(line)
-    print(tg.explain().splitlines()[3])
-
+    # the decode table of bench_cpu.py: torch reads contiguous (1, H, L, D) copies, its own best
+    # layout (a transposed view of the node-major arrays made torch ~1.6x slower)
+    from bench_cpu import table_decode
+    table_decode(args.keys, max(args.reps, 7))
 
 if __name__ == "__main__":
     main()

@@ -134,7 +134,9 @@ DECODE_MAX_ROWS = 8
 _DECODE_DTYPES = ("float16", "float32", "float64")
 
 
-def _cuda_decode(req):
+def _few_query_rows(req):
+    """the split-key kernels' rule, CPU and CUDA alike: implicit blocks of at most
+    DECODE_MAX_ROWS query rows, plain dot scores, no pruning."""
     if not req.implicit:
         return "needs an implicit (block) relation"
     if not 0 < req.max_block_rows <= DECODE_MAX_ROWS:
@@ -145,9 +147,14 @@ def _cuda_decode(req):
         return "score modifiers are not compiled into the split-key kernel"
     if req.score != "dot":
         return f"score {req.score!r}: plain dot scores only"
-    if req.dtype not in _DECODE_DTYPES:
-        return f"{req.dtype} (bfloat16 runs on the tensor cores)"
     return None
+
+
+def _cuda_decode(req):
+    why = _few_query_rows(req)
+    if why is None and req.dtype not in _DECODE_DTYPES:
+        why = f"{req.dtype} (bfloat16 runs on the tensor cores)"
+    return why
 
 
 def _cuda_blocks(req):
@@ -164,12 +171,10 @@ _CPU_DECODE_DTYPES = ("float32", "float64")
 
 
 def _cpu_decode(req):
-    why = _cuda_decode(req)
-    if why is not None:
-        return why
-    if req.dtype not in _CPU_DECODE_DTYPES:
-        return f"{req.dtype}: the split-key kernel reads k / v in place, float32 / float64 only"
-    return None
+    why = _few_query_rows(req)
+    if why is None and req.dtype not in _CPU_DECODE_DTYPES:
+        why = f"{req.dtype}: the split-key kernel reads k / v in place, float32 / float64 only"
+    return why
 
 
 def _cpu_blocks(req):
