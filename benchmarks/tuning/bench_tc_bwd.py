@@ -75,7 +75,7 @@ def variants(dtype, D):
     return unf, cands
 
 
-def build(arch, dtypes, dims, pick):
+def fill_cache(arch, dtypes, dims, pick):
     specs = []
     for dt in dtypes:
         for D in dims:
@@ -160,7 +160,7 @@ def main():
     pick = (lambda dt, D: wg_variants(dt, D, not a.no_fused)) if a.wgmma else variants
     dims = [int(x) for x in (a.dims or ("32,64,128" if a.wgmma else "64,128")).split(",")]
     if a.build:
-        return build(a.build, dtypes, dims, pick)
+        return fill_cache(a.build, dtypes, dims, pick)
     if a.spills:
         return spills(a.spills, dtypes, dims, pick)
     import torch

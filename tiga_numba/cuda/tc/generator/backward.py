@@ -441,18 +441,21 @@ def gen_dkdv(v):
                     for j in tiles:
                         for r in range(4):
                             x = f"s{m}_{j}_{r}"
-                            e(f"{x} = ex2({x} * sc - cl{j}{r % 2} - cg{j}{r % 2})")
-            # key j sees query ci when ci < cols and (causal) ci >= kl: the masked-block test
-            keep = lambda m, j, r: (f"(cq + {8 * j + r % 2} + 2 * t < cols) & ((causal == 0) | "  # noqa: E731
-                                    f"(cq + {8 * j + r % 2} + 2 * t >= kl{m}{r // 2}))")
-            if not fq:   # masked cells: P = 0 exactly (a non-finite lse of a masked query gives NaN)
-                e("if (qb < qfull) | (qb >= qlast):")
-                with e.indent():
-                    zero_masked(e, "s", MT, nt, keep)
+                            # masked cells: P = 0 exactly, selected as P is made (the (m2, log2 l)
+                            # of a masked query may be non-finite); no second pass re-derives the mask
+                            e(f"{x} = sel({x} != masked, ex2({x} * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
+            if not fq:   # blocks with masked cells (CTA-uniform): their dS keeps masked cells at 0
+                e("mb = u32((qb < qfull) | (qb >= qlast))")
             def to_ds(m, tiles):   # dS = P (dP - Delta), in place
                 for j in tiles:
                     for r in range(4):
-                        e(f"s{m}_{j}_{r} = s{m}_{j}_{r} * (dp{m}_{j}_{r} - cd{j}{r % 2})")
+                        x = f"s{m}_{j}_{r}"
+                        ds = f"{x} * (dp{m}_{j}_{r} - cd{j}{r % 2})"
+                        if fq:
+                            e(f"{x} = {ds}")
+                        else:   # masked cells: dS = 0 exactly (dP and Delta of a masked query may be
+                            # non-finite); P == 0 marks them (a real cell whose P underflowed gives 0 too)
+                            e(f"{x} = sel(({x} != zero) | (mb == 0), {ds}, zero)")
             if v.wg_async:
                 # P's A operands are packed k-step by k-step and each k-step's P turns into dS right
                 # after (dP dies as P is packed: no more registers live than before); then dV += P^T dO
@@ -469,10 +472,6 @@ def gen_dkdv(v):
                 col_stats(e, range(nt), ("cd",), "dltp")
                 for m in range(MT):
                     to_ds(m, range(nt))
-            if not fq:   # masked cells: dS = 0 exactly (dP and Delta of a masked query may be non-finite)
-                e("if (qb < qfull) | (qb >= qlast):")
-                with e.indent():
-                    zero_masked(e, "s", MT, nt, keep)
             mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
             if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
                 wg_wait(e, 0, "dv", Dv // 8)
