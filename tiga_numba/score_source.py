@@ -37,6 +37,12 @@ class Target:
     grad_args = ""
     tanh = "_tanh"
     exp = "_exp"
+    score = "s"      # the name of the score in the generated text
+    temp = "t"       # the prefix of the generated temporaries
+
+    def select(self, cond, a, b):
+        """Expression choosing `a` where `cond` holds, else `b` (branch-free targets override)."""
+        return f"{a} if {cond} else {b}"
 
     def leaf(self, x, slot):
         """Expression reading the per-call value of leaf `x` (packed slot `slot`)."""
@@ -88,14 +94,14 @@ class Source:
                     order.append(x)
 
         def num(x):
-            return f"(_dt(1.0) if {text[x]} else _dt(0.0))" if is_bool[x] else text[x]
+            return f"({tg.select(text[x], '_dt(1.0)', '_dt(0.0)')})" if is_bool[x] else text[x]
 
         n = 0
         for x in order:
             op = x.op
             is_bool[x] = op in sm.COMPARE
             if op == "score":
-                text[x] = "s"
+                text[x] = tg.score
                 continue
             if op == "const":
                 text[x] = self.consts.setdefault(x.attr, f"_k{len(self.consts)}")
@@ -113,7 +119,7 @@ class Source:
                 rhs = f"-{num(a[0])}"
             elif op == "where":
                 cond = text[a[0]] if is_bool[a[0]] else f"{text[a[0]]} != 0"
-                rhs = f"{num(a[1])} if {cond} else {num(a[2])}"
+                rhs = tg.select(cond, num(a[1]), num(a[2]))
             elif op == "tanh":
                 rhs = f"{tg.tanh}({num(a[0])})"
             elif op == "exp":
@@ -124,17 +130,17 @@ class Source:
                 rhs = f"abs({num(a[0])})"
             elif op == "sign":
                 v = num(a[0])
-                rhs = f"_dt(1.0) if {v} > 0 else (_dt(-1.0) if {v} < 0 else _dt(0.0))"
+                rhs = tg.select(f"{v} > 0", "_dt(1.0)", f"({tg.select(f'{v} < 0', '_dt(-1.0)', '_dt(0.0)')})")
             elif op == "minimum":
-                rhs = f"{num(a[0])} if {num(a[0])} <= {num(a[1])} else {num(a[1])}"
+                rhs = tg.select(f"{num(a[0])} <= {num(a[1])}", num(a[0]), num(a[1]))
             elif op == "maximum":
-                rhs = f"{num(a[0])} if {num(a[0])} >= {num(a[1])} else {num(a[1])}"
+                rhs = tg.select(f"{num(a[0])} >= {num(a[1])}", num(a[0]), num(a[1]))
             elif op == "leaky_relu":
                 v = num(a[0])
-                rhs = f"{v} if {v} > 0 else {num(a[1])} * {v}"
+                rhs = tg.select(f"{v} > 0", v, f"{num(a[1])} * {v}")
             else:  # pragma: no cover - the tracer builds only the ops above
                 raise NotImplementedError(f"score modifier op {op!r} has no code generator")
-            name = f"t{n}"
+            name = f"{tg.temp}{n}"
             n += 1
             lines.append(f"    {name} = {rhs}")
             text[x] = name

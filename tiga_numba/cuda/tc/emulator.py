@@ -475,6 +475,22 @@ def _fms(a, b, c):
     return (np.asarray(a, np.float64) * np.asarray(b, np.float64) - np.asarray(c, np.float64)).astype(np.float32)
 
 
+#: what a score modifier's text calls (generator/modifier.py), in float32 like libdevice's
+_MATH = _types.SimpleNamespace(**{f: (lambda g: lambda x: g(np.float32(x) if np.ndim(x) == 0 else
+                                                          np.asarray(x, np.float32)))(getattr(np, f))
+                                  for f in ("tanh", "exp", "log", "sqrt")})
+
+
+def _modifier_args(mem, mod, scale, H):
+    """(sc, the modified kernels' trailing arguments) for `mod` = (Modifier, mv, mnd, mns) float32
+    arrays in cuda/score_codegen.pack's layout, or (scale log2 e, ()) without a modifier."""
+    if mod is None:
+        return np.float32(scale * G.LOG2E), ()
+    _, mv, mnd, mns = mod
+    ptrs = tuple(mem.put(np.ascontiguousarray(a, np.float32).reshape(-1)) for a in (mv, mnd, mns))
+    return np.float32(1.0), (np.float32(scale), H) + ptrs
+
+
 def compile_source(src, name="<tc-emu>"):
     code = compile(_CONTRACTED.sub(r"ex2(fms(\1, sc, \2)", src), name, "exec")
     return code
@@ -498,7 +514,8 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        sel=_sel, ex2=_ex2, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
                        opq=lambda x: np.asarray(x, np.int64)[()],
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
-                       cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None)
+                       cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None,
+                       math=_MATH)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
                        "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if"):
@@ -522,7 +539,7 @@ def _put_heads(mem, x, dtype):
     return base, s.strides[0], s.strides[1]
 
 
-def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stats=None):
+def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stats=None, mod=None):
     """Emulate the forward on numpy inputs (any float dtype, rounded to v.dtype).
     Returns out (float32, rounded from the kernel's storage type), m, l. v.prune: admission
     threshold `rho`; `stats` (a dict) receives pruned_tiles / total_tiles as the API reports them,
@@ -542,10 +559,11 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
     work = schedule.query_tiles(dst_offsets, src_offsets, causal, v.BM)
     if len(work):
         wb = mem.put(work)
-        sc = np.float32(scale * G.LOG2E)
+        sc, margs = _modifier_args(mem, mod, scale, H)
         cnt = mem.alloc(len(work) * H * 8) if v.prune else None
         args = (qb, kb, vb, ob, mb, lb, mkb, wb, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, H * Dv * GB, H // Hkv)
-        args += ((cnt, sc, np.float32(-np.inf), np.float32(np.log2(rho))) if v.prune else (sc, np.float32(-np.inf)))
+        args += ((cnt, sc, np.float32(-np.inf), np.float32(np.log2(rho))) if v.prune
+                 else (sc, np.float32(-np.inf)) + margs)
         launch(G.gen_forward(v), (len(work), H), v.NT, v.smem_bytes(), mem, v.dtype, args)
         if v.prune and stats is not None:
             c = mem.get(cnt, np.uint32, (len(work) * H, 2)).astype(np.int64).sum(0)
@@ -557,7 +575,7 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
 
 
 def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, causal, scale,
-             m_kernel=None):
+             m_kernel=None, mod=None):
     """Emulate Delta pre-pass + dQ kernel + dK/dV kernel (vdq None: vkv.fuse_dq computes dQ too);
     returns dq, dk, dv as float32. m_kernel: the forward's base-2 row max (else m log2(e) in
     float32, as the API converts natural-log stats)."""
@@ -579,7 +597,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     dqb = mem.alloc(max(nd * H * D * GB, 1))
     dkb = mem.alloc(max(ns * Hkv * D * GB, 1))
     dvb = mem.alloc(max(ns * Hkv * Dv * GB, 1))
-    sc = np.float32(scale * G.LOG2E)
+    sc, margs = _modifier_args(mem, mod, scale, H)
     if nd * H:
         launch(G.gen_delta(dt, Dv), ((nd * H + 3) // 4, 1), 128, 16, mem, dt,
                (ob, db, mb, lb, dlt, lse, nd, H, o_rs, o_hs, do_rs, do_hs))
@@ -588,7 +606,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
         if len(work):
             launch(G.gen_dq(vdq), (len(work), H), vdq.NT, vdq.smem_bytes(), mem, dt,
                    (qb, kb, vb, db, lse, dlt, dqb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,
-                    H * D * GB, H // Hkv, sc, np.float32(scale)))
+                    H * D * GB, H // Hkv, sc, np.float32(scale)) + margs)
     work = schedule.key_tiles(dst_offsets, src_offsets, causal, vkv.BM)
     if vkv.fuse_dq:
         # as the API does: rows no key tile visits are zero-filled, the rest stays poisoned
@@ -606,7 +624,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     elif len(work):
         launch(G.gen_dkdv(vkv), (len(work), Hkv), vkv.NT, vkv.smem_bytes(), mem, dt,
                (qb, kb, vb, db, lse, dlt, dkb, dvb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,
-                do_hs, Hkv * D * GB, Hkv * Dv * GB, H // Hkv, H, sc, np.float32(scale)))
+                do_hs, Hkv * D * GB, Hkv * Dv * GB, H // Hkv, H, sc, np.float32(scale)) + margs)
     # rows no work tile covers (sources outside every block) are zero by definition
     dq = from_storage(mem.get(dqb, sd, (nd, H, D)), dt)
     if vkv.fuse_dq and vkv.dq_atomic:   # the API's convert pass: dq = scale * accumulator in q's dtype

@@ -9,6 +9,7 @@ from .softmax import row_limits
 from .products import mma_abt, mma_pb, resident
 from .shared import landed, sa, shared_array, shared_base, thread_geometry
 from .source import Source, udiv, umod
+from .modifier import ARGS as MOD_ARGS
 from .variant import MASKED
 from .wgmma import wg_desc, wg_pack, wg_wait
 
@@ -24,11 +25,14 @@ def gen_dq(v):
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     rsk = v.GB * D
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dqp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,"
-      " dq_rs, group, sc, scale):")
+      " dq_rs, group, sc, scale" + (f", {MOD_ARGS}):" if v.mod else "):"))
     with e.indent():
         thread_geometry(e, v)
         e(f"hh = i64(cuda.blockIdx.y); hk = {udiv('hh', 'group')}")
         read_work(e, v)
+        if v.mod:
+            v.mod.prelude(e)
+            v.mod.params(e, "hh")
         shared_array(e, v)
         shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
@@ -71,7 +75,12 @@ def gen_dq(v):
                     for j in range(BN // 8):
                         for r in range(4):
                             s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
-                            e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
+                            if v.mod:   # dS_z = P (dP - Delta) f'(z), P from y = f(z) (modifier.py)
+                                v.mod.cell(e, s, f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)",
+                                           f"col0 + imin(kb * {BN} + {8 * j + r % 2} + 2 * t, cols - 1)", "my", "md")
+                                e(f"{s} = ex2(my * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2}) * md")
+                            else:
+                                e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
             # masked cells: dS = 0 exactly (0 * (dP - Delta) is NaN where V outside the row is)
             e("if kb >= nfull:")
             with e.indent():
@@ -351,9 +360,11 @@ def gen_dkdv(v):
     fq = v.fuse_dq
     e("def kernel(qp, kp, vp, dop, lsep, dltp, dkp, dvp, " + ("dqp, accp, cntp, " if fq else "")
       + "work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs, dk_rs, dv_rs, " + ("dq_rs, " if fq else "")
-      + "group, H, sc, scale):")
+      + "group, H, sc, scale" + (f", {MOD_ARGS}):" if v.mod else "):"))
     with e.indent():
         thread_geometry(e, v)
+        if v.mod:
+            v.mod.prelude(e)
         # work row: rows = this tile's keys, cols = the block's queries, diag = local index of key row 0
         if fq:   # flat grid, heads interleaved (see the fused-dQ notes above)
             e(f"bid = i64(cuda.blockIdx.x); nkvh = {udiv('H', 'group')}; hk = {umod('bid', 'nkvh')}")
@@ -409,6 +420,8 @@ def gen_dkdv(v):
                 qo.prefetch(block_at("c1", "hn"))
             qo.last()
             e(f"cq = qb * {BN}")
+            if v.mod:
+                v.mod.params(e, "hq")
             landed(e, v)
             if not fq:   # masked cells never multiply Q / dO rows (guard.py); the fused kernel: not yet
                 guard_init(e, v, "last")
@@ -435,7 +448,7 @@ def gen_dkdv(v):
             # per-column (query) statistics, loaded where used (short live ranges; masked
             # columns read nothing): (m2, log2 l) for P, then Delta for dS
             # (overlapped with dP: tile by tile, so that few are live next to the in-flight dP)
-            for tiles in ([[j] for j in range(nt)] if v.wg_async else [range(nt)]):
+            for tiles in ([] if v.mod else [[j] for j in range(nt)] if v.wg_async else [range(nt)]):
                 col_stats(e, tiles, ("cl", "cg"), "lsep")
                 for m in range(MT):
                     for j in tiles:
@@ -456,7 +469,23 @@ def gen_dkdv(v):
                         else:   # masked cells: dS = 0 exactly (dP and Delta of a masked query may be
                             # non-finite); P == 0 marks them (a real cell whose P underflowed gives 0 too)
                             e(f"{x} = sel(({x} != zero) | (mb == 0), {ds}, zero)")
-            if v.wg_async:
+            if v.mod:
+                # dP first, then per cell z -> (f(z), f'(z)), P and dS_z = P (dP - Delta) f'(z) into
+                # the dP registers: P and dS both stay (dV reads P, dK reads dS), f'(z) never does
+                zero_c(e, "dp", MT, nt)
+                mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
+                col_stats(e, range(nt), ("cl", "cg"), "lsep")
+                col_stats(e, range(nt), ("cd",), "dltp")
+                for m in range(MT):
+                    for j in range(nt):
+                        for r in range(4):
+                            x, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
+                            v.mod.cell(e, x, f"col0 + imin(cq + {8 * j + r % 2} + 2 * t, cols - 1)",
+                                       f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)", "my", "md")
+                            e(f"{x} = sel({x} != masked, ex2(my * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
+                            e(f"{dp} = sel(({x} != zero) | (mb == 0), {x} * ({dp} - cd{j}{r % 2}) * md, zero)")
+                mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
+            elif v.wg_async:
                 # P's A operands are packed k-step by k-step and each k-step's P turns into dS right
                 # after (dP dies as P is packed: no more registers live than before); then dV += P^T dO
                 # (16-bit: issued, it runs while dS is packed for dK; split: its per-block partials
@@ -472,7 +501,7 @@ def gen_dkdv(v):
                 col_stats(e, range(nt), ("cd",), "dltp")
                 for m in range(MT):
                     to_ds(m, range(nt))
-            mma_pb(e, v, "dk", "sa", "s", qbuf("cur"), D // 8, BN, D)
+            mma_pb(e, v, "dk", "sa", "dp" if v.mod else "s", qbuf("cur"), D // 8, BN, D)
             if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
                 wg_wait(e, 0, "dv", Dv // 8)
             if not fq:   # key row kl sees query cq + jb (the last bad one) when it is real and, causal, >= kl

@@ -7,6 +7,7 @@ from .products import mma_pb, resident
 from .shared import sa, shared_array, shared_base, thread_geometry
 from .softmax import online_softmax
 from .source import Source, udiv
+from .modifier import ARGS as MOD_ARGS
 from .variant import LOG2E, MASKED, WG_ALIGN
 
 
@@ -18,11 +19,14 @@ def gen_forward(v):
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     rsv = v.GB * Dv   # bytes of one head's output row
     e("def kernel(qp, kp, vp, op, mp, lp, mkp, work, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, o_rs, group, "
-      + ("cntp, sc, minf, lg2rho):" if v.prune else "sc, minf):"))
+      + ("cntp, sc, minf, lg2rho):" if v.prune else "sc, minf" + (f", {MOD_ARGS}):" if v.mod else "):")))
     with e.indent():
         thread_geometry(e, v)
         e(f"hh = i64(cuda.blockIdx.y); hk = {udiv('hh', 'group')}")
         read_work(e, v)
+        if v.mod:
+            v.mod.prelude(e)
+            v.mod.params(e, "hh")
         shared_array(e, v)
         shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
@@ -43,6 +47,13 @@ def gen_forward(v):
             e(f"m{m}0 = masked; m{m}1 = masked; l{m}0 = zero; l{m}1 = zero")
         # stage 2: stream key blocks; S = Q K^T of each, then softmax and O += P V
         def block(kbuf, vbuf):
+            if v.mod:   # S -> f(scale S), natural units (the kernel runs with sc = log2 e)
+                for m in range(MT):
+                    for j in range(BN // 8):
+                        for r in range(4):
+                            x = f"s{m}_{j}_{r}"
+                            v.mod.cell(e, x, f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)",
+                                       f"col0 + imin(kb * {BN} + {8 * j + r % 2} + 2 * t, cols - 1)", x)
             if not v.prune:
                 online_softmax(e, v, "s", "o", Dv // 8)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)

@@ -70,6 +70,7 @@ class Variant:
     overlap: bool = True  # wgmma backward: the dP chain (and, 16-bit dK/dV, the dV chain) is issued
     #                       without waiting and runs while the CUDA cores make P (dS); False: every
     #                       chain waits at once (the A/B baseline of bench_tc_bwd.py)
+    mod: object = None    # a score modifier (modifier.Modifier) compiled into the score cells
 
     @property
     def wg_async(self):
@@ -136,6 +137,9 @@ class Variant:
         if self.prune and (self.kind != "fwd" or self.NW % 4):
             raise ValueError("tile pruning is a forward option and reads the warps' maxima four at a "
                              "time (NW % 4 == 0)")
+        if self.mod is not None and (self.prune or self.fuse_dq or self.wg_async and self.kind != "fwd"):
+            raise ValueError("a score modifier runs in the forward (no pruning) and the two-kernel "
+                             "backward without overlap (overlap=False): its f'(z) is taken with P")
         if self.dq_atomic and not self.fuse_dq:
             raise ValueError("dq_atomic needs fuse_dq")
         if self.fuse_dq:
@@ -277,7 +281,7 @@ class Variant:
                 + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
                 + ("_wg" if self.wgmma else "") + ("_so" if self.wgmma and not self.overlap else "")
-                + ("_pr" if self.prune else ""))
+                + ("_pr" if self.prune else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
 
 
 def pb_groups(v, width):

@@ -1,0 +1,186 @@
+"""Score modifiers in the tensor-core kernels, on the numpy warp emulator (no GPU): forward and
+two-kernel backward (dq, dk, dv) against a float64 oracle that evaluates the same tree, for
+soft-cap, ALiBi (bottom-right aligned through a dst field), a piecewise score with comparisons,
+np.where, leaky_relu and a src field, and a window written as -inf scores (rows whose every
+score is -inf included); mma.sync and wgmma, float16 / bfloat16 / float32, GQA, tails, empty
+blocks."""
+import numpy as np
+import pytest
+
+import tiga_numba  # noqa: F401  (first: shields tiga_numba.cuda from numba-cuda's import redirector)
+from tiga_numba import score_mod as sm
+from tiga_numba.cuda.tc import emulator as E
+from tiga_numba.cuda.tc import generator as G
+from tiga_numba.cuda.tc.generator.modifier import Modifier
+
+from test_tc_emulator import RELATIONS, TOL, _inputs, rel, rounded
+
+S = sm.SCORE
+DST, SRC = sm.Expr("index", (), "dst"), sm.Expr("index", (), "src")
+
+
+def _softcap():
+    return sm.softcap_tree(S), {sm.Expr("scalar", (), "softcap"): 2.0}
+
+
+def _alibi():
+    tree = sm.alibi_tree(S, aligned=True)
+    return tree, {sm.Expr("head", (), "alibi_slopes"): None, sm.Expr("node", (), ("dst", "_alibi_shift")): None}
+
+
+def _piecewise():
+    b = sm.Expr("node", (), ("src", "b"))
+    far = sm.make("gt", sm.make("sub", DST, SRC), sm.const(20.0))
+    tree = sm.make("add", sm.make("where", far, sm.make("sub", S, sm.const(1.5)),
+                                  sm.make("leaky_relu", S, sm.const(0.2))), b)
+    return tree, {b: None}
+
+
+def _window():
+    far = sm.make("gt", sm.make("sub", DST, SRC), sm.const(8.0))
+    return sm.make("where", far, sm.const(-np.inf), S), {}
+
+
+MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window}
+
+
+def _values(rng, tree, proto, nd, ns, H, dst, src):
+    """the per-call values: numbers as given, arrays drawn here (int shift: each block's Lk - Lq)."""
+    out = {}
+    for x, v in proto.items():
+        if v is not None:
+            out[x] = v
+        elif x.op == "head":
+            out[x] = rng.uniform(0.05, 0.5, H)
+        elif x.attr == ("dst", "_alibi_shift"):
+            per = (np.diff(src) - np.diff(dst)) - dst[:-1] + src[:-1]
+            out[x] = np.repeat(per, np.diff(dst)).astype(np.float64)
+        else:
+            out[x] = rng.standard_normal((ns if x.attr[0] == "src" else nd, H))
+    return out
+
+
+def _pack(tree, values, H, nd, ns):
+    """cuda/score_codegen.pack's layout as float32 numpy arrays."""
+    lay = sm.Layout(tree)
+    mv = np.zeros(max(1, len(lay.scalars) + len(lay.heads) * H), np.float32)
+    for k, x in enumerate(lay.scalars):
+        mv[k] = values[x]
+    for k, x in enumerate(lay.heads):
+        mv[len(lay.scalars) + k * H:len(lay.scalars) + (k + 1) * H] = values[x]
+
+    def stack(group, n):
+        a = np.zeros((max(n, 1), max(len(group), 1), H), np.float32)
+        for k, x in enumerate(group):
+            a[:n, k] = np.broadcast_to(np.asarray(values[x]).reshape(n, -1), (n, H))
+        return a
+    return mv, stack(lay.dst, nd), stack(lay.src, ns)
+
+
+def oracle(tree, values, q, k, v, do, dst, src, causal, scale):
+    """float64: y = clamp(f(z)), softmax over each block's (causal) cells, and the gradients with
+    dS_z = P (dP - Delta) f'(z)."""
+    nd, H, D = q.shape
+    ns, Hkv, Dv = v.shape
+    g = H // Hkv
+    dtree = sm.diff(tree, S)
+    out = np.zeros((nd, H, Dv))
+    m = np.full((nd, H), -np.inf)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(len(causal)):
+        i0, i1, j0, j1 = dst[b], dst[b + 1], src[b], src[b + 1]
+        if i1 == i0 or j1 == j0:
+            continue
+        ii = np.arange(i0, i1, dtype=np.float64)[:, None]
+        jj = np.arange(j0, j1, dtype=np.float64)[None, :]
+        for h in range(H):
+            qq, kk, vv = q[i0:i1, h].astype(np.float64), k[j0:j1, h // g].astype(np.float64), \
+                v[j0:j1, h // g].astype(np.float64)
+            z = qq @ kk.T * scale
+            env = {S: z, DST: ii, SRC: jj}
+            for x, val in values.items():
+                if x.op == "scalar":
+                    env[x] = np.float64(val)
+                elif x.op == "head":
+                    env[x] = np.float64(val[h])
+                else:
+                    a = np.asarray(val, np.float64)
+                    a = a[:, h] if a.ndim == 2 else a
+                    env[x] = a[i0:i1, None] if x.attr[0] == "dst" else a[None, j0:j1]
+            with np.errstate(all="ignore"):
+                y = np.clip(np.nan_to_num(sm.evaluate(tree, env), nan=-1e30), -1e30, 1e30)
+                d = np.broadcast_to(sm.evaluate(dtree, env), z.shape)
+            keep = np.tril(np.ones(z.shape, bool)) if causal[b] else np.ones(z.shape, bool)
+            y = np.where(keep, y, -np.inf)
+            mm = y.max(1)
+            p = np.exp(y - mm[:, None])
+            p /= p.sum(1)[:, None]
+            o = p @ vv
+            out[i0:i1, h], m[i0:i1, h] = o, mm
+            dO = do[i0:i1, h].astype(np.float64)
+            dv[j0:j1, h // g] += p.T @ dO
+            ds = np.where(keep, p * (dO @ vv.T - (dO * o).sum(1)[:, None]) * d, 0.0)
+            dq[i0:i1, h] = ds @ kk * scale
+            dk[j0:j1, h // g] += ds.T @ qq * scale
+    return out, m, dq, dk, dv
+
+
+CASES = [  # (D, H, Hkv, dtype, forward shape, dq shape, dkdv shape)
+    (64, 2, 1, "float16", dict(NW=4, MT=2, BN=64), dict(NW=4, BN=64), dict(NW=4, BN=64)),
+    (64, 2, 2, "bfloat16", dict(NW=4, MT=1, BN=64), dict(NW=4, BN=32), dict(NW=4, BN=32)),
+    (64, 2, 1, "float32", dict(NW=4, MT=1, BN=64, a_smem=True), dict(NW=4, BN=32, a_smem=True),
+     dict(NW=4, BN=32, a_smem=True)),
+    (64, 2, 1, "float16", dict(NW=4, BN=128, MT=1, a_smem=True, wgmma=True),
+     dict(NW=4, BN=64, a_smem=True, wgmma=True, overlap=False), dict(NW=4, BN=64, a_smem=True, wgmma=True, overlap=False)),
+    (64, 3, 3, "float32", dict(NW=4, BN=64, MT=1, a_smem=True, wgmma=True),
+     dict(NW=4, BN=32, a_smem=True, wgmma=True, overlap=False), dict(NW=4, BN=32, a_smem=True, wgmma=True, overlap=False)),
+]
+
+
+@pytest.mark.parametrize("modname", list(MODS))
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("relname", ["dense_rect_tail", "causal_tail", "segments", "empty_keys"])
+def test_modified_forward_backward_emulated(modname, case, relname):
+    D, H, Hkv, dtype, sf, sq, sk = CASES[case]
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    nd, ns = int(dst[-1]), int(src[-1])
+    rng = np.random.default_rng(hash((modname, case, relname)) % 2 ** 32)
+    q, k, v, do = _inputs(rng, nd, ns, H, Hkv, D, dtype)
+    tree, proto = MODS[modname]()
+    values = _values(rng, tree, proto, nd, ns, H, dst, src)
+    mod = Modifier(tree)
+    packed = (mod,) + _pack(tree, values, H, nd, ns)
+    scale = D ** -0.5
+    ro, rm, rdq, rdk, rdv = oracle(tree, values, q, k, v, do, dst, src, causal, scale)
+    vf = G.Variant("fwd", D, D, dtype=dtype, mod=mod, **sf).check()
+    st = {}
+    o, m, l = E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale, stats=st, mod=packed)
+    assert np.isfinite(o).all() and rel(o, ro) < TOL[dtype]
+    live = np.isfinite(rm)
+    real = live & (rm > -1e29)   # a row of "-inf" scores: the oracle keeps -1e30, the kernel the floor
+    np.testing.assert_allclose(m[real], rm[real], rtol=1e-5, atol=1e-4)
+    assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
+    mk = dict(MT=1)
+    vq = G.Variant("dq", D, D, dtype=dtype, mod=mod, **mk, **sq).check()
+    vk = G.Variant("dkdv", D, D, dtype=dtype, mod=mod, **mk, **sk).check()
+    out = rounded(ro.astype(np.float32), dtype)
+    grads = E.backward(vq, vk, do, q, k, v, out, m, l, dst, src, causal.astype(np.uint8), scale,
+                       m_kernel=st["m_kernel"], mod=packed)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        assert np.isfinite(got).all(), name
+        assert rel(got, want) < 3 * TOL[dtype], (name, rel(got, want))
+
+
+def test_modifier_rules():
+    """pruning, the fused backward and the overlapped wgmma backward refuse a modifier; the
+    kernel name carries the tree's digest; per-edge fields are refused."""
+    mod = Modifier(_softcap()[0])
+    assert G.Variant("fwd", 64, 64, mod=mod).check().name().endswith(f"_m{mod.digest}")
+    assert Modifier(_softcap()[0]) == mod and Modifier(_window()[0]).digest != mod.digest
+    for bad in (dict(kind="fwd", prune=True, NW=4), dict(kind="dkdv", fuse_dq=True),
+                dict(kind="dq", wgmma=True, a_smem=True, BN=64)):
+        kind = bad.pop("kind")
+        with pytest.raises(ValueError, match="score modifier"):
+            G.Variant(kind, 64, 64, mod=mod, **bad).check()
+    with pytest.raises(NotImplementedError, match="CSR"):
+        Modifier(sm.make("add", S, sm.Expr("edge", (), "w")))
