@@ -107,7 +107,7 @@ def test_score_modifiers_run_on_the_cuda_cores_with_the_refusals_stated():
     assert got.family.name == "cuda.blocks"
     why = dict(got.considered)
     assert "score modifiers are not compiled into the split-key kernel" in why["cuda.decode"]
-    assert "score modifiers are not compiled into the tensor-core kernels yet" in why["cuda.tc"]
+    assert "banded blocks are not generated for the tensor cores" in why["cuda.tc"]
     csr = registry.choose(registry.Request(op="backward", backend="cuda", relation_kind="csr",
                                            score="modified: f = softcap(s)", modified=True,
                                            dtype="float32"))

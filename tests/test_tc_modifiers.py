@@ -4,6 +4,8 @@ soft-cap, ALiBi (bottom-right aligned through a dst field), a piecewise score wi
 np.where, leaky_relu and a src field, and a window written as -inf scores (rows whose every
 score is -inf included); mma.sync and wgmma, float16 / bfloat16 / float32, GQA, tails, empty
 blocks."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -184,3 +186,18 @@ def test_modifier_rules():
             G.Variant(kind, 64, 64, mod=mod, **bad).check()
     with pytest.raises(NotImplementedError, match="CSR"):
         Modifier(sm.make("add", S, sm.Expr("edge", (), "w")))
+
+
+def test_registry_routes_modifiers():
+    """a per-head param that wants its gradient: the registry refuses the tensor cores by name."""
+    from tiga_numba import registry
+    req = registry.Request(op="backward", backend="cuda", relation_kind="triangular", implicit=True,
+                           score="modified: f = ...", modified=True, modifier_grads=True, dtype="float16",
+                           head_dim=64, value_dim=64, heads=2, kv_heads=2)
+    why = registry._tensor_cores(req)
+    assert why is not None and "CUDA cores" in why
+    for change, words in ((dict(modifier_grads=False, pruned=True, op="forward"), "pruning"),
+                          (dict(modifier_grads=False, score="modified: f = x (no dot product: gather only)"), "gathers")):
+        assert words in registry._tensor_cores(dataclasses.replace(req, **change))
+    # without grads, pruning or gathers a modifier reaches the device probe (none here: no GPU)
+    assert "no tensor-core kernels" in registry._tensor_cores(dataclasses.replace(req, modifier_grads=False))

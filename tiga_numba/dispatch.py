@@ -69,14 +69,16 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
     # Decisions that need no device probe depend on these facts only: made once, then looked
     # up (a call's planning stays a few microseconds).
     rows = int(graph._blocks.max_block_dst) if implicit else 0
-    key = (op, backend, graph.kind, implicit, banded, score, shape.dtype, shape.head_dim,
+    modifier_grads = bool(op == "backward" and score_mod is not None and score_mod.grad_leaves)
+    key = (op, backend, graph.kind, implicit, banded, score, modifier_grads, shape.dtype, shape.head_dim,
            shape.value_dim, prune_threshold is not None, min(rows, 9), opts) \
         if probe is None else None
     decision = _DECISIONS.get(key) if key is not None else None
     if decision is None:
         request = Request(
             op=op, backend=backend, relation_kind=graph.kind, implicit=implicit, banded=banded,
-            score=score, modified=score.startswith("modified"), dtype=_dtype_name(shape.dtype),
+            score=score, modified=score.startswith("modified"), modifier_grads=modifier_grads,
+            dtype=_dtype_name(shape.dtype),
             head_dim=shape.head_dim, value_dim=shape.value_dim, heads=shape.heads,
             kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
             max_block_rows=rows, options=opts, probe=probe)

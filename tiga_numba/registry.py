@@ -15,7 +15,7 @@ silently).
 | family | backend | serves |
 |---|---|---|
 | ``cuda.decode`` | cuda | forward of blocks with at most 8 query rows (decode): key range split across CTAs, fixed-order merge |
-| ``cuda.tc`` | cuda | implicit (block) relations, plain dot scores, fp16/bf16 (fp32 on request), tensor cores: wgmma on sm_90, mma.sync on sm_80+ |
+| ``cuda.tc`` | cuda | implicit (block) relations, dot scores and score modifiers (not their field / param gradients), fp16/bf16 (fp32 on request), tensor cores: wgmma on sm_90, mma.sync on sm_80+ |
 | ``cuda.blocks`` | cuda | implicit relations on CUDA cores (any head dim, float64, compiled score modifiers) |
 | ``cuda.csr`` | cuda | CSR relations, per-edge bias / scores, compiled score modifiers, CUDA cores |
 | ``cpu.decode`` | cpu | forward and backward of blocks with at most 8 query rows (decode): k / v read in place, key chunks merged in fixed order |
@@ -42,6 +42,7 @@ class Request:
     banded: bool = False         # some block is neither full nor square-causal
     score: str = "dot"           # "dot" | "dot + edge bias" | "edge score" | "modified: ..."
     modified: bool = False       # a compiled score modifier is part of the score
+    modifier_grads: bool = False  # backward: gradients of the modifier's fields / params wanted
     dtype: str = ""
     head_dim: int = 0
     value_dim: int = 0
@@ -114,13 +115,18 @@ def _tensor_cores(req):
     if req.options is not None and not req.options.tensor_cores:
         return "tensor cores switched off (options.tensor_cores=False)"
     if req.modified:
-        return "score modifiers are not compiled into the tensor-core kernels yet"
+        if req.modifier_grads:
+            return "gradients of score-modifier fields and params are computed on the CUDA cores"
+        if req.pruned:
+            return "tile pruning with a score modifier: the admission rule bounds raw dot scores"
+        if "no dot product" in req.score:
+            return "a score without a dot product gathers on the CUDA cores"
     if not req.implicit:
         return "needs an implicit (block) relation"
     if req.banded:
         return "banded blocks are not generated for the tensor cores"
-    if req.score != "dot":
-        return f"score {req.score!r}: the tensor-core kernels compute plain dot scores"
+    if req.score != "dot" and not req.modified:
+        return f"score {req.score!r}: the tensor-core kernels compute dot scores and score modifiers"
     if req.dtype == "float32" and req.options is not None and not req.options.fp32_tensor_cores:
         return "float32 kept off the tensor cores (options.fp32_tensor_cores=False)"
     probe = req.probe() if req.probe is not None else None

@@ -479,7 +479,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         return _decode_forward(plan, q, k, v, relation)
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
-        return _tc.forward(plan, q, k, v, relation, edge_bias)
+        return _tc.forward(plan, q, k, v, relation, edge_bias, score_mod=score_mod)
     empty = _allocator(plan)
 
     blocks = _is_blocks(relation)
@@ -605,8 +605,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     info = plan.run_info
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
-        return _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias,
-                            m_kernel=m_kernel)
+        grads = _tc.backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias,
+                             m_kernel=m_kernel, score_mod=score_mod)
+        # the registry sends a modifier whose fields / params want gradients to the CUDA cores
+        return grads if score_mod is None else grads + ({},)
     # the CUDA-core kernels work in natural-log units: m is their exact row max (module text)
     empty = _allocator(plan)
 

@@ -26,7 +26,8 @@ def supports(plan, q, k, v, relation):
     try:
         if type(relation).__name__ != "BlockRelation":
             return False
-        if getattr(plan, "score", "dot") != "dot":
+        score = getattr(plan, "score", "dot")
+        if score != "dot" and not (score.startswith("modified") and "no dot product" not in score):
             return False
         dn = _dtype_name(q)
         if dn not in TC_DTYPES or _dtype_name(k) != dn or _dtype_name(v) != dn:

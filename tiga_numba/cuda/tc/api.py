@@ -144,13 +144,14 @@ def relation_record(dst_offsets, src_offsets, causal):
                 causal=np.asarray(causal, np.uint8), tables={})
 
 
-def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, rho=None, mkp=0):
+def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, rho=None, mkp=0, mod=()):
     """Launch the forward on raw operands: q, k, v = (address, row stride, head stride) in bytes;
     out (num_dst, H, Dv) contiguous, m, l (num_dst, H) float32 contiguous; mkp, when not 0, the
     address of a (num_dst, H) float32 array that receives m in the kernel's base-2 units (what
     the backward reads, see the module text). Returns (kernel, cache,
     tile counts): vr.prune (admission threshold `rho`) also returns the device array of per-CTA
-    (pruned, visited) tile counts, else None."""
+    (pruned, visited) tile counts, else None. vr.mod: `mod` holds the device addresses of the
+    modifier's packed values (mv, mnd, mns: cuda/score_codegen.pack)."""
     kern, cache = kernel(vr)
     work, W = _work(rec, "q", vr.BM)
     counts = None
@@ -162,20 +163,31 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, r
             counts = cupy.empty((W * H, 2), cupy.int32)   # every CTA writes its slot (the emulator poisons it)
             args += (_ptr(counts), scale * G.LOG2E, -math.inf, math.log2(rho))
         else:
-            args += (scale * G.LOG2E, -math.inf)
+            args += (_score_units(vr, scale), -math.inf) + _mod_args(vr, scale, H, mod)
         kern((W, H), (vr.NT,), stream or current_stream(), *args)
     return kern, cache, counts
 
 
+def _score_units(v, scale):
+    """`sc`, what the kernels multiply a cell by before exp2: scale log2(e), or 1 where a score
+    modifier has already made the cell f(scale s) log2(e) (generator/modifier.py)."""
+    return 1.0 if v.mod is not None else scale * G.LOG2E
+
+
+def _mod_args(v, scale, H, mod):
+    """the trailing arguments of a modified kernel (generator/modifier.ARGS)."""
+    return () if v.mod is None else (scale, H) + tuple(mod)
+
+
 def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
-                    stream=None):
+                    stream=None, mod=()):
     """Delta pre-pass, then dQ and dK/dV on raw operands ((address, row stride, head stride) tuples;
     outputs contiguous; mp: the row max in the kernels' base-2 units (m_kernel); float32 scratch:
     delta (num_dst, H), lse2 (num_dst, H, 2) for the (m2, log2 l) pairs): two kernels, or one when
     vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
     Returns (the main kernel, the kernels' cache state)."""
     st = stream or current_stream()
-    sc = scale * G.LOG2E
+    sc = _score_units(vk, scale)
     kd = delta_kernel(vk.dtype, vk.Dv)
     if nd * H:
         kd(((nd * H + 3) // 4,), (128,), st, o[0], do[0], mp, lp, deltap, lse2p, nd, H, o[1], o[2], do[1], do[2])
@@ -186,7 +198,8 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
         work, W = _work(rec, "q", vq.BM)
         if W and H:
             kq((W, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, _ptr(work),
-               q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.GB, H // Hkv, sc, scale)
+               q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.GB, H // Hkv, sc, scale,
+               *_mod_args(vq, scale, H, mod))
     kk, c = kernel(vk)
     states.append(c)
     work, W = _work(rec, "k", vk.BM)
@@ -196,7 +209,7 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     strides = (q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.GB, Hkv * vk.Dv * vk.GB)
     if vq is not None:
         kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, _ptr(work), *strides,
-           H // Hkv, H, sc, scale)
+           H // Hkv, H, sc, scale, *_mod_args(vk, scale, H, mod))
         return kq, cache
     import contextlib
 
@@ -249,7 +262,33 @@ def _dq_zero_fill(rec, nd, fused):
 
 
 
-def forward(plan, q, k, v, relation, edge_bias=None):
+def _modified(variants, score_mod, H, nd, ns, copies):
+    """(variants with the modifier compiled in, device addresses of its values, the arrays that keep
+    them alive); the backward's variants are the two-kernel ones without overlap (Variant.check)."""
+    if score_mod is None:
+        return variants, (), ()
+    import cupy
+
+    from ..score_codegen import pack
+    mod = _MODIFIERS.get(score_mod.tree)
+    if mod is None:
+        mod = _MODIFIERS[score_mod.tree] = G.Modifier(score_mod.tree)
+    out = []
+    for vr in variants:
+        if vr is None:
+            continue
+        extra = dict(fuse_dq=False, dq_atomic=False, overlap=False) if vr.kind != "fwd" else {}
+        out.append(dataclasses.replace(vr, mod=mod, **extra))
+    arrays = pack(score_mod, cupy, np.float32, H, nd, ns, 0)[:3]
+    if any(a.size > 1 for a in arrays[1:]):
+        copies.append("score-modifier fields -> packed float32 (N, n, H) arrays")
+    return out, tuple(a.data.ptr for a in arrays), arrays
+
+
+_MODIFIERS = {}
+
+
+def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     if edge_bias is not None:
         raise NotImplementedError("edge_bias: the tensor-core path serves BlockRelation dot scores only")
     import cupy
@@ -258,6 +297,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     nd, H, D = (int(s) for s in q.shape)
     Hkv, Dv = int(v.shape[1]), int(v.shape[2])
     vr = variant("fwd", D, Dv, dt)
+    (vr,), mod, keep = _modified((vr,), score_mod, H, nd, int(k.shape[0]), copies)
     rho = getattr(plan, "prune_threshold", None)
     if rho is not None:   # the admission rule compiled in (a separate kernel; exact calls never see it)
         vr = dataclasses.replace(vr, prune=True)
@@ -272,7 +312,7 @@ def forward(plan, q, k, v, relation, edge_bias=None):
     m2 = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
     kern, cache, counts = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                          _ptr(out), _ptr(m), _ptr(l), float(plan.scale), rho=rho,
-                                         mkp=_ptr(m2))
+                                         mkp=_ptr(m2), mod=mod)
     if rho is not None and getattr(plan, "run_info", None) is not None:
         # explain()'s tile counts, summed and read back only when asked (RunInfo), on the
         # stream that wrote them
@@ -282,7 +322,8 @@ def forward(plan, q, k, v, relation, edge_bias=None):
         rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
     visited, total = rec["tables"][tc_key]
     _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
-                       + (", tile pruning: near key blocks first)" if vr.prune else ")"),
+                       + (", tile pruning: near key blocks first)" if vr.prune else ")")
+                       + (f"; score modifier compiled in: f = {score_mod.tree}" if score_mod is not None else ""),
           precision=precision(vr),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
@@ -300,7 +341,8 @@ def _tile_totals(counts, stream):
 
 
 # ----------------------------------------------------------------------------- backward
-def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias=None, m_kernel=None):
+def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias=None, m_kernel=None,
+             score_mod=None):
     if getattr(plan, "prune_threshold", None) is not None:
         raise NotImplementedError("tile pruning is forward-only (approximation is never dropped)")
     if edge_bias is not None:
@@ -311,6 +353,12 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     nd, H, D = (int(s) for s in q.shape)
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
     vq, vk = backward_variants(D, Dv, dt, deterministic(plan))
+    if score_mod is not None:
+        if score_mod.grad_leaves:   # the registry routes these to the CUDA cores
+            raise NotImplementedError("gradients of score-modifier fields and params are computed on the CUDA cores")
+        (vq, vk), mod, keep = _modified((vq or variant("dq", D, Dv, dt), vk), score_mod, H, nd, ns, copies)
+    else:
+        mod = ()
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
@@ -336,7 +384,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     lse2 = cupy.empty((nd, H, 2), cupy.float32)   # (m2, log2 l) pairs
     kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
                                 (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m2), _ptr(l), _ptr(delta), _ptr(lse2),
-                                _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale))
+                                _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale), mod=mod)
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
                "dQ blocks added with float atomics: NOT deterministic, opted in by TIGA_NUMBA_DETERMINISTIC=0), "
@@ -349,6 +397,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     else:
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
         tiles = f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}"
+    if score_mod is not None:
+        how += f"; score modifier compiled in: f = {score_mod.tree}, dS scaled by f'"
     _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
           precision=precision(vk), tiles=tiles,
           copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})

@@ -106,7 +106,7 @@ class TensorCoreKernel(Kernel):
     inspection without a loaded cubin. wgmma kernels exist for sm_90a only, which numba's own
     compile (sm_90) cannot target: they launch from their cubin or not at all."""
 
-    def __init__(self, name, src, dtype, ni, nf, dyn_smem=0, wgmma=False):
+    def __init__(self, name, src, dtype, ni, nf, dyn_smem=0, wgmma=False, tail=()):
         import numba
         self.name, self.src, self.dtype, self.dyn_smem = name, src, dtype, dyn_smem
         self.wgmma = wgmma   # sm_90a only: wgmma has no sm_90 (or any other arch) encoding
@@ -116,7 +116,9 @@ class TensorCoreKernel(Kernel):
         self.disk_cache = None      # numba's cache=True in use (known once the function is made)
         self._fn = None
         self._dispatcher = None
-        self._set_signature((numba.int64,) * ni + (numba.float32,) * nf)
+        # tail: a score modifier's arguments (msc float32, then H and three addresses)
+        self._set_signature((numba.int64,) * ni + (numba.float32,) * nf
+                            + tuple(numba.float32 if t == "f" else numba.int64 for t in tail))
 
     @property
     def pyfunc(self):
@@ -244,8 +246,9 @@ def kernel(v):
     """(compiled kernel, cache 'hit'/'miss') for a Variant."""
     before = KERNELS.misses
     ni, nf = signature(v)
+    tail = "fiiii" if v.mod is not None else ""   # generator.modifier.ARGS
     k = KERNELS.get(("tc", v), lambda: TensorCoreKernel(v.name(), G.gen_source(v), v.dtype, ni, nf,
-                                                v.smem_bytes() if v.dynamic_smem else 0, v.wgmma))
+                                                v.smem_bytes() if v.dynamic_smem else 0, v.wgmma, tail))
     return k, ("miss" if KERNELS.misses > before else "hit")
 
 

@@ -47,9 +47,10 @@ from __future__ import annotations
 
 from .backward import gen_delta, gen_dkdv, gen_dq
 from .forward import gen_forward
+from .modifier import Modifier
 from .variant import LOG2E, MASKED, MAX_SMEM, Variant
 
-__all__ = ["Variant", "gen_source", "gen_forward", "gen_dq", "gen_dkdv", "gen_delta", "LOG2E", "MASKED",
+__all__ = ["Variant", "Modifier", "gen_source", "gen_forward", "gen_dq", "gen_dkdv", "gen_delta", "LOG2E", "MASKED",
            "MAX_SMEM"]
 
 

@@ -1,0 +1,100 @@
+"""Score modifiers on the tensor cores, on the GPU (marked gpu): flash-attn's softcap= and
+alibi_slopes= through tg.attention / tg.attention_backward with cupy float16 / bfloat16 inputs,
+causal and rectangular cu_seqlens relations, GQA, against the float64 oracle of
+tests/test_tc_modifiers.py; the registry picks cuda.tc for them and sends a modifier whose params
+want gradients to the CUDA cores."""
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")   # without cupy: nothing to test; without a device: conftest skips
+
+pytestmark = pytest.mark.gpu
+
+from test_cuda_gpu import _shield  # noqa: E402
+
+_shield()
+import tiga_numba as tg  # noqa: E402
+from tiga_numba import functional, score_mod as sm  # noqa: E402
+
+import test_tc_modifiers as ttm  # noqa: E402
+
+TOL = {"float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _relation(kind):
+    if kind == "causal":
+        n = 300
+        return tg.Graph.triangular(n), np.array([0, n]), np.array([0, n]), np.array([1])
+    cq, ck = np.array([0, 1, 70, 70, 150]), np.array([0, 90, 95, 160, 300])   # decode-like, empty, long
+    return (tg.Graph.cu_seqlens(cq, causal=True, cu_seqlens_k=ck), cq, ck, np.array([1, 1, 1, 1]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", ["causal", "varlen"])
+@pytest.mark.parametrize("which", ["softcap", "alibi"])
+def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
+    graph, dst, src, causal = _relation(kind)
+    rng = np.random.default_rng(D + len(kind) + len(which))
+    H, Hkv = 4, 2
+    nd, ns = int(dst[-1]), int(src[-1])
+    q, k, v, do = ttm._inputs(rng, nd, ns, H, Hkv, D, dtype)
+    slopes = rng.uniform(0.05, 0.5, H)
+    kw = dict(softcap=2.0) if which == "softcap" else dict(alibi_slopes=cupy.asarray(slopes, cupy.float32))
+    if dtype == "float16":
+        to = lambda x: cupy.asarray(x.astype(np.float16))  # noqa: E731
+    else:
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        to = lambda x: cupy.asarray(x.astype(ml_dtypes.bfloat16))  # noqa: E731
+    qd, kd, vd, dod = (to(x) for x in (q, k, v, do))
+    out, stats = tg.attention(qd, kd, vd, graph, return_stats=True, **kw)
+    assert "cuda.tc: chosen" in tg.explain()
+    dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, graph, **kw)
+    bound = functional.flash_modifier(q, graph, kw.get("softcap"), slopes if which == "alibi" else None)
+    values = {x: (np.asarray(val) if not isinstance(val, float) else val) for x, val in bound.values.items()}
+    # the oracle's blocks: one per segment (rectangular, bottom-right causal via the relation's own mask)
+    ref = _masked_oracle(bound.tree, values, q, k, v, do, graph.to_scipy().toarray() != 0, D ** -0.5)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+        got = cupy.asnumpy(got).astype(np.float32)
+        assert np.isfinite(got).all(), name
+        assert ttm.rel(got, want) < TOL[dtype] * (1 if name == "out" else 3), (name, ttm.rel(got, want))
+    assert "cuda.tc: chosen" in tg.explain()
+
+
+def _masked_oracle(tree, values, q, k, v, do, keep, scale):
+    nd, H, D = q.shape
+    ns, Hkv, Dv = v.shape
+    g = H // Hkv
+    S = sm.SCORE
+    dtree = sm.diff(tree, S)
+    ii = np.arange(nd, dtype=np.float64)[:, None]
+    jj = np.arange(ns, dtype=np.float64)[None, :]
+    out = np.zeros((nd, H, Dv))
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    live = keep.any(1)
+    for h in range(H):
+        qq, kk, vv = (x.astype(np.float64) for x in (q[:, h], k[:, h // g], v[:, h // g]))
+        z = qq @ kk.T * scale
+        env = {S: z, ttm.DST: ii, ttm.SRC: jj}
+        for x, val in values.items():
+            if x.op == "scalar":
+                env[x] = np.float64(val)
+            elif x.op == "head":
+                env[x] = np.float64(np.asarray(val)[h])
+            else:
+                a = np.asarray(val, np.float64)
+                env[x] = (a[:, h] if a.ndim == 2 else a)[:, None]
+        y = np.clip(sm.evaluate(tree, env), -1e30, 1e30)
+        d = np.broadcast_to(sm.evaluate(dtree, env), z.shape)
+        y = np.where(keep, y, -np.inf)
+        mm = np.where(live, y.max(1), 0.0)
+        p = np.where(keep, np.exp(y - mm[:, None]), 0.0)
+        p /= np.where(live, p.sum(1), 1.0)[:, None]
+        o = p @ vv
+        out[:, h] = o
+        dO = do[:, h].astype(np.float64)
+        dv[:, h // g] += p.T @ dO
+        ds = np.where(keep, p * (dO @ vv.T - (dO * o).sum(1)[:, None]) * d, 0.0)
+        dq[:, h] = ds @ kk * scale
+        dk[:, h // g] += ds.T @ qq * scale
+    return out, dq, dk, dv
