@@ -22,22 +22,23 @@ TOL = {"float16": 4e-3, "bfloat16": 3e-2}
 
 
 def _relation(kind):
+    """(graph, num_dst, num_src): causal; causal segments of lengths 1, 0, 69, 80, 150; a dense
+    rectangular block (ALiBi bottom-right aligned through its shift field)."""
     if kind == "causal":
-        n = 300
-        return tg.Graph.triangular(n), np.array([0, n]), np.array([0, n]), np.array([1])
-    cq, ck = np.array([0, 1, 70, 70, 150]), np.array([0, 90, 95, 160, 300])   # decode-like, empty, long
-    return (tg.Graph.cu_seqlens(cq, causal=True, cu_seqlens_k=ck), cq, ck, np.array([1, 1, 1, 1]))
+        return tg.Graph.triangular(300), 300, 300
+    if kind == "segments":
+        return tg.Graph.cu_seqlens(np.array([0, 1, 1, 70, 150, 300])), 300, 300
+    return tg.Graph.dense(230, 150), 150, 230
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kind", ["causal", "varlen"])
+@pytest.mark.parametrize("kind", ["causal", "segments", "rect"])
 @pytest.mark.parametrize("which", ["softcap", "alibi"])
 def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
-    graph, dst, src, causal = _relation(kind)
+    graph, nd, ns = _relation(kind)
     rng = np.random.default_rng(D + len(kind) + len(which))
     H, Hkv = 4, 2
-    nd, ns = int(dst[-1]), int(src[-1])
     q, k, v, do = ttm._inputs(rng, nd, ns, H, Hkv, D, dtype)
     slopes = rng.uniform(0.05, 0.5, H)
     kw = dict(softcap=2.0) if which == "softcap" else dict(alibi_slopes=cupy.asarray(slopes, cupy.float32))
@@ -48,7 +49,7 @@ def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
         to = lambda x: cupy.asarray(x.astype(ml_dtypes.bfloat16))  # noqa: E731
     qd, kd, vd, dod = (to(x) for x in (q, k, v, do))
     out, stats = tg.attention(qd, kd, vd, graph, return_stats=True, **kw)
-    assert "cuda.tc: chosen" in tg.explain()
+    assert "kernel family: cuda.tc" in tg.explain()
     dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, graph, **kw)
     bound = functional.flash_modifier(q, graph, kw.get("softcap"), slopes if which == "alibi" else None)
     values = {x: (np.asarray(val) if not isinstance(val, float) else val) for x, val in bound.values.items()}
@@ -58,7 +59,7 @@ def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
         got = cupy.asnumpy(got).astype(np.float32)
         assert np.isfinite(got).all(), name
         assert ttm.rel(got, want) < TOL[dtype] * (1 if name == "out" else 3), (name, ttm.rel(got, want))
-    assert "cuda.tc: chosen" in tg.explain()
+    assert "kernel family: cuda.tc" in tg.explain()
 
 
 def _masked_oracle(tree, values, q, k, v, do, keep, scale):

@@ -165,12 +165,19 @@ def _cuda_decode(req):
 
 def _cuda_blocks(req):
     # score modifiers included: compiled into the kernels (cuda/score_codegen.py)
+    if req.dtype == "bfloat16":
+        return _CUDA_CORE_BF16
     return None if req.implicit else "needs an implicit (block) relation"
 
 
 def _cuda_csr(req):
     # score modifiers included: compiled into the kernels (cuda/score_codegen.py)
+    if req.dtype == "bfloat16":
+        return _CUDA_CORE_BF16
     return None if not req.implicit else "needs a CSR relation"
+
+
+_CUDA_CORE_BF16 = "bfloat16 runs on the tensor cores only (the CUDA-core kernels take float16, float32, float64)"
 
 
 _CPU_DECODE_DTYPES = ("float32", "float64")
