@@ -34,6 +34,13 @@ except ImportError:  # torch is optional
     torch = None
 
 
+def _ratio(other, ours, digits):
+    """`other / ours` as a speed-up column, '-' where the other side was not measured."""
+    if other is None or other != other or ours is None:
+        return f"{'-':>7s}"
+    return f"{other / ours:6.{digits}f}x"
+
+
 def best(fn, reps):
     fn()
     ts = []
@@ -172,7 +179,7 @@ def table_dense(sizes, reps, args, sgemm=float("nan"), dtype="float32"):
                   f"{tf * 1e3:7.1f} ms {flops / tf / 1e9:4.0f}GF "
                   f"{tb * 1e3:8.1f} ms {3.5 * flops / tb / 1e9:4.0f}GF | "
                   f"{ms(nf)} {ms(nb)} | {ms(tf_t)} {ms(tb_t)} | "
-                  f"{nf / tf:6.1f}x {tf_t / tf:6.2f}x | {nb / tb:6.1f}x {tb_t / tb:6.2f}x | "
+                  f"{_ratio(nf, tf, 1)} {_ratio(tf_t, tf, 2)} | {_ratio(nb, tb, 1)} {_ratio(tb_t, tb, 2)} | "
                   f"fwd {100 * flops / tf / 1e9 / sgemm:3.0f}% sgemm, f+b "
                   f"{100 * 3.5 * flops / tb / 1e9 / sgemm:3.0f}% sgemm")
             sys.stdout.flush()
