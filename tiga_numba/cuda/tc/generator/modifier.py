@@ -120,9 +120,7 @@ class Modifier:
         d = f'(z), for the raw score x (a name) of the cell at global destination i / source j
         (expressions), in Variant v's flavour (16-bit: the fast tanh)."""
         lines, value, deriv = self._texts[v.dtype != "float32"]
-        # positions as 32-bit integers (the dispatcher keeps them below 2^31): the float
-        # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
-        e(f"mi = u32({i}); mj = u32({j}); mz = {x} * msc")
+        e(f"mi = {i}; mj = {j}; mz = {x} * msc")
         for line in lines:
             e(line.strip())
         e(f"mf = ({value}) * f32({LOG2E!r})")
