@@ -76,7 +76,7 @@ def gen_dq(v):
                         for r in range(4):
                             s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                             if v.mod:   # dS_z = P (dP - Delta) f'(z), P from y = f(z) (modifier.py)
-                                v.mod.cell(e, v, s, f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)",
+                                v.mod.cell(e, s, f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)",
                                            f"col0 + imin(kb * {BN} + {8 * j + r % 2} + 2 * t, cols - 1)", "my", "md")
                                 e(f"{s} = ex2(my * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2}) * md")
                             else:
@@ -480,7 +480,7 @@ def gen_dkdv(v):
                     for j in range(nt):
                         for r in range(4):
                             x, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
-                            v.mod.cell(e, v, x, f"col0 + imin(cq + {8 * j + r % 2} + 2 * t, cols - 1)",
+                            v.mod.cell(e, x, f"col0 + imin(cq + {8 * j + r % 2} + 2 * t, cols - 1)",
                                        f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)", "my", "md")
                             e(f"{x} = sel({x} != masked, ex2(my * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
                             e(f"{dp} = sel(({x} != zero) | (mb == 0), {x} * ({dp} - cd{j}{r % 2}) * md, zero)")
