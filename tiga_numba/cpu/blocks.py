@@ -329,6 +329,7 @@ def make_backward(acc, BM, BN, mod=None):
             mxcsr = denormals_off()
             pbuf = np.empty((BM, BN), dt)
             sbuf = np.empty((BM, BN), dt)
+            xbuf = np.empty((BM if MOD else 1, BN if MOD else 1), dt)   # raw scores (modifier)
             dk_acc = np.empty((BN, D), dt)
             dv_acc = np.empty((BN, Dv), dt)
             ghp = ghp_part[part]
@@ -388,15 +389,22 @@ def make_backward(acc, BM, BN, mod=None):
                             Pr = pbuf[r]
                             dPr = sbuf[r]
                             if MOD:  # only band cells reach the modifier's gradients
+                                # three plain loops (value; P and dS; f'), each simple enough to
+                                # vectorise: one loop doing all three per cell ran scalar
                                 first, last = _row_span(r, lo_rel, hi_rel, cols)
-                                for c in range(max(first, 0), min(last, cols)):
-                                    x = Pr[c]
-                                    j = s0 + c0 + c
-                                    p = exp2_any(MOD_VALUE(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef)
-                                                 * log2e - ms) * li
+                                cf, cl = max(first, 0), min(last, cols)
+                                Xr = xbuf[r]
+                                j0 = s0 + c0
+                                for c in range(cf, cl):
+                                    Xr[c] = Pr[c]
+                                    Pr[c] = MOD_VALUE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef) * log2e
+                                for c in range(cf, cl):
+                                    p = exp2_any(Pr[c] - ms) * li
                                     Pr[c] = p
-                                    dPr[c] = MOD_GRAD(x, i, j, -1, h, sc, hp, nd_f, ns_f, ef,
-                                                   p * (dPr[c] - de), ghp, gnd, i, gns, j, ef)
+                                    dPr[c] = p * (dPr[c] - de)
+                                for c in range(cf, cl):
+                                    dPr[c] = MOD_GRAD(Xr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef,
+                                                      dPr[c], ghp, gnd, i, gns, j0 + c, ef)
                             else:
                                 for c in range(cols):
                                     p = exp2_any(Pr[c] - ms) * li
