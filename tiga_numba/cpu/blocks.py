@@ -312,6 +312,9 @@ def make_backward(acc, BM, BN, mod=None):
     dt = np.float32 if acc == "float32" else np.float64
     ln2 = LN2
     MOD = mod is not None
+    # no leaf wants a gradient: f' may run over whole rows too (cells outside the band are
+    # zeroed afterwards); with leaves only band cells may reach their sums
+    LEAFLESS = MOD and not mod.grad_leaves
     hooks = {} if not MOD else {"MOD_VALUE": mod.value,
                                 "MOD_GRAD": mod.grad(("head", "dst", "src"))}
     log2e = dt(LOG2E)
@@ -389,20 +392,24 @@ def make_backward(acc, BM, BN, mod=None):
                             Pr = pbuf[r]
                             dPr = sbuf[r]
                             if MOD:  # only band cells reach the modifier's gradients
-                                # three plain loops (value; P and dS; f'), each simple enough to
-                                # vectorise: one loop doing all three per cell ran scalar
+                                # three plain loops over whole rows (value; P and dS; f'), as the
+                                # forward's: they vectorise, where one band-limited loop doing all
+                                # three per cell ran scalar (soft-cap backward ~2x plain -> ~1.03x).
+                                # Cells outside the band are zeroed below; f' stays band-limited
+                                # when some leaf accumulates a gradient.
                                 first, last = _row_span(r, lo_rel, hi_rel, cols)
                                 cf, cl = max(first, 0), min(last, cols)
                                 Xr = xbuf[r]
                                 j0 = s0 + c0
-                                for c in range(cf, cl):
+                                for c in range(cols):
                                     Xr[c] = Pr[c]
                                     Pr[c] = MOD_VALUE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef) * log2e
-                                for c in range(cf, cl):
+                                for c in range(cols):
                                     p = exp2_any(Pr[c] - ms) * li
                                     Pr[c] = p
                                     dPr[c] = p * (dPr[c] - de)
-                                for c in range(cf, cl):
+                                gf, gl = (0, cols) if LEAFLESS else (cf, cl)
+                                for c in range(gf, gl):
                                     dPr[c] = MOD_GRAD(Xr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef,
                                                       dPr[c], ghp, gnd, i, gns, j0 + c, ef)
                             else:
