@@ -9,6 +9,7 @@ import pytest
 
 import tiga_numba as tg
 from conftest import attention_oracle
+from tiga_numba import dispatch
 from tiga_numba.cpu import tiles
 
 RNG = np.random.default_rng(5)
@@ -75,7 +76,8 @@ def test_every_tile_choice_matches_the_oracle(choice):
             out, st = tg.attention(q, k, v, g, return_stats=True)
             grads = tg.attention_backward(dout, q, k, v, out, st, g)
         BM, BN, _ = plan.tiles  # decided before the call, and what the kernels then ran with
-        assert plan.tiles == tiles.choose(plan.options, False, full=g.kind == "dense")
+        width = None if g._blocks.standard else dispatch._band_width(g)
+        assert plan.tiles == tiles.choose(plan.options, False, full=g.kind == "dense", band_width=width)
         assert plan.options.cpu_tiles == choice
         assert st.plan.run_info["tiles"].startswith(f"BM={BM} BN={BN} ("), st.plan.run_info["tiles"]
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=name)
@@ -111,3 +113,19 @@ def test_backward_bits_do_not_depend_on_the_thread_count_with_the_rule_tiles():
             numba.set_num_threads(old)
     for a, b in zip(runs[0], runs[-1]):
         assert np.array_equal(a, b)
+
+
+def test_narrow_bands_get_narrow_band_tiles():
+    """a band no wider than twice the rule's BN runs on BAND_TILES (most of a large tile would
+    lie outside it); a wide band, or an explicit cpu_tiles, keeps the rule's / the caller's."""
+    BM, BN, _ = tiles.machine_tiles()
+    q = RNG.standard_normal((N, 1, 8), dtype=np.float32)
+    with tg.options(cpu_tiles=None):
+        narrow = tg.make_plan(q, q, q, tg.Graph.band(N, left=BN - 1, right=0))
+        wide = tg.make_plan(q, q, q, tg.Graph.band(N, left=2 * BN + 5, right=0))
+        window = tg.make_plan(q, q, q, tg.Graph.cu_seqlens(np.array([0, 250, N]), window=(31, 0)))
+    assert narrow.tiles[:2] == tiles.BAND_TILES and "narrow-band" in narrow.tiles[2]
+    assert window.tiles[:2] == tiles.BAND_TILES
+    assert wide.tiles[:2] == (BM, BN)
+    with tg.options(cpu_tiles=(48, 80)):
+        assert tg.make_plan(q, q, q, tg.Graph.band(N, left=BN - 1, right=0)).tiles[:2] == (48, 80)

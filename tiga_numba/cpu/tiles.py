@@ -62,15 +62,26 @@ def machine_tiles():
     return _MACHINE[0]
 
 
-def choose(options, prune, full=False):
+#: tiles for narrow bands (a band no wider than twice the machine's tile): a band of W keys
+#: per row touches about (W + BN) / BN key tiles per query tile, so large tiles spend most of
+#: their cells outside it. Measured on a 2-core Zen 5 box (N=4096, H=4, D=64, W=256, float32):
+#: 256 x 256 fwd 19.1 ms, fwd+bwd 79.0 ms; 128 x 128 14.1 / 47.7; 64 x 128 12.6 / 43.4; 64 x 64
+#: 13.3 / 42.4 (results/mods-cpu-zen5-2core-2026-12-02.txt)
+BAND_TILES = (64, 128)
+
+
+def choose(options, prune, full=False, band_width=None):
     """(BM, BN, reason) for a call made with run `options`; `full`: a forward over a relation
-    whose blocks are all full (Graph.dense)."""
+    whose blocks are all full (Graph.dense); `band_width`: the widest band of a banded relation
+    (keys per row, None when some block is not a narrow band)."""
     if prune:
         return PRUNE_TILES + ("fixed tiles of the pruning rule",)
     tiles = getattr(options, "cpu_tiles", None)
     if tiles is not None:
         return tuple(tiles) + ("options.cpu_tiles",)
     BM, BN, why = machine_tiles()
+    if band_width is not None and band_width <= 2 * BN and (BM, BN) != BAND_TILES:
+        return BAND_TILES + (f"band of {band_width} keys <= 2 x BN={BN}: narrow-band tiles",)
     if full:
         return 2 * BM, BN, why + "; full blocks: twice the query rows"
     return BM, BN, why
