@@ -63,20 +63,9 @@ def _values(rng, tree, proto, nd, ns, H, dst, src):
 
 
 def _pack(tree, values, H, nd, ns):
-    """cuda/score_codegen.pack's layout as float32 numpy arrays."""
-    lay = sm.Layout(tree)
-    mv = np.zeros(max(1, len(lay.scalars) + len(lay.heads) * H), np.float32)
-    for k, x in enumerate(lay.scalars):
-        mv[k] = values[x]
-    for k, x in enumerate(lay.heads):
-        mv[len(lay.scalars) + k * H:len(lay.scalars) + (k + 1) * H] = values[x]
-
-    def stack(group, n):
-        a = np.zeros((max(n, 1), max(len(group), 1), H), np.float32)
-        for k, x in enumerate(group):
-            a[:n, k] = np.broadcast_to(np.asarray(values[x]).reshape(n, -1), (n, H))
-        return a
-    return mv, stack(lay.dst, nd), stack(lay.src, ns)
+    """the kernels' packed values (cuda/score_codegen.pack, numpy arrays): mv, mnd, mns."""
+    from tiga_numba.cuda.score_codegen import pack
+    return pack(sm.BoundModifier(tree, values), np, np.float32, H, nd, ns, 0)[:3]
 
 
 def oracle(tree, values, q, k, v, do, dst, src, causal, scale):
