@@ -9,7 +9,7 @@ from .softmax import row_limits
 from .products import mma_abt, mma_pb, resident
 from .shared import landed, sa, shared_array, shared_base, thread_geometry
 from .source import Source, udiv, umod
-from .modifier import ARGS as MOD_ARGS
+from .modifier import ARGS as MOD_ARGS, cell_col, cell_row
 from .variant import MASKED
 from .wgmma import wg_desc, wg_pack, wg_wait
 
@@ -76,8 +76,7 @@ def gen_dq(v):
                         for r in range(4):
                             s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                             if v.mod:   # dS_z = P (dP - Delta) f'(z), P from y = f(z) (modifier.py)
-                                v.mod.cell(e, s, f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)",
-                                           f"col0 + imin(kb * {BN} + {8 * j + r % 2} + 2 * t, cols - 1)", "my", "md")
+                                v.mod.cell(e, s, cell_row(m, r), cell_col(f"kb * {BN}", j, r), "my", "md")
                                 e(f"{s} = ex2(my * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2}) * md")
                             else:
                                 e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
@@ -480,8 +479,8 @@ def gen_dkdv(v):
                     for j in range(nt):
                         for r in range(4):
                             x, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
-                            v.mod.cell(e, x, f"col0 + imin(cq + {8 * j + r % 2} + 2 * t, cols - 1)",
-                                       f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)", "my", "md")
+                            # the fragment's rows are keys, its columns queries
+                            v.mod.cell(e, x, cell_col("cq", j, r), cell_row(m, r), "my", "md")
                             e(f"{x} = sel({x} != masked, ex2(my * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
                             e(f"{dp} = sel(({x} != zero) | (mb == 0), {x} * ({dp} - cd{j}{r % 2}) * md, zero)")
                 mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)

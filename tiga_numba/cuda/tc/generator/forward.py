@@ -7,7 +7,7 @@ from .products import mma_pb, resident
 from .shared import sa, shared_array, shared_base, thread_geometry
 from .softmax import online_softmax
 from .source import Source, udiv
-from .modifier import ARGS as MOD_ARGS
+from .modifier import ARGS as MOD_ARGS, cell_col, cell_row
 from .variant import LOG2E, MASKED, WG_ALIGN
 
 
@@ -52,8 +52,7 @@ def gen_forward(v):
                     for j in range(BN // 8):
                         for r in range(4):
                             x = f"s{m}_{j}_{r}"
-                            v.mod.cell(e, x, f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)",
-                                       f"col0 + imin(kb * {BN} + {8 * j + r % 2} + 2 * t, cols - 1)", x)
+                            v.mod.cell(e, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x)
             if not v.prune:
                 online_softmax(e, v, "s", "o", Dv // 8)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)

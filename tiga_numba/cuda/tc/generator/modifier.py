@@ -130,6 +130,18 @@ def _finite(value):
     return max(-3.0e38, min(3.0e38, value))
 
 
+def cell_row(m, r):
+    """global position of C-fragment cell (m, ., r)'s row (fragment rows are the tile's rows:
+    queries in the forward / dQ kernels, keys in dK/dV), clamped into the block."""
+    return f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)"
+
+
+def cell_col(base, j, r):
+    """global position of C-fragment cell (., j, r)'s column in the streamed block starting at
+    block-local `base`, clamped into the block."""
+    return f"col0 + imin({base} + {8 * j + r % 2} + 2 * t, cols - 1)"
+
+
 def tag(mod):
     return "" if mod is None else f"_m{mod.digest}"
 
