@@ -46,13 +46,14 @@ def gen_forward(v):
         for m in range(MT):
             e(f"m{m}0 = masked; m{m}1 = masked; l{m}0 = zero; l{m}1 = zero")
         # stage 2: stream key blocks; S = Q K^T of each, then softmax and O += P V
+        def modify():   # S -> f(scale S) log2(e), before the mask (the kernel runs with sc = 1)
+            for m in range(MT):
+                for j in range(BN // 8):
+                    for r in range(4):
+                        x = f"s{m}_{j}_{r}"
+                        v.mod.cell(e, v, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x, masked=False)
+
         def block(kbuf, vbuf):
-            if v.mod:   # S -> f(scale S), natural units (the kernel runs with sc = log2 e)
-                for m in range(MT):
-                    for j in range(BN // 8):
-                        for r in range(4):
-                            x = f"s{m}_{j}_{r}"
-                            v.mod.cell(e, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x)
             if not v.prune:
                 online_softmax(e, v, "s", "o", Dv // 8)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
@@ -65,7 +66,7 @@ def gen_forward(v):
             e("npr = npr + sel(adm != 0, 0, 1)")
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
-        stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)])
+        stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)], modify=modify if v.mod else None)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l, and (mkp
         # not 0) m in the kernel's base-2 units exactly as the softmax used it: the backward
         # reads that one, since m log2(e) rounded back from the natural-log m is off by an ulp

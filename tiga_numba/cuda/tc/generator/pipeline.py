@@ -103,7 +103,7 @@ class StreamedPair:
                 self.e("cp_wait0()")
 
 
-def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None):
+def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=None):
     """The key loop of the forward and dQ kernels: the block's K/V tiles stream through StreamedPair
     (block kb+1 is copied while kb computes); per block S = Q K^T, masked only where the
     block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
@@ -111,7 +111,8 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None):
     wgmma product issued there runs while S is masked and exponentiated). On those masked blocks the
     tile `guarded` ("k" or "v": the B operand of the kernel's P B product) is guarded before any
     product reads it and the accumulators `accs` [(name, n-tiles)] are poisoned after (guard.py).
-    Expects ss, kg, vg, cols, nkb, nfull."""
+    modify(), if given, rewrites S before the mask (a score modifier: masking then needs no test
+    of its own). Expects ss, kg, vg, cols, nkb, nfull."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     # the key blocks in key order, or (pruning) the near ones first so that the running max is set
     # early: from the block holding key `diag` (the one facing the query tile; causal: its first
@@ -147,6 +148,8 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None):
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
         if issue is not None:
             issue("kbuf_cur", "vbuf_cur")
+        if modify is not None:
+            modify()
         e("if kb >= nfull:")
         with e.indent():
             row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
