@@ -99,15 +99,18 @@ def test_no_family_raises_with_every_refusal():
     assert "cuda.gat" in msg and "score networks run over CSR relations" in msg
 
 
-def test_score_modifiers_run_on_the_cuda_cores_with_the_refusals_stated():
+def test_score_modifiers_and_bands_route_with_the_refusals_stated():
     req = registry.Request(op="forward", backend="cuda", relation_kind="band", implicit=True,
                            banded=True, score="modified: f = softcap(s)", modified=True,
                            dtype="float16", max_block_rows=4, probe=lambda: (lambda r: None))
     got = registry.choose(req)
-    assert got.family.name == "cuda.blocks"
-    why = dict(got.considered)
-    assert "score modifiers are not compiled into the split-key kernel" in why["cuda.decode"]
-    assert "banded blocks are not generated for the tensor cores" in why["cuda.tc"]
+    assert got.family.name == "cuda.tc"   # banded blocks and modifiers are compiled into the tc kernels
+    assert "score modifiers are not compiled into the split-key kernel" in dict(got.considered)["cuda.decode"]
+    pruned = registry.choose(registry.Request(op="forward", backend="cuda", relation_kind="band", implicit=True,
+                                              banded=True, score="dot", dtype="float16", max_block_rows=64,
+                                              pruned=True, probe=lambda: (lambda r: None)))
+    assert pruned.family.name == "cuda.blocks"
+    assert "tile pruning on banded blocks runs on the CUDA cores" in dict(pruned.considered)["cuda.tc"]
     csr = registry.choose(registry.Request(op="backward", backend="cuda", relation_kind="csr",
                                            score="modified: f = softcap(s)", modified=True,
                                            dtype="float32"))

@@ -123,8 +123,8 @@ def _tensor_cores(req):
             return "a score without a dot product gathers on the CUDA cores"
     if not req.implicit:
         return "needs an implicit (block) relation"
-    if req.banded:
-        return "banded blocks are not generated for the tensor cores"
+    if req.banded and req.pruned:
+        return "tile pruning on banded blocks runs on the CUDA cores (its first tile must face every row)"
     if req.score != "dot" and not req.modified:
         return f"score {req.score!r}: the tensor-core kernels compute dot scores and score modifiers"
     if req.dtype == "float32" and req.options is not None and not req.options.fp32_tensor_cores:

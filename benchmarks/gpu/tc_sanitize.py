@@ -1,6 +1,6 @@
 """One small forward and backward of each tensor-core kernel family (float16 and float32, the
-wgmma and mma.sync engines, dense-rectangular, causal and cu_seqlens relations with tails, GQA),
-for compute-sanitizer."""
+wgmma and mma.sync engines, dense-rectangular, causal, cu_seqlens, a sliding window and a
+bottom-right causal rectangular varlen batch with tails, GQA), for compute-sanitizer."""
 import cupy
 import numpy as np
 
@@ -10,7 +10,8 @@ from tiga_numba import functional
 rng = np.random.default_rng(0)
 H, Hkv, D = 4, 2, 64
 graphs = (tg.Graph.dense(150, 70), tg.Graph.triangular(130),
-          tg.Graph.cu_seqlens([0, 1, 1, 70, 150]))
+          tg.Graph.cu_seqlens([0, 1, 1, 70, 150]), tg.Graph.band(300, left=50),
+          tg.Graph.cu_seqlens([0, 30, 130], cu_seqlens_k=[0, 100, 170]))
 for wgmma in (True, False):
     for dtype in (np.float16, np.float32):
         for g in graphs:

@@ -104,7 +104,8 @@ def _host_record(relation):
     def host(a):
         return a.get() if hasattr(a, "get") else np.asarray(a)
     return dict(dst=host(relation.dst_offsets).astype(np.int64), src=host(relation.src_offsets).astype(np.int64),
-                causal=host(relation.causal).astype(np.uint8), tables={})
+                causal=host(relation.causal).astype(np.uint8), lo=host(relation.lo).astype(np.int64),
+                hi=host(relation.hi).astype(np.int64), standard=bool(relation.standard), tables={})
 
 
 def _work(rec, which, BM):
@@ -113,7 +114,7 @@ def _work(rec, which, BM):
     t = rec["tables"].get(key)
     if t is None:
         f = schedule.query_tiles if which == "q" else schedule.key_tiles
-        host = f(rec["dst"], rec["src"], rec["causal"], BM)
+        host = f(rec["dst"], rec["src"], rec["causal"], BM, rec["lo"], rec["hi"])
         t = rec["tables"][key] = (cupy.asarray(host), len(host))
     return t
 
@@ -138,10 +139,13 @@ def _info(plan, **kw):
 
 
 # ----------------------------------------------------------------------------- raw launches
-def relation_record(dst_offsets, src_offsets, causal):
-    """host-side relation (numpy offsets) for launch_forward / launch_backward callers."""
+def relation_record(dst_offsets, src_offsets, causal, lo=None, hi=None):
+    """host-side relation (numpy offsets; lo / hi: the blocks' bands as BlockRelation holds them,
+    else full or square-causal blocks) for launch_forward / launch_backward callers."""
+    lo_b, hi_b = schedule.block_bands(dst_offsets, src_offsets, causal, lo, hi)
     return dict(dst=np.asarray(dst_offsets, np.int64), src=np.asarray(src_offsets, np.int64),
-                causal=np.asarray(causal, np.uint8), tables={})
+                causal=np.asarray(causal, np.uint8), lo=lo_b, hi=hi_b, standard=lo is None and hi is None,
+                tables={})
 
 
 def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, rho=None, mkp=0, mod=()):
@@ -257,7 +261,8 @@ def _dq_zero_fill(rec, nd, fused):
     key = ("dq-unvisited", nd)
     hit = rec["tables"].get(key)
     if hit is None:
-        hit = rec["tables"][key] = bool(schedule.rows_without_keys(rec["dst"], rec["src"], nd).any())
+        hit = rec["tables"][key] = bool(schedule.rows_without_keys(rec["dst"], rec["src"], nd, rec["lo"],
+                                                                     rec["hi"]).any())
     return hit
 
 
@@ -319,14 +324,15 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         defer_counts(plan.run_info, lambda s=cupy.cuda.get_current_stream(): _tile_totals(counts, s))
     tc_key = ("counts", vr.BM, vr.BN)
     if tc_key not in rec["tables"]:
-        rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN)
+        rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN,
+                                                       rec["lo"], rec["hi"])
     visited, total = rec["tables"][tc_key]
     _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
                        + (", tile pruning: near key blocks first)" if vr.prune else ")")
                        + (f"; score modifier compiled in: f = {score_mod.tree}" if score_mod is not None else ""),
           precision=precision(vr),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
-                f"(above-diagonal tiles of causal blocks skipped, masks only on diagonal/tail tiles)",
+                f"(tiles outside each block's band skipped, masks only on band-edge / tail tiles)",
           copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
     return out, m, l, m2
 
@@ -375,6 +381,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         m2 = cupy.ascontiguousarray(m_kernel, dtype=cupy.float32)
     l = cupy.ascontiguousarray(l, dtype=cupy.float32)
     rec = _host_relation(relation)
+    if vq is None and not vk.dq_atomic and not rec["standard"]:
+        # the ordered fused dQ counts turns from each query block's first key tile, which a band
+        # shifts: the two-kernel backward serves banded blocks
+        vq, vk = variant("dq", D, Dv, dt), dataclasses.replace(vk, fuse_dq=False, dq_atomic=False)
     zq = not vk.dq_atomic and _dq_zero_fill(rec, nd, vq is None)   # atomic: the convert pass writes every row
     zk = not _covers(rec, "src", ns)
     dq = (cupy.zeros if zq else cupy.empty)((nd, H, D), dtype=q.dtype)

@@ -35,7 +35,7 @@ def _env(dtype):
     from . import ptx
     env = dict(ptx.intrinsics(dtype))
     env.update(cuda=cuda, i64=numba.int64, f32=numba.float32, u32=numba.uint32, u8=numba.uint8,
-               fmaxf=max, imin=min, log2f=math.log2)
+               fmaxf=max, imin=min, imax=max, log2f=math.log2)
     return env
 
 
@@ -57,7 +57,7 @@ def _load_cached_module(name, src, dtype):
               "from tiga_numba.cuda.tc.ptx import intrinsics as _intrinsics\n"
               f"globals().update(_intrinsics({dtype!r}))\n"
               "i64 = numba.int64; f32 = numba.float32; u32 = numba.uint32; u8 = numba.uint8\n"
-              "fmaxf = max; imin = min; log2f = math.log2\n\n")
+              "fmaxf = max; imin = min; imax = max; log2f = math.log2\n\n")
     text = header + src
     h = hashlib.sha1((text + numba.__version__ + str(_numba_cuda_version())).encode()).hexdigest()[:16]
     d = _cache_dir()

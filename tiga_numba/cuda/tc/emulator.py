@@ -511,7 +511,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                 syncthreads=lambda: None,
                 syncthreads_or=lambda p: np.int32(np.any(np.asarray(p) != 0)))
             env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
-                       u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum,
+                       u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum, imax=np.maximum,
                        sel=_sel, ex2=_ex2, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
                        opq=lambda x: np.asarray(x, np.int64)[()],
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
@@ -540,11 +540,12 @@ def _put_heads(mem, x, dtype):
     return base, s.strides[0], s.strides[1]
 
 
-def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stats=None, mod=None):
+def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stats=None, mod=None, lo=None, hi=None):
     """Emulate the forward on numpy inputs (any float dtype, rounded to v.dtype).
     Returns out (float32, rounded from the kernel's storage type), m, l. v.prune: admission
     threshold `rho`; `stats` (a dict) receives pruned_tiles / total_tiles as the API reports them,
-    and m_kernel, the row max in the kernel's base-2 units (what the API's backward reads)."""
+    and m_kernel, the row max in the kernel's base-2 units (what the API's backward reads).
+    lo / hi: the blocks' bands (BlockRelation.lo / hi), else full or square-causal blocks."""
     from . import schedule
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
@@ -557,7 +558,7 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
     mb = mem.alloc(max(nd * H * 4, 1))
     lb = mem.alloc(max(nd * H * 4, 1))
     mkb = mem.alloc(max(nd * H * 4, 1))
-    work = schedule.query_tiles(dst_offsets, src_offsets, causal, v.BM)
+    work = schedule.query_tiles(dst_offsets, src_offsets, causal, v.BM, lo, hi)
     if len(work):
         wb = mem.put(work)
         sc, margs = _modifier_args(mem, mod, scale, H)
@@ -576,7 +577,7 @@ def forward(v, q, k, v_, dst_offsets, src_offsets, causal, scale, rho=None, stat
 
 
 def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, causal, scale,
-             m_kernel=None, mod=None):
+             m_kernel=None, mod=None, lo=None, hi=None):
     """Emulate Delta pre-pass + dQ kernel + dK/dV kernel (vdq None: vkv.fuse_dq computes dQ too);
     returns dq, dk, dv as float32. m_kernel: the forward's base-2 row max (else m log2(e) in
     float32, as the API converts natural-log stats)."""
@@ -603,15 +604,15 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
         launch(G.gen_delta(dt, Dv), ((nd * H + 3) // 4, 1), 128, 16, mem, dt,
                (ob, db, mb, lb, dlt, lse, nd, H, o_rs, o_hs, do_rs, do_hs))
     if vdq is not None:
-        work = schedule.query_tiles(dst_offsets, src_offsets, causal, vdq.BM)
+        work = schedule.query_tiles(dst_offsets, src_offsets, causal, vdq.BM, lo, hi)
         if len(work):
             launch(G.gen_dq(vdq), (len(work), H), vdq.NT, vdq.smem_bytes(), mem, dt,
                    (qb, kb, vb, db, lse, dlt, dqb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs, do_hs,
                     H * D * GB, H // Hkv, sc, np.float32(scale)) + margs)
-    work = schedule.key_tiles(dst_offsets, src_offsets, causal, vkv.BM)
+    work = schedule.key_tiles(dst_offsets, src_offsets, causal, vkv.BM, lo, hi)
     if vkv.fuse_dq:
         # as the API does: rows no key tile visits are zero-filled, the rest stays poisoned
-        unvisited = schedule.rows_without_keys(dst_offsets, src_offsets, nd)
+        unvisited = schedule.rows_without_keys(dst_offsets, src_offsets, nd, lo, hi)
         if unvisited.any():
             mem.buf[dqb:dqb + nd * H * D * GB].reshape(nd, -1)[unvisited] = 0
         # ordered: poisoned (the first visitor reads nothing); atomic: zeroed, converted below

@@ -1,20 +1,38 @@
-"""Work tables: one int32 row per CTA, built on the host from a BlockRelation's offsets.
+"""Work tables: one int32 row per CTA, built on the host from a BlockRelation's offsets and bands.
 
-A row is (row0, rows, col0, cols, diag, causal) (generator.WORK_FIELDS): the CTA owns rows
+A row is (row0, rows, col0, cols, diag, causal, lo, hi) (generator.WORK_FIELDS): the CTA owns rows
 [row0, row0 + min(rows, BM)) of the streamed-over relation and faces the block's columns
-[col0, col0 + cols); `diag` is the local index of its first row inside the block (the causal
-diagonal is column diag + r for tile row r). Forward and dQ tile the destinations (rows =
-queries, columns = keys); dK/dV tile the sources (rows = keys, columns = queries).
-Segments are tiled per block: no padding, length-0 blocks give no rows, a block with no
-columns still gets rows (their output is written as zeros / empty). Rows are ordered by
-decreasing work so the long causal tiles start first (tail effect).
+[col0, col0 + cols); tile row t sees the block-local columns c with t + lo <= c <= t + hi (and
+0 <= c < cols). Forward and dQ tile the destinations (rows = queries, columns = keys); dK/dV
+tile the sources (rows = keys, columns = queries). A block's band lo_b <= c - r <= hi_b
+(BlockRelation: full, causal, bottom-right causal, sliding window) becomes, for the tile whose
+first row is the block's row `diag`: lo = diag + lo_b, hi = diag + hi_b (query tiles) or
+lo = diag - hi_b, hi = diag - lo_b (key tiles). A full block's limits lie outside [0, cols) for
+every row, so its tiles mask only their tail; the kernels visit only the column blocks between
+the first row's lower limit and the last row's upper one. `diag` (the tile's first row inside
+the block) and `causal` (a square causal block) are what the fused dK/dV/dQ kernel orders its
+turns by. Segments are tiled per block: no padding, length-0 blocks give no rows, a block with
+no columns still gets rows (their output is written as zeros / empty). Rows are ordered by
+decreasing work so the long tiles start first (tail effect).
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-def _tiles(row_off, col_off, causal, BM, work_of):
+def block_bands(dst_offsets, src_offsets, causal, lo=None, hi=None):
+    """(lo_b, hi_b) int64 per block: the given band, or full / square-causal blocks from `causal`."""
+    nr = np.diff(np.asarray(dst_offsets, np.int64))
+    nc = np.diff(np.asarray(src_offsets, np.int64))
+    cz = np.asarray(causal).astype(bool)
+    lo = 1 - nr if lo is None else np.asarray(lo, np.int64)
+    hi = np.where(cz, 0, nc - 1) if hi is None else np.asarray(hi, np.int64)
+    return lo, hi
+
+
+def _tiles(row_off, col_off, causal, BM, lo_r, hi_r):
+    """work rows of BM-row tiles over `row_off` blocks; lo_r / hi_r: each block's band in the
+    tile's own orientation (row r sees columns r + lo_r .. r + hi_r)."""
     row_off = np.asarray(row_off, np.int64)
     col_off = np.asarray(col_off, np.int64)
     causal = np.asarray(causal).astype(np.int64)
@@ -27,46 +45,54 @@ def _tiles(row_off, col_off, causal, BM, work_of):
     diag = ti * BM
     rows = nr[b] - diag
     cols = nc[b]
-    cz = causal[b]
-    tab = np.stack([row_off[b] + diag, rows, col_off[b], cols, diag, cz], 1)
-    if len(tab) and (tab.max() >= 2 ** 31 or tab.min() < 0):
+    lo, hi = diag + lo_r[b], diag + hi_r[b]
+    tab = np.stack([row_off[b] + diag, rows, col_off[b], cols, diag, causal[b], lo, hi], 1)
+    if len(tab) and (np.abs(tab).max() >= 2 ** 31):
         raise ValueError("relation too large for 32-bit work tables")
-    order = np.argsort(-work_of(rows, cols, diag, cz), kind="stable")
+    # work: the columns between the first row's lower limit and the last row's upper limit
+    seen = np.minimum(cols, hi + np.minimum(rows, BM)) - np.clip(lo, 0, None)
+    order = np.argsort(-seen, kind="stable")
     return np.ascontiguousarray(tab[order].astype(np.int32))
 
 
-def query_tiles(dst_offsets, src_offsets, causal, BM):
+def query_tiles(dst_offsets, src_offsets, causal, BM, lo=None, hi=None):
     """forward / dQ: BM destination rows per CTA."""
-    return _tiles(dst_offsets, src_offsets, causal, BM,
-                  lambda r, c, d, cz: np.where(cz != 0, np.minimum(c, d + np.minimum(r, BM)), c))
+    lo_b, hi_b = block_bands(dst_offsets, src_offsets, causal, lo, hi)
+    return _tiles(dst_offsets, src_offsets, causal, BM, lo_b, hi_b)
 
 
-def key_tiles(dst_offsets, src_offsets, causal, BM):
-    """dK / dV: BM source rows per CTA."""
-    return _tiles(src_offsets, dst_offsets, causal, BM,
-                  lambda r, c, d, cz: np.where(cz != 0, c - d, c))
+def key_tiles(dst_offsets, src_offsets, causal, BM, lo=None, hi=None):
+    """dK / dV: BM source rows per CTA (key c sees the queries c - hi_b .. c - lo_b)."""
+    lo_b, hi_b = block_bands(dst_offsets, src_offsets, causal, lo, hi)
+    return _tiles(src_offsets, dst_offsets, causal, BM, -hi_b, -lo_b)
 
 
-def tile_counts(dst_offsets, src_offsets, causal, BM, BN):
+def tile_counts(dst_offsets, src_offsets, causal, BM, BN, lo=None, hi=None):
     """(visited, total) (BM x BN) tiles of the forward: `total` = all tiles of the blocks' rectangles,
-    `visited` = those a causal block does not skip above its diagonal."""
-    nr = np.diff(np.asarray(dst_offsets, np.int64))
+    `visited` = those between each query tile's first lower and last upper band limit."""
     nc = np.diff(np.asarray(src_offsets, np.int64))
-    cz = np.asarray(causal).astype(bool)
-    nt = -(-nr // BM)
-    total = int(np.sum(nt * -(-nc // BN)))
-    b = np.repeat(np.arange(len(nr)), nt)                 # one entry per query tile
-    d = (np.arange(len(b)) - np.repeat(np.cumsum(nt) - nt, nt)) * BM
-    keys = np.where(cz[b], np.minimum(nc[b], d + np.minimum(nr[b] - d, BM)), nc[b])
-    return int(np.sum(-(-keys // BN))), total
+    nr = np.diff(np.asarray(dst_offsets, np.int64))
+    total = int(np.sum(-(-nr // BM) * -(-nc // BN)))
+    tab = query_tiles(dst_offsets, src_offsets, causal, BM, lo, hi).astype(np.int64)
+    if not len(tab):
+        return 0, total
+    rows, cols, lo_t, hi_t = tab[:, 1], tab[:, 3], tab[:, 6], tab[:, 7]
+    end = -(-np.minimum(cols, hi_t + np.minimum(rows, BM)) // BN)
+    start = np.clip(lo_t, 0, None) // BN
+    return int(np.sum(np.clip(end - start, 0, None))), total
 
 
-def rows_without_keys(dst_offsets, src_offsets, nd):
-    """bool (nd,): destination rows no key tile visits (outside every block, or in a block without
-    sources). The fused backward writes dQ only where a key tile visits, so these are zero-filled."""
+def rows_without_keys(dst_offsets, src_offsets, nd, lo=None, hi=None):
+    """bool (nd,): destination rows no key tile visits (outside every block, in a block without
+    sources, or with an empty band). The fused backward writes dQ only where a key tile visits, so
+    these are zero-filled."""
     dst = np.asarray(dst_offsets, np.int64)
     nc = np.diff(np.asarray(src_offsets, np.int64))
     out = np.ones(nd, bool)
     for b in np.nonzero(nc > 0)[0]:
-        out[dst[b]:dst[b + 1]] = False
+        r = np.arange(dst[b + 1] - dst[b])
+        lo_b = -r.size + 1 if lo is None else int(lo[b])
+        hi_b = nc[b] - 1 if hi is None else int(hi[b])
+        # row r sees columns max(0, r + lo_b) .. min(nc - 1, r + hi_b)
+        out[dst[b]:dst[b + 1]] = np.maximum(0, r + lo_b) > np.minimum(nc[b] - 1, r + hi_b)
     return out

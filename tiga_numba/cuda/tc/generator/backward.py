@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .fragments import a_regs, c_regs, ldsm_a, mma, split_tf32, zero_c
 from .guard import guard_init, guard_tiles, poison_rows, zero_masked
-from .pipeline import read_work, store_c_rows, stream_key_blocks, StreamedPair
+from .pipeline import key_range, read_work, store_c_rows, stream_key_blocks, StreamedPair
 from .softmax import row_limits
 from .products import mma_abt, mma_pb, resident
 from .shared import landed, sa, shared_array, shared_base, thread_geometry
@@ -37,9 +37,7 @@ def gen_dq(v):
         shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
-        e("kend = sel(causal != 0, imin(cols, diag + rows), cols)")
-        e(f"nkb = (kend + {BN - 1}) // {BN}")
-        e(f"nfull = sel(causal != 0, imin(cols // {BN}, (diag + 1) // {BN}), cols // {BN})")
+        key_range(e, v)
         e("kg = kp + col0 * k_rs + hk * k_hs")
         e("vg = vp + col0 * v_rs + hk * v_hs")
         # resident operands: this tile's Q and dO rows
@@ -81,10 +79,11 @@ def gen_dq(v):
                             else:
                                 e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
             # masked cells: dS = 0 exactly (0 * (dP - Delta) is NaN where V outside the row is)
-            e("if kb >= nfull:")
+            e("if edge != 0:")
             with e.indent():
                 row_limits(e, v, "lim", "wrow")
-                zero_masked(e, "s", MT, BN // 8, lambda m, j, r: f"kb * {BN} + {8 * j + r % 2} + 2 * t < lim{m}{r // 2}")
+                zero_masked(e, "s", MT, BN // 8, lambda m, j, r: f"(kb * {BN} + {8 * j + r % 2} + 2 * t < lim{m}{r // 2})"
+                                                                 f" & (kb * {BN} + {8 * j + r % 2} + 2 * t >= lowlim{m}{r // 2})")
             mma_pb(e, v, "acc", "sa", "s", kbuf, D // 8, BN, D)
         stream_key_blocks(e, v, where["qa"], block, "k", [("acc", D // 8)], issue if v.wg_async else None)
         store_c_rows(e, v, "acc", D // 8, f"dqp + row0 * dq_rs + hh * {rsk}", "dq_rs", "wrow", "rows",
@@ -376,13 +375,14 @@ def gen_dkdv(v):
         shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")
-        # causal: queries i >= key j only, so start at the query block holding the first key
-        e(f"qb0 = sel(causal != 0, diag // {BN}, 0)")
-        e(f"nqb = (cols + {BN - 1}) // {BN}")
-        # query blocks with no masked entry: causal ones strictly below every key of the tile,
-        # and none past the tail
-        e(f"qfull = sel(causal != 0, (diag + rows + {BN - 1}) // {BN}, 0)")
-        e(f"qlast = cols // {BN}")
+        # key row r sees the queries lo + r .. hi + r (causal: from its own position on): the query
+        # blocks from the one holding the first row's lower limit to the last row's upper limit;
+        # blocks below qfull cross some row's lower limit, blocks from qlast on its upper one or
+        # the tail: only those hold masked cells
+        e(f"qb0 = imax(lo, 0) // {BN}")
+        e(f"nqb = (imin(cols, hi + rows) + {BN - 1}) // {BN}")
+        e(f"qfull = imax(lo + rows + {BN - 2}, 0) // {BN}")
+        e(f"qlast = imin(cols // {BN}, (hi + 1) // {BN})")
         where, kept, off = resident(e, v, [("ka", "kp + row0 * k_rs + hk * k_hs", "k_rs", D),
                                            ("va", "vp + row0 * v_rs + hk * v_hs", "v_rs", Dv)], "wrow")
         e(f"ss = {sa('sb', off) if off else 'sb'}")
@@ -391,10 +391,12 @@ def gen_dkdv(v):
               f"sacc = a32(sq, {v.BN * v.dq_stage_row()})")
             # the block whose dQ is staged in sq and not yet added (one step behind)
             e("p_on = 0; p_hq = i64(0); p_cq = i64(0); p_last = u32(0); turn = cntp")
-        # key j may see query i when i_local >= j_local: column limit from below
+        # this thread's key rows see the query columns kl .. kl + bw (the band; causal: kl = own
+        # position), below cols; one register per row, the width shared
+        e("bw = hi - lo")
         for m in range(MT):
             for h in (0, 1):
-                e(f"kl{m}{h} = diag + wrow + {16 * m + 8 * h} + g")
+                e(f"kl{m}{h} = lo + wrow + {16 * m + 8 * h} + g")
         zero_c(e, "dk", MT, D // 8)
         zero_c(e, "dv", MT, Dv // 8)
         qbuf = lambda b: f"qbuf_{b}"  # noqa: E731
@@ -443,7 +445,7 @@ def gen_dkdv(v):
                         for r in range(4):
                             x = f"s{m}_{j}_{r}"
                             e(f"ci = cq + {8 * j + r % 2} + 2 * t")
-                            e(f"{x} = sel((ci < cols) & ((causal == 0) | (ci >= kl{m}{r // 2})), {x}, masked)")
+                            e(f"{x} = sel((ci < cols) & (ci >= kl{m}{r // 2}) & (ci - kl{m}{r // 2} <= bw), {x}, masked)")
             # per-column (query) statistics, loaded where used (short live ranges; masked
             # columns read nothing): (m2, log2 l) for P, then Delta for dS
             # (overlapped with dP: tile by tile, so that few are live next to the in-flight dP)
@@ -503,9 +505,9 @@ def gen_dkdv(v):
             mma_pb(e, v, "dk", "sa", "dp" if v.mod else "s", qbuf("cur"), D // 8, BN, D)
             if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
                 wg_wait(e, 0, "dv", Dv // 8)
-            if not fq:   # key row kl sees query cq + jb (the last bad one) when it is real and, causal, >= kl
+            if not fq:   # key row (m, h) sees query cq + jb (the last bad one) when it lies in its band
                 poison_rows(e, v, [("dk", D // 8), ("dv", Dv // 8)], "last",
-                            lambda m, h: f"(cq + jb < cols) & ((causal == 0) | (cq + jb >= kl{m}{h}))")
+                            lambda m, h: f"(cq + jb < cols) & (cq + jb >= kl{m}{h}) & (cq + jb - kl{m}{h} <= bw)")
             if fq and v.wgmma:
                 wg_store_ds(e, v, "dsb")
                 if not v.dq_atomic:

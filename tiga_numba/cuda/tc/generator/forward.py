@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .fragments import zero_c
-from .pipeline import prune_gate, read_work, store_c_rows, stream_key_blocks
+from .pipeline import key_range, prune_gate, read_work, store_c_rows, stream_key_blocks
 from .products import mma_pb, resident
 from .shared import sa, shared_array, shared_base, thread_geometry
 from .softmax import online_softmax
@@ -31,11 +31,7 @@ def gen_forward(v):
         shared_base(e, v)
         e("zero = f32(0.0); masked = f32(%r)" % MASKED)
         e(f"wrow = wid * {16 * MT}")   # this warp's first row inside the CTA tile
-        # keys this tile can see: all of the block, or (causal) up to its last row's diagonal
-        e("kend = sel(causal != 0, imin(cols, diag + rows), cols)")
-        e(f"nkb = (kend + {BN - 1}) // {BN}")
-        # key blocks with no masked entry: before the tail and (causal) left of every row's diagonal
-        e(f"nfull = sel(causal != 0, imin(cols // {BN}, (diag + 1) // {BN}), cols // {BN})")
+        key_range(e, v)
         e("qg = qp + row0 * q_rs + hh * q_hs")
         e("kg = kp + col0 * k_rs + hk * k_hs")
         e("vg = vp + col0 * v_rs + hk * v_hs")
@@ -88,5 +84,5 @@ def gen_forward(v):
                 e(f"stg_f32_if(ok & u32(mkp != 0), mkp + gi * 4, sel(l{m}{h} > zero, m{m}{h}, minf))")
         if v.prune:   # this CTA's (pruned, visited) tile counts, one slot per CTA: summed on the host
             e("ok = u32(tx == 0); slot = cntp + (i64(cuda.blockIdx.x) * H + hh) * 8")
-            e("stg_u32_if(ok, slot, u32(npr)); stg_u32_if(ok, slot + 4, u32(nkb))")
+            e("stg_u32_if(ok, slot, u32(npr)); stg_u32_if(ok, slot + 4, u32(nit))")
     return e.text()

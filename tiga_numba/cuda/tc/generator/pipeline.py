@@ -103,45 +103,60 @@ class StreamedPair:
                 self.e("cp_wait0()")
 
 
+def key_range(e, v):
+    """The key blocks a query tile visits (forward, dQ) from its work row's band: kb0 .. nkb - 1,
+    from the block holding the first row's lower limit to the one holding the last row's upper
+    limit; blocks kb0 .. nlow - 1 cross some row's lower limit, blocks from nfull on its upper
+    limit or the tail: only those are masked (`edge`)."""
+    BN = v.BN
+    e(f"kb0 = imax(lo, 0) // {BN}")
+    e(f"nkb = (imin(cols, hi + rows) + {BN - 1}) // {BN}")
+    e(f"nfull = imin(cols // {BN}, (hi + 1) // {BN})")
+    e(f"nlow = imax(lo + rows + {BN - 2}, 0) // {BN}")
+
+
 def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=None):
-    """The key loop of the forward and dQ kernels: the block's K/V tiles stream through StreamedPair
-    (block kb+1 is copied while kb computes); per block S = Q K^T, masked only where the
-    block crosses the causal diagonal or the tail (kb >= nfull), then block(kbuf, vbuf) emits the
-    kernel's own use of S with the current buffers; issue(kbuf, vbuf), if given, right after S (a
-    wgmma product issued there runs while S is masked and exponentiated). On those masked blocks the
-    tile `guarded` ("k" or "v": the B operand of the kernel's P B product) is guarded before any
-    product reads it and the accumulators `accs` [(name, n-tiles)] are poisoned after (guard.py).
-    modify(), if given, rewrites S before the mask (a score modifier: masking then needs no test
-    of its own). Expects ss, kg, vg, cols, nkb, nfull."""
+    """The key loop of the forward and dQ kernels over the blocks key_range() chose: the block's
+    K/V tiles stream through StreamedPair (block kb+1 is copied while kb computes); per block
+    S = Q K^T, masked only where the block crosses a band edge or the tail (`edge`), then
+    block(kbuf, vbuf) emits the kernel's own use of S with the current buffers; issue(kbuf, vbuf),
+    if given, right after S (a wgmma product issued there runs while S is masked and
+    exponentiated). On those masked blocks the tile `guarded` ("k" or "v": the B operand of the
+    kernel's P B product) is guarded before any product reads it and the accumulators `accs`
+    [(name, n-tiles)] are poisoned after (guard.py). modify(), if given, rewrites S before the
+    mask (a score modifier: masking then needs no test of its own). Expects ss, kg, vg, cols and
+    key_range's names."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
-    # the key blocks in key order, or (pruning) the near ones first so that the running max is set
-    # early: from the block holding key `diag` (the one facing the query tile; causal: its first
-    # row's diagonal), wrapping around. That block holds a real key of every row of the tile
-    # (online_softmax needs one in each row's first tile).
-    it = "it" if v.prune else "kb"
+    # the key blocks in key order, or (pruning) the near ones first so that the running max is set early: from the block holding key
+    # `diag` (the one facing the query tile; causal: its first row's diagonal), wrapping around.
+    # That block holds a real key of every row of the tile (online_softmax needs one in each
+    # row's first tile).
+    e("nit = nkb - kb0")
     if v.prune:
-        e(f"kstart = imin({udiv('diag', BN)}, nkb - 1)")
-        order = lambda i: f"sel({i} + kstart >= nkb, {i} + kstart - nkb, {i} + kstart)"  # noqa: E731
+        e(f"kstart = imax(imin({udiv('diag', BN)}, nkb - 1) - kb0, 0)")
+        order = lambda i: f"(kb0 + sel({i} + kstart >= nit, {i} + kstart - nit, {i} + kstart))"  # noqa: E731
+    else:
+        order = lambda i: f"(kb0 + {i})"  # noqa: E731
     kv = StreamedPair(e, v, ("k", "v"), (D, Dv))
     block_at = lambda c: [(f"kg + {c} * k_rs", "k_rs", f"cols - {c}"), (f"vg + {c} * v_rs", "v_rs", f"cols - {c}")]  # noqa: E731
-    e("if nkb > 0:")
+    e("if nit > 0:")
     with e.indent():
-        e(f"c0 = {order('0') if v.prune else '0'} * {BN}")
+        e(f"c0 = {order('0')} * {BN}")
         kv.load("0", block_at("c0"))
         e("cp_commit()")
-    e(f"for {it} in range(nkb):")
+    e("for it in range(nit):")
     with e.indent():
-        if v.prune:
-            e(f"kb = {order('it')}")
-        kv.current(it)
-        e(f"if {it} + 1 < nkb:")
+        e(f"kb = {order('it')}")
+        kv.current("it")
+        e("if it + 1 < nit:")
         with e.indent():
-            e(f"c1 = {order('it + 1') if v.prune else '(kb + 1)'} * {BN}")
+            e(f"c1 = {order('(it + 1)')} * {BN}")
             kv.prefetch(block_at("c1"))
         kv.last()
         landed(e, v)
+        e("edge = u32((kb >= nfull) | (kb < nlow))")   # CTA-uniform: this block holds masked cells
         guard_init(e, v, "first")
-        e("if kb >= nfull:")
+        e("if edge != 0:")
         with e.indent():
             guard_tiles(e, v, [(f"{guarded}buf_cur", D if guarded == "k" else Dv)], "first")
         zero_c(e, "s", MT, BN // 8)
@@ -150,15 +165,19 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
             issue("kbuf_cur", "vbuf_cur")
         if modify is not None:
             modify()
-        e("if kb >= nfull:")
+        e("if edge != 0:")
         with e.indent():
             row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
         block("kbuf_cur", "vbuf_cur")
-        # row rl sees block row jb when key kb * BN + jb lies below its limit (row_limits)
-        poison_rows(e, v, accs, "first", lambda m, h: f"kb * {BN} + jb < sel(causal != 0, imin(cols, diag + wrow + "
-                                                      f"{16 * m + 8 * h} + g + 1), cols)")
+        # row rl sees block row jb when key kb * BN + jb lies inside its limits (row_limits)
+        poison_rows(e, v, accs, "first", lambda m, h: sees(f"kb * {BN} + jb", f"wrow + {16 * m + 8 * h} + g"))
         e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
+
+
+def sees(c, r):
+    """the expression: tile row r sees block-local column c (the work row's band and the tail)."""
+    return f"({c} < imin(cols, hi + {r} + 1)) & ({c} >= lo + {r})"
 
 
 # ============================================================================= forward

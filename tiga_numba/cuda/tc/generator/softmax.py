@@ -7,32 +7,33 @@ from .source import _tree
 
 # ----------------------------------------------------------------------------- masking
 def row_limits(e, v, lim, row_base):
-    """Per fragment row: number of admitted columns. Non-causal: all `cols` of the block;
-    causal: columns j_local <= i_local, i.e. < diag + row + 1 (diag = local index of row 0)."""
+    """Per fragment row: its admitted columns [low{lim}, {lim}) of the block: tile row r sees
+    lo + r <= c <= hi + r (the work row's band; schedule.py), below `cols`."""
     for m in range(v.MT):
         for h in (0, 1):
             e(f"rl = {row_base} + {16 * m + 8 * h} + g")
-            e(f"{lim}{m}{h} = sel(causal != 0, imin(cols, diag + rl + 1), cols)")
+            e(f"{lim}{m}{h} = imin(cols, hi + rl + 1); low{lim}{m}{h} = lo + rl")
 
 
 def mask_rows(e, C, MT, ntiles, col0, lim):
-    """C[m][j][r] = MASKED where column col0 + 8 j + 2 t + r % 2 >= the row's limit (rows of the C tile)."""
-    e(f"# mask_rows: {C} columns >= {lim} (tail / causal diagonal)")
+    """C[m][j][r] = MASKED where column col0 + 8 j + 2 t + r % 2 lies outside the row's
+    [low{lim}, {lim}) (rows of the C tile)."""
+    e(f"# mask_rows: {C} columns outside [low{lim}, {lim}) (tail / band edges)")
     for m in range(MT):
         for j in range(ntiles):
             for r in range(4):
                 x = f"{C}{m}_{j}_{r}"
-                e(f"{x} = sel({col0} + {8 * j + r % 2} + 2 * t < {lim}{m}{r // 2}, {x}, masked)")
+                e(f"cc = {col0} + {8 * j + r % 2} + 2 * t")
+                e(f"{x} = sel((cc < {lim}{m}{r // 2}) & (cc >= low{lim}{m}{r // 2}), {x}, masked)")
 
 
 # ----------------------------------------------------------------------------- online softmax
 def online_softmax(e, v, S, O, nt_o, rowmax=None):
     """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
-    A row whose max is still MASKED only meets masked tiles; its l stays 0 and nothing is read.
+    A row whose max is still MASKED has met only masked cells; its l stays 0 and its P is 0.
     rowmax: names of the rows' raw maxima already reduced over the quad (prune_gate's), by (m, h).
-    Every visiting order must give each row a real key in its first tile: on an all-masked first
-    tile the running max would become MASKED * sc and, with FMA contraction, exp2 of the rounding
-    error of MASKED * sc could overflow."""
+    Pruning's admission rule still wants a real key of every row in the first tile it visits
+    (it compares against the running max)."""
     e(f"# online_softmax: running max/sum of {S}, {S} -> P, rescale {O}")
     mx = lambda a, b: f"fmaxf({a}, {b})"
     ad = lambda a, b: f"({a} + {b})"
@@ -46,12 +47,16 @@ def online_softmax(e, v, S, O, nt_o, rowmax=None):
                 e("x = fmaxf(x, shfl_xor(x, 2))")
             else:
                 e(f"x = {rowmax[m, h]}")
-            e(f"mn = fmaxf(m{m}{h}, x * sc)")
+            # a row whose cells are all masked here (x == masked: a band's row before its first key,
+            # a tile's padding row) keeps its max; while the max is still unset (masked) P is
+            # exp2(masked sc) = 0 against an exponent base of 0, never exp2 of a rounding error
+            e(f"mn = fmaxf(m{m}{h}, sel(x != masked, x * sc, masked))")
             e(f"al{h} = ex2(m{m}{h} - mn)")
             e(f"m{m}{h} = mn")
+            e("mu = sel(mn != masked, mn, zero)")
             for j in range(nt):
                 for r in rs:
-                    e(f"{S}{m}_{j}_{r} = ex2({S}{m}_{j}_{r} * sc - mn)")
+                    e(f"{S}{m}_{j}_{r} = ex2({S}{m}_{j}_{r} * sc - mu)")
             e(f"l{m}{h} = l{m}{h} * al{h} + " + _tree(ad, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
         for j in range(nt_o):
             e(f"{O}{m}_{j}_0 = {O}{m}_{j}_0 * al0; {O}{m}_{j}_1 = {O}{m}_{j}_1 * al0; "

@@ -16,7 +16,7 @@ MASKED = -1.0e30
 MAX_SMEM = 227 * 1024
 
 #: work-table row: int32 fields, one row per CTA (schedule.py writes them)
-WORK_FIELDS = ("row0", "rows", "col0", "cols", "diag", "causal")
+WORK_FIELDS = ("row0", "rows", "col0", "cols", "diag", "causal", "lo", "hi")
 
 #: wgmma's 128-byte swizzle is a function of the absolute shared address (bits 4-6 ^= bits 7-9),
 #: so wgmma kernels start their tiles on a 1024-byte boundary (and allocate that much slack)
