@@ -5,7 +5,7 @@
 # usage (repo root on the GPU machine; wheels, if any, carried in .whl; a cubin cache prebuilt
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
 #   OUT=dir [WORKERS=15] [T_PREBUILD=0] [T_TESTS=300] [FIRST="pytest selection"] \
-#     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] bash benchmarks/gpu/check.sh
+#     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] [KEEP_CUBINS=1] bash benchmarks/gpu/check.sh
 # Writes five files (the device returns at most eight): env.txt, prebuild.txt, tests.txt
 # (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt.
 export PYTHONUNBUFFERED=1
@@ -30,7 +30,7 @@ if [ -n "$FIRST" ]; then
     > $OUT/tests.txt 2>&1; stamp "first tests rc=$?"
 fi
 # SIGINT at the limit: pytest stops and still prints what ran and what failed
-timeout -s INT -k 20 ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rfEs --tb=short -m gpu tests \
+[ "${T_TESTS:-300}" != 0 ] && timeout -s INT -k 20 ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rfEs --tb=short -m gpu tests \
   >> $OUT/tests.txt 2>&1; stamp "gpu tests rc=$?"
 if [ "${T_SAN:-30}" != 0 ]; then
   for s in ${SAN_SCRIPTS:-split_sanitize mods_sanitize tc_sanitize}; do
@@ -41,4 +41,6 @@ if [ "${T_SAN:-30}" != 0 ]; then
     done
   done
 fi
+# the cubin cache back to the caller (carry it in the next call: no rebuild)
+[ -n "$KEEP_CUBINS" ] && tar czf $OUT/tccubin.tgz -C $(dirname $CACHE) $(basename $CACHE) && stamp "cubins kept"
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/tests.txt | tail -40

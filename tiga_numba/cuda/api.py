@@ -27,9 +27,9 @@ Routing is the registry's (tiga_numba/registry.py: cuda.decode, cuda.tc, cuda.bl
 cuda.csr); this module runs the family the plan names. cuda.decode: block relations whose
 blocks have at most DECODE_MAX_ROWS query rows (decode, few queries over long key ranges),
 float16/float32/float64 without pruning: the split-key forward of decode.py. cuda.tc: what the
-tensor-core `supports()` accepts (full and square-causal blocks). Everything else (float64, CSR,
-banded blocks, pruning, edge bias, other head dims) runs on the CUDA-core kernels of blocks.py /
-csr.py. CSR passes over skewed degrees run on a work-item table: long rows cut into pieces merged
+tensor-core `supports()` accepts (every block relation, bands included; pruning of full and
+square-causal blocks). Everything else (float64, CSR, pruning on banded blocks, edge bias, other
+head dims) runs on the CUDA-core kernels of blocks.py / csr.py. CSR passes over skewed degrees run on a work-item table: long rows cut into pieces merged
 in fixed order, items ordered by length (_csr_split).
 
 Per-call cost: everything that depends only on the relation and the call's sizes (kernel
@@ -463,13 +463,10 @@ def _block_rel(rel, geo):
 
 
 def _banded_note(rel):
-    """explain()'s word on a banded relation: the tensor-core kernels take full and
-    square-causal blocks only, so bands run here on the CUDA cores, by design."""
+    """explain()'s word on a banded relation in the CUDA-core kernels."""
     if rel.standard:
         return ""
-    return ("; banded blocks (lo <= c - r <= hi): only key tiles inside the band are visited; "
-            "the tensor-core kernels take full and square-causal blocks only, so bands run on "
-            "CUDA cores")
+    return "; banded blocks (lo <= c - r <= hi): only key tiles inside the band are visited"
 
 
 # --------------------------------------------------------------------------- forward

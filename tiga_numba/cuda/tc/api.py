@@ -17,7 +17,9 @@ on P at large scores, and one float32 lse2 = m2 + log2 l would round away the fo
 rounding error of m2 that l carries (generator/backward.py gen_delta). Stats without m_kernel
 (built by hand, or from a CUDA-core forward) are converted: m log2(e) in float32.
 
-Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, cat of those),
+Scope: BlockRelation (dense rectangular, triangular, segments / cu_seqlens, bands: sliding
+windows, bottom-right causal rectangular blocks; cat of those; schedule.py's work rows carry each
+tile's band, so only key blocks inside it are visited and only its edge blocks are masked),
 float16, bfloat16 and float32 inputs, head dims 64 and 128 with Dv == D (on compute capability
 9.0, the wgmma kernels: also 32 and 96), any H % Hkv == 0, any
 strides (16-byte aligned rows are read in place, anything else is copied once and the copy
