@@ -26,7 +26,7 @@ if [ "${T_PREBUILD:-0}" != 0 ]; then
   timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
 if [ -n "$FIRST" ]; then
-  timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n 4 -rfEs --tb=long $FIRST \
+  timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n ${FIRST_WORKERS:-4} -rfEs --tb=long $FIRST \
     > $OUT/tests.txt 2>&1; stamp "first tests rc=$?"
 fi
 # SIGINT at the limit: pytest stops and still prints what ran and what failed
