@@ -5,6 +5,8 @@ The synchronisations serialise the stages, so the stage sum is a little above th
 time; the split is what it is for.
 
     PYTHONPATH=. python benchmarks/gpu/layer_profile.py [--configs gat8x8 gat4x32 tconv8x8]
+    CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=. python benchmarks/gpu/layer_profile.py --cprofile 25
+        # every launch waits for its kernel, so cProfile's per-function time includes the GPU's
 """
 import argparse
 import collections
@@ -58,6 +60,8 @@ def main():
     ap.add_argument("--edges", type=int, default=1_600_000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also print the N functions with the most own time (cProfile) per config")
     a = ap.parse_args()
     instrument()
     src, dst = make_graph("random", a.nodes, a.edges)
@@ -90,6 +94,17 @@ def main():
         for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1]):
             print(f"  {k:28s} {v / a.reps * 1e3:8.3f}")
         print(f"  {'rest (outside the stages)':28s} {inst - sum(TIMES.values()) / a.reps * 1e3:8.3f}")
+        if a.cprofile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.reps):
+                vjp = conv.vjp(x, g)[1]
+                vjp(dout)
+            cupy.cuda.Device().synchronize()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(a.cprofile)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ tile the sources (rows = keys, columns = queries). A block's band lo_b <= c - r 
 first row is the block's row `diag`: lo = diag + lo_b, hi = diag + hi_b (query tiles) or
 lo = diag - hi_b, hi = diag - lo_b (key tiles). A full block's limits lie outside [0, cols) for
 every row, so its tiles mask only their tail; the kernels visit only the column blocks between
-the first row's lower limit and the last row's upper one. `diag` (the tile's first row inside
+the first row's lower limit and the last row's upper one (query tiles: col0 is moved to that
+lower limit on the host, so the kernel's key loop starts at block 0 and holds no start). `diag` (the tile's first row inside
 the block) and `causal` (a square causal block) are what the fused dK/dV/dQ kernel orders its
 turns by. Segments are tiled per block: no padding, length-0 blocks give no rows, a block with
 no columns still gets rows (their output is written as zeros / empty). Rows are ordered by
@@ -30,9 +31,11 @@ def block_bands(dst_offsets, src_offsets, causal, lo=None, hi=None):
     return lo, hi
 
 
-def _tiles(row_off, col_off, causal, BM, lo_r, hi_r):
+def _tiles(row_off, col_off, causal, BM, lo_r, hi_r, shift):
     """work rows of BM-row tiles over `row_off` blocks; lo_r / hi_r: each block's band in the
-    tile's own orientation (row r sees columns r + lo_r .. r + hi_r)."""
+    tile's own orientation (row r sees columns r + lo_r .. r + hi_r). shift: start each row's
+    columns at its first row's lower limit (col0, cols, diag, lo, hi moved together), so that
+    the kernel's loop starts at column block 0 and holds no start index."""
     row_off = np.asarray(row_off, np.int64)
     col_off = np.asarray(col_off, np.int64)
     causal = np.asarray(causal).astype(np.int64)
@@ -46,11 +49,12 @@ def _tiles(row_off, col_off, causal, BM, lo_r, hi_r):
     rows = nr[b] - diag
     cols = nc[b]
     lo, hi = diag + lo_r[b], diag + hi_r[b]
-    tab = np.stack([row_off[b] + diag, rows, col_off[b], cols, diag, causal[b], lo, hi], 1)
+    s = np.clip(lo, 0, cols) if shift else np.zeros_like(lo)
+    tab = np.stack([row_off[b] + diag, rows, col_off[b] + s, cols - s, diag - s, causal[b], lo - s, hi - s], 1)
     if len(tab) and (np.abs(tab).max() >= 2 ** 31):
         raise ValueError("relation too large for 32-bit work tables")
     # work: the columns between the first row's lower limit and the last row's upper limit
-    seen = np.minimum(cols, hi + np.minimum(rows, BM)) - np.clip(lo, 0, None)
+    seen = np.minimum(cols, hi + np.minimum(rows, BM)) - np.clip(lo, 0, None)   # (shift-invariant)
     order = np.argsort(-seen, kind="stable")
     return np.ascontiguousarray(tab[order].astype(np.int32))
 
@@ -58,13 +62,14 @@ def _tiles(row_off, col_off, causal, BM, lo_r, hi_r):
 def query_tiles(dst_offsets, src_offsets, causal, BM, lo=None, hi=None):
     """forward / dQ: BM destination rows per CTA."""
     lo_b, hi_b = block_bands(dst_offsets, src_offsets, causal, lo, hi)
-    return _tiles(dst_offsets, src_offsets, causal, BM, lo_b, hi_b)
+    return _tiles(dst_offsets, src_offsets, causal, BM, lo_b, hi_b, shift=True)
 
 
 def key_tiles(dst_offsets, src_offsets, causal, BM, lo=None, hi=None):
     """dK / dV: BM source rows per CTA (key c sees the queries c - hi_b .. c - lo_b)."""
     lo_b, hi_b = block_bands(dst_offsets, src_offsets, causal, lo, hi)
-    return _tiles(src_offsets, dst_offsets, causal, BM, -hi_b, -lo_b)
+    # not shifted: the fused dK/dV/dQ kernel identifies query blocks by their position in the block
+    return _tiles(src_offsets, dst_offsets, causal, BM, -hi_b, -lo_b, shift=False)
 
 
 def tile_counts(dst_offsets, src_offsets, causal, BM, BN, lo=None, hi=None):

@@ -79,7 +79,7 @@ def gen_dq(v):
                             else:
                                 e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
             # masked cells: dS = 0 exactly (0 * (dP - Delta) is NaN where V outside the row is)
-            e("if edge != 0:")
+            e("if (kb >= nfull) | (kb < nlow):")
             with e.indent():
                 row_limits(e, v, "lim", "wrow")
                 zero_masked(e, "s", MT, BN // 8, lambda m, j, r: f"(kb * {BN} + {8 * j + r % 2} + 2 * t < lim{m}{r // 2})"

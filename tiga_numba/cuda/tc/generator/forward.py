@@ -84,5 +84,5 @@ def gen_forward(v):
                 e(f"stg_f32_if(ok & u32(mkp != 0), mkp + gi * 4, sel(l{m}{h} > zero, m{m}{h}, minf))")
         if v.prune:   # this CTA's (pruned, visited) tile counts, one slot per CTA: summed on the host
             e("ok = u32(tx == 0); slot = cntp + (i64(cuda.blockIdx.x) * H + hh) * 8")
-            e("stg_u32_if(ok, slot, u32(npr)); stg_u32_if(ok, slot + 4, u32(nit))")
+            e("stg_u32_if(ok, slot, u32(npr)); stg_u32_if(ok, slot + 4, u32(nkb))")
     return e.text()

@@ -43,9 +43,7 @@ class _Target(score_source.Target):
     tanh = "math.tanh"
     exp = "math.exp"
 
-    def __init__(self, layout, fast=False):
-        if fast:   # 16-bit kernels: TANHF (two MUFU ops); float32 keeps libdevice's
-            self.tanh = "tanhf"
+    def __init__(self, layout):
         self.n_sc = len(layout.scalars)
         self.n_dst = len(layout.dst)
         self.n_src = len(layout.src)
@@ -78,13 +76,10 @@ class Modifier:
         if self.layout.edges:
             raise NotImplementedError("per-edge fields need a CSR relation (CUDA-core kernels)")
         self.dtree = sm.diff(tree, sm.SCORE)
-        self._texts = {}
-        for fast in (False, True):
-            src = score_source.Source(tree, (), _Target(self.layout, fast))
-            lines, num = src._emit([tree, self.dtree])
-            self._texts[fast] = (lines, num(tree), num(self.dtree))
-        self._src = src   # the constants (the same in both flavours)
-        text = repr(self._texts) + repr(sorted(self._src.consts.items()))
+        self._src = score_source.Source(tree, (), _Target(self.layout))
+        self._lines, num = self._src._emit([tree, self.dtree])
+        self._value, self._deriv = num(tree), num(self.dtree)
+        text = "\n".join(self._lines) + self._value + self._deriv + repr(sorted(self._src.consts.items()))
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def __eq__(self, other):
@@ -98,11 +93,9 @@ class Modifier:
 
     # ------------------------------------------------------------------ emitters
     def prelude(self, e):
-        """module-level constants of the text (typed float32 globals: compile-time constants) and
-        the fast tanh (TANHF)."""
+        """module-level constants of the text (typed float32 globals: compile-time constants)."""
         if "_dt = f32" not in e.prelude:
             e.prelude.append("_dt = f32")
-            e.prelude.append(TANHF)
             for value, name in self._src.consts.items():
                 e.prelude.append(f"{name} = f32({_finite(value)!r})")
 
@@ -118,8 +111,10 @@ class Modifier:
     def cell(self, e, v, x, i, j, y, d=None, masked=True):
         """y = f(z) log2(e) (clamped; with `masked`, MASKED where x is MASKED) and, with d,
         d = f'(z), for the raw score x (a name) of the cell at global destination i / source j
-        (expressions), in Variant v's flavour (16-bit: the fast tanh)."""
-        lines, value, deriv = self._texts[v.dtype != "float32"]
+        (expressions). math.tanh is libdevice's: a hand-written exp2 / division tanh for the
+        16-bit kernels made the soft-cap forward slower on the H200 (5.3 ms against 3.8 ms,
+        benchmarks/results/mods-h200-2026-12-02.txt), so there is one flavour."""
+        lines, value, deriv = self._lines, self._value, self._deriv
         # positions as 32-bit integers (the dispatcher keeps them below 2^31): the float
         # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
         e(f"mi = u32({i}); mj = u32({j}); mz = {x} * msc")
@@ -131,14 +126,6 @@ class Modifier:
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
             e(f"{d} = {deriv}")
-
-
-#: tanh of the 16-bit kernels: sign(x) (1 - 2 / (2^(2 log2(e) |x|) + 1)), two MUFU ops (ex2 and
-#: the reciprocal) where libdevice's tanhf takes several more; absolute error ~5e-7, below what a
-#: 16-bit P can show. Inlined at numba's IR level (inline="always"), so the kernel still compiles
-#: with compile_ptx on a machine without a GPU.
-TANHF = ("tanhf = cuda.jit(device=True, inline='always')(lambda x: sel(x >= f32(0.0), f32(1.0), f32(-1.0))"
-         " * (f32(1.0) - f32(2.0) / (ex2(abs(x) * f32(2.8853900817779268)) + f32(1.0))))")
 
 
 def _finite(value):

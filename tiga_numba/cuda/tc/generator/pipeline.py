@@ -104,12 +104,11 @@ class StreamedPair:
 
 
 def key_range(e, v):
-    """The key blocks a query tile visits (forward, dQ) from its work row's band: kb0 .. nkb - 1,
-    from the block holding the first row's lower limit to the one holding the last row's upper
-    limit; blocks kb0 .. nlow - 1 cross some row's lower limit, blocks from nfull on its upper
-    limit or the tail: only those are masked (`edge`)."""
+    """The key blocks a query tile visits (forward, dQ) from its work row's band: 0 .. nkb - 1
+    (the work row starts at its first row's lower limit, schedule.py) up to the block holding the
+    last row's upper limit; blocks below nlow cross some row's lower limit, blocks from nfull on
+    its upper limit or the tail: only those are masked."""
     BN = v.BN
-    e(f"kb0 = imax(lo, 0) // {BN}")
     e(f"nkb = (imin(cols, hi + rows) + {BN - 1}) // {BN}")
     e(f"nfull = imin(cols // {BN}, (hi + 1) // {BN})")
     e(f"nlow = imax(lo + rows + {BN - 2}, 0) // {BN}")
@@ -118,7 +117,7 @@ def key_range(e, v):
 def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=None):
     """The key loop of the forward and dQ kernels over the blocks key_range() chose: the block's
     K/V tiles stream through StreamedPair (block kb+1 is copied while kb computes); per block
-    S = Q K^T, masked only where the block crosses a band edge or the tail (`edge`), then
+    S = Q K^T, masked only where the block crosses a band edge or the tail (kb < nlow or kb >= nfull), then
     block(kbuf, vbuf) emits the kernel's own use of S with the current buffers; issue(kbuf, vbuf),
     if given, right after S (a wgmma product issued there runs while S is masked and
     exponentiated). On those masked blocks the tile `guarded` ("k" or "v": the B operand of the
@@ -131,32 +130,32 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
     # `diag` (the one facing the query tile; causal: its first row's diagonal), wrapping around.
     # That block holds a real key of every row of the tile (online_softmax needs one in each
     # row's first tile).
-    e("nit = nkb - kb0")
+    it = "it" if v.prune else "kb"
     if v.prune:
-        e(f"kstart = imax(imin({udiv('diag', BN)}, nkb - 1) - kb0, 0)")
-        order = lambda i: f"(kb0 + sel({i} + kstart >= nit, {i} + kstart - nit, {i} + kstart))"  # noqa: E731
-    else:
-        order = lambda i: f"(kb0 + {i})"  # noqa: E731
+        e(f"kstart = imin({udiv('diag', BN)}, nkb - 1)")
+        order = lambda i: f"sel({i} + kstart >= nkb, {i} + kstart - nkb, {i} + kstart)"  # noqa: E731
     kv = StreamedPair(e, v, ("k", "v"), (D, Dv))
     block_at = lambda c: [(f"kg + {c} * k_rs", "k_rs", f"cols - {c}"), (f"vg + {c} * v_rs", "v_rs", f"cols - {c}")]  # noqa: E731
-    e("if nit > 0:")
+    e("if nkb > 0:")
     with e.indent():
-        e(f"c0 = {order('0')} * {BN}")
+        e(f"c0 = {order('0') if v.prune else '0'} * {BN}")
         kv.load("0", block_at("c0"))
         e("cp_commit()")
-    e("for it in range(nit):")
+    e(f"for {it} in range(nkb):")
     with e.indent():
-        e(f"kb = {order('it')}")
-        kv.current("it")
-        e("if it + 1 < nit:")
+        if v.prune:
+            e(f"kb = {order('it')}")
+        kv.current(it)
+        e(f"if {it} + 1 < nkb:")
         with e.indent():
-            e(f"c1 = {order('(it + 1)')} * {BN}")
+            e(f"c1 = {order('it + 1') if v.prune else '(kb + 1)'} * {BN}")
             kv.prefetch(block_at("c1"))
         kv.last()
         landed(e, v)
-        e("edge = u32((kb >= nfull) | (kb < nlow))")   # CTA-uniform: this block holds masked cells
+        # the block holds masked cells (CTA-uniform); tested where used, nothing held across S
+        edge = "(kb >= nfull) | (kb < nlow)"
         guard_init(e, v, "first")
-        e("if edge != 0:")
+        e(f"if {edge}:")
         with e.indent():
             guard_tiles(e, v, [(f"{guarded}buf_cur", D if guarded == "k" else Dv)], "first")
         zero_c(e, "s", MT, BN // 8)
@@ -165,7 +164,7 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
             issue("kbuf_cur", "vbuf_cur")
         if modify is not None:
             modify()
-        e("if edge != 0:")
+        e(f"if {edge}:")
         with e.indent():
             row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
