@@ -186,6 +186,8 @@ def test_work_tables_visit_only_the_band():
     k = S.key_tiles(dst, src, causal, BM, lo, hi)
     for tab in (q, k):
         assert tab.shape[1] == len(G.variant.WORK_FIELDS) and len(tab) == N // BM
+    # query tiles start at their first row's lower limit: the kernel's loop starts at block 0
+    assert (q[:, 6] <= 0).all() and (q[:, 2] == np.maximum(0, q[:, 0] - (W - 1))).all()
     # key tile of rows (keys) j: queries j .. j + W - 1
     row = k[np.argsort(k[:, 0])][5]
     assert row[6] == row[4] and row[7] == row[4] + W - 1
