@@ -105,8 +105,13 @@ def _run(case, graph, q, k, v, do, scale, mod=None, packed=None):
     return (o, m, l), (vq, vk, st["m_kernel"], dst, src, causal, lo, hi)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("name", list(GRAPHS))
+#: (case, graph) pairs: every band kind on mma.sync and on wgmma, every dtype on several kinds
+PAIRS = [(0, "window"), (0, "rect_causal"), (1, "two_sided"), (1, "varlen_window"), (2, "narrow"),
+         (2, "shifted"), (3, "window"), (3, "shifted"), (3, "rect_causal"), (4, "narrow"),
+         (4, "two_sided"), (4, "varlen_window")]
+
+
+@pytest.mark.parametrize("case,name", PAIRS)
 def test_banded_forward_backward_emulated(case, name):
     D, H, Hkv, dtype = CASES[case][:4]
     graph = GRAPHS[name]()
