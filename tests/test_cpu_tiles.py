@@ -9,7 +9,6 @@ import pytest
 
 import tiga_numba as tg
 from conftest import attention_oracle
-from tiga_numba import dispatch
 from tiga_numba.cpu import tiles
 
 RNG = np.random.default_rng(5)
@@ -76,7 +75,7 @@ def test_every_tile_choice_matches_the_oracle(choice):
             out, st = tg.attention(q, k, v, g, return_stats=True)
             grads = tg.attention_backward(dout, q, k, v, out, st, g)
         BM, BN, _ = plan.tiles  # decided before the call, and what the kernels then ran with
-        width = None if g._blocks.standard else dispatch._band_width(g)
+        width = None if g._blocks.standard else g._blocks.band_width
         assert plan.tiles == tiles.choose(plan.options, False, full=g.kind == "dense", band_width=width)
         assert plan.options.cpu_tiles == choice
         assert st.plan.run_info["tiles"].startswith(f"BM={BM} BN={BN} ("), st.plan.run_info["tiles"]

@@ -107,27 +107,10 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         options=opts,
         tiles=_cpu_tiles.choose(opts, prune_threshold is not None,
                                 full=op == "forward" and graph.kind == "dense",
-                                band_width=_band_width(graph) if banded else None)
+                                band_width=graph._blocks.band_width if banded else None)
         if decision.family.name == "cpu.blocks" else (),
         modifier=None if score_mod is None else score_mod.tree,
     )
-
-
-def _band_width(graph):
-    """keys per row of the widest band of a banded relation (hi - lo + 1 over its non-empty
-    blocks), memoised on the graph's blocks."""
-    import numpy as np
-    b = graph._blocks
-    w = getattr(b, "_band_width", None)
-    if w is None:
-        lo, hi = np.asarray(b.lo, np.int64), np.asarray(b.hi, np.int64)
-        live = hi >= lo
-        w = int((hi[live] - lo[live] + 1).max()) if live.any() else 0
-        try:
-            object.__setattr__(b, "_band_width", w)
-        except (AttributeError, TypeError):
-            pass
-    return w
 
 
 _DECISIONS = {}

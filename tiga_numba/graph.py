@@ -7,6 +7,7 @@ store only block offsets; the general kind stores CSR. Kernels see one of two re
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,16 @@ class BlockRelation:
     @property
     def num_blocks(self):
         return int(self.causal.shape[0])
+
+    @functools.cached_property
+    def band_width(self):
+        """keys per row of the widest band (hi - lo + 1 over the non-empty blocks; 0 when every
+        block is empty), computed once per record."""
+        def host(a):
+            return np.asarray(a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a, np.int64)
+        lo, hi = host(self.lo), host(self.hi)
+        live = hi >= lo
+        return int((hi[live] - lo[live] + 1).max()) if live.any() else 0
 
 
 @dataclass(frozen=True)
