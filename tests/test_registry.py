@@ -110,7 +110,7 @@ def test_score_modifiers_and_bands_route_with_the_refusals_stated():
                                               banded=True, score="dot", dtype="float16", max_block_rows=64,
                                               pruned=True, probe=lambda: (lambda r: None)))
     assert pruned.family.name == "cuda.blocks"
-    assert "tile pruning on banded blocks runs on the CUDA cores" in dict(pruned.considered)["cuda.tc"]
+    assert "tile pruning is not compiled into the banded tensor-core kernels" in dict(pruned.considered)["cuda.tc"]
     csr = registry.choose(registry.Request(op="backward", backend="cuda", relation_kind="csr",
                                            score="modified: f = softcap(s)", modified=True,
                                            dtype="float32"))

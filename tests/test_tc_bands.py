@@ -62,16 +62,18 @@ def oracle(q, k, v, do, graph, scale, f=None, df=None):
             o = _masked_dot(p, keep, vv)
             out[i0:i1, h], m[i0:i1, h] = o, mm
             dO = do[i0:i1, h].astype(np.float64)
-            dv[j0:j1, h // g] += p.T @ dO
+            dv[j0:j1, h // g] += _masked_dot(p.T, keep.T, dO)
             d = 1.0 if df is None else df(z)
-            ds = np.where(keep, p * (dO @ np.nan_to_num(vv).T - (dO * o).sum(1)[:, None]) * d, 0.0)
-            dq[i0:i1, h] = ds @ kk * scale
-            dk[j0:j1, h // g] += ds.T @ qq * scale
+            with np.errstate(invalid="ignore"):
+                ds = np.where(keep, p * (dO @ np.nan_to_num(vv).T - (dO * o).sum(1)[:, None]) * d, 0.0)
+            dq[i0:i1, h] = _masked_dot(ds, keep, kk) * scale
+            dk[j0:j1, h // g] += _masked_dot(ds.T, keep.T, qq) * scale
     return out, m, dq, dk, dv
 
 
 def _masked_dot(p, keep, vv):
-    """P V where only kept cells multiply V (a NaN value reaches exactly the rows that see it)."""
+    """P V where only kept cells multiply V (a non-finite row of V reaches exactly the rows that
+    see it); also the backward's products, with the transposed mask."""
     out = np.zeros((p.shape[0], vv.shape[1]))
     for i in range(p.shape[0]):
         out[i] = p[i, keep[i]] @ vv[keep[i]]
@@ -196,6 +198,53 @@ def test_work_tables_visit_only_the_band():
     # key tile of rows (keys) j: queries j .. j + W - 1
     row = k[np.argsort(k[:, 0])][5]
     assert row[6] == row[4] and row[7] == row[4] + W - 1
+    # an empty band visits nothing
+    dst, src, causal, lo, hi = _bands(tg.Graph.band(1000, left=-20, right=-30))
+    assert S.tile_counts(dst, src, causal, BM, BN, lo, hi)[0] == 0
     # rows without keys in a shifted band are found
     dst, src, causal, lo, hi = _bands(GRAPHS["shifted"]())
     assert np.array_equal(np.nonzero(S.rows_without_keys(dst, src, 90, lo, hi))[0], np.arange(4))
+
+
+@pytest.mark.parametrize("case", [0, 3])
+def test_several_non_finite_rows_in_one_block_reach_exactly_their_rows(case, monkeypatch):
+    """Two bad keys / queries in one streamed block: a row's band is an interval of the block, so
+    the row that sees only the second one must still get NaN, and rows that see neither stay exact
+    (forward: v[10], v[60]; dK/dV: q[10], q[60], whose B tiles are queries)."""
+    monkeypatch.setattr(E, "NAN_DATA", True)
+    D, H, Hkv, dtype = CASES[case][:4]
+    graph = tg.Graph.band(150, left=40)
+    rng = np.random.default_rng(2)
+    q, k, v, do = _inputs(rng, 150, 150, H, Hkv, D, dtype)
+    scale = D ** -0.5
+    vb = v.copy()
+    vb[[10, 60]] = np.nan
+    ro, *_ = oracle(q, k, vb, do, graph, scale)
+    (o, m, l), _ = _run(case, graph, q, k, vb, do, scale)
+    want = np.isnan(ro).any((1, 2))
+    assert want[60:101].all() and not want[51:60].any()          # rows 60..100 see v[60] only
+    assert np.array_equal(np.isnan(o).any((1, 2)), want)
+    assert rel(o[~want], ro[~want]) < TOL[dtype]
+    qb = q.copy()
+    qb[[10, 60]] = np.nan
+    ro, rm, rdq, rdk, rdv = oracle(qb, k, v, do, graph, scale)
+    (o, m, l), (vq, vk, mk, dst, src, causal, lo, hi) = _run(case, graph, qb, k, v, do, scale)
+    grads = E.backward(vq, vk, do, qb, k, v, o, m, l, dst, src, causal, scale, m_kernel=mk, lo=lo, hi=hi)
+    for what, got, ref in zip(("dk", "dv"), grads[1:], (rdk, rdv)):
+        bad = np.isnan(ref).any((1, 2))
+        assert bad[20:61].all() and not bad[11:20].any(), what   # keys 20..60 see q[60] only
+        assert np.array_equal(~np.isfinite(got).all((1, 2)), bad), what
+        assert rel(got[~bad], ref[~bad]) < 3 * TOL[dtype], what
+
+
+def test_the_ordered_fused_backward_refuses_bands():
+    """its turn counters assume every key tile visits every query block of a block relation"""
+    D, H, Hkv, dtype = CASES[0][:4]
+    graph = GRAPHS["window"]()
+    rng = np.random.default_rng(4)
+    q, k, v, do = _inputs(rng, graph.num_dst, graph.num_src, H, Hkv, D, dtype)
+    dst, src, causal, lo, hi = _bands(graph)
+    vk = G.Variant("dkdv", D, D, dtype=dtype, NW=4, MT=1, BN=64, a_smem=True, fuse_dq=True).check()
+    z = np.zeros((graph.num_dst, H), np.float32)
+    with pytest.raises(ValueError, match="vkv"):
+        E.backward(None, vk, do, q, k, v, q, z, z + 1, dst, src, causal, 1.0, lo=lo, hi=hi)

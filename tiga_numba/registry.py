@@ -124,7 +124,7 @@ def _tensor_cores(req):
     if not req.implicit:
         return "needs an implicit (block) relation"
     if req.banded and req.pruned:
-        return "tile pruning on banded blocks runs on the CUDA cores (its first tile must face every row)"
+        return "tile pruning is not compiled into the banded tensor-core kernels (its first tile must face every row)"
     if req.score != "dot" and not req.modified:
         return f"score {req.score!r}: the tensor-core kernels compute dot scores and score modifiers"
     if req.dtype == "float32" and req.options is not None and not req.options.fp32_tensor_cores:

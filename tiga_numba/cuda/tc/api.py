@@ -192,6 +192,10 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     delta (num_dst, H), lse2 (num_dst, H, 2) for the (m2, log2 l) pairs): two kernels, or one when
     vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
     Returns (the main kernel, the kernels' cache state)."""
+    if vk.fuse_dq and not vk.dq_atomic and not rec.get("standard", True):
+        # its turns count from each query block's first key tile, which a band shifts
+        raise ValueError("vk: the ordered fused dK/dV/dQ kernel takes full and square-causal blocks "
+                         "only; banded relations take the two-kernel backward")
     st = stream or current_stream()
     sc = _score_units(vk, scale)
     kd = delta_kernel(vk.dtype, vk.Dv)

@@ -50,11 +50,13 @@ def _tiles(row_off, col_off, causal, BM, lo_r, hi_r, shift):
     cols = nc[b]
     lo, hi = diag + lo_r[b], diag + hi_r[b]
     s = np.clip(lo, 0, cols) if shift else np.zeros_like(lo)
-    tab = np.stack([row_off[b] + diag, rows, col_off[b] + s, cols - s, diag - s, causal[b], lo - s, hi - s], 1)
+    # an empty band (lo_b > hi_b) has no column to visit: its rows are written as empty rows
+    seen_cols = np.where(lo_r[b] > hi_r[b], 0, cols - s)
+    tab = np.stack([row_off[b] + diag, rows, col_off[b] + s, seen_cols, diag - s, causal[b], lo - s, hi - s], 1)
     if len(tab) and (np.abs(tab).max() >= 2 ** 31):
         raise ValueError("relation too large for 32-bit work tables")
     # work: the columns between the first row's lower limit and the last row's upper limit
-    seen = np.minimum(cols, hi + np.minimum(rows, BM)) - np.clip(lo, 0, None)   # (shift-invariant)
+    seen = np.where(lo_r[b] > hi_r[b], 0, np.minimum(cols, hi + np.minimum(rows, BM)) - np.clip(lo, 0, None))
     order = np.argsort(-seen, kind="stable")
     return np.ascontiguousarray(tab[order].astype(np.int32))
 

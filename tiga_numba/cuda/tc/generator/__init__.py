@@ -7,8 +7,9 @@ emulator.py (a numpy warp emulator that checks layouts, masks and addressing on 
 
 One generator serves every variant. A `Variant` fixes the compile-time constants (kernel kind,
 head dims, dtype, warps, m16 tiles per warp, key-block width); the relation (dense,
-triangular, segments) is runtime data: a work table with one row per CTA (see schedule.py), so
-causal/non-causal and tails share one body and masking only runs on tiles that need it.
+triangular, segments, bands) is runtime data: a work table with one row per CTA and its band
+limits (see schedule.py), so every block kind and the tails share one body and masking only runs
+on the blocks that cross a band edge or the tail.
 
 Layout vocabulary (mma.sync.m16n8k16, per warp; lane = 4 * g + t):
   C fragment (16 x 8, f32):  c{r}, r = 0..3 sits at row g + 8 * (r // 2), column 2 * t + r % 2.

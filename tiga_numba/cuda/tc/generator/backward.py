@@ -425,10 +425,10 @@ def gen_dkdv(v):
                 v.mod.params(e, "hq")
             landed(e, v)
             if not fq:   # masked cells never multiply Q / dO rows (guard.py); the fused kernel: not yet
-                guard_init(e, v, "last")
+                guard_init(e, v)
                 e("if (qb < qfull) | (qb >= qlast):")
                 with e.indent():
-                    guard_tiles(e, v, [(qbuf("cur"), D), (obuf("cur"), Dv)], "last")
+                    guard_tiles(e, v, [(qbuf("cur"), D), (obuf("cur"), Dv)])
             if fq and not v.dq_atomic:   # the previous block's turn: fetch its running sum while this block computes
                 e("if p_on != 0:")
                 with e.indent():
@@ -505,9 +505,9 @@ def gen_dkdv(v):
             mma_pb(e, v, "dk", "sa", "dp" if v.mod else "s", qbuf("cur"), D // 8, BN, D)
             if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
                 wg_wait(e, 0, "dv", Dv // 8)
-            if not fq:   # key row (m, h) sees query cq + jb (the last bad one) when it lies in its band
-                poison_rows(e, v, [("dk", D // 8), ("dv", Dv // 8)], "last",
-                            lambda m, h: f"(cq + jb < cols) & (cq + jb >= kl{m}{h}) & (cq + jb - kl{m}{h} <= bw)")
+            if not fq:   # key row (m, h) sees the queries kl .. kl + bw below cols, from cq on
+                poison_rows(e, v, [("dk", D // 8), ("dv", Dv // 8)],
+                            lambda m, h: (f"kl{m}{h} - cq", f"imin(cols, kl{m}{h} + bw + 1) - cq"))
             if fq and v.wgmma:
                 wg_store_ds(e, v, "dsb")
                 if not v.dq_atomic:

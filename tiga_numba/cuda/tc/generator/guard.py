@@ -4,19 +4,20 @@ A P B product (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q) sums P[i, j] * 
 whole streamed block inside the tensor cores, and a masked cell has P[i, j] = 0: with a
 non-finite B[j, n] (inf or NaN in a key / value / query / gradient row outside row i's relation)
 0 * inf = NaN would reach row i. No choice of P fixes that, so on the blocks that hold masked
-cells (the causal diagonal and the tails: the same CTA-uniform test that masks S there) the B
-tiles are checked in shared memory before any product reads them:
+cells (those crossing a band edge, e.g. the causal diagonal, and the tails: the same CTA-uniform
+test that masks S there) the B tiles are checked in shared memory before any product reads them:
 
   scan     every thread ORs an exponent test over its 16-byte chunks of each tile (any partition
            of the bytes will do: the test is per element) and one barrier-or decides for the CTA;
   rare     only if some element is inf or NaN: each thread zeroes the non-finite elements of its
-           own chunks (all three bf16 parts for split tiles), takes the block-local row index of
-           each such chunk (the swizzle permutes chunks within a row, never across rows), and the
-           CTA reduces those rows to one index `jb` by a bitwise search over barrier-ors: the
-           first bad row (`first`: a row's relation is a prefix of the block, forward and dQ) or
-           the last (`last`: a suffix, dK/dV, whose B rows are queries);
-  poison   after the block's products, the accumulator rows whose relation holds row jb are set
-           to NaN (`poison_rows`): a non-finite value inside a row's relation still reaches it.
+           own chunks (all three bf16 parts for split tiles), marks the block-local row of each
+           such chunk in its own bit mask of the block's rows (the swizzle permutes chunks within
+           a row, never across rows), and the CTA ORs the masks bit by bit over barrier-ors into
+           `jm0`, `jm1`, ... (32 block rows per word): every bad row, since a row's relation
+           inside a block is any interval of it (a band), not only a prefix or a suffix;
+  poison   after the block's products, the accumulator rows whose interval of block rows holds a
+           marked row are set to NaN (`poison_rows`): a non-finite value inside a row's relation
+           still reaches it.
 
 What stays exact: every row whose relation holds no non-finite value of the block. A row whose
 relation does hold one gets NaN in every column of that product (IEEE arithmetic would give inf or
@@ -64,14 +65,20 @@ def _pass(e, v, i, rs, nbytes, width):
         e(f"row = i64(off) // {rs}")
 
 
-def guard_tiles(e, v, tiles, order):
+def _words(v):
+    """the 32-bit words of a block-row mask (BN rows)."""
+    return -(-v.BN // 32)
+
+
+def guard_tiles(e, v, tiles):
     """Emit the scan and the rare path for the streamed tiles [(shared base, width), ...] of a block
-    with masked cells; leaves `jb` (CTA-uniform, i64): the first / last block row with a non-finite
-    element (order "first" / "last"), or the no-row value (BN / -1). The caller has set `jb` to the
-    no-row value before its branch (see guard_init) and emits this inside that branch."""
+    with masked cells; leaves `jm0`, `jm1`, ... (CTA-uniform u32 words): bit r % 32 of word r // 32
+    is set when block row r holds a non-finite element. The caller has cleared the words before its
+    branch (see guard_init) and emits this inside that branch."""
     M, A, H = _EXP[_kind(v)]
     full = 0xFFFFFFFF
     parts = v.parts
+    nw = _words(v)
     e("# guard_tiles: inf / NaN in the B tiles of this block's P B products? (masked cells must not multiply them)")
     e("nf = u32(0)")
     for base, width in tiles:
@@ -83,9 +90,9 @@ def guard_tiles(e, v, tiles, order):
               f" | ((w2 & u32({M})) + u32({A})) | ((w3 & u32({M})) + u32({A}))) & u32({H})))")
     e("if cuda.syncthreads_or(u32(nf != 0)) != 0:")
     with e.indent():
-        e("# rare: zero the non-finite elements (every part), find the block rows that held them")
-        none = v.BN if order == "first" else -1
-        e(f"lm = i64({none})")
+        e("# rare: zero the non-finite elements (every part), mark the block rows that held them")
+        for k in range(nw):
+            e(f"tm{k} = u32(0)")
         for base, width in tiles:
             passes, rs, nbytes = _chunks(v, width)
             T = v.BN * rs   # bytes of one part
@@ -100,8 +107,9 @@ def guard_tiles(e, v, tiles, order):
                         e(f"k{w} = sel((t{w} & u32(0x8000)) != 0, u32(0xFFFF0000), u32({full}))"
                           f" & sel((t{w} & u32(0x80000000)) != 0, u32(0xFFFF), u32({full}))")
                 e(f"bad = go & u32((k0 & k1 & k2 & k3) != u32({full}))")
-                better = "row < lm" if order == "first" else "row > lm"
-                e(f"lm = sel((bad != 0) & ({better}), row, lm)")
+                for k in range(nw):
+                    e(f"tm{k} = tm{k} | sel((bad != 0) & (row >= {32 * k}) & (row < {32 * k + 32}), "
+                      f"u32(1) << u32((row - {32 * k}) & 31), u32(0))")
                 # written back by every thread, whatever `go`: a chunk read twice (a pass past the
                 # tile's end reads chunk 0) gets the same zeroed words from both writers
                 for p in range(parts):
@@ -110,19 +118,17 @@ def guard_tiles(e, v, tiles, order):
                         e(f"w0, w1, w2, w3 = lds_u32x4({addr})")
                     e(f"sts_u32x4({addr}, u32(w0 & k0), u32(w1 & k1), u32(w2 & k2), u32(w3 & k3))")
         landed(e, v)   # the zeroed chunks are visible to every warp (and to wgmma's async proxy)
-        # the CTA's smallest key (first row: lm; last row: BN - 1 - lm), bit by bit: after the step
-        # for bit b, some thread's key lies below jb + 2^b unless jb grew by 2^b
-        e(f"key = {'lm' if order == 'first' else f'{v.BN - 1} - lm'}")
-        e("jb = i64(0)")
-        for b in reversed(range(v.BN.bit_length())):
-            e(f"jb = jb + sel(cuda.syncthreads_or(u32(key < jb + {1 << b})) != 0, 0, {1 << b})")
-        if order == "last":
-            e(f"jb = {v.BN - 1} - jb")
+        # the CTA's OR of the threads' masks, bit by bit (the rare path: barriers are cheap here)
+        for k in range(nw):
+            for b in range(min(32, v.BN - 32 * k)):
+                e(f"jm{k} = jm{k} | sel(cuda.syncthreads_or(u32((tm{k} >> u32({b})) & u32(1))) != 0, "
+                  f"u32({1 << b}), u32(0))")
 
 
-def guard_init(e, v, order):
-    """`jb` = no bad row; emitted every block, before the masked-block branch that may set it."""
-    e(f"jb = i64({v.BN if order == 'first' else -1})")
+def guard_init(e, v):
+    """the block-row mask words `jm0`, ... = no bad row; emitted every block, before the
+    masked-block branch that may set them."""
+    e("; ".join(f"jm{k} = u32(0)" for k in range(_words(v))))
 
 
 def nan_value(e):
@@ -130,18 +136,24 @@ def nan_value(e):
     e("_, nanv = unpack2(u32(0x7FC00000))")
 
 
-def poison_rows(e, v, accs, order, row_sees):
+def poison_rows(e, v, accs, row_span):
     """after the block's products: accumulator rows (C fragments, names `accs` with their n-tile
-    counts) whose relation holds block row jb become NaN. row_sees(m, h) is the expression that is
-    true when fragment row (m, h) of this thread sees block row jb."""
-    none = v.BN if order == "first" else -1
-    e(f"if jb != {none}:")
+    counts) whose relation holds a marked block row become NaN. row_span(m, h) is the pair of
+    expressions (first, end): fragment row (m, h) of this thread sees block rows first .. end - 1
+    (any values; clamped to the block here)."""
+    nw = _words(v)
+    e(f"if ({' | '.join(f'jm{k}' for k in range(nw))}) != u32(0):")
     with e.indent():
         e("# poison_rows: a non-finite value inside a row's relation reaches it (as NaN)")
         nan_value(e)
         for m in range(v.MT):
             for h in (0, 1):
-                e(f"pz = u32({row_sees(m, h)})")
+                first, end = row_span(m, h)
+                e(f"ps = {first}; pe = {end}; pz = u32(0)")
+                for k in range(nw):
+                    # the row's span inside word k as a bit range [bs, be) of 0..32 (64-bit shifts)
+                    e(f"bs = imin(imax(ps - {32 * k}, 0), 32); be = imin(imax(pe - {32 * k}, 0), 32)")
+                    e(f"pz = pz | u32((jm{k} & u32(((i64(1) << be) - 1) & ~((i64(1) << bs) - 1))) != u32(0))")
                 for name, nt in accs:
                     for j in range(nt):
                         e("; ".join(f"{name}{m}_{j}_{r} = sel(pz != 0, nanv, {name}{m}_{j}_{r})" for r in (2 * h, 2 * h + 1)))

@@ -154,10 +154,10 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
         landed(e, v)
         # the block holds masked cells (CTA-uniform); tested where used, nothing held across S
         edge = "(kb >= nfull) | (kb < nlow)"
-        guard_init(e, v, "first")
+        guard_init(e, v)
         e(f"if {edge}:")
         with e.indent():
-            guard_tiles(e, v, [(f"{guarded}buf_cur", D if guarded == "k" else Dv)], "first")
+            guard_tiles(e, v, [(f"{guarded}buf_cur", D if guarded == "k" else Dv)])
         zero_c(e, "s", MT, BN // 8)
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where)
         if issue is not None:
@@ -169,14 +169,15 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
             row_limits(e, v, "lim", "wrow")   # computed here only: no registers held in the loop
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
         block("kbuf_cur", "vbuf_cur")
-        # row rl sees block row jb when key kb * BN + jb lies inside its limits (row_limits)
-        poison_rows(e, v, accs, "first", lambda m, h: sees(f"kb * {BN} + jb", f"wrow + {16 * m + 8 * h} + g"))
+        # row rl sees the block rows from lo + rl to its limit (row_limits), less the block's start
+        poison_rows(e, v, accs, lambda m, h: span(f"wrow + {16 * m + 8 * h} + g", f"kb * {BN}"))
         e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
 
 
-def sees(c, r):
-    """the expression: tile row r sees block-local column c (the work row's band and the tail)."""
-    return f"({c} < imin(cols, hi + {r} + 1)) & ({c} >= lo + {r})"
+def span(r, c0):
+    """(first, end) expressions: the columns tile row r sees (the work row's band and the tail),
+    counted from column c0."""
+    return f"lo + {r} - {c0}", f"imin(cols, hi + {r} + 1) - {c0}"
 
 
 # ============================================================================= forward
