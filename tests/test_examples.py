@@ -8,7 +8,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ["full_attention.py", "causal_dense_relation.py", "varlen_causal_attention.py",
-            "tile_pruned_attention.py", "gat_edge_attention.py", "gat_training.py"]
+            "tile_pruned_attention.py", "gat_edge_attention.py", "gat_training.py",
+            "sliding_window_softcap.py"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
