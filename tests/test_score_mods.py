@@ -613,3 +613,19 @@ def test_cuda_plans_say_why_a_modifier_is_not_on_the_tensor_cores():
     csr = tg.Graph.from_scipy(sps.csr_matrix(np.ones((4, 4))))
     plan = dispatch.make_plan("backward", csr, shape, 0.5, score_mod=mod)
     assert plan.family == "cuda.csr" and plan.modifier == tree
+
+
+def test_a_huge_softcap_is_the_plain_kernel_to_float32_rounding():
+    """cap * tanh(s / cap) with cap = 1e9 is s: the float32 tanh must be accurate relative to its
+    value near 0 (an absolute-error tanh would be off by cap * 1e-7 = 100 here)."""
+    rng = np.random.default_rng(31)
+    n, H, Hkv, D = 150, 4, 2, 16
+    q, dout = (rng.standard_normal((n, H, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((n, Hkv, D)).astype(np.float32) for _ in range(2))
+    g = tg.Graph.band(n, left=40)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    plain = (out,) + tuple(tg.attention_backward(dout, q, k, v, out, st, g))
+    out2, st2 = tg.attention(q, k, v, g, return_stats=True, softcap=1e9)
+    capped = (out2,) + tuple(tg.attention_backward(dout, q, k, v, out2, st2, g, softcap=1e9))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), capped, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=name)

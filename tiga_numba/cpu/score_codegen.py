@@ -41,8 +41,16 @@ TARGETS = score_source.TARGETS
 
 @njit(inline="always", fastmath=True, cache=True)
 def tanh_f32(x):
-    t = exp2f(np.float32(-2.0 * LOG2E) * abs(x))  # exp(-2|x|) in (0, 1]
+    """tanh with float32 relative accuracy everywhere: (1 - t) / (1 + t), t = exp(-2|x|), loses
+    the digits of 1 - t for small |x| (absolute error ~1e-7, so cap * tanh(s / cap) would be off
+    by cap * 1e-7), so |x| < 1/16 takes tanh's odd series to x^9 (truncation < 2e-12 relative)."""
+    ax = abs(x)
+    t = exp2f(np.float32(-2.0 * LOG2E) * ax)  # exp(-2|x|) in (0, 1]
     r = (np.float32(1.0) - t) / (np.float32(1.0) + t)
+    x2 = ax * ax
+    p = ax * (np.float32(1.0) + x2 * (np.float32(-1.0 / 3.0) + x2 * (np.float32(2.0 / 15.0) + x2 * (
+        np.float32(-17.0 / 315.0) + x2 * np.float32(62.0 / 2835.0)))))
+    r = p if ax < np.float32(0.0625) else r
     return r if x >= 0 else -r
 
 
@@ -124,10 +132,24 @@ def empty_context(dt):
     return ctx
 
 
+def _helpers_text():
+    """the source of the math helpers the generated functions call (tanh, exp, exp2): numba's
+    cache checks the kernel's own file only, so a changed helper must change the digest."""
+    import inspect
+    try:
+        return "".join(inspect.getsource(f.py_func) for f in (tanh_f32, exp_f32, tanh_f64, exp_f64, exp2f))
+    except (OSError, TypeError):   # no source (frozen install): the package version stands in
+        from importlib.metadata import version
+        return version("tiga-numba")
+
+
+_HELPERS = hashlib.sha1(_helpers_text().encode()).hexdigest()[:16]
+
+
 def hooks_digest(mod, hooks):
     """A digest of everything the generated functions bound in `hooks` compile from: their
-    source texts, the values of their constants and the dtype."""
-    parts = [mod.dtype_name]
+    source texts, the values of their constants, the dtype and the math helpers' source."""
+    parts = [mod.dtype_name, _HELPERS]
     for name in sorted(hooks):
         fn_name = hooks[name].py_func.__name__
         parts += [name, fn_name, mod.sources[fn_name]]
