@@ -267,14 +267,16 @@ def _plan(graph, q, k):
 
 
 def _check_cuda_blocks(graph, plan):
-    # The CUDA block kernels take full and square-causal blocks only: refuse a band block when
-    # the dask graph is built rather than in a task on a worker.
+    # Banded sub-blocks (chunk boundaries that cut a causal diagonal or a window) run on the CUDA
+    # kernels of a single process, but the dask path over cupy chunks has been tested on full and
+    # square-causal blocks only: refuse the others when the dask graph is built (fail closed)
+    # rather than in a task on a worker.
     for p, row_blocks in enumerate(plan.blocks):
         for c, sub in row_blocks:
             if not sub._blocks.standard:
                 raise NotImplementedError(
                     f"block (query chunk {p}, key chunk {c}) of this {graph.kind} relation is a band "
-                    f"({sub.kind}), which the CUDA backend does not run yet; on cupy chunks give q "
+                    f"({sub.kind}), which tiga_numba.dask does not run on cupy chunks yet; give q "
                     "and k the same chunk boundaries (causal diagonal blocks are then triangles), "
                     "or use a CSR relation: Graph.from_scipy(graph.to_scipy())")
 
