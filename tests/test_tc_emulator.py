@@ -358,7 +358,10 @@ def test_schedule_tiles():
     assert len(t) == 4
     covered = sorted((r0, r0 + min(n, 64)) for r0, n, *_ in t)
     assert covered == [(0, 1), (1, 65), (65, 129), (129, 130)]
-    assert t[0][1] >= t[-1][1] or True
+    # ordered by decreasing work: the columns between the first row's lower and last row's upper limit
+    rows, cols, lo, hi = (t[:, i].astype(np.int64) for i in (1, 3, 6, 7))
+    work = np.minimum(cols, hi + np.minimum(rows, 64)) - np.clip(lo, 0, None)
+    assert np.all(np.diff(work) <= 0), work
     kt = S.key_tiles(np.array([0, 3]), np.array([0, 0]), np.array([0], np.uint8), 64)
     assert len(kt) == 0
     vis, tot = S.tile_counts(np.array([0, 256]), np.array([0, 256]), np.array([1], np.uint8), 128, 64)
