@@ -132,9 +132,9 @@ def empty_context(dt):
     return ctx
 
 
-def _helpers_text():
-    """the source of the math helpers the generated functions call (tanh, exp, exp2): numba's
-    cache checks the kernel's own file only, so a changed helper must change the digest."""
+def _math_source():
+    """the source of the math functions the generated functions call (tanh, exp, exp2): numba's
+    cache checks the kernel's own file only, so a changed math function must change the digest."""
     import inspect
     try:
         return "".join(inspect.getsource(f.py_func) for f in (tanh_f32, exp_f32, tanh_f64, exp_f64, exp2f))
@@ -143,13 +143,13 @@ def _helpers_text():
         return version("tiga-numba")
 
 
-_HELPERS = hashlib.sha1(_helpers_text().encode()).hexdigest()[:16]
+_MATH_DIGEST = hashlib.sha1(_math_source().encode()).hexdigest()[:16]
 
 
 def hooks_digest(mod, hooks):
     """A digest of everything the generated functions bound in `hooks` compile from: their
-    source texts, the values of their constants, the dtype and the math helpers' source."""
-    parts = [mod.dtype_name, _HELPERS]
+    source texts, the values of their constants, the dtype and the math functions' source."""
+    parts = [mod.dtype_name, _MATH_DIGEST]
     for name in sorted(hooks):
         fn_name = hooks[name].py_func.__name__
         parts += [name, fn_name, mod.sources[fn_name]]
