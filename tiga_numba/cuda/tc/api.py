@@ -192,10 +192,7 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     delta (num_dst, H), lse2 (num_dst, H, 2) for the (m2, log2 l) pairs): two kernels, or one when
     vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
     Returns (the main kernel, the kernels' cache state)."""
-    if vk.fuse_dq and not vk.dq_atomic and not rec.get("standard", True):
-        # its turns count from each query block's first key tile, which a band shifts
-        raise ValueError("vk: the ordered fused dK/dV/dQ kernel takes full and square-causal blocks "
-                         "only; banded relations take the two-kernel backward")
+    schedule.check_ordered_fused(vk, rec.get("standard", True))
     st = stream or current_stream()
     sc = _score_units(vk, scale)
     kd = delta_kernel(vk.dtype, vk.Dv)
@@ -387,10 +384,6 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         m2 = cupy.ascontiguousarray(m_kernel, dtype=cupy.float32)
     l = cupy.ascontiguousarray(l, dtype=cupy.float32)
     rec = _host_relation(relation)
-    if vq is None and not vk.dq_atomic and not rec["standard"]:
-        # the ordered fused dQ counts turns from each query block's first key tile, which a band
-        # shifts: the two-kernel backward serves banded blocks
-        vq, vk = variant("dq", D, Dv, dt), dataclasses.replace(vk, fuse_dq=False, dq_atomic=False)
     zq = not vk.dq_atomic and _dq_zero_fill(rec, nd, vq is None)   # atomic: the convert pass writes every row
     zk = not _covers(rec, "src", ns)
     dq = (cupy.zeros if zq else cupy.empty)((nd, H, D), dtype=q.dtype)

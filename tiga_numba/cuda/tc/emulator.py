@@ -582,8 +582,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     returns dq, dk, dv as float32. m_kernel: the forward's base-2 row max (else m log2(e) in
     float32, as the API converts natural-log stats)."""
     from . import schedule
-    if vkv.fuse_dq and not vkv.dq_atomic and (lo is not None or hi is not None):
-        raise ValueError("vkv: the ordered fused dK/dV/dQ kernel takes full and square-causal blocks only")
+    schedule.check_ordered_fused(vkv, lo is None and hi is None)
     nd, H, D = q.shape
     ns, Hkv, Dv = v_.shape
     dt, GB, sd = vkv.dtype, vkv.GB, storage_dtype(vkv.dtype)

@@ -31,6 +31,20 @@ def block_bands(dst_offsets, src_offsets, causal, lo=None, hi=None):
     return lo, hi
 
 
+def visited_columns(rows, cols, lo, hi, BM):
+    """(first, end) per work row: the columns from its first row's lower limit to its last row's
+    upper limit (below cols), which is what the kernels stream."""
+    return np.clip(lo, 0, None), np.minimum(cols, hi + np.minimum(rows, BM))
+
+
+def check_ordered_fused(v, standard):
+    """the ordered fused dK/dV/dQ kernel counts turns from each query block's first key tile,
+    which a band shifts: refuse it on banded relations (the two-kernel backward serves them)."""
+    if v.fuse_dq and not v.dq_atomic and not standard:
+        raise ValueError(f"{v.name()}: the ordered fused dK/dV/dQ kernel takes full and square-causal "
+                         "blocks only; banded relations take the two-kernel backward")
+
+
 def _tiles(row_off, col_off, causal, BM, lo_r, hi_r, shift):
     """work rows of BM-row tiles over `row_off` blocks; lo_r / hi_r: each block's band in the
     tile's own orientation (row r sees columns r + lo_r .. r + hi_r). shift: start each row's
@@ -51,13 +65,13 @@ def _tiles(row_off, col_off, causal, BM, lo_r, hi_r, shift):
     lo, hi = diag + lo_r[b], diag + hi_r[b]
     s = np.clip(lo, 0, cols) if shift else np.zeros_like(lo)
     # an empty band (lo_b > hi_b) has no column to visit: its rows are written as empty rows
-    seen_cols = np.where(lo_r[b] > hi_r[b], 0, cols - s)
-    tab = np.stack([row_off[b] + diag, rows, col_off[b] + s, seen_cols, diag - s, causal[b], lo - s, hi - s], 1)
+    empty = lo_r[b] > hi_r[b]
+    tab = np.stack([row_off[b] + diag, rows, col_off[b] + s, np.where(empty, 0, cols - s), diag - s,
+                    causal[b], lo - s, hi - s], 1)
     if len(tab) and (np.abs(tab).max() >= 2 ** 31):
         raise ValueError("relation too large for 32-bit work tables")
-    # work: the columns between the first row's lower limit and the last row's upper limit
-    seen = np.where(lo_r[b] > hi_r[b], 0, np.minimum(cols, hi + np.minimum(rows, BM)) - np.clip(lo, 0, None))
-    order = np.argsort(-seen, kind="stable")
+    first, end = visited_columns(rows, cols, lo, hi, BM)
+    order = np.argsort(-np.where(empty, 0, end - first), kind="stable")
     return np.ascontiguousarray(tab[order].astype(np.int32))
 
 
@@ -83,10 +97,8 @@ def tile_counts(dst_offsets, src_offsets, causal, BM, BN, lo=None, hi=None):
     tab = query_tiles(dst_offsets, src_offsets, causal, BM, lo, hi).astype(np.int64)
     if not len(tab):
         return 0, total
-    rows, cols, lo_t, hi_t = tab[:, 1], tab[:, 3], tab[:, 6], tab[:, 7]
-    end = -(-np.minimum(cols, hi_t + np.minimum(rows, BM)) // BN)
-    start = np.clip(lo_t, 0, None) // BN
-    return int(np.sum(np.clip(end - start, 0, None))), total
+    first, end = visited_columns(tab[:, 1], tab[:, 3], tab[:, 6], tab[:, 7], BM)
+    return int(np.sum(np.clip(-(-end // BN) - first // BN, 0, None))), total
 
 
 def rows_without_keys(dst_offsets, src_offsets, nd, lo=None, hi=None):
