@@ -7,7 +7,7 @@ from .fragments import zero_c
 from .guard import guard_init, guard_tiles, poison_rows
 from .products import mma_abt
 from .shared import convert_tile, landed, load_tile, sa, stage_tile
-from .softmax import mask_rows, row_limits
+from .softmax import mask_rows, row_limits, row_span
 from .source import _tree, udiv
 from .variant import WORK_FIELDS
 
@@ -175,9 +175,8 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
 
 
 def span(r, c0):
-    """(first, end) expressions: the columns tile row r sees (the work row's band and the tail),
-    counted from column c0."""
-    return f"lo + {r} - {c0}", f"imin(cols, hi + {r} + 1) - {c0}"
+    """(first, end) expressions: the columns tile row r sees (row_span), counted from column c0."""
+    return tuple(f"{x} - {c0}" for x in row_span(r))
 
 
 # ============================================================================= forward

@@ -6,13 +6,19 @@ from .source import _tree
 
 
 # ----------------------------------------------------------------------------- masking
+def row_span(r):
+    """(first, end) expressions of the block columns tile row r sees: lo + r <= c <= hi + r (the
+    work row's band; schedule.py), below `cols`."""
+    return f"lo + {r}", f"imin(cols, hi + {r} + 1)"
+
+
 def row_limits(e, v, lim, row_base):
-    """Per fragment row: its admitted columns [low{lim}, {lim}) of the block: tile row r sees
-    lo + r <= c <= hi + r (the work row's band; schedule.py), below `cols`."""
+    """Per fragment row: its admitted columns [low{lim}, {lim}) of the block (row_span)."""
+    first, end = row_span("rl")
     for m in range(v.MT):
         for h in (0, 1):
             e(f"rl = {row_base} + {16 * m + 8 * h} + g")
-            e(f"{lim}{m}{h} = imin(cols, hi + rl + 1); low{lim}{m}{h} = lo + rl")
+            e(f"{lim}{m}{h} = {end}; low{lim}{m}{h} = {first}")
 
 
 def mask_rows(e, C, MT, ntiles, col0, lim):
