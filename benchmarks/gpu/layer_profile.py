@@ -54,6 +54,16 @@ def instrument():
     _module.linear_grads = timed("linear_grads", _module.linear_grads)
 
 
+def per_call(conv, x, g, dout, reps):
+    """ms per forward+backward call of the layer, over `reps` calls after a synchronise."""
+    cupy.cuda.Device().synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        conv.vjp(x, g)[1](dout)
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=100_000)
@@ -74,21 +84,10 @@ def main():
         out, vjp = conv.vjp(x, g)
         dout = cupy.asarray(np.random.default_rng(2).standard_normal(out.shape).astype(np.float32))
         vjp(dout)
-        cupy.cuda.Device().synchronize()
-        t = time.perf_counter()
-        for _ in range(a.reps):
-            vjp = conv.vjp(x, g)[1]
-            vjp(dout)
-        cupy.cuda.Device().synchronize()
-        whole = (time.perf_counter() - t) / a.reps * 1e3
+        whole = per_call(conv, x, g, dout, a.reps)
         TIMES.clear()
         ON[0] = True
-        t = time.perf_counter()
-        for _ in range(a.reps):
-            vjp = conv.vjp(x, g)[1]
-            vjp(dout)
-        cupy.cuda.Device().synchronize()
-        inst = (time.perf_counter() - t) / a.reps * 1e3
+        inst = per_call(conv, x, g, dout, a.reps)
         ON[0] = False
         print(f"{config}: fwd+bwd {whole:.2f} ms (instrumented {inst:.2f} ms); stages, ms per call:")
         for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1]):
@@ -99,10 +98,7 @@ def main():
             import pstats
             prof = cProfile.Profile()
             prof.enable()
-            for _ in range(a.reps):
-                vjp = conv.vjp(x, g)[1]
-                vjp(dout)
-            cupy.cuda.Device().synchronize()
+            per_call(conv, x, g, dout, a.reps)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(a.cprofile)
 
