@@ -1,0 +1,35 @@
+"""ptxas's register and spill report of the shipped tensor-core kernels (no GPU needed).
+
+    python benchmarks/tuning/tc_registers.py [--kinds fwd dq dkdv] [--dims 64 128]
+        [--dtypes float16] [--engine wgmma|mma]
+
+Occupancy follows from it: a 128-thread CTA holds at most 65536 / (128 x regs rounded up to 8)
+CTAs per SM (168 registers: 3; 176: 2), so a change to a kernel's text is checked here first.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tiga_numba.cuda.tc import build, tuning  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", nargs="+", default=["fwd", "dq", "dkdv"])
+    ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--dtypes", nargs="+", default=["float16"])
+    ap.add_argument("--engine", choices=["wgmma", "mma"], default="wgmma")
+    a = ap.parse_args()
+    wgmma = a.engine == "wgmma"
+    for dt in a.dtypes:
+        for D in a.dims:
+            for kind in a.kinds:
+                v = tuning.variant(kind, D, D, dt, wgmma=wgmma)
+                r = build.kernel(v)[0].ptxas("sm_90a" if wgmma else "sm_90")
+                print(f"{v.name():52s} regs {r['regs']!s:>4s}  spill stores/loads {r['spill_stores']} / "
+                      f"{r['spill_loads']} B  threads {v.NT}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
