@@ -507,7 +507,6 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                 blockIdx=_types.SimpleNamespace(x=bx, y=by),
                 blockDim=_types.SimpleNamespace(x=NT),
                 shared=_types.SimpleNamespace(array=lambda *a, **kw: None),
-                jit=lambda **kw: (lambda f: f),
                 syncthreads=lambda: None,
                 syncthreads_or=lambda p: np.int32(np.any(np.asarray(p) != 0)))
             env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,

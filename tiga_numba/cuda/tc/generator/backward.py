@@ -74,7 +74,7 @@ def gen_dq(v):
                         for r in range(4):
                             s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                             if v.mod:   # dS_z = P (dP - Delta) f'(z), P from y = f(z) (modifier.py)
-                                v.mod.cell(e, v, s, cell_row(m, r), cell_col(f"kb * {BN}", j, r), "my", "md")
+                                v.mod.cell(e, s, cell_row(m, r), cell_col(f"kb * {BN}", j, r), "my", "md")
                                 e(f"{s} = ex2(my * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2}) * md")
                             else:
                                 e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
@@ -482,7 +482,7 @@ def gen_dkdv(v):
                         for r in range(4):
                             x, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                             # the fragment's rows are keys, its columns queries
-                            v.mod.cell(e, v, x, cell_col("cq", j, r), cell_row(m, r), "my", "md")
+                            v.mod.cell(e, x, cell_col("cq", j, r), cell_row(m, r), "my", "md")
                             e(f"{x} = sel({x} != masked, ex2(my * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
                             e(f"{dp} = sel(({x} != zero) | (mb == 0), {x} * ({dp} - cd{j}{r % 2}) * md, zero)")
                 mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)

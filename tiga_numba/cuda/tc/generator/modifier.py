@@ -108,24 +108,23 @@ class Modifier:
         for k in range(len(self.layout.heads)):
             e(f"mkh{k} = ldg_f32_if(u32(1), mvp + ({n_sc} + {k} * mh + mhd) * 4)")
 
-    def cell(self, e, v, x, i, j, y, d=None, masked=True):
+    def cell(self, e, x, i, j, y, d=None, masked=True):
         """y = f(z) log2(e) (clamped; with `masked`, MASKED where x is MASKED) and, with d,
         d = f'(z), for the raw score x (a name) of the cell at global destination i / source j
         (expressions). math.tanh is libdevice's: a hand-written exp2 / division tanh for the
         16-bit kernels made the soft-cap forward slower on the H200 (5.3 ms against 3.8 ms,
-        benchmarks/results/mods-h200-2026-12-02.txt), so there is one flavour."""
-        lines, value, deriv = self._lines, self._value, self._deriv
+        benchmarks/results/gpu-h200-2026-12-02d.txt), so there is one flavour."""
         # positions as 32-bit integers (the dispatcher keeps them below 2^31): the float
         # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
         e(f"mi = u32({i}); mj = u32({j}); mz = {x} * msc")
-        for line in lines:
+        for line in self._lines:
             e(line.strip())
-        e(f"mf = ({value}) * f32({LOG2E!r})")
+        e(f"mf = ({self._value}) * f32({LOG2E!r})")
         e(f"mf = sel(mf > f32({FLOOR!r}), mf, f32({FLOOR!r}))")
         clamped = f"sel(mf < f32({CEIL!r}), mf, f32({CEIL!r}))"
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
-            e(f"{d} = {deriv}")
+            e(f"{d} = {self._deriv}")
 
 
 def _finite(value):
