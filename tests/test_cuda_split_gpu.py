@@ -54,17 +54,23 @@ def banded():
     }
 
 
-def _run(g, q, k, v, dout):
+def _run(g, q, k, v, dout, tensor_cores=None):
+    """tensor_cores None: as the current options say; True / False: that family for this call."""
+    import contextlib
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, dout))
-    out, stats = tg.attention(qd, kd, vd, g, return_stats=True)
-    kern = functional.last_plan().run_info["kernel"]
-    dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, g)
+    with (contextlib.nullcontext() if tensor_cores is None else tg.options(tensor_cores=tensor_cores)):
+        out, stats = tg.attention(qd, kd, vd, g, return_stats=True)
+        kern = functional.last_plan().run_info["kernel"]
+        dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, g)
     return out, stats, kern, (dq, dk, dv)
 
 
 @pytest.mark.parametrize("kind", list(banded()))
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_banded_vs_oracle_and_nan_outside_the_band(kind, dtype):
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores"])
+def test_banded_vs_oracle_and_nan_outside_the_band(kind, dtype, path):
+    """both block families take bands: the CUDA cores (tensor_cores=False) and the tensor cores."""
+    tc = path == "tensor_cores"
     g = banded()[kind]()
     H, Hkv, D = 4, 2, 64
     q = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
@@ -73,15 +79,18 @@ def test_banded_vs_oracle_and_nan_outside_the_band(kind, dtype):
     dout = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
     M = _mask(g)
     ro, rm, rl, rdq, rdk, rdv, _ = oracle(q, k, v, M, D ** -0.5, dout=dout)
-    out, stats, kern, grads = _run(g, q, k, v, dout)
-    assert kern.startswith("cuda.blocks.forward (CUDA cores") and "banded" in kern, kern
+    out, stats, kern, grads = _run(g, q, k, v, dout, tc)
+    if tc:
+        assert kern.startswith("tensor-core FA2 forward"), kern
+    else:
+        assert kern.startswith("cuda.blocks.forward (CUDA cores") and "banded" in kern, kern
     ftol, btol = TOL[dtype]
     assert rel_err(out, ro) < ftol
     assert rel_err(stats.l, rl) < ftol
     for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
         assert rel_err(got, want) < btol, name
     # same bits on a second run
-    out2, _, _, grads2 = _run(g, q, k, v, dout)
+    out2, _, _, grads2 = _run(g, q, k, v, dout, tc)
     assert bool(cupy.all(out == out2))
     for a, b in zip(grads, grads2):
         assert bool(cupy.all(a == b))
@@ -96,7 +105,7 @@ def test_banded_vs_oracle_and_nan_outside_the_band(kind, dtype):
     vp[dead_k] = np.inf
     qp[dead_q] = np.nan
     dp[dead_q] = np.inf
-    out3, _, _, grads3 = _run(g, qp, kp, vp, dp)
+    out3, _, _, grads3 = _run(g, qp, kp, vp, dp, tc)
     assert rel_err(out3, ro) < ftol
     for name, got, want in zip(("dq", "dk", "dv"), grads3, (rdq, rdk, rdv)):
         got = cupy.asnumpy(got)

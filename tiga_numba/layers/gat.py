@@ -170,7 +170,7 @@ class GATConv(Layer):
             g = {}
             dxd_in = None
             if self.bias:
-                g["bias"] = dout.sum(axis=0)
+                g["bias"] = column_sums(dout)
             if self.residual and res_in is not None:
                 g["res.weight"], dxd_in = linear_grads(dout, res_in, p["res.weight"])
             dxs, dscore = attn_backward(heads_grad(xp, dout, H, C, self.concat))
