@@ -15,7 +15,7 @@ import numpy as np
 
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
-from ._module import (Layer, check_channels, check_positive, glorot, heads_grad, heads_out,
+from ._module import (Layer, check_channels, check_positive, column_sums, glorot, heads_grad, heads_out,
                       linear_grads)
 
 __all__ = ["GATConv", "check_fill_value"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._edges import edge_set, gather, scatter_rows, xp_of
-from ._module import (Layer, check_channels, check_positive, glorot, heads_grad, heads_out,
+from ._module import (Layer, check_channels, check_positive, column_sums, glorot, heads_grad, heads_out,
                       linear_grads)
 from .gat import check_fill_value, edge_attention
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
-from ._module import Layer, check_channels, check_positive, heads_grad, heads_out, kaiming_linear
+from ._module import Layer, check_channels, check_positive, column_sums, heads_grad, heads_out, kaiming_linear
 
 __all__ = ["TransformerConv"]
 
