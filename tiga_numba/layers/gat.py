@@ -15,7 +15,7 @@ import numpy as np
 
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
-from ._module import (Layer, check_channels, check_positive, glorot, heads_grad, heads_out,
+from ._module import (Layer, check_channels, check_positive, column_sums, glorot, heads_grad, heads_out,
                       linear_grads)
 
 __all__ = ["GATConv", "check_fill_value"]
@@ -170,7 +170,7 @@ class GATConv(Layer):
             g = {}
             dxd_in = None
             if self.bias:
-                g["bias"] = dout.sum(axis=0)
+                g["bias"] = column_sums(dout)
             if self.residual and res_in is not None:
                 g["res.weight"], dxd_in = linear_grads(dout, res_in, p["res.weight"])
             dxs, dscore = attn_backward(heads_grad(xp, dout, H, C, self.concat))

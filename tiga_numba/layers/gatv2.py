@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._edges import edge_set, gather, scatter_rows, xp_of
-from ._module import (Layer, check_channels, check_positive, glorot, heads_grad, heads_out,
+from ._module import (Layer, check_channels, check_positive, column_sums, glorot, heads_grad, heads_out,
                       linear_grads)
 from .gat import check_fill_value, edge_attention
 
@@ -124,7 +124,7 @@ class GATv2Conv(Layer):
             g = {}
             dxd_in = None
             if self.bias:
-                g["bias"] = dout.sum(axis=0)
+                g["bias"] = column_sums(dout)
             if self.residual:
                 g["res.weight"], dxd_in = linear_grads(dout, x_dst, p["res.weight"])
             dxl, dscore = attn_backward(heads_grad(xp, dout, H, C, self.concat))
@@ -151,14 +151,14 @@ class GATv2Conv(Layer):
                 g["lin_edge.weight"] = d_we
             d_edge_attr = None if ea is None else es.edge_attr_grad(d_ea, self.fill_value, graph.num_edges)
             gwl, dx_src = linear_grads(dxl, x_src, p["lin_l.weight"])
-            gbl = dxl.sum(axis=0)
+            gbl = column_sums(dxl)
             if single and self.share_weights:
                 gwl2, dx2 = linear_grads(dxr, x_src, p["lin_l.weight"])
-                gwl, gbl, dx_src = gwl + gwl2, gbl + dxr.sum(axis=0), dx_src + dx2
+                gwl, gbl, dx_src = gwl + gwl2, gbl + column_sums(dxr), dx_src + dx2
                 gwr, gbr, dx_dst = gwl, gbl, dxd_in
             else:
                 gwr, dx_dst = linear_grads(dxr, x_dst, p["lin_r.weight"])
-                gbr = dxr.sum(axis=0)
+                gbr = column_sums(dxr)
                 if dxd_in is not None:
                     dx_dst = dx_dst + dxd_in
                 if self.share_weights:  # one parameter: its gradient under both names

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
-from ._module import Layer, check_channels, check_positive, heads_grad, heads_out, kaiming_linear
+from ._module import Layer, check_channels, check_positive, column_sums, heads_grad, heads_out, kaiming_linear
 
 __all__ = ["TransformerConv"]
 
@@ -136,7 +136,7 @@ class TransformerConv(Layer):
                     d_o, d_xr = dout, dout
                 g["lin_skip.weight"] = d_xr.T @ x_dst
                 if self.bias:
-                    g["lin_skip.bias"] = d_xr.sum(axis=0)
+                    g["lin_skip.bias"] = column_sums(d_xr)
                 dx_dst = d_xr @ p["lin_skip.weight"]
             else:
                 d_o = dout
@@ -179,7 +179,7 @@ class TransformerConv(Layer):
                                ("lin_query", dq2, x_dst)):
                 g[f"{name}.weight"] = d.T @ x
                 if self.bias:
-                    g[f"{name}.bias"] = d.sum(axis=0)
+                    g[f"{name}.bias"] = column_sums(d)
                 dx = d @ p[f"{name}.weight"]
                 if name == "lin_query":
                     dx_dst = dx if dx_dst is None else dx_dst + dx
