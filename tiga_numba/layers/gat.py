@@ -15,8 +15,8 @@ import numpy as np
 
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
-from ._module import (Layer, check_channels, check_positive, column_sums, glorot, heads_grad, heads_out,
-                      linear_grads)
+from ._module import (Layer, check_channels, check_positive, column_sums, glorot, head_dots,
+                      head_weighted_sums, heads_grad, heads_out, linear_grads)
 
 __all__ = ["GATConv", "check_fill_value"]
 
@@ -143,8 +143,8 @@ class GATConv(Layer):
         else:
             xd = (x_dst @ w_dst.T).reshape(x_dst.shape[0], H, C)
         att_src, att_dst = p["att_src"][0], p["att_dst"][0]
-        a_src = xp.einsum("nhc,hc->nh", xs, att_src)
-        a_dst = None if xd is None else xp.einsum("nhc,hc->nh", xd, att_dst)
+        a_src = head_dots(xs, att_src)
+        a_dst = None if xd is None else head_dots(xd, att_dst)
         es = edge_set(graph, self.add_self_loops, xp)
         pre = gather(xp, a_src, es.cols)
         if a_dst is not None:
@@ -177,12 +177,12 @@ class GATConv(Layer):
             dpre = leaky_relu_grad(xp, sign_of, dscore, slope)
             da_src = es.sum_by_src(dpre)
             dxs = dxs + da_src[:, :, None] * att_src
-            g["att_src"] = xp.einsum("nh,nhc->hc", da_src, xs)[None]
+            g["att_src"] = head_weighted_sums(da_src, xs)[None]
             dxd = None
             if a_dst is not None:
                 da_dst = es.sum_by_dst(dpre)
                 dxd = da_dst[:, :, None] * att_dst
-                g["att_dst"] = xp.einsum("nh,nhc->hc", da_dst, xd)[None]
+                g["att_dst"] = head_weighted_sums(da_dst, xd)[None]
             d_edge_attr = None
             if ea is not None:
                 gsum = ea.T @ dpre  # (edge_dim, H): sum_e ea_e dpre_e
