@@ -1,12 +1,13 @@
-"""Where a layer's forward+backward spends its GPU time: each stage of tiga_numba.layers (the
+"""Where a layer's forward+backward spends its time: each stage of tiga_numba.layers (the
 fused attention forward / backward, the edge sums, the linear products, the elementwise steps)
-timed with a device synchronise around it, summed over --reps calls, next to the whole call.
-The synchronisations serialise the stages, so the stage sum is a little above the call's own
-time; the split is what it is for.
+timed (on the GPU with a device synchronise around it), summed over --reps calls, next to the
+whole call. The synchronisations serialise the stages, so the stage sum is a little above the
+call's own time; the split is what it is for.
 
     PYTHONPATH=. python benchmarks/gpu/layer_profile.py [--configs gat8x8 gat4x32 tconv8x8]
     CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=. python benchmarks/gpu/layer_profile.py --cprofile 25
         # every launch waits for its kernel, so cProfile's per-function time includes the GPU's
+    PYTHONPATH=. python benchmarks/gpu/layer_profile.py --device cpu   # numpy arrays, CPU kernels
 """
 import argparse
 import collections
@@ -19,14 +20,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import cupy  # noqa: E402
-
 import tiga_numba as tg  # noqa: E402
 import tiga_numba.layers as layers  # noqa: E402
 from bench_layers import CONFIGS, make_graph  # noqa: E402
 
 TIMES = collections.defaultdict(float)
 ON = [False]
+XP = [np]
+
+
+def sync():
+    if XP[0] is not np:
+        XP[0].cuda.Device().synchronize()
 
 
 def timed(name, fn):
@@ -34,10 +39,10 @@ def timed(name, fn):
     def wrapper(*a, **kw):
         if not ON[0]:
             return fn(*a, **kw)
-        cupy.cuda.Device().synchronize()
+        sync()
         t = time.perf_counter()
         out = fn(*a, **kw)
-        cupy.cuda.Device().synchronize()
+        sync()
         TIMES[name] += time.perf_counter() - t
         return out
     return wrapper
@@ -56,11 +61,11 @@ def instrument():
 
 def per_call(conv, x, g, dout, reps):
     """ms per forward+backward call of the layer, over `reps` calls after a synchronise."""
-    cupy.cuda.Device().synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(reps):
         conv.vjp(x, g)[1](dout)
-    cupy.cuda.Device().synchronize()
+    sync()
     return (time.perf_counter() - t) / reps * 1e3
 
 
@@ -72,17 +77,23 @@ def main():
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also print the N functions with the most own time (cProfile) per config")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     a = ap.parse_args()
+    if a.device == "cuda":
+        import cupy
+        XP[0] = cupy
+    xp = XP[0]
     instrument()
     src, dst = make_graph("random", a.nodes, a.edges)
     g = tg.Graph.from_coo(src, dst, a.nodes, a.nodes)
     for config in a.configs:
         name, f_in, c, h = CONFIGS[config]
         conv = getattr(layers, name)(f_in, c, heads=h)
-        conv.to("cuda")
-        x = cupy.asarray(np.random.default_rng(1).standard_normal((a.nodes, f_in)).astype(np.float32))
+        if a.device == "cuda":
+            conv.to("cuda")
+        x = xp.asarray(np.random.default_rng(1).standard_normal((a.nodes, f_in)).astype(np.float32))
         out, vjp = conv.vjp(x, g)
-        dout = cupy.asarray(np.random.default_rng(2).standard_normal(out.shape).astype(np.float32))
+        dout = xp.asarray(np.random.default_rng(2).standard_normal(out.shape).astype(np.float32))
         vjp(dout)
         whole = per_call(conv, x, g, dout, a.reps)
         TIMES.clear()

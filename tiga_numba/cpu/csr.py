@@ -32,7 +32,7 @@ kernel (the hooks are compiled out).
 import math
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from .blocks import EMPTY, NEG, exp2_any
 from .fastexp import denormals_off, fmax, restore_mxcsr
@@ -44,6 +44,17 @@ MOD_GRAD = no_grad
 MOD_GRAD_SRC = no_grad
 
 LOG2E = 1.0 / math.log(2.0)
+
+
+@njit(cache=True)
+def kv_heads(H, group):
+    """The key/value head of each query head (h // group), computed once per call: the kernels
+    index k and v per edge and head, and an integer division there cost about as much as the
+    arithmetic of a small head (H = 8, C = 8: forward ~20% faster without it)."""
+    out = np.empty(H, np.int64)
+    for h in range(H):
+        out[h] = h // group
+    return out
 LN2 = math.log(2.0)
 CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/L1)
 RB = 32  # rows per prange iteration (amortises scratch allocation)
@@ -61,6 +72,7 @@ def make_forward(acc, mod=None):
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
+        kv_head = kv_heads(H, group)
         for w in prange(items.shape[0]):
             mxcsr = denormals_off()
             r0 = items[w, 0]
@@ -87,7 +99,7 @@ def make_forward(acc, mod=None):
                         kj = k[j]
                         for h in range(H):
                             qr = qi[h]
-                            kr = kj[h // group]
+                            kr = kj[kv_head[h]]
                             x = dt(0.0)
                             for d in range(D):
                                 x += qr[d] * kr[d]
@@ -117,7 +129,7 @@ def make_forward(acc, mod=None):
                     for t in range(n):
                         vj = v[indices[c0 + t]]
                         for h in range(H):
-                            vr = vj[h // group]
+                            vr = vj[kv_head[h]]
                             ar = acc_[h]
                             p = s[h, t]
                             for d in range(Dv):
@@ -190,6 +202,7 @@ def make_backward(acc, mod=None):
         Nq, H, D = q.shape
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
+        kv_head = kv_heads(H, group)
         for w in prange(items.shape[0]):
             mxcsr = denormals_off()
             r0 = items[w, 0]
@@ -212,8 +225,8 @@ def make_backward(acc, mod=None):
                     vj = v[j]
                     for h in range(H):
                         qr = qi[h]
-                        kr = kj[h // group]
-                        vr = vj[h // group]
+                        kr = kj[kv_head[h]]
+                        vr = vj[kv_head[h]]
                         dr = doi[h]
                         x = dt(0.0)
                         for d in range(D):
@@ -281,6 +294,7 @@ def make_backward(acc, mod=None):
         H = q.shape[1]
         Dv = v.shape[2]
         has_bias = bias.shape[0] > 0
+        kv_head = kv_heads(H, group)
         for w in prange(items.shape[0]):
             mxcsr = denormals_off()
             r0 = items[w, 0]
@@ -303,7 +317,7 @@ def make_backward(acc, mod=None):
                     qi = q[i]
                     doi = do[i]
                     for h in range(H):
-                        hk = h // group
+                        hk = kv_head[h]
                         qr = qi[h]
                         kr = kj[hk]
                         vr = vj[hk]
