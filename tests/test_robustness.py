@@ -537,6 +537,10 @@ def test_fuzz_against_float64_with_non_finite_values_outside_the_relation(case):
     out, stats = tg.attention(q, k, v, g, return_stats=True)
     dq, dk, dv = tg.attention_backward(dout, q, k, v, out, stats, g)
     eps_acc = float(np.finfo(np.float64 if dt == np.float64 else np.float32).eps)
+    # Delta = rowsum(dout * out) is formed from the stored output, which float16 rounds (as
+    # flash-attn's backward does): that rounding, not the accumulator's, bounds the
+    # cancellation in p * (dp - Delta) there (seen: float16 segments, |v| ~ 100, dk off by 0.15)
+    eps_delta = max(eps_acc, float(np.finfo(dt).eps))
     for name, got, tol in (("out", out, FUZZ_FWD_TOL[dt]), ("dq", dq, FUZZ_BWD_TOL[dt]),
                            ("dk", dk, FUZZ_BWD_TOL[dt]), ("dv", dv, FUZZ_BWD_TOL[dt])):
         assert got.dtype == dt and got.shape == ref[name].shape, name
@@ -544,7 +548,7 @@ def test_fuzz_against_float64_with_non_finite_values_outside_the_relation(case):
         err = np.abs(np.asarray(got, np.float64) - ref[name])
         bound = tol * max(1.0, float(np.abs(ref[name]).max(initial=0.0)))
         if name in ("dq", "dk"):  # plus the rounding bound of p * (dp - Delta)
-            bound = bound + 4 * max(q.shape[2], v.shape[2]) * eps_acc * ref["bound_" + name]
+            bound = bound + 4 * max(q.shape[2], v.shape[2]) * eps_delta * ref["bound_" + name]
         assert np.all(err <= bound), (name, float(err.max(initial=0)), g.explain())
     empty = ~mask.any(axis=1)
     assert np.all(np.isneginf(stats.m[empty])) and np.all(stats.l[empty] == 0)

@@ -36,6 +36,7 @@ from numba import njit, prange
 
 from .blocks import EMPTY, NEG, exp2_any
 from .fastexp import denormals_off, fmax, restore_mxcsr
+from .prefetch import prefetch_row
 from .score_codegen import jit_kernel, no_grad, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
@@ -57,6 +58,7 @@ def kv_heads(H, group):
     return out
 LN2 = math.log(2.0)
 CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/L1)
+AHEAD = 8  # backward: prefetch the gathered rows of the edge this many edges ahead
 RB = 32  # rows per prange iteration (amortises scratch allocation)
 
 
@@ -85,6 +87,7 @@ def make_forward(acc, mod=None):
             m = np.empty(H, dt)
             l = np.empty(H, dt)
             s = np.empty((H, CH), dt)
+            item_end = min(indptr[r1], hi_e)  # the item's last edge + 1: prefetch runs up to it
             for i in range(r0, r1):
                 acc_[:, :] = 0.0
                 m[:] = NEG
@@ -94,6 +97,11 @@ def make_forward(acc, mod=None):
                 e1 = min(indptr[i + 1], hi_e)
                 for c0 in range(e0, e1, CH):
                     n = min(CH, e1 - c0)
+                    # the next chunk's source rows (maybe the next row's) while this one computes
+                    for t in range(c0 + CH, min(c0 + 2 * CH, item_end)):
+                        if D > 0:
+                            prefetch_row(k, indices[t])
+                        prefetch_row(v, indices[t])
                     for t in range(n):
                         j = indices[c0 + t]
                         kj = k[j]
@@ -212,6 +220,7 @@ def make_backward(acc, mod=None):
             slot = items[w, 4]
             acc_ = np.empty((H, D), dt)
             row_nd = np.zeros((n_nd, 1, H), dt)  # this row's dst-field gradient
+            item_end = min(indptr[r1], hi_e)
             ghp = ghp_items[w]
             for i in range(r0, r1):
                 acc_[:, :] = 0.0
@@ -220,6 +229,11 @@ def make_backward(acc, mod=None):
                 qi = q[i]
                 doi = do[i]
                 for e in range(max(indptr[i], lo_e), min(indptr[i + 1], hi_e)):
+                    if e + AHEAD < item_end:  # source rows AHEAD edges on (see prefetch.py)
+                        jn = indices[e + AHEAD]
+                        if D > 0:
+                            prefetch_row(k, jn)
+                        prefetch_row(v, jn)
                     j = indices[e]
                     kj = k[j]
                     vj = v[j]
@@ -305,6 +319,7 @@ def make_backward(acc, mod=None):
             dk_acc = np.empty((Hkv, D), dt)
             dv_acc = np.empty((Hkv, Dv), dt)
             row_ns = np.zeros((n_ns, 1, H), dt)  # this source's src-field gradient
+            item_end = min(t_indptr[r1], hi_e)
             for j in range(r0, r1):
                 dk_acc[:, :] = 0.0
                 dv_acc[:, :] = 0.0
@@ -313,6 +328,11 @@ def make_backward(acc, mod=None):
                 kj = k[j]
                 vj = v[j]
                 for t in range(max(t_indptr[j], lo_e), min(t_indptr[j + 1], hi_e)):
+                    if t + AHEAD < item_end:  # destination rows AHEAD edges on
+                        inext = t_indices[t + AHEAD]
+                        if D > 0:
+                            prefetch_row(q, inext)
+                        prefetch_row(do, inext)
                     i = t_indices[t]
                     qi = q[i]
                     doi = do[i]
