@@ -56,6 +56,36 @@ def graphs(n, e, rng):
     return {k: tg.Graph.from_coo(s, d, n, n) for k, (s, d) in out.items()}
 
 
+def gather_ceiling(k, v, indptr, indices, reps):
+    """This machine's random-gather time for the forward's reads: the k and v rows of every edge,
+    in CSR order, summed (so nothing is optimised away) and nothing else, on numba's threads;
+    once as a plain loop and once with the kernels' software prefetch. The forward's time over
+    this is how near it runs to what the memory system allows for its access pattern."""
+    from numba import njit, prange
+
+    from tiga_numba.cpu.prefetch import prefetch_row
+
+    def make(prefetch):
+        @njit(parallel=True)
+        def gather(k, v, indptr, indices, out):
+            n = indptr.shape[0] - 1
+            for i in prange(n):
+                acc = np.float32(0.0)
+                for e in range(indptr[i], indptr[i + 1]):
+                    if prefetch and e + 16 < indices.shape[0]:
+                        prefetch_row(k, indices[e + 16])
+                        prefetch_row(v, indices[e + 16])
+                    j = indices[e]
+                    kj, vj = k[j], v[j]
+                    for h in range(kj.shape[0]):
+                        for d in range(kj.shape[1]):
+                            acc += kj[h, d] + vj[h, d]
+                out[i] = acc
+        return gather
+    out = np.empty(indptr.shape[0] - 1, np.float32)
+    return [best(lambda: g(k, v, indptr, indices, out), reps) for g in (make(False), make(True))]
+
+
 def torch_version(q, k, v, src, dst, n):
     import torch
     qt, kt, vt = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
@@ -114,6 +144,11 @@ def main():
         tf, tb = best(fwd, args.reps), best(fb, args.reps)
         if base is None:
             base = (tf, tb)
+            plain, pref = gather_ceiling(k, v, ip, ix, args.reps)
+            ceiling = (f"# gather ceiling (uniform graph: k and v rows of every edge, {2 * H * D * 4} B per "
+                       f"edge, nothing else): {plain * 1e3:.1f} ms plain, {pref * 1e3:.1f} ms with prefetch "
+                       f"({2 * H * D * 4 * e / min(plain, pref) / 1e9:.1f} GB/s); uniform forward / best "
+                       f"ceiling = {tf / min(plain, pref):.2f}")
         anchor = ""
         if torch is not None:
             rows = np.repeat(np.arange(n), np.diff(ip))
@@ -123,6 +158,8 @@ def main():
             anchor = "- | -"
         print(f"| {name} | {indeg} | {outdeg} | {tf * 1e3:.1f} | {tb * 1e3:.1f} | {tf / base[0]:.2f} | "
               f"{tb / base[1]:.2f} | {anchor} |")
+
+    print(ceiling)
 
     # the decode table of bench_cpu.py: torch reads contiguous (1, H, L, D) copies, its own best
     # layout (a transposed view of the node-major arrays made torch ~1.6x slower)

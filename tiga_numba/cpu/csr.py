@@ -328,11 +328,16 @@ def make_backward(acc, mod=None):
                 kj = k[j]
                 vj = v[j]
                 for t in range(max(t_indptr[j], lo_e), min(t_indptr[j + 1], hi_e)):
-                    if t + AHEAD < item_end:  # destination rows AHEAD edges on
-                        inext = t_indices[t + AHEAD]
-                        if D > 0:
+                    if t + AHEAD < item_end:  # destination rows AHEAD edges on, and their
+                        inext = t_indices[t + AHEAD]  # row statistics and edge bias: every
+                        if D > 0:                     # one a random line in this pass
                             prefetch_row(q, inext)
                         prefetch_row(do, inext)
+                        prefetch_row(m2, inext)
+                        prefetch_row(linv, inext)
+                        prefetch_row(delta, inext)
+                        if has_bias:
+                            prefetch_row(bias, perm[t + AHEAD])
                     i = t_indices[t]
                     qi = q[i]
                     doi = do[i]

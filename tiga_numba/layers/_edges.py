@@ -6,8 +6,8 @@ relation in CSR order (the order the kernels and every per-edge array use) toget
 back to the caller's edge order (`Graph.edge_permutation` for from_coo / from_edge_index graphs),
 so `edge_attr` is given, and its gradient returned, in the caller's order.
 
-Sums over edges are sparse products with scipy.sparse (numpy) or cupyx.scipy.sparse (cupy):
-deterministic on the CPU, and no (E, H, C) array is ever formed. Edge sets are cached on the
+Sums over edges are segment sums in a fixed order on numba's threads (numpy; `_cpu.py`) or
+sparse products with cupyx.scipy.sparse (cupy), and no (E, H, C) array is ever formed. Edge sets are cached on the
 graph (graphs are immutable), per device.
 
 A sparse matrix's values always go in contiguous (`sparse_values`): cupyx keeps a strided view
@@ -101,6 +101,12 @@ class EdgeSet:
         return mat
 
     def _incidence_product(self, side, values):
+        if self.xp is np and values.ndim == 2:
+            from ._cpu import segment_sums
+            if side == "dst":
+                return segment_sums(values, np.asarray(self.indptr, np.int64))
+            t = self.graph.realize_transpose("cpu")
+            return segment_sums(values, np.asarray(t.indptr, np.int64), np.asarray(t.perm, np.int64))
         mat = self._incidence(side, values.dtype)
         if self.xp is not np and values.ndim == 2 and values.flags.c_contiguous:
             # cupyx's `mat @ values` first copies values to column-major (cuSPARSE's dense

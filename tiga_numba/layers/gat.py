@@ -47,7 +47,11 @@ def leaky_relu_grad(xp, out, grad, slope):
     Overwrites `grad` (the caller's own (E, H) buffer): no new (E, H) float array."""
     s = grad.dtype.type(slope)
     if xp is np:
-        return np.multiply(grad, s, out=grad, where=out <= 0)
+        if grad.flags.c_contiguous and out.flags.c_contiguous and out.shape == grad.shape:
+            from ._cpu import leaky_relu_grad_inplace
+            leaky_relu_grad_inplace(out, grad, s)
+            return grad
+        return np.multiply(grad, s, out=grad, where=~(out > 0))
     grad *= xp.where(out > 0, grad.dtype.type(1), s)
     return grad
 
