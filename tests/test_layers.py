@@ -340,3 +340,40 @@ def test_gat_source_features_only_matches_pyg():
     np.testing.assert_allclose(out, ref.detach().numpy(), rtol=1e-4, atol=2e-5)
     assert grads["x"][1] is None
     np.testing.assert_allclose(grads["x"][0], x.grad.numpy(), rtol=1e-4, atol=2e-5)
+
+
+def test_cpu_segment_sums_and_leaky_relu_grad_kernels():
+    """The layers' numba helpers: segment sums in fixed order (with and without a gather order;
+    empty rows, a hub row) equal float64 sums and do not depend on the thread count; the
+    leaky_relu gradient scales exactly where the output is not positive (NaN included)."""
+    import numba
+
+    from tiga_numba.layers._cpu import leaky_relu_grad_inplace, segment_sums
+    r = np.random.default_rng(7)
+    deg = r.integers(0, 5, 300)
+    deg[[3, 50]] = 0
+    deg[17] = 5000
+    indptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
+    e = int(indptr[-1])
+    values = r.standard_normal((e, 6)).astype(np.float32)
+    order = r.permutation(e).astype(np.int64)
+    rows = np.repeat(np.arange(300), deg)
+    for idx in (None, order):
+        gathered = values if idx is None else values[idx]
+        ref = np.zeros((300, 6))
+        np.add.at(ref, rows, gathered.astype(np.float64))
+        got = segment_sums(values, indptr, idx)
+        assert got.dtype == np.float32 and got.shape == (300, 6)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-3)
+        assert np.all(got[[3, 50]] == 0)
+        before = numba.get_num_threads()
+        try:
+            numba.set_num_threads(1)
+            one = segment_sums(values, indptr, idx)
+        finally:
+            numba.set_num_threads(before)
+        assert np.array_equal(one, got)
+    out = np.array([[1.0, -2.0, 0.0, np.nan]], np.float32)
+    grad = np.array([[3.0, 3.0, 3.0, 3.0]], np.float32)
+    leaky_relu_grad_inplace(out, grad, np.float32(0.2))
+    np.testing.assert_array_equal(grad, np.float32([[3.0, 0.6, 0.6, 0.6]]))

@@ -3,17 +3,14 @@
 The GPU path writes these steps with cupy / cuSPARSE; on the CPU, numpy's masked multiply and
 scipy's sparse products run on one core and stream their (E, H) operands at random, which after
 the fused attention kernels became the larger part of a layer's backward. These loops use
-numba's threads, visit rows in a fixed order (the same bits on every run and thread count) and
-prefetch the rows they gather.
+numba's threads and visit rows in a fixed order (the same bits on every run and thread count).
+(Prefetching the gathered rows, as the attention kernels do, measured no faster here: a row's
+~17 entries of 32 bytes leave too little work to hide a miss behind.)
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
-
-from ..cpu.prefetch import prefetch_row
-
-AHEAD = 8  # gathered rows prefetched this many entries ahead
 
 
 @njit(parallel=True, cache=True)
@@ -33,10 +30,7 @@ def _segment_sums(values, order, indptr, out):
     for r in prange(n):
         row = out[r]
         row[:] = 0
-        end = indptr[r + 1]
-        for t in range(indptr[r], end):
-            if t + AHEAD < end:
-                prefetch_row(values, order[t + AHEAD])
+        for t in range(indptr[r], indptr[r + 1]):
             v = values[order[t]]
             for c in range(f):
                 row[c] += v[c]
