@@ -30,6 +30,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .csr import kv_heads
+
 #: keys per work item: enough items to share a long key range among the threads, few enough
 #: that the partials and their merge stay small; each K and V row is read once per item
 CHUNK = 1024
@@ -83,6 +85,7 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
     are read together (contiguous in node-major k and v)."""
     Dv = v.shape[2]
     H = q.shape[1]
+    kvh = kv_heads(H, group)
     for it in prange(items.shape[0]):
         b, c0, c1 = items[it, 0], items[it, 1], items[it, 2]
         r0 = dst[b]
@@ -98,7 +101,7 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
                 if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
-                    t = _score(q, k, r0 + r, h, j, h // group, zero)
+                    t = _score(q, k, r0 + r, h, j, kvh[h], zero)
                     s[jj, r, h] = t
                     if t > mx[r, h]:
                         mx[r, h] = t
@@ -116,10 +119,11 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
                 if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
+                    hk = kvh[h]  # a register: the store to pa below could alias a table read
                     p = math.exp2(s[jj, r, h] - mx[r, h])
                     pl[r, h] += p
                     for x in range(Dv):
-                        pa[r, h, x] += p * v[j, h // group, x]
+                        pa[r, h, x] += p * v[j, hk, x]
 
 
 #: the per-chunk kernel (the merge is small and compiled alongside)
@@ -167,6 +171,7 @@ def _backward_chunks(q, k, v, do, qu, m2, linv, delta, dst, src, lo, hi, items, 
     D = q.shape[2]
     Dv = v.shape[2]
     H = q.shape[1]
+    kvh = kv_heads(H, group)
     for it in prange(items.shape[0]):
         b, c0, c1 = items[it, 0], items[it, 1], items[it, 2]
         r0 = dst[b]
@@ -184,17 +189,18 @@ def _backward_chunks(q, k, v, do, qu, m2, linv, delta, dst, src, lo, hi, items, 
                 if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
-                    t = _score(q, k, r0 + r, h, j, h // group, zero)
+                    hk = kvh[h]  # a register: the stores below could alias a table read
+                    t = _score(q, k, r0 + r, h, j, hk, zero)
                     p = math.exp2(t - m2[r0 + r, h]) * linv[r0 + r, h]
                     dp = zero
                     for x in range(Dv):
-                        dp += do[r0 + r, h, x] * v[j, h // group, x]
+                        dp += do[r0 + r, h, x] * v[j, hk, x]
                     ds = p * (dp - delta[r0 + r, h])
                     for x in range(Dv):
-                        dv[j, h // group, x] += p * do[r0 + r, h, x]
+                        dv[j, hk, x] += p * do[r0 + r, h, x]
                     for x in range(D):
-                        dk[j, h // group, x] += ds * qu[r0 + r, h, x]
-                        pq[r, h, x] += ds * k[j, h // group, x]
+                        dk[j, hk, x] += ds * qu[r0 + r, h, x]
+                        pq[r, h, x] += ds * k[j, hk, x]
 
 
 @njit(parallel=True, cache=True)
