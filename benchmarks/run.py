@@ -71,28 +71,32 @@ def cpu_ceilings(quick):
     return gflops, numpy_gbs, numba_gbs, numba.get_num_threads()
 
 
+def gpu_seconds(fn, reps=5):
+    """Seconds per call of `fn` on the current device: one warm-up call, then CUDA events around
+    `reps` back-to-back calls."""
+    import cupy as cp
+    fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / reps
+
+
 def gpu_ceilings(quick):
     """(fp16 matmul TFLOP/s, fp32 matmul TFLOP/s, device copy GB/s, device name)."""
     import cupy as cp
-
-    def timed(fn, reps=5):
-        fn()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return cp.cuda.get_elapsed_time(start, end) / 1e3 / reps
 
     n = 4096 if quick else 8192
     out = []
     for dtype in (cp.float16, cp.float32):
         a = cp.ones((n, n), dtype)
-        out.append(2 * n**3 / timed(lambda: a @ a) / 1e12)
+        out.append(2 * n**3 / gpu_seconds(lambda: a @ a) / 1e12)
     x = cp.ones((256 if quick else 1024) << 20, cp.uint8)
     y = cp.empty_like(x)
-    out.append(2 * x.nbytes / timed(lambda: y.__setitem__(Ellipsis, x)) / 1e9)
+    out.append(2 * x.nbytes / gpu_seconds(lambda: y.__setitem__(Ellipsis, x)) / 1e9)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     return (*out, name)

@@ -18,17 +18,11 @@ from cupyx import cusparse  # noqa: E402
 import tiga_numba as tg  # noqa: E402
 from tiga_numba.layers import _edges, _module  # noqa: E402
 from bench_layers import make_graph  # noqa: E402
+from run import gpu_seconds  # noqa: E402
 
 
 def ms(fn, reps=20):
-    fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / reps
+    return gpu_seconds(fn, reps) * 1e3
 
 
 def main():

@@ -45,6 +45,10 @@ MOD_GRAD = no_grad
 MOD_GRAD_SRC = no_grad
 
 LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/L1)
+AHEAD = 8  # backward: prefetch the gathered rows of the edge this many edges ahead
+RB = 32  # rows per prange iteration (amortises scratch allocation)
 
 
 @njit(cache=True)
@@ -56,10 +60,6 @@ def kv_heads(H, group):
     for h in range(H):
         out[h] = h // group
     return out
-LN2 = math.log(2.0)
-CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/L1)
-AHEAD = 8  # backward: prefetch the gathered rows of the edge this many edges ahead
-RB = 32  # rows per prange iteration (amortises scratch allocation)
 
 
 def make_forward(acc, mod=None):

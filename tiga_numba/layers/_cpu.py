@@ -25,26 +25,14 @@ def leaky_relu_grad_inplace(out, grad, slope):
 
 @njit(parallel=True, cache=True)
 def _segment_sums(values, order, indptr, out):
-    n = indptr.shape[0] - 1
+    """out[r] = sum of values[order[t]] (values[t] when `order` is empty) over indptr[r]:indptr[r+1]."""
+    gathered = order.shape[0] > 0
     f = values.shape[1]
-    for r in prange(n):
+    for r in prange(indptr.shape[0] - 1):
         row = out[r]
         row[:] = 0
         for t in range(indptr[r], indptr[r + 1]):
-            v = values[order[t]]
-            for c in range(f):
-                row[c] += v[c]
-
-
-@njit(parallel=True, cache=True)
-def _contiguous_segment_sums(values, indptr, out):
-    n = indptr.shape[0] - 1
-    f = values.shape[1]
-    for r in prange(n):
-        row = out[r]
-        row[:] = 0
-        for t in range(indptr[r], indptr[r + 1]):
-            v = values[t]
+            v = values[order[t] if gathered else t]
             for c in range(f):
                 row[c] += v[c]
 
@@ -54,8 +42,5 @@ def segment_sums(values, indptr, order=None):
     in indptr[r]:indptr[r + 1], in that order. values (E, F) is made C-contiguous."""
     values = np.ascontiguousarray(values)
     out = np.empty((indptr.shape[0] - 1, values.shape[1]), values.dtype)
-    if order is None:
-        _contiguous_segment_sums(values, indptr, out)
-    else:
-        _segment_sums(values, order, indptr, out)
+    _segment_sums(values, np.zeros(0, np.int64) if order is None else order, indptr, out)
     return out

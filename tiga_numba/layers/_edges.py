@@ -7,8 +7,8 @@ back to the caller's edge order (`Graph.edge_permutation` for from_coo / from_ed
 so `edge_attr` is given, and its gradient returned, in the caller's order.
 
 Sums over edges are segment sums in a fixed order on numba's threads (numpy; `_cpu.py`) or
-sparse products with cupyx.scipy.sparse (cupy), and no (E, H, C) array is ever formed. Edge sets are cached on the
-graph (graphs are immutable), per device.
+sparse products with cupyx.scipy.sparse (cupy), and no (E, H, C) array is ever formed. Edge
+sets are cached on the graph (graphs are immutable), per device.
 
 A sparse matrix's values always go in contiguous (`sparse_values`): cupyx keeps a strided view
 (one head's column `alpha[:, h]` of an (E, H) array) as the matrix's data and hands its device
