@@ -1,7 +1,7 @@
 """Score modifiers in the CUDA-core kernels, run in numba's CUDA simulator (no GPU needed).
 
 Each case runs in a subprocess with NUMBA_ENABLE_CUDASIM=1 (as tests/test_cuda_sim.py, whose
-launch helpers these cases reuse): the modifier is traced by the program API into its tree and
+launch functions these cases reuse): the modifier is traced by the program API into its tree and
 bound values, compiled into the block / CSR kernels (cuda/score_codegen.py), and the forward
 and every gradient (dq, dk, dv, per-head params, dst / src fields, edge fields) are compared
 with the float64 oracle of tests/test_score_mods.py. Shapes stay small (odd sizes, an empty

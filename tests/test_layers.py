@@ -343,7 +343,7 @@ def test_gat_source_features_only_matches_pyg():
 
 
 def test_cpu_segment_sums_and_leaky_relu_grad_kernels():
-    """The layers' numba helpers: segment sums in fixed order (with and without a gather order;
+    """The layers' numba kernels: segment sums in fixed order (with and without a gather order;
     empty rows, a hub row) equal float64 sums and do not depend on the thread count; the
     leaky_relu gradient scales exactly where the output is not positive (NaN included)."""
     import numba

@@ -23,7 +23,7 @@ from tiga_numba.cuda.tc import schedule as S  # noqa: E402
 
 
 def patch_generator(monkeypatch, name, value):
-    """Replace `name` in every generator module that holds it (each module imports the helpers it
+    """Replace `name` in every generator module that holds it (each module imports the functions it
     calls by name, so a stand-in must reach all of them)."""
     import importlib
     import pkgutil
