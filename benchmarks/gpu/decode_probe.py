@@ -1,6 +1,13 @@
 """Decode kernel probe: for a few split-key geometries, the latency of one synchronised call,
 the host time to issue a call, and the GPU time per call when calls run back to back
-(events around 20 calls), on the benchmark's decode shapes. Prints one line per variant."""
+(events around 20 calls), on the benchmark's decode shapes; each variant's output is checked
+against the scalar geometry's. Prints one line per variant, then a profile of the host path.
+
+    python benchmarks/gpu/decode_probe.py [--variants NAME,...] [--profile]
+"""
+import argparse
+import cProfile
+import pstats
 import time
 
 import cupy
@@ -11,18 +18,26 @@ from tiga_numba import functional
 from tiga_numba.cuda import decode
 
 Hq, Hkv, D = 32, 8, 128
-_orig = decode.decode_tiles
+_tiles = decode.decode_tiles
+_fit = decode.vector_loads_fit
 
 
-def run(B, L, variant):
+def inputs(B, L):
     rng = np.random.default_rng(0)
     q = cupy.asarray(rng.standard_normal((B, Hq, D)).astype(np.float16))
     k = cupy.asarray(rng.standard_normal((B * L, Hkv, D)).astype(np.float16))
     v = cupy.asarray(rng.standard_normal((B * L, Hkv, D)).astype(np.float16))
     g = tg.Graph.dense(L, 1) if B == 1 else \
         tg.Graph.cu_seqlens(np.arange(B + 1), cu_seqlens_k=np.arange(B + 1) * L, causal=True)
+    return q, k, v, g
+
+
+def run(B, L, variant, ref):
+    q, k, v, g = inputs(B, L)
     for _ in range(3):
-        tg.attention(q, k, v, g)
+        out = tg.attention(q, k, v, g)
+    err = float(cupy.abs(out.astype(np.float32) - ref[(B, L)]).max()) if (B, L) in ref else 0.0
+    ref.setdefault((B, L), out.astype(np.float32))
     cupy.cuda.Device().synchronize()
     lat = []
     for _ in range(10):
@@ -43,27 +58,49 @@ def run(B, L, variant):
     kv = 2 * B * L * Hkv * D * 2
     print(f"{variant:<22} {B:>3} x {L:<7} latency {np.median(lat) * 1e3:7.3f} ms  host/call "
           f"{host * 1e3:6.3f} ms  gpu/call back-to-back {gpu * 1e3:6.3f} ms ({kv / gpu / 1e12:4.2f} TB/s)  "
-          f"{functional.last_plan().run_info['kernel'][-60:]}", flush=True)
+          f"max|diff| vs scalar {err:.1e}  {functional.last_plan().run_info['tiles'][:90]}", flush=True)
 
 
-# (16-byte loads per lane and row, keys per lane group and step, warps per CTA)
-VARIANTS = {"scalar": None, "vec L1 T8 NW4": (1, 8, 4), "vec L1 T8 NW2": (1, 8, 2),
-            "vec L2 T4 NW4": (2, 4, 4), "vec L2 T8 NW4": (2, 8, 4), "vec L4 T4 NW4": (4, 4, 4),
-            "vec L2 T4 NW2": (2, 4, 2), "vec L1 T16 NW2": (1, 16, 2)}
-_fit = decode.vector_loads_fit
-for name, var in VARIANTS.items():
+# name: None for the scalar geometry, else (16-byte loads per lane and row, keys per lane group
+# and step, warps per CTA, ring stages)
+VARIANTS = {"scalar": None, "L2 T4 NW4": (2, 4, 4, 0), "L1 T2 NW4 S3": (1, 2, 4, 3),
+            "L1 T1 NW8 S3": (1, 1, 8, 3), "L2 T1 NW4 S3": (2, 1, 4, 3), "L2 T2 NW4 S2": (2, 2, 4, 2),
+            "L1 T4 NW4 S2": (1, 4, 4, 2), "L1 T2 NW2 S3": (1, 2, 2, 3), "L1 T4 NW2 S3": (1, 4, 2, 3)}
+
+
+def set_variant(var):
     if var is None:
         decode.vector_loads_fit = lambda *a: False
-    else:
-        decode.vector_loads_fit = _fit
-        decode.VEC_LOADS, decode.VEC_KEYS, NW = var
+        return
+    decode.vector_loads_fit = _fit
+    decode.VEC_LOADS, decode.VEC_KEYS, decode.VEC_WARPS, decode.VEC_STAGES = var
 
-        def tiles(dtype, D_, DV, rows, vec=False, NW=NW):
-            t = _orig(dtype, D_, DV, rows, vec=vec)
-            if vec:
-                from dataclasses import replace
-                t = replace(t, NW=NW)
-            return t
-        decode.decode_tiles = tiles
-    for B, L in ((1, 131072), (16, 8192)):
-        run(B, L, name)
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    ref = {}
+    for name in a.variants.split(","):
+        set_variant(VARIANTS[name])
+        for B, L in ((1, 131072), (16, 8192)):
+            try:
+                run(B, L, name, ref)
+            except Exception as exc:  # noqa: BLE001
+                print(f"{name:<22} {B:>3} x {L:<7} {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    if a.profile:
+        set_variant(VARIANTS[a.variants.split(",")[-1]])
+        q, k, v, g = inputs(1, 131072)
+        tg.attention(q, k, v, g)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            tg.attention(q, k, v, g)
+        pr.disable()
+        cupy.cuda.Device().synchronize()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+
+
+if __name__ == "__main__":
+    main()
