@@ -1,7 +1,6 @@
 """GPU tests of the split-key decode kernel's load geometries (marked gpu; skipped without
 cupy and a CUDA device): 16-byte vector loads when the k / v rows are 16-byte aligned with unit
-stride along D (straight into registers, or staged through a cp.async shared-memory ring),
-scalar loads otherwise. All against the float64 oracle on fresh random inputs (GQA, an empty
+stride along D, scalar loads otherwise. All against the float64 oracle on fresh random inputs (GQA, an empty
 key range, several splits, non-finite values outside a row's band), and against each other."""
 import numpy as np
 import pytest
@@ -33,25 +32,9 @@ GRAPHS = {
 }
 
 
-# vector geometries: (16-byte loads per lane and row, keys per lane group and step, warps, ring
-# stages); "default" is the module's own choice
-GEOMETRIES = {"default": None, "registers": (2, 4, 4, 0), "ring3": (1, 2, 4, 3), "ring2": (2, 2, 4, 2)}
-
-
-@pytest.fixture
-def geometry(request, monkeypatch):
-    from tiga_numba.cuda import decode
-    var = GEOMETRIES[request.param]
-    if var is not None:
-        for name, value in zip(("VEC_LOADS", "VEC_KEYS", "VEC_WARPS", "VEC_STAGES"), var):
-            monkeypatch.setattr(decode, name, value)
-    return request.param
-
-
-@pytest.mark.parametrize("geometry", list(GEOMETRIES), indirect=True)
 @pytest.mark.parametrize("kind", list(GRAPHS))
 @pytest.mark.parametrize("D,H,Hkv", [(128, 8, 2), (64, 4, 4)])
-def test_vector_and_scalar_loads_match_the_oracle(kind, D, H, Hkv, geometry):
+def test_vector_and_scalar_loads_match_the_oracle(kind, D, H, Hkv):
     g = GRAPHS[kind]()
     q = RNG.standard_normal((g.num_dst, H, D)).astype(np.float16)
     k = RNG.standard_normal((g.num_src, Hkv, D)).astype(np.float16)

@@ -15,16 +15,3 @@ for g, dt, D in ((tg.Graph.band(90, 70, left=9, right=3), np.float32, 64),
     print(tg.functional.last_plan().run_info["kernel"] if hasattr(tg, "functional") else "")
 cupy.cuda.Device().synchronize()
 print("sanitize run done")
-
-# the decode kernel's other vector geometries (registers, and cp.async rings of 2 and 3 stages)
-from tiga_numba.cuda import decode  # noqa: E402
-for var in ((2, 4, 4, 0), (1, 2, 4, 3), (2, 2, 4, 2)):
-    decode.VEC_LOADS, decode.VEC_KEYS, decode.VEC_WARPS, decode.VEC_STAGES = var
-    for g in (tg.Graph.cu_seqlens([0, 3, 5], cu_seqlens_k=[0, 700, 1500], causal=True), tg.Graph.dense(5000, 1)):
-        q = cupy.asarray(rng.standard_normal((g.num_dst, 8, 128)).astype(np.float16))
-        k = cupy.asarray(rng.standard_normal((g.num_src, 2, 128)).astype(np.float16))
-        v = cupy.asarray(rng.standard_normal((g.num_src, 2, 128)).astype(np.float16))
-        tg.attention(q, k, v, g)
-        print(var, tg.functional.last_plan().run_info["tiles"])
-cupy.cuda.Device().synchronize()
-print("decode geometries done")

@@ -50,7 +50,6 @@ class DecodeTiles:
     ROWS: int = 4  # (query row, head) rows per CTA
     threads: int = 0  # 0: 32 * NW (the simulator's tests take fewer)
     vec: bool = False  # 16-bit rows read as 16-byte vectors: lane s holds dims [s DS, s DS + DS)
-    stages: int = 0  # with vec: K / V staged through a shared-memory ring of this many steps
 
     @property
     def NT(self):
@@ -73,27 +72,10 @@ class DecodeTiles:
         """Keys a CTA consumes per step."""
         return self.groups * self.T
 
-    @property
-    def ring(self):
-        return self.vec and self.stages >= 2
-
-    @property
-    def stage_bytes(self):
-        """K and V rows of one step's keys in the ring"""
-        return self.step * 2 * (self.D + self.DV)
-
-    @property
-    def dyn_smem(self):
-        """the ring; after the key loop it holds the groups' accumulators (sA)"""
-        if not self.ring:
-            return 0
-        return max(self.stages * self.stage_bytes, self.groups * self.ROWS * self.DV * 4)
-
     def describe(self):
         return (f"{self.G} lanes per key, {self.T} keys per lane group and step, "
                 f"{self.NT} threads, {self.ROWS} rows per CTA"
-                + (", 16-byte K/V loads" if self.vec else "")
-                + (f" through a {self.stages}-stage cp.async ring" if self.ring else ""))
+                + (", 16-byte K/V loads" if self.vec else ""))
 
 
 def vector_loads_fit(dtype, D, DV):
@@ -113,13 +95,10 @@ def vector_loads_aligned(ptrs, strides):
             and all(s0 % 8 == 0 and s1 % 8 == 0 and s2 == 1 for s0, s1, s2 in strides))
 
 
-# vector geometry: 16-byte loads per lane and K / V row, keys per lane group and step, warps
-# per CTA, stages of the cp.async ring (0: loads straight into registers); chosen on the H200
-# with benchmarks/gpu/decode_probe.py
+# vector geometry: 16-byte loads per lane and K / V row, keys per lane group and step (chosen
+# on the H200 with benchmarks/gpu/decode_probe.py)
 VEC_LOADS = 2
 VEC_KEYS = 4
-VEC_WARPS = 4
-VEC_STAGES = 0
 
 
 def decode_tiles(dtype, D, DV, rows, vec=False):
@@ -135,8 +114,7 @@ def decode_tiles(dtype, D, DV, rows, vec=False):
         R *= 2
     if vec:
         G = max(1, min(32, D // 8 // VEC_LOADS))  # lanes per key; each holds D / G elements
-        return DecodeTiles(dtype, "float32", D, DV, G=G, T=VEC_KEYS, NW=VEC_WARPS, ROWS=R, vec=True,
-                           stages=VEC_STAGES)
+        return DecodeTiles(dtype, "float32", D, DV, G=G, T=VEC_KEYS, NW=4, ROWS=R, vec=True)
     G = 1
     while G < 32 and G * 16 < max(D, DV):
         G *= 2
@@ -149,7 +127,7 @@ def make_decode(t):
     AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
     D, DV, G, T, NT, ROWS = t.D, t.DV, t.G, t.T, t.NT, t.ROWS
     DS, DVS, NGT = t.DS, t.DVS, t.groups
-    VEC, RING, STAGES = t.vec, t.ring, t.stages
+    VEC = t.vec
     if VEC:  # 16-byte loads (ld.global.nc.v4) and half2 -> float2 unpacking, inline PTX
         from .tc.ptx import intrinsics
         _ptx = intrinsics(t.dtype)
@@ -157,39 +135,6 @@ def make_decode(t):
         assert DS == DVS and DS % 8 == 0
     else:
         ldg16 = unpack2 = None
-    KST = NGT * T  # keys per step (one ring stage)
-    ROWB = 2 * (D + DV)  # bytes of a key's K and V rows in a stage
-    STB = KST * ROWB
-    CPK = (D + DV) // 8  # 16-byte chunks per key (K then V)
-    NCH = KST * CPK  # 16-byte copies per stage
-    if RING:
-        assert STAGES in (2, 3) and NCH % NT == 0
-        cp_async16, cp_commit, lds4, saddr = (_ptx[n] for n in ("cp_async16", "cp_commit", "lds_u32x4", "saddr"))
-        # the stage of step i must have landed when step i starts; the next STAGES - 2 may
-        # still be in flight
-        cp_wait = _ptx["cp_wait0"] if STAGES == 2 else _ptx["cp_wait1"]
-        cp_wait0 = _ptx["cp_wait0"]
-
-        @cuda.jit(device=True, inline="always")
-        def issue_stage(rb, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, js, ce, slot, tid):
-            """cp.async the K and V rows of keys [js, js + KST) into ring slot `slot` (the
-            whole CTA; keys past the chunk are zero-filled, nothing read); one commit group
-            per call, empty or not, so that the wait counts stay aligned"""
-            if js < ce:
-                for cid in range(tid, NCH, NT):
-                    kk = cid // CPK
-                    p = cid - kk * CPK
-                    j = js + kk
-                    jj = min(j, ce - 1)
-                    nb = numba.uint32(16 if j < ce else 0)
-                    if p < D // 8:
-                        ga = k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + 8 * p)
-                    else:
-                        ga = v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + 8 * (p - D // 8))
-                    cp_async16(numba.uint32(rb + slot * STB + kk * ROWB + 16 * p), ga, nb)
-            cp_commit()
-    else:
-        issue_stage = None
     NV = DS // 8  # with VEC: 16-byte loads per lane and K / V row
     LOGG = G.bit_length() - 1
     SM = NGT * ROWS
@@ -217,11 +162,7 @@ def make_decode(t):
         bhi_a = AS_I64(bhi_p)
         sM = cuda.shared.array(SM, ACC)
         sL = cuda.shared.array(SM, ACC)
-        if RING:  # dynamic shared memory: the ring, then (aliased) the groups' accumulators
-            sA = cuda.shared.array(0, ACC)
-            rb = saddr(cuda.shared.array(0, numba.uint32))
-        else:
-            sA = cuda.shared.array(SA, ACC)
+        sA = cuda.shared.array(SA, ACC)
         neg = ACC(NEG_INF)
         tid = cuda.threadIdx.x
         b = i64(cuda.blockIdx.x)  # blocks on x: up to 2^31 - 1 of them (y and z stop at 65535)
@@ -276,35 +217,15 @@ def make_decode(t):
             mrow[U(r)] = neg
             lrow[U(r)] = ACC(0.0)
 
-        if RING:
-            for st in range(STAGES - 1):
-                issue_stage(rb, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, cb + st * KST, ce, st, tid)
-        it = 0
         # every thread runs the same number of steps (the shuffles need whole warps); group gid
         # takes keys [j0 + gid * T, j0 + gid * T + T) of each step
-        for js in range(cb, ce, KST):
+        for js in range(cb, ce, NGT * T):
             j0 = js + gid * T
-            if RING:
-                cp_wait()  # this thread's copies of the step have landed,
-                cuda.syncthreads()  # every thread's too; the slot refilled now was consumed
-                issue_stage(rb, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, js + (STAGES - 1) * KST, ce,
-                            (it + STAGES - 1) % STAGES, tid)
-                slot = it % STAGES
-                it += 1
             # this group's T keys: K and V rows loaded together (2 T rows in flight per
             # group), then the scores of every row
             for tt in range(T):
                 j = j0 + tt
-                if RING:  # the group's rows from the ring slot (keys past ce hold zeros)
-                    ra = rb + slot * STB + (gid * T + tt) * ROWB + lane * DS * 2
-                    for w in range(NV):
-                        kw = lds4(numba.uint32(ra + 16 * w))
-                        vw = lds4(numba.uint32(ra + 2 * D + 16 * w))
-                        e8 = tt * DS + 8 * w
-                        for p in range(4):
-                            kv[U(e8 + 2 * p)], kv[U(e8 + 2 * p + 1)] = unpack2(kw[p])
-                            vv[U(e8 + 2 * p)], vv[U(e8 + 2 * p + 1)] = unpack2(vw[p])
-                elif VEC:
+                if VEC:
                     # NV 16-byte loads of K and of V per lane (8 halves each); keys past the
                     # chunk are not read (the predicated load returns zeros)
                     inr = numba.uint32(1 if j < ce else 0)
@@ -385,9 +306,6 @@ def make_decode(t):
                         for cc in range(DVS):
                             acc[U(r * DVS + cc)] += p * vv[U(tt * DVS + cc)]
 
-        if RING:  # sA reuses the ring: every copy landed and every thread done reading
-            cp_wait0()
-            cuda.syncthreads()
         # the groups' states meet in shared memory; combined in group order
         for r in range(ROWS):
             if lane == 0:
@@ -444,10 +362,8 @@ def make_decode(t):
             + [(f"{p}s{n}", "s", i64) for p in "qkv" for n in range(3)]
             + [("H", "s", i64), ("grp", "s", i64), ("nrg", "s", i64), ("splits", "s", i64),
                ("chunk", "s", i64), ("scale", "s", ACC)])
-    name = f"decode_{t.dtype}_d{D}_dv{DV}_g{G}_t{T}_nw{t.NW}_r{ROWS}" + (f"_s{STAGES}" if RING else "")
-    kern = Kernel(name, body, spec)
-    kern.dyn_smem = t.dyn_smem
-    return kern
+    name = f"decode_{t.dtype}_d{D}_dv{DV}_g{G}_t{T}_nw{t.NW}_r{ROWS}"
+    return Kernel(name, body, spec)
 
 
 def make_merge(dtype, acc, DV):
