@@ -59,6 +59,9 @@ def _factories(dtype, D, DV):
     if decode.vector_loads_fit(dtype, D, DV):
         tv = decode.decode_tiles(dtype, D, DV, 4, vec=True)
         out.append(("decode.vec", lambda: decode.make_decode(tv)))
+    if decode.mma_fits(dtype, D, DV):
+        tm = decode.mma_tiles(dtype, D, DV, 16)
+        out.append(("decode.mma", lambda: decode.make_decode_mma(tm)))
     out.append(("decode.merge", lambda: decode.make_merge(dtype, tiles.acc_of(dtype), DV)))
     out.append(("delta", lambda: make_delta(dtype, tiles.acc_of(dtype))))
     out.append(("stats", lambda: make_stats(dtype, tiles.acc_of(dtype))))

@@ -1,7 +1,9 @@
-"""GPU tests of the split-key decode kernel's load geometries (marked gpu; skipped without
-cupy and a CUDA device): 16-byte vector loads when the k / v rows are 16-byte aligned with unit
-stride along D, scalar loads otherwise. All against the float64 oracle on fresh random inputs (GQA, an empty
-key range, several splits, non-finite values outside a row's band), and against each other."""
+"""GPU tests of the split-key decode kernels (marked gpu; skipped without cupy and a CUDA
+device): where the k / v rows are 16-byte aligned with unit stride along D, the tensor-core
+kernel (float16, D 64 or 128) or the CUDA-core kernel with 16-byte loads; scalar loads
+otherwise. All against the float64 oracle on fresh random inputs (GQA, up to 16 rows per CTA,
+an empty segment, several splits, non-finite values outside a row's band), and against each
+other."""
 import numpy as np
 import pytest
 
@@ -29,12 +31,26 @@ GRAPHS = {
     "varlen_1q": lambda: tg.Graph.cu_seqlens(np.arange(5), cu_seqlens_k=[0, 1, 2000, 2000, 4100],
                                              causal=True),
     "varlen_3q": lambda: tg.Graph.cu_seqlens([0, 3, 6], cu_seqlens_k=[0, 1500, 1533], causal=True),
+    "varlen_4q": lambda: tg.Graph.cu_seqlens([0, 4, 4, 8], cu_seqlens_k=[0, 2100, 2100, 2171],
+                                             causal=True),
 }
+# (the last key of the first segment, the rows that do not see it, the row that does)
+EDGE_KEY = {"varlen_3q": (1499, [0, 1], 2), "varlen_4q": (2099, [0, 1, 2], 3)}
+
+
+@pytest.fixture(params=["tensor-cores", "cuda-cores"])
+def aligned_kernel(request, monkeypatch):
+    """which kernel takes aligned rows: the tensor-core one (the default for these shapes) or
+    the CUDA-core one with 16-byte loads (what other head dims take)"""
+    if request.param == "cuda-cores":
+        from tiga_numba.cuda import decode
+        monkeypatch.setattr(decode, "mma_fits", lambda *a: False)
+    return request.param
 
 
 @pytest.mark.parametrize("kind", list(GRAPHS))
-@pytest.mark.parametrize("D,H,Hkv", [(128, 8, 2), (64, 4, 4)])
-def test_vector_and_scalar_loads_match_the_oracle(kind, D, H, Hkv):
+@pytest.mark.parametrize("D,H,Hkv", [(128, 8, 2), (64, 4, 4), (128, 16, 4)])
+def test_aligned_and_scalar_loads_match_the_oracle(kind, D, H, Hkv, aligned_kernel):
     g = GRAPHS[kind]()
     q = RNG.standard_normal((g.num_dst, H, D)).astype(np.float16)
     k = RNG.standard_normal((g.num_src, Hkv, D)).astype(np.float16)
@@ -44,29 +60,37 @@ def test_vector_and_scalar_loads_match_the_oracle(kind, D, H, Hkv):
     qd = cupy.asarray(q)
     # aligned: plain contiguous arrays
     kd, vd = cupy.asarray(k), cupy.asarray(v)
-    out_a = tg.attention(qd, kd, vd, g)
+    out_a, st_a = tg.attention(qd, kd, vd, g, return_stats=True)
     kern_a = functional.last_plan().run_info["kernel"]
-    assert kern_a.startswith("cuda.decode.forward") and "16-byte K/V loads" in kern_a, kern_a
+    want = "tensor cores" if aligned_kernel == "tensor-cores" else "16-byte K/V loads"
+    assert kern_a.startswith("cuda.decode.forward") and want in kern_a, kern_a
     # unaligned: the same values at an odd element offset inside a wider buffer
     kb = cupy.zeros((g.num_src, Hkv, D + 1), np.float16)
     vb = cupy.zeros((g.num_src, Hkv, D + 1), np.float16)
     kb[:, :, 1:] = kd
     vb[:, :, 1:] = vd
-    out_s = tg.attention(qd, kb[:, :, 1:], vb[:, :, 1:], g)
+    out_s, st_s = tg.attention(qd, kb[:, :, 1:], vb[:, :, 1:], g, return_stats=True)
     kern_s = functional.last_plan().run_info["kernel"]
     assert "scalar K/V loads" in kern_s, kern_s
     for out in (out_a, out_s):
         assert rel_err(cupy.asnumpy(out), ro) < 4e-3
-    assert rel_err(cupy.asnumpy(out_a), cupy.asnumpy(out_s)) < 1e-3
+    assert rel_err(cupy.asnumpy(out_a), cupy.asnumpy(out_s)) < 2e-3
+    # the row statistics agree too (the backward takes them as they are)
+    ma, ms = cupy.asnumpy(st_a.m), cupy.asnumpy(st_s.m)
+    assert np.array_equal(np.isfinite(ma), np.isfinite(ms))
+    fin = np.isfinite(ma)
+    assert np.allclose(ma[fin], ms[fin], rtol=1e-5, atol=1e-5)
+    assert np.allclose(cupy.asnumpy(st_a.l), cupy.asnumpy(st_s.l), rtol=2e-3)
     out_a2 = tg.attention(qd, kd, vd, g)
-    assert bool(cupy.all(out_a == out_a2)), "vector-load decode not bitwise repeatable"
-    if kind == "varlen_3q":
-        # the last key of the first segment is outside the band of its first two query rows:
-        # non-finite there, it must not reach them (rows that see it may turn non-finite)
-        assert not M[0, 1499] and not M[1, 1499] and M[2, 1499]
+    assert bool(cupy.all(out_a == out_a2)), "aligned-load decode not bitwise repeatable"
+    if kind in EDGE_KEY:
+        # non-finite K / V at a key outside some rows' band must not reach them (the row that
+        # sees it may turn non-finite); rows of the other segments stay as they were
+        last, blind, sees = EDGE_KEY[kind]
+        assert not M[blind, last].any() and M[sees, last]
+        keep = [r for r in range(g.num_dst) if r not in (sees,) and (r in blind or not M[r, :last + 1].any())]
         kp, vp = k.copy(), v.copy()
-        kp[1499], vp[1499] = np.nan, np.inf
+        kp[last], vp[last] = np.nan, np.inf
         out_p = cupy.asnumpy(tg.attention(qd, cupy.asarray(kp), cupy.asarray(vp), g))
-        keep = [0, 1, 3, 4, 5]
         assert np.isfinite(out_p[keep]).all(), "a non-finite key outside a row's band reached it"
         assert rel_err(out_p[keep], ro[keep]) < 4e-3

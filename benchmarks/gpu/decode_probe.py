@@ -61,23 +61,27 @@ def run(B, L, variant, ref):
           f"max|diff| vs scalar {err:.1e}", flush=True)
 
 
-# name: None for the scalar geometry, else (16-byte loads per lane and row, keys per lane group
-# and step, warps per CTA)
-VARIANTS = {"scalar": None, "L2 T4 NW4": (2, 4, 4), "L1 T8 NW4": (1, 8, 4), "L2 T4 NW2": (2, 4, 2),
-            "L1 T4 NW4": (1, 4, 4)}
+# name: ("scalar",) for the scalar geometry, ("vec", 16-byte loads per lane and row, keys per lane
+# group and step, warps per CTA) for the CUDA-core vector geometry, ("mma", warps per CTA) for the
+# tensor-core kernel
+VARIANTS = {"scalar": ("scalar",), "vec L2 T4 NW4": ("vec", 2, 4, 4), "mma NW4": ("mma", 4),
+            "mma NW2": ("mma", 2), "mma NW8": ("mma", 8)}
+_mma_fits = decode.mma_fits
 
 
 def set_variant(var):
-    if var is None:
-        decode.vector_loads_fit = lambda *a: False
-        return
-    decode.vector_loads_fit = _fit
-    decode.VEC_LOADS, decode.VEC_KEYS, NW = var
+    decode.vector_loads_fit = _fit if var[0] == "vec" else (lambda *a: False)
+    decode.mma_fits = _mma_fits if var[0] == "mma" else (lambda *a: False)
+    decode.decode_tiles = _tiles
+    if var[0] == "mma":
+        decode.MMA_WARPS = var[1]
+    elif var[0] == "vec":
+        decode.VEC_LOADS, decode.VEC_KEYS, NW = var[1:]
 
-    def tiles(dtype, D_, DV, rows, vec=False):
-        t = _tiles(dtype, D_, DV, rows, vec=vec)
-        return replace(t, NW=NW) if vec else t
-    decode.decode_tiles = tiles
+        def tiles(dtype, D_, DV, rows, vec=False):
+            t = _tiles(dtype, D_, DV, rows, vec=vec)
+            return replace(t, NW=NW) if vec else t
+        decode.decode_tiles = tiles
 
 
 def main():
@@ -94,7 +98,7 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 print(f"{name:<22} {B:>3} x {L:<7} {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     if a.profile:
-        set_variant(VARIANTS[a.variants.split(",")[-1]])
+        set_variant(VARIANTS["mma NW4"])
         q, k, v, g = inputs(1, 131072)
         tg.attention(q, k, v, g)
         pr = cProfile.Profile()

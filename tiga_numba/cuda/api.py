@@ -354,12 +354,20 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
     chunk = max(t.step, _cdiv(_cdiv(max(longest, 1), splits), t.step) * t.step)
     splits = max(1, _cdiv(longest, chunk))
     rec.geo["kern"] = rec.kernel(("decode", t), lambda: _decode.make_decode(t))
+    # where k and v rows are 16-byte aligned (checked per call): the tensor-core kernel, else
+    # 16-byte loads on the CUDA cores; each with its own rows per CTA, so its own grid
     rec.geo["kern_vec"] = None
-    if not _decode.SIM and _decode.vector_loads_fit(dname, D, DV):
+    tv = None
+    if not _decode.SIM and _decode.mma_fits(dname, D, DV):
+        tv = _decode.mma_tiles(dname, D, DV, int(rel.max_block_dst) * grp)
+        rec.geo["kern_vec"] = rec.kernel(("decode.mma", tv), lambda: _decode.make_decode_mma(tv))
+    elif not _decode.SIM and _decode.vector_loads_fit(dname, D, DV):
         tv = _decode.decode_tiles(dname, D, DV, int(rel.max_block_dst) * grp, vec=True)
         rec.geo["kern_vec"] = rec.kernel(("decode", tv), lambda: _decode.make_decode(tv))
-        rec.geo["block_vec"] = (tv.NT, 1, 1)
-        assert tv.ROWS == t.ROWS  # the grid (row groups) is shared by both geometries
+    if tv is not None:
+        nrg_v = max(1, _cdiv(int(rel.max_block_dst) * grp, tv.ROWS))
+        rec.geo.update(block_vec=(tv.NT, 1, 1), nrg_vec=nrg_v, grid_vec=(S, splits, Hkv * nrg_v),
+                       tiles_vec=tv.describe())
     if splits > 1:
         rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
                                       lambda: _decode.make_merge(dname, t.acc, DV))
@@ -373,7 +381,7 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
                 "heads of a kv head read each K/V row once"
                 + (", partials merged in split order)" if splits > 1 else ")")
                 + _banded_note(rel).replace("only key tiles inside the band are visited; ", "")),
-        tiles=t.describe() + ("; 16-byte K/V loads where k and v rows are 16-byte aligned"
+        tiles=t.describe() + (f"; where k and v rows are 16-byte aligned: {rec.geo['tiles_vec']}"
                               if rec.geo["kern_vec"] is not None else ""))
 
 
@@ -576,17 +584,17 @@ def _decode_forward(plan, q, k, v, relation):
         else:
             d = _dummy(acc).data.ptr
             parts = (d, d, d)
-        kern, block = g["kern"], g["block"]
+        kern, block, grid, nrg = g["kern"], g["block"], g["grid"], g["nrg"]
         if g["kern_vec"] is not None:
             if _decode.vector_loads_aligned((kp, vp), ((ks0, ks1, ks2), (vs0, vs1, vs2))):
-                kern, block = g["kern_vec"], g["block_vec"]
-                info["kernel"] += "; 16-byte K/V loads"
+                kern, block, grid, nrg = g["kern_vec"], g["block_vec"], g["grid_vec"], g["nrg_vec"]
+                info["kernel"] += ("; tensor cores" if "mma" in kern.name else "; 16-byte K/V loads")
             else:
                 info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
                                    "unit-stride along D)")
-        kern(g["grid"], block, stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
-                  *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
-                  H, H // Hkv, g["nrg"], splits, g["chunk"], float(plan.scale))
+        kern(grid, block, stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+             *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
+             H, H // Hkv, nrg, splits, g["chunk"], float(plan.scale))
         if splits > 1:
             mk = g["merge"]
             mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,

@@ -36,6 +36,7 @@ from .launch import SIM, Kernel
 
 i64 = numba.int64
 U = numba.uint64
+U32 = nbtype("uint32")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DecodeTiles:
     ROWS: int = 4  # (query row, head) rows per CTA
     threads: int = 0  # 0: 32 * NW (the simulator's tests take fewer)
     vec: bool = False  # 16-bit rows read as 16-byte vectors: lane s holds dims [s DS, s DS + DS)
+    mma: bool = False  # tensor-core geometry (make_decode_mma): G = 32, T keys per warp and step
 
     @property
     def NT(self):
@@ -73,6 +75,9 @@ class DecodeTiles:
         return self.groups * self.T
 
     def describe(self):
+        if self.mma:
+            return (f"tensor cores (mma.sync m16n8k16): {self.T} keys per warp and step, "
+                    f"{self.NW} warps, {self.ROWS} rows per CTA as the MMA's M")
         return (f"{self.G} lanes per key, {self.T} keys per lane group and step, "
                 f"{self.NT} threads, {self.ROWS} rows per CTA"
                 + (", 16-byte K/V loads" if self.vec else ""))
@@ -125,7 +130,7 @@ def decode_tiles(dtype, D, DV, rows, vec=False):
 def make_decode(t):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
-    D, DV, G, T, NT, ROWS = t.D, t.DV, t.G, t.T, t.NT, t.ROWS
+    D, DV, G, T, ROWS = t.D, t.DV, t.G, t.T, t.ROWS
     DS, DVS, NGT = t.DS, t.DVS, t.groups
     VEC = t.vec
     if VEC:  # 16-byte loads (ld.global.nc.v4) and half2 -> float2 unpacking, inline PTX
@@ -144,6 +149,8 @@ def make_decode(t):
     SCN = ROWS * T
     KS = DS * T
     VSB = DVS * T
+
+    combine = make_combine(t)
 
     def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
              qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
@@ -316,9 +323,37 @@ def make_decode(t):
                 if d < DV:
                     sA[U((gid * ROWS + r) * DV + d)] = acc[U(r * DVS + cc)]
         cuda.syncthreads()
-        for e in range(tid, ROWS * max(DV, 1), NT):
-            r = e // max(DV, 1)
-            d = e - r * max(DV, 1)
+        combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c)
+
+    name = f"decode_{t.dtype}_d{D}_dv{DV}_g{G}_t{T}_nw{t.NW}_r{ROWS}"
+    return Kernel(name, body, _spec(IN, ACC))
+
+
+def _spec(IN, ACC):
+    """the parameters of both split-key kernels"""
+    return ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
+             ("mo", "a", ACC), ("lo", "a", ACC), ("pacc", "a", ACC), ("pm", "a", ACC),
+             ("pl", "a", ACC), ("doff", "a", i64), ("soff", "a", i64), ("blo", "a", i64),
+             ("bhi", "a", i64)]
+            + [(f"{p}s{n}", "s", i64) for p in "qkv" for n in range(3)]
+            + [("H", "s", i64), ("grp", "s", i64), ("nrg", "s", i64), ("splits", "s", i64),
+               ("chunk", "s", i64), ("scale", "s", ACC)])
+
+
+def make_combine(t):
+    """Device function: the CTA's `groups` partial states of its ROWS rows (sM, sL: m and l per
+    group and row; sA: acc per group, row and value dim, all in shared memory) combined in group
+    order, then written as the row's (out, m, l) with one split, or as split c's partial."""
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    ROWS, NGT, NT, DV = t.ROWS, t.groups, t.NT, t.DV
+    DVM = max(DV, 1)
+
+    @cuda.jit(device=True, inline="always")
+    def combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c):
+        neg = ACC(NEG_INF)
+        for e in range(tid, ROWS * DVM, NT):
+            r = e // DVM
+            d = e - r * DVM
             rl = r0 + r
             if rl < nrows:
                 M = neg
@@ -354,16 +389,276 @@ def make_decode(t):
                     if d == 0:
                         pm[U(pr)] = M
                         pl[U(pr)] = L
+    return combine
 
-    spec = ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
-             ("mo", "a", ACC), ("lo", "a", ACC), ("pacc", "a", ACC), ("pm", "a", ACC),
-             ("pl", "a", ACC), ("doff", "a", i64), ("soff", "a", i64), ("blo", "a", i64),
-             ("bhi", "a", i64)]
-            + [(f"{p}s{n}", "s", i64) for p in "qkv" for n in range(3)]
-            + [("H", "s", i64), ("grp", "s", i64), ("nrg", "s", i64), ("splits", "s", i64),
-               ("chunk", "s", i64), ("scale", "s", ACC)])
-    name = f"decode_{t.dtype}_d{D}_dv{DV}_g{G}_t{T}_nw{t.NW}_r{ROWS}"
-    return Kernel(name, body, spec)
+
+def mma_fits(dtype, D, DV):
+    """Whether the tensor-core geometry exists: float16 rows of D == DV elements, D 64 or 128
+    (the accumulators of 16 rows x D stay in registers). Alignment as for vector loads."""
+    return dtype == "float16" and D == DV and D in (64, 128)
+
+
+MMA_WARPS = 4  # warps per CTA of the tensor-core geometry
+MMA_KEYS = 16  # keys per warp and step (one k16 step of the P V product)
+
+
+def mma_tiles(dtype, D, DV, rows):
+    """Tensor-core geometry: up to 8 rows per CTA (rows 0-7 of the MMA's M = 16; more rows take
+    more row groups), MMA_KEYS keys per warp and step."""
+    R = 1
+    while R < rows and R < 8:
+        R *= 2
+    return DecodeTiles(dtype, "float32", D, DV, G=32, T=MMA_KEYS, NW=MMA_WARPS, ROWS=R, mma=True)
+
+
+def make_decode_mma(t):
+    """Split-key forward on tensor cores (mma.sync m16n8k16, float16 operands, float32
+    accumulation), same launch, grid and outputs as make_decode.
+
+    The CTA's ROWS <= 8 (query row, head) pairs are rows 0-7 of the MMA's M dimension (lane
+    (gq, tq) = (lane / 4, lane % 4) holds row gq; rows 8-15 are zeros, their results unused). Each warp walks its own steps of 16 keys of the chunk:
+    S = Q K^T over n-blocks of 8 keys, K read from global memory straight into B fragments
+    (16-byte loads; lane (gq, tq) reads key gq's dims [32 c + 8 tq, +8), and Q's A fragments
+    are loaded in the same order of dims, so the products pair up), online softmax on the C
+    fragments (a row's 16 scores sit in the 4 lanes of its group), then O += P V with P's A
+    fragments taken from S's C fragments as they are and V's B fragments read by
+    ldmatrix.trans from a per-warp shared tile that cp.async filled one step ahead (two tiles
+    per warp). A step that the band cuts for some row adds its P V on the CUDA cores, cell by
+    cell, so that a non-finite V row outside a row's band never reaches it (the MMA would
+    multiply it by 0). The warps' states meet in shared memory and are combined in warp order
+    (make_combine)."""
+    from .tc.ptx import intrinsics
+    IN, ACC = nbtype(t.dtype), nbtype(t.acc)
+    AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
+    D, DV, NW, ROWS = t.D, t.DV, t.NW, t.ROWS
+    ptx = intrinsics(t.dtype)
+    mma, ldg16, ldsm_t, unpack2, pack2 = (ptx[n] for n in ("mma16816", "ldg_v4_if", "ldsm_x4_t",
+                                                            "unpack2", "pack2"))
+    cp_async16, cp_commit, cp_wait1, cp_wait0, saddr = (
+        ptx[n] for n in ("cp_async16", "cp_commit", "cp_wait1", "cp_wait0", "saddr"))
+    assert ROWS <= 8
+    NS = D // 16  # k16 steps of Q K^T
+    NC = D // 32  # 16-byte chunks of a K row per lane
+    NO = DV // 8  # n-blocks of O
+    ROWP = 2 * DV + 16  # bytes per V row in a shared tile (+16: ldmatrix rows fall in other banks)
+    TILE = MMA_KEYS * ROWP
+    CPR = DV // 8  # 16-byte copies per V row
+    NCP = MMA_KEYS * CPR // 32  # copies per lane and tile
+    SM = NW * ROWS
+    QF, KWN, OFN = NS * 2, 2 * NC * 4, NO * 4  # fragment registers: Q, the step's K, O
+    combine = make_combine(t)
+
+    @cuda.jit(device=True, inline="always")
+    def issue_tile(ta, v_p, s0, hk, vs0, vs1, js, ce, lane):
+        """cp.async the V rows of keys [js, js + 16) into the shared tile at `ta` (keys past ce
+        zero-filled, nothing read there); one commit group per call, empty or not, so that
+        the wait counts stay aligned"""
+        if js < ce:
+            for i in range(NCP):
+                cid = lane + 32 * i
+                kk = cid // CPR
+                pp = cid - kk * CPR
+                j = js + kk
+                jj = min(j, ce - 1)
+                cp_async16(numba.uint32(ta + kk * ROWP + 16 * pp),
+                           v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + 8 * pp),
+                           numba.uint32(16 if j < ce else 0))
+        cp_commit()
+
+    def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
+             qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
+        q = AS_IN(q_p)
+        out = AS_IN(out_p)
+        mo = AS_ACC(mo_p)
+        lo = AS_ACC(lo_p)
+        pacc = AS_ACC(pacc_p)
+        pm = AS_ACC(pm_p)
+        pl = AS_ACC(pl_p)
+        doff = AS_I64(doff_p)
+        soff = AS_I64(soff_p)
+        blo_a = AS_I64(blo_p)
+        bhi_a = AS_I64(bhi_p)
+        sM = cuda.shared.array(SM, ACC)
+        sL = cuda.shared.array(SM, ACC)
+        # dynamic shared memory: two V tiles per warp, then (aliased) the warps' accumulators
+        sA = cuda.shared.array(0, ACC)
+        sv = cuda.shared.array(0, U32)
+        neg = ACC(NEG_INF)
+        zero = ACC(0.0)
+        tid = cuda.threadIdx.x
+        b = i64(cuda.blockIdx.x)
+        c = i64(cuda.blockIdx.y)
+        z = i64(cuda.blockIdx.z)
+        hk = z // nrg
+        rg = z - hk * nrg
+        d0 = doff[U(b)]
+        nd = doff[U(b + 1)] - d0
+        s0 = soff[U(b)]
+        ns = soff[U(b + 1)] - s0
+        nrows = nd * grp
+        r0 = rg * ROWS
+        if r0 >= nrows:
+            return
+        blo = blo_a[U(b)]
+        bhi = bhi_a[U(b)]
+        kbeg = max(i64(0), blo)
+        kend = min(ns, nd - 1 + bhi + 1)
+        if blo > bhi:
+            kend = kbeg
+        cb = kbeg + c * chunk
+        ce = min(kend, cb + chunk)
+        qa = r0 // grp
+        qz = (min(r0 + ROWS, nrows) - 1) // grp
+
+        lane = tid % 32
+        warp = tid // 32
+        gq = lane // 4
+        tq = lane % 4
+        # the lane's row gq: query row il, head h
+        rl = r0 + gq
+        live = gq < ROWS and rl < nrows
+        il = rl // grp
+        h = hk * grp + (rl - il * grp)
+        qb = (d0 + il) * qs0 + h * qs1
+        mrow = neg
+        lrow = zero
+        # Q as A fragments: step s, registers a0a1 and a4a5 (row gq; a2a3, a6a7: rows 8-15,
+        # zeros), dims 32 (s // 2) + 8 tq + 4 (s % 2) + {0, 1} and + {2, 3}
+        qf = cuda.local.array(QF, U32)
+        for s in range(NS):
+            for w in range(2):
+                x = numba.uint32(0)
+                if live:
+                    dq = 32 * (s // 2) + 8 * tq + 4 * (s % 2) + 2 * w
+                    x = pack2(ACC(q[U(qb + dq * qs2)]), ACC(q[U(qb + (dq + 1) * qs2)]))
+                qf[s * 2 + w] = x
+        of = cuda.local.array(OFN, ACC)
+        for e in range(OFN):
+            of[e] = zero
+        sc = cuda.local.array(4, ACC)  # row gq's S (then P) of the step's two n-blocks
+        z32 = numba.uint32(0)
+        kw = cuda.local.array(KWN, U32)
+        vbase = saddr(sv) + numba.uint32(warp * 2 * TILE)
+        first = cb + warp * MMA_KEYS
+        stride = NW * MMA_KEYS
+        issue_tile(vbase, v_p, s0, hk, vs0, vs1, first, ce, lane)  # the warp's first tile
+        buf = 0
+        for js in range(first, ce, stride):
+            # the next step's V tile, into the other buffer (every lane finished reading it)
+            issue_tile(vbase + (1 - buf) * TILE, v_p, s0, hk, vs0, vs1, js + stride, ce, lane)
+            # K: key js + 8 nb + gq, dims [32 cc + 8 tq, +8) (zeros past ce)
+            for nb in range(2):
+                j = js + 8 * nb + gq
+                jj = min(j, ce - 1)
+                inr = numba.uint32(1 if j < ce else 0)
+                ka = k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + 8 * tq)
+                for cc in range(NC):
+                    w4 = ldg16(inr, ka + 64 * cc)
+                    for w in range(4):
+                        kw[(nb * NC + cc) * 4 + w] = w4[w]
+            # S = Q K^T, two n-blocks of 8 keys
+            for nb in range(2):
+                c0 = zero
+                c1 = zero
+                c2 = zero
+                c3 = zero
+                for s in range(NS):
+                    kb = (nb * NC + s // 2) * 4 + 2 * (s % 2)
+                    c0, c1, c2, c3 = mma(qf[s * 2], z32, qf[s * 2 + 1], z32,
+                                         kw[kb], kw[kb + 1], c0, c1, c2, c3)
+                sc[nb * 2] = c0 * scale  # row gq, keys js + 8 nb + 2 tq + {0, 1}
+                sc[nb * 2 + 1] = c1 * scale
+            # does the band cut this step for some row? (then P V goes cell by cell below)
+            je = min(js + MMA_KEYS, ce) - 1
+            cut = js - qz < blo or je - qa > bhi
+            # online softmax of row gq: sc[2 nb + e] is key js + 8 nb + 2 tq + e
+            tmax = neg
+            for nb in range(2):
+                for e in range(2):
+                    j = js + 8 * nb + 2 * tq + e
+                    dl = j - il
+                    x = sc[2 * nb + e]
+                    if not (live and j < ce and dl >= blo and dl <= bhi):
+                        x = neg
+                    sc[2 * nb + e] = x
+                    tmax = max(tmax, x)
+            tmax = max(tmax, cuda.shfl_xor_sync(FULL, tmax, 1))
+            tmax = max(tmax, cuda.shfl_xor_sync(FULL, tmax, 2))
+            mn = max(mrow, tmax)
+            alpha = ACC(1.0)
+            if mn > neg:
+                alpha = math.exp(mrow - mn)
+                mrow = mn
+            ps = zero
+            for e4 in range(4):
+                x = sc[e4]
+                p = zero
+                if x > neg:
+                    p = math.exp(x - mn)
+                sc[e4] = p
+                ps += p
+            lrow = lrow * alpha + ps
+            for o in range(NO):
+                of[o * 4] *= alpha
+                of[o * 4 + 1] *= alpha
+            cp_wait1()  # this lane's copies of the current tile landed,
+            cuda.syncwarp()  # and every lane's
+            tb = vbase + buf * TILE
+            if not cut:
+                # P as A fragments (keys js + 2 tq + {0, 1} and + 8), V by ldmatrix.trans
+                pa0 = pack2(sc[0], sc[1])
+                pa2 = pack2(sc[2], sc[3])
+                # lane l addresses row l % 8 of matrix l // 8: keys (l % 8) + 8 ((l // 8) % 2),
+                # dims + 8 (l // 16) of the n-block pair
+                ra = tb + ((lane % 8) + 8 * ((lane // 8) % 2)) * ROWP + 16 * (lane // 16)
+                for o2 in range(NO // 2):
+                    b0, b1, b2, b3 = ldsm_t(numba.uint32(ra + 32 * o2))
+                    o = 2 * o2
+                    of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3] = mma(
+                        pa0, z32, pa2, z32, b0, b1, of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3])
+                    o = 2 * o2 + 1
+                    of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3] = mma(
+                        pa0, z32, pa2, z32, b2, b3, of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3])
+            else:
+                # cell by cell: row gq and the lane's O columns 8 o + 2 tq + {0, 1}; row gq's P
+                # of key kk = 8 nb + 2 i + e sits in lane 4 gq + i, as its sc[2 nb + e]
+                p0, p1, p2, p3 = sc[0], sc[1], sc[2], sc[3]
+                for kk in range(MMA_KEYS):
+                    e = kk % 2
+                    pv = (p0 if e == 0 else p1) if kk < 8 else (p2 if e == 0 else p3)
+                    p = cuda.shfl_sync(FULL, pv, 4 * gq + (kk % 8) // 2)
+                    j = js + kk
+                    dl = j - il
+                    if live and j < ce and dl >= blo and dl <= bhi:
+                        wrow = (warp * 2 * TILE + buf * TILE + kk * ROWP) // 4 + tq
+                        for o in range(NO):
+                            va, vb = unpack2(sv[U(wrow + 4 * o)])
+                            of[o * 4] += p * va
+                            of[o * 4 + 1] += p * vb
+            cuda.syncwarp()  # every lane done with this tile before the next step refills it
+            buf = 1 - buf
+
+        # the warps' states meet in shared memory (sA aliases the V tiles: all warps done)
+        cp_wait0()
+        cuda.syncthreads()
+        lr = lrow
+        lr += cuda.shfl_xor_sync(FULL, lr, 1)
+        lr += cuda.shfl_xor_sync(FULL, lr, 2)
+        if gq < ROWS:
+            if tq == 0:
+                sM[U(warp * ROWS + gq)] = mrow
+                sL[U(warp * ROWS + gq)] = lr
+            for o in range(NO):
+                d = 8 * o + 2 * tq
+                sA[U((warp * ROWS + gq) * DV + d)] = of[o * 4]
+                sA[U((warp * ROWS + gq) * DV + d + 1)] = of[o * 4 + 1]
+        cuda.syncthreads()
+        combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c)
+
+    name = f"decode_mma_{t.dtype}_d{D}_dv{DV}_nw{NW}_r{ROWS}"
+    kern = Kernel(name, body, _spec(IN, ACC))
+    kern.dyn_smem = max(NW * 2 * TILE, NW * ROWS * DV * 4)
+    return kern
 
 
 def make_merge(dtype, acc, DV):
