@@ -350,7 +350,7 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
     longest = int(span.max()) if S else 0
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     base = max(1, S * Hkv * nrg)
-    splits = max(1, min(_cdiv(8 * sms, base), _cdiv(longest, 4 * t.step)))
+    splits = max(1, min(_cdiv(_decode.CTAS_PER_SM * sms, base), _cdiv(longest, 4 * t.step)))
     chunk = max(t.step, _cdiv(_cdiv(max(longest, 1), splits), t.step) * t.step)
     splits = max(1, _cdiv(longest, chunk))
     rec.geo["kern"] = rec.kernel(("decode", t), lambda: _decode.make_decode(t))

@@ -399,6 +399,7 @@ def mma_fits(dtype, D, DV):
 
 
 MMA_WARPS = 4  # warps per CTA of the tensor-core geometry
+CTAS_PER_SM = 8  # split-key rule: key chunks enough for about this many CTAs per SM
 MMA_KEYS = 16  # keys per warp and step (one k16 step of the P V product)
 
 
@@ -416,43 +417,41 @@ def make_decode_mma(t):
     accumulation), same launch, grid and outputs as make_decode.
 
     The CTA's ROWS <= 8 (query row, head) pairs are rows 0-7 of the MMA's M dimension (lane
-    (gq, tq) = (lane / 4, lane % 4) holds row gq; rows 8-15 are zeros, their results unused). Each warp walks its own steps of 16 keys of the chunk:
-    S = Q K^T over n-blocks of 8 keys, K read from global memory straight into B fragments
-    (16-byte loads; lane (gq, tq) reads key gq's dims [32 c + 8 tq, +8), and Q's A fragments
-    are loaded in the same order of dims, so the products pair up), online softmax on the C
+    (gq, tq) = (lane / 4, lane % 4) holds row gq; rows 8-15 are zeros, their results unused).
+    Each warp walks its own steps of 16 keys of the chunk. cp.async copies the K and V rows of
+    the warp's next step into its other pair of shared tiles while this step computes: S = Q K^T
+    over two n-blocks of 8 keys (K's B fragments by ldmatrix), online softmax on the C
     fragments (a row's 16 scores sit in the 4 lanes of its group), then O += P V with P's A
-    fragments taken from S's C fragments as they are and V's B fragments read by
-    ldmatrix.trans from a per-warp shared tile that cp.async filled one step ahead (two tiles
-    per warp). A step that the band cuts for some row adds its P V on the CUDA cores, cell by
-    cell, so that a non-finite V row outside a row's band never reaches it (the MMA would
-    multiply it by 0). The warps' states meet in shared memory and are combined in warp order
+    fragments taken from S's C fragments as they are and V's B fragments by ldmatrix.trans.
+    A step that the band cuts for some row adds its P V on the CUDA cores, cell by cell, so
+    that a non-finite V row outside a row's band never reaches it (the MMA would multiply it
+    by 0). The warps' states meet in shared memory and are combined in warp order
     (make_combine)."""
     from .tc.ptx import intrinsics
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
     D, DV, NW, ROWS = t.D, t.DV, t.NW, t.ROWS
     ptx = intrinsics(t.dtype)
-    mma, ldg16, ldsm_t, unpack2, pack2 = (ptx[n] for n in ("mma16816", "ldg_v4_if", "ldsm_x4_t",
-                                                            "unpack2", "pack2"))
+    mma, ldsm, ldsm_t, unpack2, pack2 = (ptx[n] for n in ("mma16816", "ldsm_x4", "ldsm_x4_t",
+                                                           "unpack2", "pack2"))
     cp_async16, cp_commit, cp_wait1, cp_wait0, saddr = (
         ptx[n] for n in ("cp_async16", "cp_commit", "cp_wait1", "cp_wait0", "saddr"))
     assert ROWS <= 8
     NS = D // 16  # k16 steps of Q K^T
-    NC = D // 32  # 16-byte chunks of a K row per lane
     NO = DV // 8  # n-blocks of O
-    ROWP = 2 * DV + 16  # bytes per V row in a shared tile (+16: ldmatrix rows fall in other banks)
-    TILE = MMA_KEYS * ROWP
-    CPR = DV // 8  # 16-byte copies per V row
+    ROWP = 2 * DV + 16  # bytes per K / V row in a shared tile (+16: ldmatrix rows fall in other banks)
+    TILE = MMA_KEYS * ROWP  # a warp's tiles: K, V of buffer 0, then K, V of buffer 1
+    CPR = DV // 8  # 16-byte copies per row
     NCP = MMA_KEYS * CPR // 32  # copies per lane and tile
     SM = NW * ROWS
-    QF, KWN, OFN = NS * 2, 2 * NC * 4, NO * 4  # fragment registers: Q, the step's K, O
+    QF, OFN = NS * 2, NO * 4  # fragment registers: Q, O
     combine = make_combine(t)
 
     @cuda.jit(device=True, inline="always")
-    def issue_tile(ta, v_p, s0, hk, vs0, vs1, js, ce, lane):
-        """cp.async the V rows of keys [js, js + 16) into the shared tile at `ta` (keys past ce
-        zero-filled, nothing read there); one commit group per call, empty or not, so that
-        the wait counts stay aligned"""
+    def issue_tiles(ta, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, js, ce, lane):
+        """cp.async the K and V rows of keys [js, js + 16) into the shared tiles at ta and
+        ta + TILE (keys past ce zero-filled, nothing read there); one commit group per call,
+        empty or not, so that the wait counts stay aligned"""
         if js < ce:
             for i in range(NCP):
                 cid = lane + 32 * i
@@ -460,9 +459,11 @@ def make_decode_mma(t):
                 pp = cid - kk * CPR
                 j = js + kk
                 jj = min(j, ce - 1)
+                nb = numba.uint32(16 if j < ce else 0)
                 cp_async16(numba.uint32(ta + kk * ROWP + 16 * pp),
-                           v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + 8 * pp),
-                           numba.uint32(16 if j < ce else 0))
+                           k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + 8 * pp), nb)
+                cp_async16(numba.uint32(ta + TILE + kk * ROWP + 16 * pp),
+                           v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + 8 * pp), nb)
         cp_commit()
 
     def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
@@ -523,13 +524,13 @@ def make_decode_mma(t):
         mrow = neg
         lrow = zero
         # Q as A fragments: step s, registers a0a1 and a4a5 (row gq; a2a3, a6a7: rows 8-15,
-        # zeros), dims 32 (s // 2) + 8 tq + 4 (s % 2) + {0, 1} and + {2, 3}
+        # zeros), dims 16 s + 2 tq + {0, 1} and + 8
         qf = cuda.local.array(QF, U32)
         for s in range(NS):
             for w in range(2):
                 x = numba.uint32(0)
                 if live:
-                    dq = 32 * (s // 2) + 8 * tq + 4 * (s % 2) + 2 * w
+                    dq = 16 * s + 2 * tq + 8 * w
                     x = pack2(ACC(q[U(qb + dq * qs2)]), ACC(q[U(qb + (dq + 1) * qs2)]))
                 qf[s * 2 + w] = x
         of = cuda.local.array(OFN, ACC)
@@ -537,35 +538,32 @@ def make_decode_mma(t):
             of[e] = zero
         sc = cuda.local.array(4, ACC)  # row gq's S (then P) of the step's two n-blocks
         z32 = numba.uint32(0)
-        kw = cuda.local.array(KWN, U32)
-        vbase = saddr(sv) + numba.uint32(warp * 2 * TILE)
+        wbase = saddr(sv) + numba.uint32(warp * 4 * TILE)
         first = cb + warp * MMA_KEYS
         stride = NW * MMA_KEYS
-        issue_tile(vbase, v_p, s0, hk, vs0, vs1, first, ce, lane)  # the warp's first tile
+        issue_tiles(wbase, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, first, ce, lane)  # the first step
         buf = 0
+        # lane l addresses row l % 8 of ldmatrix matrix l // 8
+        ka = (lane % 8) * ROWP + 16 * (lane // 8)  # K: keys 8 nb + l % 8, dims + 8 (l // 8)
+        va = ((lane % 8) + 8 * ((lane // 8) % 2)) * ROWP + 16 * (lane // 16)  # V: keys, dims
         for js in range(first, ce, stride):
-            # the next step's V tile, into the other buffer (every lane finished reading it)
-            issue_tile(vbase + (1 - buf) * TILE, v_p, s0, hk, vs0, vs1, js + stride, ce, lane)
-            # K: key js + 8 nb + gq, dims [32 cc + 8 tq, +8) (zeros past ce)
-            for nb in range(2):
-                j = js + 8 * nb + gq
-                jj = min(j, ce - 1)
-                inr = numba.uint32(1 if j < ce else 0)
-                ka = k_p + 2 * ((s0 + jj) * ks0 + hk * ks1 + 8 * tq)
-                for cc in range(NC):
-                    w4 = ldg16(inr, ka + 64 * cc)
-                    for w in range(4):
-                        kw[(nb * NC + cc) * 4 + w] = w4[w]
+            # the next step's tiles, into the other buffer (every lane finished reading it)
+            issue_tiles(wbase + (1 - buf) * 2 * TILE, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1,
+                        js + stride, ce, lane)
+            cp_wait1()  # this lane's copies of the current step landed,
+            cuda.syncwarp()  # and every lane's
+            tk = wbase + buf * 2 * TILE
+            tv = tk + TILE
             # S = Q K^T, two n-blocks of 8 keys
             for nb in range(2):
                 c0 = zero
                 c1 = zero
                 c2 = zero
                 c3 = zero
-                for s in range(NS):
-                    kb = (nb * NC + s // 2) * 4 + 2 * (s % 2)
-                    c0, c1, c2, c3 = mma(qf[s * 2], z32, qf[s * 2 + 1], z32,
-                                         kw[kb], kw[kb + 1], c0, c1, c2, c3)
+                for s2 in range(NS // 2):  # two k16 steps per ldmatrix.x4
+                    b0, b1, b2, b3 = ldsm(numba.uint32(tk + ka + 8 * nb * ROWP + 64 * s2))
+                    c0, c1, c2, c3 = mma(qf[4 * s2], z32, qf[4 * s2 + 1], z32, b0, b1, c0, c1, c2, c3)
+                    c0, c1, c2, c3 = mma(qf[4 * s2 + 2], z32, qf[4 * s2 + 3], z32, b2, b3, c0, c1, c2, c3)
                 sc[nb * 2] = c0 * scale  # row gq, keys js + 8 nb + 2 tq + {0, 1}
                 sc[nb * 2 + 1] = c1 * scale
             # does the band cut this step for some row? (then P V goes cell by cell below)
@@ -601,18 +599,12 @@ def make_decode_mma(t):
             for o in range(NO):
                 of[o * 4] *= alpha
                 of[o * 4 + 1] *= alpha
-            cp_wait1()  # this lane's copies of the current tile landed,
-            cuda.syncwarp()  # and every lane's
-            tb = vbase + buf * TILE
             if not cut:
                 # P as A fragments (keys js + 2 tq + {0, 1} and + 8), V by ldmatrix.trans
                 pa0 = pack2(sc[0], sc[1])
                 pa2 = pack2(sc[2], sc[3])
-                # lane l addresses row l % 8 of matrix l // 8: keys (l % 8) + 8 ((l // 8) % 2),
-                # dims + 8 (l // 16) of the n-block pair
-                ra = tb + ((lane % 8) + 8 * ((lane // 8) % 2)) * ROWP + 16 * (lane // 16)
-                for o2 in range(NO // 2):
-                    b0, b1, b2, b3 = ldsm_t(numba.uint32(ra + 32 * o2))
+                for o2 in range(NO // 2):  # V: keys (l % 8) + 8 ((l // 8) % 2), n-block pair o2
+                    b0, b1, b2, b3 = ldsm_t(numba.uint32(tv + va + 32 * o2))
                     o = 2 * o2
                     of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3] = mma(
                         pa0, z32, pa2, z32, b0, b1, of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3])
@@ -630,7 +622,7 @@ def make_decode_mma(t):
                     j = js + kk
                     dl = j - il
                     if live and j < ce and dl >= blo and dl <= bhi:
-                        wrow = (warp * 2 * TILE + buf * TILE + kk * ROWP) // 4 + tq
+                        wrow = (warp * 4 * TILE + (2 * buf + 1) * TILE + kk * ROWP) // 4 + tq
                         for o in range(NO):
                             va, vb = unpack2(sv[U(wrow + 4 * o)])
                             of[o * 4] += p * va
@@ -657,7 +649,7 @@ def make_decode_mma(t):
 
     name = f"decode_mma_{t.dtype}_d{D}_dv{DV}_nw{NW}_r{ROWS}"
     kern = Kernel(name, body, _spec(IN, ACC))
-    kern.dyn_smem = max(NW * 2 * TILE, NW * ROWS * DV * 4)
+    kern.dyn_smem = max(NW * 4 * TILE, NW * ROWS * DV * 4)
     return kern
 
 
