@@ -333,14 +333,26 @@ def _forward_csr(rel, dname, D, DV, H, has_bias, mod=None):
         tiles=t.describe_csr())
 
 
+def _split_keys(longest, base, step, resident):
+    """(splits, chunk) of flash-decoding's rule: `base` CTAs (blocks x kv heads x row groups)
+    times `splits` key chunks fill whole waves of the `resident` CTAs the GPU holds at once (a
+    partly filled last wave leaves SMs idle while it runs), and a chunk is at least 4 steps of
+    `step` keys; the chunk is a multiple of `step`."""
+    most = max(1, _cdiv(longest, 4 * step))
+    splits = max(1, min(most, _cdiv(base, resident) * resident // base))
+    chunk = max(step, _cdiv(_cdiv(max(longest, 1), splits), step) * step)
+    return max(1, _cdiv(longest, chunk)), chunk
+
+
 def _forward_decode(rel, dname, D, DV, H, Hkv):
-    """Split-key launch: the chunk length follows the longest band of any block and the
-    number of CTAs the GPU holds (flash-decoding's rule), read once from the relation."""
+    """Split-key launches, read once from the relation: the scalar-load geometry, and where k
+    and v rows are 16-byte aligned (checked per call) the tensor-core kernel or the CUDA-core
+    16-byte-load one. Each has its rows per CTA and its CTAs per SM, so its own grid and key
+    chunks (_split_keys over the longest band of any block)."""
     rec = _Record()
     grp = H // Hkv
     S = int(rel.causal.shape[0])
-    t = _decode.decode_tiles(dname, D, DV, int(rel.max_block_dst) * grp)
-    nrg = max(1, _cdiv(int(rel.max_block_dst) * grp, t.ROWS))
+    rows = int(rel.max_block_dst) * grp
     doff, soff, lo, hi = (cupy.asnumpy(x).astype(np.int64) for x in
                           (rel.dst_offsets, rel.src_offsets, rel.lo, rel.hi))
     nd, ns = np.diff(doff), np.diff(soff)
@@ -349,40 +361,38 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
     span = np.where((lo <= hi) & (nd > 0), np.maximum(kend - kbeg, 0), 0)
     longest = int(span.max()) if S else 0
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    base = max(1, S * Hkv * nrg)
-    splits = max(1, min(_cdiv(_decode.CTAS_PER_SM * sms, base), _cdiv(longest, 4 * t.step)))
-    chunk = max(t.step, _cdiv(_cdiv(max(longest, 1), splits), t.step) * t.step)
-    splits = max(1, _cdiv(longest, chunk))
-    rec.geo["kern"] = rec.kernel(("decode", t), lambda: _decode.make_decode(t))
-    # where k and v rows are 16-byte aligned (checked per call): the tensor-core kernel, else
-    # 16-byte loads on the CUDA cores; each with its own rows per CTA, so its own grid
-    rec.geo["kern_vec"] = None
-    tv = None
+
+    def launch(t, kern, what):
+        nrg = max(1, _cdiv(rows, t.ROWS))
+        splits, chunk = _split_keys(longest, max(1, S * Hkv * nrg), t.step, t.ctas_per_sm * sms)
+        return dict(kern=kern, grid=(S, splits, Hkv * nrg), block=(t.NT, 1, 1), nrg=nrg,
+                    splits=splits, chunk=chunk,
+                    what=(f"{what}: {splits} key chunk{'s' if splits > 1 else ''} of <= {chunk} "
+                          f"keys per block"))
+
+    t = _decode.decode_tiles(dname, D, DV, rows)
+    rec.geo["scalar"] = launch(t, rec.kernel(("decode", t), lambda: _decode.make_decode(t)),
+                               "CUDA cores")
+    rec.geo["aligned"] = None
     if not _decode.SIM and _decode.mma_fits(dname, D, DV):
-        tv = _decode.mma_tiles(dname, D, DV, int(rel.max_block_dst) * grp)
-        rec.geo["kern_vec"] = rec.kernel(("decode.mma", tv), lambda: _decode.make_decode_mma(tv))
+        tv = _decode.mma_tiles(dname, D, DV, rows)
+        rec.geo["aligned"] = launch(tv, rec.kernel(("decode.mma", tv), lambda: _decode.make_decode_mma(tv)),
+                                    "tensor cores")
     elif not _decode.SIM and _decode.vector_loads_fit(dname, D, DV):
-        tv = _decode.decode_tiles(dname, D, DV, int(rel.max_block_dst) * grp, vec=True)
-        rec.geo["kern_vec"] = rec.kernel(("decode", tv), lambda: _decode.make_decode(tv))
-    if tv is not None:
-        nrg_v = max(1, _cdiv(int(rel.max_block_dst) * grp, tv.ROWS))
-        rec.geo.update(block_vec=(tv.NT, 1, 1), nrg_vec=nrg_v, grid_vec=(S, splits, Hkv * nrg_v),
-                       tiles_vec=tv.describe())
-    if splits > 1:
+        tv = _decode.decode_tiles(dname, D, DV, rows, vec=True)
+        rec.geo["aligned"] = launch(tv, rec.kernel(("decode", tv), lambda: _decode.make_decode(tv)),
+                                    "CUDA cores, 16-byte K/V loads")
+    if max(g["splits"] for g in (rec.geo["scalar"], rec.geo["aligned"]) if g) > 1:
         rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
                                       lambda: _decode.make_merge(dname, t.acc, DV))
-    rec.geo.update(grid=(S, splits, Hkv * nrg), block=(t.NT, 1, 1), nrg=nrg, splits=splits,
-                   chunk=chunk)
     lo_d, hi_d = rec.geo["band"] = _band_arrays(rel)
     rec.geo["rel"] = (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, lo_d.data.ptr, hi_d.data.ptr)
     return rec.finish(
-        kernel=(f"cuda.decode.forward (CUDA cores, split-key flash-decoding: {splits} key "
-                f"chunk{'s' if splits > 1 else ''} of <= {chunk} keys per block, the {grp} query "
-                "heads of a kv head read each K/V row once"
-                + (", partials merged in split order)" if splits > 1 else ")")
+        kernel=(f"cuda.decode.forward (split-key flash-decoding: the {grp} query heads of a kv "
+                "head read each K/V row once, partials merged in split order)"
                 + _banded_note(rel).replace("only key tiles inside the band are visited; ", "")),
-        tiles=t.describe() + (f"; where k and v rows are 16-byte aligned: {rec.geo['tiles_vec']}"
-                              if rec.geo["kern_vec"] is not None else ""))
+        tiles=t.describe() + (f"; where k and v rows are 16-byte aligned: {tv.describe()}"
+                              if rec.geo["aligned"] is not None else ""))
 
 
 def _forward_record(rel, dname, D, DV, H, prune, has_bias, mod=None):
@@ -570,8 +580,16 @@ def _decode_forward(plan, q, k, v, relation):
     m = empty((Nq, H), acc)
     l = empty((Nq, H), acc)
     info.update(rec.info)
-    splits = g["splits"]
-    if g["grid"][0] == 0 or Nq * H == 0:
+    lg = g["scalar"]
+    if g["aligned"] is not None:
+        if _decode.vector_loads_aligned((kp, vp), ((ks0, ks1, ks2), (vs0, vs1, vs2))):
+            lg = g["aligned"]
+        else:
+            info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
+                               "unit-stride along D)")
+    info["kernel"] += "; " + lg["what"]
+    kern, splits = lg["kern"], lg["splits"]
+    if lg["grid"][0] == 0 or Nq * H == 0:
         out.fill(0)
         m.fill(-np.inf)
         l.fill(0)
@@ -584,17 +602,9 @@ def _decode_forward(plan, q, k, v, relation):
         else:
             d = _dummy(acc).data.ptr
             parts = (d, d, d)
-        kern, block, grid, nrg = g["kern"], g["block"], g["grid"], g["nrg"]
-        if g["kern_vec"] is not None:
-            if _decode.vector_loads_aligned((kp, vp), ((ks0, ks1, ks2), (vs0, vs1, vs2))):
-                kern, block, grid, nrg = g["kern_vec"], g["block_vec"], g["grid_vec"], g["nrg_vec"]
-                info["kernel"] += ("; tensor cores" if "mma" in kern.name else "; 16-byte K/V loads")
-            else:
-                info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
-                                   "unit-stride along D)")
-        kern(grid, block, stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+        kern(lg["grid"], lg["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
              *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
-             H, H // Hkv, nrg, splits, g["chunk"], float(plan.scale))
+             H, H // Hkv, lg["nrg"], splits, lg["chunk"], float(plan.scale))
         if splits > 1:
             mk = g["merge"]
             mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,

@@ -52,6 +52,7 @@ class DecodeTiles:
     threads: int = 0  # 0: 32 * NW (the simulator's tests take fewer)
     vec: bool = False  # 16-bit rows read as 16-byte vectors: lane s holds dims [s DS, s DS + DS)
     mma: bool = False  # tensor-core geometry (make_decode_mma): G = 32, T keys per warp and step
+    ctas_per_sm: int = 8  # CTAs an SM holds at once (the split rule fills whole waves of them)
 
     @property
     def NT(self):
@@ -398,8 +399,10 @@ def mma_fits(dtype, D, DV):
     return dtype == "float16" and D == DV and D in (64, 128)
 
 
-MMA_WARPS = 4  # warps per CTA of the tensor-core geometry
-CTAS_PER_SM = 8  # split-key rule: key chunks enough for about this many CTAs per SM
+# tensor-core geometry, chosen on the H200 with benchmarks/gpu/decode_probe.py: warps per CTA,
+# and the CTAs an SM holds at once (221 registers x 64 threads at D = 128: 4 by registers)
+MMA_WARPS = 2
+MMA_CTAS_PER_SM = 4
 MMA_KEYS = 16  # keys per warp and step (one k16 step of the P V product)
 
 
@@ -409,7 +412,8 @@ def mma_tiles(dtype, D, DV, rows):
     R = 1
     while R < rows and R < 8:
         R *= 2
-    return DecodeTiles(dtype, "float32", D, DV, G=32, T=MMA_KEYS, NW=MMA_WARPS, ROWS=R, mma=True)
+    return DecodeTiles(dtype, "float32", D, DV, G=32, T=MMA_KEYS, NW=MMA_WARPS, ROWS=R, mma=True,
+                       ctas_per_sm=MMA_CTAS_PER_SM)
 
 
 def make_decode_mma(t):
