@@ -403,7 +403,7 @@ def mma_fits(dtype, D, DV):
 # and the CTAs an SM holds at once (221 registers x 64 threads at D = 128: 4 by registers)
 MMA_WARPS = 2
 MMA_CTAS_PER_SM = 4
-MMA_KEYS = 16  # keys per warp and step (one k16 step of the P V product)
+MMA_KEYS = 16  # keys per warp and step (16 or 32: one or two k16 steps of the P V product)
 
 
 def mma_tiles(dtype, D, DV, rows):
@@ -422,9 +422,9 @@ def make_decode_mma(t):
 
     The CTA's ROWS <= 8 (query row, head) pairs are rows 0-7 of the MMA's M dimension (lane
     (gq, tq) = (lane / 4, lane % 4) holds row gq; rows 8-15 are zeros, their results unused).
-    Each warp walks its own steps of 16 keys of the chunk. cp.async copies the K and V rows of
+    Each warp walks its own steps of T (16 or 32) keys of the chunk. cp.async copies the K and V rows of
     the warp's next step into its other pair of shared tiles while this step computes: S = Q K^T
-    over two n-blocks of 8 keys (K's B fragments by ldmatrix), online softmax on the C
+    over n-blocks of 8 keys (K's B fragments by ldmatrix), online softmax on the C
     fragments (a row's 16 scores sit in the 4 lanes of its group), then O += P V with P's A
     fragments taken from S's C fragments as they are and V's B fragments by ldmatrix.trans.
     A step that the band cuts for some row adds its P V on the CUDA cores, cell by cell, so
@@ -434,7 +434,9 @@ def make_decode_mma(t):
     from .tc.ptx import intrinsics
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
-    D, DV, NW, ROWS = t.D, t.DV, t.NW, t.ROWS
+    D, DV, NW, ROWS, KEYS = t.D, t.DV, t.NW, t.ROWS, t.T
+    NB = KEYS // 8  # n-blocks of 8 keys per step
+    assert KEYS in (16, 32)
     ptx = intrinsics(t.dtype)
     mma, ldsm, ldsm_t, unpack2, pack2 = (ptx[n] for n in ("mma16816", "ldsm_x4", "ldsm_x4_t",
                                                            "unpack2", "pack2"))
@@ -444,11 +446,11 @@ def make_decode_mma(t):
     NS = D // 16  # k16 steps of Q K^T
     NO = DV // 8  # n-blocks of O
     ROWP = 2 * DV + 16  # bytes per K / V row in a shared tile (+16: ldmatrix rows fall in other banks)
-    TILE = MMA_KEYS * ROWP  # a warp's tiles: K, V of buffer 0, then K, V of buffer 1
+    TILE = KEYS * ROWP  # a warp's tiles: K, V of buffer 0, then K, V of buffer 1
     CPR = DV // 8  # 16-byte copies per row
-    NCP = MMA_KEYS * CPR // 32  # copies per lane and tile
+    NCP = KEYS * CPR // 32  # copies per lane and tile
     SM = NW * ROWS
-    QF, OFN = NS * 2, NO * 4  # fragment registers: Q, O
+    QF, OFN, SCN = NS * 2, NO * 4, 2 * NB  # fragment registers: Q, O; S / P values per lane
     combine = make_combine(t)
 
     @cuda.jit(device=True, inline="always")
@@ -540,11 +542,11 @@ def make_decode_mma(t):
         of = cuda.local.array(OFN, ACC)
         for e in range(OFN):
             of[e] = zero
-        sc = cuda.local.array(4, ACC)  # row gq's S (then P) of the step's two n-blocks
+        sc = cuda.local.array(SCN, ACC)  # row gq's S (then P) of the step's n-blocks
         z32 = numba.uint32(0)
         wbase = saddr(sv) + numba.uint32(warp * 4 * TILE)
-        first = cb + warp * MMA_KEYS
-        stride = NW * MMA_KEYS
+        first = cb + warp * KEYS
+        stride = NW * KEYS
         issue_tiles(wbase, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, first, ce, lane)  # the first step
         buf = 0
         # lane l addresses row l % 8 of ldmatrix matrix l // 8
@@ -558,8 +560,8 @@ def make_decode_mma(t):
             cuda.syncwarp()  # and every lane's
             tk = wbase + buf * 2 * TILE
             tv = tk + TILE
-            # S = Q K^T, two n-blocks of 8 keys
-            for nb in range(2):
+            # S = Q K^T, n-blocks of 8 keys
+            for nb in range(NB):
                 c0 = zero
                 c1 = zero
                 c2 = zero
@@ -571,11 +573,11 @@ def make_decode_mma(t):
                 sc[nb * 2] = c0 * scale  # row gq, keys js + 8 nb + 2 tq + {0, 1}
                 sc[nb * 2 + 1] = c1 * scale
             # does the band cut this step for some row? (then P V goes cell by cell below)
-            je = min(js + MMA_KEYS, ce) - 1
+            je = min(js + KEYS, ce) - 1
             cut = js - qz < blo or je - qa > bhi
             # online softmax of row gq: sc[2 nb + e] is key js + 8 nb + 2 tq + e
             tmax = neg
-            for nb in range(2):
+            for nb in range(NB):
                 for e in range(2):
                     j = js + 8 * nb + 2 * tq + e
                     dl = j - il
@@ -592,7 +594,7 @@ def make_decode_mma(t):
                 alpha = math.exp(mrow - mn)
                 mrow = mn
             ps = zero
-            for e4 in range(4):
+            for e4 in range(SCN):
                 x = sc[e4]
                 p = zero
                 if x > neg:
@@ -605,32 +607,34 @@ def make_decode_mma(t):
                 of[o * 4 + 1] *= alpha
             if not cut:
                 # P as A fragments (keys js + 2 tq + {0, 1} and + 8), V by ldmatrix.trans
-                pa0 = pack2(sc[0], sc[1])
-                pa2 = pack2(sc[2], sc[3])
-                for o2 in range(NO // 2):  # V: keys (l % 8) + 8 ((l // 8) % 2), n-block pair o2
-                    b0, b1, b2, b3 = ldsm_t(numba.uint32(tv + va + 32 * o2))
-                    o = 2 * o2
-                    of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3] = mma(
-                        pa0, z32, pa2, z32, b0, b1, of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3])
-                    o = 2 * o2 + 1
-                    of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3] = mma(
-                        pa0, z32, pa2, z32, b2, b3, of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3])
+                for kb in range(NB // 2):  # k16 steps over keys 16 kb ..
+                    pa0 = pack2(sc[4 * kb], sc[4 * kb + 1])
+                    pa2 = pack2(sc[4 * kb + 2], sc[4 * kb + 3])
+                    for o2 in range(NO // 2):  # V: keys 16 kb + (l % 8) + 8 ((l // 8) % 2), n-blocks 2 o2, 2 o2 + 1
+                        b0, b1, b2, b3 = ldsm_t(numba.uint32(tv + va + 16 * kb * ROWP + 32 * o2))
+                        o = 2 * o2
+                        of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3] = mma(
+                            pa0, z32, pa2, z32, b0, b1, of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3])
+                        o = 2 * o2 + 1
+                        of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3] = mma(
+                            pa0, z32, pa2, z32, b2, b3, of[o * 4], of[o * 4 + 1], of[o * 4 + 2], of[o * 4 + 3])
             else:
                 # cell by cell: row gq and the lane's O columns 8 o + 2 tq + {0, 1}; row gq's P
                 # of key kk = 8 nb + 2 i + e sits in lane 4 gq + i, as its sc[2 nb + e]
-                p0, p1, p2, p3 = sc[0], sc[1], sc[2], sc[3]
-                for kk in range(MMA_KEYS):
-                    e = kk % 2
-                    pv = (p0 if e == 0 else p1) if kk < 8 else (p2 if e == 0 else p3)
-                    p = cuda.shfl_sync(FULL, pv, 4 * gq + (kk % 8) // 2)
-                    j = js + kk
-                    dl = j - il
-                    if live and j < ce and dl >= blo and dl <= bhi:
-                        wrow = (warp * 4 * TILE + (2 * buf + 1) * TILE + kk * ROWP) // 4 + tq
-                        for o in range(NO):
-                            va, vb = unpack2(sv[U(wrow + 4 * o)])
-                            of[o * 4] += p * va
-                            of[o * 4 + 1] += p * vb
+                for nb in range(NB):
+                    for e in range(2):
+                        pv = sc[2 * nb + e]
+                        for i in range(4):
+                            kk = 8 * nb + 2 * i + e
+                            p = cuda.shfl_sync(FULL, pv, 4 * gq + i)
+                            j = js + kk
+                            dl = j - il
+                            if live and j < ce and dl >= blo and dl <= bhi:
+                                wrow = (warp * 4 * TILE + (2 * buf + 1) * TILE + kk * ROWP) // 4 + tq
+                                for o in range(NO):
+                                    va_, vb_ = unpack2(sv[U(wrow + 4 * o)])
+                                    of[o * 4] += p * va_
+                                    of[o * 4 + 1] += p * vb_
             cuda.syncwarp()  # every lane done with this tile before the next step refills it
             buf = 1 - buf
 
@@ -651,7 +655,7 @@ def make_decode_mma(t):
         cuda.syncthreads()
         combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c)
 
-    name = f"decode_mma_{t.dtype}_d{D}_dv{DV}_nw{NW}_r{ROWS}"
+    name = f"decode_mma_{t.dtype}_d{D}_dv{DV}_nw{NW}_r{ROWS}_k{KEYS}"
     kern = Kernel(name, body, _spec(IN, ACC))
     kern.dyn_smem = max(NW * 4 * TILE, NW * ROWS * DV * 4)
     return kern
