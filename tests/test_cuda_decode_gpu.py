@@ -38,13 +38,17 @@ GRAPHS = {
 EDGE_KEY = {"varlen_3q": (1499, [0, 1], 2), "varlen_4q": (2099, [0, 1, 2], 3)}
 
 
-@pytest.fixture(params=["tensor-cores", "cuda-cores"])
+@pytest.fixture(params=["tensor-cores", "tensor-cores-other-step", "cuda-cores"])
 def aligned_kernel(request, monkeypatch):
-    """which kernel takes aligned rows: the tensor-core one (the default for these shapes) or
-    the CUDA-core one with 16-byte loads (what other head dims take)"""
+    """which kernel takes aligned rows: the tensor-core one (the default for these shapes; also
+    with the other number of keys per warp step, 16 or 32, and one warp per CTA) or the CUDA-core
+    one with 16-byte loads (what other head dims take)"""
+    from tiga_numba.cuda import decode
     if request.param == "cuda-cores":
-        from tiga_numba.cuda import decode
         monkeypatch.setattr(decode, "mma_fits", lambda *a: False)
+    elif request.param == "tensor-cores-other-step":
+        monkeypatch.setattr(decode, "MMA_KEYS", 48 - decode.MMA_KEYS)
+        monkeypatch.setattr(decode, "MMA_WARPS", 1)
     return request.param
 
 
@@ -62,7 +66,7 @@ def test_aligned_and_scalar_loads_match_the_oracle(kind, D, H, Hkv, aligned_kern
     kd, vd = cupy.asarray(k), cupy.asarray(v)
     out_a, st_a = tg.attention(qd, kd, vd, g, return_stats=True)
     kern_a = functional.last_plan().run_info["kernel"]
-    want = "tensor cores" if aligned_kernel == "tensor-cores" else "16-byte K/V loads"
+    want = "tensor cores" if aligned_kernel.startswith("tensor-cores") else "16-byte K/V loads"
     assert kern_a.startswith("cuda.decode.forward") and want in kern_a, kern_a
     # unaligned: the same values at an odd element offset inside a wider buffer
     kb = cupy.zeros((g.num_src, Hkv, D + 1), np.float16)
