@@ -594,11 +594,11 @@ def _decode_forward(plan, q, k, v, relation):
         m.fill(-np.inf)
         l.fill(0)
     else:
-        if splits > 1:
-            pacc = cupy.empty((Nq * H * splits * max(DV, 1),), acc)
-            pm = cupy.empty((Nq * H * splits,), acc)
-            pl = cupy.empty((Nq * H * splits,), acc)
-            parts = (pacc.data.ptr, pm.data.ptr, pl.data.ptr)
+        if splits > 1:  # the partial (acc, m, l) of every split, one allocation
+            n = Nq * H * splits
+            part = cupy.empty((n * (max(DV, 1) + 2),), acc)
+            p0, item = part.data.ptr, part.itemsize
+            parts = (p0, p0 + n * max(DV, 1) * item, p0 + n * (max(DV, 1) + 1) * item)
         else:
             d = _dummy(acc).data.ptr
             parts = (d, d, d)
