@@ -400,10 +400,11 @@ def mma_fits(dtype, D, DV):
 
 
 # tensor-core geometry, chosen on the H200 with benchmarks/gpu/decode_probe.py: warps per CTA,
-# and the CTAs an SM holds at once (221 registers x 64 threads at D = 128: 4 by registers)
-MMA_WARPS = 2
-MMA_CTAS_PER_SM = 4
-MMA_KEYS = 16  # keys per warp and step (16 or 32: one or two k16 steps of the P V product)
+# and the CTAs an SM holds at once (4 warps x 4 shared tiles of 32 keys x 272 bytes at D = 128:
+# 139 KB, one CTA per SM)
+MMA_WARPS = 4
+MMA_CTAS_PER_SM = 1
+MMA_KEYS = 32  # keys per warp and step (16 or 32: one or two k16 steps of the P V product)
 
 
 def mma_tiles(dtype, D, DV, rows):
