@@ -152,6 +152,7 @@ def make_decode(t):
     VSB = DVS * T
 
     combine = make_combine(t)
+    cta_keys = make_cta_keys(ROWS)
 
     def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
              qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
@@ -173,31 +174,10 @@ def make_decode(t):
         sA = cuda.shared.array(SA, ACC)
         neg = ACC(NEG_INF)
         tid = cuda.threadIdx.x
-        b = i64(cuda.blockIdx.x)  # blocks on x: up to 2^31 - 1 of them (y and z stop at 65535)
-        c = i64(cuda.blockIdx.y)
-        z = i64(cuda.blockIdx.z)
-        hk = z // nrg
-        rg = z - hk * nrg
-        d0 = doff[U(b)]
-        nd = doff[U(b + 1)] - d0
-        s0 = soff[U(b)]
-        ns = soff[U(b + 1)] - s0
-        nrows = nd * grp
-        r0 = rg * ROWS
+        c, hk, d0, s0, nrows, r0, blo, bhi, cb, ce, qa, qz = cta_keys(doff, soff, blo_a, bhi_a,
+                                                                       nrg, grp, chunk)
         if r0 >= nrows:
             return
-        blo = blo_a[U(b)]
-        bhi = bhi_a[U(b)]
-        # keys of the band of any row of the block, then this CTA's chunk of them
-        kbeg = max(i64(0), blo)
-        kend = min(ns, nd - 1 + bhi + 1)
-        if blo > bhi:
-            kend = kbeg
-        cb = kbeg + c * chunk
-        ce = min(kend, cb + chunk)
-        # rows of this CTA: [r0, r0 + ROWS) of the block's nd * grp; query rows [qa, qz]
-        qa = r0 // grp
-        qz = (min(r0 + ROWS, nrows) - 1) // grp
         cut = cb - qz < blo or ce - 1 - qa > bhi  # the band cuts this chunk for some row
 
         lane = tid % G
@@ -341,6 +321,34 @@ def _spec(IN, ACC):
                ("chunk", "s", i64), ("scale", "s", ACC)])
 
 
+def make_cta_keys(ROWS):
+    """Device function: this CTA's split c, kv head hk, block (query rows from d0, keys from
+    s0), its rows [r0, r0 + ROWS) of the block's nrows = query rows x grp (query rows qa..qz),
+    the block's band [blo, bhi] and the CTA's chunk [cb, ce) of the keys any row's band holds."""
+    @cuda.jit(device=True, inline="always")
+    def cta_keys(doff, soff, blo_a, bhi_a, nrg, grp, chunk):
+        b = i64(cuda.blockIdx.x)  # blocks on x: up to 2^31 - 1 of them (y and z stop at 65535)
+        c = i64(cuda.blockIdx.y)
+        z = i64(cuda.blockIdx.z)
+        hk = z // nrg
+        r0 = (z - hk * nrg) * ROWS
+        d0 = doff[U(b)]
+        nrows = (doff[U(b + 1)] - d0) * grp
+        s0 = soff[U(b)]
+        ns = soff[U(b + 1)] - s0
+        blo = blo_a[U(b)]
+        bhi = bhi_a[U(b)]
+        kbeg = max(i64(0), blo)
+        kend = min(ns, nrows // grp - 1 + bhi + 1)
+        if blo > bhi:
+            kend = kbeg
+        cb = kbeg + c * chunk
+        ce = min(kend, cb + chunk)
+        return (c, hk, d0, s0, nrows, r0, blo, bhi, cb, ce, r0 // grp,
+                (min(r0 + ROWS, nrows) - 1) // grp)
+    return cta_keys
+
+
 def make_combine(t):
     """Device function: the CTA's `groups` partial states of its ROWS rows (sM, sL: m and l per
     group and row; sA: acc per group, row and value dim, all in shared memory) combined in group
@@ -453,6 +461,7 @@ def make_decode_mma(t):
     SM = NW * ROWS
     QF, OFN, SCN = NS * 2, NO * 4, 2 * NB  # fragment registers: Q, O; S / P values per lane
     combine = make_combine(t)
+    cta_keys = make_cta_keys(ROWS)
 
     @cuda.jit(device=True, inline="always")
     def issue_tiles(ta, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, js, ce, lane):
@@ -494,29 +503,10 @@ def make_decode_mma(t):
         neg = ACC(NEG_INF)
         zero = ACC(0.0)
         tid = cuda.threadIdx.x
-        b = i64(cuda.blockIdx.x)
-        c = i64(cuda.blockIdx.y)
-        z = i64(cuda.blockIdx.z)
-        hk = z // nrg
-        rg = z - hk * nrg
-        d0 = doff[U(b)]
-        nd = doff[U(b + 1)] - d0
-        s0 = soff[U(b)]
-        ns = soff[U(b + 1)] - s0
-        nrows = nd * grp
-        r0 = rg * ROWS
+        c, hk, d0, s0, nrows, r0, blo, bhi, cb, ce, qa, qz = cta_keys(doff, soff, blo_a, bhi_a,
+                                                                       nrg, grp, chunk)
         if r0 >= nrows:
             return
-        blo = blo_a[U(b)]
-        bhi = bhi_a[U(b)]
-        kbeg = max(i64(0), blo)
-        kend = min(ns, nd - 1 + bhi + 1)
-        if blo > bhi:
-            kend = kbeg
-        cb = kbeg + c * chunk
-        ce = min(kend, cb + chunk)
-        qa = r0 // grp
-        qz = (min(r0 + ROWS, nrows) - 1) // grp
 
         lane = tid % 32
         warp = tid // 32
