@@ -274,12 +274,12 @@ def test_float32_within_tolerance():
 
 def test_graph_without_edges():
     rng = np.random.default_rng(6)
-    n, f = 7, 3
+    n, f = 7, 4
     pos = rng.random((n, 3)) * 100
     g = Graph.radius(pos, 1e-3)
     assert g.num_edges == 0
     x = rng.standard_normal((n, f))
-    net = seed_net(f, 4)
+    net = seed_net(f, 16)   # test_nothing_edge_sized_is_materialized's network: the same kernels
     args = [FieldArg("edge", "displacement", None), FieldArg("src", "x", x), FieldArg("dst", "x", x)]
     out, state, _ = edge_mlp.forward(g, net, args, x)
     assert np.all(out == 0) and np.all(state.l == 0)
@@ -290,8 +290,8 @@ def test_graph_without_edges():
 
 def test_backward_is_deterministic(relabel):
     rng = np.random.default_rng(7)
-    n, f = 300, 4
-    pos = rng.random((n, 3))
+    n, f = 300, 6   # the network, dtypes and unroll choice of test_float32_within_tolerance: its kernels
+    pos = rng.random((n, 3)).astype(np.float32)
     g = Graph.radius(pos, 0.2)
     x = rng.standard_normal((n, f)).astype(np.float32)
     net = seed_net(f, 16, dtype=np.float32)
@@ -366,7 +366,7 @@ def test_front_end_program_uses_fused_kernel():
     """The GAT example's program through tg.MessagePassing (when the front end is present)."""
     program = pytest.importorskip("tiga_numba.program")
     rng = np.random.default_rng(10)
-    n, f = 40, 3
+    n, f = 40, 5   # the network shape of seed_net(5, 8) (test_seed_model_radius_graph_all_gradients)
 
     class GAT(program.MessagePassing):
         reducer = program.online_softmax()

@@ -360,11 +360,13 @@ def test_score_network_program_with_the_real_edge_mlp():
         def edge(self, src, dst, edge):
             return self.reducer(self.attn(edge.displacement, src.x, dst.x), src.x)
 
-    n, f = 30, 3
-    pos = RNG.random((n, 3))
+    # float32 positions and features, f = 6, hidden 16: the network shape and dtypes of
+    # tests/test_gat.py::test_float32_within_tolerance, so the two share their kernels
+    n, f = 30, 6
+    pos = RNG.random((n, 3)).astype(np.float32)
     x = rand(n, f)
     g = tg.Graph.radius(pos, 0.4)
-    attn = tnn.Sequential(tnn.Linear(3 + 2 * f, 8, seed=1), tnn.LeakyReLU(0.2), tnn.Linear(8, 1, seed=2))
+    attn = tnn.Sequential(tnn.Linear(3 + 2 * f, 16, seed=1), tnn.LeakyReLU(0.2), tnn.Linear(16, 1, seed=2))
     prog = GAT(attn)
     out, vjp = prog.vjp(graph=g, src={"x": x}, dst={"x": x})
     indptr = g.to_scipy().indptr
