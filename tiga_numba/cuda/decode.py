@@ -8,7 +8,12 @@ rows of its block times the `grp` query heads that share its kv head ("rows" bel
 major: row rl is query row rl // grp, head hk * grp + rl % grp), so every K / V row of the
 chunk is read once for all of them (grouped-query heads packed together).
 
-Inside a CTA, a lane group of G lanes owns one key at a time (lane s holds dims c * G + s, so
+Two kernels share that launch, grid, CTA set-up (make_cta_keys) and end (make_combine):
+make_decode on the CUDA cores (any dtype and layout; below) and make_decode_mma on tensor cores
+(aligned float16 rows of D 64 / 128; its docstring). The caller picks per call from the K / V
+layout (cuda/api.py).
+
+In make_decode's CTA, a lane group of G lanes owns one key at a time (lane s holds dims c * G + s, so
 one load instruction reads G consecutive elements of a row); the NW * 32 / G groups walk the
 chunk T keys per step, each keeping its own online-softmax state (m, l, acc) for every row.
 Per step: T scores per row (dot products meeting through log2(G) xor shuffles), one rescale
