@@ -389,7 +389,8 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
     rec.geo["rel"] = (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, lo_d.data.ptr, hi_d.data.ptr)
     return rec.finish(
         kernel=(f"cuda.decode.forward (split-key flash-decoding: the {grp} query heads of a kv "
-                "head read each K/V row once, partials merged in split order)"
+                "head read each K/V row once; a block cut into several key chunks has its "
+                "partials merged in split order)"
                 + _banded_note(rel).replace("only key tiles inside the band are visited; ", "")),
         tiles=t.describe() + (f"; where k and v rows are 16-byte aligned: {tv.describe()}"
                               if rec.geo["aligned"] is not None else ""))

@@ -502,7 +502,8 @@ def make_decode_mma(t):
         bhi_a = AS_I64(bhi_p)
         sM = cuda.shared.array(SM, ACC)
         sL = cuda.shared.array(SM, ACC)
-        # dynamic shared memory: two V tiles per warp, then (aliased) the warps' accumulators
+        # dynamic shared memory: two K and two V tiles per warp, then (aliased) the warps'
+        # accumulators
         sA = cuda.shared.array(0, ACC)
         sv = cuda.shared.array(0, U32)
         neg = ACC(NEG_INF)
