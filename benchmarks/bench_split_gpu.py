@@ -157,34 +157,45 @@ def bench_decode(lines, reps):
         g_ours = gpu_seconds(ours, 20)
         kern = functional.last_plan().run_info["kernel"]
         ref = torch.from_dlpack(tg.attention(qt, kt, vt, g)).float()
-        res, gres = {}, {}
-        notes = []
-        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                         ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            try:
-                with sdpa_kernel([be]):
-                    def run():
-                        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                    o = run()
-                    err = (o[:, :, 0].float() - ref).abs().max().item()
-                    res[name] = _timeit(run, sync, reps, warm=3)
-                    gres[name] = gpu_seconds(run, 20)
-                    notes.append(f"{name} max|diff| {err:.1e}")
-            except Exception as exc:  # noqa: BLE001
-                res[name] = None
-                notes.append(f"{name}: {type(exc).__name__}")
-        kv = 2 * B * L * Hkv * D * 2
-        best = min([t for t in res.values() if t], default=None)
-        gbest = min([t for t in gres.values() if t], default=None)
+        extra = ""
+        if B == 1:  # ours on torch's head-major memory too (a strided view: no copy)
+            kh, vh = (cupy.from_dlpack(x[0].permute(1, 0, 2)) for x in (k, v))
+            extra = (f"; tiga on torch's head-major k/v (strided view) "
+                     f"{gpu_seconds(lambda: tg.attention(qt, kh, vh, g), 20) * 1e3:.3f} ms GPU")
+        # torch on its own contiguous (B, H, L, D) arrays, and on the very memory tiga reads
+        # (token-major, (B, L, H, D) viewed as (B, H, L, D): flash-attn's native layout)
+        kk, vv = (torch.from_dlpack(x).view(B, L, Hkv, D).transpose(1, 2) for x in (kt, vt))
+        for layout, (tq_, tk_, tv_) in (("torch head-major", (q, k, v)),
+                                        ("torch on tiga's k/v", (q, kk, vv))):
+            res, gres = {}, {}
+            notes = []
+            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                             ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                try:
+                    with sdpa_kernel([be]):
+                        def run():
+                            return F.scaled_dot_product_attention(tq_, tk_, tv_, enable_gqa=True)
+                        o = run()
+                        err = (o[:, :, 0].float() - ref).abs().max().item()
+                        res[name] = _timeit(run, sync, reps, warm=3)
+                        gres[name] = gpu_seconds(run, 20)
+                        notes.append(f"{name} max|diff| {err:.1e}")
+                except Exception as exc:  # noqa: BLE001
+                    res[name] = None
+                    notes.append(f"{name}: {type(exc).__name__}")
+            kv = 2 * B * L * Hkv * D * 2
+            best = min([t for t in res.values() if t], default=None)
+            gbest = min([t for t in gres.values() if t], default=None)
 
-        def fmt(name):
-            t, g = res.get(name), gres.get(name)
-            return f"{t * 1e3:.3f} ({g * 1e3:.3f})" if t else "n/a"
-        ratio = (f"{best / t_ours:.2f}x ({gbest / g_ours:.2f}x)" if best else "n/a")
-        lines.append(f"{f'{B} x {L}':<16} {f'{t_ours * 1e3:.3f} ({g_ours * 1e3:.3f})':>15} "
-                     f"{f'{kv / t_ours / 1e12:.2f} ({kv / g_ours / 1e12:.2f})':>11} "
-                     f"{fmt('flash'):>15} {fmt('cudnn'):>15} {fmt('efficient'):>15} "
-                     f"{ratio:>13}  {kern}; " + "; ".join(notes))
+            def fmt(name):
+                t, gt = res.get(name), gres.get(name)
+                return f"{t * 1e3:.3f} ({gt * 1e3:.3f})" if t else "n/a"
+            ratio = (f"{best / t_ours:.2f}x ({gbest / g_ours:.2f}x)" if best else "n/a")
+            lines.append(f"{f'{B} x {L}':<16} {f'{t_ours * 1e3:.3f} ({g_ours * 1e3:.3f})':>15} "
+                         f"{f'{kv / t_ours / 1e12:.2f} ({kv / g_ours / 1e12:.2f})':>11} "
+                         f"{fmt('flash'):>15} {fmt('cudnn'):>15} {fmt('efficient'):>15} "
+                         f"{ratio:>13}  [{layout}] {kern}; " + "; ".join(notes) + extra)
+            kern, extra = "", ""
 
 
 def main():

@@ -64,10 +64,9 @@ def run(B, L, variant, ref):
 # name: ("scalar",) for the scalar geometry, ("vec", 16-byte loads per lane and row, keys per lane
 # group and step, warps per CTA) for the CUDA-core vector geometry, ("mma", warps per CTA, CTAs an
 # SM holds at once (for the split rule's waves), keys per warp and step) for the tensor-core kernel
-VARIANTS = {"scalar": ("scalar",), "mma NW2 K16 C4": ("mma", 2, 4, 16), "mma NW2 K32 C3": ("mma", 2, 3, 32),
-            "mma NW1 K32 C6": ("mma", 1, 6, 32), "mma NW1 K16 C8": ("mma", 1, 8, 16),
-            "mma NW4 K32 C1": ("mma", 4, 1, 32), "mma NW4 K16 C2": ("mma", 4, 2, 16),
-            "vec L2 T4 NW4": ("vec", 2, 4, 4)}
+VARIANTS = {"scalar": ("scalar",), "mma NW4 K32 C1": ("mma", 4, 1, 32), "mma NW4 K16 C2": ("mma", 4, 2, 16),
+            "mma NW2 K32 C2": ("mma", 2, 2, 32), "mma NW8 K16 C1": ("mma", 8, 1, 16),
+            "mma NW2 K16 C4": ("mma", 2, 4, 16), "vec L2 T4 NW4": ("vec", 2, 4, 4)}
 _mma_fits = decode.mma_fits
 
 
@@ -100,7 +99,7 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 print(f"{name:<22} {B:>3} x {L:<7} {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     if a.profile:
-        set_variant(VARIANTS["mma NW2 K16 C4"])
+        set_variant(VARIANTS["mma NW4 K32 C1"])
         q, k, v, g = inputs(1, 131072)
         tg.attention(q, k, v, g)
         pr = cProfile.Profile()
@@ -109,7 +108,8 @@ def main():
             tg.attention(q, k, v, g)
         pr.disable()
         cupy.cuda.Device().synchronize()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -452,8 +452,9 @@ def make_decode_mma(t):
     NB = KEYS // 8  # n-blocks of 8 keys per step
     assert KEYS in (16, 32)
     ptx = intrinsics(t.dtype)
-    mma, ldsm, ldsm_t, unpack2, pack2 = (ptx[n] for n in ("mma16816", "ldsm_x4", "ldsm_x4_t",
-                                                           "unpack2", "pack2"))
+    mma, ldsm, ldsm_t, unpack2, pack2, ex2 = (ptx[n] for n in ("mma16816", "ldsm_x4", "ldsm_x4_t",
+                                                                "unpack2", "pack2", "ex2"))
+    LOG2E = 1.4426950408889634
     cp_async16, cp_commit, cp_wait1, cp_wait0, saddr = (
         ptx[n] for n in ("cp_async16", "cp_commit", "cp_wait1", "cp_wait0", "saddr"))
     assert ROWS <= 8
@@ -468,12 +469,28 @@ def make_decode_mma(t):
     combine = make_combine(t)
     cta_keys = make_cta_keys(ROWS)
 
+    RPC = 32 // CPR  # K / V rows one warp-wide copy covers: lane l copies 16 bytes of row l // CPR
+
     @cuda.jit(device=True, inline="always")
-    def issue_tiles(ta, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, js, ce, lane):
-        """cp.async the K and V rows of keys [js, js + 16) into the shared tiles at ta and
-        ta + TILE (keys past ce zero-filled, nothing read there); one commit group per call,
-        empty or not, so that the wait counts stay aligned"""
-        if js < ce:
+    def issue_tiles(ta, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, js, ce, lane):
+        """cp.async the K and V rows of keys [js, js + KEYS) into the shared tiles at ta and
+        ta + TILE; one commit group per call, empty or not, so that the wait counts stay
+        aligned. A whole step (every step but a chunk's last) copies from the lane's own
+        addresses with no per-copy arithmetic beyond one add: kl, vl are the global addresses
+        of its 16 bytes of key 0, krs, vrs the bytes from one key to the next. A step that ends
+        the chunk clamps keys past ce (zero-filled, nothing read there)."""
+        if js + KEYS <= ce:
+            ka = kl + js * krs
+            va = vl + js * vrs
+            kst = RPC * krs
+            vst = RPC * vrs
+            sa = ta + numba.uint32((lane // CPR) * ROWP + 16 * (lane % CPR))
+            for i in range(NCP):
+                cp_async16(sa + numba.uint32(i * RPC * ROWP), ka, numba.uint32(16))
+                cp_async16(sa + numba.uint32(TILE + i * RPC * ROWP), va, numba.uint32(16))
+                ka += kst
+                va += vst
+        elif js < ce:
             for i in range(NCP):
                 cid = lane + 32 * i
                 kk = cid // CPR
@@ -544,15 +561,21 @@ def make_decode_mma(t):
         wbase = saddr(sv) + numba.uint32(warp * 4 * TILE)
         first = cb + warp * KEYS
         stride = NW * KEYS
-        issue_tiles(wbase, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, first, ce, lane)  # the first step
+        # the lane's copy addresses at key 0 of the block (issue_tiles)
+        kl = k_p + 2 * ((s0 + lane // CPR) * ks0 + hk * ks1 + 8 * (lane % CPR))
+        vl = v_p + 2 * ((s0 + lane // CPR) * vs0 + hk * vs1 + 8 * (lane % CPR))
+        krs = 2 * ks0
+        vrs = 2 * vs0
+        issue_tiles(wbase, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, first, ce,
+                    lane)  # the first step
         buf = 0
         # lane l addresses row l % 8 of ldmatrix matrix l // 8
         ka = (lane % 8) * ROWP + 16 * (lane // 8)  # K: keys 8 nb + l % 8, dims + 8 (l // 8)
         va = ((lane % 8) + 8 * ((lane // 8) % 2)) * ROWP + 16 * (lane // 16)  # V: keys, dims
         for js in range(first, ce, stride):
             # the next step's tiles, into the other buffer (every lane finished reading it)
-            issue_tiles(wbase + (1 - buf) * 2 * TILE, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1,
-                        js + stride, ce, lane)
+            issue_tiles(wbase + (1 - buf) * 2 * TILE, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0,
+                        ks1, vs0, vs1, js + stride, ce, lane)
             cp_wait1()  # this lane's copies of the current step landed,
             cuda.syncwarp()  # and every lane's
             tk = wbase + buf * 2 * TILE
@@ -572,30 +595,38 @@ def make_decode_mma(t):
             # does the band cut this step for some row? (then P V goes cell by cell below)
             je = min(js + KEYS, ce) - 1
             cut = js - qz < blo or je - qa > bhi
-            # online softmax of row gq: sc[2 nb + e] is key js + 8 nb + 2 tq + e
+            # online softmax of row gq: sc[2 nb + e] is key js + 8 nb + 2 tq + e. A whole step
+            # that the band does not cut needs no mask (a row that is not live has Q = 0 and
+            # finite scores, and its state is never written)
             tmax = neg
-            for nb in range(NB):
-                for e in range(2):
-                    j = js + 8 * nb + 2 * tq + e
-                    dl = j - il
-                    x = sc[2 * nb + e]
-                    if not (live and j < ce and dl >= blo and dl <= bhi):
-                        x = neg
-                    sc[2 * nb + e] = x
-                    tmax = max(tmax, x)
+            if cut or js + KEYS > ce:
+                for nb in range(NB):
+                    for e in range(2):
+                        j = js + 8 * nb + 2 * tq + e
+                        dl = j - il
+                        x = sc[2 * nb + e]
+                        if not (live and j < ce and dl >= blo and dl <= bhi):
+                            x = neg
+                        sc[2 * nb + e] = x
+                        tmax = max(tmax, x)
+            else:
+                for e4 in range(SCN):
+                    tmax = max(tmax, sc[e4])
             tmax = max(tmax, cuda.shfl_xor_sync(FULL, tmax, 1))
             tmax = max(tmax, cuda.shfl_xor_sync(FULL, tmax, 2))
             mn = max(mrow, tmax)
+            # e^x as 2^(x log2 e) on the SFU (ex2.approx, as the tensor-core forwards): one
+            # instruction where expf takes a dozen; -inf gives 0 with no branch (mb = 0 while
+            # the row has no score, so that -inf - mb stays -inf, never NaN)
             alpha = ACC(1.0)
+            mb = zero
             if mn > neg:
-                alpha = math.exp(mrow - mn)
+                alpha = ex2((mrow - mn) * LOG2E)
                 mrow = mn
+                mb = mn
             ps = zero
             for e4 in range(SCN):
-                x = sc[e4]
-                p = zero
-                if x > neg:
-                    p = math.exp(x - mn)
+                p = ex2((sc[e4] - mb) * LOG2E)
                 sc[e4] = p
                 ps += p
             lrow = lrow * alpha + ps
