@@ -65,15 +65,18 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
     backend = BACKEND_OF_LIBRARY[shape.library]
     opts = options if options is not None else _options.current()
     banded = bool(implicit and not graph._blocks.standard)
-    probe = _device_probe(backend, graph, arrays, scale, score)
-    # Decisions that need no device probe depend on these facts only: made once, then looked
-    # up (a call's planning stays a few microseconds).
+    probed = []
+    probe = _device_probe(backend, graph, arrays, scale, score, probed)
+    # A decision that no family made with the device probe (the probe reads these arrays'
+    # strides and device) depends on these facts only: made once, then looked up, so a call's
+    # planning stays a few microseconds. The families are tried in a fixed order and none of
+    # them reads the request's heads or scale, so a later request with the same facts reaches
+    # the same family before any probing one.
     rows = int(graph._blocks.max_block_dst) if implicit else 0
     modifier_grads = bool(op == "backward" and score_mod is not None and score_mod.grad_leaves)
     key = (op, backend, graph.kind, implicit, banded, score, modifier_grads, shape.dtype, shape.head_dim,
-           shape.value_dim, prune_threshold is not None, min(rows, 9), opts) \
-        if probe is None else None
-    decision = _DECISIONS.get(key) if key is not None else None
+           shape.value_dim, prune_threshold is not None, min(rows, 9), opts)
+    decision = _DECISIONS.get(key)
     if decision is None:
         request = Request(
             op=op, backend=backend, relation_kind=graph.kind, implicit=implicit, banded=banded,
@@ -83,7 +86,7 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
             kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
             max_block_rows=rows, options=opts, probe=probe)
         decision = _registry.choose(request)
-        if key is not None:
+        if not probed:
             _DECISIONS[key] = decision
     return Plan(
         op=op,
@@ -124,12 +127,14 @@ def _dtype_name(dtype):
     return name
 
 
-def _device_probe(backend, graph, arrays, scale, score):
+def _device_probe(backend, graph, arrays, scale, score, probed):
     """For the CUDA backend: a lazy check of the tensor-core kernels on this device and these
-    arrays (strides, head dims, shared memory), asked only by the family that needs it."""
+    arrays (strides, head dims, shared memory), asked only by the family that needs it; each
+    asking appends to `probed` (such a decision is not cached)."""
     if backend != "cuda" or arrays is None:
         return None
 
     def probe():
+        probed.append(True)
         return backend_module("cuda").tensor_core_probe(graph, arrays, scale, score)
     return probe
