@@ -106,7 +106,7 @@ def make_stats(dtype, acc):
 
 
 # Threads of a merge CTA: the pieces of one merged row are spread over them, so a row cut into
-# thousands of pieces (a hub destination) is merged by the whole CTA.
+# thousands of pieces (a hub destination, a long decode range) is merged by the whole CTA.
 MERGE_NT = 32 if SIM else 512
 
 
@@ -126,12 +126,7 @@ def make_softmax_merge(dtype, acc, DV, table):
     Pieces with m = -inf (no edges) add nothing; a row with none left gets out = 0, M = -inf,
     L = 0. The threads take the pieces in a fixed strided assignment and their partial sums
     meet in fixed-order tree reductions, so the bits never depend on scheduling; DW threads
-    cover DW output columns while the other NT / DW lanes split the pieces.
-
-    Without `table` the pieces of a row are a few contiguous slots (split-key decode: one per
-    key chunk): _chunk_merge, one thread per output column and no reductions."""
-    if not table:
-        return _chunk_merge(dtype, acc, DV)
+    cover DW output columns while the other NT / DW lanes split the pieces."""
     IN, ACC = nbtype(dtype), nbtype(acc)
     AS_IN, AS_ACC, AS_I64 = array_view(IN), array_view(ACC), array_view(numba.int64)
     i64 = numba.int64
@@ -141,6 +136,7 @@ def make_softmax_merge(dtype, acc, DV, table):
     while DW < min(DVM, 8 if SIM else 32):
         DW *= 2
     PL = NT // DW
+    TABLE = bool(table)
 
     def body(pacc_p, pm_p, pl_p, rows_p, out_p, mo_p, lo_p, nrows, P):
         pacc = AS_ACC(pacc_p)
@@ -150,15 +146,23 @@ def make_softmax_merge(dtype, acc, DV, table):
         mo = AS_ACC(mo_p)
         lo = AS_ACC(lo_p)
         x = i64(cuda.blockIdx.x)
-        rows = AS_I64(rows_p)
-        si = x // P
-        h = x - si * P
-        if si >= nrows:
-            return
-        orow = rows[U(3 * si)] * P + h
-        base = rows[U(3 * si + 1)] * P + h
-        n = rows[U(3 * si + 2)]
-        stride = P
+        if TABLE:
+            rows = AS_I64(rows_p)
+            si = x // P
+            h = x - si * P
+            if si >= nrows:
+                return
+            orow = rows[U(3 * si)] * P + h
+            base = rows[U(3 * si + 1)] * P + h
+            n = rows[U(3 * si + 2)]
+            stride = P
+        else:
+            if x >= nrows:
+                return
+            orow = x
+            base = x * P
+            n = P
+            stride = i64(1)
         red = cuda.shared.array(NT, ACC)
         tid = cuda.threadIdx.x
         neg = ACC(NEG_INF)
@@ -220,68 +224,6 @@ def make_softmax_merge(dtype, acc, DV, table):
     spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("rows", "a", i64),
             ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC), ("nrows", "s", i64),
             ("P", "s", i64)]
-    kern = Kernel(f"softmax_merge_rows_{dtype}_dv{DV}", body, spec)
-    kern.NT = NT
-    return kern
-
-
-def _chunk_merge(dtype, acc, DV):
-    """make_softmax_merge without a table: merged row x has its P pieces in slots x P + [0, P).
-    One CTA per row, one thread per output column: every thread finds M and L over the P
-    pieces itself (P loads of m and l each, shared by the CTA's threads through L1) and sums
-    its column in piece order, so there is no shared memory and no barrier, where the
-    reductions of the table kernel cost ~30 barriers per row; same formulas and a fixed order,
-    so the bits never depend on scheduling."""
-    IN, ACC = nbtype(dtype), nbtype(acc)
-    AS_IN, AS_ACC = array_view(IN), array_view(ACC)
-    i64 = numba.int64
-    DVM = max(DV, 1)
-    NT = 32
-    while NT < min(DVM, 256):
-        NT *= 2
-    if SIM:
-        NT = min(NT, 32)
-
-    def body(pacc_p, pm_p, pl_p, rows_p, out_p, mo_p, lo_p, nrows, P):
-        pacc = AS_ACC(pacc_p)
-        pm = AS_ACC(pm_p)
-        pl = AS_ACC(pl_p)
-        out = AS_IN(out_p)
-        mo = AS_ACC(mo_p)
-        lo = AS_ACC(lo_p)
-        x = i64(cuda.blockIdx.x)
-        if x >= nrows:
-            return
-        tid = cuda.threadIdx.x
-        base = x * P
-        neg = ACC(NEG_INF)
-        M = neg
-        for p in range(P):
-            M = max(M, pm[U(base + p)])
-        L = ACC(0.0)
-        if M > neg:
-            for p in range(P):
-                ms = pm[U(base + p)]
-                if ms > neg:
-                    L += pl[U(base + p)] * math.exp(ms - M)
-        inv = ACC(0.0)
-        if L > 0:
-            inv = ACC(1.0) / L
-        for d in range(tid, DV, NT):
-            a = ACC(0.0)
-            if M > neg:
-                for p in range(P):
-                    ms = pm[U(base + p)]
-                    if ms > neg:
-                        a += pacc[U((base + p) * DV + d)] * math.exp(ms - M)
-            out[U(x * DV + d)] = IN(a * inv)
-        if tid == 0:
-            mo[U(x)] = M
-            lo[U(x)] = L
-
-    spec = [("pacc", "a", ACC), ("pm", "a", ACC), ("pl", "a", ACC), ("rows", "a", i64),
-            ("out", "a", IN), ("mo", "a", ACC), ("lo", "a", ACC), ("nrows", "s", i64),
-            ("P", "s", i64)]
-    kern = Kernel(f"softmax_merge_splits_{dtype}_dv{DV}", body, spec)
+    kern = Kernel(f"softmax_merge_{'rows' if TABLE else 'splits'}_{dtype}_dv{DV}", body, spec)
     kern.NT = NT
     return kern
