@@ -9,7 +9,10 @@
     cuDNN and memory-efficient backends on the same inputs; K+V read bandwidth. Two times per
     side: one synchronised call (median; what a decode loop that waits for each token sees,
     host overhead included) and the GPU time per call when 20 calls run back to back (CUDA
-    events; the kernels alone, host work hidden behind them).
+    events; the kernels alone, host work hidden behind them). torch runs twice: on its own
+    contiguous (B, H, L, D) arrays and on the very memory tiga_numba reads ((B, L, H, D),
+    flash-attn's layout, viewed as (B, H, L, D)); for one sequence tiga_numba also runs on
+    torch's head-major arrays (a strided view), so the layout's share of a gap shows.
 
     python benchmarks/bench_split_gpu.py [--csr] [--decode] [--reps N] [--out FILE]
 
