@@ -125,8 +125,27 @@ def bench_csr(lines, reps):
         lines.append(f"{name:<10} {int(np.diff(indptr).max()):>9} {tf * 1e3:>9.2f} {tb * 1e3:>11.2f} "
                      f"{gathered / tf / 1e12:>12.2f} {100 * gathered / tf / bw:>8.0f}% "
                      f"{tf / base:>13.2f}x {tb / base_b:>7.2f}x  {kern}; first fwd+bwd call {first * 1e3:.0f} ms")
-        del g, indices
+        g = indices = None   # the graph's device arrays freed before the next one
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def decode_inputs(B, L, Hq, Hkv, D):
+    """A decode shape in both layouts, float16, seeded: torch's (B, Hq, 1, D) / (B, Hkv, L, D)
+    contiguous q, k, v; tiga_numba's q (B, Hq, D) (a view of torch's) and token-major k, v
+    (B * L, Hkv, D) (contiguous copies); the relation (one query row per sequence)."""
+    import cupy
+    import torch
+    import tiga_numba as tg
+    torch.manual_seed(0)
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)
+    k = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16)
+    v = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16)
+    qt = cupy.from_dlpack(q[:, :, 0, :])
+    kt = cupy.from_dlpack(k.permute(0, 2, 1, 3).reshape(B * L, Hkv, D).contiguous())
+    vt = cupy.from_dlpack(v.permute(0, 2, 1, 3).reshape(B * L, Hkv, D).contiguous())
+    g = tg.Graph.dense(L, 1) if B == 1 else \
+        tg.Graph.cu_seqlens(np.arange(B + 1), cu_seqlens_k=np.arange(B + 1) * L, causal=True)
+    return q, k, v, qt, kt, vt, g
 
 
 def bench_decode(lines, reps):
@@ -143,16 +162,7 @@ def bench_decode(lines, reps):
                  f"{'vs fastest':>13}  kernel / notes")
     sync = torch.cuda.synchronize
     for B, L in ((1, 131072), (16, 8192)):
-        torch.manual_seed(0)
-        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)
-        k = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16)
-        v = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16)
-        # tiga layout views of the same memory: q (B, Hq, D), k / v (B * L, Hkv, D) strided
-        qt = cupy.from_dlpack(q[:, :, 0, :])
-        kt = cupy.from_dlpack(k.permute(0, 2, 1, 3).reshape(B * L, Hkv, D).contiguous())
-        vt = cupy.from_dlpack(v.permute(0, 2, 1, 3).reshape(B * L, Hkv, D).contiguous())
-        g = tg.Graph.dense(L, 1) if B == 1 else \
-            tg.Graph.cu_seqlens(np.arange(B + 1), cu_seqlens_k=np.arange(B + 1) * L, causal=True)
+        q, k, v, qt, kt, vt, g = decode_inputs(B, L, Hq, Hkv, D)
 
         def ours():
             tg.attention(qt, kt, vt, g)
