@@ -32,10 +32,11 @@ kernel (the hooks are compiled out).
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from .blocks import EMPTY, NEG, exp2_any
 from .fastexp import denormals_off, fmax, restore_mxcsr
+from .layout import kv_heads
 from .prefetch import prefetch_row
 from .score_codegen import jit_kernel, no_grad, no_value
 
@@ -49,17 +50,6 @@ LN2 = math.log(2.0)
 CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/L1)
 AHEAD = 8  # backward: prefetch the gathered rows of the edge this many edges ahead
 RB = 32  # rows per prange iteration (amortises scratch allocation)
-
-
-@njit(cache=True)
-def kv_heads(H, group):
-    """The key/value head of each query head (h // group), computed once per call: the kernels
-    index k and v per edge and head, and an integer division there cost about as much as the
-    arithmetic of a small head (H = 8, C = 8: forward ~20% faster without it)."""
-    out = np.empty(H, np.int64)
-    for h in range(H):
-        out[h] = h // group
-    return out
 
 
 def make_forward(acc, mod=None):

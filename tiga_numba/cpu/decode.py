@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .csr import kv_heads
+from .layout import kv_heads
 
 #: keys per work item: enough items to share a long key range among the threads, few enough
 #: that the partials and their merge stay small; each K and V row is read once per item
