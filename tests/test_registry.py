@@ -130,3 +130,38 @@ def test_cuda_tensor_core_refusals_are_stated():
                                                "options": tg.Options(fp32_tensor_cores=False)},
                                             probe=lambda: (lambda req: None)))
     assert fp32.family.name == "cuda.blocks"
+
+
+def test_decisions_are_kept_only_when_no_family_probed_the_device(monkeypatch):
+    """A CUDA decision made without the tensor-core device probe (here the decode family, tried
+    before the tensor cores) is kept and looked up by the next call of the same kind; one that
+    asked the probe depends on the arrays and is made again every call."""
+    from tiga_numba import dispatch
+    from tiga_numba.arrays import AttentionShape
+    monkeypatch.setattr(dispatch, "_DECISIONS", {})
+    asked, chosen = [], []
+
+    def fake_probe(backend, graph, arrays, scale, score, probed):
+        def probe():
+            probed.append(True)
+            asked.append(graph.kind)
+            return lambda req: None   # the tensor cores accept
+        return probe
+    monkeypatch.setattr(dispatch, "_device_probe", fake_probe)
+    real_choose = registry.choose
+    monkeypatch.setattr(registry, "choose", lambda req: chosen.append(req.relation_kind) or real_choose(req))
+
+    def plan(graph):
+        shape = AttentionShape("cupy", np.dtype(np.float16), graph.num_dst, graph.num_src, 4, 2,
+                               64, 64, False)
+        return dispatch.make_plan("forward", graph, shape, 0.125, arrays=(None, None, None))
+
+    decode = tg.Graph.dense(4096, 2)        # two query rows: the split-key family, no probe
+    for _ in range(3):
+        assert plan(decode).family == "cuda.decode"
+    assert chosen == ["dense"] and asked == []
+    chosen.clear()
+    full = tg.Graph.dense(4096, 512)        # the tensor cores, which ask the probe every time
+    for _ in range(3):
+        assert plan(full).family == "cuda.tc"
+    assert chosen == ["dense"] * 3 and asked == ["dense"] * 3

@@ -446,6 +446,7 @@ def make_decode_mma(t):
     by 0). The warps' states meet in shared memory and are combined in warp order
     (make_combine)."""
     from .tc.ptx import intrinsics
+    from .tc.generator.variant import LOG2E
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
     D, DV, NW, ROWS, KEYS = t.D, t.DV, t.NW, t.ROWS, t.T
@@ -454,7 +455,6 @@ def make_decode_mma(t):
     ptx = intrinsics(t.dtype)
     mma, ldsm, ldsm_t, unpack2, pack2, ex2 = (ptx[n] for n in ("mma16816", "ldsm_x4", "ldsm_x4_t",
                                                                 "unpack2", "pack2", "ex2"))
-    LOG2E = 1.4426950408889634
     cp_async16, cp_commit, cp_wait1, cp_wait0, saddr = (
         ptx[n] for n in ("cp_async16", "cp_commit", "cp_wait1", "cp_wait0", "saddr"))
     assert ROWS <= 8
