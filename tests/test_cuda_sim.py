@@ -249,9 +249,9 @@ def base_and_strides(x):
     return base.reshape(-1)[off:], [s // item for s in x.strides]
 
 
-def tiles(dtype, D, DV, R=2, NT=4, BN=4, G=1, VEC=1):
+def tiles(dtype, D, DV, R=2, NT=4, BN=4, G=1, VEC=1, UE=1):
     acc = "float64" if dtype == "float64" else "float32"
-    return Tiles(dtype, acc, D, DV, G, R, NT, BN, VEC)
+    return Tiles(dtype, acc, D, DV, G, R, NT, BN, VEC, UE=UE)
 
 
 def nomod(acc):
@@ -514,7 +514,7 @@ def case_prune():
 
 def case_csr(dtype="float32", H=2, Hkv=1, D=3, DV=4, with_bias=True, tol=2e-5):
     nq, ns = 9, 7
-    deg = RNG.integers(0, 8, nq)  # up to 7: several 4-edge steps and every tail length
+    deg = RNG.integers(0, 8, nq)  # up to 7: several steps of 1 and 3 edges and every tail length
     deg[2] = 0  # an empty row
     deg[5] = 1
     indptr = np.zeros(nq + 1, np.int64)
@@ -544,6 +544,12 @@ def case_csr(dtype="float32", H=2, Hkv=1, D=3, DV=4, with_bias=True, tol=2e-5):
     fin = np.isfinite(rm)
     assert np.array_equal(np.isfinite(m), fin) and (l[~fin] == 0).all()
     check(tag + " l", l, rl, tol)
+    # three edges per step: rows whose length is not a multiple of the step end in a partial one
+    out3, m3, l3 = csr_forward(q, k, v, indptr, indices, bias, scale, dtype,
+                               t=tiles(dtype, D, DV, R=1, NT=8, UE=3))
+    check(tag + " out (3 edges per step)", out3, ro, tol)
+    assert np.array_equal(np.isfinite(m3), fin) and (l3[~fin] == 0).all()
+    check(tag + " l (3 edges per step)", l3, rl, tol)
     dq, dk, dv, dbias = csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm,
                                      bias, scale, dtype)
     if D:

@@ -6,9 +6,11 @@ d = s, s+G, ... . Consecutive groups are consecutive heads of the same row, so a
 a gathered key/value row as a few fully used 32-byte sectors: the kernels are bound by the
 gather bandwidth (each edge reads one key row and one value row), which is what they aim at.
 
-forward: online softmax over the row's edges, four edges per step (eight gathered rows in
-flight, the running max rescaled once per step); edge_bias (E, H) is added to the scaled score; D = 0
-(precomputed per-edge scores) works: the dot product is empty.
+forward: online softmax over the row's edges, `t.UE` edges per step (2 UE gathered rows in
+flight per lane group, the running max rescaled once per step; tiles.csr_tiles picks one edge
+per step under a register cap: more resident lane groups beat more rows per group);
+edge_bias (E, H) is added to the scaled score; D = 0 (precomputed per-edge scores) works: the
+dot product is empty.
 
 backward, deterministic without atomics, reading (m, log l, Delta) triples from common.make_stats
 (p = exp((s - m) - log l): s - m is exact for a row's largest score, which a single rounded
@@ -60,7 +62,7 @@ def make_forward(t, bias, items=False, mod=None):
     BIAS = bool(bias)
     ITEMS = bool(items)
     GM = (1 << G) - 1
-    UE = 4  # edges per step
+    UE = t.UE  # edges per step: 2 * UE gathered rows in flight per lane group
     UVS = UE * VS
 
     def csr_fwd(q_p, k_p, v_p, out_p, mo_p, lo_p, indptr_p, indices_p, bias_p,
@@ -207,8 +209,12 @@ def make_forward(t, bias, items=False, mod=None):
             + _strides("q") + _strides("k") + _strides("v")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
             + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
-    return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
-                  + ("_items" if ITEMS else "") + _mods.tag(mod), csr_fwd, spec)
+    # registers bound the lane groups (and so the gathered rows) in flight per SM; a modifier's
+    # expression needs registers of its own: its kernels keep the compiler's choice
+    regs = t.REGS if t.REGS and not MOD else 0
+    return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}_nt{t.NT}_ue{UE}" + (f"_r{regs}" if regs else "")
+                  + ("_bias" if BIAS else "") + ("_items" if ITEMS else "") + _mods.tag(mod),
+                  csr_fwd, spec, **({"max_registers": regs} if regs else {}))
 
 
 def make_dq(t, bias, items=False, mod=None):

@@ -37,6 +37,8 @@ class Tiles:
     NT: int  # threads per CTA
     BN: int  # keys (or queries, for dk/dv) per shared-memory tile
     VEC: int = 1  # contiguous elements per lane and step (16-byte shared-memory loads)
+    UE: int = 1  # CSR forward: edges per step of a lane group
+    REGS: int = 0  # register cap per thread (0: the compiler's choice)
 
     @property
     def BM(self):
@@ -111,7 +113,16 @@ def block_tiles(kind, dtype, D, DV):
 
 def csr_tiles(kind, dtype, D, DV):
     """Gathered rows come straight from global memory: ~4 elements per lane keeps many rows
-    (and so many independent loads) in flight."""
+    (and so many independent loads) in flight.
+
+    The forward walks one edge per step with at most 40 registers per thread (float32
+    accumulation): what keeps the gathers in flight is the number of lane groups resident per
+    SM, not the rows one group loads at once. Measured on the H200 (1M nodes, 16M edges, H=4,
+    D=32, float32; uniform / power-law / one row with 3/4 of the edges): four edges per step
+    at the compiler's 80 registers 58 / 62 / 67 % of the copy bandwidth, one edge per step
+    capped at 40 registers 82 / 78 / 83 % (benchmarks/results/gpu-h200-2026-12-03.txt)."""
     acc = acc_of(dtype)
     G = _lanes(D, DV, per_lane=4)
+    if kind == "fwd":
+        return Tiles(str(dtype), acc, D, DV, G, 1, 128, 0, UE=1, REGS=40 if acc == "float32" else 0)
     return Tiles(str(dtype), acc, D, DV, G, 1, 128, 0)
