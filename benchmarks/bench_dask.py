@@ -83,9 +83,7 @@ def _model_bytes(summary, q_rows, k_rows, q_owner, k_owner, heads, kv_heads, dim
     rule); an input fetched to a worker stays there for the other tasks of the call.
 
     CSR: a partition's task (next to its rows) receives the remote halo rows of k and v; the
-    backward's dq task receives them again, and each source chunk's dk/dv task receives the
-    remote rows of its destination halo (dout, q, out, m, l) on the worker that holds most of
-    its inputs.
+    backward receives them again and sends the partial dk/dv of the same rows back.
     Implicit: per block (p, c) on different workers, either k_c and v_c travel to p's worker
     (once per worker) or q_p travels to c's worker (once per worker) and the partial result
     comes back; the backward likewise, with the partial dk/dv (or dq) sent to its sum."""
@@ -94,14 +92,7 @@ def _model_bytes(summary, q_rows, k_rows, q_owner, k_owner, heads, kv_heads, dim
         kv_row = kv_heads * (dim + value_dim) * itemsize
         fwd = sum(rows for p, halo in enumerate(summary["halo"])
                   for c, rows in halo.items() if k_owner[c] != q_owner[p]) * kv_row
-        dst_row = heads * ((dim + 2 * value_dim) * itemsize + 2 * acc)
-        bwd = fwd
-        for c, halo in enumerate(summary["backward_halo"]):
-            held = {k_owner[c]: k_rows[c] * kv_row}
-            for p, rows in halo.items():
-                held[q_owner[p]] = held.get(q_owner[p], 0) + rows * dst_row
-            bwd += sum(held.values()) - max(held.values())
-        return fwd, bwd
+        return fwd, 2 * fwd
     fwd, bwd, seen_f, seen_b = 0, 0, set(), set()
     for p, blocks in enumerate(summary["blocks"]):
         for c in blocks:

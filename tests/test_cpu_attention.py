@@ -307,35 +307,3 @@ def test_same_bits_with_any_thread_count():
             assert runs[0] == runs[1], kind
     finally:
         numba.set_num_threads(before)
-
-
-def test_csr_backward_runs_only_the_passes_asked_for():
-    """run_backward(needs=...) (the scale-out layer's dq and dk/dv tasks): each pass alone
-    equals the full backward's, bit for bit, with None for what was not asked; a dq-only call
-    builds no transposed relation; a long row and a source read by every row are split."""
-    import scipy.sparse as sp
-    from tiga_numba.cpu import split
-    rng = np.random.default_rng(11)
-    a = (rng.random((2100, 2600)) < 0.002).astype(np.float64)
-    a[7, :] = 1.0   # a hub row, longer than a piece
-    a[:, 3] = 1.0   # a source every row reads
-    a[20] = 0.0     # an empty row
-    assert min(a.shape) > split.MIN_PIECE
-    g = Graph.from_scipy(sp.csr_matrix(a))
-    q, k, v, do = _inputs(rng, g, np.float32, 4, 2)
-    out, stats = tg.attention(q, k, v, g, return_stats=True)
-    full = functional.run_backward(do, q, k, v, out, stats, g)[:3]
-    tiles = functional.last_plan().run_info["tiles"]
-    assert tiles.count("long row(s) split") == 2, tiles
-    for want, name in zip(reference.attention_backward(do, q, k, v, g), ("dq", "dk", "dv")):
-        _close(full[("dq", "dk", "dv").index(name)], want, np.float32, name)
-    fresh = Graph.from_csr(g.to_scipy().indptr, g.to_scipy().indices, num_src=g.num_src)
-    dq, dk, dv = functional.run_backward(do, q, k, v, out, stats, fresh, needs=("dq",))[:3]
-    assert dk is None and dv is None and np.array_equal(dq, full[0])
-    assert not any(key[0] == "transpose" for key in fresh._cache)
-    dq, dk, dv = functional.run_backward(do, q, k, v, out, stats, fresh, needs={"dkdv"})[:3]
-    assert dq is None and np.array_equal(dk, full[1]) and np.array_equal(dv, full[2])
-    with pytest.raises(ValueError, match="needs"):
-        functional.run_backward(do, q, k, v, out, stats, g, needs=("dk",))
-    with pytest.raises(ValueError, match="needs"):
-        functional.run_backward(do, q, k, v, out, stats, g, needs=())

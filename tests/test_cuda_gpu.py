@@ -285,23 +285,3 @@ def test_calls_from_a_fresh_thread(tensor_cores):
     assert not errors, errors
     for a, b in zip(got, ref):
         assert cupy.array_equal(a, b)
-
-
-def test_csr_backward_runs_only_the_passes_asked_for():
-    """run_backward(needs=...): the scale-out layer's dq-only and dk/dv-only calls equal the
-    full backward (the same kernels), with None for what was not asked (and no transpose built
-    for a dq-only call)."""
-    g = _random_csr(90, 61)
-    H, Hkv, D, DV = 4, 2, 16, 24
-    q, k, v, dout = (cupy.asarray(x) for x in _inputs(g, "float32", H, Hkv, D, DV))
-    out, stats = tg.attention(q, k, v, g, return_stats=True)
-    full = functional.run_backward(dout, q, k, v, out, stats, g)[:3]
-    fresh = tg.Graph.from_scipy(g.to_scipy())
-    dq, dk, dv = functional.run_backward(dout, q, k, v, out, stats, fresh, needs=("dq",))[:3]
-    assert dk is None and dv is None
-    assert not any(key[0] == "transpose" for key in fresh._cache)
-    cupy.testing.assert_array_equal(dq, full[0])
-    dq, dk, dv = functional.run_backward(dout, q, k, v, out, stats, fresh, needs=("dkdv",))[:3]
-    assert dq is None
-    cupy.testing.assert_array_equal(dk, full[1])
-    cupy.testing.assert_array_equal(dv, full[2])

@@ -10,11 +10,9 @@ other axes must be one chunk. Every task is a call of the single-process kernels
 * CSR relations: one task per destination partition. It receives q's chunk and, from every
   source chunk that holds a source of its edges, only those rows (a *halo*, gathered by a small
   task next to the source chunk). Its local relation is the partition's rows with the source ids
-  renumbered into the halo, so the forward needs no merge. The backward computes dq per
-  destination partition (with the same halo) and dk/dv per source chunk, over the edges into
-  the chunk, with the rows of dout, q, out, m and l of the destinations those edges come from
-  (the chunk's *destination halo*): each gradient row is computed by one task, in the order
-  the single-process backward uses, and nothing is summed across tasks.
+  renumbered into the halo, so the forward needs no merge. The backward computes dq locally and
+  the halo's partial dk/dv, which are scattered back to their source chunks and summed there in
+  increasing partition order.
 * Implicit relations (dense, triangular, segments, band): one task per (query chunk, key chunk) block
   that the relation touches (blocks without edges are never created). The partial results of a
   query chunk are combined by the exact online-softmax merge in a fixed-order tree; the backward
@@ -43,7 +41,6 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from .functional import AttentionStats
 from .functional import attention as _attention
 from .functional import attention_backward as _attention_backward
-from .functional import run_backward as _run_backward
 from .graph import Graph
 from .merge import attention_merge, log_sum_exp
 
@@ -161,25 +158,13 @@ class _CSRPart:
         self.d0, self.d1, self.graph, self.pieces = d0, d1, graph, pieces
 
 
-class _CSRSource:
-    """One source chunk c, rows [s0, s1), for the backward's dk / dv: its local relation (rows:
-    the destinations with an edge into the chunk, in increasing id, the *destination halo*;
-    columns: the chunk's rows) and per destination partition p the rows of partition p in that
-    halo (local to the partition) with their slice of the halo."""
-    __slots__ = ("s0", "s1", "graph", "pieces")
-
-    def __init__(self, s0, s1, graph, pieces):
-        self.s0, self.s1, self.graph, self.pieces = s0, s1, graph, pieces
-
-
 class _Plan:
-    __slots__ = ("token", "kind", "parts", "sources", "blocks", "uploaded", "lock")
+    __slots__ = ("token", "kind", "parts", "blocks", "uploaded", "lock")
 
-    def __init__(self, kind, parts=None, sources=None, blocks=None):
+    def __init__(self, kind, parts=None, blocks=None):
         self.token = uuid.uuid4().hex
         self.kind = kind
         self.parts = parts      # CSR: list of _CSRPart, one per destination partition
-        self.sources = sources  # CSR: list of _CSRSource, one per source chunk (the backward)
         self.blocks = blocks    # implicit: per query chunk, list of (key chunk, block Graph)
         self.uploaded = {}      # CSR on dask.distributed: client id -> futures of the relations
         self.lock = threading.Lock()
@@ -205,24 +190,22 @@ def _identity(x):
     return x
 
 
-def _relations(plan, side="parts"):
-    """Per CSR destination partition (`side` "parts") or source chunk ("sources"), what its
-    tasks get as the local relation: the Graph itself (it then travels inside every call's task
-    graph), or, when a dask.distributed Client is the default scheduler, a future of it
-    uploaded once per plan and client. The upload is a task holding the relation (not a
-    scatter), so the scheduler recomputes it if the worker holding it is lost; the futures live
-    as long as the graph's plan."""
-    pieces = getattr(plan, side)
+def _relations(plan):
+    """Per CSR partition, what its tasks get as the local relation: the Graph itself (it then
+    travels inside every call's task graph), or, when a dask.distributed Client is the default
+    scheduler, a future of it uploaded once per plan and client. The upload is a task holding
+    the relation (not a scatter), so the scheduler recomputes it if the worker holding it is
+    lost; the futures live as long as the graph's plan."""
     client = _default_client()
     if client is None:
-        return [piece.graph for piece in pieces]
+        return [part.graph for part in plan.parts]
     with plan.lock:
-        futures = plan.uploaded.get((client.id, side))
+        futures = plan.uploaded.get(client.id)
         if futures is None or any(f.status in ("cancelled", "error", "lost") for f in futures):
-            futures = [client.submit(_identity, piece.graph, pure=False,
-                                     key=f"tiga-attention-relation-{plan.token}-{side}-{i}")
-                       for i, piece in enumerate(pieces)]
-            plan.uploaded[(client.id, side)] = futures
+            futures = [client.submit(_identity, part.graph, pure=False,
+                                     key=f"tiga-attention-relation-{plan.token}-{p}")
+                       for p, part in enumerate(plan.parts)]
+            plan.uploaded[client.id] = futures
     return futures
 
 
@@ -254,64 +237,7 @@ def _csr_plan(graph, dst_bounds, src_bounds):
                    int(cuts[c]), int(cuts[c + 1]))
                   for c in range(len(src_bounds) - 1) if cuts[c + 1] > cuts[c]]
         parts.append(_CSRPart(d0, d1, sub, pieces))
-    return _Plan("csr", parts=parts)   # the sources: on the first backward (_backward_sources)
-
-
-def _backward_sources(plan, graph, q, k):
-    """The plan's per-source-chunk relations, built by the first backward of this plan."""
-    with plan.lock:
-        if plan.sources is None:
-            indptr, indices = graph._host_csr()
-            plan.sources = _csr_sources(indptr, indices, _bounds(q.chunks[0]), _bounds(k.chunks[0]),
-                                        graph.num_dst)
-    return plan.sources
-
-
-def _csr_sources(indptr, indices, dst_bounds, src_bounds, num_dst):
-    """Per source chunk, the relation of the edges into it (rows: the destination halo,
-    columns: the chunk's rows) and where its halo rows lie in the destination partitions. The
-    edges of a chunk keep their CSR order, so each source sees its destinations in increasing
-    id, as in the single-process transpose."""
-    dst_bounds = np.asarray(dst_bounds, np.int64)
-    src_bounds = np.asarray(src_bounds, np.int64)
-    n_chunks = src_bounds.shape[0] - 1
-    part_sizes = np.diff(dst_bounds)
-    part_of = np.repeat(np.arange(part_sizes.shape[0]), part_sizes)   # destination -> partition
-    rows = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(indptr))   # edge -> destination
-    if n_chunks > 1:
-        # the edges grouped by source chunk, in CSR order within a chunk (a stable sort of small
-        # integer keys: numpy's radix sort, O(E))
-        chunk = np.searchsorted(src_bounds[1:], indices, side="right")
-        key = chunk.astype(np.uint16 if n_chunks <= np.iinfo(np.uint16).max else np.int64)
-        order = np.argsort(key, kind="stable")
-        starts = np.searchsorted(chunk[order], np.arange(n_chunks + 1))
-    else:
-        order, starts = None, np.array([0, indices.shape[0]])
-    sources = []
-    for c in range(n_chunks):
-        s0, s1 = int(src_bounds[c]), int(src_bounds[c + 1])
-        sel = slice(int(starts[c]), int(starts[c + 1]))
-        edges = order[sel] if order is not None else np.arange(indices.shape[0])[sel]
-        edge_rows = rows[edges]
-        used = np.zeros(num_dst, np.bool_)
-        used[edge_rows] = True
-        # a partition of which the chunk's edges reach at least WHOLE_CHUNK_FRACTION of the rows
-        # is taken whole (its extra rows have no edge here), as for the source halos
-        counts = np.bincount(part_of[used], minlength=part_sizes.shape[0]) if part_sizes.shape[0] \
-            else part_sizes
-        whole = counts >= WHOLE_CHUNK_FRACTION * part_sizes
-        used |= whole[part_of] & (counts > 0)[part_of]
-        halo = np.flatnonzero(used)
-        local_row = (np.cumsum(used, dtype=np.int64) - 1)[edge_rows]
-        sub_indptr = np.zeros(halo.shape[0] + 1, np.int64)
-        np.cumsum(np.bincount(local_row, minlength=halo.shape[0]), out=sub_indptr[1:])
-        sub = Graph.from_csr(sub_indptr, (indices[edges] - s0).astype(np.int32), num_src=s1 - s0)
-        cuts = np.searchsorted(halo, dst_bounds)
-        pieces = [(p, (halo[cuts[p]:cuts[p + 1]] - dst_bounds[p]).astype(np.int64),
-                   int(cuts[p]), int(cuts[p + 1]))
-                  for p in range(dst_bounds.shape[0] - 1) if cuts[p + 1] > cuts[p]]
-        sources.append(_CSRSource(s0, s1, sub, pieces))
-    return sources
+    return _Plan("csr", parts=parts)
 
 
 def _block_plan(graph, dst_bounds, src_bounds):
@@ -362,9 +288,7 @@ def plan_summary(graph, q, k):
     (per destination partition), and
 
     * CSR: ``halo`` per destination partition, ``{source chunk: rows gathered from it}``
-      (``halo_rows`` their sum): a partition's forward and dq tasks receive exactly these rows
-      of k and v; ``backward_halo`` per source chunk, ``{destination partition: rows gathered
-      from it}``: the chunk's dk / dv task receives these rows of dout, q, out, m and l;
+      (``halo_rows`` their sum): a partition's task receives exactly these rows of k and v;
     * implicit: ``blocks`` per destination partition, the key chunks it meets."""
     _check_dask("q", q)
     _check_dask("k", k)
@@ -373,9 +297,7 @@ def plan_summary(graph, q, k):
         return {"kind": "csr", "tasks": len(plan.parts),
                 "halo": [{c: int(r.shape[0]) for c, r, _, _ in p.pieces} for p in plan.parts],
                 "halo_rows": [p.graph.num_src for p in plan.parts],
-                "edges": [p.graph.num_edges for p in plan.parts],
-                "backward_halo": [{p: int(r.shape[0]) for p, r, _, _ in src.pieces}
-                                  for src in _backward_sources(plan, graph, q, k)]}
+                "edges": [p.graph.num_edges for p in plan.parts]}
     return {"kind": "blocks", "tasks": sum(len(b) for b in plan.blocks),
             "blocks": [[c for c, _ in b] for b in plan.blocks],
             "edges": [sum(g.num_edges for _, g in b) for b in plan.blocks]}
@@ -419,18 +341,34 @@ def _csr_forward(q_p, k_parts, v_parts, graph, *, warm, scale):
     return out, stats.m, stats.l
 
 
-def _csr_backward_dq(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale):
+def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale):
     k, v = _concat(k_parts), _concat(v_parts)
-    return _run_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p), _warm(graph, warm),
-                         scale=scale, needs=("dq",))[0]
+    return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
+                               _warm(graph, warm), scale=scale)
 
 
-def _csr_backward_dkdv(k_c, v_c, dout_parts, q_parts, out_parts, m_parts, l_parts, graph, *,
-                       warm, scale):
-    stats = AttentionStats(_concat(m_parts), _concat(l_parts))
-    res = _run_backward(_concat(dout_parts), _concat(q_parts), k_c, v_c, _concat(out_parts), stats,
-                        _warm(graph, warm), scale=scale, needs=("dkdv",))
-    return res[1], res[2]
+def _halo_piece(result, which, start, stop):
+    return result[which][start:stop]
+
+
+def _scatter_sum(like, pieces, *, rows, dtype, acc):
+    """Sum the partial gradients of one source chunk, in the order given (increasing
+    destination partition); `rows` holds, per piece, the chunk's rows it covers (None: all)."""
+    xp = _xp_of(like)
+    total = None
+    for r, piece in zip(rows, pieces):
+        if r is None:   # the whole chunk, in order
+            if total is None:   # 0 + piece is piece: start from a copy, no zero fill and add
+                total = piece.astype(acc, copy=True)
+            else:
+                total += piece
+            continue
+        if total is None:
+            total = xp.zeros(like.shape, dtype=acc)
+        total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
+    if total is None:
+        total = xp.zeros(like.shape, dtype=acc)
+    return total.astype(dtype, copy=False)
 
 
 def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc):
@@ -535,16 +473,15 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     token = tokenize(plan.token, q.name, k.name, v.name, scale)
     core_name = f"tiga-attention-tasks-{token}"
     core = {}
-    view = _Views(core, "tiga-attention-view")
     nparts = len(q.chunks[0])
     roots = []
     if plan.kind == "csr":
         relations = _relations(plan)
         for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(view, plan, p, part, k, v)
+            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "forward", p)
             core[key] = (functools.partial(_csr_forward, warm=(plan.token, p), scale=scale),
-                         view(q, p), k_parts, v_parts, relations[p])
+                         _chunk_key(q, p), k_parts, v_parts, relations[p])
             roots.append(key)
         cast_out = functools.partial(_cast, dtype=dtype, which=0)
     else:
@@ -554,12 +491,12 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
                 key = (core_name, "block", p, c)
                 core[key] = (functools.partial(_block_forward, graph=sub, warm=(plan.token, p, c),
                                                scale=scale, acc=acc),
-                             view(q, p), view(k, c), view(v, c))
+                             _chunk_key(q, p), _chunk_key(k, c), _chunk_key(v, c))
                 leaves.append(key)
             if not leaves:
                 key = (core_name, "empty", p)
                 core[key] = (functools.partial(_empty_forward, value_dim=value_dim, acc=acc),
-                             view(q, p))
+                             _chunk_key(q, p))
                 leaves.append(key)
             roots.append(_tree(core, (core_name, "merge", p), leaves, _merge))
         cast_out = functools.partial(_cast, dtype=dtype, which=0)
@@ -580,41 +517,21 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     return arrays[0]
 
 
-class _Views:
-    """The chunks a call's tasks read, each under a key of the call: ``views(x, i)`` is a task
-    that passes chunk i of x on without a copy, next to it. A worker that fetches it holds it
-    only while the call needs it; a task that read the user's chunk key directly from another
-    worker would leave a replica of the chunk there, and dask's memory manager may keep that copy
-    and drop the original, moving the chunk's home and, by locality, the next calls' tasks with
-    it (measured: every task of a call on one of two workers)."""
-
-    def __init__(self, core, name):
-        self.core, self.name = core, name
-
-    def __call__(self, array, i):
-        key = (self.name, array.name, i)
-        if key not in self.core:
-            self.core[key] = (_identity, _chunk_key(array, i))
-        return key
-
-    def rows(self, key, array, i, rows):
-        """Task `key`: the `rows` of chunk i (sorted and unique), gathered next to the chunk so
-        that only those rows travel; all of them: the chunk's view, no copy."""
-        if rows.shape[0] == array.chunks[0][i]:
-            return self(array, i)
-        self.core[key] = (functools.partial(_take, rows=rows), _chunk_key(array, i))
-        return key
-
-
-def _gather_halo(views, plan, p, part, k, v):
-    """The keys of the k and v rows partition p needs, per source chunk. A partition without
-    edges takes zero rows of chunk 0. The forward and the backward name them alike, so one
-    computation of both gathers once."""
+def _gather_halo(core, plan, p, part, k, v):
+    """Tasks that take, from each source chunk, the rows partition p needs (next to the chunk,
+    so only those rows travel). A partition without edges takes zero rows of chunk 0. The
+    forward and the backward name them alike, so one computation of both gathers once."""
     halo_name = f"tiga-attention-halo-{tokenize(plan.token, k.name, v.name)}"
     k_parts, v_parts = [], []
     for c, local_rows, _, _ in part.pieces or [(0, np.zeros(0, np.int64), 0, 0)]:
+        whole = local_rows.shape[0] == k.chunks[0][c]   # sorted and unique: the chunk itself
         for src, parts, tag in ((k, k_parts, "k-halo"), (v, v_parts, "v-halo")):
-            parts.append(views.rows((halo_name, tag, p, c), src, c, local_rows))
+            if whole:
+                parts.append(_chunk_key(src, c))
+                continue
+            key = (halo_name, tag, p, c)
+            core[key] = (functools.partial(_take, rows=local_rows), _chunk_key(src, c))
+            parts.append(key)
     return k_parts, v_parts
 
 
@@ -642,46 +559,39 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
                      stats.l.name, scale)
     core_name = f"tiga-attention-backward-tasks-{token}"
     core = {}
-    view = _Views(core, "tiga-attention-view")
     nq, nk = len(q.chunks[0]), len(k.chunks[0])
     dq_src, dk_src, dv_src = {}, {}, {}
 
     def row_inputs(p):
-        return (view(dout, p), view(q, p))
+        return (_chunk_key(dout, p), _chunk_key(q, p))
 
     def stat_inputs(p):
-        return (view(out, p), view(stats.m, p), view(stats.l, p))
+        return (_chunk_key(out, p), _chunk_key(stats.m, p), _chunk_key(stats.l, p))
 
     if plan.kind == "csr":
-        # dq per destination partition (its rows, the k / v halo as in the forward); dk / dv per
-        # source chunk (the edges into it, with the destination halo's rows of dout, q, out, m
-        # and l): every gradient row is computed by one task, with nothing to sum afterwards
+        # per source chunk: (partition rows, key of the halo piece) in increasing partition
+        incoming = {c: ([], [], []) for c in range(nk)}
         relations = _relations(plan)
         for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(view, plan, p, part, k, v)
-            key = (core_name, "dq", p)
-            core[key] = (functools.partial(_csr_backward_dq, warm=(plan.token, p), scale=scale),
-                         *row_inputs(p), k_parts, v_parts, *stat_inputs(p), relations[p])
-            dq_src[p] = (functools.partial(_cast, dtype=dtype), key)
-        sources = _backward_sources(plan, graph, q, k)
-        src_relations = _relations(plan, "sources")
-        halo_name = f"tiga-attention-dst-halo-{tokenize(plan.token, dout.name, q.name, out.name, stats.m.name, stats.l.name)}"
-        for c, source in enumerate(sources):
-            if not source.pieces:   # no edge reads this chunk
-                for dst, like in ((dk_src, k), (dv_src, v)):
-                    dst[c] = (functools.partial(_zeros_like, dtype=dtype), view(like, c))
-                continue
-            halos = {name: [] for name in ("dout", "q", "out", "m", "l")}
-            for p, local_rows, _, _ in source.pieces:
-                for name, a in (("dout", dout), ("q", q), ("out", out), ("m", stats.m), ("l", stats.l)):
-                    halos[name].append(view.rows((halo_name, name, c, p), a, p, local_rows))
-            key = (core_name, "dkdv", c)
-            core[key] = (functools.partial(_csr_backward_dkdv, warm=(plan.token, "source", c),
-                                           scale=scale),
-                         view(k, c), view(v, c), halos["dout"], halos["q"],
-                         halos["out"], halos["m"], halos["l"], src_relations[c])
-            dk_src[c] = (functools.partial(_cast, dtype=dtype, which=0), key)
-            dv_src[c] = (functools.partial(_cast, dtype=dtype, which=1), key)
+            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
+            key = (core_name, "backward", p)
+            core[key] = (functools.partial(_csr_backward, warm=(plan.token, p), scale=scale),
+                         *row_inputs(p), k_parts, v_parts,
+                         *stat_inputs(p), relations[p])
+            dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
+            for c, local_rows, start, stop in part.pieces:
+                rows_c, dk_c, dv_c = incoming[c]
+                # a whole chunk's rows are all of them, in order: say so rather than ship them
+                rows_c.append(None if local_rows.shape[0] == k.chunks[0][c] else local_rows)
+                for which, dst in ((1, dk_c), (2, dv_c)):
+                    piece = (core_name, "piece", which, p, c)
+                    core[piece] = (_halo_piece, key, which, start, stop)
+                    dst.append(piece)
+        for c in range(nk):
+            rows_c, dk_c, dv_c = incoming[c]
+            summ = functools.partial(_scatter_sum, rows=rows_c, dtype=dtype, acc=acc)
+            dk_src[c] = (summ, _chunk_key(k, c), dk_c)
+            dv_src[c] = (summ, _chunk_key(v, c), dv_c)
     else:
         dq_leaves = {p: [] for p in range(nq)}
         dk_leaves = {c: [] for c in range(nk)}
@@ -691,7 +601,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
                 key = (core_name, "block", p, c)
                 core[key] = (functools.partial(_block_backward, graph=sub, warm=(plan.token, p, c),
                                                scale=scale, acc=acc),
-                             *row_inputs(p), view(k, c), view(v, c), *stat_inputs(p))
+                             *row_inputs(p), _chunk_key(k, c), _chunk_key(v, c), *stat_inputs(p))
                 for which, leaves, i in ((0, dq_leaves, p), (1, dk_leaves, c), (2, dv_leaves, c)):
                     part = (core_name, "part", which, p, c)
                     core[part] = (operator.getitem, key, which)
@@ -704,10 +614,10 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
                     _tree(core, (core_name, tag, i), leaves, _sum))
 
         for p in range(nq):
-            dq_src[p] = summed("dq", dq_leaves[p], view(q, p), p)
+            dq_src[p] = summed("dq", dq_leaves[p], _chunk_key(q, p), p)
         for c in range(nk):
-            dk_src[c] = summed("dk", dk_leaves[c], view(k, c), c)
-            dv_src[c] = summed("dv", dv_leaves[c], view(v, c), c)
+            dk_src[c] = summed("dk", dk_leaves[c], _chunk_key(k, c), c)
+            dv_src[c] = summed("dv", dv_leaves[c], _chunk_key(v, c), c)
 
     outputs = []
     for tag, like, src in (("dq", q, dq_src), ("dk", k, dk_src), ("dv", v, dv_src)):

@@ -264,14 +264,9 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
 
 
 def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None,
-                 deterministic=None, score_mod=None, needs=None):
+                 deterministic=None, score_mod=None):
     """Validated fused backward. Returns (dq, dk, dv, dbias, plan), and with `score_mod`
-    (dq, dk, dv, dbias, {leaf: gradient}, plan).
-
-    `needs` (internal; None: all): a subset of {"dq", "dkdv"}, the gradients the caller reads.
-    The CSR kernels run only the passes asked for (dq by destination rows, dk / dv by source
-    rows: the scale-out layer computes them in different tasks) and return None for the
-    others; the other kernel families compute every gradient."""
+    (dq, dk, dv, dbias, {leaf: gradient}, plan)."""
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     if getattr(stats, "block_prune_threshold", None) is not None:
         raise NotImplementedError(
@@ -299,12 +294,6 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         l = xp.asarray(l, dtype=acc)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     _check_modifier(score_mod, shape, graph)
-    if needs is not None:
-        needs = frozenset(needs)
-        if not needs or not needs <= {"dq", "dkdv"}:
-            raise ValueError(f"needs must be a non-empty subset of {{'dq', 'dkdv'}}, got {sorted(needs)}")
-        if score_mod is not None or bias is not None:
-            raise NotImplementedError("needs: the partial backward takes no score modifier or edge_bias")
     plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias,
                               arrays=(q, k, v), options=_options.resolve(deterministic=deterministic),
                               score_mod=score_mod)
@@ -324,20 +313,16 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a")
     else:
         backend = dispatch.backend_module(plan.backend)
-        # a dq-only call needs no transposed relation (built once per graph, O(E))
-        transpose = None if needs is not None and "dkdv" not in needs else \
-            graph.realize_transpose(plan.backend)
-        args = (plan, dout, q, k, v, out, m, l, graph.realize(plan.backend), transpose, bias)
+        args = (plan, dout, q, k, v, out, m, l, graph.realize(plan.backend),
+                graph.realize_transpose(plan.backend), bias)
         kw = {} if m_kernel is None else {"m_kernel": m_kernel}
-        if needs is not None and needs != {"dq", "dkdv"}:
-            kw["needs"] = needs
         if score_mod is None:
             dq, dk, dv, dbias = backend.backward(*args, **kw)
         else:
             dq, dk, dv, dbias, mod_grads = backend.backward(*args, score_mod=score_mod, **kw)
     _remember(plan)
     if shape.squeezed:
-        dq, dk, dv = (None if g is None else g[:, 0, :] for g in (dq, dk, dv))
+        dq, dk, dv = dq[:, 0, :], dk[:, 0, :], dv[:, 0, :]
     if score_mod is not None:
         return dq, dk, dv, dbias, mod_grads, plan
     return dq, dk, dv, dbias, plan

@@ -399,9 +399,7 @@ def _bias(edge_bias, acc, H, copies):
 # --------------------------------------------------------------------------- backward
 @serialised
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
-             m_kernel=None, score_mod=None, needs=None):
-    """dq, dk, dv (and dbias, modifier gradients). `needs` (functional.run_backward): the CSR
-    kernels run only the passes asked for and return None for the other gradients."""
+             m_kernel=None, score_mod=None):
     if plan.prune_threshold is not None:  # dispatch refuses this first; fail closed anyway
         raise NotImplementedError("block_prune_threshold: the backward of a pruned forward "
                                   "is not implemented")
@@ -501,44 +499,40 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         k_dst, k_src = None, None
         (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", _name(acc), _mod_key(gen)),
                                       lambda: _csr.make_backward(acc.name, gen))
+        dq = np.empty((Nq, H, D), acc)
         E = int(relation.indices.shape[0])
         dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
-        dq = dk = dv = None
-        tiles = []
-        if needs is None or "dq" in needs:
-            dq = np.empty((Nq, H, D), acc)
-            items, splits, n_slots = _pieces(relation, relation.indptr)
-            part_dq = np.empty((n_slots, H, D), acc)
-            ghp_items = np.zeros((items.shape[0], n_hp, H), acc)
-            part_gnd = np.zeros((n_slots, n_nd, H), acc)
-            _run(k_dst, items.shape[0], qn, kn, vn, don, m2, linv, delta, relation.indptr,
-                 relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias,
-                 mctx, (ghp_items, gnd, part_gnd, gef))
-            if n_hp:
-                # per work item, summed in the items' row order (their array order follows the
-                # thread count, the sum must not)
-                np.sum(ghp_items[np.lexsort((items[:, 2], items[:, 0]))], axis=0, out=ghp)
-            tiles.append("dq: " + _split.describe(splits, n_slots, items.shape[0]))
-        if needs is None or "dkdv" in needs:
-            dk = np.empty((Nk, Hkv, D), acc)
-            dv = np.empty((Nk, Hkv, Dv), acc)
-            t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)
-            part_dk = np.empty((t_slots, Hkv, D), acc)
-            part_dv = np.empty((t_slots, Hkv, Dv), acc)
-            part_gns = np.zeros((t_slots, n_ns, H), acc)
-            _run(k_src, t_items.shape[0], qn, kn, vn, don, m2, linv, delta, transpose.indptr,
-                 transpose.indices, transpose.perm, bias, group, t_items, t_splits, part_dk,
-                 part_dv, dk, dv, mctx, (gns, part_gns))
-            tiles.append("dk/dv: " + _split.describe(t_splits, t_slots, t_items.shape[0]))
+        items, splits, n_slots = _pieces(relation, relation.indptr)
+        part_dq = np.empty((n_slots, H, D), acc)
+        ghp_items = np.zeros((items.shape[0], n_hp, H), acc)
+        part_gnd = np.zeros((n_slots, n_nd, H), acc)
+        _run(k_dst, items.shape[0], qn, kn, vn, don, m2, linv, delta, relation.indptr,
+             relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias,
+             mctx, (ghp_items, gnd, part_gnd, gef))
+        if n_hp:
+            # per work item, summed in the items' row order (their array order follows the thread
+            # count, the sum must not)
+            np.sum(ghp_items[np.lexsort((items[:, 2], items[:, 0]))], axis=0, out=ghp)
+        dk = np.empty((Nk, Hkv, D), acc)
+        dv = np.empty((Nk, Hkv, Dv), acc)
+        t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)
+        part_dk = np.empty((t_slots, Hkv, D), acc)
+        part_dv = np.empty((t_slots, Hkv, Dv), acc)
+        part_gns = np.zeros((t_slots, n_ns, H), acc)
+        _run(k_src, t_items.shape[0], qn, kn, vn, don, m2, linv, delta, transpose.indptr,
+             transpose.indices, transpose.perm, bias, group, t_items, t_splits, part_dk,
+             part_dv, dk, dv, mctx, (gns, part_gns))
         if edge_bias is None:
             dbias = None
         info.update(kernel="cpu.csr.backward (dq by destination rows, dk/dv by source rows "
                            "over the transpose, long rows split and summed in order)",
-                    tiles="; ".join(tiles), cache=hit, ir=_ir_of(k_src))
+                    tiles="dq: " + _split.describe(splits, n_slots, items.shape[0]) + "; dk/dv: "
+                    + _split.describe(t_splits, t_slots, t_items.shape[0]), cache=hit,
+                    ir=_ir_of(k_src))
     info["copies"] = copies
     dt = q.dtype
-    res = tuple(None if g is None else np.ascontiguousarray(g, dtype=dt) for g in (dq, dk, dv))
-    res += (dbias,)
+    res = (np.ascontiguousarray(dq, dtype=dt), np.ascontiguousarray(dk, dtype=dt),
+           np.ascontiguousarray(dv, dtype=dt), dbias)
     if score_mod is None:
         return res
     return res + (score_mod.grads_to_user((ghp, gnd, gns, gef)),)

@@ -406,8 +406,7 @@ def _mod_note(mod):
     return "" if mod is None else f", compiled score modifier f = {mod.tree}"
 
 
-def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, mod=None,
-                     no_transpose=False, transpose=None):
+def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, mod=None, transpose=None):
     rec = _Record()
     g = rec.geo
     if not _is_blocks(rel):  # CSR: (m, log l, Delta) records, one per gathered (row, head)
@@ -435,7 +434,7 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, mod=None,
     Ns = int(rel.num_src)
     t = _csr_tiles("bwd", dname, D, DV)
     sq = _csr_split(rel, rel.indptr)
-    sk = None if no_transpose else _csr_split(transpose, transpose.indptr)
+    sk = _csr_split(transpose, transpose.indptr)
     grp = H // Hkv
     g["kq"] = rec.kernel(("csr.dq", t, has_bias, sq is not None, _mod_key(mod)),
                          lambda: _csr.make_dq(t, has_bias, sq is not None, mod))
@@ -448,7 +447,7 @@ def _backward_record(rel, dname, aname, D, DV, Nq, H, Hkv, has_bias, mod=None,
                 g[side] = rec.kernel(("csr.sum_merge", aname, aname, width),
                                      lambda w=width: _csr.make_sum_merge(aname, aname, w))
     nq_items = sq.n_items if sq is not None else Nq
-    nk_items = sk.n_items if sk is not None else 0 if no_transpose else Ns
+    nk_items = sk.n_items if sk is not None else Ns
     g.update(q_grid=(_cdiv(nq_items * H * t.G, t.NT), 1, 1),
              k_grid=(_cdiv(nk_items * Hkv * t.G, t.NT), 1, 1), nq_items=nq_items,
              nk_items=nk_items, sq=sq, sk=sk,
@@ -618,9 +617,7 @@ def _decode_forward(plan, q, k, v, relation):
 
 # --------------------------------------------------------------------------- backward
 def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None,
-             score_mod=None, m_kernel=None, needs=None):
-    """dq, dk, dv, dbias (and the modifier's gradients). `needs` (functional.run_backward):
-    the CSR kernels run only the passes asked for and return None for the other gradients."""
+             score_mod=None, m_kernel=None):
     info = plan.run_info
     if plan.family == "cuda.tc":
         info["kernel"] = "cuda.tc (tensor cores)"
@@ -644,10 +641,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     gen = _modifier(score_mod, aname, True, edge_bias)
     bias = _contig(edge_bias, acc, "edge_bias", copies)
     has_bias = bias is not None
-    # a dq-only call (needs) may come without the transpose: its record has no dk/dv geometry
-    no_transpose = transpose is None and not blocks
-    rec, cache = _record(relation, ("cuda.bwd", dname, aname, D, DV, Nq, H, Hkv, has_bias, gen,
-                                    no_transpose),
+    rec, cache = _record(relation, ("cuda.bwd", dname, aname, D, DV, Nq, H, Hkv, has_bias, gen),
                          lambda rel, *a: _backward_record(rel, *a, transpose=transpose))
     # the modifier: packed values, and its gradients' buffers (rows of the dq pass, rows of
     # the dk/dv pass, edges), zeroed: a row no kernel visits keeps gradient 0
@@ -691,11 +685,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         g["pre"](g["pre_grid"], g["pre_block"], stream, *pre_args,
                  os0, os1, os2, oo0, oo1, oo2, Nq * H, H, DV)
 
-    want_dq = blocks or needs is None or "dq" in needs
-    want_dkdv = blocks or needs is None or "dkdv" in needs
-    dq = empty((Nq, H, D), dtype) if want_dq else None
-    dk = empty((Ns, Hkv, D), dtype) if want_dkdv else None
-    dv = empty((Ns, Hkv, DV), dtype) if want_dkdv else None
+    dq = empty((Nq, H, D), dtype)
+    dk = empty((Ns, Hkv, D), dtype)
+    dv = empty((Ns, Hkv, DV), dtype)
     dbias = None
     strides = (qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2)
     if blocks:
@@ -717,7 +709,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
             dbias = empty((int(relation.indices.shape[0]), H), acc)
         di, da = _dummy("int64").data.ptr, _dummy(acc).data.ptr
         sq, sk = g["sq"], g["sk"]
-        if Nq * H and want_dq:
+        if Nq * H:
             tail = (di, da, da, da)
             mpart = None
             if sq is not None:
@@ -737,7 +729,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
                     mk = g["mgq"]
                     mk((sq.n_split, 1, 1), (mk.NT, 1, 1), stream, mpart.data.ptr,
                        sq.splits.data.ptr, mgq.data.ptr, sq.n_split, 1, 1.0)
-        if Ns * Hkv and want_dkdv:
+        if Ns * Hkv:
             tail = (di, da, da, da)
             mpart = None
             if sk is not None:
