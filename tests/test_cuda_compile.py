@@ -475,3 +475,18 @@ def test_compile_ptx_sm90_score_modifiers(tree, family, dtype, D, DV):
             assert "ld.local" not in ptx and "st.local" not in ptx, f"{kern.name}: local memory used"
         if D > 0:
             assert "shfl.sync" in ptx or kern.name.split("_m")[0].endswith("g1"), kern.name
+
+
+def test_csr_forward_geometry_and_register_cap():
+    """The CSR forward's geometry comes from tiles.csr_tiles: one edge per step, and a register
+    cap of 40 (a ptxas option of the GPU build, not part of the PTX) for float32 accumulation
+    without a score modifier; float64 and modified kernels keep the compiler's choice."""
+    from tiga_numba.cuda import csr, tiles
+    t = tiles.csr_tiles("fwd", "float16", 64, 64)
+    assert (t.UE, t.REGS, t.G) == (1, 40, 16)
+    kern = csr.make_forward(t, False)
+    assert kern.jit_options == {"max_registers": 40} and "_ue1_r40" in kern.name
+    assert ".entry" in kern.compile_ptx(cc=(9, 0))
+    wide = tiles.csr_tiles("fwd", "float64", 64, 64)
+    assert wide.REGS == 0 and csr.make_forward(wide, False).jit_options == {}
+    assert tiles.csr_tiles("bwd", "float32", 64, 64).REGS == 0

@@ -178,7 +178,10 @@ class Kernel:
     def compile_ptx(self, cc=(9, 0)):
         """PTX text for compute capability `cc`, compiled here (no device needed)."""
         from numba import cuda
-        ptx, _ = cuda.compile_ptx(self.pyfunc, self.argtypes, cc=cc, **self.jit_options)
+        # a register cap is an option of ptxas, applied when the PTX is assembled (the GPU
+        # path's cubin); the PTX text does not carry it and compile_ptx does not take it
+        opts = {k: v for k, v in self.jit_options.items() if k != "max_registers"}
+        ptx, _ = cuda.compile_ptx(self.pyfunc, self.argtypes, cc=cc, **opts)
         return ptx
 
     def ptx(self):
