@@ -330,7 +330,8 @@ def _forward_csr(rel, dname, D, DV, H, has_bias, mod=None):
         kernel=("cuda.csr.forward (CUDA cores, online softmax per edge"
                 + (", edge bias" if has_bias else "") + _mod_note(mod)
                 + _split_note(sp, "split rows") + ")"),
-        tiles=t.describe_csr())
+        tiles=t.describe_csr() + f", {t.UE} edge(s) per step"
+        + (f", <= {t.REGS} registers per thread" if t.REGS and mod is None else ""))
 
 
 def _split_keys(longest, base, step, resident):
