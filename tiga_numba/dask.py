@@ -354,6 +354,10 @@ def _halo_piece(result, which, start, stop):
 def _scatter_sum(like, pieces, *, rows, dtype, acc):
     """Sum the partial gradients of one source chunk, in the order given (increasing
     destination partition); `rows` holds, per piece, the chunk's rows it covers (None: all)."""
+    if len(pieces) == 1 and rows[0] is None:
+        # one partition covers the whole chunk (one partition, or a local graph): its piece is
+        # the sum, bit for bit, without a copy (1 GB for dk and dv at 1M rows, H=4, D=32)
+        return pieces[0].astype(dtype, copy=False)
     xp = _xp_of(like)
     total = None
     for r, piece in zip(rows, pieces):
