@@ -1,9 +1,10 @@
-"""Geometry probe of the CUDA-core CSR forward on the uniform graph of bench_split_gpu.py
-(1M nodes, 16M edges, H=4, D=32, float32): lanes per (row, head) G, threads per CTA NT and
-edges per step UE, each timed with CUDA events over back-to-back calls and checked against the
-shipped geometry's output.
+"""Geometry probe of the CUDA-core CSR forward on the graphs of bench_split_gpu.py (1M nodes,
+16M edges, float32; H=4, D=32 unless told): lanes per (row, head) G, threads per CTA NT, edges
+per step UE and a register cap, each variant timed with CUDA events over back-to-back calls and
+compared with the first variant's output (max |diff|).
 
-    python benchmarks/gpu/csr_probe.py [--reps 20]
+    python benchmarks/gpu/csr_probe.py [--reps 20] [--dim 64] [--heads 4]
+        [--graphs uniform,power-law,hub-3/4] [--variants G:NT:UE:REGS,...]
 """
 from __future__ import annotations
 
