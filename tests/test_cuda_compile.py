@@ -489,4 +489,10 @@ def test_csr_forward_geometry_and_register_cap():
     assert ".entry" in kern.compile_ptx(cc=(9, 0))
     wide = tiles.csr_tiles("fwd", "float64", 64, 64)
     assert wide.REGS == 0 and csr.make_forward(wide, False).jit_options == {}
-    assert tiles.csr_tiles("bwd", "float32", 64, 64).REGS == 0
+    bwd = tiles.csr_tiles("bwd", "float32", 64, 64)
+    assert bwd.REGS == 0 and csr.make_dq(bwd, False).jit_options == {}
+    import dataclasses
+    capped = dataclasses.replace(bwd, REGS=48)   # the backward's kernels take a cap the same way
+    for kern in (csr.make_dq(capped, False), csr.make_dkdv(capped, False)):
+        assert kern.jit_options == {"max_registers": 48} and "_r48" in kern.name
+        assert ".entry" in kern.compile_ptx(cc=(9, 0))

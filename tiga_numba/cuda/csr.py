@@ -51,6 +51,14 @@ def _strides(prefix):
     return [(f"{prefix}s{n}", "s", i64) for n in range(3)]
 
 
+def _register_cap(t, mod):
+    """(kernel name suffix, numba-cuda options) of the tiles' register cap: registers bound the
+    lane groups (and so the gathered rows) in flight per SM. A modifier's expression needs
+    registers of its own: its kernels keep the compiler's choice."""
+    regs = t.REGS if t.REGS and mod is None else 0
+    return (f"_r{regs}", {"max_registers": regs}) if regs else ("", {})
+
+
 def make_forward(t, bias, items=False, mod=None):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     MOD = mod is not None
@@ -209,12 +217,10 @@ def make_forward(t, bias, items=False, mod=None):
             + _strides("q") + _strides("k") + _strides("v")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
             + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
-    # registers bound the lane groups (and so the gathered rows) in flight per SM; a modifier's
-    # expression needs registers of its own: its kernels keep the compiler's choice
-    regs = t.REGS if t.REGS and not MOD else 0
-    return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}_nt{t.NT}_ue{UE}" + (f"_r{regs}" if regs else "")
+    cap, opts = _register_cap(t, mod)
+    return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}_nt{t.NT}_ue{UE}" + cap
                   + ("_bias" if BIAS else "") + ("_items" if ITEMS else "") + _mods.tag(mod),
-                  csr_fwd, spec, **({"max_registers": regs} if regs else {}))
+                  csr_fwd, spec, **opts)
 
 
 def make_dq(t, bias, items=False, mod=None):
@@ -398,8 +404,9 @@ def make_dq(t, bias, items=False, mod=None):
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
             + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
-    return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
-                  + ("_items" if ITEMS else "") + _mods.tag(mod), csr_dq, spec)
+    cap, opts = _register_cap(t, mod)
+    return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + cap + ("_bias" if BIAS else "")
+                  + ("_items" if ITEMS else "") + _mods.tag(mod), csr_dq, spec, **opts)
 
 
 def make_dkdv(t, bias, items=False, mod=None, group=1):
@@ -608,9 +615,10 @@ def make_dkdv(t, bias, items=False, mod=None, group=1):
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nsrc", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
             + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
-    return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + ("_bias" if BIAS else "")
+    cap, opts = _register_cap(t, mod)
+    return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + cap + ("_bias" if BIAS else "")
                   + ("_items" if ITEMS else "") + _mods.tag(mod) + (f"_grp{GRP}" if NG else ""),
-                  csr_dkdv, spec)
+                  csr_dkdv, spec, **opts)
 
 
 # --------------------------------------------------------------------------- split rows
