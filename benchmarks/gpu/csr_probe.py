@@ -1,7 +1,9 @@
-"""Geometry probe of the CUDA-core CSR forward on the graphs of bench_split_gpu.py (1M nodes,
-16M edges, float32; H=4, D=32 unless told): lanes per (row, head) G, threads per CTA NT, edges
-per step UE and a register cap, each variant timed with CUDA events over back-to-back calls and
-compared with the first variant's output (max |diff|).
+"""Geometry probe of the CUDA-core CSR kernels on the graphs of bench_split_gpu.py (1M nodes,
+16M edges, float32; H=4, D=32 unless told). Forward: lanes per (row, head) G, threads per CTA
+NT, edges per step UE and a register cap per variant, timed alone. Backward (--bwd-regs): a
+register cap of the dq and dk/dv kernels per variant, the shipped forward, timed as fwd+bwd.
+Each variant is timed with CUDA events over back-to-back calls (benchmarks/run.py:
+gpu_seconds) and compared with the first variant's results (max |diff|).
 
     python benchmarks/gpu/csr_probe.py [--reps 20] [--dim 64] [--heads 4]
         [--graphs uniform,power-law,hub-3/4] [--variants G:NT:UE:REGS,...]
@@ -19,6 +21,43 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_split_gpu import copy_bandwidth, csr_graphs  # noqa: E402
+from run import gpu_seconds  # noqa: E402
+
+
+def sweep(args, rng, kind, variants, fields, call, label):
+    """For every selected graph (sources drawn from `rng`, then the graphs' degrees) and variant:
+    the `kind` ("fwd" / "bwd") tiles with `fields(variant)` replaced, kernels rebuilt on a fresh
+    Graph, `call(graph)` timed; prints `label(variant, seconds)`."""
+    import cupy
+
+    import tiga_numba as tg
+    from tiga_numba.cuda import api
+    from tiga_numba.kernel_cache import KERNELS
+
+    shipped = api._csr_tiles
+    indices = cupy.asarray(rng.integers(0, args.n, args.e, dtype=np.int32))
+    try:
+        for name, indptr in csr_graphs(args.n, args.e, rng).items():
+            if name not in args.graphs.split(","):
+                continue
+            indptr = cupy.asarray(indptr)
+            ref = None
+            for variant in variants:
+                def tiles(k, dtype, D, DV, variant=variant):
+                    t = shipped(k, dtype, D, DV)
+                    return dataclasses.replace(t, **fields(variant)) if k == kind else t
+                api._csr_tiles = tiles
+                KERNELS._kernels.clear()
+                g = tg.Graph.from_csr(indptr, indices, num_src=args.n)   # fresh: no launch record
+                got = call(g)
+                seconds = gpu_seconds(lambda: call(g), args.reps)
+                ref = got if ref is None else ref
+                diff = max(float(cupy.abs(a - b).max()) for a, b in zip(got, ref))
+                print(f"{name:<9} {label(variant, seconds)}  max|diff| {diff:.1e}", flush=True)
+                g = got = None
+                cupy.get_default_memory_pool().free_all_blocks()
+    finally:
+        api._csr_tiles = shipped
 
 
 def main():
@@ -33,99 +72,35 @@ def main():
                     help="comma-separated register caps of the backward's dq and dk/dv kernels (0: "
                          "none): then the shipped forward and fwd+bwd timed per cap instead")
     args = ap.parse_args()
+    import cupy
+
+    import tiga_numba as tg
+
+    args.n, args.e = 1 << 20, 1 << 24
+    H, D = args.heads, args.dim
+    rng = np.random.default_rng(0)
+    q, k, v = (cupy.asarray(rng.standard_normal((args.n, H, D), dtype=np.float32)) for _ in range(3))
     if args.bwd_regs:
-        return backward_probe(args)
-    import cupy
+        do = cupy.asarray(rng.standard_normal((args.n, H, D), dtype=np.float32))
+        print(f"CSR {args.n} x {args.e} edges, H={H}, D={D}, float32: backward register caps")
 
-    import tiga_numba as tg
-    from tiga_numba.cuda import api
-    from tiga_numba.kernel_cache import KERNELS
-
-    n, e, H, D = 1 << 20, 1 << 24, args.heads, args.dim
-    rng = np.random.default_rng(0)
-    q, k, v = (cupy.asarray(rng.standard_normal((n, H, D), dtype=np.float32)) for _ in range(3))
-    indices = cupy.asarray(rng.integers(0, n, e, dtype=np.int32))
+        def fwd_bwd(g):
+            out, st = tg.attention(q, k, v, g, return_stats=True)
+            return tg.attention_backward(do, q, k, v, out, st, g)
+        sweep(args, rng, "bwd", [int(x) for x in args.bwd_regs.split(",")], lambda r: {"REGS": r},
+              fwd_bwd, lambda r, s: f"bwd regs<={r or '-':<4} fwd+bwd {s * 1e3:8.3f} ms")
+        return
     bw = copy_bandwidth()
-    gathered = e * H * D * 4 * 2
-    print(f"CSR {n} x {e} edges, H={H}, D={D}, float32; copy {bw / 1e12:.2f} TB/s")
-    shipped_tiles = api._csr_tiles
+    gathered = args.e * H * D * 4 * 2
+    print(f"CSR {args.n} x {args.e} edges, H={H}, D={D}, float32; copy {bw / 1e12:.2f} TB/s")
     variants = [tuple(int(x) for x in item.split(":")) for item in args.variants.split(",")]
-    for name, indptr in csr_graphs(n, e, rng).items():
-        if name not in args.graphs.split(","):
-            continue
-        indptr = cupy.asarray(indptr)
-        ref = None
-        for G, NT, UE, R in variants:
-            def tiles(kind, dtype, D_, DV_, G=G, NT=NT, UE=UE, R=R):
-                t = shipped_tiles(kind, dtype, D_, DV_)
-                return dataclasses.replace(t, G=G, NT=NT, UE=UE, REGS=R) if kind == "fwd" else t
-            api._csr_tiles = tiles
-            KERNELS._kernels.clear()
-            g = tg.Graph.from_csr(indptr, indices, num_src=n)   # fresh: no launch record kept
-            out = tg.attention(q, k, v, g)
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            for _ in range(args.reps):
-                tg.attention(q, k, v, g)
-            stop.record()
-            stop.synchronize()
-            t = cupy.cuda.get_elapsed_time(start, stop) / 1e3 / args.reps
-            if ref is None:
-                ref = out
-            diff = float(cupy.abs(out - ref).max())
-            print(f"{name:<9} G={G:<2} NT={NT:<3} UE={UE:<2} regs<={R or '-':<4} fwd {t * 1e3:7.3f} ms  "
-                  f"gather {gathered / t / 1e12:5.2f} TB/s ({100 * gathered / t / bw:4.0f}% of copy)  "
-                  f"max|diff| {diff:.1e}", flush=True)
-            g = out = None
-            cupy.get_default_memory_pool().free_all_blocks()
-    api._csr_tiles = shipped_tiles
 
-
-def backward_probe(args):
-    """fwd+bwd per register cap of the CSR backward kernels (dq, dk/dv), shipped forward."""
-    import cupy
-
-    import tiga_numba as tg
-    from tiga_numba.cuda import api
-    from tiga_numba.kernel_cache import KERNELS
-
-    n, e, H, D = 1 << 20, 1 << 24, args.heads, args.dim
-    rng = np.random.default_rng(0)
-    q, k, v, do = (cupy.asarray(rng.standard_normal((n, H, D), dtype=np.float32)) for _ in range(4))
-    indices = cupy.asarray(rng.integers(0, n, e, dtype=np.int32))
-    print(f"CSR {n} x {e} edges, H={H}, D={D}, float32: backward register caps")
-    shipped_tiles = api._csr_tiles
-    for name, indptr in csr_graphs(n, e, rng).items():
-        if name not in args.graphs.split(","):
-            continue
-        indptr = cupy.asarray(indptr)
-        ref = None
-        for R in (int(x) for x in args.bwd_regs.split(",")):
-            def tiles(kind, dtype, D_, DV_, R=R):
-                t = shipped_tiles(kind, dtype, D_, DV_)
-                return dataclasses.replace(t, REGS=R) if kind == "bwd" else t
-            api._csr_tiles = tiles
-            KERNELS._kernels.clear()
-            g = tg.Graph.from_csr(indptr, indices, num_src=n)
-
-            def fb():
-                out, st = tg.attention(q, k, v, g, return_stats=True)
-                return tg.attention_backward(do, q, k, v, out, st, g)
-            grads = fb()
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            for _ in range(args.reps):
-                fb()
-            stop.record()
-            stop.synchronize()
-            t = cupy.cuda.get_elapsed_time(start, stop) / 1e3 / args.reps
-            ref = ref or grads
-            diff = max(float(cupy.abs(a - b).max()) for a, b in zip(grads, ref))
-            print(f"{name:<9} bwd regs<={R or '-':<4} fwd+bwd {t * 1e3:8.3f} ms  max|diff| {diff:.1e}",
-                  flush=True)
-            g = grads = None
-            cupy.get_default_memory_pool().free_all_blocks()
-    api._csr_tiles = shipped_tiles
+    def label(variant, s):
+        G, NT, UE, R = variant
+        return (f"G={G:<2} NT={NT:<3} UE={UE:<2} regs<={R or '-':<4} fwd {s * 1e3:7.3f} ms  "
+                f"gather {gathered / s / 1e12:5.2f} TB/s ({100 * gathered / s / bw:4.0f}% of copy)")
+    sweep(args, rng, "fwd", variants, lambda x: dict(zip(("G", "NT", "UE", "REGS"), x)),
+          lambda g: (tg.attention(q, k, v, g),), label)
 
 
 if __name__ == "__main__":

@@ -330,8 +330,13 @@ def _forward_csr(rel, dname, D, DV, H, has_bias, mod=None):
         kernel=("cuda.csr.forward (CUDA cores, online softmax per edge"
                 + (", edge bias" if has_bias else "") + _mod_note(mod)
                 + _split_note(sp, "split rows") + ")"),
-        tiles=t.describe_csr() + f", {t.UE} edge(s) per step"
-        + (f", <= {t.REGS} registers per thread" if t.REGS and mod is None else ""))
+        tiles=t.describe_csr() + f", {t.UE} edge(s) per step" + _cap_note(t, mod))
+
+
+def _cap_note(t, mod):
+    """run_info's words for the register cap the CSR kernels are built with (csr.register_cap)."""
+    cap = _csr.register_cap(t, mod)[1].get("max_registers")
+    return f", <= {cap} registers per thread" if cap else ""
 
 
 def _split_keys(longest, base, step, resident):

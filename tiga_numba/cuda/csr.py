@@ -51,7 +51,7 @@ def _strides(prefix):
     return [(f"{prefix}s{n}", "s", i64) for n in range(3)]
 
 
-def _register_cap(t, mod):
+def register_cap(t, mod):
     """(kernel name suffix, numba-cuda options) of the tiles' register cap: registers bound the
     lane groups (and so the gathered rows) in flight per SM. A modifier's expression needs
     registers of its own: its kernels keep the compiler's choice."""
@@ -217,7 +217,7 @@ def make_forward(t, bias, items=False, mod=None):
             + _strides("q") + _strides("k") + _strides("v")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
             + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
-    cap, opts = _register_cap(t, mod)
+    cap, opts = register_cap(t, mod)
     return Kernel(f"csr_fwd_{t.dtype}_d{D}_dv{DV}_g{G}_nt{t.NT}_ue{UE}" + cap
                   + ("_bias" if BIAS else "") + ("_items" if ITEMS else "") + _mods.tag(mod),
                   csr_fwd, spec, **opts)
@@ -404,7 +404,7 @@ def make_dq(t, bias, items=False, mod=None):
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nrows", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
             + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
-    cap, opts = _register_cap(t, mod)
+    cap, opts = register_cap(t, mod)
     return Kernel(f"csr_dq_{t.dtype}_d{D}_dv{DV}_g{G}" + cap + ("_bias" if BIAS else "")
                   + ("_items" if ITEMS else "") + _mods.tag(mod), csr_dq, spec, **opts)
 
@@ -615,7 +615,7 @@ def make_dkdv(t, bias, items=False, mod=None, group=1):
             + _strides("q") + _strides("k") + _strides("v") + _strides("o")
             + [("nsrc", "s", i64), ("H", "s", i64), ("grp", "s", i64), ("scale", "s", ACC)]
             + _ITEM_ARGS(ACC) + _mods.kernel_args(ACC))
-    cap, opts = _register_cap(t, mod)
+    cap, opts = register_cap(t, mod)
     return Kernel(f"csr_dkdv_{t.dtype}_d{D}_dv{DV}_g{G}" + cap + ("_bias" if BIAS else "")
                   + ("_items" if ITEMS else "") + _mods.tag(mod) + (f"_grp{GRP}" if NG else ""),
                   csr_dkdv, spec, **opts)
