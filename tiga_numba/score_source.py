@@ -37,6 +37,7 @@ class Target:
     grad_args = ""
     tanh = "_tanh"
     exp = "_exp"
+    exp2 = "_exp2"
     score = "s"      # the name of the score in the generated text
     temp = "t"       # the prefix of the generated temporaries
 
@@ -107,7 +108,7 @@ class Source:
                 text[x] = self.consts.setdefault(x.attr, f"_k{len(self.consts)}")
                 continue
             if op in ("scalar", "head", "node", "edge"):
-                text[x] = tg.leaf(x, lay.slot[x])
+                text[x] = tg.leaf(x, lay.slot.get(x))   # None: a leaf the target names itself
                 continue
             if op == "index":
                 text[x] = tg.index(x.attr)
@@ -124,6 +125,10 @@ class Source:
                 rhs = f"{tg.tanh}({num(a[0])})"
             elif op == "exp":
                 rhs = f"{tg.exp}({num(a[0])})"
+            elif op == "exp2":   # lowering-only ops (a target that rewrites tanh / exp)
+                rhs = f"{tg.exp2}({num(a[0])})"
+            elif op == "recip":
+                rhs = f"_dt(1.0) / {num(a[0])}"
             elif op in ("log", "sqrt"):
                 rhs = f"_dt(math.{op}({num(a[0])}))"
             elif op == "abs":

@@ -51,7 +51,7 @@ import numpy as np
 from ...kernel_cache import KERNELS
 from ...plan import defer_counts
 from . import generator as G
-from . import schedule
+from . import schedule, tuning
 from .admission import _dtype_name, supports
 from .build import delta_kernel, kernel
 from .device import current_stream
@@ -286,7 +286,7 @@ def _modified(variants, score_mod, H, nd, ns, copies):
         if vr is None:
             continue
         extra = dict(fuse_dq=False, dq_atomic=False, overlap=False) if vr.kind != "fwd" else {}
-        out.append(dataclasses.replace(vr, mod=mod, **extra))
+        out.append(tuning.modified(dataclasses.replace(vr, mod=mod, **extra)))
     arrays = pack(score_mod, cupy, np.float32, H, nd, ns, 0)[:3]
     if any(a.size > 1 for a in arrays[1:]):
         copies.append("score-modifier fields -> packed float32 (N, n, H) arrays")

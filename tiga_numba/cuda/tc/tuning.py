@@ -5,6 +5,8 @@ at each table); everything that picks a kernel for a call reads them through `va
 `backward_variants()`."""
 from __future__ import annotations
 
+import dataclasses
+
 from ... import run_options as _options
 from . import device
 from . import generator as G
@@ -125,6 +127,19 @@ _padded_dims(TUNING_WGMMA_F32)   # not swept separately
 for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
     _table[("dkdv", 128)]["overlap"] = False
 
+
+#: shape changes for kernels with a score modifier compiled in, per (engine table, kind, D): the
+#: modifier's cell values need registers the unmodified D = 128 wgmma forward (246 of 255) does not
+#: have; ptxas (sm_90a) spills 48 B in its ALiBi twin at BN = 128 and none at BN = 64 (201 registers).
+#: Empty until an H200 run decides (benchmarks/gpu/mods_probe.py times both).
+MODIFIED = {}
+
+
+def modified(vr):
+    """Variant vr as it runs with a score modifier (mod set by the caller): MODIFIED's shape
+    change for its table entry, if any."""
+    change = MODIFIED.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
+    return dataclasses.replace(vr, **change) if change else vr
 
 def head_dims(dtype, wgmma):
     """the head dims (D == Dv) the tensor-core kernels of `dtype` serve, on wgmma or mma.sync."""

@@ -12,6 +12,16 @@ compiler makes of it cannot turn the rounding of a huge y * sc into a huge expon
 backward also takes df/dz: dS_z = P (dP - Delta) f'(z), and dQ / dK keep their `scale` factor
 (dz/dq = scale k).
 
+Lowering. The tree is rewritten before any text is written (`lower`): the score leaf becomes the
+raw product times `msc`, the value is multiplied by log2(e), and every chain of products and
+quotients is regrouped as (one factor that no cell changes) x (the cell's own factors), a
+quotient by such a factor turned into a product with its reciprocal; a factor over a sum, a
+`where`, a minimum / maximum or a leaky_relu is pushed into its terms. The cell-invariant
+subtrees (constants, scalars, the head's params and what is built from them only) are then
+computed once per kernel (per head in the dK/dV loop), so a soft-cap cell is one multiply, the
+tanh and one multiply (it was a multiply, a division, the tanh and three multiplies) and an ALiBi
+cell one multiply and one fma around the distance.
+
 Masked cells keep MASKED. A real cell's y is clamped to [-1e29, 1e30] (NaN -> -1e29): above
 MASKED, so a row whose every real score is "-inf" (clamped) gets the same uniform softmax the
 float64 oracle gives on its clamped values, and masked cells stay at weight 0.
@@ -42,8 +52,11 @@ class _Target(score_source.Target):
     temp = "mt"
     tanh = "math.tanh"
     exp = "math.exp"
+    exp2 = "ex2"
 
-    def __init__(self, layout):
+    def __init__(self, layout, temp="mt"):
+        self.layout = layout
+        self.temp = temp
         self.n_sc = len(layout.scalars)
         self.n_dst = len(layout.dst)
         self.n_src = len(layout.src)
@@ -52,6 +65,9 @@ class _Target(score_source.Target):
         return f"sel({cond}, {a}, {b})"
 
     def leaf(self, x, slot):
+        if x.op == "scalar" and x.attr.startswith("__"):   # the lowering's own leaves
+            return x.attr[2:]
+        slot = self.layout.slot[x]   # the packed layout is the original tree's
         if x.op == "scalar":
             return f"mks{slot}"
         if x.op == "head":
@@ -63,12 +79,12 @@ class _Target(score_source.Target):
         raise NotImplementedError("per-edge fields need a CSR relation (CUDA-core kernels)")
 
     def index(self, role):
-        return "f32(mi)" if role == "dst" else "f32(mj)"
+        return "mif" if role == "dst" else "mjf"
 
 
 class Modifier:
-    """One tree's inline text for the tensor-core kernels. Equal trees are equal modifiers (the
-    Variant, and so the kernel name and its cubin, is keyed on `digest`)."""
+    """One tree's inline text for the tensor-core kernels. Equal trees lowered alike are equal
+    modifiers (the Variant, and so the kernel name and its cubin, is keyed on `digest`)."""
 
     def __init__(self, tree):
         self.tree = tree
@@ -76,17 +92,23 @@ class Modifier:
         if self.layout.edges:
             raise NotImplementedError("per-edge fields need a CSR relation (CUDA-core kernels)")
         self.dtree = sm.diff(tree, sm.SCORE)
+        (value, deriv), hoisted = lower(tree, self.dtree)
+        # the cell-invariant subtrees (params()), then the cell's text (cell()); one constant table
         self._src = score_source.Source(tree, (), _Target(self.layout))
-        self._lines, num = self._src._emit([tree, self.dtree])
-        self._value, self._deriv = num(tree), num(self.dtree)
-        text = "\n".join(self._lines) + self._value + self._deriv + repr(sorted(self._src.consts.items()))
+        hsrc = score_source.Source(tree, (), _Target(self.layout, temp="mq"))
+        hsrc.consts = self._src.consts
+        self._hoisted, hnum = hsrc._emit(list(hoisted))
+        self._hoisted += [f"{leaf.attr[2:]} = {hnum(x)}" for x, leaf in hoisted.items()]
+        self._lines, num = self._src._emit([value, deriv])
+        self._value, self._deriv = num(value), num(deriv)
+        text = "\n".join(self._hoisted + self._lines) + self._value + self._deriv + repr(sorted(self._src.consts.items()))
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
 
-    def __eq__(self, other):
-        return isinstance(other, Modifier) and other.tree == self.tree
+    def __eq__(self, other):   # the digest: the same tree lowered with another TANH differs
+        return isinstance(other, Modifier) and other.tree == self.tree and other.digest == self.digest
 
     def __hash__(self):
-        return hash(("tc-modifier", self.tree))
+        return hash(("tc-modifier", self.tree, self.digest))
 
     def __repr__(self):
         return f"Modifier({self.tree})"
@@ -107,24 +129,145 @@ class Modifier:
         n_sc = len(self.layout.scalars)
         for k in range(len(self.layout.heads)):
             e(f"mkh{k} = ldg_f32_if(u32(1), mvp + ({n_sc} + {k} * mh + mhd) * 4)")
+        for line in self._hoisted:   # the cell-invariant subtrees (lower())
+            e(line.strip())
 
     def cell(self, e, x, i, j, y, d=None, masked=True):
         """y = f(z) log2(e) (clamped; with `masked`, MASKED where x is MASKED) and, with d,
         d = f'(z), for the raw score x (a name) of the cell at global destination i / source j
-        (expressions). math.tanh is libdevice's: a hand-written exp2 / division tanh for the
-        16-bit kernels made the soft-cap forward slower on the H200 (5.3 ms against 3.8 ms,
-        benchmarks/results/gpu-h200-2026-12-02d.txt), so there is one flavour."""
+        (Positions). The text is lower()'s: invariant factors were computed by params()."""
         # positions as 32-bit integers (the dispatcher keeps them below 2^31): the float
         # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
-        e(f"mi = u32({i}); mj = u32({j}); mz = {x} * msc")
+        e(f"mi = u32({i.index}); mj = u32({j.index}); mif = {i.value}; mjf = {j.value}; mz = {x}")
         for line in self._lines:
             e(line.strip())
-        e(f"mf = ({self._value}) * f32({LOG2E!r})")
+        e(f"mf = {self._value}")
         e(f"mf = sel(mf > f32({FLOOR!r}), mf, f32({FLOOR!r}))")
         clamped = f"sel(mf < f32({CEIL!r}), mf, f32({CEIL!r}))"
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
             e(f"{d} = {self._deriv}")
+
+
+#: how the kernels take tanh: "exp2" (_tanh: ex2 and rcp, absolute error ~5e-7) or "hardware"
+#: (tanh.approx.f32, flash-attn's soft-cap; ~2^-11 relative, c 5e-4 on a soft-cap c). Read when a
+#: Modifier is built (the text and so the kernel name differ); benchmarks/gpu/mods_probe.py times both.
+TANH = "exp2"
+
+#: the lowering's leaves: the kernel's score scale (an argument of every modified kernel)
+MSC = sm.Expr("scalar", (), "__msc")
+_INVARIANT_LEAVES = ("const", "scalar", "head")
+#: ops a positive constant factor distributes over (c f(a, b) = f(c a, c b) for c > 0)
+_DISTRIBUTES = ("add", "sub", "neg", "where", "minimum", "maximum", "leaky_relu")
+
+
+def lower(tree, dtree):
+    """((y, d), hoisted): y = f(z) log2(e) and d = f'(z) as trees of the raw score (sm.SCORE is
+    the raw product here; z = raw * MSC), every product / quotient chain regrouped as
+    (cell-invariant factor) x (cell factors) / (cell factors), log2(e) pushed through sums and
+    selections into the terms' invariant factors; `hoisted` maps each largest cell-invariant
+    subtree that is not a leaf to the leaf naming it (computed once per kernel by params())."""
+    invariant = {}
+
+    def inv(x):
+        r = invariant.get(x)
+        if r is None:
+            r = invariant[x] = (x.op in _INVARIANT_LEAVES if x.is_leaf
+                                else x.op != "where" and all(inv(a) for a in x.args))
+        return r
+
+    def factors(x, num, den):   # flatten a product / quotient chain
+        if x.op == "mul":
+            factors(x.args[0], num, den)
+            factors(x.args[1], num, den)
+        elif x.op == "div":
+            factors(x.args[0], num, den)
+            factors(x.args[1], den, num)
+        elif x.op == "neg":
+            num.append(sm.const(-1.0))
+            factors(x.args[0], num, den)
+        else:
+            num.append(x)
+
+    def product(xs):
+        out = sm.ONE
+        for x in xs:
+            out = sm.make("mul", out, x)
+        return out
+
+    def regroup(x):   # x's children already regrouped
+        if x.op not in ("mul", "div", "neg") or inv(x):
+            return x
+        num, den = [], []
+        factors(x, num, den)
+        for f in list(den):   # c / c: the soft-cap's derivative is c (1 / c) (1 - t^2)
+            if inv(f) and f in num:
+                num.remove(f)
+                den.remove(f)
+        k = sm.make("div", product(f for f in num if inv(f)), product(f for f in den if inv(f)))
+        cells = [f for f in num if not inv(f)]
+        under = [f for f in den if not inv(f)]
+        if (not under and len(cells) == 1 and cells[0].op in ("add", "sub") and k != sm.ONE
+                and any(inv(a) for a in cells[0].args)):
+            # k (a + b c) with a invariant -> (k a) + (k b) c: an fma (the soft-cap's c (1 - 2 r))
+            a, b = cells[0].args
+            return sm.make(cells[0].op, regroup(sm.make("mul", k, a)), regroup(sm.make("mul", k, b)))
+        out = sm.make("mul", k, product(cells)) if k != sm.ONE else product(cells)
+        return sm.make("div", out, product(under)) if under else out
+
+    def rebuild(root):
+        memo = {}
+        for x in sm.walk(root):
+            if x.is_leaf:
+                memo[x] = x
+                continue
+            args = [memo[a] for a in x.args]
+            if x.op == "exp":   # e^u = 2^(u log2 e): the constant joins u's invariant factor
+                y = sm.Expr("exp2", (regroup(sm.make("mul", sm.const(LOG2E), args[0])),))
+            elif x.op == "tanh" and not inv(x) and TANH == "exp2":
+                y = _tanh(args[0], regroup)
+            else:
+                y = sm.make(x.op, *args) if x.op in sm._FOLDED else sm.Expr(x.op, args)
+            memo[x] = regroup(y)
+        return memo[root]
+
+    def scaled(x, k):   # k x, k a positive constant, pushed into the terms
+        if x.op in _DISTRIBUTES and not inv(x):
+            keep = 1 if x.op == "where" else 0   # a where's condition is not scaled
+            args = [a if n < keep or (x.op == "leaky_relu" and n == 1) else scaled(a, k)
+                    for n, a in enumerate(x.args)]
+            return sm.make(x.op, *args) if x.op in sm._FOLDED else sm.Expr(x.op, args)
+        return sm.make("mul", sm.const(k), x)
+
+    raw = {sm.SCORE: sm.make("mul", sm.SCORE, MSC)}
+    y = rebuild(scaled(sm.substitute(tree, raw), LOG2E))
+    d = rebuild(sm.substitute(dtree, raw))
+    hoisted = {}
+
+    def visit(x):
+        if x.is_leaf:
+            return
+        if inv(x):
+            hoisted.setdefault(x, sm.Expr("scalar", (), f"__mk{len(hoisted)}"))
+            return
+        for a in x.args:
+            visit(a)
+
+    visit(y)
+    visit(d)
+    lowered = [sm.substitute(r, hoisted) for r in (y, d)]
+    return lowered, hoisted
+
+
+def _tanh(u, regroup):
+    """tanh(u) = 1 - 2 / (2^(2 log2(e) u) + 1): ex2.approx and rcp.approx (two SFU ops, the
+    2 log2(e) folded into u's invariant factor) and an fma. Its absolute error stays near
+    float32 rounding (~5e-7) on the whole line, so `c * tanh(s / c)` is off by ~c 5e-7, where
+    the hardware tanh.approx.f32 (what libdevice's tanhf becomes under fast-math) is off by up to
+    ~2^-11 relative: c 5e-4. Large |u| saturate exactly: 2^big = inf -> 1, 2^-big = 0 -> -1."""
+    e = sm.Expr("exp2", (regroup(sm.make("mul", sm.const(2.0 * LOG2E), u)),))
+    r = sm.Expr("recip", (sm.make("add", e, sm.ONE),))
+    return sm.make("sub", sm.ONE, sm.make("mul", sm.const(2.0), r))
 
 
 def _finite(value):
@@ -136,16 +279,31 @@ def _finite(value):
     return max(-3.0e38, min(3.0e38, value))
 
 
+class Position:
+    """A C-fragment cell's global row or column, clamped into the block (a tail cell reads the
+    last real position: its values stay finite, as the emulator checks): `index` addresses node
+    fields, `value` is the position as float32 (what dst.index / src.index read), written as the
+    thread's first position in the tile plus the cell's constant offset: one conversion per tile
+    and a float add and min per cell position, where a conversion per cell position kept 32
+    column integers alive across the key loop (spilled in the D = 128 ALiBi forward)."""
+
+    def __init__(self, first, offset, limit):
+        self.index = f"{first} + imin({offset}, {limit} - 1)"
+        base, _, const = offset.rpartition(" + ")
+        pos, last = f"(f32(u32({first} + {base})) + f32({float(const)!r}))", f"f32(u32({first} + {limit} - 1))"
+        self.value = f"sel({pos} < {last}, {pos}, {last})"
+
+
 def cell_row(m, r):
-    """global position of C-fragment cell (m, ., r)'s row (fragment rows are the tile's rows:
-    queries in the forward / dQ kernels, keys in dK/dV), clamped into the block."""
-    return f"row0 + imin(wrow + {16 * m + 8 * (r // 2)} + g, rows - 1)"
+    """the position of C-fragment cell (m, ., r)'s row (fragment rows are the tile's rows:
+    queries in the forward / dQ kernels, keys in dK/dV)."""
+    return Position("row0", f"wrow + g + {16 * m + 8 * (r // 2)}", "rows")
 
 
 def cell_col(base, j, r):
-    """global position of C-fragment cell (., j, r)'s column in the streamed block starting at
-    block-local `base`, clamped into the block."""
-    return f"col0 + imin({base} + {8 * j + r % 2} + 2 * t, cols - 1)"
+    """the position of C-fragment cell (., j, r)'s column in the streamed block starting at
+    block-local `base`."""
+    return Position("col0", f"{base} + 2 * t + {8 * j + r % 2}", "cols")
 
 
 def tag(mod):
