@@ -29,7 +29,7 @@ def prebuild(D, dtype):
     from tiga_numba.cuda.tc import generator as G
     trees = [sm.softcap_tree(sm.SCORE), sm.alibi_tree(sm.SCORE, aligned=False)]
     for tree in trees:
-        mod = G.Modifier(tree)
+        mod = G.Modifier(tree, G.modifier.TANH["float16"])
         for kind in ("fwd", "dq", "dkdv"):
             v = tuning.variant(kind, D, D, dtype, wgmma=True)
             v = dataclasses.replace(v, mod=mod, **({} if kind == "fwd" else dict(overlap=False, fuse_dq=False,

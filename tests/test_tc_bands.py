@@ -12,7 +12,7 @@ from tiga_numba import score_mod as sm
 from tiga_numba.cuda.tc import emulator as E
 from tiga_numba.cuda.tc import generator as G
 from tiga_numba.cuda.tc import schedule as S
-from tiga_numba.cuda.tc.generator.modifier import Modifier
+from tiga_numba.cuda.tc.generator.modifier import TANH, Modifier
 
 from test_tc_emulator import TOL, _inputs, rel, rounded
 
@@ -164,7 +164,7 @@ def test_modifier_composes_with_the_band():
     tree = sm.softcap_tree(sm.SCORE)
     values = {sm.Expr("scalar", (), "softcap"): 2.0}
     from tiga_numba.cuda.score_codegen import pack
-    mod = Modifier(tree)
+    mod = Modifier(tree, TANH[dtype])
     packed = (mod,) + tuple(pack(sm.BoundModifier(tree, values), np, np.float32, H, nd, ns, 0)[:3])
     scale = D ** -0.5
     f = lambda z: 2.0 * np.tanh(z / 2.0)  # noqa: E731

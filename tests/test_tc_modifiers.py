@@ -13,7 +13,7 @@ import tiga_numba  # noqa: F401  (first: shields tiga_numba.cuda from numba-cuda
 from tiga_numba import score_mod as sm
 from tiga_numba.cuda.tc import emulator as E
 from tiga_numba.cuda.tc import generator as G
-from tiga_numba.cuda.tc.generator.modifier import Modifier
+from tiga_numba.cuda.tc.generator.modifier import TANH, Modifier
 
 from test_tc_emulator import RELATIONS, TOL, _inputs, rel, rounded
 
@@ -139,7 +139,7 @@ def test_modified_forward_backward_emulated(modname, case, relname):
     q, k, v, do = _inputs(rng, nd, ns, H, Hkv, D, dtype)
     tree, proto = MODS[modname]()
     values = _values(rng, tree, proto, nd, ns, H, dst, src)
-    mod = Modifier(tree)
+    mod = Modifier(tree, TANH[dtype])   # as the tensor-core api picks it
     packed = (mod,) + _pack(tree, values, H, nd, ns)
     scale = D ** -0.5
     ro, rm, rdq, rdk, rdv = oracle(tree, values, q, k, v, do, dst, src, causal, scale)
@@ -176,6 +176,22 @@ def test_modifier_rules():
     with pytest.raises(NotImplementedError, match="CSR"):
         Modifier(sm.make("add", S, sm.Expr("edge", (), "w")))
 
+
+
+def test_lowering_hoists_what_no_cell_changes():
+    """the per-cell text of soft-cap and ALiBi: no division, no scale or param product (hoisted
+    into params()), tanh as the flavour says; the two flavours' kernels differ by name."""
+    hard, exp2 = Modifier(_softcap()[0], "hardware"), Modifier(_softcap()[0], "exp2")
+    for mod in (hard, exp2, Modifier(_alibi()[0])):
+        cell = "\n".join(mod._lines)
+        assert " / mks" not in cell and "msc" not in cell and "mks0 *" not in cell, cell
+        assert any("msc" in line for line in mod._hoisted)
+    assert sum("math.tanh" in x for x in hard._lines) == 1 and not any("ex2" in x for x in hard._lines)
+    assert sum("ex2(" in x for x in exp2._lines) == 1 and sum("_dt(1.0) /" in x for x in exp2._lines) == 1
+    assert not any("tanh" in x for x in exp2._lines)
+    assert hard != exp2 and hard.digest != exp2.digest
+    with pytest.raises(ValueError, match="tanh"):
+        Modifier(_softcap()[0], "fast")
 
 def test_registry_routes_modifiers():
     """a per-head param that wants its gradient: the registry refuses the tensor cores by name."""

@@ -4,7 +4,7 @@ side by side in one process (H200; fp16, N = 16384, H = 16, D = 128, causal, sof
     python benchmarks/gpu/mods_probe.py --prebuild --jobs 15   # the probe's cubins (no GPU needed)
     python benchmarks/gpu/mods_probe.py [--reps 10]
 
-Choices: tanh as ex2 + rcp or as the hardware tanh.approx.f32 (generator/modifier.py: TANH), and the
+Choices: tanh as ex2 + rcp or as the hardware tanh.approx.f32 (generator/modifier.py: TANH, the 16-bit entries), and the
 modified D = 128 forward's and dQ kernel's key block widths (tuning.MODIFIED). Rows: plain causal, then soft-cap and
 ALiBi per choice, forward and forward+backward ms (CUDA events, median of --reps after a warm-up),
 their ratio to plain causal, and for the soft-cap the largest error of the output against a float64
@@ -36,10 +36,10 @@ MODS = ("softcap", "alibi")
 def _choose(choice):
     from tiga_numba.cuda.tc import api
     _, tanh, shapes = choice
-    M.TANH = tanh
+    M.TANH.update(float16=tanh, bfloat16=tanh)
     tuning.MODIFIED.clear()
     tuning.MODIFIED.update(shapes)
-    api._MODIFIERS.clear()   # Modifiers read TANH when built
+    api._MODIFIERS.clear()
 
 
 def _build(job):
@@ -53,7 +53,7 @@ def _build(job):
             return f"skip {job}"   # no tanh in ALiBi: the exp2 choice's kernel
         tree = sm.softcap_tree(sm.SCORE) if name == "softcap" else sm.alibi_tree(sm.SCORE, aligned=False)
         extra = {} if kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
-        vr = tuning.modified(dataclasses.replace(vr, mod=M.Modifier(tree), **extra))
+        vr = tuning.modified(dataclasses.replace(vr, mod=M.Modifier(tree, M.TANH["float16"]), **extra))
     t = time.time()
     build.kernel(vr)[0].cubin("sm_90a")
     return f"built {vr.name()} in {time.time() - t:.0f} s"

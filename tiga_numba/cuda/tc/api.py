@@ -37,7 +37,9 @@ fresh tiles added in ordinary fp32, because the tensor cores' accumulation trunc
 error against a float64 oracle on the emulator: ~3e-7 (bf16 x 3) and ~1e-6 (3xTF32) forward, a few
 times that for gradients; tests hold both to the CUDA-core float32 tolerances, which plain TF32
 (~5e-4) and plain bf16 fail. m and l are float32 as the contract says; ex2.approx (2 ulp) is the
-only other approximation. run_info["precision"] says which ran.
+only other approximation, but for a score modifier's tanh in the 16-bit kernels: the hardware
+tanh.approx.f32, as flash-attn's soft-cap (generator/modifier.py: TANH; float32 kernels take an
+ex2 / rcp tanh good to ~5e-7). run_info["precision"] says which ran.
 TIGA_NUMBA_FP32_TENSOR_CORES=0 keeps float32 on the CUDA-core kernels (plain fp32 FMA), e.g. to
 reproduce earlier bits; it is read on every call.
 """
@@ -278,9 +280,10 @@ def _modified(variants, score_mod, H, nd, ns, copies):
     import cupy
 
     from ..score_codegen import pack
-    mod = _MODIFIERS.get(score_mod.tree)
+    tanh = G.modifier.TANH[variants[-1].dtype]
+    mod = _MODIFIERS.get((score_mod.tree, tanh))
     if mod is None:
-        mod = _MODIFIERS[score_mod.tree] = G.Modifier(score_mod.tree)
+        mod = _MODIFIERS[score_mod.tree, tanh] = G.Modifier(score_mod.tree, tanh)
     out = []
     for vr in variants:
         if vr is None:
@@ -294,6 +297,16 @@ def _modified(variants, score_mod, H, nd, ns, copies):
 
 
 _MODIFIERS = {}
+
+
+def _tanh_words(v):
+    """explain()'s words for how Variant v's modifier takes tanh (none when its tree has none)."""
+    from ...score_mod import walk
+    if v.mod is None or not any(x.op == "tanh" for x in walk(v.mod.tree)):
+        return ""
+    if v.mod.tanh == "hardware":
+        return " (tanh: the hardware tanh.approx.f32, about 2^-11 relative, as flash-attn's soft-cap)"
+    return " (tanh: 1 - 2 / (2^(2x log2 e) + 1) on ex2 / rcp, absolute error ~5e-7)"
 
 
 def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
@@ -332,7 +345,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     visited, total = rec["tables"][tc_key]
     _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
                        + (", tile pruning: near key blocks first)" if vr.prune else ")")
-                       + (f"; score modifier compiled in: f = {score_mod.tree}" if score_mod is not None else ""),
+                       + (f"; score modifier compiled in: f = {score_mod.tree}{_tanh_words(vr)}"
+                          if score_mod is not None else ""),
           precision=precision(vr),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
                 f"(tiles outside each block's band skipped, masks only on band-edge / tail tiles)",
@@ -407,7 +421,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
         tiles = f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}"
     if score_mod is not None:
-        how += f"; score modifier compiled in: f = {score_mod.tree}, dS scaled by f'"
+        how += f"; score modifier compiled in: f = {score_mod.tree}{_tanh_words(vk)}, dS scaled by f'"
     _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
           precision=precision(vk), tiles=tiles,
           copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})

@@ -86,13 +86,16 @@ class Modifier:
     """One tree's inline text for the tensor-core kernels. Equal trees lowered alike are equal
     modifiers (the Variant, and so the kernel name and its cubin, is keyed on `digest`)."""
 
-    def __init__(self, tree):
+    def __init__(self, tree, tanh="exp2"):
+        if tanh not in ("exp2", "hardware"):
+            raise ValueError(f"tanh must be 'exp2' or 'hardware', got {tanh!r}")
         self.tree = tree
+        self.tanh = tanh
         self.layout = sm.Layout(tree)
         if self.layout.edges:
             raise NotImplementedError("per-edge fields need a CSR relation (CUDA-core kernels)")
         self.dtree = sm.diff(tree, sm.SCORE)
-        (value, deriv), hoisted = lower(tree, self.dtree)
+        (value, deriv), hoisted = lower(tree, self.dtree, tanh)
         # the cell-invariant subtrees (params()), then the cell's text (cell()); one constant table
         self._src = score_source.Source(tree, (), _Target(self.layout))
         hsrc = score_source.Source(tree, (), _Target(self.layout, temp="mq"))
@@ -149,10 +152,13 @@ class Modifier:
             e(f"{d} = {self._deriv}")
 
 
-#: how the kernels take tanh: "exp2" (_tanh: ex2 and rcp, absolute error ~5e-7) or "hardware"
-#: (tanh.approx.f32, flash-attn's soft-cap; ~2^-11 relative, c 5e-4 on a soft-cap c). Read when a
-#: Modifier is built (the text and so the kernel name differ); benchmarks/gpu/mods_probe.py times both.
-TANH = "exp2"
+#: how the kernels take tanh, per dtype: "hardware" is tanh.approx.f32 (one SFU op; what
+#: libdevice's tanhf becomes under fast-math; flash-attn's soft-cap), about 2^-11 relative, so
+#: `c * tanh(s / c)` is off by up to ~c 5e-4; "exp2" is _tanh below (ex2 and rcp: two SFU ops,
+#: absolute error ~5e-7), which keeps float32 kernels fp32-class. On the H200 (fp16, N = 16384,
+#: H = 16, D = 128, causal, soft-cap 30; benchmarks/gpu/mods_probe.py) the 16-bit soft-cap forward
+#: took 4.04 ms with the hardware tanh and 4.73 ms with "exp2" (plain causal 2.94 ms).
+TANH = {"float16": "hardware", "bfloat16": "hardware", "float32": "exp2"}
 
 #: the lowering's leaves: the kernel's score scale (an argument of every modified kernel)
 MSC = sm.Expr("scalar", (), "__msc")
@@ -161,9 +167,10 @@ _INVARIANT_LEAVES = ("const", "scalar", "head")
 _DISTRIBUTES = ("add", "sub", "neg", "where", "minimum", "maximum", "leaky_relu")
 
 
-def lower(tree, dtree):
+def lower(tree, dtree, tanh="exp2"):
     """((y, d), hoisted): y = f(z) log2(e) and d = f'(z) as trees of the raw score (sm.SCORE is
-    the raw product here; z = raw * MSC), every product / quotient chain regrouped as
+    the raw product here; z = raw * MSC; tanh as `tanh` says, see TANH), every product / quotient
+    chain regrouped as
     (cell-invariant factor) x (cell factors) / (cell factors), log2(e) pushed through sums and
     selections into the terms' invariant factors; `hoisted` maps each largest cell-invariant
     subtree that is not a leaf to the leaf naming it (computed once per kernel by params())."""
@@ -224,7 +231,7 @@ def lower(tree, dtree):
             args = [memo[a] for a in x.args]
             if x.op == "exp":   # e^u = 2^(u log2 e): the constant joins u's invariant factor
                 y = sm.Expr("exp2", (regroup(sm.make("mul", sm.const(LOG2E), args[0])),))
-            elif x.op == "tanh" and not inv(x) and TANH == "exp2":
+            elif x.op == "tanh" and not inv(x) and tanh == "exp2":
                 y = _tanh(args[0], regroup)
             else:
                 y = sm.make(x.op, *args) if x.op in sm._FOLDED else sm.Expr(x.op, args)
