@@ -20,7 +20,11 @@ quotient by such a factor turned into a product with its reciprocal; a factor ov
 subtrees (constants, scalars, the head's params and what is built from them only) are then
 computed once per kernel (per head in the dK/dV loop), so a soft-cap cell is one multiply, the
 tanh and one multiply (it was a multiply, a division, the tanh and three multiplies) and an ALiBi
-cell one multiply and one fma around the distance.
+cell one multiply and one fma around the distance. What depends on one position only (a node
+field, an index and what is built from them: ALiBi's dst.index + shift) is computed by the first
+cell of its fragment row or column and named for the others (`staged`; a kernel text emits its
+cells in one straight-line region per loop body, which is what makes the first cell's name
+visible to the rest): a node field is then loaded once per row, not once per cell.
 
 Masked cells keep MASKED. A real cell's y is clamped to [-1e29, 1e30] (NaN -> -1e29): above
 MASKED, so a row whose every real score is "-inf" (clamped) gets the same uniform softmax the
@@ -66,7 +70,7 @@ class _Target(score_source.Target):
 
     def leaf(self, x, slot):
         if x.op == "scalar" and x.attr.startswith("__"):   # the lowering's own leaves
-            return x.attr[2:]
+            return x.attr[2:]   # a name, or an @role k@ placeholder that cell() fills in
         slot = self.layout.slot[x]   # the packed layout is the original tree's
         if x.op == "scalar":
             return f"mks{slot}"
@@ -102,9 +106,17 @@ class Modifier:
         hsrc.consts = self._src.consts
         self._hoisted, hnum = hsrc._emit(list(hoisted))
         self._hoisted += [f"{leaf.attr[2:]} = {hnum(x)}" for x, leaf in hoisted.items()]
+        (value, deriv), stages = staged([value, deriv])
+        self._stages = {}   # role -> (lines, [placeholder, expression text]) per position
+        for role, group in stages.items():
+            ssrc = score_source.Source(tree, (), _Target(self.layout, temp="mpX"))
+            ssrc.consts = self._src.consts
+            lines, snum = ssrc._emit(list(group))
+            self._stages[role] = (lines, [(f"@{leaf.attr[3:]}", snum(x)) for x, leaf in group.items()])
         self._lines, num = self._src._emit([value, deriv])
         self._value, self._deriv = num(value), num(deriv)
-        text = "\n".join(self._hoisted + self._lines) + self._value + self._deriv + repr(sorted(self._src.consts.items()))
+        text = ("\n".join(self._hoisted + self._lines) + self._value + self._deriv + repr(self._stages)
+                + repr(sorted(self._src.consts.items())))
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def __eq__(self, other):   # the digest: the same tree lowered with another TANH differs
@@ -142,14 +154,32 @@ class Modifier:
         # positions as 32-bit integers (the dispatcher keeps them below 2^31): the float
         # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
         e(f"mi = u32({i.index}); mj = u32({j.index}); mif = {i.value}; mjf = {j.value}; mz = {x}")
+        names = {}
+        memo = e.__dict__.setdefault("_mod_positions", {})   # per kernel text: (role, position) -> names
+        for role, pos in (("dst", i), ("src", j)):
+            lines, outs = self._stages[role]
+            if not outs:
+                continue
+            got = memo.get((role, pos.index))
+            if got is None:   # the first cell at this position computes its values
+                n = len(memo)
+                for line in lines:
+                    e(line.strip().replace("mpX", f"mp{n}_"))
+                got = memo[role, pos.index] = {ph: text.replace("mpX", f"mp{n}_") for ph, text in outs}
+            names.update(got)
+
+        def fill(text):
+            for ph, name in names.items():
+                text = text.replace(ph, name)
+            return text
         for line in self._lines:
-            e(line.strip())
-        e(f"mf = {self._value}")
+            e(fill(line.strip()))
+        e(f"mf = {fill(self._value)}")
         e(f"mf = sel(mf > f32({FLOOR!r}), mf, f32({FLOOR!r}))")
         clamped = f"sel(mf < f32({CEIL!r}), mf, f32({CEIL!r}))"
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
-            e(f"{d} = {self._deriv}")
+            e(f"{d} = {fill(self._deriv)}")
 
 
 #: how the kernels take tanh, per dtype: "hardware" is tanh.approx.f32 (one SFU op; what
@@ -264,6 +294,53 @@ def lower(tree, dtree, tanh="exp2"):
     visit(d)
     lowered = [sm.substitute(r, hoisted) for r in (y, d)]
     return lowered, hoisted
+
+
+def _role(x):
+    """the position a leaf depends on: "dst" / "src" (a node field or index), "cell" (the score)
+    or None (cell-invariant)."""
+    if x.op == "score":
+        return "cell"
+    if x.op == "node":
+        return x.attr[0]
+    if x.op == "index":
+        return x.attr
+    return None
+
+
+def staged(roots):
+    """(roots, {role: {subtree: leaf}}): the largest subtrees of `roots` that depend on one
+    position only (a destination or a source: a node field, an index and what is built from them
+    and invariants), bare positions excepted, replaced by leaves; Modifier.cell computes each
+    once per fragment row / column position instead of once per cell."""
+    roles = {}
+
+    def role(x):
+        r = roles.get(x, 0)
+        if r == 0:
+            if x.is_leaf:
+                r = _role(x)
+            else:
+                got = {role(a) for a in x.args} - {None}
+                r = got.pop() if len(got) == 1 and x.op != "where" else ("cell" if got else None)
+            roles[x] = r
+        return r
+
+    out = {"dst": {}, "src": {}}
+
+    def visit(x):
+        r = role(x)
+        if r in out and not (x.is_leaf and x.op == "index"):
+            group = out[r]
+            group.setdefault(x, sm.Expr("scalar", (), f"__@{r}{len(group)}@"))
+            return
+        for a in x.args:
+            visit(a)
+
+    for root in roots:
+        visit(root)
+    mapping = {x: leaf for group in out.values() for x, leaf in group.items()}
+    return [sm.substitute(r, mapping) for r in roots], out
 
 
 def _tanh(u, regroup):
