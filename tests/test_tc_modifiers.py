@@ -190,6 +190,10 @@ def test_lowering_hoists_what_no_cell_changes():
     assert sum("ex2(" in x for x in exp2._lines) == 1 and sum("_dt(1.0) /" in x for x in exp2._lines) == 1
     assert not any("tanh" in x for x in exp2._lines)
     assert hard != exp2 and hard.digest != exp2.digest
+    # ALiBi's dst.index + shift depends on the row only: its load is staged, never per cell
+    alibi = Modifier(_alibi()[0])
+    assert not any("ldg_f32_if" in x for x in alibi._lines)
+    assert any("ldg_f32_if" in x for x in alibi._stages["dst"][0]) and not alibi._stages["src"][0]
     with pytest.raises(ValueError, match="tanh"):
         Modifier(_softcap()[0], "fast")
 
