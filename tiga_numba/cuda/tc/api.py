@@ -39,7 +39,7 @@ times that for gradients; tests hold both to the CUDA-core float32 tolerances, w
 (~5e-4) and plain bf16 fail. m and l are float32 as the contract says; ex2.approx (2 ulp) is the
 only other approximation, but for a score modifier's tanh in the 16-bit kernels: the hardware
 tanh.approx.f32, as flash-attn's soft-cap (generator/modifier.py: TANH; float32 kernels take an
-ex2 / rcp tanh good to ~5e-7). run_info["precision"] says which ran.
+ex2 / rcp tanh good to ~2e-7). run_info["precision"] says which ran.
 TIGA_NUMBA_FP32_TENSOR_CORES=0 keeps float32 on the CUDA-core kernels (plain fp32 FMA), e.g. to
 reproduce earlier bits; it is read on every call.
 """
@@ -305,8 +305,8 @@ def _tanh_words(v):
     if v.mod is None or not any(x.op == "tanh" for x in walk(v.mod.tree)):
         return ""
     if v.mod.tanh == "hardware":
-        return " (tanh: the hardware tanh.approx.f32, about 2^-11 relative, as flash-attn's soft-cap)"
-    return " (tanh: 1 - 2 / (2^(2x log2 e) + 1) on ex2 / rcp, absolute error ~5e-7)"
+        return " (tanh: the hardware tanh.approx.f32, as flash-attn's soft-cap: ~1e-5 relative on the H200)"
+    return " (tanh: 1 - 2 / (2^(2x log2 e) + 1) on ex2 / rcp, absolute error ~2e-7)"
 
 
 def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
