@@ -16,13 +16,14 @@ import os
 import sys
 import time
 
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tiga_numba as tg  # noqa: E402
 from tiga_numba import score_mod as sm  # noqa: E402
 from tiga_numba.cuda.tc import tuning  # noqa: E402
 from tiga_numba.cuda.tc.generator import modifier as M  # noqa: E402
+from bench_score_mods_gpu import timed  # noqa: E402  (CUDA events, median of reps after a warm-up)
 
 #: (label, tanh flavour, modified-kernel shape changes)
 CHOICES = [("exp2 tanh, fwd BN=128", "exp2", {}),
@@ -67,21 +68,6 @@ def prebuild(jobs):
     with ProcessPoolExecutor(jobs) as pool:
         for line in pool.map(_build, work):
             print(line, flush=True)
-
-
-def timed(fn, reps):
-    import cupy
-    fn()
-    cupy.cuda.Device().synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(cupy.cuda.get_elapsed_time(a, b))
-    return float(np.median(ts))
 
 
 def softcap_reference(q, k, v, rows, cap, scale):
