@@ -197,6 +197,30 @@ def test_lowering_hoists_what_no_cell_changes():
     with pytest.raises(ValueError, match="tanh"):
         Modifier(_softcap()[0], "fast")
 
+
+def test_prebuild_names_the_kernels_a_flash_modifier_call_launches():
+    """`prebuild --modifiers` builds the Variants a softcap= / alibi_slopes= call runs: the same
+    tree as functional.flash_modifier (plain ALiBi on triangular relations, bottom-right aligned on
+    rectangular cu_seqlens), the dtype's tanh, the two-kernel backward without overlap."""
+    import tiga_numba as tg
+    from tiga_numba import functional
+    from tiga_numba.cuda.tc import build, tuning
+    q = np.zeros((6, 2, 8), np.float32)
+    slopes = np.ones(2, np.float32)
+    for graph, name in ((tg.Graph.triangular(6), "softcap+alibi"),
+                        (tg.Graph.cu_seqlens([0, 2, 6], cu_seqlens_k=[0, 3, 9]), "softcap+alibi-aligned")):
+        assert functional.flash_modifier(q, graph, 3.0, slopes).tree == sm.flash_tree(*sm.FLASH_TREES[name])
+    assert functional.flash_modifier(q, tg.Graph.triangular(6), 3.0, None).tree == _softcap()[0]
+    specs = build.modified_kernels(["softcap", "alibi-aligned"], ("float16", "float32"))
+    assert ("wg:dq", 128, "float16", None, "softcap") in specs and ("fwd", 64, "float32", None, "alibi-aligned") in specs
+    v = build.modified_variant("wg:dkdv", 128, "float16", "softcap")
+    want = tuning.with_modifier(tuning.variant("dkdv", 128, 128, "float16", wgmma=True),
+                                Modifier(_softcap()[0], TANH["float16"]))
+    assert v == want and v.mod.tanh == "hardware" and not v.overlap and not v.fuse_dq
+    assert build.modified_variant("fwd", 64, "float32", "softcap").mod.tanh == "exp2"
+    with pytest.raises(ValueError, match="unknown modifier"):
+        build.modified_kernels(["tanh"])
+
 def test_registry_routes_modifiers():
     """a per-head param that wants its gradient: the registry refuses the tensor cores by name."""
     from tiga_numba import registry

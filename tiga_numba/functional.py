@@ -147,8 +147,8 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
     if softcap is None and alibi_slopes is None:
         return None
     from . import score_mod as sm
-    tree = sm.SCORE
     values = {}
+    shift = None
     if softcap is not None:
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(
                 softcap, (int, float, np.integer, np.floating)):
@@ -156,7 +156,6 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
         softcap = float(softcap)
         if not (softcap > 0 and np.isfinite(softcap)):
             raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
-        tree = sm.softcap_tree(tree)
         values[sm.Expr("scalar", (), "softcap")] = softcap
     if alibi_slopes is not None:
         lib = arrays.library_of("alibi_slopes", alibi_slopes)
@@ -171,13 +170,13 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
         if not np.issubdtype(np.dtype(slopes.dtype), np.floating):
             raise TypeError(f"alibi_slopes must be floating point, got {slopes.dtype}")
         shift = _alibi_shift(graph)
-        tree = sm.alibi_tree(tree, aligned=shift is not None)
         head = sm.Expr("head", (), "alibi_slopes")
         values[head] = slopes
         if shift is not None:
             xp = _xp(lib)
             values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(shift)
     # no gradients besides q, k, v here (the program API gives the slopes' gradient)
+    tree = sm.flash_tree(softcap is not None, alibi_slopes is not None, shift is not None)
     return sm.BoundModifier(tree, values)
 
 

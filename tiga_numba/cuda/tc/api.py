@@ -284,12 +284,7 @@ def _modified(variants, score_mod, H, nd, ns, copies):
     mod = _MODIFIERS.get((score_mod.tree, tanh))
     if mod is None:
         mod = _MODIFIERS[score_mod.tree, tanh] = G.Modifier(score_mod.tree, tanh)
-    out = []
-    for vr in variants:
-        if vr is None:
-            continue
-        extra = dict(fuse_dq=False, dq_atomic=False, overlap=False) if vr.kind != "fwd" else {}
-        out.append(tuning.modified(dataclasses.replace(vr, mod=mod, **extra)))
+    out = [tuning.with_modifier(vr, mod) for vr in variants if vr is not None]
     arrays = pack(score_mod, cupy, np.float32, H, nd, ns, 0)[:3]
     if any(a.size > 1 for a in arrays[1:]):
         copies.append("score-modifier fields -> packed float32 (N, n, H) arrays")

@@ -10,10 +10,11 @@ import math
 import os
 
 from ... import disk_cache
+from ... import score_mod as sm
 from ...kernel_cache import KERNELS
 from ..launch import CUBIN_LAUNCHERS, Kernel
 from . import generator as G
-from .tuning import WGMMA_HEAD_DIMS, atomic_shape, atomic_variant, head_dims, variant
+from .tuning import WGMMA_HEAD_DIMS, atomic_shape, atomic_variant, head_dims, variant, with_modifier
 
 _SIGS = {"fwd": (16, 2), "dq": (18, 2), "dkdv": (21, 2)}   # (int64 args, float32 args)
 
@@ -276,10 +277,35 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     return out
 
 
-def build_one(kind, D, dtype, arch, shape=None):
+def modified_kernels(trees, dtypes=("float16", "bfloat16", "float32")):
+    """(kind, D, dtype, None, tree name) of the forward, dQ and dK/dV kernels that a call with
+    one of the score modifiers `trees` (names of score_mod.FLASH_TREES) launches, on either engine."""
+    out = []
+    for name in trees:
+        if name not in sm.FLASH_TREES:
+            raise ValueError(f"unknown modifier {name!r}: one of {', '.join(sm.FLASH_TREES)}")
+        for dt in dtypes:
+            out += [(kind, D, dt, None, name) for kind in ("fwd", "dq", "dkdv") for D in head_dims(dt, False)]
+            out += [("wg:" + kind, D, dt, None, name) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS]
+    return out
+
+
+def modified_variant(kind, D, dtype, modifier):
+    """the Variant a call with flash-attn's modifier `modifier` (a name of score_mod.FLASH_TREES)
+    launches for (kind, D, dtype); kind "wg:..." on the wgmma engine."""
+    wg = kind.startswith("wg:")
+    mod = G.Modifier(sm.flash_tree(*sm.FLASH_TREES[modifier]), G.modifier.TANH[dtype])
+    return with_modifier(variant(kind[3:] if wg else kind, D, D, dtype, wgmma=wg), mod)
+
+
+def build_one(kind, D, dtype, arch, shape=None, modifier=None):
     """compile one kernel's cubin for `arch` into the cubin cache (no GPU needed): the shipped
-    shape of (kind, D, dtype), or the tile `shape` given (a dict of Variant fields)."""
-    if kind == "delta":
+    shape of (kind, D, dtype), or the tile `shape` given (a dict of Variant fields); with
+    `modifier` (a name of score_mod.FLASH_TREES), that score modifier compiled in as a call
+    compiles it (tuning.with_modifier, the dtype's tanh)."""
+    if modifier is not None:
+        k = kernel(modified_variant(kind, D, dtype, modifier))[0]
+    elif kind == "delta":
         k = delta_kernel(dtype, D)
     elif kind in ("dkdv_atomic", "wg:dkdv_atomic"):
         k = kernel(atomic_variant(D, dtype, kind.startswith("wg:")))[0]
@@ -294,18 +320,17 @@ def build_one(kind, D, dtype, arch, shape=None):
 
 def build_cubins(dtypes=("float16", "bfloat16", "float32"), arch="sm_90", jobs=None, specs=None):
     """fill the cubin cache (TIGA_NUMBA_CACHE_DIR) for `arch` in parallel processes: every
-    shipped kernel of `dtypes`, or the `specs` given ((kind, D, dtype[, shape]) tuples, e.g. a
-    sweep's candidates); returns the kernel names. Works on a machine without a GPU, so a
+    shipped kernel of `dtypes`, or the `specs` given ((kind, D, dtype[, shape[, modifier]])
+    tuples, e.g. a sweep's candidates or modified_kernels()); returns the kernel names. Works on a machine without a GPU, so a
     deployment (or a CI job) can pay the minutes of NVVM time once, ahead of the first call."""
     import concurrent.futures as cf
     import multiprocessing as mp
     todo = list(specs) if specs is not None else shipped_kernels(dtypes)
     if arch not in ("sm_90", "sm_90a"):   # wgmma kernels exist for sm_90a only
-        todo = [s for s in todo if not s[0].startswith("wg:") and not (len(s) > 3 and s[3].get("wgmma"))]
+        todo = [s for s in todo if not s[0].startswith("wg:") and not (len(s) > 3 and s[3] and s[3].get("wgmma"))]
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     if jobs == 1:
-        return [build_one(*spec, arch=arch) if len(spec) == 3 else build_one(*spec[:3], arch, spec[3])
-                for spec in todo]
+        return [build_one(*spec[:3], arch, *spec[3:]) for spec in todo]
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(build_one, *spec[:3], arch, spec[3] if len(spec) > 3 else None) for spec in todo]
+        futs = [ex.submit(build_one, *spec[:3], arch, *spec[3:]) for spec in todo]
         return [f.result() for f in futs]

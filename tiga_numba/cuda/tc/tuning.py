@@ -141,6 +141,13 @@ def modified(vr):
     change = MODIFIED.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
     return dataclasses.replace(vr, **change) if change else vr
 
+
+def with_modifier(vr, mod):
+    """Variant vr with the generator Modifier `mod` compiled in, as every modified call runs it:
+    the backward's two-kernel variants without overlap (Variant.check), then MODIFIED's shape."""
+    extra = {} if vr.kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
+    return modified(dataclasses.replace(vr, mod=mod, **extra))
+
 def head_dims(dtype, wgmma):
     """the head dims (D == Dv) the tensor-core kernels of `dtype` serve, on wgmma or mma.sync."""
     if wgmma:
