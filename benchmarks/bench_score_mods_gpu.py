@@ -11,7 +11,6 @@ block mask) and, for plain causal, torch SDPA (cuDNN, flash). Ratios: FlexAttent
 (> 1: ours faster) and ours / our plain causal (the modifier's cost). torch is only the anchor.
 """
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -20,20 +19,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tiga_numba as tg  # noqa: E402
-from tiga_numba import score_mod as sm  # noqa: E402
 
 
 def prebuild(D, dtype):
     """the modified kernels this benchmark launches, into the cubin cache (no GPU needed)."""
-    from tiga_numba.cuda.tc import build, tuning
-    from tiga_numba.cuda.tc import generator as G
-    trees = [sm.softcap_tree(sm.SCORE), sm.alibi_tree(sm.SCORE, aligned=False)]
-    for tree in trees:
-        mod = G.Modifier(tree, G.modifier.TANH["float16"])
+    from tiga_numba.cuda.tc import build
+    for name in ("softcap", "alibi"):   # triangular relations: ALiBi without the alignment shift
         for kind in ("fwd", "dq", "dkdv"):
-            v = tuning.variant(kind, D, D, dtype, wgmma=True)
-            v = dataclasses.replace(v, mod=mod, **({} if kind == "fwd" else dict(overlap=False, fuse_dq=False,
-                                                                                  dq_atomic=False)))
+            v = build.modified_variant("wg:" + kind, D, dtype, name)
             t = time.time()
             build.kernel(v)[0].cubin("sm_90a")
             print(f"built {v.name()} in {time.time() - t:.0f} s", flush=True)

@@ -11,7 +11,6 @@ their ratio to plain causal, and for the soft-cap the largest error of the outpu
 evaluation of the first --check-rows query rows of two heads.
 """
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -20,7 +19,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tiga_numba as tg  # noqa: E402
-from tiga_numba import score_mod as sm  # noqa: E402
 from tiga_numba.cuda.tc import tuning  # noqa: E402
 from tiga_numba.cuda.tc.generator import modifier as M  # noqa: E402
 from bench_score_mods_gpu import timed  # noqa: E402  (CUDA events, median of reps after a warm-up)
@@ -48,13 +46,12 @@ def _build(job):
     from tiga_numba.cuda.tc import build
     c, name, kind = job
     _choose(CHOICES[c])
-    vr = tuning.variant(kind, 128, 128, "float16", wgmma=True)
-    if name != "plain":
-        if name == "alibi" and CHOICES[c][1] != "exp2":
-            return f"skip {job}"   # no tanh in ALiBi: the exp2 choice's kernel
-        tree = sm.softcap_tree(sm.SCORE) if name == "softcap" else sm.alibi_tree(sm.SCORE, aligned=False)
-        extra = {} if kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
-        vr = tuning.modified(dataclasses.replace(vr, mod=M.Modifier(tree, M.TANH["float16"]), **extra))
+    if name == "plain":
+        vr = tuning.variant(kind, 128, 128, "float16", wgmma=True)
+    elif name == "alibi" and CHOICES[c][1] != "exp2":
+        return f"skip {job}"   # no tanh in ALiBi: the exp2 choice's kernel
+    else:   # triangular relations: ALiBi without the alignment shift
+        vr = build.modified_variant("wg:" + kind, 128, "float16", name)
     t = time.time()
     build.kernel(vr)[0].cubin("sm_90a")
     return f"built {vr.name()} in {time.time() - t:.0f} s"
