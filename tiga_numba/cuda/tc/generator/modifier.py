@@ -19,8 +19,8 @@ quotient by such a factor turned into a product with its reciprocal; a factor ov
 `where`, a minimum / maximum or a leaky_relu is pushed into its terms. The cell-invariant
 subtrees (constants, scalars, the head's params and what is built from them only) are then
 computed once per kernel (per head in the dK/dV loop), so a soft-cap cell is one multiply, the
-tanh and one multiply (it was a multiply, a division, the tanh and three multiplies) and an ALiBi
-cell one multiply and one fma around the distance. What depends on one position only (a node
+tanh and one multiply (it was three multiplies, a division and the tanh; how tanh itself is
+taken: TANH) and an ALiBi cell one multiply and one fma around the distance. What depends on one position only (a node
 field, an index and what is built from them: ALiBi's dst.index + shift) is computed by the first
 cell of its fragment row or column and named for the others (`staged`; a kernel text emits its
 cells in one straight-line region per loop body, which is what makes the first cell's name
@@ -33,7 +33,8 @@ float64 oracle gives on its clamped values, and masked cells stay at weight 0.
 Per-call values (cuda/score_codegen.pack): mvp -> scalars then per-head params (k * H + h),
 mndp -> dst fields (Nq, n_dst, H), mnsp -> src fields (Nk, n_src, H), float32. Scalars and the
 head's params are loaded once per kernel (per head in the dK/dV kernel's head loop); node fields
-per cell, at row / column indices clamped into the block (tail cells are masked anyway).
+once per fragment row / column (`staged`), at positions clamped into the block (tail cells are
+masked anyway).
 
 Not here (the registry sends these to the CUDA-core kernels): gradients of the modifier's fields
 and params, per-edge fields (CSR only), tile pruning, the fused dK/dV/dQ kernel.
