@@ -218,10 +218,10 @@ def test_prebuild_names_the_kernels_a_flash_modifier_call_launches():
                                 Modifier(_softcap()[0], TANH["float16"]))
     assert v == want and v.mod.tanh == "hardware" and not v.overlap and not v.fuse_dq
     assert build.modified_variant("fwd", 64, "float32", "softcap").mod.tanh == "exp2"
-    from tiga_numba.cuda.tc import api   # explain() names the tanh that ran; none without a tanh
-    assert "tanh.approx.f32" in api._tanh_words(v)
-    assert "ex2 / rcp" in api._tanh_words(build.modified_variant("fwd", 64, "float32", "softcap"))
-    assert api._tanh_words(build.modified_variant("wg:fwd", 64, "float16", "alibi")) == ""
+    # explain() names the tanh that ran; none without a tanh
+    assert "tanh.approx.f32" in v.mod.tanh_words
+    assert "ex2 / rcp" in build.modified_variant("fwd", 64, "float32", "softcap").mod.tanh_words
+    assert build.modified_variant("wg:fwd", 64, "float16", "alibi").mod.tanh_words == ""
     with pytest.raises(ValueError, match="unknown modifier"):
         build.modified_kernels(["tanh"])
 

@@ -1,10 +1,11 @@
 """ptxas's register and spill report of the shipped tensor-core kernels (no GPU needed).
 
     python benchmarks/tuning/tc_registers.py [--kinds fwd dq dkdv] [--dims 64 128]
-        [--dtypes float16] [--engine wgmma|mma]
+        [--dtypes float16] [--engine wgmma|mma] [--modifier softcap|alibi|...]
 
 Occupancy follows from it: a 128-thread CTA holds at most 65536 / (128 x regs rounded up to 8)
-CTAs per SM (168 registers: 3; 176: 2), so a change to a kernel's text is checked here first.
+CTAs per SM (168 registers: 3; 176: 2), so a change to a kernel's text is checked here first. --modifier (a name of
+score_mod.FLASH_TREES) reports the kernels a softcap= / alibi_slopes= call launches instead.
 """
 import argparse
 import os
@@ -20,12 +21,16 @@ def main():
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--dtypes", nargs="+", default=["float16"])
     ap.add_argument("--engine", choices=["wgmma", "mma"], default="wgmma")
+    ap.add_argument("--modifier", default=None)
     a = ap.parse_args()
     wgmma = a.engine == "wgmma"
     for dt in a.dtypes:
         for D in a.dims:
             for kind in a.kinds:
-                v = tuning.variant(kind, D, D, dt, wgmma=wgmma)
+                if a.modifier:
+                    v = build.modified_variant(("wg:" if wgmma else "") + kind, D, dt, a.modifier)
+                else:
+                    v = tuning.variant(kind, D, D, dt, wgmma=wgmma)
                 r = build.kernel(v)[0].ptxas("sm_90a" if wgmma else "sm_90")
                 print(f"{v.name():52s} regs {r['regs']!s:>4s}  spill stores/loads {r['spill_stores']} / "
                       f"{r['spill_loads']} B  threads {v.NT}", flush=True)

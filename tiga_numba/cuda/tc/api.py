@@ -294,16 +294,6 @@ def _modified(variants, score_mod, H, nd, ns, copies):
 _MODIFIERS = {}
 
 
-def _tanh_words(v):
-    """explain()'s words for how Variant v's modifier takes tanh (none when its tree has none)."""
-    from ...score_mod import walk
-    if v.mod is None or not any(x.op == "tanh" for x in walk(v.mod.tree)):
-        return ""
-    if v.mod.tanh == "hardware":
-        return " (tanh: the hardware tanh.approx.f32, as flash-attn's soft-cap: ~1e-5 relative on the H200)"
-    return " (tanh: 1 - 2 / (2^(2x log2 e) + 1) on ex2 / rcp, absolute error ~2e-7)"
-
-
 def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     if edge_bias is not None:
         raise NotImplementedError("edge_bias: the tensor-core path serves BlockRelation dot scores only")
@@ -340,7 +330,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     visited, total = rec["tables"][tc_key]
     _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
                        + (", tile pruning: near key blocks first)" if vr.prune else ")")
-                       + (f"; score modifier compiled in: f = {score_mod.tree}{_tanh_words(vr)}"
+                       + (f"; score modifier compiled in: f = {score_mod.tree}{vr.mod.tanh_words}"
                           if score_mod is not None else ""),
           precision=precision(vr),
           tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
@@ -416,7 +406,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
         tiles = f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}"
     if score_mod is not None:
-        how += f"; score modifier compiled in: f = {score_mod.tree}{_tanh_words(vk)}, dS scaled by f'"
+        how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}, dS scaled by f'"
     _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
           precision=precision(vk), tiles=tiles,
           copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})

@@ -128,10 +128,12 @@ for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
     _table[("dkdv", 128)]["overlap"] = False
 
 
-#: shape changes for kernels with a score modifier compiled in, per (engine table, kind, D): the
-#: modifier's cell values need registers the unmodified D = 128 wgmma forward (246 of 255) does not
-#: have; ptxas (sm_90a) spills 48 B in its ALiBi twin at BN = 128 and none at BN = 64 (201 registers).
-#: Empty until an H200 run decides (benchmarks/gpu/mods_probe.py times both).
+#: shape changes for kernels with a score modifier compiled in, per (engine, kind, D), e.g.
+#: {("wgmma", "fwd", 128): dict(BN=64)}. Empty: the modifier's cell values need registers the
+#: unmodified D = 128 wgmma forward (246 of 255) has few of (ptxas, benchmarks/tuning/tc_registers.py
+#: --modifier: soft-cap 254, ALiBi 251, bottom-right aligned ALiBi 255 with 48 B spilled), but on the
+#: H200 a key block of 64 was slower for soft-cap and ALiBi alike (4.91 / 4.18 ms against 4.73 /
+#: 4.00 ms, benchmarks/gpu/mods_probe.py; results/gpu-h200-2026-12-03b.txt).
 MODIFIED = {}
 
 

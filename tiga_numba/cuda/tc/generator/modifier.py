@@ -119,6 +119,8 @@ class Modifier:
         text = ("\n".join(self._hoisted + self._lines) + self._value + self._deriv + repr(self._stages)
                 + repr(sorted(self._src.consts.items())))
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+        #: explain()'s words for the tanh this text takes ("" when the tree has none)
+        self.tanh_words = TANH_WORDS[tanh] if any(x.op == "tanh" for x in sm.walk(tree)) else ""
 
     def __eq__(self, other):   # the digest: the same tree lowered with another TANH differs
         return isinstance(other, Modifier) and other.tree == self.tree and other.digest == self.digest
@@ -156,7 +158,7 @@ class Modifier:
         # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
         e(f"mi = u32({i.index}); mj = u32({j.index}); mif = {i.value}; mjf = {j.value}; mz = {x}")
         names = {}
-        memo = e.__dict__.setdefault("_mod_positions", {})   # per kernel text: (role, position) -> names
+        memo = e.named
         for role, pos in (("dst", i), ("src", j)):
             lines, outs = self._stages[role]
             if not outs:
@@ -191,6 +193,9 @@ class Modifier:
 #: benchmarks/gpu/mods_probe.py) the 16-bit soft-cap forward took 4.04 ms with the hardware
 #: tanh and 4.73 ms with "exp2" (plain causal 2.94 ms).
 TANH = {"float16": "hardware", "bfloat16": "hardware", "float32": "exp2"}
+TANH_WORDS = {
+    "hardware": " (tanh: the hardware tanh.approx.f32, as flash-attn's soft-cap: ~1e-5 relative on the H200)",
+    "exp2": " (tanh: 1 - 2 / (2^(2x log2 e) + 1) on ex2 / rcp, absolute error ~2e-7)"}
 
 #: the lowering's leaves: the kernel's score scale (an argument of every modified kernel)
 MSC = sm.Expr("scalar", (), "__msc")
@@ -372,7 +377,7 @@ class Position:
     fields, `value` is the position as float32 (what dst.index / src.index read), written as the
     thread's first position in the tile plus the cell's constant offset: one conversion per tile
     and a float add and min per cell position, where a conversion per cell position kept 32
-    column integers alive across the key loop (spilled in the D = 128 ALiBi forward)."""
+    column integers alive across the key loop (more spills in the D = 128 ALiBi forwards)."""
 
     def __init__(self, first, offset, limit):
         self.index = f"{first} + imin({offset}, {limit} - 1)"
@@ -391,10 +396,6 @@ def cell_col(base, j, r):
     """the position of C-fragment cell (., j, r)'s column in the streamed block starting at
     block-local `base`."""
     return Position("col0", f"{base} + 2 * t + {8 * j + r % 2}", "cols")
-
-
-def tag(mod):
-    return "" if mod is None else f"_m{mod.digest}"
 
 
 #: the extra kernel arguments of a modified kernel

@@ -11,6 +11,9 @@ class Source:
 
     def __init__(self):
         self.lines, self.ind, self.prelude, self.made = [], 0, [], {}
+        # values a score modifier computed once for a fragment row / column position and named
+        # for the rest of the text (modifier.Modifier.cell): (role, position) -> names
+        self.named = {}
 
     def chain(self, form, N, steps, wait=True):
         """the name of a wgmma chain intrinsic (ptx.wgmma_chain(form, N, steps[, wait])), made once per text."""
