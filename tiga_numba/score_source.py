@@ -108,7 +108,9 @@ class Source:
                 text[x] = self.consts.setdefault(x.attr, f"_k{len(self.consts)}")
                 continue
             if op in ("scalar", "head", "node", "edge"):
-                text[x] = tg.leaf(x, lay.slot.get(x))   # None: a leaf the target names itself
+                # a lowering's own leaves ("__" names, generator/modifier.py) have no packed slot
+                own = x.op == "scalar" and x.attr.startswith("__")
+                text[x] = tg.leaf(x, None if own else lay.slot[x])
                 continue
             if op == "index":
                 text[x] = tg.index(x.attr)
