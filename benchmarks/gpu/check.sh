@@ -4,7 +4,7 @@
 # and racecheck on the split / decode / merge / band kernels and on the score-modifier kernels.
 # usage (repo root on the GPU machine; wheels, if any, carried in .whl; a cubin cache prebuilt
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
-#   OUT=dir [WORKERS=15] [T_PREBUILD=0] [T_TESTS=300] [FIRST="pytest selection"] \
+#   OUT=dir [WORKERS=15] [T_PREBUILD=0] [PREBUILD_ARGS="--modifiers softcap,alibi"] [T_TESTS=300] [FIRST="pytest selection"] \
 #     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] [KEEP_CUBINS=1] bash benchmarks/gpu/check.sh
 # Writes five files (the device returns at most eight): env.txt, prebuild.txt, tests.txt
 # (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt.
@@ -23,7 +23,7 @@ T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $OUT/st
   python3 -m pytest --version; } >> $OUT/env.txt 2>&1
 if [ "${T_PREBUILD:-0}" != 0 ]; then
   stamp prebuild
-  timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
+  timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 $PREBUILD_ARGS > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
 if [ -n "$FIRST" ]; then
   timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n ${FIRST_WORKERS:-4} -rfEs --tb=long $FIRST \

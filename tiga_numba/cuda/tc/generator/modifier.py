@@ -372,30 +372,35 @@ def _finite(value):
 
 
 class Position:
-    """A C-fragment cell's global row or column, clamped into the block (a tail cell reads the
-    last real position: its values stay finite, as the emulator checks): `index` addresses node
-    fields, `value` is the position as float32 (what dst.index / src.index read), written as the
+    """A C-fragment cell's global row or column. `index` addresses node fields and is clamped
+    into the block (a tail cell reads the last real row of a field, never past its end);
+    `value` is the position as float32 (what dst.index / src.index read), written as the
     thread's first position in the tile plus the cell's constant offset: one conversion per tile
-    and a float add and min per cell position, where a conversion per cell position kept 32
-    column integers alive across the key loop (more spills in the D = 128 ALiBi forwards)."""
+    and a float add per cell position (a conversion per cell position kept 32 column integers
+    alive across the key loop: more spills in the D = 128 ALiBi forwards). With `clamp` the value
+    is clamped into the block too (a float min more): the CTA's own fragment rows need it, since
+    its tail rows take part in every streamed block unmasked (a tail row then computes the last
+    real row's values, which stay finite); the streamed columns do not, since a block holding
+    tail columns is always masked (stream_key_blocks' edge blocks)."""
 
-    def __init__(self, first, offset, limit):
+    def __init__(self, first, offset, limit, clamp):
         self.index = f"{first} + imin({offset}, {limit} - 1)"
         base, _, const = offset.rpartition(" + ")
-        pos, last = f"(f32(u32({first} + {base})) + f32({float(const)!r}))", f"f32(u32({first} + {limit} - 1))"
-        self.value = f"sel({pos} < {last}, {pos}, {last})"
+        pos = f"(f32(u32({first} + {base})) + f32({float(const)!r}))"
+        last = f"f32(u32({first} + {limit} - 1))"
+        self.value = f"sel({pos} < {last}, {pos}, {last})" if clamp else pos
 
 
 def cell_row(m, r):
     """the position of C-fragment cell (m, ., r)'s row (fragment rows are the tile's rows:
     queries in the forward / dQ kernels, keys in dK/dV)."""
-    return Position("row0", f"wrow + g + {16 * m + 8 * (r // 2)}", "rows")
+    return Position("row0", f"wrow + g + {16 * m + 8 * (r // 2)}", "rows", clamp=True)
 
 
 def cell_col(base, j, r):
     """the position of C-fragment cell (., j, r)'s column in the streamed block starting at
     block-local `base`."""
-    return Position("col0", f"{base} + 2 * t + {8 * j + r % 2}", "cols")
+    return Position("col0", f"{base} + 2 * t + {8 * j + r % 2}", "cols", clamp=False)
 
 
 #: the extra kernel arguments of a modified kernel
