@@ -76,7 +76,8 @@ def test_every_tile_choice_matches_the_oracle(choice):
             grads = tg.attention_backward(dout, q, k, v, out, st, g)
         BM, BN, _ = plan.tiles  # decided before the call, and what the kernels then ran with
         width = None if g._blocks.standard else g._blocks.band_width
-        assert plan.tiles == tiles.choose(plan.options, False, full=g.kind == "dense", band_width=width)
+        assert plan.tiles == tiles.choose(plan.options, False, full=g.kind == "dense", band_width=width,
+                                          forward=True)
         assert plan.options.cpu_tiles == choice
         assert st.plan.run_info["tiles"].startswith(f"BM={BM} BN={BN} ("), st.plan.run_info["tiles"]
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=name)
@@ -114,17 +115,26 @@ def test_backward_bits_do_not_depend_on_the_thread_count_with_the_rule_tiles():
         assert np.array_equal(a, b)
 
 
-def test_narrow_bands_get_narrow_band_tiles():
-    """a band no wider than twice the rule's BN runs on BAND_TILES (most of a large tile would
-    lie outside it); a wide band, or an explicit cpu_tiles, keeps the rule's / the caller's."""
+def test_narrow_bands_get_span_tiles():
+    """a band no wider than twice the rule's BN runs its forward on one key tile per query tile
+    (BAND_SIDE rows x 2 BN + BAND_SIDE keys: most of a large square tile would lie outside the
+    band) and its backward on one query tile per key tile (the transposed shape); a wide band,
+    or an explicit cpu_tiles, keeps the rule's / the caller's."""
     BM, BN, _ = tiles.machine_tiles()
+    span = 2 * BN + tiles.BAND_SIDE
     q = RNG.standard_normal((N, 1, 8), dtype=np.float32)
+    band = tg.Graph.band(N, left=BN - 1, right=0)
     with tg.options(cpu_tiles=None):
-        narrow = tg.make_plan(q, q, q, tg.Graph.band(N, left=BN - 1, right=0))
+        narrow = tg.make_plan(q, q, q, band)
         wide = tg.make_plan(q, q, q, tg.Graph.band(N, left=2 * BN + 5, right=0))
         window = tg.make_plan(q, q, q, tg.Graph.cu_seqlens(np.array([0, 250, N]), window=(31, 0)))
-    assert narrow.tiles[:2] == tiles.BAND_TILES and "narrow-band" in narrow.tiles[2]
-    assert window.tiles[:2] == tiles.BAND_TILES
+        out, st = tg.attention(q, q, q, band, return_stats=True)
+        tg.attention_backward(q, q, q, q, out, st, band)
+        backward_text = tg.explain()
+    assert narrow.tiles[:2] == (tiles.BAND_SIDE, span) and "spanning each query tile's band" in narrow.tiles[2]
+    assert window.tiles[:2] == (tiles.BAND_SIDE, span)
     assert wide.tiles[:2] == (BM, BN)
+    assert (f"BM={span} BN={tiles.BAND_SIDE} (band of {BN} keys <= 2 x BN={BN}: one query tile spanning each "
+            "key tile's band)") in backward_text, backward_text
     with tg.options(cpu_tiles=(48, 80)):
         assert tg.make_plan(q, q, q, tg.Graph.band(N, left=BN - 1, right=0)).tiles[:2] == (48, 80)

@@ -557,10 +557,13 @@ def test_fuzz_against_float64_with_non_finite_values_outside_the_relation(case):
 
 
 @pytest.mark.parametrize("make", [lambda: tg.Graph.triangular(130),
-                                  lambda: tg.Graph.cu_seqlens(np.array([0, 130]))])
+                                  lambda: tg.Graph.cu_seqlens(np.array([0, 130])),
+                                  lambda: tg.Graph.band(130, left=40, right=0)],
+                         ids=["triangular", "cu_seqlens", "window"])
 def test_nan_beyond_causal_diagonal_does_not_leak(make):
     """A NaN value right of the causal diagonal reaches no earlier row of its query tile
-    (a masked entry contributes nothing, not 0 * value)."""
+    (a masked entry contributes nothing, not 0 * value; the CPU kernels' one-gemm path for
+    band-cut tiles is taken only when every value is finite)."""
     g = make()
     q, k, v, dout = _small(7, n=130)
     v[120, 0, 3] = np.nan

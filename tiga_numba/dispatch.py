@@ -110,7 +110,8 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         options=opts,
         tiles=_cpu_tiles.choose(opts, prune_threshold is not None,
                                 full=op == "forward" and graph.kind == "dense",
-                                band_width=graph._blocks.band_width if banded else None)
+                                band_width=graph._blocks.band_width if banded else None,
+                                forward=op == "forward")
         if decision.family.name == "cpu.blocks" else (),
         modifier=None if score_mod is None else score_mod.tree,
     )

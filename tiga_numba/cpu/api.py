@@ -235,7 +235,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_m = np.empty((n_slots, BM), acc)
         part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], qh, ktt, kh, vh, items, relation.dst_offsets,
+            _run(kern, items.shape[0], qh, ktt, kh, vh, _finite(vh), items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
                  splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
@@ -350,17 +350,22 @@ def _forward_items(rel, H, BM, BN, split=True):
 # short segments would cost segments x D x BN memory instead of O(N D). Blocks with at most BM
 # query rows are not packed either: each of their key tiles is read by one query tile only, so
 # the copy would cost as much as the reads it speeds up (decode: one query row over 131,072 keys
-# spent more time packing K than attending).
+# spent more time packing K than attending). Nor are blocks whose band spans at most one key tile
+# per query tile (hi - lo + BM <= BN: the forward's span tiles over a narrow band, tiles.py): a
+# packed tile must start at a multiple of BN, so a query tile's band would straddle two of them,
+# while a tile read in place starts where the band does (blocks.py); each K row is read by a few
+# query tiles only.
 PACK_MIN_FRACTION = 4
 
 
 def _tiles(rel, BM, BN):
-    """Packed key tiles of the blocks wider than BN / PACK_MIN_FRACTION keys and taller than BM
-    query rows: (tile_base per block, -1 for blocks read in place; start and width of every
-    tile)."""
+    """Packed key tiles of the blocks wider than BN / PACK_MIN_FRACTION keys, taller than BM
+    query rows and with a band wider than one key tile per query tile: (tile_base per block, -1
+    for blocks read in place; start and width of every tile)."""
     ns = np.diff(np.asarray(rel.src_offsets))
     nd = np.diff(np.asarray(rel.dst_offsets))
-    packed = (ns > BN // PACK_MIN_FRACTION) & (nd > BM)
+    spans = np.asarray(rel.hi, np.int64) - np.asarray(rel.lo, np.int64) + BM
+    packed = (ns > BN // PACK_MIN_FRACTION) & (nd > BM) & (spans > BN)
     counts = np.where(packed, (ns + BN - 1) // BN, 0)
     tile_base = np.zeros(ns.shape[0], np.int64)
     if ns.shape[0] > 1:
@@ -382,6 +387,12 @@ def _pack(xh, rel, name, copies, BM, BN):
         _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
         copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
     return tile_base, out
+
+
+def _finite(*arrays):
+    """whether every element of the kernels' operands is finite: then a tile the band cuts may
+    take its products as one gemm, its masked cells being exact zeros (blocks.py)."""
+    return all(bool(np.isfinite(x).all()) for x in arrays)
 
 
 def _bias(edge_bias, acc, H, copies):
@@ -475,7 +486,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         ghp_part = np.zeros((n_parts, n_hp, H), acc)
         gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, m2h, linvh, deltah, kitems,
+            _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, _finite(qh, kh, doh), m2h, linvh, deltah, kitems,
                  relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
                  tile_base, group, n_parts, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
         if n_hp:

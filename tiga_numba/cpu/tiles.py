@@ -62,26 +62,36 @@ def machine_tiles():
     return _MACHINE[0]
 
 
-#: tiles for narrow bands (a band no wider than twice the machine's tile): a band of W keys
-#: per row touches about (W + BN) / BN key tiles per query tile, so large tiles spend most of
-#: their cells outside it. Measured on a 2-core Zen 5 box (N=4096, H=4, D=64, W=256, float32):
-#: 256 x 256 fwd 19.1 ms, fwd+bwd 79.0 ms; 128 x 128 14.1 / 47.7; 64 x 128 12.6 / 43.4; 64 x 64
-#: 13.3 / 42.4 (results/mods-cpu-zen5-2core-2026-12-02.txt)
-BAND_TILES = (64, 128)
+#: the narrow side of a narrow band's tiles (a band no wider than twice the machine's tile BN):
+#: the forward takes BAND_SIDE query rows x (2 BN + BAND_SIDE) keys, one key tile spanning each
+#: query tile's band; the backward BAND_SIDE keys x (2 BN + BAND_SIDE) query rows, one query tile
+#: spanning each key tile's band. Square tiles of W keys would spend most of their cells outside
+#: the band; a span tile computes only the span (a tile ends at the band's last key / row, and
+#: starts at its first: blocks read in place, api._tiles), and one width per machine serves
+#: every narrow band. Measured on a 2-core Zen 5 box (N=4096, H=4, D=64, W=256, float32;
+#: results/mods-cpu-zen5-2core-2026-12-02.txt): square 64 x 128 tiles forward 9.0-10.9 ms,
+#: backward 27.2-29.2 ms; span tiles 8.1-9.9 ms, 23.4-23.5 ms (256 x 256: 19.1 ms forward).
+BAND_SIDE = 64
 
 
-def choose(options, prune, full=False, band_width=None):
+def choose(options, prune, full=False, band_width=None, forward=False):
     """(BM, BN, reason) for a call made with run `options`; `full`: a forward over a relation
     whose blocks are all full (Graph.dense); `band_width`: the widest band of a banded relation
-    (keys per row, None when some block is not a narrow band)."""
+    (keys per row, None when some block is not a narrow band); `forward`: tiles of a forward
+    (else of a backward)."""
     if prune:
         return PRUNE_TILES + ("fixed tiles of the pruning rule",)
     tiles = getattr(options, "cpu_tiles", None)
     if tiles is not None:
         return tuple(tiles) + ("options.cpu_tiles",)
     BM, BN, why = machine_tiles()
-    if band_width is not None and band_width <= 2 * BN and (BM, BN) != BAND_TILES:
-        return BAND_TILES + (f"band of {band_width} keys <= 2 x BN={BN}: narrow-band tiles",)
+    if band_width is not None and band_width <= 2 * BN:
+        span = 2 * BN + BAND_SIDE
+        if forward:
+            return BAND_SIDE, span, (f"band of {band_width} keys <= 2 x BN={BN}: one key tile "
+                                     "spanning each query tile's band")
+        return span, BAND_SIDE, (f"band of {band_width} keys <= 2 x BN={BN}: one query tile "
+                                 "spanning each key tile's band")
     if full:
         return 2 * BM, BN, why + "; full blocks: twice the query rows"
     return BM, BN, why

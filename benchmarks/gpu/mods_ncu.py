@@ -1,0 +1,33 @@
+"""Drive the causal forward plain, with soft-cap and with ALiBi, and the sliding-window forward,
+once each after a warm-up, for Nsight Compute to compare the kernels (fp16, N = 16384, H = 16,
+D = 128; the inputs of bench_score_mods_gpu.py):
+
+    ncu --kernel-name regex:tc_fwd --launch-skip 4 --section SpeedOfLight --section WarpStateStats \\
+        --section InstructionStats --section Occupancy python benchmarks/gpu/mods_ncu.py
+
+The launches after the warm-up are in the order printed; each profiled kernel's name carries its
+modifier digest (plain: none).
+"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import cupy  # noqa: E402
+import tiga_numba as tg  # noqa: E402
+
+N, H, D, W = 16384, 16, 128, 1024
+rng = cupy.random.default_rng(0)
+q, k, v = (rng.standard_normal((N, H, D), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+slopes = cupy.asarray([2.0 ** (-8 * (h + 1) / H) for h in range(H)], cupy.float32)
+tri = tg.Graph.triangular(N)
+calls = [("causal", tri, {}), ("softcap", tri, dict(softcap=30.0)), ("alibi", tri, dict(alibi_slopes=slopes)),
+         ("window", tg.Graph.band(N, left=W - 1, right=0), {})]
+for name, g, kw in calls:   # warm-up: compiles / loads every kernel (the first 4 launches)
+    tg.attention(q, k, v, g, **kw)
+cupy.cuda.Device().synchronize()
+for name, g, kw in calls:
+    tg.attention(q, k, v, g, **kw)
+    cupy.cuda.Device().synchronize()
+    print(name, np.asarray(tg.explain().splitlines()[:1]), flush=True)
