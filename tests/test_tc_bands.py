@@ -248,3 +248,24 @@ def test_the_ordered_fused_backward_refuses_bands():
     z = np.zeros((graph.num_dst, H), np.float32)
     with pytest.raises(ValueError, match="ordered fused dK/dV/dQ kernel takes full and square-causal"):
         E.backward(None, vk, do, q, k, v, q, z, z + 1, dst, src, causal, 1.0, lo=lo, hi=hi)
+
+
+@pytest.mark.parametrize("name", ["window", "varlen_window"])
+def test_the_narrow_band_forward_shape_emulated(name):
+    """the shape tuning.narrow() gives a forward over a narrow band (one warpgroup, 64-key blocks
+    at D = 128) computes the oracle's rows; a relation with a wider band keeps the shipped shape."""
+    from tiga_numba.cuda.tc import tuning
+    graph = GRAPHS[name]()
+    dst, src, causal, lo, hi = _bands(graph)
+    shipped = tuning.variant("fwd", 128, 128, "float16", wgmma=True)
+    vr = tuning.narrow(shipped, int((hi - lo + 1).max()))
+    assert (vr.NW, vr.BN) != (shipped.NW, shipped.BN)
+    assert tuning.narrow(shipped, tuning.NARROW_KEYS + 1) is shipped
+    rng = np.random.default_rng(11)
+    q, k, v, do = _inputs(rng, graph.num_dst, graph.num_src, 2, 1, 128, "float16")
+    scale = 128 ** -0.5
+    ro, rm = oracle(q, k, v, do, graph, scale)[:2]
+    o, m, l = E.forward(vr.check(), q, k, v, dst, src, causal, scale, lo=lo, hi=hi)
+    live = np.isfinite(rm)
+    assert np.isfinite(o).all() and rel(o, ro) < TOL["float16"]
+    np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-5)

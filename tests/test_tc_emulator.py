@@ -478,6 +478,9 @@ def test_shipped_kernel_list_covers_every_routed_variant():
             assert (vq is None) == vk.fuse_dq
         for D in tuning.head_dims(dt, True):   # sm_90a
             assert all((k, D, dt) in shipped for k in ("wg:fwd", "wg:dq", "wg:dkdv", "delta"))
+            fwd = tuning.variant("fwd", D, D, dt, wgmma=True)
+            if tuning.narrow(fwd, 1) is not fwd:   # the narrow-band forward a window call launches
+                assert ("wg:fwd@narrow", D, dt) in shipped
 
 
 class _FakeDev:

@@ -5,7 +5,8 @@ N = 16384, H = 16, D = 128, causal window of 1024 keys, Graph.band).
     python benchmarks/gpu/window_probe.py [--reps 20]
 
 Per D = 128 wgmma forward shape (warps NW: 4 = one warpgroup of 64 query rows, 8 = two; key block
-BN), four times in ms, each the median or mean over --reps:
+BN; the narrow-band rule, tuning.NARROW, is switched off so that each shape runs as given), four
+times in ms, each the median or mean over --reps:
   call    CUDA events around one tg.attention call (what bench_score_mods_gpu.py reports);
   stream  CUDA events around --reps back-to-back calls, per call (host work hidden when the host
           issues faster than the GPU runs);
@@ -32,7 +33,9 @@ SHAPES = [(8, 128), (4, 128), (4, 64), (8, 64)]
 
 
 def _use(shape):
+    """run the forward with `shape` whatever the relation (the narrow-band rule off)."""
     NW, BN = shape
+    tuning.NARROW.clear()
     tuning.TUNING_WGMMA[("fwd", 128)] = dict(NW=NW, MT=1, BN=BN, a_smem=True, wgmma=True)
 
 

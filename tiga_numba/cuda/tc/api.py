@@ -123,6 +123,16 @@ def _work(rec, which, BM):
     return t
 
 
+def _band_keys(rec):
+    """keys per row of the relation's widest band (hi - lo + 1 over its non-empty blocks; 0 when
+    every block is empty), memoised on the relation record."""
+    hit = rec["tables"].get("band_keys")
+    if hit is None:
+        width = rec["hi"] - rec["lo"] + 1
+        hit = rec["tables"]["band_keys"] = int(width.max(initial=0))
+    return hit
+
+
 def _covers(rec, which, n):
     """True when the relation's blocks tile [0, n) of `which` ("dst"/"src") without gaps, so every
     output row is written by a kernel (no zero-fill needed); memoised on the relation record."""
@@ -302,7 +312,10 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
     Hkv, Dv = int(v.shape[1]), int(v.shape[2])
-    vr = variant("fwd", D, Dv, dt)
+    rec = _host_relation(relation)
+    shipped = variant("fwd", D, Dv, dt)
+    vr = tuning.narrow(shipped, _band_keys(rec))
+    why = "" if vr is shipped else f" (bands of at most {tuning.NARROW_KEYS} keys: the narrow-band shape)"
     (vr,), mod, keep = _modified((vr,), score_mod, H, nd, int(k.shape[0]), copies)
     rho = getattr(plan, "prune_threshold", None)
     if rho is not None:   # the admission rule compiled in (a separate kernel; exact calls never see it)
@@ -310,7 +323,6 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
-    rec = _host_relation(relation)
     cover = _covers(rec, "dst", nd)
     out = _empty((nd, H, Dv), q.dtype) if cover else cupy.zeros((nd, H, Dv), dtype=q.dtype)
     m = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
@@ -333,7 +345,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
                        + (f"; score modifier compiled in: f = {score_mod.tree}{vr.mod.tanh_words}"
                           if score_mod is not None else ""),
           precision=precision(vr),
-          tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}; {visited} of {total} tiles visited "
+          tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}{why}; {visited} of {total} tiles visited "
                 f"(tiles outside each block's band skipped, masks only on band-edge / tail tiles)",
           copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
     return out, m, l, m2

@@ -14,7 +14,8 @@ from ... import score_mod as sm
 from ...kernel_cache import KERNELS
 from ..launch import CUBIN_LAUNCHERS, Kernel
 from . import generator as G
-from .tuning import WGMMA_HEAD_DIMS, atomic_shape, atomic_variant, head_dims, variant, with_modifier
+from .tuning import (WGMMA_HEAD_DIMS, atomic_shape, atomic_variant, head_dims, narrow, narrow_kinds, variant,
+                     with_modifier)
 
 _SIGS = {"fwd": (16, 2), "dq": (18, 2), "dkdv": (21, 2)}   # (int64 args, float32 args)
 
@@ -274,6 +275,8 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
         out += [("delta", D, dt) for D in dims]
         out += [("dkdv_atomic", D, dt) for D in dims if atomic_shape(D, dt, False)]   # the opt-ins
         out += [("wg:dkdv_atomic", D, dt) for D in WGMMA_HEAD_DIMS if atomic_shape(D, dt, True)]
+        # the narrow-band forwards (tuning.NARROW): "<engine prefix><kind>@narrow"
+        out += [(("wg:" if wg else "") + kind + "@narrow", D, dt) for wg, kind, D in narrow_kinds(dt)]
     return out
 
 
@@ -309,6 +312,9 @@ def build_one(kind, D, dtype, arch, shape=None, modifier=None):
         k = delta_kernel(dtype, D)
     elif kind in ("dkdv_atomic", "wg:dkdv_atomic"):
         k = kernel(atomic_variant(D, dtype, kind.startswith("wg:")))[0]
+    elif kind.endswith("@narrow"):
+        wg = kind.startswith("wg:")
+        k = kernel(narrow(variant(kind[3 if wg else 0:-7], D, D, dtype, wgmma=wg), 0))[0]
     elif kind.startswith("wg:"):   # built for sm_90a whatever `arch` says (TensorCoreKernel.cubin)
         k = kernel(variant(kind[3:], D, D, dtype, wgmma=True))[0]
     else:

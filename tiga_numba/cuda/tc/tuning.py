@@ -137,6 +137,34 @@ for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
 MODIFIED = {}
 
 
+#: shape changes for the 16-bit forward over a narrow band, per (engine, kind, D): a relation whose every
+#: block's band is at most NARROW_KEYS keys wide (a sliding window) gives each query tile a few
+#: key blocks only, so a CTA's prologue (its Q tile, the first K / V block) and epilogue weigh as
+#: much as its loop; one warpgroup with 64-key blocks (158 registers, 83 KB of shared memory: two
+#: CTAs per SM) lets one CTA's loop run while the other loads or stores. H200, fp16, N = 16384,
+#: H = 16, D = 128, the forward kernel alone (benchmarks/gpu/window_probe.py; results/
+#: gpu-h200-2026-12-03c.txt): window of 1024 keys 0.456 ms (shipped NW=8 BN=128) -> 0.397 ms
+#: (NW=4 BN=64); causal, which visits 64 blocks per tile on average, 2.69 -> 2.86 ms (not used there).
+NARROW = {("wgmma", "fwd", 128): dict(NW=4, BN=64)}
+#: the widest band (keys per row) NARROW serves: the measured window
+NARROW_KEYS = 1024
+
+
+def narrow(vr, band_keys):
+    """Variant vr as it runs over a relation whose widest band is `band_keys` keys per row:
+    NARROW's shape change for its table entry when the band is narrow enough and vr is 16-bit
+    (the float32 splits were not measured), else vr itself."""
+    if band_keys > NARROW_KEYS or vr.dtype == "float32":
+        return vr
+    change = NARROW.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
+    return dataclasses.replace(vr, **change) if change else vr
+
+
+def narrow_kinds(dtype):
+    """[(wgmma, kind, D)] of the narrow-band kernels of `dtype` (prebuild)."""
+    return [] if dtype == "float32" else [(engine == "wgmma", kind, D) for engine, kind, D in NARROW]
+
+
 def modified(vr):
     """Variant vr as it runs with a score modifier (mod set by the caller): MODIFIED's shape
     change for its table entry, if any."""
