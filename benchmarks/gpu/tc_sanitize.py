@@ -1,6 +1,9 @@
 """One small forward and backward of each tensor-core kernel family (float16 and float32, the
 wgmma and mma.sync engines, dense-rectangular, causal, cu_seqlens, a sliding window and a
-bottom-right causal rectangular varlen batch with tails, GQA), for compute-sanitizer."""
+bottom-right causal rectangular varlen batch with tails, GQA), for compute-sanitizer. Head dim
+64, or $TC_SAN_D (128: the small relations take the narrow-band forward shape there)."""
+import os
+
 import cupy
 import numpy as np
 
@@ -8,7 +11,7 @@ import tiga_numba as tg
 from tiga_numba import functional
 
 rng = np.random.default_rng(0)
-H, Hkv, D = 4, 2, 64
+H, Hkv, D = 4, 2, int(os.environ.get("TC_SAN_D", 64))
 graphs = (tg.Graph.dense(150, 70), tg.Graph.triangular(130),
           tg.Graph.cu_seqlens([0, 1, 1, 70, 150]), tg.Graph.band(300, left=50),
           tg.Graph.cu_seqlens([0, 30, 130], cu_seqlens_k=[0, 100, 170]))
