@@ -269,3 +269,22 @@ def test_the_narrow_band_forward_shape_emulated(name):
     live = np.isfinite(rm)
     assert np.isfinite(o).all() and rel(o, ro) < TOL["float16"]
     np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-5)
+
+
+def test_only_banded_relations_take_the_narrow_band_shape():
+    """the forward's shape follows the relation's widest band (tc/api._band_keys): full and causal
+    blocks keep the shipped shape whatever their size; a window up to tuning.NARROW_KEYS keys, or
+    an empty band, takes the narrow one."""
+    from tiga_numba.cuda.tc import api, tuning
+    shipped = tuning.variant("fwd", 128, 128, "float16", wgmma=True)
+
+    def shape(graph):
+        keys = api._band_keys(api._host_record(graph._blocks))
+        return keys, tuning.narrow(shipped, keys)
+    for graph in (tg.Graph.triangular(300), tg.Graph.dense(40, 50), tg.Graph.cu_seqlens([0, 30, 90])):
+        assert shape(graph) == (None, shipped)
+    keys, vr = shape(tg.Graph.band(600, left=127))
+    assert keys == 128 and (vr.NW, vr.BN) == (4, 64)
+    keys, vr = shape(tg.Graph.cu_seqlens([0, 100, 3000], window=(1500, 0)))
+    assert keys == 1501 and vr is shipped
+    assert tuning.narrow(tuning.variant("fwd", 128, 128, "float32", wgmma=True), 128).NW == 8

@@ -18,13 +18,13 @@ is overwritten there) and, unless every element of V is finite (``v_finite``: on
 ``np.isfinite`` pass per call, ~0.1 ms for 4 MB), the value product reads only band cells
 (``band_rows_mm``), so a non-finite value outside a row's relation never reaches that row
 (0 * inf would be NaN); with finite values the masked cells hold exactly 0 and one gemm serves
-the whole tile (the W = 256 sliding-window forward: ~20 % faster). The backward does the same
-with ``finite`` (Q, K and dO all finite). Blocks narrower than a quarter tile are not packed:
-their score gemm reads the K rows directly, so memory stays O(N) however many short segments
-there are; nor are blocks whose band spans at most one key tile per query tile, whose tiles
-then start at each query tile's first band key. The row max is written in base 2 (m2) exactly as the kernel found
-it (the backward subtracts it from the same recomputed scores, so it must not go through a
-rounded unit conversion; ``api.py`` derives the natural m).
+the whole tile. The backward does the same with ``finite`` (Q, K and dO all finite). Blocks
+narrower than a quarter tile are not packed: their score gemm reads the K rows directly, so
+memory stays O(N) however many short segments there are; nor are blocks whose band spans at
+most one key tile per query tile, whose tiles then start at each query tile's first band key.
+The row max is written in base 2 (m2) exactly as the kernel found it (the backward subtracts it
+from the same recomputed scores, so it must not go through a rounded unit conversion;
+``api.py`` derives the natural m).
 Optional tile pruning (``PRUNE``): after the score tile is computed it is admitted only if
 ``max(tile) >= m_run_block + log(rho)`` (in base 2: ``+ log2(rho)``), ``m_run_block`` the
 running max over every row of the query tile; a rejected tile skips its value product and

@@ -124,8 +124,11 @@ def _work(rec, which, BM):
 
 
 def _band_keys(rec):
-    """keys per row of the relation's widest band (hi - lo + 1 over its non-empty blocks; 0 when
-    every block is empty), memoised on the relation record."""
+    """keys per row of a banded relation's widest band (hi - lo + 1 over its non-empty blocks; 0
+    when every block is empty); None for full / causal blocks (tuning.narrow keeps their shape:
+    what it was measured on is a sliding window). Memoised on the relation record."""
+    if rec["standard"]:
+        return None
     hit = rec["tables"].get("band_keys")
     if hit is None:
         width = rec["hi"] - rec["lo"] + 1

@@ -137,8 +137,8 @@ for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
 MODIFIED = {}
 
 
-#: shape changes for the 16-bit forward over a narrow band, per (engine, kind, D): a relation whose every
-#: block's band is at most NARROW_KEYS keys wide (a sliding window) gives each query tile a few
+#: shape changes for the 16-bit forward over a narrow band, per (engine, kind, D): a banded relation
+#: (Graph.band, window=) whose every block's band is at most NARROW_KEYS keys wide gives each query tile a few
 #: key blocks only, so a CTA's prologue (its Q tile, the first K / V block) and epilogue weigh as
 #: much as its loop; one warpgroup with 64-key blocks (158 registers, 83 KB of shared memory: two
 #: CTAs per SM) lets one CTA's loop run while the other loads or stores. H200, fp16, N = 16384,
@@ -151,10 +151,10 @@ NARROW_KEYS = 1024
 
 
 def narrow(vr, band_keys):
-    """Variant vr as it runs over a relation whose widest band is `band_keys` keys per row:
-    NARROW's shape change for its table entry when the band is narrow enough and vr is 16-bit
-    (the float32 splits were not measured), else vr itself."""
-    if band_keys > NARROW_KEYS or vr.dtype == "float32":
+    """Variant vr as it runs over a banded relation whose widest band is `band_keys` keys per row
+    (None: not banded): NARROW's shape change for its table entry when the band is narrow enough
+    and vr is 16-bit (the float32 splits were not measured), else vr itself."""
+    if band_keys is None or band_keys > NARROW_KEYS or vr.dtype == "float32":
         return vr
     change = NARROW.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
     return dataclasses.replace(vr, **change) if change else vr
