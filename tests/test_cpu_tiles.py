@@ -136,5 +136,28 @@ def test_narrow_bands_get_span_tiles():
     assert wide.tiles[:2] == (BM, BN)
     assert (f"BM={span} BN={tiles.BAND_SIDE} (band of {BN} keys <= 2 x BN={BN}: one query tile spanning each "
             "key tile's band)") in backward_text, backward_text
+
+
+@pytest.mark.parametrize("left,right", [(None, 0), (37, 5), (0, 0)], ids=["widest", "two-sided", "diagonal"])
+def test_span_tiles_match_the_oracle(left, right):
+    """the span tiles of narrow bands (read in place from each tile's first band key / row, ends
+    clipped to the band, one gemm per product with finite operands) against float64, GQA, tails;
+    None: the widest narrow band of this machine's rule"""
+    if left is None:
+        left = 2 * tiles.machine_tiles()[1] - 1
+    g = tg.Graph.band(N - 3, left=left, right=right)
+    q = RNG.standard_normal((g.num_dst, 4, 16), dtype=np.float32)
+    k = RNG.standard_normal((g.num_src, 2, 16), dtype=np.float32)
+    v = RNG.standard_normal((g.num_src, 2, 8), dtype=np.float32)
+    dout = RNG.standard_normal((g.num_dst, 4, 8), dtype=np.float32)
+    want, _, wl, wdq, wdk, wdv = attention_oracle(q, k, v, g.to_scipy().toarray() != 0, dout=dout)
+    with tg.options(cpu_tiles=None):
+        out, st = tg.attention(q, k, v, g, return_stats=True)
+        assert "spanning each query tile's band" in st.plan.run_info["tiles"]
+        grads = tg.attention_backward(dout, q, k, v, out, st, g)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(st.l, wl, rtol=2e-5)
+    for gname, got, ref in zip("qkv", grads, (wdq, wdk, wdv)):
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4, err_msg=f"d{gname}")
     with tg.options(cpu_tiles=(48, 80)):
         assert tg.make_plan(q, q, q, tg.Graph.band(N, left=BN - 1, right=0)).tiles[:2] == (48, 80)
