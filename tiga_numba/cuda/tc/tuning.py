@@ -138,9 +138,9 @@ MODIFIED = {}
 
 
 #: shape changes for the forward over a narrow band, per (engine, kind, D): a banded relation
-#: (Graph.band, window=) whose every block's band is at most NARROW_KEYS keys wide gives each query tile a few
-#: key blocks only, so a CTA's prologue (its Q tile, the first K / V block) and epilogue weigh as
-#: much as its loop; one warpgroup with 64-key blocks (158 registers, 83 KB of shared memory: two
+#: (Graph.band, window=) whose every block's band is at most NARROW_KEYS keys wide gives each
+#: query tile a few key blocks only, so a CTA's prologue (its Q tile, the first K / V block) and
+#: epilogue weigh as much as its loop; one warpgroup with 64-key blocks (158 registers, 83 KB of shared memory: two
 #: CTAs per SM) lets one CTA's loop run while the other loads or stores. H200, fp16, N = 16384,
 #: H = 16, D = 128, the forward kernel alone (benchmarks/gpu/window_probe.py; results/
 #: gpu-h200-2026-12-03c.txt): window of 1024 keys 0.456 ms (shipped NW=8 BN=128) -> 0.397 ms
