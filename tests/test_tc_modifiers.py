@@ -225,6 +225,7 @@ def test_prebuild_names_the_kernels_a_flash_modifier_call_launches():
     with pytest.raises(ValueError, match="unknown modifier"):
         build.modified_kernels(["tanh"])
 
+
 def test_registry_routes_modifiers():
     """a per-head param that wants its gradient: the registry refuses the tensor cores by name."""
     from tiga_numba import registry

@@ -375,7 +375,6 @@ def alibi_tree(tree, aligned):
     return make("sub", tree, make("mul", Expr("head", (), "alibi_slopes"), dist))
 
 
-
 def flash_tree(softcap, alibi, aligned):
     """The tree of flash-attn's `softcap=` / `alibi_slopes=` (functional.flash_modifier): the
     soft-cap, then ALiBi (bottom-right `aligned` through dst._alibi_shift), over the score."""
@@ -387,6 +386,7 @@ def flash_tree(softcap, alibi, aligned):
 FLASH_TREES = {"softcap": (True, False, False), "alibi": (False, True, False),
                "alibi-aligned": (False, True, True), "softcap+alibi": (True, True, False),
                "softcap+alibi-aligned": (True, True, True)}
+
 
 # --------------------------------------------------------------------------- per-call values
 _LEAF_NAME = {"head": lambda x: f"param {x.attr!r}", "node": lambda x: f"{x.attr[0]}.{x.attr[1]}",

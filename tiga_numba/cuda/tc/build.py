@@ -259,24 +259,40 @@ def delta_kernel(dtype, Dv):
                        lambda: TensorCoreKernel(f"tc_delta_{dtype}_dv{Dv}", G.gen_delta(dtype, Dv), dtype, 12, 0))
 
 
+#: a spec's kind names its engine by a prefix (none: mma.sync, "wg:": wgmma on sm_90a) and a
+#: narrow-band forward (tuning.NARROW) by the suffix "@narrow"
+WGMMA_PREFIX, NARROW_SUFFIX = "wg:", "@narrow"
+
+
+def _spec_kind(kind):
+    """(wgmma, kernel kind, narrow-band shape) of a spec's kind."""
+    wg, narrow_band = kind.startswith(WGMMA_PREFIX), kind.endswith(NARROW_SUFFIX)
+    return wg, kind[len(WGMMA_PREFIX) if wg else 0:len(kind) - (len(NARROW_SUFFIX) if narrow_band else 0)], narrow_band
+
+
+def _engine_kinds(dt):
+    """(spec kind, D) of the forward, dQ and dK/dV kernels of dtype `dt` on both engines."""
+    return ([(kind, D) for kind in ("fwd", "dq", "dkdv") for D in head_dims(dt, False)]
+            + [(WGMMA_PREFIX + kind, D) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS])
+
+
 def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     """every kernel the dispatcher can launch for `dtypes`: (kind, D, dtype) triples of the
-    tuning tables plus the Delta pre-pass ("delta", Dv, dtype) and the opt-in float-atomic backward
-    ("dkdv_atomic", D, dtype; "wg:dkdv_atomic" on sm_90a)."""
+    tuning tables plus the Delta pre-pass ("delta", Dv, dtype), the opt-in float-atomic backward
+    ("dkdv_atomic", D, dtype; "wg:dkdv_atomic" on sm_90a) and the narrow-band forwards
+    ("wg:fwd@narrow")."""
     out = []
     for dt in dtypes:
         dims = head_dims(dt, False)
-        out += [(kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in dims
-                if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=False).fuse_dq)]   # fused: no dQ kernel
-        # the sm_90a (H100 / H200) kernels
-        out += [("wg:" + kind, D, dt) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS
-                if not (kind == "dq" and variant("dkdv", D, D, dt, wgmma=True).fuse_dq)]
+        for kind, D in _engine_kinds(dt):   # a fused dK/dV/dQ kernel has no dQ kernel beside it
+            wg, base, _ = _spec_kind(kind)
+            if not (base == "dq" and variant("dkdv", D, D, dt, wgmma=wg).fuse_dq):
+                out.append((kind, D, dt))
         out += [("delta", D, dt) for D in WGMMA_HEAD_DIMS if D not in dims]
         out += [("delta", D, dt) for D in dims]
         out += [("dkdv_atomic", D, dt) for D in dims if atomic_shape(D, dt, False)]   # the opt-ins
-        out += [("wg:dkdv_atomic", D, dt) for D in WGMMA_HEAD_DIMS if atomic_shape(D, dt, True)]
-        # the narrow-band forwards (tuning.NARROW): "<engine prefix><kind>@narrow"
-        out += [(("wg:" if wg else "") + kind + "@narrow", D, dt) for wg, kind, D in narrow_kinds(dt)]
+        out += [(WGMMA_PREFIX + "dkdv_atomic", D, dt) for D in WGMMA_HEAD_DIMS if atomic_shape(D, dt, True)]
+        out += [((WGMMA_PREFIX if wg else "") + kind + NARROW_SUFFIX, D, dt) for wg, kind, D in narrow_kinds(dt)]
     return out
 
 
@@ -287,39 +303,37 @@ def modified_kernels(trees, dtypes=("float16", "bfloat16", "float32")):
     for name in trees:
         if name not in sm.FLASH_TREES:
             raise ValueError(f"unknown modifier {name!r}: one of {', '.join(sm.FLASH_TREES)}")
-        for dt in dtypes:
-            out += [(kind, D, dt, None, name) for kind in ("fwd", "dq", "dkdv") for D in head_dims(dt, False)]
-            out += [("wg:" + kind, D, dt, None, name) for kind in ("fwd", "dq", "dkdv") for D in WGMMA_HEAD_DIMS]
+        out += [(kind, D, dt, None, name) for dt in dtypes for kind, D in _engine_kinds(dt)]
     return out
 
 
 def modified_variant(kind, D, dtype, modifier):
     """the Variant a call with flash-attn's modifier `modifier` (a name of score_mod.FLASH_TREES)
     launches for (kind, D, dtype); kind "wg:..." on the wgmma engine."""
-    wg = kind.startswith("wg:")
+    wg, base, _ = _spec_kind(kind)
     mod = G.Modifier(sm.flash_tree(*sm.FLASH_TREES[modifier]), G.modifier.TANH[dtype])
-    return with_modifier(variant(kind[3:] if wg else kind, D, D, dtype, wgmma=wg), mod)
+    return with_modifier(variant(base, D, D, dtype, wgmma=wg), mod)
 
 
 def build_one(kind, D, dtype, arch, shape=None, modifier=None):
     """compile one kernel's cubin for `arch` into the cubin cache (no GPU needed): the shipped
     shape of (kind, D, dtype), or the tile `shape` given (a dict of Variant fields); with
     `modifier` (a name of score_mod.FLASH_TREES), that score modifier compiled in as a call
-    compiles it (tuning.with_modifier, the dtype's tanh)."""
+    compiles it (tuning.with_modifier, the dtype's tanh). wgmma kernels are built for sm_90a
+    whatever `arch` says (TensorCoreKernel.cubin)."""
+    wg, base, narrow_band = _spec_kind(kind)
     if modifier is not None:
-        k = kernel(modified_variant(kind, D, dtype, modifier))[0]
-    elif kind == "delta":
-        k = delta_kernel(dtype, D)
-    elif kind in ("dkdv_atomic", "wg:dkdv_atomic"):
-        k = kernel(atomic_variant(D, dtype, kind.startswith("wg:")))[0]
-    elif kind.endswith("@narrow"):
-        wg = kind.startswith("wg:")
-        k = kernel(narrow(variant(kind[3 if wg else 0:-7], D, D, dtype, wgmma=wg), 0))[0]
-    elif kind.startswith("wg:"):   # built for sm_90a whatever `arch` says (TensorCoreKernel.cubin)
-        k = kernel(variant(kind[3:], D, D, dtype, wgmma=True))[0]
-    else:
-        v = G.Variant(kind, D, D, dtype=dtype, **shape).check() if shape else variant(kind, D, D, dtype, wgmma=False)
-        k = kernel(v)[0]
+        v = modified_variant(kind, D, dtype, modifier)
+    elif base == "delta":
+        v = None
+    elif base == "dkdv_atomic":
+        v = atomic_variant(D, dtype, wg)
+    elif shape:
+        v = G.Variant(base, D, D, dtype=dtype, **shape).check()
+    else:   # narrow_band: the shape tuning.narrow gives any band it serves (0 keys wide: every one)
+        v = variant(base, D, D, dtype, wgmma=wg)
+        v = narrow(v, 0) if narrow_band else v
+    k = delta_kernel(dtype, D) if v is None else kernel(v)[0]
     k.cubin(arch)
     return k.name
 
@@ -333,7 +347,7 @@ def build_cubins(dtypes=("float16", "bfloat16", "float32"), arch="sm_90", jobs=N
     import multiprocessing as mp
     todo = list(specs) if specs is not None else shipped_kernels(dtypes)
     if arch not in ("sm_90", "sm_90a"):   # wgmma kernels exist for sm_90a only
-        todo = [s for s in todo if not s[0].startswith("wg:") and not (len(s) > 3 and s[3] and s[3].get("wgmma"))]
+        todo = [s for s in todo if not _spec_kind(s[0])[0] and not (len(s) > 3 and s[3] and s[3].get("wgmma"))]
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     if jobs == 1:
         return [build_one(*spec[:3], arch, *spec[3:]) for spec in todo]

@@ -140,8 +140,9 @@ MODIFIED = {}
 #: shape changes for the forward over a narrow band, per (engine, kind, D): a banded relation
 #: (Graph.band, window=) whose every block's band is at most NARROW_KEYS keys wide gives each
 #: query tile a few key blocks only, so a CTA's prologue (its Q tile, the first K / V block) and
-#: epilogue weigh as much as its loop; one warpgroup with 64-key blocks (158 registers, 83 KB of shared memory: two
-#: CTAs per SM) lets one CTA's loop run while the other loads or stores. H200, fp16, N = 16384,
+#: epilogue weigh as much as its loop; one warpgroup with 64-key blocks (158 registers, 83 KB of
+#: shared memory, benchmarks/tuning/tc_registers.py --narrow: two CTAs per SM) lets one CTA's loop
+#: run while the other loads or stores. H200, fp16, N = 16384,
 #: H = 16, D = 128, the forward kernel alone (benchmarks/gpu/window_probe.py; results/
 #: gpu-h200-2026-12-03c.txt): window of 1024 keys 0.456 ms (shipped NW=8 BN=128) -> 0.397 ms
 #: (NW=4 BN=64); causal, which visits 64 blocks per tile on average, 2.69 -> 2.86 ms (not used there).
@@ -160,8 +161,7 @@ def narrow(vr, band_keys):
     and vr's dtype is in NARROW_DTYPES, else vr itself."""
     if band_keys is None or band_keys > NARROW_KEYS or vr.dtype not in NARROW_DTYPES:
         return vr
-    change = NARROW.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
-    return dataclasses.replace(vr, **change) if change else vr
+    return _changed(vr, NARROW)
 
 
 def narrow_kinds(dtype):
@@ -169,11 +169,16 @@ def narrow_kinds(dtype):
     return [(engine == "wgmma", kind, D) for engine, kind, D in NARROW] if dtype in NARROW_DTYPES else []
 
 
+def _changed(vr, table):
+    """Variant vr with `table`'s shape change for its (engine, kind, D), if the table has one."""
+    change = table.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
+    return dataclasses.replace(vr, **change) if change else vr
+
+
 def modified(vr):
     """Variant vr as it runs with a score modifier (mod set by the caller): MODIFIED's shape
     change for its table entry, if any."""
-    change = MODIFIED.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
-    return dataclasses.replace(vr, **change) if change else vr
+    return _changed(vr, MODIFIED)
 
 
 def with_modifier(vr, mod):
@@ -181,6 +186,7 @@ def with_modifier(vr, mod):
     the backward's two-kernel variants without overlap (Variant.check), then MODIFIED's shape."""
     extra = {} if vr.kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
     return modified(dataclasses.replace(vr, mod=mod, **extra))
+
 
 def head_dims(dtype, wgmma):
     """the head dims (D == Dv) the tensor-core kernels of `dtype` serve, on wgmma or mma.sync."""

@@ -20,8 +20,9 @@ quotient by such a factor turned into a product with its reciprocal; a factor ov
 subtrees (constants, scalars, the head's params and what is built from them only) are then
 computed once per kernel (per head in the dK/dV loop), so a soft-cap cell is one multiply, the
 tanh and one multiply (it was three multiplies, a division and the tanh; how tanh itself is
-taken: TANH) and an ALiBi cell one multiply and one fma around the distance. What depends on one position only (a node
-field, an index and what is built from them: ALiBi's dst.index + shift) is computed by the first
+taken: TANH) and an ALiBi cell one multiply and one fma around the distance. What depends on
+one position only (a node field, an index and what is built from them: ALiBi's
+dst.index + shift) is computed by the first
 cell of its fragment row or column and named for the others (`staged`; a kernel text emits its
 cells in one straight-line region per loop body, which is what makes the first cell's name
 visible to the rest): a node field is then loaded once per row, not once per cell.
