@@ -235,7 +235,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_m = np.empty((n_slots, BM), acc)
         part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], qh, ktt, kh, vh, _finite(vh), items, relation.dst_offsets,
+            _run(kern, items.shape[0], qh, ktt, kh, vh, _finite(relation, vh), items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
                  splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
@@ -389,10 +389,14 @@ def _pack(xh, rel, name, copies, BM, BN):
     return tile_base, out
 
 
-def _finite(*arrays):
+def _finite(relation, *arrays):
     """whether every element of the kernels' operands is finite: then a tile the band cuts may
-    take its products as one gemm, its masked cells being exact zeros (blocks.py)."""
-    return all(bool(np.isfinite(x).all()) for x in arrays)
+    take its products as one gemm, its masked cells being exact zeros (blocks.py). Asked only of
+    relations with a causal or banded block (a full block's tiles are never cut: the answer would
+    go unread)."""
+    cut = KERNELS.derived(relation, ("cpu.cut_tiles",),
+                          lambda: not relation.standard or bool(np.any(np.asarray(relation.causal))))
+    return cut and all(bool(np.isfinite(x).all()) for x in arrays)
 
 
 def _bias(edge_bias, acc, H, copies):
@@ -486,7 +490,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         ghp_part = np.zeros((n_parts, n_hp, H), acc)
         gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, _finite(qh, kh, doh), m2h, linvh, deltah, kitems,
+            _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems,
                  relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
                  tile_base, group, n_parts, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
         if n_hp:
