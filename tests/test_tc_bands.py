@@ -287,6 +287,7 @@ def test_only_banded_relations_take_the_narrow_band_shape():
     assert keys == 128 and (vr.NW, vr.BN) == (4, 64)
     keys, vr = shape(tg.Graph.cu_seqlens([0, 100, 3000], window=(1500, 0)))
     assert keys == 1501 and vr is shipped
-    for dt in ("bfloat16", "float32"):   # not in NARROW_DTYPES: the shipped shape
-        other = tuning.variant("fwd", 128, 128, dt, wgmma=True)
-        assert tuning.narrow(other, 128) is other
+    other = tuning.variant("fwd", 128, 128, "bfloat16", wgmma=True)
+    assert (tuning.narrow(other, 128).NW, tuning.narrow(other, 128).BN) == (4, 64)
+    other = tuning.variant("fwd", 128, 128, "float32", wgmma=True)   # not in NARROW_DTYPES
+    assert tuning.narrow(other, 128) is other

@@ -1,7 +1,8 @@
 """One small forward and backward of each tensor-core kernel family (float16 and float32, the
 wgmma and mma.sync engines, dense-rectangular, causal, cu_seqlens, a sliding window and a
 bottom-right causal rectangular varlen batch with tails, GQA), for compute-sanitizer. Head dim
-64, or $TC_SAN_D (128: the small relations take the narrow-band forward shape there)."""
+64, or $TC_SAN_D (128: the small relations take the narrow-band forward shape there); dtypes
+float16 and float32, or the comma-separated names in $TC_SAN_DTYPES (bfloat16 via ml_dtypes)."""
 import os
 
 import cupy
@@ -15,8 +16,18 @@ H, Hkv, D = 4, 2, int(os.environ.get("TC_SAN_D", 64))
 graphs = (tg.Graph.dense(150, 70), tg.Graph.triangular(130),
           tg.Graph.cu_seqlens([0, 1, 1, 70, 150]), tg.Graph.band(300, left=50),
           tg.Graph.cu_seqlens([0, 30, 130], cu_seqlens_k=[0, 100, 170]))
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+DTYPES = [_dtype(name) for name in os.environ.get("TC_SAN_DTYPES", "float16,float32").split(",")]
 for wgmma in (True, False):
-    for dtype in (np.float16, np.float32):
+    for dtype in DTYPES:
         for g in graphs:
             q, k, v, do = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
                            ((g.num_dst, H, D), (g.num_src, Hkv, D), (g.num_src, Hkv, D), (g.num_dst, H, D)))
