@@ -132,36 +132,58 @@ def test_cuda_tensor_core_refusals_are_stated():
     assert fp32.family.name == "cuda.blocks"
 
 
-def test_decisions_are_kept_only_when_no_family_probed_the_device(monkeypatch):
-    """A CUDA decision made without the tensor-core device probe (here the decode family, tried
-    before the tensor cores) is kept and looked up by the next call of the same kind; one that
-    asked the probe depends on the arrays and is made again every call."""
+def test_decisions_are_kept_and_keyed_on_what_the_device_probe_reads(monkeypatch):
+    """A CUDA decision is made once and looked up by the next call of the same kind: one made
+    without the tensor-core device probe (here the decode family, tried before the tensor cores)
+    and one that asked the probe alike; the latter is keyed on what the probe reads beyond the
+    relation, dtypes and head dims (the device, the scale's sign, sizes, head grouping), so a
+    call on another device or with a scale the kernels refuse asks the probe again."""
     from tiga_numba import dispatch
     from tiga_numba.arrays import AttentionShape
+    from tiga_numba.cuda.tc import device
     monkeypatch.setattr(dispatch, "_DECISIONS", {})
     asked, chosen = [], []
 
     def fake_probe(backend, graph, arrays, scale, score, probed):
+        if arrays is None:   # as the real one: nothing to probe
+            return None
+
         def probe():
             probed.append(True)
             asked.append(graph.kind)
-            return lambda req: None   # the tensor cores accept
+            # the tensor cores accept a positive scale (as admission.supports does)
+            return lambda req: None if scale > 0 else "scale"
         return probe
     monkeypatch.setattr(dispatch, "_device_probe", fake_probe)
+    dev = [0]
+    monkeypatch.setattr(device, "current_device", lambda: dev[0])
     real_choose = registry.choose
     monkeypatch.setattr(registry, "choose", lambda req: chosen.append(req.relation_kind) or real_choose(req))
 
-    def plan(graph):
+    def plan(graph, scale=0.125):
         shape = AttentionShape("cupy", np.dtype(np.float16), graph.num_dst, graph.num_src, 4, 2,
                                64, 64, False)
-        return dispatch.make_plan("forward", graph, shape, 0.125, arrays=(None, None, None))
+        return dispatch.make_plan("forward", graph, shape, scale, arrays=(None, None, None))
 
+    facts = []
+    real_facts = dispatch._probe_facts
+    monkeypatch.setattr(dispatch, "_probe_facts", lambda *a: facts.append(1) or real_facts(*a))
     decode = tg.Graph.dense(4096, 2)        # two query rows: the split-key family, no probe
     for _ in range(3):
         assert plan(decode).family == "cuda.decode"
-    assert chosen == ["dense"] and asked == []
+    assert chosen == ["dense"] and asked == [] and facts == []
     chosen.clear()
-    full = tg.Graph.dense(4096, 512)        # the tensor cores, which ask the probe every time
+    full = tg.Graph.dense(4096, 512)
+    # a plan without arrays (explain() before a call) cannot probe: the CUDA cores, kept apart
+    shape = AttentionShape("cupy", np.dtype(np.float16), 512, 4096, 4, 2, 64, 64, False)
+    assert dispatch.make_plan("forward", full, shape, 0.125).family == "cuda.blocks"
+    chosen.clear()
+    # the tensor cores: the probe once, then the lookup
     for _ in range(3):
         assert plan(full).family == "cuda.tc"
-    assert chosen == ["dense"] * 3 and asked == ["dense"] * 3
+    assert chosen == ["dense"] and asked == ["dense"]
+    assert plan(full, scale=0.5).family == "cuda.tc" and asked == ["dense"]   # same facts
+    assert plan(full, scale=-0.5).family == "cuda.blocks" and asked == ["dense"] * 2
+    dev[0] = 1                              # another device: asked again
+    assert plan(full).family == "cuda.tc" and asked == ["dense"] * 3
+    assert plan(full).family == "cuda.tc" and asked == ["dense"] * 3

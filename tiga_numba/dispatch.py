@@ -8,6 +8,7 @@ tiga_numba never touches numba.cuda) runs the family it is handed through its `f
 from __future__ import annotations
 
 import importlib
+import math
 
 from . import run_options as _options
 from . import registry as _registry
@@ -67,16 +68,22 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
     banded = bool(implicit and not graph._blocks.standard)
     probed = []
     probe = _device_probe(backend, graph, arrays, scale, score, probed)
-    # A decision that no family made with the device probe (the probe reads these arrays'
-    # strides and device) depends on these facts only: made once, then looked up, so a call's
-    # planning stays a few microseconds. The families are tried in a fixed order and none of
-    # them reads the request's heads or scale, so a later request with the same facts reaches
-    # the same family before any probing one.
+    # A decision depends on the facts in `key` only, so it is made once and then looked up: a
+    # call's planning stays a few microseconds. The families are tried in a fixed order and none
+    # of them reads the request's heads or scale; the tensor-core device probe reads, beyond the
+    # key's dtype, head dims, relation and options, only the facts `_probe_facts` lists (the
+    # device, whether the scale is positive and finite, the sizes, the head grouping), looked
+    # up only for keys whose decision asked the probe. A plan made without arrays (explain()
+    # before a call) has no probe and is kept apart from the calls' decisions.
     rows = int(graph._blocks.max_block_dst) if implicit else 0
     modifier_grads = bool(op == "backward" and score_mod is not None and score_mod.grad_leaves)
     key = (op, backend, graph.kind, implicit, banded, score, modifier_grads, shape.dtype, shape.head_dim,
-           shape.value_dim, prune_threshold is not None, min(rows, 9), opts)
+           shape.value_dim, prune_threshold is not None, min(rows, 9), opts, probe is not None)
     decision = _DECISIONS.get(key)
+    facts_key = None
+    if decision is _PROBED:   # decided with the probe: its facts are part of the key
+        facts_key = (key, _probe_facts(shape, scale))
+        decision = _DECISIONS.get(facts_key)
     if decision is None:
         request = Request(
             op=op, backend=backend, relation_kind=graph.kind, implicit=implicit, banded=banded,
@@ -86,7 +93,10 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
             kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
             max_block_rows=rows, options=opts, probe=probe)
         decision = _registry.choose(request)
-        if not probed:
+        if probed:
+            _DECISIONS[key] = _PROBED
+            _DECISIONS[facts_key or (key, _probe_facts(shape, scale))] = decision
+        else:
             _DECISIONS[key] = decision
     return Plan(
         op=op,
@@ -118,6 +128,7 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
 
 
 _DECISIONS = {}
+_PROBED = object()   # marks a key whose decision asked the device probe (see make_plan)
 _DTYPE_NAMES = {}
 
 
@@ -130,8 +141,9 @@ def _dtype_name(dtype):
 
 def _device_probe(backend, graph, arrays, scale, score, probed):
     """For the CUDA backend: a lazy check of the tensor-core kernels on this device and these
-    arrays (strides, head dims, shared memory), asked only by the family that needs it; each
-    asking appends to `probed` (such a decision is not cached)."""
+    arrays (dtypes, head dims, scale, sizes, shared memory), asked only by the family that needs
+    it; each asking appends to `probed`. Its answer is a function of the decision key plus
+    `_probe_facts`, so the decision is cached under both."""
     if backend != "cuda" or arrays is None:
         return None
 
@@ -139,3 +151,18 @@ def _device_probe(backend, graph, arrays, scale, score, probed):
         probed.append(True)
         return backend_module("cuda").tensor_core_probe(graph, arrays, scale, score)
     return probe
+
+
+def _probe_facts(shape, scale):
+    """What the tensor-core probe reads beyond the decision key (cuda/tc/admission.supports): the
+    current device (compute capability, shared memory), whether the scale is positive and
+    finite, whether the sizes fit the kernels' 32-bit row indices, and whether the query heads
+    group evenly over the key/value heads."""
+    from .cuda.tc import device
+    try:
+        dev = device.current_device()
+    except Exception:  # noqa: BLE001 - no device: the probe answers for that too
+        dev = None
+    return (dev, bool(scale > 0 and math.isfinite(scale)),
+            max(shape.num_dst, shape.num_src) < 2 ** 31 - 1024,
+            shape.kv_heads > 0 and shape.heads % shape.kv_heads == 0)

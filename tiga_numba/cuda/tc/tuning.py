@@ -170,9 +170,19 @@ def narrow_kinds(dtype):
 
 
 def _changed(vr, table):
-    """Variant vr with `table`'s shape change for its (engine, kind, D), if the table has one."""
+    """Variant vr with `table`'s shape change for its (engine, kind, D), if the table has one
+    (memoised per table: dataclasses.replace costs microseconds on every call)."""
     change = table.get(("wgmma" if vr.wgmma else "mma", vr.kind, vr.D))
-    return dataclasses.replace(vr, **change) if change else vr
+    if not change:
+        return vr
+    key = (id(table), vr)
+    hit = _CHANGED.get(key)
+    if hit is None or hit[0] != change:   # a table edited at run time (the probes) is re-read
+        hit = _CHANGED[key] = (dict(change), dataclasses.replace(vr, **change))
+    return hit[1]
+
+
+_CHANGED = {}
 
 
 def modified(vr):
