@@ -1,0 +1,108 @@
+"""Where the CPU block kernels' time goes on this machine: the rate of the BLAS the kernels call
+(scipy's OpenBLAS through numba, one thread, as each prange worker calls it) on the two tile
+products for several tile shapes, beside torch.mm (MKL) on the same shapes when torch is
+installed; then paired rounds of whole calls with each tile shape (options(cpu_tiles=...)),
+every shape timed back to back in each round so that the machine's drift cancels.
+
+    python benchmarks/tuning/cpu_tile_gemm.py [--n 4096] [--tiles 256x256,512x512,512x256] [--rounds 3]
+"""
+import argparse
+import time
+
+import numpy as np
+from numba import njit
+
+import tiga_numba as tg
+from tiga_numba.cpu import blas
+from tiga_numba.cpu.gemm import mm
+
+D, H = 64, 4
+
+
+@njit
+def _products(q, kt, vv, S, A, reps, which):
+    for _ in range(reps):
+        if which == 0:
+            mm(q, kt, S, 0.0, False, False)   # S = Q K^T (K packed transposed, as the kernels hold it)
+        else:
+            mm(S, vv, A, 1.0, False, False)   # acc += P V
+
+
+def gemm_rates(shapes):
+    try:
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        torch = None
+    print("# one thread, float32, D = 64: GF/s of S = Q K^T and acc += P V per tile shape")
+    with blas.single_threaded_blas():
+        for BM, BN in shapes:
+            rng = np.random.default_rng(0)
+            q, kt, vv = (rng.random(s, dtype=np.float32) for s in ((BM, D), (D, BN), (BN, D)))
+            S, A = rng.random((BM, BN), dtype=np.float32), np.zeros((BM, D), np.float32)
+            n = max(20, int(1e9 / (4 * BM * BN * D)))
+            rates = []
+            for which in (0, 1):
+                _products(q, kt, vv, S, A, 1, which)
+                t = time.perf_counter()
+                _products(q, kt, vv, S, A, n, which)
+                rates.append(2 * BM * BN * D / ((time.perf_counter() - t) / n) / 1e9)
+            line = f"{BM:5} x {BN:<5} BLAS (numba mm): {rates[0]:5.0f} {rates[1]:5.0f}"
+            if torch is not None:
+                tq, tk, tv, tS, tA = (torch.from_numpy(x) for x in (q, kt, vv, S, A))
+                tr = []
+                for f in (lambda: torch.mm(tq, tk, out=tS), lambda: torch.mm(tS, tv, out=tA)):
+                    f()
+                    t = time.perf_counter()
+                    for _ in range(n):
+                        f()
+                    tr.append(2 * BM * BN * D / ((time.perf_counter() - t) / n) / 1e9)
+                line += f"   torch.mm: {tr[0]:5.0f} {tr[1]:5.0f}"
+            print(line, flush=True)
+
+
+def paired_rounds(N, shapes, rounds):
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((N, H, D)).astype(np.float32) for _ in range(4))
+
+    def run(causal, tiles):
+        g = tg.Graph.triangular(N) if causal else tg.Graph.dense(N, N)
+        with tg.options(cpu_tiles=tiles):
+            t = time.perf_counter()
+            o, st = tg.attention(q, k, v, g, return_stats=True)
+            tf = time.perf_counter() - t
+            t = time.perf_counter()
+            tg.attention_backward(do, q, k, v, o, st, g)
+            return tf, time.perf_counter() - t
+    for s in shapes:
+        for c in (False, True):
+            run(c, s)   # compile, warm
+    res = {}
+    for _ in range(rounds):
+        for c in (False, True):
+            for s in shapes:
+                res.setdefault((c, s), []).append(run(c, s))
+    print(f"# paired rounds ({rounds}), best per cell, N = {N}, H = {H}, D = {D}, float32")
+    for c in (False, True):
+        for s in shapes:
+            tf = min(x[0] for x in res[c, s]) * 1e3
+            tb = min(x[1] for x in res[c, s]) * 1e3
+            print(f"{'causal' if c else 'dense '} tiles {s[0]}x{s[1]:<5} fwd {tf:7.1f} ms  bwd {tb:7.1f} ms  "
+                  f"f+b {tf + tb:7.1f} ms", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--tiles", default="256x256,512x512,512x256")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-calls", action="store_true", help="BLAS rates only")
+    a = p.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.tiles.split(",")]
+    gemm_rates([(128, 128)] + shapes)
+    if not a.no_calls:
+        paired_rounds(a.n, shapes, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
