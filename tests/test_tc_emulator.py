@@ -495,7 +495,7 @@ class _FakeDev:
 def test_supports_rules_without_gpu(monkeypatch):
     import types
 
-    monkeypatch.setattr(admission, "_device_can_run", lambda D, Dv, dt: True)   # no device here
+    monkeypatch.setattr(admission, "_device_can_run", lambda D, Dv, dt, op="forward": True)   # no device here
     from tiga_numba.graph import BlockRelation
     rel_ = BlockRelation(np.array([0, 10]), np.array([0, 10]), np.array([1], np.uint8), 10, 10)
     plan = types.SimpleNamespace(scale=0.125, prune_threshold=None, score="dot", run_info={})
@@ -524,8 +524,19 @@ def test_supports_rules_without_gpu(monkeypatch):
         qd, kvd = _FakeDev((10, 4, d)), _FakeDev((10, 2, d))
         assert api.supports(plan, qd, kvd, kvd, rel_)
         assert api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
+    # D = 256 on wgmma: the 16-bit forward only (tuning.WGMMA_FORWARD_DIMS)
+    q256, kv256 = _FakeDev((10, 4, 256)), _FakeDev((10, 2, 256))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        x = [_FakeDev(a.shape, dt) for a in (q256, kv256, kv256)]
+        assert api.supports(plan, *x, rel_)
+        assert api.supports(types.SimpleNamespace(**{**vars(plan), "op": "forward"}), *x, rel_)
+        assert not api.supports(types.SimpleNamespace(**{**vars(plan), "op": "backward"}), *x, rel_)
+        assert not api.supports(types.SimpleNamespace(**{**vars(plan), "score": "modified: f = s"}), *x, rel_)
+    assert not api.supports(plan, *(_FakeDev(a.shape, "float32") for a in (q256, kv256, kv256)), rel_)
     monkeypatch.setattr(device, "use_wgmma", lambda dt: False)   # elsewhere: 64 / 128 only
     assert not api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
+    assert not api.supports(plan, q256, kv256, kv256, rel_)
     assert not api.supports(plan, _FakeDev((10, 4, 80)), _FakeDev((10, 2, 80)), _FakeDev((10, 2, 80)), rel_)
 
 
@@ -681,6 +692,29 @@ def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname
                        dst, src, causal.astype(np.uint8), scale)
     for got, want in zip(grads, (rdq, rdk, rdv)):
         assert np.isfinite(got).all() and rel(got, want) < 3 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("relname", list(RELATIONS))
+def test_wgmma_forward_head_dim_256_emulated(dtype, relname):
+    """D = 256 (a forward-only head dim, tuning.WGMMA_FORWARD_DIMS): the shipped shape (two
+    warpgroups, 64-key blocks, four 128-byte sub-tiles per row, one m64n256 P V chain) against the
+    float64 oracle on every relation with GQA, and its pruned twin (rho tiny: every tile admitted,
+    the exact result)."""
+    import dataclasses
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng(256 + len(relname) + len(dtype))
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], 4, 2, 256, dtype)
+    scale = 256 ** -0.5
+    ro, rm, rl, *_ = oracle(q, k, v, do, dst, src, causal, scale)
+    vf = tuning.variant("fwd", 256, 256, dtype, wgmma=True).check()
+    assert (vf.NW, vf.BN) == (8, 64) and 256 in tuning.WGMMA_FORWARD_DIMS
+    live = np.isfinite(rm)
+    for x, rho in ((vf, None), (dataclasses.replace(vf, prune=True), 1e-30)):
+        o, m, l = E.forward(x, q, k, v, dst, src, causal.astype(np.uint8), scale, rho=rho)
+        assert np.isfinite(o).all() and rel(o, ro) < TOL[dtype], (x.prune, rel(o, ro))
+        np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-5)
+        assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
 
 
 #: fused wgmma backward shapes: (D, H, Hkv, dtype, NW, BN); one / two warpgroups, one / two dQ row
@@ -864,7 +898,8 @@ def test_wgmma_variant_rules():
                                                       ("dq", 128, 4, 64, False, "float16"),
                                                       ("dkdv", 128, 4, 32, False, "float16"),
                                                       ("fwd", 96, 8, 128, True, "float16"),
-                                                      ("dq", 64, 4, 64, False, "float32")])   # split
+                                                      ("dq", 64, 4, 64, False, "float32"),    # split
+                                                      ("fwd", 256, 8, 64, False, "bfloat16")])
 def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune, dtype):
     """numba's PTX of a warpgroup kernel links for sm_90a (nvJitLink, no GPU): every product is one
     wgmma chain (fence ... commit, wait), shared memory is fenced for the async proxy, no local

@@ -81,10 +81,10 @@ def _allocator(plan):
 
 class _Asked:
     """The plan facts the tensor-core admission reads (the plan itself is made afterwards)."""
-    __slots__ = ("score", "scale")
+    __slots__ = ("score", "scale", "op")
 
-    def __init__(self, score, scale):
-        self.score, self.scale = score, scale
+    def __init__(self, score, scale, op):
+        self.score, self.scale, self.op = score, scale, op
 
 
 def tensor_core_probe(graph, arrays, scale, score):
@@ -98,7 +98,7 @@ def tensor_core_probe(graph, arrays, scale, score):
         if req.op == "backward" and not hasattr(_tc, "backward"):
             return "no tensor-core backward"
         q, k, v = arrays
-        if not supports(_Asked(score, scale), q, k, v, graph.realize("cuda")):
+        if not supports(_Asked(score, scale, req.op), q, k, v, graph.realize("cuda")):
             return ("dtype, head dim, strides or device outside the tensor-core tables "
                     "(tiga_numba.cuda.tc.api.supports)")
         return None

@@ -29,6 +29,7 @@ def supports(plan, q, k, v, relation):
         score = getattr(plan, "score", "dot")
         if score != "dot" and not (score.startswith("modified") and "no dot product" not in score):
             return False
+        op = getattr(plan, "op", "forward")
         dn = _dtype_name(q)
         if dn not in TC_DTYPES or _dtype_name(k) != dn or _dtype_name(v) != dn:
             return False
@@ -41,8 +42,10 @@ def supports(plan, q, k, v, relation):
         D, Dv = int(q.shape[2]), int(v.shape[2])
         if Dv != D or int(k.shape[2]) != D:
             return False
-        if D not in head_dims(dn, device.use_wgmma(dn)):
+        if D not in head_dims(dn, device.use_wgmma(dn), op):
             return False
+        if D not in head_dims(dn, device.use_wgmma(dn)) and score != "dot":
+            return False   # a forward-only head dim: modifiers are not compiled in (CUDA cores)
         if dn == "float32" and not _options.current().fp32_tensor_cores:
             return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
         H, Hkv = int(q.shape[1]), int(k.shape[1])
@@ -53,7 +56,7 @@ def supports(plan, q, k, v, relation):
             return False   # the running max is taken on raw scores, then scaled
         if max(int(q.shape[0]), int(k.shape[0])) >= 2 ** 31 - 1024:
             return False
-        return _device_can_run(D, Dv, dn)
+        return _device_can_run(D, Dv, dn, op)
     except Exception:  # noqa: BLE001 - anything unexpected means "not this path"
         return False
 
@@ -61,12 +64,15 @@ def supports(plan, q, k, v, relation):
 _DEVICE_OK = {}
 
 
-def _device_can_run(D, Dv, dtype):
+def _device_can_run(D, Dv, dtype, op="forward"):
     """mma.sync m16n8k16 (f16/bf16) / m16n8k8 (tf32), cp.async and ldmatrix need sm_80+; every kernel's shared
-    memory must fit the device's opt-in per-block limit (99 KB on sm_86/89, 227 KB on sm_90)."""
+    memory must fit the device's opt-in per-block limit (99 KB on sm_86/89, 227 KB on sm_90). The
+    kernels asked: the forward's, and (a head dim both passes serve) the backward's, whatever the
+    op, so that a forward never runs where its backward could not."""
     try:
         import cupy
-        key = (cupy.cuda.runtime.getDevice(), D, Dv, dtype)
+        kinds = ("fwd", "dq", "dkdv") if D in head_dims(dtype, device.use_wgmma(dtype)) else ("fwd",)
+        key = (cupy.cuda.runtime.getDevice(), D, Dv, dtype, kinds)
         if key not in _DEVICE_OK:
             dev = cupy.cuda.Device(key[0])
             cc = int(dev.compute_capability)
@@ -76,7 +82,7 @@ def _device_can_run(D, Dv, dtype):
                 limit = int(cupy.cuda.runtime.deviceGetAttribute(97, dev.id))  # ...SharedMemoryPerBlockOptin
             except Exception:  # noqa: BLE001
                 pass
-            need = max(variant(kind, D, Dv, dtype).smem_bytes() for kind in ("fwd", "dq", "dkdv"))
+            need = max(variant(kind, D, Dv, dtype).smem_bytes() for kind in kinds)
             _DEVICE_OK[key] = cc >= 80 and need <= limit
         return _DEVICE_OK[key]
     except Exception:  # noqa: BLE001 - anything unexpected means "not this path"
