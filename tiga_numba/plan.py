@@ -131,6 +131,8 @@ class Plan:
             lines.append(f"tiles: {info['tiles']}")
         elif self.tiles:
             lines.append(f"tiles: BM={self.tiles[0]} BN={self.tiles[1]} ({self.tiles[2]})")
+        if info.get("products"):
+            lines.append(f"tile products: {info['products']}")
         copies = info.get("copies") or []
         lines.append("copies: " + ("; ".join(copies) if copies else "none (inputs read in place)"))
         if info.get("materialized"):

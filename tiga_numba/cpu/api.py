@@ -23,6 +23,7 @@ import numba
 
 from ..kernel_cache import KERNELS, source as kernel_source
 from . import blocks as _blocks
+from . import microgemm as _microgemm
 from . import csr as _csr
 from . import decode as _decode
 from . import score_codegen as _codegen
@@ -96,6 +97,15 @@ def _run(kernel, items, *args):
         return kernel(*args)
     finally:
         set_(have)
+
+
+def _products(acc):
+    """(own, why): whether the float32 block kernels multiply their tiles with cpu/microgemm.py's
+    kernel (the machine's choice, microgemm.choice()) or the BLAS; float64 always the BLAS."""
+    if acc != np.float32:
+        return False, "BLAS (float64)"
+    which, why = _microgemm.choice()
+    return which == "own", why
 
 
 def _kernel(key, build):
@@ -224,8 +234,9 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune, _thread_api()[0]()),
             lambda: _forward_items(relation, H, BM, BN, split=not prune))   # order: per thread count
-        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, _mod_key(gen)),
-                            lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen))
+        own, products = _products(acc)
+        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, _mod_key(gen), own),
+                            lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
         out = np.zeros((Nq, H, v.shape[2]), acc)
         m = np.full((Nq, H), -np.inf, acc)
         l = np.zeros((Nq, H), acc)
@@ -242,7 +253,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
                       "merged in fixed order" if n_slots else "")
         info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
                     tiles=f"BM={BM} BN={BN} ({tiles_why}){split_note}", cache=hit,
-                    ir=_ir_of(kern))
+                    ir=_ir_of(kern), products=products)
         if prune:
             info.update(pruned_tiles=int(pruned.sum()), total_tiles=int(total.sum()))
     else:
@@ -480,8 +491,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         deltah = np.ascontiguousarray(delta.T)
         kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
-        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, _mod_key(gen)),
-                            lambda: _blocks.make_backward(acc.name, BM, BN, gen))
+        own, products = _products(acc)
+        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, _mod_key(gen), own),
+                            lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
         dq_part = np.zeros((n_parts, H, Nq, D), acc)
         dkh = np.zeros((Hkv, Nk, D), acc)
         dvh = np.zeros((Hkv, Nk, Dv), acc)
@@ -504,7 +516,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         copies.append(f"dq partials: {n_parts} x (H, Nq, D) {_name(acc)} (one per partition, "
                       "summed in order)")
         info.update(kernel="cpu.blocks.backward (fused, key-tile parallel, BLAS tiles)",
-                    tiles=f"BM={BM} BN={BN} ({tiles_why})", cache=hit, ir=_ir_of(kern))
+                    tiles=f"BM={BM} BN={BN} ({tiles_why})", cache=hit, ir=_ir_of(kern),
+                    products=products)
     else:
         qn = node_major(q, acc, "q", copies, scale=c)
         kn = node_major(k, acc, "k", copies)

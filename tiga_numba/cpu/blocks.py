@@ -45,6 +45,7 @@ from numba.extending import overload
 
 from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
+from .microgemm import product
 from .score_codegen import jit_kernel, no_grad, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
@@ -143,12 +144,14 @@ def band_cols_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
                 ac[d] += a * xr[d]
 
 
-def make_forward(acc, BM, BN, prune, mod=None):
+def make_forward(acc, BM, BN, prune, mod=None, own=False):
     """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off, and an
     optional score modifier ``mod`` (score_codegen.Generated): q then arrives scaled by
     ``scale`` only and each score s of a tile becomes ``mod.value(s, i, j, ...) * log2(e)``
-    right after the score gemm, before masking (without it the hook is compiled out)."""
+    right after the score gemm, before masking (without it the hook is compiled out). ``own``:
+    float32 tile products through cpu/microgemm.py's kernel where they fit it, else the BLAS."""
     dt = np.float32 if acc == "float32" else np.float64
+    OWN = bool(own) and acc == "float32"
     MOD = mod is not None
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
     log2e = dt(LOG2E)
@@ -199,9 +202,9 @@ def make_forward(acc, BM, BN, prune, mod=None):
                 if D == 0:
                     S[:, :] = 0.0
                 elif tb >= 0:
-                    mm(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False)
+                    product(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False, OWN)
                 else:  # narrow block, not packed: K rows as the transposed operand
-                    mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
+                    product(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True, OWN)
                 if MOD:  # natural-unit scores -> modified scores in base 2
                     for r in range(rows):
                         Sr = sbuf[r]
@@ -260,7 +263,7 @@ def make_forward(acc, BM, BN, prune, mod=None):
                     if banded and not v_finite:
                         band_rows_mm(sbuf, vt, acc_, rows, cols, lo_rel, hi_rel, ca, cb)
                     else:
-                        mm(S, vt, acc_, 1.0, False, False)
+                        product(S, vt, acc_, 1.0, False, False, OWN)
             tiles_total[w] = n_total
             tiles_pruned[w] = n_pruned
             if slot >= 0:  # one key range of a split item: its partial state, merged below
@@ -310,13 +313,14 @@ def make_forward(acc, BM, BN, prune, mod=None):
     return jit_kernel(forward, mod, **hooks)
 
 
-def make_backward(acc, BM, BN, mod=None):
+def make_backward(acc, BM, BN, mod=None, own=False):
     """Fused backward; with a score modifier ``mod`` (q scaled by ``scale`` only) the score
     cells are rebuilt as ``mod.value(s) * log2(e)`` and dS = dF * df/ds (``mod.grad``), which
     also accumulates the modifier's gradients into ``mgrad`` = (per-partition per-head params
     (P, n, H), per-partition dst fields (P, n, Nq, H), src fields (n, Nk, H), owned by the key
     tile's item)."""
     dt = np.float32 if acc == "float32" else np.float64
+    OWN = bool(own) and acc == "float32"   # tile products as in make_forward
     ln2 = LN2
     MOD = mod is not None
     # no leaf wants a gradient: f' may run over whole rows too (cells outside the band are
@@ -379,15 +383,15 @@ def make_backward(acc, BM, BN, mod=None):
                         if D == 0:
                             P[:, :] = 0.0
                         elif tb >= 0:
-                            mm(qt, ktt[hk, tb + c0 // BN, :, :cols], P, 0.0, False, False)
+                            product(qt, ktt[hk, tb + c0 // BN, :, :cols], P, 0.0, False, False, OWN)
                         else:
-                            mm(qt, kt, P, 0.0, False, True)
+                            product(qt, kt, P, 0.0, False, True, OWN)
                         if Dv == 0:
                             dP[:, :] = 0.0
                         elif tb >= 0:
-                            mm(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False)
+                            product(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False, OWN)
                         else:
-                            mm(dot, vt, dP, 0.0, False, True)
+                            product(dot, vt, dP, 0.0, False, True, OWN)
                         lo_rel = q0 + lo - c0
                         hi_rel = q0 + hi - c0
                         ca, cb = common_span(rows, lo_rel, hi_rel, cols)
@@ -444,10 +448,10 @@ def make_backward(acc, BM, BN, mod=None):
                                 band_rows_mm(sbuf, kt, dqt, rows, cols, lo_rel, hi_rel, ca, cb)
                         else:
                             if Dv > 0:
-                                mm(P, dot, dva, 1.0, True, False)
+                                product(P, dot, dva, 1.0, True, False, OWN)
                             if D > 0:
-                                mm(dP, qt, dka, 1.0, True, False)
-                                mm(dP, kt, dqt, 1.0, False, False)
+                                product(dP, qt, dka, 1.0, True, False, OWN)
+                                product(dP, kt, dqt, 1.0, False, False, OWN)
                 for c in range(cols):
                     for d in range(D):
                         dk[hk, s0 + c0 + c, d] = dka[c, d] * kmul

@@ -1,0 +1,146 @@
+"""The CPU block kernels' tile products: cpu/microgemm.py's register-blocked kernel against the
+BLAS and the float64 oracle (row tails, transposed A, accumulate or overwrite, strided views,
+shapes it does not take), attention through either choice, thread-count independent bits, and the
+per-machine choice's on-disk calibration (a corrupt or foreign file is ignored with a warning)."""
+import json
+import warnings
+
+import numpy as np
+import pytest
+from numba import njit
+
+import tiga_numba as tg
+from tiga_numba import reference
+from tiga_numba.cpu import microgemm as mg
+from tiga_numba.cpu.gemm import mm
+
+own_kernel = pytest.mark.skipif(mg.LANES == 0, reason="no AVX2 / AVX-512: the own kernel is never chosen")
+
+
+@njit
+def _own(a, b, c, beta, trans_a):
+    mg.product(a, b, c, beta, trans_a, False, True)
+
+
+@njit
+def _blas(a, b, c, beta, trans_a):
+    mm(a, b, c, beta, trans_a, False)
+
+
+@own_kernel
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1, 64, 64), (5, 3, 128), (7, 64, 256), (64, 200, 128), (250, 64, 64),
+                                   (13, 17, 48)])   # 48 columns: not the kernel's, the BLAS runs
+def test_own_product_matches_blas_and_float64(M, K, N, trans_a):
+    rng = np.random.default_rng(M * 7 + K + N)
+    a_full = rng.standard_normal((K + 3, M + 5) if trans_a else (M + 3, K + 5)).astype(np.float32)
+    a = a_full[1:K + 1, 2:M + 2] if trans_a else a_full[1:M + 1, 2:K + 2]   # strided views
+    b = rng.standard_normal((K, N + 64)).astype(np.float32)[:, :N]
+    c0 = rng.standard_normal((M, N + 16)).astype(np.float32)
+    want = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64)
+    for beta in (0.0, 1.0):
+        got, ref = c0.copy()[:, :N], c0.copy()[:, :N]
+        _own(a, b, got, beta, trans_a)
+        _blas(a, b, ref, beta, trans_a)
+        exact = want + beta * c0[:, :N]
+        scale = np.abs(exact).max()
+        assert np.abs(got - exact).max() <= 2e-6 * scale * max(K, 1) ** 0.5
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+GRAPHS = {
+    "dense": lambda: tg.Graph.dense(300, 260),
+    "causal": lambda: tg.Graph.triangular(333),
+    "segments": lambda: tg.Graph.cu_seqlens([0, 1, 1, 70, 200, 333]),
+    "band": lambda: tg.Graph.band(333, left=90),
+}
+
+
+@own_kernel
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_attention_is_the_same_with_either_tile_product(name, monkeypatch):
+    """D = 64 (the own kernel takes the 64- and 128-wide products), GQA, tails: forward and every
+    gradient with the own kernel, with the BLAS and against the float64 oracle; explain() names
+    the product that ran."""
+    g = GRAPHS[name]()
+    rng = np.random.default_rng(len(name))
+    H, Hkv, D = 4, 2, 64
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in
+                   ((g.num_dst, H, D), (g.num_src, Hkv, D), (g.num_src, Hkv, D), (g.num_dst, H, D)))
+    res = {}
+    for which in ("own", "blas"):
+        monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", which)
+        with tg.options(cpu_tiles=(64, 128)):
+            out, st = tg.attention(q, k, v, g, return_stats=True)
+            assert f"tile products: {'own' if which == 'own' else 'BLAS'}" in tg.explain()
+            res[which] = (out,) + tuple(tg.attention_backward(do, q, k, v, out, st, g))
+    want = (reference.attention(q, k, v, g),) + tuple(reference.attention_backward(do, q, k, v, g)[:3])
+    for got_own, got_blas, ref in zip(res["own"], res["blas"], want):
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(got_own, ref, rtol=0, atol=3e-5 * scale)
+        np.testing.assert_allclose(got_own, got_blas, rtol=0, atol=3e-5 * scale)
+
+
+@own_kernel
+def test_backward_bits_do_not_depend_on_the_thread_count_with_the_own_product(monkeypatch):
+    import numba
+    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "own")
+    g = tg.Graph.triangular(400)
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((400, 2, 64)).astype(np.float32) for _ in range(4))
+    got = []
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        try:
+            out, st = tg.attention(q, k, v, g, return_stats=True)
+            got.append((out,) + tuple(tg.attention_backward(do, q, k, v, out, st, g)))
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    for x, y in zip(*got):
+        assert np.array_equal(x, y)
+
+
+def test_the_choice_reads_a_valid_calibration_and_ignores_a_bad_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "auto")
+    monkeypatch.setattr(mg, "LANES", 16)
+    monkeypatch.setattr(mg, "_CHOICE", {})
+    timed = []
+    monkeypatch.setattr(mg, "calibrate", lambda: timed.append(1) or (150.0, 100.0))
+    path = tmp_path / "cpu_products.json"
+    assert mg.choice()[0] == "own" and timed == [1]          # nothing on disk: timed, written
+    rec = json.loads(path.read_text())
+    assert rec["machine"] == mg._machine() and rec["choice"] == "own"
+    monkeypatch.setattr(mg, "_CHOICE", {})
+    path.write_text(json.dumps(dict(rec, choice="blas", own_gflops=1.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # a valid file: read, no warning
+        assert mg.choice()[0] == "blas" and timed == [1]
+    for bad in ("{not json", json.dumps(dict(rec, machine=dict(rec["machine"], cpu="another"))),
+                json.dumps(dict(rec, choice="fastest"))):
+        monkeypatch.setattr(mg, "_CHOICE", {})
+        path.write_text(bad)
+        with pytest.warns(RuntimeWarning, match="ignoring"):
+            assert mg.choice()[0] == "own"                   # timed again, the bad file replaced
+        assert json.loads(path.read_text())["choice"] == "own"
+    assert timed == [1, 1, 1, 1]
+    monkeypatch.setattr(mg, "_CHOICE", {})
+    monkeypatch.setattr(mg, "calibrate", lambda: (100.0, 100.0))   # not 5 % faster: the BLAS
+    path.unlink()
+    assert mg.choice()[0] == "blas"
+
+
+def test_the_choice_can_be_forced_and_refuses_unknown_names(monkeypatch):
+    monkeypatch.setattr(mg, "_CHOICE", {})
+    monkeypatch.setattr(mg, "calibrate", lambda: pytest.fail("a forced choice times nothing"))
+    monkeypatch.setattr(mg, "LANES", 16)
+    for name in ("own", "blas"):
+        monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", name)
+        assert mg.choice()[0] == name
+    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "fastest")
+    with pytest.raises(ValueError, match="TIGA_NUMBA_CPU_GEMM"):
+        mg.choice()
+    monkeypatch.setattr(mg, "LANES", 0)   # no vector unit for it: always the BLAS
+    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "own")
+    monkeypatch.setattr(mg, "_CHOICE", {})
+    assert mg.choice()[0] == "blas"
