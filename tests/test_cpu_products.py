@@ -144,3 +144,52 @@ def test_the_choice_can_be_forced_and_refuses_unknown_names(monkeypatch):
     monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "own")
     monkeypatch.setattr(mg, "_CHOICE", {})
     assert mg.choice()[0] == "blas"
+
+
+_AVX2_CHECK = r"""
+import llvmlite.binding as llb
+real = llb.get_host_cpu_features
+
+
+def without_avx512():   # numba compiles for these features too: AVX2 code
+    features = real()
+    for name in list(features):
+        if name.startswith("avx512"):
+            features[name] = False
+    return features
+
+
+llb.get_host_cpu_features = without_avx512
+import numpy as np
+from numba import njit
+from tiga_numba.cpu import microgemm as mg
+assert (mg.LANES, mg.NR) == (8, 16), (mg.LANES, mg.NR)
+
+@njit
+def own(a, b, c, beta, ta):
+    mg.product(a, b, c, beta, ta, False, True)
+
+rng = np.random.default_rng(0)
+for M, K, N in ((7, 64, 16), (64, 33, 128), (13, 5, 48), (1, 1, 32)):
+    for ta in (False, True):
+        a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
+        b = rng.standard_normal((K, N)).astype(np.float32)
+        c = rng.standard_normal((M, N)).astype(np.float32)
+        want = c.astype(np.float64) + (a.T if ta else a).astype(np.float64) @ b
+        own(a, b, c, 1.0, ta)
+        assert np.abs(c - want).max() <= 1e-5 * np.abs(want).max(), (M, K, N, ta)
+print("avx2 ok")
+"""
+
+
+@pytest.mark.skipif(mg.LANES != 16, reason="checks the AVX2 kernel on an AVX-512 machine")
+def test_the_avx2_kernel_on_this_machine(tmp_path):
+    """The 6 x 16 AVX2 kernel (what a machine without AVX-512 runs) compiled here by hiding AVX-512
+    from the feature query, in a process with its own numba cache (the kernels' cache does not key
+    on the vector width the module chose)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), TIGA_NUMBA_CACHE_DIR=str(tmp_path / "tiga"))
+    run = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "avx2 ok" in run.stdout, run.stderr[-3000:]
