@@ -235,7 +235,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
             relation, ("cpu.forward_items", BM, BN, H, prune, _thread_api()[0]()),
             lambda: _forward_items(relation, H, BM, BN, split=not prune))   # order: per thread count
         own, products = _products(acc)
-        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, _mod_key(gen), own),
+        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
         out = np.zeros((Nq, H, v.shape[2]), acc)
         m = np.full((Nq, H), -np.inf, acc)
@@ -492,7 +492,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
         own, products = _products(acc)
-        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, _mod_key(gen), own),
+        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
         dq_part = np.zeros((n_parts, H, Nq, D), acc)
         dkh = np.zeros((Hkv, Nk, D), acc)
