@@ -533,6 +533,7 @@ def test_supports_rules_without_gpu(monkeypatch):
         assert api.supports(types.SimpleNamespace(**{**vars(plan), "op": "forward"}), *x, rel_)
         assert not api.supports(types.SimpleNamespace(**{**vars(plan), "op": "backward"}), *x, rel_)
         assert not api.supports(types.SimpleNamespace(**{**vars(plan), "score": "modified: f = s"}), *x, rel_)
+        assert not api.supports(types.SimpleNamespace(**{**vars(plan), "prune_threshold": 0.5}), *x, rel_)
     assert not api.supports(plan, *(_FakeDev(a.shape, "float32") for a in (q256, kv256, kv256)), rel_)
     monkeypatch.setattr(device, "use_wgmma", lambda dt: False)   # elsewhere: 64 / 128 only
     assert not api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)

@@ -81,10 +81,11 @@ def _allocator(plan):
 
 class _Asked:
     """The plan facts the tensor-core admission reads (the plan itself is made afterwards)."""
-    __slots__ = ("score", "scale", "op")
+    __slots__ = ("score", "scale", "op", "prune_threshold")
 
-    def __init__(self, score, scale, op):
+    def __init__(self, score, scale, op, pruned):
         self.score, self.scale, self.op = score, scale, op
+        self.prune_threshold = 1.0 if pruned else None   # only whether it is set is read
 
 
 def tensor_core_probe(graph, arrays, scale, score):
@@ -98,7 +99,7 @@ def tensor_core_probe(graph, arrays, scale, score):
         if req.op == "backward" and not hasattr(_tc, "backward"):
             return "no tensor-core backward"
         q, k, v = arrays
-        if not supports(_Asked(score, scale, req.op), q, k, v, graph.realize("cuda")):
+        if not supports(_Asked(score, scale, req.op, req.pruned), q, k, v, graph.realize("cuda")):
             return ("dtype, head dim, strides or device outside the tensor-core tables "
                     "(tiga_numba.cuda.tc.api.supports)")
         return None

@@ -44,8 +44,9 @@ def supports(plan, q, k, v, relation):
             return False
         if D not in head_dims(dn, device.use_wgmma(dn), op):
             return False
-        if D not in head_dims(dn, device.use_wgmma(dn)) and score != "dot":
-            return False   # a forward-only head dim: modifiers are not compiled in (CUDA cores)
+        if D not in head_dims(dn, device.use_wgmma(dn)) and (
+                score != "dot" or getattr(plan, "prune_threshold", None) is not None):
+            return False   # a forward-only head dim: plain scores, no pruning (run on the GPU so far)
         if dn == "float32" and not _options.current().fp32_tensor_cores:
             return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
         H, Hkv = int(q.shape[1]), int(k.shape[1])
