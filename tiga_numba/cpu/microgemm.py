@@ -115,7 +115,7 @@ def fits(a, b, c, trans_a):
             and a.strides[1] == 4 and c.shape[0] > 0)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)   # a call, not inlined: its four row-block kernels would be copied into every call site
 def mm_own(a, b, c, beta, trans_a):
     """c = op(a) @ b + beta c (beta 0 or 1), float32 row-major views, op(a) = a.T when trans_a;
     C's column count a multiple of NR (fits())."""
