@@ -1181,3 +1181,44 @@ def test_backward_accurate_at_large_scores_emulated(engine, kind, dtype, max_sco
                             m_kernel=stats["m_kernel"])
     assert_large_score_accuracy(q, k, v, do, mask, scale, out.astype(np_dt), m, dq, dk, dv,
                                 eps=EPS_3XTF32 if engine == "mma" and dtype == "float32" else None)
+
+
+_PROBE_CHECK = r"""
+import sys, types
+import numpy as np
+sys.modules.setdefault("cupy", types.ModuleType("cupy"))   # the CUDA backend module imports cupy first
+from tiga_numba.cuda import api as capi
+from tiga_numba.cuda.tc import admission, device
+import tiga_numba as tg
+from tiga_numba.registry import Request
+admission._device_can_run = lambda *a: True
+device.use_wgmma = lambda dt: True
+
+
+class Dev:
+    def __init__(self, shape):
+        self.shape, self.ndim, self.dtype = shape, len(shape), np.dtype(np.float16)
+        self.__cuda_array_interface__ = dict(data=(1 << 20, False), shape=shape, strides=None,
+                                             typestr=self.dtype.str, version=3)
+
+
+class Graph:   # realize() without a device: the host relation
+    realize = staticmethod(lambda dev: tg.Graph.triangular(10)._blocks)
+
+
+for D, pruned, op, want in ((256, False, "forward", True), (256, True, "forward", False),
+                            (256, False, "backward", False), (128, True, "forward", True),
+                            (128, False, "backward", True)):
+    check = capi.tensor_core_probe(Graph(), (Dev((10, 4, D)), Dev((10, 2, D)), Dev((10, 2, D))), 0.1, "dot")
+    assert (check(Request(op=op, backend="cuda", pruned=pruned)) is None) == want, (D, pruned, op)
+print("probe ok")
+"""
+
+
+def test_the_device_probe_passes_the_operation_and_pruning_to_admission():
+    """cuda.api.tensor_core_probe hands supports() the request's operation and pruning (D = 256: the
+    forward only, unpruned), in a process where cupy is a stand-in (no GPU here)."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", _PROBE_CHECK], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "probe ok" in run.stdout, run.stderr[-3000:]
