@@ -69,8 +69,7 @@ def test_attention_is_the_same_with_either_tile_product(name, monkeypatch):
                    ((g.num_dst, H, D), (g.num_src, Hkv, D), (g.num_src, Hkv, D), (g.num_dst, H, D)))
     res = {}
     for which in ("own", "blas"):
-        monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", which)
-        with tg.options(cpu_tiles=(64, 128)):
+        with tg.options(cpu_tiles=(64, 128), cpu_products=which):
             out, st = tg.attention(q, k, v, g, return_stats=True)
             assert f"tile products: {'own' if which == 'own' else 'BLAS'}" in tg.explain()
             res[which] = (out,) + tuple(tg.attention_backward(do, q, k, v, out, st, g))
@@ -84,7 +83,6 @@ def test_attention_is_the_same_with_either_tile_product(name, monkeypatch):
 @own_kernel
 def test_backward_bits_do_not_depend_on_the_thread_count_with_the_own_product(monkeypatch):
     import numba
-    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "own")
     g = tg.Graph.triangular(400)
     rng = np.random.default_rng(3)
     q, k, v, do = (rng.standard_normal((400, 2, 64)).astype(np.float32) for _ in range(4))
@@ -92,8 +90,10 @@ def test_backward_bits_do_not_depend_on_the_thread_count_with_the_own_product(mo
     for threads in (1, numba.config.NUMBA_NUM_THREADS):
         numba.set_num_threads(threads)
         try:
-            out, st = tg.attention(q, k, v, g, return_stats=True)
-            got.append((out,) + tuple(tg.attention_backward(do, q, k, v, out, st, g)))
+            with tg.options(cpu_products="own"):
+                out, st = tg.attention(q, k, v, g, return_stats=True)
+                got.append((out,) + tuple(tg.attention_backward(do, q, k, v, out, st, g)))
+                assert "tile products: own" in tg.explain()
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     for x, y in zip(*got):
@@ -102,7 +102,6 @@ def test_backward_bits_do_not_depend_on_the_thread_count_with_the_own_product(mo
 
 def test_the_choice_reads_a_valid_calibration_and_ignores_a_bad_one(tmp_path, monkeypatch):
     monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "auto")
     monkeypatch.setattr(mg, "LANES", 16)
     monkeypatch.setattr(mg, "_CHOICE", {})
     timed = []
@@ -131,19 +130,22 @@ def test_the_choice_reads_a_valid_calibration_and_ignores_a_bad_one(tmp_path, mo
 
 
 def test_the_choice_can_be_forced_and_refuses_unknown_names(monkeypatch):
+    from tiga_numba import run_options
     monkeypatch.setattr(mg, "_CHOICE", {})
     monkeypatch.setattr(mg, "calibrate", lambda: pytest.fail("a forced choice times nothing"))
     monkeypatch.setattr(mg, "LANES", 16)
     for name in ("own", "blas"):
-        monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", name)
-        assert mg.choice()[0] == name
-    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "fastest")
-    with pytest.raises(ValueError, match="TIGA_NUMBA_CPU_GEMM"):
-        mg.choice()
+        assert mg.choice(name)[0] == name
+        with tg.options(cpu_products=name):
+            assert tg.options is not None and run_options.current().cpu_products == name
+    with pytest.raises(ValueError, match="cpu_products"):
+        with tg.options(cpu_products="fastest"):
+            pass
+    with pytest.raises(ValueError, match="TIGA_NUMBA_CPU_GEMM"):   # the environment default, checked alike
+        run_options._check_products("fastest", "TIGA_NUMBA_CPU_GEMM")
     monkeypatch.setattr(mg, "LANES", 0)   # no vector unit for it: always the BLAS
-    monkeypatch.setenv("TIGA_NUMBA_CPU_GEMM", "own")
     monkeypatch.setattr(mg, "_CHOICE", {})
-    assert mg.choice()[0] == "blas"
+    assert mg.choice("own")[0] == "blas"
 
 
 _AVX2_CHECK = r"""

@@ -11,12 +11,14 @@
 | ``wgmma`` | True | CUDA, compute capability 9.0: the warpgroup (wgmma) tensor-core kernels; ``False`` uses the mma.sync ones |
 | ``fp32_tensor_cores`` | True | CUDA: float32 inputs run on the tensor cores at fp32-class precision (bf16 x 3 splits on wgmma, 3xTF32 on mma.sync); ``False`` keeps float32 on the SIMT fp32 kernels |
 | ``cpu_tiles`` | None | CPU block kernels: ``(BM, BN)`` query rows x keys per tile; ``None`` takes the machine's rule (``tiga_numba/cpu/tiles.py``: from the L2 cache size). Results agree within rounding whatever the tiles; tile pruning keeps its own fixed tiles |
+| ``cpu_products`` | "auto" | CPU float32 block kernels: how their tiles are multiplied: ``"own"`` (``tiga_numba/cpu/microgemm.py``'s register-blocked kernel), ``"blas"``, or ``"auto"``: the faster of the two on this machine, timed once and cached on disk. Results agree within rounding either way |
 | ``poison_outputs`` | False | debugging, CUDA-core kernels: the outputs (and the backward's per-row Delta) are filled with NaN before the kernels run, so an element that no kernel writes shows up as NaN (one fill per array) |
 
 Environment variables only set the defaults, and they are read here, once per process:
 ``TIGA_NUMBA_DETERMINISTIC``, ``TIGA_NUMBA_TENSOR_CORES``, ``TIGA_NUMBA_WGMMA``,
 ``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` turns the option off), ``TIGA_NUMBA_CPU_TILES``
-(``256x256``), ``TIGA_NUMBA_POISON_OUTPUTS`` (``1`` turns it on). The plan records the options it
+(``256x256``), ``TIGA_NUMBA_CPU_GEMM`` (``own``, ``blas`` or ``auto``: ``cpu_products``),
+``TIGA_NUMBA_POISON_OUTPUTS`` (``1`` turns it on). The plan records the options it
 was made with, and ``explain()`` prints them.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Options:
     wgmma: bool = True
     fp32_tensor_cores: bool = True
     cpu_tiles: "tuple | None" = None
+    cpu_products: str = "auto"
     poison_outputs: bool = False
 
     def describe(self):
@@ -70,12 +73,23 @@ def _check_tiles(value):
     return value
 
 
+_PRODUCTS = ("auto", "own", "blas")
+
+
+def _check_products(value, name="option cpu_products"):
+    if value not in _PRODUCTS:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(repr(x) for x in _PRODUCTS)}")
+    return value
+
+
 _DEFAULTS = Options(
     deterministic=_env_flag("TIGA_NUMBA_DETERMINISTIC"),
     tensor_cores=_env_flag("TIGA_NUMBA_TENSOR_CORES"),
     wgmma=_env_flag("TIGA_NUMBA_WGMMA"),
     fp32_tensor_cores=_env_flag("TIGA_NUMBA_FP32_TENSOR_CORES"),
     cpu_tiles=_env_tiles("TIGA_NUMBA_CPU_TILES"),
+    cpu_products=_check_products(os.environ.get("TIGA_NUMBA_CPU_GEMM", "").strip().lower() or "auto",
+                                 "TIGA_NUMBA_CPU_GEMM"),
     poison_outputs=_env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False),
 )
 _CURRENT = contextvars.ContextVar("tiga_numba_options", default=_DEFAULTS)
@@ -88,6 +102,8 @@ def _checked(changes):
             raise TypeError(f"unknown option {name!r}; options are {sorted(_NAMES)}")
         if name == "cpu_tiles":
             changes[name] = _check_tiles(tuple(value) if isinstance(value, list) else value)
+        elif name == "cpu_products":
+            changes[name] = _check_products(value)
         elif not isinstance(value, bool):
             raise TypeError(f"option {name} must be True or False, got {value!r}")
     return changes

@@ -99,12 +99,14 @@ def _run(kernel, items, *args):
         set_(have)
 
 
-def _products(acc):
+def _products(acc, plan):
     """(own, why): whether the float32 block kernels multiply their tiles with cpu/microgemm.py's
-    kernel (the machine's choice, microgemm.choice()) or the BLAS; float64 always the BLAS."""
+    kernel (run option cpu_products; "auto": the machine's choice, microgemm.choice()) or the
+    BLAS; float64 always the BLAS."""
     if acc != np.float32:
         return False, "BLAS (float64)"
-    which, why = _microgemm.choice()
+    opts = getattr(plan, "options", None) or _run_options.current()
+    which, why = _microgemm.choice(opts.cpu_products)
     return which == "own", why
 
 
@@ -234,7 +236,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune, _thread_api()[0]()),
             lambda: _forward_items(relation, H, BM, BN, split=not prune))   # order: per thread count
-        own, products = _products(acc)
+        own, products = _products(acc, plan)
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
         out = np.zeros((Nq, H, v.shape[2]), acc)
@@ -491,7 +493,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         deltah = np.ascontiguousarray(delta.T)
         kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
-        own, products = _products(acc)
+        own, products = _products(acc, plan)
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
         dq_part = np.zeros((n_parts, H, Nq, D), acc)

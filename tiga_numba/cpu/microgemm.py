@@ -13,9 +13,10 @@ of C sums its k terms in order with one fused multiply-add each, so the result d
 on the thread count (bits may differ from the BLAS's).
 
 Which one runs is decided per machine (`choice()`): "own" only where a short timing of the two
-tile shapes, done once and cached on disk, found it faster than the BLAS; `TIGA_NUMBA_CPU_GEMM=
-blas|own|auto` overrides it (auto: the timing). The kernels are compiled per choice (the choice is
-part of their cache key), explain() reports it (run_info["products"]).
+tile shapes, done once and cached on disk, found it faster than the BLAS; the run option
+`cpu_products` ("own" / "blas" / "auto"; default from `TIGA_NUMBA_CPU_GEMM`) overrides it. The
+kernels are compiled per choice (the choice is part of their cache key), explain() reports it
+(run_info["products"]).
 """
 from __future__ import annotations
 
@@ -210,18 +211,16 @@ def calibrate(reps=30):
     return flops / times[0] / 1e9, flops / times[1] / 1e9
 
 
-def choice():
-    """("own" | "blas", why): the products the float32 block kernels use on this machine."""
-    forced = os.environ.get("TIGA_NUMBA_CPU_GEMM", "auto").strip().lower() or "auto"
-    if forced not in ("auto", "own", "blas"):
-        raise ValueError(f"TIGA_NUMBA_CPU_GEMM={forced!r}: expected 'auto', 'own' or 'blas'")
+def choice(forced="auto"):
+    """("own" | "blas", why): the products the float32 block kernels use on this machine; `forced`
+    is the run option cpu_products ("auto": the timing)."""
     hit = _CHOICE.get(forced)
     if hit is not None:
         return hit
     if LANES == 0:
         hit = ("blas", "BLAS (no AVX2 / AVX-512 here for the own kernel)")
     elif forced != "auto":
-        hit = (forced, f"{'own' if forced == 'own' else 'BLAS'} (TIGA_NUMBA_CPU_GEMM={forced})")
+        hit = (forced, f"{'own' if forced == 'own' else 'BLAS'} (cpu_products={forced!r})")
     else:
         hit = _calibrated()
     _CHOICE[forced] = hit
