@@ -1,7 +1,8 @@
 """Where the CPU block kernels' time goes on this machine: the rate of the BLAS the kernels call
-(scipy's OpenBLAS through numba, one thread, as each prange worker calls it) on the two tile
-products for several tile shapes, beside torch.mm (MKL) on the same shapes when torch is
-installed; then paired rounds of whole calls with each tile shape (options(cpu_tiles=...)),
+(scipy's OpenBLAS through numba, one thread, as each prange worker calls it) and of the package's
+own tile product (cpu/microgemm.py, where this CPU has AVX2 / AVX-512) on the two tile products
+for several tile shapes, beside torch.mm (MKL) on the same shapes when torch is installed; then
+paired rounds of whole calls with each tile shape (options(cpu_tiles=...)),
 every shape timed back to back in each round so that the machine's drift cancels.
 
     python benchmarks/tuning/cpu_tile_gemm.py [--n 4096] [--tiles 256x256,512x512,512x256] [--rounds 3]
@@ -14,18 +15,18 @@ from numba import njit
 
 import tiga_numba as tg
 from tiga_numba.cpu import blas
-from tiga_numba.cpu.gemm import mm
+from tiga_numba.cpu import microgemm
 
 D, H = 64, 4
 
 
 @njit
-def _products(q, kt, vv, S, A, reps, which):
+def _products(q, kt, vv, S, A, reps, which, own):
     for _ in range(reps):
-        if which == 0:
-            mm(q, kt, S, 0.0, False, False)   # S = Q K^T (K packed transposed, as the kernels hold it)
-        else:
-            mm(S, vv, A, 1.0, False, False)   # acc += P V
+        if which == 0:   # S = Q K^T (K packed transposed, as the kernels hold it)
+            microgemm.product(q, kt, S, 0.0, False, False, own)
+        else:            # acc += P V
+            microgemm.product(S, vv, A, 1.0, False, False, own)
 
 
 def gemm_rates(shapes):
@@ -41,13 +42,15 @@ def gemm_rates(shapes):
             q, kt, vv = (rng.random(s, dtype=np.float32) for s in ((BM, D), (D, BN), (BN, D)))
             S, A = rng.random((BM, BN), dtype=np.float32), np.zeros((BM, D), np.float32)
             n = max(20, int(1e9 / (4 * BM * BN * D)))
-            rates = []
-            for which in (0, 1):
-                _products(q, kt, vv, S, A, 1, which)
-                t = time.perf_counter()
-                _products(q, kt, vv, S, A, n, which)
-                rates.append(2 * BM * BN * D / ((time.perf_counter() - t) / n) / 1e9)
-            line = f"{BM:5} x {BN:<5} BLAS (numba mm): {rates[0]:5.0f} {rates[1]:5.0f}"
+            line = f"{BM:5} x {BN:<5}"
+            for own in ((False, True) if microgemm.LANES else (False,)):
+                rates = []
+                for which in (0, 1):
+                    _products(q, kt, vv, S, A, 1, which, own)
+                    t = time.perf_counter()
+                    _products(q, kt, vv, S, A, n, which, own)
+                    rates.append(2 * BM * BN * D / ((time.perf_counter() - t) / n) / 1e9)
+                line += f" {'own' if own else 'BLAS (numba mm)'}: {rates[0]:5.0f} {rates[1]:5.0f} "
             if torch is not None:
                 tq, tk, tv, tS, tA = (torch.from_numpy(x) for x in (q, kt, vv, S, A))
                 tr = []
