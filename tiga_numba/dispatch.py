@@ -8,7 +8,6 @@ tiga_numba never touches numba.cuda) runs the family it is handed through its `f
 from __future__ import annotations
 
 import importlib
-import math
 
 from . import run_options as _options
 from . import registry as _registry
@@ -72,8 +71,8 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
     # call's planning stays a few microseconds. The families are tried in a fixed order and none
     # of them reads the request's heads or scale; the tensor-core device probe reads, beyond the
     # key's dtype, head dims, relation and options, only the facts `_probe_facts` lists (the
-    # device, whether the scale is positive and finite, the sizes, the head grouping), looked
-    # up only for keys whose decision asked the probe. A plan made without arrays (explain()
+    # device, the scale's sign, the sizes), looked up only for keys whose decision asked the
+    # probe. A plan made without arrays (explain()
     # before a call) has no probe and is kept apart from the calls' decisions.
     rows = int(graph._blocks.max_block_dst) if implicit else 0
     modifier_grads = bool(op == "backward" and score_mod is not None and score_mod.grad_leaves)
@@ -154,15 +153,13 @@ def _device_probe(backend, graph, arrays, scale, score, probed):
 
 
 def _probe_facts(shape, scale):
-    """What the tensor-core probe reads beyond the decision key (cuda/tc/admission.supports): the
-    current device (compute capability, shared memory), whether the scale is positive and
-    finite, whether the sizes fit the kernels' 32-bit row indices, and whether the query heads
-    group evenly over the key/value heads."""
-    from .cuda.tc import device
+    """What the tensor-core probe reads beyond the decision key (cuda/tc/admission.supports) and
+    beyond what input validation already guarantees (a finite scale, query heads grouping evenly
+    over the key/value heads): the current device (compute capability, shared memory), whether
+    the scale is positive, whether the sizes fit the kernels' 32-bit row indices."""
+    from .cuda.tc import admission, device
     try:
         dev = device.current_device()
     except Exception:  # noqa: BLE001 - no device: the probe answers for that too
         dev = None
-    return (dev, bool(scale > 0 and math.isfinite(scale)),
-            max(shape.num_dst, shape.num_src) < 2 ** 31 - 1024,
-            shape.kv_heads > 0 and shape.heads % shape.kv_heads == 0)
+    return dev, scale > 0, max(shape.num_dst, shape.num_src) < admission.MAX_ROWS

@@ -11,6 +11,8 @@ from . import device
 from .tuning import TC_DTYPES, head_dims, variant
 
 _DTYPE_NAMES = {}
+#: rows (queries or keys) the kernels index in 32 bits, with a tile of headroom
+MAX_ROWS = 2 ** 31 - 1024
 
 
 def _dtype_name(x):
@@ -42,9 +44,10 @@ def supports(plan, q, k, v, relation):
         D, Dv = int(q.shape[2]), int(v.shape[2])
         if Dv != D or int(k.shape[2]) != D:
             return False
-        if D not in head_dims(dn, device.use_wgmma(dn), op):
+        wgmma = device.use_wgmma(dn)
+        if D not in head_dims(dn, wgmma, op):
             return False
-        if D not in head_dims(dn, device.use_wgmma(dn)) and (
+        if D not in head_dims(dn, wgmma) and (
                 score != "dot" or getattr(plan, "prune_threshold", None) is not None):
             return False   # a forward-only head dim: plain scores, no pruning (run on the GPU so far)
         if dn == "float32" and not _options.current().fp32_tensor_cores:
@@ -55,7 +58,7 @@ def supports(plan, q, k, v, relation):
         scale = float(plan.scale)
         if not (scale > 0 and math.isfinite(scale)):
             return False   # the running max is taken on raw scores, then scaled
-        if max(int(q.shape[0]), int(k.shape[0])) >= 2 ** 31 - 1024:
+        if max(int(q.shape[0]), int(k.shape[0])) >= MAX_ROWS:
             return False
         return _device_can_run(D, Dv, dn, op)
     except Exception:  # noqa: BLE001 - anything unexpected means "not this path"
