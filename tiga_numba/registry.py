@@ -19,7 +19,7 @@ silently).
 | ``cuda.blocks`` | cuda | implicit relations on CUDA cores (any head dim, float64, compiled score modifiers) |
 | ``cuda.csr`` | cuda | CSR relations, per-edge bias / scores, compiled score modifiers, CUDA cores |
 | ``cpu.decode`` | cpu | forward and backward of blocks with at most 8 query rows (decode): k / v read in place, key chunks merged in fixed order |
-| ``cpu.blocks`` | cpu | implicit relations (dense, causal, segments, bands), BLAS tiles, key ranges split for few queries |
+| ``cpu.blocks`` | cpu | implicit relations (dense, causal, segments, bands), tiled products (BLAS or cpu/microgemm.py), key ranges split for few queries |
 | ``cpu.csr`` | cpu | CSR relations, edge-balanced pieces for long rows |
 | ``cpu.gat`` / ``cuda.gat`` | cpu / cuda | score networks (``tg.nn.trace``) over CSR relations |
 | ``cpu.neighbors`` / ``cuda.neighbors`` | cpu / cuda | radius / k-nearest-neighbour graph builders |
@@ -212,7 +212,7 @@ register(Family("cpu.decode", _ATTENTION, "cpu", "tiga_numba.cpu.api",
                 "fixed-order merges",
                 _cpu_decode))
 register(Family("cpu.blocks", _ATTENTION, "cpu", "tiga_numba.cpu.api",
-                "numba tiled online softmax over implicit blocks (BLAS tiles)", _cpu_blocks))
+                "numba tiled online softmax over implicit blocks (BLAS or own tile products)", _cpu_blocks))
 register(Family("cpu.csr", _ATTENTION, "cpu", "tiga_numba.cpu.api",
                 "numba edge-balanced online softmax over CSR", _cpu_csr))
 

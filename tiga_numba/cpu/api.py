@@ -253,7 +253,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
                  splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
                       "merged in fixed order" if n_slots else "")
-        info.update(kernel="cpu.blocks.forward (tiled online softmax, BLAS tiles)",
+        info.update(kernel="cpu.blocks.forward (tiled online softmax)",
                     tiles=f"BM={BM} BN={BN} ({tiles_why}){split_note}", cache=hit,
                     ir=_ir_of(kern), products=products)
         if prune:
@@ -517,7 +517,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         dv = dvh.transpose(1, 0, 2)
         copies.append(f"dq partials: {n_parts} x (H, Nq, D) {_name(acc)} (one per partition, "
                       "summed in order)")
-        info.update(kernel="cpu.blocks.backward (fused, key-tile parallel, BLAS tiles)",
+        info.update(kernel="cpu.blocks.backward (fused, key-tile parallel)",
                     tiles=f"BM={BM} BN={BN} ({tiles_why})", cache=hit, ir=_ir_of(kern),
                     products=products)
     else:

@@ -151,7 +151,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
     right after the score gemm, before masking (without it the hook is compiled out). ``own``:
     float32 tile products through cpu/microgemm.py's kernel where they fit it, else the BLAS."""
     dt = np.float32 if acc == "float32" else np.float64
-    OWN = bool(own) and acc == "float32"
+    OWN = bool(own)   # microgemm.product takes only float32 products (4-byte unit strides)
     MOD = mod is not None
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
     log2e = dt(LOG2E)
@@ -320,7 +320,7 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     (P, n, H), per-partition dst fields (P, n, Nq, H), src fields (n, Nk, H), owned by the key
     tile's item)."""
     dt = np.float32 if acc == "float32" else np.float64
-    OWN = bool(own) and acc == "float32"   # tile products as in make_forward
+    OWN = bool(own)   # tile products as in make_forward
     ln2 = LN2
     MOD = mod is not None
     # no leaf wants a gradient: f' may run over whole rows too (cells outside the band are

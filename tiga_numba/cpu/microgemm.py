@@ -109,9 +109,9 @@ _m6, _m4, _m2, _m1 = (_micro(r) for r in (MR, 4, 2, 1))
 
 
 @njit(inline="always", cache=True)
-def fits(a, b, c, trans_a):
-    """whether mm_own takes this float32 product: C's columns a whole number of blocks, every
-    operand read with unit element stride along its rows."""
+def fits(a, b, c):
+    """whether mm_own takes this product: float32 (4-byte unit strides, so float64 never), C's
+    columns a whole number of blocks, every operand read with unit element stride along its rows."""
     return (LANES > 0 and c.shape[1] % NR == 0 and c.strides[1] == 4 and b.strides[1] == 4
             and a.strides[1] == 4 and c.shape[0] > 0)
 
@@ -156,7 +156,7 @@ _CHOICE = {}
 def product(a, b, c, beta, trans_a, trans_b, own):
     """mm(a, b, c, beta, trans_a, trans_b) through mm_own when `own` (the machine's choice,
     compiled into the kernel) and the product fits it, else through the BLAS."""
-    if own and not trans_b and fits(a, b, c, trans_a):
+    if own and not trans_b and fits(a, b, c):
         mm_own(a, b, c, beta, trans_a)
     else:
         mm(a, b, c, beta, trans_a, trans_b)
