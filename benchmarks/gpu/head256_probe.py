@@ -6,28 +6,24 @@ same inputs, H = 16, N = 4096 / 16384, causal and not, float16 / bfloat16. CUDA 
     python benchmarks/gpu/head256_probe.py [--reps 10] [--shapes 8x64,4x64] [--dtypes float16,bfloat16]
 """
 import argparse
+import os
+import sys
 
 import cupy
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import tiga_numba as tg
-from tiga_numba.cuda.tc import tuning
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import tiga_numba as tg  # noqa: E402
+from tiga_numba.cuda.tc import tuning  # noqa: E402
+from run import gpu_seconds  # noqa: E402  (benchmarks/run.py: CUDA events around back-to-back calls)
 
 H, D = 16, 256
 
 
 def gpu_ms(f, reps):
-    f()
-    cupy.cuda.Device().synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        f()
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / reps
+    return gpu_seconds(f, reps) * 1e3
 
 
 def main():
