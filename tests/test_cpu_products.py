@@ -81,6 +81,35 @@ def test_attention_is_the_same_with_either_tile_product(name, monkeypatch):
 
 
 @own_kernel
+@pytest.mark.parametrize("poison_v", [False, True])
+def test_span_tiles_read_k_transposed_and_keys_past_the_band_never_leak(poison_v):
+    """The machine's band tiles (64 query rows x the band's keys, not packed) take the own product
+    on K^T over a whole number of its column blocks: rows 64..127 of a left=40 band span keys
+    24..127, read as 24..151. A NaN in k at key 140 (and an inf in v at 141) lies inside that read
+    but outside those rows' band: rows before 140 must match the oracle on clean inputs."""
+    g = tg.Graph.band(333, left=40)
+    rng = np.random.default_rng(11)
+    H, Hkv, D = 4, 2, 64
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in
+                   ((333, H, D), (333, Hkv, D), (333, Hkv, D), (333, H, D)))
+    clean_k, clean_v = k.copy(), v.copy()
+    k[140, 0, 3] = np.nan
+    if poison_v:
+        v[141, 1, 5] = np.inf
+    with tg.options(cpu_products="own"):
+        out, st = tg.attention(q, k, v, g, return_stats=True)
+        text = tg.explain()
+        dq = tg.attention_backward(do, q, k, v, out, st, g)[0]
+    assert "K^T for the own products" in text and "BM=64" in text, text
+    ref = reference.attention(q, clean_k, clean_v, g)
+    ref_dq = reference.attention_backward(do, q, clean_k, clean_v, g)[0]
+    rows = slice(0, 140)
+    for got, want in ((out, ref), (dq, ref_dq)):
+        assert np.all(np.isfinite(got[rows]))
+        np.testing.assert_allclose(got[rows], want[rows], rtol=0, atol=3e-5 * np.abs(want).max())
+
+
+@own_kernel
 def test_backward_bits_do_not_depend_on_the_thread_count_with_the_own_product(monkeypatch):
     import numba
     g = tg.Graph.triangular(400)

@@ -29,7 +29,8 @@ from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
-from .layout import acc_dtype_of, head_major, in_place, node_major, order_balanced
+from .layout import (acc_dtype_of, all_finite, head_major, in_place, node_major, order_balanced,
+                     transposed_heads)
 from .threads import serialised
 from . import tiles as _tile_rule
 from .. import run_options as _run_options
@@ -248,7 +249,8 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_m = np.empty((n_slots, BM), acc)
         part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], qh, ktt, kh, vh, _finite(relation, vh), items, relation.dst_offsets,
+            _run(kern, items.shape[0], qh, ktt, kh, _keys_transposed(kh, tile_base, own, copies), vh,
+                 _finite(relation, vh), items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
                  splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
@@ -402,6 +404,16 @@ def _pack(xh, rel, name, copies, BM, BN):
     return tile_base, out
 
 
+def _keys_transposed(kh, tile_base, own, copies):
+    """K as (Hkv, D, Nk) when the own tile products run and some block's key tiles are not packed
+    (narrow bands, short segments): their score products then read K^T in place, where the BLAS
+    would take K rows as a transposed operand; else an empty array (the kernels take the BLAS)."""
+    if not own or not np.any(tile_base < 0):
+        return np.empty((0, 0, 0), kh.dtype)
+    copies.append(f"k -> (Hkv, D, N) {kh.dtype.name} (K^T for the own products of unpacked key tiles)")
+    return transposed_heads(kh)
+
+
 def _finite(relation, *arrays):
     """whether every element of the kernels' operands is finite: then a tile the band cuts may
     take its products as one gemm, its masked cells being exact zeros (blocks.py). Asked only of
@@ -409,7 +421,7 @@ def _finite(relation, *arrays):
     go unread)."""
     cut = KERNELS.derived(relation, ("cpu.cut_tiles",),
                           lambda: not relation.standard or bool(np.any(np.asarray(relation.causal))))
-    return cut and all(bool(np.isfinite(x).all()) for x in arrays)
+    return cut and all(all_finite(x) for x in arrays)
 
 
 def _bias(edge_bias, acc, H, copies):

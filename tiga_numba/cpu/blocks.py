@@ -45,7 +45,7 @@ from numba.extending import overload
 
 from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
-from .microgemm import product
+from .microgemm import NR, product
 from .score_codegen import jit_kernel, no_grad, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
@@ -156,7 +156,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
     log2e = dt(LOG2E)
 
-    def forward(qh, ktt, kh, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
+    def forward(qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
                 group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
                 tiles_pruned, mctx):
         sc, hp, nd_f, ns_f, ef = mctx
@@ -203,8 +203,18 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
                     S[:, :] = 0.0
                 elif tb >= 0:
                     product(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False, OWN)
-                else:  # narrow block, not packed: K rows as the transposed operand
-                    product(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True, OWN)
+                else:  # narrow block, not packed
+                    # with K^T at hand (own products), a span tile that reaches its band's end
+                    # takes a whole number of the product's column blocks: the extra keys lie past
+                    # every row's band and are masked below like any cell outside it
+                    wide = -(-cols // NR) * NR
+                    if kT.shape[0] > 0 and (wide == cols or (c0 + cols >= q0 + rows + hi
+                                                             and c0 + wide <= ns and wide <= BN)):
+                        cols = wide
+                        S = sbuf[:rows, :cols]
+                        product(qt, kT[hk, :, s0 + c0:s0 + c0 + cols], S, 0.0, False, False, OWN)
+                    else:   # K rows as the transposed operand (BLAS)
+                        product(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True, OWN)
                 if MOD:  # natural-unit scores -> modified scores in base 2
                     for r in range(rows):
                         Sr = sbuf[r]

@@ -1,0 +1,44 @@
+"""The CPU kernels' operand copies (cpu/layout.py): the threaded copies give numpy's bits, the
+finiteness test finds every non-finite value, the per-head transpose is exact."""
+import numpy as np
+import pytest
+
+from tiga_numba.cpu import layout
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("scale", [None, 0.1767766952966369 * 1.4426950408889634])
+def test_head_and_node_major_copies_match_numpy_bits(dtype, scale):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((37, 6, 24)) * 50).astype(dtype)[:, ::2]   # strided heads
+    acc = layout.acc_dtype_of(dtype)
+    want = x.astype(acc)
+    if scale is not None:
+        want = want * acc.type(scale)
+    copies = []
+    hm = layout.head_major(x, acc, "x", copies, scale=scale)
+    nm = layout.node_major(x, acc, "x", copies, scale=scale)
+    assert hm.shape == (3, 37, 24) and hm.flags.c_contiguous and hm.dtype == acc
+    assert np.array_equal(hm, want.transpose(1, 0, 2)) and np.array_equal(nm, want)
+    assert len(copies) == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_finds_each_kind_of_non_finite_value(dtype):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 33, 7)).astype(dtype) * 1e30
+    assert layout.all_finite(x)
+    assert layout.all_finite(x[:0])
+    for bad in (np.nan, np.inf, -np.inf):
+        for pos in ((0, 0, 0), (4, 32, 6), (2, 17, 3)):
+            y = x.copy()
+            y[pos] = bad
+            assert not layout.all_finite(y), (bad, pos)
+    assert not layout.all_finite(np.array([[np.finfo(dtype).max, np.nan]], dtype)[:, ::-1])   # strided
+
+
+def test_transposed_heads_is_exact():
+    rng = np.random.default_rng(2)
+    for shape in ((2, 1, 3), (3, 130, 64), (1, 64, 5), (2, 0, 4)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        assert np.array_equal(layout.transposed_heads(x), x.transpose(0, 2, 1))
