@@ -162,6 +162,20 @@ class Source:
                 f"    if v > _NEG:\n        return v\n"
                 f"    return _NEG\n")
 
+    def slope(self, name="slope"):
+        """value and df/ds together, their common subexpressions computed once: what a backward
+        needs per cell when no leaf wants a gradient (soft-cap: one tanh where value and grad
+        made two). Returns (the clamped value as `value`'s, df/ds)."""
+        d = sm.diff(self.tree, sm.SCORE)
+        lines, num = self._emit([self.tree, d])
+        body = "\n".join(lines)
+        return (f"def {name}({self.target.value_args}):\n{body}\n"
+                f"    v = {num(self.tree)}\n"
+                f"    g = {num(d)}\n"
+                f"    if v > _BIG:\n        return _BIG, g\n"
+                f"    if v > _NEG:\n        return v, g\n"
+                f"    return _NEG, g\n")
+
     def grad(self, name, targets):
         rows, edges = self.grad_groups(targets)
         wanted = rows + edges
@@ -212,6 +226,13 @@ class Compiled:
             name = "grad_" + ("_".join(key) or "score")
             fn = self._build(name, self._src.grad(name, key))
             got = self._grads[key] = self._grad_entry(fn, key)
+        return got
+
+    def slope(self):
+        """The function returning (value, df/ds) of a cell (Source.slope), memoised."""
+        got = self._grads.get("slope")
+        if got is None:
+            got = self._grads["slope"] = self._build("slope", self._src.slope())
         return got
 
     def _build(self, name, source):

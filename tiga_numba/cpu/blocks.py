@@ -46,11 +46,12 @@ from numba.extending import overload
 from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
 from .microgemm import NR, product
-from .score_codegen import jit_kernel, no_grad, no_value
+from .score_codegen import jit_kernel, no_grad, no_slope, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
 MOD_VALUE = no_value
 MOD_GRAD = no_grad
+MOD_SLOPE = no_slope
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -338,6 +339,8 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     LEAFLESS = MOD and not mod.grad_leaves
     hooks = {} if not MOD else {"MOD_VALUE": mod.value,
                                 "MOD_GRAD": mod.grad(("head", "dst", "src"))}
+    if LEAFLESS:   # value and df/ds in one call: their shared work (a soft-cap's tanh) done once
+        hooks["MOD_SLOPE"] = mod.slope()
     log2e = dt(LOG2E)
     kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
@@ -424,17 +427,26 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                                 cf, cl = max(first, 0), min(last, cols)
                                 Xr = xbuf[r]
                                 j0 = s0 + c0
-                                for c in range(cols):
-                                    Xr[c] = Pr[c]
-                                    Pr[c] = MOD_VALUE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef) * log2e
-                                for c in range(cols):
-                                    p = exp2_any(Pr[c] - ms) * li
-                                    Pr[c] = p
-                                    dPr[c] = p * (dPr[c] - de)
-                                gf, gl = (0, cols) if LEAFLESS else (cf, cl)
-                                for c in range(gf, gl):
-                                    dPr[c] = MOD_GRAD(Xr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef,
-                                                      dPr[c], ghp, gnd, i, gns, j0 + c, ef)
+                                if LEAFLESS:   # Xr holds df/ds: f' over whole rows, zeroed below
+                                    for c in range(cols):
+                                        f, g = MOD_SLOPE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef)
+                                        Pr[c] = f * log2e
+                                        Xr[c] = g
+                                    for c in range(cols):
+                                        p = exp2_any(Pr[c] - ms) * li
+                                        Pr[c] = p
+                                        dPr[c] = (p * (dPr[c] - de)) * Xr[c]
+                                else:   # Xr holds the raw scores for the leaves' gradients
+                                    for c in range(cols):
+                                        Xr[c] = Pr[c]
+                                        Pr[c] = MOD_VALUE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef) * log2e
+                                    for c in range(cols):
+                                        p = exp2_any(Pr[c] - ms) * li
+                                        Pr[c] = p
+                                        dPr[c] = p * (dPr[c] - de)
+                                    for c in range(cf, cl):
+                                        dPr[c] = MOD_GRAD(Xr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef,
+                                                          dPr[c], ghp, gnd, i, gns, j0 + c, ef)
                             else:
                                 for c in range(cols):
                                     p = exp2_any(Pr[c] - ms) * li

@@ -114,6 +114,12 @@ def no_value(s, i, j, e, h, sc, hp, nd, ns, ef):
 
 
 @njit(inline="always", cache=True)
+def no_slope(s, i, j, e, h, sc, hp, nd, ns, ef):
+    """Stand-in of `slope` in kernels compiled without a modifier (never called)."""
+    return s, s
+
+
+@njit(inline="always", cache=True)
 def no_grad(s, i, j, e, h, sc, hp, nd, ns, ef, dF, ghp, gnd, gi, gns, gj, gef):
     """Stand-in of `grad` in kernels compiled without a modifier (never called)."""
     return dF
