@@ -42,3 +42,34 @@ def test_transposed_heads_is_exact():
     for shape in ((2, 1, 3), (3, 130, 64), (1, 64, 5), (2, 0, 4)):
         x = rng.standard_normal(shape).astype(np.float32)
         assert np.array_equal(layout.transposed_heads(x), x.transpose(0, 2, 1))
+
+
+def test_the_block_backward_zero_fills_dk_only_where_no_item_writes():
+    """dk / dv start uninitialised only when every key row lies in a block with destinations."""
+    import tiga_numba as tg
+    from tiga_numba.cpu import api
+
+    def writes_all(g):
+        return api._writes_every_key(g.realize("cpu"), g.num_src)
+    assert writes_all(tg.Graph.dense(5, 7)) and writes_all(tg.Graph.triangular(9))
+    assert writes_all(tg.Graph.band(40, left=3))
+    assert writes_all(tg.Graph.cu_seqlens([0, 3, 8]))
+    # keys of a block without destinations: no work item writes their rows
+    assert not writes_all(tg.Graph.cu_seqlens([0, 0, 5], cu_seqlens_k=[0, 3, 8]))
+    assert not writes_all(tg.Graph.cat([tg.Graph.dense(4, 4), tg.Graph.dense(6, 0)]))
+    q, k, v, do = (np.random.default_rng(5).standard_normal((n, 2, 8)) for n in (5, 8, 8, 5))
+    g = tg.Graph.cu_seqlens([0, 0, 5], cu_seqlens_k=[0, 3, 8])
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    dq, dk, dv = tg.attention_backward(do, q, k, v, out, st, g)
+    assert np.all(dk[:3] == 0) and np.all(dv[:3] == 0) and np.all(dk[3:] != 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_contiguous_copies_exactly_and_keeps_contiguous_arrays(dtype):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 41, 16)).astype(np.float32)
+    y = x.transpose(1, 0, 2)
+    got = layout.contiguous(y, dtype)
+    assert got.flags.c_contiguous and got.dtype == dtype and np.array_equal(got, y.astype(dtype))
+    z = np.ascontiguousarray(y, dtype=dtype)
+    assert layout.contiguous(z, dtype) is z

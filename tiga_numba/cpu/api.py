@@ -29,8 +29,8 @@ from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
-from .layout import (acc_dtype_of, all_finite, head_major, in_place, node_major, order_balanced,
-                     transposed_heads)
+from .layout import (acc_dtype_of, all_finite, contiguous, head_major, in_place, node_major,
+                     order_balanced, transposed_heads)
 from .threads import serialised
 from . import tiles as _tile_rule
 from .. import run_options as _run_options
@@ -467,7 +467,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     m = np.asarray(m, acc)
     l = np.asarray(l, acc)
     # Delta_i = sum(dO_i * O_i), per (row, head), in the accumulation dtype: O(N H D) work
-    delta = np.einsum("nhd,nhd->nh", np.asarray(dout, acc), np.asarray(out, acc))
+    delta = np.empty((Nq, H), acc)
+    if Nq * H:
+        _blocks.row_dots(np.asarray(dout, acc), np.asarray(out, acc), delta)
     with np.errstate(divide="ignore"):
         linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
     # base-2 maxima for the kernels: the forward's own when given (exact), else converted from
@@ -508,9 +510,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         own, products = _products(acc, plan)
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
-        dq_part = np.zeros((n_parts, H, Nq, D), acc)
-        dkh = np.zeros((Hkv, Nk, D), acc)
-        dvh = np.zeros((Hkv, Nk, Dv), acc)
+        dq_part = np.empty((n_parts, H, Nq, D), acc)   # zeroed by the kernel, per partition
+        fill = np.empty if _writes_every_key(relation, Nk) else np.zeros
+        dkh = fill((Hkv, Nk, D), acc)
+        dvh = fill((Hkv, Nk, Dv), acc)
         # modifier gradients: per-head params and dst fields per dq partition (summed in
         # partition order below), src fields owned by their key tile's item
         ghp_part = np.zeros((n_parts, n_hp, H), acc)
@@ -573,8 +576,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
                     ir=_ir_of(k_src))
     info["copies"] = copies
     dt = q.dtype
-    res = (np.ascontiguousarray(dq, dtype=dt), np.ascontiguousarray(dk, dtype=dt),
-           np.ascontiguousarray(dv, dtype=dt), dbias)
+    res = (contiguous(dq, dt), contiguous(dk, dt), contiguous(dv, dt), dbias)
     if score_mod is None:
         return res
     return res + (score_mod.grads_to_user((ghp, gnd, gns, gef)),)
@@ -600,6 +602,19 @@ def _backward_items(rel, Hkv, group, BM, BN):
     items[:, 1] = np.tile(blk, Hkv)
     items[:, 2] = np.tile(starts, Hkv)
     return items, np.tile(costs, Hkv)
+
+
+def _writes_every_key(rel, Nk):
+    """whether the block backward writes every row of dk / dv: the blocks tile [0, Nk) of the
+    sources and each with sources has destinations (its key tiles are work items, _backward_items);
+    else the rows no item writes must start at zero. Memoised on the relation."""
+    def compute():
+        src = np.asarray(rel.src_offsets, np.int64)
+        nd = np.diff(np.asarray(rel.dst_offsets, np.int64))
+        ns = np.diff(src)
+        return bool(src.shape[0] > 0 and src[0] == 0 and src[-1] == Nk and np.all(ns >= 0)
+                    and not np.any((ns > 0) & (nd == 0)))
+    return KERNELS.derived(rel, ("cpu.writes_every_key", Nk), compute)
 
 
 def _dealt_backward_items(rel, Hkv, group, BM, BN):

@@ -354,6 +354,7 @@ def make_backward(acc, BM, BN, mod=None, own=False):
         for part in prange(n_parts):
             wide_vectors()
             mxcsr = denormals_off()
+            dq_part[part, :, :, :] = 0.0   # each partition zeroes its own partial (threads share it)
             pbuf = np.empty((BM, BN), dt)
             sbuf = np.empty((BM, BN), dt)
             xbuf = np.empty((BM if MOD else 1, BN if MOD else 1), dt)   # raw scores (modifier)
@@ -482,6 +483,18 @@ def make_backward(acc, BM, BN, mod=None, own=False):
             restore_mxcsr(mxcsr)
 
     return jit_kernel(backward, mod, **hooks)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def row_dots(a, b, out):
+    """out[n, h] = sum_d a[n, h, d] b[n, h, d] (the backward's Delta = rowsum(dO * O)), rows over
+    the threads, each summed in d order (the same bits with any thread count)."""
+    for n in prange(a.shape[0]):
+        for h in range(a.shape[1]):
+            s = out.dtype.type(0.0)
+            for d in range(a.shape[2]):
+                s += a[n, h, d] * b[n, h, d]
+            out[n, h] = s
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -47,6 +47,19 @@ def copy_into(out, x, acc, scale=None):
         out *= acc.type(scale)
 
 
+def contiguous(x, dtype):
+    """x as a C-contiguous (N, H, D) array of `dtype`: itself when it is one, else a copy (threaded
+    when no conversion is needed, e.g. the block backward's head-major dk / dv back to (N, H, D))."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype and x.flags.c_contiguous:
+        return x
+    if x.ndim != 3 or x.dtype != dtype or dtype not in (np.float32, np.float64):
+        return np.ascontiguousarray(x, dtype=dtype)
+    out = np.empty(x.shape, dtype)
+    copy_into(out, x, dtype)
+    return out
+
+
 @njit(parallel=True, cache=True)
 def _nonfinite_rows(x):
     """rows of a C-contiguous 2-D array holding a non-finite value (x - x is NaN exactly for inf
