@@ -44,13 +44,20 @@ def test_transposed_heads_is_exact():
         assert np.array_equal(layout.transposed_heads(x), x.transpose(0, 2, 1))
 
 
-def test_the_block_backward_zero_fills_dk_only_where_no_item_writes():
-    """dk / dv start uninitialised only when every key row lies in a block with destinations."""
+def test_the_block_kernels_zero_fill_only_rows_no_item_writes():
+    """out / m / l and dk / dv start uninitialised only when every row lies in a block with work:
+    any block for destinations, a block with destinations for keys."""
     import tiga_numba as tg
     from tiga_numba.cpu import api
 
     def writes_all(g):
-        return api._writes_every_key(g.realize("cpu"), g.num_src)
+        return api._blocks_cover(g.realize("cpu"), g.num_src, "src")
+
+    def writes_all_rows(g):
+        return api._blocks_cover(g.realize("cpu"), g.num_dst, "dst")
+    assert writes_all_rows(tg.Graph.cu_seqlens([0, 0, 5], cu_seqlens_k=[0, 3, 8]))
+    assert writes_all_rows(tg.Graph.cat([tg.Graph.dense(4, 4), tg.Graph.dense(0, 6)]))   # rows, no keys
+    assert writes_all_rows(tg.Graph.band(40, left=3)) and writes_all_rows(tg.Graph.dense(3, 1))
     assert writes_all(tg.Graph.dense(5, 7)) and writes_all(tg.Graph.triangular(9))
     assert writes_all(tg.Graph.band(40, left=3))
     assert writes_all(tg.Graph.cu_seqlens([0, 3, 8]))
@@ -62,6 +69,10 @@ def test_the_block_backward_zero_fills_dk_only_where_no_item_writes():
     out, st = tg.attention(q, k, v, g, return_stats=True)
     dq, dk, dv = tg.attention_backward(do, q, k, v, out, st, g)
     assert np.all(dk[:3] == 0) and np.all(dv[:3] == 0) and np.all(dk[3:] != 0)
+    g = tg.Graph.cat([tg.Graph.dense(4, 4), tg.Graph.dense(0, 3)])   # 3 rows without keys
+    q, k, v = (np.random.default_rng(6).standard_normal((n, 2, 8)) for n in (7, 4, 4))
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    assert np.all(out[4:] == 0) and np.all(np.isneginf(st.m[4:])) and np.all(st.l[4:] == 0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])

@@ -100,7 +100,7 @@ def test_span_tiles_read_k_transposed_and_keys_past_the_band_never_leak(poison_v
         out, st = tg.attention(q, k, v, g, return_stats=True)
         text = tg.explain()
         dq = tg.attention_backward(do, q, k, v, out, st, g)[0]
-    assert "K^T for the own products" in text and "BM=64" in text, text
+    assert "K^T: unpacked key tiles" in text and "BM=64" in text, text
     ref = reference.attention(q, clean_k, clean_v, g)
     ref_dq = reference.attention_backward(do, q, clean_k, clean_v, g)[0]
     rows = slice(0, 140)

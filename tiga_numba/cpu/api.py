@@ -230,27 +230,26 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         BM, BN, tiles_why = _tiles_of(plan, prune)
         log2_rho = math.log2(plan.prune_threshold) if prune else 0.0
         qh = head_major(q, acc, "q", copies, scale=c)
-        kh = head_major(k, acc, "k", copies)
+        own, products = _products(acc, plan)
+        kh, kT, tile_base, ktt = _key_operands(k, acc, relation, own, copies, BM, BN)
         vh = head_major(v, acc, "v", copies)
-        tile_base, ktt = _pack(kh, relation, "k", copies, BM, BN)
         # work items depend on the relation, the tiles and H only: built once per relation record
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune, _thread_api()[0]()),
             lambda: _forward_items(relation, H, BM, BN, split=not prune))   # order: per thread count
-        own, products = _products(acc, plan)
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
-        out = np.zeros((Nq, H, v.shape[2]), acc)
-        m = np.full((Nq, H), -np.inf, acc)
-        l = np.zeros((Nq, H), acc)
+        if _blocks_cover(relation, Nq, "dst"):   # every row has its work item: written by the kernel
+            out, m, l = np.empty((Nq, H, v.shape[2]), acc), np.empty((Nq, H), acc), np.empty((Nq, H), acc)
+        else:
+            out, m, l = np.zeros((Nq, H, v.shape[2]), acc), np.full((Nq, H), -np.inf, acc), np.zeros((Nq, H), acc)
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
         part_acc = np.empty((n_slots, BM, v.shape[2]), acc)
         part_m = np.empty((n_slots, BM), acc)
         part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], qh, ktt, kh, _keys_transposed(kh, tile_base, own, copies), vh,
-                 _finite(relation, vh), items, relation.dst_offsets,
+            _run(kern, items.shape[0], qh, ktt, kh, kT, vh, _finite(relation, vh), items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
                  splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
@@ -404,14 +403,40 @@ def _pack(xh, rel, name, copies, BM, BN):
     return tile_base, out
 
 
-def _keys_transposed(kh, tile_base, own, copies):
-    """K as (Hkv, D, Nk) when the own tile products run and some block's key tiles are not packed
-    (narrow bands, short segments): their score products then read K^T in place, where the BLAS
-    would take K rows as a transposed operand; else an empty array (the kernels take the BLAS)."""
-    if not own or not np.any(tile_base < 0):
-        return np.empty((0, 0, 0), kh.dtype)
-    copies.append(f"k -> (Hkv, D, N) {kh.dtype.name} (K^T for the own products of unpacked key tiles)")
-    return transposed_heads(kh)
+def _key_operands(k, acc, rel, own, copies, BM, BN):
+    """The forward's K operands: (kh (Hkv, Nk, D) head-major, kT (Hkv, D, Nk), tile_base, packed
+    tiles). Packed blocks read the packed transposed tiles (made from kh). Unpacked blocks (narrow
+    bands, short segments) read K^T when the own tile products run: their score products then take
+    the own kernel, or the BLAS's fast A @ B, where K rows would be a transposed operand; kh is then
+    made only if some block is packed (K^T comes straight from k). Without the own products
+    unpacked blocks read kh rows as the transposed operand and kT is empty."""
+    tile_base, starts, _ = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN), lambda: _tiles(rel, BM, BN))
+    empty = np.empty((0, 0, 0), acc)
+    want_kT = own and bool(np.any(tile_base < 0))
+    if want_kT and starts.shape[0] == 0 and k.dtype == acc:   # no packed tile: no head-major copy
+        copies.append(f"k -> (Hkv, D, N) {acc.name} (K^T: unpacked key tiles' score products)")
+        return empty, transposed_heads(k.transpose(1, 0, 2)), tile_base, \
+            np.empty((k.shape[1], 0, k.shape[2], BN), acc)
+    kh = head_major(k, acc, "k", copies)
+    tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN)
+    if not want_kT:
+        return kh, empty, tile_base, ktt
+    copies.append(f"k -> (Hkv, D, N) {acc.name} (K^T: unpacked key tiles' score products)")
+    return kh, transposed_heads(kh), tile_base, ktt
+
+
+def _blocks_cover(rel, n, side):
+    """whether the relation's blocks tile [0, n) on `side` ("dst" / "src") without gaps, so that
+    the block kernels write every row of that side (a query tile of every block with rows is a
+    work item; on the source side, every block with keys must also have rows). Memoised."""
+    def compute():
+        off = np.asarray(rel.dst_offsets if side == "dst" else rel.src_offsets, np.int64)
+        sizes = np.diff(off)
+        ok = bool(off.shape[0] > 0 and off[0] == 0 and off[-1] == n and np.all(sizes >= 0))
+        if side == "src":
+            ok = ok and not np.any((sizes > 0) & (np.diff(np.asarray(rel.dst_offsets, np.int64)) == 0))
+        return ok
+    return KERNELS.derived(rel, ("cpu.blocks_cover", side, n), compute)
 
 
 def _finite(relation, *arrays):
@@ -511,7 +536,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
         dq_part = np.empty((n_parts, H, Nq, D), acc)   # zeroed by the kernel, per partition
-        fill = np.empty if _writes_every_key(relation, Nk) else np.zeros
+        fill = np.empty if _blocks_cover(relation, Nk, "src") else np.zeros
         dkh = fill((Hkv, Nk, D), acc)
         dvh = fill((Hkv, Nk, Dv), acc)
         # modifier gradients: per-head params and dst fields per dq partition (summed in
@@ -602,19 +627,6 @@ def _backward_items(rel, Hkv, group, BM, BN):
     items[:, 1] = np.tile(blk, Hkv)
     items[:, 2] = np.tile(starts, Hkv)
     return items, np.tile(costs, Hkv)
-
-
-def _writes_every_key(rel, Nk):
-    """whether the block backward writes every row of dk / dv: the blocks tile [0, Nk) of the
-    sources and each with sources has destinations (its key tiles are work items, _backward_items);
-    else the rows no item writes must start at zero. Memoised on the relation."""
-    def compute():
-        src = np.asarray(rel.src_offsets, np.int64)
-        nd = np.diff(np.asarray(rel.dst_offsets, np.int64))
-        ns = np.diff(src)
-        return bool(src.shape[0] > 0 and src[0] == 0 and src[-1] == Nk and np.all(ns >= 0)
-                    and not np.any((ns > 0) & (nd == 0)))
-    return KERNELS.derived(rel, ("cpu.writes_every_key", Nk), compute)
 
 
 def _dealt_backward_items(rel, Hkv, group, BM, BN):

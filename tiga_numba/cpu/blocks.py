@@ -204,18 +204,17 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
                     S[:, :] = 0.0
                 elif tb >= 0:
                     product(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False, OWN)
-                else:  # narrow block, not packed
-                    # with K^T at hand (own products), a span tile that reaches its band's end
-                    # takes a whole number of the product's column blocks: the extra keys lie past
-                    # every row's band and are masked below like any cell outside it
+                elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
+                    # a span tile that reaches its band's end takes a whole number of the own
+                    # product's column blocks: the extra keys lie past every row's band and are
+                    # masked below like any cell outside it (else the BLAS's A @ B takes it)
                     wide = -(-cols // NR) * NR
-                    if kT.shape[0] > 0 and (wide == cols or (c0 + cols >= q0 + rows + hi
-                                                             and c0 + wide <= ns and wide <= BN)):
+                    if c0 + cols >= q0 + rows + hi and c0 + wide <= ns and wide <= BN:
                         cols = wide
                         S = sbuf[:rows, :cols]
-                        product(qt, kT[hk, :, s0 + c0:s0 + c0 + cols], S, 0.0, False, False, OWN)
-                    else:   # K rows as the transposed operand (BLAS)
-                        product(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True, OWN)
+                    product(qt, kT[hk, :, s0 + c0:s0 + c0 + cols], S, 0.0, False, False, OWN)
+                else:  # narrow block, not packed: K rows as the transposed operand
+                    product(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True, OWN)
                 if MOD:  # natural-unit scores -> modified scores in base 2
                     for r in range(rows):
                         Sr = sbuf[r]
