@@ -5,8 +5,10 @@ float64 inputs; float16 is widened once here, not per use).  Block kernels read 
 ``(H, N, D)`` so that a (tile x D) slice of one head is a contiguous BLAS operand; CSR kernels
 read node-major ``(N, H, D)`` so that one gathered source row brings every head.  Each copy
 made is recorded (``copies``) for ``explain()``; q is always copied because it is
-pre-multiplied by ``scale * log2(e)``.  Grouped-query heads: ``kv_heads`` maps each query head
-to the key/value head it reads.
+pre-multiplied by ``scale * log2(e)``.  The copies of float32 / float64 inputs are numba loops
+split over the threads (conversion, re-layout and scaling in one pass); other input dtypes
+(float16, bfloat16) are converted by numpy.  Grouped-query heads: ``kv_heads`` maps each query
+head to the key/value head it reads.
 """
 import numpy as np
 from numba import njit, prange
@@ -87,7 +89,7 @@ def all_finite(x):
 @njit(parallel=True, cache=True)
 def _transpose_heads(xh, out):
     """out[h] = xh[h].T for (H, N, D) -> (H, D, N), in blocks of 64 rows so that the rows read and
-    the columns written stay in cache (a row-by-row scatter ran ~4x slower)."""
+    the 64-element pieces of the columns written stay in cache."""
     H, N, D = xh.shape
     nb = (N + 63) // 64
     for t in prange(H * nb):
