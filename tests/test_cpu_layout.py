@@ -84,3 +84,33 @@ def test_contiguous_copies_exactly_and_keeps_contiguous_arrays(dtype):
     assert got.flags.c_contiguous and got.dtype == dtype and np.array_equal(got, y.astype(dtype))
     z = np.ascontiguousarray(y, dtype=dtype)
     assert layout.contiguous(z, dtype) is z
+
+
+@pytest.mark.parametrize("make", [lambda tg: tg.Graph.band(1000, left=100), lambda tg: tg.Graph.triangular(700),
+                                  lambda tg: tg.Graph.dense(300, 500),
+                                  lambda tg: tg.Graph.cu_seqlens([0, 5, 5, 300, 310], causal=True)],
+                         ids=["band", "causal", "dense", "segments"])
+def test_backward_partitions_are_balanced_runs_with_boxes_covering_their_rows(make):
+    """The block backward deals contiguous runs of its key-tile items to the dq partitions, of
+    about equal cost, each with the box of dq (heads, rows) its items write."""
+    import tiga_numba as tg
+    from tiga_numba.cpu import api
+    rel = make(tg).realize("cpu")
+    Hkv, group, BM, BN = 2, 3, 64, 32
+    items, costs, first, last = api._backward_items(rel, Hkv, group, BM, BN, rows=True)
+    dealt, boxes, n_parts = api._dealt_backward_items(rel, Hkv, group, BM, BN)
+    assert n_parts == min(api.N_PARTS, items.shape[0])
+    key = {tuple(x): i for i, x in enumerate(items.tolist())}
+    seen, part_cost = [], np.zeros(n_parts)
+    for w, it in enumerate(dealt.tolist()):
+        if it[0] < 0:
+            continue
+        p, i = w % n_parts, key[tuple(it)]
+        seen.append(i)
+        part_cost[p] += costs[i]
+        h0, h1, r0, r1 = boxes[p]
+        assert h0 <= it[0] * group and (it[0] + 1) * group <= h1
+        if last[i] > first[i]:
+            assert r0 <= first[i] and last[i] <= r1
+    assert sorted(seen) == list(range(items.shape[0]))   # every item once
+    assert part_cost.max() <= costs.sum() / n_parts + costs.max()

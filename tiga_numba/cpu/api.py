@@ -530,12 +530,12 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         m2h = np.ascontiguousarray(m2.T)
         linvh = np.ascontiguousarray(linv.T)
         deltah = np.ascontiguousarray(delta.T)
-        kitems, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
+        kitems, boxes, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
         own, products = _products(acc, plan)
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
-        dq_part = np.empty((n_parts, H, Nq, D), acc)   # zeroed by the kernel, per partition
+        dq_part = np.empty((n_parts, H, Nq, D), acc)   # each partition zeroes its box in the kernel
         fill = np.empty if _blocks_cover(relation, Nk, "src") else np.zeros
         dkh = fill((Hkv, Nk, D), acc)
         dvh = fill((Hkv, Nk, Dv), acc)
@@ -546,13 +546,13 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         with single_threaded_blas():
             _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems,
                  relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
-                 tile_base, group, n_parts, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
+                 tile_base, group, n_parts, boxes, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
         if n_hp:
             np.sum(ghp_part, axis=0, out=ghp)
         if n_nd:
             np.sum(gnd_part, axis=0, out=gnd)
         dq = np.empty((Nq, H, D), acc)
-        _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, acc.type(scale), dq)
+        _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, boxes, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
         dv = dvh.transpose(1, 0, 2)
         copies.append(f"dq partials: {n_parts} x (H, Nq, D) {_name(acc)} (one per partition, "
@@ -607,15 +607,17 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     return res + (score_mod.grads_to_user((ghp, gnd, gns, gef)),)
 
 
-def _backward_items(rel, Hkv, group, BM, BN):
-    """(kv head, block, key-tile start) work items and their costs (query tiles visited)."""
+def _backward_items(rel, Hkv, group, BM, BN, rows=False):
+    """(kv head, block, key-tile start) work items and their costs (query tiles visited); with
+    `rows`, also each item's global query rows [first, last) (those that reach its key tile)."""
     nd = np.diff(np.asarray(rel.dst_offsets))
     ns = np.diff(np.asarray(rel.src_offsets))
     lo = np.asarray(rel.lo)
     hi = np.asarray(rel.hi)
     blk, starts = _ranges(np.where(nd > 0, ns, 0), BN)
     if blk.shape[0] == 0:
-        return np.zeros((0, 3), np.int64), np.zeros(0, np.int64)
+        none = np.zeros(0, np.int64)
+        return (np.zeros((0, 3), np.int64), none) + ((none, none) if rows else ())
     cols = np.minimum(BN, ns[blk] - starts)
     qbeg = np.maximum(0, starts - hi[blk])
     qend = np.minimum(nd[blk], starts + cols - lo[blk])
@@ -626,28 +628,44 @@ def _backward_items(rel, Hkv, group, BM, BN):
     items[:, 0] = np.repeat(np.arange(Hkv, dtype=np.int64), n)
     items[:, 1] = np.tile(blk, Hkv)
     items[:, 2] = np.tile(starts, Hkv)
-    return items, np.tile(costs, Hkv)
+    if not rows:
+        return items, np.tile(costs, Hkv)
+    d0 = np.asarray(rel.dst_offsets, np.int64)[blk]
+    return items, np.tile(costs, Hkv), np.tile(d0 + qbeg, Hkv), np.tile(d0 + np.maximum(qend, qbeg), Hkv)
 
 
 def _dealt_backward_items(rel, Hkv, group, BM, BN):
-    """(work items dealt over the dq partitions, number of partitions)."""
-    kitems, costs = _backward_items(rel, Hkv, group, BM, BN)
+    """(work items dealt over the dq partitions, number of partitions, each partition's dq box)."""
+    kitems, costs, first, last = _backward_items(rel, Hkv, group, BM, BN, rows=True)
     n_parts = max(1, min(N_PARTS, kitems.shape[0]))
-    return _deal(kitems, costs, n_parts), n_parts
+    return _deal(kitems, costs, first, last, n_parts, group) + (n_parts,)
 
 
-def _deal(items, costs, n_parts):
-    """Place items so that the kernel's round-robin (slot w -> partition w % n_parts) gives
-    the partitions about equal work: largest first, dealt in snake order
-    (0, 1, .., P-1, P-1, .., 0, ...).  Unused slots hold -1 (skipped by the kernel)."""
+def _deal(items, costs, first, last, n_parts, group):
+    """Give each partition a contiguous run of the items (in their (kv head, block, key tile)
+    order) of about equal total cost, laid out for the kernel's round-robin (slot w -> partition
+    w % n_parts; unused slots hold -1, skipped), and the box of dq each partition writes:
+    (query head from, to, row from, to). Contiguous runs keep a partition to few heads and,
+    on banded relations, to the rows near its keys, so the kernel zeroes and the reduction
+    reads only the boxes, not n_parts whole copies of dq. Items and costs depend on the problem
+    only, so the split (and the summation order of dq) does not depend on the thread count."""
     n = items.shape[0]
+    boxes = np.zeros((n_parts, 4), np.int64)
     if n == 0:
-        return items
-    order = np.argsort(-costs, kind="stable")
-    k = np.arange(n)
-    rnd = k // n_parts
-    off = k % n_parts
-    part = np.where(rnd % 2 == 0, off, n_parts - 1 - off)
-    out = np.full((((n + n_parts - 1) // n_parts) * n_parts, 3), -1, np.int64)
-    out[rnd * n_parts + part] = items[order]
-    return out
+        return items, boxes
+    cum = np.cumsum(costs)
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n_parts) / n_parts, side="left")
+    bounds = np.concatenate([[0], np.minimum(cuts + 1, n), [n]])
+    bounds = np.maximum.accumulate(bounds)
+    width = int(np.max(np.diff(bounds))) if n else 0
+    out = np.full((max(width, 1) * n_parts, 3), -1, np.int64)
+    for p in range(n_parts):
+        a, b = int(bounds[p]), int(bounds[p + 1])
+        if b <= a:
+            continue
+        out[p + n_parts * np.arange(b - a)] = items[a:b]
+        live = last[a:b] > first[a:b]
+        if live.any():
+            boxes[p] = (items[a:b, 0].min() * group, (items[a:b, 0].max() + 1) * group,
+                        first[a:b][live].min(), last[a:b][live].max())
+    return out, boxes

@@ -31,10 +31,11 @@ running max over every row of the query tile; a rejected tile skips its value pr
 softmax update.
 
 Backward (deterministic, no atomics, no N x N scratch): work items = (kv head, block, key tile),
-dealt to ``P`` = api.N_PARTS fixed partitions run in parallel.  Each item owns its dk/dv rows
-(summing over the query heads of its GQA group) and adds ``dS @ K`` into its partition's private
-dq buffer ``(P, H, Nq, D)`` (O(N) memory); a second parallel loop sums the partitions in
-partition order.  The partition an item lands in depends only on the problem (P is a
+cut into ``P`` = api.N_PARTS contiguous runs of about equal cost run in parallel (api._deal).  Each
+item owns its dk/dv rows (summing over the query heads of its GQA group) and adds ``dS @ K`` into
+its partition's private dq buffer ``(P, H, Nq, D)`` (O(N) memory), within the partition's box
+(heads x rows its items reach; only the box is zeroed); a second parallel loop sums the boxes
+holding each (row, head) in partition order.  The partition an item lands in depends only on the problem (P is a
 constant, not the thread count), so the bits are the same on every run and any thread count.
 """
 import math
@@ -344,7 +345,7 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
     def backward(qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
-                 band_lo, band_hi, tile_base, group, n_parts, dq_part, dk, dv, mctx, mgrad):
+                 band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
         sc, hp, nd_f, ns_f, ef = mctx
         ghp_part, gnd_part, gns = mgrad
         D = qh.shape[2]
@@ -353,7 +354,8 @@ def make_backward(acc, BM, BN, mod=None, own=False):
         for part in prange(n_parts):
             wide_vectors()
             mxcsr = denormals_off()
-            dq_part[part, :, :, :] = 0.0   # each partition zeroes its own partial (threads share it)
+            # each partition zeroes the box of dq its items write (api._deal): the rest is never read
+            dq_part[part, boxes[part, 0]:boxes[part, 1], boxes[part, 2]:boxes[part, 3], :] = 0.0
             pbuf = np.empty((BM, BN), dt)
             sbuf = np.empty((BM, BN), dt)
             xbuf = np.empty((BM if MOD else 1, BN if MOD else 1), dt)   # raw scores (modifier)
@@ -517,13 +519,19 @@ def pack_transposed_tiles(xh, tile_start, tile_cols, BN, out):
 
 
 @njit(parallel=True, fastmath=False, cache=True, nogil=True)
-def reduce_dq(dq_part, scale, dq):
-    """dq[i, h] = scale * sum over partitions, in partition order (deterministic)."""
+def reduce_dq(dq_part, boxes, scale, dq):
+    """dq[i, h] = scale * sum over the partitions whose box (h from, to, row from, to) holds
+    (h, i), in partition order (deterministic); 0 where none does."""
     P, H, N, D = dq_part.shape
     for i in prange(N):
         for h in range(H):
+            o = dq[i, h]
             for d in range(D):
-                s = dq_part[0, h, i, d]
-                for p in range(1, P):
-                    s += dq_part[p, h, i, d]
-                dq[i, h, d] = s * scale
+                o[d] = 0.0
+            for p in range(P):
+                if boxes[p, 0] <= h < boxes[p, 1] and boxes[p, 2] <= i < boxes[p, 3]:
+                    src = dq_part[p, h, i]
+                    for d in range(D):
+                        o[d] += src[d]
+            for d in range(D):
+                o[d] *= scale
