@@ -413,16 +413,13 @@ def _key_operands(k, acc, rel, own, copies, BM, BN):
     tile_base, starts, _ = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN), lambda: _tiles(rel, BM, BN))
     empty = np.empty((0, 0, 0), acc)
     want_kT = own and bool(np.any(tile_base < 0))
-    if want_kT and starts.shape[0] == 0 and k.dtype == acc:   # no packed tile: no head-major copy
-        copies.append(f"k -> (Hkv, D, N) {acc.name} (K^T: unpacked key tiles' score products)")
-        return empty, transposed_heads(k.transpose(1, 0, 2)), tile_base, \
-            np.empty((k.shape[1], 0, k.shape[2], BN), acc)
-    kh = head_major(k, acc, "k", copies)
+    direct = want_kT and starts.shape[0] == 0 and k.dtype == acc   # no packed tile: no head-major copy
+    kh = empty if direct else head_major(k, acc, "k", copies)
     tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN)
     if not want_kT:
         return kh, empty, tile_base, ktt
     copies.append(f"k -> (Hkv, D, N) {acc.name} (K^T: unpacked key tiles' score products)")
-    return kh, transposed_heads(kh), tile_base, ktt
+    return kh, transposed_heads(k.transpose(1, 0, 2) if direct else kh), tile_base, ktt
 
 
 def _blocks_cover(rel, n, side):
@@ -493,8 +490,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     l = np.asarray(l, acc)
     # Delta_i = sum(dO_i * O_i), per (row, head), in the accumulation dtype: O(N H D) work
     delta = np.empty((Nq, H), acc)
-    if Nq * H:
-        _blocks.row_dots(np.asarray(dout, acc), np.asarray(out, acc), delta)
+    _blocks.row_dots(np.asarray(dout, acc), np.asarray(out, acc), delta)
     with np.errstate(divide="ignore"):
         linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
     # base-2 maxima for the kernels: the forward's own when given (exact), else converted from

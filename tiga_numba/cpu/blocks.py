@@ -31,12 +31,13 @@ running max over every row of the query tile; a rejected tile skips its value pr
 softmax update.
 
 Backward (deterministic, no atomics, no N x N scratch): work items = (kv head, block, key tile),
-cut into ``P`` = api.N_PARTS contiguous runs of about equal cost run in parallel (api._deal).  Each
-item owns its dk/dv rows (summing over the query heads of its GQA group) and adds ``dS @ K`` into
-its partition's private dq buffer ``(P, H, Nq, D)`` (O(N) memory), within the partition's box
-(heads x rows its items reach; only the box is zeroed); a second parallel loop sums the boxes
-holding each (row, head) in partition order.  The partition an item lands in depends only on the problem (P is a
-constant, not the thread count), so the bits are the same on every run and any thread count.
+cut into ``P`` = api.N_PARTS contiguous runs of about equal cost run in parallel (api._deal).
+Each item owns its dk/dv rows (summing over the query heads of its GQA group) and adds ``dS @ K``
+into its partition's private dq buffer ``(P, H, Nq, D)`` (O(N) memory), within the partition's
+box (heads x rows its items reach; only the box is zeroed); a second parallel loop sums the boxes
+holding each (row, head) in partition order.  The partition an item lands in depends only on the
+problem (P is a constant, not the thread count), so the bits are the same on every run and any
+thread count.
 """
 import math
 
@@ -214,8 +215,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
                         cols = wide
                         S = sbuf[:rows, :cols]
                     product(qt, kT[hk, :, s0 + c0:s0 + c0 + cols], S, 0.0, False, False, OWN)
-                else:  # narrow block, not packed: K rows as the transposed operand
-                    product(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True, OWN)
+                else:  # narrow block, not packed: K rows as the BLAS's transposed operand
+                    mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
                 if MOD:  # natural-unit scores -> modified scores in base 2
                     for r in range(rows):
                         Sr = sbuf[r]
@@ -399,14 +400,14 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                             P[:, :] = 0.0
                         elif tb >= 0:
                             product(qt, ktt[hk, tb + c0 // BN, :, :cols], P, 0.0, False, False, OWN)
-                        else:
-                            product(qt, kt, P, 0.0, False, True, OWN)
+                        else:   # K rows as the BLAS's transposed operand
+                            mm(qt, kt, P, 0.0, False, True)
                         if Dv == 0:
                             dP[:, :] = 0.0
                         elif tb >= 0:
                             product(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False, OWN)
                         else:
-                            product(dot, vt, dP, 0.0, False, True, OWN)
+                            mm(dot, vt, dP, 0.0, False, True)
                         lo_rel = q0 + lo - c0
                         hi_rel = q0 + hi - c0
                         ca, cb = common_span(rows, lo_rel, hi_rel, cols)
