@@ -170,8 +170,8 @@ def test_the_choice_can_be_forced_and_refuses_unknown_names(monkeypatch):
     with pytest.raises(ValueError, match="cpu_products"):
         with tg.options(cpu_products="fastest"):
             pass
-    with pytest.raises(ValueError, match="TIGA_NUMBA_CPU_GEMM"):   # the environment default, checked alike
-        run_options._check_products("fastest", "TIGA_NUMBA_CPU_GEMM")
+    with pytest.raises(ValueError, match="TIGA_NUMBA_CPU_PRODUCTS"):   # the environment default, checked alike
+        run_options._check_products("fastest", "TIGA_NUMBA_CPU_PRODUCTS")
     monkeypatch.setattr(mg, "LANES", 0)   # no vector unit for it: always the BLAS
     monkeypatch.setattr(mg, "_CHOICE", {})
     assert mg.choice("own")[0] == "blas"

@@ -17,7 +17,7 @@
 Environment variables only set the defaults, and they are read here, once per process:
 ``TIGA_NUMBA_DETERMINISTIC``, ``TIGA_NUMBA_TENSOR_CORES``, ``TIGA_NUMBA_WGMMA``,
 ``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` turns the option off), ``TIGA_NUMBA_CPU_TILES``
-(``256x256``), ``TIGA_NUMBA_CPU_GEMM`` (``own``, ``blas`` or ``auto``: ``cpu_products``),
+(``256x256``), ``TIGA_NUMBA_CPU_PRODUCTS`` (``own``, ``blas`` or ``auto``: ``cpu_products``),
 ``TIGA_NUMBA_POISON_OUTPUTS`` (``1`` turns it on). The plan records the options it
 was made with, and ``explain()`` prints them.
 """
@@ -88,8 +88,8 @@ _DEFAULTS = Options(
     wgmma=_env_flag("TIGA_NUMBA_WGMMA"),
     fp32_tensor_cores=_env_flag("TIGA_NUMBA_FP32_TENSOR_CORES"),
     cpu_tiles=_env_tiles("TIGA_NUMBA_CPU_TILES"),
-    cpu_products=_check_products(os.environ.get("TIGA_NUMBA_CPU_GEMM", "").strip().lower() or "auto",
-                                 "TIGA_NUMBA_CPU_GEMM"),
+    cpu_products=_check_products(os.environ.get("TIGA_NUMBA_CPU_PRODUCTS", "").strip().lower() or "auto",
+                                 "TIGA_NUMBA_CPU_PRODUCTS"),
     poison_outputs=_env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False),
 )
 _CURRENT = contextvars.ContextVar("tiga_numba_options", default=_DEFAULTS)

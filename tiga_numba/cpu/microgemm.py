@@ -14,7 +14,7 @@ on the thread count (bits may differ from the BLAS's).
 
 Which one runs is decided per machine (`choice()`): "own" only where a short timing of the two
 tile shapes, done once and cached on disk, found it faster than the BLAS; the run option
-`cpu_products` ("own" / "blas" / "auto"; default from `TIGA_NUMBA_CPU_GEMM`) overrides it. The
+`cpu_products` ("own" / "blas" / "auto"; default from `TIGA_NUMBA_CPU_PRODUCTS`) overrides it. The
 kernels are compiled per choice (the choice is part of their cache key), explain() reports it
 (run_info["products"]).
 """
