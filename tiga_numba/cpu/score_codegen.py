@@ -40,11 +40,12 @@ TARGETS = score_source.TARGETS
 
 
 #: tanh(x) = x P(x^2) / Q(x^2) on |x| <= 9 (beyond, float32's tanh is 1): a rational function fitted
-#: for relative error (Loeb's iteration on 40k Chebyshev points, numerator and denominator of degree
-#: 4 in x^2). Evaluated in float32 its error against float64 is < 3.4e-7 relative everywhere,
-#: tiny x included (P(0) / Q(0) = 1 - 6e-9), and it has no exp, no branch and no cancellation: the
-#: exp2-based (1 - t) / (1 + t) form it replaces needed a series below 1/16 and cost ~1.7x as much
-#: per cell (benchmarks/results/mods-cpu-xeon-2core-2026-12-03.txt).
+#: for relative error, numerator and denominator of degree 4 in x^2 (benchmarks/tuning/fit_tanh.py
+#: prints these coefficients and the float32 error). Evaluated in float32 its error against float64
+#: is below 4e-7 relative everywhere (tests/test_score_mods.py), tiny x included (P(0) / Q(0) =
+#: 1 - 6e-9), and it has no exp, no branch and no cancellation: the exp2-based (1 - t) / (1 + t)
+#: form it replaces needed a series below 1/16 and cost ~1.7x as much per cell
+#: (benchmarks/tuning/cpu_span_and_tanh.py; results/mods-cpu-xeon-2core-2026-12-03.txt).
 _TANH_P = (0.9999999941833351, 0.1338546741659332, 0.003500717745181587, 2.0687585868296497e-05,
            1.345232746614613e-08)
 _TANH_Q = (1.0, 0.467187892716961, 0.025896875837976594, 0.0003293769182830583, 7.818879391572369e-07)
