@@ -13,13 +13,19 @@ times in ms, each the median or mean over --reps:
   kernel  the forward kernel alone, relaunched back to back with the arguments of a real call;
   host    the host's seconds per call (perf_counter, no synchronisation inside the loop).
 The same four for the plain causal forward (same shape) are the reference.
+
+    python benchmarks/gpu/window_probe.py --dq --prebuild --jobs 8
+    python benchmarks/gpu/window_probe.py --dq [--reps 20]
+
+With --dq the same shapes are those of the D = 128 wgmma dQ kernel (the dK/dV kernel keeps its
+shipped shape): the backward's GPU time per call (CUDA events around --reps back-to-back
+attention_backward calls, the forward's outputs given) and the largest difference of dq to the
+shipped shape's, for the window and for plain causal.
 """
 import argparse
 import os
 import sys
 import time
-
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -28,24 +34,47 @@ from tiga_numba.cuda.tc import api, tuning  # noqa: E402
 from bench_score_mods_gpu import timed  # noqa: E402
 from run import gpu_seconds  # noqa: E402
 
-#: (NW, BN) of the D = 128 16-bit wgmma forward; the first is the shipped one
+#: (NW, BN) of the D = 128 16-bit wgmma forward (or dQ) kernel; the first is the shipped one
 SHAPES = [(8, 128), (4, 128), (4, 64), (8, 64)]
 
 
-def _use(shape):
-    """run the forward with `shape` whatever the relation (the narrow-band rule off)."""
+def _use(kind, shape):
+    """run `kind` ("fwd" / "dq") with `shape` whatever the relation (the narrow-band rule off)."""
     NW, BN = shape
     tuning.NARROW.clear()
-    tuning.TUNING_WGMMA[("fwd", 128)] = dict(NW=NW, MT=1, BN=BN, a_smem=True, wgmma=True)
+    tuning.TUNING_WGMMA[(kind, 128)] = dict(NW=NW, MT=1, BN=BN, a_smem=True, wgmma=True)
 
 
-def _build(shape):
+def _build(job):
     from tiga_numba.cuda.tc import build
-    _use(shape)
-    vr = tuning.variant("fwd", 128, 128, "float16", wgmma=True)
+    kind, shape = job
+    _use(kind, shape)
+    vr = tuning.variant(kind, 128, 128, "float16", wgmma=True)
     t = time.time()
     build.kernel(vr)[0].cubin("sm_90a")
     return f"built {vr.name()} in {time.time() - t:.0f} s"
+
+
+def _dq_shapes(q, k, v, graphs, reps):
+    """the --dq table: the backward per dQ shape."""
+    import cupy
+    do = cupy.random.default_rng(1).standard_normal(q.shape, dtype=cupy.float32).astype(cupy.float16)
+    print("| dQ shape NW, BN | relation | backward ms (GPU, back to back) | max |dq - shipped dq| |")
+    print("|---|---|---|---|")
+    fwd = {name: tg.attention(q, k, v, g, return_stats=True) for name, g in graphs.items()}
+    first = {}
+    for shape in SHAPES:
+        _use("dq", shape)
+        for name, g in graphs.items():
+            out, st = fwd[name]
+
+            def fn(g=g, out=out, st=st):
+                return tg.attention_backward(do, q, k, v, out, st, g)
+            ms = gpu_seconds(fn, reps) * 1e3
+            dq = fn()[0].astype(cupy.float32)
+            diff = float(cupy.abs(dq - first.setdefault(name, dq)).max())
+            tiles = [x for x in tg.explain().splitlines() if x.startswith("tiles:")]
+            print(f"| {shape} | {name} | {ms:.3f} | {diff:.2e} |  {tiles[0] if tiles else ''}", flush=True)
 
 
 def main():
@@ -56,11 +85,13 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--dq", action="store_true", help="the dQ kernel's shapes in the backward")
     a = ap.parse_args()
+    kind = "dq" if a.dq else "fwd"
     if a.prebuild:
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(a.jobs) as pool:
-            for line in pool.map(_build, SHAPES):
+            for line in pool.map(_build, [(kind, shape) for shape in SHAPES]):
                 print(line, flush=True)
         return
     import cupy
@@ -70,6 +101,8 @@ def main():
     graphs = {"window": tg.Graph.band(N, left=W - 1, right=0), "causal": tg.Graph.triangular(N)}
     print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, N={N} H={H} D={D} fp16, window {W}, "
           f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    if a.dq:
+        return _dq_shapes(q, k, v, graphs, a.reps)
     print("| shape NW, BN | relation | call ms | stream ms | kernel ms | host ms | TF/s (kernel) | max diff to the shipped shape |")
     print("|---|---|---|---|---|---|---|---|")
     first = {}
@@ -81,7 +114,7 @@ def main():
         return real_launch(*args, **kw)
     api.launch_forward = spy
     for shape in SHAPES:
-        _use(shape)
+        _use("fwd", shape)
         for name, g in graphs.items():
             def fn(g=g):
                 return tg.attention(q, k, v, g)
