@@ -128,7 +128,7 @@ _padded_dims(TUNING_WGMMA_F32)   # not swept separately
 
 #: the wgmma backward overlaps its dP chain (16-bit dK/dV: and dV) with the softmax / dS work
 #: (Variant.overlap), measured per kernel against the serial twin on the H200 (bench_tc_bwd.py
-#: --wgmma --no-fused, results/wgmma-fused-bwd-h200-2026-11-30.txt runs 2-3): faster at D = 32 / 64 /
+#: --wgmma --no-fused, results/wgmma-fused-bwd-h200-2026-11-30.txt §2-3): faster at D = 32 / 64 /
 #: 96 (16-bit 1-11 %, float32 2-6 %; one D = 64 cell 2 % slower); at D = 128 the dK/dV kernel is
 #: slower overlapped (16-bit up to 16 %; both twins run at 255 registers and ptxas reports fewer spill
 #: bytes for the overlapped one, 8 vs 20 B (bench_tc_bwd.py --wgmma --no-fused --spills sm_90), so
