@@ -271,6 +271,31 @@ def test_the_narrow_band_forward_shape_emulated(name):
     np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_narrow_band_dq_shape_emulated(dtype):
+    """the backward over a narrow band runs tuning.narrow()'s dQ shape (one warpgroup, 64-key
+    blocks at D = 128) beside the shipped dK/dV kernel: every gradient matches the oracle, with
+    GQA and the window's first rows (fewer keys than the band)."""
+    from tiga_numba.cuda.tc import tuning
+    graph = GRAPHS["varlen_window"]()
+    dst, src, causal, lo, hi = _bands(graph)
+    keys = int((hi - lo + 1).max())
+    vq_s, vk = (tuning.variant(kind, 128, 128, dtype, wgmma=True) for kind in ("dq", "dkdv"))
+    vq = tuning.narrow(vq_s, keys)
+    assert (vq.NW, vq.BN) == (4, 64) != (vq_s.NW, vq_s.BN) and tuning.narrow(vk, keys) is vk
+    rng = np.random.default_rng(12)
+    q, k, v, do = _inputs(rng, graph.num_dst, graph.num_src, 2, 1, 128, dtype)
+    scale = 128 ** -0.5
+    ro, rm, rdq, rdk, rdv = oracle(q, k, v, do, graph, scale)
+    st = {}
+    vf = tuning.narrow(tuning.variant("fwd", 128, 128, dtype, wgmma=True), keys)
+    o, m, l = E.forward(vf.check(), q, k, v, dst, src, causal, scale, stats=st, lo=lo, hi=hi)
+    grads = E.backward(vq.check(), vk, do, q, k, v, o, m, l, dst, src, causal, scale,
+                       m_kernel=st["m_kernel"], lo=lo, hi=hi)
+    for what, got, ref in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        assert np.isfinite(got).all() and rel(got, ref) < 3 * TOL[dtype], what
+
+
 def test_only_banded_relations_take_the_narrow_band_shape():
     """the forward's shape follows the relation's widest band (tc/api._band_keys): full and causal
     blocks keep the shipped shape whatever their size; a window up to tuning.NARROW_KEYS keys, or

@@ -1222,3 +1222,45 @@ def test_the_device_probe_passes_the_operation_and_pruning_to_admission():
     import sys
     run = subprocess.run([sys.executable, "-c", _PROBE_CHECK], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "probe ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("Dv", [32, 96, 128, 256])
+def test_delta_prepass_reads_strided_rows_in_vectors(dtype, Dv):
+    """The Delta pre-pass (16-byte loads by groups of lanes, G.delta_lanes) for every dtype and
+    value width: Delta = sum_d dO O per (row, head) against float64 on the kernel's rounded inputs,
+    the (m2, log2 l) pairs, (0, 0) for rows without edges. O and dO rows sit inside padded buffers
+    whose padding is NaN (a read of it would show), and the (row, head) count leaves the last
+    CTA partly idle."""
+    rng = np.random.default_rng(Dv)
+    nd, H = 37, 3
+    pad = 16 // (4 if dtype == "float32" else 2)   # one 16-byte chunk: rows stay aligned
+    item = 4 if dtype == "float32" else 2
+    bufs, vals = [], []
+    for _ in range(2):
+        x = rng.standard_normal((nd, H + 1, Dv + pad)).astype(np.float32)
+        x[:, H, :] = np.nan
+        x[:, :, Dv:] = np.nan
+        bufs.append(E.to_storage(x, dtype))
+        vals.append(E.from_storage(bufs[-1], dtype)[:, :H, :Dv].astype(np.float64))
+    m = (rng.standard_normal((nd, H)) * 30).astype(np.float32)
+    l = rng.uniform(0.5, 200.0, (nd, H)).astype(np.float32)
+    l[::5, 1] = 0.0
+    mem = E.Memory()
+    ob, db = mem.put(bufs[0]), mem.put(bufs[1])
+    mb, lb = mem.put(m), mem.put(l)
+    dlt, lse = mem.alloc(nd * H * 4), mem.alloc(nd * H * 8)
+    rs, hs = (H + 1) * (Dv + pad) * item, (Dv + pad) * item
+    ctas, threads = G.delta_grid(dtype, Dv, nd * H)
+    lanes, _ = G.backward.delta_lanes(dtype, Dv)
+    assert ctas * threads // lanes > nd * H > (ctas - 1) * threads // lanes   # a partly idle last CTA
+    E.launch(G.gen_delta(dtype, Dv), (ctas, 1), threads, 16, mem, dtype,
+             (ob, db, mb, lb, dlt, lse, nd, H, rs, hs, rs, hs))
+    delta = mem.get(dlt, np.float32, (nd, H))
+    ref = np.einsum("ihd,ihd->ih", vals[0], vals[1])
+    size = np.einsum("ihd,ihd->ih", np.abs(vals[0]), np.abs(vals[1]))
+    assert np.all(np.abs(delta - ref) <= 1e-6 * size + 1e-30)
+    pairs = mem.get(lse, np.float32, (nd, H, 2))
+    empty = l == 0
+    np.testing.assert_array_equal(pairs[..., 0], np.where(empty, 0.0, m))
+    np.testing.assert_allclose(pairs[..., 1], np.where(empty, 0.0, np.log2(np.where(empty, 1.0, l))), rtol=1e-6)

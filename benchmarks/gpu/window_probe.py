@@ -14,13 +14,14 @@ times in ms, each the median or mean over --reps:
   host    the host's seconds per call (perf_counter, no synchronisation inside the loop).
 The same four for the plain causal forward (same shape) are the reference.
 
-    python benchmarks/gpu/window_probe.py --dq --prebuild --jobs 8
-    python benchmarks/gpu/window_probe.py --dq [--reps 20]
+    python benchmarks/gpu/window_probe.py --kind dq --prebuild --jobs 8
+    python benchmarks/gpu/window_probe.py --kind dq [--reps 20]
 
-With --dq the same shapes are those of the D = 128 wgmma dQ kernel (the dK/dV kernel keeps its
-shipped shape): the backward's GPU time per call (CUDA events around --reps back-to-back
-attention_backward calls, the forward's outputs given) and the largest difference of dq to the
-shipped shape's, for the window and for plain causal.
+With --kind dq (or dkdv) the shapes are those of the D = 128 wgmma dQ (or dK/dV) kernel, the
+other backward kernel keeping its shipped shape (the narrow-band rule off): the backward's GPU
+time per call (CUDA events around --reps back-to-back attention_backward calls, the forward's
+outputs given) and the largest difference of dq (dk) to the first shape's, for the window and for
+plain causal.
 """
 import argparse
 import os
@@ -34,15 +35,19 @@ from tiga_numba.cuda.tc import api, tuning  # noqa: E402
 from bench_score_mods_gpu import timed  # noqa: E402
 from run import gpu_seconds  # noqa: E402
 
-#: (NW, BN) of the D = 128 16-bit wgmma forward (or dQ) kernel; the first is the shipped one
-SHAPES = [(8, 128), (4, 128), (4, 64), (8, 64)]
+#: (NW, BN) of the D = 128 16-bit wgmma kernel of each kind; the first is the shipped one
+SHAPES = {"fwd": [(8, 128), (4, 128), (4, 64), (8, 64)],
+          "dq": [(8, 128), (4, 128), (4, 64), (8, 64)],
+          "dkdv": [(4, 64), (4, 32), (8, 64), (8, 32)]}
+SHIPPED = {kind: dict(tuning.TUNING_WGMMA[(kind, 128)]) for kind in SHAPES}
 
 
 def _use(kind, shape):
-    """run `kind` ("fwd" / "dq") with `shape` whatever the relation (the narrow-band rule off)."""
+    """run `kind` with `shape` whatever the relation (the narrow-band rule off); the shipped
+    entry's other fields (a_smem, overlap) kept."""
     NW, BN = shape
     tuning.NARROW.clear()
-    tuning.TUNING_WGMMA[(kind, 128)] = dict(NW=NW, MT=1, BN=BN, a_smem=True, wgmma=True)
+    tuning.TUNING_WGMMA[(kind, 128)] = dict(SHIPPED[kind], NW=NW, BN=BN)
 
 
 def _build(job):
@@ -55,24 +60,25 @@ def _build(job):
     return f"built {vr.name()} in {time.time() - t:.0f} s"
 
 
-def _dq_shapes(q, k, v, graphs, reps):
-    """the --dq table: the backward per dQ shape."""
+def _backward_shapes(kind, q, k, v, graphs, reps):
+    """the --kind dq / dkdv table: the backward per shape of that kernel."""
     import cupy
     do = cupy.random.default_rng(1).standard_normal(q.shape, dtype=cupy.float32).astype(cupy.float16)
-    print("| dQ shape NW, BN | relation | backward ms (GPU, back to back) | max |dq - shipped dq| |")
+    which = 0 if kind == "dq" else 1
+    print(f"| {kind} shape NW, BN | relation | backward ms (GPU, back to back) | max |{kind[:2]} - first shape's| |")
     print("|---|---|---|---|")
     fwd = {name: tg.attention(q, k, v, g, return_stats=True) for name, g in graphs.items()}
     first = {}
-    for shape in SHAPES:
-        _use("dq", shape)
+    for shape in SHAPES[kind]:
+        _use(kind, shape)
         for name, g in graphs.items():
             out, st = fwd[name]
 
             def fn(g=g, out=out, st=st):
                 return tg.attention_backward(do, q, k, v, out, st, g)
             ms = gpu_seconds(fn, reps) * 1e3
-            dq = fn()[0].astype(cupy.float32)
-            diff = float(cupy.abs(dq - first.setdefault(name, dq)).max())
+            got = fn()[which].astype(cupy.float32)
+            diff = float(cupy.abs(got - first.setdefault(name, got)).max())
             tiles = [x for x in tg.explain().splitlines() if x.startswith("tiles:")]
             print(f"| {shape} | {name} | {ms:.3f} | {diff:.2e} |  {tiles[0] if tiles else ''}", flush=True)
 
@@ -85,13 +91,14 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--jobs", type=int, default=4)
-    ap.add_argument("--dq", action="store_true", help="the dQ kernel's shapes in the backward")
+    ap.add_argument("--kind", choices=sorted(SHAPES), default="fwd",
+                    help="whose shapes: the forward's, or the backward's dQ or dK/dV kernel")
     a = ap.parse_args()
-    kind = "dq" if a.dq else "fwd"
+    kind = a.kind
     if a.prebuild:
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(a.jobs) as pool:
-            for line in pool.map(_build, [(kind, shape) for shape in SHAPES]):
+            for line in pool.map(_build, [(kind, shape) for shape in SHAPES[kind]]):
                 print(line, flush=True)
         return
     import cupy
@@ -101,8 +108,8 @@ def main():
     graphs = {"window": tg.Graph.band(N, left=W - 1, right=0), "causal": tg.Graph.triangular(N)}
     print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, N={N} H={H} D={D} fp16, window {W}, "
           f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    if a.dq:
-        return _dq_shapes(q, k, v, graphs, a.reps)
+    if kind != "fwd":
+        return _backward_shapes(kind, q, k, v, graphs, a.reps)
     print("| shape NW, BN | relation | call ms | stream ms | kernel ms | host ms | TF/s (kernel) | max diff to the shipped shape |")
     print("|---|---|---|---|---|---|---|---|")
     first = {}
@@ -113,7 +120,7 @@ def main():
         launched["call"] = (args, kw)
         return real_launch(*args, **kw)
     api.launch_forward = spy
-    for shape in SHAPES:
+    for shape in SHAPES["fwd"]:
         _use("fwd", shape)
         for name, g in graphs.items():
             def fn(g=g):

@@ -212,7 +212,8 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     sc = _score_units(vk, scale)
     kd = delta_kernel(vk.dtype, vk.Dv)
     if nd * H:
-        kd(((nd * H + 3) // 4,), (128,), st, o[0], do[0], mp, lp, deltap, lse2p, nd, H, o[1], o[2], do[1], do[2])
+        ctas, threads = G.delta_grid(vk.dtype, vk.Dv, nd * H)
+        kd((ctas,), (threads,), st, o[0], do[0], mp, lp, deltap, lse2p, nd, H, o[1], o[2], do[1], do[2])
     states = []
     if vq is not None:
         kq, c = kernel(vq)
@@ -375,7 +376,11 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
+    rec = _host_relation(relation)
+    band = _band_keys(rec)
     vq, vk = backward_variants(D, Dv, dt, deterministic(plan))
+    narrowed = (vq is not None and tuning.narrow(vq, band) is not vq) or tuning.narrow(vk, band) is not vk
+    vq, vk = (None if vq is None else tuning.narrow(vq, band)), tuning.narrow(vk, band)
     if score_mod is not None:
         if score_mod.grad_leaves:   # the registry routes these to the CUDA cores
             raise NotImplementedError("gradients of score-modifier fields and params are computed on the CUDA cores")
@@ -397,7 +402,6 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     else:
         m2 = cupy.ascontiguousarray(m_kernel, dtype=cupy.float32)
     l = cupy.ascontiguousarray(l, dtype=cupy.float32)
-    rec = _host_relation(relation)
     zq = not vk.dq_atomic and _dq_zero_fill(rec, nd, vq is None)   # atomic: the convert pass writes every row
     zk = not _covers(rec, "src", ns)
     dq = (cupy.zeros if zq else cupy.empty)((nd, H, D), dtype=q.dtype)
@@ -419,7 +423,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         tiles = f"dK/dV/dQ BM={vk.BM} BN={vk.BN} warps={vk.NW}"
     else:
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
-        tiles = f"dQ BM={vq.BM} BN={vq.BN}; dK/dV BM={vk.BM} BN={vk.BN}"
+        tiles = f"dQ BM={vq.BM} BN={vq.BN} warps={vq.NW}; dK/dV BM={vk.BM} BN={vk.BN} warps={vk.NW}"
+    if narrowed:
+        tiles += f" (bands of at most {tuning.NARROW_KEYS} keys: the narrow-band shape)"
     if score_mod is not None:
         how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}, dS scaled by f'"
     _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",

@@ -355,6 +355,17 @@ class Warps:
     def ldg_f32_if(self, pred, gaddr):
         return self.ldg_u32_if(pred, gaddr).view(np.float32)
 
+    def ldg_v4_if(self, pred, gaddr):
+        """16-byte load as four u32 per thread, zeros where the predicate is false."""
+        pred = self._vec(pred, np.uint32) != 0
+        gaddr = self._vec(gaddr, np.int64)
+        out = np.zeros((4, self.NT), np.uint32)
+        if pred.any():
+            assert np.all(gaddr[pred] % 16 == 0), "16-byte alignment of a vector load"
+            self.mem.check(gaddr[pred], 16)
+            out[:, pred] = self.mem.buf[gaddr[pred][:, None] + np.arange(16)].view(np.uint32).reshape(-1, 4).T
+        return tuple(out)
+
     def ldg_i32(self, gaddr):
         gaddr = int(gaddr)   # uniform
         self.mem.check(gaddr, 4)
@@ -512,12 +523,13 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
             env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
                        u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum, imax=np.maximum,
                        sel=_sel, ex2=_ex2, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
+                       bits_f32=lambda x: np.asarray(x, np.uint32).view(np.float32),
                        opq=lambda x: np.asarray(x, np.int64)[()],
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
                        cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None,
                        math=_MATH)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
-                       "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_i32", "pack2",
+                       "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",
                        "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if"):
                 env[nm] = getattr(w, nm)
             env["fence_async"] = lambda: None
@@ -601,7 +613,8 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
     dvb = mem.alloc(max(ns * Hkv * Dv * GB, 1))
     sc, margs = _modifier_args(mem, mod, scale, H)
     if nd * H:
-        launch(G.gen_delta(dt, Dv), ((nd * H + 3) // 4, 1), 128, 16, mem, dt,
+        ctas, threads = G.delta_grid(dt, Dv, nd * H)
+        launch(G.gen_delta(dt, Dv), (ctas, 1), threads, 16, mem, dt,
                (ob, db, mb, lb, dlt, lse, nd, H, o_rs, o_hs, do_rs, do_hs))
     if vdq is not None:
         work = schedule.query_tiles(dst_offsets, src_offsets, causal, vdq.BM, lo, hi)

@@ -207,6 +207,15 @@ def intrinsics(dtype="float16"):
         return sig, cg
 
     @intrinsic
+    def bits_f32(tc, x):
+        """the float32 whose bits are the u32 x (a register reinterpretation, no instruction)."""
+        sig = f32(u32)
+
+        def cg(ctx, bld, sig, args):
+            return bld.bitcast(args[0], F32)
+        return sig, cg
+
+    @intrinsic
     def ldg_i32(tc, gaddr):
         sig = i32(i64)
 
@@ -443,7 +452,7 @@ def intrinsics(dtype="float16"):
         stg_v4_if=predicated("st.global.v4.f32", "ffff"), stg_v2_if=predicated("st.global.v2.f32", "ff"),
         split3x2=split3x2, sts_u32x2=shared_store("st.shared.v2.u32", 2, "r"),
         red_v2_if=predicated("red.global.add.v2.f32", "ff"), red_v4_if=predicated("red.global.add.v4.f32", "ffff"),
-        ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_v4_if=ldg_v4_if, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
+        ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_v4_if=ldg_v4_if, bits_f32=bits_f32, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
         ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
         sts_halves=sts_halves, sts_f32=shared_store("st.shared.f32", 1),
         sts_v2=shared_store("st.shared.v2.f32", 2), sts_v4=shared_store("st.shared.v4.f32", 4),

@@ -156,7 +156,10 @@ MODIFIED = {}
 #: H = 16, D = 128, the forward kernel alone (benchmarks/gpu/window_probe.py; results/
 #: gpu-h200-2026-12-03c.txt): window of 1024 keys 0.456 ms (shipped NW=8 BN=128) -> 0.397 ms
 #: (NW=4 BN=64); causal, which visits 64 blocks per tile on average, 2.69 -> 2.86 ms (not used there).
-NARROW = {("wgmma", "fwd", 128): dict(NW=4, BN=64)}
+#: The backward's dQ kernel over the same window, dK / dV at its shipped shape
+#: (benchmarks/gpu/window_probe.py --kind dq; results/gpu-h200-2026-12-03g.txt): NW = 8 BN = 128
+#: 1.700 ms -> NW = 4 BN = 64 1.620 ms for the whole backward, causal unchanged (10.83 / 10.86 ms).
+NARROW = {("wgmma", "fwd", 128): dict(NW=4, BN=64), ("wgmma", "dq", 128): dict(NW=4, BN=64)}
 #: the widest band (keys per row) NARROW serves: the measured window
 NARROW_KEYS = 1024
 #: the dtypes NARROW serves: those whose narrow-band kernel has run on the H200 (tests/

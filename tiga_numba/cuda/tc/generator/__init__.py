@@ -46,12 +46,12 @@ per-block partials (pb_groups). Outputs are float32 in the natural column order.
 """
 from __future__ import annotations
 
-from .backward import gen_delta, gen_dkdv, gen_dq
+from .backward import delta_grid, gen_delta, gen_dkdv, gen_dq
 from .forward import gen_forward
 from .modifier import Modifier
 from .variant import LOG2E, MASKED, MAX_SMEM, Variant
 
-__all__ = ["Variant", "Modifier", "gen_source", "gen_forward", "gen_dq", "gen_dkdv", "gen_delta", "LOG2E", "MASKED",
+__all__ = ["Variant", "Modifier", "gen_source", "gen_forward", "gen_dq", "gen_dkdv", "gen_delta", "delta_grid", "LOG2E", "MASKED",
            "MAX_SMEM"]
 
 

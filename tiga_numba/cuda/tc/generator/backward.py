@@ -558,42 +558,74 @@ def gen_dkdv(v):
 
 
 # ============================================================================= backward: Delta pre-pass
+#: threads per CTA of the Delta pre-pass
+DELTA_THREADS = 128
+
+
+def delta_lanes(dtype, Dv):
+    """(lanes per (row, head), 16-byte chunks per lane) of the Delta pre-pass: a row of O or dO is
+    Dv * itemsize / 16 chunks of 16 bytes, spread over the fewest power-of-two lanes (at most a
+    warp) that cover it, so that a warp reads whole 16-byte vectors from 32 / lanes rows at once."""
+    chunks = Dv * (4 if dtype == "float32" else 2) // 16
+    assert chunks * 16 == Dv * (4 if dtype == "float32" else 2), "rows are whole 16-byte chunks"
+    lanes = 1
+    while lanes < min(chunks, 32):
+        lanes *= 2
+    return lanes, -(-chunks // lanes)
+
+
+def delta_grid(dtype, Dv, rows):
+    """(CTAs, threads per CTA) of the Delta pre-pass over `rows` (row, head) pairs."""
+    lanes, _ = delta_lanes(dtype, Dv)
+    per_cta = DELTA_THREADS // lanes
+    return -(-rows // per_cta), DELTA_THREADS
+
+
 def gen_delta(dtype, Dv):
-    """Delta_i = sum_d dO_id O_id and the pair (m2_i, log2 l_i) ((0, 0) for empty rows), one warp
-    per (row, head): the per-row inputs of both backward kernels. m2 (at mp) is the row max in
-    the kernels' base-2 units as the forward found it (api.backward converts natural-log stats
-    that lack it), so no rounded unit conversion enters the exponent.
+    """Delta_i = sum_d dO_id O_id and the pair (m2_i, log2 l_i) ((0, 0) for empty rows): the
+    per-row inputs of both backward kernels. Each (row, head) is read by a group of lanes
+    (delta_lanes) with 16-byte vector loads, every load of a lane issued before its first product
+    (the pass is a pure read of O and dO: loads in flight, not arithmetic, set its speed; rows
+    are 16-byte aligned, tensor-core operands always are: api._operand). m2 (at mp) is the row
+    max in the kernels' base-2 units as the forward found it (api.backward converts natural-log
+    stats that lack it), so no rounded unit conversion enters the exponent.
 
     The pair is not added into one lse2: the forward's exponent for the row's largest score,
     fma(s, sc, -m2), is the rounding error of m2 = s * sc (up to ulp(m2) / 2, 2^-8 at m2 ~ 7e4),
     and l carries it as log2 l; m2 + log2 l in float32 would round it away again and leave P off by
     2^(ulp(m2) / 2) in the backward at large scores. Two floats keep it: exp2((s sc - m2) - log2 l)."""
+    lanes, per_lane = delta_lanes(dtype, Dv)
+    chunks = Dv * (4 if dtype == "float32" else 2) // 16
     e = Source()
     e("def kernel(op, dop, mp, lp, dltp, lsep, n, H, o_rs, o_hs, do_rs, do_hs):")
     with e.indent():
         e("tx = i64(cuda.threadIdx.x); lane = tx % 32")
-        e("rh = i64(cuda.blockIdx.x) * (i64(cuda.blockDim.x) // 32) + tx // 32")
+        e(f"c0 = lane % {lanes}")
+        e(f"rh = (i64(cuda.blockIdx.x) * (i64(cuda.blockDim.x) // 32) + tx // 32) * {32 // lanes} + lane // {lanes}")
         # predicated rather than branched: every lane takes part in the shuffles
         e("live = u32(rh < n * H); rh = sel(live != 0, rh, 0)")
         e("row = rh // H; hh = rh % H")
+        e("oa = op + row * o_rs + hh * o_hs; da = dop + row * do_rs + hh * do_hs")
+        for j in range(per_lane):   # every load first
+            e(f"d{j} = c0 + {j * lanes}; ok{j} = live & u32(d{j} < {chunks})")
+            e(f"x{j} = ldg_v4_if(ok{j}, oa + d{j} * 16)")
+            e(f"y{j} = ldg_v4_if(ok{j}, da + d{j} * 16)")
         e("acc = f32(0.0)")
-        per_word = 1 if dtype == "float32" else 2   # elements per 32-bit load
-        for c in range((Dv // per_word + 31) // 32):
-            e(f"d = lane + {32 * c}; ok = live & u32(d < {Dv // per_word})")
-            if per_word == 1:
-                e("x0 = ldg_f32_if(ok, op + row * o_rs + hh * o_hs + d * 4)")
-                e("y0 = ldg_f32_if(ok, dop + row * do_rs + hh * do_hs + d * 4)")
-                e("acc = acc + x0 * y0")
-                continue
-            e("x0, x1 = unpack2(ldg_u32_if(ok, op + row * o_rs + hh * o_hs + d * 4))")
-            e("y0, y1 = unpack2(ldg_u32_if(ok, dop + row * do_rs + hh * do_hs + d * 4))")
-            e("acc = acc + x0 * y0 + x1 * y1")
-        for s in (16, 8, 4, 2, 1):
+        for j in range(per_lane):
+            for w in range(4):
+                if dtype == "float32":
+                    e(f"acc = acc + bits_f32(x{j}[{w}]) * bits_f32(y{j}[{w}])")
+                else:
+                    e(f"xa, xb = unpack2(x{j}[{w}]); ya, yb = unpack2(y{j}[{w}])")
+                    e("acc = acc + xa * ya + xb * yb")
+        s = lanes // 2
+        while s:   # butterflies inside each aligned group of `lanes` lanes
             e(f"acc = acc + shfl_xor(acc, {s})")
+            s //= 2
         e("ll = ldg_f32_if(live, lp + rh * 4); mm = ldg_f32_if(live, mp + rh * 4)")
         e("nz = ll > f32(0.0)")
         e("ms = sel(nz, mm, f32(0.0)); lg = sel(nz, log2f(sel(nz, ll, f32(1.0))), f32(0.0))")
-        e("ok = live & u32(lane == 0)")
+        e("ok = live & u32(c0 == 0)")
         e("stg_f32_if(ok, dltp + rh * 4, acc)")
         e("stg_f32_if(ok, lsep + rh * 8, ms)")
         e("stg_f32_if(ok, lsep + rh * 8 + 4, lg)")
