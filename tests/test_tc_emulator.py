@@ -1252,7 +1252,7 @@ def test_delta_prepass_reads_strided_rows_in_vectors(dtype, Dv):
     dlt, lse = mem.alloc(nd * H * 4), mem.alloc(nd * H * 8)
     rs, hs = (H + 1) * (Dv + pad) * item, (Dv + pad) * item
     ctas, threads = G.delta_grid(dtype, Dv, nd * H)
-    lanes, _ = G.backward.delta_lanes(dtype, Dv)
+    lanes = G.backward.delta_lanes(dtype, Dv)[0]
     assert ctas * threads // lanes > nd * H > (ctas - 1) * threads // lanes   # a partly idle last CTA
     E.launch(G.gen_delta(dtype, Dv), (ctas, 1), threads, 16, mem, dtype,
              (ob, db, mb, lb, dlt, lse, nd, H, rs, hs, rs, hs))

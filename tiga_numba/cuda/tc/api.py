@@ -319,7 +319,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     rec = _host_relation(relation)
     shipped = variant("fwd", D, Dv, dt)
     vr = tuning.narrow(shipped, _band_keys(rec))
-    why = "" if vr is shipped else f" (bands of at most {tuning.NARROW_KEYS} keys: the narrow-band shape)"
+    why = "" if vr is shipped else tuning.NARROW_WORDS
     (vr,), mod, keep = _modified((vr,), score_mod, H, nd, int(k.shape[0]), copies)
     rho = getattr(plan, "prune_threshold", None)
     if rho is not None:   # the admission rule compiled in (a separate kernel; exact calls never see it)
@@ -378,9 +378,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
     rec = _host_relation(relation)
     band = _band_keys(rec)
-    vq, vk = backward_variants(D, Dv, dt, deterministic(plan))
-    narrowed = (vq is not None and tuning.narrow(vq, band) is not vq) or tuning.narrow(vk, band) is not vk
-    vq, vk = (None if vq is None else tuning.narrow(vq, band)), tuning.narrow(vk, band)
+    shipped = backward_variants(D, Dv, dt, deterministic(plan))
+    vq, vk = (None if vr is None else tuning.narrow(vr, band) for vr in shipped)
+    narrowed = (vq, vk) != shipped
     if score_mod is not None:
         if score_mod.grad_leaves:   # the registry routes these to the CUDA cores
             raise NotImplementedError("gradients of score-modifier fields and params are computed on the CUDA cores")
@@ -425,7 +425,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
         tiles = f"dQ BM={vq.BM} BN={vq.BN} warps={vq.NW}; dK/dV BM={vk.BM} BN={vk.BN} warps={vk.NW}"
     if narrowed:
-        tiles += f" (bands of at most {tuning.NARROW_KEYS} keys: the narrow-band shape)"
+        tiles += tuning.NARROW_WORDS
     if score_mod is not None:
         how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}, dS scaled by f'"
     _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",

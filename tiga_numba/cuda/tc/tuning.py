@@ -177,6 +177,10 @@ def narrow(vr, band_keys):
     return _changed(vr, NARROW)
 
 
+#: what explain()'s tiles line adds when a kernel took NARROW's shape
+NARROW_WORDS = f" (bands of at most {NARROW_KEYS} keys: the narrow-band shape)"
+
+
 def narrow_kinds(dtype):
     """[(wgmma, kind, D)] of the narrow-band kernels of `dtype` (prebuild)."""
     return [(engine == "wgmma", kind, D) for engine, kind, D in NARROW] if dtype in NARROW_DTYPES else []

@@ -563,21 +563,22 @@ DELTA_THREADS = 128
 
 
 def delta_lanes(dtype, Dv):
-    """(lanes per (row, head), 16-byte chunks per lane) of the Delta pre-pass: a row of O or dO is
-    Dv * itemsize / 16 chunks of 16 bytes, spread over the fewest power-of-two lanes (at most a
-    warp) that cover it, so that a warp reads whole 16-byte vectors from 32 / lanes rows at once."""
-    chunks = Dv * (4 if dtype == "float32" else 2) // 16
-    assert chunks * 16 == Dv * (4 if dtype == "float32" else 2), "rows are whole 16-byte chunks"
+    """(lanes per (row, head), 16-byte chunks per lane, 16-byte chunks per row) of the Delta
+    pre-pass: a row of O or dO is Dv * itemsize / 16 chunks of 16 bytes, spread over the fewest
+    power-of-two lanes (at most a warp) that cover it, so that a warp reads whole 16-byte vectors
+    from 32 / lanes rows at once."""
+    row_bytes = Dv * (4 if dtype == "float32" else 2)
+    assert row_bytes % 16 == 0, "rows are whole 16-byte chunks"
+    chunks = row_bytes // 16
     lanes = 1
     while lanes < min(chunks, 32):
         lanes *= 2
-    return lanes, -(-chunks // lanes)
+    return lanes, -(-chunks // lanes), chunks
 
 
 def delta_grid(dtype, Dv, rows):
     """(CTAs, threads per CTA) of the Delta pre-pass over `rows` (row, head) pairs."""
-    lanes, _ = delta_lanes(dtype, Dv)
-    per_cta = DELTA_THREADS // lanes
+    per_cta = DELTA_THREADS // delta_lanes(dtype, Dv)[0]
     return -(-rows // per_cta), DELTA_THREADS
 
 
@@ -594,8 +595,7 @@ def gen_delta(dtype, Dv):
     fma(s, sc, -m2), is the rounding error of m2 = s * sc (up to ulp(m2) / 2, 2^-8 at m2 ~ 7e4),
     and l carries it as log2 l; m2 + log2 l in float32 would round it away again and leave P off by
     2^(ulp(m2) / 2) in the backward at large scores. Two floats keep it: exp2((s sc - m2) - log2 l)."""
-    lanes, per_lane = delta_lanes(dtype, Dv)
-    chunks = Dv * (4 if dtype == "float32" else 2) // 16
+    lanes, per_lane, chunks = delta_lanes(dtype, Dv)
     e = Source()
     e("def kernel(op, dop, mp, lp, dltp, lsep, n, H, o_rs, o_hs, do_rs, do_hs):")
     with e.indent():
