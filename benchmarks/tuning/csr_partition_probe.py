@@ -11,7 +11,10 @@ Reading: when the half-rows kernel on one thread takes about what the whole call
 the kernels split perfectly and a Dask worker's extra task time lies outside them (halo
 concatenation, task and memory overheads). When the two processes at once take longer than one
 alone, they slow each other down: two private copies of k and v (2 x 2 N H D 4 bytes) compete for
-the memory bandwidth and the last-level cache that one shared copy used.
+the memory bandwidth and the last-level cache that one shared copy used. The gathers read k and v
+at random: in memory without transparent huge pages (numpy asks for them; a buffer that a network
+layer allocated may not have them) they also pay TLB misses, which the line "without huge pages"
+measures.
 """
 import argparse
 import multiprocessing as mp
@@ -77,6 +80,15 @@ def main():
     numba.set_num_threads(1)
     print(f"all rows, 1 thread:  {best(lambda: tg.attention(q, k, v, g)):.2f} s")
     print(f"half the rows, 1 thread: {best(half_call(tg, indptr, idx, q, k, v, 0)):.2f} s")
+    # numpy asks the kernel for transparent huge pages on its large allocations (madvise); memory
+    # without them (e.g. buffers a network layer allocated) costs the random gathers TLB misses
+    from numpy._core import multiarray
+    multiarray._set_madvise_hugepage(False)
+    k4, v4 = k.copy(), v.copy()
+    multiarray._set_madvise_hugepage(True)
+    print(f"half the rows, 1 thread, k and v in memory without huge pages: "
+          f"{best(half_call(tg, indptr, idx, q, k4, v4, 0)):.2f} s")
+    del k4, v4
     del q, k, v
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Manager().dict()
