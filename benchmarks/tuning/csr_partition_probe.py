@@ -17,6 +17,7 @@ layer allocated may not have them) they also pay TLB misses, which the line "wit
 measures.
 """
 import argparse
+import functools
 import multiprocessing as mp
 import time
 
@@ -48,7 +49,7 @@ def half_call(tg, indptr, idx, q, k, v, part):
     n, half = q.shape[0], q.shape[0] // 2
     r0, r1 = (0, half) if part == 0 else (half, n)
     gh = tg.Graph.from_csr(indptr[r0:r1 + 1] - indptr[r0], idx[indptr[r0]:indptr[r1]], num_src=n)
-    return lambda: tg.attention(q[r0:r1], k, v, gh)
+    return functools.partial(tg.attention, q[r0:r1], k, v, gh)
 
 
 def worker(n, part, barrier, results):
@@ -76,9 +77,9 @@ def main():
     copy_mb = 2 * k.nbytes / 2**20
     print(f"# CSR forward, {n} nodes, {n * DEG} edges (random sources), H={H}, D={D}, float32; "
           f"k and v {copy_mb:.0f} MiB per copy")
-    print(f"all rows, {threads} threads: {best(lambda: tg.attention(q, k, v, g)):.2f} s")
+    print(f"all rows, {threads} threads: {best(functools.partial(tg.attention, q, k, v, g)):.2f} s")
     numba.set_num_threads(1)
-    print(f"all rows, 1 thread:  {best(lambda: tg.attention(q, k, v, g)):.2f} s")
+    print(f"all rows, 1 thread:  {best(functools.partial(tg.attention, q, k, v, g)):.2f} s")
     print(f"half the rows, 1 thread: {best(half_call(tg, indptr, idx, q, k, v, 0)):.2f} s")
     # numpy asks the kernel for transparent huge pages on its large allocations (madvise); memory
     # without them (e.g. buffers a network layer allocated) costs the random gathers TLB misses
