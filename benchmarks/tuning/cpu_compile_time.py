@@ -1,7 +1,8 @@
 """First-call (compile) time of the float32 CPU block kernels with each tile product: a fresh
 process per product, with empty numba and package caches, times one forward and one backward
 (N = 300 causal, H = 2, D = 64, 64 x 128 tiles); the calls are tiny, so the times are the
-compilations (and, for "own" under "auto", the once-per-machine timing of the products).
+compilations (and, for "own" under "auto", the once-per-machine timing of the products); then
+the same calls with a soft-cap, which compile the kernels' score-modifier variants.
 
     python benchmarks/tuning/cpu_compile_time.py [--products own,blas]
 """
@@ -23,6 +24,13 @@ with tg.options(cpu_tiles=(64, 128), cpu_products=PRODUCTS):
     tg.attention_backward(do, q, k, v, o, st, g)
     t2 = time.perf_counter()
 print(f"{PRODUCTS:>5}: forward {t1 - t:5.1f} s, backward {t2 - t1:5.1f} s (first calls, empty caches)")
+with tg.options(cpu_tiles=(64, 128), cpu_products=PRODUCTS):   # a score-modifier variant of both
+    t = time.perf_counter()
+    o, st = tg.attention(q, k, v, g, return_stats=True, softcap=30.0)
+    t1 = time.perf_counter()
+    tg.attention_backward(do, q, k, v, o, st, g, softcap=30.0)
+    t2 = time.perf_counter()
+print(f"{PRODUCTS:>5}: soft-cap variant forward {t1 - t:5.1f} s, backward {t2 - t1:5.1f} s (compiled next)")
 """
 
 

@@ -48,12 +48,15 @@ from numba.extending import overload
 from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
 from .microgemm import NR, product
-from .score_codegen import jit_kernel, no_grad, no_slope, no_value
+from .score_codegen import jit_driver, jit_kernel, no_grad, no_slope, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
 MOD_VALUE = no_value
 MOD_GRAD = no_grad
 MOD_SLOPE = no_slope
+# the per-item functions the kernels' parallel drivers call (score_codegen.jit_driver binds them
+# per kernel; a kernel's body is compiled without numba's parallel passes, its driver with them)
+FORWARD_ITEM = MERGE_ITEM = BACKWARD_PART = None
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -159,170 +162,186 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
     log2e = dt(LOG2E)
 
-    def forward(qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
-                group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
-                tiles_pruned, mctx):
+    def forward_item(w, qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
+                     group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
+                     tiles_pruned, mctx):
+        """work item w (a query tile of one head and block, or one key range of a split one)."""
         sc, hp, nd_f, ns_f, ef = mctx
         D = qh.shape[2]
         Dv = vh.shape[2]
-        n_items = items.shape[0]
-        for w in prange(n_items):
-            wide_vectors()
-            mxcsr = denormals_off()
-            h = items[w, 0]
-            b = items[w, 1]
-            q0 = items[w, 2]
-            slot = items[w, 5]
-            hk = h // group
-            d0 = dst_off[b]
-            s0 = src_off[b]
-            nd = dst_off[b + 1] - d0
-            ns = src_off[b + 1] - s0
-            lo = band_lo[b]
-            hi = band_hi[b]
-            tb = tile_base[b]
-            rows = min(BM, nd - q0)
-            sbuf = np.empty((BM, BN), dt)
-            acc_ = np.zeros((rows, Dv), dt)
-            m = np.full(rows, NEG, dt)
-            l = np.zeros(rows, dt)
-            rmax = np.empty(rows, dt)
-            alph = np.empty(rows, dt)
-            mref = np.empty(rows, dt)
-            qt = qh[h, d0 + q0:d0 + q0 + rows]
-            # keys of the band for these rows: [kbeg, kend) (a piece of a split item covers key
-            # tiles [items[w, 3], items[w, 4]) only); packed tiles stay aligned to the block, a
-            # block read in place starts at the band
-            kbeg = max(0, q0 + lo, items[w, 3] * BN)
-            kend = min(ns, q0 + rows - 1 + hi + 1, items[w, 4] * BN)
-            m_blk = dt(NEG)
-            n_total = 0
-            n_pruned = 0
-            for c0 in range((kbeg // BN) * BN if tb >= 0 else kbeg, kend, BN):
-                cols = min(BN, kend - c0)
-                n_total += 1
-                S = sbuf[:rows, :cols]
-                if D == 0:
-                    S[:, :] = 0.0
-                elif tb >= 0:
-                    product(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False, OWN)
-                elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
-                    # a span tile that reaches its band's end takes a whole number of the own
-                    # product's column blocks: the extra keys lie past every row's band and are
-                    # masked below like any cell outside it (else the BLAS's A @ B takes it)
-                    wide = -(-cols // NR) * NR
-                    if c0 + cols >= q0 + rows + hi and c0 + wide <= ns and wide <= BN:
-                        cols = wide
-                        S = sbuf[:rows, :cols]
-                    product(qt, kT[hk, :, s0 + c0:s0 + c0 + cols], S, 0.0, False, False, OWN)
-                else:  # narrow block, not packed: K rows as the BLAS's transposed operand
-                    mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
-                if MOD:  # natural-unit scores -> modified scores in base 2
-                    for r in range(rows):
-                        Sr = sbuf[r]
-                        i = d0 + q0 + r
-                        for c in range(cols):
-                            Sr[c] = MOD_VALUE(Sr[c], i, s0 + c0 + c, -1, h, sc, hp, nd_f, ns_f,
-                                          ef) * log2e
-                lo_rel = q0 + lo - c0
-                hi_rel = q0 + hi - c0
-                ca, cb = common_span(rows, lo_rel, hi_rel, cols)
-                banded = ca > 0 or cb < cols
-                # element loops go through contiguous row views so that LLVM vectorises them
-                if banded:
-                    for r in range(rows):
-                        Sr = sbuf[r]
-                        first, last = _row_span(r, lo_rel, hi_rel, cols)
-                        for c in range(0, min(first, cols)):
-                            Sr[c] = NEG
-                        for c in range(max(last, 0), cols):
-                            Sr[c] = NEG
-                tmax = dt(NEG)
+        wide_vectors()
+        mxcsr = denormals_off()
+        h = items[w, 0]
+        b = items[w, 1]
+        q0 = items[w, 2]
+        slot = items[w, 5]
+        hk = h // group
+        d0 = dst_off[b]
+        s0 = src_off[b]
+        nd = dst_off[b + 1] - d0
+        ns = src_off[b + 1] - s0
+        lo = band_lo[b]
+        hi = band_hi[b]
+        tb = tile_base[b]
+        rows = min(BM, nd - q0)
+        sbuf = np.empty((BM, BN), dt)
+        acc_ = np.zeros((rows, Dv), dt)
+        m = np.full(rows, NEG, dt)
+        l = np.zeros(rows, dt)
+        rmax = np.empty(rows, dt)
+        alph = np.empty(rows, dt)
+        mref = np.empty(rows, dt)
+        qt = qh[h, d0 + q0:d0 + q0 + rows]
+        # keys of the band for these rows: [kbeg, kend) (a piece of a split item covers key
+        # tiles [items[w, 3], items[w, 4]) only); packed tiles stay aligned to the block, a
+        # block read in place starts at the band
+        kbeg = max(0, q0 + lo, items[w, 3] * BN)
+        kend = min(ns, q0 + rows - 1 + hi + 1, items[w, 4] * BN)
+        m_blk = dt(NEG)
+        n_total = 0
+        n_pruned = 0
+        for c0 in range((kbeg // BN) * BN if tb >= 0 else kbeg, kend, BN):
+            cols = min(BN, kend - c0)
+            n_total += 1
+            S = sbuf[:rows, :cols]
+            if D == 0:
+                S[:, :] = 0.0
+            elif tb >= 0:
+                product(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False, OWN)
+            elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
+                # a span tile that reaches its band's end takes a whole number of the own
+                # product's column blocks: the extra keys lie past every row's band and are
+                # masked below like any cell outside it (else the BLAS's A @ B takes it)
+                wide = -(-cols // NR) * NR
+                if c0 + cols >= q0 + rows + hi and c0 + wide <= ns and wide <= BN:
+                    cols = wide
+                    S = sbuf[:rows, :cols]
+                product(qt, kT[hk, :, s0 + c0:s0 + c0 + cols], S, 0.0, False, False, OWN)
+            else:  # narrow block, not packed: K rows as the BLAS's transposed operand
+                mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
+            if MOD:  # natural-unit scores -> modified scores in base 2
                 for r in range(rows):
                     Sr = sbuf[r]
-                    mx = dt(NEG)
+                    i = d0 + q0 + r
                     for c in range(cols):
-                        mx = fmax(mx, Sr[c])
-                    rmax[r] = mx
-                    tmax = fmax(tmax, mx)
-                if prune:
-                    if tmax < m_blk + log2_rho:
-                        n_pruned += 1
-                        continue
-                    m_blk = fmax(m_blk, tmax)
-                for r in range(rows):  # per-row new max and rescale factor, vectorised
-                    mnew = fmax(m[r], rmax[r])
-                    ms = mnew if mnew > EMPTY else dt(0.0)  # row still empty: p = 0, no NaN
-                    alph[r] = exp2_any(m[r] - ms)
-                    mref[r] = ms
-                    m[r] = mnew
+                        Sr[c] = MOD_VALUE(Sr[c], i, s0 + c0 + c, -1, h, sc, hp, nd_f, ns_f,
+                                      ef) * log2e
+            lo_rel = q0 + lo - c0
+            hi_rel = q0 + hi - c0
+            ca, cb = common_span(rows, lo_rel, hi_rel, cols)
+            banded = ca > 0 or cb < cols
+            # element loops go through contiguous row views so that LLVM vectorises them
+            if banded:
                 for r in range(rows):
-                    ms = mref[r]
-                    s = dt(0.0)
                     Sr = sbuf[r]
-                    for c in range(cols):
-                        p = exp2_any(Sr[c] - ms)
-                        Sr[c] = p
-                        s += p
-                    alpha = alph[r]
-                    l[r] = l[r] * alpha + s
-                    if alpha != 1.0:
-                        ar = acc_[r]
-                        for d in range(Dv):
-                            ar[d] *= alpha
-                if Dv > 0:  # acc += P @ V, accumulated by the gemm itself
-                    vt = vh[hk, s0 + c0:s0 + c0 + cols]
-                    if banded and not v_finite:
-                        band_rows_mm(sbuf, vt, acc_, rows, cols, lo_rel, hi_rel, ca, cb)
-                    else:
-                        product(S, vt, acc_, 1.0, False, False, OWN)
-            tiles_total[w] = n_total
-            tiles_pruned[w] = n_pruned
-            if slot >= 0:  # one key range of a split item: its partial state, merged below
-                part_m[slot, :rows] = m
-                part_l[slot, :rows] = l
-                part_acc[slot, :rows] = acc_
-                restore_mxcsr(mxcsr)
-                continue
+                    first, last = _row_span(r, lo_rel, hi_rel, cols)
+                    for c in range(0, min(first, cols)):
+                        Sr[c] = NEG
+                    for c in range(max(last, 0), cols):
+                        Sr[c] = NEG
+            tmax = dt(NEG)
             for r in range(rows):
-                i = d0 + q0 + r
-                inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
-                for d in range(Dv):
-                    out[i, h, d] = acc_[r, d] * inv
-                m_out[i, h] = m[r] if l[r] > 0 else -np.inf  # base 2, as the kernel found it
-                l_out[i, h] = l[r]
-            restore_mxcsr(mxcsr)
-        # merge the key ranges of every split item, in slot order (deterministic)
-        for t in prange(splits.shape[0]):
-            h = splits[t, 0]
-            b = splits[t, 1]
-            q0 = splits[t, 2]
-            first = splits[t, 3]
-            last = first + splits[t, 4]
-            rows = min(BM, dst_off[b + 1] - dst_off[b] - q0)
-            for r in range(rows):
-                i = dst_off[b] + q0 + r
+                Sr = sbuf[r]
                 mx = dt(NEG)
-                for p in range(first, last):
-                    mx = fmax(mx, part_m[p, r])
-                ms = mx if mx > EMPTY else dt(0.0)
-                tot = dt(0.0)
-                o = out[i, h]
-                for d in range(Dv):
-                    o[d] = 0.0
-                for p in range(first, last):
-                    a = exp2_any(part_m[p, r] - ms)
-                    tot += part_l[p, r] * a
-                    pa = part_acc[p, r]
+                for c in range(cols):
+                    mx = fmax(mx, Sr[c])
+                rmax[r] = mx
+                tmax = fmax(tmax, mx)
+            if prune:
+                if tmax < m_blk + log2_rho:
+                    n_pruned += 1
+                    continue
+                m_blk = fmax(m_blk, tmax)
+            for r in range(rows):  # per-row new max and rescale factor, vectorised
+                mnew = fmax(m[r], rmax[r])
+                ms = mnew if mnew > EMPTY else dt(0.0)  # row still empty: p = 0, no NaN
+                alph[r] = exp2_any(m[r] - ms)
+                mref[r] = ms
+                m[r] = mnew
+            for r in range(rows):
+                ms = mref[r]
+                s = dt(0.0)
+                Sr = sbuf[r]
+                for c in range(cols):
+                    p = exp2_any(Sr[c] - ms)
+                    Sr[c] = p
+                    s += p
+                alpha = alph[r]
+                l[r] = l[r] * alpha + s
+                if alpha != 1.0:
+                    ar = acc_[r]
                     for d in range(Dv):
-                        o[d] += a * pa[d]
-                inv = dt(1.0) / tot if tot > 0 else dt(0.0)
-                for d in range(Dv):
-                    o[d] *= inv
-                m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
-                l_out[i, h] = tot
+                        ar[d] *= alpha
+            if Dv > 0:  # acc += P @ V, accumulated by the gemm itself
+                vt = vh[hk, s0 + c0:s0 + c0 + cols]
+                if banded and not v_finite:
+                    band_rows_mm(sbuf, vt, acc_, rows, cols, lo_rel, hi_rel, ca, cb)
+                else:
+                    product(S, vt, acc_, 1.0, False, False, OWN)
+        tiles_total[w] = n_total
+        tiles_pruned[w] = n_pruned
+        if slot >= 0:  # one key range of a split item: its partial state, merged below
+            part_m[slot, :rows] = m
+            part_l[slot, :rows] = l
+            part_acc[slot, :rows] = acc_
+            restore_mxcsr(mxcsr)
+            return
+        for r in range(rows):
+            i = d0 + q0 + r
+            inv = dt(1.0) / l[r] if l[r] > 0 else dt(0.0)
+            for d in range(Dv):
+                out[i, h, d] = acc_[r, d] * inv
+            m_out[i, h] = m[r] if l[r] > 0 else -np.inf  # base 2, as the kernel found it
+            l_out[i, h] = l[r]
+        restore_mxcsr(mxcsr)
 
-    return jit_kernel(forward, mod, **hooks)
+    def merge_item(t, splits, dst_off, part_m, part_l, part_acc, out, m_out, l_out):
+        """the key ranges of split item t, merged in slot order (deterministic)."""
+        Dv = out.shape[2]
+        h = splits[t, 0]
+        b = splits[t, 1]
+        q0 = splits[t, 2]
+        first = splits[t, 3]
+        last = first + splits[t, 4]
+        rows = min(BM, dst_off[b + 1] - dst_off[b] - q0)
+        for r in range(rows):
+            i = dst_off[b] + q0 + r
+            mx = dt(NEG)
+            for p in range(first, last):
+                mx = fmax(mx, part_m[p, r])
+            ms = mx if mx > EMPTY else dt(0.0)
+            tot = dt(0.0)
+            o = out[i, h]
+            for d in range(Dv):
+                o[d] = 0.0
+            for p in range(first, last):
+                a = exp2_any(part_m[p, r] - ms)
+                tot += part_l[p, r] * a
+                pa = part_acc[p, r]
+                for d in range(Dv):
+                    o[d] += a * pa[d]
+            inv = dt(1.0) / tot if tot > 0 else dt(0.0)
+            for d in range(Dv):
+                o[d] *= inv
+            m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
+            l_out[i, h] = tot
+
+    def forward(qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
+                group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
+                tiles_pruned, mctx):
+        for w in prange(items.shape[0]):
+            # int64: the parallel loop's index is unsigned in its outlined body, signed where the
+            # driver is typed; one signature means one compile of the item
+            FORWARD_ITEM(np.int64(w), qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi,
+                         tile_base, group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out,
+                         tiles_total, tiles_pruned, mctx)
+        # merge the key ranges of every split item, after every piece is written
+        for t in prange(splits.shape[0]):
+            MERGE_ITEM(np.int64(t), splits, dst_off, part_m, part_l, part_acc, out, m_out, l_out)
+
+    item = jit_kernel(forward_item, mod, parallel=False, **hooks)
+    return jit_driver(forward, mod, hooks, FORWARD_ITEM=item,
+                      MERGE_ITEM=jit_kernel(merge_item, None, parallel=False))
 
 
 def make_backward(acc, BM, BN, mod=None, own=False):
@@ -345,146 +364,155 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     log2e = dt(LOG2E)
     kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
-    def backward(qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
-                 band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
+    def backward_part(part, qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
+                      band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
+        """partition `part`: its key-tile items (api._deal), its box of dq_part."""
         sc, hp, nd_f, ns_f, ef = mctx
         ghp_part, gnd_part, gns = mgrad
         D = qh.shape[2]
         Dv = doh.shape[2]
         n_items = kitems.shape[0]
-        for part in prange(n_parts):
-            wide_vectors()
-            mxcsr = denormals_off()
-            # each partition zeroes the box of dq its items write (api._deal): the rest is never read
-            dq_part[part, boxes[part, 0]:boxes[part, 1], boxes[part, 2]:boxes[part, 3], :] = 0.0
-            pbuf = np.empty((BM, BN), dt)
-            sbuf = np.empty((BM, BN), dt)
-            xbuf = np.empty((BM if MOD else 1, BN if MOD else 1), dt)   # raw scores (modifier)
-            dk_acc = np.empty((BN, D), dt)
-            dv_acc = np.empty((BN, Dv), dt)
-            ghp = ghp_part[part]
-            gnd = gnd_part[part]
-            for w in range(part, n_items, n_parts):
-                hk = kitems[w, 0]
-                b = kitems[w, 1]
-                c0 = kitems[w, 2]
-                if hk < 0:  # padding slot of the round-robin deal
-                    continue
-                d0 = dst_off[b]
-                s0 = src_off[b]
-                nd = dst_off[b + 1] - d0
-                ns = src_off[b + 1] - s0
-                lo = band_lo[b]
-                hi = band_hi[b]
-                tb = tile_base[b]
-                cols = min(BN, ns - c0)
-                dka = dk_acc[:cols]
-                dva = dv_acc[:cols]
-                dka[:, :] = 0.0
-                dva[:, :] = 0.0
-                kt = kh[hk, s0 + c0:s0 + c0 + cols]  # (cols, D)
-                vt = vh[hk, s0 + c0:s0 + c0 + cols]  # (cols, Dv)
-                # query rows that reach this key tile: c0 - hi <= r <= c0 + cols - 1 - lo
-                qbeg = max(0, c0 - hi)
-                qend = min(nd, c0 + cols - lo)
-                for h in range(hk * group, (hk + 1) * group):
-                    # query rows are read in place: tiles start at the first row the band lets
-                    # in and end at the last (rows past qend hold no cell of this key tile)
-                    for q0 in range(qbeg, qend, BM):
-                        rows = min(BM, qend - q0)
-                        qt = qh[h, d0 + q0:d0 + q0 + rows]
-                        dot = doh[h, d0 + q0:d0 + q0 + rows]
-                        P = pbuf[:rows, :cols]
-                        dP = sbuf[:rows, :cols]
-                        if D == 0:
-                            P[:, :] = 0.0
-                        elif tb >= 0:
-                            product(qt, ktt[hk, tb + c0 // BN, :, :cols], P, 0.0, False, False, OWN)
-                        else:   # K rows as the BLAS's transposed operand
-                            mm(qt, kt, P, 0.0, False, True)
-                        if Dv == 0:
-                            dP[:, :] = 0.0
-                        elif tb >= 0:
-                            product(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False, OWN)
-                        else:
-                            mm(dot, vt, dP, 0.0, False, True)
-                        lo_rel = q0 + lo - c0
-                        hi_rel = q0 + hi - c0
-                        ca, cb = common_span(rows, lo_rel, hi_rel, cols)
-                        banded = ca > 0 or cb < cols
-                        for r in range(rows):
-                            i = d0 + q0 + r
-                            mr = m2[h, i]
-                            ms = mr if mr > EMPTY else dt(0.0)
-                            li = linv[h, i]
-                            de = delta[h, i]
-                            Pr = pbuf[r]
-                            dPr = sbuf[r]
-                            if MOD:  # only band cells reach the modifier's gradients
-                                # three plain loops over whole rows (value; P and dS; f'), as the
-                                # forward's: they vectorise, where one band-limited loop doing all
-                                # three per cell ran scalar (soft-cap backward ~2x plain -> ~1.03x).
-                                # Cells outside the band are zeroed below; f' stays band-limited
-                                # when some leaf accumulates a gradient.
-                                first, last = _row_span(r, lo_rel, hi_rel, cols)
-                                cf, cl = max(first, 0), min(last, cols)
-                                Xr = xbuf[r]
-                                j0 = s0 + c0
-                                if LEAFLESS:   # Xr holds df/ds: f' over whole rows, zeroed below
-                                    for c in range(cols):
-                                        f, g = MOD_SLOPE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef)
-                                        Pr[c] = f * log2e
-                                        Xr[c] = g
-                                    for c in range(cols):
-                                        p = exp2_any(Pr[c] - ms) * li
-                                        Pr[c] = p
-                                        dPr[c] = (p * (dPr[c] - de)) * Xr[c]
-                                else:   # Xr holds the raw scores for the leaves' gradients
-                                    for c in range(cols):
-                                        Xr[c] = Pr[c]
-                                        Pr[c] = MOD_VALUE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef) * log2e
-                                    for c in range(cols):
-                                        p = exp2_any(Pr[c] - ms) * li
-                                        Pr[c] = p
-                                        dPr[c] = p * (dPr[c] - de)
-                                    for c in range(cf, cl):
-                                        dPr[c] = MOD_GRAD(Xr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef,
-                                                          dPr[c], ghp, gnd, i, gns, j0 + c, ef)
-                            else:
+        wide_vectors()
+        mxcsr = denormals_off()
+        # each partition zeroes the box of dq its items write (api._deal): the rest is never read
+        dq_part[part, boxes[part, 0]:boxes[part, 1], boxes[part, 2]:boxes[part, 3], :] = 0.0
+        pbuf = np.empty((BM, BN), dt)
+        sbuf = np.empty((BM, BN), dt)
+        xbuf = np.empty((BM if MOD else 1, BN if MOD else 1), dt)   # raw scores (modifier)
+        dk_acc = np.empty((BN, D), dt)
+        dv_acc = np.empty((BN, Dv), dt)
+        ghp = ghp_part[part]
+        gnd = gnd_part[part]
+        for w in range(part, n_items, n_parts):
+            hk = kitems[w, 0]
+            b = kitems[w, 1]
+            c0 = kitems[w, 2]
+            if hk < 0:  # padding slot of the round-robin deal
+                continue
+            d0 = dst_off[b]
+            s0 = src_off[b]
+            nd = dst_off[b + 1] - d0
+            ns = src_off[b + 1] - s0
+            lo = band_lo[b]
+            hi = band_hi[b]
+            tb = tile_base[b]
+            cols = min(BN, ns - c0)
+            dka = dk_acc[:cols]
+            dva = dv_acc[:cols]
+            dka[:, :] = 0.0
+            dva[:, :] = 0.0
+            kt = kh[hk, s0 + c0:s0 + c0 + cols]  # (cols, D)
+            vt = vh[hk, s0 + c0:s0 + c0 + cols]  # (cols, Dv)
+            # query rows that reach this key tile: c0 - hi <= r <= c0 + cols - 1 - lo
+            qbeg = max(0, c0 - hi)
+            qend = min(nd, c0 + cols - lo)
+            for h in range(hk * group, (hk + 1) * group):
+                # query rows are read in place: tiles start at the first row the band lets
+                # in and end at the last (rows past qend hold no cell of this key tile)
+                for q0 in range(qbeg, qend, BM):
+                    rows = min(BM, qend - q0)
+                    qt = qh[h, d0 + q0:d0 + q0 + rows]
+                    dot = doh[h, d0 + q0:d0 + q0 + rows]
+                    P = pbuf[:rows, :cols]
+                    dP = sbuf[:rows, :cols]
+                    if D == 0:
+                        P[:, :] = 0.0
+                    elif tb >= 0:
+                        product(qt, ktt[hk, tb + c0 // BN, :, :cols], P, 0.0, False, False, OWN)
+                    else:   # K rows as the BLAS's transposed operand
+                        mm(qt, kt, P, 0.0, False, True)
+                    if Dv == 0:
+                        dP[:, :] = 0.0
+                    elif tb >= 0:
+                        product(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False, OWN)
+                    else:
+                        mm(dot, vt, dP, 0.0, False, True)
+                    lo_rel = q0 + lo - c0
+                    hi_rel = q0 + hi - c0
+                    ca, cb = common_span(rows, lo_rel, hi_rel, cols)
+                    banded = ca > 0 or cb < cols
+                    for r in range(rows):
+                        i = d0 + q0 + r
+                        mr = m2[h, i]
+                        ms = mr if mr > EMPTY else dt(0.0)
+                        li = linv[h, i]
+                        de = delta[h, i]
+                        Pr = pbuf[r]
+                        dPr = sbuf[r]
+                        if MOD:  # only band cells reach the modifier's gradients
+                            # three plain loops over whole rows (value; P and dS; f'), as the
+                            # forward's: they vectorise, where one band-limited loop doing all
+                            # three per cell ran scalar (soft-cap backward ~2x plain -> ~1.03x).
+                            # Cells outside the band are zeroed below; f' stays band-limited
+                            # when some leaf accumulates a gradient.
+                            first, last = _row_span(r, lo_rel, hi_rel, cols)
+                            cf, cl = max(first, 0), min(last, cols)
+                            Xr = xbuf[r]
+                            j0 = s0 + c0
+                            if LEAFLESS:   # Xr holds df/ds: f' over whole rows, zeroed below
+                                for c in range(cols):
+                                    f, g = MOD_SLOPE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef)
+                                    Pr[c] = f * log2e
+                                    Xr[c] = g
+                                for c in range(cols):
+                                    p = exp2_any(Pr[c] - ms) * li
+                                    Pr[c] = p
+                                    dPr[c] = (p * (dPr[c] - de)) * Xr[c]
+                            else:   # Xr holds the raw scores for the leaves' gradients
+                                for c in range(cols):
+                                    Xr[c] = Pr[c]
+                                    Pr[c] = MOD_VALUE(Pr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef) * log2e
                                 for c in range(cols):
                                     p = exp2_any(Pr[c] - ms) * li
                                     Pr[c] = p
                                     dPr[c] = p * (dPr[c] - de)
-                            if banded:
-                                first, last = _row_span(r, lo_rel, hi_rel, cols)
-                                for c in range(0, min(first, cols)):
-                                    Pr[c] = 0.0
-                                    dPr[c] = 0.0
-                                for c in range(max(last, 0), cols):
-                                    Pr[c] = 0.0
-                                    dPr[c] = 0.0
-                        # dv += P^T dO ; dk += dS^T Q2 ; dq_part += dS K   (dS lives in dP)
-                        dqt = dq_part[part, h, d0 + q0:d0 + q0 + rows]
-                        if banded and not finite:  # only band cells: nothing outside a row's band is read
-                            if Dv > 0:
-                                band_cols_mm(pbuf, dot, dva, rows, cols, lo_rel, hi_rel, ca, cb)
-                            if D > 0:
-                                band_cols_mm(sbuf, qt, dka, rows, cols, lo_rel, hi_rel, ca, cb)
-                                band_rows_mm(sbuf, kt, dqt, rows, cols, lo_rel, hi_rel, ca, cb)
+                                for c in range(cf, cl):
+                                    dPr[c] = MOD_GRAD(Xr[c], i, j0 + c, -1, h, sc, hp, nd_f, ns_f, ef,
+                                                      dPr[c], ghp, gnd, i, gns, j0 + c, ef)
                         else:
-                            if Dv > 0:
-                                product(P, dot, dva, 1.0, True, False, OWN)
-                            if D > 0:
-                                product(dP, qt, dka, 1.0, True, False, OWN)
-                                product(dP, kt, dqt, 1.0, False, False, OWN)
-                for c in range(cols):
-                    for d in range(D):
-                        dk[hk, s0 + c0 + c, d] = dka[c, d] * kmul
-                    for d in range(Dv):
-                        dv[hk, s0 + c0 + c, d] = dva[c, d]
-            restore_mxcsr(mxcsr)
+                            for c in range(cols):
+                                p = exp2_any(Pr[c] - ms) * li
+                                Pr[c] = p
+                                dPr[c] = p * (dPr[c] - de)
+                        if banded:
+                            first, last = _row_span(r, lo_rel, hi_rel, cols)
+                            for c in range(0, min(first, cols)):
+                                Pr[c] = 0.0
+                                dPr[c] = 0.0
+                            for c in range(max(last, 0), cols):
+                                Pr[c] = 0.0
+                                dPr[c] = 0.0
+                    # dv += P^T dO ; dk += dS^T Q2 ; dq_part += dS K   (dS lives in dP)
+                    dqt = dq_part[part, h, d0 + q0:d0 + q0 + rows]
+                    if banded and not finite:  # only band cells: nothing outside a row's band is read
+                        if Dv > 0:
+                            band_cols_mm(pbuf, dot, dva, rows, cols, lo_rel, hi_rel, ca, cb)
+                        if D > 0:
+                            band_cols_mm(sbuf, qt, dka, rows, cols, lo_rel, hi_rel, ca, cb)
+                            band_rows_mm(sbuf, kt, dqt, rows, cols, lo_rel, hi_rel, ca, cb)
+                    else:
+                        if Dv > 0:
+                            product(P, dot, dva, 1.0, True, False, OWN)
+                        if D > 0:
+                            product(dP, qt, dka, 1.0, True, False, OWN)
+                            product(dP, kt, dqt, 1.0, False, False, OWN)
+            for c in range(cols):
+                for d in range(D):
+                    dk[hk, s0 + c0 + c, d] = dka[c, d] * kmul
+                for d in range(Dv):
+                    dv[hk, s0 + c0 + c, d] = dva[c, d]
+        restore_mxcsr(mxcsr)
 
-    return jit_kernel(backward, mod, **hooks)
+    def backward(qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
+                 band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
+        for part in prange(n_parts):
+            # int64: one signature of the item in the driver and in its outlined loop body
+            BACKWARD_PART(np.int64(part), qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems,
+                          dst_off, src_off, band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part,
+                          dk, dv, mctx, mgrad)
+
+    return jit_driver(backward, mod, hooks,
+                      BACKWARD_PART=jit_kernel(backward_part, mod, parallel=False, **hooks))
 
 
 @njit(parallel=True, cache=True, nogil=True)

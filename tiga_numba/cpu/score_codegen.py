@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from .. import score_source
-from .fastexp import exp2f
+from .fastexp import FASTMATH, exp2f
 
 NEG = score_source.NEG  # blocks.NEG (not imported: blocks imports this module)
 LOG2E = 1.0 / math.log(2.0)
@@ -175,26 +175,50 @@ def hooks_digest(mod, hooks):
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def jit_kernel(py_func, mod, **hooks):
-    """numba.njit(parallel, fastmath) of a kernel whose modifier calls go through the global
-    names in `hooks`. Without a modifier the kernel is compiled as written (its globals are the
-    module's never-called stand-ins). With one, the same code is compiled with `hooks` bound to
+def jit_kernel(py_func, mod, parallel=True, **hooks):
+    """numba.njit(fastmath; parallel unless told) of a kernel whose modifier calls go through the
+    global names in `hooks`. Without a modifier the kernel is compiled as written (its globals are
+    the module's never-called stand-ins). With one, the same code is compiled with `hooks` bound to
     the generated functions, under a qualified name that ends in `hooks_digest`: numba's on-disk
     cache keys a kernel on its file, qualified name, bytecode and closure values, none of which
     would tell two modifiers apart otherwise, so the digest in the name gives every modifier its
     own cache entries and lets other processes (test workers, later runs) load the compiled
     kernel instead of compiling it again (30 s and more per kernel)."""
-    import types
-    from .fastexp import FASTMATH
-    opts = dict(parallel=True, fastmath=FASTMATH, nogil=True)
+    opts = dict(parallel=parallel, fastmath=FASTMATH, nogil=True)
     if mod is None:
         return njit(cache=True, **opts)(py_func)
+    return njit(cache=True, **opts)(_rebound(py_func, hooks, f"_mod_{hooks_digest(mod, hooks)}"))
+
+
+def jit_driver(py_func, mod, hooks, **items):
+    """numba.njit(parallel) of a driver whose prange loops each make one call per work item to
+    the functions bound to the global names in `items` (jit_kernel(..., parallel=False)). numba's
+    parallel passes then see only the small driver, not the item's body: a kernel variant (a
+    score modifier, a tile shape) compiles in about half the time, and the body runs the same
+    code. The qualified name carries a digest of the items' names and closure values (the tile
+    shape, dtype and options they were made with) and, with a modifier, ends in its
+    hooks_digest as jit_kernel's, so numba's disk cache keeps every variant apart."""
+    key = []
+    for name in sorted(items):
+        f = items[name].py_func
+        key += [name, f"{f.__module__}.{f.__qualname__}",
+                repr([c.cell_contents for c in f.__closure__ or ()])]
+    tag = "_of_" + hashlib.sha1("\n".join(key).encode()).hexdigest()[:16]
+    if mod is not None:
+        tag += f"_mod_{hooks_digest(mod, hooks)}"
+    opts = dict(parallel=True, fastmath=FASTMATH, nogil=True)
+    return njit(cache=True, **opts)(_rebound(py_func, items, tag))
+
+
+def _rebound(py_func, names, suffix):
+    """py_func with `names` bound in its globals and `suffix` appended to its qualified name."""
+    import types
     g = dict(py_func.__globals__)
-    g.update(hooks)
+    g.update(names)
     fn = types.FunctionType(py_func.__code__, g, py_func.__name__, py_func.__defaults__,
                             py_func.__closure__)
-    fn.__qualname__ = f"{py_func.__qualname__}_mod_{hooks_digest(mod, hooks)}"
-    return njit(cache=True, **opts)(fn)
+    fn.__qualname__ = f"{py_func.__qualname__}{suffix}"
+    return fn
 
 
 generated = score_source.memoised(Generated)
