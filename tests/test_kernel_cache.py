@@ -124,3 +124,32 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
     assert all(r[0] == "float32" and r[2] == "memory hit" for r in records), records
     with pytest.raises(ValueError, match="dtypes"):
         precompile.precompile([np.int32])
+
+
+def test_kernel_drivers_are_named_apart_on_disk():
+    """The CPU kernels' parallel drivers call a per-item body bound by name (score_codegen.
+    jit_driver); numba's disk cache keys a driver on its qualified name, so that name must differ
+    with everything the body was made with (tile shape, dtype, options) and stay the same for the
+    same arguments (a later process then loads, not recompiles); the body is compiled without
+    numba's parallel passes, the driver with them."""
+    from tiga_numba.cpu import blocks, csr
+
+    def name(kern):
+        return kern.py_func.__qualname__
+
+    same = [name(blocks.make_forward("float32", 64, 128, False)) for _ in range(2)]
+    assert same[0] == same[1]
+    others = {name(blocks.make_forward("float32", 32, 128, False)),
+              name(blocks.make_forward("float32", 64, 64, False)),
+              name(blocks.make_forward("float64", 64, 128, False)),
+              name(blocks.make_forward("float32", 64, 128, True)),
+              name(blocks.make_forward("float32", 64, 128, False, own=True))}
+    assert len(others | {same[0]}) == 6
+    assert name(blocks.make_backward("float32", 64, 128)) != name(blocks.make_backward("float32", 32, 128))
+    assert name(csr.make_forward("float32")) != name(csr.make_forward("float64"))
+    dst, src = csr.make_backward("float32")
+    assert name(dst) != name(src)
+    kern = blocks.make_forward("float32", 64, 128, False)
+    assert kern.targetoptions.get("parallel") is True
+    item = kern.py_func.__globals__["FORWARD_ITEM"]
+    assert item.targetoptions.get("parallel") is False
