@@ -150,6 +150,30 @@ def band_cols_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
                 ac[d] += a * xr[d]
 
 
+@njit(inline="always", cache=True)
+def merge_parts(pm, pl, pacc, o):
+    """o = the merged output of partial states (pm[p], pl[p], pacc[p]) in p order (the
+    online-softmax merge, base 2; deterministic); returns (m, l), m = -inf when l = 0."""
+    dt = o.dtype.type
+    mx = dt(NEG)
+    for p in range(pm.shape[0]):
+        mx = fmax(mx, pm[p])
+    ms = mx if mx > EMPTY else dt(0.0)
+    tot = dt(0.0)
+    for d in range(o.shape[0]):
+        o[d] = 0.0
+    for p in range(pm.shape[0]):
+        a = exp2_any(pm[p] - ms)
+        tot += pl[p] * a
+        pa = pacc[p]
+        for d in range(o.shape[0]):
+            o[d] += a * pa[d]
+    inv = dt(1.0) / tot if tot > 0 else dt(0.0)
+    for d in range(o.shape[0]):
+        o[d] *= inv
+    return (mx if tot > 0 else -np.inf), tot
+
+
 def make_forward(acc, BM, BN, prune, mod=None, own=False):
     """Kernel for accumulation dtype name ``acc``, tile (BM, BN), pruning on/off, and an
     optional score modifier ``mod`` (score_codegen.Generated): q then arrives scaled by
@@ -297,7 +321,6 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
 
     def merge_item(t, splits, dst_off, part_m, part_l, part_acc, out, m_out, l_out):
         """the key ranges of split item t, merged in slot order (deterministic)."""
-        Dv = out.shape[2]
         h = splits[t, 0]
         b = splits[t, 1]
         q0 = splits[t, 2]
@@ -306,25 +329,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
         rows = min(BM, dst_off[b + 1] - dst_off[b] - q0)
         for r in range(rows):
             i = dst_off[b] + q0 + r
-            mx = dt(NEG)
-            for p in range(first, last):
-                mx = fmax(mx, part_m[p, r])
-            ms = mx if mx > EMPTY else dt(0.0)
-            tot = dt(0.0)
-            o = out[i, h]
-            for d in range(Dv):
-                o[d] = 0.0
-            for p in range(first, last):
-                a = exp2_any(part_m[p, r] - ms)
-                tot += part_l[p, r] * a
-                pa = part_acc[p, r]
-                for d in range(Dv):
-                    o[d] += a * pa[d]
-            inv = dt(1.0) / tot if tot > 0 else dt(0.0)
-            for d in range(Dv):
-                o[d] *= inv
-            m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
-            l_out[i, h] = tot
+            m_out[i, h], l_out[i, h] = merge_parts(part_m[first:last, r], part_l[first:last, r],
+                                                   part_acc[first:last, r], out[i, h])
 
     def forward(qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
                 group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,

@@ -34,7 +34,7 @@ import math
 import numpy as np
 from numba import prange
 
-from .blocks import EMPTY, NEG, exp2_any
+from .blocks import EMPTY, NEG, exp2_any, merge_parts
 from .fastexp import denormals_off, fmax, restore_mxcsr
 from .layout import kv_heads
 from .prefetch import prefetch_row
@@ -157,31 +157,13 @@ def make_forward(acc, mod=None):
     def forward_merge(t, q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
                       out, m_out, l_out, mctx):
         """the pieces of split row t, in slot order (deterministic)."""
-        Nq, H, D = q.shape
-        Dv = v.shape[2]
+        H = q.shape[1]
         i = splits[t, 0]
         first = splits[t, 1]
         last = first + splits[t, 2]
         for h in range(H):
-            mx = dt(NEG)
-            for p in range(first, last):
-                mx = fmax(mx, part_m[p, h])
-            ms = mx if mx > EMPTY else dt(0.0)
-            tot = dt(0.0)
-            o = out[i, h]
-            for d in range(Dv):
-                o[d] = 0.0
-            for p in range(first, last):
-                a = exp2_any(part_m[p, h] - ms)
-                tot += part_l[p, h] * a
-                pa = part_acc[p, h]
-                for d in range(Dv):
-                    o[d] += a * pa[d]
-            inv = dt(1.0) / tot if tot > 0 else dt(0.0)
-            for d in range(Dv):
-                o[d] *= inv
-            m_out[i, h] = mx if tot > 0 else -np.inf  # base 2, as found
-            l_out[i, h] = tot
+            m_out[i, h], l_out[i, h] = merge_parts(part_m[first:last, h], part_l[first:last, h],
+                                                   part_acc[first:last, h], out[i, h])
 
     def forward(q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
                 out, m_out, l_out, mctx):
