@@ -161,6 +161,28 @@ def test_processes_scheduler():
     _check(got, expected, 1e-12)
 
 
+def test_csr_halos_are_assembled_in_reused_buffers(monkeypatch):
+    """A CSR task copies its halo pieces into a buffer of the process's pool, which the next
+    task of the same size reuses; concurrent tasks (threads) each hold their own. Results equal
+    the single-process call with the pool on and with it off (limit 0: nothing kept)."""
+    g, expected, c = _problem("csr")
+    tgd._halo_scratch.clear()
+    with dask.config.set(scheduler="threads", num_workers=4):   # graphs built and run threaded
+        got = dask.compute(*_flat(_lazy(g, c)))
+    _check(got, expected, 1e-12)
+    assert tgd._halo_scratch.idle_bytes > 0
+    monkeypatch.setattr(tgd, "HALO_SCRATCH_BYTES", 0)
+    with dask.config.set(scheduler="threads", num_workers=4):
+        off = dask.compute(*_flat(_lazy(g, c)))
+    assert tgd._halo_scratch.idle_bytes == 0
+    assert all(np.array_equal(a, b) for a, b in zip(off, got))
+
+
+def _flat(lazy):
+    out, stats, grads = lazy
+    return (out, stats.m, stats.l, stats.lse, *grads)
+
+
 # --------------------------------------------------------------------------- dask.distributed
 @pytest.fixture(scope="module")
 def client():

@@ -28,6 +28,7 @@ outside their results, so any dask scheduler may recompute a lost one. See docs/
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import operator
 import threading
@@ -43,6 +44,7 @@ from .functional import attention as _attention
 from .functional import attention_backward as _attention_backward
 from .graph import Graph
 from .merge import attention_merge, log_sum_exp
+from .scratch import ScratchPool
 
 __all__ = ["attention", "attention_backward", "DaskAttentionStats", "plan_summary"]
 
@@ -55,6 +57,11 @@ WARM_GRAPH_BYTES = 1 << 30
 # A CSR partition that needs at least this fraction of a source chunk's rows receives the whole
 # chunk instead of a gathered copy of those rows (a random graph needs nearly every row).
 WHOLE_CHUNK_FRACTION = 15 / 16
+# Per worker process, the host buffers that CSR tasks assemble their k and v halos in are kept
+# for the next task up to this many idle bytes: a halo is up to all of k and v, and writing it
+# into fresh memory costs a page fault per page on every call (cupy chunks use cupy's pool).
+HALO_SCRATCH_BYTES = 2 << 30
+_halo_scratch = ScratchPool(HALO_SCRATCH_BYTES)
 
 
 class DaskAttentionStats:
@@ -331,20 +338,35 @@ def _take(chunk, rows):
     return chunk[rows]
 
 
-def _concat(parts):
-    return parts[0] if len(parts) == 1 else _xp_of(parts[0]).concatenate(parts, axis=0)
+@contextlib.contextmanager
+def _halo(parts):
+    """A task's halo pieces as one array, for the task's kernel call only (nothing it returns
+    views the halo): a single piece itself; numpy pieces copied into a buffer of the worker's
+    pool (the kernels read a node-major array, so the copy cannot be avoided); cupy pieces
+    concatenated (cupy pools device memory)."""
+    if len(parts) == 1:
+        yield parts[0]
+        return
+    if _xp_of(parts[0]) is not np:
+        yield _xp_of(parts[0]).concatenate(parts, axis=0)
+        return
+    shape = (sum(p.shape[0] for p in parts),) + parts[0].shape[1:]
+    _halo_scratch.max_idle_bytes = HALO_SCRATCH_BYTES   # read at each call: settable per worker
+    with _halo_scratch.borrow(shape, np.result_type(*parts)) as halo:
+        np.concatenate(parts, axis=0, out=halo)
+        yield halo
 
 
 def _csr_forward(q_p, k_parts, v_parts, graph, *, warm, scale):
-    k, v = _concat(k_parts), _concat(v_parts)
-    out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True)
+    with _halo(k_parts) as k, _halo(v_parts) as v:
+        out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True)
     return out, stats.m, stats.l
 
 
 def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale):
-    k, v = _concat(k_parts), _concat(v_parts)
-    return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
-                               _warm(graph, warm), scale=scale)
+    with _halo(k_parts) as k, _halo(v_parts) as v:
+        return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
+                                   _warm(graph, warm), scale=scale)
 
 
 def _halo_piece(result, which, start, stop):
@@ -355,15 +377,20 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     """Sum the partial gradients of one source chunk, in the order given (increasing
     destination partition); `rows` holds, per piece, the chunk's rows it covers (None: all)."""
     xp = _xp_of(like)
-    total = None
+    total, skip = None, -1
     for i, (r, piece) in enumerate(zip(rows, pieces)):
         if r is None:   # the whole chunk, in order
             if total is None:
-                # 0 + piece is piece: no zero fill and add; a copy only if later pieces are added
-                # into it (a chunk covered by one partition passes its piece on: 1 GB of dk and
-                # dv not copied at 1M rows, H=4, D=32)
-                total = piece.astype(acc, copy=i + 1 < len(pieces))
-            else:
+                # 0 + piece is piece: no zero fill and add. Followed by another whole piece, the
+                # two are added into a new array in one pass (the same bits as a copy and an
+                # add); a piece alone is passed on without a copy (a chunk covered by one
+                # partition: 1 GB of dk and dv not copied at 1M rows, H=4, D=32)
+                if i + 1 < len(pieces) and rows[i + 1] is None:
+                    total = xp.add(piece, pieces[i + 1], dtype=acc)
+                    skip = i + 1
+                else:
+                    total = piece.astype(acc, copy=i + 1 < len(pieces))
+            elif i != skip:
                 total += piece
             continue
         if total is None:

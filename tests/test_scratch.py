@@ -1,0 +1,78 @@
+"""ScratchPool: buffers lent by size, reused after return, never lent twice at once."""
+import threading
+
+import numpy as np
+
+from tiga_numba.scratch import ScratchPool
+
+
+def _address(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_a_returned_buffer_is_lent_again_for_the_same_size():
+    pool = ScratchPool(1 << 20)
+    with pool.borrow((10, 4, 8), np.float32) as a:
+        assert a.shape == (10, 4, 8) and a.dtype == np.float32 and a.flags.c_contiguous
+        a[...] = 1.5
+        first = _address(a)
+    assert pool.idle_bytes == a.nbytes
+    # the same bytes in another shape and dtype: the same memory, still holding what was written
+    with pool.borrow((5, 4, 8), np.float64) as b:
+        assert _address(b) == first and b.dtype == np.float64
+        assert np.all(b.view(np.float32) == 1.5)
+        assert pool.idle_bytes == 0
+    with pool.borrow((11, 4, 8), np.float32) as c:   # another size: another buffer
+        assert _address(c) != first
+
+
+def test_buffers_in_use_are_distinct_across_threads():
+    pool = ScratchPool(1 << 24)
+    with pool.borrow((256,), np.float64):
+        pass   # one idle buffer of this size
+    barrier, seen, errors = threading.Barrier(4), [], []
+
+    def task(i):
+        with pool.borrow((256,), np.float64) as a:
+            a[...] = i
+            barrier.wait()   # all four hold a buffer at once
+            seen.append(_address(a))
+            if not np.all(a == i):
+                errors.append(i)
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == 4 and not errors
+    assert pool.idle_bytes == 4 * 256 * 8
+
+
+def test_idle_bytes_stay_under_the_limit_oldest_dropped_first():
+    pool = ScratchPool(3000)
+    with pool.borrow((1000,), np.uint8):
+        pass
+    with pool.borrow((1500,), np.uint8) as b:
+        addr_b = _address(b)
+    assert pool.idle_bytes == 2500
+    with pool.borrow((1200,), np.uint8):
+        pass   # 3700 idle: the 1000-byte buffer, returned first, is dropped
+    assert pool.idle_bytes == 2700 and sorted(pool._idle) == [1200, 1500]
+    with pool.borrow((1500,), np.uint8) as b2:
+        assert _address(b2) == addr_b
+    with pool.borrow((4000,), np.uint8):
+        pass   # larger than the limit: not kept
+    assert pool.idle_bytes <= 3000 and 4000 not in pool._idle
+    pool.clear()
+    assert pool.idle_bytes == 0
+
+
+def test_a_failing_borrower_still_returns_the_buffer():
+    pool = ScratchPool(1 << 20)
+    try:
+        with pool.borrow((64,), np.float32):
+            raise RuntimeError("kernel failed")
+    except RuntimeError:
+        pass
+    assert pool.idle_bytes == 256
