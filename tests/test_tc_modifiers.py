@@ -43,7 +43,16 @@ def _window():
     return sm.make("where", far, sm.const(-np.inf), S), {}
 
 
-MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window}
+def _nan_far():
+    """NaN scores (log of a negative number) beyond 8 keys back, with a finite derivative: a real
+    cell's NaN counts as the floor (the oracle's nan_to_num), never as a NaN in the output."""
+    far = sm.make("gt", sm.make("sub", DST, SRC), sm.const(8.0))
+    nan = sm.make("log", sm.make("sub", sm.make("neg", sm.make("abs", S)), sm.const(1.0)))
+    return sm.make("where", far, nan, S), {}
+
+
+MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window,
+        "nan_far": _nan_far}
 
 
 def _values(rng, tree, proto, nd, ns, H, dst, src):

@@ -99,3 +99,28 @@ def _masked_oracle(tree, values, q, k, v, do, keep, scale):
         dq[:, h] = ds @ kk * scale
         dk[:, h // g] += ds.T @ qq * scale
     return out, dq, dk, dv
+
+
+def test_the_cell_clamp_sends_nan_to_the_floor_on_the_device():
+    """clampf (max.f32 then min.f32), which every modified cell goes through: NaN and -inf give
+    the floor, +inf the ceiling, values in between pass unchanged (as the emulator's fmax / fmin)."""
+    from numba import cuda
+
+    from tiga_numba.cuda.tc import emulator, ptx
+    from tiga_numba.cuda.tc.generator.modifier import CEIL, FLOOR
+    clampf = ptx.intrinsics("float16")["clampf"]
+
+    @cuda.jit
+    def clamp_all(x, out, lo, hi):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            out[i] = clampf(x[i], lo, hi)
+
+    x = np.array([np.nan, -np.inf, np.inf, -3e38, 3e38, -1.5, 0.0, 2.5e29, -2e29, 7e29], np.float32)
+    xd = cupy.asarray(x)
+    out = cupy.empty_like(xd)
+    clamp_all[1, 32](xd, out, np.float32(FLOOR), np.float32(CEIL))
+    got = cupy.asnumpy(out)
+    want = np.array([FLOOR, FLOOR, CEIL, FLOOR, CEIL, -1.5, 0.0, 2.5e29, FLOOR, 7e29], np.float32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(emulator._clampf(x, FLOOR, CEIL), want)

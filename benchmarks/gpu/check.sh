@@ -5,9 +5,11 @@
 # usage (repo root on the GPU machine; wheels, if any, carried in .whl; a cubin cache prebuilt
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
 #   OUT=dir [WORKERS=15] [T_PREBUILD=0] [PREBUILD_ARGS="--modifiers softcap,alibi"] [T_TESTS=300] [FIRST="pytest selection"] \
-#     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] [KEEP_CUBINS=1] bash benchmarks/gpu/check.sh
-# Writes five files (the device returns at most eight): env.txt, prebuild.txt, tests.txt
-# (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt.
+#     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] [KEEP_CUBINS=1] \
+#     [BENCH="python benchmarks/bench_score_mods_gpu.py" T_BENCH=200] bash benchmarks/gpu/check.sh
+# Writes up to seven files (the device returns at most eight): env.txt, prebuild.txt, bench.txt,
+# tests.txt (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt,
+# tccubin.tgz.
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -24,6 +26,10 @@ T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $OUT/st
 if [ "${T_PREBUILD:-0}" != 0 ]; then
   stamp prebuild
   timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 $PREBUILD_ARGS > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
+fi
+# BENCH: a benchmark command run once the cubins are built, before the tests (output in bench.txt)
+if [ -n "$BENCH" ]; then
+  timeout ${T_BENCH:-200} $BENCH > $OUT/bench.txt 2>&1; stamp "bench rc=$?"
 fi
 if [ -n "$FIRST" ]; then
   timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n ${FIRST_WORKERS:-4} -rfEs --tb=long $FIRST \

@@ -461,6 +461,11 @@ class Warps:
         return self._vec(val, np.float32)[np.arange(self.NT) ^ lm]
 
 
+def _clampf(x, lo, hi):
+    """max.f32 then min.f32: a NaN x gives lo."""
+    return np.fmin(np.fmax(np.float32(x) if np.ndim(x) == 0 else x, np.float32(lo)), np.float32(hi))
+
+
 def _sel(c, a, b):
     r = np.where(c, a, b)
     return r if r.ndim else r[()]
@@ -522,7 +527,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                 syncthreads_or=lambda p: np.int32(np.any(np.asarray(p) != 0)))
             env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
                        u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum, imax=np.maximum,
-                       sel=_sel, ex2=_ex2, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
+                       sel=_sel, ex2=_ex2, clampf=_clampf, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
                        bits_f32=lambda x: np.asarray(x, np.uint32).view(np.float32),
                        opq=lambda x: np.asarray(x, np.int64)[()],
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],

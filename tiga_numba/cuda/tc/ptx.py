@@ -255,6 +255,17 @@ def intrinsics(dtype="float16"):
         return sig, cg
 
     @intrinsic
+    def clampf(tc, x, lo, hi):
+        """min(max(x, lo), hi) on max.f32 / min.f32: two instructions, and NaN gives lo (PTX's
+        max returns the other operand of a NaN); a compare-and-select pair per bound took four."""
+        sig = f32(f32, f32, f32)
+
+        def cg(ctx, bld, sig, args):
+            return asm(bld, F32, [F32, F32, F32], "{max.f32 $0, $1, $2; min.f32 $0, $0, $3;}",
+                       "=f,f,f,f", args, side_effect=False)
+        return sig, cg
+
+    @intrinsic
     def saddr(tc, arr):
         """shared-window (32-bit) address of a cuda.shared.array."""
         sig = u32(arr)
@@ -453,7 +464,7 @@ def intrinsics(dtype="float16"):
         split3x2=split3x2, sts_u32x2=shared_store("st.shared.v2.u32", 2, "r"),
         red_v2_if=predicated("red.global.add.v2.f32", "ff"), red_v4_if=predicated("red.global.add.v4.f32", "ffff"),
         ldg_f32_if=ldg_f32_if, ldg_u32_if=ldg_u32_if, ldg_v4_if=ldg_v4_if, bits_f32=bits_f32, ldg_i32=ldg_i32, pack2=pack2, unpack2=unpack2,
-        ex2=ex2, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
+        ex2=ex2, clampf=clampf, saddr=saddr, wait_eq_if=wait_eq_if, stg_release_if=stg_release_if,
         sts_halves=sts_halves, sts_f32=shared_store("st.shared.f32", 1),
         sts_v2=shared_store("st.shared.v2.f32", 2), sts_v4=shared_store("st.shared.v4.f32", 4),
         lds_f32x4=shared_load("ld.shared.v4.f32", "f", 4),

@@ -179,8 +179,7 @@ class Modifier:
         for line in self._lines:
             e(fill(line.strip()))
         e(f"mf = {fill(self._value)}")
-        e(f"mf = sel(mf > f32({FLOOR!r}), mf, f32({FLOOR!r}))")
-        clamped = f"sel(mf < f32({CEIL!r}), mf, f32({CEIL!r}))"
+        clamped = f"clampf(mf, f32({FLOOR!r}), f32({CEIL!r}))"
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
             e(f"{d} = {fill(self._deriv)}")
