@@ -23,6 +23,10 @@ def _csr():
 
 @pytest.mark.parametrize("name,build,nd,ns,qc,kc", [
     ("csr", _csr, 300, 250, 70, 64),
+    # every destination reads every source: the halos are whole chunks, the dk / dv sums add
+    # whole pieces (three per chunk)
+    ("csr-complete", lambda: tg.Graph.from_csr(np.arange(0, 200 * 90 + 1, 90), np.tile(np.arange(90), 200),
+                                               num_src=90), 200, 90, 70, 40),
     ("triangular", lambda: tg.Graph.triangular(256), 256, 256, 64, 64),
     ("segments", lambda: tg.Graph.cu_seqlens([0, 30, 30, 200, 256], causal=False), 256, 256, 64, 50),
     ("segments-causal", lambda: tg.Graph.cu_seqlens([0, 30, 30, 200, 256]), 256, 256, 64, 64),
