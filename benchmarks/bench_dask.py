@@ -24,8 +24,8 @@ call runs the tasks and leaves the results on the workers. Reported per configur
   peak memory (a comment line per config) the largest resident size of each worker process
 
 --touch-memory GIB first writes (and frees) that much memory and prints the rate of the first
-write and of a second: on a virtual machine whose host backs memory lazily, never-used memory
-costs several times more on first write, and whichever configuration gets it pays that.
+write and of a second: on a virtual machine whose host backs memory lazily, memory not written
+recently costs several times more on first write, and whichever configuration gets it pays that.
 
 Warm-up: one untimed call of each configuration first compiles (or loads from numba's disk
 cache) the kernels and builds what both sides cache per graph (the single-process graph's
@@ -122,29 +122,12 @@ def _model_bytes(summary, q_rows, k_rows, q_owner, k_owner, heads, kv_heads, dim
     return fwd, bwd
 
 
-def first_touch(gib):
-    """Write once to `gib` GiB of new memory, 1 GiB at a time, and free it: (GiB/s of the first
-    write, GiB/s of writing the same amount again). On a virtual machine whose memory the host
-    backs lazily, memory the guest never used costs far more on first write than memory it
-    reused (2-vCPU Xeon KVM box: about 0.5 GiB/s against several GiB/s), and the configuration
-    that happens to get never-used pages pays for it; touching the machine's free memory once
-    first makes every configuration see reused memory, as on a machine that has been running."""
-    rates = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        for _ in range(int(gib)):
-            block = np.empty(2**30 // 8)
-            block.reshape(-1).view(np.uint8)[::4096] = 1
-            del block
-        rates.append(int(gib) / (time.perf_counter() - t0))
-    return rates
-
-
 def run(args):
     import dask.array as da
     import distributed
 
     if args.touch_memory:
+        from run import first_touch   # benchmarks/run.py: the machine's ceilings
         first, again = first_touch(args.touch_memory)
         print(f"# memory touched before the runs: {args.touch_memory} GiB, first write {first:.2f} GiB/s, "
               f"again {again:.2f} GiB/s", flush=True)
@@ -290,7 +273,7 @@ def main():
                    help="which worker holds chunk i: i mod W, or zigzag (balanced causal blocks)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--touch-memory", type=int, default=0, metavar="GIB",
-                   help="first write GIB GiB of memory and free it before the runs (see first_touch)")
+                   help="first write GIB GiB of memory and free it before the runs (benchmarks/run.py: first_touch)")
     p.add_argument("--no-stealing", action="store_true",
                    help="turn dask.distributed's work stealing off (tasks stay with their data)")
     args = p.parse_args()

@@ -7,7 +7,8 @@
 
 Sections, in order (GPU sections only when cupy imports and sees a device):
   machine   the ceilings the tables should be read against: sgemm GFLOP/s (numpy's BLAS) and
-            memory bandwidth (a numpy copy on one thread, a numba parallel copy on all);
+            memory bandwidth (a numpy copy on one thread, a numba parallel copy on all), the
+            rate of a first write to new memory;
             on a GPU, cupy matmul TFLOP/s (fp16, fp32) and device copy bandwidth
   cpu       benchmarks/bench_cpu.py: dense / causal attention vs numpy and torch CPU SDPA,
             memory, CSR edges/s, tile pruning vs exact
@@ -102,6 +103,25 @@ def gpu_ceilings(quick):
     return (*out, name)
 
 
+def first_touch(gib):
+    """Write once to `gib` GiB of new memory, 1 GiB at a time, freeing each, twice: (GiB/s of the
+    first pass, GiB/s of the second). A virtual machine whose host backs its memory lazily (and
+    takes freed memory back) pays far more on the first write of memory than on memory written
+    moments before (a 2-vCPU Xeon microVM: 0.4-0.9 GiB/s against 7-8 GiB/s), and a benchmark
+    configuration that happens to get such pages pays for them; writing memory just before the
+    runs gives them memory the host has backed. Where the host takes freed memory back after a
+    while, the effect returns."""
+    rates = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for _ in range(int(gib)):
+            block = np.empty(2**30, np.uint8)
+            block[::4096] = 1
+            del block
+        rates.append(int(gib) / (time.perf_counter() - t0))
+    return rates
+
+
 def have_gpu():
     try:
         import cupy
@@ -120,6 +140,9 @@ def machine_section(quick, gpu):
     lines.append(f"CPU ceilings: sgemm {gflops:.0f} GFLOP/s (numpy BLAS, float32); memory copy "
                  f"{numpy_gbs:.1f} GB/s (numpy, 1 thread), {numba_gbs:.1f} GB/s (numba, "
                  f"{threads} threads); read + write bytes")
+    first, again = first_touch(1)
+    lines.append(f"first write of 1 GiB of new memory: {first:.2f} GiB/s, again {again:.2f} GiB/s "
+                 "(far apart on a machine whose host backs memory lazily: see first_touch)")
     if gpu:
         f16, f32, gbs, name = gpu_ceilings(quick)
         lines.append(f"GPU ceilings ({name}): matmul {f16:.0f} TFLOP/s fp16, {f32:.1f} TFLOP/s "
