@@ -170,7 +170,12 @@ def test_csr_halos_are_assembled_in_reused_buffers(monkeypatch):
     with dask.config.set(scheduler="threads", num_workers=4):   # graphs built and run threaded
         got = dask.compute(*_flat(_lazy(g, c)))
     _check(got, expected, 1e-12)
-    assert tgd._halo_scratch.idle_bytes > 0
+    kept = tgd._halo_scratch.idle_bytes
+    assert kept > 0
+    assert tgd.release_halo_buffers() == kept and tgd._halo_scratch.idle_bytes == 0
+    with dask.config.set(scheduler="threads", num_workers=4):
+        dask.compute(*_flat(_lazy(g, c)))
+    assert tgd._halo_scratch.idle_bytes > 0   # as many buffers as tasks overlapped this time
     monkeypatch.setattr(tgd, "HALO_SCRATCH_BYTES", 0)
     with dask.config.set(scheduler="threads", num_workers=4):
         off = dask.compute(*_flat(_lazy(g, c)))

@@ -46,7 +46,7 @@ from .graph import Graph
 from .merge import attention_merge, log_sum_exp
 from .scratch import ScratchPool
 
-__all__ = ["attention", "attention_backward", "DaskAttentionStats", "plan_summary"]
+__all__ = ["attention", "attention_backward", "DaskAttentionStats", "plan_summary", "release_halo_buffers"]
 
 # Fan-in of the merge and sum trees: at most this many partial results meet in one task.
 TREE_FAN_IN = 4
@@ -336,6 +336,15 @@ def _take(chunk, rows):
     if not isinstance(chunk, np.ndarray):
         rows = _xp_of(chunk).asarray(rows)
     return chunk[rows]
+
+
+def release_halo_buffers():
+    """Drop the idle halo buffers this process keeps (see HALO_SCRATCH_BYTES). With the threaded
+    or synchronous scheduler that is the calling process; on dask.distributed workers, run it
+    there: ``client.run(tiga_numba.dask.release_halo_buffers)``. Returns the bytes released."""
+    released = _halo_scratch.idle_bytes
+    _halo_scratch.clear()
+    return released
 
 
 @contextlib.contextmanager
