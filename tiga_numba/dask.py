@@ -61,7 +61,7 @@ WHOLE_CHUNK_FRACTION = 15 / 16
 # for the next task up to this many idle bytes: a halo is up to all of k and v, and writing it
 # into fresh memory costs a page fault per page on every call (cupy chunks use cupy's pool).
 HALO_SCRATCH_BYTES = 2 << 30
-_halo_scratch = ScratchPool(HALO_SCRATCH_BYTES)
+_halo_scratch = ScratchPool(lambda: HALO_SCRATCH_BYTES)   # the setting as it is at each return
 
 
 class DaskAttentionStats:
@@ -360,7 +360,6 @@ def _halo(parts):
         yield _xp_of(parts[0]).concatenate(parts, axis=0)
         return
     shape = (sum(p.shape[0] for p in parts),) + parts[0].shape[1:]
-    _halo_scratch.max_idle_bytes = HALO_SCRATCH_BYTES   # read at each call: settable per worker
     with _halo_scratch.borrow(shape, np.result_type(*parts)) as halo:
         np.concatenate(parts, axis=0, out=halo)
         yield halo
@@ -386,27 +385,22 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     """Sum the partial gradients of one source chunk, in the order given (increasing
     destination partition); `rows` holds, per piece, the chunk's rows it covers (None: all)."""
     xp = _xp_of(like)
-    total, skip = None, -1
-    for i, (r, piece) in enumerate(zip(rows, pieces)):
-        if r is None:   # the whole chunk, in order
-            if total is None:
-                # 0 + piece is piece: no zero fill and add. Followed by another whole piece, the
-                # two are added into a new array in one pass (the same bits as a copy and an
-                # add); a piece alone is passed on without a copy (a chunk covered by one
-                # partition: 1 GB of dk and dv not copied at 1M rows, H=4, D=32)
-                if i + 1 < len(pieces) and rows[i + 1] is None:
-                    total = xp.add(piece, pieces[i + 1], dtype=acc)
-                    skip = i + 1
-                else:
-                    total = piece.astype(acc, copy=i + 1 < len(pieces))
-            elif i != skip:
-                total += piece
-            continue
-        if total is None:
-            total = xp.zeros(like.shape, dtype=acc)
-        total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
-    if total is None:
-        total = xp.zeros(like.shape, dtype=acc)
+    whole = [r is None for r in rows]   # a piece that covers the whole chunk, in order
+    # The sum starts from the leading whole pieces, 0 + piece being piece: two are added into a
+    # new array in one pass (the same bits as a copy and an add); one alone is passed on without
+    # a copy when nothing follows (a chunk covered by one partition: 1 GB of dk and dv not copied
+    # at 1M rows, H=4, D=32); otherwise from zeros.
+    if whole[:2] == [True, True]:
+        total, start = xp.add(pieces[0], pieces[1], dtype=acc), 2
+    elif whole[:1] == [True]:
+        total, start = pieces[0].astype(acc, copy=len(pieces) > 1), 1
+    else:
+        total, start = xp.zeros(like.shape, dtype=acc), 0
+    for r, piece in zip(rows[start:], pieces[start:]):
+        if r is None:
+            total += piece
+        else:
+            total[xp.asarray(r) if xp is not np else r] += piece.astype(acc, copy=False)
     return total.astype(dtype, copy=False)
 
 

@@ -10,7 +10,8 @@ memory, so only numpy buffers come from here.
 
 A lent buffer belongs to the borrower until the ``with`` block ends; nothing computed from it
 may keep a view of it. Idle buffers are kept up to ``max_idle_bytes`` per pool (least recently
-returned dropped first); the memory they hold is the price of the reuse, and ``clear()`` drops
+returned dropped first; a number, or a function read at each return, so that the owner's setting
+can change at run time); the memory they hold is the price of the reuse, and ``clear()`` drops
 them.
 """
 from __future__ import annotations
@@ -26,10 +27,14 @@ class ScratchPool:
     """Buffers lent by exact byte size; thread-safe (each borrower gets its own buffer)."""
 
     def __init__(self, max_idle_bytes):
-        self.max_idle_bytes = int(max_idle_bytes)
+        self._limit = max_idle_bytes if callable(max_idle_bytes) else (lambda: max_idle_bytes)
         self._idle = collections.OrderedDict()   # nbytes -> [uint8 buffers], most recent last
         self._idle_bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def max_idle_bytes(self):
+        return int(self._limit())
 
     @property
     def idle_bytes(self):
@@ -57,13 +62,14 @@ class ScratchPool:
 
     def _give_back(self, buf):
         nbytes = buf.nbytes
+        limit = self.max_idle_bytes
         with self._lock:
-            if 0 < nbytes <= self.max_idle_bytes:
+            if 0 < nbytes <= limit:
                 self._idle.setdefault(nbytes, []).append(buf)
                 self._idle.move_to_end(nbytes)
                 self._idle_bytes += nbytes
             # also when the buffer is not kept: the limit may have been lowered since
-            while self._idle_bytes > self.max_idle_bytes:
+            while self._idle_bytes > limit:
                 size, stack = next(iter(self._idle.items()))
                 stack.pop(0)
                 self._idle_bytes -= size
