@@ -2,7 +2,7 @@
 
 A large numpy array freshly allocated is mapped page by page on first write: filling 512 MB of
 new memory took 0.14 s on a 2-vCPU Xeon where copying into memory already mapped took 0.04 s
-(and up to ten times that on a virtual machine whose host backs memory lazily).
+(and about eight times that, 0.42 GiB/s, on a virtual machine whose host backs memory lazily).
 A task that assembles a big temporary on every call (a Dask CSR task's halo of k and v, up to
 all of k and v) pays that each time. `ScratchPool` keeps such buffers after use and lends them
 again to a request of the same size, the way a caching allocator does; cupy already pools device
