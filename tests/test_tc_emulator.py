@@ -766,6 +766,54 @@ def test_wgmma_overlap_changes_no_arithmetic(dtype, NW, BN):
         assert np.isfinite(a).all() and np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("D,H,Hkv,dtype,NW,BN", [(64, 2, 1, "float16", 4, 128), (128, 3, 1, "bfloat16", 8, 64),
+                                                  (96, 2, 2, "float16", 8, 32)])
+@pytest.mark.parametrize("relname", list(RELATIONS))
+def test_pipelined_forward_changes_no_arithmetic(D, H, Hkv, dtype, NW, BN, relname):
+    """the pipelined forward (P V of block j - 1 in flight during the softmax of block j,
+    Variant.fwd_pipelined) gives the serial forward's bits: O gets the same products, rescalings
+    and additions in the same order; the extra first chain (P = 0 times a zero-filled V slot) adds
+    exact zeros. Also against the float64 oracle: the serial one could share a bug."""
+    import dataclasses
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng()
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)
+    ro, rm, *_ = oracle(q, k, v, do, dst, src, causal, D ** -0.5)
+    vp = G.Variant("fwd", D, D, dtype=dtype, NW=NW, BN=BN, **WG).check()
+    vs = dataclasses.replace(vp, overlap=False).check()
+    assert vp.fwd_pipelined and not vs.fwd_pipelined and vs.name() == vp.name() + "_so"
+    got = [E.forward(x, q, k, v, dst, src, causal.astype(np.uint8), D ** -0.5) for x in (vp, vs)]
+    for a, b in zip(*got):
+        assert np.array_equal(a, b)
+    assert np.isfinite(got[0][0]).all() and rel(got[0][0], ro) < TOL[dtype]
+
+
+@pytest.mark.parametrize("mistake", ["v_slot", "no_wait"])
+def test_pipelined_forward_mistakes_are_caught(monkeypatch, mistake):
+    """the emulator's model of asynchrony catches the pipeline's two ways to go wrong: V of block kb
+    copied into the slot P V of block kb - 1 is still reading (the chain's operands change while
+    in flight), and a loop that does not wait for its copies (cp.async chunks land only at the
+    wait, NaN until then). Each mistake is made in the generated text; the test can fail."""
+    dst, src, causal = (np.array(x) for x in RELATIONS["causal_tail"])
+    q, k, v, do = _inputs(np.random.default_rng(3), dst[-1], src[-1], 2, 1, 64, "float16")
+    ro, *_ = oracle(q, k, v, do, dst, src, causal, 0.125)
+    vp = G.Variant("fwd", 64, 64, NW=4, BN=32, **WG).check()
+    text = G.gen_forward(vp)
+    if mistake == "v_slot":   # V of block kb into slot prv: where P V of block kb - 1 reads
+        bad = text.replace(f"a32(ss, u32({2 * 32 * 128} + (cur) * {32 * 128}))",
+                           f"a32(ss, u32({2 * 32 * 128} + (prv) * {32 * 128}))")
+    else:
+        bad = text.replace("cp_commit(); cp_wait1()", "cp_commit()")
+    assert bad != text
+    monkeypatch.setattr(E.G, "gen_forward", lambda v: bad)
+    try:
+        o, *_ = E.forward(vp, q, k, v, dst, src, causal.astype(np.uint8), 0.125)
+    except AssertionError as ex:
+        assert "wgmma" in str(ex), ex
+        return
+    assert not (np.isfinite(o).all() and rel(o, ro) < 1e-2)
+
+
 @pytest.mark.parametrize("kind", ["dq", "dkdv"])
 def test_reading_an_in_flight_accumulator_is_caught(monkeypatch, kind):
     """without its wgmma_wait the overlapped dP (dV) chain's registers hold no result: the emulator
@@ -900,7 +948,9 @@ def test_wgmma_variant_rules():
                                                       ("dkdv", 128, 4, 32, False, "float16"),
                                                       ("fwd", 96, 8, 128, True, "float16"),
                                                       ("dq", 64, 4, 64, False, "float32"),    # split
-                                                      ("fwd", 256, 8, 64, False, "bfloat16")])
+                                                      ("fwd", 256, 8, 64, False, "bfloat16"),
+                                                      ("fwd", 128, 8, 128, False, "float16"),   # shipped
+                                                      ("fwd", 64, 4, 128, False, "bfloat16")])
 def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune, dtype):
     """numba's PTX of a warpgroup kernel links for sm_90a (nvJitLink, no GPU): every product is one
     wgmma chain (fence ... commit, wait), shared memory is fenced for the async proxy, no local
@@ -913,14 +963,19 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune,
     v = G.Variant(kind, D, D, dtype=dtype, NW=NW, BN=BN, prune=prune, **WG).check()
     rep = build.kernel(v)[0].ptxas("sm_90a")
     ptx = rep["ptx"]
-    products = {"fwd": (1, 1), "dq": (2, 1), "dkdv": (2, 2)}[kind]   # (A B^T, P B) products per block
+    # (A B^T, P B) products per block; the pipelined forward has its last block's P V after the loop
+    products = {"fwd": (1, 2 if v.fwd_pipelined else 1), "dq": (2, 1), "dkdv": (2, 2)}[kind]
     passes, groups = len(GW._passes(v)), len(GV.pb_groups(v, D))   # float32: 6 passes, a chain per group
     nk_abt, nk_pb = D // 16, BN // 16
     assert ptx.count("wgmma.mma_async.sync.aligned") == passes * (products[0] * nk_abt + products[1] * groups * nk_pb)
     chains = products[0] + products[1] * groups
     # one commit per chain; as many waits (the backward's dP, 16-bit dV chains are issued without
-    # one and waited for after the CUDA-core work they overlap)
-    assert ptx.count("wgmma.commit_group.sync.aligned") == ptx.count("wgmma.wait_group.sync.aligned") == chains
+    # one and waited for after the CUDA-core work they overlap); the pipelined forward's loop waits
+    # for S with P V in flight, then for P V: one wait more than chains
+    assert ptx.count("wgmma.commit_group.sync.aligned") == chains
+    assert ptx.count("wgmma.wait_group.sync.aligned") == chains + (1 if v.fwd_pipelined else 0)
+    if v.fwd_pipelined:
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "fence.proxy.async.shared::cta" in ptx and ".local" not in ptx
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx)
     assert rep["regs"] and not rep["serialised"], rep["log"]

@@ -5,7 +5,7 @@
 # usage (repo root on the GPU machine; wheels, if any, carried in .whl; a cubin cache prebuilt
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
 #   OUT=dir [WORKERS=15] [T_PREBUILD=0] [PREBUILD_ARGS="--modifiers softcap,alibi"] [T_TESTS=300] [FIRST="pytest selection"] \
-#     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] [KEEP_CUBINS=1] \
+#     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] [SAN_TOOLS="memcheck racecheck synccheck"] [KEEP_CUBINS=1] \
 #     [BENCH="python benchmarks/bench_score_mods_gpu.py" T_BENCH=200] bash benchmarks/gpu/check.sh
 # Writes up to seven files (the device returns at most eight): env.txt, prebuild.txt, bench.txt,
 # tests.txt (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt,
@@ -40,7 +40,7 @@ fi
   >> $OUT/tests.txt 2>&1; stamp "gpu tests rc=$?"
 if [ "${T_SAN:-30}" != 0 ]; then
   for s in ${SAN_SCRIPTS:-split_sanitize mods_sanitize tc_sanitize}; do
-    for tool in memcheck racecheck; do
+    for tool in ${SAN_TOOLS:-memcheck racecheck}; do
       echo "=== $tool $s" >> $OUT/san.txt
       timeout ${T_SAN:-30} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
         python3 benchmarks/gpu/$s.py 2>&1 | tail -30 >> $OUT/san.txt; stamp "$tool $s rc=${PIPESTATUS[0]}"

@@ -3,7 +3,9 @@ wgmma and mma.sync engines, dense-rectangular, causal, cu_seqlens, a sliding win
 bottom-right causal rectangular varlen batch with tails, GQA), for compute-sanitizer. Head dim
 64, or $TC_SAN_D (128: the small relations take the narrow-band forward shape there); dtypes
 float16 and float32, or the comma-separated names in $TC_SAN_DTYPES (bfloat16 via ml_dtypes). A
-backward the package refuses (bfloat16 at D = 256) is reported and skipped."""
+backward the package refuses (bfloat16 at D = 256) is reported and skipped. $TC_SAN_SHIPPED=1: no
+narrow-band shape, every relation runs the shipped tile shape (D = 128: two warpgroups, 128-key
+blocks); $TC_SAN_ENGINES: "wgmma", "mma" or both (default)."""
 import os
 
 import cupy
@@ -11,6 +13,7 @@ import numpy as np
 
 import tiga_numba as tg
 from tiga_numba import functional
+from tiga_numba.cuda.tc import tuning
 
 rng = np.random.default_rng(0)
 H, Hkv, D = 4, 2, int(os.environ.get("TC_SAN_D", 64))
@@ -27,7 +30,10 @@ def _dtype(name):
 
 
 DTYPES = [_dtype(name) for name in os.environ.get("TC_SAN_DTYPES", "float16,float32").split(",")]
-for wgmma in (True, False):
+if os.environ.get("TC_SAN_SHIPPED") == "1":
+    tuning.NARROW_KEYS = -1   # no band is narrow enough: the shipped shapes
+ENGINES = os.environ.get("TC_SAN_ENGINES", "wgmma,mma").split(",")
+for wgmma in [e == "wgmma" for e in ENGINES]:
     for dtype in DTYPES:
         for g in graphs:
             q, k, v, do = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in

@@ -10,7 +10,15 @@ split would show plain-TF32 errors here. Every global access is checked
 against the registered buffers and every shared access against the CTA's shared size, so a
 layout, swizzle, tail or mask mistake fails here, in CI, before any GPU sees it.
 
-What it cannot see: races between cp.async and readers (lockstep hides them) and timing.
+The asynchronous engines are modelled by when their data moves, so a program that uses data
+too early or overwrites it too soon fails here too: a cp.async chunk reads global memory when
+issued but lands only at the cp.async.wait_group that covers its commit group (until then its
+shared bytes read as NaN patterns), and a wgmma chain issued without waiting is computed at issue
+and again at its wgmma_wait, which fails unless both read the same operands (a buffer refilled, or
+an operand tile rewritten, while the tensor cores may still read it).
+
+What it cannot see: races between warps (lockstep hides them; compute-sanitizer's racecheck
+covers them on the GPU) and timing.
 """
 from __future__ import annotations
 
@@ -131,7 +139,9 @@ class Warps:
         # wgmma operands: float32 kernels multiply bf16 parts (generator "split")
         self.wg_dtype = "bfloat16" if dtype == "float32" else dtype
         self.SM = np.full(smem_bytes, 0xEE, np.uint8)   # garbage: reads of unloaded smem show up
-        self.pending = []   # results of wgmma chains issued without waiting (wgmma_chain wait=False)
+        self.pending = []   # wgmma chains issued without waiting: (results, recompute), oldest first
+        self.cp_open = []   # cp.async chunks (shared address, 16 bytes) not yet committed
+        self.cp_groups = []  # committed cp.async groups, oldest first, not yet waited for
         lane = np.arange(NT) % 32
         self.wv, self.g, self.t = np.arange(NT) // 32, lane // 4, lane % 4
 
@@ -210,10 +220,21 @@ class Warps:
         return A
 
     def wgmma_chain(self, form, N, steps, args, wait=True):
+        """ptx.wgmma_chain (see _chain). wait=False: issued, not waited for: the registers hold no
+        result until wgmma_wait hands it over (a program that reads them early computes with NaN
+        and fails its checks), and the chain is computed again at the wait, which must read the
+        same operands."""
+        out = self._chain(form, N, steps, args)
+        if wait:
+            return out
+        self.pending.append((out, lambda: self._chain(form, N, steps, args)))
+        return tuple(np.full(self.NT, np.nan, np.float32) for _ in out)
+
+    def _chain(self, form, N, steps, args):
         """ptx.wgmma_chain: C += A B per step (m64n{N}k16). ss: args (da, db, *C), A and B K-major
         from descriptors da + a, db + b; st: as ss with B MN-major; rs: args (*A registers, db, *C),
         A from register group a (4 packed words), B MN-major (imm-trans-b = 1) from db + b. Warp w of
-        its warpgroup holds rows 16 (w % 4) .. + 15 in C layout. wait=False: see wgmma_wait."""
+        its warpgroup holds rows 16 (w % 4) .. + 15 in C layout."""
         nw, wv, g, t = self.NT // 32, self.wv, self.g, self.t
         assert self.NT % 128 == 0, "wgmma needs whole warpgroups"
         na = chain_operands(form, steps)
@@ -247,13 +268,7 @@ class Warps:
             acc = A.astype(np.float64) @ B.astype(np.float64) + acc
             acc = (round_toward_zero(acc) if self.dtype == "float32" else acc.astype(np.float32)).astype(np.float64)
         D = acc.astype(np.float32)
-        out = tuple(D[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] for j in range(N // 8) for r in range(4))
-        if wait:
-            return out
-        # issued, not waited for: the registers hold no result until wgmma_wait hands it over, so a
-        # program that reads them early computes with NaN (and fails its checks)
-        self.pending.append(out)
-        return tuple(np.full(self.NT, np.nan, np.float32) for _ in out)
+        return tuple(D[wv, g + 8 * (r // 2), 8 * j + 2 * t + r % 2] for j in range(N // 8) for r in range(4))
 
     def wgmma_wait(self, n, count, regs):
         """ptx.wgmma_wait: the oldest in-flight chain completes (at most n stay in flight); its
@@ -261,9 +276,11 @@ class Warps:
         assert len(self.pending) > n, "wgmma_wait: no chain in flight to complete"
         assert len(self.pending) == n + 1, \
             "wgmma_wait: more than one chain would complete (tie each one's registers)"
-        out = self.pending.pop(0)
+        out, again = self.pending.pop(0)
         assert len(out) == count == len(regs), "wgmma_wait: tied registers are not the completed chain's accumulators"
         assert all(np.isnan(np.asarray(x)).all() for x in regs), "wgmma_wait: tied registers were written while in flight"
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out, again())), \
+            "wgmma_wait: an operand of the chain changed while it was in flight (shared memory reused too early)"
         return out
 
     def tf32x2(self, x):
@@ -313,7 +330,20 @@ class Warps:
             self.mem.check(gaddr[rd], 16)
         data = self.mem.buf[gaddr[:, None] + np.arange(16)]
         data[~rd] = 0
-        self.SM[saddr[:, None] + np.arange(16)] = data
+        dst = saddr[:, None] + np.arange(16)
+        self.SM[dst] = 0xFF   # in flight: all-ones bytes are NaN in every element format
+        self.cp_open.append((dst, data))
+
+    def cp_commit(self):
+        """cp.async.commit_group: the chunks issued since the last commit form one group."""
+        self.cp_groups.append(self.cp_open)
+        self.cp_open = []
+
+    def cp_wait(self, n):
+        """cp.async.wait_group n: every committed group but the newest n has landed."""
+        while len(self.cp_groups) > n:
+            for dst, data in self.cp_groups.pop(0):
+                self.SM[dst] = data
 
     def stg_u32_if(self, pred, gaddr, x):
         pred = self._vec(pred, np.uint32) != 0
@@ -531,7 +561,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        bits_f32=lambda x: np.asarray(x, np.uint32).view(np.float32),
                        opq=lambda x: np.asarray(x, np.int64)[()],
                        a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
-                       cp_commit=lambda: None, cp_wait0=lambda: None, cp_wait1=lambda: None,
+                       cp_commit=w.cp_commit, cp_wait0=lambda w=w: w.cp_wait(0), cp_wait1=lambda w=w: w.cp_wait(1),
                        math=_MATH)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",

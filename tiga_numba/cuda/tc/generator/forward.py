@@ -1,14 +1,16 @@
 """The forward kernel text: O = softmax(scale Q K^T) V per work row, writing O, m, l."""
 from __future__ import annotations
 
-from .fragments import zero_c
-from .pipeline import key_range, prune_gate, read_work, store_c_rows, stream_key_blocks
-from .products import mma_pb, resident
-from .shared import sa, shared_array, shared_base, thread_geometry
-from .softmax import online_softmax
+from .fragments import a_regs, zero_c
+from .guard import guard_init, guard_tiles, poison_rows
+from .pipeline import key_range, prune_gate, read_work, span, store_c_rows, stream_key_blocks
+from .products import mma_abt, mma_pb, resident
+from .shared import landed, load_tile, sa, shared_array, shared_base, thread_geometry
+from .softmax import mask_rows, online_softmax, rescale, row_limits
 from .source import Source, udiv
 from .modifier import ARGS as MOD_ARGS, cell_col, cell_row
 from .variant import LOG2E, MASKED, WG_ALIGN
+from .wgmma import wg_pack, wg_pb, wg_wait
 
 
 def gen_forward(v):
@@ -62,7 +64,10 @@ def gen_forward(v):
             e("npr = npr + sel(adm != 0, 0, 1)")
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
-        stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)], modify=modify if v.mod else None)
+        if v.fwd_pipelined:
+            pipelined_key_blocks(e, v, where["qa"], modify if v.mod else None)
+        else:
+            stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)], modify=modify if v.mod else None)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l, and (mkp
         # not 0) m in the kernel's base-2 units exactly as the softmax used it: the backward
         # reads that one, since m log2(e) rounded back from the natural-log m is off by an ulp
@@ -86,3 +91,90 @@ def gen_forward(v):
             e("ok = u32(tx == 0); slot = cntp + (i64(cuda.blockIdx.x) * H + hh) * 8")
             e("stg_u32_if(ok, slot, u32(npr)); stg_u32_if(ok, slot + 4, u32(nkb))")
     return e.text()
+
+
+def pipelined_key_blocks(e, v, qa_where, modify=None):
+    """The forward's key loop as a software pipeline on the warpgroup's tensor cores (wgmma,
+    16-bit; Variant.fwd_pipelined). Iteration kb issues S = Q K^T of block kb and, right behind
+    it, O += P V of block kb - 1 (P packed at the end of the previous iteration), waits for S
+    only, and runs the softmax of block kb on the CUDA cores while the tensor cores multiply P V;
+    then it waits for P V, rescales O by the new running max and packs P of block kb. The last
+    block's P V follows the loop. The arithmetic is that of the serial loop: O gets the same
+    products in the same order, only the waits moved (online softmax: O holds blocks < kb scaled
+    to the max before block kb until the rescale).
+
+    Shared memory is the serial loop's double buffer, with V one block behind K: the copy
+    committed in iteration kb brings K of block kb + 1 and V of block kb, so at the top of
+    iteration kb (one group in flight) K of kb and V of kb - 1 have landed, and each iteration
+    refills the K slot S read one iteration earlier and the V slot whose P V completed then.
+    The guard of the V tile (guard.py) and the poisoning of O's rows therefore happen for block
+    kb - 1 in iteration kb, around its P V. Expects key_range's names, ss, kg, vg and cols."""
+    D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
+    A, B = BN * v.row_bytes(D), BN * v.row_bytes(Dv)   # one K slot, one V slot
+    kslot = lambda i: f"a32(ss, u32(({i}) * {A}))"  # noqa: E731
+    vslot = lambda i: f"a32(ss, u32({2 * A} + ({i}) * {B}))"  # noqa: E731
+    edge = lambda b: f"(({b}) >= nfull) | (({b}) < nlow)"  # noqa: E731   the block holds masked cells
+
+    def load(name, slot, c, width):
+        base, stride = ("kg", "k_rs") if name == "k" else ("vg", "v_rs")
+        load_tile(e, v, slot, f"{base} + {c} * {stride}", stride, f"cols - {c}", BN, width)
+
+    def finish_pv(b, vbuf, wait, real="True"):
+        """guard V of block b (if it is `real` and holds masked cells), O += P V from the packed P;
+        the caller poisons O's rows after the chain completed (poison)."""
+        guard_init(e, v)
+        e(f"if ({real}) & ({edge(b)}):")
+        with e.indent():
+            guard_tiles(e, v, [(vbuf, Dv)])
+        wg_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, wait=wait, packed=True)
+
+    def poison(b):
+        poison_rows(e, v, [("o", Dv // 8)], lambda m, h: span(f"wrow + {16 * m + 8 * h} + g", f"({b}) * {BN}"))
+
+    # Every iteration issues both chains, the first one a P V of "block -1": P = 0 and a
+    # zero-filled V slot (0 * 0 adds exact zeros to O = 0). ptxas keeps wgmma chains asynchronous
+    # only in straight-line code: a chain issued on one branch and waited for after the join makes
+    # it serialise them (warning C7513).
+    e("# pipelined key loop: S of block kb and P V of block kb - 1 in flight together")
+    for ks in range(BN // 16):
+        e("; ".join(f"{x} = u32(0)" for x in a_regs(v, "pa", 0, ks)))
+    e("if nkb > 0:")
+    with e.indent():
+        load("k", "ss", "0", D)
+        load_tile(e, v, vslot(1), "vg", "v_rs", "0", BN, Dv)   # no valid rows: zero-filled
+        e("cp_commit()")
+    e("for kb in range(nkb):")
+    with e.indent():
+        e("cur = kb % 2; prv = 1 - cur")
+        e(f"kbuf_cur = {kslot('cur')}; vbuf_prv = {vslot('prv')}")
+        e("if kb + 1 < nkb:")
+        with e.indent():
+            e(f"c1 = (kb + 1) * {BN}")
+            load("k", kslot("prv"), "c1", D)
+        e(f"cv = kb * {BN}")
+        load("v", vslot("cur"), "cv", Dv)
+        e("cp_commit(); cp_wait1()")   # K of kb and V of kb - 1 landed (this group: K kb + 1, V kb)
+        landed(e, v)
+        zero_c(e, "s", MT, BN // 8)
+        mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where, wait=False)
+        finish_pv("kb - 1", "vbuf_prv", wait=False, real="kb > 0")
+        wg_wait(e, 1, "s", BN // 8)   # S completes first; P V stays in flight
+        if modify is not None:
+            modify()
+        e(f"if {edge('kb')}:")
+        with e.indent():
+            row_limits(e, v, "lim", "wrow")
+            mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
+        online_softmax(e, v, "s", "o", Dv // 8, alpha="alf")
+        wg_wait(e, 0, "o", Dv // 8)
+        poison("kb - 1")   # block -1 marked no row (guard_init)
+        rescale(e, v, "o", Dv // 8, "alf")
+        wg_pack(e, v, "pa", "s", BN // 16)
+        e("cuda.syncthreads()")   # K of kb and V of kb - 1 are refilled by the next iteration
+    e("if nkb > 0:")   # the last block's P V
+    with e.indent():
+        e("cp_wait0()")
+        landed(e, v)
+        e(f"vbuf_prv = {vslot('(nkb - 1) % 2')}")
+        finish_pv("nkb - 1", "vbuf_prv", wait=True)
+        poison("nkb - 1")

@@ -67,15 +67,26 @@ class Variant:
     prune: bool = False  # fwd only: tile-pruning admission (docs/design.md), see prune_gate
     pb_cols: int = 64    # split: output columns per P B chain and its per-block partial (pb_groups);
     #                      fewer columns, fewer partial registers
-    overlap: bool = True  # wgmma backward: the dP chain (and, 16-bit dK/dV, the dV chain) is issued
-    #                       without waiting and runs while the CUDA cores make P (dS); False: every
-    #                       chain waits at once (the A/B baseline of bench_tc_bwd.py)
+    overlap: bool = True  # wgmma: chains issued without waiting run while the CUDA cores work. The
+    #                       forward (16-bit, no pruning: fwd_pipelined) multiplies P V of block j - 1
+    #                       during the softmax of block j; the backward's dP chain (and, 16-bit
+    #                       dK/dV, the dV chain) runs while the CUDA cores make P (dS). False: every
+    #                       chain waits at once (the A/B baselines of bench_wgmma.py / bench_tc_bwd.py)
     mod: object = None    # a score modifier (modifier.Modifier) compiled into the score cells
 
     @property
     def wg_async(self):
         """the wgmma backward overlaps chains with CUDA-core work (overlap)."""
         return self.wgmma and self.overlap
+
+    @property
+    def fwd_pipelined(self):
+        """the forward's software pipeline (forward.pipelined_key_blocks): S = Q K^T of block j and
+        O += P V of block j - 1 are issued back to back, and the softmax of block j runs while the
+        tensor cores multiply P V. 16-bit wgmma only: split P B products add per-block partials
+        right after their chain, and a pruned block's skipped P V would change the chain count
+        that the waits count on."""
+        return self.kind == "fwd" and self.wg_async and not self.split and not self.prune
 
     @property
     def NT(self):
