@@ -44,10 +44,14 @@ SHIPPED = {kind: dict(tuning.TUNING_WGMMA[(kind, 128)]) for kind in SHAPES}
 
 def _use(kind, shape):
     """run `kind` with `shape` whatever the relation (the narrow-band rule off); the shipped
-    entry's other fields (a_smem, overlap) kept."""
+    entry's other fields (a_smem, overlap) kept, unless --serial (SERIAL: overlap=False)."""
     NW, BN = shape
     tuning.NARROW.clear()
-    tuning.TUNING_WGMMA[(kind, 128)] = dict(SHIPPED[kind], NW=NW, BN=BN)
+    tuning.TUNING_WGMMA[(kind, 128)] = dict(SHIPPED[kind], NW=NW, BN=BN, **({"overlap": False} if SERIAL else {}))
+
+
+#: --serial: every chain waited for at once (the forward's serial key loop)
+SERIAL = False
 
 
 def _build(job):
@@ -93,8 +97,14 @@ def main():
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--kind", choices=sorted(SHAPES), default="fwd",
                     help="whose shapes: the forward's, or the backward's dQ or dK/dV kernel")
+    ap.add_argument("--shapes", default="", help="NWxBN list replacing the kind's shapes, e.g. 4x64,8x128")
+    ap.add_argument("--serial", action="store_true", help="overlap=False: every wgmma chain waited for at once")
     a = ap.parse_args()
     kind = a.kind
+    global SERIAL
+    SERIAL = a.serial
+    if a.shapes:
+        SHAPES[kind] = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.prebuild:
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(a.jobs) as pool:

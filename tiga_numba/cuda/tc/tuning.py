@@ -83,7 +83,11 @@ TUNING_F32 = {
 #: NW=8 BN=128: 5.51), fwd D=128 8.27 (NW=4 BN=64 8.54, NW=4 BN=128 11.0), bwd D=64 18.1 (BN=64: 20.4;
 #: 8 warps 18.6-30.4), bwd D=128 29.4 (dK/dV with 8 warps: 31.2; 4 warps BN=64 / 32 throughout: 37.1).
 TUNING_WGMMA = {
-    ("fwd", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
+    # overlap=False: the D = 64 forward keeps its serial key loop (forward.pipelined_key_blocks not
+    # used): pipelined, ptxas gives it 252 registers instead of 166, two CTAs per SM instead of three
+    # (capped at three, 144 B spilled), and it measured 6-11 % slower on the H200 (bench_hopper.py,
+    # results/hopper-h200-2026-12-04.txt); at D = 128 / 256 the pipeline gained 0-5 % / 5-10 %
+    ("fwd", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True, overlap=False),
     ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
