@@ -105,8 +105,11 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
 
     Shared memory is the serial loop's double buffer, with V one block behind K: the copy
     committed in iteration kb brings K of block kb + 1 and V of block kb, so at the top of
-    iteration kb (one group in flight) K of kb and V of kb - 1 have landed, and each iteration
-    refills the K slot S read one iteration earlier and the V slot whose P V completed then.
+    iteration kb, once that one group has landed, K of kb and V of kb - 1 are there, and each
+    iteration refills the K slot S read one iteration earlier and the V slot whose P V completed
+    then. One CTA barrier per block (the serial loop has two) both publishes the landed copies
+    and closes the previous iteration, after which its slots are free: the copies are issued
+    right behind S's chain and have the whole iteration to land.
     The guard of the V tile (guard.py) and the poisoning of O's rows therefore happen for block
     kb - 1 in iteration kb, around its P V. Expects key_range's names, ss, kg, vg and cols."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
@@ -147,16 +150,20 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     with e.indent():
         e("cur = kb % 2; prv = 1 - cur")
         e(f"kbuf_cur = {kslot('cur')}; vbuf_prv = {vslot('prv')}")
+        # one barrier per block: past it, every thread's copies of K kb and V kb - 1 landed and
+        # every warp left iteration kb - 1, so the slots that iteration read (K kb - 1, V kb - 2)
+        # are refilled right after it, for the next iteration
+        e("cp_wait0()")
+        landed(e, v)
+        zero_c(e, "s", MT, BN // 8)
+        mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where, wait=False)
         e("if kb + 1 < nkb:")
         with e.indent():
             e(f"c1 = (kb + 1) * {BN}")
             load("k", kslot("prv"), "c1", D)
         e(f"cv = kb * {BN}")
         load("v", vslot("cur"), "cv", Dv)
-        e("cp_commit(); cp_wait1()")   # K of kb and V of kb - 1 landed (this group: K kb + 1, V kb)
-        landed(e, v)
-        zero_c(e, "s", MT, BN // 8)
-        mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where, wait=False)
+        e("cp_commit()")
         finish_pv("kb - 1", "vbuf_prv", wait=False, real="kb > 0")
         wg_wait(e, 1, "s", BN // 8)   # S completes first; P V stays in flight
         if modify is not None:
@@ -170,7 +177,6 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
         poison("kb - 1")   # block -1 marked no row (guard_init)
         rescale(e, v, "o", Dv // 8, "alf")
         wg_pack(e, v, "pa", "s", BN // 16)
-        e("cuda.syncthreads()")   # K of kb and V of kb - 1 are refilled by the next iteration
     e("if nkb > 0:")   # the last block's P V
     with e.indent():
         e("cp_wait0()")

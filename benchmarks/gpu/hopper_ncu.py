@@ -1,0 +1,41 @@
+"""Drive the D = 128 forward once through this package's wgmma kernel and once through torch's cuDNN
+SDPA (fp16, N = 16384, H = 16, not causal; the inputs of bench_hopper.py), after a warm-up, with
+the profiler range around the two measured calls only, for Nsight Compute to compare the kernels:
+
+    ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \\
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \\
+        --section LaunchStats python benchmarks/gpu/hopper_ncu.py
+"""
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_hopper as BH  # noqa: E402  (benchmarks/bench_hopper.py: Forward, the inputs' layout)
+from tiga_numba.cuda.tc import tuning  # noqa: E402
+
+N, H, D = 16384, BH.H, 128
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v = (torch.randn(N, H, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+ours = BH.Forward(tuning.variant("fwd", D, D, "float16", wgmma=True), q, k, v, np.array([0, N]), False, "float16")
+
+
+def cudnn():
+    return BH.torch_fwd(SDPBackend.CUDNN_ATTENTION, q, k, v, False)
+
+
+for _ in range(2):
+    ours.fwd()
+    cudnn()
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+ours.fwd()
+with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    F.scaled_dot_product_attention(BH.heads_first(q), BH.heads_first(k), BH.heads_first(v))
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+print("profiled: ours", ours.vf.name(), "then cuDNN")
