@@ -186,9 +186,10 @@ def shapes(a):
     from tiga_numba.cuda.tc import generator as G
     specs = [(int(d), *(int(x) for x in nb.split("x"))) for d, nb in (x.split(":") for x in a.shapes.split(","))]
     print("\n## 3. forward tile shapes, float16 (pipelined): ms per call (TF/s)\n")
-    print("| D | N | causal | shipped " + " | ".join(f"NW={nw} BN={bn}" for d, nw, bn in specs) + " |")
-    print("|---|---|---|---|" + "---|" * len(specs))
     for D in sorted({d for d, _, _ in specs}):
+        mine = [(nw, bn) for d, nw, bn in specs if d == D]
+        print("\n| D | N | causal | shipped | " + " | ".join(f"NW={nw} BN={bn}" for nw, bn in mine) + " |")
+        print("|---|---|---|---|" + "---|" * len(mine))
         for N in (int(x) for x in a.sizes.split(",")):
             for causal in (False, True):
                 g = torch.Generator(device="cuda").manual_seed(N + D)
@@ -197,7 +198,7 @@ def shapes(a):
                 cols, ref = [], None
                 for vf in [tuning.variant("fwd", D, D, "float16", wgmma=True)] + [
                         G.Variant("fwd", D, D, dtype="float16", NW=nw, MT=1, BN=bn, a_smem=True, wgmma=True).check()
-                        for d, nw, bn in specs if d == D]:
+                        for nw, bn in mine]:
                     o = Forward(vf, q, k, v, np.array([0, N]), causal, "float16")
                     o.fwd()
                     torch.cuda.synchronize()
