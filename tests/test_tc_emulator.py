@@ -766,7 +766,9 @@ def test_wgmma_overlap_changes_no_arithmetic(dtype, NW, BN):
         assert np.isfinite(a).all() and np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("D,H,Hkv,dtype,NW,BN", [(64, 2, 1, "float16", 4, 128), (128, 3, 1, "bfloat16", 8, 64),
+#: key blocks narrow enough that these small relations give a query tile several of them (a wrong
+#: rescale between blocks shows)
+@pytest.mark.parametrize("D,H,Hkv,dtype,NW,BN", [(64, 2, 1, "float16", 4, 32), (128, 3, 1, "bfloat16", 8, 64),
                                                   (96, 2, 2, "float16", 8, 32)])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_pipelined_forward_changes_no_arithmetic(D, H, Hkv, dtype, NW, BN, relname):
@@ -970,10 +972,9 @@ def test_wgmma_ptx_links_for_sm90a_without_serialisation(kind, D, NW, BN, prune,
     assert ptx.count("wgmma.mma_async.sync.aligned") == passes * (products[0] * nk_abt + products[1] * groups * nk_pb)
     chains = products[0] + products[1] * groups
     # one commit per chain; as many waits (the backward's dP, 16-bit dV chains are issued without
-    # one and waited for after the CUDA-core work they overlap); the pipelined forward's loop waits
-    # for S with P V in flight, then for P V: one wait more than chains
-    assert ptx.count("wgmma.commit_group.sync.aligned") == chains
-    assert ptx.count("wgmma.wait_group.sync.aligned") == chains + (1 if v.fwd_pipelined else 0)
+    # one and waited for after the CUDA-core work they overlap; the pipelined forward's loop waits
+    # for S with P V still in flight, then for P V)
+    assert ptx.count("wgmma.commit_group.sync.aligned") == ptx.count("wgmma.wait_group.sync.aligned") == chains
     if v.fwd_pipelined:
         assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "fence.proxy.async.shared::cta" in ptx and ".local" not in ptx
