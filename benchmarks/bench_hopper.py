@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_tc as B  # noqa: E402  (Ours: raw-pointer launches; the import path)
-from tiga_numba.cuda.tc import api, tuning  # noqa: E402
+from tiga_numba.cuda.tc import tuning  # noqa: E402
 
 H = 16
 BACKENDS = (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -50,19 +50,6 @@ def gpu_ms(fn, reps):
     return start.elapsed_time(end) / reps
 
 
-class Forward(B.Ours):
-    """Ours with the forward Variant given (the shipped one or its serial twin)."""
-
-    def __init__(self, vf, *args):
-        super().__init__(*args)
-        self.vf = vf
-
-    def fwd(self):
-        api.launch_forward(self.vf, self.rec, self.H, self.Hkv, B.op(self.q), B.op(self.k), B.op(self.v),
-                           self.out.data_ptr(), self.m.data_ptr(), self.l.data_ptr(), self.scale, self.st,
-                           mkp=self.m2.data_ptr())
-
-
 def heads_first(x):
     return x.transpose(0, 1)[None]
 
@@ -80,7 +67,7 @@ def cell(dtn, D, N, causal, reps, with_bwd=True):
     shipped = tuning.variant("fwd", D, D, dtn, wgmma=True)
     serial = dataclasses.replace(shipped, overlap=False)
     cu = np.array([0, N])
-    ours = {"ours": Forward(shipped, q, k, v, cu, causal, dtn), "serial": Forward(serial, q, k, v, cu, causal, dtn)}
+    ours = {"ours": B.Ours(q, k, v, cu, causal, dtn, vf=shipped), "serial": B.Ours(q, k, v, cu, causal, dtn, vf=serial)}
     res, outs = {}, {}
     for name, o in ours.items():
         o.fwd()
@@ -199,7 +186,7 @@ def shapes(a):
                 for vf in [tuning.variant("fwd", D, D, "float16", wgmma=True)] + [
                         G.Variant("fwd", D, D, dtype="float16", NW=nw, MT=1, BN=bn, a_smem=True, wgmma=True).check()
                         for nw, bn in mine]:
-                    o = Forward(vf, q, k, v, np.array([0, N]), causal, "float16")
+                    o = B.Ours(q, k, v, np.array([0, N]), causal, "float16", vf=vf)
                     o.fwd()
                     torch.cuda.synchronize()
                     ref = o.out.clone() if ref is None else ref

@@ -11,17 +11,16 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import bench_hopper as BH  # noqa: E402  (benchmarks/bench_hopper.py: Forward, the inputs' layout)
+import bench_hopper as BH  # noqa: E402  (benchmarks/bench_hopper.py: the inputs' layout, bench_tc's Ours)
 from tiga_numba.cuda.tc import tuning  # noqa: E402
 
 N, H, D = 16384, BH.H, 128
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v = (torch.randn(N, H, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
-ours = BH.Forward(tuning.variant("fwd", D, D, "float16", wgmma=True), q, k, v, np.array([0, N]), False, "float16")
+ours = BH.B.Ours(q, k, v, np.array([0, N]), False, "float16", vf=tuning.variant("fwd", D, D, "float16", wgmma=True))
 
 
 def cudnn():
@@ -34,8 +33,7 @@ for _ in range(2):
 torch.cuda.synchronize()
 torch.cuda.profiler.start()
 ours.fwd()
-with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-    F.scaled_dot_product_attention(BH.heads_first(q), BH.heads_first(k), BH.heads_first(v))
+cudnn()
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()
 print("profiled: ours", ours.vf.name(), "then cuDNN")

@@ -85,8 +85,10 @@ TUNING_F32 = {
 TUNING_WGMMA = {
     # overlap=False: the D = 64 forward keeps its serial key loop (forward.pipelined_key_blocks not
     # used): pipelined, ptxas gives it 252 registers instead of 166, two CTAs per SM instead of three
-    # (capped at three, 144 B spilled), and it measured 6-11 % slower on the H200 (bench_hopper.py,
-    # results/hopper-h200-2026-12-04.txt); at D = 128 / 256 the pipeline gained 0-5 % / 5-10 %
+    # (capped at three, 144 B spilled: benchmarks/tuning/tc_registers.py --overlap 1 [--min-ctas 3]),
+    # and it measured 6-11 % slower on the H200 (bench_hopper.py, results/hopper-h200-2026-12-04.txt
+    # §1, two barriers per block; not re-measured with one); at D = 128 / 256 the pipelined loop
+    # measured 1.20-1.36x / 1.15-1.17x the serial one (§7)
     ("fwd", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True, overlap=False),
     ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),

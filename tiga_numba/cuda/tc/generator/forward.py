@@ -172,10 +172,11 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
         with e.indent():
             row_limits(e, v, "lim", "wrow")
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
-        online_softmax(e, v, "s", "o", Dv // 8, alpha="alf")
+        factors = lambda m, h: f"alf{m}{h}"  # noqa: E731   kept until P V has completed
+        online_softmax(e, v, "s", "o", Dv // 8, factors=factors)
         wg_wait(e, 0, "o", Dv // 8)
         poison("kb - 1")   # block -1 marked no row (guard_init)
-        rescale(e, v, "o", Dv // 8, "alf")
+        rescale(e, v, "o", Dv // 8, factors)
         wg_pack(e, v, "pa", "s", BN // 16)
     e("if nkb > 0:")   # the last block's P V
     with e.indent():

@@ -34,14 +34,18 @@ def mask_rows(e, C, MT, ntiles, col0, lim):
 
 
 # ----------------------------------------------------------------------------- online softmax
-def online_softmax(e, v, S, O, nt_o, rowmax=None, alpha=None):
+def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None):
     """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
     A row whose max is still MASKED has met only masked cells; its l stays 0 and its P is 0.
     rowmax: names of the rows' raw maxima already reduced over the quad (prune_gate's), by (m, h).
     Pruning's admission rule still wants a real key of every row in the first tile it visits
-    (it compares against the running max). alpha: O is left alone and the rescaling factors are
-    kept as {alpha}{m}{h} for rescale() (O may be an in-flight product's accumulator)."""
-    e(f"# online_softmax: running max/sum of {S}, {S} -> P" + (f", factors {alpha}" if alpha else f", rescale {O}"))
+    (it compares against the running max). factors(m, h): O is left alone and row (m, h)'s
+    rescaling factor is kept under that name for rescale() (O may be an in-flight product's
+    accumulator); by default O is rescaled per m16 tile, its factors named al0 / al1."""
+    defer = factors is not None
+    factors = factors or (lambda m, h: f"al{h}")
+    stem = factors(0, 0)[:-2]   # the kept factors' name without its (m, h) digits, for the comment
+    e(f"# online_softmax: running max/sum of {S}, {S} -> P" + (f", factors {stem}" if defer else f", rescale {O}"))
     mx = lambda a, b: f"fmaxf({a}, {b})"
     ad = lambda a, b: f"({a} + {b})"
     nt = v.BN // 8
@@ -58,23 +62,22 @@ def online_softmax(e, v, S, O, nt_o, rowmax=None, alpha=None):
             # a tile's padding row) keeps its max; while the max is still unset (masked) P is
             # exp2(masked sc) = 0 against an exponent base of 0, never exp2 of a rounding error
             e(f"mn = fmaxf(m{m}{h}, sel(x != masked, x * sc, masked))")
-            e(f"{alpha}{m}{h} = ex2(m{m}{h} - mn)" if alpha else f"al{h} = ex2(m{m}{h} - mn)")
+            e(f"{factors(m, h)} = ex2(m{m}{h} - mn)")
             e(f"m{m}{h} = mn")
             e("mu = sel(mn != masked, mn, zero)")
             for j in range(nt):
                 for r in rs:
                     e(f"{S}{m}_{j}_{r} = ex2({S}{m}_{j}_{r} * sc - mu)")
-            a = f"{alpha}{m}{h}" if alpha else f"al{h}"
-            e(f"l{m}{h} = l{m}{h} * {a} + " + _tree(ad, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
-        if not alpha:
-            rescale(e, v, O, nt_o, "al", [m])
+            e(f"l{m}{h} = l{m}{h} * {factors(m, h)} + " + _tree(ad, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
+        if not defer:
+            rescale(e, v, O, nt_o, factors, [m])
 
 
-def rescale(e, v, O, nt_o, alpha, tiles=None):
-    """O's rows times their factors {alpha}{m}{h} (online_softmax's), m over `tiles` (all m16 tiles);
-    `alpha` "al" names the per-tile pair al0 / al1."""
+def rescale(e, v, O, nt_o, factors, tiles=None):
+    """O's rows times their factors: row (m, h) by the value named factors(m, h) (online_softmax's),
+    m over `tiles` (all m16 tiles)."""
     for m in range(v.MT) if tiles is None else tiles:
-        a0, a1 = ("al0", "al1") if alpha == "al" else (f"{alpha}{m}0", f"{alpha}{m}1")
+        a0, a1 = factors(m, 0), factors(m, 1)
         for j in range(nt_o):
             e(f"{O}{m}_{j}_0 = {O}{m}_{j}_0 * {a0}; {O}{m}_{j}_1 = {O}{m}_{j}_1 * {a0}; "
               f"{O}{m}_{j}_2 = {O}{m}_{j}_2 * {a1}; {O}{m}_{j}_3 = {O}{m}_{j}_3 * {a1}")
