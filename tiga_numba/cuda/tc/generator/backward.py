@@ -413,17 +413,15 @@ def gen_dkdv(v):
             e("cp_commit()")
         e("for it in range(nit):")
         with e.indent():
-            qo.current("it")
             e(f"nqc = nqb - qb0; hq = hk * group + {udiv('it', 'nqc')}; qb = qb0 + {umod('it', 'nqc')}")
-            e("if it + 1 < nit:")
-            with e.indent():
+
+            def upcoming():
                 e(f"hn = hk * group + {udiv('(it + 1)', 'nqc')}; c1 = (qb0 + {umod('(it + 1)', 'nqc')}) * {BN}")
-                qo.prefetch(block_at("c1", "hn"))
-            qo.last()
+                return block_at("c1", "hn")
+            qo.advance("it", "nit", upcoming)
             e(f"cq = qb * {BN}")
             if v.mod:
                 v.mod.params(e, "hq")
-            landed(e, v)
             if not fq:   # masked cells never multiply Q / dO rows (guard.py); the fused kernel: not yet
                 guard_init(e, v)
                 e("if (qb < qfull) | (qb >= qlast):")
@@ -541,7 +539,8 @@ def gen_dkdv(v):
                     stage_dq(e, v, "dqc")
                 e(f"nvis = sel(causal != 0, imin(ntk, ((qb + 1) * {BN} - 1) // {v.BM} + 1), ntk)")
                 e("p_on = 1; p_hq = hq; p_cq = cq; p_last = u32(rank + 1 == nvis)")
-            e("cuda.syncthreads()")
+            if fq or qo.end_barrier:   # fused dQ: the dS tile and the staged sum are rewritten next block
+                e("cuda.syncthreads()")
         if fq and not v.dq_atomic:   # the last block's dQ is still staged
             e("if p_on != 0:")
             with e.indent():

@@ -75,32 +75,42 @@ class StreamedPair:
             else:
                 load_tile(e, v, f"{name}buf_{slot}", gbase, gstride, nvalid, v.BN, w)
 
-    def current(self, it):
-        """top of iteration `it`: {a}buf_cur / {b}buf_cur, landed in this thread (split: converted)."""
+    def advance(self, it, n, upcoming):
+        """Top of iteration `it` of `n`: make this block's tiles {a}buf_cur / {b}buf_cur visible to
+        every thread, then start the copy of the next one, inside `if it + 1 < n:` (upcoming()
+        emits the names that block needs and returns its sources).
+        16-bit and 3xTF32: ONE CTA barrier per block. This block's copies are the only group in
+        flight; once each thread has waited for its own and passed the barrier, every warp has also
+        left the previous iteration, so the slot that iteration read is refilled at once and the
+        copy has the whole iteration to land. The loop needs no barrier at its end (end_barrier).
+        split: the staging tile is waited for and converted into the one block buffer, the next
+        block staged, then the barrier; the block buffer is rewritten at the next top, so the loop
+        ends with a barrier."""
         e, v, (a, b), (A, B) = self.e, self.v, self.names, self.sizes
         if v.split:
             e(f"{a}buf_cur = {a}buf_0; {b}buf_cur = {b}buf_0")
             e("cp_wait0()")
             for name, w in zip(self.names, self.widths):
                 convert_tile(e, v, f"st{name}", f"{name}buf_cur", v.BN, w)
-            return
-        e(f"cur = {it} % 2")
-        e(f"{a}buf_cur = a32(ss, u32(cur * {A})); {b}buf_cur = a32(ss, u32({2 * A} + cur * {B}))")
+        else:
+            e(f"cur = {it} % 2")
+            e(f"{a}buf_cur = a32(ss, u32(cur * {A})); {b}buf_cur = a32(ss, u32({2 * A} + cur * {B}))")
+            e("cp_wait0()")
+            landed(e, v)
+        e(f"if {it} + 1 < {n}:")
+        with e.indent():
+            sources = upcoming()
+            if not v.split:
+                e(f"nxt = 1 - cur; {a}buf_nxt = a32(ss, u32(nxt * {A})); {b}buf_nxt = a32(ss, u32({2 * A} + nxt * {B}))")
+            self.load("nxt", sources)
+            e("cp_commit()")
+        if v.split:
+            landed(e, v)
 
-    def prefetch(self, sources):
-        """(inside `if it + 1 < n:`) start the next block's copy."""
-        e, v, (a, b), (A, B) = self.e, self.v, self.names, self.sizes
-        if not v.split:
-            e(f"nxt = 1 - cur; {a}buf_nxt = a32(ss, u32(nxt * {A})); {b}buf_nxt = a32(ss, u32({2 * A} + nxt * {B}))")
-        self.load("nxt", sources)
-        e("cp_commit()" if v.split else "cp_commit(); cp_wait1()")
-
-    def last(self):
-        """(after the prefetch branch) the last block has no successor: wait for it (split: done)."""
-        if not self.v.split:
-            self.e("else:")
-            with self.e.indent():
-                self.e("cp_wait0()")
+    @property
+    def end_barrier(self):
+        """whether the loop body must end with a CTA barrier for the streamed tiles (split only)."""
+        return self.v.split
 
 
 def key_range(e, v):
@@ -116,7 +126,8 @@ def key_range(e, v):
 
 def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=None):
     """The key loop of the forward and dQ kernels over the blocks key_range() chose: the block's
-    K/V tiles stream through StreamedPair (block kb+1 is copied while kb computes); per block
+    K/V tiles stream through StreamedPair (block kb+1 is copied while kb computes; one CTA
+    barrier per block, at its top); per block
     S = Q K^T, masked only where the block crosses a band edge or the tail (kb < nlow or kb >= nfull), then
     block(kbuf, vbuf) emits the kernel's own use of S with the current buffers; issue(kbuf, vbuf),
     if given, right after S (a wgmma product issued there runs while S is masked and
@@ -145,13 +156,10 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
     with e.indent():
         if v.prune:
             e(f"kb = {order('it')}")
-        kv.current(it)
-        e(f"if {it} + 1 < nkb:")
-        with e.indent():
+        def upcoming():
             e(f"c1 = {order('it + 1') if v.prune else '(kb + 1)'} * {BN}")
-            kv.prefetch(block_at("c1"))
-        kv.last()
-        landed(e, v)
+            return block_at("c1")
+        kv.advance(it, "nkb", upcoming)
         # the block holds masked cells (CTA-uniform); tested where used, nothing held across S
         edge = "(kb >= nfull) | (kb < nlow)"
         guard_init(e, v)
@@ -171,7 +179,8 @@ def stream_key_blocks(e, v, qa_where, block, guarded, accs, issue=None, modify=N
         block("kbuf_cur", "vbuf_cur")
         # row rl sees the block rows from lo + rl to its limit (row_limits), less the block's start
         poison_rows(e, v, accs, lambda m, h: span(f"wrow + {16 * m + 8 * h} + g", f"kb * {BN}"))
-        e("cuda.syncthreads()")   # buffer `cur` is refilled by the next iteration's prefetch
+        if kv.end_barrier:
+            e("cuda.syncthreads()")   # the block buffer is rewritten at the next top
 
 
 def span(r, c0):
@@ -187,7 +196,7 @@ def prune_gate(e, v):
     T >= R + c holds iff some thread's own rows reach R + c, so one barrier-or decides for the
     CTA; R is kept uniform in every thread: an admitted tile raises it to max(R, T), T read from
     the per-warp maxima each warp left in shared memory before the barrier (the next tile's
-    writes come after two more barriers: the one ending this tile and the next one's `landed`).
+    writes come after the barrier at the top of its iteration, StreamedPair.advance).
     Returns the rows' quad-reduced raw maxima for online_softmax."""
     mx = lambda a, b: f"fmaxf({a}, {b})"  # noqa: E731
     e("# prune_gate: admit this tile? (T >= R + ln rho, R = the query tile's running max)")
