@@ -4,7 +4,10 @@ the profiler range around the two measured calls only, for Nsight Compute to com
 
     ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \\
         --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \\
-        --section LaunchStats python benchmarks/gpu/hopper_ncu.py
+        --section LaunchStats python benchmarks/gpu/hopper_ncu.py [--backward]
+
+--backward: the backward instead (ours: the Delta pass, the dQ kernel and the dK/dV kernel as
+shipped; cuDNN: its backward kernels), each after the same forward outside the profiled range.
 """
 import os
 import sys
@@ -27,13 +30,29 @@ def cudnn():
     return BH.torch_fwd(SDPBackend.CUDNN_ATTENTION, q, k, v, False)
 
 
-for _ in range(2):
+if "--backward" in sys.argv:
+    do = torch.randn(N, H, D, device="cuda", dtype=torch.float16, generator=g)
+    qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    ref = BH.torch_fwd(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, False)
+    ours.fwd()
+    for _ in range(2):
+        ours.bwd(do)
+        torch.autograd.grad(ref, (qt, kt, vt), BH.heads_first(do), retain_graph=True)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    ours.bwd(do)
+    torch.autograd.grad(ref, (qt, kt, vt), BH.heads_first(do), retain_graph=True)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled: our backward (Delta, dQ, dK/dV kernels), then cuDNN's")
+else:
+    for _ in range(2):
+        ours.fwd()
+        cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
     ours.fwd()
     cudnn()
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-ours.fwd()
-cudnn()
-torch.cuda.synchronize()
-torch.cuda.profiler.stop()
-print("profiled: ours", ours.vf.name(), "then cuDNN")
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled: ours", ours.vf.name(), "then cuDNN")

@@ -134,14 +134,17 @@ _padded_dims(TUNING_WGMMA_F32)   # not swept separately
 
 #: the wgmma backward overlaps its dP chain (16-bit dK/dV: and dV) with the softmax / dS work
 #: (Variant.overlap), measured per kernel against the serial twin on the H200 (bench_tc_bwd.py
-#: --wgmma --no-fused, results/wgmma-fused-bwd-h200-2026-11-30.txt §2-3): faster at D = 32 / 64 /
-#: 96 (16-bit 1-11 %, float32 2-6 %; one D = 64 cell 2 % slower); at D = 128 the dK/dV kernel is
-#: slower overlapped (16-bit up to 16 %; both twins run at 255 registers and ptxas reports fewer spill
-#: bytes for the overlapped one, 8 vs 20 B (bench_tc_bwd.py --wgmma --no-fused --spills sm_90), so
-#: the cause is not the spills; no profiler run yet) while the dQ kernel gains a little, so the
-#: D = 128 dK/dV kernels keep every chain serial
-for _table in (TUNING_WGMMA, TUNING_WGMMA_F32):
-    _table[("dkdv", 128)]["overlap"] = False
+#: --wgmma --no-fused). With one CTA barrier per streamed block (StreamedPair.advance;
+#: results/hopper-h200-2026-12-04.txt §10, float16, N = 4096 / 16384, causal and not): the 16-bit
+#: dK/dV kernel at D = 128 overlapped took 0.77-0.85x the serial one's backward time (19.9 against
+#: 25.0 ms at N = 16384 non-causal), where with two barriers it had been up to 16 % slower
+#: (wgmma-fused-bwd-h200-2026-11-30.txt §2-3), and the dQ kernel serial beat its overlapped twin in
+#: all 12 cells (D = 64 0-3 %, D = 128 3-8 %). So the 16-bit D = 64 / 128 dQ kernels keep every
+#: chain serial and every 16-bit dK/dV kernel overlaps. float32 (not re-measured): the D = 128
+#: dK/dV kernels stay serial (slower overlapped before, up to 16 %), the rest overlap (2-6 % faster).
+TUNING_WGMMA_F32[("dkdv", 128)]["overlap"] = False
+for _d in (64, 128):
+    TUNING_WGMMA[("dq", _d)]["overlap"] = False
 
 
 #: shape changes for kernels with a score modifier compiled in, per (engine, kind, D), e.g.
