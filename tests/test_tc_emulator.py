@@ -816,6 +816,55 @@ def test_pipelined_forward_mistakes_are_caught(monkeypatch, mistake):
     assert not (np.isfinite(o).all() and rel(o, ro) < 1e-2)
 
 
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_streamed_loops_wait_for_their_copies_once_per_block(monkeypatch, kind, wgmma):
+    """the serial key loop (forward, dQ) and the dK/dV query loop (StreamedPair.advance) wait for
+    the block's copies at the top of each iteration, then meet at ONE CTA barrier, and refill the
+    other slot right after it; the loop body holds no second barrier. Without that wait the block's
+    cp.async chunks have not landed (NaN in the emulator until the covering wait): the kernel must
+    fail (the test can fail)."""
+    dst, src, causal = (np.array(x) for x in RELATIONS["causal_tail"])
+    q, k, v, do = _inputs(np.random.default_rng(5), dst[-1], src[-1], 2, 1, 64, "float16")
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, 0.125)
+    shape = dict(WG, NW=4, BN=32) if wgmma else dict(NW=4, BN=32, MT=1)
+    vs = {x: G.Variant(x, 64, 64, overlap=False, **shape).check() if wgmma else G.Variant(x, 64, 64, **shape).check()
+          for x in ("fwd", "dq", "dkdv")}
+    text = G.GENERATORS[kind](vs[kind])
+    lines = text.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.strip() in ("for kb in range(nkb):", "for it in range(nit):"))
+    inner = " " * (len(lines[start]) - len(lines[start].lstrip()) + 4)
+    body = []
+    for ln in lines[start + 1:]:
+        if ln.strip() and not ln.startswith(inner):
+            break
+        body.append(ln)
+    top = []   # the iteration's straight-line head, up to its first branch
+    for ln in body:
+        if ln.startswith(inner + "if "):
+            break
+        top.append(ln)
+    assert inner + "cp_wait0()" in top and sum(ln.count("cuda.syncthreads()") for ln in top) == 1, top
+    last = [ln for ln in body if ln.startswith(inner) and not ln.startswith(inner + " ")][-1]
+    assert "syncthreads" not in last, last   # no barrier closes the iteration
+    wait = start + 1 + body.index(inner + "cp_wait0()")
+    bad = "\n".join(lines[:wait] + lines[wait + 1:])
+    assert bad != text
+    monkeypatch.setattr(E.G, {"fwd": "gen_forward", "dq": "gen_dq", "dkdv": "gen_dkdv"}[kind], lambda v: bad)
+    try:
+        if kind == "fwd":
+            got = [E.forward(vs["fwd"], q, k, v, dst, src, causal.astype(np.uint8), 0.125)[0]]
+            want = [ro]
+        else:
+            got = E.backward(vs["dq"], vs["dkdv"], do, q, k, v, rounded(ro.astype(np.float32), "float16"),
+                             rm.astype(np.float32), rl.astype(np.float32), dst, src, causal.astype(np.uint8), 0.125)
+            got, want = [got[0 if kind == "dq" else 1]], [rdq if kind == "dq" else rdk]
+    except AssertionError as ex:
+        assert "wgmma" in str(ex) or "mma operand" in str(ex) or "cp.async" in str(ex), ex
+        return
+    assert not all(np.isfinite(g).all() and rel(g, w) < 1e-2 for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("kind", ["dq", "dkdv"])
 def test_reading_an_in_flight_accumulator_is_caught(monkeypatch, kind):
     """without its wgmma_wait the overlapped dP (dV) chain's registers hold no result: the emulator
