@@ -146,7 +146,7 @@ def run(args):
     dtype = np.float32
     q, k, v, dout = (rng.standard_normal((n, heads, dim), dtype=dtype) for _ in range(4))
     print(f"# {args.case}: N={n}, edges={graph.num_edges}, H={heads}, D={dim}, float32; "
-          f"graph built in {build_s:.1f} s")
+          f"graph built in {build_s:.1f} s" + ("; dask low-level fusion off" if args.no_fuse else ""))
     # single process (warm: one call first compiles or loads the kernels)
     out, stats = tg.attention(q, k, v, graph, return_stats=True)
     t_fwd, c_fwd, (out, stats) = _best(lambda: tg.attention(q, k, v, graph, return_stats=True), args.repeat)
@@ -276,11 +276,17 @@ def main():
                    help="first write GIB GiB of memory and free it before the runs (benchmarks/run.py: first_touch)")
     p.add_argument("--no-stealing", action="store_true",
                    help="turn dask.distributed's work stealing off (tasks stay with their data)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="turn dask's low-level task fusion off (optimization.fuse.active: False), which keeps "
+                        "the placement hints tiga_numba.dask annotates its tasks with (docs/dask.md)")
     args = p.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", "2")
     if args.no_stealing:
         import dask
         dask.config.set({"distributed.scheduler.work-stealing": False})
+    if args.no_fuse:
+        import dask
+        dask.config.set({"optimization.fuse.active": False})
     run(args)
 
 

@@ -251,6 +251,50 @@ def test_local_cluster_uploads_csr_relations_once(client):
     np.testing.assert_array_equal(client.compute(again, sync=True), got[0])
 
 
+def test_local_cluster_runs_a_query_chunks_tasks_where_it_is_held(client):
+    """Implicit relations: with inputs held by the workers, a query chunk's forward merge and its
+    backward blocks run on the worker holding that chunk (annotations; dask keeps them when its
+    low-level fusion is off), dK / dV sums where the key chunk is; results unchanged."""
+    import distributed
+    g, expected, c = _problem("triangular", seed=8)
+    addrs = sorted(client.scheduler_info()["workers"])
+    owner = [0, 1, 1, 0]   # q / dout / k / v chunk i on this worker (zigzag)
+    placed = {}
+    for name in ("q", "k", "v", "dout"):
+        x = c[name].compute()
+        rows = c[name].chunks[0]
+        parts, s0 = [], 0
+        for i, n in enumerate(rows):
+            fut = client.scatter(x[s0:s0 + n], workers=[addrs[owner[i]]])
+            parts.append(da.from_delayed(fut, x[s0:s0 + n].shape, dtype=x.dtype))
+            s0 += n
+        placed[name] = client.persist(da.concatenate(parts))
+    distributed.wait(list(placed.values()))
+    with dask.config.set({"optimization.fuse.active": False}), distributed.get_task_stream(client) as ts:
+        out, stats = tgd.attention(placed["q"], placed["k"], placed["v"], g, return_stats=True)
+        out, m, l = client.persist([out, stats.m, stats.l])
+        distributed.wait([out, m, l])
+        stats = tgd.DaskAttentionStats(m, l)
+        grads = client.persist(list(tgd.attention_backward(placed["dout"], placed["q"], placed["k"], placed["v"],
+                                                           out, stats, g)))
+        distributed.wait(grads)
+    fwd_merge, bwd_blocks = {}, {}
+    for rec in ts.data:
+        key = rec["key"]
+        if not (isinstance(key, tuple) and len(key) > 2):
+            continue
+        w = addrs.index(rec["worker"])
+        if str(key[0]).startswith("tiga-attention-tasks-") and key[1] == "merge":
+            fwd_merge[key[2]] = w
+        elif str(key[0]).startswith("tiga-attention-backward-tasks-") and key[1] == "block":
+            bwd_blocks[key[2:]] = w
+    assert fwd_merge and len(bwd_blocks) == 10
+    assert all(w == owner[p] for p, w in fwd_merge.items()), fwd_merge
+    assert all(w == owner[p] for (p, c), w in bwd_blocks.items()), bwd_blocks
+    got = client.compute((out, stats.m, stats.l, stats.lse, *grads), sync=True)
+    _check(got, expected, 1e-12)
+
+
 def test_a_worker_lost_mid_run_is_recomputed(client, tmp_path):
     g, expected, c = _problem("csr", seed=4)
     marker = str(tmp_path / "killed")

@@ -22,8 +22,11 @@ other axes must be one chunk. Every task is a call of the single-process kernels
 The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
 and kept on the graph. With a dask.distributed Client as the default scheduler, the CSR local
 relations are submitted to it once per plan and the tasks refer to those futures (a call then
-ships no relation); otherwise they travel inside each call's task graph. Tasks hold no state
-outside their results, so any dask scheduler may recompute a lost one. See docs/dask.md.
+ships no relation); otherwise they travel inside each call's task graph. With such a Client and
+inputs in worker memory, the implicit relations' tasks are annotated with the worker that holds
+their query (or key) chunk, which dask keeps when its low-level fusion is off
+(``optimization.fuse.active: False``). Tasks hold no state outside their results, so any dask
+scheduler may recompute a lost one. See docs/dask.md.
 """
 from __future__ import annotations
 
@@ -195,6 +198,51 @@ def _default_client():
 
 def _identity(x):
     return x
+
+
+def _held(keys, dask_scheduler=None):
+    """(runs on the scheduler) {key: sorted addresses of the workers holding it} for the keys in
+    memory; reads the scheduler's state, computes nothing."""
+    out = {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None and ts.who_has:
+            out[key] = sorted(ws.address for ws in ts.who_has)
+    return out
+
+
+def _homes(arrays, work=None):
+    """Where a dask.distributed Client (the default scheduler) holds the node-axis chunks of
+    `arrays` (chunked alike): {chunk index: worker address}, the worker chosen among those holding
+    chunk i of every array (else of the first) so that the chunks' `work` (list, one number per
+    chunk; None: equal) is spread evenly, the largest first; a chunk held by one worker goes there.
+    {} without such a client; nothing for chunks not in memory (a lazy array). Replicas are why a
+    choice is needed: a task that read a chunk on another worker leaves a copy there."""
+    client = _default_client()
+    if client is None:
+        return {}
+    n = len(arrays[0].chunks[0])
+    keys = [_chunk_key(a, i) for a in arrays for i in range(n)]
+    try:
+        held = client.run_on_scheduler(_held, keys=keys)
+    except Exception:   # pragma: no cover - a scheduler that cannot answer: no placement hints
+        return {}
+    work = [1] * n if work is None else list(work)
+    load, homes = collections.Counter(), {}
+    for i in sorted(range(n), key=lambda i: -work[i]):
+        sets = [set(held.get(_chunk_key(a, i), ())) for a in arrays]
+        both = set.intersection(*sets) or sets[0]
+        if both:
+            homes[i] = min(sorted(both), key=lambda w: load[w])
+            load[homes[i]] += work[i]
+    return homes
+
+
+def _pin(pins, key):
+    """the `workers` annotation of task `key`: [its worker] where the graph pins it, else None
+    (no restriction)."""
+    home = pins.get(key)
+    return None if home is None else [home]
 
 
 def _relations(plan):
@@ -460,15 +508,18 @@ def _tree(dsk, prefix, leaves, combine):
 
 
 # --------------------------------------------------------------------------- graph assembly
-def _collect(core_name, core, inputs, outputs):
+def _collect(core_name, core, inputs, outputs, pins=None):
     """dask arrays for `outputs` = [(name, layer dict, chunks, meta)], all reading the tasks of
-    layer `core`, which reads the `inputs` collections."""
+    layer `core`, which reads the `inputs` collections. `pins` {task key: worker address}: where
+    dask.distributed should run those tasks (an annotation; other workers stay allowed)."""
     layers, deps = {}, {}
     for a in inputs:
         g = a.__dask_graph__()
         layers.update(g.layers)
         deps.update(g.dependencies)
-    layers[core_name] = MaterializedLayer(core)
+    annotations = ({"workers": functools.partial(_pin, pins), "allow_other_workers": True}
+                   if pins else None)
+    layers[core_name] = MaterializedLayer(core, annotations=annotations)
     deps[core_name] = {a.name for a in inputs}
     for name, layer, _, _ in outputs:
         layers[name] = MaterializedLayer(layer)
@@ -544,7 +595,16 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
                                                lambda p, w=which: (operator.getitem, roots[p], w),
                                                tail - 1),
                             (rows,) + tuple((s,) for s in meta_stats.m.shape[1:]), meta_stats.m))
-    arrays = _collect(core_name, core, [q, k, v], outputs)
+    pins = {}
+    if plan.kind == "blocks":
+        # a query chunk's merge runs on the worker holding the chunk, so its out / m / l are there
+        # for the backward, whose block tasks of that chunk read them next to q and dout
+        homes = _homes([q], [sum(g.num_edges for _, g in b) for b in plan.blocks])
+        for key in core:
+            home = homes.get(key[2]) if key[1] in ("merge", "empty") else None
+            if home is not None:
+                pins[key] = home
+    arrays = _collect(core_name, core, [q, k, v], outputs, pins)
     if return_stats:
         return arrays[0], DaskAttentionStats(arrays[1], arrays[2])
     return arrays[0]
@@ -652,10 +712,32 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
             dk_src[c] = summed("dk", dk_leaves[c], _chunk_key(k, c), c)
             dv_src[c] = summed("dv", dv_leaves[c], _chunk_key(v, c), c)
 
+    pins = {}
+    if plan.kind == "blocks":
+        # block (p, c) and the sum of dq_p on the worker holding q_p (with dout_p and the forward's
+        # out_p: more bytes than k_c and v_c), the sums of dk_c / dv_c on the worker holding k_c.
+        # Without this the scheduler placed blocks by where the forward's results happened to be
+        # and loaded one worker with twice the other's blocks (benchmarks/results/
+        # dask-cpu-zen4-2core-2026-12-04.txt).
+        # dout is the user's, read by no forward task: its chunks have no stray replicas
+        rows = _homes([dout, q, out], [sum(g.num_edges for _, g in b) for b in plan.blocks])
+        cols = _homes([k, v])
+        for key in core:
+            tag = key[1]
+            if tag in ("block", "dq"):
+                home = rows.get(key[2])
+            elif tag == "part":
+                home = rows.get(key[3])
+            elif tag in ("dk", "dv"):
+                home = cols.get(key[2])
+            else:
+                home = None
+            if home is not None:
+                pins[key] = home
     outputs = []
     for tag, like, src in (("dq", q, dq_src), ("dk", k, dk_src), ("dv", v, dv_src)):
         name = f"tiga-attention-backward-{tag}-{token}"
         layer = {(name, i) + (0,) * (like.ndim - 1): task for i, task in src.items()}
         meta = _empty_rows(like, dtype=dtype)
         outputs.append((name, layer, like.chunks, meta))
-    return tuple(_collect(core_name, core, [dout, q, k, v, out, stats.m, stats.l], outputs))
+    return tuple(_collect(core_name, core, [dout, q, k, v, out, stats.m, stats.l], outputs, pins))
