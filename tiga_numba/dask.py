@@ -714,12 +714,11 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
 
     pins = {}
     if plan.kind == "blocks":
-        # block (p, c) and the sum of dq_p on the worker holding q_p (with dout_p and the forward's
-        # out_p: more bytes than k_c and v_c), the sums of dk_c / dv_c on the worker holding k_c.
-        # Without this the scheduler placed blocks by where the forward's results happened to be
-        # and loaded one worker with twice the other's blocks (benchmarks/results/
-        # dask-cpu-zen4-2core-2026-12-04.txt).
-        # dout is the user's, read by no forward task: its chunks have no stray replicas
+        # block (p, c) and the sum of dq_p on the worker holding dout_p, q_p and out_p (more bytes
+        # than k_c and v_c; dout, read by no forward task, has no stray replicas), the sums of
+        # dk_c / dv_c on the worker holding k_c. Without this the scheduler placed blocks by where
+        # the forward's results happened to be and loaded one worker with twice the other's
+        # blocks (benchmarks/results/dask-cpu-zen4-2core-2026-12-04.txt).
         rows = _homes([dout, q, out], [sum(g.num_edges for _, g in b) for b in plan.blocks])
         cols = _homes([k, v])
         for key in core:
