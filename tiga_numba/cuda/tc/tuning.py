@@ -138,8 +138,9 @@ _padded_dims(TUNING_WGMMA_F32)   # not swept separately
 #: results/hopper-h200-2026-12-04.txt §10, float16, N = 4096 / 16384, causal and not): the 16-bit
 #: dK/dV kernel at D = 128 overlapped took 0.77-0.85x the serial one's backward time (19.9 against
 #: 25.0 ms at N = 16384 non-causal), where with two barriers it had been up to 16 % slower
-#: (wgmma-fused-bwd-h200-2026-11-30.txt §2-3), and the dQ kernel serial beat its overlapped twin in
-#: all 12 cells (D = 64 0-3 %, D = 128 3-8 %). So the 16-bit D = 64 / 128 dQ kernels keep every
+#: (wgmma-fused-bwd-h200-2026-11-30.txt §2-3), and beside the overlapped dK/dV kernel the serial dQ
+#: kernel beat its overlapped twin in all 8 cells (D = 64 by 0.1-2.6 %, D = 128 by 3-8 %; beside the
+#: serial dK/dV kernel at D = 64: 2 of 4, within 1 %). So the 16-bit D = 64 / 128 dQ kernels keep every
 #: chain serial and every 16-bit dK/dV kernel overlaps. float32 (not re-measured): the D = 128
 #: dK/dV kernels stay serial (slower overlapped before, up to 16 %), the rest overlap (2-6 % faster).
 TUNING_WGMMA_F32[("dkdv", 128)]["overlap"] = False
