@@ -828,8 +828,7 @@ def test_streamed_loops_wait_for_their_copies_once_per_block(monkeypatch, kind, 
     q, k, v, do = _inputs(np.random.default_rng(5), dst[-1], src[-1], 2, 1, 64, "float16")
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, 0.125)
     shape = dict(WG, NW=4, BN=32) if wgmma else dict(NW=4, BN=32, MT=1)
-    vs = {x: G.Variant(x, 64, 64, overlap=False, **shape).check() if wgmma else G.Variant(x, 64, 64, **shape).check()
-          for x in ("fwd", "dq", "dkdv")}
+    vs = {x: G.Variant(x, 64, 64, overlap=False, **shape).check() for x in ("fwd", "dq", "dkdv")}   # the serial loops
     text = G.GENERATORS[kind](vs[kind])
     lines = text.split("\n")
     start = next(i for i, ln in enumerate(lines) if ln.strip() in ("for kb in range(nkb):", "for it in range(nit):"))

@@ -107,8 +107,8 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     committed in iteration kb brings K of block kb + 1 and V of block kb, so at the top of
     iteration kb, once that one group has landed, K of kb and V of kb - 1 are there, and each
     iteration refills the K slot S read one iteration earlier and the V slot whose P V completed
-    then. One CTA barrier per block (the serial loop has two) both publishes the landed copies
-    and closes the previous iteration, after which its slots are free: the copies are issued
+    then. One CTA barrier per block (as in the serial loop, StreamedPair.advance) both publishes
+    the landed copies and closes the previous iteration, after which its slots are free: the copies are issued
     right behind S's chain and have the whole iteration to land.
     The guard of the V tile (guard.py) and the poisoning of O's rows therefore happen for block
     kb - 1 in iteration kb, around its P V. Expects key_range's names, ss, kg, vg and cols."""
