@@ -1,7 +1,7 @@
 """Dense attention on a Hopper GPU (H100 / H200) against every torch SDPA backend, one run, same inputs.
 
     PYTHONPATH=. python benchmarks/bench_hopper.py [--out DIR] [--reps 10] [--dims 64,128,256]
-        [--sizes 4096,16384] [--dtypes float16,bfloat16] [--curve-sizes 1024,2048,4096,8192,16384]
+        [--sizes 4096,16384] [--dtypes float16,bfloat16] [--curve-sizes 1024,2048,4096,8192,16384] [--twin overlap|pingpong]
 
 1. table: per (dtype, D, N, causal), H = 16, node-major (N, H, D) data (torch reads the same memory
    as (1, H, N, D) views): this package's forward as shipped and its twin with the other key loop
@@ -61,13 +61,28 @@ def torch_fwd(be, q, k, v, causal):
         return F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=causal)
 
 
+#: which key loop the twin column flips: "overlap" (pipelined vs serial) or "pingpong" (two
+#: warpgroups taking turns through the mbarrier ring vs the CTA-barrier pipeline; where the
+#: shipped shape cannot take it, the overlap flip)
+TWIN = ["overlap"]
+
+
+def twin_of(shipped, mode):
+    if mode == "pingpong":
+        try:
+            return dataclasses.replace(shipped, pingpong=not shipped.pingpong).check()
+        except ValueError:
+            pass
+    return dataclasses.replace(shipped, overlap=not shipped.overlap)
+
+
 def cell(dtn, D, N, causal, reps, with_bwd=True):
     """one row: {name: (fwd ms, fwd+bwd ms or None)}, flops, the checks."""
     tdt = getattr(torch, dtn)
     g = torch.Generator(device="cuda").manual_seed(N + D + causal)
     q, k, v, do = (torch.randn(N, H, D, device="cuda", dtype=tdt, generator=g) for _ in range(4))
     shipped = tuning.variant("fwd", D, D, dtn, wgmma=True)
-    twin = dataclasses.replace(shipped, overlap=not shipped.overlap)
+    twin = twin_of(shipped, TWIN[0])
     cu = np.array([0, N])
     ours = {"ours": B.Ours(q, k, v, cu, causal, dtn, vf=shipped), "twin": B.Ours(q, k, v, cu, causal, dtn, vf=twin)}
     res, outs = {}, {}
@@ -206,7 +221,10 @@ def main():
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--curve-sizes", default="1024,2048,4096,8192,16384")
     p.add_argument("--shapes", default="", help="comma list of D:NWxBN, e.g. 128:4x128,64:8x128")
+    p.add_argument("--twin", default="overlap", choices=("overlap", "pingpong"),
+                   help="what the twin column flips (see TWIN)")
     a = p.parse_args()
+    TWIN[0] = a.twin
     n = 8192
     x = torch.randn(n, n, device="cuda", dtype=torch.float16)
     mm = 2 * n ** 3 / gpu_ms(lambda: x @ x, 10) / 1e9

@@ -816,6 +816,93 @@ def test_pipelined_forward_mistakes_are_caught(monkeypatch, mistake):
     assert not (np.isfinite(o).all() and rel(o, ro) < 1e-2)
 
 
+@pytest.mark.parametrize("D,H,Hkv,dtype,BN", [(64, 2, 1, "float16", 32), (128, 3, 1, "bfloat16", 64),
+                                               (96, 2, 2, "float16", 32)])
+@pytest.mark.parametrize("relname", list(RELATIONS))
+def test_pingpong_forward_changes_no_arithmetic(D, H, Hkv, dtype, BN, relname):
+    """the ping-pong forward (two warpgroups taking turns, fed by the mbarrier ring instead of CTA
+    barriers, Variant.pingpong) gives the pipelined forward's bits: only who waits for what
+    changed. Also against the float64 oracle."""
+    import dataclasses
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng()
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)
+    ro, *_ = oracle(q, k, v, do, dst, src, causal, D ** -0.5)
+    vp = G.Variant("fwd", D, D, dtype=dtype, NW=8, BN=BN, **WG).check()
+    vq = dataclasses.replace(vp, pingpong=True).check()
+    assert vq.name() == vp.name() + "_pp" and vq.pingpong_loop and vq.v_slots == 3
+    got = [E.forward(x, q, k, v, dst, src, causal.astype(np.uint8), D ** -0.5) for x in (vp, vq)]
+    for a, b in zip(*got):
+        assert np.array_equal(a, b)
+    assert np.isfinite(got[1][0]).all() and rel(got[1][0], ro) < TOL[dtype]
+
+
+#: mistakes in the ping-pong ring, each made in the generated text (D = 64, BN = 32):
+#: (the text to replace, its replacement, how many times)
+PINGPONG_MISTAKES = {
+    # the loop reads its stage without waiting for the copies' barrier
+    "no_full_wait": ("        mbar_wait(a32(rb, u32(8 * ((kb) % 2))), u32(((kb) // 2) % 2)); fence_async()\n", "", 1),
+    # K slot refilled after waiting for the wrong release phase of it
+    "k_parity": ("u32(((kb - 1) // 2) % 2)", "u32(((kb) // 2) % 2)", 1),
+    "v_parity": ("u32(((kb - 2) // 3) % 2)", "u32(((kb - 1) // 3) % 2)", 1),
+    # V of block kb copied into the slot P V of block kb - 1 is still reading
+    "v_slot": ("(((kb) + 1) % 3)", "(((kb - 1) + 1) % 3)", -1),
+    # S's release of its K slot left out
+    "no_release": ("        mbar_arrive(a32(rb, u32(16 + 8 * ((cur) % 2))))\n", "", 1),
+}
+
+
+@pytest.mark.parametrize("mistake", list(PINGPONG_MISTAKES))
+def test_pingpong_ring_mistakes_are_caught(monkeypatch, mistake):
+    """the emulator's mbarrier model (phases, parity waits, copies landing only at a wait that
+    covers them) catches each way the ring's bookkeeping can go wrong: a wait that would hang on a
+    GPU fails, data read before it landed is NaN, a slot refilled under an in-flight chain changes
+    its operands. The test can fail."""
+    dst, src, causal = (np.array(x) for x in RELATIONS["causal_tail"])
+    q, k, v, do = _inputs(np.random.default_rng(3), dst[-1], src[-1], 2, 1, 64, "float16")
+    ro, *_ = oracle(q, k, v, do, dst, src, causal, 0.125)
+    vq = G.Variant("fwd", 64, 64, NW=8, BN=32, pingpong=True, **WG).check()
+    text = G.gen_forward(vq)
+    old, new, count = PINGPONG_MISTAKES[mistake]
+    assert text.count(old) >= 1
+    bad = text.replace(old, new, count)
+    monkeypatch.setattr(E.G, "gen_forward", lambda v: bad)
+    try:
+        o, *_ = E.forward(vq, q, k, v, dst, src, causal.astype(np.uint8), 0.125)
+    except AssertionError as ex:
+        assert "mbarrier" in str(ex) or "wgmma" in str(ex), ex
+        return
+    assert not (np.isfinite(o).all() and rel(o, ro) < 1e-2)
+
+
+def test_pingpong_loop_has_no_cta_barrier():
+    """the ping-pong key loop synchronises through the ring and the two named barriers only: the
+    CTA barriers left in it are the guard's, inside the branch taken by blocks with masked cells;
+    each warpgroup takes its turn once per block and hands it over once; elsewhere the option is inert."""
+    import dataclasses
+    v = G.Variant("fwd", 128, 128, NW=8, BN=128, pingpong=True, **WG).check()
+    lines = G.gen_forward(v).split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.strip() == "for kb in range(nkb):")
+    inner = " " * (len(lines[start]) - len(lines[start].lstrip()) + 4)
+    body = []
+    for ln in lines[start + 1:]:
+        if ln.strip() and not ln.startswith(inner):
+            break
+        body.append(ln)
+    top = [ln for ln in body if ln.startswith(inner) and not ln.startswith(inner + " ")]
+    assert not any("syncthreads" in ln for ln in top), top
+    assert sum(ln.strip().startswith("bar_sync_n(own") for ln in top) == 1
+    assert sum(ln.strip().startswith("bar_arrive_n(other") for ln in top) == 1
+    assert v.smem_bytes() <= G.MAX_SMEM
+    # where the loop is not the pipelined one with two warpgroups, pingpong changes nothing
+    for other in (dict(NW=4), dict(overlap=False), dict(prune=True)):
+        plain = G.Variant("fwd", 64, 64, BN=64, **dict(dict(WG, NW=8), **other)).check()
+        asked = dataclasses.replace(plain, pingpong=True).check()
+        assert not asked.pingpong_loop and G.gen_forward(asked) == G.gen_forward(plain)
+    assert not G.Variant("dq", 64, 64, NW=8, BN=64, pingpong=True, **WG).check().pingpong_loop
+    assert not G.Variant("fwd", 64, 64, NW=8, BN=64, pingpong=True).check().pingpong_loop   # mma.sync
+
+
 @pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
 @pytest.mark.parametrize("wgmma", [True, False])
 def test_streamed_loops_wait_for_their_copies_once_per_block(monkeypatch, kind, wgmma):

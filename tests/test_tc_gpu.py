@@ -443,6 +443,41 @@ def test_pruned_call_defers_its_counter_read():
     assert bool(cupy.array_equal(direct, out))
 
 
+@pytest.mark.parametrize("D,dt", [(128, "float16"), (128, "bfloat16"), (96, "float16")])
+@pytest.mark.parametrize("name", ["causal", "segments", "dense_rect"])
+def test_pingpong_forward_matches_the_pipelined_one_bitwise(D, dt, name, monkeypatch):
+    """sm_90a: the forward whose two warpgroups take turns through the mbarrier ring
+    (Variant.pingpong) gives the CTA-barrier pipeline's bits on the device and meets the float64
+    oracle: outputs poisoned, GQA, tails, empty rows, two warpgroups with 128-key blocks."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the ping-pong forward is a wgmma (sm_90a) kernel")
+    npdt = np.float16 if dt == "float16" else bf16()
+    if npdt is None:
+        pytest.skip("cupy cannot hold bfloat16 arrays here")
+    from tiga_numba.cuda.tc import tuning
+    _poison(monkeypatch)
+    rel_, (d, s, c) = relation(name)
+    nd, ns = int(d[-1]), int(s[-1])
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal(sh).astype(npdt) for sh in ((nd, 4, D), (ns, 2, D), (ns, 2, D)))
+    qg, kg, vg = (cupy.asarray(x) for x in (q, k, v))
+    shape = dict(tuning.TUNING_WGMMA[("fwd", D)], NW=8, BN=128, overlap=True)
+    monkeypatch.setattr(tuning, "NARROW_KEYS", -1)   # these small relations: the shipped shape, not the narrow-band one
+    outs = []
+    for pingpong in (True, False):
+        monkeypatch.setitem(tuning.TUNING_WGMMA, ("fwd", D), dict(shape, pingpong=pingpong))
+        assert tuning.variant("fwd", D, D, dt, wgmma=True).pingpong_loop == pingpong
+        p = plan(D ** -0.5)
+        outs.append([x.get() for x in tc.forward(p, qg, kg, vg, rel_)[:3]])
+        assert "wgmma" in p.run_info["kernel"]
+    for a, b in zip(*outs):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
+    ro, rm, *_ = oracle(f(q), f(k), f(v), f(q), d, s, c, D ** -0.5)
+    o = f(outs[0][0])
+    assert np.isfinite(o).all() and rel(o, ro) < TOL[dt]
+
+
 @pytest.mark.parametrize("D,dt", [(64, "float16"), (128, "float16"), (128, "bfloat16"), (256, "float16")])
 @pytest.mark.parametrize("name", ["causal", "segments", "dense_rect"])
 def test_pipelined_forward_matches_its_serial_twin_bitwise(D, dt, name, monkeypatch):

@@ -27,7 +27,7 @@ import types as _types
 
 import numpy as np
 
-from . import generator as G
+from . import barriers, generator as G
 from .ptx import chain_operands
 
 
@@ -142,6 +142,7 @@ class Warps:
         self.pending = []   # wgmma chains issued without waiting: (results, recompute), oldest first
         self.cp_open = []   # cp.async chunks (shared address, 16 bytes) not yet committed
         self.cp_groups = []  # committed cp.async groups, oldest first, not yet waited for
+        self.mbar = {}      # shared address -> mbarrier state (mbar_init)
         lane = np.arange(NT) % 32
         self.wv, self.g, self.t = np.arange(NT) // 32, lane // 4, lane % 4
 
@@ -345,6 +346,73 @@ class Warps:
             for dst, data in self.cp_groups.pop(0):
                 self.SM[dst] = data
 
+    # -- mbarriers and named barriers (barriers.py): the warps run in lockstep, so an arrival that a
+    # wait needs has happened earlier in program order or never; a wait that would never pass is
+    # an error here (on a GPU: a hang), and copies tracked by a barrier land only at a wait on it
+    def _uniform(self, x, what):
+        x = np.asarray(x)
+        assert np.all(x == x.flat[0]), f"{what} differs between threads"
+        return int(x.flat[0])
+
+    def mbar_init_if(self, pred, addr, count):
+        assert np.count_nonzero(self._vec(pred, np.uint32)) == 1, "an mbarrier is initialised by one thread"
+        addr = self._uniform(addr, "mbarrier address")
+        assert addr % 8 == 0 and 0 <= addr and addr + 8 <= len(self.SM), "mbarrier outside shared memory"
+        assert addr not in self.mbar, "mbarrier initialised twice"
+        self.mbar[addr] = dict(count=self._uniform(count, "mbarrier count"), arrived=0, phase=0, landing={})
+
+    def mbar_init_fence(self):
+        pass
+
+    def _mbar(self, addr):
+        addr = self._uniform(addr, "mbarrier address")
+        assert addr in self.mbar, "mbarrier used before its mbarrier.init"
+        return self.mbar[addr]
+
+    def _arrive(self, b, n):
+        b["arrived"] += n
+        assert b["arrived"] <= b["count"], "more arrivals than the mbarrier's phase expects"
+        if b["arrived"] == b["count"]:
+            b["phase"] += 1
+            b["arrived"] = 0
+
+    def mbar_arrive(self, addr):
+        """every thread arrives (the generator never predicates these)."""
+        self._arrive(self._mbar(addr), self.NT)
+
+    def mbar_cp_arrive(self, addr):
+        """cp.async.mbarrier.arrive.noinc: each thread's earlier copies (every cp.async not yet
+        tracked) belong to the barrier's current phase and land when a wait on it passes."""
+        b = self._mbar(addr)
+        b["landing"].setdefault(b["phase"], []).extend(self.cp_open)
+        self.cp_open = []
+        self._arrive(b, self.NT)
+
+    def mbar_wait(self, addr, parity):
+        """try_wait.parity loop: passes once the phase of that parity completed (the current phase's
+        parity differs); then every copy of the completed phases has landed."""
+        b = self._mbar(addr)
+        p = self._uniform(parity, "mbarrier wait parity")
+        assert b["phase"] % 2 != p, "an mbarrier wait for a phase that no thread completes (a hang on a GPU)"
+        for ph in sorted(x for x in b["landing"] if x < b["phase"]):
+            for dst, data in b["landing"].pop(ph):
+                self.SM[dst] = data
+
+    def bar_sync_n(self, bid, count):
+        """bar.sync / bar.arrive id, count: the id may differ between warpgroups, not inside one."""
+        ids = self._vec(bid, np.int64).reshape(-1, 128)
+        assert np.all(ids == ids[:, :1]), "a named barrier id differs inside a warpgroup"
+        assert np.all((ids >= 1) & (ids < 16)) and self._uniform(count, "count") % 32 == 0
+
+    bar_arrive_n = bar_sync_n
+
+    def bar_sync_if(self, pred, bid, count):
+        pred = self._vec(pred, np.uint32).reshape(-1, 128)
+        assert np.all(pred == pred[:, :1]), "a named barrier predicate differs inside a warpgroup"
+        self.bar_sync_n(bid, count)
+
+    bar_arrive_if = bar_sync_if
+
     def stg_u32_if(self, pred, gaddr, x):
         pred = self._vec(pred, np.uint32) != 0
         gaddr = self._vec(gaddr, np.int64)[pred]
@@ -537,7 +605,12 @@ def _modifier_args(mem, mod, scale, H):
     return np.float32(1.0), (np.float32(scale), H) + ptrs
 
 
+#: the prelude line of a text using barriers.py imports the GPU intrinsics; here the Warps' own stand in
+_BARRIER_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.barriers import .*$", re.M)
+
+
 def compile_source(src, name="<tc-emu>"):
+    src = _BARRIER_IMPORT.sub("", src)
     code = compile(_CONTRACTED.sub(r"ex2(fms(\1, sc, \2)", src), name, "exec")
     return code
 
@@ -565,7 +638,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                        math=_MATH)
             for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                        "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",
-                       "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if"):
+                       "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if") + barriers.NAMES:
                 env[nm] = getattr(w, nm)
             env["fence_async"] = lambda: None
             env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: \
@@ -575,6 +648,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 env["kernel"](*args)
             assert not w.pending, "a wgmma chain was issued and never waited for"
+            assert not any(b["landing"] for b in w.mbar.values()), "copies tracked by an mbarrier never waited for"
 
 
 # ----------------------------------------------------------------------------- whole-op drivers

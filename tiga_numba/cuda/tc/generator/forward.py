@@ -37,6 +37,9 @@ def gen_forward(v):
         e("qg = qp + row0 * q_rs + hh * q_hs")
         e("kg = kp + col0 * k_rs + hk * k_hs")
         e("vg = vp + col0 * v_rs + hk * v_hs")
+        if v.pingpong_loop:
+            e.uses_barriers()
+            ring_init(e, v)
         # stage 1: the Q tile, resident for the whole loop (registers, or shared with a_smem)
         where, _, off = resident(e, v, [("qa", "qg", "q_rs", D)], "wrow")
         e(f"ss = {sa('sb', off) if off else 'sb'}")   # first byte of the streamed buffers
@@ -103,69 +106,127 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     products in the same order, only the waits moved (online softmax: O holds blocks < kb scaled
     to the max before block kb until the rescale).
 
-    Shared memory is the serial loop's double buffer, with V one block behind K: the copy
-    committed in iteration kb brings K of block kb + 1 and V of block kb, so at the top of
-    iteration kb, once that one group has landed, K of kb and V of kb - 1 are there, and each
-    iteration refills the K slot S read one iteration earlier and the V slot whose P V completed
-    then. One CTA barrier per block (as in the serial loop, StreamedPair.advance) both publishes
-    the landed copies and closes the previous iteration, after which its slots are free: the copies are issued
-    right behind S's chain and have the whole iteration to land.
+    Shared memory holds K blocks in two slots and V blocks in two (three with pingpong) slots,
+    V one block behind K: the copies issued in iteration kb bring K of block kb + 1 and V of block
+    kb, so at the top of iteration kb, once they have landed, K of kb and V of kb - 1 are there.
     The guard of the V tile (guard.py) and the poisoning of O's rows therefore happen for block
-    kb - 1 in iteration kb, around its P V. Expects key_range's names, ss, kg, vg and cols."""
+    kb - 1 in iteration kb, around its P V. Expects key_range's names, ss, kg, vg and cols.
+
+    How the warps agree that a slot is full or free (the `ring`):
+    - CTA barrier (default): one barrier per block (as in the serial loop, StreamedPair.advance),
+      after each thread waited for its own copies, both publishes the landed copies and closes the
+      previous iteration, after which its slots are free: the copies are issued right behind S's
+      chain and have the whole iteration to land.
+    - pingpong (two warpgroups): no CTA barrier in the loop. Every thread's copies of an
+      iteration arrive on the mbarrier `full` of their stage when they land
+      (cp.async.mbarrier.arrive.noinc), and a thread reads a stage after waiting on it; a
+      thread releases a K slot on `emptyK` once its S chain completed and a V slot on `emptyV` once
+      its P V chain completed, and copies into a slot only after its last readers released it.
+      The warpgroups then need not run in step, and two named barriers make them take turns on the
+      tensor cores: a warpgroup issues its two chains when the other one has issued its own, and
+      runs its softmax while the other one's chains run (FlashAttention-3's ping-pong schedule).
+      V takes three slots so that the slot V of block kb is copied into (last read by P V of block
+      kb - 3) was released an iteration before any warpgroup gets there. A block with masked cells
+      has its V tile guarded at the top of the iteration, before the turn is taken: the guard's
+      CTA-wide barrier-ors then cannot wait on a warpgroup that waits for its turn."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
+    pp = v.pingpong_loop
     A, B = BN * v.row_bytes(D), BN * v.row_bytes(Dv)   # one K slot, one V slot
     kslot = lambda i: f"a32(ss, u32(({i}) * {A}))"  # noqa: E731
-    vslot = lambda i: f"a32(ss, u32({2 * A} + ({i}) * {B}))"  # noqa: E731
+    vbase = v.k_slots * A
+    vslot = lambda i: f"a32(ss, u32({vbase} + ({i}) * {B}))"  # noqa: E731
+    # the V slot of block b (b = -1: the zero-filled one): b % 2 (-1: 1; written with the loop's
+    # names), pingpong (b + 1) % 3
+    vslot_of = {"kb": "cur", "kb - 1": "prv", "-1": "1", "nkb - 1": "(nkb - 1) % 2"}
+    vblock = lambda b: vslot(f"(({b}) + 1) % 3" if pp else vslot_of[b])  # noqa: E731
     edge = lambda b: f"(({b}) >= nfull) | (({b}) < nlow)"  # noqa: E731   the block holds masked cells
+    # pingpong ring: mbarrier i at rb + 8 i: full 0-1, emptyK 2-3, emptyV 4-6
+    full = lambda i: f"a32(rb, u32(8 * (({i}) % 2)))"  # noqa: E731
+    empty_k = lambda i: f"a32(rb, u32(16 + 8 * (({i}) % 2)))"  # noqa: E731
+    empty_v = lambda i: f"a32(rb, u32(32 + 8 * (({i}) % 3)))"  # noqa: E731
+    parity = lambda use: f"u32(({use}) % 2)"  # noqa: E731   the parity of a barrier's use-th phase
 
     def load(name, slot, c, width):
         base, stride = ("kg", "k_rs") if name == "k" else ("vg", "v_rs")
         load_tile(e, v, slot, f"{base} + {c} * {stride}", stride, f"cols - {c}", BN, width)
 
-    def finish_pv(b, vbuf, wait, real="True"):
-        """guard V of block b (if it is `real` and holds masked cells), O += P V from the packed P;
-        the caller poisons O's rows after the chain completed (poison)."""
+    def guard(b, vbuf, real="True"):
+        """guard V of block b if it is `real` and holds masked cells (before any P V reads it)."""
         guard_init(e, v)
         e(f"if ({real}) & ({edge(b)}):")
         with e.indent():
             guard_tiles(e, v, [(vbuf, Dv)])
-        wg_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, wait=wait, packed=True)
 
     def poison(b):
         poison_rows(e, v, [("o", Dv // 8)], lambda m, h: span(f"wrow + {16 * m + 8 * h} + g", f"({b}) * {BN}"))
+
+    def stage_landed(kb):
+        """wait until the copies that iteration kb reads (K of kb, V of kb - 1) have landed."""
+        if pp:
+            e(f"mbar_wait({full(kb)}, {parity(f'({kb}) // 2')}); fence_async()")
+        else:
+            e("cp_wait0()")
+            landed(e, v)
 
     # Every iteration issues both chains, the first one a P V of "block -1": P = 0 and a
     # zero-filled V slot (0 * 0 adds exact zeros to O = 0). ptxas keeps wgmma chains asynchronous
     # only in straight-line code: a chain issued on one branch and waited for after the join makes
     # it serialise them (warning C7513).
-    e("# pipelined key loop: S of block kb and P V of block kb - 1 in flight together")
+    e("# pipelined key loop: S of block kb and P V of block kb - 1 in flight together"
+      + (" (two warpgroups in ping-pong, mbarrier ring)" if pp else ""))
+    if pp:   # the ring was initialised before the resident tile's barrier (ring_init)
+        e(f"rb = {sa('sb', v.ring_offset())}; wgi = u32(wid // 4)")
+        e("own = u32(1) + wgi; other = u32(2) - wgi")   # named barriers 1, 2: warpgroup 0's, 1's turn
     for ks in range(BN // 16):
         e("; ".join(f"{x} = u32(0)" for x in a_regs(v, "pa", 0, ks)))
     e("if nkb > 0:")
     with e.indent():
         load("k", "ss", "0", D)
-        load_tile(e, v, vslot(1), "vg", "v_rs", "0", BN, Dv)   # no valid rows: zero-filled
-        e("cp_commit()")
+        load_tile(e, v, vblock("-1"), "vg", "v_rs", "0", BN, Dv)   # no valid rows: zero-filled
+        e(f"mbar_cp_arrive({full(0)})" if pp else "cp_commit()")
+    if pp:   # warpgroup 0 takes the first turn
+        e(f"bar_arrive_if(u32(wgi == 1), 1, {v.NT})")
     e("for kb in range(nkb):")
     with e.indent():
         e("cur = kb % 2; prv = 1 - cur")
-        e(f"kbuf_cur = {kslot('cur')}; vbuf_prv = {vslot('prv')}")
-        # one barrier per block: past it, every thread's copies of K kb and V kb - 1 landed and
-        # every warp left iteration kb - 1, so the slots that iteration read (K kb - 1, V kb - 2)
-        # are refilled right after it, for the next iteration
-        e("cp_wait0()")
-        landed(e, v)
+        e(f"kbuf_cur = {kslot('cur')}; vbuf_prv = {vblock('kb - 1')}")
+        # past this point, every thread's copies of K kb and V kb - 1 landed; with the CTA barrier
+        # every warp has also left iteration kb - 1, so the slots it read are free at once
+        stage_landed("kb")
+        if pp:
+            guard("kb - 1", "vbuf_prv", real="kb > 0")
+            e(f"bar_sync_n(own, {v.NT})")   # my turn on the tensor cores
         zero_c(e, "s", MT, BN // 8)
         mma_abt(e, v, "s", "qa", "kbuf_cur", BN // 8, D, qa_where, wait=False)
-        e("if kb + 1 < nkb:")
-        with e.indent():
-            e(f"c1 = (kb + 1) * {BN}")
-            load("k", kslot("prv"), "c1", D)
-        e(f"cv = kb * {BN}")
-        load("v", vslot("cur"), "cv", Dv)
-        e("cp_commit()")
-        finish_pv("kb - 1", "vbuf_prv", wait=False, real="kb > 0")
+        if not pp:
+            e("if kb + 1 < nkb:")
+            with e.indent():
+                e(f"c1 = (kb + 1) * {BN}")
+                load("k", kslot("prv"), "c1", D)
+            e(f"cv = kb * {BN}")
+            load("v", vblock("kb"), "cv", Dv)
+            e("cp_commit()")
+            guard("kb - 1", "vbuf_prv", real="kb > 0")
+        wg_pb(e, v, "o", "pa", "s", "vbuf_prv", Dv // 8, BN, wait=False, packed=True)
+        if pp:
+            e(f"bar_arrive_n(other, {v.NT})")   # the other warpgroup's turn
+            # K kb + 1 goes where S of kb - 1 read, V kb where P V of kb - 3 read: wait for their releases
+            e("if kb + 1 < nkb:")
+            with e.indent():
+                e("if kb >= 1:")
+                with e.indent():
+                    e(f"mbar_wait({empty_k('prv')}, {parity('(kb - 1) // 2')})")
+                e(f"c1 = (kb + 1) * {BN}")
+                load("k", kslot("prv"), "c1", D)
+            e("if kb >= 2:")
+            with e.indent():
+                e(f"mbar_wait({empty_v('kb + 1')}, {parity('(kb - 2) // 3')})")
+            e(f"cv = kb * {BN}")
+            load("v", vblock("kb"), "cv", Dv)
+            e(f"mbar_cp_arrive({full('prv')})")
         wg_wait(e, 1, "s", BN // 8)   # S completes first; P V stays in flight
+        if pp:
+            e(f"mbar_arrive({empty_k('cur')})")   # S of kb read its K slot: free for K kb + 2
         if modify is not None:
             modify()
         e(f"if {edge('kb')}:")
@@ -175,13 +236,27 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
         factors = lambda m, h: f"alf{m}{h}"  # noqa: E731   kept until P V has completed
         online_softmax(e, v, "s", "o", Dv // 8, factors=factors)
         wg_wait(e, 0, "o", Dv // 8)
+        if pp:
+            e(f"mbar_arrive({empty_v('kb')})")   # P V of kb - 1 read its V slot (kb % 3): free
         poison("kb - 1")   # block -1 marked no row (guard_init)
         rescale(e, v, "o", Dv // 8, factors)
         wg_pack(e, v, "pa", "s", BN // 16)
     e("if nkb > 0:")   # the last block's P V
     with e.indent():
-        e("cp_wait0()")
-        landed(e, v)
-        e(f"vbuf_prv = {vslot('(nkb - 1) % 2')}")
-        finish_pv("nkb - 1", "vbuf_prv", wait=True)
+        stage_landed("nkb")
+        e(f"vbuf_prv = {vblock('nkb - 1')}")
+        guard("nkb - 1", "vbuf_prv")
+        wg_pb(e, v, "o", "pa", "s", "vbuf_prv", Dv // 8, BN, wait=True, packed=True)
         poison("nkb - 1")
+    if pp:   # warpgroup 0 takes the turn warpgroup 1 handed it last, so no arrival is left pending
+        e(f"bar_sync_if(u32(wgi == 0), 1, {v.NT})")
+
+
+def ring_init(e, v):
+    """pingpong: thread 0 initialises the ring's mbarriers (pipelined_key_blocks): every thread
+    arrives once per phase on each. Emitted before the resident tile's CTA barrier, which
+    publishes the initialisation."""
+    e(f"rb = {sa('sb', v.ring_offset())}; first = u32(tx == 0)")
+    for i in range(v.RING_BARRIERS):
+        e(f"mbar_init_if(first, a32(rb, u32({8 * i})), u32({v.NT}))")
+    e("mbar_init_fence()")

@@ -23,6 +23,14 @@ class Source:
         """the name of ptx.wgmma_wait(n, count), made once per text."""
         return self._made(f"wgmma_wait({n}, {count})")
 
+    def uses_barriers(self):
+        """the text calls the mbarrier / named-barrier intrinsics of barriers.py: its prelude
+        imports them (the line carries that module's digest, so the cubin key covers it)."""
+        from ..barriers import prelude_line
+        line = prelude_line()
+        if line not in self.prelude:
+            self.prelude.insert(0, line)
+
     def _made(self, ctor):
         """the name bound to the intrinsic `ctor` (a ptx call) in the prelude, made once per text."""
         if ctor not in self.made:

@@ -73,6 +73,11 @@ class Variant:
     #                       dK/dV, the dV chain) runs while the CUDA cores make P (dS). False: every
     #                       chain waits at once (the A/B baselines of bench_wgmma.py / bench_tc_bwd.py)
     mod: object = None    # a score modifier (modifier.Modifier) compiled into the score cells
+    pingpong: bool = False  # the pipelined forward's two warpgroups (NW = 8) take turns on the
+    #                         tensor cores (named barriers), each running its softmax while the other
+    #                         one's chains run, fed by an mbarrier ring instead of CTA barriers
+    #                         (forward.py); where the loop is not pipelined or NW != 8 (pruning, the
+    #                         narrow-band shape) it has no effect, as overlap has none there (pingpong_loop)
 
     @property
     def wg_async(self):
@@ -87,6 +92,27 @@ class Variant:
         right after their chain, and a pruned block's skipped P V would change the chain count
         that the waits count on."""
         return self.kind == "fwd" and self.wg_async and not self.split and not self.prune
+
+    @property
+    def pingpong_loop(self):
+        """the forward's key loop runs the ping-pong schedule (pingpong, where it applies)."""
+        return self.pingpong and self.fwd_pipelined and self.NW == 8
+
+    @property
+    def k_slots(self):
+        """K (or streamed A-side) blocks in shared memory at once."""
+        return self.stream_buffers
+
+    @property
+    def v_slots(self):
+        """V blocks in shared memory at once: the ping-pong ring keeps three, so that the slot V of
+        block j is copied into was last read by P V of block j - 3, which every warpgroup finished
+        an iteration earlier (forward.pipelined_key_blocks)."""
+        return 3 if self.pingpong_loop else self.stream_buffers
+
+    #: ping-pong ring: mbarriers (8 bytes each) after the streamed slots: full[2] (a block's copies
+    #: landed), emptyK[2] (S of a K slot done), emptyV[3] (P V of a V slot done)
+    RING_BARRIERS = 7
 
     @property
     def NT(self):
@@ -206,6 +232,14 @@ class Variant:
         """one streamed block (all parts)."""
         return self.parts * self.BN * (self.row_bytes(self.D) + self.row_bytes(self.Dv))
 
+    def stream_bytes(self):
+        """every streamed slot: k_slots K blocks and v_slots V blocks (all parts)."""
+        return self.parts * self.BN * (self.k_slots * self.row_bytes(self.D) + self.v_slots * self.row_bytes(self.Dv))
+
+    def ring_offset(self):
+        """pingpong: the first byte of the ring's mbarriers (after the resident and streamed tiles)."""
+        return self.resident_bytes() + self.stream_bytes()
+
     def staging_bytes(self):
         """split: the float32 staging tile (cp.async lands there, stage_tile / convert_tile), large
         enough for a streamed block and for each resident tile."""
@@ -215,7 +249,7 @@ class Variant:
 
     def staging_offset(self):
         """split: where the staging tile starts (after the resident and streamed tiles)."""
-        return self.resident_bytes() + self.stream_buffers * self.stream_tile_bytes()
+        return self.resident_bytes() + self.stream_bytes()
 
     def resident_widths(self):
         """head widths of the CTA's own row tiles: Q (fwd), Q and dO (dq), K and V (dkdv)."""
@@ -249,7 +283,7 @@ class Variant:
         w = self.resident_widths()
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
         staging = self.BM * max(self.row_bytes(x) for x in staged) if staged else 0   # register mode: staged once
-        return (self.resident_bytes() + max(self.stream_buffers * self.stream_tile_bytes(), staging)
+        return (self.resident_bytes() + max(self.stream_bytes(), staging) + 8 * self.RING_BARRIERS * self.pingpong_loop
                 + self.staging_bytes() + self.ds_tile_bytes() + self.dq_stage_bytes()
                 + (WG_ALIGN if self.wgmma else 0) + self.prune_bytes())
 
@@ -292,7 +326,7 @@ class Variant:
                 + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
                 + ("_wg" if self.wgmma else "") + ("_so" if self.wgmma and not self.overlap else "")
-                + ("_pr" if self.prune else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
+                + ("_pr" if self.prune else "") + ("_pp" if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
 
 
 def pb_groups(v, width):
