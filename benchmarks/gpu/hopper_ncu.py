@@ -4,11 +4,14 @@ the profiler range around the two measured calls only, for Nsight Compute to com
 
     ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \\
         --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \\
-        --section LaunchStats python benchmarks/gpu/hopper_ncu.py [--backward]
+        --section LaunchStats python benchmarks/gpu/hopper_ncu.py [--pingpong | --backward]
 
+--pingpong: also the same forward with its two warpgroups in ping-pong (Variant.pingpong),
+between ours and cuDNN's.
 --backward: the backward instead (ours: the Delta pass, the dQ kernel and the dK/dV kernel as
 shipped; cuDNN: its backward kernels), each after the same forward outside the profiled range.
 """
+import dataclasses
 import os
 import sys
 
@@ -46,13 +49,18 @@ if "--backward" in sys.argv:
     torch.cuda.profiler.stop()
     print("profiled: our backward (Delta, dQ, dK/dV kernels), then cuDNN's")
 else:
+    runs = [ours]
+    if "--pingpong" in sys.argv:
+        runs.append(BH.B.Ours(q, k, v, np.array([0, N]), False, "float16", vf=dataclasses.replace(ours.vf, pingpong=True)))
     for _ in range(2):
-        ours.fwd()
+        for o in runs:
+            o.fwd()
         cudnn()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    ours.fwd()
+    for o in runs:
+        o.fwd()
     cudnn()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print("profiled: ours", ours.vf.name(), "then cuDNN")
+    print("profiled:", ", ".join(o.vf.name() for o in runs), "then cuDNN")

@@ -96,6 +96,13 @@ def gen_forward(v):
     return e.text()
 
 
+#: ping-pong loop knobs (probes): where each iteration issues its copies ("turn": right after handing
+#: over the turn; "after_s": once its S chain completed, when the K slot's other reader is done
+#: too), and the mbarrier waits' suspend-time hint in ns (None: try_wait's own time limit)
+PINGPONG_COPIES = "turn"
+PINGPONG_SLEEP_NS = None
+
+
 def pipelined_key_blocks(e, v, qa_where, modify=None):
     """The forward's key loop as a software pipeline on the warpgroup's tensor cores (wgmma,
     16-bit; Variant.fwd_pipelined). Iteration kb issues S = Q K^T of block kb and, right behind
@@ -146,6 +153,11 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     empty_v = lambda i: f"a32(rb, u32(32 + 8 * (({i}) % 3)))"  # noqa: E731
     parity = lambda use: f"u32(({use}) % 2)"  # noqa: E731   the parity of a barrier's use-th phase
 
+    def wait(bar, use):
+        if PINGPONG_SLEEP_NS is None:
+            return f"mbar_wait({bar}, {parity(use)})"
+        return f"mbar_wait_sleep({bar}, {parity(use)}, u32({PINGPONG_SLEEP_NS}))"
+
     def load(name, slot, c, width):
         base, stride = ("kg", "k_rs") if name == "k" else ("vg", "v_rs")
         load_tile(e, v, slot, f"{base} + {c} * {stride}", stride, f"cols - {c}", BN, width)
@@ -163,7 +175,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     def stage_landed(kb):
         """wait until the copies that iteration kb reads (K of kb, V of kb - 1) have landed."""
         if pp:
-            e(f"mbar_wait({full(kb)}, {parity(f'({kb}) // 2')}); fence_async()")
+            e(f"{wait(full(kb), f'({kb}) // 2')}; fence_async()")
         else:
             e("cp_wait0()")
             landed(e, v)
@@ -208,25 +220,30 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
             e("cp_commit()")
             guard("kb - 1", "vbuf_prv", real="kb > 0")
         wg_pb(e, v, "o", "pa", "s", "vbuf_prv", Dv // 8, BN, wait=False, packed=True)
-        if pp:
-            e(f"bar_arrive_n(other, {v.NT})")   # the other warpgroup's turn
+        def ring_copies():
             # K kb + 1 goes where S of kb - 1 read, V kb where P V of kb - 3 read: wait for their releases
             e("if kb + 1 < nkb:")
             with e.indent():
                 e("if kb >= 1:")
                 with e.indent():
-                    e(f"mbar_wait({empty_k('prv')}, {parity('(kb - 1) // 2')})")
+                    e(wait(empty_k("prv"), "(kb - 1) // 2"))
                 e(f"c1 = (kb + 1) * {BN}")
                 load("k", kslot("prv"), "c1", D)
             e("if kb >= 2:")
             with e.indent():
-                e(f"mbar_wait({empty_v('kb + 1')}, {parity('(kb - 2) // 3')})")
+                e(wait(empty_v("kb + 1"), "(kb - 2) // 3"))
             e(f"cv = kb * {BN}")
             load("v", vblock("kb"), "cv", Dv)
             e(f"mbar_cp_arrive({full('prv')})")
+        if pp:
+            e(f"bar_arrive_n(other, {v.NT})")   # the other warpgroup's turn
+            if PINGPONG_COPIES == "turn":
+                ring_copies()
         wg_wait(e, 1, "s", BN // 8)   # S completes first; P V stays in flight
         if pp:
             e(f"mbar_arrive({empty_k('cur')})")   # S of kb read its K slot: free for K kb + 2
+            if PINGPONG_COPIES == "after_s":
+                ring_copies()
         if modify is not None:
             modify()
         e(f"if {edge('kb')}:")
