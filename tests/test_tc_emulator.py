@@ -841,14 +841,15 @@ def test_pingpong_forward_changes_no_arithmetic(D, H, Hkv, dtype, BN, relname):
 #: (the text to replace, its replacement, how many times)
 PINGPONG_MISTAKES = {
     # the loop reads its stage without waiting for the copies' barrier
-    "no_full_wait": ("        mbar_wait(a32(rb, u32(8 * ((kb) % 2))), u32(((kb) // 2) % 2)); fence_async()\n", "", 1),
+    "no_full_wait": ("        mbar_wait(a32(rb, u32(u32(kb) & u32(1)) * u32(8)), (u32(kb) >> u32(1)) & u32(1)); fence_async()\n",
+                     "", 1),
     # K slot refilled after waiting for the wrong release phase of it
-    "k_parity": ("u32(((kb - 1) // 2) % 2)", "u32(((kb) // 2) % 2)", 1),
-    "v_parity": ("u32(((kb - 2) // 3) % 2)", "u32(((kb - 1) // 3) % 2)", 1),
+    "k_parity": ("((ku - u32(1)) >> u32(1))", "((ku) >> u32(1))", 1),
+    "v_parity": ("((ku - u32(2)) // u32(3))", "((ku - u32(1)) // u32(3))", 1),
     # V of block kb copied into the slot P V of block kb - 1 is still reading
-    "v_slot": ("(((kb) + 1) % 3)", "(((kb - 1) + 1) % 3)", -1),
+    "v_slot": ("vsw = (ku + u32(1)) % u32(3)", "vsw = vsr", 1),
     # S's release of its K slot left out
-    "no_release": ("        mbar_arrive(a32(rb, u32(16 + 8 * ((cur) % 2))))\n", "", 1),
+    "no_release": ("        mbar_arrive(a32(rb, u32(16) + u32(cur) * u32(8)))\n", "", 1),
 }
 
 

@@ -24,7 +24,7 @@ import inspect
 _CACHE = []
 
 #: the names this module provides to a kernel text (and emulator.py mirrors)
-NAMES = ("mbar_init_if", "mbar_init_fence", "mbar_arrive", "mbar_cp_arrive", "mbar_wait", "mbar_wait_sleep",
+NAMES = ("mbar_init_if", "mbar_init_fence", "mbar_arrive", "mbar_cp_arrive", "mbar_wait",
          "bar_sync_n", "bar_arrive_n", "bar_sync_if", "bar_arrive_if")
 
 
@@ -80,9 +80,6 @@ def intrinsics():
         mbar_arrive=void_op("mbar_arrive", 1, "{.reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0];}"),
         mbar_cp_arrive=void_op("mbar_cp_arrive", 1, "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];"),
         mbar_wait=void_op("mbar_wait", 2, wait_text),
-        # the same with a suspend-time hint in ns ($2): the waiting warp sleeps instead of spinning
-        mbar_wait_sleep=void_op("mbar_wait_sleep", 3, "{.reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1, $2; "
-                                "@!p bra WAIT;}"),
         bar_sync_n=void_op("bar_sync_n", 2, "bar.sync $0, $1;"),
         bar_arrive_n=void_op("bar_arrive_n", 2, "bar.arrive $0, $1;"),
         # warpgroup-uniform predicates only (bar.* are .aligned: a warp takes them together)

@@ -398,9 +398,6 @@ class Warps:
             for dst, data in b["landing"].pop(ph):
                 self.SM[dst] = data
 
-    def mbar_wait_sleep(self, addr, parity, ns):
-        self.mbar_wait(addr, parity)
-
     def bar_sync_n(self, bid, count):
         """bar.sync / bar.arrive id, count: the id may differ between warpgroups, not inside one."""
         ids = self._vec(bid, np.int64).reshape(-1, 128)

@@ -90,7 +90,10 @@ TUNING_WGMMA = {
     # §1, two barriers per block; not re-measured with one); at D = 128 / 256 the pipelined loop
     # measured 1.20-1.36x / 1.15-1.17x the serial one (§7)
     ("fwd", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True, overlap=False),
-    ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
+    # pingpong: the two warpgroups take turns on the tensor cores through the mbarrier ring
+    # (forward.pipelined_key_blocks): 0.93-0.96x the CTA-barrier pipeline's time non-causal, 0.94-1.00x
+    # causal (fp16 / bf16, N = 4096 / 16384; results/hopper-h200-2026-12-04b.txt §5)
+    ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True, pingpong=True),
     ("dq", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),

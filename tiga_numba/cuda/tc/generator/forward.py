@@ -96,13 +96,6 @@ def gen_forward(v):
     return e.text()
 
 
-#: ping-pong loop knobs (probes): where each iteration issues its copies ("turn": right after handing
-#: over the turn; "after_s": once its S chain completed, when the K slot's other reader is done
-#: too), and the mbarrier waits' suspend-time hint in ns (None: try_wait's own time limit)
-PINGPONG_COPIES = "turn"
-PINGPONG_SLEEP_NS = None
-
-
 def pipelined_key_blocks(e, v, qa_where, modify=None):
     """The forward's key loop as a software pipeline on the warpgroup's tensor cores (wgmma,
     16-bit; Variant.fwd_pipelined). Iteration kb issues S = Q K^T of block kb and, right behind
@@ -142,21 +135,21 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     kslot = lambda i: f"a32(ss, u32(({i}) * {A}))"  # noqa: E731
     vbase = v.k_slots * A
     vslot = lambda i: f"a32(ss, u32({vbase} + ({i}) * {B}))"  # noqa: E731
-    # the V slot of block b (b = -1: the zero-filled one): b % 2 (-1: 1; written with the loop's
-    # names), pingpong (b + 1) % 3
+    # the V slot of block b (b = -1: the zero-filled one), written with the names the loop keeps:
+    # b % 2 (-1: slot 1), pingpong (b + 1) % 3 (vsr: V of kb - 1, vsw: V of kb)
     vslot_of = {"kb": "cur", "kb - 1": "prv", "-1": "1", "nkb - 1": "(nkb - 1) % 2"}
-    vblock = lambda b: vslot(f"(({b}) + 1) % 3" if pp else vslot_of[b])  # noqa: E731
+    vring_of = {"kb": "vsw", "kb - 1": "vsr", "-1": "u32(0)", "nkb - 1": "u32(nkb) % u32(3)"}
+    vblock = lambda b: vslot(vring_of[b] if pp else vslot_of[b])  # noqa: E731
     edge = lambda b: f"(({b}) >= nfull) | (({b}) < nlow)"  # noqa: E731   the block holds masked cells
-    # pingpong ring: mbarrier i at rb + 8 i: full 0-1, emptyK 2-3, emptyV 4-6
-    full = lambda i: f"a32(rb, u32(8 * (({i}) % 2)))"  # noqa: E731
-    empty_k = lambda i: f"a32(rb, u32(16 + 8 * (({i}) % 2)))"  # noqa: E731
-    empty_v = lambda i: f"a32(rb, u32(32 + 8 * (({i}) % 3)))"  # noqa: E731
-    parity = lambda use: f"u32(({use}) % 2)"  # noqa: E731   the parity of a barrier's use-th phase
+    # pingpong ring: mbarrier i at rb + 8 i: full 0-1, emptyK 2-3, emptyV 4-6; indices and phases
+    # in u32 arithmetic on non-negative values (no signed floor-division fix-ups in the loop)
+    full = lambda i: f"a32(rb, u32({i}) * u32(8))"  # noqa: E731
+    empty_k = lambda i: f"a32(rb, u32(16) + u32({i}) * u32(8))"  # noqa: E731
+    empty_v = lambda i: f"a32(rb, u32(32) + u32({i}) * u32(8))"  # noqa: E731
 
     def wait(bar, use):
-        if PINGPONG_SLEEP_NS is None:
-            return f"mbar_wait({bar}, {parity(use)})"
-        return f"mbar_wait_sleep({bar}, {parity(use)}, u32({PINGPONG_SLEEP_NS}))"
+        """wait for the phase of barrier `bar` numbered `use` (a u32 expression) to complete."""
+        return f"mbar_wait({bar}, ({use}) & u32(1))"
 
     def load(name, slot, c, width):
         base, stride = ("kg", "k_rs") if name == "k" else ("vg", "v_rs")
@@ -175,7 +168,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     def stage_landed(kb):
         """wait until the copies that iteration kb reads (K of kb, V of kb - 1) have landed."""
         if pp:
-            e(f"{wait(full(kb), f'({kb}) // 2')}; fence_async()")
+            e(f"{wait(full(f'u32({kb}) & u32(1)'), f'u32({kb}) >> u32(1)')}; fence_async()")
         else:
             e("cp_wait0()")
             landed(e, v)
@@ -201,6 +194,8 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     e("for kb in range(nkb):")
     with e.indent():
         e("cur = kb % 2; prv = 1 - cur")
+        if pp:
+            e("ku = u32(kb); vsr = ku % u32(3); vsw = (ku + u32(1)) % u32(3)")
         e(f"kbuf_cur = {kslot('cur')}; vbuf_prv = {vblock('kb - 1')}")
         # past this point, every thread's copies of K kb and V kb - 1 landed; with the CTA barrier
         # every warp has also left iteration kb - 1, so the slots it read are free at once
@@ -226,24 +221,23 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
             with e.indent():
                 e("if kb >= 1:")
                 with e.indent():
-                    e(wait(empty_k("prv"), "(kb - 1) // 2"))
+                    e(wait(empty_k("prv"), "(ku - u32(1)) >> u32(1)"))
                 e(f"c1 = (kb + 1) * {BN}")
                 load("k", kslot("prv"), "c1", D)
             e("if kb >= 2:")
             with e.indent():
-                e(wait(empty_v("kb + 1"), "(kb - 2) // 3"))
+                e(wait(empty_v("vsw"), "(ku - u32(2)) // u32(3)"))
             e(f"cv = kb * {BN}")
             load("v", vblock("kb"), "cv", Dv)
             e(f"mbar_cp_arrive({full('prv')})")
         if pp:
-            e(f"bar_arrive_n(other, {v.NT})")   # the other warpgroup's turn
-            if PINGPONG_COPIES == "turn":
-                ring_copies()
+            # the other warpgroup's turn; this one's copies go out while its S chain runs (after its
+            # S completed instead they landed late: results/hopper-h200-2026-12-04b.txt)
+            e(f"bar_arrive_n(other, {v.NT})")
+            ring_copies()
         wg_wait(e, 1, "s", BN // 8)   # S completes first; P V stays in flight
         if pp:
             e(f"mbar_arrive({empty_k('cur')})")   # S of kb read its K slot: free for K kb + 2
-            if PINGPONG_COPIES == "after_s":
-                ring_copies()
         if modify is not None:
             modify()
         e(f"if {edge('kb')}:")
@@ -254,7 +248,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
         online_softmax(e, v, "s", "o", Dv // 8, factors=factors)
         wg_wait(e, 0, "o", Dv // 8)
         if pp:
-            e(f"mbar_arrive({empty_v('kb')})")   # P V of kb - 1 read its V slot (kb % 3): free
+            e(f"mbar_arrive({empty_v('vsr')})")   # P V of kb - 1 read its V slot: free
         poison("kb - 1")   # block -1 marked no row (guard_init)
         rescale(e, v, "o", Dv // 8, factors)
         wg_pack(e, v, "pa", "s", BN // 16)
