@@ -188,11 +188,14 @@ def curve(a):
 
 def shapes(a):
     from tiga_numba.cuda.tc import generator as G
-    specs = [(int(d), *(int(x) for x in nb.split("x"))) for d, nb in (x.split(":") for x in a.shapes.split(","))]
+    # D:NWxBN, or D:NWxBNpp for the ping-pong loop (Variant.pingpong)
+    specs = [(int(d), int(nb.split("x")[0]), int(nb.split("x")[1].rstrip("p")), nb.endswith("pp"))
+             for d, nb in (x.split(":") for x in a.shapes.split(","))]
     print("\n## 3. forward tile shapes, float16 (pipelined): ms per call (TF/s)\n")
-    for D in sorted({d for d, _, _ in specs}):
-        mine = [(nw, bn) for d, nw, bn in specs if d == D]
-        print("\n| D | N | causal | shipped | " + " | ".join(f"NW={nw} BN={bn}" for nw, bn in mine) + " |")
+    for D in sorted({d for d, _, _, _ in specs}):
+        mine = [(nw, bn, pp) for d, nw, bn, pp in specs if d == D]
+        print("\n| D | N | causal | shipped | " + " | ".join(f"NW={nw} BN={bn}{' ping-pong' if pp else ''}"
+                                                          for nw, bn, pp in mine) + " |")
         print("|---|---|---|---|" + "---|" * len(mine))
         for N in (int(x) for x in a.sizes.split(",")):
             for causal in (False, True):
@@ -201,8 +204,9 @@ def shapes(a):
                 flops = 4 * N * N * H * D / (2 if causal else 1)
                 cols, ref = [], None
                 for vf in [tuning.variant("fwd", D, D, "float16", wgmma=True)] + [
-                        G.Variant("fwd", D, D, dtype="float16", NW=nw, MT=1, BN=bn, a_smem=True, wgmma=True).check()
-                        for nw, bn in mine]:
+                        G.Variant("fwd", D, D, dtype="float16", NW=nw, MT=1, BN=bn, a_smem=True, wgmma=True,
+                                  pingpong=pp).check()
+                        for nw, bn, pp in mine]:
                     o = B.Ours(q, k, v, np.array([0, N]), causal, "float16", vf=vf)
                     o.fwd()
                     torch.cuda.synchronize()
@@ -220,7 +224,7 @@ def main():
     p.add_argument("--sizes", default="4096,16384")
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--curve-sizes", default="1024,2048,4096,8192,16384")
-    p.add_argument("--shapes", default="", help="comma list of D:NWxBN, e.g. 128:4x128,64:8x128")
+    p.add_argument("--shapes", default="", help="comma list of D:NWxBN[pp], e.g. 128:4x128,64:8x128pp (pp: ping-pong)")
     p.add_argument("--twin", default="overlap", choices=("overlap", "pingpong"),
                    help="what the twin column flips (see TWIN)")
     a = p.parse_args()
