@@ -23,6 +23,13 @@ call runs the tasks and leaves the results on the workers. Reported per configur
   overhead    (dask time / single-process time) - 1, wall and CPU
   peak memory (a comment line per config) the largest resident size of each worker process
 
+--keep-freed-memory runs the single-process call and the workers with glibc's malloc set to keep the
+memory a process frees (one arena, no mmap'd chunks, no trimming: KEEP_FREED_MEMORY below; the
+benchmark restarts itself with it, and the workers get it before they start): on a virtual machine
+that hands freed memory back to its host (free page reporting), a call that follows an idle pause
+otherwise pays host page faults for every array it allocates (docs/dask.md, "Memory returned to the
+host").
+
 --touch-memory GIB first writes (and frees) that much memory and prints the rate of the first
 write and of a second: on a virtual machine whose host backs memory lazily, memory not written
 recently costs several times more on first write, and whichever configuration gets it pays that.
@@ -40,6 +47,12 @@ import os
 import time
 
 import numpy as np
+
+# glibc malloc settings that keep freed memory in the process (read when a process starts): one
+# arena (a worker's task thread would otherwise allocate large arrays with mmap and unmap them on
+# free, whatever the other settings), large chunks from the heap instead of mmap, and no trimming
+# of the heap's top
+KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
 def _graph(case, n, degree, rng):
@@ -146,7 +159,14 @@ def run(args):
     dtype = np.float32
     q, k, v, dout = (rng.standard_normal((n, heads, dim), dtype=dtype) for _ in range(4))
     print(f"# {args.case}: N={n}, edges={graph.num_edges}, H={heads}, D={dim}, float32; "
-          f"graph built in {build_s:.1f} s" + ("; dask low-level fusion off" if args.no_fuse else ""))
+          f"graph built in {build_s:.1f} s" + ("; dask low-level fusion off" if args.no_fuse else "")
+          + ("; freed memory kept (" + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()) + ")"
+             if args.keep_freed_memory else ""))
+    if args.keep_freed_memory:
+        import dask
+        pre = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
+        pre.update(KEEP_FREED_MEMORY)   # replaces distributed's MALLOC_TRIM_THRESHOLD_ for the workers
+        dask.config.set({"distributed.nanny.pre-spawn-environ": pre})
     # single process (warm: one call first compiles or loads the kernels)
     out, stats = tg.attention(q, k, v, graph, return_stats=True)
     t_fwd, c_fwd, (out, stats) = _best(lambda: tg.attention(q, k, v, graph, return_stats=True), args.repeat)
@@ -166,6 +186,9 @@ def run(args):
                                       env={"NUMBA_NUM_THREADS": str(threads)}) as cluster, \
                 distributed.Client(cluster) as client:
             addrs = sorted(client.scheduler_info()["workers"])
+            if args.keep_freed_memory:   # the settings reached the workers before they started
+                seen = client.run(lambda: {k: os.environ.get(k) for k in KEEP_FREED_MEMORY})
+                assert all(e == KEEP_FREED_MEMORY for e in seen.values()), seen
 
             def owner(i):
                 """the worker of chunk i: cyclic (i mod W), or zigzag (W = 2: chunks 0, 3 | 1, 2), which
@@ -276,10 +299,18 @@ def main():
                    help="first write GIB GiB of memory and free it before the runs (benchmarks/run.py: first_touch)")
     p.add_argument("--no-stealing", action="store_true",
                    help="turn dask.distributed's work stealing off (tasks stay with their data)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="glibc malloc keeps freed memory in every process of the run (KEEP_FREED_MEMORY; the "
+                        "benchmark restarts itself with it): no host page faults after idle pauses on a VM "
+                        "with free page reporting (docs/dask.md)")
     p.add_argument("--no-fuse", action="store_true",
                    help="turn dask's low-level task fusion off (optimization.fuse.active: False), which keeps "
                         "the placement hints tiga_numba.dask annotates its tasks with (docs/dask.md)")
     args = p.parse_args()
+    if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in KEEP_FREED_MEMORY.items()):
+        import sys
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **KEEP_FREED_MEMORY})
     os.environ.setdefault("NUMBA_NUM_THREADS", "2")
     if args.no_stealing:
         import dask
