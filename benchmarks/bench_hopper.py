@@ -188,13 +188,16 @@ def curve(a):
 
 def shapes(a):
     from tiga_numba.cuda.tc import generator as G
-    # D:NWxBN, or D:NWxBNpp for the ping-pong loop (Variant.pingpong)
-    specs = [(int(d), int(nb.split("x")[0]), int(nb.split("x")[1].rstrip("p")), nb.endswith("pp"))
-             for d, nb in (x.split(":") for x in a.shapes.split(","))]
+    # D:NWxBN, or D:NWxBNpp for the ping-pong loop (Variant.pingpong), D:NWxBNpp2 with two V slots
+    import re
+    specs = []
+    for d, nb in (x.split(":") for x in a.shapes.split(",")):
+        nw, bn, pp, slots = re.fullmatch(r"(\d+)x(\d+)(pp(\d)?)?", nb).groups()
+        specs.append((int(d), int(nw), int(bn), int(slots or 3) if pp else 0))
     print("\n## 3. forward tile shapes, float16 (pipelined): ms per call (TF/s)\n")
     for D in sorted({d for d, _, _, _ in specs}):
         mine = [(nw, bn, pp) for d, nw, bn, pp in specs if d == D]
-        print("\n| D | N | causal | shipped | " + " | ".join(f"NW={nw} BN={bn}{' ping-pong' if pp else ''}"
+        print("\n| D | N | causal | shipped | " + " | ".join(f"NW={nw} BN={bn}{f' ping-pong {pp} V slots' if pp else ''}"
                                                           for nw, bn, pp in mine) + " |")
         print("|---|---|---|---|" + "---|" * len(mine))
         for N in (int(x) for x in a.sizes.split(",")):
@@ -205,7 +208,7 @@ def shapes(a):
                 cols, ref = [], None
                 for vf in [tuning.variant("fwd", D, D, "float16", wgmma=True)] + [
                         G.Variant("fwd", D, D, dtype="float16", NW=nw, MT=1, BN=bn, a_smem=True, wgmma=True,
-                                  pingpong=pp).check()
+                                  pingpong=bool(pp), ring_v_slots=pp).check()
                         for nw, bn, pp in mine]:
                     o = B.Ours(q, k, v, np.array([0, N]), causal, "float16", vf=vf)
                     o.fwd()
@@ -224,7 +227,7 @@ def main():
     p.add_argument("--sizes", default="4096,16384")
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--curve-sizes", default="1024,2048,4096,8192,16384")
-    p.add_argument("--shapes", default="", help="comma list of D:NWxBN[pp], e.g. 128:4x128,64:8x128pp (pp: ping-pong)")
+    p.add_argument("--shapes", default="", help="comma list of D:NWxBN[pp[2]], e.g. 128:4x128,128:8x128pp2 (pp: ping-pong, pp2: with two V slots)")
     p.add_argument("--twin", default="overlap", choices=("overlap", "pingpong"),
                    help="what the twin column flips (see TWIN)")
     a = p.parse_args()

@@ -816,21 +816,21 @@ def test_pipelined_forward_mistakes_are_caught(monkeypatch, mistake):
     assert not (np.isfinite(o).all() and rel(o, ro) < 1e-2)
 
 
-@pytest.mark.parametrize("D,H,Hkv,dtype,BN", [(64, 2, 1, "float16", 32), (128, 3, 1, "bfloat16", 64),
-                                               (96, 2, 2, "float16", 32)])
+@pytest.mark.parametrize("D,H,Hkv,dtype,BN,slots", [(64, 2, 1, "float16", 32, 0), (128, 3, 1, "bfloat16", 64, 0),
+                                                     (96, 2, 2, "float16", 32, 0), (64, 2, 1, "float16", 32, 2)])
 @pytest.mark.parametrize("relname", list(RELATIONS))
-def test_pingpong_forward_changes_no_arithmetic(D, H, Hkv, dtype, BN, relname):
+def test_pingpong_forward_changes_no_arithmetic(D, H, Hkv, dtype, BN, slots, relname):
     """the ping-pong forward (two warpgroups taking turns, fed by the mbarrier ring instead of CTA
-    barriers, Variant.pingpong) gives the pipelined forward's bits: only who waits for what
-    changed. Also against the float64 oracle."""
+    barriers, Variant.pingpong; three V slots, or two) gives the pipelined forward's bits: only who
+    waits for what changed. Also against the float64 oracle."""
     import dataclasses
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
     rng = np.random.default_rng()
     q, k, v, do = _inputs(rng, dst[-1], src[-1], H, Hkv, D, dtype)
     ro, *_ = oracle(q, k, v, do, dst, src, causal, D ** -0.5)
     vp = G.Variant("fwd", D, D, dtype=dtype, NW=8, BN=BN, **WG).check()
-    vq = dataclasses.replace(vp, pingpong=True).check()
-    assert vq.name() == vp.name() + "_pp" and vq.pingpong_loop and vq.v_slots == 3
+    vq = dataclasses.replace(vp, pingpong=True, ring_v_slots=slots).check()
+    assert vq.name() == vp.name() + ("_pp2" if slots == 2 else "_pp") and vq.pingpong_loop and vq.v_slots == (slots or 3)
     got = [E.forward(x, q, k, v, dst, src, causal.astype(np.uint8), D ** -0.5) for x in (vp, vq)]
     for a, b in zip(*got):
         assert np.array_equal(a, b)

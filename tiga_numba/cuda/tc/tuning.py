@@ -92,7 +92,8 @@ TUNING_WGMMA = {
     ("fwd", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True, overlap=False),
     # pingpong: the two warpgroups take turns on the tensor cores through the mbarrier ring
     # (forward.pipelined_key_blocks): 0.93-0.96x the CTA-barrier pipeline's time non-causal, 0.94-1.00x
-    # causal (fp16 / bf16, N = 4096 / 16384; results/hopper-h200-2026-12-04b.txt §5)
+    # causal (fp16 / bf16, N = 4096 / 16384; results/hopper-h200-2026-12-04b.txt §5), 0.85-0.96x in a
+    # second run (§10); with two V slots instead of three within 2 % either way (§10)
     ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True, pingpong=True),
     ("dq", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
@@ -100,8 +101,10 @@ TUNING_WGMMA = {
     ("dkdv", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
     # D = 256, forward only (WGMMA_FORWARD_DIMS): two warpgroups share each 64-key block (ptxas:
     # 244 registers, no spills, 197 KB of shared memory; one warpgroup: 254 registers, 165 KB;
-    # benchmarks/gpu/head256_probe.py compares them on the H200)
-    ("fwd", 256): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True),
+    # benchmarks/gpu/head256_probe.py compares them on the H200); in ping-pong 242 registers and
+    # 230 KB, 0.88-0.92x the CTA-barrier pipeline's time causal at N = 16384, 0.99-1.01x non-causal
+    # (results/hopper-h200-2026-12-04b.txt §9)
+    ("fwd", 256): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True, pingpong=True),
 }
 
 

@@ -136,9 +136,10 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     vbase = v.k_slots * A
     vslot = lambda i: f"a32(ss, u32({vbase} + ({i}) * {B}))"  # noqa: E731
     # the V slot of block b (b = -1: the zero-filled one), written with the names the loop keeps:
-    # b % 2 (-1: slot 1), pingpong (b + 1) % 3 (vsr: V of kb - 1, vsw: V of kb)
+    # b % 2 (-1: slot 1), pingpong (b + 1) % v_slots (vsr: V of kb - 1, vsw: V of kb)
     vslot_of = {"kb": "cur", "kb - 1": "prv", "-1": "1", "nkb - 1": "(nkb - 1) % 2"}
-    vring_of = {"kb": "vsw", "kb - 1": "vsr", "-1": "u32(0)", "nkb - 1": "u32(nkb) % u32(3)"}
+    S = v.v_slots
+    vring_of = {"kb": "vsw", "kb - 1": "vsr", "-1": "u32(0)", "nkb - 1": f"u32(nkb) % u32({S})"}
     vblock = lambda b: vslot(vring_of[b] if pp else vslot_of[b])  # noqa: E731
     edge = lambda b: f"(({b}) >= nfull) | (({b}) < nlow)"  # noqa: E731   the block holds masked cells
     # pingpong ring: mbarrier i at rb + 8 i: full 0-1, emptyK 2-3, emptyV 4-6; indices and phases
@@ -195,7 +196,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     with e.indent():
         e("cur = kb % 2; prv = 1 - cur")
         if pp:
-            e("ku = u32(kb); vsr = ku % u32(3); vsw = (ku + u32(1)) % u32(3)")
+            e(f"ku = u32(kb); vsr = ku % u32({S}); vsw = (ku + u32(1)) % u32({S})")
         e(f"kbuf_cur = {kslot('cur')}; vbuf_prv = {vblock('kb - 1')}")
         # past this point, every thread's copies of K kb and V kb - 1 landed; with the CTA barrier
         # every warp has also left iteration kb - 1, so the slots it read are free at once
@@ -216,7 +217,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
             guard("kb - 1", "vbuf_prv", real="kb > 0")
         wg_pb(e, v, "o", "pa", "s", "vbuf_prv", Dv // 8, BN, wait=False, packed=True)
         def ring_copies():
-            # K kb + 1 goes where S of kb - 1 read, V kb where P V of kb - 3 read: wait for their releases
+            # K kb + 1 goes where S of kb - 1 read, V kb where P V of kb - S read: wait for their releases
             e("if kb + 1 < nkb:")
             with e.indent():
                 e("if kb >= 1:")
@@ -224,9 +225,9 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
                     e(wait(empty_k("prv"), "(ku - u32(1)) >> u32(1)"))
                 e(f"c1 = (kb + 1) * {BN}")
                 load("k", kslot("prv"), "c1", D)
-            e("if kb >= 2:")
+            e(f"if kb >= {S - 1}:")
             with e.indent():
-                e(wait(empty_v("vsw"), "(ku - u32(2)) // u32(3)"))
+                e(wait(empty_v("vsw"), f"(ku - u32({S - 1})) // u32({S})"))
             e(f"cv = kb * {BN}")
             load("v", vblock("kb"), "cv", Dv)
             e(f"mbar_cp_arrive({full('prv')})")
@@ -268,6 +269,6 @@ def ring_init(e, v):
     arrives once per phase on each. Emitted before the resident tile's CTA barrier, which
     publishes the initialisation."""
     e(f"rb = {sa('sb', v.ring_offset())}; first = u32(tx == 0)")
-    for i in range(v.RING_BARRIERS):
+    for i in range(v.ring_barriers):
         e(f"mbar_init_if(first, a32(rb, u32({8 * i})), u32({v.NT}))")
     e("mbar_init_fence()")

@@ -4,6 +4,7 @@ kernel shares (masking value, TF32 / bf16-split passes, per-block partials). A V
 its tile geometry and shared-memory plan; nothing here writes kernel text."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -78,6 +79,7 @@ class Variant:
     #                         one's chains run, fed by an mbarrier ring instead of CTA barriers
     #                         (forward.py); where the loop is not pipelined or NW != 8 (pruning, the
     #                         narrow-band shape) it has no effect, as overlap has none there (pingpong_loop)
+    ring_v_slots: int = 0   # pingpong: V slots of the ring (2 or 3); 0: three where they fit in shared memory
 
     @property
     def wg_async(self):
@@ -105,14 +107,22 @@ class Variant:
 
     @property
     def v_slots(self):
-        """V blocks in shared memory at once: the ping-pong ring keeps three, so that the slot V of
-        block j is copied into was last read by P V of block j - 3, which every warpgroup finished
-        an iteration earlier (forward.pipelined_key_blocks)."""
-        return 3 if self.pingpong_loop else self.stream_buffers
+        """V blocks in shared memory at once. The ping-pong ring keeps three where they fit, so that
+        the slot V of block j is copied into was last read by P V of block j - 3, which every
+        warpgroup finished an iteration earlier; with two (D = 256), a warpgroup may wait there for
+        the other one's P V of block j - 2 (forward.pipelined_key_blocks)."""
+        if not self.pingpong_loop:
+            return self.stream_buffers
+        if self.ring_v_slots:
+            return self.ring_v_slots
+        two = dataclasses.replace(self, ring_v_slots=2)
+        return 3 if two.smem_bytes() + self.parts * self.BN * self.row_bytes(self.Dv) + 8 <= MAX_SMEM else 2
 
-    #: ping-pong ring: mbarriers (8 bytes each) after the streamed slots: full[2] (a block's copies
-    #: landed), emptyK[2] (S of a K slot done), emptyV[3] (P V of a V slot done)
-    RING_BARRIERS = 7
+    @property
+    def ring_barriers(self):
+        """ping-pong ring: mbarriers (8 bytes each) after the streamed slots: full[2] (a block's
+        copies landed), emptyK[2] (S of a K slot done), emptyV[v_slots] (P V of a V slot done)."""
+        return 4 + self.v_slots if self.pingpong_loop else 0
 
     @property
     def NT(self):
@@ -283,7 +293,7 @@ class Variant:
         w = self.resident_widths()
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
         staging = self.BM * max(self.row_bytes(x) for x in staged) if staged else 0   # register mode: staged once
-        return (self.resident_bytes() + max(self.stream_bytes(), staging) + 8 * self.RING_BARRIERS * self.pingpong_loop
+        return (self.resident_bytes() + max(self.stream_bytes(), staging) + 8 * self.ring_barriers
                 + self.staging_bytes() + self.ds_tile_bytes() + self.dq_stage_bytes()
                 + (WG_ALIGN if self.wgmma else 0) + self.prune_bytes())
 
@@ -326,7 +336,7 @@ class Variant:
                 + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
                 + ("_wg" if self.wgmma else "") + ("_so" if self.wgmma and not self.overlap else "")
-                + ("_pr" if self.prune else "") + ("_pp" if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
+                + ("_pr" if self.prune else "") + (("_pp" if self.v_slots == 3 else f"_pp{self.v_slots}") if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
 
 
 def pb_groups(v, width):
