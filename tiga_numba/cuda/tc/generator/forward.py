@@ -154,7 +154,8 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
 
     def load(name, slot, c, width):
         base, stride = ("kg", "k_rs") if name == "k" else ("vg", "v_rs")
-        load_tile(e, v, slot, f"{base} + {c} * {stride}", stride, f"cols - {c}", BN, width)
+        # pingpong: whole blocks skip the per-chunk row tests (load_tile's `whole`)
+        load_tile(e, v, slot, f"{base} + {c} * {stride}", stride, f"cols - {c}", BN, width, whole=pp)
 
     def guard(b, vbuf, real="True"):
         """guard V of block b if it is `real` and holds masked cells (before any P V reads it)."""

@@ -64,17 +64,34 @@ def thread_geometry(e, v):
 
 
 # ----------------------------------------------------------------------------- global -> shared
-def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
+def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width, whole=False):
     """cp.async a (rows x width) tile, row r at gbase + r * gstride, into swizzled shared memory.
     Rows >= nvalid are zero-filled (src-size 0) and read nothing: tails never go out of bounds.
     wgmma variants store each 64-column group as its own (rows x 128 B) sub-tile, the canonical
-    128-byte-swizzled layout of wgmma's descriptors (for D = 64 the same bytes as the row-major tile)."""
+    128-byte-swizzled layout of wgmma's descriptors (for D = 64 the same bytes as the row-major tile).
+    whole: a tile whose every row is valid (nvalid >= rows) takes a branch without the per-chunk
+    row test and source select (64-bit compares and selects: about a third of a key loop's integer
+    instructions otherwise); the tail tile keeps them."""
+    if whole:
+        e(f"if ({nvalid}) >= {rows}:")
+        with e.indent():
+            _load_rows(e, v, smem, gbase, gstride, None, rows, width)
+        e("else:")
+        with e.indent():
+            _load_rows(e, v, smem, gbase, gstride, nvalid, rows, width)
+        return
+    _load_rows(e, v, smem, gbase, gstride, nvalid, rows, width)
+
+
+def _load_rows(e, v, smem, gbase, gstride, nvalid, rows, width):
+    """load_tile's copies; nvalid None: every row is valid."""
     rs = v.row_bytes(width)
     cpr = rs // 16                   # 16-byte chunks per row (wgmma: of the padded row)
     data = width * v.EB // 16        # ... of which hold data: the rest is zero-filled
     step = load_rows_per_pass(v, rs)  # rows covered by one pass of the CTA
     assert v.NT % cpr == 0 and rows % step == 0, (v, rows, width)
-    e(f"# load_tile: {rows} x {width} from {gbase} (rows >= {nvalid} zero-filled) -> shared {smem}")
+    e(f"# load_tile: {rows} x {width} from {gbase} " + ("(every row valid)" if nvalid is None else f"(rows >= {nvalid} zero-filled)")
+      + f" -> shared {smem}")
     e(f"lr = tx // {cpr}; lc = tx % {cpr}")
     # the pass stride goes through an opaque move: otherwise every pass's row offset is hoisted
     # out of the key loop and held in a 64-bit register pair for the whole loop (spills)
@@ -84,9 +101,15 @@ def load_tile(e, v, smem, gbase, gstride, nvalid, rows, width):
         e(f"lgr = u32((lc // 8) * {rows * 128})")
         group = ["lgr"]
     pitch = 128 if v.wgmma else rs
+    if nvalid is None and data < cpr:   # padded rows: the chunks past the data are zero-filled
+        e(f"okc = u32(lc < {data})")
     for i in range(rows // step):
-        e(f"ok = u32(lr + {i * step} < {nvalid})" if data == cpr else f"ok = u32((lr + {i * step} < {nvalid}) & (lc < {data}))")
-        e(f"cp_async16({sa(smem, f'ls{rs}_{(i * step) % 8}', *group, i * step * pitch)}, sel(ok != 0, ga, gb), ok * 16)")
+        if nvalid is None:
+            src, size = ("ga", "16") if data == cpr else ("sel(okc != 0, ga, gb)", "okc * 16")
+        else:
+            e(f"ok = u32(lr + {i * step} < {nvalid})" if data == cpr else f"ok = u32((lr + {i * step} < {nvalid}) & (lc < {data}))")
+            src, size = "sel(ok != 0, ga, gb)", "ok * 16"
+        e(f"cp_async16({sa(smem, f'ls{rs}_{(i * step) % 8}', *group, i * step * pitch)}, {src}, {size})")
         if i + 1 < rows // step:
             e("ga = ga + gs")
 
