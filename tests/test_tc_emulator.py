@@ -1029,9 +1029,9 @@ def test_wgmma_broken_descriptor_is_caught(monkeypatch, broken):
     else:
         real_load = GS.load_tile
 
-        def load(e, v, smem, gbase, gstride, nvalid, rows, width):
+        def load(e, v, smem, gbase, gstride, nvalid, rows, width, **kw):
             sub = GSrc.Source()
-            real_load(sub, v, smem, gbase, gstride, nvalid, rows, width)
+            real_load(sub, v, smem, gbase, gstride, nvalid, rows, width, **kw)
             for line in sub.lines:
                 e(line.replace(f"* {rows * 128})", "* 128)"))   # sub-tiles overlap the first one
         patch_generator(monkeypatch, "load_tile", load)
