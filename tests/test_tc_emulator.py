@@ -816,6 +816,19 @@ def test_pipelined_forward_mistakes_are_caught(monkeypatch, mistake):
     assert not (np.isfinite(o).all() and rel(o, ro) < 1e-2)
 
 
+def loop_body(lines):
+    """(index of the `for` line, the body's indentation, the body's lines) of a kernel text's
+    streamed loop (the first `for kb in range(nkb):` or `for it in range(nit):`)."""
+    start = next(i for i, ln in enumerate(lines) if ln.strip() in ("for kb in range(nkb):", "for it in range(nit):"))
+    inner = " " * (len(lines[start]) - len(lines[start].lstrip()) + 4)
+    body = []
+    for ln in lines[start + 1:]:
+        if ln.strip() and not ln.startswith(inner):
+            break
+        body.append(ln)
+    return start, inner, body
+
+
 @pytest.mark.parametrize("D,H,Hkv,dtype,BN,slots", [(64, 2, 1, "float16", 32, 0), (128, 3, 1, "bfloat16", 64, 0),
                                                      (96, 2, 2, "float16", 32, 0), (64, 2, 1, "float16", 32, 2)])
 @pytest.mark.parametrize("relname", list(RELATIONS))
@@ -883,13 +896,7 @@ def test_pingpong_loop_has_no_cta_barrier():
     import dataclasses
     v = G.Variant("fwd", 128, 128, NW=8, BN=128, pingpong=True, **WG).check()
     lines = G.gen_forward(v).split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.strip() == "for kb in range(nkb):")
-    inner = " " * (len(lines[start]) - len(lines[start].lstrip()) + 4)
-    body = []
-    for ln in lines[start + 1:]:
-        if ln.strip() and not ln.startswith(inner):
-            break
-        body.append(ln)
+    _, inner, body = loop_body(lines)
     top = [ln for ln in body if ln.startswith(inner) and not ln.startswith(inner + " ")]
     assert not any("syncthreads" in ln for ln in top), top
     assert sum(ln.strip().startswith("bar_sync_n(own") for ln in top) == 1
@@ -919,13 +926,7 @@ def test_streamed_loops_wait_for_their_copies_once_per_block(monkeypatch, kind, 
     vs = {x: G.Variant(x, 64, 64, overlap=False, **shape).check() for x in ("fwd", "dq", "dkdv")}   # the serial loops
     text = G.GENERATORS[kind](vs[kind])
     lines = text.split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.strip() in ("for kb in range(nkb):", "for it in range(nit):"))
-    inner = " " * (len(lines[start]) - len(lines[start].lstrip()) + 4)
-    body = []
-    for ln in lines[start + 1:]:
-        if ln.strip() and not ln.startswith(inner):
-            break
-        body.append(ln)
+    start, inner, body = loop_body(lines)
     top = []   # the iteration's straight-line head, up to its first branch
     for ln in body:
         if ln.startswith(inner + "if "):

@@ -443,49 +443,21 @@ def test_pruned_call_defers_its_counter_read():
     assert bool(cupy.array_equal(direct, out))
 
 
-@pytest.mark.parametrize("D,dt", [(128, "float16"), (128, "bfloat16"), (96, "float16"), (256, "float16")])
-@pytest.mark.parametrize("name", ["causal", "segments", "dense_rect"])
-def test_pingpong_forward_matches_the_pipelined_one_bitwise(D, dt, name, monkeypatch):
-    """sm_90a: the forward whose two warpgroups take turns through the mbarrier ring
-    (Variant.pingpong) gives the CTA-barrier pipeline's bits on the device and meets the float64
-    oracle: outputs poisoned, GQA, tails, empty rows, two warpgroups, the shipped key blocks."""
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("the ping-pong forward is a wgmma (sm_90a) kernel")
-    npdt = np.float16 if dt == "float16" else bf16()
-    if npdt is None:
-        pytest.skip("cupy cannot hold bfloat16 arrays here")
-    from tiga_numba.cuda.tc import tuning
-    _poison(monkeypatch)
-    rel_, (d, s, c) = relation(name)
-    nd, ns = int(d[-1]), int(s[-1])
-    rng = np.random.default_rng()
-    q, k, v = (rng.standard_normal(sh).astype(npdt) for sh in ((nd, 4, D), (ns, 2, D), (ns, 2, D)))
-    qg, kg, vg = (cupy.asarray(x) for x in (q, k, v))
-    shape = dict(tuning.TUNING_WGMMA[("fwd", D)], overlap=True)
-    assert shape["NW"] == 8
-    monkeypatch.setattr(tuning, "NARROW_KEYS", -1)   # these small relations: the shipped shape, not the narrow-band one
-    outs = []
-    for pingpong in (True, False):
-        monkeypatch.setitem(tuning.TUNING_WGMMA, ("fwd", D), dict(shape, pingpong=pingpong))
-        assert tuning.variant("fwd", D, D, dt, wgmma=True).pingpong_loop == pingpong
-        p = plan(D ** -0.5)
-        outs.append([x.get() for x in tc.forward(p, qg, kg, vg, rel_)[:3]])
-        assert "wgmma" in p.run_info["kernel"]
-    for a, b in zip(*outs):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
-    ro, rm, *_ = oracle(f(q), f(k), f(v), f(q), d, s, c, D ** -0.5)
-    o = f(outs[0][0])
-    assert np.isfinite(o).all() and rel(o, ro) < TOL[dt]
+#: (the Variant field flipped, D, dtype): overlap = the pipelined loop (as shipped: in ping-pong where
+#: it applies) against the serial one; pingpong = the ping-pong loop against the CTA-barrier pipeline
+FORWARD_TWINS = ([("overlap", D, dt) for D, dt in ((64, "float16"), (128, "float16"), (128, "bfloat16"), (256, "float16"))]
+                 + [("pingpong", D, dt) for D, dt in ((128, "float16"), (128, "bfloat16"), (96, "float16"), (256, "float16"))])
 
 
-@pytest.mark.parametrize("D,dt", [(64, "float16"), (128, "float16"), (128, "bfloat16"), (256, "float16")])
+@pytest.mark.parametrize("field,D,dt", FORWARD_TWINS)
 @pytest.mark.parametrize("name", ["causal", "segments", "dense_rect"])
-def test_pipelined_forward_matches_its_serial_twin_bitwise(D, dt, name, monkeypatch):
-    """sm_90a: the shipped wgmma forward (P V of one key block in flight during the next block's
-    softmax, Variant.fwd_pipelined) and its serial twin (overlap=False: every chain waited for at
-    once) give the same bits on the device, and both meet the float64 oracle: outputs poisoned,
-    GQA, tails, empty rows, the shipped tile shapes (D = 128: two warpgroups, 128-key blocks)."""
+def test_forward_key_loops_match_bitwise(field, D, dt, name, monkeypatch):
+    """sm_90a: the wgmma forward's key loops give the same bits on the device and meet the float64
+    oracle: the pipelined loop (P V of one key block in flight during the next block's softmax,
+    Variant.fwd_pipelined) against its serial twin (overlap=False: every chain waited for at once),
+    and the loop whose two warpgroups take turns through the mbarrier ring (Variant.pingpong)
+    against the CTA-barrier pipeline. Outputs poisoned, GQA, tails, empty rows, the shipped tile
+    shapes (D = 128: two warpgroups, 128-key blocks)."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the pipelined forward is a wgmma (sm_90a) kernel")
     npdt = np.float16 if dt == "float16" else bf16()
@@ -498,12 +470,16 @@ def test_pipelined_forward_matches_its_serial_twin_bitwise(D, dt, name, monkeypa
     rng = np.random.default_rng()
     q, k, v = (rng.standard_normal(sh).astype(npdt) for sh in ((nd, 4, D), (ns, 2, D), (ns, 2, D)))
     qg, kg, vg = (cupy.asarray(x) for x in (q, k, v))
-    shipped = tuning.TUNING_WGMMA[("fwd", D)]
+    shape = dict(tuning.TUNING_WGMMA[("fwd", D)])
+    if field == "pingpong":
+        shape["overlap"] = True
+        assert shape["NW"] == 8
     monkeypatch.setattr(tuning, "NARROW_KEYS", -1)   # these small relations: the shipped shape, not the narrow-band one
     outs = []
-    for overlap in (True, False):
-        monkeypatch.setitem(tuning.TUNING_WGMMA, ("fwd", D), dict(shipped, overlap=overlap))
-        assert tuning.variant("fwd", D, D, dt, wgmma=True).fwd_pipelined == overlap
+    for on in (True, False):
+        monkeypatch.setitem(tuning.TUNING_WGMMA, ("fwd", D), dict(shape, **{field: on}))
+        vr = tuning.variant("fwd", D, D, dt, wgmma=True)
+        assert (vr.pingpong_loop if field == "pingpong" else vr.fwd_pipelined) == on
         p = plan(D ** -0.5)
         outs.append([x.get() for x in tc.forward(p, qg, kg, vg, rel_)[:3]])
         assert "wgmma" in p.run_info["kernel"]
