@@ -106,7 +106,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     products in the same order, only the waits moved (online softmax: O holds blocks < kb scaled
     to the max before block kb until the rescale).
 
-    Shared memory holds K blocks in two slots and V blocks in two (three with pingpong) slots,
+    Shared memory holds K blocks in two slots and V blocks in two (pingpong: Variant.v_slots) slots,
     V one block behind K: the copies issued in iteration kb bring K of block kb + 1 and V of block
     kb, so at the top of iteration kb, once they have landed, K of kb and V of kb - 1 are there.
     The guard of the V tile (guard.py) and the poisoning of O's rows therefore happen for block
@@ -125,10 +125,11 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
       The warpgroups then need not run in step, and two named barriers make them take turns on the
       tensor cores: a warpgroup issues its two chains when the other one has issued its own, and
       runs its softmax while the other one's chains run (FlashAttention-3's ping-pong schedule).
-      V takes three slots so that the slot V of block kb is copied into (last read by P V of block
-      kb - 3) was released an iteration before any warpgroup gets there. A block with masked cells
-      has its V tile guarded at the top of the iteration, before the turn is taken: the guard's
-      CTA-wide barrier-ors then cannot wait on a warpgroup that waits for its turn."""
+      V takes three slots where they fit, so that the slot V of block kb is copied into (last read
+      by P V of block kb - 3) was released an iteration before any warpgroup gets there (with two,
+      by P V of kb - 2). A block with masked cells has its V tile guarded at the top of the
+      iteration, before the turn is taken: the guard's CTA-wide barrier-ors then cannot wait on a
+      warpgroup that waits for its turn. Whole blocks are copied without per-chunk row tests."""
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     pp = v.pingpong_loop
     A, B = BN * v.row_bytes(D), BN * v.row_bytes(Dv)   # one K slot, one V slot
@@ -142,7 +143,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
     vring_of = {"kb": "vsw", "kb - 1": "vsr", "-1": "u32(0)", "nkb - 1": f"u32(nkb) % u32({S})"}
     vblock = lambda b: vslot(vring_of[b] if pp else vslot_of[b])  # noqa: E731
     edge = lambda b: f"(({b}) >= nfull) | (({b}) < nlow)"  # noqa: E731   the block holds masked cells
-    # pingpong ring: mbarrier i at rb + 8 i: full 0-1, emptyK 2-3, emptyV 4-6; indices and phases
+    # pingpong ring: mbarrier i at rb + 8 i: full 0-1, emptyK 2-3, emptyV from 4; indices and phases
     # in u32 arithmetic on non-negative values (no signed floor-division fix-ups in the loop)
     full = lambda i: f"a32(rb, u32({i}) * u32(8))"  # noqa: E731
     empty_k = lambda i: f"a32(rb, u32(16) + u32({i}) * u32(8))"  # noqa: E731
