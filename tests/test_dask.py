@@ -251,24 +251,26 @@ def test_local_cluster_uploads_csr_relations_once(client):
     np.testing.assert_array_equal(client.compute(again, sync=True), got[0])
 
 
-def test_local_cluster_runs_a_query_chunks_tasks_where_it_is_held(client):
-    """Implicit relations: with inputs held by the workers, a query chunk's forward merge and its
-    backward blocks run on the worker holding that chunk (annotations; dask keeps them when its
-    low-level fusion is off), dK / dV sums where the key chunk is; results unchanged."""
+@pytest.mark.parametrize("name", ["triangular", "csr"])
+def test_local_cluster_runs_a_query_chunks_tasks_where_it_is_held(client, name):
+    """With inputs held by the workers, a query chunk's tasks run on the worker holding that chunk
+    (annotations; dask keeps them when its low-level fusion is off): implicit relations, the
+    forward merge and the backward blocks (dK / dV sums where the key chunk is); CSR, the
+    partition's forward and backward tasks. Results unchanged."""
     import distributed
-    g, expected, c = _problem("triangular", seed=8)
+    g, expected, c = _problem(name, seed=8)
     addrs = sorted(client.scheduler_info()["workers"])
-    owner = [0, 1, 1, 0]   # q / dout / k / v chunk i on this worker (zigzag)
+    owner = [0, 1, 1, 0, 0]   # q / dout / k / v chunk i on this worker (zigzag)
     placed = {}
-    for name in ("q", "k", "v", "dout"):
-        x = c[name].compute()
-        rows = c[name].chunks[0]
+    for arr in ("q", "k", "v", "dout"):
+        x = c[arr].compute()
+        rows = c[arr].chunks[0]
         parts, s0 = [], 0
         for i, n in enumerate(rows):
             fut = client.scatter(x[s0:s0 + n], workers=[addrs[owner[i]]])
             parts.append(da.from_delayed(fut, x[s0:s0 + n].shape, dtype=x.dtype))
             s0 += n
-        placed[name] = client.persist(da.concatenate(parts))
+        placed[arr] = client.persist(da.concatenate(parts))
     distributed.wait(list(placed.values()))
     with dask.config.set({"optimization.fuse.active": False}), distributed.get_task_stream(client) as ts:
         out, stats = tgd.attention(placed["q"], placed["k"], placed["v"], g, return_stats=True)
@@ -284,13 +286,17 @@ def test_local_cluster_runs_a_query_chunks_tasks_where_it_is_held(client):
         if not (isinstance(key, tuple) and len(key) > 2):
             continue
         w = addrs.index(rec["worker"])
-        if str(key[0]).startswith("tiga-attention-tasks-") and key[1] == "merge":
+        fwd_tag, bwd_tag = ("merge", "block") if name == "triangular" else ("forward", "backward")
+        if str(key[0]).startswith("tiga-attention-tasks-") and key[1] == fwd_tag:
             fwd_merge[key[2]] = w
-        elif str(key[0]).startswith("tiga-attention-backward-tasks-") and key[1] == "block":
+        elif str(key[0]).startswith("tiga-attention-backward-tasks-") and key[1] == bwd_tag:
             bwd_blocks[key[2:]] = w
-    assert fwd_merge and len(bwd_blocks) == 10
+    if name == "csr":   # one forward and one backward task per partition
+        assert len(fwd_merge) == len(bwd_blocks) == len(c["q"].chunks[0])
+    else:   # (a query chunk with a single block has no merge task)
+        assert fwd_merge and len(bwd_blocks) == 10
     assert all(w == owner[p] for p, w in fwd_merge.items()), fwd_merge
-    assert all(w == owner[p] for (p, c), w in bwd_blocks.items()), bwd_blocks
+    assert all(w == owner[key[0]] for key, w in bwd_blocks.items()), bwd_blocks
     got = client.compute((out, stats.m, stats.l, stats.lse, *grads), sync=True)
     _check(got, expected, 1e-12)
 

@@ -604,6 +604,15 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
             home = homes.get(key[2]) if key[1] in ("merge", "empty") else None
             if home is not None:
                 pins[key] = home
+    else:
+        # a partition's task runs where its q chunk is: by input bytes alone (q and the k / v halo
+        # pieces, which on a random graph are whole chunks from every worker) the scheduler ran
+        # both partitions of a two-worker benchmark on one worker
+        # (benchmarks/results/dask-cpu-zen4-2core-2026-12-04b.txt)
+        homes = _homes([q], [part.graph.num_edges for part in plan.parts])
+        for p in range(nparts):
+            if homes.get(p) is not None:
+                pins[(core_name, "forward", p)] = homes[p]
     arrays = _collect(core_name, core, [q, k, v], outputs, pins)
     if return_stats:
         return arrays[0], DaskAttentionStats(arrays[1], arrays[2])
@@ -713,6 +722,11 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
             dv_src[c] = summed("dv", dv_leaves[c], _chunk_key(v, c), c)
 
     pins = {}
+    if plan.kind == "csr":   # partition p's task where dout_p, q_p and out_p are (as the forward's)
+        rows = _homes([dout, q, out], [part.graph.num_edges for part in plan.parts])
+        for p in range(nq):
+            if rows.get(p) is not None:
+                pins[(core_name, "backward", p)] = rows[p]
     if plan.kind == "blocks":
         # block (p, c) and the sum of dq_p on the worker holding dout_p, q_p and out_p (more bytes
         # than k_c and v_c; dout, read by no forward task, has no stray replicas), the sums of
