@@ -605,10 +605,11 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
             if home is not None:
                 pins[key] = home
     else:
-        # a partition's task runs where its q chunk is: by input bytes alone (q and the k / v halo
-        # pieces, which on a random graph are whole chunks from every worker) the scheduler ran
-        # both partitions of a two-worker benchmark on one worker
-        # (benchmarks/results/dask-cpu-zen4-2core-2026-12-04b.txt)
+        # a partition's forward task runs where its q chunk is: by input bytes alone (q and the k / v
+        # halo pieces, which on a random graph are whole chunks from every worker) the scheduler ran
+        # both partitions of the two-worker benchmark on one worker in 2 of 4 runs; the backward's
+        # tasks are left to the scheduler (pinned like the forward's they measured slower:
+        # benchmarks/results/dask-cpu-zen4-2core-2026-12-04b.txt)
         homes = _homes([q], [part.graph.num_edges for part in plan.parts])
         for p in range(nparts):
             if homes.get(p) is not None:
@@ -722,11 +723,6 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
             dv_src[c] = summed("dv", dv_leaves[c], _chunk_key(v, c), c)
 
     pins = {}
-    if plan.kind == "csr":   # partition p's task where dout_p, q_p and out_p are (as the forward's)
-        rows = _homes([dout, q, out], [part.graph.num_edges for part in plan.parts])
-        for p in range(nq):
-            if rows.get(p) is not None:
-                pins[(core_name, "backward", p)] = rows[p]
     if plan.kind == "blocks":
         # block (p, c) and the sum of dq_p on the worker holding dout_p, q_p and out_p (more bytes
         # than k_c and v_c; dout, read by no forward task, has no stray replicas), the sums of
