@@ -94,7 +94,7 @@ TUNING_WGMMA = {
     # (forward.pipelined_key_blocks): 0.93-0.96x the CTA-barrier pipeline's time non-causal, 0.94-1.00x
     # causal (fp16 / bf16, N = 4096 / 16384; results/hopper-h200-2026-12-04b.txt §5), 0.85-0.96x in a
     # second run (§10); with two V slots instead of three within 2 % either way (§10); with whole
-    # blocks copied without row tests 0.79-0.94x (§11: 557-584 TF/s at N = 16384 non-causal)
+    # blocks copied without row tests 0.83-0.94x (§11: 557-584 TF/s at N = 16384 non-causal)
     ("fwd", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True, pingpong=True),
     ("dq", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
