@@ -68,11 +68,12 @@ TWIN = ["overlap"]
 
 
 def twin_of(shipped, mode):
+    """the shipped forward with `mode` flipped; pingpong where it changes the loop (two
+    warpgroups, pipelined: Variant.pingpong_loop), else overlap."""
     if mode == "pingpong":
-        try:
-            return dataclasses.replace(shipped, pingpong=not shipped.pingpong).check()
-        except ValueError:
-            pass
+        twin = dataclasses.replace(shipped, pingpong=not shipped.pingpong)
+        if twin.pingpong_loop != shipped.pingpong_loop:
+            return twin
     return dataclasses.replace(shipped, overlap=not shipped.overlap)
 
 

@@ -6,8 +6,8 @@ the profiler range around the two measured calls only, for Nsight Compute to com
         --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \\
         --section LaunchStats python benchmarks/gpu/hopper_ncu.py [--pingpong | --backward]
 
---pingpong: also the same forward with its two warpgroups in ping-pong (Variant.pingpong),
-between ours and cuDNN's.
+--pingpong: also the same forward with Variant.pingpong flipped (as shipped at D = 128: the
+CTA-barrier pipeline), between ours and cuDNN's.
 --backward: the backward instead (ours: the Delta pass, the dQ kernel and the dK/dV kernel as
 shipped; cuDNN: its backward kernels), each after the same forward outside the profiled range.
 """
@@ -51,7 +51,7 @@ if "--backward" in sys.argv:
 else:
     runs = [ours]
     if "--pingpong" in sys.argv:
-        runs.append(BH.B.Ours(q, k, v, np.array([0, N]), False, "float16", vf=dataclasses.replace(ours.vf, pingpong=True)))
+        runs.append(BH.B.Ours(q, k, v, np.array([0, N]), False, "float16", vf=dataclasses.replace(ours.vf, pingpong=not ours.vf.pingpong)))
     for _ in range(2):
         for o in runs:
             o.fwd()

@@ -6,7 +6,8 @@ float16 and float32, or the comma-separated names in $TC_SAN_DTYPES (bfloat16 vi
 backward the package refuses (bfloat16 at D = 256) is reported and skipped. $TC_SAN_SHIPPED=1: no
 narrow-band shape, every relation runs the shipped tile shape (D = 128: two warpgroups, 128-key
 blocks); $TC_SAN_ENGINES: "wgmma", "mma" or both (default). $TC_SAN_PINGPONG=1: the 16-bit wgmma forward at
-D = 96 / 128 / 256 runs its two warpgroups in ping-pong through the mbarrier ring (Variant.pingpong)."""
+D = 96 / 128 / 256 runs its two warpgroups in ping-pong through the mbarrier ring (Variant.pingpong,
+as shipped); $TC_SAN_PINGPONG=0: the CTA-barrier pipeline instead."""
 import os
 
 import cupy
@@ -34,9 +35,10 @@ DTYPES = [_dtype(name) for name in os.environ.get("TC_SAN_DTYPES", "float16,floa
 if os.environ.get("TC_SAN_SHIPPED") == "1":
     tuning.NARROW_KEYS = -1   # no band is narrow enough: the shipped shapes
 ENGINES = os.environ.get("TC_SAN_ENGINES", "wgmma,mma").split(",")
-if os.environ.get("TC_SAN_PINGPONG") == "1":
+if "TC_SAN_PINGPONG" in os.environ:
     for d in (96, 128, 256):
-        tuning.TUNING_WGMMA[("fwd", d)] = dict(tuning.TUNING_WGMMA[("fwd", d)], pingpong=True)
+        tuning.TUNING_WGMMA[("fwd", d)] = dict(tuning.TUNING_WGMMA[("fwd", d)],
+                                               pingpong=os.environ["TC_SAN_PINGPONG"] != "0")
 for wgmma in [e == "wgmma" for e in ENGINES]:
     for dtype in DTYPES:
         for g in graphs:

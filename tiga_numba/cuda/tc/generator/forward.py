@@ -158,6 +158,23 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
         # pingpong: whole blocks skip the per-chunk row tests (load_tile's `whole`)
         load_tile(e, v, slot, f"{base} + {c} * {stride}", stride, f"cols - {c}", BN, width, whole=pp)
 
+    def ring_copies():
+        """pingpong: iteration kb's copies. K kb + 1 goes where S of kb - 1 read, V kb where P V of
+        kb - S read: each waits for the release of its slot first."""
+        e("if kb + 1 < nkb:")
+        with e.indent():
+            e("if kb >= 1:")
+            with e.indent():
+                e(wait(empty_k("prv"), "(ku - u32(1)) >> u32(1)"))
+            e(f"c1 = (kb + 1) * {BN}")
+            load("k", kslot("prv"), "c1", D)
+        e(f"if kb >= {S - 1}:")
+        with e.indent():
+            e(wait(empty_v("vsw"), f"(ku - u32({S - 1})) // u32({S})"))
+        e(f"cv = kb * {BN}")
+        load("v", vblock("kb"), "cv", Dv)
+        e(f"mbar_cp_arrive({full('prv')})")
+
     def guard(b, vbuf, real="True"):
         """guard V of block b if it is `real` and holds masked cells (before any P V reads it)."""
         guard_init(e, v)
@@ -218,21 +235,6 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
             e("cp_commit()")
             guard("kb - 1", "vbuf_prv", real="kb > 0")
         wg_pb(e, v, "o", "pa", "s", "vbuf_prv", Dv // 8, BN, wait=False, packed=True)
-        def ring_copies():
-            # K kb + 1 goes where S of kb - 1 read, V kb where P V of kb - S read: wait for their releases
-            e("if kb + 1 < nkb:")
-            with e.indent():
-                e("if kb >= 1:")
-                with e.indent():
-                    e(wait(empty_k("prv"), "(ku - u32(1)) >> u32(1)"))
-                e(f"c1 = (kb + 1) * {BN}")
-                load("k", kslot("prv"), "c1", D)
-            e(f"if kb >= {S - 1}:")
-            with e.indent():
-                e(wait(empty_v("vsw"), f"(ku - u32({S - 1})) // u32({S})"))
-            e(f"cv = kb * {BN}")
-            load("v", vblock("kb"), "cv", Dv)
-            e(f"mbar_cp_arrive({full('prv')})")
         if pp:
             # the other warpgroup's turn; this one's copies go out while its S chain runs (after its
             # S completed instead they landed late: results/hopper-h200-2026-12-04b.txt)

@@ -4,7 +4,6 @@ kernel shares (masking value, TF32 / bf16-split passes, per-block partials). A V
 its tile geometry and shared-memory plan; nothing here writes kernel text."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -113,16 +112,16 @@ class Variant:
         the other one's P V of block j - 2 (forward.pipelined_key_blocks)."""
         if not self.pingpong_loop:
             return self.stream_buffers
-        if self.ring_v_slots:
-            return self.ring_v_slots
-        two = dataclasses.replace(self, ring_v_slots=2)
-        return 3 if two.smem_bytes() + self.parts * self.BN * self.row_bytes(self.Dv) + 8 <= MAX_SMEM else 2
+        return self.ring_v_slots or (3 if self._smem_bytes(3) <= MAX_SMEM else 2)
+
+    def _ring_barriers(self, v_slots):
+        """ping-pong ring: mbarriers (8 bytes each) after the streamed slots: full[2] (a block's
+        copies landed), emptyK[2] (S of a K slot done), emptyV[v_slots] (P V of a V slot done)."""
+        return 4 + v_slots if self.pingpong_loop else 0
 
     @property
     def ring_barriers(self):
-        """ping-pong ring: mbarriers (8 bytes each) after the streamed slots: full[2] (a block's
-        copies landed), emptyK[2] (S of a K slot done), emptyV[v_slots] (P V of a V slot done)."""
-        return 4 + self.v_slots if self.pingpong_loop else 0
+        return self._ring_barriers(self.v_slots)
 
     @property
     def NT(self):
@@ -242,9 +241,10 @@ class Variant:
         """one streamed block (all parts)."""
         return self.parts * self.BN * (self.row_bytes(self.D) + self.row_bytes(self.Dv))
 
-    def stream_bytes(self):
+    def stream_bytes(self, v_slots=None):
         """every streamed slot: k_slots K blocks and v_slots V blocks (all parts)."""
-        return self.parts * self.BN * (self.k_slots * self.row_bytes(self.D) + self.v_slots * self.row_bytes(self.Dv))
+        v_slots = self.v_slots if v_slots is None else v_slots
+        return self.parts * self.BN * (self.k_slots * self.row_bytes(self.D) + v_slots * self.row_bytes(self.Dv))
 
     def ring_offset(self):
         """pingpong: the first byte of the ring's mbarriers (after the resident and streamed tiles)."""
@@ -290,10 +290,14 @@ class Variant:
         return 2 * self.BN * self.dq_stage_row() if self.fuse_dq and not self.dq_atomic else 0
 
     def smem_bytes(self):
+        return self._smem_bytes(self.v_slots)
+
+    def _smem_bytes(self, v_slots):
+        """shared bytes with `v_slots` V slots (v_slots decides between three and two this way)."""
         w = self.resident_widths()
         staged = [w[i] for i in range(len(w)) if i not in self.kept_in_shared()]
         staging = self.BM * max(self.row_bytes(x) for x in staged) if staged else 0   # register mode: staged once
-        return (self.resident_bytes() + max(self.stream_bytes(), staging) + 8 * self.ring_barriers
+        return (self.resident_bytes() + max(self.stream_bytes(v_slots), staging) + 8 * self._ring_barriers(v_slots)
                 + self.staging_bytes() + self.ds_tile_bytes() + self.dq_stage_bytes()
                 + (WG_ALIGN if self.wgmma else 0) + self.prune_bytes())
 
