@@ -9,7 +9,10 @@
 #     [BENCH="python benchmarks/bench_score_mods_gpu.py" T_BENCH=200] bash benchmarks/gpu/check.sh
 # Writes up to seven files (the device returns at most eight): env.txt, prebuild.txt, bench.txt,
 # tests.txt (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt,
-# tccubin.tgz.
+# tccubin.tgz. The default prebuild does not hold the modifier kernels that tests/test_tc_modifiers_gpu.py
+# runs: unless the carried cache has them, add PREBUILD_ARGS="--modifiers softcap,alibi,alibi-aligned
+# --dims 64,128 --dtypes float16,bfloat16" (T_PREBUILD=200), or the tests compile them one by one and
+# need minutes more.
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
