@@ -207,6 +207,32 @@ def test_lowering_hoists_what_no_cell_changes():
         Modifier(_softcap()[0], "fast")
 
 
+def test_flash_modifier_values_are_packed_once_not_copied_per_call():
+    """softcap= and alibi_slopes= values in cuda/score_codegen.pack's layout (scalars, then the
+    per-head slopes; the bottom-right shift as a dst field broadcast over heads), with the host
+    numbers and the shift made once and reused by later calls: a per-call host-to-device copy
+    from pageable memory would make the host wait for the stream on every call."""
+    import tiga_numba as tg
+    from tiga_numba import functional
+    from tiga_numba.cuda import score_codegen as mods
+    rng = np.random.default_rng(7)
+    H, nd, ns = 2, 6, 9
+    q = rng.standard_normal((nd, H, 8)).astype(np.float32)
+    slopes = rng.uniform(0.1, 0.9, H).astype(np.float32)
+    graph = tg.Graph.dense(ns, nd)   # rectangular: ALiBi's bottom-right shift is Lk - Lq = 3
+    both = [functional.flash_modifier(q, graph, 3.0, slopes) for _ in range(2)]
+    shift = sm.Expr("node", (), ("dst", "_alibi_shift"))
+    assert both[0].values[shift] is both[1].values[shift]   # cached on the graph
+    assert both[0].values[shift].tolist() == [ns - nd] * nd
+    mv, mnd, mns, mef = mods.pack(both[0], np, np.float32, H, nd, ns, 0)
+    np.testing.assert_array_equal(mv, np.array([3.0, *slopes], np.float32))
+    np.testing.assert_array_equal(mnd, np.full(nd * H, ns - nd, np.float32))
+    assert mns.size == 1 and mef.size == 1 and mns is mef   # one shared stand-in
+    capped = [mods.pack(functional.flash_modifier(q, graph, c, None), np, np.float32, H, nd, ns, 0)[0]
+              for c in (3.0, 3.0, 2.5)]
+    assert capped[0] is capped[1] and capped[0].tolist() == [3.0] and capped[2].tolist() == [2.5]
+
+
 def test_prebuild_names_the_kernels_a_flash_modifier_call_launches():
     """`prebuild --modifiers` builds the Variants a softcap= / alibi_slopes= call runs: the same
     tree as functional.flash_modifier (plain ALiBi on triangular relations, bottom-right aligned on

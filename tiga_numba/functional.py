@@ -169,15 +169,29 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
                              f"head), got {tuple(slopes.shape)}")
         if not np.issubdtype(np.dtype(slopes.dtype), np.floating):
             raise TypeError(f"alibi_slopes must be floating point, got {slopes.dtype}")
-        shift = _alibi_shift(graph)
+        shift = _alibi_shift_on(graph, lib)
         head = sm.Expr("head", (), "alibi_slopes")
         values[head] = slopes
         if shift is not None:
-            xp = _xp(lib)
-            values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(shift)
+            values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = shift
     # no gradients besides q, k, v here (the program API gives the slopes' gradient)
     tree = sm.flash_tree(softcap is not None, alibi_slopes is not None, shift is not None)
     return sm.BoundModifier(tree, values)
+
+
+def _alibi_shift_on(graph, lib):
+    """_alibi_shift as an array of library `lib` (on cupy's current device), made once per graph
+    and device: a call must not copy it to the device again (a host-to-device copy from pageable
+    memory waits for the stream, so the host would stall on every call)."""
+    device = None
+    if lib == "cupy":
+        import cupy
+        device = cupy.cuda.Device().id
+
+    def build():
+        shift = _alibi_shift(graph)
+        return None if shift is None else _xp(lib).asarray(shift)
+    return graph._cached(("alibi-shift", lib, device), build)
 
 
 def _alibi_shift(graph):

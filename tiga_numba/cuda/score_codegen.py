@@ -111,21 +111,57 @@ def no_grad(s, i, j, e, h, H, mv, mnd, mns, mef, dF, ga, go, ge):
 generated = score_source.memoised(Generated)
 
 
+#: read-only arrays of host numbers, made once per (library, device, dtype, values): the packed
+#: scalars of a modifier whose values are all host numbers (a soft-cap) and the one-element
+#: stand-ins of empty groups. A call that repeats them copies nothing to the device: a copy from
+#: pageable host memory waits for the stream, so the host would stall on every call and could not
+#: queue the next one while the GPU runs. Kernels never write these arrays.
+_CONSTANTS = {}
+_CONSTANTS_MAX = 64
+
+
+def _constant(xp, acc, values):
+    device = xp.cuda.Device().id if xp.__name__ == "cupy" else None
+    key = (xp.__name__, device, np.dtype(acc).str, tuple(values))
+    hit = _CONSTANTS.get(key)
+    if hit is None:
+        if len(_CONSTANTS) >= _CONSTANTS_MAX:
+            _CONSTANTS.clear()
+        hit = _CONSTANTS[key] = xp.asarray(np.array(values, acc))
+    return hit
+
+
+def _host_number(value):
+    """value as a Python float when it is a number on the host (Python or numpy scalar, 0-d numpy
+    array), else None (a device array: packed by device operations)."""
+    if isinstance(value, (int, float, np.number, np.bool_)):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return float(value)
+    return None
+
+
 def pack(bound, xp, acc, H, Nq, Nk, E):
     """(mv, mnd, mns, mef): a BoundModifier's values in the layout above, dtype `acc`, as
     arrays of library `xp` (numpy under the simulator, cupy on the GPU). Empty groups are
-    one-element arrays (a kernel reads none of them; a device pointer must still exist)."""
+    one-element arrays (a kernel reads none of them; a device pointer must still exist). What
+    is already on the device is packed by device operations; host numbers come from
+    `_constant` or are written as kernel arguments (`mv[k] = x`), never copied per call."""
     lay = bound.layout
-    mv = xp.zeros(max(1, len(lay.scalars) + len(lay.heads) * H), acc)
-    if lay.scalars:
-        mv[:len(lay.scalars)] = xp.asarray(np.array([bound.values[x] for x in lay.scalars], acc))
+    numbers = [_host_number(bound.values[x]) for x in lay.scalars]
+    if not lay.heads and None not in numbers:
+        mv = _constant(xp, acc, numbers or [0.0])
+    else:
+        mv = xp.zeros(max(1, len(lay.scalars) + len(lay.heads) * H), acc)
+        for k, (x, number) in enumerate(zip(lay.scalars, numbers)):
+            mv[k] = number if number is not None else xp.asarray(bound.values[x]).astype(acc).reshape(())
     for k, x in enumerate(lay.heads):
         off = len(lay.scalars) + k * H
         mv[off:off + H] = xp.asarray(bound.values[x]).astype(acc)
 
     def stack(group, n):
         if not group or n == 0:
-            return xp.zeros(1, acc)
+            return _constant(xp, acc, [0.0])
         out = xp.empty((n, len(group), H), acc)
         for k, x in enumerate(group):
             a = xp.asarray(bound.values[x])
