@@ -167,6 +167,8 @@ def test_from_edge_index_is_from_coo():
     assert np.array_equal(a.edge_permutation, b.edge_permutation)
     with pytest.raises(ValueError, match="edge_index"):
         tg.Graph.from_edge_index(np.zeros((3, 4), int))
+    with pytest.raises(ValueError, match=r"dst\[2\] = -3"):
+        tg.Graph.from_coo(np.array([0, 1, 2]), np.array([0, 1, -3]))
 
 
 def test_many_short_segments_memory_is_linear():

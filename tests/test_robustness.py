@@ -285,8 +285,35 @@ def test_backward_refuses_stats_of_another_graph():
     out, st = tg.attention(q, k, v, csr_a, return_stats=True)
     with pytest.raises(ValueError, match="stats"):
         tg.attention_backward(do, q, k, v, out, st, csr_b)
+    # the same edges under another kind are the same relation: the stats serve it
+    want = tg.attention_backward(do, q, k, v, *tg.attention(q, k, v, tri, return_stats=True), tri)
+    for got in (tg.attention_backward(do, q, k, v, out, st, tri),
+                tg.attention_backward(do, q, k, v, *tg.attention(q, k, v, tri, return_stats=True), csr_a)):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_stats_serve_every_graph_of_the_same_relation():
+    """band(n, left=None, right=0), cu_seqlens([0, n]) and triangular(n) are one relation (and
+    band(n, left=None, right=None) is dense(n)): a forward over one gives stats for a backward
+    over another; a band that differs in one diagonal does not."""
+    q, k, v, do = _small(seed=3)
+    n = q.shape[0]
+    for a, b in ((tg.Graph.triangular(n), tg.Graph.band(n, left=None, right=0)),
+                 (tg.Graph.band(n, left=None, right=0), tg.Graph.cu_seqlens(cu_seqlens_q=[0, n])),
+                 (tg.Graph.dense(n), tg.Graph.band(n, left=None, right=None))):
+        out, st = tg.attention(q, k, v, a, return_stats=True)
+        want = tg.attention_backward(do, q, k, v, out, st, a)
+        got = tg.attention_backward(do, q, k, v, out, st, b)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y)
+    out, st = tg.attention(q, k, v, tg.Graph.triangular(n), return_stats=True)
     with pytest.raises(ValueError, match="stats"):
-        tg.attention_backward(do, q, k, v, out, st, tri)  # same edges, other kind
+        tg.attention_backward(do, q, k, v, out, st, tg.Graph.band(n, left=n - 2, right=0))
+    with pytest.raises(TypeError, match="not both"):
+        tg.Graph.cu_seqlens([0, n], cu_seqlens_q=[0, n])
+    with pytest.raises(TypeError, match="query offsets"):
+        tg.Graph.cu_seqlens()
 
 
 def test_backward_refuses_stats_of_another_scale():

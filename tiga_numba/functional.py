@@ -376,14 +376,26 @@ def _check_stats_belong(stats, graph, plan, row_shape):
     return m_kernel
 
 
+#: the most edges _same_relation compares through scipy CSR when one graph is implicit and the
+#: other CSR (beyond it such a pair is refused: an implicit relation may hold billions of edges)
+SAME_RELATION_MAX_EDGES = 1 << 26
+
+
 def _same_relation(a, b):
-    """Whether two Graph objects hold the same relation: cheap facts first, then the
-    kernel-facing arrays (O(blocks) for implicit relations, O(edges) for CSR)."""
-    if (a.kind, a.num_src, a.num_dst, a.num_edges) != (b.kind, b.num_src, b.num_dst, b.num_edges):
+    """Whether two Graph objects hold the same relation (the same edge set), whatever their
+    kinds: band(n, left=None, right=0) is triangular(n), cu_seqlens([0, n]) too. Cheap facts
+    first, then the kernel-facing arrays (O(blocks) for implicit relations, whose block bands
+    are stored clipped to each block, so one relation has one form; O(edges) for CSR); an
+    implicit relation and a CSR one through their sorted scipy CSR (up to
+    SAME_RELATION_MAX_EDGES edges)."""
+    if (a.num_src, a.num_dst, a.num_edges) != (b.num_src, b.num_dst, b.num_edges):
         return False
     ra, rb = a.realize("cpu"), b.realize("cpu")
     if type(ra) is not type(rb):
-        return False
+        if a.num_edges > SAME_RELATION_MAX_EDGES:
+            return False
+        sa, sb = a.to_scipy().tocsr().sorted_indices(), b.to_scipy().tocsr().sorted_indices()
+        return np.array_equal(sa.indptr, sb.indptr) and np.array_equal(sa.indices, sb.indices)
     fields = ("dst_offsets", "src_offsets", "lo", "hi") if hasattr(ra, "dst_offsets") \
         else ("indptr", "indices")
     return all(np.array_equal(np.asarray(getattr(ra, f)), np.asarray(getattr(rb, f)))

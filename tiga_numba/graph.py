@@ -356,7 +356,8 @@ class Graph:
                    blocks=_make_blocks([num_dst], [num_src], lo, hi), device=_check_device(device))
 
     @classmethod
-    def cu_seqlens(cls, cu_seqlens, causal=True, *, cu_seqlens_k=None, window=None, device=None):
+    def cu_seqlens(cls, cu_seqlens=None, causal=True, *, cu_seqlens_k=None, window=None, device=None,
+                   cu_seqlens_q=None):
         """Block-diagonal relation from cumulative sequence lengths (flash-attn varlen).
 
         Segment b pairs queries ``[cu_seqlens[b], cu_seqlens[b+1])`` with keys
@@ -364,7 +365,16 @@ class Graph:
         queries). ``causal`` is bottom-right aligned as in flash-attn >= 2.1: query r of a
         segment with Lq queries and Lk keys attends key c when ``c <= r + Lk - Lq``.
         ``window=(left, right)`` keeps keys ``r + Lk - Lq - left <= c <= r + Lk - Lq + right``
-        (``None`` = unbounded side). Zero-length segments are legal."""
+        (``None`` = unbounded side). Zero-length segments are legal. The query offsets may
+        also be passed as ``cu_seqlens_q=`` (flash-attn's name), not both."""
+        if cu_seqlens_q is not None:
+            if cu_seqlens is not None:
+                raise TypeError("Graph.cu_seqlens takes the query offsets once: cu_seqlens or "
+                                "cu_seqlens_q, not both")
+            cu_seqlens = cu_seqlens_q
+        elif cu_seqlens is None:
+            raise TypeError("Graph.cu_seqlens needs the query offsets: cu_seqlens (or "
+                            "cu_seqlens_q), a 1-D integer array starting at 0")
         cu, lengths = _check_cu("cu_seqlens", cu_seqlens)
         if cu_seqlens_k is None:
             cu_k, lengths_k = cu, lengths
@@ -494,8 +504,10 @@ class Graph:
         dst = _to_host("dst", dst)
         if src.shape != dst.shape:
             raise ValueError(f"src and dst must have the same length, got {src.shape[0]} and {dst.shape[0]}")
-        if src.size and (src.min() < 0 or dst.min() < 0):
-            raise ValueError("src and dst must be non-negative")
+        for name, a in (("src", src), ("dst", dst)):
+            if a.size and a.min() < 0:
+                e = int(np.argmax(a < 0))
+                raise ValueError(f"{name} must hold node indices >= 0, got {name}[{e}] = {int(a[e])}")
         need_src = int(src.max()) + 1 if src.size else 0
         need_dst = int(dst.max()) + 1 if dst.size else 0
         if num_src is None and num_dst is None:
