@@ -87,6 +87,8 @@ def test_threaded_equals_single_process(name):
     assert stats.m.chunks == c["q"].chunks[:2] and stats.l.chunks == c["q"].chunks[:2]
     assert grads[0].chunks == c["q"].chunks and grads[1].chunks == c["k"].chunks
     assert grads[2].chunks == c["v"].chunks
+    for x in (out, stats.m, stats.l, *grads):   # every layer declares the layers it reads
+        x.__dask_graph__().validate()
     got = dask.compute(out, stats.m, stats.l, stats.lse, *grads, scheduler="threads")
     _check(got, expected, 1e-12)
     # the backward sums partial gradients in a fixed order: the same bits on every run
@@ -351,8 +353,20 @@ def test_errors_name_the_argument():
         tgd.attention_backward(dout, q, k, v, out, tgd.DaskAttentionStats(stats.m.rechunk(30), stats.l), g)
     with pytest.raises(ValueError, match=r"^out is chunked along axis 2"):
         tgd.attention_backward(dout, q, k, v, out.rechunk((13, -1, 5)), stats, g)
-    with pytest.raises(ValueError, match=r"dout must have shape"):
+    with pytest.raises(ValueError, match=rf"^dout must have shape \({q.shape[0]}, {q.shape[1]}, {v.shape[2]}\), got"):
         tgd.attention_backward(dout[..., :5], q, k, v, out, stats, g)
+    with pytest.raises(ValueError, match=rf"^stats.l must have shape \({q.shape[0]}, {q.shape[1]}\), got"):
+        tgd.attention_backward(dout, q, k, v, out, tgd.DaskAttentionStats(stats.m, stats.l[:, :1]), g)
+
+    class Chunk:   # an array-like that is neither numpy nor cupy
+        def __init__(self, a):
+            self.a, self.shape, self.ndim, self.dtype = a, a.shape, a.ndim, a.dtype
+
+        def __getitem__(self, index):
+            return Chunk(self.a[index])
+    foreign = q.map_blocks(Chunk, meta=Chunk(np.empty((0, 0, 0), q.dtype)))
+    with pytest.raises(TypeError, match=r"^q must have numpy or cupy chunks"):
+        tgd.attention(foreign, k, v, g)
     with pytest.raises(TypeError, match=r"^stats must be"):
         tgd.attention_backward(dout, q, k, v, out, (stats.m, stats.l), g)
 

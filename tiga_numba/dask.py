@@ -96,6 +96,10 @@ def _check_dask(name, array):
     if not isinstance(array, da.Array):
         raise TypeError(f"{name} must be a dask array, got {type(array).__name__}; wrap it with "
                         f"dask.array.from_array({name}, chunks=(rows_per_chunk,) + {name}.shape[1:])")
+    meta = array._meta
+    if not (isinstance(meta, np.ndarray) or type(meta).__module__.partition(".")[0] == "cupy"):
+        raise TypeError(f"{name} must have numpy or cupy chunks, got a dask array of "
+                        f"{type(meta).__module__}.{type(meta).__name__} chunks (its _meta)")
     if any(np.isnan(c) for axis in array.chunks for c in axis):
         raise ValueError(f"{name} has unknown chunk sizes {array.chunks}; call "
                          f"{name}.compute_chunk_sizes() first")
@@ -521,11 +525,36 @@ def _collect(core_name, core, inputs, outputs, pins=None):
                    if pins else None)
     layers[core_name] = MaterializedLayer(core, annotations=annotations)
     deps[core_name] = {a.name for a in inputs}
+    names = {core_name} | {a.name for a in inputs}
     for name, layer, _, _ in outputs:
         layers[name] = MaterializedLayer(layer)
-        deps[name] = {core_name}
+        deps[name] = _layers_read(layer.values(), names)
     graph = HighLevelGraph(layers, deps)
     return [da.Array(graph, name, chunks, meta=meta) for name, _, chunks, meta in outputs]
+
+
+def _layers_read(tasks, names):
+    """The layers among `names` whose keys `tasks` read: an output task may read an input chunk
+    directly (a chunk's gradient shaped like k's chunk, zeros for a chunk no block touches), and
+    a HighLevelGraph must declare exactly the layers its tasks read (dask's graph validation,
+    dask.array.utils.assert_eq, checks it)."""
+    found = set()
+    stack = list(tasks)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple):
+            if x and isinstance(x[0], str):
+                if x[0] in names:
+                    found.add(x[0])
+                continue
+            stack.extend(x)
+        elif isinstance(x, (list, set)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, str) and x in names:
+            found.add(x)
+    return found
 
 
 def _row_outputs(name, q, nparts, source, ndim_tail):
@@ -649,9 +678,13 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
     if not (hasattr(stats, "m") and hasattr(stats, "l")):
         raise TypeError(f"stats must be the stats returned by tiga_numba.dask.attention(..., "
                         f"return_stats=True), got {type(stats).__name__}")
-    for name, a in (("dout", dout), ("out", out), ("stats.m", stats.m), ("stats.l", stats.l)):
+    row_shape = tuple(q.shape[:-1])   # (num_dst, H), or (num_dst,) for one head given as 2-D
+    for name, a, want in (("dout", dout, row_shape + (v.shape[-1],)), ("out", out, row_shape + (v.shape[-1],)),
+                          ("stats.m", stats.m, row_shape), ("stats.l", stats.l, row_shape)):
         _check_rows_like(name, a, q)
-    # the single-process checks of dout/out/stats shapes and dtypes, on zero-row stand-ins
+        if tuple(a.shape) != want:   # with the true row count (the stand-ins below have none)
+            raise ValueError(f"{name} must have shape {want}, got {tuple(a.shape)}")
+    # the single-process checks of dout/out/stats dtypes and libraries, on zero-row stand-ins
     mq, mk, mv = (_empty_rows(a) for a in (q, k, v))
     _attention_backward(_empty_rows(dout), mq, mk, mv, _empty_rows(out),
                         AttentionStats(_empty_rows(stats.m), _empty_rows(stats.l)),
