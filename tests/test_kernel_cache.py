@@ -153,3 +153,41 @@ def test_kernel_drivers_are_named_apart_on_disk():
     assert kern.targetoptions.get("parallel") is True
     item = kern.py_func.__globals__["FORWARD_ITEM"]
     assert item.targetoptions.get("parallel") is False
+    # the bodies too: numba's symbol names come from the qualified name, so two variants of one
+    # body loaded from the disk cache into one process must not share it
+    items = {name(blocks.make_forward(*args).py_func.__globals__["FORWARD_ITEM"])
+             for args in (("float32", 64, 128, False), ("float32", 32, 128, False),
+                          ("float64", 64, 128, True), ("float64", 512, 256, False))}
+    assert len(items) == 4
+
+
+_VARIANTS = """
+import sys
+import numpy as np, tiga_numba as tg
+from tiga_numba import reference
+rng = np.random.default_rng(0)
+q = rng.standard_normal((128, 1, 4)); k = rng.standard_normal((384, 1, 4)); v = rng.standard_normal((384, 1, 3))
+g = tg.Graph.dense(384, 128)
+for step in sys.argv[1:]:
+    if step == "exact":
+        got, want = tg.attention(q, k, v, g), reference.attention(q, k, v, g)
+    else:
+        got = tg.attention(q, k, v, g, block_prune_threshold=0.3)
+        want = reference.pruned_attention(q, k, v, g, rho=0.3, block_m=64, block_n=128)
+    print(step, "ok" if np.abs(got - want).max() < 1e-12 else f"WRONG by {np.abs(got - want).max()}")
+"""
+
+
+def test_variants_compiled_in_two_processes_keep_their_code_when_loaded_together(tmp_path):
+    """The float64 dense forward at its exact tile shape and at the pruning rule's, each compiled
+    by its own process into a fresh numba cache, then both loaded from that cache by a third
+    process: each call must run its own variant (the two item bodies once had one symbol name,
+    and the second driver loaded ran the first one's body: wrong numbers, and BLAS errors)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TIGA_NUMBA_QUIET="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env["TIGA_NUMBA_CPU_TILES"] = "512x256"   # the exact call's tiles; the pruned one keeps its rule's 64 x 128
+    for steps in (["exact"], ["pruned"], ["pruned", "exact"], ["exact", "pruned"]):
+        proc = subprocess.run([sys.executable, "-c", _VARIANTS, *steps], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.split() == [x for step in steps for x in (step, "ok")], proc.stdout + proc.stderr[-2000:]

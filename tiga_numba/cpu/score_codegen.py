@@ -179,15 +179,39 @@ def jit_kernel(py_func, mod, parallel=True, **hooks):
     """numba.njit(fastmath; parallel unless told) of a kernel whose modifier calls go through the
     global names in `hooks`. Without a modifier the kernel is compiled as written (its globals are
     the module's never-called stand-ins). With one, the same code is compiled with `hooks` bound to
-    the generated functions, under a qualified name that ends in `hooks_digest`: numba's on-disk
-    cache keys a kernel on its file, qualified name, bytecode and closure values, none of which
-    would tell two modifiers apart otherwise, so the digest in the name gives every modifier its
-    own cache entries and lets other processes (test workers, later runs) load the compiled
-    kernel instead of compiling it again (30 s and more per kernel)."""
+    the generated functions. Either way under a qualified name that ends in a digest of its
+    closure values (_closure_digest) and, with a modifier, its `hooks_digest`: numba's on-disk
+    cache keys a kernel on its file, qualified name, bytecode and closure values, which would not
+    tell two modifiers apart, and numba's symbol names come from the qualified name, which would
+    not tell two tile shapes apart once both are loaded from the cache. The names give every
+    variant its own cache entries and symbols, and let other processes (test workers, later runs)
+    load the compiled kernel instead of compiling it again (30 s and more per kernel)."""
     opts = dict(parallel=parallel, fastmath=FASTMATH, nogil=True)
-    if mod is None:
-        return njit(cache=True, **opts)(py_func)
-    return njit(cache=True, **opts)(_rebound(py_func, hooks, f"_mod_{hooks_digest(mod, hooks)}"))
+    tag = "_of_" + _closure_digest(py_func)
+    if mod is not None:
+        tag += f"_mod_{hooks_digest(mod, hooks)}"
+    return njit(cache=True, **opts)(_rebound(py_func, hooks if mod is not None else {}, tag))
+
+
+def _stable_repr(x):
+    """repr of a closure value that is the same in every process (a function or class by its
+    qualified name, not its address)."""
+    name = getattr(x, "__qualname__", None)
+    if callable(x) and name is not None:
+        return f"{getattr(x, '__module__', '')}.{name}"
+    return repr(x)
+
+
+def _closure_digest(py_func):
+    """Digest of a factory-made function's qualified name and closure values (the tile shape,
+    dtype and options it was made with). It goes into the compiled function's qualified name,
+    which numba's symbol names are made from: two variants of one item function compiled in
+    different processes would otherwise get the same symbol (same name, same argument types,
+    the same per-process counter), and a process that loads both drivers from numba's disk
+    cache would link one variant's calls to the other's code."""
+    key = [f"{py_func.__module__}.{py_func.__qualname__}",
+           repr([_stable_repr(c.cell_contents) for c in py_func.__closure__ or ()])]
+    return hashlib.sha1("\n".join(key).encode()).hexdigest()[:16]
 
 
 def jit_driver(py_func, mod, hooks, **items):
@@ -198,11 +222,8 @@ def jit_driver(py_func, mod, hooks, **items):
     code. The qualified name carries a digest of the items' names and closure values (the tile
     shape, dtype and options they were made with) and, with a modifier, ends in its
     hooks_digest as jit_kernel's, so numba's disk cache keeps every variant apart."""
-    key = []
-    for name in sorted(items):
-        f = items[name].py_func
-        key += [name, f"{f.__module__}.{f.__qualname__}",
-                repr([c.cell_contents for c in f.__closure__ or ()])]
+    key = [f"driver={_closure_digest(py_func)}"]
+    key += [f"{name}={_closure_digest(items[name].py_func)}" for name in sorted(items)]
     tag = "_of_" + hashlib.sha1("\n".join(key).encode()).hexdigest()[:16]
     if mod is not None:
         tag += f"_mod_{hooks_digest(mod, hooks)}"
