@@ -240,6 +240,14 @@ REFUSED = [
     ("np.where with other than three", lambda s, src, dst, edge, p: np.where(s > 0)),
     ("two dot scores", lambda s, src, dst, edge, p: np.tanh(s) + (src.value * dst.query).sum(-1)),
     ("np.clip", lambda s, src, dst, edge, p: np.clip(s, 0, 1)),
+    ("bitwise and (&)", lambda s, src, dst, edge, p: (s > 0) & (s < 1)),
+    ("bitwise or (|)", lambda s, src, dst, edge, p: s | 1),
+    ("bitwise xor (^)", lambda s, src, dst, edge, p: 1 ^ s),
+    ("bitwise not (~)", lambda s, src, dst, edge, p: ~(s > 0)),
+    ("shift (<<)", lambda s, src, dst, edge, p: s + (dst.index << 1)),
+    ("shift (>>)", lambda s, src, dst, edge, p: s + (dst.index >> 1)),
+    ("round()", lambda s, src, dst, edge, p: round(s)),
+    ("divmod()", lambda s, src, dst, edge, p: divmod(s, 2.0)[0]),
 ]
 
 
@@ -249,6 +257,24 @@ def test_constructs_outside_the_grammar_name_themselves(case):
     with pytest.raises(NotImplementedError) as info:
         _trace(fn)
     assert needle in str(info.value), str(info.value)
+
+
+def test_input_errors_of_a_modified_program_keep_their_type():
+    """A modified score's program reports bad inputs as the functional API does (TypeError for a
+    dtype, ValueError for shapes and heads), with the fields named; never as the score
+    expression's refusal of an attribute."""
+    rng = np.random.default_rng(11)
+    g = tg.Graph.triangular(9)
+    prog = ModProgram(lambda s, src, dst, edge, p: 2.0 * np.tanh(s / 2.0))
+    v = rng.standard_normal((9, 2, 4)).astype(np.float32)
+    k = rng.standard_normal((9, 2, 4)).astype(np.float32)
+    q = rng.standard_normal((9, 2, 4)).astype(np.float32)
+    for exc, match, kk, qq in ((TypeError, "dtype", k.astype(np.float64), q),
+                               (ValueError, "head dim", k, q[:, :, :3]),
+                               (ValueError, "multiple", k, np.concatenate([q, q[:, :1]], axis=1))):
+        with pytest.raises(exc, match=match) as info:
+            prog(graph=g, src={"key": kk, "value": v}, dst={"query": qq}, scale=0.5)
+        assert "q = dst.query, k = src.key" in str(info.value)
 
 
 def test_leaky_relu_is_eager_on_arrays():

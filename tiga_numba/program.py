@@ -355,8 +355,11 @@ class _Lowered:
         else:
             parts.append("q, k = zero-width (precomputed edge score)")
         parts.append(f"v = {self.traced.value.ref}")
-        if getattr(score, "biases", None):
-            parts.append(f"edge_bias = {' + '.join(f.ref for f, _ in score.biases)}")
+        # a modified score is a traced expression, whose unknown attributes refuse themselves
+        # (NotImplementedError): it has no biases, and asking must not replace the error noted
+        biases = None if self.traced.kind == "modified" else getattr(score, "biases", None)
+        if biases:
+            parts.append(f"edge_bias = {' + '.join(f.ref for f, _ in biases)}")
         return f"in {self.traced.program}.edge(): " + ", ".join(parts)
 
     def _net_arg_array(self, f):

@@ -156,6 +156,44 @@ class Symbolic:
 
     __rfloordiv__ = __floordiv__
 
+    def __divmod__(self, other):
+        _refuse(f"divmod() of {self.describe()}")
+
+    __rdivmod__ = __divmod__
+
+    def __round__(self, ndigits=None):
+        _refuse(f"round() of {self.describe()}")
+
+    # bitwise and shift operators: Python's `and` / `or` of comparisons would need bool(), and
+    # & | ^ ~ << >> have no score meaning (np.where / np.minimum / np.maximum combine conditions)
+    def __and__(self, other):
+        _refuse(f"a bitwise and (&) of {self.describe()} (combine conditions with np.where)")
+
+    __rand__ = __and__
+
+    def __or__(self, other):
+        _refuse(f"a bitwise or (|) of {self.describe()} (combine conditions with np.where)")
+
+    __ror__ = __or__
+
+    def __xor__(self, other):
+        _refuse(f"a bitwise xor (^) of {self.describe()}")
+
+    __rxor__ = __xor__
+
+    def __invert__(self):
+        _refuse(f"a bitwise not (~) of {self.describe()}")
+
+    def __lshift__(self, other):
+        _refuse(f"a shift (<<) of {self.describe()}")
+
+    __rlshift__ = __lshift__
+
+    def __rshift__(self, other):
+        _refuse(f"a shift (>>) of {self.describe()}")
+
+    __rrshift__ = __rshift__
+
     def __rtruediv__(self, other):
         _refuse(f"a division by {self.describe()}")
 
