@@ -410,6 +410,13 @@ def _full_mod(s, src, dst, edge, p):
         - np.log(np.abs(src.a) + 1.0) / 2.0 + (s >= 0.3) * 0.25
 
 
+def _scalar_fn_mod(s, src, dst, edge, p):
+    """the listed functions and comparisons applied to scalar params themselves"""
+    c, d = p["c"], p["d"]
+    x = s * np.tanh(c) + np.minimum(c, 2.0) * np.maximum(c, d) * 0.1 + abs(d) * s * 0.5
+    return np.where(c > 1.0, x, -x) + (d < 2.0) * s - np.where(d >= c, 0.3, s)
+
+
 def _gat_mod(s, src, dst, edge, p):
     return tg.leaky_relu(src.a + dst.a, 0.2)
 
@@ -481,6 +488,13 @@ def test_modifier_forward_and_gradients_on_every_relation(rel):
         _full_mod, g, np.float64, c=2.5, slopes=RNG.uniform(0.2, 1.0, 4))
     _check_all(out, grads, want, wgrads, 1e-6)
     assert "compiled score modifier: f = " in prog.explain()
+
+
+@pytest.mark.parametrize("rel", ["triangular", "csr"])
+def test_listed_functions_and_comparisons_of_scalar_params(rel):
+    for c, d in ((2.5, -0.75), (0.5, 3.0)):   # each branch of every condition taken once
+        prog, out, grads, want, wgrads = _run_program(_scalar_fn_mod, RELATIONS[rel], np.float64, c=c, d=d)
+        _check_all(out, grads, want, wgrads, 1e-6)
 
 
 @pytest.mark.parametrize("rel", ["dense", "segments-rect", "band", "csr"])

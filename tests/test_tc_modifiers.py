@@ -51,8 +51,20 @@ def _nan_far():
     return sm.make("where", far, nan, S), {}
 
 
+def _scalar_fns():
+    """np.tanh, np.minimum and a comparison of a scalar param inside the tree (cell-invariant:
+    hoisted out of the cells): s tanh(c) + where(c > 1, s, -s) + 0.1 min(c, 2)."""
+    c = sm.Expr("scalar", (), "c")
+    tree = sm.make("add", sm.make("add", sm.make("mul", S, sm.make("tanh", c)),
+                                  sm.make("where", sm.make("gt", c, sm.const(1.0)), S, sm.make("neg", S))),
+                   sm.make("mul", sm.const(0.1), sm.make("minimum", c, sm.const(2.0))))
+    return tree, {c: 2.5}
+
+
 MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window,
         "nan_far": _nan_far}
+#: trees run on one case and relation only (test_scalar_param_functions_emulated)
+MORE_MODS = {"scalar_fns": _scalar_fns}
 
 
 def _values(rng, tree, proto, nd, ns, H, dst, src):
@@ -146,7 +158,7 @@ def test_modified_forward_backward_emulated(modname, case, relname):
     nd, ns = int(dst[-1]), int(src[-1])
     rng = np.random.default_rng(hash((modname, case, relname)) % 2 ** 32)
     q, k, v, do = _inputs(rng, nd, ns, H, Hkv, D, dtype)
-    tree, proto = MODS[modname]()
+    tree, proto = {**MODS, **MORE_MODS}[modname]()
     values = _values(rng, tree, proto, nd, ns, H, dst, src)
     mod = Modifier(tree, TANH[dtype])   # as the tensor-core api picks it
     packed = (mod,) + _pack(tree, values, H, nd, ns)
@@ -169,6 +181,11 @@ def test_modified_forward_backward_emulated(modname, case, relname):
     for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
         assert np.isfinite(got).all(), name
         assert rel(got, want) < 3 * TOL[dtype], (name, rel(got, want))
+
+
+@pytest.mark.parametrize("case", [2, 3])
+def test_scalar_param_functions_emulated(case):
+    test_modified_forward_backward_emulated("scalar_fns", case, "causal_tail")
 
 
 def test_modifier_rules():

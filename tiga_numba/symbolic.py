@@ -58,6 +58,11 @@ class Symbolic:
                     _is_modifier_operand(x) for x in inputs):
                 return modify(mod_op, *inputs, construct=f"np.{ufunc.__name__}")
             op = _UFUNC_OPERATORS.get(ufunc.__name__)
+            if op is None and mod_op is not None and len(inputs) == ufunc.nin and any(
+                    isinstance(x, ScalarExpr) for x in inputs):
+                # np.tanh / np.minimum / np.maximum / comparisons of scalar params: a modifier
+                # node over scalar leaves (combined with the score later, evaluated per cell)
+                return modify(mod_op, *inputs, construct=f"np.{ufunc.__name__}")
             if op is not None and len(inputs) == ufunc.nin:
                 for x in inputs:
                     if not isinstance(x, Symbolic) and not is_number(x):
@@ -924,4 +929,10 @@ for _cls in (ScoreExpr, HeadParam, Score, Product):
         setattr(_cls, _m, _binary(_op, construct=f"a comparison ({_SYMBOL_OF[_op]})"))
     _cls.__hash__ = object.__hash__
 Score.__abs__ = lambda self: modify("abs", self, construct="abs()")
+# comparisons of scalar params are score-modifier conditions (np.where(c > 1, s, -s)); abs() of
+# one is evaluated per call like np.abs
+for _m, _op in _COMPARISONS.items():
+    setattr(ScalarExpr, _m, _binary(_op, construct=f"a comparison ({_SYMBOL_OF[_op]})"))
+ScalarExpr.__hash__ = object.__hash__
+ScalarExpr.__abs__ = _ufunc_unary("absolute")
 Product.__abs__ = lambda self: modify("abs", self, construct="abs()")
