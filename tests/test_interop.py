@@ -191,6 +191,44 @@ def test_adapter_program_gradients_match_autograd():
         torch.testing.assert_close(a, t.grad)
 
 
+def test_adapter_program_trains_per_head_params():
+    """A per-head param given as a tensor (ALiBi slopes) gets its gradient through the wrapper,
+    equal to torch autograd of the same score; a 0-d param that requires grad is refused."""
+    import tiga_numba.torch as tgt
+
+    class Alibi(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def edge(self, src, dst, edge, scale, slopes):
+            s = (src.key * dst.query).sum(axis=-1) * scale
+            return self.reducer(s - slopes * np.abs(dst.index - src.index), src.value)
+
+    gen = torch.Generator().manual_seed(5)
+    n = 9
+    q, k, v = (torch.randn(n, 2, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+               for _ in range(3))
+    slopes = torch.rand(2, dtype=torch.float64, generator=gen).requires_grad_(True)
+    g = tg.Graph.triangular(n)
+    out = tgt.program(Alibi(), g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5, slopes=slopes)
+    cot = torch.randn_like(out)
+    out.backward(cot)
+    ours = [t.grad.clone() for t in (q, k, v, slopes)]
+    for t in (q, k, v, slopes):
+        t.grad = None
+    i = torch.arange(n, dtype=torch.float64)
+    dist = (i[:, None] - i[None, :]).abs()
+    s = torch.einsum("ihd,jhd->hij", q, k) * 0.5 - slopes[:, None, None] * dist
+    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    ref = torch.einsum("hij,jhd->ihd", s.softmax(-1), v)
+    ref.backward(cot)
+    torch.testing.assert_close(out, ref)
+    for a, t in zip(ours, (q, k, v, slopes)):
+        torch.testing.assert_close(a, t.grad)
+    with pytest.raises(NotImplementedError, match="0-d tensor that requires grad"):
+        tgt.program(Alibi(), g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5,
+                    slopes=torch.tensor(0.3, dtype=torch.float64, requires_grad=True))
+
+
 def test_adapter_layers_train_like_pyg():
     pyg_nn = pytest.importorskip("torch_geometric.nn")
     import tiga_numba.torch as tgt

@@ -81,18 +81,29 @@ class _Program(torch.autograd.Function):
 
 def program(prog, graph, src=None, dst=None, edge=None, **params):
     """Run a tg.MessagePassing program on torch tensors, differentiable w.r.t. every tensor in
-    src / dst / edge (scalar params pass through; score-network weights are not torch
-    parameters and get no gradient here: use prog.vjp for those)."""
-    fields = {"src": dict(src or {}), "dst": dict(dst or {}), "edge": dict(edge or {})}
-    slots = [(role, name) for role in ("src", "dst", "edge") for name in fields[role]]
+    src / dst / edge and every per-head param given as a tensor (ALiBi slopes, a per-head
+    temperature: their gradients are prog.vjp's grads["params"]). Scalar params pass through
+    and get no gradient (as in prog.vjp): a 0-d tensor param that requires grad is refused
+    rather than left without one. Score-network weights are not torch parameters and get no
+    gradient here: use prog.vjp for those."""
+    for name, p in params.items():
+        if isinstance(p, torch.Tensor) and p.ndim == 0 and p.requires_grad:
+            raise NotImplementedError(
+                f"param {name!r} is a 0-d tensor that requires grad, but scalar params get no "
+                f"gradient; pass it as a per-head param of shape (H,) to learn it, or detach it")
+    per_head = {name: p for name, p in params.items() if isinstance(p, torch.Tensor) and p.ndim > 0}
+    fixed = {name: p for name, p in params.items() if name not in per_head}
+    fields = {"src": dict(src or {}), "dst": dict(dst or {}), "edge": dict(edge or {}),
+              "params": per_head}
+    slots = [(role, name) for role in ("src", "dst", "edge", "params") for name in fields[role]]
     tensors = [fields[role][name] for role, name in slots]
 
     def run(arrays):
-        given = {"src": {}, "dst": {}, "edge": {}}
+        given = {"src": {}, "dst": {}, "edge": {}, "params": {}}
         for (role, name), a in zip(slots, arrays):
             given[role][name] = a
         return prog.vjp(graph=graph, src=given["src"], dst=given["dst"],
-                        edge=given["edge"] or None, **params)
+                        edge=given["edge"] or None, **fixed, **given["params"])
 
     return _Program.apply(run, slots, *tensors)
 
