@@ -146,58 +146,11 @@ class Symbolic:
     def __rpow__(self, other):
         _refuse(f"a power (**) with exponent {self.describe()}")
 
-    def __matmul__(self, other):
-        _refuse(f"a matrix product (@) of {self.describe()}")
-
-    __rmatmul__ = __matmul__
-
-    def __mod__(self, other):
-        _refuse(f"a modulo (%) of {self.describe()}")
-
-    __rmod__ = __mod__
-
-    def __floordiv__(self, other):
-        _refuse(f"a floor division (//) of {self.describe()}")
-
-    __rfloordiv__ = __floordiv__
-
-    def __divmod__(self, other):
-        _refuse(f"divmod() of {self.describe()}")
-
-    __rdivmod__ = __divmod__
-
     def __round__(self, ndigits=None):
         _refuse(f"round() of {self.describe()}")
 
-    # bitwise and shift operators: Python's `and` / `or` of comparisons would need bool(), and
-    # & | ^ ~ << >> have no score meaning (np.where / np.minimum / np.maximum combine conditions)
-    def __and__(self, other):
-        _refuse(f"a bitwise and (&) of {self.describe()} (combine conditions with np.where)")
-
-    __rand__ = __and__
-
-    def __or__(self, other):
-        _refuse(f"a bitwise or (|) of {self.describe()} (combine conditions with np.where)")
-
-    __ror__ = __or__
-
-    def __xor__(self, other):
-        _refuse(f"a bitwise xor (^) of {self.describe()}")
-
-    __rxor__ = __xor__
-
     def __invert__(self):
         _refuse(f"a bitwise not (~) of {self.describe()}")
-
-    def __lshift__(self, other):
-        _refuse(f"a shift (<<) of {self.describe()}")
-
-    __rlshift__ = __lshift__
-
-    def __rshift__(self, other):
-        _refuse(f"a shift (>>) of {self.describe()}")
-
-    __rrshift__ = __rshift__
 
     def __rtruediv__(self, other):
         _refuse(f"a division by {self.describe()}")
@@ -231,6 +184,27 @@ class Symbolic:
 
     def sum(self, *args, **kwargs):
         _refuse(f"a sum over {self.describe()}")
+
+
+def _refusing(what):
+    def method(self, other):
+        _refuse(f"{what} of {self.describe()}")
+    return method
+
+
+# binary operators with no score meaning, both operand orders. The bitwise ones: Python's
+# `and` / `or` of comparisons would need bool(); np.where combines conditions
+for _names, _what in ((("__matmul__", "__rmatmul__"), "a matrix product (@)"),
+                      (("__mod__", "__rmod__"), "a modulo (%)"),
+                      (("__floordiv__", "__rfloordiv__"), "a floor division (//)"),
+                      (("__divmod__", "__rdivmod__"), "divmod()"),
+                      (("__and__", "__rand__"), "a bitwise and (&) (combine conditions with np.where)"),
+                      (("__or__", "__ror__"), "a bitwise or (|) (combine conditions with np.where)"),
+                      (("__xor__", "__rxor__"), "a bitwise xor (^)"),
+                      (("__lshift__", "__rlshift__"), "a shift (<<)"),
+                      (("__rshift__", "__rrshift__"), "a shift (>>)")):
+    for _name in _names:
+        setattr(Symbolic, _name, _refusing(_what))
 
 
 def _bad(other):
