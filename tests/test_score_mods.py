@@ -275,6 +275,9 @@ def test_input_errors_of_a_modified_program_keep_their_type():
         with pytest.raises(exc, match=match) as info:
             prog(graph=g, src={"key": kk, "value": v}, dst={"query": qq}, scale=0.5)
         assert "q = dst.query, k = src.key" in str(info.value)
+    slopes = ModProgram(lambda s, src, dst, edge, p: s - p["sl"] * np.abs(dst.index - src.index))
+    with pytest.raises(ValueError, match=r"param 'sl' must be .* shape \(H,\).* got an array of shape \(2, 1\)"):
+        slopes(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5, sl=np.ones((2, 1)))
 
 
 def test_leaky_relu_is_eager_on_arrays():

@@ -191,6 +191,9 @@ class _Call:
         v = self.params[name]
         if hasattr(v, "ndim") and getattr(v, "ndim", None) == 0 and not isinstance(v, np.generic):
             v = v.item()  # a 0-d numpy/cupy array holding the scalar
+        if getattr(v, "ndim", 0) > 1 and hasattr(v, "shape"):
+            raise ValueError(f"param {name!r} must be a number (a scalar param) or a 1-D array of "
+                             f"shape (H,) (a per-head param), got an array of shape {tuple(v.shape)}")
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise TypeError(f"param {name!r} is used as a scalar in edge() and must be a real "
                             f"number, got {type(v).__name__}")
