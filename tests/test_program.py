@@ -283,7 +283,7 @@ def _fake_edge_mlp(record):
     mod = types.ModuleType("tiga_numba.edge_mlp")
     mod.FieldArg = collections.namedtuple("FieldArg", "role name array")
 
-    def forward(graph, net, args, value, return_state=False):
+    def forward(graph, net, args, value, return_state=False, value_name="value"):
         record.update(graph=graph, net=net, args=list(args), value=value)
         return value * 2.0, {"state": 1}, _FakePlan()
 

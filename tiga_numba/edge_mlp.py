@@ -59,6 +59,14 @@ def _library(name, a):
     raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
 
 
+def _check_dout(dout, library):
+    """dout's type before its shape is read: an array of the inputs' library, floating point."""
+    if _library("dout", dout) != library:
+        raise TypeError(f"dout must be a {library} array like the inputs, got {type(dout).__name__}")
+    if np.dtype(dout.dtype).kind != "f":
+        raise TypeError(f"dout must be floating point, got {np.dtype(dout.dtype)}")
+
+
 def _is_net(net):
     return getattr(net, "__tiga_score_net__", False) is True
 
@@ -90,7 +98,7 @@ class _Prep:
     key: Any = None  # (graph, net, value, args) this preparation was made for
 
 
-def _prepare(graph, net, args, value):
+def _prepare(graph, net, args, value, value_name="value"):
     if not _is_net(net):
         raise TypeError(f"net must be a traced score network (tiga_numba.nn.trace(module)), "
                         f"got {type(net).__name__}")
@@ -103,7 +111,7 @@ def _prepare(graph, net, args, value):
                                   f"(Graph.radius/knn/from_csr/...), got a {graph.kind!r} graph")
     num_src, num_dst, num_edges = graph.num_src, graph.num_dst, graph.num_edges
     libs = {}
-    libs["value"] = _library("value", value)
+    libs[value_name] = _library(value_name, value)
     for k, a in enumerate(args):
         if a.role not in ("src", "dst", "edge"):
             raise ValueError(f"args[{k}].role must be 'src', 'dst' or 'edge', got {a.role!r}")
@@ -129,7 +137,7 @@ def _prepare(graph, net, args, value):
         import cupy as xp  # noqa: F811
 
     dtypes = [value.dtype] + [a.array.dtype for a in args if a.array is not None]
-    for nm, d in [("value", value.dtype)] + [(f"{a.role}.{a.name}", a.array.dtype)
+    for nm, d in [(value_name, value.dtype)] + [(f"{a.role}.{a.name}", a.array.dtype)
                                                for a in args if a.array is not None]:
         if np.dtype(d) not in (np.float16, np.float32, np.float64):
             raise TypeError(f"{nm} must be float16, float32 or float64, got {d}")
@@ -141,7 +149,7 @@ def _prepare(graph, net, args, value):
 
     # value
     if value.ndim not in (2, 3) or value.shape[0] != num_src:
-        raise ValueError(f"value must have shape (num_src={num_src}, F) or (num_src, H, F), "
+        raise ValueError(f"{value_name} must have shape (num_src={num_src}, F) or (num_src, H, F), "
                          f"got {tuple(value.shape)}")
     V = xp.ascontiguousarray(value.reshape(num_src, -1), dtype=acc)
     if V is not value and V.base is not value:
@@ -199,9 +207,16 @@ def _prepare(graph, net, args, value):
             raise ValueError(f"graph.positions must have shape (num_nodes, D) with num_nodes = "
                              f"num_src = num_dst = {num_src} for geometric edge fields, got "
                              f"{tuple(positions.shape)} for a {num_dst} x {num_src} graph")
-        pos = xp.ascontiguousarray(positions, dtype=acc)
-        if pos is not positions:
-            copies.append(f"positions -> contiguous {acc} (N x {pd}, O(N))")
+        if np.dtype(positions.dtype).itemsize > np.dtype(acc).itemsize and positions.shape[0]:
+            # the kernels only take differences of positions: translated to the origin (in their
+            # own precision) before rounding to `acc`, coordinates far from the origin keep the
+            # digits their displacements need
+            pos = xp.ascontiguousarray(positions - positions.min(axis=0), dtype=acc)
+            copies.append(f"positions -> translated to the origin, {acc} (N x {pd}, O(N))")
+        else:
+            pos = xp.ascontiguousarray(positions, dtype=acc)
+            if pos is not positions:
+                copies.append(f"positions -> contiguous {acc} (N x {pd}, O(N))")
     if explicit:
         EX = xp.ascontiguousarray(xp.concatenate([x for *_, x in explicit], axis=1)
                                   if len(explicit) > 1 else explicit[0][3], dtype=acc)
@@ -396,10 +411,11 @@ def _ir_stages(kernel):
 
 # --------------------------------------------------------------------------- forward
 @serialised
-def forward(graph, net, args, value, return_state=True, unroll=None):
+def forward(graph, net, args, value, return_state=True, unroll=None, value_name="value"):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
-    plan with explain()/run_info. `unroll`: the CPU kernels' code (module docstring)."""
-    prep = _prepare(graph, net, args, value)
+    plan with explain()/run_info. `unroll`: the CPU kernels' code (module docstring);
+    `value_name`: what errors call `value` (a program's field, src.<name>)."""
+    prep = _prepare(graph, net, args, value, value_name)
     from . import edge_mlp_heads
     if edge_mlp_heads.net_heads(net) > 1:
         return edge_mlp_heads.forward(graph, net, prep, _node_products, return_state)
@@ -446,18 +462,15 @@ def backward(graph, net, args, value, state, dout, unroll=None):
         raise ValueError("state must be the state returned by forward(..., return_state=True)")
     from . import edge_mlp_heads
     if isinstance(state, edge_mlp_heads.HeadScoreState):
-        if _library("dout", dout) != state.prep.library:
-            raise TypeError(f"dout must be a {state.prep.library} array like the inputs, got "
-                            f"{type(dout).__name__}")
+        _check_dout(dout, state.prep.library)
         return edge_mlp_heads.backward(graph, net, args, value, state, dout)
     prep = getattr(state, "prep", None)
     if prep is None or not _same_call(prep, graph, net, args, value):
         prep = _prepare(graph, net, args, value)
+    _check_dout(dout, prep.library)
     expected = (prep.num_dst,) + prep.value_shape[1:]
     if tuple(dout.shape) != expected:
         raise ValueError(f"dout must have shape {expected}, got {tuple(dout.shape)}")
-    if _library("dout", dout) != prep.library:
-        raise TypeError(f"dout must be a {prep.library} array like the inputs, got {type(dout).__name__}")
     decision = _decide("backward", graph, prep)
     if decision.family.name == "cuda.gat":
         from .cuda import gat as cuda_gat

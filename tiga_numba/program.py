@@ -332,7 +332,8 @@ class _Lowered:
             self.net_args = [edge_mlp.FieldArg(f.role, f.name, self._net_arg_array(f))
                              for f in self.traced.score.net.args]
             out, self.state, plan = edge_mlp.forward(self.call.graph, self.traced.score.net.net,
-                                                     self.net_args, self.value, return_state=True)
+                                                     self.net_args, self.value, return_state=True,
+                                                     value_name=f"src.{self.traced.value.name}")
             self.out = out
             return out, plan
         from . import functional
