@@ -113,6 +113,9 @@ def test_bad_inputs():
         neighbors.radius_graph(np.zeros((4, 4)), 0.1)
     with pytest.raises(TypeError, match="positions must be a floating-point array"):
         neighbors.radius_graph(np.zeros((4, 3), np.int64), 0.1)
+    for bad in (None, "abc", [["a", "b"]]):   # not numbers at all: the type, not the shape
+        with pytest.raises(TypeError, match="positions must be a floating-point array"):
+            Graph.radius(bad, 1.0)
     with pytest.raises(ValueError, match="cutoff must be finite and >= 0"):
         neighbors.radius_graph(np.zeros((4, 3)), -1.0)
     with pytest.raises(ValueError, match="finite"):

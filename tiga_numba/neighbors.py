@@ -50,10 +50,11 @@ def check_positions(positions):
             arr = np.asarray(arr)
         except Exception as exc:  # pragma: no cover - exotic inputs
             raise TypeError(f"positions must be an array, got {type(positions).__name__}") from exc
+    if not np.issubdtype(np.dtype(arr.dtype), np.floating):   # the type first: None, "abc", ints
+        raise TypeError(f"positions must be a floating-point array, got {type(positions).__name__} "
+                        f"of dtype {arr.dtype}")
     if arr.ndim != 2 or arr.shape[1] not in (1, 2, 3):
         raise ValueError(f"positions must have shape (N, 1|2|3), got {tuple(arr.shape)}")
-    if not np.issubdtype(np.dtype(arr.dtype), np.floating):
-        raise TypeError(f"positions must be a floating-point array, got {arr.dtype}")
     if arr.shape[0] >= 2**31:
         raise ValueError(f"positions must hold fewer than 2**31 points, got {arr.shape[0]}")
     if arr.size:
