@@ -40,6 +40,7 @@ import uuid
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
+from dask.core import flatten, keys_in_tasks
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from .functional import AttentionStats
@@ -525,36 +526,15 @@ def _collect(core_name, core, inputs, outputs, pins=None):
                    if pins else None)
     layers[core_name] = MaterializedLayer(core, annotations=annotations)
     deps[core_name] = {a.name for a in inputs}
-    names = {core_name} | {a.name for a in inputs}
+    # an output task may read an input chunk directly (a chunk's gradient shaped like k's chunk,
+    # zeros for a chunk no block touches): a HighLevelGraph must declare exactly the layers its
+    # tasks read (dask's graph validation, dask.array.utils.assert_eq, checks it)
+    readable = set(core) | {key for a in inputs for key in flatten(a.__dask_keys__())}
     for name, layer, _, _ in outputs:
         layers[name] = MaterializedLayer(layer)
-        deps[name] = _layers_read(layer.values(), names)
+        deps[name] = {key[0] for key in keys_in_tasks(readable, layer.values())}
     graph = HighLevelGraph(layers, deps)
     return [da.Array(graph, name, chunks, meta=meta) for name, _, chunks, meta in outputs]
-
-
-def _layers_read(tasks, names):
-    """The layers among `names` whose keys `tasks` read: an output task may read an input chunk
-    directly (a chunk's gradient shaped like k's chunk, zeros for a chunk no block touches), and
-    a HighLevelGraph must declare exactly the layers its tasks read (dask's graph validation,
-    dask.array.utils.assert_eq, checks it)."""
-    found = set()
-    stack = list(tasks)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, tuple):
-            if x and isinstance(x[0], str):
-                if x[0] in names:
-                    found.add(x[0])
-                continue
-            stack.extend(x)
-        elif isinstance(x, (list, set)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, str) and x in names:
-            found.add(x)
-    return found
 
 
 def _row_outputs(name, q, nparts, source, ndim_tail):
