@@ -61,7 +61,7 @@ class Symbolic:
             if op is None and mod_op is not None and len(inputs) == ufunc.nin and any(
                     isinstance(x, ScalarExpr) for x in inputs):
                 # np.tanh / np.minimum / np.maximum / comparisons of scalar params: a modifier
-                # node over scalar leaves (combined with the score later, evaluated per cell)
+                # node over scalar leaves (no cell changes it: the kernels compute it once per call)
                 return modify(mod_op, *inputs, construct=f"np.{ufunc.__name__}")
             if op is not None and len(inputs) == ufunc.nin:
                 for x in inputs:

@@ -131,30 +131,21 @@ def _constant(xp, acc, values):
     return hit
 
 
-def _host_number(value):
-    """value as a Python float when it is a number on the host (Python or numpy scalar, 0-d numpy
-    array), else None (a device array: packed by device operations)."""
-    if isinstance(value, (int, float, np.number, np.bool_)):
-        return float(value)
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        return float(value)
-    return None
-
-
 def pack(bound, xp, acc, H, Nq, Nk, E):
     """(mv, mnd, mns, mef): a BoundModifier's values in the layout above, dtype `acc`, as
     arrays of library `xp` (numpy under the simulator, cupy on the GPU). Empty groups are
     one-element arrays (a kernel reads none of them; a device pointer must still exist). What
-    is already on the device is packed by device operations; host numbers come from
-    `_constant` or are written as kernel arguments (`mv[k] = x`), never copied per call."""
+    is already on the device is packed by device operations; the scalars (Python floats:
+    BoundModifier.check) come from `_constant` or are written as kernel arguments (`mv[k] = x`),
+    never copied per call."""
     lay = bound.layout
-    numbers = [_host_number(bound.values[x]) for x in lay.scalars]
-    if not lay.heads and None not in numbers:
-        mv = _constant(xp, acc, numbers or [0.0])
+    scalars = [bound.values[x] for x in lay.scalars]
+    if not lay.heads:
+        mv = _constant(xp, acc, scalars or [0.0])
     else:
         mv = xp.zeros(max(1, len(lay.scalars) + len(lay.heads) * H), acc)
-        for k, (x, number) in enumerate(zip(lay.scalars, numbers)):
-            mv[k] = number if number is not None else xp.asarray(bound.values[x]).astype(acc).reshape(())
+        for k, value in enumerate(scalars):
+            mv[k] = value
     for k, x in enumerate(lay.heads):
         off = len(lay.scalars) + k * H
         mv[off:off + H] = xp.asarray(bound.values[x]).astype(acc)
