@@ -8,6 +8,7 @@ import sys
 import textwrap
 import types
 
+import numba
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -441,6 +442,40 @@ def test_launch_lock_is_a_lock_only_where_the_layer_needs_one():
         assert lock is threads._NO_LOCK
     else:
         assert lock is threads._LOCK
+
+
+def test_threads_per_launch_follow_items_and_work():
+    from tiga_numba.cpu import threads
+    g = threads.GRAIN
+    assert threads.useful() >= 1
+    assert threads.useful(items=0) == 1 and threads.useful(work=0) == 1
+    assert threads.useful(items=3) == 3
+    assert threads.useful(work=g) == 1 and threads.useful(work=g + 1) == 2
+    assert threads.useful(items=5, work=100 * g) == 5
+    assert threads.useful(items=50, work=3 * g) == 3
+
+
+@numba.njit(parallel=True)
+def _thread_ids(out):
+    for i in numba.prange(out.shape[0]):
+        out[i] = numba.get_thread_id()
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
+def test_a_small_launch_runs_on_the_calling_thread_and_restores_the_count():
+    from tiga_numba.cpu import threads
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        out = np.full(4096, -1, np.int64)
+        threads.run(_thread_ids, threads.useful(out.shape[0], out.size), out)
+        assert (out == 0).all()                   # one thread: the caller's
+        assert numba.get_num_threads() == 2       # the caller's count is back
+        threads.run(_thread_ids, 2, out)          # two threads asked and available
+        assert numba.get_num_threads() == 2
+        assert set(np.unique(out)) == {0, 1}
+    finally:
+        numba.set_num_threads(before)
 
 
 _THREADS_SCRIPT = textwrap.dedent("""

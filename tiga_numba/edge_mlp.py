@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .cpu.threads import serialised
+from .cpu.threads import run, serialised, useful
 from .edge_mlp_records import FieldArg, GATPlan, GATState, finish_grads, make_plan
 # `from .nn import ...` imports the submodule directly: the package's lazy __getattr__ (which
 # would import this module again while it is being imported) is not involved
@@ -280,7 +280,8 @@ def _node_products(prep, params, xp):
         target = As if role == "src" else Ad
         if xp is np:
             from .cpu.gat import node_matmul_add
-            node_matmul_add(np.ascontiguousarray(arr, dtype=prep.acc), Wt, target)
+            x = np.ascontiguousarray(arr, dtype=prep.acc)
+            run(node_matmul_add, useful(x.shape[0], x.size * Wt.shape[1]), x, Wt, target)
         else:
             target += arr.astype(prep.acc, copy=False) @ Wt
     # transposed (fe, hidden): the kernels' inner loops then run along contiguous memory
@@ -326,6 +327,13 @@ class _Layout:
             return relabel_csr(self.order, self.inv, tr.indptr, tr.indices)
         tip, tix = _graph_cached(self.graph, ("gat-relabel-transpose", "cpu"), build)
         return tip, tix, np.zeros(0, np.int64)  # perm unused without explicit edge fields
+
+
+def _edge_work(prep, hidden):
+    """scalar operations of one pass over the edges (the score network's first layer over the
+    edge fields, its hidden units, the value row): how many threads the kernels get
+    (cpu/threads.py)."""
+    return prep.num_edges * (hidden * (1 + len(prep.edge_cols)) + prep.spec.fv)
 
 
 def _inverse(order):
@@ -434,9 +442,10 @@ def forward(graph, net, args, value, return_state=True, unroll=None, value_name=
     out = np.empty((prep.num_dst, prep.spec.fv), prep.acc)
     M = np.empty(prep.num_dst, prep.acc)
     L = np.empty(prep.num_dst, prep.acc)
-    kern.gat_forward(lay.rows(prep.num_dst), lay.indptr, lay.indices, As, Ad, WeT,
-                     lay.gather(prep.pos) if prep.geometric else prep.pos, prep.EX, prep.P,
-                     lay.gather(prep.V), out, M, L)
+    run(kern.gat_forward, useful(prep.num_dst, _edge_work(prep, As.shape[1])), lay.rows(prep.num_dst), lay.indptr,
+        lay.indices, As, Ad, WeT,
+        lay.gather(prep.pos) if prep.geometric else prep.pos, prep.EX, prep.P,
+        lay.gather(prep.V), out, M, L)
     out_k = out
     out, M, L = lay.scatter(out), lay.scatter(M), lay.scatter(L)
     order_note = lay.note
@@ -501,14 +510,14 @@ def backward(graph, net, args, value, state, dout, unroll=None):
     nch = min(nd, cpu_gat.NUM_CHUNKS)
     n_pg = prep.P.shape[0] + h1 * prep.spec.fe
     PG = np.zeros((max(nch, 0), max(n_pg, 1)), acc)
-    kern.gat_backward_rows(lay.rows(nd), lay.indptr, lay.indices, As, Ad, WeT, posk, prep.EX,
-                           prep.P, Vk, state.out, D, Mk, Lk, Delta, dAd, dposA, dEX, PG)
+    run(kern.gat_backward_rows, useful(nch, 2 * _edge_work(prep, h1)), lay.rows(nd), lay.indptr,
+        lay.indices, As, Ad, WeT, posk, prep.EX, prep.P, Vk, state.out, D, Mk, Lk, Delta, dAd, dposA, dEX, PG)
     ns = prep.num_src
     dAs = np.empty((ns, h1), acc)
     dV = np.empty((ns, prep.spec.fv), acc)
     dposB = np.zeros((ns if prep.geometric else 0, pd), acc)
-    kern.gat_backward_cols(lay.rows(ns), t_indptr, t_indices, t_perm, As, Ad, WeT, posk,
-                           prep.EX, prep.P, Vk, D, Mk, Lk, Delta, dAs, dV, dposB)
+    run(kern.gat_backward_cols, useful(ns, 2 * _edge_work(prep, h1)), lay.rows(ns), t_indptr, t_indices,
+        t_perm, As, Ad, WeT, posk, prep.EX, prep.P, Vk, D, Mk, Lk, Delta, dAs, dV, dposB)
     pg = PG.sum(axis=0)  # fixed chunk order: same bits every run
     dAd, dAs, dV = lay.scatter(dAd), lay.scatter(dAs), lay.scatter(dV)
     if prep.geometric:
@@ -539,9 +548,10 @@ def _assemble_grads(prep, params, args, value, W1, dAs, dAd, pg, dEX, dV, dpos, 
         g_node = dAs if role == "src" else dAd
         Wb = np.ascontiguousarray(W1[:, cols])  # (hidden, F)
         x = np.ascontiguousarray(arr, dtype=acc)
-        dW1[:, cols] = node_outer_sum(g_node, x, max(1, min(g_node.shape[0], 256)))
+        chunks = max(1, min(g_node.shape[0], 256))
+        dW1[:, cols] = run(node_outer_sum, useful(chunks, g_node.size * x.shape[1]), g_node, x, chunks)
         g = np.zeros((g_node.shape[0], Wb.shape[1]), acc)
-        node_matmul_add(g_node, Wb, g)
+        run(node_matmul_add, useful(g.shape[0], g_node.size * Wb.shape[1]), g_node, Wb, g)
         orig = args[k][2]
         arg_grads[k] = g.reshape(orig.shape).astype(orig.dtype, copy=False)
     return finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, arg_grads)

@@ -18,7 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .cpu.threads import serialised
+from .cpu.threads import run, serialised, useful
 from .neighbor_grid import RING_SLACK, cell_grid, knn_grid, knn_row_length, radius_grid
 
 __all__ = ["radius_graph", "knn_graph", "last_build_info", "spatial_order"]
@@ -231,12 +231,14 @@ def radius_graph(positions, cutoff, exclude_self=True):
     order, cstart, spos = _bin(pos, lo, cell, dims)
     r2 = cutoff * cutoff
     dummy = np.zeros(0, np.int32)
-    _radius_pass(order, cstart, spos, lo, cell, dims, r2, bool(exclude_self), indptr, dummy, False)
+    # about 27 cells of a few points each per point: the threads such a pass keeps busy
+    threads = useful(n, n * 27 * 4 * pos.shape[1])
+    run(_radius_pass, threads, order, cstart, spos, lo, cell, dims, r2, bool(exclude_self), indptr, dummy, False)
     np.cumsum(indptr, out=indptr)
     if indptr[-1] >= 2**31:
         raise ValueError(f"radius graph would hold {int(indptr[-1])} edges (>= 2**31); lower cutoff")
     indices = np.empty(int(indptr[-1]), np.int32)
-    _radius_pass(order, cstart, spos, lo, cell, dims, r2, bool(exclude_self), indptr, indices, True)
+    run(_radius_pass, threads, order, cstart, spos, lo, cell, dims, r2, bool(exclude_self), indptr, indices, True)
     _record(kind="radius", builder="cpu", cells=int(np.prod(dims)), cell_size=cell, copies=copies)
     return indptr, indices
 
@@ -323,7 +325,8 @@ def knn_graph(positions, k, exclude_self=True):
     lo, extent = _bounds(pos)
     cell, dims = knn_grid(lo, extent, n, kk)
     order, cstart, spos = _bin(pos, lo, cell, dims)
-    _knn_kernel(order, cstart, spos, lo, cell, dims, kk, bool(exclude_self), indices)
+    run(_knn_kernel, useful(n, n * 27 * kk * pos.shape[1]), order, cstart, spos, lo, cell, dims, kk,
+        bool(exclude_self), indices)
     _record(kind="knn", builder="cpu", cells=int(np.prod(dims)), cell_size=cell, copies=copies)
     return indptr, indices
 

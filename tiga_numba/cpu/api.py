@@ -31,6 +31,7 @@ from . import split as _split
 from .blas import single_threaded_blas
 from .layout import (acc_dtype_of, all_finite, contiguous, head_major, in_place, node_major,
                      order_balanced, transposed_heads)
+from . import threads as _threads
 from .threads import serialised
 from . import tiles as _tile_rule
 from .. import run_options as _run_options
@@ -59,45 +60,22 @@ def _name(dtype):
 
 
 # --------------------------------------------------------------------------- thread count
-# A parallel kernel wakes every numba thread, also those its prange gives no iteration: on a
-# tiny call that wake-up is most of the time (microseconds; milliseconds when other processes
-# hold the cores). Each kernel therefore runs with at most as many threads as it has work
-# items. Results do not depend on the thread count (every kernel's summation order is fixed
-# by the problem, docs/cpu_backend.md).
-_THREAD_API = []
-# elements of the dq partition sum per thread: ~16k adds is a few microseconds, the order of
-# what waking a thread costs
+# Each launch runs on the threads its work can keep busy (cpu/threads.py: no more than its work
+# items, no more than one per threads.GRAIN scalar operations).
+# elements of the dq partition sum per thread
 _REDUCE_GRAIN = 1 << 14
 
 
-def _thread_api():
-    """(get, set) of numba's thread count for this thread: the threading layer's own entry
-    points where available (the public functions re-validate on every call, ~3 us)."""
-    if not _THREAD_API:
-        api = (numba.get_num_threads, numba.set_num_threads)
-        try:
-            from numba.np.ufunc import parallel as par
-            par._launch_threads()
-            get, set_ = par._get_num_threads, par._set_num_threads
-            if get is not None and set_ is not None and get() == numba.get_num_threads():
-                api = (get, set_)
-        except Exception:  # pragma: no cover - other numba versions: the public API
-            pass
-        _THREAD_API.append(api)
-    return _THREAD_API[0]
+def _work(plan, H, D, Dv, passes=1):
+    """a call's scalar multiply-adds, `passes` times the forward's E H (D + Dv) (None: unknown,
+    e.g. a bare plan built by hand)."""
+    edges = getattr(plan, "num_edges", None)
+    return None if edges is None else passes * int(edges) * H * (D + Dv)
 
 
-def _run(kernel, items, *args):
-    """kernel(*args) with no more threads than `items` work items."""
-    get, set_ = _thread_api()
-    have = get()
-    if items >= have:
-        return kernel(*args)
-    set_(max(1, int(items)))
-    try:
-        return kernel(*args)
-    finally:
-        set_(have)
+def _run(kernel, items, work, *args):
+    """kernel(*args) on the threads `items` work items and `work` scalar operations keep busy."""
+    return _threads.run(kernel, _threads.useful(items, work), *args)
 
 
 def _products(acc, plan):
@@ -158,7 +136,7 @@ def _inspect(kernel, name, sig):
 def _pieces(owner, indptr):
     """Edge-balanced work items of a CSR pass (split.row_pieces), memoised per relation record
     and thread count (the items' order balances numba's static schedule over the threads)."""
-    threads = _thread_api()[0]()
+    threads = _threads.current()
     return KERNELS.derived(owner, ("cpu.csr_pieces", _csr.RB, threads),
                            lambda: _split.row_pieces(indptr, _csr.RB, threads))
 
@@ -235,7 +213,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         vh = head_major(v, acc, "v", copies)
         # work items depend on the relation, the tiles and H only: built once per relation record
         items, splits, n_slots = KERNELS.derived(
-            relation, ("cpu.forward_items", BM, BN, H, prune, _thread_api()[0]()),
+            relation, ("cpu.forward_items", BM, BN, H, prune, _threads.current()),
             lambda: _forward_items(relation, H, BM, BN, split=not prune))   # order: per thread count
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
@@ -249,7 +227,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_m = np.empty((n_slots, BM), acc)
         part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], qh, ktt, kh, kT, vh, _finite(relation, vh), items, relation.dst_offsets,
+            _run(kern, items.shape[0], _work(plan, H, D, v.shape[2]), qh, ktt, kh, kT, vh, _finite(relation, vh), items, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
                  splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
@@ -274,7 +252,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_acc = np.empty((n_slots, H, Dv), acc)
         part_m = np.empty((n_slots, H), acc)
         part_l = np.empty((n_slots, H), acc)
-        _run(kern, items.shape[0], qn, kn, vn, relation.indptr, relation.indices, bias,
+        _run(kern, items.shape[0], _work(plan, H, D, Dv), qn, kn, vn, relation.indptr, relation.indices, bias,
              group, items, splits, part_acc, part_m, part_l, out, m, l, mctx)
         info.update(kernel="cpu.csr.forward (edge-balanced online softmax, long rows split "
                            "and merged)",
@@ -356,7 +334,7 @@ def _forward_items(rel, H, BM, BN, split=True):
         parts.append(pieces)
     items = np.concatenate(parts)
     costs = items[:, 4] - items[:, 3] + 1  # + 1: the per-item fixed work
-    return items[order_balanced(costs, _thread_api()[0]())], splits, n_slots
+    return items[order_balanced(costs, _threads.current())], splits, n_slots
 
 
 # Blocks with at most BN / PACK_MIN_FRACTION keys are not packed into (D, BN) tiles: their score
@@ -398,7 +376,7 @@ def _pack(xh, rel, name, copies, BM, BN):
                                               lambda: _tiles(rel, BM, BN))
     out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
     if starts.shape[0]:
-        _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], xh, starts, cols, BN, out)
+        _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], out.size, xh, starts, cols, BN, out)
         copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
     return tile_base, out
 
@@ -490,7 +468,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     l = np.asarray(l, acc)
     # Delta_i = sum(dO_i * O_i), per (row, head), in the accumulation dtype: O(N H D) work
     delta = np.empty((Nq, H), acc)
-    _blocks.row_dots(np.asarray(dout, acc), np.asarray(out, acc), delta)
+    _threads.run(_blocks.row_dots, _threads.useful(work=delta.size * Dv), np.asarray(dout, acc),
+                 np.asarray(out, acc), delta)
     with np.errstate(divide="ignore"):
         linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
     # base-2 maxima for the kernels: the forward's own when given (exact), else converted from
@@ -540,7 +519,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         ghp_part = np.zeros((n_parts, n_hp, H), acc)
         gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, qh, kh, vh, ktt, vtt, doh, _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems,
+            _run(kern, n_parts, _work(plan, H, D, Dv, 2), qh, kh, vh, ktt, vtt, doh, _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems,
                  relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
                  tile_base, group, n_parts, boxes, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
         if n_hp:
@@ -548,7 +527,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         if n_nd:
             np.sum(gnd_part, axis=0, out=gnd)
         dq = np.empty((Nq, H, D), acc)
-        _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part, boxes, acc.type(scale), dq)
+        _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part.size, dq_part, boxes, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
         dv = dvh.transpose(1, 0, 2)
         copies.append(f"dq partials: {n_parts} x (H, Nq, D) {_name(acc)} (one per partition, "
@@ -572,7 +551,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         part_dq = np.empty((n_slots, H, D), acc)
         ghp_items = np.zeros((items.shape[0], n_hp, H), acc)
         part_gnd = np.zeros((n_slots, n_nd, H), acc)
-        _run(k_dst, items.shape[0], qn, kn, vn, don, m2, linv, delta, relation.indptr,
+        _run(k_dst, items.shape[0], _work(plan, H, D, Dv), qn, kn, vn, don, m2, linv, delta, relation.indptr,
              relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias,
              mctx, (ghp_items, gnd, part_gnd, gef))
         if n_hp:
@@ -585,7 +564,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         part_dk = np.empty((t_slots, Hkv, D), acc)
         part_dv = np.empty((t_slots, Hkv, Dv), acc)
         part_gns = np.zeros((t_slots, n_ns, H), acc)
-        _run(k_src, t_items.shape[0], qn, kn, vn, don, m2, linv, delta, transpose.indptr,
+        _run(k_src, t_items.shape[0], _work(plan, H, D, Dv), qn, kn, vn, don, m2, linv, delta, transpose.indptr,
              transpose.indices, transpose.perm, bias, group, t_items, t_splits, part_dk,
              part_dv, dk, dv, mctx, (gns, part_gns))
         if edge_bias is None:

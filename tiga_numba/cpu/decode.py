@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from .layout import kv_heads
+from .threads import run, useful
 
 #: keys per work item: enough items to share a long key range among the threads, few enough
 #: that the partials and their merge stay small; each K and V row is read once per item
@@ -225,6 +226,12 @@ def _merge_dq(items, groups, dst, part_dq, scale, dq):
 backward_kernel = _backward_chunks
 
 
+def _work(items, rows, H, D, Dv):
+    """scalar multiply-adds of the chunk kernel, at most: every item a whole chunk of keys for
+    every query row of its block (threads.useful's estimate; shorter chunks only do less)."""
+    return items.shape[0] * CHUNK * max(rows, 1) * H * (D + Dv)
+
+
 def backward(q, k, v, do, qu, m2, linv, delta, relation, group, acc, scale, kernel=None,
              work=None):
     """(dq, dk, dv) in `acc`: q pre-scaled by scale log2(e) exactly as the forward's, qu the
@@ -240,10 +247,11 @@ def backward(q, k, v, do, qu, m2, linv, delta, relation, group, acc, scale, kern
     dv = np.zeros(v.shape, acc)
     if items.shape[0]:
         part_dq = np.empty((items.shape[0], rmax, H, D), acc)
-        kernel(q, k, v, do, qu, m2, linv, delta, dst, np.asarray(relation.src_offsets, np.int64),
-               np.asarray(relation.lo, np.int64), np.asarray(relation.hi, np.int64), items, group,
-               acc.type(0), part_dq, dk, dv)
-        _merge_dq(items, groups, dst, part_dq, acc.type(scale), dq)
+        run(kernel, useful(items.shape[0], 2 * _work(items, rmax, H, D, v.shape[2])), q, k, v, do, qu,
+            m2, linv, delta, dst, np.asarray(relation.src_offsets, np.int64),
+            np.asarray(relation.lo, np.int64), np.asarray(relation.hi, np.int64), items, group,
+            acc.type(0), part_dq, dk, dv)
+        run(_merge_dq, useful(groups.shape[0], part_dq.size), items, groups, dst, part_dq, acc.type(scale), dq)
         dk *= acc.type(scale)
     return dq, dk, dv, items.shape[0], groups.shape[0] - 1
 
@@ -264,8 +272,9 @@ def forward(q, k, v, relation, group, acc, kernel=None, work=None):
         part_acc = np.empty((items.shape[0], rmax, H, v.shape[2]), acc)
         part_m = np.empty((items.shape[0], rmax, H), acc)
         part_l = np.empty((items.shape[0], rmax, H), acc)
-        kernel(q, k, v, dst, np.asarray(relation.src_offsets, np.int64),
-                np.asarray(relation.lo, np.int64), np.asarray(relation.hi, np.int64),
-                items, group, acc.type(0), part_acc, part_m, part_l)
-        _merge(items, groups, dst, part_acc, part_m, part_l, out, m, l)
+        run(kernel, useful(items.shape[0], _work(items, rmax, H, q.shape[2], v.shape[2])), q, k, v, dst,
+            np.asarray(relation.src_offsets, np.int64), np.asarray(relation.lo, np.int64),
+            np.asarray(relation.hi, np.int64), items, group, acc.type(0), part_acc, part_m, part_l)
+        run(_merge, useful(groups.shape[0], part_acc.size), items, groups, dst, part_acc, part_m, part_l,
+            out, m, l)
     return out, m, l, items.shape[0], groups.shape[0] - 1

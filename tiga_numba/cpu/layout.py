@@ -13,6 +13,8 @@ head to the key/value head it reads.
 import numpy as np
 from numba import njit, prange
 
+from .threads import run, useful
+
 
 def acc_dtype_of(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
@@ -42,7 +44,7 @@ def _scaled_copy(x, out, scale):
 def copy_into(out, x, acc, scale=None):
     """out[...] = x * scale (scale None: x), converted to ``acc``; out and x (N, H, D) views."""
     if x.dtype == acc and acc in (np.float32, np.float64) and x.size:
-        _scaled_copy(x, out, acc.type(1.0 if scale is None else scale))
+        run(_scaled_copy, useful(x.shape[0], x.size), x, out, acc.type(1.0 if scale is None else scale))
         return
     out[...] = x   # other input dtypes (float16, bfloat16): numpy converts
     if scale is not None:
@@ -83,7 +85,7 @@ def all_finite(x):
         return True
     if not x.flags.c_contiguous or x.dtype not in (np.float32, np.float64):
         return bool(np.isfinite(x).all())
-    return _nonfinite_rows(x.reshape(x.shape[0], -1)) == 0
+    return run(_nonfinite_rows, useful(x.shape[0], x.size), x.reshape(x.shape[0], -1)) == 0
 
 
 @njit(parallel=True, cache=True)
@@ -106,7 +108,7 @@ def transposed_heads(xh):
     """(H, N, D) contiguous -> (H, D, N) contiguous, same dtype."""
     out = np.empty((xh.shape[0], xh.shape[2], xh.shape[1]), xh.dtype)
     if out.size:
-        _transpose_heads(xh, out)
+        run(_transpose_heads, useful(work=xh.size), xh, out)
     return out
 
 

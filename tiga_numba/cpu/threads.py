@@ -1,4 +1,5 @@
-"""Serialised CPU kernel launches on numba threading layers that are not thread safe.
+"""How CPU kernels are launched on numba's threads: how many threads a launch gets (`useful`,
+`run`) and, on threading layers that are not thread safe, serialised launches (`launch_lock`).
 
 numba runs ``parallel=True`` kernels on one of three threading layers: ``tbb`` and ``omp``
 accept launches from several Python threads at once, ``workqueue`` does not (two concurrent
@@ -48,3 +49,65 @@ def serialised(fn):
         with launch_lock():
             return fn(*args, **kwargs)
     return wrapper
+
+
+# --------------------------------------------------------------------------- threads per launch
+# A parallel kernel wakes every numba thread, also those its prange gives nothing to do. Waking a
+# sleeping thread costs microseconds on an idle machine and up to a scheduler time slice
+# (milliseconds) when other processes hold the cores: on a busy 2-core machine a layer's backward
+# over a 30-node graph took 20 ms on two threads and 0.3 ms on one. Each launch therefore runs on
+# no more threads than it has work items, and no more than one per GRAIN scalar operations
+# (multiply-adds, adds or elements moved; about 10-30 us of work on one core). Results never
+# depend on the thread count (every kernel's summation order is fixed by the problem,
+# docs/cpu_backend.md), so this is a speed rule only.
+GRAIN = 1 << 16
+
+_THREAD_API = []
+
+
+def _thread_api():
+    """(get, set) of numba's thread count for this thread: the threading layer's own entry
+    points where available (the public functions re-validate on every call, ~3 us)."""
+    if not _THREAD_API:
+        import numba
+        api = (numba.get_num_threads, numba.set_num_threads)
+        try:
+            from numba.np.ufunc import parallel as par
+            par._launch_threads()
+            get, set_ = par._get_num_threads, par._set_num_threads
+            if get is not None and set_ is not None and get() == numba.get_num_threads():
+                api = (get, set_)
+        except Exception:  # pragma: no cover - other numba versions: the public API
+            pass
+        _THREAD_API.append(api)
+    return _THREAD_API[0]
+
+
+def useful(items=None, work=None):
+    """threads a launch can keep busy: at most `items` (its independent work items) and at most
+    one per GRAIN of `work` (its scalar operations); at least 1."""
+    n = 1 << 30
+    if items is not None:
+        n = min(n, int(items))
+    if work is not None:
+        n = min(n, -(-int(work) // GRAIN))
+    return max(1, n)
+
+
+def run(kernel, threads, *args):
+    """kernel(*args) on at most `threads` numba threads (this Python thread's count is restored
+    afterwards; numba keeps one count per calling thread)."""
+    get, set_ = _thread_api()
+    have = get()
+    if threads >= have:
+        return kernel(*args)
+    set_(max(1, int(threads)))
+    try:
+        return kernel(*args)
+    finally:
+        set_(have)
+
+
+def current():
+    """numba's thread count for this Python thread (what a launch may use at most)."""
+    return _thread_api()[0]()

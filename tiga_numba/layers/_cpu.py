@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..cpu.threads import run, useful
+
 
 @njit(parallel=True, cache=True)
 def leaky_relu_grad_inplace(out, grad, slope):
@@ -42,5 +44,6 @@ def segment_sums(values, indptr, order=None):
     in indptr[r]:indptr[r + 1], in that order. values (E, F) is made C-contiguous."""
     values = np.ascontiguousarray(values)
     out = np.empty((indptr.shape[0] - 1, values.shape[1]), values.dtype)
-    _segment_sums(values, np.zeros(0, np.int64) if order is None else order, indptr, out)
+    run(_segment_sums, useful(out.shape[0], values.size), values,
+        np.zeros(0, np.int64) if order is None else order, indptr, out)
     return out

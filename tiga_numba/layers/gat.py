@@ -48,8 +48,9 @@ def leaky_relu_grad(xp, out, grad, slope):
     s = grad.dtype.type(slope)
     if xp is np:
         if grad.flags.c_contiguous and out.flags.c_contiguous and out.shape == grad.shape:
+            from ..cpu.threads import run, useful
             from ._cpu import leaky_relu_grad_inplace
-            leaky_relu_grad_inplace(out, grad, s)
+            run(leaky_relu_grad_inplace, useful(work=grad.size), out, grad, s)
             return grad
         return np.multiply(grad, s, out=grad, where=~(out > 0))
     grad *= xp.where(out > 0, grad.dtype.type(1), s)
