@@ -317,6 +317,74 @@ def test_stats_serve_every_graph_of_the_same_relation():
         tg.Graph.cu_seqlens()
 
 
+def test_stats_serve_the_same_edges_in_another_order_or_with_empty_segments():
+    """A row's edges listed in another order, zero-length segments and a block cut that leaves
+    rows without edges do not change the relation: the stats serve the backward, which gives
+    what it gives over the forward's own graph (up to the order of a row's sums). An edge that moves to another row is refused, and the
+    message says what differs."""
+    q, k, v, do = _small(seed=5)
+    n = q.shape[0]
+    r = np.random.default_rng(7)
+    src, dst = r.integers(0, n, 200), r.integers(0, n, 200)
+    perm = r.permutation(200)
+    pairs = [(tg.Graph.from_coo(src, dst, n, n), tg.Graph.from_coo(src[perm], dst[perm], n, n)),
+             (tg.Graph.cu_seqlens([0, 10, 10, n], causal=True), tg.Graph.cu_seqlens([0, 10, n], causal=True)),
+             (tg.Graph.cu_seqlens([0, 10, n], causal=False),
+              tg.Graph.cu_seqlens([0, 10, 10, n], cu_seqlens_k=[0, 10, 10, n], causal=False))]
+    for a, b in pairs:
+        assert a.num_edges == b.num_edges
+        out, st = tg.attention(q, k, v, a, return_stats=True)
+        want = tg.attention_backward(do, q, k, v, out, st, a)
+        got = tg.attention_backward(do, q, k, v, out, st, b)
+        for x, y in zip(got, want):   # equal up to the order the edges of a row are summed in
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    moved = dst.copy()
+    moved[0] = (dst[0] + 1) % n
+    out, st = tg.attention(q, k, v, pairs[0][0], return_stats=True)
+    with pytest.raises(ValueError, match="indptr|edge sets differ"):
+        tg.attention_backward(do, q, k, v, out, st, tg.Graph.from_coo(src, moved, n, n))
+    swapped = src.copy()
+    same_row = np.flatnonzero(dst == dst[0])
+    swapped[same_row[0]] = (src[same_row[0]] + 1) % n
+    with pytest.raises(ValueError, match="edge sets differ"):
+        tg.attention_backward(do, q, k, v, out, st, tg.Graph.from_coo(swapped, dst, n, n))
+
+
+def test_stats_of_a_reordered_graph_are_refused_where_edge_values_follow_the_order():
+    from tiga_numba import functional
+    n = 12
+    r = np.random.default_rng(2)
+    src, dst = r.integers(0, n, 40), r.integers(0, n, 40)
+    perm = np.argsort(-src, kind="stable")
+    a, b = tg.Graph.from_coo(src, dst, n, n), tg.Graph.from_coo(src[perm], dst[perm], n, n)
+    assert not np.array_equal(a.realize("cpu").indices, b.realize("cpu").indices)
+    assert functional._same_relation(a, b)
+    assert not functional._same_relation(a, b, edge_order=True)
+    assert "order" in functional._relation_difference(a, b, edge_order=True)
+
+
+def test_num_edges_is_exact_for_many_large_blocks():
+    assert tg.Graph.cat([tg.Graph.dense(2**29)] * 64).num_edges == 2**64
+    assert tg.Graph.cu_seqlens(np.arange(41) * 2**29, causal=False).num_edges == 40 * 2**58
+    assert tg.Graph.cu_seqlens(np.arange(41) * 2**29, causal=True).num_edges == 40 * (2**29 * (2**29 + 1) // 2)
+    n, left, right = 2**31, 2**20, 5   # rows lose left(left+1)/2 cells at the top, right(right+1)/2 at the bottom
+    per_block = n * (left + right + 1) - left * (left + 1) // 2 - right * (right + 1) // 2
+    assert tg.Graph.cat([tg.Graph.band(n, left=left, right=right)] * 2**10).num_edges == 2**10 * per_block
+    assert str(2**64) in tg.Graph.cat([tg.Graph.dense(2**29)] * 64).explain()
+
+
+def test_from_scipy_leaves_the_callers_matrix_as_it_was():
+    m = sp.csr_matrix(([1.0, 2.0, 3.0], [2, 0, 2], [0, 3, 3]), shape=(2, 3))   # duplicate (0, 2), unsorted
+    g = tg.Graph.from_scipy(m)
+    assert g.num_edges == 2
+    np.testing.assert_array_equal(m.data, [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(m.indices, [2, 0, 2])
+    assert m.nnz == 3
+    a = sp.csr_array(([1.0, 2.0, 3.0], [2, 0, 2], [0, 3, 3]), shape=(2, 3))
+    tg.Graph.from_scipy(a)
+    np.testing.assert_array_equal(a.indices, [2, 0, 2])
+
+
 def test_backward_refuses_stats_of_another_scale():
     q, k, v, do = _small()
     g = tg.Graph.triangular(33)

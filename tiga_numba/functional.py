@@ -311,7 +311,8 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
                               arrays=(q, k, v), options=_options.resolve(deterministic=deterministic),
                               score_mod=score_mod)
     mod_grads = {}
-    m_kernel = _check_stats_belong(stats, graph, plan, row_shape)
+    per_edge = bias is not None or (score_mod is not None and bool(score_mod.layout.edges))
+    m_kernel = _check_stats_belong(stats, graph, plan, row_shape, edge_order=per_edge)
     if shape.squeezed and m_kernel is not None:
         m_kernel = m_kernel[:, None]
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
@@ -341,11 +342,12 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     return dq, dk, dv, dbias, plan
 
 
-def _check_stats_belong(stats, graph, plan, row_shape):
+def _check_stats_belong(stats, graph, plan, row_shape, edge_order=False):
     """ValueError naming `stats` when a forward's stats come from another graph, other
     shapes, another scale or another score; returns the forward's kernel-unit row max when
     it can be used. Stats without a forward plan (built by hand, merged) pass: their shape
-    was checked already."""
+    was checked already. `edge_order`: per-edge values (an edge bias, per-edge fields) are in
+    the graph's edge order, so the forward's graph must list its edges in the same order."""
     fwd = getattr(stats, "plan", None)
     if not isinstance(fwd, type(plan)):
         # merged stats (attention_merge) know only the backend of their parts' kernel maxima
@@ -367,9 +369,11 @@ def _check_stats_belong(stats, graph, plan, row_shape):
         raise ValueError(f"stats belong to a forward with score {fwd.score!r}, but this "
                          f"backward computes {plan.score!r}")
     fwd_graph = getattr(stats, "graph", None)
-    if fwd_graph is not None and fwd_graph is not graph and not _same_relation(fwd_graph, graph):
-        raise ValueError(f"stats belong to a forward over another graph ({fwd_graph.explain()}) "
-                         f"than this backward's ({graph.explain()})")
+    if fwd_graph is not None and fwd_graph is not graph:
+        why = _relation_difference(fwd_graph, graph, edge_order)
+        if why is not None:
+            raise ValueError(f"stats belong to a forward over another graph than this backward's: "
+                             f"{why} (forward: {fwd_graph.explain()}; backward: {graph.explain()})")
     m_kernel = getattr(stats, "m_kernel", None)
     if m_kernel is None or fwd.backend != plan.backend or tuple(m_kernel.shape) != row_shape:
         return None
@@ -381,25 +385,71 @@ def _check_stats_belong(stats, graph, plan, row_shape):
 SAME_RELATION_MAX_EDGES = 1 << 26
 
 
-def _same_relation(a, b):
-    """Whether two Graph objects hold the same relation (the same edge set), whatever their
-    kinds: band(n, left=None, right=0) is triangular(n), cu_seqlens([0, n]) too. Cheap facts
-    first, then the kernel-facing arrays (O(blocks) for implicit relations, whose block bands
-    are stored clipped to each block, so one relation has one form; O(edges) for CSR); an
-    implicit relation and a CSR one through their sorted scipy CSR (up to
-    SAME_RELATION_MAX_EDGES edges)."""
-    if (a.num_src, a.num_dst, a.num_edges) != (b.num_src, b.num_dst, b.num_edges):
-        return False
+def _same_relation(a, b, edge_order=False):
+    """Whether two Graph objects hold the same relation (the same edge set, each edge as often),
+    whatever their kinds and constructors: band(n, left=None, right=0) is triangular(n), so is
+    cu_seqlens([0, n]); zero-length segments add nothing; a CSR relation's edges may be listed
+    in any order within a row. With `edge_order`, two CSR relations must also list their edges
+    in the same order (per-edge values follow it)."""
+    return _relation_difference(a, b, edge_order) is None
+
+
+def _relation_difference(a, b, edge_order=False):
+    """None when `a` and `b` hold the same relation (_same_relation), else what differs, in
+    words. Cheap facts first, then the kernel-facing arrays: O(blocks) for implicit relations
+    (their block bands are stored clipped to each block, so once the blocks without edges are
+    dropped one relation has one form), O(edges) for CSR; an implicit relation against a CSR
+    one through their sorted scipy CSR (up to SAME_RELATION_MAX_EDGES edges)."""
+    for name in ("num_src", "num_dst", "num_edges"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x != y:
+            return f"{name} {x} in the forward, {y} here"
     ra, rb = a.realize("cpu"), b.realize("cpu")
     if type(ra) is not type(rb):
         if a.num_edges > SAME_RELATION_MAX_EDGES:
-            return False
-        sa, sb = a.to_scipy().tocsr().sorted_indices(), b.to_scipy().tocsr().sorted_indices()
-        return np.array_equal(sa.indptr, sb.indptr) and np.array_equal(sa.indices, sb.indices)
-    fields = ("dst_offsets", "src_offsets", "lo", "hi") if hasattr(ra, "dst_offsets") \
-        else ("indptr", "indices")
-    return all(np.array_equal(np.asarray(getattr(ra, f)), np.asarray(getattr(rb, f)))
-               for f in fields)
+            return (f"an implicit and a CSR relation of {a.num_edges} edges (more than "
+                    f"{SAME_RELATION_MAX_EDGES} are not compared edge by edge)")
+        sa, sb = _sorted_csr(a.to_scipy()), _sorted_csr(b.to_scipy())
+        same = np.array_equal(sa.indptr, sb.indptr) and np.array_equal(sa.indices, sb.indices)
+        return None if same else "their edge sets differ"
+    if hasattr(ra, "dst_offsets"):
+        if all(np.array_equal(x, y) for x, y in zip(_nonempty_blocks(ra), _nonempty_blocks(rb))):
+            return None
+        if a.num_edges > SAME_RELATION_MAX_EDGES:
+            return "their blocks differ"
+        # one edge set may still be cut into blocks two ways (rows without edges in a block)
+        sa, sb = _sorted_csr(a.to_scipy()), _sorted_csr(b.to_scipy())
+        same = np.array_equal(sa.indptr, sb.indptr) and np.array_equal(sa.indices, sb.indices)
+        return None if same else "their edge sets differ"
+    if not np.array_equal(np.asarray(ra.indptr), np.asarray(rb.indptr)):
+        return "their in-degrees (indptr) differ"
+    if np.array_equal(np.asarray(ra.indices), np.asarray(rb.indices)):
+        return None
+    if edge_order:
+        return "their edges are listed in another order, and per-edge values follow that order"
+    sa = _sorted_csr(a.to_scipy())
+    sb = _sorted_csr(b.to_scipy())
+    return None if np.array_equal(sa.indices, sb.indices) else "their edge sets differ"
+
+
+def _sorted_csr(m):
+    """scipy CSR with each row's column indices sorted, duplicates kept (a multiset per row)."""
+    m = m.tocsr(copy=True)
+    m.has_sorted_indices = False
+    m.sort_indices()
+    return m
+
+
+def _nonempty_blocks(rel):
+    """(dst start, dst end, src start, src end, lo, hi) of the blocks of a BlockRelation that hold
+    at least one edge, as int64 arrays: zero-length segments and blocks whose band is empty
+    are not part of the relation's edge set."""
+    dst = np.asarray(rel.dst_offsets, np.int64)
+    src = np.asarray(rel.src_offsets, np.int64)
+    lo, hi = np.asarray(rel.lo, np.int64), np.asarray(rel.hi, np.int64)
+    # lo / hi are clipped to the block: a block with rows and columns and lo <= hi holds an edge
+    keep = (np.diff(dst) > 0) & (np.diff(src) > 0) & (lo <= hi)
+    return dst[:-1][keep], dst[1:][keep], src[:-1][keep], src[1:][keep], lo[keep], hi[keep]
 
 
 @foreign_arrays

@@ -193,8 +193,10 @@ def _block_edges(rel: BlockRelation):
     ns = np.diff(np.asarray(rel.src_offsets))
     lo = np.asarray(rel.lo)
     hi = np.asarray(rel.hi)
-    big = nd.size and max(int(nd.max()), int(ns.max())) >= 2**30
-    if big:  # products may pass int64: Python integers
+    # every block's count is at most nd * ns, so the total is at most sum(nd) * max(ns): where
+    # that may pass int64 (one large block, or many blocks), count in Python integers
+    big = bool(nd.size) and int(nd.sum()) * int(ns.max()) >= 2**62
+    if big:
         nd, ns, lo, hi = (x.astype(object) for x in (nd, ns, lo, hi))
     return int(sum(int(e) for e in _band_edges(nd, ns, lo, hi))) if big else \
         int(np.sum(_band_edges(nd, ns, lo, hi), dtype=np.int64))
@@ -492,6 +494,8 @@ class Graph:
         if matrix.format == "dia":
             matrix = _dia_structure(matrix)
         csr = matrix.tocsr()
+        if csr is matrix and not csr.has_canonical_format:
+            csr = csr.copy()   # sum_duplicates works in place: never on the caller's matrix
         csr.sum_duplicates()  # duplicates merged into one entry (no-op when canonical)
         return cls.from_csr(csr.indptr, csr.indices, num_src=csr.shape[1], device=device)
 
