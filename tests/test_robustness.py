@@ -373,6 +373,16 @@ def test_num_edges_is_exact_for_many_large_blocks():
     assert str(2**64) in tg.Graph.cat([tg.Graph.dense(2**29)] * 64).explain()
 
 
+def test_band_bounds_beyond_int64_mean_unbounded():
+    """A bound larger than any relation (even beyond int64) reaches every key: the same edges as
+    None; a hugely negative one reaches none."""
+    n = 10
+    assert tg.Graph.band(n, left=2**70).to_scipy().nnz == tg.Graph.triangular(n).num_edges
+    assert tg.Graph.band(n, left=2**70, right=2**63).num_edges == n * n
+    assert tg.Graph.band(n, left=-2**70, right=2**70).num_edges == 0
+    assert tg.Graph.cu_seqlens([0, 4, n], window=(2**64, 0)).num_edges == tg.Graph.cu_seqlens([0, 4, n]).num_edges
+
+
 def test_from_scipy_leaves_the_callers_matrix_as_it_was():
     m = sp.csr_matrix(([1.0, 2.0, 3.0], [2, 0, 2], [0, 3, 3]), shape=(2, 3))   # duplicate (0, 2), unsorted
     g = tg.Graph.from_scipy(m)

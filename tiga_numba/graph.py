@@ -243,9 +243,15 @@ def _bound(name, value):
     if value is None:
         return None
     try:
-        return int(operator.index(value))
+        v = int(operator.index(value))
     except TypeError:
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__}") from None
+    # beyond +-2**62 a bound reaches past every relation that int64 offsets can describe: clip
+    # it there (the same edge set), so that the int64 block arithmetic cannot overflow
+    return max(-BOUND_LIMIT, min(BOUND_LIMIT, v))
+
+
+BOUND_LIMIT = 2**62
 
 
 def _check_cu(name, cu_seqlens):
