@@ -63,6 +63,37 @@ def test_attention_and_backward_take_and_return_torch_tensors():
         np.testing.assert_array_equal(a.numpy(), b)
 
 
+def test_stats_lse_and_merge_take_and_return_torch_tensors():
+    """stats.lse of a torch call and attention_merge of torch parts come back as torch tensors,
+    equal to the numpy results; the merged stats feed attention_backward."""
+    rng = np.random.default_rng(1)
+    n = 13
+    q, k, v, do = (rng.normal(size=(n, 2, 4)).astype(np.float32) for _ in range(4))
+    lo, hi = tg.Graph.band(n, left=None, right=-3), tg.Graph.band(n, left=2, right=0)   # disjoint
+    full = tg.Graph.triangular(n)
+    parts_np = [tg.attention(q, k, v, g, return_stats=True) for g in (lo, hi)]
+    tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
+    parts_t = [tg.attention(tq, tk, tv, g, return_stats=True) for g in (lo, hi)]
+    lse = parts_t[0][1].lse
+    assert isinstance(lse, torch.Tensor)
+    np.testing.assert_array_equal(lse.numpy(), parts_np[0][1].lse)
+    assert np.isneginf(lse.numpy()[:3]).all()           # rows 0-2 have no edge in `lo`
+    out_t, st_t = tg.attention_merge(parts_t)
+    out_n, st_n = tg.attention_merge(iter(parts_np))
+    assert isinstance(out_t, torch.Tensor) and isinstance(st_t.m, torch.Tensor)
+    assert isinstance(st_t.lse, torch.Tensor)
+    np.testing.assert_array_equal(out_t.numpy(), out_n)
+    np.testing.assert_array_equal(st_t.lse.numpy(), st_n.lse)
+    np.testing.assert_allclose(out_n, tg.attention(q, k, v, full), rtol=1e-5, atol=1e-6)
+    grads = tg.attention_backward(tdo, tq, tk, tv, out_t, st_t, full)
+    want = tg.attention_backward(do, q, k, v, out_n, st_n, full)
+    for a, b in zip(grads, want):
+        assert isinstance(a, torch.Tensor)
+        np.testing.assert_array_equal(a.numpy(), b)
+    with pytest.raises(TypeError, match="parts\\[0\\] out"):
+        tg.attention_merge([([1.0, 2.0], parts_np[0][1])])
+
+
 def test_program_and_layer_take_torch_tensors():
     from tiga_numba.layers import GATConv
 

@@ -19,21 +19,34 @@ same bits on every run.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+
+from . import interop
 
 __all__ = ["attention_merge", "log_sum_exp"]
 
 
-def _xp_of(array):
+def _xp_of(array, name="array"):
+    """numpy or cupy, whichever `array` belongs to; TypeError naming it otherwise."""
     if isinstance(array, np.ndarray):
         return np
-    import cupy
-    return cupy
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(array, cupy.ndarray):
+        return cupy
+    raise TypeError(f"{name} must be a numpy or cupy array (or a tensor with __dlpack__), got "
+                    f"{type(array).__name__}")
 
 
 def log_sum_exp(m, l):
-    """``m + log(l)`` per row, ``-inf`` where the row is empty (``l == 0``)."""
-    xp = _xp_of(m)
+    """``m + log(l)`` per row, ``-inf`` where the row is empty (``l == 0``), in m's library
+    (numpy, cupy, or the foreign library m and l were handed back in, e.g. torch)."""
+    lib = interop.library_name(m)
+    if lib is not None:
+        return interop.to_library(log_sum_exp(interop.to_native(m, "stats.m"),
+                                              interop.to_native(l, "stats.l")), lib)
+    xp = _xp_of(m, "stats.m")
     with np.errstate(divide="ignore", invalid="ignore"):
         return xp.where(l > 0, m + xp.log(xp.where(l > 0, l, 1)), -xp.inf).astype(m.dtype, copy=False)
 
@@ -61,7 +74,8 @@ def attention_merge(parts):
     parts : sequence of ``(out, stats)`` pairs
         ``out`` of shape ``(num_dst, H, Dv)`` (or ``(num_dst, Dv)`` for one-head 2-D calls) and the
         :class:`AttentionStats` returned with it (``m``, ``l`` of shape ``(num_dst, H)``). All parts
-        share shapes and array library (numpy or cupy).
+        share shapes and array library (numpy, cupy, or a library with DLPack such as torch:
+        the result comes back in it).
 
     Returns
     -------
@@ -69,16 +83,20 @@ def attention_merge(parts):
         ``out`` in the parts' dtype and library; ``stats`` an :class:`AttentionStats` (``m``, ``l``,
         ``lse``) that :func:`attention_backward` accepts for the union of the edge subsets.
     """
+    return _merge(list(parts))
+
+
+@interop.foreign_arrays
+def _merge(parts):
     from .functional import AttentionStats
-    parts = list(parts)
     if not parts:
         raise ValueError("parts must hold at least one (out, stats) pair, got an empty sequence")
     checked = [_check_part(i, p) for i, p in enumerate(parts)]
     out0, m0, l0 = checked[0]
-    xp = _xp_of(out0)
+    xp = _xp_of(out0, "parts[0] out")
     for i, (o, m, l) in enumerate(checked):
         for name, a, ref in (("out", o, out0), ("stats.m", m, m0), ("stats.l", l, l0)):
-            if _xp_of(a) is not xp:
+            if _xp_of(a, f"parts[{i}] {name}") is not xp:
                 raise TypeError(f"parts[{i}] {name} is a {type(a).__name__}, parts[0]'s out is a "
                                 f"{type(out0).__name__}: all parts must use one array library")
             if tuple(a.shape) != tuple(ref.shape):
