@@ -260,6 +260,31 @@ def test_adapter_program_trains_per_head_params():
                     slopes=torch.tensor(0.3, dtype=torch.float64, requires_grad=True))
 
 
+def test_adapter_layer_builds_the_graph_of_each_edge_index_it_is_given():
+    """The Graph kept from the last call serves only the same edge_index tensor, unchanged:
+    another view of the same storage (same address, shape and version) or a new tensor where a
+    freed one lived gets its own relation, and an in-place edit is seen."""
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    import tiga_numba.torch as tgt
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    ours, pyg = tgt.GATConv(4, 3, heads=2), pyg_nn.GATConv(4, 3, heads=2)
+    pyg.load_state_dict(ours.state_dict())
+    flat = torch.tensor([0, 1, 2, 3, 4, 5, 2, 2, 2, 2, 2, 2])
+    a, b = flat.view(2, 6), flat.view(6, 2).t()   # one address, shape and version; other edges
+    assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
+    for ei in (a, b, a):
+        torch.testing.assert_close(ours(x, ei), pyg(x, ei), rtol=1e-5, atol=1e-6)
+    c = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
+    ours(x, c)
+    c[1, 0] = 5                                   # in place: the version moves on
+    torch.testing.assert_close(ours(x, c), pyg(x, c), rtol=1e-5, atol=1e-6)
+    for _ in range(8):   # fresh tensors of one shape per step, as in a mini-batch loop
+        e = torch.randint(0, 6, (2, 8))
+        torch.testing.assert_close(ours(x, e), pyg(x, e), rtol=1e-5, atol=1e-6)
+        del e
+
+
 def test_adapter_layers_train_like_pyg():
     pyg_nn = pytest.importorskip("torch_geometric.nn")
     import tiga_numba.torch as tgt

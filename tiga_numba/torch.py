@@ -15,6 +15,8 @@ nothing else in the package imports it.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import interop
@@ -180,10 +182,18 @@ class _TorchLayer(torch.nn.Module):
         nd = (x[1].shape[0] if x[1] is not None else ns) if bip else ns
         if not isinstance(edge_index, torch.Tensor):
             return graph_of(edge_index, ns, nd)
-        key = (edge_index.data_ptr(), tuple(edge_index.shape), edge_index._version, ns, nd)
-        if self._graph_memo is None or self._graph_memo[0] != key:
-            self._graph_memo = (key, graph_of(edge_index, ns, nd))
-        return self._graph_memo[1]
+        # the Graph of the last edge_index is kept for the next call with the SAME tensor object
+        # (a weak reference: a new tensor that happens to get a freed one's address, or another
+        # view of the same storage, is not it), unchanged since (its version counter, shared with
+        # every view, moves on in-place writes), with the same node counts
+        facts = (edge_index._version, edge_index.data_ptr(), tuple(edge_index.shape),
+                 tuple(edge_index.stride()), ns, nd)
+        memo = self._graph_memo
+        if memo is not None and memo[0]() is edge_index and memo[1] == facts:
+            return memo[2]
+        graph = graph_of(edge_index, ns, nd)
+        self._graph_memo = (weakref.ref(edge_index), facts, graph)
+        return graph
 
     def _lookup(self, name):
         # getattr, not get_parameter: torch.func.functional_call swaps in plain tensors
