@@ -178,6 +178,42 @@ def test_vjp_edge_fields():
     close(grads["src"]["value"], dv)
 
 
+class ModifiedEdgeScore(tg.MessagePassing):
+    """A per-edge field inside a modified score (compiled modifier path)."""
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale):
+        s = (dst.query * src.key).sum(axis=-1) * scale
+        return self.reducer(np.tanh(s) + edge.w * edge.w, src.value)
+
+
+@pytest.mark.parametrize("program", [BiasedAttention, ModifiedEdgeScore])
+def test_edge_fields_follow_the_constructors_edge_order(program):
+    """Per-edge fields of a from_coo / from_edge_index graph are given, and their gradients
+    returned, in the order of the edges given to the constructor (as the layers' edge_attr, PyG's
+    convention): the same call over the CSR-ordered graph with the fields reordered gives the
+    same outputs and the reordered gradients."""
+    rng = np.random.default_rng(4)
+    n, E, H = 17, 60, 2
+    src, dst = rng.integers(0, n, E), rng.integers(0, n, E)
+    coo = tg.Graph.from_coo(src, dst, n, n)
+    perm = coo.edge_permutation
+    assert perm is not None and not np.array_equal(perm, np.arange(E))   # unsorted input
+    csr = tg.Graph.from_csr(*coo._host_csr(), num_src=n)
+    q, k, v = rand(n, H, 4), rand(n, H, 4), rand(n, H, 3)
+    w = rand(E)
+    name = "bias" if program is BiasedAttention else "w"
+    kw = dict(src={"key": k, "value": v}, dst={"query": q}, scale=0.5)
+    out_coo, vjp_coo = program().vjp(graph=coo, edge={name: w}, **kw)
+    out_csr, vjp_csr = program().vjp(graph=csr, edge={name: w[perm]}, **kw)
+    np.testing.assert_array_equal(out_coo, out_csr)
+    dout = rand(*out_coo.shape)
+    g_coo, g_csr = vjp_coo(dout), vjp_csr(dout)
+    np.testing.assert_array_equal(g_coo["edge"][name][perm], g_csr["edge"][name])
+    np.testing.assert_array_equal(g_coo["dst"]["query"], g_csr["dst"]["query"])
+    np.testing.assert_array_equal(program()(graph=coo, edge={name: w}, **kw), out_coo)
+
+
 def test_scaled_edge_score_gradient_carries_the_factor():
     class Scaled(tg.MessagePassing):
         reducer = tg.online_softmax()

@@ -627,10 +627,11 @@ class Graph:
 
     @property
     def edge_permutation(self):
-        """For a graph built by from_coo, an int64 array `(num_edges,)`; edge e in CSR order (the
-        order every per-edge field and gradient uses) is input edge `edge_permutation[e]`.
-        Reorder COO-ordered fields with `field[graph.edge_permutation]`. None for the other
-        constructors (their input order is the CSR order)."""
+        """For a graph built by from_coo (or from_edge_index), an int64 array `(num_edges,)`:
+        edge e in CSR order (the order the kernels read per-edge values in) is input edge
+        `edge_permutation[e]`. Programs and layers take per-edge fields in the input order and
+        convert with it (`field[graph.edge_permutation]`); None for the other constructors
+        (their input order is the CSR order)."""
         return self._edge_perm
 
     @property

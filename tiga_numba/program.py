@@ -106,12 +106,38 @@ class _Call:
                 if a.shape[0] != sizes[role]:
                     raise ValueError(f"{label} has {a.shape[0]} rows (axis 0) but "
                                      f"{size_name[role]} is {sizes[role]}")
+                if role == "edge":
+                    a = self._to_kernel_order(a, libs[label])
                 fields[name] = a
             self.roles[role] = fields
         self.library = next(iter(libs.values())) if libs else "numpy"
         # Geometric graphs provide edge fields of their own; a user edge field of the same name wins.
         self.graph_fields = [n for n in graph.edge_field_names if n not in self.roles["edge"]]
         self.params = self._bind_params(program, params)
+
+    def _edge_permutation(self, library):
+        """Graph.edge_permutation in `library` (None: the constructor's edge order is the CSR
+        order the kernels use)."""
+        perm = self.graph.edge_permutation
+        if perm is None or library == "numpy":
+            return perm
+        return self.graph._cached(("edge_permutation", library),
+                                  lambda: arrays.as_library_array(perm, library))
+
+    def _to_kernel_order(self, a, library):
+        """A per-edge field given in the graph constructor's edge order (as PyG's edge_attr
+        follows edge_index), gathered into the CSR order the kernels read."""
+        perm = self._edge_permutation(library)
+        return a if perm is None else a[perm]
+
+    def to_input_order(self, g):
+        """A per-edge gradient from the kernels' CSR order back to the constructor's order."""
+        perm = self._edge_permutation(self.library)
+        if perm is None or g is None:
+            return g
+        out = g.copy()
+        out[perm] = g
+        return out
 
     @staticmethod
     def _edge_params(program):
@@ -394,6 +420,8 @@ class _Lowered:
             for pname, g in (res.get("params") or {}).items():
                 grads["params"][f"{net_call.attr}.{pname}"] = g
             grads["positions"] = res.get("positions")
+            grads["edge"] = {n: g if n in self.call.graph_fields else self.call.to_input_order(g)
+                             for n, g in grads["edge"].items()}
             return grads, res.get("plan")
         from . import functional
         score = self.traced.score
@@ -435,6 +463,8 @@ class _Lowered:
                 gp = _geometric_positions_grad(self.call.graph, f.name, g)
                 cur = grads["positions"]
                 grads["positions"] = gp if cur is None else cur + gp
+        grads["edge"] = {n: g if n in self.call.graph_fields else self.call.to_input_order(g)
+                         for n, g in grads["edge"].items()}
         return grads, plan
 
 
