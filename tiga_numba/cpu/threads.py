@@ -53,22 +53,25 @@ def serialised(fn):
 
 # --------------------------------------------------------------------------- threads per launch
 # A parallel kernel wakes every numba thread, also those its prange gives nothing to do. Waking a
-# sleeping thread costs microseconds on an idle machine and up to a scheduler time slice
-# (milliseconds) when other processes hold the cores: on a busy 2-core machine a layer's backward
-# over a 30-node graph took 20 ms on two threads and 0.3 ms on one. Each launch therefore runs on
-# no more threads than it has work items, and no more than one per GRAIN scalar operations
-# (multiply-adds, adds or elements moved; about 10-30 us of work on one core). Results never
-# depend on the thread count (every kernel's summation order is fixed by the problem,
-# docs/cpu_backend.md), so this is a speed rule only.
-GRAIN = 1 << 16
+# thread costs a microsecond or two on an idle machine (numba's threads spin a while after each
+# launch) and up to a scheduler time slice when other processes hold the cores. Each launch
+# therefore runs on no more threads than it has work items, and no more than one per GRAIN
+# scalar operations (multiply-adds, adds or elements moved): below that a second thread costs
+# more than the work it takes over, even on an idle machine. The bound is kept that low because a
+# higher one (2**16, measured) made small calls up to 12 % slower on an idle 2-core machine, where a
+# strided copy of 8k elements took 7 us on one thread and 5 us on two. Results never depend on
+# the thread count (every kernel's summation order is fixed by the problem, docs/cpu_backend.md),
+# so this is a speed rule only.
+GRAIN = 1 << 12
 
-_THREAD_API = []
+_GET = _SET = None   # numba's (get, set) of this thread's count, bound on first use
 
 
 def _thread_api():
     """(get, set) of numba's thread count for this thread: the threading layer's own entry
     points where available (the public functions re-validate on every call, ~3 us)."""
-    if not _THREAD_API:
+    global _GET, _SET
+    if _GET is None:
         import numba
         api = (numba.get_num_threads, numba.set_num_threads)
         try:
@@ -79,33 +82,36 @@ def _thread_api():
                 api = (get, set_)
         except Exception:  # pragma: no cover - other numba versions: the public API
             pass
-        _THREAD_API.append(api)
-    return _THREAD_API[0]
+        _SET = api[1]
+        _GET = api[0]
+    return _GET, _SET
 
 
 def useful(items=None, work=None):
     """threads a launch can keep busy: at most `items` (its independent work items) and at most
-    one per GRAIN of `work` (its scalar operations); at least 1."""
-    n = 1 << 30
-    if items is not None:
-        n = min(n, int(items))
+    one per GRAIN of `work` (its scalar operations); at least 1. (Runs before every launch:
+    plain comparisons, no builtins.)"""
+    n = 1 << 30 if items is None else items
     if work is not None:
-        n = min(n, -(-int(work) // GRAIN))
-    return max(1, n)
+        w = (work + (GRAIN - 1)) // GRAIN
+        if w < n:
+            n = w
+    return int(n) if n > 1 else 1
 
 
 def run(kernel, threads, *args):
     """kernel(*args) on at most `threads` numba threads (this Python thread's count is restored
     afterwards; numba keeps one count per calling thread)."""
-    get, set_ = _thread_api()
-    have = get()
+    if _GET is None:
+        _thread_api()
+    have = _GET()
     if threads >= have:
         return kernel(*args)
-    set_(max(1, int(threads)))
+    _SET(threads)
     try:
         return kernel(*args)
     finally:
-        set_(have)
+        _SET(have)
 
 
 def current():
