@@ -283,3 +283,22 @@ def test_csr_skewed_rows_shorter_than_a_piece(_poisoned):
     assert rel_err(out, ro) < ftol
     for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
         assert rel_err(got, want) < btol, name
+
+
+def test_merge_and_lse_of_cupy_parts_stay_on_the_device():
+    """attention_merge of cupy parts over two disjoint bands equals the causal call; stats.lse
+    and the merged stats are cupy; the merged stats feed the backward of the union."""
+    n = 96
+    q, k, v, dout = (cupy.asarray(RNG.standard_normal((n, 2, 16)).astype(np.float32)) for _ in range(4))
+    parts = [tg.attention(q, k, v, g, return_stats=True)
+             for g in (tg.Graph.band(n, left=None, right=-5), tg.Graph.band(n, left=4, right=0))]
+    assert isinstance(parts[0][1].lse, cupy.ndarray)
+    out, st = tg.attention_merge(parts)
+    assert isinstance(out, cupy.ndarray) and isinstance(st.lse, cupy.ndarray)
+    full = tg.Graph.triangular(n)
+    want, wst = tg.attention(q, k, v, full, return_stats=True)
+    assert rel_err(out.get(), want.get()) < 1e-5
+    np.testing.assert_allclose(st.lse.get(), wst.lse.get(), rtol=1e-5, atol=1e-6)
+    for got, ref in zip(tg.attention_backward(dout, q, k, v, out, st, full),
+                        tg.attention_backward(dout, q, k, v, want, wst, full)):
+        assert rel_err(got.get(), ref.get()) < 1e-4

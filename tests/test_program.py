@@ -471,6 +471,26 @@ def test_gpu_edge_fields():
     close(out.get(), reference.attention(z, z, v, g, edge_bias=s), scale=10)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("program", [BiasedAttention, ModifiedEdgeScore])
+def test_gpu_edge_fields_follow_the_constructors_edge_order(program):
+    """cupy fields of a from_coo graph: the same results as numpy, gradients in input order."""
+    cp = _cupy()
+    rng = np.random.default_rng(6)
+    n, E, H = 19, 70, 2
+    g = tg.Graph.from_coo(rng.integers(0, n, E), rng.integers(0, n, E), n, n)
+    q, k, v = rand(n, H, 8), rand(n, H, 8), rand(n, H, 4)
+    w = rand(E)
+    name = "bias" if program is BiasedAttention else "w"
+    out, vjp = program().vjp(graph=g, src={"key": k, "value": v}, dst={"query": q}, edge={name: w}, scale=0.5)
+    out_d, vjp_d = program().vjp(graph=g, src={"key": cp.asarray(k), "value": cp.asarray(v)},
+                                 dst={"query": cp.asarray(q)}, edge={name: cp.asarray(w)}, scale=0.5)
+    close(out_d.get(), out, scale=10)
+    dout = rand(*out.shape)
+    got, want = vjp_d(cp.asarray(dout)), vjp(dout)
+    close(got["edge"][name].get(), want["edge"][name], scale=10)
+
+
 def test_geometric_bias_gradient_reaches_positions():
     """score + c * edge.distance on a radius graph: grads["positions"] == finite differences."""
     class Dist(tg.MessagePassing):
