@@ -29,7 +29,7 @@ from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
-from .layout import (acc_dtype_of, all_finite, contiguous, head_major, in_place, node_major,
+from .layout import (acc_dtype_of, dtype_name, all_finite, contiguous, head_major, in_place, node_major,
                      order_balanced, transposed_heads)
 from . import threads as _threads
 from .threads import serialised
@@ -48,15 +48,7 @@ LN2 = math.log(2.0)
 N_PARTS = 4
 
 
-_NAMES = {}
-
-
-def _name(dtype):
-    """dtype.name, memoised: numpy computes it in Python on every access (~3 us)."""
-    n = _NAMES.get(dtype)
-    if n is None:
-        n = _NAMES[dtype] = dtype.name
-    return n
+_name = dtype_name   # memoised dtype.name (cpu/layout.py)
 
 
 # --------------------------------------------------------------------------- thread count
@@ -164,10 +156,10 @@ def _modifier(score_mod, acc, grads, H, Nq, Nk, E, copies):
     without one. Modified kernels take q scaled by `scale` alone (natural units)."""
     if score_mod is None:
         return None, _codegen.empty_context(acc)
-    gen = _codegen.generated(score_mod.tree, score_mod.grad_leaves if grads else (), acc.name)
+    gen = _codegen.generated(score_mod.tree, score_mod.grad_leaves if grads else (), _name(acc))
     ctx = score_mod.pack(np, acc, H, Nq, Nk, E)
     if any(a.size for a in ctx[1:]):
-        copies.append(f"score-modifier inputs -> packed {acc.name} (n, N, H) arrays")
+        copies.append(f"score-modifier inputs -> packed {_name(acc)} (n, N, H) arrays")
     return gen, ctx
 
 
@@ -396,7 +388,7 @@ def _key_operands(k, acc, rel, own, copies, BM, BN):
     tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN)
     if not want_kT:
         return kh, empty, tile_base, ktt
-    copies.append(f"k -> (Hkv, D, N) {acc.name} (K^T: unpacked key tiles' score products)")
+    copies.append(f"k -> (Hkv, D, N) {_name(acc)} (K^T: unpacked key tiles' score products)")
     return kh, transposed_heads(k.transpose(1, 0, 2) if direct else kh), tile_base, ktt
 
 
@@ -429,7 +421,7 @@ def _bias(edge_bias, acc, H, copies):
         return np.zeros((0, H), acc)
     b = np.asarray(edge_bias)
     if b.dtype != acc or not b.flags.c_contiguous:
-        copies.append(f"edge_bias -> contiguous {acc.name}")
+        copies.append(f"edge_bias -> contiguous {_name(acc)}")
         b = np.ascontiguousarray(b, dtype=acc)
     if not np.isfinite(b).all():  # -inf masks an edge: the kernels' finite NEG does the same
         b = np.maximum(b, acc.type(_blocks.NEG))

@@ -20,10 +20,22 @@ def acc_dtype_of(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+_NAMES = {}
+
+
+def dtype_name(dtype):
+    """dtype.name, memoised: numpy computes it in Python on every access (microseconds, and the
+    copy notes of a call ask for it several times)."""
+    n = _NAMES.get(dtype)
+    if n is None:
+        n = _NAMES[dtype] = np.dtype(dtype).name
+    return n
+
+
 def _why(x, acc):
     reasons = []
     if x.dtype != acc:
-        reasons.append(f"{x.dtype} -> {acc.name}")
+        reasons.append(f"{dtype_name(x.dtype)} -> {dtype_name(acc)}")
     return reasons
 
 
@@ -122,7 +134,7 @@ def head_major(x, acc, name, copies, scale=None):
     why = _why(x, acc) + (["head-major"] if not t.flags.c_contiguous else [])
     if scale is not None:
         why.append("pre-scaled by scale*log2(e)")
-    copies.append(f"{name} -> (H, N, D) {acc.name} ({', '.join(why)})")
+    copies.append(f"{name} -> (H, N, D) {dtype_name(acc)} ({', '.join(why)})")
     return out
 
 
@@ -135,7 +147,7 @@ def node_major(x, acc, name, copies, scale=None):
     why = _why(x, acc) + (["contiguous"] if not x.flags.c_contiguous else [])
     if scale is not None:
         why.append("pre-scaled by scale*log2(e)")
-    copies.append(f"{name} -> contiguous (N, H, D) {acc.name} ({', '.join(why)})")
+    copies.append(f"{name} -> contiguous (N, H, D) {dtype_name(acc)} ({', '.join(why)})")
     return out
 
 
@@ -144,7 +156,7 @@ def in_place(x, acc, name, copies):
     rows where they are: the split-key decode); else a converted copy, recorded in `copies`."""
     if x.dtype == acc:
         return x
-    copies.append(f"{name} -> {acc.name} copy (read in place otherwise)")
+    copies.append(f"{name} -> {dtype_name(acc)} copy (read in place otherwise)")
     return x.astype(acc)
 
 
