@@ -595,6 +595,13 @@ def test_functional_modifier_errors():
         tg.attention(q, k, v, g, softcap=-1.0)
     with pytest.raises(TypeError, match="softcap"):
         tg.attention(q, k, v, g, softcap="30")
+    with pytest.raises(TypeError, match="softcap"):
+        tg.attention(q, k, v, g, softcap=np.array(True))
+    with pytest.raises(TypeError, match="softcap"):
+        tg.attention(q, k, v, g, softcap=np.array([2.0]))
+    # a 0-d array (e.g. a torch scalar tensor) is its number
+    np.testing.assert_array_equal(tg.attention(q, k, v, g, softcap=np.array(2.0)),
+                                  tg.attention(q, k, v, g, softcap=2.0))
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\)"):
         tg.attention(q, k, v, g, alibi_slopes=np.ones(3))
     out, stats = tg.attention(q, k, v, g, softcap=2.0, return_stats=True)

@@ -150,6 +150,9 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
     values = {}
     shift = None
     if softcap is not None:
+        if getattr(softcap, "ndim", None) == 0 and getattr(softcap, "dtype", None) is not None \
+                and np.dtype(softcap.dtype).kind in "iuf":
+            softcap = softcap.item()   # a 0-d array (numpy, or a tensor viewed through DLPack)
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(
                 softcap, (int, float, np.integer, np.floating)):
             raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
