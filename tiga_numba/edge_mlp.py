@@ -442,10 +442,10 @@ def forward(graph, net, args, value, return_state=True, unroll=None, value_name=
     out = np.empty((prep.num_dst, prep.spec.fv), prep.acc)
     M = np.empty(prep.num_dst, prep.acc)
     L = np.empty(prep.num_dst, prep.acc)
-    run(kern.gat_forward, useful(prep.num_dst, _edge_work(prep, As.shape[1])), lay.rows(prep.num_dst), lay.indptr,
-        lay.indices, As, Ad, WeT,
-        lay.gather(prep.pos) if prep.geometric else prep.pos, prep.EX, prep.P,
-        lay.gather(prep.V), out, M, L)
+    threads = useful(prep.num_dst, _edge_work(prep, As.shape[1]))
+    run(kern.gat_forward, threads, lay.rows(prep.num_dst), lay.indptr, lay.indices, As, Ad, WeT,
+        lay.gather(prep.pos) if prep.geometric else prep.pos, prep.EX, prep.P, lay.gather(prep.V),
+        out, M, L)
     out_k = out
     out, M, L = lay.scatter(out), lay.scatter(M), lay.scatter(L)
     order_note = lay.note
@@ -511,7 +511,8 @@ def backward(graph, net, args, value, state, dout, unroll=None):
     n_pg = prep.P.shape[0] + h1 * prep.spec.fe
     PG = np.zeros((max(nch, 0), max(n_pg, 1)), acc)
     run(kern.gat_backward_rows, useful(nch, 2 * _edge_work(prep, h1)), lay.rows(nd), lay.indptr,
-        lay.indices, As, Ad, WeT, posk, prep.EX, prep.P, Vk, state.out, D, Mk, Lk, Delta, dAd, dposA, dEX, PG)
+        lay.indices, As, Ad, WeT, posk, prep.EX, prep.P, Vk, state.out, D, Mk, Lk, Delta, dAd, dposA,
+        dEX, PG)
     ns = prep.num_src
     dAs = np.empty((ns, h1), acc)
     dV = np.empty((ns, prep.spec.fv), acc)
