@@ -42,7 +42,9 @@ class ScratchPool:
         self._limit = max_idle_bytes if callable(max_idle_bytes) else (lambda: max_idle_bytes)
         self._idle = collections.OrderedDict()   # nbytes -> [uint8 buffers], most recent last
         self._idle_bytes = 0
-        self._lock = threading.Lock()
+        # re-entrant: a lent array's buffer comes back from a finalizer, which the cyclic garbage
+        # collector may run inside any allocation, also one made while this thread holds the lock
+        self._lock = threading.RLock()
 
     @property
     def max_idle_bytes(self):
@@ -60,7 +62,7 @@ class ScratchPool:
                 buf = stack.pop()
                 self._idle_bytes -= nbytes
                 if not stack:
-                    del self._idle[nbytes]
+                    self._idle.pop(nbytes, None)
                 return buf
         return np.empty(nbytes, np.uint8)
 
