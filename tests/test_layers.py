@@ -317,6 +317,12 @@ def test_errors_name_the_argument():
         GATConv(3, 2).load_state_dict({**GATConv(3, 2).state_dict(), "bias": np.zeros(3)})
     with pytest.raises(NotImplementedError, match="fill_value"):
         GATConv(3, 2, fill_value="max")
+    with pytest.raises(NotImplementedError, match="return_attention_weights"):
+        GATConv(3, 2)(x, g, return_attention_weights=True)
+    with pytest.raises(NotImplementedError, match="return_attention_weights"):
+        TransformerConv(3, 2).vjp(x, g, return_attention_weights=True)
+    np.testing.assert_array_equal(GATConv(3, 2, seed=1)(x, g, return_attention_weights=False),
+                                  GATConv(3, 2, seed=1)(x, g))
     _, vjp = GATConv(3, 2).vjp(x, g)
     with pytest.raises(ValueError, match="dout"):
         vjp(np.ones((2, 3), np.float32))

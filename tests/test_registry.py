@@ -74,6 +74,13 @@ def test_poison_outputs_is_a_debug_option_the_plan_records(monkeypatch):
     assert run_options._env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False) is True
     monkeypatch.delenv("TIGA_NUMBA_POISON_OUTPUTS")
     assert run_options._env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False) is False
+    for value, want in (("false", False), ("OFF", False), ("no", False), ("0", False),
+                        ("true", True), ("On", True), ("yes", True), ("1", True)):
+        monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", value)
+        assert run_options._env_flag("TIGA_NUMBA_DETERMINISTIC") is want, value
+    monkeypatch.setenv("TIGA_NUMBA_DETERMINISTIC", "fasle")
+    with pytest.warns(RuntimeWarning, match="TIGA_NUMBA_DETERMINISTIC"):
+        assert run_options._env_flag("TIGA_NUMBA_DETERMINISTIC") is True   # the default holds
 
 
 def test_every_family_lives_in_the_registry():

@@ -599,6 +599,12 @@ def test_functional_modifier_errors():
         tg.attention(q, k, v, g, softcap=np.array(True))
     with pytest.raises(TypeError, match="softcap"):
         tg.attention(q, k, v, g, softcap=np.array([2.0]))
+    # make_plan takes the modifiers as attention does (the plan names the compiled score)
+    assert tg.make_plan(q, k, v, g).score == "dot"
+    assert "tanh" in tg.make_plan(q, k, v, g, softcap=2.0).score
+    assert "alibi" in tg.make_plan(q, k, v, g, alibi_slopes=np.ones(2), op="backward").score
+    with pytest.raises(ValueError, match="softcap"):
+        tg.make_plan(q, k, v, g, softcap=0.0)
     # a 0-d array (e.g. a torch scalar tensor) is its number
     np.testing.assert_array_equal(tg.attention(q, k, v, g, softcap=np.array(2.0)),
                                   tg.attention(q, k, v, g, softcap=2.0))

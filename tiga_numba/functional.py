@@ -214,17 +214,19 @@ def _alibi_shift(graph):
 
 @foreign_arrays
 def make_plan(q, k, v, graph, *, op="forward", scale=None, block_prune_threshold=None,
-              deterministic=None):
+              deterministic=None, softcap=None, alibi_slopes=None):
     """The plan a call would run, made without running it: ``make_plan(...).explain()``
     says which kernel family the registry chose for these inputs and why every other one was
     refused (`op` "forward" or "backward"; the other arguments as for `attention` /
     `attention_backward`)."""
     if op not in ("forward", "backward"):
         raise ValueError(f"op must be 'forward' or 'backward', got {op!r}")
+    mod = flash_modifier(q, graph, softcap, alibi_slopes)
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     rho = arrays.check_prune_threshold(block_prune_threshold) if op == "forward" else None
+    _check_modifier(mod, shape, graph)
     return dispatch.make_plan(op, graph, shape, scale, prune_threshold=rho, arrays=(q, k, v),
-                              options=_options.resolve(deterministic=deterministic))
+                              options=_options.resolve(deterministic=deterministic), score_mod=mod)
 
 
 @foreign_arrays
@@ -237,7 +239,8 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
     q : array (num_dst, H, D)
         Queries, one row per destination. numpy arrays run on the CPU kernels, cupy arrays
         (anything with `__cuda_array_interface__`) on the CUDA kernels. float16, bfloat16
-        (GPU), float32 or float64; any strides. 2-D `(num_dst, D)` is one head.
+        (``ml_dtypes`` on the CPU), float32 or float64; any strides. 2-D `(num_dst, D)` is one
+        head.
     k : array (num_src, Hkv, D)
         Keys, one row per source; same dtype and library as q. `H % Hkv == 0`: query head h
         reads key/value head `h // (H // Hkv)` (grouped-query attention).
@@ -498,8 +501,9 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, determin
     NotImplementedError
         The stats come from a tile-pruned forward (it has no exact gradient).
     TypeError, ValueError
-        As for `attention`; also for stats that are not an AttentionStats or dout / out of
-        the wrong shape."""
+        As for `attention`; also for stats without ``m`` and ``l`` (any object holding them
+        is taken, e.g. merged stats), stats of another graph, shape, scale or score, and dout /
+        out of the wrong shape."""
     mod = flash_modifier(q, graph, softcap, alibi_slopes)
     res = run_backward(dout, q, k, v, out, stats, graph, scale=scale,
                        deterministic=deterministic, score_mod=mod)

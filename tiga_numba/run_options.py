@@ -16,16 +16,19 @@
 
 Environment variables only set the defaults, and they are read here, once per process:
 ``TIGA_NUMBA_DETERMINISTIC``, ``TIGA_NUMBA_TENSOR_CORES``, ``TIGA_NUMBA_WGMMA``,
-``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` turns the option off), ``TIGA_NUMBA_CPU_TILES``
+``TIGA_NUMBA_FP32_TENSOR_CORES`` (``0`` / ``false`` / ``no`` / ``off`` turn the option off,
+``1`` / ``true`` / ``yes`` / ``on`` on, any case), ``TIGA_NUMBA_CPU_TILES``
 (``256x256``), ``TIGA_NUMBA_CPU_PRODUCTS`` (``own``, ``blas`` or ``auto``: ``cpu_products``),
-``TIGA_NUMBA_POISON_OUTPUTS`` (``1`` turns it on). The plan records the options it
-was made with, and ``explain()`` prints them.
+``TIGA_NUMBA_POISON_OUTPUTS`` (on / off as above). A value that is none of these is ignored
+with a RuntimeWarning (the default holds): importing the package never fails on a setting.
+The plan records the options it was made with, and ``explain()`` prints them.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import os
+import warnings
 from dataclasses import dataclass, fields, replace
 
 __all__ = ["Options", "options", "current", "resolve"]
@@ -45,21 +48,38 @@ class Options:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def _env_flag(name, default=True):
+    """An on/off default from the environment: 1 / true / yes / on or 0 / false / no / off (any
+    case); anything else is ignored with a warning (the default holds), never guessed."""
     value = os.environ.get(name)
-    if value is None or value == "":
+    if value is None or value.strip() == "":
         return default
-    return value != "0"
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    warnings.warn(f"{name}={value!r} is not one of {_TRUE + _FALSE}; ignored (default {default})",
+                  RuntimeWarning, stacklevel=2)
+    return default
 
 
 def _env_tiles(name):
+    """CPU tiles from the environment (BMxBN, e.g. 256x256); a malformed value is ignored with a
+    warning (the machine's rule holds): import must not fail on a setting."""
     value = os.environ.get(name, "")
     if not value:
         return None
     try:
         return _check_tiles(tuple(int(x) for x in value.lower().split("x")))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name}={value!r}: expected BMxBN, e.g. 256x256 ({exc})") from None
+        warnings.warn(f"{name}={value!r} ignored: expected BMxBN, e.g. 256x256 ({exc})",
+                      RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _check_tiles(value):
@@ -82,14 +102,22 @@ def _check_products(value, name="option cpu_products"):
     return value
 
 
+def _env_products(name):
+    value = os.environ.get(name, "").strip().lower() or "auto"
+    try:
+        return _check_products(value, name)
+    except ValueError as exc:
+        warnings.warn(f"{exc}; ignored ('auto' holds)", RuntimeWarning, stacklevel=2)
+        return "auto"
+
+
 _DEFAULTS = Options(
     deterministic=_env_flag("TIGA_NUMBA_DETERMINISTIC"),
     tensor_cores=_env_flag("TIGA_NUMBA_TENSOR_CORES"),
     wgmma=_env_flag("TIGA_NUMBA_WGMMA"),
     fp32_tensor_cores=_env_flag("TIGA_NUMBA_FP32_TENSOR_CORES"),
     cpu_tiles=_env_tiles("TIGA_NUMBA_CPU_TILES"),
-    cpu_products=_check_products(os.environ.get("TIGA_NUMBA_CPU_PRODUCTS", "").strip().lower() or "auto",
-                                 "TIGA_NUMBA_CPU_PRODUCTS"),
+    cpu_products=_env_products("TIGA_NUMBA_CPU_PRODUCTS"),
     poison_outputs=_env_flag("TIGA_NUMBA_POISON_OUTPUTS", default=False),
 )
 _CURRENT = contextvars.ContextVar("tiga_numba_options", default=_DEFAULTS)

@@ -23,6 +23,7 @@ from . import interop
 from .functional import run_backward, run_forward
 from .graph import Graph
 from . import layers as _layers
+from .layers import _module as _layers_module
 
 __all__ = ["attention", "program", "GATConv", "GATv2Conv", "TransformerConv", "graph_of"]
 
@@ -203,8 +204,10 @@ class _TorchLayer(torch.nn.Module):
             owner = getattr(owner, part)
         return getattr(owner, leaf)
 
-    def forward(self, x, edge_index, edge_attr=None):
-        """x: (N, F) or (x_src, x_dst); edge_index: PyG's (2, E) tensor or a tiga_numba.Graph."""
+    def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+        """x: (N, F) or (x_src, x_dst); edge_index: PyG's (2, E) tensor or a tiga_numba.Graph.
+        return_attention_weights: NotImplementedError (the weights are never materialised)."""
+        _layers_module._refuse_attention_weights(return_attention_weights)
         graph = self._graph(edge_index, x)
         self.core.training = self.training
         bip = isinstance(x, (tuple, list))

@@ -196,14 +196,16 @@ class Layer:
     def forward(self, x, graph, edge_attr=None):
         return self(x, graph, edge_attr)
 
-    def __call__(self, x, graph, edge_attr=None):
+    def __call__(self, x, graph, edge_attr=None, return_attention_weights=None):
+        _refuse_attention_weights(return_attention_weights)
         lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
         out, _ = self._run(x, graph, edge_attr, None, want_grad=False)
         return interop.outward(out, lib)
 
-    def vjp(self, x, graph, edge_attr=None):
+    def vjp(self, x, graph, edge_attr=None, return_attention_weights=None):
         """out, vjp = layer.vjp(x, graph, edge_attr); vjp(dout) returns
         {"x": dx (or (dx_src, dx_dst)), "edge_attr": d_edge_attr or None, "params": {name: grad}}."""
+        _refuse_attention_weights(return_attention_weights)
         lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
         out, backward = self._run(x, graph, edge_attr, None, want_grad=True)
         params = self._params
@@ -302,3 +304,11 @@ def heads_grad(xp, dout, heads, channels, concat):
     g = xp.empty((n, heads, channels), dtype=dout.dtype)
     g[...] = (dout / heads)[:, None, :]
     return g
+
+
+def _refuse_attention_weights(flag):
+    """PyG's return_attention_weights: the fused kernels never hold the (E, H) weights."""
+    if flag:
+        raise NotImplementedError(
+            "return_attention_weights: the fused kernels never materialise the (E, H) attention "
+            "weights; recompute them from the scores if needed (docs/layers.md)")
