@@ -716,3 +716,24 @@ def test_nan_beyond_causal_diagonal_does_not_leak(make):
     rows = slice(0, 120)  # rows that do not attend key 120
     np.testing.assert_allclose(out[rows], ref["out"][rows], atol=2e-5)
     np.testing.assert_allclose(dq[rows], ref["dq"][rows], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_row_arrays_with_odd_strides_are_read_as_any_other(dtype):
+    """numpy calls a one-row view with a negative (or odd) row stride C-contiguous; the kernels
+    read it through canonical strides, so a BLAS never sees a negative leading dimension: the
+    gradients equal those of the plain array, with soft-cap and ALiBi (modifier kernels) too."""
+    rng = np.random.default_rng(11)
+    q, dout = (rng.standard_normal((1, 1, 8)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((40, 1, 8)).astype(dtype) for _ in range(2))
+    for g in (tg.Graph.dense(40, 1), tg.Graph.cu_seqlens([0, 1], cu_seqlens_k=[0, 40])):
+        for kw in ({}, {"softcap": 5.0}, {"alibi_slopes": np.array([0.3])}):
+            out, st = tg.attention(q, k, v, g, return_stats=True, **kw)
+            want = tg.attention_backward(dout, q, k, v, out, st, g, **kw)
+            for name, flipped in (("dout", dout[::-1]), ("q", q[::-1]), ("out", out[::-1])):
+                assert flipped.flags.c_contiguous and flipped.strides[0] < 0
+                args = dict(dout=dout, q=q, out=out)
+                args[name] = flipped
+                got = tg.attention_backward(args["dout"], args["q"], k, v, args["out"], st, g, **kw)
+                for a, b in zip(got, want):
+                    np.testing.assert_array_equal(a, b, err_msg=f"{name} {kw}")

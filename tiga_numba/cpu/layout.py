@@ -33,6 +33,22 @@ def dtype_name(dtype):
     return n
 
 
+def c_strides(x):
+    """A C-contiguous `x` with the strides numpy gives a new array of its shape. numpy calls an
+    array C-contiguous whatever the strides of its length-1 axes (a one-row view with a negative
+    or odd row stride is one), while a BLAS takes a row stride as the leading dimension and
+    refuses one that is negative or smaller than a row: the kernels read such arrays through
+    these strides, which address the same elements."""
+    want, step = [], x.itemsize
+    for n in reversed(x.shape):
+        want.append(step)
+        step *= max(int(n), 1)
+    want = tuple(reversed(want))
+    if x.strides == want or x.size == 0:
+        return x
+    return np.lib.stride_tricks.as_strided(x, strides=want, writeable=x.flags.writeable)
+
+
 def _why(x, acc):
     reasons = []
     if x.dtype != acc:
@@ -129,7 +145,7 @@ def head_major(x, acc, name, copies, scale=None):
     """(N, H, D) -> contiguous (H, N, D) in ``acc`` (times ``scale`` when given)."""
     t = x.transpose(1, 0, 2)
     if scale is None and x.dtype == acc and t.flags.c_contiguous:
-        return t  # e.g. one kv head stored contiguously: read in place
+        return c_strides(t)  # e.g. one kv head stored contiguously: read in place
     out = _scratch.empty(t.shape, acc)
     copy_into(out.transpose(1, 0, 2), x, acc, scale)
     why = _why(x, acc) + (["head-major"] if not t.flags.c_contiguous else [])
@@ -142,7 +158,7 @@ def head_major(x, acc, name, copies, scale=None):
 def node_major(x, acc, name, copies, scale=None):
     """(N, H, D) -> C-contiguous (N, H, D) in ``acc`` (times ``scale`` when given)."""
     if scale is None and x.dtype == acc and x.flags.c_contiguous:
-        return x
+        return c_strides(x)
     out = _scratch.empty(x.shape, acc)
     copy_into(out, x, acc, scale)
     why = _why(x, acc) + (["contiguous"] if not x.flags.c_contiguous else [])
