@@ -42,9 +42,7 @@ class ScratchPool:
         self._limit = max_idle_bytes if callable(max_idle_bytes) else (lambda: max_idle_bytes)
         self._idle = collections.OrderedDict()   # nbytes -> [uint8 buffers], most recent last
         self._idle_bytes = 0
-        # re-entrant: a lent array's buffer comes back from a finalizer, which the cyclic garbage
-        # collector may run inside any allocation, also one made while this thread holds the lock
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
 
     @property
     def max_idle_bytes(self):
@@ -62,7 +60,7 @@ class ScratchPool:
                 buf = stack.pop()
                 self._idle_bytes -= nbytes
                 if not stack:
-                    self._idle.pop(nbytes, None)
+                    del self._idle[nbytes]
                 return buf
         return np.empty(nbytes, np.uint8)
 
