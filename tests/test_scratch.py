@@ -1,11 +1,8 @@
-"""ScratchPool: buffers lent by size, reused after return, never lent twice at once; arrays lent
-until their last view is gone; scratch.lending for the CPU kernels' large allocations."""
-import gc
+"""ScratchPool: buffers lent by size, reused after return, never lent twice at once."""
 import threading
 
 import numpy as np
 
-from tiga_numba import scratch
 from tiga_numba.scratch import ScratchPool
 
 
@@ -79,68 +76,3 @@ def test_a_failing_borrower_still_returns_the_buffer():
     except RuntimeError:
         pass
     assert pool.idle_bytes == 256
-
-
-def test_a_lent_array_comes_back_when_its_last_view_is_gone():
-    pool = ScratchPool(1 << 30)
-    a = pool.lend((256, 512), np.float32)
-    addr = a.__array_interface__["data"][0]
-    view = a[3:7, ::2]
-    del a
-    gc.collect()
-    assert pool.idle_bytes == 0            # a view still holds it
-    view[...] = 1.0                        # and it is still valid memory
-    del view
-    gc.collect()
-    assert pool.idle_bytes == 256 * 512 * 4
-    b = pool.lend((512, 256), np.float32)  # same size, another shape: the same buffer
-    assert b.__array_interface__["data"][0] == addr and pool.idle_bytes == 0
-    assert b.flags.c_contiguous and b.flags.writeable and b.shape == (512, 256)
-
-
-def test_lending_routes_only_large_arrays_and_only_inside_the_block():
-    pool = ScratchPool(1 << 30)
-    big = scratch.LEND_MIN_BYTES // 4
-    with scratch.lending(pool):
-        lent = scratch.zeros((big,), np.float32)
-        small = scratch.empty((10,), np.float32)
-        filled = scratch.full((big,), -np.inf, np.float32)
-    outside = scratch.empty((big,), np.float32)
-    assert (lent == 0).all() and np.isneginf(filled).all()
-    assert small.base is None and outside.base is None      # plain numpy allocations
-    del lent, filled
-    gc.collect()
-    assert pool.idle_bytes == 2 * big * 4
-    seen = []
-
-    def other_thread():   # the block's setting is per thread: another thread allocates normally
-        seen.append(scratch.empty((big,), np.float32).base is None)
-    with scratch.lending(pool):
-        t = threading.Thread(target=other_thread)
-        t.start()
-        t.join()
-    assert seen == [True]
-
-
-def test_kernel_outputs_lent_from_a_pool_are_the_same_results():
-    """The CPU kernels allocate their large outputs and copies through scratch.empty: inside
-    lending() they come from the pool (and go back to it), with the same bits."""
-    import tiga_numba as tg
-    rng = np.random.default_rng(0)
-    n = 2048
-    q, k, v, do = (rng.standard_normal((n, 4, 512)).astype(np.float32) for _ in range(4))   # 16 MiB each
-    src, dst = rng.integers(0, n, 4 * n), rng.integers(0, n, 4 * n)
-    pool = ScratchPool(1 << 32)
-    for g in (tg.Graph.from_coo(src, dst, n, n), tg.Graph.cu_seqlens([0, 100, n])):
-        want_out, want_st = tg.attention(q, k, v, g, return_stats=True)
-        want = tg.attention_backward(do, q, k, v, want_out, want_st, g)
-        with scratch.lending(pool):
-            out, st = tg.attention(q, k, v, g, return_stats=True)
-            got = tg.attention_backward(do, q, k, v, out, st, g)
-        assert out.base is not None   # lent
-        np.testing.assert_array_equal(out, want_out)
-        for a, b in zip(got, want):
-            np.testing.assert_array_equal(a, b)
-        del out, st, got
-        gc.collect()
-        assert pool.idle_bytes > 0

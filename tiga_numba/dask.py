@@ -48,8 +48,7 @@ from .functional import attention as _attention
 from .functional import attention_backward as _attention_backward
 from .graph import Graph
 from .merge import attention_merge, log_sum_exp
-from .scratch import ScratchPool, lending
-from .scratch import empty as _scratch_empty, zeros as _scratch_zeros
+from .scratch import ScratchPool
 
 __all__ = ["attention", "attention_backward", "DaskAttentionStats", "plan_summary", "release_halo_buffers"]
 
@@ -62,12 +61,9 @@ WARM_GRAPH_BYTES = 1 << 30
 # A CSR partition that needs at least this fraction of a source chunk's rows receives the whole
 # chunk instead of a gathered copy of those rows (a random graph needs nearly every row).
 WHOLE_CHUNK_FRACTION = 15 / 16
-# Per worker process, host buffers are kept for the next task up to this many idle bytes: the
-# ones CSR tasks assemble their k and v halos in (up to all of k and v), and those of the CPU
-# kernels' large outputs and copies (lent while a task runs, scratch.lending; a result's buffer
-# comes back when dask drops the result). Writing into fresh memory costs a page fault per page
-# on every call, and far more where the host takes freed memory back (docs/dask.md); cupy chunks
-# use cupy's pool.
+# Per worker process, the host buffers that CSR tasks assemble their k and v halos in are kept
+# for the next task up to this many idle bytes: a halo is up to all of k and v, and writing it
+# into fresh memory costs a page fault per page on every call (cupy chunks use cupy's pool).
 HALO_SCRATCH_BYTES = 2 << 30
 _halo_scratch = ScratchPool(lambda: HALO_SCRATCH_BYTES)   # the setting as it is at each return
 
@@ -404,17 +400,6 @@ def release_halo_buffers():
     return released
 
 
-def _pooled(task):
-    """A task function whose CPU kernels allocate their large outputs and copies from this
-    process's pool (scratch.lending): a worker reuses the memory of its earlier results instead
-    of mapping fresh memory on every call. Results are the same arrays either way."""
-    @functools.wraps(task)
-    def run(*args, **kwargs):
-        with lending(_halo_scratch):
-            return task(*args, **kwargs)
-    return run
-
-
 @contextlib.contextmanager
 def _halo(parts):
     """A task's halo pieces as one array, for the task's kernel call only (nothing it returns
@@ -433,14 +418,12 @@ def _halo(parts):
         yield halo
 
 
-@_pooled
 def _csr_forward(q_p, k_parts, v_parts, graph, *, warm, scale):
     with _halo(k_parts) as k, _halo(v_parts) as v:
         out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True)
     return out, stats.m, stats.l
 
 
-@_pooled
 def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale):
     with _halo(k_parts) as k, _halo(v_parts) as v:
         return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
@@ -451,7 +434,6 @@ def _halo_piece(result, which, start, stop):
     return result[which][start:stop]
 
 
-@_pooled
 def _scatter_sum(like, pieces, *, rows, dtype, acc):
     """Sum the partial gradients of one source chunk, in the order given (increasing
     destination partition); `rows` holds, per piece, the chunk's rows it covers (None: all)."""
@@ -462,12 +444,11 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     # a copy when nothing follows (a chunk covered by one partition: 1 GB of dk and dv not copied
     # at 1M rows, H=4, D=32); otherwise from zeros.
     if whole[:2] == [True, True]:
-        out = _scratch_empty(pieces[0].shape, acc) if xp is np else None
-        total, start = xp.add(pieces[0], pieces[1], dtype=acc, out=out), 2
+        total, start = xp.add(pieces[0], pieces[1], dtype=acc), 2
     elif whole[:1] == [True]:
         total, start = pieces[0].astype(acc, copy=len(pieces) > 1), 1
     else:
-        total, start = (_scratch_zeros(like.shape, acc) if xp is np else xp.zeros(like.shape, dtype=acc)), 0
+        total, start = xp.zeros(like.shape, dtype=acc), 0
     for r, piece in zip(rows[start:], pieces[start:]):
         if r is None:
             total += piece
@@ -476,7 +457,6 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     return total.astype(dtype, copy=False)
 
 
-@_pooled
 def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc):
     out, stats = _attention(q_p, k_c, v_c, _warm(graph, warm), scale=scale, return_stats=True)
     return out.astype(acc, copy=False), stats.m, stats.l   # partials merge in the accumulation dtype
@@ -494,7 +474,6 @@ def _empty_forward(q_p, *, value_dim, acc):
             xp.zeros(row_shape, dtype=acc))
 
 
-@_pooled
 def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc):
     grads = _attention_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p),
                                 _warm(graph, warm), scale=scale)

@@ -31,7 +31,6 @@ from . import split as _split
 from .blas import single_threaded_blas
 from .layout import (acc_dtype_of, dtype_name, all_finite, contiguous, head_major, in_place, node_major,
                      order_balanced, transposed_heads)
-from .. import scratch as _scratch
 from . import threads as _threads
 from .threads import serialised
 from . import tiles as _tile_rule
@@ -211,9 +210,9 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
         if _blocks_cover(relation, Nq, "dst"):   # every row has its work item: written by the kernel
-            out, m, l = _scratch.empty((Nq, H, v.shape[2]), acc), np.empty((Nq, H), acc), np.empty((Nq, H), acc)
+            out, m, l = np.empty((Nq, H, v.shape[2]), acc), np.empty((Nq, H), acc), np.empty((Nq, H), acc)
         else:
-            out, m, l = _scratch.zeros((Nq, H, v.shape[2]), acc), np.full((Nq, H), -np.inf, acc), np.zeros((Nq, H), acc)
+            out, m, l = np.zeros((Nq, H, v.shape[2]), acc), np.full((Nq, H), -np.inf, acc), np.zeros((Nq, H), acc)
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
         part_acc = np.empty((n_slots, BM, v.shape[2]), acc)
@@ -239,7 +238,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
                             lambda: _csr.make_forward(acc.name, gen))
         items, splits, n_slots = _pieces(relation, relation.indptr)
         Dv = v.shape[2]
-        out = _scratch.empty((Nq, H, Dv), acc)
+        out = np.empty((Nq, H, Dv), acc)
         m = np.empty((Nq, H), acc)
         l = np.empty((Nq, H), acc)
         part_acc = np.empty((n_slots, H, Dv), acc)
@@ -367,7 +366,7 @@ def _tiles(rel, BM, BN):
 def _pack(xh, rel, name, copies, BM, BN):
     tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN),
                                               lambda: _tiles(rel, BM, BN))
-    out = _scratch.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
+    out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
     if starts.shape[0]:
         _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], out.size, xh, starts, cols, BN, out)
         copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
@@ -503,8 +502,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         own, products = _products(acc, plan)
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
-        dq_part = _scratch.empty((n_parts, H, Nq, D), acc)   # each partition zeroes its box in the kernel
-        fill = _scratch.empty if _blocks_cover(relation, Nk, "src") else _scratch.zeros
+        dq_part = np.empty((n_parts, H, Nq, D), acc)   # each partition zeroes its box in the kernel
+        fill = np.empty if _blocks_cover(relation, Nk, "src") else np.zeros
         dkh = fill((Hkv, Nk, D), acc)
         dvh = fill((Hkv, Nk, Dv), acc)
         # modifier gradients: per-head params and dst fields per dq partition (summed in
@@ -519,7 +518,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
             np.sum(ghp_part, axis=0, out=ghp)
         if n_nd:
             np.sum(gnd_part, axis=0, out=gnd)
-        dq = _scratch.empty((Nq, H, D), acc)
+        dq = np.empty((Nq, H, D), acc)
         _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part.size, dq_part, boxes, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
         dv = dvh.transpose(1, 0, 2)
@@ -537,9 +536,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         k_dst, k_src = None, None
         (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", _name(acc), _mod_key(gen)),
                                       lambda: _csr.make_backward(acc.name, gen))
-        dq = _scratch.empty((Nq, H, D), acc)
+        dq = np.empty((Nq, H, D), acc)
         E = int(relation.indices.shape[0])
-        dbias = _scratch.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
+        dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
         items, splits, n_slots = _pieces(relation, relation.indptr)
         part_dq = np.empty((n_slots, H, D), acc)
         ghp_items = np.zeros((items.shape[0], n_hp, H), acc)
@@ -551,8 +550,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
             # per work item, summed in the items' row order (their array order follows the thread
             # count, the sum must not)
             np.sum(ghp_items[np.lexsort((items[:, 2], items[:, 0]))], axis=0, out=ghp)
-        dk = _scratch.empty((Nk, Hkv, D), acc)
-        dv = _scratch.empty((Nk, Hkv, Dv), acc)
+        dk = np.empty((Nk, Hkv, D), acc)
+        dv = np.empty((Nk, Hkv, Dv), acc)
         t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)
         part_dk = np.empty((t_slots, Hkv, D), acc)
         part_dv = np.empty((t_slots, Hkv, Dv), acc)

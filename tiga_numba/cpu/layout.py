@@ -13,7 +13,6 @@ head to the key/value head it reads.
 import numpy as np
 from numba import njit, prange
 
-from .. import scratch as _scratch
 from .threads import run, useful
 
 
@@ -88,7 +87,7 @@ def contiguous(x, dtype):
         return x
     if x.ndim != 3 or x.dtype != dtype or dtype not in (np.float32, np.float64):
         return np.ascontiguousarray(x, dtype=dtype)
-    out = _scratch.empty(x.shape, dtype)
+    out = np.empty(x.shape, dtype)
     copy_into(out, x, dtype)
     return out
 
@@ -135,7 +134,7 @@ def _transpose_heads(xh, out):
 
 def transposed_heads(xh):
     """(H, N, D) contiguous -> (H, D, N) contiguous, same dtype."""
-    out = _scratch.empty((xh.shape[0], xh.shape[2], xh.shape[1]), xh.dtype)
+    out = np.empty((xh.shape[0], xh.shape[2], xh.shape[1]), xh.dtype)
     if out.size:
         run(_transpose_heads, useful(work=xh.size), xh, out)
     return out
@@ -146,7 +145,7 @@ def head_major(x, acc, name, copies, scale=None):
     t = x.transpose(1, 0, 2)
     if scale is None and x.dtype == acc and t.flags.c_contiguous:
         return c_strides(t)  # e.g. one kv head stored contiguously: read in place
-    out = _scratch.empty(t.shape, acc)
+    out = np.empty(t.shape, acc)
     copy_into(out.transpose(1, 0, 2), x, acc, scale)
     why = _why(x, acc) + (["head-major"] if not t.flags.c_contiguous else [])
     if scale is not None:
@@ -159,7 +158,7 @@ def node_major(x, acc, name, copies, scale=None):
     """(N, H, D) -> C-contiguous (N, H, D) in ``acc`` (times ``scale`` when given)."""
     if scale is None and x.dtype == acc and x.flags.c_contiguous:
         return c_strides(x)
-    out = _scratch.empty(x.shape, acc)
+    out = np.empty(x.shape, acc)
     copy_into(out, x, acc, scale)
     why = _why(x, acc) + (["contiguous"] if not x.flags.c_contiguous else [])
     if scale is not None:
