@@ -29,8 +29,8 @@ from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
-from .layout import (acc_dtype_of, dtype_name, all_finite, contiguous, head_major, in_place, node_major,
-                     order_balanced, transposed_heads)
+from .layout import (acc_dtype_of, all_finite, contiguous, dtype_name, head_major, in_place,
+                     node_major, order_balanced, transposed_heads)
 from . import threads as _threads
 from .threads import serialised
 from . import tiles as _tile_rule
@@ -219,9 +219,10 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_m = np.empty((n_slots, BM), acc)
         part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], _work(plan, H, D, v.shape[2]), qh, ktt, kh, kT, vh, _finite(relation, vh), items, relation.dst_offsets,
-                 relation.src_offsets, relation.lo, relation.hi, tile_base, group, log2_rho,
-                 splits, part_acc, part_m, part_l, out, m, l, total, pruned, mctx)
+            _run(kern, items.shape[0], _work(plan, H, D, v.shape[2]), qh, ktt, kh, kT, vh,
+                 _finite(relation, vh), items, relation.dst_offsets, relation.src_offsets, relation.lo,
+                 relation.hi, tile_base, group, log2_rho, splits, part_acc, part_m, part_l, out, m, l,
+                 total, pruned, mctx)
         split_note = (f"; {splits.shape[0]} query tile(s) split into {n_slots} key ranges, "
                       "merged in fixed order" if n_slots else "")
         info.update(kernel="cpu.blocks.forward (tiled online softmax)",
@@ -511,9 +512,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         ghp_part = np.zeros((n_parts, n_hp, H), acc)
         gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, _work(plan, H, D, Dv, 2), qh, kh, vh, ktt, vtt, doh, _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems,
-                 relation.dst_offsets, relation.src_offsets, relation.lo, relation.hi,
-                 tile_base, group, n_parts, boxes, dq_part, dkh, dvh, mctx, (ghp_part, gnd_part, gns))
+            _run(kern, n_parts, _work(plan, H, D, Dv, 2), qh, kh, vh, ktt, vtt, doh,
+                 _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems, relation.dst_offsets,
+                 relation.src_offsets, relation.lo, relation.hi, tile_base, group, n_parts, boxes, dq_part,
+                 dkh, dvh, mctx, (ghp_part, gnd_part, gns))
         if n_hp:
             np.sum(ghp_part, axis=0, out=ghp)
         if n_nd:
