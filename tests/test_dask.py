@@ -96,6 +96,30 @@ def test_threaded_equals_single_process(name):
     assert all(np.array_equal(a, b) for a, b in zip(again, got[4:]))
 
 
+@pytest.mark.parametrize("name", ["csr", "triangular-uneven", "varlen-kv-causal", "dense-rect"])
+def test_softcap_equals_single_process(name):
+    """softcap= (elementwise on each score, so every partition and block applies it alike):
+    forward, stats and gradients as tiga_numba.attention(..., softcap=) gives them."""
+    build, nd, ns, qc, kc = CASES[name]
+    g = build()
+    rng = np.random.default_rng(7)
+    q, dout = (3 * rng.standard_normal((nd, H, D)) for _ in range(2))   # scores past the cap
+    k, v = (3 * rng.standard_normal((ns, HKV, D)) for _ in range(2))
+    out, st = tg.attention(q, k, v, g, return_stats=True, softcap=2.0)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g, softcap=2.0)
+    c = {n: da.from_array(x, chunks=(qc if n in ("q", "dout") else kc, -1, -1))
+         for n, x in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    lout, lst = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True, softcap=2.0)
+    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, softcap=2.0)
+    _check(dask.compute(lout, lst.m, lst.l, lst.lse, *grads, scheduler="threads"), (out, st, ref), 1e-12)
+    plain = tgd.attention(c["q"], c["k"], c["v"], g).compute(scheduler="sync")
+    assert np.abs(plain - out).max() > 1e-3   # the cap changed the result: the test can fail
+    with pytest.raises(ValueError, match="softcap"):
+        tgd.attention(c["q"], c["k"], c["v"], g, softcap=-1.0)
+    with pytest.raises(TypeError, match="softcap"):
+        tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, softcap="2")
+
+
 def test_blocks_outside_the_relation_are_never_created():
     g, _, c = _problem("triangular")
     summary = tgd.plan_summary(g, c["q"], c["k"])

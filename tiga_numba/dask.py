@@ -418,16 +418,27 @@ def _halo(parts):
         yield halo
 
 
-def _csr_forward(q_p, k_parts, v_parts, graph, *, warm, scale):
+def _csr_forward(q_p, k_parts, v_parts, graph, *, warm, scale, softcap=None):
     with _halo(k_parts) as k, _halo(v_parts) as v:
-        out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True)
+        out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True,
+                                softcap=softcap)
     return out, stats.m, stats.l
 
 
-def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale):
+def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale, softcap=None):
     with _halo(k_parts) as k, _halo(v_parts) as v:
         return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
-                                   _warm(graph, warm), scale=scale)
+                                   _warm(graph, warm), scale=scale, softcap=softcap)
+
+
+def _check_softcap(softcap):
+    """softcap as a float (or None), checked as tiga_numba.attention checks it, before any task
+    is built: a bad value fails at the call, not inside a worker."""
+    if softcap is None:
+        return None
+    from .functional import flash_modifier
+    flash_modifier(np.zeros((0, 1, 1), np.float32), Graph.dense(0, 0), softcap, None)
+    return float(softcap.item() if getattr(softcap, "ndim", None) == 0 else softcap)
 
 
 def _halo_piece(result, which, start, stop):
@@ -457,8 +468,9 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     return total.astype(dtype, copy=False)
 
 
-def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc):
-    out, stats = _attention(q_p, k_c, v_c, _warm(graph, warm), scale=scale, return_stats=True)
+def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc, softcap=None):
+    out, stats = _attention(q_p, k_c, v_c, _warm(graph, warm), scale=scale, return_stats=True,
+                            softcap=softcap)
     return out.astype(acc, copy=False), stats.m, stats.l   # partials merge in the accumulation dtype
 
 
@@ -474,9 +486,9 @@ def _empty_forward(q_p, *, value_dim, acc):
             xp.zeros(row_shape, dtype=acc))
 
 
-def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc):
+def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc, softcap=None):
     grads = _attention_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p),
-                                _warm(graph, warm), scale=scale)
+                                _warm(graph, warm), scale=scale, softcap=softcap)
     return tuple(g.astype(acc, copy=False) for g in grads)
 
 
@@ -542,7 +554,7 @@ def _row_outputs(name, q, nparts, source, ndim_tail):
     return {(name, p) + (0,) * ndim_tail: source(p) for p in range(nparts)}
 
 
-def attention(q, k, v, graph, *, scale=None, return_stats=False):
+def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None):
     """Attention of q over k, v along `graph`, with dask arrays chunked along the node axis.
 
     Parameters
@@ -552,6 +564,10 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
     k, v : dask arrays ``(num_src, Hkv, D)`` / ``(num_src, Hkv, Dv)`` with the same chunks along
         axis 0. Only axis 0 may be chunked.
     graph : tiga_numba.Graph with ``num_dst == q.shape[0]`` and ``num_src == k.shape[0]``.
+    softcap : float, optional
+        flash-attn's soft-cap, as in :func:`tiga_numba.attention` (an elementwise function of
+        each score, so every block and partition applies it alike). ``alibi_slopes`` is not
+        offered: it reads node positions, which the partitions renumber.
 
     Returns
     -------
@@ -560,10 +576,11 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
         q's rows. Equal to the single-process call within rounding, on any dask scheduler.
     """
     meta_out, meta_stats = _check_inputs(q, k, v, graph)
+    softcap = _check_softcap(softcap)
     plan = _plan(graph, q, k)
     dtype, acc = meta_out.dtype, meta_stats.m.dtype
     value_dim = int(v.shape[-1])
-    token = tokenize(plan.token, q.name, k.name, v.name, scale)
+    token = tokenize(plan.token, q.name, k.name, v.name, scale, softcap)
     core_name = f"tiga-attention-tasks-{token}"
     core = {}
     nparts = len(q.chunks[0])
@@ -573,7 +590,7 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "forward", p)
-            core[key] = (functools.partial(_csr_forward, warm=(plan.token, p), scale=scale),
+            core[key] = (functools.partial(_csr_forward, warm=(plan.token, p), scale=scale, softcap=softcap),
                          _chunk_key(q, p), k_parts, v_parts, relations[p])
             roots.append(key)
         cast_out = functools.partial(_cast, dtype=dtype, which=0)
@@ -583,7 +600,7 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False):
             for c, sub in row_blocks:
                 key = (core_name, "block", p, c)
                 core[key] = (functools.partial(_block_forward, graph=sub, warm=(plan.token, p, c),
-                                               scale=scale, acc=acc),
+                                               scale=scale, acc=acc, softcap=softcap),
                              _chunk_key(q, p), _chunk_key(k, c), _chunk_key(v, c))
                 leaves.append(key)
             if not leaves:
@@ -647,14 +664,15 @@ def _gather_halo(core, plan, p, part, k, v):
     return k_parts, v_parts
 
 
-def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
+def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=None):
     """Backward of :func:`attention` over dask arrays: returns ``dq`` (chunked like q) and
-    ``dk``, ``dv`` (chunked like k, v), in q's dtype.
+    ``dk``, ``dv`` (chunked like k, v), in q's dtype. ``softcap``: the forward's.
 
     ``out`` and ``stats`` are the forward's (``attention(..., return_stats=True)``); ``dout``,
     ``out``, ``stats.m`` and ``stats.l`` must be chunked like q along axis 0. The partial
     gradients of a source chunk are summed in a fixed order: the same bits on every run."""
     meta_out, meta_stats = _check_inputs(q, k, v, graph)
+    softcap = _check_softcap(softcap)
     if not (hasattr(stats, "m") and hasattr(stats, "l")):
         raise TypeError(f"stats must be the stats returned by tiga_numba.dask.attention(..., "
                         f"return_stats=True), got {type(stats).__name__}")
@@ -672,7 +690,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
     plan = _plan(graph, q, k)
     dtype, acc = meta_out.dtype, meta_stats.m.dtype
     token = tokenize(plan.token, dout.name, q.name, k.name, v.name, out.name, stats.m.name,
-                     stats.l.name, scale)
+                     stats.l.name, scale, softcap)
     core_name = f"tiga-attention-backward-tasks-{token}"
     core = {}
     nq, nk = len(q.chunks[0]), len(k.chunks[0])
@@ -691,7 +709,8 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "backward", p)
-            core[key] = (functools.partial(_csr_backward, warm=(plan.token, p), scale=scale),
+            core[key] = (functools.partial(_csr_backward, warm=(plan.token, p), scale=scale,
+                                           softcap=softcap),
                          *row_inputs(p), k_parts, v_parts,
                          *stat_inputs(p), relations[p])
             dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
@@ -716,7 +735,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None):
             for c, sub in row_blocks:
                 key = (core_name, "block", p, c)
                 core[key] = (functools.partial(_block_backward, graph=sub, warm=(plan.token, p, c),
-                                               scale=scale, acc=acc),
+                                               scale=scale, acc=acc, softcap=softcap),
                              *row_inputs(p), _chunk_key(k, c), _chunk_key(v, c), *stat_inputs(p))
                 for which, leaves, i in ((0, dq_leaves, p), (1, dk_leaves, c), (2, dv_leaves, c)):
                     part = (core_name, "part", which, p, c)
