@@ -737,3 +737,22 @@ def test_one_row_arrays_with_odd_strides_are_read_as_any_other(dtype=np.float32)
                 got = tg.attention_backward(args["dout"], args["q"], k, v, args["out"], st, g, **kw)
                 for a, b in zip(got, want):
                     np.testing.assert_array_equal(a, b, err_msg=f"{name} {kw}")
+
+
+def test_a_nan_score_inside_a_row_makes_that_rows_gradient_shares_nan():
+    """A NaN key inside a row makes the row's probabilities NaN (l = NaN): every gradient that row
+    contributes to is NaN, as the math gives, never a finite value missing the row's share; rows
+    without the NaN key keep finite results."""
+    f = np.float32
+    q = np.ones((2, 1, 2), f)
+    k = np.ones((3, 1, 2), f)
+    v = np.arange(6, dtype=f).reshape(3, 1, 2)
+    dout = np.ones((2, 1, 2), f)
+    k[0, 0, 0] = np.nan
+    g = tg.Graph.from_csr(np.array([0, 2, 4]), np.array([0, 1, 1, 2]), num_src=3)  # 0 <- {0, 1}, 1 <- {1, 2}
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all() and np.isnan(st.l[0, 0])
+    dq, dk, dv = tg.attention_backward(dout, q, k, v, out, st, g)
+    assert np.isnan(dv[0]).all() and np.isnan(dv[1]).all()   # row 0 reads keys 0 and 1
+    np.testing.assert_allclose(dv[2], 0.5)                     # key 2: row 1's half only
+    assert np.isnan(dq[0]).all() and np.isfinite(dq[1]).all()

@@ -463,8 +463,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
     delta = np.empty((Nq, H), acc)
     _threads.run(_blocks.row_dots, _threads.useful(work=delta.size * Dv), np.asarray(dout, acc),
                  np.asarray(out, acc), delta)
+    # 1 / l; 0 for an empty row (l = 0: p = 0); NaN where the forward's l is NaN (a NaN or inf
+    # score inside the row): its probabilities are NaN, and so are their gradients' shares
     with np.errstate(divide="ignore"):
-        linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), 0).astype(acc)
+        linv = np.where(l > 0, 1.0 / np.where(l > 0, l, 1), np.where(np.isnan(l), np.nan, 0)).astype(acc)
     # base-2 maxima for the kernels: the forward's own when given (exact), else converted from
     # m; -inf (empty rows) -> the kernels' finite NEG sentinel
     m2 = np.asarray(m_kernel, acc) if m_kernel is not None else m * acc.type(LOG2E)
