@@ -88,3 +88,5 @@ def test_merge_rejects_bad_parts():
     pruned = tg.AttentionStats(st.m, st.l, block_prune_threshold=0.5)
     with pytest.raises(NotImplementedError, match="pruned"):
         tg.attention_merge([(o, st), (o, pruned)])
+    with pytest.raises(TypeError, match=r"parts\[1\] out is float16"):
+        tg.attention_merge([(o, st), (o.astype(np.float16), st)])

@@ -105,6 +105,9 @@ def _merge(parts):
         if tuple(o.shape[:m.ndim]) != tuple(m.shape):
             raise ValueError(f"parts[{i}] out has shape {tuple(o.shape)}, which does not match its "
                              f"stats.m of shape {tuple(m.shape)}")
+        if o.dtype != out0.dtype:   # the merged out takes one dtype: never a silent down-cast
+            raise TypeError(f"parts[{i}] out is {o.dtype}, parts[0]'s is {out0.dtype}: all parts "
+                            "must have one dtype (cast them first)")
     acc = np.dtype(np.float64) if np.dtype(m0.dtype) == np.float64 else np.dtype(np.float32)
     m_run = xp.asarray(m0, dtype=acc)
     l_run = xp.asarray(l0, dtype=acc)
