@@ -122,6 +122,12 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
                                        "decode forward (few query rows per block)",
                                        "csr forward", "csr backward"]
     assert all(r[0] == "float32" and r[2] == "memory hit" for r in records), records
+    # --modifiers adds the soft-cap / ALiBi kernels (labels only here: compiling them is minutes)
+    labels = [label for label, _ in precompile._calls("float32", ("softcap", "alibi"))]
+    assert labels[:5] == ["softcap fwd+bwd, causal", "softcap fwd+bwd, csr", "alibi fwd+bwd, causal",
+                          "alibi fwd+bwd, csr", "alibi fwd+bwd, dense (bottom-right aligned)"]
+    with pytest.raises(SystemExit):
+        precompile.main(["--modifiers", "rope"])
     with pytest.raises(ValueError, match="dtypes"):
         precompile.precompile([np.int32])
 

@@ -9,6 +9,7 @@ finds them on disk:
 
     python -m tiga_numba.precompile                      # float32 and float64
     python -m tiga_numba.precompile --dtypes float32     # float16 inputs use these too
+    python -m tiga_numba.precompile --modifiers softcap,alibi   # also softcap= / alibi_slopes=
 
 Families: block relations (dense, causal, cu_seqlens) forward, tile-pruned forward and
 backward; the split-key forward of few-query blocks; CSR relations forward and backward.
@@ -27,8 +28,10 @@ import numpy as np
 DEFAULT_DTYPES = ("float32", "float64")
 
 
-def _calls(dtype):
-    """(label, thunk) for one tiny call per CPU kernel family; each thunk returns its plan."""
+def _calls(dtype, modifiers=()):
+    """(label, thunk) for one tiny call per CPU kernel family (and, per name in `modifiers`,
+    the forward and backward of that flash-attn modifier on block and CSR relations; each
+    modifier is its own set of kernels); each thunk returns its plan."""
     import tiga_numba as tg
     from tiga_numba import functional
 
@@ -44,15 +47,26 @@ def _calls(dtype):
             return functional.last_plan()
         return run
 
-    def backward(graph):
+    def backward(graph, **options):
         def run():
-            out, stats = tg.attention(q, k, v, graph, return_stats=True)
-            tg.attention_backward(dout, q, k, v, out, stats, graph)
+            out, stats = tg.attention(q, k, v, graph, return_stats=True, **options)
+            tg.attention_backward(dout, q, k, v, out, stats, graph, **options)
             return functional.last_plan()
         return run
 
+    modified = []
+    for name in modifiers:
+        kw = {"softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": np.ones(heads)}}[name]
+        # ALiBi on dense / cu_seqlens blocks is aligned bottom-right (its own kernels), on
+        # triangular, band and CSR relations it is not
+        graphs = [("causal", tg.Graph.triangular(n)), ("csr", ring)]
+        if name == "alibi":
+            graphs.append(("dense (bottom-right aligned)", dense))
+        for label, g in graphs:
+            modified.append((f"{name} fwd+bwd, {label}", backward(g, **kw)))
+
     # dense relations' forward takes taller tiles than the others (cpu/tiles.py): two kernels
-    return [("blocks forward, dense", forward(dense)),
+    return modified + [("blocks forward, dense", forward(dense)),
             ("blocks forward, causal / segments / bands", forward(tg.Graph.triangular(n))),
             ("blocks forward, tile-pruned", forward(dense, block_prune_threshold=0.5)),
             ("blocks backward", backward(dense)),
@@ -61,8 +75,12 @@ def _calls(dtype):
             ("csr backward", backward(ring))]
 
 
-def precompile(dtypes=DEFAULT_DTYPES, out=None):
-    """Run one tiny call per CPU kernel family and dtype. Returns a list of
+MODIFIERS = ("softcap", "alibi")
+
+
+def precompile(dtypes=DEFAULT_DTYPES, out=None, modifiers=()):
+    """Run one tiny call per CPU kernel family and dtype (and per modifier named in `modifiers`,
+    a subset of MODIFIERS: flash-attn's ``softcap=`` / ``alibi_slopes=``). Returns a list of
     (dtype, family label, where the kernel came from, seconds); where is "compiled",
     "disk hit" (numba's on-disk cache) or "memory hit" (already in this process)."""
     records = []
@@ -71,14 +89,16 @@ def precompile(dtypes=DEFAULT_DTYPES, out=None):
         if dtype not in DEFAULT_DTYPES:
             raise ValueError(f"dtypes: the CPU kernels are compiled for float32 (also used by "
                              f"float16 inputs) and float64, got {dtype!r}")
-        for label, run in _calls(dtype):
+        for bad in set(modifiers) - set(MODIFIERS):
+            raise ValueError(f"modifiers: expected names from {MODIFIERS}, got {bad!r}")
+        for label, run in _calls(dtype, modifiers):
             t0 = time.perf_counter()
             plan = run()
             seconds = time.perf_counter() - t0
             record = (dtype, label, str(plan.run_info.get("cache", "n/a")), seconds)
             records.append(record)
             if out is not None:
-                print(f"  {dtype:8s} {label:28s} {record[2]:11s} {seconds:6.1f} s", file=out,
+                print(f"  {dtype:8s} {label:42s} {record[2]:11s} {seconds:6.1f} s", file=out,
                       flush=True)
     return records
 
@@ -91,10 +111,18 @@ def main(argv=None):
                         choices=list(DEFAULT_DTYPES),
                         help="input dtypes to compile for (float16 inputs use the float32 "
                              "kernels); default: %(default)s")
+    parser.add_argument("--modifiers", default="",
+                        help="also the kernels of these score modifiers, comma-separated from "
+                             f"{', '.join(MODIFIERS)} (tg.attention's softcap= / alibi_slopes=)")
     args = parser.parse_args(argv)
-    print(f"tiga_numba.precompile: CPU kernels for {', '.join(args.dtypes)}", flush=True)
+    modifiers = tuple(m for m in args.modifiers.split(",") if m)
+    print(f"tiga_numba.precompile: CPU kernels for {', '.join(args.dtypes)}"
+          + (f", modifiers {', '.join(modifiers)}" if modifiers else ""), flush=True)
     t0 = time.perf_counter()
-    records = precompile(args.dtypes, out=sys.stdout)
+    try:
+        records = precompile(args.dtypes, out=sys.stdout, modifiers=modifiers)
+    except ValueError as exc:
+        parser.error(str(exc))
     compiled = sum(r[2] == "compiled" for r in records)
     print(f"done in {time.perf_counter() - t0:.1f} s: {compiled} compiled, "
           f"{len(records) - compiled} already cached", flush=True)
