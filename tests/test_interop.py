@@ -311,3 +311,39 @@ def test_adapter_layers_train_like_pyg():
         for key, value in pyg.state_dict().items():
             torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-4, atol=1e-5,
                                        msg=f"{name} {key}")
+
+
+def test_a_torch_scalar_does_not_choose_the_results_library():
+    """softcap= / scale= given as 0-d tensors are their numbers: numpy q gives numpy results
+    (a scalar argument does not decide the library, the arrays do), torch q torch results."""
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(10, 2, 8)).astype(np.float32)
+    g = tg.Graph.triangular(10)
+    want = tg.attention(q, q, q, g, softcap=2.0, scale=0.5)
+    got = tg.attention(q, q, q, g, softcap=torch.tensor(2.0), scale=torch.tensor(0.5))
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_array_equal(got, want)
+    t = torch.from_numpy(q)
+    got_t = tg.attention(t, t, t, g, softcap=torch.tensor(2.0))
+    assert isinstance(got_t, torch.Tensor)
+    np.testing.assert_array_equal(got_t.numpy(), tg.attention(q, q, q, g, softcap=2.0))
+    with pytest.raises(TypeError, match="softcap"):
+        tg.attention(q, q, q, g, softcap=torch.tensor(True))
+    tgd = pytest.importorskip("tiga_numba.dask")
+    assert tgd._check_softcap(torch.tensor(2.0)) == 2.0
+
+
+def test_a_torch_layer_pickles_after_a_call():
+    """The layer's graph memo (a weak reference) is a cache: torch.save / pickle leave it out."""
+    import io
+    import pickle
+    import tiga_numba.torch as tgt
+    m = tgt.GATConv(4, 3, heads=2)
+    x, ei = torch.randn(6, 4), torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
+    y = m(x, ei)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    m2 = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(m2(x, ei), y)
+    torch.testing.assert_close(pickle.loads(pickle.dumps(m))(x, ei), y)

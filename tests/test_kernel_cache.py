@@ -122,12 +122,37 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
                                        "decode forward (few query rows per block)",
                                        "csr forward", "csr backward"]
     assert all(r[0] == "float32" and r[2] == "memory hit" for r in records), records
-    # --modifiers adds the soft-cap / ALiBi kernels (labels only here: compiling them is minutes)
-    labels = [label for label, _ in precompile._calls("float32", ("softcap", "alibi"))]
-    assert labels[:5] == ["softcap fwd+bwd, causal", "softcap fwd+bwd, csr", "alibi fwd+bwd, causal",
-                          "alibi fwd+bwd, csr", "alibi fwd+bwd, dense (bottom-right aligned)"]
     with pytest.raises(SystemExit):
         precompile.main(["--modifiers", "rope"])
+
+
+def test_precompile_modifiers_reach_every_modified_kernel_kind(monkeypatch):
+    """--modifiers softcap,alibi asks for the forward kernels a user's modified calls need: the
+    dense forward's taller tiles as well as the others', and ALiBi's bottom-right aligned tree
+    (rectangular dense / cu_seqlens blocks) as well as the plain one. The first kernel lookup of
+    each call is recorded and the call stopped there (no compile)."""
+    from tiga_numba import precompile
+    from tiga_numba.cpu import api
+
+    class Looked(Exception):
+        pass
+    keys = []
+
+    def record(key, build):
+        keys.append(key)
+        raise Looked
+
+    monkeypatch.setattr(api, "_kernel", record)
+    import tiga_numba as tg
+    with tg.options(cpu_tiles=None):   # the machine's rule (the suite fixes the tiles otherwise)
+        for label, run in precompile._calls("float64", ("softcap", "alibi"))[:8]:
+            with pytest.raises(Looked):
+                run()
+    blocks = [k for k in keys if k[1] == "blocks.forward"]
+    tiles = {name: {k[3:5] for k in blocks if name in repr(k)} for name in ("tanh", "alibi")}
+    assert len(tiles["tanh"]) >= 2 and len(tiles["alibi"]) >= 2, tiles   # dense's tiles and the others'
+    assert any("_alibi_shift" in repr(k) for k in blocks)                  # the aligned tree
+    assert any(k[1] == "csr.forward" and "tanh" in repr(k) for k in keys)
     with pytest.raises(ValueError, match="dtypes"):
         precompile.precompile([np.int32])
 

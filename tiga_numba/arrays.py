@@ -201,6 +201,8 @@ def check_attention_inputs(q, k, v, graph, scale):
 def resolve_scale(scale, head_dim):
     if scale is None:
         return float(head_dim) ** -0.5 if head_dim > 0 else 1.0
+    if getattr(scale, "ndim", None) == 0 and hasattr(scale, "item"):
+        scale = scale.item()   # a 0-d array or tensor: its number (checked below)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)

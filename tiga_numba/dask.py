@@ -437,6 +437,8 @@ def _check_softcap(softcap):
     if softcap is None:
         return None
     from .functional import flash_modifier
+    from .interop import to_native
+    softcap = to_native(softcap, "softcap")   # a torch scalar tensor as a 0-d numpy array
     flash_modifier(np.zeros((0, 1, 1), np.float32), Graph.dense(0, 0), softcap, None)
     return float(softcap.item() if getattr(softcap, "ndim", None) == 0 else softcap)
 

@@ -150,9 +150,8 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
     values = {}
     shift = None
     if softcap is not None:
-        if getattr(softcap, "ndim", None) == 0 and getattr(softcap, "dtype", None) is not None \
-                and np.dtype(softcap.dtype).kind in "iuf":
-            softcap = softcap.item()   # a 0-d array (numpy, or a tensor viewed through DLPack)
+        if getattr(softcap, "ndim", None) == 0 and hasattr(softcap, "item"):
+            softcap = softcap.item()   # a 0-d array or tensor: its number (checked below)
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(
                 softcap, (int, float, np.integer, np.floating)):
             raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")

@@ -135,6 +135,8 @@ def _scan(obj, depth=0):
     lib = library_name(obj)
     if lib is None:
         _NATIVE_TYPES.add(type(obj))
+    elif getattr(obj, "ndim", None) == 0:
+        return None   # a 0-d scalar (softcap=torch.tensor(30.0)) does not choose the results' library
     return lib
 
 

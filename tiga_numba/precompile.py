@@ -49,21 +49,25 @@ def _calls(dtype, modifiers=()):
 
     def backward(graph, **options):
         def run():
-            out, stats = tg.attention(q, k, v, graph, return_stats=True, **options)
-            tg.attention_backward(dout, q, k, v, out, stats, graph, **options)
+            qg, dg = q[:graph.num_dst], dout[:graph.num_dst]
+            out, stats = tg.attention(qg, k, v, graph, return_stats=True, **options)
+            tg.attention_backward(dg, qg, k, v, out, stats, graph, **options)
             return functional.last_plan()
         return run
 
     modified = []
     for name in modifiers:
         kw = {"softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": np.ones(heads)}}[name]
-        # ALiBi on dense / cu_seqlens blocks is aligned bottom-right (its own kernels), on
-        # triangular, band and CSR relations it is not
-        graphs = [("causal", tg.Graph.triangular(n)), ("csr", ring)]
+        calls = [("fwd+bwd, causal", backward(tg.Graph.triangular(n), **kw)),
+                 ("fwd+bwd, csr", backward(ring, **kw)),
+                 ("fwd, dense (its taller tiles)", forward(dense, **kw))]
         if name == "alibi":
-            graphs.append(("dense (bottom-right aligned)", dense))
-        for label, g in graphs:
-            modified.append((f"{name} fwd+bwd, {label}", backward(g, **kw)))
+            # rectangular dense / cu_seqlens blocks align ALiBi bottom-right: a tree of its own
+            rect = tg.Graph.dense(n, n // 2)
+            calls += [("fwd+bwd, rectangular dense (bottom-right aligned)", backward(rect, **kw)),
+                      ("fwd, rectangular cu_seqlens (bottom-right aligned)",
+                       forward(tg.Graph.cu_seqlens([0, 2, n // 2], cu_seqlens_k=[0, 4, n]), **kw))]
+        modified += [(f"{name} {label}", run) for label, run in calls]
 
     # dense relations' forward takes taller tiles than the others (cpu/tiles.py): two kernels
     return modified + [("blocks forward, dense", forward(dense)),

@@ -121,7 +121,8 @@ class _Call:
         perm = self.graph.edge_permutation
         if perm is None or library == "numpy":
             return perm
-        return self.graph._cached(("edge_permutation", library),
+        import cupy   # one copy per device: an index array must live where the fields do
+        return self.graph._cached(("edge_permutation", library, cupy.cuda.Device().id),
                                   lambda: arrays.as_library_array(perm, library))
 
     def _to_kernel_order(self, a, library):

@@ -175,6 +175,13 @@ class _TorchLayer(torch.nn.Module):
             setattr(self, attr, getattr(core, attr))
         self._graph_memo = None
 
+    def __getstate__(self):
+        # the graph memo holds a weak reference (not picklable) and is only a cache: a pickled or
+        # torch.save'd layer starts without it
+        state = self.__dict__.copy()
+        state["_graph_memo"] = None
+        return state
+
     def _graph(self, edge_index, x):
         if isinstance(edge_index, Graph):
             return edge_index
