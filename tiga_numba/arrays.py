@@ -198,11 +198,30 @@ def check_attention_inputs(q, k, v, graph, scale):
     return q, k, v, shape, scale
 
 
+_DTYPE_NAMES = {}
+
+
+def dtype_name(dtype):
+    """dtype.name, memoised: numpy computes it in Python on every access (microseconds; the plan
+    and a call's copy notes ask for it several times per call)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    return name
+
+
+def scalar_value(x):
+    """A 0-d array or tensor (numpy, cupy, torch, ...) as its Python number; anything else as it
+    is, for the caller's own type check (softcap=, scale=)."""
+    if getattr(x, "ndim", None) == 0 and hasattr(x, "item"):
+        return x.item()
+    return x
+
+
 def resolve_scale(scale, head_dim):
     if scale is None:
         return float(head_dim) ** -0.5 if head_dim > 0 else 1.0
-    if getattr(scale, "ndim", None) == 0 and hasattr(scale, "item"):
-        scale = scale.item()   # a 0-d array or tensor: its number (checked below)
+    scale = scalar_value(scale)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)

@@ -436,11 +436,11 @@ def _check_softcap(softcap):
     is built: a bad value fails at the call, not inside a worker."""
     if softcap is None:
         return None
+    from .arrays import scalar_value
     from .functional import flash_modifier
-    from .interop import to_native
-    softcap = to_native(softcap, "softcap")   # a torch scalar tensor as a 0-d numpy array
+    softcap = scalar_value(softcap)   # a 0-d array or tensor: its number
     flash_modifier(np.zeros((0, 1, 1), np.float32), Graph.dense(0, 0), softcap, None)
-    return float(softcap.item() if getattr(softcap, "ndim", None) == 0 else softcap)
+    return float(softcap)
 
 
 def _halo_piece(result, which, start, stop):

@@ -11,6 +11,7 @@ import importlib
 
 from . import run_options as _options
 from . import registry as _registry
+from .arrays import dtype_name
 from .plan import BACKEND_OF_LIBRARY, Plan
 from .registry import Request
 from .cpu import tiles as _cpu_tiles  # pure Python: the CPU tile rule, recorded in the plan
@@ -87,7 +88,7 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         request = Request(
             op=op, backend=backend, relation_kind=graph.kind, implicit=implicit, banded=banded,
             score=score, modified=score.startswith("modified"), modifier_grads=modifier_grads,
-            dtype=_dtype_name(shape.dtype),
+            dtype=dtype_name(shape.dtype),
             head_dim=shape.head_dim, value_dim=shape.value_dim, heads=shape.heads,
             kv_heads=shape.kv_heads, scale=float(scale), pruned=prune_threshold is not None,
             max_block_rows=rows, options=opts, probe=probe)
@@ -128,14 +129,6 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
 
 _DECISIONS = {}
 _PROBED = object()   # marks a key whose decision asked the device probe (see make_plan)
-_DTYPE_NAMES = {}
-
-
-def _dtype_name(dtype):
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:  # str(dtype) costs microseconds: once per dtype
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-    return name
 
 
 def _device_probe(backend, graph, arrays, scale, score, probed):

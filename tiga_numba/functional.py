@@ -150,8 +150,7 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
     values = {}
     shift = None
     if softcap is not None:
-        if getattr(softcap, "ndim", None) == 0 and hasattr(softcap, "item"):
-            softcap = softcap.item()   # a 0-d array or tensor: its number (checked below)
+        softcap = arrays.scalar_value(softcap)
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(
                 softcap, (int, float, np.integer, np.floating)):
             raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")

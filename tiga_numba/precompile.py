@@ -87,14 +87,14 @@ def precompile(dtypes=DEFAULT_DTYPES, out=None, modifiers=()):
     a subset of MODIFIERS: flash-attn's ``softcap=`` / ``alibi_slopes=``). Returns a list of
     (dtype, family label, where the kernel came from, seconds); where is "compiled",
     "disk hit" (numba's on-disk cache) or "memory hit" (already in this process)."""
+    for bad in set(modifiers) - set(MODIFIERS):
+        raise ValueError(f"modifiers: expected names from {MODIFIERS}, got {bad!r}")
     records = []
     for dtype in dtypes:
         dtype = np.dtype(dtype).name
         if dtype not in DEFAULT_DTYPES:
             raise ValueError(f"dtypes: the CPU kernels are compiled for float32 (also used by "
                              f"float16 inputs) and float64, got {dtype!r}")
-        for bad in set(modifiers) - set(MODIFIERS):
-            raise ValueError(f"modifiers: expected names from {MODIFIERS}, got {bad!r}")
         for label, run in _calls(dtype, modifiers):
             t0 = time.perf_counter()
             plan = run()

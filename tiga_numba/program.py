@@ -131,14 +131,16 @@ class _Call:
         perm = self._edge_permutation(library)
         return a if perm is None else a[perm]
 
-    def to_input_order(self, g):
-        """A per-edge gradient from the kernels' CSR order back to the constructor's order."""
+    def edge_grads_in_input_order(self, grads):
+        """`grads` with its per-edge gradients moved from the kernels' CSR order back to the
+        constructor's order (the graph's own fields, e.g. a radius graph's, are in CSR order)."""
         perm = self._edge_permutation(self.library)
-        if perm is None or g is None:
-            return g
-        out = g.copy()
-        out[perm] = g
-        return out
+        if perm is not None:
+            for name, g in grads["edge"].items():
+                if g is not None and name not in self.graph_fields:
+                    grads["edge"][name] = g.copy()
+                    grads["edge"][name][perm] = g
+        return grads
 
     @staticmethod
     def _edge_params(program):
@@ -421,9 +423,7 @@ class _Lowered:
             for pname, g in (res.get("params") or {}).items():
                 grads["params"][f"{net_call.attr}.{pname}"] = g
             grads["positions"] = res.get("positions")
-            grads["edge"] = {n: g if n in self.call.graph_fields else self.call.to_input_order(g)
-                             for n, g in grads["edge"].items()}
-            return grads, res.get("plan")
+            return self.call.edge_grads_in_input_order(grads), res.get("plan")
         from . import functional
         score = self.traced.score
         if self.traced.kind == "modified":
@@ -464,9 +464,7 @@ class _Lowered:
                 gp = _geometric_positions_grad(self.call.graph, f.name, g)
                 cur = grads["positions"]
                 grads["positions"] = gp if cur is None else cur + gp
-        grads["edge"] = {n: g if n in self.call.graph_fields else self.call.to_input_order(g)
-                         for n, g in grads["edge"].items()}
-        return grads, plan
+        return self.call.edge_grads_in_input_order(grads), plan
 
 
 def _segment_sums(xp, values, indptr):

@@ -29,8 +29,9 @@ from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
-from .layout import (acc_dtype_of, all_finite, contiguous, dtype_name, head_major, in_place,
-                     node_major, order_balanced, transposed_heads)
+from ..arrays import dtype_name
+from .layout import (acc_dtype_of, all_finite, contiguous, head_major, in_place, node_major,
+                     order_balanced, transposed_heads)
 from . import threads as _threads
 from .threads import serialised
 from . import tiles as _tile_rule
@@ -54,8 +55,6 @@ _name = dtype_name   # memoised dtype.name (cpu/layout.py)
 # --------------------------------------------------------------------------- thread count
 # Each launch runs on the threads its work can keep busy (cpu/threads.py: no more than its work
 # items, no more than one per threads.GRAIN scalar operations).
-# elements of the dq partition sum per thread
-_REDUCE_GRAIN = 1 << 14
 
 
 def _work(plan, H, D, Dv, passes=1):
@@ -523,7 +522,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         if n_nd:
             np.sum(gnd_part, axis=0, out=gnd)
         dq = np.empty((Nq, H, D), acc)
-        _run(_blocks.reduce_dq, -(-dq_part.size // _REDUCE_GRAIN), dq_part.size, dq_part, boxes, acc.type(scale), dq)
+        _run(_blocks.reduce_dq, Nq, dq_part.size, dq_part, boxes, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
         dv = dvh.transpose(1, 0, 2)
         copies.append(f"dq partials: {n_parts} x (H, Nq, D) {_name(acc)} (one per partition, "

@@ -13,23 +13,12 @@ head to the key/value head it reads.
 import numpy as np
 from numba import njit, prange
 
+from ..arrays import dtype_name
 from .threads import run, useful
 
 
 def acc_dtype_of(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
-_NAMES = {}
-
-
-def dtype_name(dtype):
-    """dtype.name, memoised: numpy computes it in Python on every access (microseconds, and the
-    copy notes of a call ask for it several times)."""
-    n = _NAMES.get(dtype)
-    if n is None:
-        n = _NAMES[dtype] = np.dtype(dtype).name
-    return n
 
 
 def c_strides(x):
