@@ -58,8 +58,9 @@ def serialised(fn):
 # therefore runs on no more threads than it has work items, and no more than one per GRAIN
 # scalar operations (multiply-adds, adds or elements moved): below that a second thread costs
 # more than the work it takes over, even on an idle machine. The bound is kept that low because a
-# higher one (2**16, measured) made small calls up to 12 % slower on an idle 2-core machine, where a
-# strided copy of 8k elements took 7 us on one thread and 5 us on two. Results never depend on
+# higher one (2**16) made small calls up to 12 % slower on an idle 2-core machine, by putting
+# their strided copies of a few thousand elements on one thread (benchmarks/bench_small_calls.py;
+# benchmarks/results/small-calls-cpu-zen4-2core-2026-12-04.txt). Results never depend on
 # the thread count (every kernel's summation order is fixed by the problem, docs/cpu_backend.md),
 # so this is a speed rule only.
 GRAIN = 1 << 12
