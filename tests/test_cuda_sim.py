@@ -46,7 +46,7 @@ def _have_numba_cuda():
 
 SIM_CASES = ["blocks_f32_gqa_segments", "blocks_f64_dense_rect", "blocks_f16_mixed_strided",
              "prune", "csr_f32_bias_gqa", "csr_f64_nobias", "csr_edge_score_d0",
-             "blocks_lane_groups", "blocks_banded_nan", "blocks_causal_nan", "decode_split", "csr_split_hub",
+             "blocks_lane_groups", "blocks_banded_nan", "blocks_causal_nan", "nan_l_backward", "decode_split", "csr_split_hub",
              "large_scores", "large_scores_decode"]
 # not met yet (case_large_scores_decode says why)
 _XFAIL = {"large_scores_decode": "decode forward and blocks backward sum the score dot product in "
@@ -684,6 +684,76 @@ def case_causal_nan():
         check(f"{tag} dq (bad row)", dq[cq], rdq[cq], 1e-4)
 
 
+def case_nan_l_backward():
+    """A NaN key makes the forward's l NaN for every row that reads it: those rows' probabilities
+    are NaN, and so is every gradient they contribute to (dq of the row, dk / dv of each key it
+    reads), as on the CPU, never a finite value missing the row's share; rows and keys it does not
+    reach equal the float64 oracle. Block kernels (a dense block holding the NaN key beside a
+    clean rectangular one) and the CSR kernels (rows 0 <- {0, 1} and 1 <- {1, 2}, key 0 NaN)."""
+    H, Hkv, D, DV = 2, 1, 3, 4
+    dst_off = np.array([0, 5, 11], np.int64)
+    src_off = np.array([0, 5, 12], np.int64)
+    rel = (dst_off, src_off, np.array([0, 0], np.uint8))
+    n, ns = 11, 12
+    M = dense_mask(dst_off, src_off, np.array([0, 0], np.uint8), n, ns)
+    q, k, v, dout = rand(n, H, D), rand(ns, Hkv, D), rand(ns, Hkv, DV), rand(n, H, DV)
+    scale = D ** -0.5
+    _, _, _, rdq, rdk, rdv, _ = oracle(q, k, v, M, scale, dout=dout)
+    k[1, 0, 0] = np.nan
+    out, m, l, _ = blocks_forward(q, k, v, rel, scale, "float32")
+    assert np.isnan(l[:5]).all() and np.isfinite(l[5:]).all()
+    dq, dk, dv, _ = blocks_backward(dout, q, k, v, out, m, l, rel, scale, "float32")
+    for name, got in (("dq", dq[:5]), ("dk", dk[:5]), ("dv", dv[:5])):
+        assert np.isnan(got).all(), f"blocks NaN l: {name} of the NaN block has a finite value"
+    for name, got, want in (("dq", dq[5:], rdq[5:]), ("dk", dk[5:], rdk[5:]), ("dv", dv[5:], rdv[5:])):
+        check("blocks NaN l, clean block " + name, got, want, 1e-4)
+
+    indptr = np.array([0, 2, 4], np.int64)
+    indices = np.array([0, 1, 1, 2], np.int32)
+    rows = np.array([0, 0, 1, 1])
+    perm = np.argsort(indices, kind="stable").astype(np.int64)
+    tptr = np.array([0, 1, 3, 4], np.int64)
+    tind = rows[perm].astype(np.int32)
+    q, k, v, dout = rand(2, H, D), rand(3, Hkv, D), rand(3, Hkv, DV), rand(2, H, DV)
+    Mc = np.zeros((2, 3), bool)
+    Mc[rows, indices] = True
+    _, _, _, rdq, rdk, rdv, _ = oracle(q, k, v, Mc[[1, 1]] & (np.arange(2) == 1)[:, None], scale, dout=dout)
+    k[0, 0, 1] = np.nan
+    out, m, l = csr_forward(q, k, v, indptr, indices, None, scale, "float32")
+    assert np.isnan(l[0]).all() and np.isfinite(l[1]).all()
+    dq, dk, dv, _ = csr_backward(dout, q, k, v, out, m, l, indptr, indices, tptr, tind, perm, None,
+                                 scale, "float32")
+    assert np.isnan(dq[0]).all() and np.isnan(dk[:2]).all() and np.isnan(dv[:2]).all(), \
+        "CSR NaN l: a gradient share of the NaN row came back finite"
+    # key 2 is read by row 1 only: its gradients are row 1's alone (the oracle over row 1's edges)
+    check("csr NaN l, dq of the clean row", dq[1], rdq[1], 1e-4)
+    check("csr NaN l, dk of the key only the clean row reads", dk[2], rdk[2], 1e-4)
+    check("csr NaN l, dv of the key only the clean row reads", dv[2], rdv[2], 1e-4)
+
+    # the forward's partial states: a NaN score alone in a piece of a split row (the piece's m stays
+    # -inf, its l is NaN) and first in the decode kernel's key chunks; every split count
+    indptr = np.array([0, 4, 6], np.int64)
+    indices = np.array([0, 1, 2, 3, 2, 3], np.int32)
+    q, k, v = rand(2, H, D), rand(4, Hkv, D), rand(4, Hkv, DV)
+    k[0, 0, 0] = np.nan
+    for piece in (None, 1, 2):
+        out, m, l = csr_forward(q, k, v, indptr, indices, None, scale, "float32", piece=piece)
+        assert np.isnan(out[0]).all() and np.isnan(l[0]).all(), f"CSR piece={piece}: the NaN row came back finite"
+        assert np.isfinite(out[1]).all() and np.isfinite(l[1]).all()
+    from tiga_numba.cuda.decode import DecodeTiles
+    rel = (np.array([0, 1, 2], np.int64), np.array([0, 9, 14], np.int64), np.zeros(2, np.uint8),
+           np.array([-(1 << 40)] * 2, np.int64), np.array([1 << 40] * 2, np.int64))
+    M = band_mask(*rel[:2], rel[3], rel[4], 2, 14)
+    q, k, v = rand(2, H, D), rand(14, Hkv, D), rand(14, Hkv, DV)
+    ro, _, _ = oracle(q, k, v, M, scale)
+    k[0, 0, 2] = np.nan   # the first key of the first sequence
+    t = DecodeTiles("float32", "float32", D, DV, G=1, T=2, NW=1, ROWS=4, threads=2)
+    for splits, chunk in ((1, 64), (3, 4), (5, 2)):
+        out, m, l = decode_forward(q, k, v, rel, scale, "float32", t, splits, chunk)
+        assert np.isnan(out[0]).all() and np.isnan(l[0]).all(), f"decode splits={splits}: the NaN row came back finite"
+        check(f"decode splits={splits}, the clean sequence", out[1], ro[1], 2e-5)
+
+
 def decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk):
     """The split-key kernel (+ merge when splits > 1), launched as api.py launches it."""
     from tiga_numba.cuda import decode
@@ -888,6 +958,7 @@ CASES = {
     "decode_split": case_decode_split,
     "blocks_banded_nan": case_banded_nan,
     "blocks_causal_nan": case_causal_nan,
+    "nan_l_backward": case_nan_l_backward,
     "blocks_f32_gqa_segments": lambda: case_blocks(),
     "blocks_f64_dense_rect": lambda: case_blocks("float64", H=2, Hkv=2, D=4, DV=2,
                                                  layout=(("d", 6, 13, 0),), tol=1e-12),

@@ -1330,6 +1330,33 @@ def test_nonfinite_outside_the_relation_never_reaches_a_row(monkeypatch, name, r
         _check_rows(dv, rdv, clean_keys, f"dv ({what})")
 
 
+@pytest.mark.parametrize("name", ["f16", "f16_wgmma"])
+def test_a_nan_score_makes_its_rows_and_their_gradient_shares_nan(monkeypatch, name):
+    """A NaN in one key: every row that reads it is NaN (out and l), and the backward, given the
+    forward's own stats, makes every gradient those rows contribute to NaN (dv of each key they
+    read) instead of treating the NaN l as an empty row; rows and keys it does not reach stay
+    finite."""
+    monkeypatch.setattr(E, "NAN_DATA", True)
+    dtype, fshape, bshape = NONFINITE_VARIANTS[name]
+    dst, src, causal = (np.array(x) for x in RELATIONS["segments"])
+    c8 = causal.astype(np.uint8)
+    M = relation_mask(dst, src, causal)
+    D, H, Hkv, scale = 64, 2, 1, 0.125
+    q, k, v, do = _inputs(np.random.default_rng(7), dst[-1], src[-1], H, Hkv, D, dtype)
+    k[60, 0, 3] = np.nan   # in the full block [40, 97): the others stay clean
+    o, m, l = E.forward(G.Variant("fwd", D, D, dtype=dtype, **fshape).check(), q, k, v, dst, src, c8, scale)
+    bad = M[:, 60]
+    assert np.isnan(o[bad]).all() and np.isnan(l[bad]).all() and np.isfinite(o[~bad]).all()
+    vq = G.Variant("dq", D, D, dtype=dtype, **bshape).check()
+    vk = G.Variant("dkdv", D, D, dtype=dtype, **bshape).check()
+    dq, dk, dv = E.backward(vq, vk, do, q, k, v, o, m, l, dst, src, c8, scale)
+    reached = M[bad].any(0)
+    for name_, g in (("dk", dk), ("dv", dv)):
+        assert np.isnan(g[reached]).reshape(reached.sum(), -1).all(1).all(), f"{name_}: a NaN row's share was dropped"
+        assert np.isfinite(g[~reached]).all() and (~reached).sum() > 30
+    assert np.isnan(dq[bad]).reshape(bad.sum(), -1).all(1).all() and np.isfinite(dq[~bad]).all()
+
+
 #: (dst_offsets, src_offsets, causal) of test_robustness's large-score relations (150 rows)
 LARGE_RELATIONS = {"dense": ([0, 150], [0, 150], [0]), "triangular": ([0, 150], [0, 150], [1]),
                    "cu_seqlens": ([0, 1, 1, 70, 150], [0, 1, 1, 70, 150], [1, 1, 1, 1])}
@@ -1422,7 +1449,7 @@ def test_the_device_probe_passes_the_operation_and_pruning_to_admission():
 def test_delta_prepass_reads_strided_rows_in_vectors(dtype, Dv):
     """The Delta pre-pass (16-byte loads by groups of lanes, G.delta_lanes) for every dtype and
     value width: Delta = sum_d dO O per (row, head) against float64 on the kernel's rounded inputs,
-    the (m2, log2 l) pairs, (0, 0) for rows without edges. O and dO rows sit inside padded buffers
+    the (m2, log2 l) pairs, (0, 0) for rows without edges, NaN log2 l where l is NaN. O and dO rows sit inside padded buffers
     whose padding is NaN (a read of it would show), and the (row, head) count leaves the last
     CTA partly idle."""
     rng = np.random.default_rng(Dv)
@@ -1439,6 +1466,7 @@ def test_delta_prepass_reads_strided_rows_in_vectors(dtype, Dv):
     m = (rng.standard_normal((nd, H)) * 30).astype(np.float32)
     l = rng.uniform(0.5, 200.0, (nd, H)).astype(np.float32)
     l[::5, 1] = 0.0
+    l[3::7, 2] = np.nan   # a NaN or inf score in the row: stays NaN (NaN gradient shares)
     mem = E.Memory()
     ob, db = mem.put(bufs[0]), mem.put(bufs[1])
     mb, lb = mem.put(m), mem.put(l)
@@ -1457,3 +1485,4 @@ def test_delta_prepass_reads_strided_rows_in_vectors(dtype, Dv):
     empty = l == 0
     np.testing.assert_array_equal(pairs[..., 0], np.where(empty, 0.0, m))
     np.testing.assert_allclose(pairs[..., 1], np.where(empty, 0.0, np.log2(np.where(empty, 1.0, l))), rtol=1e-6)
+    assert np.isnan(pairs[3::7, 2, 1]).all() and not np.isnan(np.delete(pairs[..., 1].ravel(), np.arange(3 * H + 2, nd * H, 7 * H))).any()

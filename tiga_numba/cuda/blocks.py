@@ -335,7 +335,7 @@ def make_forward(t, prune, mod=None):
                 for j in range(lane, nkv, G):
                     sv = sS[U(rl * BNP + j)]
                     p = ACC(0.0)
-                    if sv > neg:
+                    if not (sv <= neg):   # a masked cell (neg) adds 0; a NaN score stays NaN, as on the CPU
                         p = math.exp(sv - mn)
                     sS[U(rl * BNP + j)] = p
                     ps += p
@@ -490,7 +490,9 @@ def make_dq(t, mod=None):
             dl[U(r)] = ACC(0.0)
             if il < nd:
                 lv = lo[U(i * H + h)]
-                if lv > 0:
+                # l = 0: an empty row (p = 0); a NaN l (a NaN or inf score in the row) makes the
+                # row's probabilities, and so its gradient shares, NaN as on the CPU
+                if lv > 0 or lv != lv:
                     mm[U(r)] = mo[U(i * H + h)]
                     il_[U(r)] = ACC(1.0) / lv
                     dl[U(r)] = delta[U(i * H + h)]
@@ -545,7 +547,7 @@ def make_dq(t, mod=None):
                     inb = dlt >= blo and dlt <= bhi
                     okr[U(r)] = inb
                     g_ = ACC(0.0)  # masked cells: 0, not 0 * (dp - Delta) (dp may be non-finite)
-                    if il_[U(r)] > 0 and inb:
+                    if il_[U(r)] != 0 and inb:
                         if MOD:  # f = value(s); dF = p (dp - Delta); ds = dF * df/ds
                             i = d0 + il
                             jg = s0 + kt0 + j
@@ -718,7 +720,7 @@ def make_dkdv(t, mod=None):
                     if e < nq:
                         row = (qb + e) * H + h
                         l_ = lo[U(row)]
-                        if l_ > 0:
+                        if l_ > 0 or l_ != l_:   # as in the dq kernel: NaN l gives NaN shares
                             mv = mo[U(row)]
                             lv = ACC(1.0) / l_
                             dv_ = delta[U(row)]
@@ -755,7 +757,7 @@ def make_dkdv(t, mod=None):
                         okr[U(r)] = inb
                         p = ACC(0.0)
                         g_ = ACC(0.0)  # masked cells: 0, not 0 * (dp - Delta)
-                        if lv > 0 and inb:
+                        if lv != 0 and inb:
                             if MOD:  # f = value(s); ds = p (dp - Delta) * df/ds
                                 i = qb + jq
                                 jg = s0 + kl

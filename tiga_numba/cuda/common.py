@@ -19,6 +19,18 @@ def nbtype(name):
     return numba.from_dtype(np.dtype(name))
 
 
+@cuda.jit(device=True, inline="always")
+def part_weight(m_part, l_part, m_all):
+    """The weight e^(m_part - m_all) of one partial softmax state (m, l, acc) in a merge whose
+    largest m is m_all. A part with m = -inf has no finite score: either it is empty (l = 0,
+    weight 0) or it met a NaN score before any finite one (l = NaN, weight NaN), so l itself is
+    its weight. A NaN score thus makes its row NaN on every path, as the CPU kernels do; it is
+    never dropped with the empty parts."""
+    if m_part > NEG_INF:
+        return math.exp(m_part - m_all)
+    return l_part
+
+
 def make_delta(dtype, acc):
     """Delta[i, h] = sum_d dO[i, h, d] * O[i, h, d] (accumulation dtype), one warp per row."""
     IN, ACC = nbtype(dtype), nbtype(acc)
@@ -88,7 +100,7 @@ def make_stats(dtype, acc):
             lv = lo[U(row)]
             mx = ACC(math.inf)
             lgl = ACC(0.0)
-            if lv > 0:
+            if lv > 0 or lv != lv:   # NaN l: NaN probabilities and gradient shares, as on the CPU
                 mx = mo[U(row)]
                 lgl = math.log(lv)
             st[U(3 * row)] = mx
@@ -180,11 +192,9 @@ def make_softmax_merge(dtype, acc, DV, table):
         M = red[0]
         cuda.syncthreads()
         lt = ACC(0.0)
-        if M > neg:
-            for p in range(tid, n, NT):
-                ms = pm[U(base + p * stride)]
-                if ms > neg:
-                    lt += pl[U(base + p * stride)] * math.exp(ms - M)
+        for p in range(tid, n, NT):
+            lp = pl[U(base + p * stride)]
+            lt += lp * part_weight(pm[U(base + p * stride)], lp, M)
         red[tid] = lt
         cuda.syncthreads()
         w = NT // 2
@@ -196,19 +206,19 @@ def make_softmax_merge(dtype, acc, DV, table):
         L = red[0]
         cuda.syncthreads()
         inv = ACC(0.0)
-        if L > 0:
+        if L > 0 or L != L:
             inv = ACC(1.0) / L
         dl = tid % DW
         lane = tid // DW
         for d0 in range(0, DVM, DW):
             d = d0 + dl
             a = ACC(0.0)
-            if d < DV and M > neg:
+            if d < DV:
                 for p in range(lane, n, PL):
                     slot = base + p * stride
-                    ms = pm[U(slot)]
-                    if ms > neg:
-                        a += pacc[U(slot * DV + d)] * math.exp(ms - M)
+                    w = part_weight(pm[U(slot)], pl[U(slot)], M)
+                    if w != 0:   # an empty part's acc is 0 anyway; skip its load
+                        a += pacc[U(slot * DV + d)] * w
             red[tid] = a
             cuda.syncthreads()
             if lane == 0 and d < DV:

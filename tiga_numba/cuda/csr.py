@@ -170,11 +170,16 @@ def make_forward(t, bias, items=False, mod=None):
                     x = MOD_VALUE(x, i, ju[U(u)], e + u, h, H, mod_v, mod_nd, mod_ns, mod_ef)
                 sc[U(u)] = x
             mn = m
+            nan = False
             for u in range(UE):
                 if u < nu:
                     mn = max(mn, sc[U(u)])
-            if mn > neg:
-                alpha = math.exp(m - mn)
+                    nan = nan or sc[U(u)] != sc[U(u)]
+            # a NaN score makes the row NaN (as on the CPU), also before its first finite score
+            if mn > neg or nan:
+                alpha = ACC(1.0)
+                if mn > neg:
+                    alpha = math.exp(m - mn)
                 l = l * alpha
                 for u in range(UE):
                     p = ACC(0.0)

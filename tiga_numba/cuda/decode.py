@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numba
 from numba import cuda
 
-from .common import FULL, NEG_INF, array_view, make_softmax_merge, nbtype
+from .common import FULL, NEG_INF, array_view, make_softmax_merge, nbtype, part_weight
 from .launch import SIM, Kernel
 
 i64 = numba.int64
@@ -269,23 +269,23 @@ def make_decode(t):
                     tmax = max(tmax, x)
                 mo_ = mrow[U(r)]
                 mn = max(mo_, tmax)
+                alpha = ACC(1.0)
                 if mn > neg:
                     alpha = math.exp(mo_ - mn)
-                    mrow[U(r)] = mn
-                    ps = ACC(0.0)
-                    for tt in range(T):
-                        x = sc[U(r * T + tt)]
-                        p = ACC(0.0)
-                        if x > neg:
-                            p = math.exp(x - mn)
-                        sc[U(r * T + tt)] = p
-                        ps += p
-                    lrow[U(r)] = lrow[U(r)] * alpha + ps
-                    for cc in range(DVS):
-                        acc[U(r * DVS + cc)] *= alpha
-                else:
-                    for tt in range(T):
-                        sc[U(r * T + tt)] = ACC(0.0)
+                mrow[U(r)] = mn
+                ps = ACC(0.0)
+                for tt in range(T):
+                    x = sc[U(r * T + tt)]
+                    p = ACC(0.0)
+                    # masked (neg): 0; a NaN score stays NaN (NaN row, as on the CPU), also
+                    # before the row's first finite score
+                    if not (x <= neg):
+                        p = math.exp(x - mn)
+                    sc[U(r * T + tt)] = p
+                    ps += p
+                lrow[U(r)] = lrow[U(r)] * alpha + ps
+                for cc in range(DVS):
+                    acc[U(r * DVS + cc)] *= alpha
             for tt in range(T):
                 if cut:
                     for r in range(ROWS):
@@ -375,21 +375,20 @@ def make_combine(t):
                     M = max(M, sM[U(g * ROWS + r)])
                 L = ACC(0.0)
                 A = ACC(0.0)
-                if M > neg:
-                    for g in range(NGT):
-                        mg = sM[U(g * ROWS + r)]
-                        if mg > neg:
-                            w = math.exp(mg - M)
-                            L += sL[U(g * ROWS + r)] * w
-                            if DV:
-                                A += sA[U((g * ROWS + r) * DV + d)] * w
+                for g in range(NGT):
+                    lg = sL[U(g * ROWS + r)]
+                    w = part_weight(sM[U(g * ROWS + r)], lg, M)
+                    if w != 0:
+                        L += lg * w
+                        if DV:
+                            A += sA[U((g * ROWS + r) * DV + d)] * w
                 il = rl // grp
                 h = hk * grp + (rl - il * grp)
                 i = d0 + il
                 if splits == 1:
                     if DV:
                         inv = ACC(0.0)
-                        if L > 0:
+                        if L > 0 or L != L:
                             inv = ACC(1.0) / L
                         out[U((i * H + h) * DV + d)] = IN(A * inv)
                     if d == 0:

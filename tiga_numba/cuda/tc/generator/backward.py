@@ -583,7 +583,7 @@ def delta_grid(dtype, Dv, rows):
 
 def gen_delta(dtype, Dv):
     """Delta_i = sum_d dO_id O_id and the pair (m2_i, log2 l_i) ((0, 0) for empty rows): the
-    per-row inputs of both backward kernels. Each (row, head) is read by a group of lanes
+    per-row inputs of both backward kernels (NaN l stays NaN). Each (row, head) is read by a group of lanes
     (delta_lanes) with 16-byte vector loads, every load of a lane issued before its first product
     (the pass is a pure read of O and dO: loads in flight, not arithmetic, set its speed; rows
     are 16-byte aligned, tensor-core operands always are: api._operand). m2 (at mp) is the row
@@ -622,7 +622,9 @@ def gen_delta(dtype, Dv):
             e(f"acc = acc + shfl_xor(acc, {s})")
             s //= 2
         e("ll = ldg_f32_if(live, lp + rh * 4); mm = ldg_f32_if(live, mp + rh * 4)")
-        e("nz = ll > f32(0.0)")
+        # l = 0: an empty row, (0, 0); a NaN l (a NaN or inf score in the row) passes through, so
+        # the row's probabilities and gradient shares are NaN as on the CPU, not dropped
+        e("nz = (ll > f32(0.0)) | (ll != ll)")
         e("ms = sel(nz, mm, f32(0.0)); lg = sel(nz, log2f(sel(nz, ll, f32(1.0))), f32(0.0))")
         e("ok = live & u32(c0 == 0)")
         e("stg_f32_if(ok, dltp + rh * 4, acc)")
