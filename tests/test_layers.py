@@ -383,3 +383,38 @@ def test_cpu_segment_sums_and_leaky_relu_grad_kernels():
     grad = np.array([[3.0, 3.0, 3.0, 3.0]], np.float32)
     leaky_relu_grad_inplace(out, grad, np.float32(0.2))
     np.testing.assert_array_equal(grad, np.float32([[3.0, 0.6, 0.6, 0.6]]))
+
+
+@pytest.mark.parametrize("cls", [GATConv, GATv2Conv, TransformerConv])
+@pytest.mark.parametrize("edge_dim", [None, 2])
+def test_float16_layers_run_in_float32_and_answer_in_float16(cls, edge_dim):
+    """float16 x, edge_attr and parameters on the CPU: the layer computes in float32 (scipy.sparse
+    and the numba helpers take no float16) and returns its output and every gradient in float16,
+    equal to the float32 layer on the same (float16-valued) inputs up to float16 rounding."""
+    rng = np.random.default_rng(3)
+    n, e = 12, 40
+    g = tg.Graph.from_coo(rng.integers(0, n, e), rng.integers(0, n, e), n, n)
+    x = rng.standard_normal((n, 5)).astype(np.float16)
+    ea = None if edge_dim is None else rng.standard_normal((e, edge_dim)).astype(np.float16)
+    dout = None
+    results = {}
+    weights = cls(5, 4, heads=2, edge_dim=edge_dim, dtype=np.float16, seed=1).state_dict()
+    for dt in (np.float16, np.float32):
+        layer = cls(5, 4, heads=2, edge_dim=edge_dim, dtype=dt)
+        layer.load_state_dict({k: v.astype(dt) for k, v in weights.items()})   # the same weights
+        out, vjp = layer.vjp(x.astype(dt), g, None if ea is None else ea.astype(dt))
+        if dout is None:
+            dout = rng.standard_normal(out.shape).astype(np.float16)
+        results[dt] = (out, vjp(dout.astype(dt)))
+    out16, g16 = results[np.float16]
+    out32, g32 = results[np.float32]
+    assert out16.dtype == np.float16 and g16["x"].dtype == np.float16
+    np.testing.assert_allclose(out16.astype(np.float32), out32, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(g16["x"].astype(np.float32), g32["x"], rtol=2e-3, atol=2e-3)
+    if edge_dim is not None:
+        assert g16["edge_attr"].dtype == np.float16
+        np.testing.assert_allclose(g16["edge_attr"].astype(np.float32), g32["edge_attr"], rtol=2e-3, atol=2e-3)
+    for name, grad in g16["params"].items():
+        assert grad.dtype == np.float16, name
+        np.testing.assert_allclose(grad.astype(np.float32), g32["params"][name], rtol=3e-3, atol=3e-3,
+                                   err_msg=name)

@@ -118,6 +118,10 @@ def test_bad_inputs():
             Graph.radius(bad, 1.0)
     with pytest.raises(ValueError, match="cutoff must be finite and >= 0"):
         neighbors.radius_graph(np.zeros((4, 3)), -1.0)
+    for bad in ("0.3", b"0.3", True, np.array("0.3"), None):   # float() would parse the strings
+        with pytest.raises(TypeError, match="cutoff must be a real number"):
+            Graph.radius(np.zeros((4, 3)), bad)
+    assert Graph.radius(np.zeros((4, 3)), np.float32(0.5)).num_edges == 12   # numpy scalars are numbers
     with pytest.raises(ValueError, match="finite"):
         neighbors.radius_graph(np.array([[0.0, np.nan, 0.0]]), 1.0)
     with pytest.raises(ValueError, match="k must be >= 0"):

@@ -716,7 +716,7 @@ class Graph:
         return self._cached(("transpose", device), lambda: _on_device(t, device))
 
     def edge_field(self, name):
-        """Materialise a geometric edge field (`displacement` (E, 3) or `distance` (E,))
+        """Materialise a geometric edge field (`displacement` (E, dim) or `distance` (E,))
         in the positions' array library. Fused kernels compute these per edge instead."""
         if self._positions is None:
             raise ValueError(f"edge field {name!r} needs a geometric graph (Graph.radius/knn)")

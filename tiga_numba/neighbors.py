@@ -90,6 +90,10 @@ def _gpu_builder():
 
 
 def check_cutoff(cutoff):
+    # float() would also parse a string ("0.3"): only numbers and numeric 0-d arrays are cutoffs
+    if isinstance(cutoff, (str, bytes, bytearray, bool, np.bool_)) or (
+            isinstance(cutoff, np.ndarray) and cutoff.dtype.kind not in "iuf"):
+        raise TypeError(f"cutoff must be a real number, got {type(cutoff).__name__}")
     try:
         value = float(cutoff)
     except (TypeError, ValueError):

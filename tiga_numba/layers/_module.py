@@ -227,6 +227,13 @@ class Layer:
         if want_grad or self.training:
             self._check_dropout()
         x_src, x_dst, single, edge_attr, squeeze = self._inputs(x, graph, edge_attr)
+        # float16 on the CPU: the layer runs in float32 (the attention kernels accumulate in
+        # float32 anyway; scipy.sparse and the numba helpers take no float16) and its results
+        # come back in float16
+        half = xp_of(x_src) is np and x_src.dtype == np.float16
+        if half:
+            x_src, x_dst, edge_attr = (None if a is None else a.astype(np.float32)
+                                       for a in (x_src, x_dst, edge_attr))
         p = self._params_like(x_src, params)
         out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr)
 
@@ -248,10 +255,21 @@ class Layer:
                     for k, v in p.items()}
             return dxs, (None if single else dxd), d_ea, full
 
+        if half:
+            return out.astype(np.float16), _in_float16(checked_backward)
         return out, checked_backward
 
     def __repr__(self):
         return f"{type(self).__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
+
+
+def _in_float16(backward):
+    """A float32 layer backward taking and returning float16 (dout in, gradients out)."""
+    def half_backward(dout):
+        dxs, dxd, d_ea, dparams = backward(dout.astype(np.float32))
+        cast = (lambda a: None if a is None else a.astype(np.float16))
+        return cast(dxs), cast(dxd), cast(d_ea), {k: cast(v) for k, v in dparams.items()}
+    return half_backward
 
 
 def column_sums(a):
