@@ -195,3 +195,30 @@ def test_device_csr_is_used_in_place_and_copied_to_the_host_once_on_demand():
     t, th = g.realize_transpose("cpu"), host.realize_transpose("cpu")
     np.testing.assert_array_equal(t.perm, th.perm)
     assert dip.gets == dix.gets == 1, "the host copy must be made once"
+
+
+def test_cat_keeps_its_parts_input_edge_order():
+    """tg.Graph.cat of COO-built graphs: per-edge arrays are given in the parts' input orders one
+    after the other (PyG's Batch of edge_attr), as for from_coo of the shifted, concatenated
+    edges; a program field and a layer's edge_attr reach the same edges either way."""
+    from tiga_numba.layers import GATConv
+    rng = np.random.default_rng(11)
+    sizes, parts, src_all, dst_all = (5, 7, 4), [], [], []
+    off = 0
+    for n in sizes:
+        e = 3 * n
+        s, d = rng.integers(0, n, e), rng.integers(0, n, e)
+        parts.append(tg.Graph.from_coo(s, d, n, n) if n != 4 else tg.Graph.dense(n))
+        if n == 4:   # a dense part: its input order is its row-major CSR order
+            d, s = np.divmod(np.arange(n * n), n)
+        src_all.append(s + off)
+        dst_all.append(d + off)
+        off += n
+    cat = tg.Graph.cat(parts)
+    ref = tg.Graph.from_coo(np.concatenate(src_all), np.concatenate(dst_all), off, off)
+    np.testing.assert_array_equal(cat.edge_permutation, ref.edge_permutation)
+    x = rng.standard_normal((off, 6)).astype(np.float32)
+    ea = rng.standard_normal((cat.num_edges, 3)).astype(np.float32)
+    layer = GATConv(6, 4, heads=2, edge_dim=3, add_self_loops=False, seed=0)
+    np.testing.assert_allclose(layer(x, cat, ea), layer(x, ref, ea), rtol=1e-5, atol=1e-6)
+    assert tg.Graph.cat([tg.Graph.dense(3), tg.Graph.triangular(2)]).edge_permutation is None

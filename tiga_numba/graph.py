@@ -428,18 +428,27 @@ class Graph:
                                   cat([g._blocks.hi for g in graphs]))
             return cls(kind="segments", num_src=num_src, num_dst=num_dst, blocks=blocks,
                        device=device)
-        indptrs, indices = [np.zeros(1, np.int64)], []
+        indptrs, indices, perms = [np.zeros(1, np.int64)], [], []
         edge_offset = src_offset = 0
         for g in graphs:
             ip, ix = g._host_csr()
             indptrs.append(ip[1:] + edge_offset)
             indices.append(ix.astype(np.int64) + src_offset)
-            edge_offset += int(ip[-1])
+            n_edges = int(ip[-1])
+            perms.append((np.arange(n_edges, dtype=np.int64) if g._edge_perm is None
+                          else g._edge_perm) + edge_offset)
+            edge_offset += n_edges
             src_offset += g.num_src
         indptr = np.concatenate(indptrs)
         idx = np.concatenate(indices).astype(np.int32) if indices else np.zeros(0, np.int32)
-        return cls(kind="csr", num_src=num_src, num_dst=num_dst, indptr=indptr, indices=idx,
-                   device=device)
+        graph = cls(kind="csr", num_src=num_src, num_dst=num_dst, indptr=indptr, indices=idx,
+                    device=device)
+        # the input edge order of a composition is its parts' input orders one after the other
+        # (PyG's Batch of edge_attr): kept when a part was built from COO, so that per-edge fields
+        # given in that order reach the right edges
+        if any(g._edge_perm is not None for g in graphs):
+            graph._edge_perm = np.concatenate(perms)
+        return graph
 
     @classmethod
     def from_csr(cls, indptr, indices, num_src=None, validate="basic", *, device=None):
