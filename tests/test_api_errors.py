@@ -91,3 +91,55 @@ def test_no_edges_returns_contract_values(qkv):
     assert out.shape == (6, 4, 3) and out.dtype == np.float32 and not out.any()
     assert np.all(np.isneginf(stats.m)) and not stats.l.any()
     assert stats.m.dtype == np.float32
+
+
+def test_backward_refuses_stats_of_another_softcap_or_slopes(qkv):
+    """The stats rebuild the forward's probabilities: a backward with another soft-cap or other
+    ALiBi slopes than its forward's would return wrong gradients, so it is a ValueError; the
+    same values (a new but equal slopes array included) pass."""
+    q, k, v = qkv
+    g = tg.Graph.triangular(6)
+    out, st = tg.attention(q, k, v, g, return_stats=True, softcap=2.0)
+    dout = np.ones_like(out)
+    with pytest.raises(ValueError, match="softcap = 2.0 in the forward, 3.0 here"):
+        tg.attention_backward(dout, q, k, v, out, st, g, softcap=3.0)
+    with pytest.raises(ValueError, match="softcap"):
+        tg.attention_backward(dout, q, k, v, out, st, g)
+    tg.attention_backward(dout, q, k, v, out, st, g, softcap=np.float64(2.0))
+    slopes = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    out, st = tg.attention(q, k, v, g, return_stats=True, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="other values"):
+        tg.attention_backward(dout, q, k, v, out, st, g, alibi_slopes=slopes * 2)
+    tg.attention_backward(dout, q, k, v, out, st, g, alibi_slopes=slopes.copy())
+
+
+def test_backward_refuses_stats_that_are_not_floating_point(qkv):
+    q, k, v = qkv
+    g = tg.Graph.dense(6)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    for bad in (np.bool_, np.int64, np.complex64, object):
+        stats = tg.AttentionStats(st.m.astype(bad), st.l.astype(bad))
+        with pytest.raises(TypeError, match="stats.m must be floating point"):
+            tg.attention_backward(np.ones_like(out), q, k, v, out, stats, g)
+
+
+def test_argument_checks_without_kernels(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="num_src must be < 2\\*\\*31"):   # before any 16 GiB array
+        tg.Graph.from_coo(np.array([2**31]), np.array([0]))
+    with pytest.raises(ValueError, match="num_dst must be < 2\\*\\*31"):
+        tg.Graph.from_coo(np.array([0]), np.array([0]), num_src=1, num_dst=2**31)
+    for bad in ("no", 2, None):
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            tg.Graph.cu_seqlens(np.array([0, 3]), causal=bad)
+    assert tg.Graph.cu_seqlens(np.array([0, 3]), causal=np.True_).num_edges == 6
+    with pytest.raises(TypeError, match="left must be an int"):
+        tg.Graph.band(5, left=True)
+    with pytest.raises(TypeError, match="num_src must be an int"):
+        tg.Graph.dense(True)
+    with pytest.raises(TypeError, match="non-native byte order"):
+        tg.attention(q.astype(">f4"), k, v, tg.Graph.dense(6))
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        tg.make_plan(q, k, v, tg.Graph.dense(6), op="backward", block_prune_threshold=0.5)
+    assert tg.make_plan(q, k, v, tg.Graph.dense(6), block_prune_threshold=np.array(0.5)).prune_threshold == 0.5
+    assert tg.online_softmax(np.array(0.25)).block_prune_threshold == 0.25

@@ -370,6 +370,10 @@ def test_errors_name_the_argument():
         tgd.attention(q, k, v, g.to_scipy())
     with pytest.raises(ValueError, match=r"heads"):
         tgd.attention(q[:, :3], k, v, g)
+    with pytest.raises(ValueError, match=r"scale must be finite"):   # at the call, not in a task
+        tgd.attention(q, k, v, g, scale=float("nan"))
+    with pytest.raises(TypeError, match=r"scale must be a real number"):
+        tgd.attention(q, k, v, g, scale="x")
     out, stats = tgd.attention(q, k, v, g, return_stats=True)
     with pytest.raises(ValueError, match=r"^dout is chunked \(20, 20, 20\)"):
         tgd.attention_backward(dout.rechunk((20, -1, -1)), q, k, v, out, stats, g)

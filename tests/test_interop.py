@@ -347,3 +347,29 @@ def test_a_torch_layer_pickles_after_a_call():
     m2 = torch.load(buf, weights_only=False)
     torch.testing.assert_close(m2(x, ei), y)
     torch.testing.assert_close(pickle.loads(pickle.dumps(m))(x, ei), y)
+
+
+def test_results_follow_q_library_when_other_arguments_are_torch():
+    """The contract's "output in q's library": a numpy q with torch k / v gives numpy results; a
+    torch q gives torch; attention_merge follows its first part; the backward's gradients follow
+    q, not dout."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((5, 2, 4)).astype(np.float32)
+    k = rng.standard_normal((6, 1, 4)).astype(np.float32)
+    v = rng.standard_normal((6, 1, 3)).astype(np.float32)
+    g = tg.Graph.dense(6, 5)
+    T = torch.from_numpy
+    want, st = tg.attention(q, k, v, g, return_stats=True)
+    got = tg.attention(q, T(k), T(v), g)
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_array_equal(got, want)
+    assert isinstance(tg.attention(T(q), k, v, g), torch.Tensor)
+    a = tg.attention(q, k, v, tg.Graph.dense(6, 5), return_stats=True)
+    b = (T(want), tg.attention(T(q), T(k), T(v), g, return_stats=True)[1])
+    assert isinstance(tg.attention_merge([a, b])[0], np.ndarray)
+    assert isinstance(tg.attention_merge([b, a])[0], torch.Tensor)
+    dout = np.ones_like(want)
+    assert all(isinstance(x, np.ndarray) for x in tg.attention_backward(T(dout), q, k, v, want, st, g))
+    assert all(isinstance(x, torch.Tensor)
+               for x in tg.attention_backward(dout, T(q), T(k), T(v), want, st, g))

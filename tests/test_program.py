@@ -296,6 +296,8 @@ def test_explain_and_ir():
     assert isinstance(p.ir("asm"), str)
     with pytest.raises(KeyError, match=r"available: \['asm', 'llvm'\]"):
         p.ir("ptx")
+    with pytest.raises(KeyError, match=r"available: \['asm', 'llvm'\]"):   # not TypeError: unhashable
+        p.ir(["llvm"])
     csr = random_csr(12, 12)
     p(graph=csr, src={"key": k, "value": v}, dst={"query": q}, scale=0.5)
     assert "CSR" in p.explain()

@@ -147,6 +147,9 @@ def _check_dtype(name, array, library):
         if dt in allowed:
             return dt
         names = ", ".join(str(d) for d in ordered)
+        if dt.byteorder not in "=|" and dt.newbyteorder("=") in allowed:
+            raise TypeError(f"{name} has dtype {dt} in non-native byte order; the kernels read "
+                            f"native {dt.newbyteorder('=')}: pass {name}.astype('{dt.newbyteorder('=')}')")
         raise TypeError(f"{name} has unsupported dtype {dt}; expected one of {names}")
     return dt
 
@@ -233,6 +236,7 @@ def resolve_scale(scale, head_dim):
 def check_prune_threshold(rho):
     if rho is None:
         return None
+    rho = scalar_value(rho)   # a 0-d array or tensor, as scale= and softcap= take
     if isinstance(rho, (bool, np.bool_)) or not isinstance(rho, (int, float, np.integer, np.floating)):
         raise TypeError(f"block_prune_threshold must be a real number in (0, 1] or None, got {type(rho).__name__}")
     rho = float(rho)

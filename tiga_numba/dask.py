@@ -120,7 +120,7 @@ def _check_rows_like(name, array, q):
     return array
 
 
-def _check_inputs(q, k, v, graph):
+def _check_inputs(q, k, v, graph, scale=None):
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_dask(name, a)
     if not isinstance(graph, Graph):
@@ -137,7 +137,7 @@ def _check_inputs(q, k, v, graph):
     # The single-process checks (library, dtype, heads, dims) on zero-row stand-ins: they run
     # no kernel and give the result dtypes.
     mq, mk, mv = (_empty_rows(a) for a in (q, k, v))
-    out, stats = _attention(mq, mk, mv, Graph.dense(0, 0), return_stats=True)
+    out, stats = _attention(mq, mk, mv, Graph.dense(0, 0), scale=scale, return_stats=True)
     return out, stats
 
 
@@ -577,7 +577,7 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None):
     stats : :class:`DaskAttentionStats` (``return_stats=True``), ``m``/``l``/``lse`` chunked like
         q's rows. Equal to the single-process call within rounding, on any dask scheduler.
     """
-    meta_out, meta_stats = _check_inputs(q, k, v, graph)
+    meta_out, meta_stats = _check_inputs(q, k, v, graph, scale)
     softcap = _check_softcap(softcap)
     plan = _plan(graph, q, k)
     dtype, acc = meta_out.dtype, meta_stats.m.dtype

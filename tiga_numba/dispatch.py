@@ -59,7 +59,7 @@ def make_plan(op, graph, shape, scale, *, prune_threshold=None, edge_bias=None, 
         if not implicit:
             raise NotImplementedError(
                 f"tile pruning (block_prune_threshold={prune_threshold:g}) is implemented for "
-                f"dense, triangular and segments relations only, not {graph.kind}")
+                f"dense, triangular, segments and band relations only, not {graph.kind}")
     for name, size in (("graph.num_dst", shape.num_dst), ("graph.num_src", shape.num_src)):
         if size >= 2**31:
             raise ValueError(f"{name}={size} is beyond what the kernels index (< 2**31 rows)")

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .plan import ir_stage
+
 __all__ = ["FieldArg", "GATState", "GATPlan", "make_plan", "net_desc", "col_runs", "finish_grads"]
 
 
@@ -106,10 +108,7 @@ class GATPlan:
     __str__ = explain
 
     def ir(self, stage):
-        stages = self.run_info.get("ir") or {}
-        if stage not in stages:
-            raise KeyError(f"IR stage {stage!r} is not available; available: {sorted(stages)}")
-        return stages[stage]()
+        return ir_stage(self.run_info.get("ir") or {}, stage, "for this kernel")
 
 
 def net_desc(net):

@@ -46,16 +46,19 @@ class AttentionStats:
         keeps gradients exact at large scores. Stats built by hand have none of these and are
         checked by shape only; merged stats keep `m_kernel` when every part has it."""
 
-    __slots__ = ("m", "l", "block_prune_threshold", "plan", "graph", "m_kernel")
+    __slots__ = ("m", "l", "block_prune_threshold", "plan", "graph", "m_kernel", "score_values")
 
     def __init__(self, m, l, block_prune_threshold=None, plan=None, *, graph=None,
-                 m_kernel=None):
+                 m_kernel=None, score_values=None):
         self.m = m
         self.l = l
         self.block_prune_threshold = block_prune_threshold
         self.plan = plan
         self.graph = graph
         self.m_kernel = m_kernel
+        # the values the forward's score read besides q and k (soft-cap, ALiBi slopes, a program's
+        # fields, an edge bias): a backward with other values would rebuild other probabilities
+        self.score_values = score_values
 
     def __iter__(self):
         return iter((self.m, self.l))
@@ -129,7 +132,40 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     if shape.squeezed:
         out, m, l = out[:, 0, :], m[:, 0], l[:, 0]
         m_kernel = None if m_kernel is None else m_kernel[:, 0]
-    return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel), plan
+    return out, AttentionStats(m, l, rho, plan, graph=graph, m_kernel=m_kernel,
+                               score_values=_score_values(score_mod, bias)), plan
+
+
+def _score_values(score_mod, bias):
+    """{name: value} of what a call's score reads besides q and k (see AttentionStats)."""
+    from .score_mod import leaf_name
+    values = {} if score_mod is None else {leaf_name(x): v for x, v in score_mod.values.items()}
+    if bias is not None:
+        values["edge bias"] = bias
+    return values
+
+
+def _value_difference(fwd_values, values):
+    """None when a backward's score values are the forward's, else what differs (a string).
+    Arrays are compared by identity first, then by content (small in the functional API:
+    per-head slopes; a program's vjp passes the forward's own arrays)."""
+    for name in sorted(set(fwd_values) | set(values)):
+        a, b = fwd_values.get(name), values.get(name)
+        if a is b:
+            continue
+        if a is None or b is None:
+            return f"{name} is {'absent' if a is None else 'given'} in the forward, " \
+                   f"{'absent' if b is None else 'given'} here"
+        if not hasattr(a, "shape") or not hasattr(b, "shape"):
+            if a != b:
+                return f"{name} = {a!r} in the forward, {b!r} here"
+            continue
+        if tuple(a.shape) != tuple(b.shape) or str(a.dtype) != str(b.dtype):
+            return f"{name} has shape {tuple(a.shape)} {a.dtype} in the forward, {tuple(b.shape)} {b.dtype} here"
+        lib = arrays.library_of(name, a)
+        if arrays.library_of(name, b) != lib or not bool(_xp(lib).array_equal(a, b, equal_nan=a.dtype.kind in "fc")):
+            return f"{name} holds other values than in the forward"
+    return None
 
 
 def _check_modifier(score_mod, shape, graph):
@@ -221,7 +257,8 @@ def make_plan(q, k, v, graph, *, op="forward", scale=None, block_prune_threshold
         raise ValueError(f"op must be 'forward' or 'backward', got {op!r}")
     mod = flash_modifier(q, graph, softcap, alibi_slopes)
     q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
-    rho = arrays.check_prune_threshold(block_prune_threshold) if op == "forward" else None
+    # a threshold for the backward reaches make_plan, which refuses it (never dropped silently)
+    rho = arrays.check_prune_threshold(block_prune_threshold)
     _check_modifier(mod, shape, graph)
     return dispatch.make_plan(op, graph, shape, scale, prune_threshold=rho, arrays=(q, k, v),
                               options=_options.resolve(deterministic=deterministic), score_mod=mod)
@@ -304,6 +341,10 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     for name, a in (("dout", dout), ("out", out)):
         if a.dtype != shape.dtype and np.dtype(a.dtype).kind != "f":  # bf16 is kind "V"
             raise TypeError(f"{name} must be floating point, got {a.dtype}")
+    for name, a in (("stats.m", m), ("stats.l", l)):   # float32 / float64 as the forward made them
+        if np.dtype(a.dtype).kind != "f":
+            raise TypeError(f"{name} must be floating point ({np.dtype(shape.accum_dtype)} as the "
+                            f"forward returns it), got {np.dtype(a.dtype)}")
     acc = shape.accum_dtype
     if m.dtype != acc or l.dtype != acc:
         xp = _xp(shape.library)
@@ -316,7 +357,8 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
                               score_mod=score_mod)
     mod_grads = {}
     per_edge = bias is not None or (score_mod is not None and bool(score_mod.layout.edges))
-    m_kernel = _check_stats_belong(stats, graph, plan, row_shape, edge_order=per_edge)
+    m_kernel = _check_stats_belong(stats, graph, plan, row_shape, edge_order=per_edge,
+                                   score_values=_score_values(score_mod, bias))
     if shape.squeezed and m_kernel is not None:
         m_kernel = m_kernel[:, None]
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
@@ -346,7 +388,7 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     return dq, dk, dv, dbias, plan
 
 
-def _check_stats_belong(stats, graph, plan, row_shape, edge_order=False):
+def _check_stats_belong(stats, graph, plan, row_shape, edge_order=False, score_values=None):
     """ValueError naming `stats` when a forward's stats come from another graph, other
     shapes, another scale or another score; returns the forward's kernel-unit row max when
     it can be used. Stats without a forward plan (built by hand, merged) pass: their shape
@@ -372,6 +414,12 @@ def _check_stats_belong(stats, graph, plan, row_shape, edge_order=False):
     if fwd.score != plan.score:
         raise ValueError(f"stats belong to a forward with score {fwd.score!r}, but this "
                          f"backward computes {plan.score!r}")
+    fwd_values = getattr(stats, "score_values", None)
+    if fwd_values is not None:
+        why = _value_difference(fwd_values, score_values)
+        if why is not None:
+            raise ValueError(f"stats belong to a forward whose score read other values: {why}; "
+                             "pass the forward's values")
     fwd_graph = getattr(stats, "graph", None)
     if fwd_graph is not None and fwd_graph is not graph:
         why = _relation_difference(fwd_graph, graph, edge_order)
@@ -456,7 +504,7 @@ def _nonempty_blocks(rel):
     return dst[:-1][keep], dst[1:][keep], src[:-1][keep], src[1:][keep], lo[keep], hi[keep]
 
 
-@foreign_arrays
+@foreign_arrays(primary="q")
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, deterministic=None,
                        softcap=None, alibi_slopes=None):
     """Fused backward of `attention`: gradients of the loss with respect to q, k and v.

@@ -88,7 +88,19 @@ def _check_device(device):
     return device
 
 
+def _flag(name, value):
+    """A yes/no argument (causal=): bool, numpy bool, or the ints 0 / 1; anything else (a string,
+    which would be truthy) is a TypeError."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def _count(name, value):
+    if isinstance(value, (bool, np.bool_)):   # operator.index(True) is 1: a flag, not a count
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     try:
         n = operator.index(value)
     except TypeError:
@@ -242,6 +254,8 @@ def _make_blocks(dst_sizes, src_sizes, lo=None, hi=None):
 def _bound(name, value):
     if value is None:
         return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
     try:
         v = int(operator.index(value))
     except TypeError:
@@ -383,6 +397,7 @@ class Graph:
         elif cu_seqlens is None:
             raise TypeError("Graph.cu_seqlens needs the query offsets: cu_seqlens (or "
                             "cu_seqlens_q), a 1-D integer array starting at 0")
+        causal = _flag("causal", causal)
         cu, lengths = _check_cu("cu_seqlens", cu_seqlens)
         if cu_seqlens_k is None:
             cu_k, lengths_k = cu, lengths
@@ -538,6 +553,11 @@ class Graph:
             num_src = _count("num_src", num_src)
             num_dst = max(num_src, need_dst)
         num_src, num_dst = _count("num_src", num_src), _count("num_dst", num_dst)
+        # before any (num_dst + 1)-sized array: a stray index of 2**31 would ask for 16 GiB
+        for name, n, given in (("num_src", num_src, "src"), ("num_dst", num_dst, "dst")):
+            if n >= 2**31:
+                raise ValueError(f"{name} must be < 2**31 for a CSR relation (int32 indices), got "
+                                 f"{n} (from {name}= or the largest index in {given})")
         if need_dst > num_dst:
             raise ValueError(f"dst holds index {need_dst - 1}, out of range [0, num_dst={num_dst})")
         if need_src > num_src:

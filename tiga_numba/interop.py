@@ -9,8 +9,10 @@ torch tensors gets torch tensors (``torch.from_dlpack``), one that passed JAX ar
     def attention(q, k, v, graph, ...): ...
 
 ``foreign_arrays`` converts every array argument (also inside dicts, lists and tuples), calls the
-function on numpy/cupy arrays and converts its result back into the library of the first foreign
-argument; a returned function (a ``vjp``) is wrapped the same way. Calls whose arguments are all
+function on numpy/cupy arrays and converts its result back into the library of the first array
+argument (q of ``attention``; a numpy q with torch k and v gives numpy results), or of the one it
+names (``@foreign_arrays(primary="q")``: the backward's gradients follow q, not dout); a returned
+function (a ``vjp``) is wrapped the same way. Calls whose arguments are all
 numpy/cupy pass straight through. torch and JAX are never imported here unless the caller passed
 one of their arrays (the check reads ``type(x).__module__``).
 
@@ -140,6 +142,29 @@ def _scan(obj, depth=0):
     return lib
 
 
+def _first_array_is_native(args, kwargs):
+    """Whether the first array argument (in argument order, containers searched) is a numpy or
+    cupy array: q of attention, x of a layer, the first part of a merge. The results follow
+    that argument's library ("Output in q's library"), also when later arguments are foreign."""
+    def first(obj, depth=0):
+        if isinstance(obj, np.ndarray) or _is_cupy(obj):
+            return True
+        if isinstance(obj, dict):
+            obj = list(obj.values())
+        if isinstance(obj, (list, tuple)) and depth < 4:
+            for v in obj:
+                found = first(v, depth + 1)
+                if found is not None:
+                    return found
+            return None
+        if type(obj).__name__ == "AttentionStats":
+            return first(obj.m, depth + 1)
+        if library_name(obj) is not None and getattr(obj, "ndim", None) != 0:
+            return False
+        return None
+    return bool(first(list(args) + list(kwargs.values())))
+
+
 def _stats_like(stats, convert):
     """A copy of an AttentionStats with its array fields (m, l and any kernel-side arrays)
     converted and everything else (plan, graph, ...) kept."""
@@ -188,6 +213,8 @@ def _arg_names(fn):
 
 
 def _convert_call(fn, lib, names=None):
+    """fn with foreign arguments converted in and its results converted to `lib` (None: left
+    as numpy / cupy)."""
     names = _arg_names(fn) if names is None else names
 
     @functools.wraps(fn)
@@ -195,14 +222,19 @@ def _convert_call(fn, lib, names=None):
         args = tuple(_inward(a, names[i] if i < len(names) else f"argument {i}")
                      for i, a in enumerate(args))
         kwargs = {k: _inward(v, k) for k, v in kwargs.items()}
-        return _outward(fn(*args, **kwargs), lib)
+        return outward(fn(*args, **kwargs), lib)
     return call
 
 
-def foreign_arrays(fn):
+def foreign_arrays(fn=None, *, primary=None):
     """Let `fn` take foreign arrays (converted in, without a copy) and return its results in the
-    caller's library. Argument names are kept in error messages for foreign inputs."""
+    caller's library: that of its first array argument, or of the argument named `primary`
+    (`@foreign_arrays(primary="q")`). Argument names are kept in error messages for foreign
+    inputs."""
+    if fn is None:
+        return functools.partial(foreign_arrays, primary=primary)
     names = _arg_names(fn)
+    where = names.index(primary) if primary in names else None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -214,7 +246,13 @@ def foreign_arrays(fn):
                     break
         if lib is None:
             return fn(*args, **kwargs)
-        return _convert_call(fn, lib, names)(*args, **kwargs)
+        if where is not None:
+            deciding = (args[where],) if where < len(args) else (kwargs.get(primary),)
+            native = _first_array_is_native(deciding, {})
+            out_lib = None if native else (_scan(deciding) or lib)
+        else:   # numpy q with torch k: numpy results
+            out_lib = None if _first_array_is_native(args, kwargs) else lib
+        return _convert_call(fn, out_lib, names)(*args, **kwargs)
     return call
 
 
@@ -228,7 +266,8 @@ def convert_args(args, kwargs):
                 break
     if lib is None:
         return None, args, kwargs
-    return lib, _inward(args), {k: _inward(v, k) for k, v in kwargs.items()}
+    out_lib = None if _first_array_is_native(args, kwargs) else lib
+    return out_lib, _inward(args), {k: _inward(v, k) for k, v in kwargs.items()}
 
 
 def outward(obj, lib):

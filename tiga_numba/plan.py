@@ -159,8 +159,13 @@ class Plan:
         return self.explain()
 
     def ir(self, stage):
-        stages = self.run_info.get("ir") or {}
-        if stage not in stages:
-            raise KeyError(f"IR stage {stage!r} is not available for this kernel; "
-                           f"available: {sorted(stages)}")
-        return stages[stage]()
+        return ir_stage(self.run_info.get("ir") or {}, stage, "for this kernel")
+
+
+def ir_stage(stages, stage, where):
+    """The artefact `stage` from a run's {stage: thunk}; KeyError listing the available stages
+    for anything else (also a stage that is not a string, which a dict lookup would turn into
+    TypeError)."""
+    if not isinstance(stage, str) or stage not in stages:
+        raise KeyError(f"IR stage {stage!r} is not available {where}; available: {sorted(stages)}")
+    return stages[stage]()

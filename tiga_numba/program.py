@@ -22,6 +22,7 @@ import numpy as np
 from . import arrays
 from .score_mod import leaf_name as sm_leaf_name
 from .interop import foreign_arrays
+from .plan import ir_stage
 from .tracing import TracedEdge, is_score_net, record_reduce, trace_edge
 
 __all__ = ["MessagePassing", "online_softmax", "OnlineSoftmaxReducer"]
@@ -649,10 +650,7 @@ class MessagePassing:
         "llvm", "ptx" on CUDA). KeyError, listing the available stages, for anything else."""
         plan = self._state()["last_plan"]
         stages = {} if plan is None else (getattr(plan, "run_info", None) or {}).get("ir") or {}
-        if stage not in stages:
-            if plan is None:
-                raise KeyError(f"IR stage {stage!r} is not available: {type(self).__name__} has "
-                               "not run yet (available: none)")
-            raise KeyError(f"IR stage {stage!r} is not available for the last kernel; "
-                           f"available: {sorted(stages)}")
-        return stages[stage]()
+        if plan is None:
+            raise KeyError(f"IR stage {stage!r} is not available: {type(self).__name__} has "
+                           "not run yet (available: none)")
+        return ir_stage(stages, stage, "for the last kernel")
