@@ -278,12 +278,19 @@ def test_input_errors_of_a_modified_program_keep_their_type():
     slopes = ModProgram(lambda s, src, dst, edge, p: s - p["sl"] * np.abs(dst.index - src.index))
     with pytest.raises(ValueError, match=r"param 'sl' must be .* shape \(H,\).* got an array of shape \(2, 1\)"):
         slopes(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5, sl=np.ones((2, 1)))
+    capped = ModProgram(lambda s, src, dst, edge, p: p["cap"] * np.tanh(s / p["cap"]))
+    for bad in (0.0, np.nan):   # the factor scale / cap is not finite: named, not called a bad scale
+        with pytest.raises(ValueError, match=r"factor .*cap.* evaluates to .*cap="):
+            capped(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5, cap=bad)
 
 
 def test_leaky_relu_is_eager_on_arrays():
     x = np.array([-2.0, 0.0, 3.0])
     np.testing.assert_array_equal(tg.leaky_relu(x, 0.2), [-0.4, 0.0, 3.0])
     assert tg.leaky_relu(-1.0, 0.5) == -0.5
+    got = tg.leaky_relu(np.array([-3, -1, 0, 2]), 0.2)   # integers: the slope is not cast to int
+    np.testing.assert_allclose(got, [-0.6, -0.2, 0.0, 2.0])
+    assert tg.leaky_relu(np.float32([-1.0]), 0.2).dtype == np.float32
 
 
 # --------------------------------------------------------------------------- kernels vs oracle
@@ -302,11 +309,13 @@ class _NearKink(Exception):
     tie, a comparison's threshold): the oracle's central difference is meaningless there."""
 
 
-def _central(diff, eps=1e-6):
+def _central_differences(diff, masked=False, eps=1e-6):
     """Central difference diff(eps) / (2 eps), checked against a step four times smaller so that
-    a kink inside the step is caught instead of giving an averaged slope."""
+    a kink inside the step is caught instead of giving an averaged slope (cells in `masked` are
+    not checked: the caller zeroes them)."""
     d1 = diff(eps) / (2 * eps)
     d2 = diff(eps / 4) / (eps / 2)
+    d1, d2 = np.where(masked, 0.0, d1), np.where(masked, 0.0, d2)
     if not np.allclose(d1, d2, rtol=1e-4, atol=1e-6):
         raise _NearKink
     return d1
@@ -336,12 +345,20 @@ def oracle(fn, graph, q, k, v, dout, scale, src, dst, edge, params, dot=True):
         return np.broadcast_to(np.asarray(out, np.float64), (E, H))
 
     f = F(s, base)
+    # a NaN or -inf value masks its edge (docs/score_mods.md): p = 0 and no gradient through it;
+    # a row whose every edge is masked is an empty row (out 0), as the CPU kernels give
+    masked = ~(f > -np.inf)
+    f = np.where(masked, -np.inf, f)
+
+    def _central(diff):
+        with np.errstate(invalid="ignore"):
+            return np.where(masked, 0.0, _central_differences(diff, masked))
     m = np.full((graph.num_dst, H), -np.inf)
     np.maximum.at(m, rows, f)
-    pu = np.exp(f - m[rows])
+    pu = np.where(masked, 0.0, np.exp(f - np.where(np.isfinite(m), m, 0.0)[rows]))
     l = np.zeros((graph.num_dst, H))
     np.add.at(l, rows, pu)
-    p = pu / l[rows]
+    p = pu / np.where(l > 0, l, 1.0)[rows]
     vg = v[cols][:, kvh]
     out = np.zeros((graph.num_dst, H, v.shape[2]))
     np.add.at(out, rows, p[:, :, None] * vg)
@@ -420,6 +437,11 @@ def _scalar_fn_mod(s, src, dst, edge, p):
     return np.where(c > 1.0, x, -x) + (d < 2.0) * s - np.where(d >= c, 0.3, s)
 
 
+def _masking_mod(s, src, dst, edge, p):
+    """log and sqrt of a negative number: NaN, which masks the edge; log(0) would be -inf."""
+    return np.log(s + 0.6) + 0.5 * np.sqrt(s + dst.a * src.a + 0.3)
+
+
 def _gat_mod(s, src, dst, edge, p):
     return tg.leaky_relu(src.a + dst.a, 0.2)
 
@@ -493,6 +515,18 @@ def test_modifier_forward_and_gradients_on_every_relation(rel):
     assert "compiled score modifier: f = " in prog.explain()
 
 
+@pytest.mark.parametrize("rel", ["segments", "csr"])
+def test_a_value_masked_by_nan_has_no_gradient(rel):
+    """np.log / np.sqrt of a negative score: the edge is masked in the forward, and the backward
+    gives it no gradient (its p = 0 times f' = NaN made dq, dk and the fields NaN)."""
+    g = RELATIONS[rel]
+    prog, out, grads, want, wgrads = _run_program(_masking_mod, g, np.float64)
+    for role in ("src", "dst"):
+        for n, a in grads[role].items():
+            assert np.isfinite(a).all(), (role, n)
+    _check_all(out, grads, want, wgrads, 1e-6)
+
+
 @pytest.mark.parametrize("rel", ["triangular", "csr"])
 def test_listed_functions_and_comparisons_of_scalar_params(rel):
     for c, d in ((2.5, -0.75), (0.5, 3.0)):   # each branch of every condition taken once
@@ -508,6 +542,25 @@ def test_classic_gat_score_without_dot_product(rel):
     _check_all(out, grads, want, wgrads, 1e-6)
     text = prog.explain()
     assert "gather-only" in text and "leaky_relu(src.a + dst.a, 0.2)" in text
+
+
+def _field_product_mod(s, src, dst, edge, p):
+    return src.a * dst.a
+
+
+def _edge_product_mod(s, src, dst, edge, p):
+    return edge.b * edge.w
+
+
+@pytest.mark.parametrize("fn, rel", [(_field_product_mod, "segments"), (_field_product_mod, "csr"),
+                                     (_edge_product_mod, "csr")])
+def test_a_product_of_fields_is_a_score_of_its_own(fn, rel):
+    """src.a * dst.a of (N, H) node fields, edge.b * edge.w of edge fields: an elementwise
+    expression of fields (the contract's modifier grammar) needs no `+ 0` to be a score; an
+    unsummed product of (N, H, D) fields stays refused (tests/test_tracing.py)."""
+    kw = dict(edge_fields=("b", "w")) if fn is _edge_product_mod else dict(node_shapes=("NH", "NH"))
+    prog, out, grads, want, wgrads = _run_program(fn, RELATIONS[rel], np.float64, dot=False, **kw)
+    _check_all(out, grads, want, wgrads, 1e-6)
 
 
 def test_edge_fields_in_a_modifier_on_csr():

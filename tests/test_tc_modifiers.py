@@ -51,6 +51,14 @@ def _nan_far():
     return sm.make("where", far, nan, S), {}
 
 
+def _nan_far_sqrt():
+    """As _nan_far with a NaN derivative too (sqrt of a negative number): the masked cell has no
+    gradient (P = 0 times f' = NaN made dS NaN)."""
+    far = sm.make("gt", sm.make("sub", DST, SRC), sm.const(8.0))
+    nan = sm.make("sqrt", sm.make("sub", sm.make("neg", sm.make("abs", S)), sm.const(1.0)))
+    return sm.make("where", far, nan, S), {}
+
+
 def _scalar_fns():
     """np.tanh, np.minimum and a comparison of a scalar param inside the tree (cell-invariant:
     hoisted out of the cells): s tanh(c) + where(c > 1, s, -s) + 0.1 min(c, 2)."""
@@ -62,7 +70,7 @@ def _scalar_fns():
 
 
 MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window,
-        "nan_far": _nan_far}
+        "nan_far": _nan_far, "nan_far_sqrt": _nan_far_sqrt}
 #: trees run on one case and relation only (test_scalar_param_functions_emulated)
 MORE_MODS = {"scalar_fns": _scalar_fns}
 
@@ -120,8 +128,10 @@ def oracle(tree, values, q, k, v, do, dst, src, causal, scale):
                     a = a[:, h] if a.ndim == 2 else a
                     env[x] = a[i0:i1, None] if x.attr[0] == "dst" else a[None, j0:j1]
             with np.errstate(all="ignore"):
-                y = np.clip(np.nan_to_num(sm.evaluate(tree, env), nan=-1e30), -1e30, 1e30)
-                d = np.broadcast_to(sm.evaluate(dtree, env), z.shape)
+                f = sm.evaluate(tree, env)
+                y = np.clip(np.nan_to_num(f, nan=-1e30), -1e30, 1e30)
+                # f' = 0 where the clamp holds y constant (NaN / -inf: a masked cell)
+                d = np.where((f > -1e29) & (f < 1e30), np.broadcast_to(sm.evaluate(dtree, env), z.shape), 0.0)
             keep = np.tril(np.ones(z.shape, bool)) if causal[b] else np.ones(z.shape, bool)
             y = np.where(keep, y, -np.inf)
             mm = y.max(1)

@@ -15,6 +15,7 @@ the fused score-network kernels (`edge_mlp`) for `tg.nn.trace` scores. See docs/
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -231,6 +232,23 @@ class _Call:
 
 
 # --------------------------------------------------------------------------- lowering
+def _dot_factor(factor, values):
+    """The number the dot product is scaled by (`scale`, `scale / cap`, ...), evaluated from
+    this call's params; a non-finite one names its expression and params rather than reaching
+    the kernels' check as a bad `scale`."""
+    value = factor.evaluate(values)
+    try:
+        finite = math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return value   # the usual scale check names the type
+    if not finite:
+        given = ", ".join(f"{k}={v!r}" for k, v in sorted(values.items())
+                          if not hasattr(v, "shape") or getattr(v, "ndim", 1) == 0)
+        raise ValueError(f"the dot product's factor {factor} evaluates to {value} for this "
+                         f"call's params ({given}); it must be finite")
+    return value
+
+
 class _Lowered:
     """The traced form bound to one call's arrays: runs forward, and backward for vjp."""
 
@@ -256,7 +274,7 @@ class _Lowered:
             s, d = score.dot
             self.q = call.field("dst", d.name)
             self.k = call.field("src", s.name)
-            self.scale = score.dot_factor.evaluate(values)
+            self.scale = _dot_factor(score.dot_factor, values)
         else:
             self.q = self.k = None
             self.scale = 1.0
@@ -298,7 +316,7 @@ class _Lowered:
             s, d, factor = score.dot
             self.q = call.field("dst", d.name)
             self.k = call.field("src", s.name)
-            self.scale = factor.evaluate(values)
+            self.scale = _dot_factor(factor, values)
             return
         # no dot product: zero-width q and k, the heads from the fields / params / value
         self.scale = 1.0

@@ -353,7 +353,11 @@ def leaky_relu(x, negative_slope=0.01):
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return x if x > 0 else negative_slope * x
     x = np.asarray(x)
-    return np.where(x > 0, x, np.asarray(negative_slope, dtype=x.dtype) * x)
+    # the slope in x's float dtype (float32 stays float32); an integer x becomes float64, as
+    # torch's and numpy's own mixed int * float arithmetic gives (0.2 cast to int would be 0)
+    dt = x.dtype if x.dtype.kind in "fc" else np.result_type(x.dtype, np.float64)
+    x = x.astype(dt, copy=False)
+    return np.where(x > 0, x, np.asarray(negative_slope, dtype=dt) * x)
 
 
 # --------------------------------------------------------------------------- functional forms
@@ -447,9 +451,11 @@ class BoundModifier:
                 continue
             label, n = sizes[x.attr[0] if x.op == "node" else "edge"]
             if a.ndim not in (1, 2) or a.shape[0] != n or (a.ndim == 2 and a.shape[1] not in (1, heads)):
+                hint = ("; a feature vector per node: did you forget .sum(axis=-1) of a product?"
+                        if a.ndim >= 2 and a.shape[-1] not in (1, heads) else "")
                 raise ValueError(f"{name} in the score modifier must have shape ({n},) or "
                                  f"({n}, {heads}) ({label} = {n}, {heads} heads), got "
-                                 f"{tuple(a.shape)}")
+                                 f"{tuple(a.shape)}{hint}")
 
     def pack(self, xp, acc, heads, num_dst, num_src, num_edges):
         """(sc, hp, nd, ns, ef) in dtype `acc` (score_codegen's layout)."""

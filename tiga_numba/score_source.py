@@ -172,16 +172,22 @@ class Source:
         return (f"def {name}({self.target.value_args}):\n{body}\n"
                 f"    v = {num(self.tree)}\n"
                 f"    g = {num(d)}\n"
-                f"    if v > _BIG:\n        return _BIG, g\n"
+                # where the clamp holds f constant (NaN or -inf masks the edge; +inf is capped),
+                # df/ds is 0: the masked cell's p = 0 times a NaN f' would be NaN
+                f"    if v > _BIG:\n        return _BIG, _dt(0.0)\n"
                 f"    if v > _NEG:\n        return v, g\n"
-                f"    return _NEG, g\n")
+                f"    return _NEG, _dt(0.0)\n")
 
     def grad(self, name, targets):
         rows, edges = self.grad_groups(targets)
         wanted = rows + edges
         derivs = [sm.diff(self.tree, sm.SCORE)] + [sm.diff(self.tree, x) for x in wanted]
-        lines, num = self._emit(derivs)
+        lines, num = self._emit([self.tree] + derivs)
         out = [f"def {name}({self.target.grad_args}):"] + lines
+        # a cell whose value the clamp holds constant (NaN / -inf: the edge is masked; above the
+        # cap) has no gradient: nothing is accumulated, and its p = 0 never meets a NaN f'
+        out.append(f"    v = {num(self.tree)}")
+        out.append("    if not (v > _NEG and v <= _BIG):\n        return dF * _dt(0.0)")
         for x, dx in zip(wanted, derivs[1:]):
             if dx == sm.ZERO:
                 continue

@@ -610,6 +610,12 @@ def as_score(x, where):
         return x
     if isinstance(x, Product) and x.is_edge_field():
         return Score(biases=[(x.fields[0], x.factor)])
+    if isinstance(x, Product) and all(f.ndim is not None and f.ndim <= 2 for f in x.fields):
+        # a product of (N,) / (N, H) node fields and (E,) / (E, H) edge fields (src.a * dst.a,
+        # c * src.a) is a per-edge score of its own: an elementwise expression of fields, as any
+        # modifier; the lowering checks that each field is (N,) or (N, H)
+        tree, dot, scalars = _to_mod(x, "the score")
+        return finalize(ScoreExpr(tree, dot, scalars))
     if isinstance(x, Product):
         _refuse(f"{x.describe()} as a score in {where} (an unsummed product or a node field is "
                 "not a per-edge score; did you forget .sum(axis=-1)?)")

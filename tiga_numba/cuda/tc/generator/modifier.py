@@ -182,7 +182,9 @@ class Modifier:
         clamped = f"clampf(mf, f32({FLOOR!r}), f32({CEIL!r}))"
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
-            e(f"{d} = {fill(self._deriv)}")
+            # where the clamp holds y constant (a NaN or -inf value: the cell is masked; beyond the
+            # ceiling) f' is 0: P = 0 times a NaN f' (sqrt of a negative score) would make dS NaN
+            e(f"{d} = sel((mf > f32({FLOOR!r})) & (mf < f32({CEIL!r})), {fill(self._deriv)}, f32(0.0))")
 
 
 #: how the kernels take tanh, per dtype: "hardware" is tanh.approx.f32 (one SFU op; what
