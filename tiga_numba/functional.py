@@ -137,12 +137,11 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
 
 
 def _score_values(score_mod, bias):
-    """{name: value} of what a call's score reads besides q and k (see AttentionStats)."""
+    """{name: value} of what a call's score modifier reads besides q and k (see
+    AttentionStats). An edge bias is not among them: only a program's own vjp passes one to the
+    backward, and always its forward's."""
     from .score_mod import leaf_name
-    values = {} if score_mod is None else {leaf_name(x): v for x, v in score_mod.values.items()}
-    if bias is not None:
-        values["edge bias"] = bias
-    return values
+    return {} if score_mod is None else {leaf_name(x): v for x, v in score_mod.values.items()}
 
 
 def _value_difference(fwd_values, values):
@@ -162,8 +161,8 @@ def _value_difference(fwd_values, values):
             continue
         if tuple(a.shape) != tuple(b.shape) or str(a.dtype) != str(b.dtype):
             return f"{name} has shape {tuple(a.shape)} {a.dtype} in the forward, {tuple(b.shape)} {b.dtype} here"
-        lib = arrays.library_of(name, a)
-        if arrays.library_of(name, b) != lib or not bool(_xp(lib).array_equal(a, b, equal_nan=a.dtype.kind in "fc")):
+        if arrays.library_of(name, b) != arrays.library_of(name, a) or \
+                not bool(((a == b) | ((a != a) & (b != b))).all()):   # NaN matches NaN
             return f"{name} holds other values than in the forward"
     return None
 
