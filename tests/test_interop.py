@@ -373,3 +373,18 @@ def test_results_follow_q_library_when_other_arguments_are_torch():
     assert all(isinstance(x, np.ndarray) for x in tg.attention_backward(T(dout), q, k, v, want, st, g))
     assert all(isinstance(x, torch.Tensor)
                for x in tg.attention_backward(dout, T(q), T(k), T(v), want, st, g))
+
+
+def test_a_refused_nested_list_does_not_hide_later_tensors():
+    """A list nested too deep to be searched (a user error, refused) must not mark lists as
+    holding no foreign arrays for every later call."""
+    torch = pytest.importorskip("torch")
+    import tiga_numba.interop as interop
+    q = torch.randn(6, 2, 4, dtype=torch.float64)
+    k = torch.randn(5, 1, 4, dtype=torch.float64)
+    a = tg.attention(q, k, k, tg.Graph.dense(5, 6), return_stats=True)
+    with pytest.raises(TypeError):
+        tg.attention_merge([(a[0].tolist(), a[1])])
+    assert list not in interop._NATIVE_TYPES and tuple not in interop._NATIVE_TYPES
+    out, _ = tg.attention_merge([a])
+    assert isinstance(out, torch.Tensor)

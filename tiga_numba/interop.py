@@ -136,7 +136,10 @@ def _scan(obj, depth=0):
         return library_name(obj.m)
     lib = library_name(obj)
     if lib is None:
-        _NATIVE_TYPES.add(type(obj))
+        # remembered as native, except containers: a list nested too deep to be searched here
+        # says nothing about the next list (a later call may hold tensors in one)
+        if not isinstance(obj, (list, tuple, dict)):
+            _NATIVE_TYPES.add(type(obj))
     elif getattr(obj, "ndim", None) == 0:
         return None   # a 0-d scalar (softcap=torch.tensor(30.0)) does not choose the results' library
     return lib
