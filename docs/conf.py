@@ -41,7 +41,8 @@ default_role = "literal"
 #: (module, section title, members or None for the module's __all__)
 API = [
     ("tiga_numba", "Functional API",
-     ["attention", "attention_backward", "attention_merge", "AttentionStats", "explain"]),
+     ["attention", "attention_backward", "attention_merge", "AttentionStats", "explain",
+      "make_plan", "leaky_relu", "options", "Options"]),
     ("tiga_numba.graph", "Relations: Graph", ["Graph"]),
     ("tiga_numba.program", "Programs: MessagePassing", None),
     ("tiga_numba.nn", "Score networks: tiga_numba.nn", None),

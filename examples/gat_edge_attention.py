@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+import _common  # noqa: F401  (finds the package in a checkout without an install)
 import tiga_numba as tg
 import tiga_numba.nn as nn  # submodule import; `tg.nn` works once it is imported
 

@@ -388,3 +388,21 @@ def test_a_refused_nested_list_does_not_hide_later_tensors():
     assert list not in interop._NATIVE_TYPES and tuple not in interop._NATIVE_TYPES
     out, _ = tg.attention_merge([a])
     assert isinstance(out, torch.Tensor)
+
+
+def test_stats_built_by_hand_may_hold_torch_tensors():
+    """Any object with m and l is stats (docs/robustness.md): torch tensors inside one are
+    viewed like every other torch argument, in the backward and in the merge."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((5, 2, 4)) for _ in range(3))
+    g = tg.Graph.dense(5)
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    ns = SimpleNamespace(m=torch.from_numpy(st.m), l=torch.from_numpy(st.l))
+    want = tg.attention_backward(np.ones_like(out), q, k, v, out, st, g)
+    got = tg.attention_backward(np.ones_like(out), q, k, v, out, ns, g)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    merged, _ = tg.attention_merge([(torch.from_numpy(out), ns)])
+    np.testing.assert_allclose(merged.numpy(), out, rtol=1e-12)

@@ -90,3 +90,16 @@ def test_merge_rejects_bad_parts():
         tg.attention_merge([(o, st), (o, pruned)])
     with pytest.raises(TypeError, match=r"parts\[1\] out is float16"):
         tg.attention_merge([(o, st), (o.astype(np.float16), st)])
+
+
+def test_merge_argument_errors_name_parts():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 1, 3))
+    pair = tg.attention(q, q, q, tg.Graph.dense(2), return_stats=True)
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match="parts must be a sequence of \\(out, stats\\) pairs"):
+            tg.attention_merge(bad)
+    with pytest.raises(TypeError, match="got one pair"):
+        tg.attention_merge(pair)
+    with pytest.raises(ValueError, match=r"edge_index\[0\] \(sources\) holds index 6, out of range \[0, num_nodes=4\)"):
+        tg.Graph.from_edge_index(np.array([[6, 0], [1, 2]]), num_nodes=4)

@@ -566,6 +566,10 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None):
     k, v : dask arrays ``(num_src, Hkv, D)`` / ``(num_src, Hkv, Dv)`` with the same chunks along
         axis 0. Only axis 0 may be chunked.
     graph : tiga_numba.Graph with ``num_dst == q.shape[0]`` and ``num_src == k.shape[0]``.
+    scale : float, optional
+        The score scale, ``D ** -0.5`` by default (checked at the call, as every argument).
+    return_stats : bool
+        Also return the per-row softmax state (``m``, ``l``) that ``attention_backward`` takes.
     softcap : float, optional
         flash-attn's soft-cap, as in :func:`tiga_numba.attention` (an elementwise function of
         each score, so every block and partition applies it alike). ``alibi_slopes`` is not

@@ -581,7 +581,15 @@ class Graph:
         if len(shape) != 2 or shape[0] != 2:
             raise ValueError(f"edge_index must have shape (2, E), got {tuple(shape)}")
         n = None if num_nodes is None else _count("num_nodes", num_nodes)
-        return cls.from_coo(edge_index[0], edge_index[1], n, n, device=device)
+        try:
+            return cls.from_coo(edge_index[0], edge_index[1], n, n, device=device)
+        except ValueError as exc:   # in this constructor's words: edge_index rows, num_nodes
+            text = str(exc)
+            for a, b in (("src holds", "edge_index[0] (sources) holds"),
+                         ("dst holds", "edge_index[1] (destinations) holds"),
+                         ("num_src=", "num_nodes="), ("num_dst=", "num_nodes=")):
+                text = text.replace(a, b)
+            raise ValueError(text) from None
 
     @classmethod
     def radius(cls, positions, cutoff, exclude_self=True, *, device=None):

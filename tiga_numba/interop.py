@@ -132,7 +132,7 @@ def _scan(obj, depth=0):
             if lib is not None:
                 return lib
         return None
-    if type(obj).__name__ == "AttentionStats":
+    if _is_stats(obj):
         return library_name(obj.m)
     lib = library_name(obj)
     if lib is None:
@@ -160,7 +160,7 @@ def _first_array_is_native(args, kwargs):
                 if found is not None:
                     return found
             return None
-        if type(obj).__name__ == "AttentionStats":
+        if _is_stats(obj):
             return first(obj.m, depth + 1)
         if library_name(obj) is not None and getattr(obj, "ndim", None) != 0:
             return False
@@ -168,9 +168,23 @@ def _first_array_is_native(args, kwargs):
     return bool(first(list(args) + list(kwargs.values())))
 
 
+def _is_stats(obj):
+    """An AttentionStats, or stats built by hand: any object with array `m` and `l` (what the
+    backward and the merge accept) whose `m` is a foreign array."""
+    if type(obj).__name__ == "AttentionStats":
+        return True
+    m = getattr(obj, "m", None)
+    return m is not None and hasattr(obj, "l") and library_name(m) is not None and \
+        library_name(obj) is None
+
+
 def _stats_like(stats, convert):
     """A copy of an AttentionStats with its array fields (m, l and any kernel-side arrays)
-    converted and everything else (plan, graph, ...) kept."""
+    converted and everything else (plan, graph, ...) kept; stats built by hand (any object with
+    m and l) become an AttentionStats of their converted m and l."""
+    if type(stats).__name__ != "AttentionStats":
+        from .functional import AttentionStats
+        return AttentionStats(convert(stats.m), convert(stats.l))
     new = object.__new__(type(stats))
     for name in getattr(type(stats), "__slots__", ()):
         value = getattr(stats, name, None)
@@ -188,7 +202,7 @@ def _inward(obj, name="array", depth=0):
     if isinstance(obj, (list, tuple)) and depth < 4:
         items = [_inward(v, f"{name}[{i}]", depth + 1) for i, v in enumerate(obj)]
         return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
-    if type(obj).__name__ == "AttentionStats":
+    if _is_stats(obj):
         return _stats_like(obj, lambda a: to_native(a, f"{name}.m/l"))
     return to_native(obj, name)
 

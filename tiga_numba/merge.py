@@ -83,7 +83,15 @@ def attention_merge(parts):
         ``out`` in the parts' dtype and library; ``stats`` an :class:`AttentionStats` (``m``, ``l``,
         ``lse``) that :func:`attention_backward` accepts for the union of the edge subsets.
     """
-    return _merge(list(parts))
+    if isinstance(parts, tuple) and len(parts) == 2 and hasattr(parts[1], "m") and hasattr(parts[1], "l"):
+        raise TypeError("parts must be a sequence of (out, stats) pairs, got one pair; "
+                        "pass [(out, stats), ...]")
+    try:
+        parts = list(parts)
+    except TypeError:
+        raise TypeError(f"parts must be a sequence of (out, stats) pairs, got "
+                        f"{type(parts).__name__}") from None
+    return _merge(parts)
 
 
 @interop.foreign_arrays

@@ -108,6 +108,8 @@ def precompile(dtypes=DEFAULT_DTYPES, out=None, modifiers=()):
 
 
 def main(argv=None):
+    """The command line: ``python -m tiga_numba.precompile [--dtypes ...] [--modifiers ...]``
+    (see ``--help``); compiles the chosen CPU kernels into numba's disk cache."""
     parser = argparse.ArgumentParser(prog="python -m tiga_numba.precompile",
                                      description="Compile tiga_numba's CPU kernels into numba's "
                                                  "on-disk cache ahead of the first call.")

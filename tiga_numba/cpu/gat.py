@@ -25,6 +25,7 @@ import numba
 
 from .. import disk_cache
 from ..kernel_cache import KERNELS
+from ..kernel_cache import source as kernel_source
 from ..score_net_source import (indented, layer_widths, route_edge_grad, u_backward, u_edge_grad,
                                u_features, u_hoist, u_score, u_weights, unrollable)
 
@@ -515,8 +516,10 @@ def _load(source, prefix="tiga_gat_cpu"):
 
 
 def get_kernels(spec, p_size, dtype, unroll=None):
-    """(module with gat_forward, gat_backward_rows, gat_backward_cols, cache 'hit'/'miss',
-    variant 'unrolled'/'loops'). unroll=None picks unrolled code for small networks."""
+    """(module with gat_forward, gat_backward_rows, gat_backward_cols, where the kernels came
+    from (kernel_cache.KernelSource: "memory hit" / "disk hit" / "compiled", resolved when
+    explain() shows it), variant 'unrolled'/'loops'). unroll=None picks unrolled code for small
+    networks."""
     name = "float64" if str(dtype) == "float64" else "float32"
     if unroll is None:
         unroll = unrollable(spec, p_size)
@@ -524,7 +527,7 @@ def get_kernels(spec, p_size, dtype, unroll=None):
     gen = generate_source_unrolled if unroll else generate_source
     key = ("gat-cpu", spec, int(p_size), name, variant)
     module = KERNELS.get(key, lambda: _load(gen(spec, p_size, name)))
-    return module, ("hit" if KERNELS.last_was_hit else "miss"), variant
+    return module, kernel_source(module, KERNELS.last_was_hit), variant
 
 
 # --------------------------------------------------------------------------- relabelling
