@@ -44,7 +44,10 @@ class AttentionStats:
         The row max in the units of the backend's kernels exactly as they found it (the CPU
         kernels work in base 2); the backward uses it instead of converting `m` back, which
         keeps gradients exact at large scores. Stats built by hand have none of these and are
-        checked by shape only; merged stats keep `m_kernel` when every part has it."""
+        checked by shape only; merged stats keep `m_kernel` when every part has it.
+    score_values : dict or None
+        What the forward's score read besides q and k (soft-cap, ALiBi slopes, a program's
+        fields): `attention_backward` refuses stats whose forward read other values."""
 
     __slots__ = ("m", "l", "block_prune_threshold", "plan", "graph", "m_kernel", "score_values")
 

@@ -51,6 +51,7 @@ class Module:
     """Base: a module has named parameters (arrays) and may hold child modules."""
 
     def named_parameters(self, prefix=""):
+        """[(name, array), ...] of this module's parameters, names prefixed by `prefix`."""
         return []
 
     def parameters(self):
@@ -81,6 +82,7 @@ class Linear(Module):
                      else np.zeros(self.out_features)).astype(dtype)
 
     def named_parameters(self, prefix=""):
+        """[(prefix + "weight", weight), (prefix + "bias", bias)]."""
         return [(prefix + "weight", self.weight), (prefix + "bias", self.bias)]
 
     def to(self, device):
@@ -89,6 +91,7 @@ class Linear(Module):
         return self
 
     def forward(self, x):
+        """x @ weight.T + bias, eagerly on numpy / cupy arrays."""
         return x @ self.weight.T + self.bias
 
     def __repr__(self):
@@ -105,6 +108,7 @@ class LeakyReLU(Module):
         self.negative_slope = float(negative_slope)
 
     def forward(self, x):
+        """x where x > 0, else negative_slope * x."""
         xp = _xp(x)
         return xp.where(x > 0, x, x * self.negative_slope)
 
@@ -114,6 +118,7 @@ class LeakyReLU(Module):
 
 class ReLU(Module):
     def forward(self, x):
+        """max(x, 0)."""
         xp = _xp(x)
         return xp.maximum(x, 0)
 
@@ -123,6 +128,7 @@ class ReLU(Module):
 
 class Tanh(Module):
     def forward(self, x):
+        """tanh(x)."""
         xp = _xp(x)
         return xp.tanh(x)
 
@@ -152,6 +158,7 @@ class Sequential(Module):
         return iter(self.layers)
 
     def named_parameters(self, prefix=""):
+        """The layers' parameters named "<index>.<name>" ("0.weight", "2.bias", ...)."""
         out = []
         for i, layer in enumerate(self.layers):
             out.extend(layer.named_parameters(f"{prefix}{i}."))
@@ -163,6 +170,7 @@ class Sequential(Module):
         return self
 
     def forward(self, x):
+        """The layers applied in order."""
         for layer in self.layers:
             x = layer(x)
         return x
@@ -229,6 +237,7 @@ class TracedNet:
         return self.module.layers[0].in_features
 
     def layers(self):
+        """The traced network's layers, in order."""
         return list(self.module.layers)
 
     def named_parameters(self, prefix=""):

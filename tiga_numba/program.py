@@ -534,6 +534,9 @@ class MessagePassing:
         return st
 
     def edge(self, src, dst, edge):
+        """Defined by each program: the score and value of edge (j -> i) from `src` (fields of
+        j), `dst` (fields of i), `edge` (per-edge fields) and the call's params, returned as
+        ``self.reducer(score, value)``; traced once per call signature, never run on data."""
         raise NotImplementedError(f"{type(self).__name__} must define edge(self, src, dst, edge, "
                                   "**params) returning self.reducer(score, value)")
 

@@ -45,6 +45,7 @@ class Options:
     poison_outputs: bool = False
 
     def describe(self):
+        """The options as one line, `name=value, ...` (what explain() prints)."""
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
 

@@ -121,10 +121,12 @@ class Layer:
         return self
 
     def train(self, mode=True):
+        """Training mode on (or off with mode=False), as torch.nn.Module.train; returns self."""
         self.training = bool(mode)
         return self
 
     def eval(self):
+        """Evaluation mode (train(False)); returns self."""
         return self.train(False)
 
     def _check_dropout(self):
