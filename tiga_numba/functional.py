@@ -59,8 +59,8 @@ class AttentionStats:
         self.plan = plan
         self.graph = graph
         self.m_kernel = m_kernel
-        # the values the forward's score read besides q and k (soft-cap, ALiBi slopes, a program's
-        # fields, an edge bias): a backward with other values would rebuild other probabilities
+        # the values the forward's score modifier read besides q and k (soft-cap, ALiBi slopes, a
+        # program's fields): a backward with other values would rebuild other probabilities
         self.score_values = score_values
 
     def __iter__(self):
