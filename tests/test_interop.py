@@ -406,3 +406,30 @@ def test_stats_built_by_hand_may_hold_torch_tensors():
         np.testing.assert_allclose(a, b, rtol=1e-12)
     merged, _ = tg.attention_merge([(torch.from_numpy(out), ns)])
     np.testing.assert_allclose(merged.numpy(), out, rtol=1e-12)
+
+
+def test_adapter_refuses_double_backward_and_in_place_changes():
+    """tiga_numba.torch: a gradient penalty (create_graph=True) raises instead of dropping the
+    penalty's gradient (torch's once_differentiable returns a graph-less gradient for a linear
+    loss); an output or input modified in place before the backward (a residual `out += x`)
+    makes the backward refuse, as torch's own functions do, instead of reading the new values."""
+    torch = pytest.importorskip("torch")
+    import tiga_numba.torch as tgt
+    torch.manual_seed(0)
+    q, k, v, w = (torch.randn(6, 2, 3, dtype=torch.float64) for _ in range(4))
+    g = tg.Graph.dense(6)
+    qq = q.clone().requires_grad_(True)
+    loss = (tgt.attention(qq, k, v, g) * w).sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, qq, create_graph=True)
+    qq = q.clone().requires_grad_(True)
+    out = tgt.attention(qq, k, v, g)
+    out += w
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out ** 2).sum().backward()
+    kk = k.clone().requires_grad_(True)
+    out = tgt.attention(q, kk, v, g)
+    with torch.no_grad():
+        kk.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -40,6 +40,22 @@ def _tensor(a):
     return None if a is None else interop.to_library(a, "torch")
 
 
+def _first_order_only(backward):
+    """A backward that refuses to build a graph (create_graph=True: double backward, a gradient
+    penalty) instead of returning a first gradient without one, which torch's
+    once_differentiable does when dout itself needs no gradient (a linear loss): the penalty
+    would then be dropped silently. Runs the fused backward without recording."""
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError("double backward (create_graph=True) through the fused kernels of "
+                               "tiga_numba.torch is not supported: their backward is not "
+                               "differentiable")
+        ctx.saved_tensors   # torch's check that no saved input or output was modified in place
+        with torch.no_grad():
+            return backward(ctx, *grads)
+    return checked
+
+
 # --------------------------------------------------------------------------- attention
 class _Attention(torch.autograd.Function):
     @staticmethod
@@ -48,10 +64,15 @@ class _Attention(torch.autograd.Function):
         out, stats, _ = run_forward(qn, kn, vn, graph, scale=scale)
         ctx.arrays = (qn, kn, vn, out, stats)
         ctx.graph, ctx.scale = graph, scale
-        return _tensor(out)
+        result = _tensor(out)
+        # the backward reads these through ctx.arrays (views of the same memory); saved so that
+        # torch refuses the backward when one was modified in place (`out += x` would change
+        # the Delta_i = sum(dO_i O_i) it reads)
+        ctx.save_for_backward(q, k, v, result)
+        return result
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, dout):
         qn, kn, vn, out, stats = ctx.arrays
         dq, dk, dv, _, _ = run_backward(_native(dout, "dout"), qn, kn, vn, out, stats, ctx.graph,
@@ -72,10 +93,12 @@ class _Program(torch.autograd.Function):
     def forward(ctx, run, slots, *tensors):
         out, vjp = run([_native(t) for t in tensors])
         ctx.vjp, ctx.slots = vjp, slots
-        return _tensor(out)
+        result = _tensor(out)
+        ctx.save_for_backward(*tensors, result)   # in-place changes refused, as in _Attention
+        return result
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, dout):
         grads = ctx.vjp(_native(dout, "dout"))
         return (None, None) + tuple(_tensor(grads.get(role, {}).get(name))
@@ -132,10 +155,12 @@ class _LayerFunction(torch.autograd.Function):
         p.update({alias: p[name] for alias, name in aliases.items()})
         out, backward = core._run(x, graph, _native(edge_attr, "edge_attr"), p, want_grad=True)
         ctx.backward, ctx.names = backward, names
-        return _tensor(out)
+        result = _tensor(out)
+        ctx.save_for_backward(x_src, x_dst, edge_attr, *params, result)   # as in _Attention
+        return result
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, dout):
         dx_src, dx_dst, d_ea, dparams = ctx.backward(_native(dout, "dout"))
         return ((None,) * 5 + (_tensor(dx_src), _tensor(dx_dst), _tensor(d_ea))
