@@ -10,7 +10,8 @@
 Tensors are viewed as numpy (CPU) or cupy (CUDA) arrays through DLPack, without a copy; results
 come back as tensors the same way. Each wrapper is a `torch.autograd.Function` whose backward is
 the package's fused backward (`attention_backward`, a program's or a layer's `vjp`); double
-backward is not supported. This module is the only one that imports torch at import time, and
+backward is not supported (create_graph=True raises RuntimeError), and a saved input or output
+changed in place before the backward is refused by torch's version check. This module is the only one that imports torch at import time, and
 nothing else in the package imports it.
 """
 from __future__ import annotations
