@@ -433,3 +433,32 @@ def test_adapter_refuses_double_backward_and_in_place_changes():
         kk.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_adapter_and_positions_take_arrays_as_documented():
+    """tiga_numba.torch names a non-tensor argument (TypeError, not AttributeError); a torch
+    positions tensor (requiring grad) builds a radius graph like any input; a graph keeps its
+    own copy of the positions (immutable); a numpy program's vjp takes a torch dout."""
+    torch = pytest.importorskip("torch")
+    import tiga_numba.torch as tgt
+    t = torch.ones(3, 1, 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match="q must be a torch tensor"):
+        tgt.attention(np.ones((3, 1, 2)), t, t, tg.Graph.dense(3))
+    pos = np.random.default_rng(1).random((30, 3))
+    g = tg.Graph.radius(torch.tensor(pos, requires_grad=True), 0.4)
+    assert g.num_edges == tg.Graph.radius(pos, 0.4).num_edges > 0
+    g = tg.Graph.radius(pos, 0.4)
+    before = g.edge_field("distance").copy()
+    pos *= 3.0
+    np.testing.assert_array_equal(g.edge_field("distance"), before)
+
+    class Dot(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def edge(self, src, dst, edge):
+            return self.reducer((src.k * dst.q).sum(-1), src.k)
+    x = np.random.default_rng(2).standard_normal((4, 1, 3))
+    out, vjp = Dot().vjp(graph=tg.Graph.dense(4), src={"k": x}, dst={"q": x})
+    want = vjp(np.ones_like(out))
+    got = vjp(torch.ones(out.shape, dtype=torch.float64))
+    np.testing.assert_array_equal(got["src"]["k"], want["src"]["k"])

@@ -612,7 +612,10 @@ class Graph:
 
     @classmethod
     def _geometric(cls, positions, indptr, indices, device):
-        # a builder's CSR is correct by construction: no validation pass
+        # a builder's CSR is correct by construction: no validation pass. The graph keeps its
+        # own copy of the positions (a Graph is immutable: a later change of the caller's array
+        # must not move its edge fields away from the edges it was built with)
+        positions = positions.copy()
         n = int(positions.shape[0])
         on_gpu = _is_device_array(indptr)
         device = _check_device(device) if device is not None else ("cuda" if on_gpu else "cpu")

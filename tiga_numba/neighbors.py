@@ -45,6 +45,9 @@ def check_positions(positions):
     """Validate positions (numpy, cupy, or a nested sequence); returns the array in its own
     library. Raises TypeError/ValueError naming `positions`."""
     arr = positions
+    from .interop import is_foreign, to_native
+    if is_foreign(arr):   # a torch / JAX / DLPack array: viewed as numpy or cupy (detached)
+        arr = to_native(arr, "positions")
     if not on_device(arr):
         try:
             arr = np.asarray(arr)

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import arrays
 from .score_mod import leaf_name as sm_leaf_name
-from .interop import foreign_arrays
+from .interop import foreign_arrays, is_foreign, to_native
 from .plan import ir_stage
 from .tracing import TracedEdge, is_score_net, record_reduce, trace_edge
 
@@ -591,6 +591,8 @@ class MessagePassing:
         program = self
 
         def vjp(dout):
+            if is_foreign(dout):   # a torch dout for a numpy call: viewed, as every input
+                dout = to_native(dout, "dout")
             grads, bplan = lowered.backward(dout)
             program._record(lowered, plan, bplan)
             return grads

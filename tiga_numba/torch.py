@@ -32,6 +32,9 @@ __all__ = ["attention", "program", "GATConv", "GATv2Conv", "TransformerConv", "g
 def _native(t, name="tensor"):
     if t is None:
         return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch tensor (tiga_numba.torch wraps torch tensors; "
+                        f"numpy and cupy arrays go to tiga_numba itself), got {type(t).__name__}")
     if not t.is_contiguous():
         t = t.contiguous()
     return interop.to_native(t, name)
@@ -92,7 +95,7 @@ def attention(q, k, v, graph, *, scale=None):
 class _Program(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, slots, *tensors):
-        out, vjp = run([_native(t) for t in tensors])
+        out, vjp = run([_native(t, f"{role}[{name!r}]") for (role, name), t in zip(slots, tensors)])
         ctx.vjp, ctx.slots = vjp, slots
         result = _tensor(out)
         ctx.save_for_backward(*tensors, result)   # in-place changes refused, as in _Attention
@@ -112,7 +115,8 @@ def program(prog, graph, src=None, dst=None, edge=None, **params):
     temperature: their gradients are prog.vjp's grads["params"]). Scalar params pass through
     and get no gradient (as in prog.vjp): a 0-d tensor param that requires grad is refused
     rather than left without one. Score-network weights are not torch parameters and get no
-    gradient here: use prog.vjp for those."""
+    gradient here, nor do the positions of a Graph.radius / knn graph (a graph holds a detached
+    copy of them): use prog.vjp (grads["params"], grads["positions"]) for those."""
     for name, p in params.items():
         if isinstance(p, torch.Tensor) and p.ndim == 0 and p.requires_grad:
             raise NotImplementedError(
