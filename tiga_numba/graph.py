@@ -661,8 +661,8 @@ class Graph:
 
     @property
     def positions(self):
-        """Node positions `(N, dim)` of a geometric (radius / knn) graph, in the array library
-        they were given in, else None."""
+        """Node positions `(N, dim)` of a geometric (radius / knn) graph, the graph's own copy in
+        the array library they were given in (numpy or cupy), else None."""
         return self._positions
 
     @property
