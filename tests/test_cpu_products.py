@@ -145,13 +145,14 @@ def test_the_choice_reads_a_valid_calibration_and_ignores_a_bad_one(tmp_path, mo
         warnings.simplefilter("error")                       # a valid file: read, no warning
         assert mg.choice()[0] == "blas" and timed == [1]
     for bad in ("{not json", json.dumps(dict(rec, machine=dict(rec["machine"], cpu="another"))),
-                json.dumps(dict(rec, choice="fastest"))):
+                json.dumps(dict(rec, choice="fastest")),
+                json.dumps({k: v for k, v in rec.items() if k != "own_gflops"})):   # a field missing
         monkeypatch.setattr(mg, "_CHOICE", {})
         path.write_text(bad)
         with pytest.warns(RuntimeWarning, match="ignoring"):
             assert mg.choice()[0] == "own"                   # timed again, the bad file replaced
         assert json.loads(path.read_text())["choice"] == "own"
-    assert timed == [1, 1, 1, 1]
+    assert timed == [1, 1, 1, 1, 1]
     monkeypatch.setattr(mg, "_CHOICE", {})
     monkeypatch.setattr(mg, "calibrate", lambda: (100.0, 100.0))   # not 5 % faster: the BLAS
     path.unlink()

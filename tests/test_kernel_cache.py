@@ -122,6 +122,12 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
                                        "decode forward (few query rows per block)",
                                        "csr forward", "csr backward"]
     assert all(r[0] == "float32" and r[2] == "memory hit" for r in records), records
+    # each call reaches the family its label names (the block calls have more rows than the
+    # split-key decode kernel takes, which would otherwise be chosen)
+    for label, run in precompile._calls("float32"):
+        family = run().family
+        want = "cpu.decode" if label.startswith("decode") else "cpu.csr" if label.startswith("csr") else "cpu.blocks"
+        assert family == want, (label, family)
     with pytest.raises(SystemExit):
         precompile.main(["--modifiers", "rope"])
 
@@ -222,3 +228,28 @@ def test_variants_compiled_in_two_processes_keep_their_code_when_loaded_together
                               capture_output=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.split() == [x for step in steps for x in (step, "ok")], proc.stdout + proc.stderr[-2000:]
+
+
+def test_generated_modules_survive_a_damaged_file_and_a_read_only_folder(tmp_path, monkeypatch):
+    """disk_cache.import_source: a module file under the digest's name that does not hold the
+    source (emptied, cut short) is written again, never imported as is; a cache folder that
+    exists but cannot be written falls back to a private folder (the import still works)."""
+    import os
+    import sys
+    from tiga_numba import disk_cache
+    monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path))
+    source = "VALUE = 41\n\ndef f():\n    return VALUE + 1\n"
+    mod = disk_cache.import_source(source, "tiga_test_mod", "gen")
+    path = mod.__file__
+    assert mod.f() == 42 and path.startswith(str(tmp_path))
+    del sys.modules[mod.__name__]
+    with open(path, "w") as fh:
+        fh.write("VALUE = 41\n")        # cut short: f is missing
+    mod = disk_cache.import_source(source, "tiga_test_mod", "gen")
+    assert mod.f() == 42
+    del sys.modules[mod.__name__]
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p).startswith(str(tmp_path)) else real_access(p, mode))
+    mod = disk_cache.import_source(source + "# other\n", "tiga_test_mod", "gen")
+    assert mod.f() == 42 and not mod.__file__.startswith(str(tmp_path))
+    del sys.modules[mod.__name__]

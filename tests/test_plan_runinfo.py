@@ -24,3 +24,20 @@ def test_every_reader_resolves_and_plain_dicts_are_filled_at_once():
     plain = {}
     defer_counts(plain, lambda: (5, 6))
     assert plain == {"pruned_tiles": 5, "total_tiles": 6}
+
+
+def test_a_plan_says_what_its_own_call_did_after_later_calls():
+    """explain() reads the plan record: the cache word and totals of a finished call are fixed
+    when it ends (a later call must not change them); a plan made without running says that
+    nothing was copied yet rather than "none"."""
+    import numpy as np
+    import tiga_numba as tg
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((12, 2, 4)).astype(np.float32) for _ in range(3))
+    _, st = tg.attention(q, k, v, tg.Graph.triangular(12), return_stats=True)
+    before = st.plan.explain()
+    tg.attention(q, k, v, tg.Graph.dense(12))
+    tg.attention(q, k, v, tg.Graph.triangular(12))
+    assert st.plan.explain() == before
+    plan = tg.make_plan(q, k, v, tg.Graph.triangular(12))
+    assert "copies: (not run yet)" in plan.explain()

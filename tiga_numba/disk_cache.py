@@ -49,7 +49,8 @@ def module_folder(name):
     if path is not None:
         try:
             os.makedirs(path, exist_ok=True)
-            return path
+            if os.access(path, os.W_OK | os.X_OK):   # an existing read-only folder: not usable
+                return path
         except OSError:
             pass
     return tempfile.mkdtemp(prefix=f"tiga_numba_{name}_")
@@ -65,16 +66,35 @@ def import_source(source, prefix, name):
     if modname in sys.modules:
         return sys.modules[modname]
     path = os.path.join(module_folder(name), modname + ".py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(source)
-        os.replace(tmp, path)
+    if not _holds(path, source):   # missing, or damaged (cut short, emptied): written again
+        try:
+            _write_text(path, source)
+        except OSError:   # the folder cannot be written after all: a private one
+            path = os.path.join(tempfile.mkdtemp(prefix=f"tiga_numba_{name}_"), modname + ".py")
+            _write_text(path, source)
     spec = importlib.util.spec_from_file_location(modname, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[modname] = module
     return module
+
+
+def _holds(path, text):
+    """Whether the file at `path` holds exactly `text` (a file of another text under the digest's
+    name is a damaged one: it is never imported)."""
+    try:
+        with open(path) as fh:
+            return fh.read() == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _write_text(path, text):
+    """Write `text` to `path` atomically (a temporary file, then one rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def read_cubin(path):

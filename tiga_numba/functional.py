@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays, dispatch
+from .kernel_cache import KERNELS
 from .merge import log_sum_exp
 from . import run_options as _options
 from .interop import foreign_arrays
@@ -102,7 +103,14 @@ def explain():
 
 
 def _remember(plan):
+    """The call of `plan` is done: its record is fixed now (where its kernel came from and the
+    cache totals, as they were after this call: a later call compiling a new signature of the
+    same kernel must not change what this plan says), and it becomes the last plan."""
     global _last_plan
+    info = plan.run_info
+    if "cache" in info and not isinstance(info["cache"], str):
+        info["cache"] = str(info["cache"])
+    info["cache_totals"] = KERNELS.stats()
     _last_plan = plan
 
 

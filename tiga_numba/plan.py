@@ -133,8 +133,11 @@ class Plan:
             lines.append(f"tiles: BM={self.tiles[0]} BN={self.tiles[1]} ({self.tiles[2]})")
         if info.get("products"):
             lines.append(f"tile products: {info['products']}")
-        copies = info.get("copies") or []
-        lines.append("copies: " + ("; ".join(copies) if copies else "none (inputs read in place)"))
+        if "kernel" not in info:   # a plan made without running (make_plan): nothing copied yet
+            lines.append("copies: (not run yet)")
+        else:
+            copies = info.get("copies") or []
+            lines.append("copies: " + ("; ".join(copies) if copies else "none (inputs read in place)"))
         if info.get("materialized"):
             lines.append(f"materialized: {info['materialized']}")
         else:
@@ -150,7 +153,7 @@ class Plan:
             lines.append("tile pruning: off (exact)")
         if self.options is not None:
             lines.append(f"options: {self.options.describe()}")
-        cache = KERNELS.stats()
+        cache = info.get("cache_totals") or KERNELS.stats()   # as the call left them (fixed then)
         lines.append(f"kernel cache: this call {info.get('cache', 'n/a')}; "
                      f"total hits={cache['hits']}, misses={cache['misses']}")
         return "\n".join(lines)

@@ -35,8 +35,11 @@ def _calls(dtype, modifiers=()):
     import tiga_numba as tg
     from tiga_numba import functional
 
+    from tiga_numba.registry import DECODE_MAX_ROWS
     rng = np.random.default_rng(0)
-    n, heads, width = 8, 1, 4
+    # more query rows than the split-key (decode) kernels take, so that the block kernels are
+    # the ones chosen; the decode kernel gets its own call (dense(n, 1))
+    n, heads, width = DECODE_MAX_ROWS + 8, 1, 4
     q, k, v, dout = (rng.standard_normal((n, heads, width)).astype(dtype) for _ in range(4))
     dense = tg.Graph.dense(n)
     ring = tg.Graph.from_csr(np.arange(0, 2 * n + 1, 2), (np.arange(2 * n) * 3) % n, num_src=n)

@@ -145,7 +145,9 @@ def _few_query_rows(req):
     DECODE_MAX_ROWS query rows, plain dot scores, no pruning."""
     if not req.implicit:
         return "needs an implicit (block) relation"
-    if not 0 < req.max_block_rows <= DECODE_MAX_ROWS:
+    if req.max_block_rows == 0:
+        return "blocks without query rows"
+    if not req.max_block_rows <= DECODE_MAX_ROWS:
         return f"blocks of more than {DECODE_MAX_ROWS} query rows"
     if req.pruned:
         return "tile pruning is not implemented in the split-key kernel"

@@ -235,7 +235,8 @@ def _calibrated():
         try:
             with open(path) as f:
                 rec = json.load(f)
-            if not isinstance(rec, dict) or rec.get("machine") != machine or rec.get("choice") not in ("own", "blas"):
+            if not isinstance(rec, dict) or rec.get("machine") != machine or rec.get("choice") not in ("own", "blas") \
+                    or not all(isinstance(rec.get(k), (int, float)) for k in ("own_gflops", "blas_gflops")):
                 warnings.warn(f"tiga_numba: ignoring the tile-product calibration in {path} (made for another "
                               "machine or package, or malformed); timing again", RuntimeWarning, stacklevel=3)
                 rec = None
