@@ -236,7 +236,8 @@ def _dot_factor(factor, values):
     """The number the dot product is scaled by (`scale`, `scale / cap`, ...), evaluated from
     this call's params; a non-finite one names its expression and params rather than reaching
     the kernels' check as a bad `scale`."""
-    value = factor.evaluate(values)
+    with np.errstate(all="ignore"):   # 1 / cap at cap = 0: reported below, by name
+        value = factor.evaluate(values)
     try:
         finite = math.isfinite(float(value))
     except (TypeError, ValueError):
