@@ -93,24 +93,31 @@ def test_no_edges_returns_contract_values(qkv):
     assert stats.m.dtype == np.float32
 
 
-def test_backward_refuses_stats_of_another_softcap_or_slopes(qkv):
+def test_backward_refuses_stats_of_another_softcap_or_slopes():
     """The stats rebuild the forward's probabilities: a backward with another soft-cap or other
-    ALiBi slopes than its forward's would return wrong gradients, so it is a ValueError; the
-    same values (a new but equal slopes array included) pass."""
-    q, k, v = qkv
+    ALiBi slopes than its forward's would return wrong gradients, so it is a ValueError (raised
+    before any backward kernel); the same values (a new but equal slopes array, a numpy scalar)
+    pass the check. float64, two heads, D = 4 on a triangle: the forward kernels of
+    test_score_mods.test_softcap_alone_and_alibi_alone (no compile of its own)."""
+    from tiga_numba.functional import _value_difference
+    rng = np.random.default_rng(1)
     g = tg.Graph.triangular(6)
-    out, st = tg.attention(q, k, v, g, return_stats=True, softcap=2.0)
+    q, k, v = (rng.standard_normal((6, 2, 4)) for _ in range(3))
+    out, st = tg.attention(q, k, v, g, scale=0.5, return_stats=True, softcap=0.7)
     dout = np.ones_like(out)
-    with pytest.raises(ValueError, match="softcap = 2.0 in the forward, 3.0 here"):
-        tg.attention_backward(dout, q, k, v, out, st, g, softcap=3.0)
+    with pytest.raises(ValueError, match="softcap = 0.7 in the forward, 3.0 here"):
+        tg.attention_backward(dout, q, k, v, out, st, g, scale=0.5, softcap=3.0)
     with pytest.raises(ValueError, match="softcap"):
-        tg.attention_backward(dout, q, k, v, out, st, g)
-    tg.attention_backward(dout, q, k, v, out, st, g, softcap=np.float64(2.0))
-    slopes = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
-    out, st = tg.attention(q, k, v, g, return_stats=True, alibi_slopes=slopes)
+        tg.attention_backward(dout, q, k, v, out, st, g, scale=0.5)
+    slopes = np.array([0.3, 0.9])
+    out, st = tg.attention(q, k, v, g, scale=0.5, return_stats=True, alibi_slopes=slopes)
     with pytest.raises(ValueError, match="other values"):
-        tg.attention_backward(dout, q, k, v, out, st, g, alibi_slopes=slopes * 2)
-    tg.attention_backward(dout, q, k, v, out, st, g, alibi_slopes=slopes.copy())
+        tg.attention_backward(dout, q, k, v, out, st, g, scale=0.5, alibi_slopes=slopes * 2)
+    assert _value_difference(st.score_values, {n: (x.copy() if hasattr(x, "copy") else x)
+                                                for n, x in st.score_values.items()}) is None
+    assert _value_difference({"softcap": 0.7}, {"softcap": float(np.float64(0.7))}) is None
+    nan = np.array([np.nan, 1.0])
+    assert _value_difference({"f": nan}, {"f": nan.copy()}) is None   # NaN matches NaN
 
 
 def test_backward_refuses_stats_that_are_not_floating_point(qkv):
