@@ -98,6 +98,12 @@ def _flag(name, value):
     raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+#: how from_coo and from_edge_index name the COO arrays and sizes in their errors
+_COO_NAMES = {"src": "src", "dst": "dst", "num_src": "num_src", "num_dst": "num_dst"}
+_EDGE_INDEX_NAMES = {"src": "edge_index[0] (sources)", "dst": "edge_index[1] (destinations)",
+                     "num_src": "num_nodes", "num_dst": "num_nodes"}
+
+
 def _count(name, value):
     if isinstance(value, (bool, np.bool_)):   # operator.index(True) is 1: a flag, not a count
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -534,11 +540,19 @@ class Graph:
         """Edges (src[e] -> dst[e]), stably sorted by destination (edge order within a row is
         the input order). Missing sizes follow PyG's num_nodes: max index + 1 over both
         arrays, or the other size when it is given and large enough."""
-        src = _to_host("src", src)
-        dst = _to_host("dst", dst)
+        return cls._coo(src, dst, num_src, num_dst, device, _COO_NAMES)
+
+    @classmethod
+    def _coo(cls, src, dst, num_src, num_dst, device, names):
+        """from_coo, its errors naming the arguments as the caller's constructor calls them
+        (`names`: src, dst, num_src, num_dst -> the words for them)."""
+        n_src, n_dst, n_ns, n_nd = (names[k] for k in ("src", "dst", "num_src", "num_dst"))
+        src = _to_host(n_src, src)
+        dst = _to_host(n_dst, dst)
         if src.shape != dst.shape:
-            raise ValueError(f"src and dst must have the same length, got {src.shape[0]} and {dst.shape[0]}")
-        for name, a in (("src", src), ("dst", dst)):
+            raise ValueError(f"{n_src} and {n_dst} must have the same length, got {src.shape[0]} "
+                             f"and {dst.shape[0]}")
+        for name, a in ((n_src, src), (n_dst, dst)):
             if a.size and a.min() < 0:
                 e = int(np.argmax(a < 0))
                 raise ValueError(f"{name} must hold node indices >= 0, got {name}[{e}] = {int(a[e])}")
@@ -547,21 +561,21 @@ class Graph:
         if num_src is None and num_dst is None:
             num_src = num_dst = max(need_src, need_dst)
         elif num_src is None:
-            num_dst = _count("num_dst", num_dst)
+            num_dst = _count(n_nd, num_dst)
             num_src = max(num_dst, need_src)
         elif num_dst is None:
-            num_src = _count("num_src", num_src)
+            num_src = _count(n_ns, num_src)
             num_dst = max(num_src, need_dst)
-        num_src, num_dst = _count("num_src", num_src), _count("num_dst", num_dst)
+        num_src, num_dst = _count(n_ns, num_src), _count(n_nd, num_dst)
         # before any (num_dst + 1)-sized array: a stray index of 2**31 would ask for 16 GiB
-        for name, n, given in (("num_src", num_src, "src"), ("num_dst", num_dst, "dst")):
+        for name, n, given in ((n_ns, num_src, n_src), (n_nd, num_dst, n_dst)):
             if n >= 2**31:
                 raise ValueError(f"{name} must be < 2**31 for a CSR relation (int32 indices), got "
                                  f"{n} (from {name}= or the largest index in {given})")
         if need_dst > num_dst:
-            raise ValueError(f"dst holds index {need_dst - 1}, out of range [0, num_dst={num_dst})")
+            raise ValueError(f"{n_dst} holds index {need_dst - 1}, out of range [0, {n_nd}={num_dst})")
         if need_src > num_src:
-            raise ValueError(f"src holds index {need_src - 1}, out of range [0, num_src={num_src})")
+            raise ValueError(f"{n_src} holds index {need_src - 1}, out of range [0, {n_ns}={num_src})")
         order = np.argsort(dst, kind="stable")
         indptr = np.zeros(num_dst + 1, np.int64)
         np.cumsum(np.bincount(dst, minlength=num_dst), out=indptr[1:])
@@ -581,15 +595,7 @@ class Graph:
         if len(shape) != 2 or shape[0] != 2:
             raise ValueError(f"edge_index must have shape (2, E), got {tuple(shape)}")
         n = None if num_nodes is None else _count("num_nodes", num_nodes)
-        try:
-            return cls.from_coo(edge_index[0], edge_index[1], n, n, device=device)
-        except ValueError as exc:   # in this constructor's words: edge_index rows, num_nodes
-            text = str(exc)
-            for a, b in (("src holds", "edge_index[0] (sources) holds"),
-                         ("dst holds", "edge_index[1] (destinations) holds"),
-                         ("num_src=", "num_nodes="), ("num_dst=", "num_nodes=")):
-                text = text.replace(a, b)
-            raise ValueError(text) from None
+        return cls._coo(edge_index[0], edge_index[1], n, n, device, _EDGE_INDEX_NAMES)
 
     @classmethod
     def radius(cls, positions, cutoff, exclude_self=True, *, device=None):
