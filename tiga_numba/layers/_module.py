@@ -229,9 +229,8 @@ class Layer:
         if want_grad or self.training:
             self._check_dropout()
         x_src, x_dst, single, edge_attr, squeeze = self._inputs(x, graph, edge_attr)
-        # float16 on the CPU: the layer runs in float32 (the attention kernels accumulate in
-        # float32 anyway; scipy.sparse and the numba helpers take no float16) and its results
-        # come back in float16
+        # float16 on the CPU: computed in float32 (the precision the attention kernels
+        # accumulate in), results returned in float16
         half = xp_of(x_src) is np and x_src.dtype == np.float16
         if half:
             x_src, x_dst, edge_attr = (None if a is None else a.astype(np.float32)
