@@ -302,3 +302,46 @@ def test_merge_and_lse_of_cupy_parts_stay_on_the_device():
     for got, ref in zip(tg.attention_backward(dout, q, k, v, out, st, full),
                         tg.attention_backward(dout, q, k, v, want, wst, full)):
         assert rel_err(got.get(), ref.get()) < 1e-4
+
+
+def _nan_graphs():
+    return {
+        # three causal segments, the NaN key in the middle one: the other two stay exact
+        "segments_causal": (lambda: tg.Graph.cu_seqlens([0, 200, 333, 520], causal=True), 250),
+        # the hub row is cut into pieces; the NaN key is one of its sources (and of a few short rows)
+        "csr_hub": (lambda: _hub_csr(), 5),
+        # one query per segment: the split-key decode kernel and its merge of key chunks
+        "decode": (lambda: tg.Graph.cu_seqlens(np.arange(4), cu_seqlens_k=[0, 1500, 1600, 4000],
+                                               causal=True), 1550),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_nan_graphs()))
+@pytest.mark.parametrize("dtype,tensor_cores", [("float16", True), ("float16", False), ("float32", False)])
+def test_a_nan_score_inside_rows_gives_what_the_cpu_gives(kind, dtype, tensor_cores, _poisoned):
+    """One NaN in a key: every row that reads it is NaN (out and l), and so is each gradient
+    share of such a row (dq of the row, dk / dv of every key it reads), on every GPU family
+    (CUDA-core blocks, tensor cores, CSR split rows and their merges, the decode kernel) exactly
+    as on the CPU; every other entry equals the CPU's result within rounding."""
+    make, bad_key = _nan_graphs()[kind]
+    g = make()
+    H, Hkv, D = 4, 2, 64
+    q = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
+    k = RNG.standard_normal((g.num_src, Hkv, D)).astype(dtype)
+    v = RNG.standard_normal((g.num_src, Hkv, D)).astype(dtype)
+    dout = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
+    k[bad_key, 1, 3] = np.nan
+    want_out, want_stats = tg.attention(q, k, v, g, return_stats=True)
+    want_grads = tg.attention_backward(dout, q, k, v, want_out, want_stats, g)
+    nan_rows = np.isnan(want_stats.l)
+    assert nan_rows.any() and not nan_rows.all(), "the case needs NaN rows and clean rows"
+    out, stats, kern, grads = _run(g, q, k, v, dout, tensor_cores=tensor_cores)
+    ftol, btol = TOL[dtype]
+    for name, got, want, tol in (("out", out, want_out, ftol), ("l", stats.l, want_stats.l, ftol),
+                                 ("dq", grads[0], want_grads[0], btol), ("dk", grads[1], want_grads[1], btol),
+                                 ("dv", grads[2], want_grads[2], btol)):
+        got = cupy.asnumpy(got)
+        bad = np.isnan(want)
+        where = np.argwhere(np.isnan(got) != bad)
+        assert where.size == 0, f"{kind} [{kern}] {name}: NaN differs from the CPU at {where[:4].tolist()}"
+        assert rel_err(got[~bad], want[~bad]) < tol, f"{kind} [{kern}] {name}"
