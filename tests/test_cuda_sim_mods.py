@@ -5,7 +5,8 @@ launch functions these cases reuse): the modifier is traced by the program API i
 bound values, compiled into the block / CSR kernels (cuda/score_codegen.py), and the forward
 and every gradient (dq, dk, dv, per-head params, dst / src fields, edge fields) are compared
 with the float64 oracle of tests/test_score_mods.py. Shapes stay small (odd sizes, an empty
-row, a hub row and a hub source, GQA) so a case runs in seconds.
+row, a hub row and a hub source, GQA) so a case runs in seconds. Rows whose every edge the
+modifier masks (-inf) are empty rows, as on the CPU: output 0, l = 0, no gradient.
 """
 import os
 import subprocess
@@ -18,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SIM_CASES = ["blocks_segments_full_f64", "blocks_band_flash_f32", "blocks_gat_no_dot",
-             "blocks_lane_groups_full", "csr_full_f64", "csr_split_edge_fields", "csr_gat_no_dot"]
+             "blocks_lane_groups_full", "csr_full_f64", "csr_split_edge_fields", "csr_gat_no_dot",
+             "blocks_masked_rows_f32", "csr_split_masked_rows"]
 
 
 def _have_numba_cuda():
@@ -147,6 +149,8 @@ def run_case(fn, graph, dtype, tol, H=4, Hkv=2, D=5, DV=3, dot=True, params=None
     tsm._close(out, want, tol, tag + " out")
     fin = np.isfinite(m)
     assert (l[~fin] == 0).all(), tag + ": an empty row must have l = 0"
+    if fn is _masked_rows:   # the masked rows are empty rows: l = 0 (not a uniform softmax)
+        assert (l[[0, 1, 5]] == 0).all() and (out[[0, 1, 5]] == 0).all(), tag + ": a masked row is not empty"
     got = {"src": {"value": dv}, "dst": {}, "edge": {}, "params": {}}
     if dot:
         got["dst"]["query"] = dq
@@ -179,6 +183,12 @@ def _csr_graph():
     return tg.Graph.from_scipy(sps.csr_matrix(mask.astype(np.float64)))
 
 
+def _masked_rows(s, src, dst, edge, p):
+    """rows 0, 1 and 5 (the CSR graph's hub row, split into pieces) masked by their scores alone"""
+    capped = 1.5 * np.tanh(s / 1.5)
+    return np.where(dst.index < 2, -np.inf, np.where(dst.index == 5, -np.inf, capped))
+
+
 def _cases():
     import tiga_numba as tg
     import test_score_mods as tsm
@@ -207,6 +217,9 @@ def _cases():
                                                   edge_fields=("b", "w"), piece=3),
         "csr_gat_no_dot": lambda: run_case(tsm._gat_mod, _csr_graph(), np.float64, 1e-6,
                                            dot=False, node_heads=(True, True), H=2, piece=4),
+        "blocks_masked_rows_f32": lambda: run_case(_masked_rows, segs, np.float32, 2e-4),
+        "csr_split_masked_rows": lambda: run_case(_masked_rows, _csr_graph(), np.float32, 2e-4,
+                                                  piece=3),
     }
 
 

@@ -181,3 +181,44 @@ def test_gpu_modifier_on_split_rows_repeats_bit_for_bit():
     for role in ("src", "dst", "edge", "params"):
         for n in runs[0][1][role]:
             np.testing.assert_array_equal(runs[0][1][role][n], runs[1][1][role][n])
+
+
+def _masked_rows(s, src, dst, edge, p):
+    """rows 0, 1 and 7 masked by their scores alone (-inf on every edge), a soft-cap elsewhere"""
+    capped = 1.5 * np.tanh(s / 1.5)
+    return np.where(dst.index < 2, -np.inf, np.where(dst.index == 7, -np.inf, capped))
+
+
+@pytest.mark.parametrize("rel, dtype", [("segments-rect", np.float32), ("csr", np.float64),
+                                        ("triangular", np.float16)])
+def test_gpu_rows_the_modifier_masks_entirely_are_empty_rows(rel, dtype):
+    """A row whose every edge the modifier masks is an empty row on every GPU family, as on the
+    CPU: output 0, l = 0, no gradient through it (the CUDA-core kernels, and float16 on the
+    tensor cores); never a uniform softmax over its masked edges."""
+    g = tsm.RELATIONS[rel]
+    H, Hkv, D = 4, 2, 64 if dtype == np.float16 else 6
+    q = RNG.standard_normal((g.num_dst, H, D)) * (0.3 if D == 64 else 1)
+    k = RNG.standard_normal((g.num_src, Hkv, D)) * (0.3 if D == 64 else 1)
+    DV = D if dtype == np.float16 else 8
+    v = RNG.standard_normal((g.num_src, Hkv, DV))
+    dout = RNG.standard_normal((g.num_dst, H, DV))
+    host = [x.astype(dtype) for x in (q, k, v, dout)]
+    prog = tsm.ModProgram(_masked_rows, True)
+    res = []
+    for xp in (np, cupy):
+        qd, kd, vd, dod = (xp.asarray(x) for x in host)
+        out, vjp = prog.vjp(graph=g, src={"key": kd, "value": vd}, dst={"query": qd}, scale=D ** -0.5)
+        grads = vjp(dod)
+        res.append([_host(x) for x in (out, grads["dst"]["query"], grads["src"]["key"],
+                                       grads["src"]["value"])])
+        if xp is cupy:
+            plan = functional.last_plan()
+            if dtype == np.float16:
+                assert plan.family == "cuda.tc", plan.explain()
+    rows = [0, 1, 7]
+    assert (res[1][0][rows] == 0).all(), "a row the modifier masks entirely is not an empty row"
+    assert (res[1][1][rows] == 0).all(), "dq of an empty row"
+    tol = {np.float64: 1e-9, np.float32: 2e-4, np.float16: 2e-2}[dtype]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), res[1], res[0]):
+        assert np.isfinite(got).all(), name
+        tsm._close(got, want, tol, name)

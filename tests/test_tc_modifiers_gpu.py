@@ -101,13 +101,15 @@ def _masked_oracle(tree, values, q, k, v, do, keep, scale):
     return out, dq, dk, dv
 
 
-def test_the_cell_clamp_sends_nan_to_the_floor_on_the_device():
-    """clampf (max.f32 then min.f32), which every modified cell goes through: NaN and -inf give
-    the floor, +inf the ceiling, values in between pass unchanged (as the emulator's fmax / fmin)."""
+def test_the_cell_clamp_masks_nan_and_minus_inf_on_the_device():
+    """clampf (max.f32 then min.f32), which every modified cell goes through with the masked
+    value as its floor: NaN, -inf and values below give the masked value (the edge is masked),
+    +inf the ceiling, values in between pass unchanged (as the emulator's fmax / fmin)."""
     from numba import cuda
 
     from tiga_numba.cuda.tc import emulator, ptx
-    from tiga_numba.cuda.tc.generator.modifier import CEIL, FLOOR
+    from tiga_numba.cuda.tc.generator.modifier import CEIL
+    from tiga_numba.cuda.tc.generator.variant import MASKED as FLOOR
     clampf = ptx.intrinsics("float16")["clampf"]
 
     @cuda.jit
@@ -116,11 +118,11 @@ def test_the_cell_clamp_sends_nan_to_the_floor_on_the_device():
         if i < x.shape[0]:
             out[i] = clampf(x[i], lo, hi)
 
-    x = np.array([np.nan, -np.inf, np.inf, -3e38, 3e38, -1.5, 0.0, 2.5e29, -2e29, 7e29], np.float32)
+    x = np.array([np.nan, -np.inf, np.inf, -3e38, 3e38, -1.5, 0.0, 2.5e29, -2e29, 7e29, -2e30], np.float32)
     xd = cupy.asarray(x)
     out = cupy.empty_like(xd)
     clamp_all[1, 32](xd, out, np.float32(FLOOR), np.float32(CEIL))
     got = cupy.asnumpy(out)
-    want = np.array([FLOOR, FLOOR, CEIL, FLOOR, CEIL, -1.5, 0.0, 2.5e29, FLOOR, 7e29], np.float32)
+    want = np.array([FLOOR, FLOOR, CEIL, FLOOR, CEIL, -1.5, 0.0, 2.5e29, -2e29, 7e29, FLOOR], np.float32)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(emulator._clampf(x, FLOOR, CEIL), want)

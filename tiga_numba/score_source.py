@@ -6,7 +6,7 @@ is read, where a leaf's gradient goes, the argument lists, the tanh / exp it cal
 compiles the text with its own decorator (cpu/score_codegen.py: numba.njit; cuda/score_codegen.py:
 numba.cuda.jit(device=True)). The generated functions are
 
-    value(<value args>) -> f                   (clamped to [-1e30, 1e30], NaN -> -1e30)
+    value(<value args>) -> f                   (at most 1e30; NaN or <= -1e30: the target's masked value)
     grad(<grad args>)   -> dF * df/ds, and for each wanted leaf x: dF * df/dx into its cell
 
 Every node is computed once (common subexpressions shared); constants become typed globals
@@ -40,6 +40,9 @@ class Target:
     exp2 = "_exp2"
     score = "s"      # the name of the score in the generated text
     temp = "t"       # the prefix of the generated temporaries
+    # what a masked cell's value is (NaN, or at most NEG: the edge is masked): the kernels' own
+    # masked value, so that a row whose every edge is masked is an empty row (output 0, l = 0)
+    masked = "_NEG"
 
     def select(self, cond, a, b):
         """Expression choosing `a` where `cond` holds, else `b` (branch-free targets override)."""
@@ -160,7 +163,7 @@ class Source:
                 f"    v = {num(self.tree)}\n"
                 f"    if v > _BIG:\n        return _BIG\n"
                 f"    if v > _NEG:\n        return v\n"
-                f"    return _NEG\n")
+                f"    return {self.target.masked}\n")
 
     def slope(self, name="slope"):
         """value and df/ds together, their common subexpressions computed once: what a backward
@@ -176,7 +179,7 @@ class Source:
                 # df/ds is 0: the masked cell's p = 0 times a NaN f' would be NaN
                 f"    if v > _BIG:\n        return _BIG, _dt(0.0)\n"
                 f"    if v > _NEG:\n        return v, g\n"
-                f"    return _NEG, _dt(0.0)\n")
+                f"    return {self.target.masked}, _dt(0.0)\n")
 
     def grad(self, name, targets):
         rows, edges = self.grad_groups(targets)

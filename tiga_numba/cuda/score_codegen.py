@@ -46,6 +46,9 @@ class CudaTarget(score_source.Target):
     grad_args = value_args + ", dF, ga, go, ge"
     tanh = "math.tanh"
     exp = "math.exp"
+    # the CUDA-core kernels mask a cell by -inf (NEG_INF): a finite -1e30 would be a real score
+    # there, and a row whose every edge the modifier masks would get a uniform softmax
+    masked = "_dt(-math.inf)"
 
     def __init__(self, layout):
         self.n_sc = len(layout.scalars)

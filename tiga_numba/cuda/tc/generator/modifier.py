@@ -27,9 +27,10 @@ cell of its fragment row or column and named for the others (`staged`; a kernel 
 cells in one straight-line region per loop body, which is what makes the first cell's name
 visible to the rest): a node field is then loaded once per row, not once per cell.
 
-Masked cells keep MASKED. A real cell's y is clamped to [-1e29, 1e30] (NaN -> -1e29): above
-MASKED, so a row whose every real score is "-inf" (clamped) gets the same uniform softmax the
-float64 oracle gives on its clamped values, and masked cells stay at weight 0.
+Masked cells keep MASKED. A real cell's y is clamped to [MASKED, 1e30]: a value that is NaN, -inf
+or at most MASKED (max.f32 gives the bound for a NaN) becomes MASKED, so the edge is masked as on
+the CPU and the CUDA cores, and a row whose every edge the modifier masks is an empty row (the
+online softmax keeps l = 0 for a row that has met only masked cells: output 0, m = -inf).
 
 Per-call values (cuda/score_codegen.pack): mvp -> scalars then per-head params (k * H + h),
 mndp -> dst fields (Nq, n_dst, H), mnsp -> src fields (Nk, n_src, H), float32. Scalars and the
@@ -46,10 +47,9 @@ import hashlib
 
 from .... import score_source
 from .... import score_mod as sm
-from .variant import LOG2E
+from .variant import LOG2E, MASKED
 
-#: floor of a real cell's modified score (above the masked value, see the module text)
-FLOOR = -1.0e29
+#: the ceiling of a cell's modified score (its floor is MASKED: a value below masks the edge)
 CEIL = 1.0e30
 
 
@@ -179,12 +179,12 @@ class Modifier:
         for line in self._lines:
             e(fill(line.strip()))
         e(f"mf = {fill(self._value)}")
-        clamped = f"clampf(mf, f32({FLOOR!r}), f32({CEIL!r}))"
+        clamped = f"clampf(mf, f32({MASKED!r}), f32({CEIL!r}))"
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
             # where the clamp holds y constant (a NaN or -inf value: the cell is masked; beyond the
             # ceiling) f' is 0: P = 0 times a NaN f' (sqrt of a negative score) would make dS NaN
-            e(f"{d} = sel((mf > f32({FLOOR!r})) & (mf < f32({CEIL!r})), {fill(self._deriv)}, f32(0.0))")
+            e(f"{d} = sel((mf > f32({MASKED!r})) & (mf < f32({CEIL!r})), {fill(self._deriv)}, f32(0.0))")
 
 
 #: how the kernels take tanh, per dtype: "hardware" is tanh.approx.f32 (one SFU op; what
@@ -366,7 +366,7 @@ def _tanh(u, regroup):
 
 def _finite(value):
     """a constant as the fast-math kernels can hold it: +-inf -> +-3e38 and NaN -> -3e38 (both
-    clamp like the infinity: a real cell's f ends in [FLOOR, CEIL])."""
+    clamp like the infinity: a cell's f ends in [MASKED, CEIL])."""
     value = float(value)
     if value != value:
         return -3.0e38
