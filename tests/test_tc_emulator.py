@@ -600,6 +600,9 @@ def test_launch_paths_are_per_device_and_fall_back_once(monkeypatch):
     k((1,), (32,), None, 9)
     assert made[1:] == [("driver", 1), ("cuda.core", 1)] and launched[-1] == (("cuda.core", 1), (9,))
     assert k.launch_path == "cuda.core"
+    # why: the driver's launch and cupy's set-up, in the order they were left
+    assert [(d, name) for d, name, _ in k.fallbacks] == [(1, "driver"), (1, "cupy")], k.fallbacks
+    assert "refused on device 1" in k.fallbacks[0][2] and "not installed" in k.fallbacks[1][2]
     dev[0] = 0
     assert k.launch_path == "driver"
     dev[0] = 2

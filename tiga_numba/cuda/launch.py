@@ -138,6 +138,9 @@ class Kernel:
         self.sig = numba.void(*self.argtypes)
         self._paths = {}  # device id -> launch path (see _LAUNCHERS)
         self._launched = set()  # devices where a launch went through (no more fallbacks)
+        # (device, launcher, error text) of each launcher this kernel left for the next one:
+        # what names the cause when a kernel runs on a slower path than the driver's
+        self.fallbacks = []
 
     # -- how the kernel is built: the hooks a subclass replaces
     @property
@@ -262,6 +265,7 @@ class Kernel:
                 path = self._make_path(name)
             except Exception as exc:  # this path is not available here: try the next one
                 error = exc
+                self.fallbacks.append((dev, name, f"set-up: {type(exc).__name__}: {exc}"))
                 continue
             self._paths[dev] = path
             return path
@@ -290,8 +294,9 @@ class Kernel:
                 self._launch(path, grid, block, stream, args)
             except (TypeError, struct.error):  # wrong arguments: a caller's bug, not the path's
                 raise
-            except Exception:
+            except Exception as exc:
                 tried.append(path[0])
+                self.fallbacks.append((dev, path[0], f"launch: {type(exc).__name__}: {exc}"))
                 if path[0] == "numba":
                     raise
                 path = self._prepare(dev, skip=tried)
