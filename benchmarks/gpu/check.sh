@@ -35,11 +35,12 @@ if [ -n "$BENCH" ]; then
   timeout ${T_BENCH:-200} $BENCH > $OUT/bench.txt 2>&1; stamp "bench rc=$?"
 fi
 if [ -n "$FIRST" ]; then
-  timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n ${FIRST_WORKERS:-4} -rfEs --tb=long $FIRST \
+  timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n ${FIRST_WORKERS:-4} -rA --tb=long $FIRST \
     > $OUT/tests.txt 2>&1; stamp "first tests rc=$?"
 fi
-# SIGINT at the limit: pytest stops and still prints what ran and what failed
-[ "${T_TESTS:-300}" != 0 ] && timeout -s INT -k 20 ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rfEs --tb=short -m gpu tests \
+# SIGINT at the limit: pytest stops and still prints what ran and what failed (-rA: a line per test,
+# so a run cut at its limit still says which tests passed)
+[ "${T_TESTS:-300}" != 0 ] && timeout -s INT -k 20 ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rA --tb=short -m gpu tests \
   >> $OUT/tests.txt 2>&1; stamp "gpu tests rc=$?"
 if [ "${T_SAN:-30}" != 0 ]; then
   for s in ${SAN_SCRIPTS:-split_sanitize mods_sanitize tc_sanitize}; do
