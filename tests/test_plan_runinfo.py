@@ -41,3 +41,53 @@ def test_a_plan_says_what_its_own_call_did_after_later_calls():
     assert st.plan.explain() == before
     plan = tg.make_plan(q, k, v, tg.Graph.triangular(12))
     assert "copies: (not run yet)" in plan.explain()
+
+
+def test_explain_after_a_call_that_raised_says_so():
+    """A call that raises makes no plan: tg.explain() names it and its error first, then gives
+    the last completed call's plan (never passes that one off as the most recent); last_plan()
+    stays the completed call's; the next call that completes clears it. Programs the same, in
+    their own explain() and in tg.explain(), for a call, a vjp and a vjp(dout)."""
+    import numpy as np
+    import pytest
+    import tiga_numba as tg
+    from tiga_numba import functional
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((12, 2, 4)).astype(np.float32) for _ in range(3))
+    g = tg.Graph.triangular(12)
+    tg.attention(q, k, v, g)
+    done = functional.last_plan()
+    with pytest.raises(ValueError):
+        tg.attention(q[:5], k, v, g)
+    text = tg.explain()
+    assert text.startswith("the most recent call failed: tiga_numba.attention raised ValueError: q has 5 rows")
+    assert "the last call that completed:\n" + done.explain() in text
+    assert functional.last_plan() is done
+    with pytest.raises(TypeError):
+        tg.attention_backward(q, q, k, v, q, done, g)   # stats: a plan, not the forward's stats
+    assert tg.explain().startswith("the most recent call failed: tiga_numba.attention_backward raised")
+    tg.attention(q, k, v, g)
+    assert not tg.explain().startswith("the most recent call failed")
+
+    class Attend(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def edge(self, src, dst, edge, scale):
+            return self.reducer((src.key * dst.query).sum(-1) * scale, src.value)
+
+    prog = Attend()
+    fields = dict(graph=g, src={"key": k, "value": v}, scale=0.5)
+    with pytest.raises(ValueError):
+        prog(dst={"query": q[:3]}, **fields)
+    assert prog.explain().startswith("Attend (tiga_numba.MessagePassing program): no call has "
+                                     "completed; the most recent one failed (Attend(...) raised ValueError")
+    assert tg.explain().startswith("the most recent call failed: Attend(...) raised ValueError: dst['query']")
+    out, vjp = prog.vjp(dst={"query": q}, **fields)
+    with pytest.raises(ValueError):
+        vjp(out[:3])
+    text = prog.explain()
+    assert text.startswith("the most recent call failed (the vjp(dout) of Attend.vjp raised ValueError")
+    assert "program: Attend (tiga_numba.MessagePassing)" in text
+    vjp(out)
+    assert prog.explain().startswith("program: Attend")
+    assert not tg.explain().startswith("the most recent call failed")

@@ -9,6 +9,8 @@ the plan returned and per-edge scores (`edge_bias`) allowed; the program front e
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import arrays, dispatch
@@ -18,6 +20,9 @@ from . import run_options as _options
 from .interop import foreign_arrays
 
 _last_plan = None
+# what the most recent call raised, when it raised after the last plan was recorded: explain()
+# says so instead of passing the call before it off as the most recent one
+_last_failure = None
 
 
 class AttentionStats:
@@ -84,10 +89,33 @@ def _xp(library):
 
 
 def last_plan():
-    """The plan of the most recent call (forward or backward, functional or program), or None.
+    """The plan of the most recent call that ran (forward or backward, functional or program),
+    or None. A call that raised made none (`explain()` names it).
 
     Its `run_info` dict holds what the backend did: kernel, tiles, copies, cache, pruning."""
     return _last_plan
+
+
+def note_failure(call, error):
+    """Record that `call` (a name, e.g. "tiga_numba.attention") raised `error`: until the
+    next call completes, explain() reports it first."""
+    global _last_failure
+    text = str(error).splitlines()[0] if str(error) else ""
+    _last_failure = f"{call} raised {type(error).__name__}" + (f": {text}" if text else "")
+
+
+def noting_failure(call):
+    """Decorator: a call of the function that raises is recorded by note_failure."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as error:
+                note_failure(call, error)
+                raise
+        return run
+    return wrap
 
 
 def explain():
@@ -98,20 +126,26 @@ def explain():
     Returns
     -------
     str
-        The report, or "no attention call has run yet"."""
-    return _last_plan.explain() if _last_plan is not None else "no attention call has run yet"
+        The report, or "no attention call has run yet". When the most recent call raised, the
+        report says so first, then gives the plan of the last call that completed."""
+    report = _last_plan.explain() if _last_plan is not None else "no attention call has run yet"
+    if _last_failure is None:
+        return report
+    return (f"the most recent call failed: {_last_failure}\n"
+            + ("the last call that completed:\n" + report if _last_plan is not None else report))
 
 
 def _remember(plan):
     """The call of `plan` is done: its record is fixed now (where its kernel came from and the
     cache totals, as they were after this call: a later call compiling a new signature of the
     same kernel must not change what this plan says), and it becomes the last plan."""
-    global _last_plan
+    global _last_plan, _last_failure
     info = plan.run_info
     if "cache" in info and not isinstance(info["cache"], str):
         info["cache"] = str(info["cache"])
     info["cache_totals"] = KERNELS.stats()
     _last_plan = plan
+    _last_failure = None
 
 
 def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_bias=None,
@@ -274,6 +308,7 @@ def make_plan(q, k, v, graph, *, op="forward", scale=None, block_prune_threshold
                               options=_options.resolve(deterministic=deterministic), score_mod=mod)
 
 
+@noting_failure("tiga_numba.attention")
 @foreign_arrays
 def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_stats=False,
               softcap=None, alibi_slopes=None):
@@ -514,6 +549,7 @@ def _nonempty_blocks(rel):
     return dst[:-1][keep], dst[1:][keep], src[:-1][keep], src[1:][keep], lo[keep], hi[keep]
 
 
+@noting_failure("tiga_numba.attention_backward")
 @foreign_arrays(primary="q")
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, deterministic=None,
                        softcap=None, alibi_slopes=None):

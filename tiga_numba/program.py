@@ -14,6 +14,7 @@ the fused score-network kernels (`edge_mlp`) for `tg.nn.trace` scores. See docs/
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Mapping
@@ -530,7 +531,7 @@ class MessagePassing:
         st = self.__dict__.get("_tiga_state")
         if st is None:
             st = {"traces": {}, "last": None, "forward_plan": None, "backward_plan": None,
-                  "last_plan": None, "trace_hit": None, "notes": []}
+                  "last_plan": None, "trace_hit": None, "notes": [], "failure": None}
             self.__dict__["_tiga_state"] = st
         return st
 
@@ -566,8 +567,9 @@ class MessagePassing:
     # ------------------------------------------------------------------ running
     @foreign_arrays
     def __call__(self, graph=None, src=None, dst=None, edge=None, **params):
-        lowered = self._lower(graph, src, dst, edge, params)
-        out, plan = lowered.forward()
+        with self._noting_failure("{name}(...)"):
+            lowered = self._lower(graph, src, dst, edge, params)
+            out, plan = lowered.forward()
         self._record(lowered, plan, None)
         return out
 
@@ -581,27 +583,43 @@ class MessagePassing:
 
         Only fields that reach the output appear; a field used twice (key and value) gets the
         sum. Scalar params (scale) get no gradient."""
-        lowered = self._lower(graph, src, dst, edge, params)
-        if lowered.rho is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}.vjp: the reducer is tile-pruned (block_prune_threshold="
-                f"{lowered.rho:g}), which is approximate and has no backward; use "
-                "tg.online_softmax() without block_prune_threshold for training")
-        out, plan = lowered.forward()
+        with self._noting_failure("{name}.vjp(...)"):
+            lowered = self._lower(graph, src, dst, edge, params)
+            if lowered.rho is not None:
+                raise NotImplementedError(
+                    f"{type(self).__name__}.vjp: the reducer is tile-pruned (block_prune_threshold="
+                    f"{lowered.rho:g}), which is approximate and has no backward; use "
+                    "tg.online_softmax() without block_prune_threshold for training")
+            out, plan = lowered.forward()
         self._record(lowered, plan, None)
         program = self
 
         def vjp(dout):
-            if is_foreign(dout):   # a torch dout for a numpy call: viewed, as every input
-                dout = to_native(dout, "dout")
-            grads, bplan = lowered.backward(dout)
+            with program._noting_failure("the vjp(dout) of {name}.vjp"):
+                if is_foreign(dout):   # a torch dout for a numpy call: viewed, as every input
+                    dout = to_native(dout, "dout")
+                grads, bplan = lowered.backward(dout)
             program._record(lowered, plan, bplan)
             return grads
 
         return out, vjp
 
+    @contextlib.contextmanager
+    def _noting_failure(self, what):
+        """An exception inside is kept for explain() (the program's and tg.explain()), then
+        re-raised: explain() never passes an earlier call off as the one that failed."""
+        try:
+            yield
+        except Exception as error:
+            from .functional import note_failure
+            name = what.format(name=type(self).__name__)
+            note_failure(name, error)
+            self._state()["failure"] = f"{name} raised {type(error).__name__}"
+            raise
+
     def _record(self, lowered, fplan, bplan):
         st = self._state()
+        st["failure"] = None
         st["last"] = lowered
         st["forward_plan"] = fplan
         st["backward_plan"] = bplan
@@ -618,11 +636,17 @@ class MessagePassing:
         st = self._state()
         name = type(self).__name__
         lowered = st["last"]
+        failure = f"{st['failure']}; tg.explain() gives its message" if st["failure"] else None
         if lowered is None:
+            if failure:
+                return (f"{name} (tiga_numba.MessagePassing program): no call has completed; the "
+                        f"most recent one failed ({failure})")
             return (f"{name} (tiga_numba.MessagePassing program): not called yet; explain() "
                     "describes the last call")
+        failed = [f"the most recent call failed ({failure}); the last call that completed:"] \
+            if failure else []
         traced = lowered.traced
-        lines = [f"program: {name} (tiga_numba.MessagePassing)",
+        lines = failed + [f"program: {name} (tiga_numba.MessagePassing)",
                  f"traced edge(): {traced.describe()}",
                  f"trace cache: {len(st['traces'])} signature(s) traced; last call "
                  f"{'reused a trace' if st['trace_hit'] else 'traced edge()'}"]
