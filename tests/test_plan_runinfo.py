@@ -79,8 +79,8 @@ def test_explain_after_a_call_that_raised_says_so():
     fields = dict(graph=g, src={"key": k, "value": v}, scale=0.5)
     with pytest.raises(ValueError):
         prog(dst={"query": q[:3]}, **fields)
-    assert prog.explain().startswith("Attend (tiga_numba.MessagePassing program): no call has "
-                                     "completed; the most recent one failed (Attend(...) raised ValueError")
+    assert prog.explain().startswith("Attend (tiga_numba.MessagePassing program): not called yet (no "
+                                     "call has completed; the most recent one failed: Attend(...) raised ValueError")
     assert tg.explain().startswith("the most recent call failed: Attend(...) raised ValueError: dst['query']")
     out, vjp = prog.vjp(dst={"query": q}, **fields)
     with pytest.raises(ValueError):

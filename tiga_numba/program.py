@@ -639,8 +639,8 @@ class MessagePassing:
         failure = f"{st['failure']}; tg.explain() gives its message" if st["failure"] else None
         if lowered is None:
             if failure:
-                return (f"{name} (tiga_numba.MessagePassing program): no call has completed; the "
-                        f"most recent one failed ({failure})")
+                return (f"{name} (tiga_numba.MessagePassing program): not called yet (no call has "
+                        f"completed; the most recent one failed: {failure})")
             return (f"{name} (tiga_numba.MessagePassing program): not called yet; explain() "
                     "describes the last call")
         failed = [f"the most recent call failed ({failure}); the last call that completed:"] \
