@@ -9,7 +9,7 @@ the plan returned and per-edge scores (`edge_bias`) allowed; the program front e
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import numpy as np
 
@@ -98,24 +98,25 @@ def last_plan():
 
 def note_failure(call, error):
     """Record that `call` (a name, e.g. "tiga_numba.attention") raised `error`: until the
-    next call completes, explain() reports it first."""
+    next call completes, explain() reports it first. Returns the record's text."""
     global _last_failure
     text = str(error).splitlines()[0] if str(error) else ""
     _last_failure = f"{call} raised {type(error).__name__}" + (f": {text}" if text else "")
+    return _last_failure
 
 
-def noting_failure(call):
-    """Decorator: a call of the function that raises is recorded by note_failure."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except Exception as error:
-                note_failure(call, error)
-                raise
-        return run
-    return wrap
+@contextlib.contextmanager
+def noting_failure(call, keep=None):
+    """An exception raised inside (or, used as a decorator, by the function) is recorded by
+    note_failure and given to `keep` (a program keeps it for its own explain()), then
+    re-raised."""
+    try:
+        yield
+    except Exception as error:
+        text = note_failure(call, error)
+        if keep is not None:
+            keep(text)
+        raise
 
 
 def explain():

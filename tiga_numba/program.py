@@ -14,7 +14,6 @@ the fused score-network kernels (`edge_mlp`) for `tg.nn.trace` scores. See docs/
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 from collections.abc import Mapping
@@ -604,18 +603,12 @@ class MessagePassing:
 
         return out, vjp
 
-    @contextlib.contextmanager
     def _noting_failure(self, what):
         """An exception inside is kept for explain() (the program's and tg.explain()), then
         re-raised: explain() never passes an earlier call off as the one that failed."""
-        try:
-            yield
-        except Exception as error:
-            from .functional import note_failure
-            name = what.format(name=type(self).__name__)
-            note_failure(name, error)
-            self._state()["failure"] = f"{name} raised {type(error).__name__}"
-            raise
+        from .functional import noting_failure
+        return noting_failure(what.format(name=type(self).__name__),
+                              keep=lambda text: self._state().__setitem__("failure", text))
 
     def _record(self, lowered, fplan, bplan):
         st = self._state()
@@ -636,7 +629,7 @@ class MessagePassing:
         st = self._state()
         name = type(self).__name__
         lowered = st["last"]
-        failure = f"{st['failure']}; tg.explain() gives its message" if st["failure"] else None
+        failure = st["failure"]
         if lowered is None:
             if failure:
                 return (f"{name} (tiga_numba.MessagePassing program): not called yet (no call has "
