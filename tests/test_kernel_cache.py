@@ -253,3 +253,21 @@ def test_generated_modules_survive_a_damaged_file_and_a_read_only_folder(tmp_pat
     mod = disk_cache.import_source(source + "# other\n", "tiga_test_mod", "gen")
     assert mod.f() == 42 and not mod.__file__.startswith(str(tmp_path))
     del sys.modules[mod.__name__]
+
+
+
+def test_tensor_core_kernel_text_survives_a_damaged_file(tmp_path, monkeypatch):
+    """The tensor-core builder's generated file (cuda/tc/build.py) follows the same rule: a file
+    under the text's digest that does not hold the text is written again, never imported."""
+    import sys
+    pytest.importorskip("numba_cuda")
+    from tiga_numba.cuda.tc import build
+    monkeypatch.setenv("TIGA_NUMBA_CACHE_DIR", str(tmp_path))
+    src = "def kernel():\n    return 7\n"
+    assert build._load_cached_module("tc_test_text", src, "float16")() == 7
+    (path,) = (tmp_path / "tc").glob("tc_test_text_*.py")
+    for name in [m for m in sys.modules if m.startswith("_tiga_tc_tc_test_text_")]:
+        del sys.modules[name]
+    path.write_text("def kernel():\n    return 0\n")   # another text under this digest's name
+    assert build._load_cached_module("tc_test_text", src, "float16")() == 7
+    assert path.read_text().endswith(src)

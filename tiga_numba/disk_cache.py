@@ -23,7 +23,8 @@ import os
 import sys
 import tempfile
 
-__all__ = ["root", "folder", "module_folder", "import_source", "read_cubin", "write_cubin"]
+__all__ = ["root", "folder", "module_folder", "import_source", "read_cubin", "write_cubin", "holds",
+           "publish"]
 
 
 def root():
@@ -66,12 +67,12 @@ def import_source(source, prefix, name):
     if modname in sys.modules:
         return sys.modules[modname]
     path = os.path.join(module_folder(name), modname + ".py")
-    if not _holds(path, source):   # missing, or damaged (cut short, emptied): written again
+    if not holds(path, source):   # missing, or damaged (cut short, emptied): written again
         try:
-            _write_text(path, source)
+            publish(path, source)
         except OSError:   # the folder cannot be written after all: a private one
             path = os.path.join(tempfile.mkdtemp(prefix=f"tiga_numba_{name}_"), modname + ".py")
-            _write_text(path, source)
+            publish(path, source)
     spec = importlib.util.spec_from_file_location(modname, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -79,7 +80,7 @@ def import_source(source, prefix, name):
     return module
 
 
-def _holds(path, text):
+def holds(path, text):
     """Whether the file at `path` holds exactly `text` (a file of another text under the digest's
     name is a damaged one: it is never imported)."""
     try:
@@ -89,11 +90,12 @@ def _holds(path, text):
         return False
 
 
-def _write_text(path, text):
-    """Write `text` to `path` atomically (a temporary file, then one rename)."""
+def publish(path, data):
+    """Write `data` (str or bytes) to `path` atomically: a temporary file, then one rename, so
+    a reader in another process sees the whole file or none."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(text)
+    with open(tmp, "wb" if isinstance(data, bytes) else "w") as fh:
+        fh.write(data)
     os.replace(tmp, path)
 
 
@@ -121,9 +123,6 @@ def write_cubin(path, entry, data):
         return
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(entry.encode() + b"\n" + data)
-        os.replace(tmp, path)
+        publish(path, entry.encode() + b"\n" + data)
     except OSError:
         pass

@@ -30,6 +30,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .. import disk_cache
 from .gemm import mm
 
 _F32 = ir.FloatType()
@@ -182,7 +183,6 @@ def _machine():
 
 
 def _path():
-    from .. import disk_cache
     root = disk_cache.root()
     return None if root is None else os.path.join(root, "cpu_products.json")
 
@@ -251,10 +251,7 @@ def _calibrated():
         if path is not None:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(rec, f)
-                os.replace(tmp, path)
+                disk_cache.publish(path, json.dumps(rec))
             except OSError:
                 pass
     which = "own" if rec["choice"] == "own" else "BLAS"

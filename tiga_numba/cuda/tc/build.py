@@ -47,6 +47,14 @@ def _cache_dir():
     return disk_cache.folder("tc")
 
 
+#: the generated file's header (what its text imports but does not contain), per dtype
+_HEADER = ("import math\nimport numba\nfrom numba import cuda\n"
+           "from tiga_numba.cuda.tc.ptx import intrinsics as _intrinsics\n"
+           "globals().update(_intrinsics({dtype!r}))\n"
+           "i64 = numba.int64; f32 = numba.float32; u32 = numba.uint32; u8 = numba.uint8\n"
+           "fmaxf = max; imin = min; imax = max; log2f = math.log2\n\n")
+
+
 def _load_cached_module(name, src, dtype):
     """Write the generated source to a real file (once per source hash) and import it, so that
     numba's on-disk cache (cache=True) works: the second process on a machine skips NVVM."""
@@ -55,23 +63,15 @@ def _load_cached_module(name, src, dtype):
     import os
 
     import numba
-    header = ("import math\nimport numba\nfrom numba import cuda\n"
-              "from tiga_numba.cuda.tc.ptx import intrinsics as _intrinsics\n"
-              f"globals().update(_intrinsics({dtype!r}))\n"
-              "i64 = numba.int64; f32 = numba.float32; u32 = numba.uint32; u8 = numba.uint8\n"
-              "fmaxf = max; imin = min; imax = max; log2f = math.log2\n\n")
-    text = header + src
+    text = _HEADER.format(dtype=dtype) + src
     h = hashlib.sha1((text + numba.__version__ + str(_numba_cuda_version())).encode()).hexdigest()[:16]
     d = _cache_dir()
     if d is None:
         raise OSError("caching is off (TIGA_NUMBA_CACHE_DIR)")
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"{name}_{h}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
+    if not disk_cache.holds(path, text):   # missing or damaged: written again, never imported as is
+        disk_cache.publish(path, text)
     import sys
     modname = f"_tiga_tc_{name}_{h}"
     if modname in sys.modules:
@@ -79,11 +79,10 @@ def _load_cached_module(name, src, dtype):
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod   # numba's cache wants the function's module importable
-    # compiled from the file's text rather than through the import system: no .pyc lands in
-    # the cache directory (the text is compiled once per process; numba's cache only needs
-    # the code object's file name to be the real file)
-    with open(path) as fh:
-        exec(compile(fh.read(), path, "exec"), mod.__dict__)
+    # compiled from the text (which the file now holds) rather than through the import system:
+    # no .pyc lands in the cache directory (numba's cache only needs the code object's file
+    # name to be the real file)
+    exec(compile(text, path, "exec"), mod.__dict__)
     return mod.kernel
 
 
@@ -230,15 +229,16 @@ _INTRINSICS_HASH = []
 
 def _intrinsics_hash():
     """sha1 of what the generated text imports but does not contain: ptx.py (the inline-PTX
-    intrinsics) and this module's header for the generated file, so an edit of either never
-    serves a stale cubin."""
+    intrinsics), the generated file's header (_HEADER) and _env, so an edit of either never
+    serves a stale cubin (the code that writes and imports the file is not in it: changing how
+    a file is written does not re-key every cubin)."""
     if not _INTRINSICS_HASH:
         import hashlib
         import inspect
 
         from . import ptx
         h = hashlib.sha1()
-        for text in (inspect.getsource(ptx), inspect.getsource(_load_cached_module), inspect.getsource(_env)):
+        for text in (inspect.getsource(ptx), _HEADER, inspect.getsource(_env)):
             h.update(text.encode())
         _INTRINSICS_HASH.append(h.hexdigest()[:16])
     return _INTRINSICS_HASH[0]
