@@ -17,7 +17,7 @@ cupy = pytest.importorskip("cupy")   # without cupy: nothing to test; without a 
 
 pytestmark = pytest.mark.gpu
 
-from test_cuda_gpu import _shield, rel_err  # noqa: E402
+from test_cuda_gpu import _inputs, _shield, rel_err  # noqa: E402
 
 _shield()
 import tiga_numba as tg  # noqa: E402
@@ -325,11 +325,7 @@ def test_a_nan_score_inside_rows_gives_what_the_cpu_gives(kind, dtype, tensor_co
     as on the CPU; every other entry equals the CPU's result within rounding."""
     make, bad_key = _nan_graphs()[kind]
     g = make()
-    H, Hkv, D = 4, 2, 64
-    q = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
-    k = RNG.standard_normal((g.num_src, Hkv, D)).astype(dtype)
-    v = RNG.standard_normal((g.num_src, Hkv, D)).astype(dtype)
-    dout = RNG.standard_normal((g.num_dst, H, D)).astype(dtype)
+    q, k, v, dout = _inputs(g, dtype, 4, 2, 64, 64)
     k[bad_key, 1, 3] = np.nan
     want_out, want_stats = tg.attention(q, k, v, g, return_stats=True)
     want_grads = tg.attention_backward(dout, q, k, v, want_out, want_stats, g)
