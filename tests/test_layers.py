@@ -196,6 +196,38 @@ def test_matches_pyg(name, kwargs, bipartite):
     assert np.setdiff1d(np.arange(nd), dst).size > 0  # the graph has isolated destinations
 
 
+@pytest.mark.parametrize("name", ["GATConv", "GATv2Conv"])
+@pytest.mark.parametrize("fill_value", ["sum", "max", "min", "mul"])
+def test_reduction_fill_values_match_pyg_with_ties_and_zeros(name, fill_value):
+    """The self loops' attribute as PyG's scatter reduces the node's incoming attributes, and its
+    gradient as torch differentiates that: attributes drawn from {-1, 0, 1, 2} so that maxima and
+    minima tie (the gradient is shared), some are 0 (torch then counts the zero it starts from),
+    and products hold zeros; float64 on both sides."""
+    torch = pytest.importorskip("torch")
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    rng = np.random.default_rng(["sum", "max", "min", "mul"].index(fill_value) + 10 * (name == "GATv2Conv"))
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    n = 23
+    src, dst = random_edges(rng, n, n, 90)
+    pyg = getattr(pyg_nn, name)(5, 3, heads=2, edge_dim=3, fill_value=fill_value).double()
+    ours = LAYERS[name](5, 3, heads=2, edge_dim=3, fill_value=fill_value, dtype=np.float64)
+    ours.load_state_dict({k: v.detach().numpy() for k, v in pyg.state_dict().items()})
+    x = torch.randn(n, 5, dtype=torch.float64, requires_grad=True)
+    ea = torch.tensor(rng.integers(-1, 3, (len(src), 3)), dtype=torch.float64, requires_grad=True)
+    out_t = pyg(x, torch.from_numpy(np.stack([src, dst])), ea)
+    dout = torch.randn_like(out_t)
+    out_t.backward(dout)
+    out, vjp = ours.vjp(x.detach().numpy(), tg.Graph.from_edge_index(np.stack([src, dst]), n),
+                        ea.detach().numpy())
+    grads = vjp(dout.numpy())
+    tol = dict(rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **tol)
+    np.testing.assert_allclose(grads["x"], x.grad.numpy(), **tol)
+    np.testing.assert_allclose(grads["edge_attr"], ea.grad.numpy(), **tol)
+    np.testing.assert_allclose(grads["params"]["lin_edge.weight"],
+                               dict(pyg.named_parameters())["lin_edge.weight"].grad.numpy(), **tol)
+
+
 def test_from_csr_graph_edge_attr_in_csr_order():
     """A graph without an edge permutation takes edge_attr in its own (CSR) order; the same
     edges through from_coo in another order give the same result with edge_attr permuted."""
@@ -315,8 +347,14 @@ def test_errors_name_the_argument():
         GATConv(3, 2).load_state_dict({"bias": np.zeros(2)})
     with pytest.raises(ValueError, match="shape"):
         GATConv(3, 2).load_state_dict({**GATConv(3, 2).state_dict(), "bias": np.zeros(3)})
-    with pytest.raises(NotImplementedError, match="fill_value"):
-        GATConv(3, 2, fill_value="max")
+    with pytest.raises(ValueError, match="fill_value"):
+        GATConv(3, 2, fill_value="median")
+    with pytest.raises(TypeError, match="fill_value"):
+        GATConv(3, 2, fill_value=None)
+    ea = np.ones((2, 1), np.float32)
+    with pytest.raises(NotImplementedError, match="fill_value='any'"):
+        GATConv(3, 2, edge_dim=1, fill_value="any")(x, g, ea)
+    GATConv(3, 2, edge_dim=1, fill_value="any", add_self_loops=False)(x, g, ea)   # unused, as in PyG
     with pytest.raises(NotImplementedError, match="return_attention_weights"):
         GATConv(3, 2)(x, g, return_attention_weights=True)
     with pytest.raises(NotImplementedError, match="return_attention_weights"):

@@ -15,6 +15,8 @@ CASES = [
     (GATConv, dict(heads=4, edge_dim=3)),
     (GATConv, dict(heads=2, concat=False, residual=True)),
     (GATv2Conv, dict(heads=2, edge_dim=3)),
+    (GATConv, dict(heads=2, edge_dim=3, fill_value="max")),     # the segmented scans on cupy
+    (GATv2Conv, dict(heads=2, edge_dim=3, fill_value="mul")),
     (TransformerConv, dict(heads=2, edge_dim=3, beta=True)),
     (TransformerConv, dict(heads=4)),
 ]

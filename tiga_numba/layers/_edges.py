@@ -1,4 +1,4 @@
-"""The edges a layer attends over, and the per-edge sums its gradients need.
+"""The edges a layer attends over, and the per-edge sums and reductions its gradients need.
 
 A layer sees the caller's Graph, optionally with PyG's self-loop rule applied (existing loops
 (i -> i) removed, one loop added for every node i < min(num_src, num_dst)). `EdgeSet` holds that
@@ -142,35 +142,126 @@ class EdgeSet:
 
     # ------------------------------------------------------------------ edge attributes
     def edge_attr(self, edge_attr, fill_value):
-        """Caller-ordered (E_in, F) -> this set's (E, F); the added loops get PyG's fill
-        ('mean' / 'add' of the node's incoming attributes, or a constant)."""
+        """Caller-ordered (E_in, F) -> this set's (E, F); the added loops get PyG's fill: a
+        constant, or a reduction of the node's incoming attributes (0 for a node without any;
+        1 for "mul"), as torch_geometric.utils.scatter computes it."""
         xp = self.xp
         ea = xp.zeros((self.num_edges, edge_attr.shape[1]), dtype=edge_attr.dtype)
         ea[self.kept_pos] = gather(xp, edge_attr, self.kept_source)
         if self.has_loops:
             if isinstance(fill_value, str):
-                node = self.sum_by_dst(ea)  # loops still hold 0
-                if fill_value == "mean":
-                    cnt = xp.maximum(self.kept_count, 1).astype(ea.dtype)
-                    node = node / cnt[:, None]
+                node = self._fill_of(ea, fill_value)
                 ea[self.loop_pos] = gather(xp, node, self.loop_node)
             else:
                 ea[self.loop_pos] = xp.asarray(fill_value, dtype=ea.dtype)
         return ea
 
-    def edge_attr_grad(self, d_ea, fill_value, num_in):
-        """Gradient of edge_attr() w.r.t. the caller's (num_in, F) edge attributes."""
+    def _fill_of(self, ea, fill_value):
+        """(num_dst, F): the reduction `fill_value` of each node's kept incoming attributes
+        (`ea` holds 0 at the loops' positions)."""
+        xp = self.xp
+        if fill_value in ("add", "sum", "mean"):
+            node = self.sum_by_dst(ea)  # loops still hold 0
+            if fill_value == "mean":
+                node = node / xp.maximum(self.kept_count, 1).astype(ea.dtype)[:, None]
+            return node
+        if fill_value == "any":
+            raise NotImplementedError("fill_value='any' with self loops and edge_attr: PyG takes "
+                                      "whichever incoming attribute torch's scatter writes last "
+                                      "(not deterministic); use 'mean', 'add', 'max', 'min', "
+                                      "'mul' or a number")
+        scan = self._kept_scan(ea, fill_value)
+        node = (xp.ones if fill_value == "mul" else xp.zeros)((self.num_dst, ea.shape[1]), ea.dtype)
+        if scan is not None:
+            node[scan.seg[scan.last]] = scan.forward[scan.last]
+        return node
+
+    def _kept_scan(self, ea, op):
+        """The kept edges' attributes in CSR order with their inclusive segmented scans under
+        `op` ("max", "min" or "mul"), forward and backward; None without kept edges."""
+        if int(self.kept_pos.shape[0]) == 0:
+            return None
+        xp = self.xp
+        vals = gather(xp, ea, self.kept_pos)
+        seg = gather(xp, self.rows, self.kept_pos)   # non-decreasing: CSR order
+        fn = {"max": xp.maximum, "min": xp.minimum, "mul": xp.multiply}[op]
+        forward = _segmented_scan(xp, vals, seg, fn)
+        backward = _segmented_scan(xp, vals[::-1], seg[::-1], fn)[::-1]
+        last = xp.nonzero(xp.concatenate([seg[1:] != seg[:-1], xp.ones(1, dtype=bool)]))[0]
+        return _Scan(vals, seg, forward, backward, last)
+
+    def edge_attr_grad(self, d_ea, fill_value, num_in, ea=None):
+        """Gradient of edge_attr() w.r.t. the caller's (num_in, F) edge attributes; `ea` is
+        edge_attr()'s result (needed by "max", "min" and "mul")."""
         xp = self.xp
         d_in = xp.zeros((num_in, d_ea.shape[1]), dtype=d_ea.dtype)
         d_kept = gather(xp, d_ea, self.kept_pos)
-        if self.has_loops and isinstance(fill_value, str):
+        if self.has_loops and isinstance(fill_value, str) and int(self.kept_pos.shape[0]):
             d_node = xp.zeros((self.num_dst, d_ea.shape[1]), dtype=d_ea.dtype)
             d_node[self.loop_node] = gather(xp, d_ea, self.loop_pos)
-            if fill_value == "mean":
-                d_node /= xp.maximum(self.kept_count, 1).astype(d_ea.dtype)[:, None]
-            d_kept = d_kept + gather(xp, d_node, gather(xp, self.rows, self.kept_pos))
+            if fill_value in ("add", "sum", "mean"):
+                if fill_value == "mean":
+                    d_node /= xp.maximum(self.kept_count, 1).astype(d_ea.dtype)[:, None]
+                d_kept = d_kept + gather(xp, d_node, gather(xp, self.rows, self.kept_pos))
+            else:
+                d_kept = d_kept + self._reduction_grad(ea, d_node, fill_value)
         d_in[self.kept_source] = d_kept
         return d_in
+
+    def _reduction_grad(self, ea, d_node, op):
+        """d(node reduction)/d(kept attribute) times d_node, per kept edge, as torch's
+        scatter_reduce (include_self=False for "max" / "min" from zeros, "prod" from ones)
+        differentiates: a max / min shares the gradient evenly among the values equal to it,
+        counting the zero it starts from when the result is 0; a product's factor gets the
+        product of the others (exact with zeros)."""
+        xp = self.xp
+        scan = self._kept_scan(ea, op)
+        d_seg = gather(xp, d_node, scan.seg)
+        if op == "mul":
+            same_prev = xp.concatenate([xp.zeros(1, dtype=bool), scan.seg[1:] == scan.seg[:-1]])
+            same_next = xp.concatenate([scan.seg[1:] == scan.seg[:-1], xp.zeros(1, dtype=bool)])
+            one = xp.ones_like(scan.vals[:1])
+            before = xp.where(same_prev[:, None], xp.concatenate([one, scan.forward[:-1]]), 1)
+            after = xp.where(same_next[:, None], xp.concatenate([scan.backward[1:], one]), 1)
+            return d_seg * before * after
+        result = xp.zeros((self.num_dst, ea.shape[1]), ea.dtype)
+        result[scan.seg[scan.last]] = scan.forward[scan.last]
+        r = gather(xp, result, scan.seg)
+        ties = (scan.vals == r).astype(ea.dtype)
+        count = self.sum_by_dst(_zeros_but(xp, ea.shape, self.kept_pos, ties))
+        count = count + (result == 0)
+        return ties * d_seg / gather(xp, count, scan.seg)
+
+
+class _Scan:
+    """A segmented scan's inputs and results: `last` holds each run's last position."""
+    __slots__ = ("vals", "seg", "forward", "backward", "last")
+
+    def __init__(self, vals, seg, forward, backward, last):
+        self.vals, self.seg, self.forward, self.backward, self.last = vals, seg, forward, backward, last
+
+
+def _zeros_but(xp, shape, pos, rows):
+    """An array of `shape` holding `rows` at positions `pos` and 0 elsewhere."""
+    out = xp.zeros(shape, dtype=rows.dtype)
+    out[pos] = rows
+    return out
+
+
+def _segmented_scan(xp, vals, seg, fn):
+    """Inclusive scan of `vals` (n, F) under the binary ufunc `fn` within runs of equal `seg`
+    (n,): log2(longest run) whole-array steps (Hillis-Steele), the same on numpy and cupy."""
+    acc = xp.array(vals, copy=True)
+    n = int(seg.shape[0])
+    step = 1
+    while step < n:
+        same = (seg[step:] == seg[:-step])[:, None]
+        if not bool(same.any()):
+            break
+        shifted = xp.where(same, fn(acc[step:], acc[:-step]), acc[step:])
+        acc[step:] = shifted
+        step *= 2
+    return acc
 
 
 def _host_csr(graph):

@@ -21,15 +21,23 @@ from ._module import (Layer, check_channels, check_positive, column_sums, glorot
 __all__ = ["GATConv", "check_fill_value"]
 
 
+FILL_REDUCTIONS = ("mean", "add", "sum", "max", "min", "mul", "any")
+
+
 def check_fill_value(fill_value):
+    """PyG's `fill_value` of the added self loops' edge attributes: a number, or the name of the
+    reduction of the node's incoming attributes (torch_geometric.utils.scatter's: "mean",
+    "add" / "sum", "max", "min", "mul", "any"; "any" is accepted here and refused where it
+    would be used, see layers._edges.EdgeSet.edge_attr)."""
     if isinstance(fill_value, str):
-        if fill_value not in ("mean", "add"):
-            raise NotImplementedError(f"fill_value={fill_value!r}: only 'mean', 'add' or a "
-                                      "constant are implemented")
+        if fill_value not in FILL_REDUCTIONS:
+            raise ValueError(f"fill_value must be a number or one of {FILL_REDUCTIONS}, "
+                             f"got {fill_value!r}")
         return fill_value
     if isinstance(fill_value, (int, float, np.integer, np.floating)) and not isinstance(fill_value, bool):
         return float(fill_value)
-    raise TypeError(f"fill_value must be 'mean', 'add' or a number, got {type(fill_value).__name__}")
+    raise TypeError(f"fill_value must be a number or one of {FILL_REDUCTIONS}, "
+                    f"got {type(fill_value).__name__}")
 
 
 def leaky_relu(xp, pre, slope):
@@ -194,7 +202,7 @@ class GATConv(Layer):
                 g["att_edge"] = xp.einsum("hcd,dh->hc", w_e3, gsum)[None]
                 g["lin_edge.weight"] = (p["att_edge"][0][:, :, None] * gsum.T[:, None, :]).reshape(
                     H * C, self.edge_dim)
-                d_edge_attr = es.edge_attr_grad(dpre @ w_att.T, self.fill_value, graph.num_edges)
+                d_edge_attr = es.edge_attr_grad(dpre @ w_att.T, self.fill_value, graph.num_edges, ea)
             dxs2 = dxs.reshape(ns, H * C)
             if same:
                 dxs2 = dxs2 + dxd.reshape(ns, H * C)
