@@ -96,28 +96,57 @@ def test_threaded_equals_single_process(name):
     assert all(np.array_equal(a, b) for a, b in zip(again, got[4:]))
 
 
-@pytest.mark.parametrize("name", ["csr", "triangular-uneven", "varlen-kv-causal", "dense-rect"])
-def test_softcap_equals_single_process(name):
-    """softcap= (elementwise on each score, so every partition and block applies it alike):
-    forward, stats and gradients as tiga_numba.attention(..., softcap=) gives them."""
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])   # one per query head (H = 4)
+
+
+def _modified_problem(name, mods, seed=7):
+    """A problem whose scores pass the soft-cap (scaled inputs), with the single-process
+    results of tiga_numba.attention(..., **mods) and its chunked dask arrays."""
     build, nd, ns, qc, kc = CASES[name]
     g = build()
-    rng = np.random.default_rng(7)
-    q, dout = (3 * rng.standard_normal((nd, H, D)) for _ in range(2))   # scores past the cap
+    rng = np.random.default_rng(seed)
+    q, dout = (3 * rng.standard_normal((nd, H, D)) for _ in range(2))
     k, v = (3 * rng.standard_normal((ns, HKV, D)) for _ in range(2))
-    out, st = tg.attention(q, k, v, g, return_stats=True, softcap=2.0)
-    ref = tg.attention_backward(dout, q, k, v, out, st, g, softcap=2.0)
+    out, st = tg.attention(q, k, v, g, return_stats=True, **mods)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g, **mods)
     c = {n: da.from_array(x, chunks=(qc if n in ("q", "dout") else kc, -1, -1))
          for n, x in (("q", q), ("k", k), ("v", v), ("dout", dout))}
-    lout, lst = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True, softcap=2.0)
-    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, softcap=2.0)
-    _check(dask.compute(lout, lst.m, lst.l, lst.lse, *grads, scheduler="threads"), (out, st, ref), 1e-12)
+    return g, (out, st, ref), c
+
+
+MODS = {"softcap": dict(softcap=2.0), "alibi": dict(alibi_slopes=SLOPES),
+        "softcap+alibi": dict(softcap=2.0, alibi_slopes=SLOPES)}
+
+
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("name", ["csr", "triangular-uneven", "varlen-kv-causal", "dense-rect", "band",
+                                  "window", "empty-rows-cat"])
+def test_score_modifiers_equal_single_process(name, mods):
+    """softcap= and alibi_slopes=: forward, stats and gradients as tiga_numba.attention(...)
+    gives them, whatever the chunks. ALiBi reads node positions: a block or partition computes
+    the distance of the whole relation (bottom-right aligned in the dense and cu_seqlens
+    blocks), not of its own renumbered rows."""
+    g, expected, c = _modified_problem(name, MODS[mods])
+    lout, lst = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True, **MODS[mods])
+    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, **MODS[mods])
+    _check(dask.compute(lout, lst.m, lst.l, lst.lse, *grads, scheduler="threads"), expected, 1e-12)
     plain = tgd.attention(c["q"], c["k"], c["v"], g).compute(scheduler="sync")
-    assert np.abs(plain - out).max() > 1e-3   # the cap changed the result: the test can fail
+    rows = np.isfinite(expected[1].m[:, 0])
+    assert np.abs(plain - expected[0])[rows].max() > 1e-3   # the modifier changed the result
+
+
+def test_score_modifier_errors_at_the_call():
+    g, (out, st, _), c = _modified_problem("csr", {})
+    lout, lst = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True)
     with pytest.raises(ValueError, match="softcap"):
         tgd.attention(c["q"], c["k"], c["v"], g, softcap=-1.0)
     with pytest.raises(TypeError, match="softcap"):
         tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, softcap="2")
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        tgd.attention(c["q"], c["k"], c["v"], g, alibi_slopes=SLOPES[:3])
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g,
+                               alibi_slopes=np.arange(4))
 
 
 def test_blocks_outside_the_relation_are_never_created():
@@ -254,6 +283,20 @@ def test_local_cluster_equals_single_process(client):
     computed = client.compute([(o, s.m, s.l, s.lse, *gr) for o, s, gr in lazy], sync=True)
     for got, (_, expected, _) in zip(computed, problems):
         _check(got, expected, 1e-12)
+
+
+def test_local_cluster_alibi_reads_the_uploaded_source_ids(client):
+    """ALiBi over CSR partitions on worker processes: the halos' source ids are uploaded once
+    per plan, like the relations, and the results are the single-process call's."""
+    from distributed import futures_of
+    g, expected, c = _modified_problem("csr", MODS["softcap+alibi"], seed=8)
+    out, stats = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True, **MODS["softcap+alibi"])
+    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], out, stats, g,
+                                   **MODS["softcap+alibi"])
+    ids = {f.key for a in (out, *grads) for f in futures_of(a)
+           if str(f.key).startswith("tiga-attention-source-ids-")}
+    assert len(ids) == len(c["q"].chunks[0])
+    _check(client.compute((out, stats.m, stats.l, stats.lse, *grads), sync=True), expected, 1e-12)
 
 
 def test_local_cluster_uploads_csr_relations_once(client):

@@ -19,6 +19,10 @@ other axes must be one chunk. Every task is a call of the single-process kernels
   runs per block with the merged (full-row) statistics and sums dq per query chunk and dk/dv per
   key chunk, again in a fixed-order tree.
 
+flash-attn's ``softcap`` and ``alibi_slopes`` apply in every task; ALiBi's distance is taken in the
+whole relation's positions (a block task is told its chunks' first rows, a CSR partition its
+halo's source ids).
+
 The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
 and kept on the graph. With a dask.distributed Client as the default scheduler, the CSR local
 relations are submitted to it once per plan and the tasks refer to those futures (a call then
@@ -46,6 +50,8 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from .functional import AttentionStats
 from .functional import attention as _attention
 from .functional import attention_backward as _attention_backward
+from .functional import run_backward as _run_backward
+from .functional import run_forward as _run_forward
 from .graph import Graph
 from .merge import attention_merge, log_sum_exp
 from .scratch import ScratchPool
@@ -172,16 +178,23 @@ class _CSRPart:
     def __init__(self, d0, d1, graph, pieces):
         self.d0, self.d1, self.graph, self.pieces = d0, d1, graph, pieces
 
+    def halo_ids(self, src_bounds):
+        """The global source id of each halo row (int64, increasing): what the halo's local
+        position j stands for."""
+        ids = [src_bounds[c] + rows for c, rows, _, _ in self.pieces]
+        return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
 
 class _Plan:
-    __slots__ = ("token", "kind", "parts", "blocks", "uploaded", "lock")
+    __slots__ = ("token", "kind", "parts", "blocks", "src_bounds", "uploaded", "lock")
 
-    def __init__(self, kind, parts=None, blocks=None):
+    def __init__(self, kind, src_bounds, parts=None, blocks=None):
         self.token = uuid.uuid4().hex
         self.kind = kind
         self.parts = parts      # CSR: list of _CSRPart, one per destination partition
         self.blocks = blocks    # implicit: per query chunk, list of (key chunk, block Graph)
-        self.uploaded = {}      # CSR on dask.distributed: client id -> futures of the relations
+        self.src_bounds = tuple(int(b) for b in src_bounds)
+        self.uploaded = {}      # CSR on dask.distributed: (client id, what) -> futures per partition
         self.lock = threading.Lock()
 
 
@@ -250,23 +263,38 @@ def _pin(pins, key):
     return None if home is None else [home]
 
 
-def _relations(plan):
-    """Per CSR partition, what its tasks get as the local relation: the Graph itself (it then
-    travels inside every call's task graph), or, when a dask.distributed Client is the default
-    scheduler, a future of it uploaded once per plan and client. The upload is a task holding
-    the relation (not a scatter), so the scheduler recomputes it if the worker holding it is
-    lost; the futures live as long as the graph's plan."""
+def _per_partition(plan, what, make):
+    """Per CSR partition, what its tasks get as `what` (`make(part)`: the local relation, or the
+    halo's source ids): the object itself (it then travels inside every call's task graph), or,
+    when a dask.distributed Client is the default scheduler, a future of it uploaded once per
+    plan and client. The upload is a task holding the object (not a scatter), so the scheduler
+    recomputes it if the worker holding it is lost; the futures live as long as the graph's
+    plan."""
     client = _default_client()
     if client is None:
-        return [part.graph for part in plan.parts]
+        return [make(part) for part in plan.parts]
     with plan.lock:
-        futures = plan.uploaded.get(client.id)
+        futures = plan.uploaded.get((client.id, what))
         if futures is None or any(f.status in ("cancelled", "error", "lost") for f in futures):
-            futures = [client.submit(_identity, part.graph, pure=False,
-                                     key=f"tiga-attention-relation-{plan.token}-{p}")
+            futures = [client.submit(_identity, make(part), pure=False,
+                                     key=f"tiga-attention-{what}-{plan.token}-{p}")
                        for p, part in enumerate(plan.parts)]
-            plan.uploaded[client.id] = futures
+            plan.uploaded[(client.id, what)] = futures
     return futures
+
+
+def _relations(plan):
+    """Per CSR partition, the local relation its tasks read (see _per_partition)."""
+    return _per_partition(plan, "relation", lambda part: part.graph)
+
+
+def _csr_positions(plan, score):
+    """Per CSR partition, the extra task arguments of a score modifier that reads node
+    positions (ALiBi): the global ids of its halo rows (see _per_partition), else none."""
+    if score is None or score.slopes is None:
+        return [()] * len(plan.parts)
+    return [(ids,) for ids in _per_partition(plan, "source-ids",
+                                             lambda part: part.halo_ids(plan.src_bounds))]
 
 
 def _csr_plan(graph, dst_bounds, src_bounds):
@@ -297,7 +325,7 @@ def _csr_plan(graph, dst_bounds, src_bounds):
                    int(cuts[c]), int(cuts[c + 1]))
                   for c in range(len(src_bounds) - 1) if cuts[c + 1] > cuts[c]]
         parts.append(_CSRPart(d0, d1, sub, pieces))
-    return _Plan("csr", parts=parts)
+    return _Plan("csr", src_bounds, parts=parts)
 
 
 def _block_plan(graph, dst_bounds, src_bounds):
@@ -311,7 +339,7 @@ def _block_plan(graph, dst_bounds, src_bounds):
             if sub.num_edges:
                 row_blocks.append((c, sub))
         blocks.append(row_blocks)
-    return _Plan("blocks", blocks=blocks)
+    return _Plan("blocks", src_bounds, blocks=blocks)
 
 
 def _plan(graph, q, k):
@@ -418,29 +446,83 @@ def _halo(parts):
         yield halo
 
 
-def _csr_forward(q_p, k_parts, v_parts, graph, *, warm, scale, softcap=None):
+def _csr_forward(q_p, k_parts, v_parts, graph, positions=None, *, warm, scale, score=None, offset=0):
+    mod = _task_modifier(score, q_p, offset=offset, src_positions=positions)
     with _halo(k_parts) as k, _halo(v_parts) as v:
-        out, stats = _attention(q_p, k, v, _warm(graph, warm), scale=scale, return_stats=True,
-                                softcap=softcap)
+        out, stats, _ = _run_forward(q_p, k, v, _warm(graph, warm), scale=scale, score_mod=mod)
     return out, stats.m, stats.l
 
 
-def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, *, warm, scale, softcap=None):
+def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, positions=None, *, warm,
+                  scale, score=None, offset=0):
+    mod = _task_modifier(score, q_p, offset=offset, src_positions=positions)
     with _halo(k_parts) as k, _halo(v_parts) as v:
-        return _attention_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
-                                   _warm(graph, warm), scale=scale, softcap=softcap)
+        return _run_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
+                             _warm(graph, warm), scale=scale, score_mod=mod)[:3]
 
 
-def _check_softcap(softcap):
-    """softcap as a float (or None), checked as tiga_numba.attention checks it, before any task
-    is built: a bad value fails at the call, not inside a worker."""
-    if softcap is None:
+class _FlashScore:
+    """flash-attn's score modifiers of one call as its tasks need them (small and picklable):
+    the soft-cap (a float or None) and the ALiBi slopes (a host array or None) with the
+    relation's per-row bottom-right shift (functional._alibi_shift, host, or None)."""
+    __slots__ = ("softcap", "slopes", "shift")
+
+    def __init__(self, softcap, slopes, shift):
+        self.softcap, self.slopes, self.shift = softcap, slopes, shift
+
+    def __dask_tokenize__(self):
+        return (self.softcap, self.slopes, self.shift)
+
+
+def _check_score(q, graph, softcap, alibi_slopes):
+    """softcap and alibi_slopes checked as tiga_numba.attention checks them (on a zero-row
+    stand-in of q: the library, the heads), before any task is built, so that a bad value
+    fails at the call, not inside a worker. None when neither is given."""
+    if softcap is None and alibi_slopes is None:
         return None
     from .arrays import scalar_value
-    from .functional import flash_modifier
-    softcap = scalar_value(softcap)   # a 0-d array or tensor: its number
-    flash_modifier(np.zeros((0, 1, 1), np.float32), Graph.dense(0, 0), softcap, None)
-    return float(softcap)
+    from .functional import _alibi_shift, flash_modifier
+    if softcap is not None:
+        softcap = scalar_value(softcap)   # a 0-d array or tensor: its number
+    stand_in = _empty_rows(q)
+    mod = flash_modifier(stand_in, Graph.dense(0, 0), softcap, alibi_slopes)
+    slopes = shift = None
+    if alibi_slopes is not None:
+        slopes = next(v for x, v in mod.values.items() if x.op == "head")
+        if not isinstance(slopes, np.ndarray):
+            slopes = slopes.get()   # cupy: tasks convert back to their chunks' library
+        shift = graph._cached("dask alibi shift", lambda: _alibi_shift(graph))
+    return _FlashScore(None if softcap is None else float(softcap), slopes, shift)
+
+
+def _task_modifier(score, q, *, shift_rows=None, offset=0, src_positions=None):
+    """The score modifier of a task's kernel call, with the task's rows and sources at their
+    positions in the whole relation: ALiBi's distance |i + shift(i) - j| (shift: the relation's
+    bottom-right alignment, 0 where it has none) is computed as |i_task + shift_task(i) - j_task|
+    with shift_task = shift + offset. Blocks: j_task is the key's row in its chunk and offset =
+    q0 - k0 (rows q0 and k0 start the task's query and key chunks). CSR partitions: the halo's
+    local position is no affine map of the source id, so the tree reads j as the node field
+    src._alibi_source (`src_positions`, the halo's ids) and offset = d0."""
+    if score is None:
+        return None
+    from . import score_mod as sm
+    xp = _xp_of(q)
+    alibi = score.slopes is not None
+    tree = sm.flash_tree(score.softcap is not None, alibi, alibi)
+    values = {}
+    if score.softcap is not None:
+        values[sm.Expr("scalar", (), "softcap")] = score.softcap
+    if alibi:
+        values[sm.Expr("head", (), "alibi_slopes")] = xp.asarray(score.slopes)
+        n = int(q.shape[0])
+        shift = (np.full(n, offset, np.int64) if shift_rows is None
+                 else np.asarray(shift_rows, np.int64) + offset)
+        values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(shift)
+        if src_positions is not None:
+            source = sm.Expr("node", (), ("src", "_alibi_source"))
+            tree = sm.substitute(tree, {sm.Expr("index", (), "src"): source})
+            values[source] = xp.asarray(src_positions)
+    return sm.BoundModifier(tree, values)
 
 
 def _halo_piece(result, which, start, stop):
@@ -470,9 +552,9 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     return total.astype(dtype, copy=False)
 
 
-def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc, softcap=None):
-    out, stats = _attention(q_p, k_c, v_c, _warm(graph, warm), scale=scale, return_stats=True,
-                            softcap=softcap)
+def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc, score=None, shift_rows=None, offset=0):
+    mod = _task_modifier(score, q_p, shift_rows=shift_rows, offset=offset)
+    out, stats, _ = _run_forward(q_p, k_c, v_c, _warm(graph, warm), scale=scale, score_mod=mod)
     return out.astype(acc, copy=False), stats.m, stats.l   # partials merge in the accumulation dtype
 
 
@@ -488,10 +570,21 @@ def _empty_forward(q_p, *, value_dim, acc):
             xp.zeros(row_shape, dtype=acc))
 
 
-def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc, softcap=None):
-    grads = _attention_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p),
-                                _warm(graph, warm), scale=scale, softcap=softcap)
+def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc, score=None,
+                    shift_rows=None, offset=0):
+    mod = _task_modifier(score, q_p, shift_rows=shift_rows, offset=offset)
+    grads = _run_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p),
+                          _warm(graph, warm), scale=scale, score_mod=mod)[:3]
     return tuple(g.astype(acc, copy=False) for g in grads)
+
+
+def _block_score(score, plan, dst_bounds, p, c):
+    """The partial's keyword arguments of block (p, c) for _task_modifier."""
+    if score is None or score.slopes is None:
+        return {"score": score}
+    q0, q1 = dst_bounds[p], dst_bounds[p + 1]
+    return {"score": score, "offset": q0 - plan.src_bounds[c],
+            "shift_rows": None if score.shift is None else score.shift[q0:q1]}
 
 
 def _sum(*parts):
@@ -556,7 +649,7 @@ def _row_outputs(name, q, nparts, source, ndim_tail):
     return {(name, p) + (0,) * ndim_tail: source(p) for p in range(nparts)}
 
 
-def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None):
+def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None, alibi_slopes=None):
     """Attention of q over k, v along `graph`, with dask arrays chunked along the node axis.
 
     Parameters
@@ -571,9 +664,11 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None):
     return_stats : bool
         Also return the per-row softmax state (``m``, ``l``) that ``attention_backward`` takes.
     softcap : float, optional
-        flash-attn's soft-cap, as in :func:`tiga_numba.attention` (an elementwise function of
-        each score, so every block and partition applies it alike). ``alibi_slopes`` is not
-        offered: it reads node positions, which the partitions renumber.
+        flash-attn's soft-cap, as in :func:`tiga_numba.attention`.
+    alibi_slopes : array ``(H,)``, optional
+        flash-attn's ALiBi slopes, as in :func:`tiga_numba.attention` (a numpy array for numpy
+        chunks, cupy for cupy chunks): the distance is the one of the whole relation (node
+        positions, bottom-right aligned in dense and cu_seqlens blocks), whatever the chunks.
 
     Returns
     -------
@@ -582,31 +677,34 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None):
         q's rows. Equal to the single-process call within rounding, on any dask scheduler.
     """
     meta_out, meta_stats = _check_inputs(q, k, v, graph, scale)
-    softcap = _check_softcap(softcap)
+    score = _check_score(q, graph, softcap, alibi_slopes)
     plan = _plan(graph, q, k)
     dtype, acc = meta_out.dtype, meta_stats.m.dtype
     value_dim = int(v.shape[-1])
-    token = tokenize(plan.token, q.name, k.name, v.name, scale, softcap)
+    token = tokenize(plan.token, q.name, k.name, v.name, scale, score)
     core_name = f"tiga-attention-tasks-{token}"
     core = {}
     nparts = len(q.chunks[0])
     roots = []
     if plan.kind == "csr":
-        relations = _relations(plan)
+        relations, positions = _relations(plan), _csr_positions(plan, score)
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "forward", p)
-            core[key] = (functools.partial(_csr_forward, warm=(plan.token, p), scale=scale, softcap=softcap),
-                         _chunk_key(q, p), k_parts, v_parts, relations[p])
+            core[key] = (functools.partial(_csr_forward, warm=(plan.token, p), scale=scale, score=score,
+                                           offset=part.d0),
+                         _chunk_key(q, p), k_parts, v_parts, relations[p], *positions[p])
             roots.append(key)
         cast_out = functools.partial(_cast, dtype=dtype, which=0)
     else:
+        dst_bounds = _bounds(q.chunks[0])
         for p, row_blocks in enumerate(plan.blocks):
             leaves = []
             for c, sub in row_blocks:
                 key = (core_name, "block", p, c)
                 core[key] = (functools.partial(_block_forward, graph=sub, warm=(plan.token, p, c),
-                                               scale=scale, acc=acc, softcap=softcap),
+                                               scale=scale, acc=acc,
+                                               **_block_score(score, plan, dst_bounds, p, c)),
                              _chunk_key(q, p), _chunk_key(k, c), _chunk_key(v, c))
                 leaves.append(key)
             if not leaves:
@@ -670,15 +768,15 @@ def _gather_halo(core, plan, p, part, k, v):
     return k_parts, v_parts
 
 
-def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=None):
+def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=None, alibi_slopes=None):
     """Backward of :func:`attention` over dask arrays: returns ``dq`` (chunked like q) and
-    ``dk``, ``dv`` (chunked like k, v), in q's dtype. ``softcap``: the forward's.
+    ``dk``, ``dv`` (chunked like k, v), in q's dtype. ``softcap``, ``alibi_slopes``: the forward's.
 
     ``out`` and ``stats`` are the forward's (``attention(..., return_stats=True)``); ``dout``,
     ``out``, ``stats.m`` and ``stats.l`` must be chunked like q along axis 0. The partial
     gradients of a source chunk are summed in a fixed order: the same bits on every run."""
     meta_out, meta_stats = _check_inputs(q, k, v, graph)
-    softcap = _check_softcap(softcap)
+    score = _check_score(q, graph, softcap, alibi_slopes)
     if not (hasattr(stats, "m") and hasattr(stats, "l")):
         raise TypeError(f"stats must be the stats returned by tiga_numba.dask.attention(..., "
                         f"return_stats=True), got {type(stats).__name__}")
@@ -696,7 +794,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
     plan = _plan(graph, q, k)
     dtype, acc = meta_out.dtype, meta_stats.m.dtype
     token = tokenize(plan.token, dout.name, q.name, k.name, v.name, out.name, stats.m.name,
-                     stats.l.name, scale, softcap)
+                     stats.l.name, scale, score)
     core_name = f"tiga-attention-backward-tasks-{token}"
     core = {}
     nq, nk = len(q.chunks[0]), len(k.chunks[0])
@@ -711,14 +809,14 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
     if plan.kind == "csr":
         # per source chunk: (partition rows, key of the halo piece) in increasing partition
         incoming = {c: ([], [], []) for c in range(nk)}
-        relations = _relations(plan)
+        relations, positions = _relations(plan), _csr_positions(plan, score)
         for p, part in enumerate(plan.parts):
             k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
             key = (core_name, "backward", p)
             core[key] = (functools.partial(_csr_backward, warm=(plan.token, p), scale=scale,
-                                           softcap=softcap),
+                                           score=score, offset=part.d0),
                          *row_inputs(p), k_parts, v_parts,
-                         *stat_inputs(p), relations[p])
+                         *stat_inputs(p), relations[p], *positions[p])
             dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
             for c, local_rows, start, stop in part.pieces:
                 rows_c, dk_c, dv_c = incoming[c]
@@ -737,11 +835,13 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
         dq_leaves = {p: [] for p in range(nq)}
         dk_leaves = {c: [] for c in range(nk)}
         dv_leaves = {c: [] for c in range(nk)}
+        dst_bounds = _bounds(q.chunks[0])
         for p, row_blocks in enumerate(plan.blocks):
             for c, sub in row_blocks:
                 key = (core_name, "block", p, c)
                 core[key] = (functools.partial(_block_backward, graph=sub, warm=(plan.token, p, c),
-                                               scale=scale, acc=acc, softcap=softcap),
+                                               scale=scale, acc=acc,
+                                               **_block_score(score, plan, dst_bounds, p, c)),
                              *row_inputs(p), _chunk_key(k, c), _chunk_key(v, c), *stat_inputs(p))
                 for which, leaves, i in ((0, dq_leaves, p), (1, dk_leaves, c), (2, dv_leaves, c)):
                     part = (core_name, "part", which, p, c)
