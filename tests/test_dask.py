@@ -149,6 +149,102 @@ def test_score_modifier_errors_at_the_call():
                                alibi_slopes=np.arange(4))
 
 
+class ModifiedScore(tg.MessagePassing):
+    """A dot product, a soft-cap, per-node fields on both sides, a per-head param and the node
+    positions: what a program's tasks must place in the whole relation."""
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale, slopes):
+        s = (src.key * dst.query).sum(axis=-1) * scale
+        s = 2.0 * np.tanh(s / 2.0) + src.a * dst.b - slopes * np.abs(dst.index - src.index)
+        return self.reducer(s, src.value)
+
+
+class ClassicGAT(tg.MessagePassing):
+    """No dot product: the score is built from per-node logits only."""
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge):
+        return self.reducer(tg.leaky_relu(src.a + dst.a, 0.2), src.x)
+
+
+def _program_problem(name, kind, seed=5):
+    build, nd, ns, qc, kc = CASES[name]
+    g = build()
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((ns, H, D + 3))
+    if kind == "modified":
+        prog, params = ModifiedScore(), {"scale": 0.5, "slopes": np.array([0.4, 0.2, 0.1, 0.05])}
+        src = {"key": rng.standard_normal((ns, HKV, D)), "value": v[:, :HKV], "a": rng.standard_normal((ns, H))}
+        dst = {"query": rng.standard_normal((nd, H, D)), "b": rng.standard_normal(nd)}
+    else:
+        prog, params = ClassicGAT(), {}
+        src = {"a": rng.standard_normal((ns, H)), "x": v}
+        dst = {"a": rng.standard_normal((nd, H))}
+    out, vjp = prog.vjp(graph=g, src=src, dst=dst, **params)
+    dout = rng.standard_normal(out.shape)
+    chunked = {"src": {n: da.from_array(a, chunks=(kc,) + a.shape[1:]) for n, a in src.items()},
+               "dst": {n: da.from_array(a, chunks=(qc,) + a.shape[1:]) for n, a in dst.items()},
+               "dout": da.from_array(dout, chunks=(qc,) + dout.shape[1:])}
+    return prog, g, params, (out, vjp(dout)), chunked
+
+
+def _check_program(got_out, got_grads, out, grads, tol=1e-12):
+    np.testing.assert_allclose(got_out, out, rtol=tol, atol=tol)
+    for role in ("src", "dst", "params"):
+        assert set(got_grads[role]) == set(grads[role]), role
+        for n, g in grads[role].items():
+            assert got_grads[role][n].dtype == g.dtype and got_grads[role][n].shape == g.shape
+            np.testing.assert_allclose(got_grads[role][n], g, rtol=tol * 10, atol=tol * 10,
+                                       err_msg=f"{role}[{n!r}]")
+
+
+@pytest.mark.parametrize("kind", ["modified", "gat"])
+@pytest.mark.parametrize("name", ["csr", "triangular-uneven", "varlen-kv-causal", "dense-rect", "band",
+                                  "empty-rows-cat"])
+def test_program_vjp_equals_single_process(name, kind):
+    """tiga_numba.dask.program_vjp: the program's output and the gradients of every field and
+    per-head param as program.vjp gives them; node positions are the whole relation's."""
+    prog, g, params, (out, grads), c = _program_problem(name, kind)
+    lout, vjp = tgd.program_vjp(prog, g, src=c["src"], dst=c["dst"], **params)
+    assert lout.chunks[0] == c["dout"].chunks[0]
+    lgrads = vjp(c["dout"])
+    for role in ("src", "dst"):
+        for n, a in lgrads[role].items():
+            assert a.chunks[0] == c[role][n].chunks[0]
+    got = dask.compute(lout, lgrads, scheduler="threads")
+    _check_program(*got, out, grads)
+    again = dask.compute(lgrads, scheduler="threads")[0]   # a fixed order of sums: the same bits
+    for role in ("src", "dst", "params"):
+        for n in grads[role]:
+            assert np.array_equal(again[role][n], got[1][role][n])
+    np.testing.assert_array_equal(tgd.program(prog, g, src=c["src"], dst=c["dst"], **params).compute(),
+                                  got[0])
+
+
+def test_program_errors_at_the_call():
+    prog, g, params, _, c = _program_problem("csr", "modified")
+    with pytest.raises(NotImplementedError, match="per-edge fields"):
+        tgd.program(prog, g, src=c["src"], dst=c["dst"], edge={"w": np.ones(g.num_edges)}, **params)
+    with pytest.raises(ValueError, match="dst field"):
+        tgd.program(prog, g, src=c["src"], dst={}, **params)
+    with pytest.raises(ValueError, match=r"src\['a'\] is chunked"):
+        tgd.program(prog, g, src={**c["src"], "a": c["src"]["a"].rechunk(7)}, dst=c["dst"], **params)
+    with pytest.raises(ValueError, match=r"dst\['b'\] has"):
+        tgd.program(prog, g, src=c["src"], dst={**c["dst"], "b": c["dst"]["b"][:-1]}, **params)
+    with pytest.raises(TypeError, match="slopes"):
+        tgd.program(prog, g, src=c["src"], dst=c["dst"], scale=0.5, slopes=da.ones(4, chunks=2))
+    with pytest.raises(TypeError, match="MessagePassing"):
+        tgd.program(object(), g, src=c["src"], dst=c["dst"])
+    with pytest.raises(ValueError, match="slopes"):   # the program's own check, at the call
+        tgd.program(prog, g, src=c["src"], dst=c["dst"], scale=0.5, slopes=np.ones(3))
+    _, vjp = tgd.program_vjp(prog, g, src=c["src"], dst=c["dst"], **params)
+    with pytest.raises(ValueError, match="dout"):
+        vjp(c["dout"][:, :2])
+    with pytest.raises(ValueError, match="dout"):
+        vjp(c["dout"].rechunk(9))
+
+
 def test_blocks_outside_the_relation_are_never_created():
     g, _, c = _problem("triangular")
     summary = tgd.plan_summary(g, c["q"], c["k"])
@@ -297,6 +393,15 @@ def test_local_cluster_alibi_reads_the_uploaded_source_ids(client):
            if str(f.key).startswith("tiga-attention-source-ids-")}
     assert len(ids) == len(c["q"].chunks[0])
     _check(client.compute((out, stats.m, stats.l, stats.lse, *grads), sync=True), expected, 1e-12)
+
+
+def test_local_cluster_program_vjp(client):
+    """A program (defined here, so pickled by value to the worker processes) over CSR
+    partitions, whose positions come from the uploaded halo source ids, and over blocks."""
+    for name in ("csr", "varlen-kv-causal"):
+        prog, g, params, (out, grads), c = _program_problem(name, "modified", seed=9)
+        lout, vjp = tgd.program_vjp(prog, g, src=c["src"], dst=c["dst"], **params)
+        _check_program(*client.compute((lout, vjp(c["dout"])), sync=True), out, grads)
 
 
 def test_local_cluster_uploads_csr_relations_once(client):

@@ -61,3 +61,39 @@ def test_band_blocks_are_refused_when_the_graph_is_built():
     k = da.from_array(cupy.zeros((64, 2, 8), np.float32), chunks=(20, -1, -1), asarray=False)
     with pytest.raises(NotImplementedError, match="same chunk boundaries"):
         tgd.attention(q, k, k, tg.Graph.triangular(64))
+
+
+class _Scored(tg.MessagePassing):
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale, slopes):
+        s = (src.key * dst.query).sum(axis=-1) * scale + src.a * dst.b
+        return self.reducer(s - slopes * np.abs(dst.index - src.index), src.value)
+
+
+@pytest.mark.parametrize("name,build,qc,kc", [("csr", _csr, 70, 64),
+                                              ("dense-rect", lambda: tg.Graph.dense(250, 300), 100, 64)])
+def test_cupy_chunks_program_vjp_equals_the_single_process_call(name, build, qc, kc):
+    g = build()
+    rng = np.random.default_rng(1)
+    nd, ns = g.num_dst, g.num_src
+    src = {"key": rng.standard_normal((ns, 2, 16)), "value": rng.standard_normal((ns, 2, 8)),
+           "a": rng.standard_normal((ns, 2))}
+    dst = {"query": rng.standard_normal((nd, 2, 16)), "b": rng.standard_normal((nd, 2))}
+    src, dst = ({n: cupy.asarray(a, np.float32) for n, a in d.items()} for d in (src, dst))
+    slopes = cupy.asarray([0.3, 0.1], np.float32)
+    prog = _Scored()
+    out, vjp = prog.vjp(graph=g, src=src, dst=dst, scale=0.25, slopes=slopes)
+    dout = cupy.asarray(rng.standard_normal(out.shape), np.float32)
+    ref = vjp(dout)
+    S = {n: da.from_array(a, chunks=(kc,) + a.shape[1:], asarray=False) for n, a in src.items()}
+    D = {n: da.from_array(a, chunks=(qc,) + a.shape[1:], asarray=False) for n, a in dst.items()}
+    lout, lvjp = tgd.program_vjp(prog, g, src=S, dst=D, scale=0.25, slopes=slopes)
+    got_out, got = dask.compute(lout, lvjp(da.from_array(dout, chunks=(qc,) + dout.shape[1:], asarray=False)),
+                                scheduler="threads")
+    assert isinstance(got_out, cupy.ndarray)
+    tol = dict(rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(cupy.asnumpy(got_out), cupy.asnumpy(out), **tol)
+    for role in ("src", "dst", "params"):
+        for n, a in ref[role].items():
+            np.testing.assert_allclose(cupy.asnumpy(got[role][n]), cupy.asnumpy(a), err_msg=n, **tol)

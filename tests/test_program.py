@@ -335,6 +335,22 @@ def _fake_edge_mlp(record):
     return mod
 
 
+def test_a_called_program_pickles_without_its_caches():
+    """A program that has run (traces, plans and explain() records with compiled kernels'
+    closures on it) pickles as its definition; the copy starts fresh and computes the same."""
+    import pickle
+    p = Attention()
+    g = tg.Graph.triangular(12)
+    q, k, v = rand(12, 2, 4), rand(12, 2, 4), rand(12, 2, 4)
+    p.extra = 3   # the program's own attributes travel
+    out = p(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5)
+    p.ir("llvm")
+    copy = pickle.loads(pickle.dumps(p))
+    assert copy.extra == 3 and "not called yet" in copy.explain()
+    np.testing.assert_array_equal(copy(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5), out)
+    assert "Attention" in p.explain()   # the original keeps its records
+
+
 def test_score_network_lowering_and_gradient_names(monkeypatch):
     import sys
     record = {}

@@ -3,6 +3,7 @@
     import tiga_numba.dask as tgd
     out, stats = tgd.attention(q, k, v, graph, return_stats=True)      # dask arrays in, dask arrays out
     dq, dk, dv = tgd.attention_backward(dout, q, k, v, out, stats, graph)
+    out, vjp = tgd.program_vjp(prog, graph, src={...}, dst={...}, **params)   # a tg.MessagePassing
 
 q's chunks along axis 0 are the destination partitions, k's (and v's) the source chunks; the
 other axes must be one chunk. Every task is a call of the single-process kernels on one piece:
@@ -19,9 +20,11 @@ other axes must be one chunk. Every task is a call of the single-process kernels
   runs per block with the merged (full-row) statistics and sums dq per query chunk and dk/dv per
   key chunk, again in a fixed-order tree.
 
-flash-attn's ``softcap`` and ``alibi_slopes`` apply in every task; ALiBi's distance is taken in the
-whole relation's positions (a block task is told its chunks' first rows, a CSR partition its
-halo's source ids).
+Programs (``tg.MessagePassing``) run the same way (``program``, ``program_vjp``): their dst fields
+play q's part and their src fields k's and v's. flash-attn's ``softcap`` and ``alibi_slopes`` apply
+in every task; node positions (ALiBi's distance, a program's ``src.index`` / ``dst.index``) are the
+whole relation's (a block task is told its chunks' first rows, a CSR partition its halo's source
+ids).
 
 The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
 and kept on the graph. With a dask.distributed Client as the default scheduler, the CSR local
@@ -56,7 +59,8 @@ from .graph import Graph
 from .merge import attention_merge, log_sum_exp
 from .scratch import ScratchPool
 
-__all__ = ["attention", "attention_backward", "DaskAttentionStats", "plan_summary", "release_halo_buffers"]
+__all__ = ["attention", "attention_backward", "program", "program_vjp", "DaskAttentionStats", "plan_summary",
+           "release_halo_buffers"]
 
 # Fan-in of the merge and sum trees: at most this many partial results meet in one task.
 TREE_FAN_IN = 4
@@ -288,15 +292,6 @@ def _relations(plan):
     return _per_partition(plan, "relation", lambda part: part.graph)
 
 
-def _csr_positions(plan, score):
-    """Per CSR partition, the extra task arguments of a score modifier that reads node
-    positions (ALiBi): the global ids of its halo rows (see _per_partition), else none."""
-    if score is None or score.slopes is None:
-        return [()] * len(plan.parts)
-    return [(ids,) for ids in _per_partition(plan, "source-ids",
-                                             lambda part: part.halo_ids(plan.src_bounds))]
-
-
 def _csr_plan(graph, dst_bounds, src_bounds):
     indptr, indices = graph._host_csr()
     src_bounds = np.asarray(src_bounds, np.int64)
@@ -446,87 +441,188 @@ def _halo(parts):
         yield halo
 
 
-def _csr_forward(q_p, k_parts, v_parts, graph, positions=None, *, warm, scale, score=None, offset=0):
-    mod = _task_modifier(score, q_p, offset=offset, src_positions=positions)
-    with _halo(k_parts) as k, _halo(v_parts) as v:
-        out, stats, _ = _run_forward(q_p, k, v, _warm(graph, warm), scale=scale, score_mod=mod)
-    return out, stats.m, stats.l
+# --------------------------------------------------------------------------- what a task computes
+class _Where:
+    """Where a task's local rows and sources sit in the whole relation: destination rows
+    [row0, row1); sources from row `col0` on (a block's key chunk), or, for a CSR partition,
+    the halo's global source ids (`source_ids`, the halo's local positions being no offset of
+    them)."""
+    __slots__ = ("row0", "row1", "col0", "source_ids")
+
+    def __init__(self, row0, row1, col0=0, source_ids=None):
+        self.row0, self.row1, self.col0, self.source_ids = int(row0), int(row1), int(col0), source_ids
+
+    def with_ids(self, source_ids):
+        return self if source_ids is None else _Where(self.row0, self.row1, self.col0, source_ids)
 
 
-def _csr_backward(dout_p, q_p, k_parts, v_parts, out_p, m_p, l_p, graph, positions=None, *, warm,
-                  scale, score=None, offset=0):
-    mod = _task_modifier(score, q_p, offset=offset, src_positions=positions)
-    with _halo(k_parts) as k, _halo(v_parts) as v:
-        return _run_backward(dout_p, q_p, k, v, out_p, AttentionStats(m_p, l_p),
-                             _warm(graph, warm), scale=scale, score_mod=mod)[:3]
+def _global_positions(mod, xp, graph, where):
+    """`mod` (a score_mod.BoundModifier) reading node positions at the task's place in the whole
+    relation: dst.index becomes dst.index + row0, src.index becomes src.index + col0 (a block)
+    or the halo's source id (a CSR partition), through integer node fields (exact at any size).
+    A tree that reads no position is returned as it is."""
+    from . import score_mod as sm
+    if mod is None:
+        return None
+    leaves = set(sm.leaves(mod.tree))
+    dst, src = sm.Expr("index", (), "dst"), sm.Expr("index", (), "src")
+    mapping, values = {}, dict(mod.values)
+    if dst in leaves and where.row0:
+        field = sm.Expr("node", (), ("dst", "_dask_row0"))
+        mapping[dst] = sm.make("add", dst, field)
+        values[field] = xp.full(graph.num_dst, where.row0, np.int64)
+    if src in leaves and where.source_ids is not None:
+        field = sm.Expr("node", (), ("src", "_dask_source"))
+        mapping[src] = field
+        values[field] = xp.asarray(where.source_ids)
+    elif src in leaves and where.col0:
+        field = sm.Expr("node", (), ("src", "_dask_col0"))
+        mapping[src] = sm.make("add", src, field)
+        values[field] = xp.full(graph.num_src, where.col0, np.int64)
+    if not mapping:
+        return mod
+    return sm.BoundModifier(sm.substitute(mod.tree, mapping), values, mod.grad_leaves)
 
 
-class _FlashScore:
-    """flash-attn's score modifiers of one call as its tasks need them (small and picklable):
-    the soft-cap (a float or None) and the ALiBi slopes (a host array or None) with the
-    relation's per-row bottom-right shift (functional._alibi_shift, host, or None)."""
-    __slots__ = ("softcap", "slopes", "shift")
+class _AttentionCall:
+    """The tasks of tiga_numba.dask.attention: q over k, v with flash-attn's soft-cap and ALiBi
+    (the slopes a host array, the relation's bottom-right shift per row: functional._alibi_shift,
+    host, or None). Small and picklable."""
+    dst_names, src_names = ("q",), ("k", "v")
+    __slots__ = ("scale", "softcap", "slopes", "shift")
 
-    def __init__(self, softcap, slopes, shift):
-        self.softcap, self.slopes, self.shift = softcap, slopes, shift
+    def __init__(self, scale, softcap=None, slopes=None, shift=None):
+        self.scale, self.softcap, self.slopes, self.shift = scale, softcap, slopes, shift
+
+    @property
+    def reads_source_positions(self):
+        return self.slopes is not None
 
     def __dask_tokenize__(self):
-        return (self.softcap, self.slopes, self.shift)
+        return ("attention", self.scale, self.softcap, self.slopes, self.shift)
+
+    def _modifier(self, q, graph, where):
+        if self.softcap is None and self.slopes is None:
+            return None
+        from . import score_mod as sm
+        xp = _xp_of(q)
+        alibi, aligned = self.slopes is not None, self.shift is not None
+        values = {}
+        if self.softcap is not None:
+            values[sm.Expr("scalar", (), "softcap")] = self.softcap
+        if alibi:
+            values[sm.Expr("head", (), "alibi_slopes")] = xp.asarray(self.slopes)
+        if alibi and aligned:
+            values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(
+                self.shift[where.row0:where.row1])
+        tree = sm.flash_tree(self.softcap is not None, alibi, alibi and aligned)
+        return _global_positions(sm.BoundModifier(tree, values), xp, graph, where)
+
+    def forward(self, dst, src, graph, where):
+        mod = self._modifier(dst["q"], graph, where)
+        out, stats, _ = _run_forward(dst["q"], src["k"], src["v"], graph, scale=self.scale,
+                                     score_mod=mod)
+        return out, stats.m, stats.l
+
+    def backward(self, dout, out, m, l, dst, src, graph, where):
+        mod = self._modifier(dst["q"], graph, where)
+        dq, dk, dv = _run_backward(dout, dst["q"], src["k"], src["v"], out, AttentionStats(m, l),
+                                   graph, scale=self.scale, score_mod=mod)[:3]
+        return {"q": dq}, {"k": dk, "v": dv}, {}
 
 
-def _check_score(q, graph, softcap, alibi_slopes):
-    """softcap and alibi_slopes checked as tiga_numba.attention checks them (on a zero-row
-    stand-in of q: the library, the heads), before any task is built, so that a bad value
-    fails at the call, not inside a worker. None when neither is given."""
+def _attention_call(q, graph, scale, softcap, alibi_slopes):
+    """The _AttentionCall of these arguments, checked as tiga_numba.attention checks them (on a
+    zero-row stand-in of q: the library, the heads) before any task is built, so that a bad
+    value fails at the call, not inside a worker."""
     if softcap is None and alibi_slopes is None:
-        return None
+        return _AttentionCall(scale)
     from .arrays import scalar_value
     from .functional import _alibi_shift, flash_modifier
     if softcap is not None:
         softcap = scalar_value(softcap)   # a 0-d array or tensor: its number
-    stand_in = _empty_rows(q)
-    mod = flash_modifier(stand_in, Graph.dense(0, 0), softcap, alibi_slopes)
+    mod = flash_modifier(_empty_rows(q), Graph.dense(0, 0), softcap, alibi_slopes)
     slopes = shift = None
     if alibi_slopes is not None:
         slopes = next(v for x, v in mod.values.items() if x.op == "head")
         if not isinstance(slopes, np.ndarray):
             slopes = slopes.get()   # cupy: tasks convert back to their chunks' library
         shift = graph._cached("dask alibi shift", lambda: _alibi_shift(graph))
-    return _FlashScore(None if softcap is None else float(softcap), slopes, shift)
+    return _AttentionCall(scale, None if softcap is None else float(softcap), slopes, shift)
 
 
-def _task_modifier(score, q, *, shift_rows=None, offset=0, src_positions=None):
-    """The score modifier of a task's kernel call, with the task's rows and sources at their
-    positions in the whole relation: ALiBi's distance |i + shift(i) - j| (shift: the relation's
-    bottom-right alignment, 0 where it has none) is computed as |i_task + shift_task(i) - j_task|
-    with shift_task = shift + offset. Blocks: j_task is the key's row in its chunk and offset =
-    q0 - k0 (rows q0 and k0 start the task's query and key chunks). CSR partitions: the halo's
-    local position is no affine map of the source id, so the tree reads j as the node field
-    src._alibi_source (`src_positions`, the halo's ids) and offset = d0."""
-    if score is None:
-        return None
-    from . import score_mod as sm
-    xp = _xp_of(q)
-    alibi = score.slopes is not None
-    tree = sm.flash_tree(score.softcap is not None, alibi, alibi)
-    values = {}
-    if score.softcap is not None:
-        values[sm.Expr("scalar", (), "softcap")] = score.softcap
-    if alibi:
-        values[sm.Expr("head", (), "alibi_slopes")] = xp.asarray(score.slopes)
-        n = int(q.shape[0])
-        shift = (np.full(n, offset, np.int64) if shift_rows is None
-                 else np.asarray(shift_rows, np.int64) + offset)
-        values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(shift)
-        if src_positions is not None:
-            source = sm.Expr("node", (), ("src", "_alibi_source"))
-            tree = sm.substitute(tree, {sm.Expr("index", (), "src"): source})
-            values[source] = xp.asarray(src_positions)
-    return sm.BoundModifier(tree, values)
+class _ProgramCall:
+    """The tasks of a tg.MessagePassing program: edge() lowered on each task's local arrays
+    (the program's own lowering and kernels), its node positions moved to the whole relation's
+    (_global_positions)."""
+    __slots__ = ("program", "dst_names", "src_names", "params", "reads_source_positions")
+
+    def __init__(self, program, dst_names, src_names, params, reads_source_positions):
+        self.program, self.dst_names, self.src_names = program, tuple(dst_names), tuple(src_names)
+        self.params, self.reads_source_positions = dict(params), reads_source_positions
+
+    def __dask_tokenize__(self):
+        return ("program", id(self.program), type(self.program).__qualname__, self.dst_names,
+                self.src_names, tokenize(self.params))
+
+    def _lower(self, dst, src, graph, where):
+        lowered = self.program._lower(graph, dict(src), dict(dst), None, dict(self.params))
+        if getattr(lowered, "modifier", None) is not None:
+            lowered.modifier = _global_positions(lowered.modifier, _xp_of(lowered.value), graph, where)
+        return lowered
+
+    def forward(self, dst, src, graph, where):
+        lowered = self._lower(dst, src, graph, where)
+        out, _ = lowered.forward()
+        return out, lowered.stats.m, lowered.stats.l
+
+    def backward(self, dout, out, m, l, dst, src, graph, where):
+        lowered = self._lower(dst, src, graph, where)
+        lowered.out, lowered.stats = out, AttentionStats(m, l)
+        grads, _ = lowered.backward(dout)
+        return grads["dst"], grads["src"], grads["params"]
 
 
-def _halo_piece(result, which, start, stop):
-    return result[which][start:stop]
+@contextlib.contextmanager
+def _halos(src_parts):
+    """_halo of each source array's pieces, all held for the task's kernel call."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(_halo(parts)) for parts in src_parts]
+
+
+def _csr_forward(dst_p, src_parts, graph, source_ids=None, *, recipe, warm, where):
+    with _halos(src_parts) as src:
+        return recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src)),
+                              _warm(graph, warm), where.with_ids(source_ids))
+
+
+def _csr_backward(dout_p, dst_p, src_parts, out_p, m_p, l_p, graph, source_ids=None, *, recipe,
+                  warm, where):
+    with _halos(src_parts) as src:
+        return recipe.backward(dout_p, out_p, m_p, l_p, dict(zip(recipe.dst_names, dst_p)),
+                               dict(zip(recipe.src_names, src)), _warm(graph, warm),
+                               where.with_ids(source_ids))
+
+
+def _block_forward(dst_p, src_c, *, recipe, graph, warm, where, acc):
+    out, m, l = recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src_c)),
+                               _warm(graph, warm), where)
+    return out.astype(acc, copy=False), m, l   # partials merge in the accumulation dtype
+
+
+def _block_backward(dout_p, dst_p, src_c, out_p, m_p, l_p, *, recipe, graph, warm, where, acc):
+    grads = recipe.backward(dout_p, out_p, m_p, l_p, dict(zip(recipe.dst_names, dst_p)),
+                            dict(zip(recipe.src_names, src_c)), _warm(graph, warm), where)
+    # partial gradients are summed in the accumulation dtype (integer fields get none)
+    return tuple({n: g.astype(acc, copy=False) for n, g in part.items()} for part in grads)
+
+
+def _grad(result, part, name):
+    return result[part][name]
+
+
+def _halo_piece(result, name, start, stop):
+    return result[1][name][start:stop]
 
 
 def _scatter_sum(like, pieces, *, rows, dtype, acc):
@@ -552,39 +648,17 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     return total.astype(dtype, copy=False)
 
 
-def _block_forward(q_p, k_c, v_c, *, graph, warm, scale, acc, score=None, shift_rows=None, offset=0):
-    mod = _task_modifier(score, q_p, shift_rows=shift_rows, offset=offset)
-    out, stats, _ = _run_forward(q_p, k_c, v_c, _warm(graph, warm), scale=scale, score_mod=mod)
-    return out.astype(acc, copy=False), stats.m, stats.l   # partials merge in the accumulation dtype
-
-
 def _merge(*parts):
     out, stats = attention_merge([(o, AttentionStats(m, l)) for o, m, l in parts])
     return out, stats.m, stats.l
 
 
-def _empty_forward(q_p, *, value_dim, acc):
-    xp = _xp_of(q_p)
-    row_shape = tuple(q_p.shape[:-1])
+def _empty_forward(like_p, *, head_shape, value_dim, acc):
+    """The partial result of a query chunk that meets no block: every row empty."""
+    xp = _xp_of(like_p)
+    row_shape = (int(like_p.shape[0]),) + tuple(head_shape)
     return (xp.zeros(row_shape + (value_dim,), dtype=acc), xp.full(row_shape, -np.inf, dtype=acc),
             xp.zeros(row_shape, dtype=acc))
-
-
-def _block_backward(dout_p, q_p, k_c, v_c, out_p, m_p, l_p, *, graph, warm, scale, acc, score=None,
-                    shift_rows=None, offset=0):
-    mod = _task_modifier(score, q_p, shift_rows=shift_rows, offset=offset)
-    grads = _run_backward(dout_p, q_p, k_c, v_c, out_p, AttentionStats(m_p, l_p),
-                          _warm(graph, warm), scale=scale, score_mod=mod)[:3]
-    return tuple(g.astype(acc, copy=False) for g in grads)
-
-
-def _block_score(score, plan, dst_bounds, p, c):
-    """The partial's keyword arguments of block (p, c) for _task_modifier."""
-    if score is None or score.slopes is None:
-        return {"score": score}
-    q0, q1 = dst_bounds[p], dst_bounds[p + 1]
-    return {"score": score, "offset": q0 - plan.src_bounds[c],
-            "shift_rows": None if score.shift is None else score.shift[q0:q1]}
 
 
 def _sum(*parts):
@@ -644,9 +718,238 @@ def _collect(core_name, core, inputs, outputs, pins=None):
     return [da.Array(graph, name, chunks, meta=meta) for name, _, chunks, meta in outputs]
 
 
-def _row_outputs(name, q, nparts, source, ndim_tail):
-    """Layer for an output chunked like q's rows: key (name, p, 0, ...) <- source(p)."""
+def _row_outputs(name, nparts, source, ndim_tail):
+    """Layer for an output chunked like the destination rows: key (name, p, 0, ...) <- source(p)."""
     return {(name, p) + (0,) * ndim_tail: source(p) for p in range(nparts)}
+
+
+def _source_ids(plan, recipe):
+    """Per CSR partition, the extra task arguments of a score that reads source positions:
+    the global ids of its halo rows (see _per_partition), else none."""
+    if not recipe.reads_source_positions:
+        return [()] * len(plan.parts)
+    return [(ids,) for ids in _per_partition(plan, "source-ids",
+                                             lambda part: part.halo_ids(plan.src_bounds))]
+
+
+def _gather_halo(core, plan, p, part, arrays):
+    """Per array of `arrays` (chunked like the sources), the keys of the rows partition p needs
+    from each source chunk: the chunk itself when the partition needs it whole, else a task
+    that takes those rows next to the chunk (so only they travel). A partition without edges
+    takes zero rows of chunk 0. The forward and the backward name them alike, so one
+    computation of both gathers once."""
+    halos = []
+    for src in arrays:
+        name = f"tiga-attention-halo-{tokenize(plan.token, src.name)}"
+        parts = []
+        for c, local_rows, _, _ in part.pieces or [(0, np.zeros(0, np.int64), 0, 0)]:
+            if local_rows.shape[0] == src.chunks[0][c]:   # sorted and unique: the chunk itself
+                parts.append(_chunk_key(src, c))
+                continue
+            key = (name, p, c)
+            core[key] = (functools.partial(_take, rows=local_rows), _chunk_key(src, c))
+            parts.append(key)
+        halos.append(parts)
+    return halos
+
+
+def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats):
+    """The dask arrays [out] (+ [m, l] with return_stats) of `recipe` over `dst` / `src`
+    ({name: dask array}, chunked alike along the destination / source axis)."""
+    dst_list, src_list = [dst[n] for n in recipe.dst_names], [src[n] for n in recipe.src_names]
+    rows_like = dst_list[0]
+    plan = _plan(graph, rows_like, src_list[0])
+    acc = meta_m.dtype
+    token = tokenize(plan.token, [a.name for a in dst_list], [a.name for a in src_list], recipe)
+    core_name = f"tiga-attention-tasks-{token}"
+    core = {}
+    nparts = len(rows_like.chunks[0])
+    dst_bounds = _bounds(rows_like.chunks[0])
+    roots = []
+    if plan.kind == "csr":
+        relations, ids = _relations(plan), _source_ids(plan, recipe)
+        for p, part in enumerate(plan.parts):
+            key = (core_name, "forward", p)
+            core[key] = (functools.partial(_csr_forward, recipe=recipe, warm=(plan.token, p),
+                                           where=_Where(part.d0, part.d1)),
+                         [_chunk_key(a, p) for a in dst_list],
+                         _gather_halo(core, plan, p, part, src_list), relations[p], *ids[p])
+            roots.append(key)
+    else:
+        for p, row_blocks in enumerate(plan.blocks):
+            leaves = []
+            for c, sub in row_blocks:
+                key = (core_name, "block", p, c)
+                where = _Where(dst_bounds[p], dst_bounds[p + 1], plan.src_bounds[c])
+                core[key] = (functools.partial(_block_forward, recipe=recipe, graph=sub,
+                                               warm=(plan.token, p, c), where=where, acc=acc),
+                             [_chunk_key(a, p) for a in dst_list], [_chunk_key(a, c) for a in src_list])
+                leaves.append(key)
+            if not leaves:
+                key = (core_name, "empty", p)
+                core[key] = (functools.partial(_empty_forward, head_shape=tuple(meta_out.shape[1:-1]),
+                                               value_dim=int(meta_out.shape[-1]), acc=acc),
+                             _chunk_key(rows_like, p))
+                leaves.append(key)
+            roots.append(_tree(core, (core_name, "merge", p), leaves, _merge))
+    cast_out = functools.partial(_cast, dtype=meta_out.dtype, which=0)
+    rows = rows_like.chunks[0]
+    tail = meta_out.ndim - 1
+    out_name, m_name, l_name = (f"tiga-attention-{w}-{token}" for w in ("out", "m", "l"))
+    outputs = [(out_name, _row_outputs(out_name, nparts, lambda p: (cast_out, roots[p]), tail),
+                (rows,) + tuple((s,) for s in meta_out.shape[1:]), meta_out)]
+    if return_stats:
+        for name, which in ((m_name, 1), (l_name, 2)):
+            outputs.append((name, _row_outputs(name, nparts,
+                                               lambda p, w=which: (operator.getitem, roots[p], w),
+                                               tail - 1),
+                            (rows,) + tuple((s,) for s in meta_m.shape[1:]), meta_m))
+    pins = {}
+    if plan.kind == "blocks":
+        # a query chunk's merge runs on the worker holding the chunk, so its out / m / l are there
+        # for the backward, whose block tasks of that chunk read them next to q and dout
+        homes = _homes([rows_like], [sum(g.num_edges for _, g in b) for b in plan.blocks])
+        for key in core:
+            home = homes.get(key[2]) if key[1] in ("merge", "empty") else None
+            if home is not None:
+                pins[key] = home
+    else:
+        # a partition's forward task runs where its q chunk is: by input bytes alone (q and the k / v
+        # halo pieces, which on a random graph are whole chunks from every worker) the scheduler ran
+        # both partitions of the two-worker benchmark on one worker in 2 of 4 runs; the backward's
+        # tasks are left to the scheduler (pinned like the forward's they measured slower:
+        # benchmarks/results/dask-cpu-zen4-2core-2026-12-04b.txt)
+        homes = _homes([rows_like], [part.graph.num_edges for part in plan.parts])
+        for p in range(nparts):
+            if homes.get(p) is not None:
+                pins[(core_name, "forward", p)] = homes[p]
+    return _collect(core_name, core, dst_list + src_list, outputs, pins)
+
+
+def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta):
+    """The gradients of `recipe`'s call as dask arrays: ({dst name: array}, {src name: array},
+    {param name: array}), for the gradients `grad_meta` lists ({role: {name: meta}}, from the
+    call on zero-row stand-ins). Destination gradients sum per query chunk, source gradients per
+    source chunk, param gradients over every task, all in a fixed order."""
+    dst_list, src_list = [dst[n] for n in recipe.dst_names], [src[n] for n in recipe.src_names]
+    rows_like, cols_like = dst_list[0], src_list[0]
+    plan = _plan(graph, rows_like, cols_like)
+    token = tokenize(plan.token, dout.name, [a.name for a in dst_list], [a.name for a in src_list],
+                     out.name, stats.m.name, stats.l.name, recipe)
+    core_name = f"tiga-attention-backward-tasks-{token}"
+    core = {}
+    nq, nk = len(rows_like.chunks[0]), len(cols_like.chunks[0])
+    dst_bounds = _bounds(rows_like.chunks[0])
+    sources = {"dst": {n: {} for n in grad_meta["dst"]}, "src": {n: {} for n in grad_meta["src"]}}
+    task_keys = []
+
+    def row_inputs(p):
+        return (_chunk_key(dout, p), [_chunk_key(a, p) for a in dst_list])
+
+    def stat_inputs(p):
+        return (_chunk_key(out, p), _chunk_key(stats.m, p), _chunk_key(stats.l, p))
+
+    def summed(role, name, leaves, like_key, i):
+        dtype = grad_meta[role][name].dtype
+        if not leaves:
+            return (functools.partial(_zeros_like, dtype=dtype), like_key)
+        return (functools.partial(_cast, dtype=dtype),
+                _tree(core, (core_name, "sum", role, name, i), leaves, _sum))
+
+    if plan.kind == "csr":
+        # per source chunk: (partition rows, {name: keys of the halo pieces}) in increasing partition
+        incoming = {c: ([], {n: [] for n in grad_meta["src"]}) for c in range(nk)}
+        relations, ids = _relations(plan), _source_ids(plan, recipe)
+        for p, part in enumerate(plan.parts):
+            key = (core_name, "backward", p)
+            core[key] = (functools.partial(_csr_backward, recipe=recipe, warm=(plan.token, p),
+                                           where=_Where(part.d0, part.d1)),
+                         *row_inputs(p), _gather_halo(core, plan, p, part, src_list),
+                         *stat_inputs(p), relations[p], *ids[p])
+            task_keys.append(key)
+            for n, meta in grad_meta["dst"].items():
+                sources["dst"][n][p] = (functools.partial(_cast, dtype=meta.dtype), (_grad, key, 0, n))
+            for c, local_rows, start, stop in part.pieces:
+                rows_c, pieces = incoming[c]
+                # a whole chunk's rows are all of them, in order: say so rather than ship them
+                rows_c.append(None if local_rows.shape[0] == cols_like.chunks[0][c] else local_rows)
+                for n in grad_meta["src"]:
+                    piece = (core_name, "piece", n, p, c)
+                    core[piece] = (_halo_piece, key, n, start, stop)
+                    pieces[n].append(piece)
+        for c in range(nk):
+            rows_c, pieces = incoming[c]
+            for n, meta in grad_meta["src"].items():
+                sources["src"][n][c] = (functools.partial(_scatter_sum, rows=rows_c, dtype=meta.dtype, acc=acc),
+                                        _chunk_key(src[n], c), pieces[n])
+    else:
+        leaves = {"dst": {n: {p: [] for p in range(nq)} for n in grad_meta["dst"]},
+                  "src": {n: {c: [] for c in range(nk)} for n in grad_meta["src"]}}
+        for p, row_blocks in enumerate(plan.blocks):
+            for c, sub in row_blocks:
+                key = (core_name, "block", p, c)
+                where = _Where(dst_bounds[p], dst_bounds[p + 1], plan.src_bounds[c])
+                core[key] = (functools.partial(_block_backward, recipe=recipe, graph=sub,
+                                               warm=(plan.token, p, c), where=where, acc=acc),
+                             *row_inputs(p), [_chunk_key(a, c) for a in src_list], *stat_inputs(p))
+                task_keys.append(key)
+                for which, role, i in ((0, "dst", p), (1, "src", c)):
+                    for n in grad_meta[role]:
+                        part = (core_name, "part", role, n, p, c)
+                        core[part] = (_grad, key, which, n)
+                        leaves[role][n][i].append(part)
+        for role, like, count in (("dst", dst, nq), ("src", src, nk)):
+            for n in grad_meta[role]:
+                for i in range(count):
+                    sources[role][n][i] = summed(role, n, leaves[role][n][i], _chunk_key(like[n], i), i)
+    param_roots = {}
+    for n in grad_meta["params"]:
+        parts = []
+        for t, key in enumerate(task_keys):
+            part = (core_name, "param", n, t)
+            core[part] = (_grad, key, 2, n)
+            parts.append(part)
+        param_roots[n] = _tree(core, (core_name, "psum", n), parts, _sum)
+
+    pins = {}
+    if plan.kind == "blocks":
+        # block (p, c) and the sum of a query chunk's gradients on the worker holding dout_p, q_p and
+        # out_p (more bytes than the key chunk; dout, read by no forward task, has no stray
+        # replicas), the sums of a source chunk's gradients on the worker holding it. Without this
+        # the scheduler placed blocks by where the forward's results happened to be and loaded one
+        # worker with twice the other's blocks (benchmarks/results/dask-cpu-zen4-2core-2026-12-04.txt).
+        rows = _homes([dout, rows_like, out], [sum(g.num_edges for _, g in b) for b in plan.blocks])
+        cols = _homes(src_list)
+        for key in core:
+            tag = key[1]
+            if tag == "block":
+                home = rows.get(key[2])
+            elif tag == "part":
+                home = rows.get(key[4])
+            elif tag == "sum":
+                home = (rows if key[2] == "dst" else cols).get(key[4])
+            else:
+                home = None
+            if home is not None:
+                pins[key] = home
+    outputs, order = [], []
+    for role, like in (("dst", dst), ("src", src)):
+        for n, meta in grad_meta[role].items():
+            a = like[n]
+            name = f"tiga-attention-backward-{role}-{n}-{token}"
+            layer = {(name, i) + (0,) * (a.ndim - 1): task for i, task in sources[role][n].items()}
+            outputs.append((name, layer, a.chunks, _empty_rows(a, dtype=meta.dtype)))
+            order.append((role, n))
+    for n, meta in grad_meta["params"].items():
+        name = f"tiga-attention-backward-param-{n}-{token}"
+        layer = {(name,) + (0,) * meta.ndim: (functools.partial(_cast, dtype=meta.dtype), param_roots[n])}
+        outputs.append((name, layer, tuple((s,) for s in meta.shape), meta[:0] if meta.ndim else meta))
+        order.append(("params", n))
+    arrays = _collect(core_name, core, [dout, *dst_list, *src_list, out, stats.m, stats.l], outputs, pins)
+    grads = {"dst": {}, "src": {}, "params": {}}
+    for (role, n), a in zip(order, arrays):
+        grads[role][n] = a
+    return grads
 
 
 def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None, alibi_slopes=None):
@@ -677,95 +980,24 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None, a
         q's rows. Equal to the single-process call within rounding, on any dask scheduler.
     """
     meta_out, meta_stats = _check_inputs(q, k, v, graph, scale)
-    score = _check_score(q, graph, softcap, alibi_slopes)
-    plan = _plan(graph, q, k)
-    dtype, acc = meta_out.dtype, meta_stats.m.dtype
-    value_dim = int(v.shape[-1])
-    token = tokenize(plan.token, q.name, k.name, v.name, scale, score)
-    core_name = f"tiga-attention-tasks-{token}"
-    core = {}
-    nparts = len(q.chunks[0])
-    roots = []
-    if plan.kind == "csr":
-        relations, positions = _relations(plan), _csr_positions(plan, score)
-        for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
-            key = (core_name, "forward", p)
-            core[key] = (functools.partial(_csr_forward, warm=(plan.token, p), scale=scale, score=score,
-                                           offset=part.d0),
-                         _chunk_key(q, p), k_parts, v_parts, relations[p], *positions[p])
-            roots.append(key)
-        cast_out = functools.partial(_cast, dtype=dtype, which=0)
-    else:
-        dst_bounds = _bounds(q.chunks[0])
-        for p, row_blocks in enumerate(plan.blocks):
-            leaves = []
-            for c, sub in row_blocks:
-                key = (core_name, "block", p, c)
-                core[key] = (functools.partial(_block_forward, graph=sub, warm=(plan.token, p, c),
-                                               scale=scale, acc=acc,
-                                               **_block_score(score, plan, dst_bounds, p, c)),
-                             _chunk_key(q, p), _chunk_key(k, c), _chunk_key(v, c))
-                leaves.append(key)
-            if not leaves:
-                key = (core_name, "empty", p)
-                core[key] = (functools.partial(_empty_forward, value_dim=value_dim, acc=acc),
-                             _chunk_key(q, p))
-                leaves.append(key)
-            roots.append(_tree(core, (core_name, "merge", p), leaves, _merge))
-        cast_out = functools.partial(_cast, dtype=dtype, which=0)
-    tail = q.ndim - 1
-    rows = q.chunks[0]
-    out_name, m_name, l_name = (f"tiga-attention-{w}-{token}" for w in ("out", "m", "l"))
-    outputs = [(out_name, _row_outputs(out_name, q, nparts, lambda p: (cast_out, roots[p]), tail),
-                (rows,) + tuple((s,) for s in meta_out.shape[1:]), meta_out)]
-    if return_stats:
-        for name, which in ((m_name, 1), (l_name, 2)):
-            outputs.append((name, _row_outputs(name, q, nparts,
-                                               lambda p, w=which: (operator.getitem, roots[p], w),
-                                               tail - 1),
-                            (rows,) + tuple((s,) for s in meta_stats.m.shape[1:]), meta_stats.m))
-    pins = {}
-    if plan.kind == "blocks":
-        # a query chunk's merge runs on the worker holding the chunk, so its out / m / l are there
-        # for the backward, whose block tasks of that chunk read them next to q and dout
-        homes = _homes([q], [sum(g.num_edges for _, g in b) for b in plan.blocks])
-        for key in core:
-            home = homes.get(key[2]) if key[1] in ("merge", "empty") else None
-            if home is not None:
-                pins[key] = home
-    else:
-        # a partition's forward task runs where its q chunk is: by input bytes alone (q and the k / v
-        # halo pieces, which on a random graph are whole chunks from every worker) the scheduler ran
-        # both partitions of the two-worker benchmark on one worker in 2 of 4 runs; the backward's
-        # tasks are left to the scheduler (pinned like the forward's they measured slower:
-        # benchmarks/results/dask-cpu-zen4-2core-2026-12-04b.txt)
-        homes = _homes([q], [part.graph.num_edges for part in plan.parts])
-        for p in range(nparts):
-            if homes.get(p) is not None:
-                pins[(core_name, "forward", p)] = homes[p]
-    arrays = _collect(core_name, core, [q, k, v], outputs, pins)
+    recipe = _attention_call(q, graph, scale, softcap, alibi_slopes)
+    arrays = _forward_arrays(recipe, {"q": q}, {"k": k, "v": v}, graph, meta_out, meta_stats.m,
+                             return_stats)
     if return_stats:
         return arrays[0], DaskAttentionStats(arrays[1], arrays[2])
     return arrays[0]
 
 
-def _gather_halo(core, plan, p, part, k, v):
-    """Tasks that take, from each source chunk, the rows partition p needs (next to the chunk,
-    so only those rows travel). A partition without edges takes zero rows of chunk 0. The
-    forward and the backward name them alike, so one computation of both gathers once."""
-    halo_name = f"tiga-attention-halo-{tokenize(plan.token, k.name, v.name)}"
-    k_parts, v_parts = [], []
-    for c, local_rows, _, _ in part.pieces or [(0, np.zeros(0, np.int64), 0, 0)]:
-        whole = local_rows.shape[0] == k.chunks[0][c]   # sorted and unique: the chunk itself
-        for src, parts, tag in ((k, k_parts, "k-halo"), (v, v_parts, "v-halo")):
-            if whole:
-                parts.append(_chunk_key(src, c))
-                continue
-            key = (halo_name, tag, p, c)
-            core[key] = (functools.partial(_take, rows=local_rows), _chunk_key(src, c))
-            parts.append(key)
-    return k_parts, v_parts
+def _check_forward_results(rows_like, out, stats, value_shape, stats_shape):
+    """out and stats as the forward over rows chunked like `rows_like` made them."""
+    if not (hasattr(stats, "m") and hasattr(stats, "l")):
+        raise TypeError(f"stats must be the stats returned by tiga_numba.dask (return_stats=True / "
+                        f"program_vjp), got {type(stats).__name__}")
+    for name, a, want in (("out", out, value_shape), ("stats.m", stats.m, stats_shape),
+                          ("stats.l", stats.l, stats_shape)):
+        _check_rows_like(name, a, rows_like)
+        if tuple(a.shape) != want:   # with the true row count (the stand-ins have none)
+            raise ValueError(f"{name} must have shape {want}, got {tuple(a.shape)}")
 
 
 def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=None, alibi_slopes=None):
@@ -776,115 +1008,124 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
     ``out``, ``stats.m`` and ``stats.l`` must be chunked like q along axis 0. The partial
     gradients of a source chunk are summed in a fixed order: the same bits on every run."""
     meta_out, meta_stats = _check_inputs(q, k, v, graph)
-    score = _check_score(q, graph, softcap, alibi_slopes)
-    if not (hasattr(stats, "m") and hasattr(stats, "l")):
-        raise TypeError(f"stats must be the stats returned by tiga_numba.dask.attention(..., "
-                        f"return_stats=True), got {type(stats).__name__}")
+    recipe = _attention_call(q, graph, scale, softcap, alibi_slopes)
     row_shape = tuple(q.shape[:-1])   # (num_dst, H), or (num_dst,) for one head given as 2-D
-    for name, a, want in (("dout", dout, row_shape + (v.shape[-1],)), ("out", out, row_shape + (v.shape[-1],)),
-                          ("stats.m", stats.m, row_shape), ("stats.l", stats.l, row_shape)):
-        _check_rows_like(name, a, q)
-        if tuple(a.shape) != want:   # with the true row count (the stand-ins below have none)
-            raise ValueError(f"{name} must have shape {want}, got {tuple(a.shape)}")
+    _check_rows_like("dout", dout, q)
+    if tuple(dout.shape) != row_shape + (v.shape[-1],):
+        raise ValueError(f"dout must have shape {row_shape + (v.shape[-1],)}, got {tuple(dout.shape)}")
+    _check_forward_results(q, out, stats, row_shape + (v.shape[-1],), row_shape)
     # the single-process checks of dout/out/stats dtypes and libraries, on zero-row stand-ins
     mq, mk, mv = (_empty_rows(a) for a in (q, k, v))
     _attention_backward(_empty_rows(dout), mq, mk, mv, _empty_rows(out),
                         AttentionStats(_empty_rows(stats.m), _empty_rows(stats.l)),
                         Graph.dense(0, 0), scale=scale)
-    plan = _plan(graph, q, k)
-    dtype, acc = meta_out.dtype, meta_stats.m.dtype
-    token = tokenize(plan.token, dout.name, q.name, k.name, v.name, out.name, stats.m.name,
-                     stats.l.name, scale, score)
-    core_name = f"tiga-attention-backward-tasks-{token}"
-    core = {}
-    nq, nk = len(q.chunks[0]), len(k.chunks[0])
-    dq_src, dk_src, dv_src = {}, {}, {}
+    meta = {"dst": {"q": _empty_rows(q, dtype=meta_out.dtype)},
+            "src": {"k": _empty_rows(k, dtype=meta_out.dtype), "v": _empty_rows(v, dtype=meta_out.dtype)},
+            "params": {}}
+    grads = _backward_arrays(recipe, dout, {"q": q}, {"k": k, "v": v}, out, stats, graph,
+                             meta_stats.m.dtype, meta)
+    return grads["dst"]["q"], grads["src"]["k"], grads["src"]["v"]
 
-    def row_inputs(p):
-        return (_chunk_key(dout, p), _chunk_key(q, p))
 
-    def stat_inputs(p):
-        return (_chunk_key(out, p), _chunk_key(stats.m, p), _chunk_key(stats.l, p))
+# --------------------------------------------------------------------------- programs
+def _program_call(program, graph, src, dst, edge, params):
+    """Checks a program call over dask arrays and lowers it on zero-row stand-ins (which runs
+    the program's own checks: the traced form, fields, params). Returns (recipe, stand-in
+    output, stand-in stats, stand-in vjp)."""
+    from .program import MessagePassing
+    from . import score_mod as sm
+    if not isinstance(program, MessagePassing):
+        raise TypeError(f"program must be a tiga_numba.MessagePassing instance, got "
+                        f"{type(program).__name__}")
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+    if edge:
+        raise NotImplementedError(
+            f"per-edge fields ({', '.join(f'edge[{n!r}]' for n in edge)}) are not supported by "
+            "tiga_numba.dask yet: pass node fields (src / dst) and params only")
+    src, dst = dict(src or {}), dict(dst or {})
+    if not dst:
+        raise ValueError("tiga_numba.dask runs a program over the chunks of its dst fields: pass "
+                         "at least one dst field (dask array chunked along the destinations)")
+    if not src:
+        raise ValueError("tiga_numba.dask needs the program's src fields (dask arrays chunked "
+                         "along the sources)")
+    for role, fields, n_rows in (("dst", dst, graph.num_dst), ("src", src, graph.num_src)):
+        first = None
+        for name, a in fields.items():
+            _check_dask(f"{role}[{name!r}]", a)
+            if a.shape[0] != n_rows:
+                raise ValueError(f"graph has num_{role}={n_rows} but {role}[{name!r}] has "
+                                 f"{a.shape[0]} rows (axis 0)")
+            if first is None:
+                first = name
+            elif a.chunks[0] != fields[first].chunks[0]:
+                raise ValueError(f"{role}[{name!r}] is chunked {a.chunks[0]} along axis 0 but "
+                                 f"{role}[{first!r}] is chunked {fields[first].chunks[0]}; the "
+                                 "chunk boundaries must agree")
+    for name, value in params.items():
+        if isinstance(value, da.Array):
+            raise TypeError(f"param {name!r} is a dask array; pass params as numbers or (H,) "
+                            "numpy / cupy arrays")
+    stand_src = {n: _empty_rows(a) for n, a in src.items()}
+    stand_dst = {n: _empty_rows(a) for n, a in dst.items()}
+    empty = Graph.dense(0, 0)
+    traced = program.traced_form(empty, src=stand_src, dst=stand_dst, **params)
+    if traced.kind == "net":
+        raise NotImplementedError("score networks (tg.nn.trace) are not supported by "
+                                  "tiga_numba.dask yet")
+    if traced.reducer.block_prune_threshold is not None:
+        raise NotImplementedError("tile pruning (block_prune_threshold) is approximate and not "
+                                  "offered by tiga_numba.dask (always exact)")
+    # the program's own lowering (not program.vjp, which would record the stand-in call as the
+    # program's last one for its explain())
+    lowered = program._lower(empty, stand_src, stand_dst, None, params)
+    out, _ = lowered.forward()
+    reads = traced.kind == "modified" and sm.Expr("index", (), "src") in set(sm.leaves(traced.score.expr))
+    recipe = _ProgramCall(program, list(dst), list(src), params, reads)
+    return recipe, out, lowered.stats, lambda dout: lowered.backward(dout)[0]
 
-    if plan.kind == "csr":
-        # per source chunk: (partition rows, key of the halo piece) in increasing partition
-        incoming = {c: ([], [], []) for c in range(nk)}
-        relations, positions = _relations(plan), _csr_positions(plan, score)
-        for p, part in enumerate(plan.parts):
-            k_parts, v_parts = _gather_halo(core, plan, p, part, k, v)
-            key = (core_name, "backward", p)
-            core[key] = (functools.partial(_csr_backward, warm=(plan.token, p), scale=scale,
-                                           score=score, offset=part.d0),
-                         *row_inputs(p), k_parts, v_parts,
-                         *stat_inputs(p), relations[p], *positions[p])
-            dq_src[p] = (functools.partial(_cast, dtype=dtype, which=0), key)
-            for c, local_rows, start, stop in part.pieces:
-                rows_c, dk_c, dv_c = incoming[c]
-                # a whole chunk's rows are all of them, in order: say so rather than ship them
-                rows_c.append(None if local_rows.shape[0] == k.chunks[0][c] else local_rows)
-                for which, dst in ((1, dk_c), (2, dv_c)):
-                    piece = (core_name, "piece", which, p, c)
-                    core[piece] = (_halo_piece, key, which, start, stop)
-                    dst.append(piece)
-        for c in range(nk):
-            rows_c, dk_c, dv_c = incoming[c]
-            summ = functools.partial(_scatter_sum, rows=rows_c, dtype=dtype, acc=acc)
-            dk_src[c] = (summ, _chunk_key(k, c), dk_c)
-            dv_src[c] = (summ, _chunk_key(v, c), dv_c)
-    else:
-        dq_leaves = {p: [] for p in range(nq)}
-        dk_leaves = {c: [] for c in range(nk)}
-        dv_leaves = {c: [] for c in range(nk)}
-        dst_bounds = _bounds(q.chunks[0])
-        for p, row_blocks in enumerate(plan.blocks):
-            for c, sub in row_blocks:
-                key = (core_name, "block", p, c)
-                core[key] = (functools.partial(_block_backward, graph=sub, warm=(plan.token, p, c),
-                                               scale=scale, acc=acc,
-                                               **_block_score(score, plan, dst_bounds, p, c)),
-                             *row_inputs(p), _chunk_key(k, c), _chunk_key(v, c), *stat_inputs(p))
-                for which, leaves, i in ((0, dq_leaves, p), (1, dk_leaves, c), (2, dv_leaves, c)):
-                    part = (core_name, "part", which, p, c)
-                    core[part] = (operator.getitem, key, which)
-                    leaves[i].append(part)
 
-        def summed(tag, leaves, like_key, i):
-            if not leaves:
-                return (functools.partial(_zeros_like, dtype=dtype), like_key)
-            return (functools.partial(_cast, dtype=dtype),
-                    _tree(core, (core_name, tag, i), leaves, _sum))
+def program(program, graph, *, src=None, dst=None, edge=None, **params):
+    """A tg.MessagePassing program over dask arrays: ``program(graph=g, src=..., dst=...,
+    **params)`` with the node fields given as dask arrays chunked along the node axis (every
+    src field chunked alike, every dst field chunked alike; numpy or cupy chunks). Params are
+    numbers or (H,) numpy / cupy arrays. Returns the output as a dask array chunked like the dst
+    fields' rows. Positions (``src.index``, ``dst.index``) are those of the whole relation.
+    Per-edge fields, score networks (``tg.nn.trace``) and tile pruning are not supported."""
+    out, _ = _program_forward(program, graph, src, dst, edge, params, return_stats=False)
+    return out
 
-        for p in range(nq):
-            dq_src[p] = summed("dq", dq_leaves[p], _chunk_key(q, p), p)
-        for c in range(nk):
-            dk_src[c] = summed("dk", dk_leaves[c], _chunk_key(k, c), c)
-            dv_src[c] = summed("dv", dv_leaves[c], _chunk_key(v, c), c)
 
-    pins = {}
-    if plan.kind == "blocks":
-        # block (p, c) and the sum of dq_p on the worker holding dout_p, q_p and out_p (more bytes
-        # than k_c and v_c; dout, read by no forward task, has no stray replicas), the sums of
-        # dk_c / dv_c on the worker holding k_c. Without this the scheduler placed blocks by where
-        # the forward's results happened to be and loaded one worker with twice the other's
-        # blocks (benchmarks/results/dask-cpu-zen4-2core-2026-12-04.txt).
-        rows = _homes([dout, q, out], [sum(g.num_edges for _, g in b) for b in plan.blocks])
-        cols = _homes([k, v])
-        for key in core:
-            tag = key[1]
-            if tag in ("block", "dq"):
-                home = rows.get(key[2])
-            elif tag == "part":
-                home = rows.get(key[3])
-            elif tag in ("dk", "dv"):
-                home = cols.get(key[2])
-            else:
-                home = None
-            if home is not None:
-                pins[key] = home
-    outputs = []
-    for tag, like, src in (("dq", q, dq_src), ("dk", k, dk_src), ("dv", v, dv_src)):
-        name = f"tiga-attention-backward-{tag}-{token}"
-        layer = {(name, i) + (0,) * (like.ndim - 1): task for i, task in src.items()}
-        meta = _empty_rows(like, dtype=dtype)
-        outputs.append((name, layer, like.chunks, meta))
-    return tuple(_collect(core_name, core, [dout, q, k, v, out, stats.m, stats.l], outputs, pins))
+def _program_forward(program, graph, src, dst, edge, params, return_stats):
+    recipe, meta_out, meta_stats, vjp = _program_call(program, graph, src, dst, edge, params)
+    arrays = _forward_arrays(recipe, dict(dst), dict(src), graph, meta_out, meta_stats.m, return_stats)
+    return arrays[0], (arrays[1:], recipe, vjp)
+
+
+def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
+    """Forward plus a function from the output cotangent to gradients, over dask arrays (see
+    :func:`program`):
+
+        out, vjp = tiga_numba.dask.program_vjp(prog, graph=g, src=..., dst=..., scale=s)
+        grads = vjp(dout)   # {"src": {...}, "dst": {...}, "params": {...}} of dask arrays
+
+    ``dout`` is a dask array chunked like ``out``. Field gradients are chunked like their
+    fields; a per-head param's gradient is one (H,) chunk, summed over the tasks in a fixed
+    order. Scalar params get no gradient (as ``program.vjp``)."""
+    out, (stats, recipe, stand_vjp) = _program_forward(program, graph, src, dst, edge, params,
+                                                       return_stats=True)
+    stats = DaskAttentionStats(*stats)
+    dst, src = dict(dst), dict(src)
+    rows_like = dst[recipe.dst_names[0]]
+
+    def vjp(dout):
+        _check_dask("dout", dout)
+        _check_rows_like("dout", dout, rows_like)
+        if tuple(dout.shape) != tuple(out.shape):
+            raise ValueError(f"dout must have the shape of out {tuple(out.shape)}, got {tuple(dout.shape)}")
+        grads = stand_vjp(_empty_rows(dout))   # the single-process checks, on zero-row stand-ins
+        meta = {"dst": grads["dst"], "src": grads["src"], "params": grads["params"]}
+        return _backward_arrays(recipe, dout, dst, src, out, stats, graph, stats.m.dtype, meta)
+
+    return out, vjp

@@ -526,6 +526,14 @@ class MessagePassing:
     (edge). Every given field must be read by edge(); a field edge() reads but was not given
     raises ValueError naming role and field."""
 
+    def __getstate__(self):
+        """A pickled program carries its definition (its attributes: reducer, score networks,
+        settings), not what calls left on it (traces, plans, explain() records): those are
+        caches of this process, rebuilt on first use (dask workers, multiprocessing)."""
+        state = dict(self.__dict__)
+        state.pop("_tiga_state", None)
+        return state
+
     def _state(self):
         st = self.__dict__.get("_tiga_state")
         if st is None:
