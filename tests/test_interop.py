@@ -330,7 +330,10 @@ def test_a_torch_scalar_does_not_choose_the_results_library():
     with pytest.raises(TypeError, match="softcap"):
         tg.attention(q, q, q, g, softcap=torch.tensor(True))
     tgd = pytest.importorskip("tiga_numba.dask")
-    assert tgd._check_softcap(torch.tensor(2.0)) == 2.0
+    da = pytest.importorskip("dask.array")
+    lq = da.from_array(q, chunks=(4, -1, -1))
+    got_d = tgd.attention(lq, lq, lq, g, softcap=torch.tensor(2.0), scale=0.5).compute(scheduler="sync")
+    np.testing.assert_allclose(got_d, want, rtol=1e-6, atol=1e-6)
 
 
 def test_a_torch_layer_pickles_after_a_call():
