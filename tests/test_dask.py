@@ -191,7 +191,7 @@ def _program_problem(name, kind, seed=5):
 
 def _check_program(got_out, got_grads, out, grads, tol=1e-12):
     np.testing.assert_allclose(got_out, out, rtol=tol, atol=tol)
-    for role in ("src", "dst", "params"):
+    for role in ("src", "dst", "params", "edge"):
         assert set(got_grads[role]) == set(grads[role]), role
         for n, g in grads[role].items():
             assert got_grads[role][n].dtype == g.dtype and got_grads[role][n].shape == g.shape
@@ -222,10 +222,64 @@ def test_program_vjp_equals_single_process(name, kind):
                                   got[0])
 
 
+class EdgeTermGAT(tg.MessagePassing):
+    """GAT's score with a per-edge term (GATConv's edge_attr projection, precomputed)."""
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge):
+        return self.reducer(tg.leaky_relu(src.a + dst.a + edge.w, 0.2), src.x)
+
+
+class EdgeBiased(tg.MessagePassing):
+    """A dot product plus a per-edge bias (the bias kind of score, not a modifier)."""
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale):
+        return self.reducer(scale * (dst.query * src.key).sum(axis=-1) + edge.bias, src.value)
+
+
+@pytest.mark.parametrize("order", ["coo", "csr"])
+def test_program_per_edge_fields_equal_single_process(order):
+    """Per-edge fields are dask arrays in the graph constructor's edge order (any chunks): each
+    partition reads its edges in CSR order, and their gradients come back in the constructor's
+    order. A COO-built graph's order differs from its CSR order (the test can fail)."""
+    rng = np.random.default_rng(12)
+    src_ids, dst_ids = rng.integers(0, 50, 500), rng.integers(0, 60, 500)
+    dst_ids[:120] = 10   # a hub row
+    g = tg.Graph.from_coo(src_ids, dst_ids, 50, 60)
+    if order == "csr":
+        g = tg.Graph.from_scipy(g.to_scipy())
+    else:
+        assert not np.array_equal(g.edge_permutation, np.arange(g.num_edges))
+    E = g.num_edges
+    v = rng.standard_normal((50, H, D))
+    dout = rng.standard_normal((60, H, D))
+    for prog, src, dst, edge, params in [
+            (EdgeTermGAT(), {"a": rng.standard_normal((50, H)), "x": v}, {"a": rng.standard_normal((60, H))},
+             {"w": rng.standard_normal((E, H))}, {}),
+            (EdgeBiased(), {"key": rng.standard_normal((50, H, D)), "value": v},
+             {"query": rng.standard_normal((60, H, D))}, {"bias": rng.standard_normal(E)}, {"scale": 0.3})]:
+        out, vjp = prog.vjp(graph=g, src=src, dst=dst, edge=edge, **params)
+        grads = vjp(dout)
+        lout, lvjp = tgd.program_vjp(
+            prog, g, src={n: da.from_array(a, chunks=(11,) + a.shape[1:]) for n, a in src.items()},
+            dst={n: da.from_array(a, chunks=(13,) + a.shape[1:]) for n, a in dst.items()},
+            edge={n: da.from_array(a, chunks=(97,) + a.shape[1:]) for n, a in edge.items()}, **params)
+        got = dask.compute(lout, lvjp(da.from_array(dout, chunks=(13, H, D))), scheduler="threads")
+        _check_program(*got, out, grads)
+        assert set(got[1]["edge"]) == set(edge)
+
+
 def test_program_errors_at_the_call():
     prog, g, params, _, c = _program_problem("csr", "modified")
-    with pytest.raises(NotImplementedError, match="per-edge fields"):
+    with pytest.raises(TypeError, match=r"edge\['w'\] must be a dask array"):
         tgd.program(prog, g, src=c["src"], dst=c["dst"], edge={"w": np.ones(g.num_edges)}, **params)
+    with pytest.raises(ValueError, match=r"edge\['w'\] has"):
+        tgd.program(prog, g, src=c["src"], dst=c["dst"], edge={"w": da.ones(g.num_edges - 1, chunks=50)},
+                    **params)
+    pt, gt, pp, _, ct = _program_problem("triangular-uneven", "modified")
+    with pytest.raises(ValueError, match="per-edge fields"):
+        tgd.program(pt, gt, src=ct["src"], dst=ct["dst"], edge={"w": da.ones(gt.num_edges, chunks=50)}, **pp)
     with pytest.raises(ValueError, match="dst field"):
         tgd.program(prog, g, src=c["src"], dst={}, **params)
     with pytest.raises(ValueError, match=r"src\['a'\] is chunked"):

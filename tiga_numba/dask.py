@@ -488,7 +488,7 @@ class _AttentionCall:
     """The tasks of tiga_numba.dask.attention: q over k, v with flash-attn's soft-cap and ALiBi
     (the slopes a host array, the relation's bottom-right shift per row: functional._alibi_shift,
     host, or None). Small and picklable."""
-    dst_names, src_names = ("q",), ("k", "v")
+    dst_names, src_names, edge_names = ("q",), ("k", "v"), ()
     __slots__ = ("scale", "softcap", "slopes", "shift")
 
     def __init__(self, scale, softcap=None, slopes=None, shift=None):
@@ -518,17 +518,17 @@ class _AttentionCall:
         tree = sm.flash_tree(self.softcap is not None, alibi, alibi and aligned)
         return _global_positions(sm.BoundModifier(tree, values), xp, graph, where)
 
-    def forward(self, dst, src, graph, where):
+    def forward(self, dst, src, edge, graph, where):
         mod = self._modifier(dst["q"], graph, where)
         out, stats, _ = _run_forward(dst["q"], src["k"], src["v"], graph, scale=self.scale,
                                      score_mod=mod)
         return out, stats.m, stats.l
 
-    def backward(self, dout, out, m, l, dst, src, graph, where):
+    def backward(self, dout, out, m, l, dst, src, edge, graph, where):
         mod = self._modifier(dst["q"], graph, where)
         dq, dk, dv = _run_backward(dout, dst["q"], src["k"], src["v"], out, AttentionStats(m, l),
                                    graph, scale=self.scale, score_mod=mod)[:3]
-        return {"q": dq}, {"k": dk, "v": dv}, {}
+        return {"q": dq}, {"k": dk, "v": dv}, {}, {}
 
 
 def _attention_call(q, graph, scale, softcap, alibi_slopes):
@@ -555,32 +555,35 @@ class _ProgramCall:
     """The tasks of a tg.MessagePassing program: edge() lowered on each task's local arrays
     (the program's own lowering and kernels), its node positions moved to the whole relation's
     (_global_positions)."""
-    __slots__ = ("program", "dst_names", "src_names", "params", "reads_source_positions")
+    __slots__ = ("program", "dst_names", "src_names", "edge_names", "params", "reads_source_positions")
 
-    def __init__(self, program, dst_names, src_names, params, reads_source_positions):
+    def __init__(self, program, dst_names, src_names, edge_names, params, reads_source_positions):
         self.program, self.dst_names, self.src_names = program, tuple(dst_names), tuple(src_names)
+        self.edge_names = tuple(edge_names)
         self.params, self.reads_source_positions = dict(params), reads_source_positions
 
     def __dask_tokenize__(self):
         return ("program", id(self.program), type(self.program).__qualname__, self.dst_names,
-                self.src_names, tokenize(self.params))
+                self.src_names, self.edge_names, tokenize(self.params))
 
-    def _lower(self, dst, src, graph, where):
-        lowered = self.program._lower(graph, dict(src), dict(dst), None, dict(self.params))
+    def _lower(self, dst, src, edge, graph, where):
+        # per-edge fields arrive in the local relation's (CSR) order, which is its input order
+        lowered = self.program._lower(graph, dict(src), dict(dst), dict(edge) or None,
+                                      dict(self.params))
         if getattr(lowered, "modifier", None) is not None:
             lowered.modifier = _global_positions(lowered.modifier, _xp_of(lowered.value), graph, where)
         return lowered
 
-    def forward(self, dst, src, graph, where):
-        lowered = self._lower(dst, src, graph, where)
+    def forward(self, dst, src, edge, graph, where):
+        lowered = self._lower(dst, src, edge, graph, where)
         out, _ = lowered.forward()
         return out, lowered.stats.m, lowered.stats.l
 
-    def backward(self, dout, out, m, l, dst, src, graph, where):
-        lowered = self._lower(dst, src, graph, where)
+    def backward(self, dout, out, m, l, dst, src, edge, graph, where):
+        lowered = self._lower(dst, src, edge, graph, where)
         lowered.out, lowered.stats = out, AttentionStats(m, l)
         grads, _ = lowered.backward(dout)
-        return grads["dst"], grads["src"], grads["params"]
+        return grads["dst"], grads["src"], grads["params"], grads["edge"]
 
 
 @contextlib.contextmanager
@@ -590,29 +593,30 @@ def _halos(src_parts):
         yield [stack.enter_context(_halo(parts)) for parts in src_parts]
 
 
-def _csr_forward(dst_p, src_parts, graph, source_ids=None, *, recipe, warm, where):
+def _csr_forward(dst_p, src_parts, edge_p, graph, source_ids=None, *, recipe, warm, where):
     with _halos(src_parts) as src:
         return recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src)),
-                              _warm(graph, warm), where.with_ids(source_ids))
+                              dict(zip(recipe.edge_names, edge_p)), _warm(graph, warm),
+                              where.with_ids(source_ids))
 
 
-def _csr_backward(dout_p, dst_p, src_parts, out_p, m_p, l_p, graph, source_ids=None, *, recipe,
-                  warm, where):
+def _csr_backward(dout_p, dst_p, src_parts, edge_p, out_p, m_p, l_p, graph, source_ids=None, *,
+                  recipe, warm, where):
     with _halos(src_parts) as src:
         return recipe.backward(dout_p, out_p, m_p, l_p, dict(zip(recipe.dst_names, dst_p)),
-                               dict(zip(recipe.src_names, src)), _warm(graph, warm),
-                               where.with_ids(source_ids))
+                               dict(zip(recipe.src_names, src)), dict(zip(recipe.edge_names, edge_p)),
+                               _warm(graph, warm), where.with_ids(source_ids))
 
 
 def _block_forward(dst_p, src_c, *, recipe, graph, warm, where, acc):
     out, m, l = recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src_c)),
-                               _warm(graph, warm), where)
+                               {}, _warm(graph, warm), where)
     return out.astype(acc, copy=False), m, l   # partials merge in the accumulation dtype
 
 
 def _block_backward(dout_p, dst_p, src_c, out_p, m_p, l_p, *, recipe, graph, warm, where, acc):
     grads = recipe.backward(dout_p, out_p, m_p, l_p, dict(zip(recipe.dst_names, dst_p)),
-                            dict(zip(recipe.src_names, src_c)), _warm(graph, warm), where)
+                            dict(zip(recipe.src_names, src_c)), {}, _warm(graph, warm), where)
     # partial gradients are summed in the accumulation dtype (integer fields get none)
     return tuple({n: g.astype(acc, copy=False) for n, g in part.items()} for part in grads)
 
@@ -753,14 +757,28 @@ def _gather_halo(core, plan, p, part, arrays):
     return halos
 
 
-def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats):
+def _edge_partitions(edge, graph, plan):
+    """Per-edge dask arrays (in the graph constructor's edge order, any chunks along axis 0) in
+    the relation's CSR order, chunked by destination partition: chunk p holds partition p's
+    edges, the order of its local relation."""
+    if not edge:
+        return []
+    perm = graph.edge_permutation
+    counts = (tuple(part.graph.num_edges for part in plan.parts),)
+    return [(a if perm is None else a[perm]).rechunk(counts + tuple((s,) for s in a.shape[1:]))
+            for a in edge]
+
+
+def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edge=None):
     """The dask arrays [out] (+ [m, l] with return_stats) of `recipe` over `dst` / `src`
-    ({name: dask array}, chunked alike along the destination / source axis)."""
+    ({name: dask array}, chunked alike along the destination / source axis) and `edge` (per-edge
+    dask arrays of a CSR relation, constructor order)."""
     dst_list, src_list = [dst[n] for n in recipe.dst_names], [src[n] for n in recipe.src_names]
     rows_like = dst_list[0]
     plan = _plan(graph, rows_like, src_list[0])
+    edge_list = _edge_partitions([edge[n] for n in recipe.edge_names], graph, plan)
     acc = meta_m.dtype
-    token = tokenize(plan.token, [a.name for a in dst_list], [a.name for a in src_list], recipe)
+    token = tokenize(plan.token, [a.name for a in dst_list + src_list + edge_list], recipe)
     core_name = f"tiga-attention-tasks-{token}"
     core = {}
     nparts = len(rows_like.chunks[0])
@@ -773,7 +791,8 @@ def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats):
             core[key] = (functools.partial(_csr_forward, recipe=recipe, warm=(plan.token, p),
                                            where=_Where(part.d0, part.d1)),
                          [_chunk_key(a, p) for a in dst_list],
-                         _gather_halo(core, plan, p, part, src_list), relations[p], *ids[p])
+                         _gather_halo(core, plan, p, part, src_list),
+                         [_chunk_key(a, p) for a in edge_list], relations[p], *ids[p])
             roots.append(key)
     else:
         for p, row_blocks in enumerate(plan.blocks):
@@ -823,10 +842,10 @@ def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats):
         for p in range(nparts):
             if homes.get(p) is not None:
                 pins[(core_name, "forward", p)] = homes[p]
-    return _collect(core_name, core, dst_list + src_list, outputs, pins)
+    return _collect(core_name, core, dst_list + src_list + edge_list, outputs, pins)
 
 
-def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta):
+def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, edge=None):
     """The gradients of `recipe`'s call as dask arrays: ({dst name: array}, {src name: array},
     {param name: array}), for the gradients `grad_meta` lists ({role: {name: meta}}, from the
     call on zero-row stand-ins). Destination gradients sum per query chunk, source gradients per
@@ -834,7 +853,8 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta):
     dst_list, src_list = [dst[n] for n in recipe.dst_names], [src[n] for n in recipe.src_names]
     rows_like, cols_like = dst_list[0], src_list[0]
     plan = _plan(graph, rows_like, cols_like)
-    token = tokenize(plan.token, dout.name, [a.name for a in dst_list], [a.name for a in src_list],
+    edge_list = _edge_partitions([edge[n] for n in recipe.edge_names], graph, plan)
+    token = tokenize(plan.token, dout.name, [a.name for a in dst_list + src_list + edge_list],
                      out.name, stats.m.name, stats.l.name, recipe)
     core_name = f"tiga-attention-backward-tasks-{token}"
     core = {}
@@ -865,7 +885,7 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta):
             core[key] = (functools.partial(_csr_backward, recipe=recipe, warm=(plan.token, p),
                                            where=_Where(part.d0, part.d1)),
                          *row_inputs(p), _gather_halo(core, plan, p, part, src_list),
-                         *stat_inputs(p), relations[p], *ids[p])
+                         [_chunk_key(a, p) for a in edge_list], *stat_inputs(p), relations[p], *ids[p])
             task_keys.append(key)
             for n, meta in grad_meta["dst"].items():
                 sources["dst"][n][p] = (functools.partial(_cast, dtype=meta.dtype), (_grad, key, 0, n))
@@ -940,15 +960,28 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta):
             layer = {(name, i) + (0,) * (a.ndim - 1): task for i, task in sources[role][n].items()}
             outputs.append((name, layer, a.chunks, _empty_rows(a, dtype=meta.dtype)))
             order.append((role, n))
+    for n, meta in grad_meta["edge"].items():   # CSR only: one piece per partition, CSR order
+        name = f"tiga-attention-backward-edge-{n}-{token}"
+        layer = {(name, p) + (0,) * (meta.ndim - 1): (functools.partial(_cast, dtype=meta.dtype),
+                                                       (_grad, key, 3, n))
+                 for p, key in enumerate(task_keys)}
+        chunks = (tuple(part.graph.num_edges for part in plan.parts),) + tuple((s,) for s in meta.shape[1:])
+        outputs.append((name, layer, chunks, meta[:0]))
+        order.append(("edge", n))
     for n, meta in grad_meta["params"].items():
         name = f"tiga-attention-backward-param-{n}-{token}"
         layer = {(name,) + (0,) * meta.ndim: (functools.partial(_cast, dtype=meta.dtype), param_roots[n])}
         outputs.append((name, layer, tuple((s,) for s in meta.shape), meta[:0] if meta.ndim else meta))
         order.append(("params", n))
-    arrays = _collect(core_name, core, [dout, *dst_list, *src_list, out, stats.m, stats.l], outputs, pins)
-    grads = {"dst": {}, "src": {}, "params": {}}
+    arrays = _collect(core_name, core, [dout, *dst_list, *src_list, *edge_list, out, stats.m, stats.l],
+                      outputs, pins)
+    grads = {"dst": {}, "src": {}, "params": {}, "edge": {}}
     for (role, n), a in zip(order, arrays):
         grads[role][n] = a
+    perm = graph.edge_permutation
+    if perm is not None and grads["edge"]:   # back to the constructor's edge order
+        inverse = graph._cached("dask inverse edge permutation", lambda: np.argsort(perm))
+        grads["edge"] = {n: a[inverse] for n, a in grads["edge"].items()}
     return grads
 
 
@@ -1019,7 +1052,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
     _attention_backward(_empty_rows(dout), mq, mk, mv, _empty_rows(out),
                         AttentionStats(_empty_rows(stats.m), _empty_rows(stats.l)),
                         Graph.dense(0, 0), scale=scale)
-    meta = {"dst": {"q": _empty_rows(q, dtype=meta_out.dtype)},
+    meta = {"dst": {"q": _empty_rows(q, dtype=meta_out.dtype)}, "edge": {},
             "src": {"k": _empty_rows(k, dtype=meta_out.dtype), "v": _empty_rows(v, dtype=meta_out.dtype)},
             "params": {}}
     grads = _backward_arrays(recipe, dout, {"q": q}, {"k": k, "v": v}, out, stats, graph,
@@ -1039,11 +1072,15 @@ def _program_call(program, graph, src, dst, edge, params):
                         f"{type(program).__name__}")
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
-    if edge:
-        raise NotImplementedError(
-            f"per-edge fields ({', '.join(f'edge[{n!r}]' for n in edge)}) are not supported by "
-            "tiga_numba.dask yet: pass node fields (src / dst) and params only")
-    src, dst = dict(src or {}), dict(dst or {})
+    src, dst, edge = dict(src or {}), dict(dst or {}), dict(edge or {})
+    if edge and graph.is_implicit:
+        raise ValueError(f"per-edge fields ({', '.join(f'edge[{n!r}]' for n in edge)}) need a CSR "
+                         f"relation; this graph is {graph.kind} (implicit: it has no edge list)")
+    for name, a in edge.items():
+        _check_dask(f"edge[{name!r}]", a)
+        if a.shape[0] != graph.num_edges:
+            raise ValueError(f"graph has num_edges={graph.num_edges} but edge[{name!r}] has "
+                             f"{a.shape[0]} rows (axis 0)")
     if not dst:
         raise ValueError("tiga_numba.dask runs a program over the chunks of its dst fields: pass "
                          "at least one dst field (dask array chunked along the destinations)")
@@ -1069,8 +1106,9 @@ def _program_call(program, graph, src, dst, edge, params):
                             "numpy / cupy arrays")
     stand_src = {n: _empty_rows(a) for n, a in src.items()}
     stand_dst = {n: _empty_rows(a) for n, a in dst.items()}
-    empty = Graph.dense(0, 0)
-    traced = program.traced_form(empty, src=stand_src, dst=stand_dst, **params)
+    stand_edge = {n: _empty_rows(a) for n, a in edge.items()} or None
+    empty = Graph.from_csr(np.zeros(1, np.int64), np.zeros(0, np.int32), num_src=0)
+    traced = program.traced_form(empty, src=stand_src, dst=stand_dst, edge=stand_edge, **params)
     if traced.kind == "net":
         raise NotImplementedError("score networks (tg.nn.trace) are not supported by "
                                   "tiga_numba.dask yet")
@@ -1079,10 +1117,10 @@ def _program_call(program, graph, src, dst, edge, params):
                                   "offered by tiga_numba.dask (always exact)")
     # the program's own lowering (not program.vjp, which would record the stand-in call as the
     # program's last one for its explain())
-    lowered = program._lower(empty, stand_src, stand_dst, None, params)
+    lowered = program._lower(empty, stand_src, stand_dst, stand_edge, params)
     out, _ = lowered.forward()
     reads = traced.kind == "modified" and sm.Expr("index", (), "src") in set(sm.leaves(traced.score.expr))
-    recipe = _ProgramCall(program, list(dst), list(src), params, reads)
+    recipe = _ProgramCall(program, list(dst), list(src), list(edge), params, reads)
     return recipe, out, lowered.stats, lambda dout: lowered.backward(dout)[0]
 
 
@@ -1091,15 +1129,17 @@ def program(program, graph, *, src=None, dst=None, edge=None, **params):
     **params)`` with the node fields given as dask arrays chunked along the node axis (every
     src field chunked alike, every dst field chunked alike; numpy or cupy chunks). Params are
     numbers or (H,) numpy / cupy arrays. Returns the output as a dask array chunked like the dst
-    fields' rows. Positions (``src.index``, ``dst.index``) are those of the whole relation.
-    Per-edge fields, score networks (``tg.nn.trace``) and tile pruning are not supported."""
+    fields' rows. Per-edge fields (CSR relations) are dask arrays of ``num_edges`` rows in the graph
+    constructor's edge order (any chunks). Positions (``src.index``, ``dst.index``) are those of
+    the whole relation. Score networks (``tg.nn.trace``) and tile pruning are not supported."""
     out, _ = _program_forward(program, graph, src, dst, edge, params, return_stats=False)
     return out
 
 
 def _program_forward(program, graph, src, dst, edge, params, return_stats):
     recipe, meta_out, meta_stats, vjp = _program_call(program, graph, src, dst, edge, params)
-    arrays = _forward_arrays(recipe, dict(dst), dict(src), graph, meta_out, meta_stats.m, return_stats)
+    arrays = _forward_arrays(recipe, dict(dst), dict(src), graph, meta_out, meta_stats.m, return_stats,
+                             dict(edge or {}))
     return arrays[0], (arrays[1:], recipe, vjp)
 
 
@@ -1108,10 +1148,11 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
     :func:`program`):
 
         out, vjp = tiga_numba.dask.program_vjp(prog, graph=g, src=..., dst=..., scale=s)
-        grads = vjp(dout)   # {"src": {...}, "dst": {...}, "params": {...}} of dask arrays
+        grads = vjp(dout)   # {"src": {...}, "dst": {...}, "edge": {...}, "params": {...}}
 
-    ``dout`` is a dask array chunked like ``out``. Field gradients are chunked like their
-    fields; a per-head param's gradient is one (H,) chunk, summed over the tasks in a fixed
+    ``dout`` is a dask array chunked like ``out``. Node field gradients are chunked like their
+    fields, per-edge ones by destination partition (in the constructor's edge order); a per-head
+    param's gradient is one (H,) chunk, summed over the tasks in a fixed
     order. Scalar params get no gradient (as ``program.vjp``)."""
     out, (stats, recipe, stand_vjp) = _program_forward(program, graph, src, dst, edge, params,
                                                        return_stats=True)
@@ -1125,7 +1166,8 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
         if tuple(dout.shape) != tuple(out.shape):
             raise ValueError(f"dout must have the shape of out {tuple(out.shape)}, got {tuple(dout.shape)}")
         grads = stand_vjp(_empty_rows(dout))   # the single-process checks, on zero-row stand-ins
-        meta = {"dst": grads["dst"], "src": grads["src"], "params": grads["params"]}
-        return _backward_arrays(recipe, dout, dst, src, out, stats, graph, stats.m.dtype, meta)
+        meta = {role: grads[role] for role in ("dst", "src", "params", "edge")}
+        return _backward_arrays(recipe, dout, dst, src, out, stats, graph, stats.m.dtype, meta,
+                                dict(edge or {}))
 
     return out, vjp
