@@ -460,14 +460,16 @@ def _global_positions(mod, xp, graph, where):
     """`mod` (a score_mod.BoundModifier) reading node positions at the task's place in the whole
     relation: dst.index becomes dst.index + row0, src.index becomes src.index + col0 (a block)
     or the halo's source id (a CSR partition), through integer node fields (exact at any size).
-    A tree that reads no position is returned as it is."""
+    The rewrite does not depend on the offsets' values (0 for a relation's first chunk), so
+    every task of a call compiles one tree per kernel family. A tree that reads no position is
+    returned as it is."""
     from . import score_mod as sm
     if mod is None:
         return None
     leaves = set(sm.leaves(mod.tree))
     dst, src = sm.Expr("index", (), "dst"), sm.Expr("index", (), "src")
     mapping, values = {}, dict(mod.values)
-    if dst in leaves and where.row0:
+    if dst in leaves:
         field = sm.Expr("node", (), ("dst", "_dask_row0"))
         mapping[dst] = sm.make("add", dst, field)
         values[field] = xp.full(graph.num_dst, where.row0, np.int64)
@@ -475,7 +477,7 @@ def _global_positions(mod, xp, graph, where):
         field = sm.Expr("node", (), ("src", "_dask_source"))
         mapping[src] = field
         values[field] = xp.asarray(where.source_ids)
-    elif src in leaves and where.col0:
+    elif src in leaves:
         field = sm.Expr("node", (), ("src", "_dask_col0"))
         mapping[src] = sm.make("add", src, field)
         values[field] = xp.full(graph.num_src, where.col0, np.int64)
