@@ -21,7 +21,8 @@ other axes must be one chunk. Every task is a call of the single-process kernels
   key chunk, again in a fixed-order tree.
 
 Programs (``tg.MessagePassing``) run the same way (``program``, ``program_vjp``): their dst fields
-play q's part and their src fields k's and v's. flash-attn's ``softcap`` and ``alibi_slopes`` apply
+play q's part and their src fields k's and v's; per-edge fields (CSR) are put in CSR order and
+rechunked by destination partition. flash-attn's ``softcap`` and ``alibi_slopes`` apply
 in every task; node positions (ALiBi's distance, a program's ``src.index`` / ``dst.index``) are the
 whole relation's (a block task is told its chunks' first rows, a CSR partition its halo's source
 ids).
