@@ -509,17 +509,9 @@ class _AttentionCall:
             return None
         from . import score_mod as sm
         xp = _xp_of(q)
-        alibi, aligned = self.slopes is not None, self.shift is not None
-        values = {}
-        if self.softcap is not None:
-            values[sm.Expr("scalar", (), "softcap")] = self.softcap
-        if alibi:
-            values[sm.Expr("head", (), "alibi_slopes")] = xp.asarray(self.slopes)
-        if alibi and aligned:
-            values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = xp.asarray(
-                self.shift[where.row0:where.row1])
-        tree = sm.flash_tree(self.softcap is not None, alibi, alibi and aligned)
-        return _global_positions(sm.BoundModifier(tree, values), xp, graph, where)
+        slopes = None if self.slopes is None else xp.asarray(self.slopes)
+        shift = None if self.shift is None else xp.asarray(self.shift[where.row0:where.row1])
+        return _global_positions(sm.bind_flash(self.softcap, slopes, shift), xp, graph, where)
 
     def forward(self, dst, src, edge, graph, where):
         mod = self._modifier(dst["q"], graph, where)
@@ -544,10 +536,11 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
     from .functional import _alibi_shift, flash_modifier
     if softcap is not None:
         softcap = scalar_value(softcap)   # a 0-d array or tensor: its number
-    mod = flash_modifier(_empty_rows(q), Graph.dense(0, 0), softcap, alibi_slopes)
+    flash_modifier(_empty_rows(q), Graph.dense(0, 0), softcap, alibi_slopes)   # its checks
     slopes = shift = None
     if alibi_slopes is not None:
-        slopes = next(v for x, v in mod.values.items() if x.op == "head")
+        from .arrays import as_library_array, library_of
+        slopes = as_library_array(alibi_slopes, library_of("alibi_slopes", alibi_slopes), "alibi_slopes")
         if not isinstance(slopes, np.ndarray):
             slopes = slopes.get()   # cupy: tasks convert back to their chunks' library
         shift = graph._cached("dask alibi shift", lambda: _alibi_shift(graph))

@@ -228,8 +228,7 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
     if softcap is None and alibi_slopes is None:
         return None
     from . import score_mod as sm
-    values = {}
-    shift = None
+    slopes = shift = None
     if softcap is not None:
         softcap = arrays.scalar_value(softcap)
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(
@@ -238,7 +237,6 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
         softcap = float(softcap)
         if not (softcap > 0 and np.isfinite(softcap)):
             raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
-        values[sm.Expr("scalar", (), "softcap")] = softcap
     if alibi_slopes is not None:
         lib = arrays.library_of("alibi_slopes", alibi_slopes)
         qlib = arrays.library_of("q", q)
@@ -252,13 +250,8 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
         if not np.issubdtype(np.dtype(slopes.dtype), np.floating):
             raise TypeError(f"alibi_slopes must be floating point, got {slopes.dtype}")
         shift = _alibi_shift_on(graph, lib)
-        head = sm.Expr("head", (), "alibi_slopes")
-        values[head] = slopes
-        if shift is not None:
-            values[sm.Expr("node", (), ("dst", "_alibi_shift"))] = shift
     # no gradients besides q, k, v here (the program API gives the slopes' gradient)
-    tree = sm.flash_tree(softcap is not None, alibi_slopes is not None, shift is not None)
-    return sm.BoundModifier(tree, values)
+    return sm.bind_flash(softcap, slopes, shift)
 
 
 def _alibi_shift_on(graph, lib):

@@ -386,6 +386,21 @@ def flash_tree(softcap, alibi, aligned):
     return alibi_tree(tree, aligned) if alibi else tree
 
 
+def bind_flash(softcap, slopes, shift):
+    """flash_tree bound to one call's values: `softcap` (a float or None), `slopes` ((H,) array
+    or None) and `shift` (the per-row int array of the bottom-right alignment, dst._alibi_shift,
+    or None where there is nothing to align). Checked by the caller."""
+    values = {}
+    if softcap is not None:
+        values[Expr("scalar", (), "softcap")] = softcap
+    if slopes is not None:
+        values[Expr("head", (), "alibi_slopes")] = slopes
+        if shift is not None:
+            values[Expr("node", (), ("dst", "_alibi_shift"))] = shift
+    aligned = slopes is not None and shift is not None
+    return BoundModifier(flash_tree(softcap is not None, slopes is not None, aligned), values)
+
+
 #: the trees `python -m tiga_numba.cuda.tc.prebuild --modifiers` names: flash_tree's arguments
 FLASH_TREES = {"softcap": (True, False, False), "alibi": (False, True, False),
                "alibi-aligned": (False, True, True), "softcap+alibi": (True, True, False),

@@ -171,10 +171,9 @@ class EdgeSet:
                                       "(not deterministic); use 'mean', 'add', 'max', 'min', "
                                       "'mul' or a number")
         scan = self._kept_scan(ea, fill_value)
-        node = (xp.ones if fill_value == "mul" else xp.zeros)((self.num_dst, ea.shape[1]), ea.dtype)
-        if scan is not None:
-            node[scan.seg[scan.last]] = scan.forward[scan.last]
-        return node
+        if scan is None:
+            return (xp.ones if fill_value == "mul" else xp.zeros)((self.num_dst, ea.shape[1]), ea.dtype)
+        return scan.totals(xp, self.num_dst, 1 if fill_value == "mul" else 0)
 
     def _kept_scan(self, ea, op):
         """The kept edges' attributes in CSR order with their inclusive segmented scans under
@@ -224,8 +223,7 @@ class EdgeSet:
             before = xp.where(same_prev[:, None], xp.concatenate([one, scan.forward[:-1]]), 1)
             after = xp.where(same_next[:, None], xp.concatenate([scan.backward[1:], one]), 1)
             return d_seg * before * after
-        result = xp.zeros((self.num_dst, ea.shape[1]), ea.dtype)
-        result[scan.seg[scan.last]] = scan.forward[scan.last]
+        result = scan.totals(xp, self.num_dst, 0)
         r = gather(xp, result, scan.seg)
         ties = (scan.vals == r).astype(ea.dtype)
         count = self.sum_by_dst(_zeros_but(xp, ea.shape, self.kept_pos, ties))
@@ -239,6 +237,12 @@ class _Scan:
 
     def __init__(self, vals, seg, forward, backward, last):
         self.vals, self.seg, self.forward, self.backward, self.last = vals, seg, forward, backward, last
+
+    def totals(self, xp, num_dst, empty):
+        """(num_dst, F): each run's reduction at its destination, `empty` for the others."""
+        out = xp.full((num_dst, self.vals.shape[1]), empty, dtype=self.vals.dtype)
+        out[self.seg[self.last]] = self.forward[self.last]
+        return out
 
 
 def _zeros_but(xp, shape, pos, rows):
