@@ -293,6 +293,10 @@ def test_program_errors_at_the_call():
         tgd.program(object(), g, src=c["src"], dst=c["dst"])
     with pytest.raises(ValueError, match="slopes"):   # the program's own check, at the call
         tgd.program(prog, g, src=c["src"], dst=c["dst"], scale=0.5, slopes=np.ones(3))
+    pruned = ModifiedScore()
+    pruned.reducer = tg.online_softmax(block_prune_threshold=0.5)
+    with pytest.raises(NotImplementedError, match="tile pruning"):
+        tgd.program(pruned, g, src=c["src"], dst=c["dst"], **params)
     _, vjp = tgd.program_vjp(prog, g, src=c["src"], dst=c["dst"], **params)
     with pytest.raises(ValueError, match="dout"):
         vjp(c["dout"][:, :2])

@@ -1104,16 +1104,16 @@ def _program_call(program, graph, src, dst, edge, params):
     stand_dst = {n: _empty_rows(a) for n, a in dst.items()}
     stand_edge = {n: _empty_rows(a) for n, a in edge.items()} or None
     empty = Graph.from_csr(np.zeros(1, np.int64), np.zeros(0, np.int32), num_src=0)
-    traced = program.traced_form(empty, src=stand_src, dst=stand_dst, edge=stand_edge, **params)
+    # the program's own lowering (not program.vjp, which would record the stand-in call as the
+    # program's last one for its explain())
+    lowered = program._lower(empty, stand_src, stand_dst, stand_edge, params)
+    traced = lowered.traced
     if traced.kind == "net":
         raise NotImplementedError("score networks (tg.nn.trace) are not supported by "
                                   "tiga_numba.dask yet")
     if traced.reducer.block_prune_threshold is not None:
         raise NotImplementedError("tile pruning (block_prune_threshold) is approximate and not "
                                   "offered by tiga_numba.dask (always exact)")
-    # the program's own lowering (not program.vjp, which would record the stand-in call as the
-    # program's last one for its explain())
-    lowered = program._lower(empty, stand_src, stand_dst, stand_edge, params)
     out, _ = lowered.forward()
     reads = traced.kind == "modified" and sm.Expr("index", (), "src") in set(sm.leaves(traced.score.expr))
     recipe = _ProgramCall(program, list(dst), list(src), list(edge), params, reads)
