@@ -190,8 +190,29 @@ class _CSRPart:
         return np.concatenate(ids) if ids else np.zeros(0, np.int64)
 
 
+class _EdgeLayout:
+    """Per-edge fields, given in the graph constructor's order (`num_in` rows), reach the CSR
+    tasks as `field[order]` (order None: as given) chunked by `counts`, one chunk per partition."""
+    __slots__ = ("order", "counts", "num_in", "_inverse")
+
+    def __init__(self, order, counts, num_in):
+        self.order, self.counts, self.num_in = order, tuple(int(c) for c in counts), int(num_in)
+        self._inverse = None
+
+    @property
+    def inverse(self):
+        """For each constructor edge, its row in the tasks' order; sum(counts) (one row past the
+        end) for an edge no task reads."""
+        if self._inverse is None:
+            read = sum(self.counts)
+            inv = np.full(self.num_in, read, np.int64)
+            inv[np.asarray(self.order, np.int64)] = np.arange(read, dtype=np.int64)
+            self._inverse = inv
+        return self._inverse
+
+
 class _Plan:
-    __slots__ = ("token", "kind", "parts", "blocks", "src_bounds", "uploaded", "lock")
+    __slots__ = ("token", "kind", "parts", "blocks", "src_bounds", "uploaded", "lock", "_cache")
 
     def __init__(self, kind, src_bounds, parts=None, blocks=None):
         self.token = uuid.uuid4().hex
@@ -201,6 +222,14 @@ class _Plan:
         self.src_bounds = tuple(int(b) for b in src_bounds)
         self.uploaded = {}      # CSR on dask.distributed: (client id, what) -> futures per partition
         self.lock = threading.Lock()
+        self._cache = {}
+
+    def cached(self, key, make):
+        """make(), computed once per plan under `key`."""
+        with self.lock:
+            if key not in self._cache:
+                self._cache[key] = make()
+            return self._cache[key]
 
 
 def _default_client():
@@ -487,7 +516,31 @@ def _global_positions(mod, xp, graph, where):
     return sm.BoundModifier(sm.substitute(mod.tree, mapping), values, mod.grad_leaves)
 
 
-class _AttentionCall:
+class _Call:
+    """What every task recipe shares: the extra arguments of a CSR partition's tasks and the
+    order of the per-edge fields. A recipe names its fields (`dst_names`, `src_names`,
+    `edge_names`) and computes one task: forward(dst, src, edge, graph, where, *extras) ->
+    (out, m, l) and backward(dout, saved, dst, src, edge, graph, where, *extras) -> (dst grads,
+    src grads, param grads, edge grads), with `saved` the forward results the backward reads."""
+    __slots__ = ()
+    reads_source_positions = False
+
+    def partition_args(self, plan):
+        """Per CSR partition, the extra arguments of its tasks: the global ids of its halo rows
+        when the score reads source positions (see _per_partition), else none."""
+        if not self.reads_source_positions:
+            return [()] * len(plan.parts)
+        return [(ids,) for ids in _per_partition(plan, "source-ids",
+                                                 lambda part: part.halo_ids(plan.src_bounds))]
+
+    def edge_layout(self, graph, plan):
+        """How per-edge fields reach this recipe's CSR tasks: every edge of the relation, in CSR
+        order (see _EdgeLayout)."""
+        return plan.cached("edge layout", lambda: _EdgeLayout(
+            graph.edge_permutation, tuple(part.graph.num_edges for part in plan.parts), graph.num_edges))
+
+
+class _AttentionCall(_Call):
     """The tasks of tiga_numba.dask.attention: q over k, v with flash-attn's soft-cap and ALiBi
     (the slopes a host array, the relation's bottom-right shift per row: functional._alibi_shift,
     host, or None). Small and picklable."""
@@ -513,14 +566,15 @@ class _AttentionCall:
         shift = None if self.shift is None else xp.asarray(self.shift[where.row0:where.row1])
         return _global_positions(sm.bind_flash(self.softcap, slopes, shift), xp, graph, where)
 
-    def forward(self, dst, src, edge, graph, where):
-        mod = self._modifier(dst["q"], graph, where)
+    def forward(self, dst, src, edge, graph, where, source_ids=None):
+        mod = self._modifier(dst["q"], graph, where.with_ids(source_ids))
         out, stats, _ = _run_forward(dst["q"], src["k"], src["v"], graph, scale=self.scale,
                                      score_mod=mod)
         return out, stats.m, stats.l
 
-    def backward(self, dout, out, m, l, dst, src, edge, graph, where):
-        mod = self._modifier(dst["q"], graph, where)
+    def backward(self, dout, saved, dst, src, edge, graph, where, source_ids=None):
+        out, m, l = saved
+        mod = self._modifier(dst["q"], graph, where.with_ids(source_ids))
         dq, dk, dv = _run_backward(dout, dst["q"], src["k"], src["v"], out, AttentionStats(m, l),
                                    graph, scale=self.scale, score_mod=mod)[:3]
         return {"q": dq}, {"k": dk, "v": dv}, {}, {}
@@ -547,7 +601,7 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
     return _AttentionCall(scale, None if softcap is None else float(softcap), slopes, shift)
 
 
-class _ProgramCall:
+class _ProgramCall(_Call):
     """The tasks of a tg.MessagePassing program: edge() lowered on each task's local arrays
     (the program's own lowering and kernels), its node positions moved to the whole relation's
     (_global_positions)."""
@@ -570,13 +624,14 @@ class _ProgramCall:
             lowered.modifier = _global_positions(lowered.modifier, _xp_of(lowered.value), graph, where)
         return lowered
 
-    def forward(self, dst, src, edge, graph, where):
-        lowered = self._lower(dst, src, edge, graph, where)
+    def forward(self, dst, src, edge, graph, where, source_ids=None):
+        lowered = self._lower(dst, src, edge, graph, where.with_ids(source_ids))
         out, _ = lowered.forward()
         return out, lowered.stats.m, lowered.stats.l
 
-    def backward(self, dout, out, m, l, dst, src, edge, graph, where):
-        lowered = self._lower(dst, src, edge, graph, where)
+    def backward(self, dout, saved, dst, src, edge, graph, where, source_ids=None):
+        out, m, l = saved
+        lowered = self._lower(dst, src, edge, graph, where.with_ids(source_ids))
         lowered.out, lowered.stats = out, AttentionStats(m, l)
         grads, _ = lowered.backward(dout)
         return grads["dst"], grads["src"], grads["params"], grads["edge"]
@@ -589,19 +644,17 @@ def _halos(src_parts):
         yield [stack.enter_context(_halo(parts)) for parts in src_parts]
 
 
-def _csr_forward(dst_p, src_parts, edge_p, graph, source_ids=None, *, recipe, warm, where):
+def _csr_forward(dst_p, src_parts, edge_p, graph, *extras, recipe, warm, where):
     with _halos(src_parts) as src:
         return recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src)),
-                              dict(zip(recipe.edge_names, edge_p)), _warm(graph, warm),
-                              where.with_ids(source_ids))
+                              dict(zip(recipe.edge_names, edge_p)), _warm(graph, warm), where, *extras)
 
 
-def _csr_backward(dout_p, dst_p, src_parts, edge_p, out_p, m_p, l_p, graph, source_ids=None, *,
-                  recipe, warm, where):
+def _csr_backward(dout_p, dst_p, src_parts, edge_p, saved_p, graph, *extras, recipe, warm, where):
     with _halos(src_parts) as src:
-        return recipe.backward(dout_p, out_p, m_p, l_p, dict(zip(recipe.dst_names, dst_p)),
+        return recipe.backward(dout_p, saved_p, dict(zip(recipe.dst_names, dst_p)),
                                dict(zip(recipe.src_names, src)), dict(zip(recipe.edge_names, edge_p)),
-                               _warm(graph, warm), where.with_ids(source_ids))
+                               _warm(graph, warm), where, *extras)
 
 
 def _block_forward(dst_p, src_c, *, recipe, graph, warm, where, acc):
@@ -610,8 +663,8 @@ def _block_forward(dst_p, src_c, *, recipe, graph, warm, where, acc):
     return out.astype(acc, copy=False), m, l   # partials merge in the accumulation dtype
 
 
-def _block_backward(dout_p, dst_p, src_c, out_p, m_p, l_p, *, recipe, graph, warm, where, acc):
-    grads = recipe.backward(dout_p, out_p, m_p, l_p, dict(zip(recipe.dst_names, dst_p)),
+def _block_backward(dout_p, dst_p, src_c, saved_p, *, recipe, graph, warm, where, acc):
+    grads = recipe.backward(dout_p, saved_p, dict(zip(recipe.dst_names, dst_p)),
                             dict(zip(recipe.src_names, src_c)), {}, _warm(graph, warm), where)
     # partial gradients are summed in the accumulation dtype (integer fields get none)
     return tuple({n: g.astype(acc, copy=False) for n, g in part.items()} for part in grads)
@@ -723,15 +776,6 @@ def _row_outputs(name, nparts, source, ndim_tail):
     return {(name, p) + (0,) * ndim_tail: source(p) for p in range(nparts)}
 
 
-def _source_ids(plan, recipe):
-    """Per CSR partition, the extra task arguments of a score that reads source positions:
-    the global ids of its halo rows (see _per_partition), else none."""
-    if not recipe.reads_source_positions:
-        return [()] * len(plan.parts)
-    return [(ids,) for ids in _per_partition(plan, "source-ids",
-                                             lambda part: part.halo_ids(plan.src_bounds))]
-
-
 def _gather_halo(core, plan, p, part, arrays):
     """Per array of `arrays` (chunked like the sources), the keys of the rows partition p needs
     from each source chunk: the chunk itself when the partition needs it whole, else a task
@@ -753,16 +797,31 @@ def _gather_halo(core, plan, p, part, arrays):
     return halos
 
 
-def _edge_partitions(edge, graph, plan):
+def _edge_partitions(edge, recipe, graph, plan):
     """Per-edge dask arrays (in the graph constructor's edge order, any chunks along axis 0) in
-    the relation's CSR order, chunked by destination partition: chunk p holds partition p's
-    edges, the order of its local relation."""
+    the order the tasks read them (recipe.edge_layout: the relation's CSR order), chunked by
+    destination partition: chunk p holds partition p's edges."""
     if not edge:
         return []
-    perm = graph.edge_permutation
-    counts = (tuple(part.graph.num_edges for part in plan.parts),)
-    return [(a if perm is None else a[perm]).rechunk(counts + tuple((s,) for s in a.shape[1:]))
-            for a in edge]
+    layout = recipe.edge_layout(graph, plan)
+    return [(a if layout.order is None else a[layout.order]).rechunk(
+        (layout.counts,) + tuple((s,) for s in a.shape[1:])) for a in edge]
+
+
+def _edges_in_constructor_order(grads, recipe, graph, plan):
+    """Per-edge gradients from the tasks' order (chunked by partition) back to the graph
+    constructor's order; an edge no task reads (a self loop a layer removes) gets 0."""
+    if not grads:   # (also: implicit relations have no per-edge fields)
+        return grads
+    layout = recipe.edge_layout(graph, plan)
+    if layout.order is None:
+        return grads
+    moved = {}
+    for n, a in grads.items():
+        if sum(layout.counts) < layout.num_in:   # one zero row, read by the edges no task has
+            a = da.concatenate([a, da.zeros((1,) + a.shape[1:], dtype=a.dtype, meta=a._meta)])
+        moved[n] = a[layout.inverse]
+    return moved
 
 
 def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edge=None):
@@ -772,7 +831,7 @@ def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edg
     dst_list, src_list = [dst[n] for n in recipe.dst_names], [src[n] for n in recipe.src_names]
     rows_like = dst_list[0]
     plan = _plan(graph, rows_like, src_list[0])
-    edge_list = _edge_partitions([edge[n] for n in recipe.edge_names], graph, plan)
+    edge_list = _edge_partitions([edge[n] for n in recipe.edge_names], recipe, graph, plan)
     acc = meta_m.dtype
     token = tokenize(plan.token, [a.name for a in dst_list + src_list + edge_list], recipe)
     core_name = f"tiga-attention-tasks-{token}"
@@ -781,14 +840,14 @@ def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edg
     dst_bounds = _bounds(rows_like.chunks[0])
     roots = []
     if plan.kind == "csr":
-        relations, ids = _relations(plan), _source_ids(plan, recipe)
+        relations, extras = _relations(plan), recipe.partition_args(plan)
         for p, part in enumerate(plan.parts):
             key = (core_name, "forward", p)
             core[key] = (functools.partial(_csr_forward, recipe=recipe, warm=(plan.token, p),
                                            where=_Where(part.d0, part.d1)),
                          [_chunk_key(a, p) for a in dst_list],
                          _gather_halo(core, plan, p, part, src_list),
-                         [_chunk_key(a, p) for a in edge_list], relations[p], *ids[p])
+                         [_chunk_key(a, p) for a in edge_list], relations[p], *extras[p])
             roots.append(key)
     else:
         for p, row_blocks in enumerate(plan.blocks):
@@ -841,17 +900,18 @@ def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edg
     return _collect(core_name, core, dst_list + src_list + edge_list, outputs, pins)
 
 
-def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, edge=None):
-    """The gradients of `recipe`'s call as dask arrays: ({dst name: array}, {src name: array},
-    {param name: array}), for the gradients `grad_meta` lists ({role: {name: meta}}, from the
-    call on zero-row stand-ins). Destination gradients sum per query chunk, source gradients per
-    source chunk, param gradients over every task, all in a fixed order."""
+def _backward_arrays(recipe, dout, dst, src, saved, graph, acc, grad_meta, edge=None):
+    """The gradients of `recipe`'s call as dask arrays: {"dst", "src", "params", "edge": {name:
+    array}}, for the gradients `grad_meta` lists ({role: {name: meta}}, from the call on zero-row
+    stand-ins); `saved`: the forward's results the backward reads (dask arrays chunked like the
+    destination rows: out, m, l for attention). Destination gradients sum per query chunk, source
+    gradients per source chunk, param gradients over every task, all in a fixed order."""
     dst_list, src_list = [dst[n] for n in recipe.dst_names], [src[n] for n in recipe.src_names]
     rows_like, cols_like = dst_list[0], src_list[0]
     plan = _plan(graph, rows_like, cols_like)
-    edge_list = _edge_partitions([edge[n] for n in recipe.edge_names], graph, plan)
-    token = tokenize(plan.token, dout.name, [a.name for a in dst_list + src_list + edge_list],
-                     out.name, stats.m.name, stats.l.name, recipe)
+    edge_list = _edge_partitions([edge[n] for n in recipe.edge_names], recipe, graph, plan)
+    token = tokenize(plan.token, dout.name, [a.name for a in dst_list + src_list + edge_list + saved],
+                     recipe)
     core_name = f"tiga-attention-backward-tasks-{token}"
     core = {}
     nq, nk = len(rows_like.chunks[0]), len(cols_like.chunks[0])
@@ -862,8 +922,8 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, 
     def row_inputs(p):
         return (_chunk_key(dout, p), [_chunk_key(a, p) for a in dst_list])
 
-    def stat_inputs(p):
-        return (_chunk_key(out, p), _chunk_key(stats.m, p), _chunk_key(stats.l, p))
+    def saved_inputs(p):
+        return [_chunk_key(a, p) for a in saved]
 
     def summed(role, name, leaves, like_key, i):
         dtype = grad_meta[role][name].dtype
@@ -875,13 +935,13 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, 
     if plan.kind == "csr":
         # per source chunk: (partition rows, {name: keys of the halo pieces}) in increasing partition
         incoming = {c: ([], {n: [] for n in grad_meta["src"]}) for c in range(nk)}
-        relations, ids = _relations(plan), _source_ids(plan, recipe)
+        relations, extras = _relations(plan), recipe.partition_args(plan)
         for p, part in enumerate(plan.parts):
             key = (core_name, "backward", p)
             core[key] = (functools.partial(_csr_backward, recipe=recipe, warm=(plan.token, p),
                                            where=_Where(part.d0, part.d1)),
                          *row_inputs(p), _gather_halo(core, plan, p, part, src_list),
-                         [_chunk_key(a, p) for a in edge_list], *stat_inputs(p), relations[p], *ids[p])
+                         [_chunk_key(a, p) for a in edge_list], saved_inputs(p), relations[p], *extras[p])
             task_keys.append(key)
             for n, meta in grad_meta["dst"].items():
                 sources["dst"][n][p] = (functools.partial(_cast, dtype=meta.dtype), (_grad, key, 0, n))
@@ -907,7 +967,7 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, 
                 where = _Where(dst_bounds[p], dst_bounds[p + 1], plan.src_bounds[c])
                 core[key] = (functools.partial(_block_backward, recipe=recipe, graph=sub,
                                                warm=(plan.token, p, c), where=where, acc=acc),
-                             *row_inputs(p), [_chunk_key(a, c) for a in src_list], *stat_inputs(p))
+                             *row_inputs(p), [_chunk_key(a, c) for a in src_list], saved_inputs(p))
                 task_keys.append(key)
                 for which, role, i in ((0, "dst", p), (1, "src", c)):
                     for n in grad_meta[role]:
@@ -934,7 +994,7 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, 
         # replicas), the sums of a source chunk's gradients on the worker holding it. Without this
         # the scheduler placed blocks by where the forward's results happened to be and loaded one
         # worker with twice the other's blocks (benchmarks/results/dask-cpu-zen4-2core-2026-12-04.txt).
-        rows = _homes([dout, rows_like, out], [sum(g.num_edges for _, g in b) for b in plan.blocks])
+        rows = _homes([dout, rows_like] + saved[:1], [sum(g.num_edges for _, g in b) for b in plan.blocks])
         cols = _homes(src_list)
         for key in core:
             tag = key[1]
@@ -961,7 +1021,7 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, 
         layer = {(name, p) + (0,) * (meta.ndim - 1): (functools.partial(_cast, dtype=meta.dtype),
                                                        (_grad, key, 3, n))
                  for p, key in enumerate(task_keys)}
-        chunks = (tuple(part.graph.num_edges for part in plan.parts),) + tuple((s,) for s in meta.shape[1:])
+        chunks = (recipe.edge_layout(graph, plan).counts,) + tuple((s,) for s in meta.shape[1:])
         outputs.append((name, layer, chunks, meta[:0]))
         order.append(("edge", n))
     for n, meta in grad_meta["params"].items():
@@ -969,15 +1029,11 @@ def _backward_arrays(recipe, dout, dst, src, out, stats, graph, acc, grad_meta, 
         layer = {(name,) + (0,) * meta.ndim: (functools.partial(_cast, dtype=meta.dtype), param_roots[n])}
         outputs.append((name, layer, tuple((s,) for s in meta.shape), meta[:0] if meta.ndim else meta))
         order.append(("params", n))
-    arrays = _collect(core_name, core, [dout, *dst_list, *src_list, *edge_list, out, stats.m, stats.l],
-                      outputs, pins)
+    arrays = _collect(core_name, core, [dout, *dst_list, *src_list, *edge_list, *saved], outputs, pins)
     grads = {"dst": {}, "src": {}, "params": {}, "edge": {}}
     for (role, n), a in zip(order, arrays):
         grads[role][n] = a
-    perm = graph.edge_permutation
-    if perm is not None and grads["edge"]:   # back to the constructor's edge order
-        inverse = graph._cached("dask inverse edge permutation", lambda: np.argsort(perm))
-        grads["edge"] = {n: a[inverse] for n, a in grads["edge"].items()}
+    grads["edge"] = _edges_in_constructor_order(grads["edge"], recipe, graph, plan)
     return grads
 
 
@@ -1051,7 +1107,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
     meta = {"dst": {"q": _empty_rows(q, dtype=meta_out.dtype)}, "edge": {},
             "src": {"k": _empty_rows(k, dtype=meta_out.dtype), "v": _empty_rows(v, dtype=meta_out.dtype)},
             "params": {}}
-    grads = _backward_arrays(recipe, dout, {"q": q}, {"k": k, "v": v}, out, stats, graph,
+    grads = _backward_arrays(recipe, dout, {"q": q}, {"k": k, "v": v}, [out, stats.m, stats.l], graph,
                              meta_stats.m.dtype, meta)
     return grads["dst"]["q"], grads["src"]["k"], grads["src"]["v"]
 
@@ -1163,7 +1219,7 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
             raise ValueError(f"dout must have the shape of out {tuple(out.shape)}, got {tuple(dout.shape)}")
         grads = stand_vjp(_empty_rows(dout))   # the single-process checks, on zero-row stand-ins
         meta = {role: grads[role] for role in ("dst", "src", "params", "edge")}
-        return _backward_arrays(recipe, dout, dst, src, out, stats, graph, stats.m.dtype, meta,
-                                dict(edge or {}))
+        return _backward_arrays(recipe, dout, dst, src, [out, stats.m, stats.l], graph, stats.m.dtype,
+                                meta, dict(edge or {}))
 
     return out, vjp

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..graph import Graph
 
-__all__ = ["EdgeSet", "edge_set", "xp_of", "sparse_of", "sparse_values", "scatter_rows", "gather"]
+__all__ = ["EdgeSet", "edge_set", "marked_edge_set", "xp_of", "sparse_of", "sparse_values", "scatter_rows", "gather"]
 
 
 def xp_of(array):
@@ -63,8 +63,9 @@ def scatter_rows(xp, index, values, n):
 class EdgeSet:
     """Edges (j -> i) = (cols[e] -> rows[e]) in CSR order of `graph` (destination rows)."""
 
-    def __init__(self, graph, rows, cols, source, loop_pos, loop_node, kept_count, xp):
+    def __init__(self, graph, rows, cols, source, loop_pos, loop_node, kept_count, xp, num_in):
         self.graph = graph
+        self.num_in = int(num_in)  # the caller's edges (edge_attr's rows), loops removed or not
         self.num_src = graph.num_src
         self.num_dst = graph.num_dst
         self.num_edges = graph.num_edges
@@ -306,13 +307,44 @@ def _build(graph, self_loops, xp):
                                    device=graph.device)
         loop_pos = np.nonzero(source < 0)[0]
         loop_node = rows[loop_pos]
+    return _edge_set(out_graph, rows, indices, source, loop_pos, loop_node, kept_count, xp,
+                     graph.num_edges)
+
+
+def _edge_set(graph, rows, cols, source, loop_pos, loop_node, kept_count, xp, num_in):
     on = (lambda a: a) if xp is np else xp.asarray
-    return EdgeSet(out_graph, on(rows), on(indices), on(source), on(loop_pos), on(loop_node),
-                   on(kept_count.astype(np.int64)), xp)
+    return EdgeSet(graph, on(rows), on(cols), on(source), on(loop_pos), on(loop_node),
+                   on(kept_count.astype(np.int64)), xp, num_in)
+
+
+def marked_edge_set(graph, is_loop, xp):
+    """The EdgeSet of a relation that already holds its added loops, marked by `is_loop` ((E,)
+    bool in CSR order, or None: no loops): one destination partition of a layer's edge set
+    (tiga_numba.dask), whose loops point into a renumbered source range, so they cannot be told
+    by row == column. The caller's edges are the unmarked ones, numbered in CSR order (the order
+    the partition's edge_attr rows arrive in). Cached on `graph`."""
+    def build():
+        indptr, indices = _host_csr(graph)
+        nd = graph.num_dst
+        rows = np.repeat(np.arange(nd, dtype=np.int64), np.diff(indptr))
+        loop = np.zeros(rows.shape[0], np.bool_) if is_loop is None else np.asarray(is_loop, np.bool_)
+        if loop.shape != rows.shape:
+            raise ValueError(f"is_loop must have one entry per edge ({rows.shape[0]}), got {loop.shape}")
+        kept = ~loop
+        source = np.where(kept, np.cumsum(kept, dtype=np.int64) - 1, -1)
+        loop_pos = np.flatnonzero(loop)
+        kept_count = np.bincount(rows[kept], minlength=nd)
+        return _edge_set(graph, rows, indices, source, loop_pos, rows[loop_pos], kept_count, xp,
+                         int(kept.sum()))
+    loops = 0 if is_loop is None else int(np.count_nonzero(is_loop))
+    return graph._cached(("layers.marked_edge_set", loops, "numpy" if xp is np else "cupy"), build)
 
 
 def edge_set(graph, self_loops, xp):
-    """The (cached) EdgeSet of `graph`, with PyG's self-loop rule when `self_loops`."""
+    """The (cached) EdgeSet of `graph`, with PyG's self-loop rule when `self_loops`. An EdgeSet
+    is its own edge set (a dask partition's, see marked_edge_set)."""
+    if isinstance(graph, EdgeSet):
+        return graph
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
     key = ("layers.edge_set", bool(self_loops), "numpy" if xp is np else "cupy")

@@ -166,8 +166,13 @@ class Layer:
         if x_dst is not None and x_dst.shape[1] != fd:
             raise ValueError(f"{names[-1]} must have {fd} features (in_channels), got {x_dst.shape[1]}")
         from ..graph import Graph
-        if not isinstance(graph, Graph):
+        from ._edges import EdgeSet
+        if isinstance(graph, EdgeSet):   # one partition's edges (tiga_numba.dask tasks)
+            num_in = graph.num_in
+        elif not isinstance(graph, Graph):
             raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+        else:
+            num_in = graph.num_edges
         if graph.num_src != x_src.shape[0]:
             raise ValueError(f"{names[0]} has {x_src.shape[0]} rows but graph.num_src is {graph.num_src}")
         if x_dst is not None and graph.num_dst != x_dst.shape[0]:
@@ -182,8 +187,8 @@ class Layer:
             if edge_attr.ndim == 1:
                 squeeze = True
                 edge_attr = edge_attr[:, None]
-            if edge_attr.ndim != 2 or edge_attr.shape != (graph.num_edges, self.edge_dim):
-                raise ValueError(f"edge_attr must have shape ({graph.num_edges}, {self.edge_dim}) "
+            if edge_attr.ndim != 2 or edge_attr.shape != (num_in, self.edge_dim):
+                raise ValueError(f"edge_attr must have shape ({num_in}, {self.edge_dim}) "
                                  f"(one row per edge of graph), got {tuple(edge_attr.shape)}")
             edge_attr = edge_attr.astype(x_src.dtype, copy=False)
         return x_src, x_dst, single, edge_attr, squeeze

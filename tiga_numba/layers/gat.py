@@ -202,7 +202,7 @@ class GATConv(Layer):
                 g["att_edge"] = xp.einsum("hcd,dh->hc", w_e3, gsum)[None]
                 g["lin_edge.weight"] = (p["att_edge"][0][:, :, None] * gsum.T[:, None, :]).reshape(
                     H * C, self.edge_dim)
-                d_edge_attr = es.edge_attr_grad(dpre @ w_att.T, self.fill_value, graph.num_edges, ea)
+                d_edge_attr = es.edge_attr_grad(dpre @ w_att.T, self.fill_value, es.num_in, ea)
             dxs2 = dxs.reshape(ns, H * C)
             if same:
                 dxs2 = dxs2 + dxd.reshape(ns, H * C)

@@ -149,7 +149,7 @@ class GATv2Conv(Layer):
             g["att"] = d_att[None]
             if ea is not None:
                 g["lin_edge.weight"] = d_we
-            d_edge_attr = None if ea is None else es.edge_attr_grad(d_ea, self.fill_value, graph.num_edges, ea)
+            d_edge_attr = None if ea is None else es.edge_attr_grad(d_ea, self.fill_value, es.num_in, ea)
             gwl, dx_src = linear_grads(dxl, x_src, p["lin_l.weight"])
             gbl = column_sums(dxl)
             if single and self.share_weights:

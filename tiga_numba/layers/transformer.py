@@ -170,7 +170,7 @@ class TransformerConv(Layer):
                 dq += xp.einsum("nhd,hcd->nhc", d_qe, w_e3)
                 d_we3 = d_we3 + xp.einsum("nhc,nhd->hcd", q, d_qe)
                 g["lin_edge.weight"] = d_we3.reshape(H * C, self.edge_dim)
-                d_edge_attr = es.edge_attr_grad(d_ea, 0.0, graph.num_edges)
+                d_edge_attr = es.edge_attr_grad(d_ea, 0.0, es.num_in)
             else:
                 d_edge_attr = None
             dq2, dk2, dv2 = (a.reshape(a.shape[0], H * C) for a in (dq, dk, dv))
