@@ -60,7 +60,8 @@ from .graph import Graph
 from .merge import attention_merge, log_sum_exp
 from .scratch import ScratchPool
 
-__all__ = ["attention", "attention_backward", "program", "program_vjp", "DaskAttentionStats", "plan_summary",
+__all__ = ["attention", "attention_backward", "program", "program_vjp", "layer", "layer_vjp", "DaskAttentionStats",
+           "plan_summary",
            "release_halo_buffers"]
 
 # Fan-in of the merge and sum trees: at most this many partial results meet in one task.
@@ -1221,5 +1222,184 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
         meta = {role: grads[role] for role in ("dst", "src", "params", "edge")}
         return _backward_arrays(recipe, dout, dst, src, [out, stats.m, stats.l], graph, stats.m.dtype,
                                 meta, dict(edge or {}))
+
+    return out, vjp
+
+
+# --------------------------------------------------------------------------- GNN layers
+class _LayerCall(_Call):
+    """The tasks of a GNN layer (tiga_numba.layers) over a CSR relation: partition p runs the
+    layer on its destination rows of x_dst, the halo of x_src its edges read and its share of
+    the layer's edge set (PyG's self loops included, marked so that the partition's edge set
+    knows them: a loop's source is renumbered into the halo like every other). The backward
+    runs the partition's forward again: a layer keeps no per-row state that a task could hand
+    to the next (its intermediate arrays are (E, H) and (N, H, C) per partition).
+
+    `edges` (the layer's edge set of the whole graph, host arrays) is read when the dask graph
+    is built and is not pickled into the tasks."""
+    __slots__ = ("layer", "edge_names", "edges", "compute")
+    dst_names, src_names = ("x_dst",), ("x_src",)
+
+    def __init__(self, layer, edges, edge_names, compute):
+        self.layer, self.edges, self.edge_names = layer, edges, tuple(edge_names)
+        self.compute = None if compute is None else np.dtype(compute)
+
+    def __reduce__(self):
+        return (_LayerCall, (self.layer, None, self.edge_names, self.compute))
+
+    def __dask_tokenize__(self):
+        layer = self.layer
+        config = {k: v for k, v in vars(layer).items() if k != "_params"}
+        return ("layer", type(layer).__qualname__, tokenize(config), tokenize(layer.state_dict()),
+                self.edge_names, str(self.compute))
+
+    def partition_args(self, plan):
+        """Per partition: its edges' loop marks (CSR order), None when the edge set has no
+        loops; uploaded once per plan to a dask.distributed client, like the relations."""
+        es = self.edges
+        if not es.has_loops:
+            return [(None,)] * len(plan.parts)
+        is_loop, indptr = np.asarray(es.source) < 0, np.asarray(es.indptr)
+        return [(m,) for m in _per_partition(plan, "loops",
+                                             lambda part: is_loop[indptr[part.d0]:indptr[part.d1]])]
+
+    def edge_layout(self, graph, plan):
+        """The caller's edges the layer keeps (all but removed self loops), in CSR order."""
+        es = self.edges
+
+        def make():
+            kept = np.asarray(es.source) >= 0
+            order = np.asarray(es.source)[kept]
+            ends = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
+            indptr = np.asarray(es.indptr)
+            counts = [int(ends[indptr[part.d1]] - ends[indptr[part.d0]]) for part in plan.parts]
+            if order.shape[0] == es.num_in and np.array_equal(order, np.arange(es.num_in)):
+                order = None
+            return _EdgeLayout(order, counts, es.num_in)
+
+        return plan.cached("layer edge layout", make)
+
+    def _run(self, dst, src, edge, graph, loops, want_grad):
+        x_src, x_dst = src["x_src"], dst["x_dst"]
+        ea = edge.get("edge_attr")
+        if self.compute is not None:   # float16 on the CPU: computed (and summed) in float32
+            x_src, x_dst = x_src.astype(self.compute), x_dst.astype(self.compute)
+            ea = None if ea is None else ea.astype(self.compute)
+        from .layers._edges import marked_edge_set
+        edges = marked_edge_set(graph, loops, _xp_of(x_dst))
+        return self.layer._run((x_src, x_dst), edges, ea, None, want_grad=want_grad)
+
+    def forward(self, dst, src, edge, graph, where, loops=None):
+        out, _ = self._run(dst, src, edge, graph, loops, want_grad=False)
+        return out, None, None
+
+    def backward(self, dout, saved, dst, src, edge, graph, where, loops=None):
+        _, backward = self._run(dst, src, edge, graph, loops, want_grad=True)
+        if self.compute is not None:
+            dout = dout.astype(self.compute)
+        dx_src, dx_dst, d_ea, dparams = backward(dout)
+        return ({"x_dst": dx_dst}, {"x_src": dx_src}, dparams,
+                {"edge_attr": d_ea} if self.edge_names else {})
+
+
+def _layer_call(conv, x, graph, edge_attr):
+    """Checks a layer call over dask arrays and runs the layer's own checks on zero-row
+    stand-ins. Returns (recipe, x_src, x_dst, single, relation of the tasks, stand-in out,
+    stand-in backward)."""
+    from .layers._edges import edge_set
+    from .layers._module import Layer
+    if not isinstance(conv, Layer):
+        raise TypeError(f"layer must be a tiga_numba.layers layer (GATConv, GATv2Conv, TransformerConv), "
+                        f"got {type(conv).__name__}")
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
+    single = not isinstance(x, (tuple, list))
+    if single:
+        x_src = x_dst = _check_dask("x", x)
+    else:
+        if len(x) != 2:
+            raise ValueError(f"x must be a dask array or a pair (x_src, x_dst), got {len(x)} items")
+        x_src, x_dst = x
+        if x_dst is None:
+            raise ValueError("x_dst is None: tiga_numba.dask runs a layer over the chunks of its "
+                             "destination features; pass x_dst as a dask array")
+        _check_dask("x_src", x_src)
+        _check_dask("x_dst", x_dst)
+    names = ("x", "x") if single else ("x_src", "x_dst")
+    for name, a, n_rows, side in ((names[0], x_src, graph.num_src, "src"),
+                                  (names[1], x_dst, graph.num_dst, "dst")):
+        if a.shape[0] != n_rows:
+            raise ValueError(f"graph has num_{side}={n_rows} but {name} has {a.shape[0]} rows (axis 0)")
+    if edge_attr is not None:
+        _check_dask("edge_attr", edge_attr)
+        if edge_attr.shape[0] != graph.num_edges:
+            raise ValueError(f"graph has num_edges={graph.num_edges} but edge_attr has "
+                             f"{edge_attr.shape[0]} rows (axis 0)")
+    # the layer's own checks (features, dtypes, libraries, edge_dim, dropout) on zero-row stand-ins
+    empty = Graph.from_csr(np.zeros(1, np.int64), np.zeros(0, np.int32), num_src=0)
+    stand = (_empty_rows(x_src), _empty_rows(x_dst))
+    stand_ea = None if edge_attr is None else _empty_rows(edge_attr)
+    out, backward = conv._run(stand if not single else stand[0], empty, stand_ea, None, want_grad=True)
+    edges = edge_set(graph, getattr(conv, "add_self_loops", False), np)
+    compute = np.float32 if (isinstance(x_src._meta, np.ndarray) and x_src.dtype == np.float16) else None
+    recipe = _LayerCall(conv, edges, ("edge_attr",) if edge_attr is not None else (), compute)
+    return recipe, x_src, x_dst, single, edges.graph, out, backward
+
+
+def layer(layer, x, graph, edge_attr=None):
+    """A GNN layer of :mod:`tiga_numba.layers` (``GATConv``, ``GATv2Conv``, ``TransformerConv``)
+    over dask arrays: ``layer(conv, x, graph, edge_attr=None)`` computes ``conv(x, graph,
+    edge_attr)`` with ``x`` a dask array ``(N, F)`` chunked along the nodes (or a pair
+    ``(x_src, x_dst)``; numpy or cupy chunks) and ``edge_attr`` a dask array of ``num_edges`` rows
+    in the graph constructor's edge order (any chunks). Returns a dask array chunked like
+    ``x_dst``'s rows. Each destination partition runs the layer on its rows, the source rows its
+    edges read (self loops included) and its edges; see docs/dask.md."""
+    recipe, x_src, x_dst, single, relation, meta_out, _ = _layer_call(layer, x, graph, edge_attr)
+    edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
+    return _forward_arrays(recipe, {"x_dst": x_dst}, {"x_src": x_src}, relation, meta_out,
+                           np.zeros((0,), _accumulation(x_src.dtype)), False, edge)[0]
+
+
+def _accumulation(dtype):
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def layer_vjp(layer, x, graph, edge_attr=None):
+    """Forward plus a function from the output cotangent to gradients, over dask arrays (see
+    :func:`layer`), as ``conv.vjp``:
+
+        out, vjp = tiga_numba.dask.layer_vjp(conv, x, graph, edge_attr)
+        grads = vjp(dout)   # {"x": dx (or (dx_src, dx_dst)), "edge_attr": ..., "params": {name: grad}}
+
+    ``dout`` is a dask array chunked like ``out``. ``dx`` is chunked like ``x``; ``edge_attr``'s
+    gradient has its rows in the constructor's edge order (0 for a self loop the layer removes);
+    each parameter's gradient is one chunk, summed over the partitions in a fixed order (the
+    same bits on every run). The backward runs each partition's forward again."""
+    recipe, x_src, x_dst, single, relation, meta_out, stand_backward = _layer_call(layer, x, graph,
+                                                                                   edge_attr)
+    edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
+    acc = _accumulation(x_src.dtype)
+    dst, src = {"x_dst": x_dst}, {"x_src": x_src}
+    out = _forward_arrays(recipe, dst, src, relation, meta_out, np.zeros((0,), acc), False, edge)[0]
+    params = layer.state_dict()
+
+    def vjp(dout):
+        _check_dask("dout", dout)
+        _check_rows_like("dout", dout, x_dst)
+        if tuple(dout.shape) != tuple(out.shape):
+            raise ValueError(f"dout must have the shape of out {tuple(out.shape)}, got {tuple(dout.shape)}")
+        # the layer's own checks of dout (library, dtype), on a zero-row stand-in
+        dxs, dxd, d_ea, _ = stand_backward(_empty_rows(dout))
+        xp = _xp_of(x_src._meta)
+        meta = {"dst": {"x_dst": _empty_rows(x_dst)}, "src": {"x_src": _empty_rows(x_src)},
+                "edge": {"edge_attr": d_ea} if edge_attr is not None else {},
+                "params": {k: xp.zeros(v.shape, dtype=v.dtype) for k, v in params.items()}}
+        grads = _backward_arrays(recipe, dout, dst, src, [], relation, acc, meta, edge)
+        dx_src, dx_dst = grads["src"]["x_src"], grads["dst"]["x_dst"]
+        if single:
+            dx = (dx_src.astype(acc) + dx_dst.astype(acc)).astype(x_src.dtype)
+        else:
+            dx = (dx_src, dx_dst)
+        return {"x": dx, "edge_attr": grads["edge"].get("edge_attr"), "params": grads["params"]}
 
     return out, vjp
