@@ -4,6 +4,7 @@
     out, stats = tgd.attention(q, k, v, graph, return_stats=True)      # dask arrays in, dask arrays out
     dq, dk, dv = tgd.attention_backward(dout, q, k, v, out, stats, graph)
     out, vjp = tgd.program_vjp(prog, graph, src={...}, dst={...}, **params)   # a tg.MessagePassing
+    out, vjp = tgd.layer_vjp(conv, x, graph, edge_attr)                       # a tiga_numba.layers layer
 
 q's chunks along axis 0 are the destination partitions, k's (and v's) the source chunks; the
 other axes must be one chunk. Every task is a call of the single-process kernels on one piece:
@@ -25,7 +26,8 @@ play q's part and their src fields k's and v's; per-edge fields (CSR) are put in
 rechunked by destination partition. flash-attn's ``softcap`` and ``alibi_slopes`` apply
 in every task; node positions (ALiBi's distance, a program's ``src.index`` / ``dst.index``) are the
 whole relation's (a block task is told its chunks' first rows, a CSR partition its halo's source
-ids).
+ids). GNN layers (``layer``, ``layer_vjp``) run per CSR partition on the layer's edge set (self
+loops included) with x_src's halo.
 
 The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
 and kept on the graph. With a dask.distributed Client as the default scheduler, the CSR local
