@@ -422,6 +422,138 @@ def _flat(lazy):
     return (out, stats.m, stats.l, stats.lse, *grads)
 
 
+# --------------------------------------------------------------------------- GNN layers
+def _layer_graph(rng, nd, ns, order):
+    """A COO graph (constructor order != CSR order) or its CSR, with a hub row, an empty row,
+    a few self loops and repeated edges."""
+    e = 260
+    dst, src = rng.integers(0, nd, e), rng.integers(0, ns, e)
+    dst[:25] = 4                              # a hub row
+    src[30:36] = dst[30:36] % ns              # self loops, which PyG's layers remove and re-add
+    dst[40:44], src[40:44] = 9, 2             # one edge four times
+    keep = dst != 7                           # an empty row (it gets only its added loop)
+    dst, src = dst[keep], src[keep]
+    if order == "csr":
+        a = sp.csr_matrix((np.ones(dst.shape[0]), (dst, src)), shape=(nd, ns))
+        a.sum_duplicates()
+        return tg.Graph.from_scipy(a)
+    return tg.Graph.from_coo(src, dst, num_src=ns, num_dst=nd)
+
+
+LAYER_CASES = {
+    # name: (layer factory, bipartite, edge_dim or None, 1-D edge_attr, edge order)
+    "gat-mean": (lambda: tgl.GATConv(6, 4, heads=3, edge_dim=3, seed=1), False, 3, False, "coo"),
+    "gat-max-residual": (lambda: tgl.GATConv(6, 4, heads=2, concat=False, edge_dim=1, fill_value="max",
+                                                   residual=True, seed=2), False, 1, True, "coo"),
+    "gat-bipartite": (lambda: tgl.GATConv((6, 5), 4, heads=2, edge_dim=2, fill_value="mul", seed=3),
+                      True, 2, False, "coo"),
+    "gatv2-no-loops": (lambda: tgl.GATv2Conv(6, 4, heads=2, add_self_loops=False, seed=4),
+                       False, None, False, "csr"),
+    "gatv2-shared": (lambda: tgl.GATv2Conv(6, 4, heads=2, share_weights=True, edge_dim=3,
+                                                 fill_value=0.5, seed=5), False, 3, False, "coo"),
+    "transformer": (lambda: tgl.TransformerConv((6, 5), 4, heads=2, edge_dim=3, beta=True, seed=6),
+                    True, 3, False, "coo"),
+}
+
+
+def _layer_problem(name, dtype=np.float64, seed=11):
+    make, bipartite, edge_dim, flat, order = LAYER_CASES[name]
+    rng = np.random.default_rng(seed)
+    nd, ns = (41, 37) if bipartite else (41, 41)
+    g = _layer_graph(rng, nd, ns, order)
+    conv = make().eval()
+    conv.load_state_dict({k: v.astype(dtype) for k, v in conv.state_dict().items()})
+    x_src = rng.standard_normal((ns, 6)).astype(dtype)
+    x_dst = rng.standard_normal((nd, 5)).astype(dtype) if bipartite else x_src
+    x = (x_src, x_dst) if bipartite else x_src
+    ea = None
+    if edge_dim is not None:
+        ea = rng.standard_normal((g.num_edges,) if flat else (g.num_edges, edge_dim)).astype(dtype)
+    out, vjp = conv.vjp(x, g, ea)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    ref = vjp(dout)
+    cx = (da.from_array(x_src, chunks=(10, -1)), da.from_array(x_dst, chunks=(13, -1))) if bipartite \
+        else da.from_array(x_src, chunks=((9, 0, 20, 12), (6,)))
+    rows = (cx[1] if bipartite else cx).chunks[0]
+    chunked = dict(x=cx, edge_attr=None if ea is None else da.from_array(ea, chunks=70),
+                   dout=da.from_array(dout, chunks=(rows, -1)))
+    return conv, g, (out, ref), chunked
+
+
+def _check_layer(got_out, got, out, ref, tol):
+    np.testing.assert_allclose(got_out, out, rtol=tol, atol=tol)
+    xs = got["x"] if isinstance(got["x"], tuple) else (got["x"],)
+    xr = ref["x"] if isinstance(ref["x"], tuple) else (ref["x"],)
+    for a, b in zip(xs, xr):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+    if ref["edge_attr"] is None:
+        assert got["edge_attr"] is None
+    else:
+        assert got["edge_attr"].shape == ref["edge_attr"].shape
+        np.testing.assert_allclose(got["edge_attr"], ref["edge_attr"], rtol=tol, atol=tol)
+    assert set(got["params"]) == set(ref["params"])
+    for k, b in ref["params"].items():
+        assert got["params"][k].dtype == b.dtype, k
+        np.testing.assert_allclose(got["params"][k], b, rtol=tol, atol=tol, err_msg=k)
+
+
+@pytest.mark.parametrize("name", list(LAYER_CASES))
+def test_layer_vjp_equals_single_process(name):
+    conv, g, (out, ref), c = _layer_problem(name)
+    lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
+    rows = (c["x"][1] if isinstance(c["x"], tuple) else c["x"]).chunks[0]
+    assert lout.chunks[0] == rows
+    grads = vjp(c["dout"])
+    got_out, got = dask.compute(lout, grads, scheduler="threads")
+    _check_layer(got_out, got, out, ref, 1e-12)
+    # the forward alone, and the partial sums in a fixed order: the same bits on every run
+    assert np.array_equal(tgd.layer(conv, c["x"], g, c["edge_attr"]).compute(), got_out)
+    again = dask.compute(grads, scheduler="threads")[0]
+
+    def arrays(grads):
+        x = grads["x"] if isinstance(grads["x"], tuple) else (grads["x"],)
+        return [*x, grads["edge_attr"], *grads["params"].values()]
+    assert all(a is b is None or np.array_equal(a, b) for a, b in zip(arrays(again), arrays(got)))
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float16, 2e-2)])
+def test_layer_lower_precision(dtype, tol):
+    conv, g, (out, ref), c = _layer_problem("gat-mean", dtype=dtype)
+    lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
+    got_out, got = dask.compute(lout, vjp(c["dout"]), scheduler="threads")
+    assert got_out.dtype == dtype and got["x"].dtype == dtype
+    _check_layer(got_out, got, out, ref, tol)
+
+
+def test_layer_errors_at_the_call():
+    conv, g, _, c = _layer_problem("gat-mean")
+    x, ea = c["x"], c["edge_attr"]
+    with pytest.raises(TypeError, match=r"^layer must be a tiga_numba.layers layer"):
+        tgd.layer(object(), x, g, ea)
+    with pytest.raises(TypeError, match=r"^x must be a dask array"):
+        tgd.layer(conv, x.compute(), g, ea)
+    with pytest.raises(ValueError, match=r"^x is chunked along axis 1"):
+        tgd.layer(conv, x.rechunk((9, 3)), g, ea)
+    with pytest.raises(ValueError, match=r"num_src=41 but x has 40 rows"):
+        tgd.layer(conv, x[:40], g, ea)
+    with pytest.raises(ValueError, match=r"^x_dst is None"):
+        tgd.layer(conv, (x, None), g, ea)
+    with pytest.raises(ValueError, match=r"num_edges=\d+ but edge_attr has"):
+        tgd.layer(conv, x, g, ea[:-1])
+    with pytest.raises(ValueError, match=r"x must have 6 features"):   # the layer's own check
+        tgd.layer(conv, x[:, :5], g, ea)
+    with pytest.raises(ValueError, match=r"edge_attr was given but GATConv was built with edge_dim=None"):
+        tgd.layer(tgl.GATConv(6, 4), x, g, ea)
+    with pytest.raises(NotImplementedError, match=r"dropout"):
+        tgd.layer(tgl.GATConv(6, 4, dropout=0.5, edge_dim=3), x, g, ea)
+    out, vjp = tgd.layer_vjp(conv, x, g, ea)
+    with pytest.raises(ValueError, match=r"^dout is chunked"):
+        vjp(c["dout"].rechunk((20, -1)))
+    with pytest.raises(ValueError, match=r"^dout must have the shape of out"):
+        vjp(c["dout"][:, :5])
+
+
 # --------------------------------------------------------------------------- dask.distributed
 @pytest.fixture(scope="module")
 def client():
@@ -462,6 +594,19 @@ def test_local_cluster_program_vjp(client):
         prog, g, params, (out, grads), c = _program_problem(name, "modified", seed=9)
         lout, vjp = tgd.program_vjp(prog, g, src=c["src"], dst=c["dst"], **params)
         _check_program(*client.compute((lout, vjp(c["dout"])), sync=True), out, grads)
+
+
+def test_local_cluster_layer_vjp(client):
+    """A layer (with its parameters, without the host edge set) on worker processes; the
+    partitions' loop marks are uploaded once per plan."""
+    from distributed import futures_of
+    conv, g, (out, ref), c = _layer_problem("gat-bipartite")
+    lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
+    grads = vjp(c["dout"])
+    loops = {f.key for f in futures_of(lout) if str(f.key).startswith("tiga-attention-loops-")}
+    assert len(loops) == len(c["x"][1].chunks[0])
+    got_out, got = client.compute((lout, grads), sync=True)
+    _check_layer(got_out, got, out, ref, 1e-12)
 
 
 def test_local_cluster_uploads_csr_relations_once(client):
@@ -612,148 +757,3 @@ def test_importing_the_package_does_not_import_dask():
     import sys
     code = "import sys, tiga_numba; assert 'dask' not in sys.modules, 'dask imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-# --------------------------------------------------------------------------- GNN layers
-def _layer_graph(rng, nd, ns, order):
-    """A COO graph (constructor order != CSR order) or its CSR, with a hub row, an empty row,
-    a few self loops and repeated edges."""
-    e = 260
-    dst, src = rng.integers(0, nd, e), rng.integers(0, ns, e)
-    dst[:25] = 4                              # a hub row
-    src[30:36] = dst[30:36] % ns              # self loops, which PyG's layers remove and re-add
-    dst[40:44], src[40:44] = 9, 2             # one edge four times
-    keep = dst != 7                           # an empty row (it gets only its added loop)
-    dst, src = dst[keep], src[keep]
-    if order == "csr":
-        a = sp.csr_matrix((np.ones(dst.shape[0]), (dst, src)), shape=(nd, ns))
-        a.sum_duplicates()
-        return tg.Graph.from_scipy(a)
-    return tg.Graph.from_coo(src, dst, num_src=ns, num_dst=nd)
-
-
-LAYER_CASES = {
-    # name: (layer factory, bipartite, edge_dim or None, 1-D edge_attr, edge order)
-    "gat-mean": (lambda: tgl.GATConv(6, 4, heads=3, edge_dim=3, seed=1), False, 3, False, "coo"),
-    "gat-max-residual": (lambda: tgl.GATConv(6, 4, heads=2, concat=False, edge_dim=1, fill_value="max",
-                                                   residual=True, seed=2), False, 1, True, "coo"),
-    "gat-bipartite": (lambda: tgl.GATConv((6, 5), 4, heads=2, edge_dim=2, fill_value="mul", seed=3),
-                      True, 2, False, "coo"),
-    "gatv2-no-loops": (lambda: tgl.GATv2Conv(6, 4, heads=2, add_self_loops=False, seed=4),
-                       False, None, False, "csr"),
-    "gatv2-shared": (lambda: tgl.GATv2Conv(6, 4, heads=2, share_weights=True, edge_dim=3,
-                                                 fill_value=0.5, seed=5), False, 3, False, "coo"),
-    "transformer": (lambda: tgl.TransformerConv((6, 5), 4, heads=2, edge_dim=3, beta=True, seed=6),
-                    True, 3, False, "coo"),
-}
-
-
-def _layer_problem(name, dtype=np.float64, seed=11):
-    make, bipartite, edge_dim, flat, order = LAYER_CASES[name]
-    rng = np.random.default_rng(seed)
-    nd, ns = (41, 37) if bipartite else (41, 41)
-    g = _layer_graph(rng, nd, ns, order)
-    conv = make().eval()
-    conv.load_state_dict({k: v.astype(dtype) for k, v in conv.state_dict().items()})
-    x_src = rng.standard_normal((ns, 6)).astype(dtype)
-    x_dst = rng.standard_normal((nd, 5)).astype(dtype) if bipartite else x_src
-    x = (x_src, x_dst) if bipartite else x_src
-    ea = None
-    if edge_dim is not None:
-        ea = rng.standard_normal((g.num_edges,) if flat else (g.num_edges, edge_dim)).astype(dtype)
-    out, vjp = conv.vjp(x, g, ea)
-    dout = rng.standard_normal(out.shape).astype(dtype)
-    ref = vjp(dout)
-    cx = (da.from_array(x_src, chunks=(10, -1)), da.from_array(x_dst, chunks=(13, -1))) if bipartite \
-        else da.from_array(x_src, chunks=((9, 0, 20, 12), (6,)))
-    rows = (cx[1] if bipartite else cx).chunks[0]
-    chunked = dict(x=cx, edge_attr=None if ea is None else da.from_array(ea, chunks=70),
-                   dout=da.from_array(dout, chunks=(rows, -1)))
-    return conv, g, (out, ref), chunked
-
-
-def _check_layer(got_out, got, out, ref, tol):
-    np.testing.assert_allclose(got_out, out, rtol=tol, atol=tol)
-    xs = got["x"] if isinstance(got["x"], tuple) else (got["x"],)
-    xr = ref["x"] if isinstance(ref["x"], tuple) else (ref["x"],)
-    for a, b in zip(xs, xr):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
-    if ref["edge_attr"] is None:
-        assert got["edge_attr"] is None
-    else:
-        assert got["edge_attr"].shape == ref["edge_attr"].shape
-        np.testing.assert_allclose(got["edge_attr"], ref["edge_attr"], rtol=tol, atol=tol)
-    assert set(got["params"]) == set(ref["params"])
-    for k, b in ref["params"].items():
-        assert got["params"][k].dtype == b.dtype, k
-        np.testing.assert_allclose(got["params"][k], b, rtol=tol, atol=tol, err_msg=k)
-
-
-@pytest.mark.parametrize("name", list(LAYER_CASES))
-def test_layer_vjp_equals_single_process(name):
-    conv, g, (out, ref), c = _layer_problem(name)
-    lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
-    rows = (c["x"][1] if isinstance(c["x"], tuple) else c["x"]).chunks[0]
-    assert lout.chunks[0] == rows
-    grads = vjp(c["dout"])
-    got_out, got = dask.compute(lout, grads, scheduler="threads")
-    _check_layer(got_out, got, out, ref, 1e-12)
-    # the forward alone, and the partial sums in a fixed order: the same bits on every run
-    assert np.array_equal(tgd.layer(conv, c["x"], g, c["edge_attr"]).compute(), got_out)
-    again = dask.compute(grads, scheduler="threads")[0]
-
-    def arrays(grads):
-        x = grads["x"] if isinstance(grads["x"], tuple) else (grads["x"],)
-        return [*x, grads["edge_attr"], *grads["params"].values()]
-    assert all(a is b is None or np.array_equal(a, b) for a, b in zip(arrays(again), arrays(got)))
-
-
-@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float16, 2e-2)])
-def test_layer_lower_precision(dtype, tol):
-    conv, g, (out, ref), c = _layer_problem("gat-mean", dtype=dtype)
-    lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
-    got_out, got = dask.compute(lout, vjp(c["dout"]), scheduler="threads")
-    assert got_out.dtype == dtype and got["x"].dtype == dtype
-    _check_layer(got_out, got, out, ref, tol)
-
-
-def test_local_cluster_layer_vjp(client):
-    """A layer (with its parameters, without the host edge set) on worker processes; the
-    partitions' loop marks are uploaded once per plan."""
-    from distributed import futures_of
-    conv, g, (out, ref), c = _layer_problem("gat-bipartite")
-    lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
-    grads = vjp(c["dout"])
-    loops = {f.key for f in futures_of(lout) if str(f.key).startswith("tiga-attention-loops-")}
-    assert len(loops) == len(c["x"][1].chunks[0])
-    got_out, got = client.compute((lout, grads), sync=True)
-    _check_layer(got_out, got, out, ref, 1e-12)
-
-
-def test_layer_errors_at_the_call():
-    conv, g, _, c = _layer_problem("gat-mean")
-    x, ea = c["x"], c["edge_attr"]
-    with pytest.raises(TypeError, match=r"^layer must be a tiga_numba.layers layer"):
-        tgd.layer(object(), x, g, ea)
-    with pytest.raises(TypeError, match=r"^x must be a dask array"):
-        tgd.layer(conv, x.compute(), g, ea)
-    with pytest.raises(ValueError, match=r"^x is chunked along axis 1"):
-        tgd.layer(conv, x.rechunk((9, 3)), g, ea)
-    with pytest.raises(ValueError, match=r"num_src=41 but x has 40 rows"):
-        tgd.layer(conv, x[:40], g, ea)
-    with pytest.raises(ValueError, match=r"^x_dst is None"):
-        tgd.layer(conv, (x, None), g, ea)
-    with pytest.raises(ValueError, match=r"num_edges=\d+ but edge_attr has"):
-        tgd.layer(conv, x, g, ea[:-1])
-    with pytest.raises(ValueError, match=r"x must have 6 features"):   # the layer's own check
-        tgd.layer(conv, x[:, :5], g, ea)
-    with pytest.raises(ValueError, match=r"edge_attr was given but GATConv was built with edge_dim=None"):
-        tgd.layer(tgl.GATConv(6, 4), x, g, ea)
-    with pytest.raises(NotImplementedError, match=r"dropout"):
-        tgd.layer(tgl.GATConv(6, 4, dropout=0.5, edge_dim=3), x, g, ea)
-    out, vjp = tgd.layer_vjp(conv, x, g, ea)
-    with pytest.raises(ValueError, match=r"^dout is chunked"):
-        vjp(c["dout"].rechunk((20, -1)))
-    with pytest.raises(ValueError, match=r"^dout must have the shape of out"):
-        vjp(c["dout"][:, :5])
