@@ -3,6 +3,11 @@
     python benchmarks/bench_dask.py csr --nodes 1000000 --degree 16           # H=4, D=32
     python benchmarks/bench_dask.py csr-local --nodes 1000000 --degree 16     # sources near the row
     python benchmarks/bench_dask.py causal --n 32768                           # H=4, D=64
+    python benchmarks/bench_dask.py gat --nodes 1000000 --degree 16           # GATConv(32, 8, heads=4)
+
+The gat case runs a GNN layer (tiga_numba.dask.layer / layer_vjp against the layer's own call and
+vjp, PyG's self loops added) on the csr case's graph; its dask backward runs each partition's
+forward again, which the single-process backward (the vjp of a kept forward) does not.
 
 For each worker count W (--workers, default 1 2) a dask.distributed.LocalCluster of W
 single-thread worker processes runs the forward and the backward; numba gets 2 // W threads per
@@ -42,6 +47,7 @@ states. Each timed dask call is checked to have run its tasks (not found earlier
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import time
@@ -60,7 +66,7 @@ def _graph(case, n, degree, rng):
     if case == "causal":
         return tg.Graph.triangular(n)
     dst = np.repeat(np.arange(n, dtype=np.int64), degree)
-    if case == "csr":
+    if case in ("csr", "gat"):
         src = rng.integers(0, n, dst.shape[0])
     else:   # csr-local: every source within n / 64 rows of its destination
         width = max(n // 64, degree)
@@ -135,6 +141,89 @@ def _model_bytes(summary, q_rows, k_rows, q_owner, k_owner, heads, kv_heads, dim
     return fwd, bwd
 
 
+class _Attention:
+    """tg.attention over q, k, v: H=4, D=32 on graphs, D=64 causal, float32."""
+    rows, cols = "q", "k"
+
+    def __init__(self, args, graph, rng):
+        import tiga_numba as tg
+        import tiga_numba.dask as tgd
+        self.tg, self.tgd, self.graph = tg, tgd, graph
+        n = graph.num_dst
+        self.heads, self.dim = 4, (64 if args.case == "causal" else 32)
+        self.arrays = {name: rng.standard_normal((n, self.heads, self.dim), dtype=np.float32)
+                       for name in ("q", "k", "v", "dout")}
+        self.describe = f"H={self.heads}, D={self.dim}, float32"
+
+    def single_forward(self):
+        a = self.arrays
+        return self.tg.attention(a["q"], a["k"], a["v"], self.graph, return_stats=True)
+
+    def single_backward(self, fwd):
+        a = self.arrays
+        return self.tg.attention_backward(a["dout"], a["q"], a["k"], a["v"], *fwd, self.graph)
+
+    def dask_forward(self, P):
+        o, st = self.tgd.attention(P["q"], P["k"], P["v"], self.graph, return_stats=True)
+        return [o, st.m, st.l]
+
+    def dask_backward(self, P, fwd):
+        stats = self.tgd.DaskAttentionStats(fwd[1], fwd[2])
+        return list(self.tgd.attention_backward(P["dout"], P["q"], P["k"], P["v"], fwd[0], stats, self.graph))
+
+    def compared(self, fwd, bwd):
+        """(forward result, gradient) that the error line compares: out and dk (single-process
+        results or the dask lists)."""
+        return fwd[0], bwd[1]
+
+    def summary(self, P):
+        return self.tgd.plan_summary(self.graph, P["q"], P["k"])
+
+    def model(self, summary, P, q_owner, k_owner):
+        return _model_bytes(summary, P["q"].chunks[0], P["k"].chunks[0], q_owner, k_owner, self.heads,
+                            self.heads, self.dim, self.dim, 4)
+
+
+class _Layer:
+    """tiga_numba.layers.GATConv(32, 8, heads=4) (self loops added, eval) over x (N, 32) float32."""
+    rows = cols = "x"
+
+    def __init__(self, args, graph, rng):
+        import tiga_numba.dask as tgd
+        from tiga_numba.layers import GATConv
+        self.tgd, self.graph = tgd, graph
+        self.conv = GATConv(32, 8, heads=4, seed=0).eval()
+        n = graph.num_dst
+        self.arrays = {"x": rng.standard_normal((n, 32), dtype=np.float32),
+                       "dout": rng.standard_normal((n, 32), dtype=np.float32)}
+        self.describe = "GATConv(32, 8, heads=4), float32"
+
+    def single_forward(self):
+        return self.conv.vjp(self.arrays["x"], self.graph)
+
+    def single_backward(self, fwd):
+        return fwd[1](self.arrays["dout"])
+
+    def dask_forward(self, P):
+        return [self.tgd.layer(self.conv, P["x"], self.graph)]
+
+    def dask_backward(self, P, fwd):
+        grads = self.tgd.layer_vjp(self.conv, P["x"], self.graph)[1](P["dout"])
+        return [grads["x"], *grads["params"].values()]
+
+    def compared(self, fwd, bwd):
+        """out and dx (single-process results or the dask lists)."""
+        return fwd[0], (bwd["x"] if isinstance(bwd, dict) else bwd[0])
+
+    def summary(self, P):
+        from tiga_numba.layers._edges import edge_set   # the relation the layer's tasks run on
+        return self.tgd.plan_summary(edge_set(self.graph, True, np).graph, P["x"], P["x"])
+
+    def model(self, summary, P, q_owner, k_owner):
+        # the halo rows of x (32 float32 each); backward: again, and the partial dx sent back
+        return _model_bytes(summary, P["x"].chunks[0], P["x"].chunks[0], q_owner, k_owner, 1, 1, 32, 0, 4)
+
+
 def run(args):
     import dask.array as da
     import distributed
@@ -145,20 +234,13 @@ def run(args):
         print(f"# memory touched before the runs: {args.touch_memory} GiB, first write {first:.2f} GiB/s, "
               f"again {again:.2f} GiB/s", flush=True)
 
-    import tiga_numba as tg
-    import tiga_numba.dask as tgd
-
     rng = np.random.default_rng(0)
-    if args.case == "causal":
-        n, heads, dim = args.n, 4, 64
-    else:
-        n, heads, dim = args.nodes, 4, 32
+    n = args.n if args.case == "causal" else args.nodes
     t0 = time.perf_counter()
     graph = _graph(args.case, n, args.degree, rng)
     build_s = time.perf_counter() - t0
-    dtype = np.float32
-    q, k, v, dout = (rng.standard_normal((n, heads, dim), dtype=dtype) for _ in range(4))
-    print(f"# {args.case}: N={n}, edges={graph.num_edges}, H={heads}, D={dim}, float32; "
+    work = (_Layer if args.case == "gat" else _Attention)(args, graph, rng)
+    print(f"# {args.case}: N={n}, edges={graph.num_edges}, {work.describe}; "
           f"graph built in {build_s:.1f} s" + ("; dask low-level fusion off" if args.no_fuse else "")
           + ("; freed memory kept (" + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()) + ")"
              if args.keep_freed_memory else ""))
@@ -168,10 +250,11 @@ def run(args):
         pre.update(KEEP_FREED_MEMORY)   # replaces distributed's MALLOC_TRIM_THRESHOLD_ for the workers
         dask.config.set({"distributed.nanny.pre-spawn-environ": pre})
     # single process (warm: one call first compiles or loads the kernels)
-    out, stats = tg.attention(q, k, v, graph, return_stats=True)
-    t_fwd, c_fwd, (out, stats) = _best(lambda: tg.attention(q, k, v, graph, return_stats=True), args.repeat)
-    tg.attention_backward(dout, q, k, v, out, stats, graph)
-    t_bwd, c_bwd, ref = _best(lambda: tg.attention_backward(dout, q, k, v, out, stats, graph), args.repeat)
+    work.single_forward()
+    t_fwd, c_fwd, ref_fwd = _best(work.single_forward, args.repeat)
+    work.single_backward(ref_fwd)
+    t_bwd, c_bwd, ref_bwd = _best(lambda: work.single_backward(ref_fwd), args.repeat)
+    ref_out, ref_grad = work.compared(ref_fwd, ref_bwd)
     print(f"| config | plan s | fwd s | bwd s | cpu s fwd / bwd | moved MB fwd / bwd | model MB fwd / bwd | "
           f"busy s/wkr fwd / bwd | overhead wall fwd / bwd | overhead cpu fwd / bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -211,12 +294,13 @@ def run(args):
                 return [addrs.index(where[key][0]) for key in (
                     (x.name, i) + (0,) * (x.ndim - 1) for i in range(len(x.chunks[0])))]
 
-            Q, K, V, DO = (place(a) for a in (q, k, v, dout))
-            q_owner, k_owner = owners(Q), owners(K)
-            if owners(V) != k_owner or owners(DO) != q_owner or q_owner != [owner(i) for i in range(chunks)]:
-                print(f"# note: chunks placed q {q_owner}, k {k_owner}, v {owners(V)}, dout {owners(DO)}")
+            P = {name: place(a) for name, a in work.arrays.items()}
+            placed = {name: owners(a) for name, a in P.items()}
+            q_owner, k_owner = placed[work.rows], placed[work.cols]
+            if any(o != [owner(i) for i in range(chunks)] for o in placed.values()):
+                print(f"# note: chunks placed {placed}")
             t0 = time.perf_counter()
-            summary = tgd.plan_summary(graph, Q, K)
+            summary = work.summary(P)
             plan_s = time.perf_counter() - t0
 
             def moved():
@@ -254,23 +338,17 @@ def run(args):
                     if best is None or dt < best:
                         best, sent, busy, cpu = dt, moved() - before, per, (w1 - w0) + (s1 - s0) + (c1 - c0)
                         split = (w1 - w0, s1 - s0, c1 - c0)
-                print(f"# {'fwd' if 'attention-out' in str(result[0].name) else 'bwd'} cpu s: workers {split[0]:.2f}, "
+                print(f"# {'fwd' if '-out-' in str(result[0].name) else 'bwd'} cpu s: workers {split[0]:.2f}, "
                       + (f"client and scheduler (one process) {split[2]:.2f}" if same_process else
                          f"scheduler {split[1]:.2f}, client {split[2]:.2f}"), flush=True)
                 return best, result, sent, busy, cpu
 
-            def forward():
-                o, st = tgd.attention(Q, K, V, graph, return_stats=True)
-                return o, st.m, st.l
-
-            f_s, fwd, f_bytes, f_busy, f_cpu = timed(forward)
-            O, S = fwd[0], tgd.DaskAttentionStats(fwd[1], fwd[2])
-            b_s, grads, b_bytes, b_busy, b_cpu = timed(lambda: tgd.attention_backward(DO, Q, K, V, O, S, graph))
-            got = [np.asarray(x) for x in client.gather([O.persist(), grads[1].persist()])]
-            err = max(float(np.abs(got[0] - out).max() / np.abs(out).max()),
-                      float(np.abs(got[1] - ref[1]).max() / np.abs(ref[1]).max()))
-            m_f, m_b = _model_bytes(summary, Q.chunks[0], K.chunks[0], q_owner, k_owner, heads, heads, dim,
-                                    dim, 4)
+            f_s, fwd, f_bytes, f_busy, f_cpu = timed(functools.partial(work.dask_forward, P))
+            b_s, grads, b_bytes, b_busy, b_cpu = timed(functools.partial(work.dask_backward, P, fwd))
+            got = [np.asarray(x) for x in client.gather([a.persist() for a in work.compared(fwd, grads)])]
+            err = max(float(np.abs(got[0] - ref_out).max() / np.abs(ref_out).max()),
+                      float(np.abs(got[1] - ref_grad).max() / np.abs(ref_grad).max()))
+            m_f, m_b = work.model(summary, P, q_owner, k_owner)
             peak = sorted(client.run(_peak_rss).values())
             print(f"# peak resident memory per worker process (whole run: inputs, warm and timed calls): "
                   f"{', '.join(f'{x / 2**30:.2f}' for x in peak)} GiB", flush=True)
@@ -280,13 +358,13 @@ def run(args):
                   f"{f_bytes / 1e6:.0f} / {b_bytes / 1e6:.0f} | {m_f / 1e6:.0f} / {m_b / 1e6:.0f} | "
                   f"{fmt_busy(f_busy)} / {fmt_busy(b_busy)} | "
                   f"{f_s / t_fwd - 1:+.0%} / {b_s / t_bwd - 1:+.0%} | {f_cpu / c_fwd - 1:+.0%} / {b_cpu / c_bwd - 1:+.0%} |"
-                  f"  max |err| / max |ref| (out, dk) {err:.1e}", flush=True)
-            del O, S, grads, fwd, Q, K, V, DO
+                  f"  max |err| / max |ref| (out, {'dx' if args.case == 'gat' else 'dk'}) {err:.1e}", flush=True)
+            del grads, fwd, P
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("case", choices=["csr", "csr-local", "causal"])
+    p.add_argument("case", choices=["csr", "csr-local", "causal", "gat"])
     p.add_argument("--nodes", type=int, default=1_000_000)
     p.add_argument("--degree", type=int, default=16)
     p.add_argument("--n", type=int, default=32768, help="sequence length (causal)")

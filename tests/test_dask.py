@@ -272,6 +272,85 @@ def test_program_per_edge_fields_equal_single_process(order):
         assert set(got[1]["edge"]) == set(edge)
 
 
+class NetScore(tg.MessagePassing):
+    """A score network over a source field, a destination field and a per-edge field."""
+    reducer = tg.online_softmax()
+
+    def __init__(self, heads, edge_field=True):
+        super().__init__()
+        import tiga_numba.nn as tnn
+        self.edge_field = edge_field
+        self.attn = tnn.trace(tnn.Sequential(tnn.Linear(3 + 2 + edge_field, 8, seed=1, dtype=np.float64),
+                                             tnn.LeakyReLU(0.2),
+                                             tnn.Linear(8, heads, seed=2, dtype=np.float64)))
+
+    def edge(self, src, dst, edge):
+        if self.edge_field:
+            return self.reducer(self.attn(src.x, dst.y, edge.w), src.v)
+        return self.reducer(self.attn(src.x, dst.y), src.v)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_program_score_network_equals_single_process(heads):
+    """Score networks (tg.nn.trace): one score (a single softmax) or one per head, over node
+    fields of both sides and a per-edge field in constructor order; the parameters' gradients
+    are summed over the partitions in a fixed order."""
+    rng = np.random.default_rng(12)
+    g = _layer_graph(rng, 41, 37, "coo")
+    x, y = rng.standard_normal((37, 3)), rng.standard_normal((41, 2))
+    w, v = rng.standard_normal((g.num_edges, 1)), rng.standard_normal((37, 2, 4))
+    prog = NetScore(heads)
+    out, vjp = prog.vjp(graph=g, src={"x": x, "v": v}, dst={"y": y}, edge={"w": w})
+    dout = rng.standard_normal(out.shape)
+    ref = vjp(dout)
+    S = {"x": da.from_array(x, chunks=(10, -1)), "v": da.from_array(v, chunks=(10, -1, -1))}
+    D = {"y": da.from_array(y, chunks=((13, 0, 28), (2,)))}
+    lout, lvjp = tgd.program_vjp(prog, g, src=S, dst=D, edge={"w": da.from_array(w, chunks=70)})
+    grads = lvjp(da.from_array(dout, chunks=((13, 0, 28),) + dout.shape[1:]))
+    got_out, got = dask.compute(lout, grads, scheduler="threads")
+    np.testing.assert_allclose(got_out, out, rtol=1e-12, atol=1e-12)
+    for role in ("src", "dst", "edge", "params"):
+        assert set(got[role]) == set(ref[role]), role
+        for name, b in ref[role].items():
+            np.testing.assert_allclose(got[role][name], b, rtol=1e-12, atol=1e-12, err_msg=f"{role}[{name}]")
+    again = dask.compute(grads, scheduler="threads")[0]
+    assert all(np.array_equal(again["params"][n], got["params"][n]) for n in got["params"])
+
+
+def test_program_score_network_refusals():
+    """What the partitions cannot run is refused at the call: geometric edge fields (computed
+    from node positions, which the partitions do not carry; the message says how to pass them
+    as a per-edge field, which then gives the single-process result) and implicit relations
+    (as the single-process call)."""
+    import tiga_numba.nn as tnn
+
+    class Geometric(tg.MessagePassing):
+        reducer = tg.online_softmax()
+
+        def __init__(self):
+            super().__init__()
+            self.attn = tnn.trace(tnn.Sequential(tnn.Linear(1 + 3 + 3, 4, seed=1, dtype=np.float64),
+                                                 tnn.ReLU(), tnn.Linear(4, 1, seed=2, dtype=np.float64)))
+
+        def edge(self, src, dst, edge):
+            return self.reducer(self.attn(edge.distance, src.x, dst.x), src.x)
+
+    rng = np.random.default_rng(3)
+    g = tg.Graph.radius(rng.random((30, 3)), 0.4)
+    x = rng.standard_normal((30, 3))
+    X = da.from_array(x, chunks=10)
+    with pytest.raises(NotImplementedError, match=r"^edge.distance is computed from the graph's node positions"):
+        tgd.program(Geometric(), g, src={"x": X}, dst={"x": X})
+    given = tgd.program(Geometric(), g, src={"x": X}, dst={"x": X},
+                        edge={"distance": da.from_array(g.edge_field("distance"), chunks=100)})
+    np.testing.assert_allclose(given.compute(), Geometric()(graph=g, src={"x": x}, dst={"x": x}),
+                               rtol=1e-12, atol=1e-12)
+    t = tg.Graph.triangular(30)
+    with pytest.raises(NotImplementedError, match="score-network attention runs over CSR relations"):
+        tgd.program(NetScore(1, edge_field=False), t, src={"x": X, "v": da.ones((30, 2, 4), chunks=10)},
+                    dst={"y": da.ones((30, 2), chunks=10)})
+
+
 def test_program_errors_at_the_call():
     prog, g, params, _, c = _program_problem("csr", "modified")
     with pytest.raises(TypeError, match=r"edge\['w'\] must be a dask array"):

@@ -132,6 +132,47 @@ def test_cupy_chunks_program_per_edge_fields():
             np.testing.assert_allclose(cupy.asnumpy(got[role][n]), cupy.asnumpy(a), err_msg=n, **tol)
 
 
+class _NetGAT(tg.MessagePassing):
+    reducer = tg.online_softmax()
+
+    def __init__(self, heads):
+        super().__init__()
+        import tiga_numba.nn as tnn
+        self.attn = tnn.trace(tnn.Sequential(tnn.Linear(2 + 2 + 2, 16, seed=1), tnn.LeakyReLU(0.2),
+                                             tnn.Linear(16, heads, seed=2)).to("cuda"))
+
+    def edge(self, src, dst, edge):
+        return self.reducer(self.attn(src.a, dst.a, edge.w), src.x)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_cupy_chunks_score_network(heads):
+    """A score network (one softmax, or one per head) over cupy chunks: node fields, a per-edge
+    field in constructor order and the network's parameter gradients equal the single-process
+    GPU call."""
+    rng = np.random.default_rng(6)
+    s, d = rng.integers(0, 250, 3000), rng.integers(0, 300, 3000)
+    g = tg.Graph.from_coo(s, d, 250, 300)
+    src = {"a": cupy.asarray(rng.standard_normal((250, 2)), np.float32),
+           "x": cupy.asarray(rng.standard_normal((250, 2, 8)), np.float32)}
+    dst = {"a": cupy.asarray(rng.standard_normal((300, 2)), np.float32)}
+    edge = {"w": cupy.asarray(rng.standard_normal((g.num_edges, 2)), np.float32)}
+    prog = _NetGAT(heads)
+    out, vjp = prog.vjp(graph=g, src=src, dst=dst, edge=edge)
+    dout = cupy.asarray(rng.standard_normal(out.shape), np.float32)
+    ref = vjp(dout)
+    lift = lambda a, c: da.from_array(a, chunks=(c,) + a.shape[1:], asarray=False)   # noqa: E731
+    lout, lvjp = tgd.program_vjp(prog, g, src={n: lift(a, 64) for n, a in src.items()},
+                                 dst={n: lift(a, 70) for n, a in dst.items()},
+                                 edge={n: lift(a, 1000) for n, a in edge.items()})
+    got_out, got = dask.compute(lout, lvjp(lift(dout, 70)), scheduler="threads")
+    tol = dict(rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(cupy.asnumpy(got_out), cupy.asnumpy(out), **tol)
+    for role in ("src", "dst", "edge", "params"):
+        for n, a in ref[role].items():
+            np.testing.assert_allclose(cupy.asnumpy(got[role][n]), cupy.asnumpy(a), err_msg=n, **tol)
+
+
 @pytest.mark.parametrize("which", ["gat", "transformer"])
 def test_cupy_chunks_layer_vjp(which):
     """A layer over cupy chunks (self loops with a "mean" fill, COO edge order) equals the

@@ -608,12 +608,15 @@ class _ProgramCall(_Call):
     """The tasks of a tg.MessagePassing program: edge() lowered on each task's local arrays
     (the program's own lowering and kernels), its node positions moved to the whole relation's
     (_global_positions)."""
-    __slots__ = ("program", "dst_names", "src_names", "edge_names", "params", "reads_source_positions")
+    __slots__ = ("program", "dst_names", "src_names", "edge_names", "params", "reads_source_positions",
+                 "program_kind")
 
-    def __init__(self, program, dst_names, src_names, edge_names, params, reads_source_positions):
+    def __init__(self, program, dst_names, src_names, edge_names, params, reads_source_positions,
+                 program_kind):
         self.program, self.dst_names, self.src_names = program, tuple(dst_names), tuple(src_names)
         self.edge_names = tuple(edge_names)
         self.params, self.reads_source_positions = dict(params), reads_source_positions
+        self.program_kind = program_kind   # the traced form's kind: "net", "modified", ...
 
     def __dask_tokenize__(self):
         return ("program", id(self.program), type(self.program).__qualname__, self.dst_names,
@@ -627,15 +630,27 @@ class _ProgramCall(_Call):
             lowered.modifier = _global_positions(lowered.modifier, _xp_of(lowered.value), graph, where)
         return lowered
 
+    @property
+    def saves_stats(self):
+        """Whether the backward reads the forward's (out, m, l): a score network's backward
+        reads what its forward kept besides (the first layer's node products, the per-edge
+        scores of a per-head network), so its task runs the forward again instead."""
+        return self.program_kind != "net"
+
     def forward(self, dst, src, edge, graph, where, source_ids=None):
         lowered = self._lower(dst, src, edge, graph, where.with_ids(source_ids))
         out, _ = lowered.forward()
+        if not self.saves_stats:
+            return out, None, None
         return out, lowered.stats.m, lowered.stats.l
 
     def backward(self, dout, saved, dst, src, edge, graph, where, source_ids=None):
-        out, m, l = saved
         lowered = self._lower(dst, src, edge, graph, where.with_ids(source_ids))
-        lowered.out, lowered.stats = out, AttentionStats(m, l)
+        if self.saves_stats:
+            out, m, l = saved
+            lowered.out, lowered.stats = out, AttentionStats(m, l)
+        else:
+            lowered.forward()
         grads, _ = lowered.backward(dout)
         return grads["dst"], grads["src"], grads["params"], grads["edge"]
 
@@ -1163,20 +1178,33 @@ def _program_call(program, graph, src, dst, edge, params):
     stand_dst = {n: _empty_rows(a) for n, a in dst.items()}
     stand_edge = {n: _empty_rows(a) for n, a in edge.items()} or None
     empty = Graph.from_csr(np.zeros(1, np.int64), np.zeros(0, np.int32), num_src=0)
+    if graph.edge_field_names:   # a geometric graph: a stand-in with the same edge fields
+        pos = graph.positions
+        empty = Graph.radius(_xp_of(pos).zeros((0, pos.shape[1]), pos.dtype), 1.0)
     # the program's own lowering (not program.vjp, which would record the stand-in call as the
     # program's last one for its explain())
     lowered = program._lower(empty, stand_src, stand_dst, stand_edge, params)
     traced = lowered.traced
-    if traced.kind == "net":
-        raise NotImplementedError("score networks (tg.nn.trace) are not supported by "
-                                  "tiga_numba.dask yet")
+    geometric = sorted({f.name for f in traced.score.fields()
+                        if f.role == "edge" and f.name in lowered.call.graph_fields})
+    if geometric:
+        name = geometric[0]
+        raise NotImplementedError(
+            f"edge.{name} is computed from the graph's node positions, which the partitions of "
+            f"tiga_numba.dask do not carry; pass it as a per-edge field instead, "
+            f"edge={{{name!r}: dask.array.from_array(graph.edge_field({name!r}))}} (its gradient "
+            "then goes to that field, not to the positions)")
+    if traced.kind == "net" and graph.is_implicit:   # as the single-process call (its message)
+        raise NotImplementedError(f"score-network attention runs over CSR relations "
+                                  f"(Graph.radius/knn/from_csr/...), got a {graph.kind!r} graph")
     if traced.reducer.block_prune_threshold is not None:
         raise NotImplementedError("tile pruning (block_prune_threshold) is approximate and not "
                                   "offered by tiga_numba.dask (always exact)")
     out, _ = lowered.forward()
     reads = traced.kind == "modified" and sm.Expr("index", (), "src") in set(sm.leaves(traced.score.expr))
-    recipe = _ProgramCall(program, list(dst), list(src), list(edge), params, reads)
-    return recipe, out, lowered.stats, lambda dout: lowered.backward(dout)[0]
+    recipe = _ProgramCall(program, list(dst), list(src), list(edge), params, reads, traced.kind)
+    meta_m = lowered.stats.m if recipe.saves_stats else np.zeros((0,), _accumulation(out.dtype))
+    return recipe, out, meta_m, lambda dout: lowered.backward(dout)[0]
 
 
 def program(program, graph, *, src=None, dst=None, edge=None, **params):
@@ -1186,16 +1214,18 @@ def program(program, graph, *, src=None, dst=None, edge=None, **params):
     numbers or (H,) numpy / cupy arrays. Returns the output as a dask array chunked like the dst
     fields' rows. Per-edge fields (CSR relations) are dask arrays of ``num_edges`` rows in the graph
     constructor's edge order (any chunks). Positions (``src.index``, ``dst.index``) are those of
-    the whole relation. Score networks (``tg.nn.trace``) and tile pruning are not supported."""
+    the whole relation. Score networks (``tg.nn.trace``) run too (their backward runs each task's
+    forward again); geometric edge fields (``edge.distance``, ``edge.displacement``) must be passed
+    as per-edge fields. Tile pruning is not supported."""
     out, _ = _program_forward(program, graph, src, dst, edge, params, return_stats=False)
     return out
 
 
 def _program_forward(program, graph, src, dst, edge, params, return_stats):
-    recipe, meta_out, meta_stats, vjp = _program_call(program, graph, src, dst, edge, params)
-    arrays = _forward_arrays(recipe, dict(dst), dict(src), graph, meta_out, meta_stats.m, return_stats,
-                             dict(edge or {}))
-    return arrays[0], (arrays[1:], recipe, vjp)
+    recipe, meta_out, meta_m, vjp = _program_call(program, graph, src, dst, edge, params)
+    arrays = _forward_arrays(recipe, dict(dst), dict(src), graph, meta_out, meta_m,
+                             return_stats and recipe.saves_stats, dict(edge or {}))
+    return arrays[0], (arrays[1:], recipe, vjp, meta_m.dtype)
 
 
 def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
@@ -1209,9 +1239,9 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
     fields, per-edge ones by destination partition (in the constructor's edge order); a per-head
     param's gradient is one (H,) chunk, summed over the tasks in a fixed
     order. Scalar params get no gradient (as ``program.vjp``)."""
-    out, (stats, recipe, stand_vjp) = _program_forward(program, graph, src, dst, edge, params,
-                                                       return_stats=True)
-    stats = DaskAttentionStats(*stats)
+    out, (saved, recipe, stand_vjp, acc) = _program_forward(program, graph, src, dst, edge, params,
+                                                            return_stats=True)
+    saved = [out, *saved] if recipe.saves_stats else []
     dst, src = dict(dst), dict(src)
     rows_like = dst[recipe.dst_names[0]]
 
@@ -1222,8 +1252,7 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
             raise ValueError(f"dout must have the shape of out {tuple(out.shape)}, got {tuple(dout.shape)}")
         grads = stand_vjp(_empty_rows(dout))   # the single-process checks, on zero-row stand-ins
         meta = {role: grads[role] for role in ("dst", "src", "params", "edge")}
-        return _backward_arrays(recipe, dout, dst, src, [out, stats.m, stats.l], graph, stats.m.dtype,
-                                meta, dict(edge or {}))
+        return _backward_arrays(recipe, dout, dst, src, saved, graph, acc, meta, dict(edge or {}))
 
     return out, vjp
 

@@ -138,7 +138,7 @@ def forward(graph, net, prep, node_products, return_state=True):
         acts, _, _ = _activations(xp, prep, layers, params, As, Ad, WeT, es.rows[e0:e1],
                                   es.cols[e0:e1], e0, e1)
         score[e0:e1] = acts[-1]
-    values = prep.V.reshape(prep.num_src, hv, -1)
+    values = prep.V.reshape(prep.num_src, hv, prep.V.shape[1] // hv)
     plans = {}
     out, att_backward = edge_attention(values, score, es, plans)
     att = plans["forward"]
@@ -232,7 +232,7 @@ def backward(graph, net, args, value, state, dout):
         pg[off:off + int(np.prod(shape))] = g_layers[name].reshape(-1)
     pg[prep.P.shape[0]:] = dWeT.reshape(-1)
     res = finish_grads(prep, dict(net.named_parameters()), args, value, dW1, dAd, pg,
-                       dEX, dv.reshape(prep.num_src, -1), dpos, graph, arg_grads)
+                       dEX, dv.reshape(prep.num_src, int(np.prod(dv.shape[1:]))), dpos, graph, arg_grads)
     att = state.plans["backward"]
     plan = _plan("backward", prep, net, att, H, chunk,
                  f"{att.run_info.get('kernel', att.family)}, then the score network backward "

@@ -747,7 +747,7 @@ def backward(graph, net, prep, state, dout, args, value, decision, xp=None, devi
     rel = graph.realize(device)
     tr = graph.realize_transpose(device)
     nd, ns = prep.num_dst, prep.num_src
-    D = xp.ascontiguousarray(dout.reshape(nd, -1), dtype=acc)
+    D = xp.ascontiguousarray(dout.reshape(nd, int(np.prod(dout.shape[1:]))), dtype=acc)
     pd = prep.pd
     stream = _stream(xp)
     Delta = xp.empty(nd, acc)
