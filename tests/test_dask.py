@@ -12,6 +12,11 @@ import tiga_numba as tg  # noqa: E402
 import tiga_numba.dask as tgd  # noqa: E402
 import tiga_numba.layers as tgl  # noqa: E402
 
+# One xdist worker runs this module, in file order (README command: --dist loadgroup): the
+# dask.distributed tests at the end then find on disk the kernels that the threaded tests of the
+# same calls compiled, where two worker processes of the cluster would each compile them again.
+pytestmark = pytest.mark.xdist_group("dask")
+
 H, HKV, D = 4, 2, 8   # grouped-query attention in every case
 
 
