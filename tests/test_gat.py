@@ -288,6 +288,23 @@ def test_graph_without_edges():
     assert all(np.all(v == 0) for v in res["params"].values())
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+def test_graph_without_nodes(heads):
+    """Zero nodes (e.g. a zero-row stand-in): empty results of the right shapes, zero parameter
+    gradients (reshape(0, -1) cannot tell a width; the widths come from the shapes)."""
+    g = Graph.from_csr(np.zeros(1, np.int64), np.zeros(0, np.int32), num_src=0)
+    net = nn.trace(nn.Sequential(nn.Linear(5, 8, seed=1, dtype=np.float64), nn.LeakyReLU(0.2),
+                                 nn.Linear(8, heads, seed=2, dtype=np.float64)))
+    x, y, v = np.zeros((0, 3)), np.zeros((0, 2)), np.zeros((0, 2, 4))
+    args = [FieldArg("src", "x", x), FieldArg("dst", "y", y)]
+    out, state, _ = edge_mlp.forward(g, net, args, v)
+    assert out.shape == (0, 2, 4)
+    res = edge_mlp.backward(g, net, args, v, state, np.zeros(out.shape))
+    assert res["value"].shape == (0, 2, 4) and [a.shape for a in res["args"]] == [(0, 3), (0, 2)]
+    assert {k: a.shape for k, a in res["params"].items()} == {k: p.shape for k, p in net.named_parameters()}
+    assert all(np.all(a == 0) for a in res["params"].values())
+
+
 def test_backward_is_deterministic(relabel):
     rng = np.random.default_rng(7)
     n, f = 300, 6   # the network, dtypes and unroll choice of test_float32_within_tolerance: its kernels
