@@ -21,7 +21,8 @@ import numpy as np
 
 from ..graph import Graph
 
-__all__ = ["EdgeSet", "edge_set", "marked_edge_set", "xp_of", "sparse_of", "sparse_values", "scatter_rows", "gather"]
+__all__ = ["EdgeSet", "edge_set", "marked_edge_set", "xp_of", "sparse_of", "sparse_values", "scatter_rows",
+           "gather"]
 
 
 def xp_of(array):
