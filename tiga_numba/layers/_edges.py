@@ -179,7 +179,8 @@ class EdgeSet:
 
     def _kept_scan(self, ea, op):
         """The kept edges' attributes in CSR order with their inclusive segmented scans under
-        `op` ("max", "min" or "mul"), forward and backward; None without kept edges."""
+        `op` ("max", "min" or "mul"), forward, and backward for "mul" (its gradient's product of
+        the factors after each; a max / min needs only the totals); None without kept edges."""
         if int(self.kept_pos.shape[0]) == 0:
             return None
         xp = self.xp
@@ -187,7 +188,7 @@ class EdgeSet:
         seg = gather(xp, self.rows, self.kept_pos)   # non-decreasing: CSR order
         fn = {"max": xp.maximum, "min": xp.minimum, "mul": xp.multiply}[op]
         forward = _segmented_scan(xp, vals, seg, fn)
-        backward = _segmented_scan(xp, vals[::-1], seg[::-1], fn)[::-1]
+        backward = _segmented_scan(xp, vals[::-1], seg[::-1], fn)[::-1] if op == "mul" else None
         last = xp.nonzero(xp.concatenate([seg[1:] != seg[:-1], xp.ones(1, dtype=bool)]))[0]
         return _Scan(vals, seg, forward, backward, last)
 
