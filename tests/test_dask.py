@@ -610,6 +610,21 @@ def test_layer_lower_precision(dtype, tol):
     _check_layer(got_out, got, out, ref, tol)
 
 
+def test_layer_on_an_implicit_relation():
+    """An implicit relation (here cu_seqlens with an empty segment) runs as its CSR listing, as
+    the single-process layer runs it; self loops added on it."""
+    rng = np.random.default_rng(13)
+    g = tg.Graph.cu_seqlens([0, 10, 10, 30])
+    conv = tgl.GATConv(5, 3, heads=2, seed=0, dtype=np.float64).eval()
+    x = rng.standard_normal((30, 5))
+    out, vjp = conv.vjp(x, g)
+    dout = rng.standard_normal(out.shape)
+    ref = vjp(dout)
+    lout, lvjp = tgd.layer_vjp(conv, da.from_array(x, chunks=7), g)
+    got_out, got = dask.compute(lout, lvjp(da.from_array(dout, chunks=(7, -1))), scheduler="threads")
+    _check_layer(got_out, got, out, ref, 1e-12)
+
+
 def test_layer_errors_at_the_call():
     conv, g, _, c = _layer_problem("gat-mean")
     x, ea = c["x"], c["edge_attr"]
