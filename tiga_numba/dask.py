@@ -26,8 +26,9 @@ play q's part and their src fields k's and v's; per-edge fields (CSR) are put in
 rechunked by destination partition. flash-attn's ``softcap`` and ``alibi_slopes`` apply
 in every task; node positions (ALiBi's distance, a program's ``src.index`` / ``dst.index``) are the
 whole relation's (a block task is told its chunks' first rows, a CSR partition its halo's source
-ids). GNN layers (``layer``, ``layer_vjp``) run per CSR partition on the layer's edge set (self
-loops included) with x_src's halo.
+ids). Score networks (``tg.nn.trace``) run per CSR partition too. GNN layers (``layer``,
+``layer_vjp``) run per CSR partition on the layer's edge set (self loops included) with x_src's
+halo.
 
 The index plan (halos, local relations, touched blocks) is computed once per graph and chunking
 and kept on the graph. With a dask.distributed Client as the default scheduler, the CSR local
@@ -1237,8 +1238,9 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
 
     ``dout`` is a dask array chunked like ``out``. Node field gradients are chunked like their
     fields, per-edge ones by destination partition (in the constructor's edge order); a per-head
-    param's gradient is one (H,) chunk, summed over the tasks in a fixed
-    order. Scalar params get no gradient (as ``program.vjp``)."""
+    param's gradient is one (H,) chunk, and a score network's parameter gradient one chunk of
+    the parameter's shape, each summed over the tasks in a fixed order. Scalar params get no
+    gradient (as ``program.vjp``)."""
     out, (saved, recipe, stand_vjp, acc) = _program_forward(program, graph, src, dst, edge, params,
                                                             return_stats=True)
     saved = [out, *saved] if recipe.saves_stats else []
