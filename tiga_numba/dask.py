@@ -54,6 +54,7 @@ from dask.base import tokenize
 from dask.core import flatten, keys_in_tasks
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
+from .arrays import accumulation_dtype
 from .functional import AttentionStats
 from .functional import attention as _attention
 from .functional import attention_backward as _attention_backward
@@ -1204,7 +1205,7 @@ def _program_call(program, graph, src, dst, edge, params):
     out, _ = lowered.forward()
     reads = traced.kind == "modified" and sm.Expr("index", (), "src") in set(sm.leaves(traced.score.expr))
     recipe = _ProgramCall(program, list(dst), list(src), list(edge), params, reads, traced.kind)
-    meta_m = lowered.stats.m if recipe.saves_stats else np.zeros((0,), _accumulation(out.dtype))
+    meta_m = lowered.stats.m if recipe.saves_stats else np.zeros((0,), accumulation_dtype(out.dtype))
     return recipe, out, meta_m, lambda dout: lowered.backward(dout)[0]
 
 
@@ -1300,12 +1301,10 @@ class _LayerCall(_Call):
         """The caller's edges the layer keeps (all but removed self loops), in CSR order."""
         es = self.edges
 
-        def make():
-            kept = np.asarray(es.source) >= 0
-            order = np.asarray(es.source)[kept]
-            ends = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
-            indptr = np.asarray(es.indptr)
-            counts = [int(ends[indptr[part.d1]] - ends[indptr[part.d0]]) for part in plan.parts]
+        def make():   # the edge set's kept edges (host arrays): positions and caller ids
+            order, indptr = es.kept_source, np.asarray(es.indptr)
+            ends = np.searchsorted(es.kept_pos, indptr[[p.d1 for p in plan.parts]])
+            counts = np.diff(np.concatenate([[0], ends]))
             if order.shape[0] == es.num_in and np.array_equal(order, np.arange(es.num_in)):
                 order = None
             return _EdgeLayout(order, counts, es.num_in)
@@ -1374,7 +1373,8 @@ def _layer_call(conv, x, graph, edge_attr):
     stand_ea = None if edge_attr is None else _empty_rows(edge_attr)
     out, backward = conv._run(stand if not single else stand[0], empty, stand_ea, None, want_grad=True)
     edges = edge_set(graph, getattr(conv, "add_self_loops", False), np)
-    compute = np.float32 if (isinstance(x_src._meta, np.ndarray) and x_src.dtype == np.float16) else None
+    compute = (accumulation_dtype(x_src.dtype)
+               if isinstance(x_src._meta, np.ndarray) and x_src.dtype == np.float16 else None)
     recipe = _LayerCall(conv, edges, ("edge_attr",) if edge_attr is not None else (), compute)
     return recipe, x_src, x_dst, single, edges.graph, out, backward
 
@@ -1387,14 +1387,7 @@ def layer(layer, x, graph, edge_attr=None):
     in the graph constructor's edge order (any chunks). Returns a dask array chunked like
     ``x_dst``'s rows. Each destination partition runs the layer on its rows, the source rows its
     edges read (self loops included) and its edges; see docs/dask.md."""
-    recipe, x_src, x_dst, single, relation, meta_out, _ = _layer_call(layer, x, graph, edge_attr)
-    edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
-    return _forward_arrays(recipe, {"x_dst": x_dst}, {"x_src": x_src}, relation, meta_out,
-                           np.zeros((0,), _accumulation(x_src.dtype)), False, edge)[0]
-
-
-def _accumulation(dtype):
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    return layer_vjp(layer, x, graph, edge_attr)[0]   # the vjp is a closure: nothing runs for it
 
 
 def layer_vjp(layer, x, graph, edge_attr=None):
@@ -1411,7 +1404,7 @@ def layer_vjp(layer, x, graph, edge_attr=None):
     recipe, x_src, x_dst, single, relation, meta_out, stand_backward = _layer_call(layer, x, graph,
                                                                                    edge_attr)
     edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
-    acc = _accumulation(x_src.dtype)
+    acc = accumulation_dtype(x_src.dtype)
     dst, src = {"x_dst": x_dst}, {"x_src": x_src}
     out = _forward_arrays(recipe, dst, src, relation, meta_out, np.zeros((0,), acc), False, edge)[0]
     params = layer.state_dict()
