@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .cpu.threads import run, serialised, useful
-from .edge_mlp_records import FieldArg, GATPlan, GATState, finish_grads, make_plan
+from .edge_mlp_records import FieldArg, GATPlan, GATState, finish_grads, make_plan, row_width
 # `from .nn import ...` imports the submodule directly: the package's lazy __getattr__ (which
 # would import this module again while it is being imported) is not involved
 from .nn import LeakyReLU, Linear, ReLU, Tanh
@@ -98,12 +98,6 @@ class _Prep:
     key: Any = None  # (graph, net, value, args) this preparation was made for
 
 
-def _width(a):
-    """The row width of `a` (N, ...) flattened to (N, width): reshape(N, -1) cannot tell it
-    when N is 0."""
-    return int(np.prod(a.shape[1:]))
-
-
 def _prepare(graph, net, args, value, value_name="value"):
     if not _is_net(net):
         raise TypeError(f"net must be a traced score network (tiga_numba.nn.trace(module)), "
@@ -157,7 +151,7 @@ def _prepare(graph, net, args, value, value_name="value"):
     if value.ndim not in (2, 3) or value.shape[0] != num_src:
         raise ValueError(f"{value_name} must have shape (num_src={num_src}, F) or (num_src, H, F), "
                          f"got {tuple(value.shape)}")
-    V = xp.ascontiguousarray(value.reshape(num_src, _width(value)), dtype=acc)
+    V = xp.ascontiguousarray(value.reshape(num_src, row_width(value)), dtype=acc)
     if V is not value and V.base is not value:
         copies.append(f"value -> contiguous {acc}")
 
@@ -191,7 +185,7 @@ def _prepare(graph, net, args, value, value_name="value"):
                 what = {"src": "num_src", "dst": "num_dst", "edge": "num_edges"}[a.role]
                 raise ValueError(f"{a.role}.{a.name} must have shape ({what}={n_expected}, F) or "
                                  f"({n_expected},), got {tuple(arr.shape)}")
-            arr2 = arr.reshape(n_expected, _width(arr))
+            arr2 = arr.reshape(n_expected, row_width(arr))
             width = arr2.shape[1]
             if a.role == "edge":
                 edge_items.append(("x", fe, width, xcol))
@@ -503,7 +497,7 @@ def backward(graph, net, args, value, state, dout, unroll=None):
     lay = _layout(graph, prep)
     order_note = lay.note
     t_indptr, t_indices, t_perm = lay.transpose()
-    D = lay.gather(np.ascontiguousarray(dout.reshape(prep.num_dst, _width(dout)), dtype=acc))
+    D = lay.gather(np.ascontiguousarray(dout.reshape(prep.num_dst, row_width(dout)), dtype=acc))
     Vk = lay.gather(prep.V)
     posk = lay.gather(prep.pos) if prep.geometric else prep.pos
     Mk, Lk = lay.gather(state.m), lay.gather(state.l)

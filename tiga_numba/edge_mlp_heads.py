@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .edge_mlp_records import finish_grads, make_plan
+from .edge_mlp_records import finish_grads, make_plan, row_width
 from .nn import LeakyReLU, Linear, ReLU
 
 __all__ = ["net_heads", "HeadScoreState", "forward", "backward"]
@@ -232,7 +232,7 @@ def backward(graph, net, args, value, state, dout):
         pg[off:off + int(np.prod(shape))] = g_layers[name].reshape(-1)
     pg[prep.P.shape[0]:] = dWeT.reshape(-1)
     res = finish_grads(prep, dict(net.named_parameters()), args, value, dW1, dAd, pg,
-                       dEX, dv.reshape(prep.num_src, int(np.prod(dv.shape[1:]))), dpos, graph, arg_grads)
+                       dEX, dv.reshape(prep.num_src, row_width(dv)), dpos, graph, arg_grads)
     att = state.plans["backward"]
     plan = _plan("backward", prep, net, att, H, chunk,
                  f"{att.run_info.get('kernel', att.family)}, then the score network backward "

@@ -12,7 +12,13 @@ import numpy as np
 
 from .plan import ir_stage
 
-__all__ = ["FieldArg", "GATState", "GATPlan", "make_plan", "net_desc", "col_runs", "finish_grads"]
+__all__ = ["FieldArg", "GATState", "GATPlan", "make_plan", "net_desc", "col_runs", "finish_grads", "row_width"]
+
+
+def row_width(a):
+    """The row width of `a` (N, ...) flattened to (N, width): reshape(N, -1) cannot tell it
+    when N is 0 (a graph without nodes, a zero-row stand-in)."""
+    return int(np.prod(a.shape[1:]))
 
 
 class FieldArg(NamedTuple):

@@ -45,7 +45,7 @@ import numpy as np
 from .. import disk_cache
 from ..score_net_source import (indented, route_edge_grad, u_backward, u_features, u_hoist, u_score, u_weights,
                                 unrollable)
-from ..edge_mlp_records import GATState, col_runs, finish_grads, make_plan
+from ..edge_mlp_records import GATState, col_runs, finish_grads, make_plan, row_width
 from ..kernel_cache import KERNELS
 
 DEFAULT_LANES = 4  # measured on one H200 (F = 8 and 64): 4 < 8 < 16 in fwd+bwd time
@@ -747,7 +747,7 @@ def backward(graph, net, prep, state, dout, args, value, decision, xp=None, devi
     rel = graph.realize(device)
     tr = graph.realize_transpose(device)
     nd, ns = prep.num_dst, prep.num_src
-    D = xp.ascontiguousarray(dout.reshape(nd, int(np.prod(dout.shape[1:]))), dtype=acc)
+    D = xp.ascontiguousarray(dout.reshape(nd, row_width(dout)), dtype=acc)
     pd = prep.pd
     stream = _stream(xp)
     Delta = xp.empty(nd, acc)
