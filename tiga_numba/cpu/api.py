@@ -230,7 +230,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         if prune:
             info.update(pruned_tiles=int(pruned.sum()), total_tiles=int(total.sum()))
     else:
-        qn = node_major(q, acc, "q", copies, scale=c)
+        qn = node_major(q, acc, "q", copies)   # the kernel scales each dot product by c
         kn = node_major(k, acc, "k", copies)
         vn = node_major(v, acc, "v", copies)
         bias = _bias(edge_bias, acc, H, copies)
@@ -245,7 +245,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_m = np.empty((n_slots, H), acc)
         part_l = np.empty((n_slots, H), acc)
         _run(kern, items.shape[0], _work(plan, H, D, Dv), qn, kn, vn, relation.indptr, relation.indices, bias,
-             group, items, splits, part_acc, part_m, part_l, out, m, l, mctx)
+             group, acc.type(c), items, splits, part_acc, part_m, part_l, out, m, l, mctx)
         info.update(kernel="cpu.csr.forward (edge-balanced online softmax, long rows split "
                            "and merged)",
                     tiles=f"edge chunk={_csr.CH}; " + _split.describe(splits, n_slots, items.shape[0]),
@@ -531,7 +531,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
                     tiles=f"BM={BM} BN={BN} ({tiles_why})", cache=hit, ir=_ir_of(kern),
                     products=products)
     else:
-        qn = node_major(q, acc, "q", copies, scale=c)
+        qn = node_major(q, acc, "q", copies)   # the kernels scale each dot product by c
         kn = node_major(k, acc, "k", copies)
         vn = node_major(v, acc, "v", copies)
         don = node_major(dout, acc, "dout", copies)
@@ -547,7 +547,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         ghp_items = np.zeros((items.shape[0], n_hp, H), acc)
         part_gnd = np.zeros((n_slots, n_nd, H), acc)
         _run(k_dst, items.shape[0], _work(plan, H, D, Dv), qn, kn, vn, don, m2, linv, delta, relation.indptr,
-             relation.indices, bias, group, acc.type(scale), items, splits, part_dq, dq, dbias,
+             relation.indices, bias, group, acc.type(c), acc.type(scale), items, splits, part_dq, dq, dbias,
              mctx, (ghp_items, gnd, part_gnd, gef))
         if n_hp:
             # per work item, summed in the items' row order (their array order follows the thread
@@ -560,7 +560,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         part_dv = np.empty((t_slots, Hkv, Dv), acc)
         part_gns = np.zeros((t_slots, n_ns, H), acc)
         _run(k_src, t_items.shape[0], _work(plan, H, D, Dv), qn, kn, vn, don, m2, linv, delta, transpose.indptr,
-             transpose.indices, transpose.perm, bias, group, t_items, t_splits, part_dk,
+             transpose.indices, transpose.perm, bias, group, acc.type(c), acc.type(scale), t_items, t_splits, part_dk,
              part_dv, dk, dv, mctx, (gns, part_gns))
         if edge_bias is None:
             dbias = None

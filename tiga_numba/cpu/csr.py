@@ -1,9 +1,11 @@
 """Row-streaming attention over a CSRRelation (general graphs).
 
-Arrays are node-major contiguous in the accumulation dtype: ``q (Nq, H, D)`` pre-multiplied by
-``scale * log2(e)`` (scores in base 2, see ``fastexp.py``), ``k (Nk, Hkv, D)``,
-``v (Nk, Hkv, Dv)``: one gathered source row brings every head at once.  ``bias`` is
-``(E, H)`` in natural units (multiplied by log2(e) here) or an empty ``(0, H)`` array.
+Arrays are node-major contiguous in the accumulation dtype: ``q (Nq, H, D)``, ``k (Nk, Hkv, D)``,
+``v (Nk, Hkv, Dv)``: one gathered source row brings every head at once. Each dot product is
+multiplied by ``qscale`` (``scale * log2(e)``: scores in base 2, see ``fastexp.py``) as it is
+made, one multiply per (edge, head), so q is read where it is instead of copied pre-scaled (a
+q-sized allocation per call less).  ``bias`` is ``(E, H)`` in natural units (multiplied by
+log2(e) here) or an empty ``(0, H)`` array.
 
 Work is divided by edges (``split.py``): a ``prange`` item is a run of short rows or one piece
 of a long row, all heads; a row's edges are streamed in chunks of ``CH`` with the online-softmax
@@ -21,7 +23,7 @@ Backward (deterministic, no atomics, no (E,)-sized scratch):
   slot order.
   p and ds are recomputed in both passes rather than stored.
 
-Score modifiers (``mod``, score_codegen.Generated): q is then pre-multiplied by ``scale`` only,
+Score modifiers (``mod``, score_codegen.Generated): ``qscale`` is then ``scale`` only,
 the kernels apply ``f = mod.value(s, i, j, e, h, ...)`` to each natural-unit score and continue
 in base 2 with ``f * log2(e)``. The backward turns ``dF = p (dp - Delta)`` into ``dF * df/ds``
 (``mod.grad``), which also accumulates the gradients of the modifier's fields: dst fields and
@@ -49,7 +51,6 @@ MOD_GRAD_SRC = no_grad
 CSR_FORWARD_ITEM = CSR_FORWARD_MERGE = CSR_DST_ITEM = CSR_DST_MERGE = CSR_SRC_ITEM = CSR_SRC_MERGE = None
 
 LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
 CH = 16  # edges per online-softmax step (scores of one chunk stay in registers/L1)
 AHEAD = 8  # backward: prefetch the gathered rows of the edge this many edges ahead
 RB = 32  # rows per prange iteration (amortises scratch allocation)
@@ -61,7 +62,7 @@ def make_forward(acc, mod=None):
     MOD = mod is not None
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
 
-    def forward_item(w, q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
+    def forward_item(w, q, k, v, indptr, indices, bias, group, qscale, items, splits, part_acc, part_m, part_l,
                      out, m_out, l_out, mctx):
         """work item w of forward (a run of short rows or one piece of a long one)."""
         sc, hp, nd, ns, ef = mctx
@@ -104,6 +105,7 @@ def make_forward(acc, mod=None):
                         x = dt(0.0)
                         for d in range(D):
                             x += qr[d] * kr[d]
+                        x *= qscale
                         if MOD:
                             x = MOD_VALUE(x, i, j, c0 + t, h, sc, hp, nd, ns, ef) * log2e
                         elif has_bias:
@@ -154,7 +156,7 @@ def make_forward(acc, mod=None):
                 l_out[i, h] = l[h]
         restore_mxcsr(mxcsr)
 
-    def forward_merge(t, q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
+    def forward_merge(t, q, k, v, indptr, indices, bias, group, qscale, items, splits, part_acc, part_m, part_l,
                       out, m_out, l_out, mctx):
         """the pieces of split row t, in slot order (deterministic)."""
         H = q.shape[1]
@@ -165,15 +167,15 @@ def make_forward(acc, mod=None):
             m_out[i, h], l_out[i, h] = merge_parts(part_m[first:last, h], part_l[first:last, h],
                                                    part_acc[first:last, h], out[i, h])
 
-    def forward(q, k, v, indptr, indices, bias, group, items, splits, part_acc, part_m, part_l,
+    def forward(q, k, v, indptr, indices, bias, group, qscale, items, splits, part_acc, part_m, part_l,
                 out, m_out, l_out, mctx):
         for w in prange(items.shape[0]):
             # int64: one signature of the item in the driver and in its outlined loop body
-            CSR_FORWARD_ITEM(np.int64(w), q, k, v, indptr, indices, bias, group, items, splits, part_acc,
+            CSR_FORWARD_ITEM(np.int64(w), q, k, v, indptr, indices, bias, group, qscale, items, splits, part_acc,
                              part_m, part_l, out, m_out, l_out, mctx)
         # merge the pieces of every split row, in slot order (deterministic)
         for t in prange(splits.shape[0]):
-            CSR_FORWARD_MERGE(np.int64(t), q, k, v, indptr, indices, bias, group, items, splits, part_acc,
+            CSR_FORWARD_MERGE(np.int64(t), q, k, v, indptr, indices, bias, group, qscale, items, splits, part_acc,
                               part_m, part_l, out, m_out, l_out, mctx)
 
     return jit_driver(forward, mod, hooks,
@@ -183,15 +185,13 @@ def make_forward(acc, mod=None):
 
 def make_backward(acc, mod=None):
     dt = np.float32 if acc == "float32" else np.float64
-    ln2 = LN2
     log2e = dt(LOG2E)
     MOD = mod is not None
     hooks = {} if not MOD else {"MOD_VALUE": mod.value,
                                 "MOD_GRAD": mod.grad(("head", "dst", "edge")),
                                 "MOD_GRAD_SRC": mod.grad(("src",))}
-    kmul = 1.0 if MOD else ln2  # modified kernels take q scaled by `scale` only
 
-    def backward_dst_item(w, q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale, items,
+    def backward_dst_item(w, q, k, v, do, m2, linv, delta, indptr, indices, bias, group, qscale, scale, items,
                           splits, part_dq, dq, dbias, mctx, mgrad):
         """work item w of backward_dst (a run of short rows or one piece of a long one)."""
         sc, hp, nd, ns, ef = mctx
@@ -234,6 +234,7 @@ def make_backward(acc, mod=None):
                     x = dt(0.0)
                     for d in range(D):
                         x += qr[d] * kr[d]
+                    x *= qscale
                     x2 = x
                     if MOD:
                         x2 = MOD_VALUE(x, i, j, e, h, sc, hp, nd, ns, ef) * log2e
@@ -268,7 +269,7 @@ def make_backward(acc, mod=None):
                             gnd[c, i, h] = row_nd[c, 0, h]
         restore_mxcsr(mxcsr)
 
-    def backward_dst_merge(t, q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale, items,
+    def backward_dst_merge(t, q, k, v, do, m2, linv, delta, indptr, indices, bias, group, qscale, scale, items,
                            splits, part_dq, dq, dbias, mctx, mgrad):
         """the pieces of split row t, in slot order (deterministic)."""
         ghp_items, gnd, part_gnd, gef = mgrad
@@ -291,21 +292,21 @@ def make_backward(acc, mod=None):
                         x += part_gnd[p, c, h]
                     gnd[c, i, h] = x
 
-    def backward_dst(q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
+    def backward_dst(q, k, v, do, m2, linv, delta, indptr, indices, bias, group, qscale, scale,
                      items, splits, part_dq, dq, dbias, mctx, mgrad):
         """dq (and dbias) by destination rows; long rows in pieces summed in slot order.
         With a modifier, mgrad = (ghp per item (n_items, n, H), gnd (n, Nq, H), part_gnd per
         slot (n_slots, n, H), gef (n, E, H)) receives the dst/edge/head gradients."""
         for w in prange(items.shape[0]):
             # int64: one signature of the item in the driver and in its outlined loop body
-            CSR_DST_ITEM(np.int64(w), q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
+            CSR_DST_ITEM(np.int64(w), q, k, v, do, m2, linv, delta, indptr, indices, bias, group, qscale, scale,
                          items, splits, part_dq, dq, dbias, mctx, mgrad)
         for t in prange(splits.shape[0]):
-            CSR_DST_MERGE(np.int64(t), q, k, v, do, m2, linv, delta, indptr, indices, bias, group, scale,
+            CSR_DST_MERGE(np.int64(t), q, k, v, do, m2, linv, delta, indptr, indices, bias, group, qscale, scale,
                           items, splits, part_dq, dq, dbias, mctx, mgrad)
 
-    def backward_src_item(w, q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group, items,
-                          splits, part_dk, part_dv, dk, dv, mctx, mgrad):
+    def backward_src_item(w, q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group, qscale, scale,
+                          items, splits, part_dk, part_dv, dk, dv, mctx, mgrad):
         """work item w of backward_src (a run of short rows or one piece of a long one)."""
         sc, hp, nd, ns, ef = mctx
         gns, part_gns = mgrad
@@ -355,6 +356,7 @@ def make_backward(acc, mod=None):
                     x = dt(0.0)
                     for d in range(D):
                         x += qr[d] * kr[d]
+                    x *= qscale
                     x2 = x
                     if MOD:
                         x2 = MOD_VALUE(x, i, j, perm[t], h, sc, hp, nd, ns, ef) * log2e
@@ -380,7 +382,7 @@ def make_backward(acc, mod=None):
                 va = dv_acc[hk]
                 ok = part_dk[slot, hk] if slot >= 0 else dk[j, hk]
                 ov = part_dv[slot, hk] if slot >= 0 else dv[j, hk]
-                f = dt(1.0) if slot >= 0 else dt(kmul)
+                f = dt(1.0) if slot >= 0 else scale
                 for d in range(D):
                     ok[d] = ka[d] * f
                 for d in range(Dv):
@@ -394,8 +396,8 @@ def make_backward(acc, mod=None):
                             gns[c, j, h] = row_ns[c, 0, h]
         restore_mxcsr(mxcsr)
 
-    def backward_src_merge(t, q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group, items,
-                           splits, part_dk, part_dv, dk, dv, mctx, mgrad):
+    def backward_src_merge(t, q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group, qscale, scale,
+                           items, splits, part_dk, part_dv, dk, dv, mctx, mgrad):
         """the pieces of split row t, in slot order (deterministic)."""
         gns, part_gns = mgrad
         n_ns = gns.shape[0]
@@ -412,7 +414,7 @@ def make_backward(acc, mod=None):
                 x = part_dk[first, hk, d]
                 for p in range(first + 1, last):
                     x += part_dk[p, hk, d]
-                ok[d] = x * kmul
+                ok[d] = x * scale
             for d in range(Dv):
                 x = part_dv[first, hk, d]
                 for p in range(first + 1, last):
@@ -426,7 +428,7 @@ def make_backward(acc, mod=None):
                         x += part_gns[p, c, h]
                     gns[c, j, h] = x
 
-    def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
+    def backward_src(q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group, qscale, scale,
                      items, splits, part_dk, part_dv, dk, dv, mctx, mgrad):
         """dk, dv by source rows over the transposed relation; a source read by very many
         destinations is cut into pieces summed in slot order. With a modifier, mgrad =
@@ -434,10 +436,10 @@ def make_backward(acc, mod=None):
         for w in prange(items.shape[0]):
             # int64: one signature of the item in the driver and in its outlined loop body
             CSR_SRC_ITEM(np.int64(w), q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias, group,
-                         items, splits, part_dk, part_dv, dk, dv, mctx, mgrad)
+                         qscale, scale, items, splits, part_dk, part_dv, dk, dv, mctx, mgrad)
         for t in prange(splits.shape[0]):
             CSR_SRC_MERGE(np.int64(t), q, k, v, do, m2, linv, delta, t_indptr, t_indices, perm, bias,
-                          group, items, splits, part_dk, part_dv, dk, dv, mctx, mgrad)
+                          group, qscale, scale, items, splits, part_dk, part_dv, dk, dv, mctx, mgrad)
 
     def driver(fn, item, merge, glob):
         return jit_driver(fn, mod, hooks, **{f"{glob}_ITEM": jit_kernel(item, mod, parallel=False, **hooks),
