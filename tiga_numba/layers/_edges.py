@@ -217,21 +217,26 @@ class EdgeSet:
         counting the zero it starts from when the result is 0; a product's factor gets the
         product of the others (exact with zeros)."""
         xp = self.xp
-        scan = self._kept_scan(ea, op)
-        d_seg = gather(xp, d_node, scan.seg)
         if op == "mul":
+            scan = self._kept_scan(ea, op)
+            d_seg = gather(xp, d_node, scan.seg)
             same_prev = xp.concatenate([xp.zeros(1, dtype=bool), scan.seg[1:] == scan.seg[:-1]])
             same_next = xp.concatenate([scan.seg[1:] == scan.seg[:-1], xp.zeros(1, dtype=bool)])
             one = xp.ones_like(scan.vals[:1])
             before = xp.where(same_prev[:, None], xp.concatenate([one, scan.forward[:-1]]), 1)
             after = xp.where(same_next[:, None], xp.concatenate([scan.backward[1:], one]), 1)
             return d_seg * before * after
-        result = scan.totals(xp, self.num_dst, 0)
-        r = gather(xp, result, scan.seg)
-        ties = (scan.vals == r).astype(ea.dtype)
+        # a max / min needs only each node's result, which edge_attr() wrote into the node's
+        # loop; a node without a loop has d_node = 0, so its result is never read
+        vals = gather(xp, ea, self.kept_pos)
+        seg = gather(xp, self.rows, self.kept_pos)
+        d_seg = gather(xp, d_node, seg)
+        result = xp.zeros((self.num_dst, ea.shape[1]), dtype=ea.dtype)
+        result[self.loop_node] = gather(xp, ea, self.loop_pos)
+        ties = (vals == gather(xp, result, seg)).astype(ea.dtype)
         count = self.sum_by_dst(_zeros_but(xp, ea.shape, self.kept_pos, ties))
         count = count + (result == 0)
-        return ties * d_seg / gather(xp, count, scan.seg)
+        return ties * d_seg / gather(xp, count, seg)
 
 
 class _Scan:
