@@ -35,25 +35,35 @@ def _csr():
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float64, 1e-11)])
 @pytest.mark.parametrize("mods", ["none", "softcap+alibi"])
 def test_cupy_chunks_equal_the_single_process_call(name, build, nd, ns, qc, kc, dtype, tol, mods):
-    g = build()
-    rng = np.random.default_rng(0)
+    expected, (O, S, grads) = _attention_problem(build(), nd, ns, qc, kc, dtype, mods != "none", seed=0)
+    assert isinstance(O._meta, cupy.ndarray) and isinstance(grads[1]._meta, cupy.ndarray)
+    _check_attention(dask.compute(O, S.lse, *grads, scheduler="threads"), expected, tol, tol * 10)
+
+
+def _attention_problem(g, nd, ns, qc, kc, dtype, modified, seed):
+    """(single-process GPU results (out, stats, grads), the same call over dask arrays of cupy
+    chunks (out, stats, grads), lazy); `modified`: with soft-cap and ALiBi."""
+    rng = np.random.default_rng(seed)
     q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype))
                      for s in ((nd, 4, 32), (ns, 2, 32), (ns, 2, 16), (nd, 4, 16)))
-    kw = {} if mods == "none" else dict(softcap=2.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.1, 0.05], dtype))
+    kw = dict(softcap=2.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.1, 0.05], dtype)) if modified else {}
     out, st = tg.attention(q, k, v, g, return_stats=True, **kw)
     ref = tg.attention_backward(dout, q, k, v, out, st, g, **kw)
     Q, DO = (da.from_array(a, chunks=(qc, -1, -1), asarray=False) for a in (q, dout))
     K, V = (da.from_array(a, chunks=(kc, -1, -1), asarray=False) for a in (k, v))
     O, S = tgd.attention(Q, K, V, g, return_stats=True, **kw)
-    grads = tgd.attention_backward(DO, Q, K, V, O, S, g, **kw)
-    assert isinstance(O._meta, cupy.ndarray) and isinstance(grads[1]._meta, cupy.ndarray)
-    got = dask.compute(O, S.lse, *grads, scheduler="threads")
+    return (out, st, ref), (O, S, tgd.attention_backward(DO, Q, K, V, O, S, g, **kw))
+
+
+def _check_attention(got, expected, tol, grad_tol):
+    """computed (out, lse, dq, dk, dv) against the single-process (out, stats, grads)."""
+    out, st, ref = expected
     assert all(isinstance(a, cupy.ndarray) for a in got)
     fin = cupy.isfinite(st.lse)
-    np.testing.assert_allclose(cupy.asnumpy(got[0]), cupy.asnumpy(out), rtol=tol, atol=tol)
-    np.testing.assert_allclose(cupy.asnumpy(got[1][fin]), cupy.asnumpy(st.lse[fin]), rtol=tol, atol=tol)
+    cupy.testing.assert_allclose(got[0], out, rtol=tol, atol=tol)
+    cupy.testing.assert_allclose(got[1][fin], st.lse[fin], rtol=tol, atol=tol)
     for a, b in zip(got[2:], ref):
-        np.testing.assert_allclose(cupy.asnumpy(a), cupy.asnumpy(b), rtol=tol * 10, atol=tol * 10)
+        cupy.testing.assert_allclose(a, b, rtol=grad_tol, atol=grad_tol)
 
 
 def test_band_blocks_are_refused_when_the_graph_is_built():
@@ -178,3 +188,48 @@ def test_cupy_chunks_layer_vjp(which):
     cupy.testing.assert_allclose(got["edge_attr"], ref["edge_attr"], rtol=2e-4, atol=2e-4)
     for k, b in ref["params"].items():
         cupy.testing.assert_allclose(got["params"][k], b, rtol=2e-4, atol=2e-4, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def cuda_client():
+    """dask_cuda's LocalCUDACluster: one worker process per visible GPU (one here), each with its
+    own CUDA context; chunks travel between client and worker as device buffers."""
+    dask_cuda = pytest.importorskip("dask_cuda")
+    distributed = pytest.importorskip("distributed")
+    with dask_cuda.LocalCUDACluster(threads_per_worker=1, dashboard_address=None, silence_logs=40) as cluster, \
+            distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name,build,nd,ns,qc,kc", [
+    ("csr", _csr, 300, 250, 70, 64),
+    ("triangular", lambda: tg.Graph.triangular(256), 256, 256, 64, 64),
+])
+def test_local_cuda_cluster_equals_the_single_process_call(cuda_client, name, build, nd, ns, qc, kc):
+    """attention and its backward with soft-cap and ALiBi, computed by a dask_cuda worker
+    process: results come back as cupy arrays equal to the single-process GPU call."""
+    expected, (O, S, grads) = _attention_problem(build(), nd, ns, qc, kc, np.float32, True, seed=6)
+    _check_attention(cuda_client.compute((O, S.lse, *grads), sync=True), expected, 2e-5, 2e-4)
+
+
+def test_local_cuda_cluster_layer_vjp(cuda_client):
+    """A GATConv layer (parameters on the GPU) shipped to a dask_cuda worker process."""
+    import tiga_numba.layers as tgl
+    rng = np.random.default_rng(7)
+    n, e = 200, 1500
+    g = tg.Graph.from_coo(rng.integers(0, n, e), rng.integers(0, n, e), num_src=n, num_dst=n)
+    conv = tgl.GATConv(16, 8, heads=2, edge_dim=3, seed=3).eval().to("cuda")
+    x = cupy.asarray(rng.standard_normal((n, 16)).astype(np.float32))
+    ea = cupy.asarray(rng.standard_normal((e, 3)).astype(np.float32))
+    out, vjp = conv.vjp(x, g, ea)
+    dout = cupy.asarray(rng.standard_normal(out.shape).astype(np.float32))
+    ref = vjp(dout)
+    lout, lvjp = tgd.layer_vjp(conv, da.from_array(x, chunks=(60, -1), asarray=False), g,
+                               da.from_array(ea, chunks=400, asarray=False))
+    got_out, got = cuda_client.compute((lout, lvjp(da.from_array(dout, chunks=(60, -1), asarray=False))), sync=True)
+    assert isinstance(got_out, cupy.ndarray)
+    cupy.testing.assert_allclose(got_out, out, rtol=2e-5, atol=2e-5)
+    cupy.testing.assert_allclose(got["x"], ref["x"], rtol=2e-4, atol=2e-4)
+    cupy.testing.assert_allclose(got["edge_attr"], ref["edge_attr"], rtol=2e-4, atol=2e-4)
+    for key, b in ref["params"].items():
+        cupy.testing.assert_allclose(got["params"][key], b, rtol=2e-4, atol=2e-4, err_msg=key)
