@@ -4,6 +4,8 @@ import os
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
@@ -504,6 +506,56 @@ def test_csr_chunks_read_whole_by_every_partition():
 def _flat(lazy):
     out, stats, grads = lazy
     return (out, stats.m, stats.l, stats.lse, *grads)
+
+
+def _cuts(rng, n):
+    """random chunk sizes of n rows: 1 to 5 chunks, one of them possibly empty."""
+    if n == 0:
+        return (0,)
+    inner = np.sort(rng.integers(0, n + 1, int(rng.integers(0, 5))))
+    return tuple(int(x) for x in np.diff(np.concatenate([[0], inner, [n]])))
+
+
+def _random_relation(rng, kind):
+    if kind == "csr":
+        nd, ns = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+        a = sp.random(nd, ns, density=rng.uniform(0, 0.3), random_state=int(rng.integers(1 << 30)), format="lil")
+        a.rows[0], a.data[0] = list(range(ns)), [1.0] * ns   # a hub row
+        return tg.Graph.from_scipy(a.tocsr())
+    if kind == "triangular":
+        return tg.Graph.triangular(int(rng.integers(1, 50)))
+    if kind == "band":
+        n = int(rng.integers(1, 50))
+        return tg.Graph.band(n, left=int(rng.integers(0, 8)), right=int(rng.integers(0, 3)))
+    if kind == "dense":
+        return tg.Graph.dense(int(rng.integers(1, 40)), int(rng.integers(1, 40)))
+    lq, lk = rng.integers(0, 12, 3), rng.integers(0, 12, 3)
+    lq[0] = max(lq[0], 1)
+    cu_q = np.concatenate([[0], np.cumsum(lq)])
+    cu_k = np.concatenate([[0], np.cumsum(lk)]) if kind == "varlen" else None
+    window = (int(rng.integers(0, 5)), int(rng.integers(0, 2))) if rng.integers(0, 2) else None
+    return tg.Graph.cu_seqlens(cu_q, causal=bool(rng.integers(0, 2)), cu_seqlens_k=cu_k, window=window)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["csr", "triangular", "band", "dense", "segments", "varlen"]),
+       mods=st.sampled_from(["none", "softcap", "alibi", "softcap+alibi"]), seed=st.integers(0, 2**31 - 1))
+def test_random_relations_and_chunks_equal_single_process(kind, mods, seed):
+    """Any relation, any chunk boundaries of q and of k / v (empty chunks included), with or
+    without the flash modifiers: forward, stats and gradients as the single-process call."""
+    rng = np.random.default_rng(seed)
+    g = _random_relation(rng, kind)
+    kw = {} if mods == "none" else MODS[mods]
+    q, k, v, dout = (rng.standard_normal(s) for s in ((g.num_dst, H, D), (g.num_src, HKV, D),
+                                                      (g.num_src, HKV, D + 3), (g.num_dst, H, D + 3)))
+    out, st_ = tg.attention(q, k, v, g, return_stats=True, **kw)
+    ref = tg.attention_backward(dout, q, k, v, out, st_, g, **kw)
+    qc, kc = _cuts(rng, g.num_dst), _cuts(rng, g.num_src)
+    Q, DO = (da.from_array(a, chunks=(qc, -1, -1)) for a in (q, dout))
+    K, V = (da.from_array(a, chunks=(kc, -1, -1)) for a in (k, v))
+    lout, lst = tgd.attention(Q, K, V, g, return_stats=True, **kw)
+    grads = tgd.attention_backward(DO, Q, K, V, lout, lst, g, **kw)
+    _check(dask.compute(lout, lst.m, lst.l, lst.lse, *grads, scheduler="threads"), (out, st_, ref), 1e-12)
 
 
 # --------------------------------------------------------------------------- GNN layers
