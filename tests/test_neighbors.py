@@ -312,7 +312,9 @@ def _gpu_build(kind):
     def build(pos, arg, exclude):
         dpos = cupy.asarray(pos)
         g = (Graph.radius if kind == "radius" else Graph.knn)(dpos, arg, exclude_self=exclude)
-        assert g.device == "cuda" and g.positions is dpos
+        # the graph keeps its own device copy of the positions (a Graph is immutable)
+        assert g.device == "cuda" and isinstance(g.positions, cupy.ndarray) and g.positions is not dpos
+        assert bool((g.positions == dpos).all())
         rel = g.realize("cuda")
         assert isinstance(rel.indptr, cupy.ndarray) and isinstance(rel.indices, cupy.ndarray)
         assert g._indptr is None, "the device CSR went through the host"
