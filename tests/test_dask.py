@@ -537,9 +537,11 @@ def _random_relation(rng, kind):
     return tg.Graph.cu_seqlens(cu_q, causal=bool(rng.integers(0, 2)), cu_seqlens_k=cu_k, window=window)
 
 
+# the two score trees the tests above compile (a new tree compiles its own kernels: a cold
+# suite would pay for each)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["csr", "triangular", "band", "dense", "segments", "varlen"]),
-       mods=st.sampled_from(["none", "softcap", "alibi", "softcap+alibi"]), seed=st.integers(0, 2**31 - 1))
+       mods=st.sampled_from(["none", "softcap+alibi"]), seed=st.integers(0, 2**31 - 1))
 def test_random_relations_and_chunks_equal_single_process(kind, mods, seed):
     """Any relation, any chunk boundaries of q and of k / v (empty chunks included), with or
     without the flash modifiers: forward, stats and gradients as the single-process call."""
