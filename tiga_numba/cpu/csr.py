@@ -3,9 +3,8 @@
 Arrays are node-major contiguous in the accumulation dtype: ``q (Nq, H, D)``, ``k (Nk, Hkv, D)``,
 ``v (Nk, Hkv, Dv)``: one gathered source row brings every head at once. Each dot product is
 multiplied by ``qscale`` (``scale * log2(e)``: scores in base 2, see ``fastexp.py``) as it is
-made, one multiply per (edge, head), so q is read where it is instead of copied pre-scaled (a
-q-sized allocation per call less).  ``bias`` is ``(E, H)`` in natural units (multiplied by
-log2(e) here) or an empty ``(0, H)`` array.
+made, one multiply per (edge, head): q is read in place, with no q-sized scaled copy per call.
+``bias`` is ``(E, H)`` in natural units (multiplied by log2(e) here) or an empty ``(0, H)`` array.
 
 Work is divided by edges (``split.py``): a ``prange`` item is a run of short rows or one piece
 of a long row, all heads; a row's edges are streamed in chunks of ``CH`` with the online-softmax
