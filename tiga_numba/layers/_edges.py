@@ -177,6 +177,10 @@ class EdgeSet:
             return (xp.ones if fill_value == "mul" else xp.zeros)((self.num_dst, ea.shape[1]), ea.dtype)
         return scan.totals(xp, self.num_dst, 1 if fill_value == "mul" else 0)
 
+    def _kept(self, ea):
+        """The kept edges' attributes in CSR order and their destination rows (non-decreasing)."""
+        return gather(self.xp, ea, self.kept_pos), gather(self.xp, self.rows, self.kept_pos)
+
     def _kept_scan(self, ea, op):
         """The kept edges' attributes in CSR order with their inclusive segmented scans under
         `op` ("max", "min" or "mul"), forward, and backward for "mul" (its gradient's product of
@@ -184,8 +188,7 @@ class EdgeSet:
         if int(self.kept_pos.shape[0]) == 0:
             return None
         xp = self.xp
-        vals = gather(xp, ea, self.kept_pos)
-        seg = gather(xp, self.rows, self.kept_pos)   # non-decreasing: CSR order
+        vals, seg = self._kept(ea)
         fn = {"max": xp.maximum, "min": xp.minimum, "mul": xp.multiply}[op]
         forward = _segmented_scan(xp, vals, seg, fn)
         backward = _segmented_scan(xp, vals[::-1], seg[::-1], fn)[::-1] if op == "mul" else None
@@ -228,8 +231,7 @@ class EdgeSet:
             return d_seg * before * after
         # a max / min needs only each node's result, which edge_attr() wrote into the node's
         # loop; a node without a loop has d_node = 0, so its result is never read
-        vals = gather(xp, ea, self.kept_pos)
-        seg = gather(xp, self.rows, self.kept_pos)
+        vals, seg = self._kept(ea)
         d_seg = gather(xp, d_node, seg)
         result = xp.zeros((self.num_dst, ea.shape[1]), dtype=ea.dtype)
         result[self.loop_node] = gather(xp, ea, self.loop_pos)
