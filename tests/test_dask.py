@@ -60,17 +60,31 @@ def _problem(name, dtype=np.float64, seed=0):
     k = rng.standard_normal((ns, HKV, D)).astype(dtype)
     v = rng.standard_normal((ns, HKV, D + 3)).astype(dtype)
     dout = rng.standard_normal((nd, H, D + 3)).astype(dtype)
-    out, st = tg.attention(q, k, v, g, return_stats=True)
-    ref = tg.attention_backward(dout, q, k, v, out, st, g)
-    chunked = dict(q=da.from_array(q, chunks=(qc, -1, -1)), k=da.from_array(k, chunks=(kc, -1, -1)),
-                   v=da.from_array(v, chunks=(kc, -1, -1)), dout=da.from_array(dout, chunks=(qc, -1, -1)))
-    return g, (out, st, ref), chunked
+    return (g, *_solved(g, (q, k, v, dout), qc, kc))
 
 
-def _lazy(g, c):
-    out, stats = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True)
-    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], out, stats, g)
+def _solved(g, arrays, qc, kc, mods=None):
+    """((out, stats, grads) of the single-process call with `mods` on arrays (q, k, v, dout), and
+    those arrays as dask arrays: q and dout in chunks qc, k and v in chunks kc)."""
+    q, k, v, dout = arrays
+    mods = mods or {}
+    out, st = tg.attention(q, k, v, g, return_stats=True, **mods)
+    ref = tg.attention_backward(dout, q, k, v, out, st, g, **mods)
+    chunked = {n: da.from_array(x, chunks=(qc if n in ("q", "dout") else kc, -1, -1))
+               for n, x in zip(("q", "k", "v", "dout"), arrays)}
+    return (out, st, ref), chunked
+
+
+def _lazy(g, c, mods=None):
+    mods = mods or {}
+    out, stats = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True, **mods)
+    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], out, stats, g, **mods)
     return out, stats, grads
+
+
+def _flat(lazy):
+    out, stats, grads = lazy
+    return (out, stats.m, stats.l, stats.lse, *grads)
 
 
 def _check(got, expected, tol):
@@ -115,11 +129,7 @@ def _modified_problem(name, mods, seed=7):
     rng = np.random.default_rng(seed)
     q, dout = (3 * rng.standard_normal((nd, H, D)) for _ in range(2))
     k, v = (3 * rng.standard_normal((ns, HKV, D)) for _ in range(2))
-    out, st = tg.attention(q, k, v, g, return_stats=True, **mods)
-    ref = tg.attention_backward(dout, q, k, v, out, st, g, **mods)
-    c = {n: da.from_array(x, chunks=(qc if n in ("q", "dout") else kc, -1, -1))
-         for n, x in (("q", q), ("k", k), ("v", v), ("dout", dout))}
-    return g, (out, st, ref), c
+    return (g, *_solved(g, (q, k, v, dout), qc, kc, mods))
 
 
 MODS = {"softcap": dict(softcap=2.0), "alibi": dict(alibi_slopes=SLOPES),
@@ -137,9 +147,7 @@ def test_score_modifiers_equal_single_process(name, mods):
     the distance of the whole relation (bottom-right aligned in the dense and cu_seqlens
     blocks), not of its own renumbered rows."""
     g, expected, c = _modified_problem(name, MODS[mods])
-    lout, lst = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True, **MODS[mods])
-    grads = tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, **MODS[mods])
-    _check(dask.compute(lout, lst.m, lst.l, lst.lse, *grads, scheduler="threads"), expected, 1e-12)
+    _check(dask.compute(*_flat(_lazy(g, c, MODS[mods])), scheduler="threads"), expected, 1e-12)
     plain = tgd.attention(c["q"], c["k"], c["v"], g).compute(scheduler="sync")
     rows = np.isfinite(expected[1].m[:, 0])
     assert np.abs(plain - expected[0])[rows].max() > 1e-3   # the modifier changed the result
@@ -503,11 +511,6 @@ def test_csr_chunks_read_whole_by_every_partition():
     assert all(np.array_equal(a, b) for a, b in zip(again, got))
 
 
-def _flat(lazy):
-    out, stats, grads = lazy
-    return (out, stats.m, stats.l, stats.lse, *grads)
-
-
 def _cuts(rng, n):
     """random chunk sizes of n rows: 1 to 5 chunks, one of them possibly empty."""
     if n == 0:
@@ -548,16 +551,10 @@ def test_random_relations_and_chunks_equal_single_process(kind, mods, seed):
     rng = np.random.default_rng(seed)
     g = _random_relation(rng, kind)
     kw = {} if mods == "none" else MODS[mods]
-    q, k, v, dout = (rng.standard_normal(s) for s in ((g.num_dst, H, D), (g.num_src, HKV, D),
-                                                      (g.num_src, HKV, D + 3), (g.num_dst, H, D + 3)))
-    out, st_ = tg.attention(q, k, v, g, return_stats=True, **kw)
-    ref = tg.attention_backward(dout, q, k, v, out, st_, g, **kw)
-    qc, kc = _cuts(rng, g.num_dst), _cuts(rng, g.num_src)
-    Q, DO = (da.from_array(a, chunks=(qc, -1, -1)) for a in (q, dout))
-    K, V = (da.from_array(a, chunks=(kc, -1, -1)) for a in (k, v))
-    lout, lst = tgd.attention(Q, K, V, g, return_stats=True, **kw)
-    grads = tgd.attention_backward(DO, Q, K, V, lout, lst, g, **kw)
-    _check(dask.compute(lout, lst.m, lst.l, lst.lse, *grads, scheduler="threads"), (out, st_, ref), 1e-12)
+    arrays = tuple(rng.standard_normal(s) for s in ((g.num_dst, H, D), (g.num_src, HKV, D),
+                                                    (g.num_src, HKV, D + 3), (g.num_dst, H, D + 3)))
+    expected, c = _solved(g, arrays, _cuts(rng, g.num_dst), _cuts(rng, g.num_src), kw)
+    _check(dask.compute(*_flat(_lazy(g, c, kw)), scheduler="threads"), expected, 1e-12)
 
 
 # --------------------------------------------------------------------------- GNN layers
