@@ -592,12 +592,14 @@ def _flash_shift(rel, graph):
         return np.full(n, graph.num_src - n)
     if rel.startswith("segments"):
         cu = np.array([0, 5, 5, 12, N_NODES])
-        cu_k = np.array([0, 7, 9, 12, N_NODES + 3]) if rel == "segments-rect" else cu
-        shift = np.zeros(n, np.int64)
-        for b in range(len(cu) - 1):
-            shift[cu[b]:cu[b + 1]] = (cu_k[b + 1] - cu_k[b]) - (cu[b + 1] - cu[b]) - cu[b] + cu_k[b]
-        return shift
+        return _segments_shift(cu, np.array([0, 7, 9, 12, N_NODES + 3]) if rel == "segments-rect" else cu)
     return np.zeros(n, np.int64)
+
+
+def _segments_shift(cu, cu_k):
+    """_flash_shift of cu_seqlens segments: (Lk - Lq) - cu[b] + cu_k[b] on every row of segment b."""
+    cu, cu_k = np.asarray(cu, np.int64), np.asarray(cu_k, np.int64)
+    return np.repeat(np.diff(cu_k) - np.diff(cu) - cu[:-1] + cu_k[:-1], np.diff(cu))
 
 
 @pytest.mark.parametrize("rel, dtype", [("dense-rect", np.float64), ("segments-rect", np.float64),
@@ -643,7 +645,7 @@ def _random_flash_relation(rng, kind):
     cu, cu_k = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
     window = (int(rng.integers(0, 4)), int(rng.integers(0, 3))) if rng.integers(0, 2) else None
     g = tg.Graph.cu_seqlens(cu, causal=bool(rng.integers(0, 2)), cu_seqlens_k=cu_k, window=window)
-    return g, np.repeat((lk - lq) - cu[:-1] + cu_k[:-1], lq)
+    return g, _segments_shift(cu, cu_k)
 
 
 @hypothesis.settings(max_examples=15, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
