@@ -1,6 +1,6 @@
 """Where the host's time goes in one tensor-core call (H200; fp16, N = 16384, H = 16, D = 128).
 
-    python benchmarks/gpu/host_profile.py [--calls 200] [--top 25]
+    python benchmarks/gpu/host_profile.py [--calls 200] [--top 25] [--cases causal,window,decode]
 
 Per case (causal, soft-cap 30 causal, a causal window of 1024 keys (Graph.band), their
 backwards, and decode: one query row over 131,072 keys, Hq = 32, Hkv = 8): the host's
@@ -18,7 +18,6 @@ import pstats
 import sys
 import time
 
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import tiga_numba as tg  # noqa: E402
@@ -28,6 +27,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--cases", default="causal,softcap,window,decode",
+                    help="comma-separated subset of causal, softcap, window, decode")
     a = ap.parse_args()
     import cupy
     N, H, D = 16384, 16, 128
@@ -40,12 +41,16 @@ def main():
     dk, dv = (rng.standard_normal((L, 8, D), dtype=cupy.float32).astype(cupy.float16) for _ in range(2))
     dec = tg.Graph.dense(L, 1)
     cases = []
+    wanted = a.cases.split(",")
     for name, graph, kw in (("causal", tri, {}), ("softcap", tri, dict(softcap=30.0)), ("window", band, {})):
+        if name not in wanted:
+            continue
         out, st = tg.attention(q, k, v, graph, return_stats=True, **kw)
         cases.append((name + " fwd", lambda graph=graph, kw=kw: tg.attention(q, k, v, graph, return_stats=True, **kw)))
         cases.append((name + " bwd", lambda graph=graph, kw=kw, out=out, st=st:
                       tg.attention_backward(do, q, k, v, out, st, graph, **kw)))
-    cases.append(("decode fwd", lambda: tg.attention(dq1, dk, dv, dec)))
+    if "decode" in wanted:
+        cases.append(("decode fwd", lambda: tg.attention(dq1, dk, dv, dec)))
     dev = cupy.cuda.Device()
     print(f"# {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, cupy {cupy.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {a.calls} calls per case")
