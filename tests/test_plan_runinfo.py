@@ -91,3 +91,55 @@ def test_explain_after_a_call_that_raised_says_so():
     vjp(out)
     assert prog.explain().startswith("program: Attend")
     assert not tg.explain().startswith("the most recent call failed")
+
+
+def test_repeated_calls_reuse_validation_and_plan_but_not_their_record():
+    """A call with the same graph, array types, shapes, dtypes, scale, threshold, score and options
+    as one that passed validation reuses its checked facts and plan (functional's call memo): the
+    results equal a fresh graph's, each call gets its own plan and run_info, and whatever differs
+    from a remembered call (the scale's type, a dtype, a shape, the options) is validated again."""
+    import numpy as np
+    import pytest
+    import tiga_numba as tg
+    from tiga_numba import functional
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((9, 2, 8)).astype(np.float32) for _ in range(3))
+    g = tg.Graph.band(9, left=3)
+    first, st1 = tg.attention(q, k, v, g, scale=1, return_stats=True)
+    plan1 = functional.last_plan()
+    again, st2 = tg.attention(q, k, v, g, scale=1, return_stats=True)
+    plan2 = functional.last_plan()
+    assert plan2 is not plan1 and plan2.run_info is not plan1.run_info
+    assert st1.plan is plan1 and st2.plan is plan2
+
+    def said(plan):   # where the kernel came from aside, the two calls did the same
+        return [line for line in plan.explain().splitlines() if not line.startswith("kernel cache:")]
+    assert said(plan2) == said(plan1) and "kernel cache: this call memory hit" in plan2.explain()
+    fresh = tg.attention(q, k, v, tg.Graph.band(9, left=3), scale=1)
+    np.testing.assert_array_equal(first, fresh)
+    np.testing.assert_array_equal(again, fresh)
+    memo = g._cached(("validated calls",), dict)
+    assert len(memo) == 1
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        tg.attention(q, k, v, g, scale=True)          # equal to 1 as a key, but a bool
+    with pytest.raises(TypeError, match="dtype"):
+        tg.attention(q, k.astype(np.float64), v, g, scale=1)
+    with pytest.raises(ValueError, match="rows"):
+        tg.attention(q[:4], k, v, g, scale=1)
+    out = tg.attention(q, k, v, g, scale=np.array(0.5))   # a 0-d array: no key, validated each call
+    np.testing.assert_allclose(out, tg.attention(q, k, v, g, scale=0.5), rtol=1e-6)
+    other = "blas" if plan1.options.cpu_products != "blas" else "own"
+    with tg.options(cpu_products=other):
+        tg.attention(q, k, v, g, scale=1)
+        assert functional.last_plan().options.cpu_products == other
+    tg.attention(q, k, v, g, scale=1)
+    assert functional.last_plan().options == plan1.options
+    dq, dk, dv = tg.attention_backward(q, q, k, v, first, st1, g, scale=1)
+    dq2, dk2, dv2 = tg.attention_backward(q, q, k, v, again, st2, g, scale=1)
+    for a, b in ((dq, dq2), (dk, dk2), (dv, dv2)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="dout"):
+        tg.attention_backward(q[:, :1], q, k, v, again, st2, g, scale=1)
+    for s in np.linspace(0.1, 2.0, 2 * functional._CALL_MEMO_SIZE):
+        tg.attention(q, k, v, g, scale=float(s))
+    assert len(memo) <= functional._CALL_MEMO_SIZE

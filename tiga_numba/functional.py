@@ -18,6 +18,7 @@ from .kernel_cache import KERNELS
 from .merge import log_sum_exp
 from . import run_options as _options
 from .interop import foreign_arrays
+from .graph import Graph
 
 _last_plan = None
 # what the most recent call raised, when it raised after the last plan was recorded: explain()
@@ -153,12 +154,30 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
                 score_mod=None):
     """Validated forward. Returns (out, stats, plan). `score_mod` is a
     score_mod.BoundModifier applied to the scaled score in the kernels."""
-    q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
-    rho = arrays.check_prune_threshold(block_prune_threshold)
-    bias = arrays.check_edge_bias(edge_bias, shape, graph)
-    _check_modifier(score_mod, shape, graph)
-    plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias,
-                              arrays=(q, k, v), options=_options.resolve(), score_mod=score_mod)
+    options = _options.resolve()
+    memo, key = _call_key("forward", q, k, v, graph, scale, block_prune_threshold, edge_bias,
+                          score_mod, options)
+    try:
+        hit = memo.get(key) if memo is not None else None
+    except TypeError:   # an unhashable scale or threshold (a 0-d array): validated on every call
+        memo = hit = None
+    if hit is not None:
+        # the same graph, array types, shapes, dtypes, scale, threshold, score and options as a
+        # call that passed validation: its checks and its plan hold again (a fresh run_info)
+        shape, scale, rho, template = hit
+        if shape.squeezed:
+            q, k, v = q[:, None, :], k[:, None, :], v[:, None, :]
+        bias = None
+        _check_modifier(score_mod, shape, graph)   # the modifier's values are this call's own
+        plan = template.fresh()
+    else:
+        q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
+        rho = arrays.check_prune_threshold(block_prune_threshold)
+        bias = arrays.check_edge_bias(edge_bias, shape, graph)
+        _check_modifier(score_mod, shape, graph)
+        plan = dispatch.make_plan("forward", graph, shape, scale, prune_threshold=rho, edge_bias=bias,
+                                  arrays=(q, k, v), options=options, score_mod=score_mod)
+        _remember_call(memo, key, (shape, scale, rho, plan.fresh()))
     if shape.num_dst == 0 or graph.num_edges == 0 or shape.heads == 0:
         xp = _xp(shape.library)
         # Nothing to reduce: the contract's empty-row values, no kernel launch.
@@ -182,12 +201,48 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
                                score_values=_score_values(score_mod, bias)), plan
 
 
+#: call shapes remembered per graph (the memo is dropped with the graph; cleared when full)
+_CALL_MEMO_SIZE = 64
+
+
+def _call_key(op, q, k, v, graph, scale, rho, edge_bias, score_mod, options):
+    """(the graph's memo of validated calls, this call's key) or (None, None) when the call is
+    not one the memo serves: arrays other than plain numpy / cupy ndarrays, or a per-edge bias
+    (a key with an unhashable scale or threshold, a 0-d array say, finds no entry). The key holds everything validation and
+    planning read: the array types, shapes and dtypes, the scale and threshold with their types
+    (True is not 1 here), the score modifier's tree, the run options and, for GPU arrays, the
+    current device (the tensor-core admission reads it)."""
+    tq = type(q)
+    if edge_bias is not None or (tq is not np.ndarray and not arrays._is_cupy_ndarray(q)) \
+            or type(k) is not tq or type(v) is not tq or not isinstance(graph, Graph):
+        return None, None
+    device = None
+    if tq is not np.ndarray:
+        from .cuda.tc.device import current_device
+        device = current_device()
+    key = (op, tq, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(scale), scale,
+           type(rho), rho, None if score_mod is None else (score_mod.tree, score_mod.grad_leaves), options,
+           device)
+    return graph._cached(("validated calls",), dict), key
+
+
+def _remember_call(memo, key, entry):
+    """Keep a validated call's facts and plan under its key (nothing when the call has no memo)."""
+    if memo is None:
+        return
+    if len(memo) >= _CALL_MEMO_SIZE:
+        memo.clear()
+    memo[key] = entry
+
+
 def _score_values(score_mod, bias):
     """{name: value} of what a call's score modifier reads besides q and k (see
     AttentionStats). An edge bias is not among them: only a program's own vjp passes one to the
     backward, and always its forward's."""
+    if score_mod is None:
+        return {}
     from .score_mod import leaf_name
-    return {} if score_mod is None else {leaf_name(x): v for x, v in score_mod.values.items()}
+    return {leaf_name(x): v for x, v in score_mod.values.items()}
 
 
 def _value_difference(fwd_values, values):
@@ -360,7 +415,18 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
                  deterministic=None, score_mod=None):
     """Validated fused backward. Returns (dq, dk, dv, dbias, plan), and with `score_mod`
     (dq, dk, dv, dbias, {leaf: gradient}, plan)."""
-    q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
+    options = _options.resolve(deterministic=deterministic)
+    memo, key = _call_key("backward", q, k, v, graph, scale, None, edge_bias, score_mod, options)
+    try:
+        hit = memo.get(key) if memo is not None else None
+    except TypeError:   # an unhashable scale (a 0-d array): validated on every call
+        memo = hit = None
+    if hit is not None:   # as in run_forward: the same validated facts, the same plan
+        shape, scale, _, template = hit
+        if shape.squeezed:
+            q, k, v = q[:, None, :], k[:, None, :], v[:, None, :]
+    else:
+        q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     if getattr(stats, "block_prune_threshold", None) is not None:
         raise NotImplementedError(
             "attention_backward of a tile-pruned forward is not implemented: the pruned "
@@ -391,9 +457,12 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         l = xp.asarray(l, dtype=acc)
     bias = arrays.check_edge_bias(edge_bias, shape, graph)
     _check_modifier(score_mod, shape, graph)
-    plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias,
-                              arrays=(q, k, v), options=_options.resolve(deterministic=deterministic),
-                              score_mod=score_mod)
+    if hit is not None:
+        plan = template.fresh()
+    else:
+        plan = dispatch.make_plan("backward", graph, shape, scale, edge_bias=bias,
+                                  arrays=(q, k, v), options=options, score_mod=score_mod)
+        _remember_call(memo, key, (shape, scale, None, plan.fresh()))
     mod_grads = {}
     per_edge = bias is not None or (score_mod is not None and bool(score_mod.layout.edges))
     m_kernel = _check_stats_belong(stats, graph, plan, row_shape, edge_order=per_edge,

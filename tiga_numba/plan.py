@@ -107,6 +107,14 @@ class Plan:
     modifier: object = None  # the score-modifier tree compiled into the kernels (score_mod.Expr)
     run_info: dict = field(default_factory=RunInfo)
 
+    def fresh(self):
+        """The same plan with an empty run_info: what a later call with the same validated
+        facts runs (functional's call memo), without building and checking it again."""
+        new = object.__new__(Plan)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["run_info"] = RunInfo()
+        return new
+
     def explain(self):
         info = self.run_info
         lines = [

@@ -4,17 +4,16 @@ H = 16, D = 128, window 256) and a decode forward (1 x 8,192 keys, Hq = 32, Hkv 
 whose kernels take less GPU time than the host takes to issue them, so that back-to-back calls
 measure the host (the host path is the same as at the benchmarks' sizes).
 
-    python benchmarks/gpu/host_steps.py [--reps 2000]
+    PYTHONPATH=. python benchmarks/gpu/host_steps.py [--reps 2000]
+
+(the package is the one on PYTHONPATH, so that two versions can be compared in one run)
 """
 import argparse
-import os
-import sys
 import timeit
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import tiga_numba as tg  # noqa: E402
-from tiga_numba import arrays, dispatch, functional  # noqa: E402
-from tiga_numba import run_options as _options  # noqa: E402
+import tiga_numba as tg
+from tiga_numba import arrays, dispatch, functional
+from tiga_numba import run_options as _options
 
 
 def _segments(q, k, v, g, reps, dev):
@@ -28,9 +27,10 @@ def _segments(q, k, v, g, reps, dev):
     top = [(arrays, "check_attention_inputs"), (dispatch, "make_plan"), (backend, "forward"),
            (functional, "_remember"), (functional, "AttentionStats"), (functional, "_score_values")]
     # inside the backend's forward (not part of 'rest')
-    inner = [(tapi, "_operand"), (tapi, "launch_forward"), (tapi, "_host_relation"), (tapi, "variant"),
-             (tuning, "narrow"), (tapi, "_covers"), (tapi, "_info"), (cupy, "empty"), (backend, "_view"),
-             (backend, "_record")]
+    inner = [(tapi, "_operand"), (tapi, "_host_relation"), (tapi, "_launch_memo"), (tapi, "_run_forward"),
+             (tapi, "launch_forward"), (tapi, "variant"), (tuning, "narrow"), (tapi, "_covers"),
+             (cupy, "empty"), (backend, "_view"), (backend, "_record")]
+    inner = [(o, n) for o, n in inner if hasattr(o, n)]   # the names this version of the package has
     patched = top + inner
     totals = {f"{o.__name__}.{n}": 0 for o, n in patched}
     saved = [(o, n, getattr(o, n)) for o, n in patched]
@@ -95,8 +95,11 @@ def main():
         opts = _options.resolve()
         plan = dispatch.make_plan("forward", g, shape, scale, arrays=(qq, kk, vv), options=opts)
         rel = g.realize("cuda")
+        out, st = tg.attention(q, k, v, g, return_stats=True)
+        tg.attention_backward(out, q, k, v, out, st, g)
         steps = {
             "whole call tg.attention": lambda: tg.attention(q, k, v, g),
+            "whole call tg.attention_backward": lambda: tg.attention_backward(out, q, k, v, out, st, g),
             "functional.run_forward": lambda: functional.run_forward(q, k, v, g),
             "check_attention_inputs": lambda: arrays.check_attention_inputs(q, k, v, g, None),
             "run_options.resolve": lambda: _options.resolve(),

@@ -56,7 +56,7 @@ from . import generator as G
 from . import schedule, tuning
 from .admission import _dtype_name, supports
 from .build import delta_kernel, kernel
-from .device import current_stream
+from .device import current_device, current_stream, use_wgmma
 from .tuning import _engine, backward_variants, deterministic, precision, variant
 
 __all__ = ["supports", "forward", "backward", "launch_forward", "launch_backward", "relation_record"]
@@ -70,11 +70,14 @@ def _cai(x):
 def _operand(x, name, copies):
     """(array, address, row stride, head stride) in bytes, reading x in place when every row of
     every head starts on a 16-byte boundary with unit element stride; else one contiguous copy."""
-    cai = _cai(x)
-    ptr = int(cai["data"][0])
-    shape = tuple(cai["shape"])
-    item = int(np.dtype(cai["typestr"]).itemsize)
-    strides = cai.get("strides") or (shape[1] * shape[2] * item, shape[2] * item, item)
+    if type(x) is _cupy_ndarray():   # its own attributes: no interface dict built per call
+        ptr, shape, item, strides = x.data.ptr, x.shape, x.itemsize, x.strides
+    else:
+        cai = _cai(x)
+        ptr = int(cai["data"][0])
+        shape = tuple(cai["shape"])
+        item = int(np.dtype(cai["typestr"]).itemsize)
+        strides = cai.get("strides") or (shape[1] * shape[2] * item, shape[2] * item, item)
     ok = (strides[2] == item or shape[2] <= 1) and ptr % 16 == 0 and strides[0] % 16 == 0 \
         and strides[1] % 16 == 0 and strides[0] >= 0 and strides[1] >= 0
     if not ok:
@@ -88,9 +91,14 @@ def _operand(x, name, copies):
     return x, ptr, int(strides[0]), int(strides[1])
 
 
-def _empty(shape, dtype):
-    import cupy
-    return cupy.empty(shape, dtype=dtype)
+def _cupy_ndarray():
+    if not _CUPY_NDARRAY:
+        import cupy
+        _CUPY_NDARRAY.append(cupy.ndarray)
+    return _CUPY_NDARRAY[0]
+
+
+_CUPY_NDARRAY = []
 
 
 def _ptr(x):
@@ -148,13 +156,6 @@ def _covers(rec, which, n):
     return hit
 
 
-def _info(plan, **kw):
-    info = getattr(plan, "run_info", None)
-    if info is None:
-        return
-    info.update(kw)
-
-
 # ----------------------------------------------------------------------------- raw launches
 def relation_record(dst_offsets, src_offsets, causal, lo=None, hi=None):
     """host-side relation (numpy offsets; lo / hi: the blocks' bands as BlockRelation holds them,
@@ -173,20 +174,47 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, r
     tile counts): vr.prune (admission threshold `rho`) also returns the device array of per-CTA
     (pruned, visited) tile counts, else None. vr.mod: `mod` holds the device addresses of the
     modifier's packed values (mv, mnd, mns: cuda/score_codegen.pack)."""
-    kern, cache = kernel(vr)
-    work, W = _work(rec, "q", vr.BM)
+    launch = _ForwardLaunch(rec, vr)
+    counts = _run_forward(launch, H, Hkv, q, k, v, outp, mp, lp, mkp, scale, stream, rho, mod)
+    return launch.kern, launch.cache, counts
+
+
+class _ForwardLaunch:
+    """What launching forward variant `vr` over relation record `rec` needs besides the call's
+    arrays: the kernel, the query-tile schedule and its tile counts. `forward` keeps one per call
+    shape (see _launch_memo), so a repeated call only reads its operands, allocates and launches."""
+
+    __slots__ = ("vr", "kern", "cache", "W", "workp", "visited", "total", "info", "uses", "entries")
+
+    def __init__(self, rec, vr):
+        self.vr = vr
+        self.kern, self.cache = kernel(vr)
+        work, self.W = _work(rec, "q", vr.BM)
+        self.workp = _ptr(work)
+        key = ("counts", vr.BM, vr.BN)
+        if key not in rec["tables"]:
+            rec["tables"][key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN,
+                                                       rec["lo"], rec["hi"])
+        self.visited, self.total = rec["tables"][key]
+        self.info, self.uses, self.entries = None, 0, None
+
+
+def _run_forward(launch, H, Hkv, q, k, v, outp, mp, lp, mkp, scale, stream=None, rho=None, mod=()):
+    """Launch a _ForwardLaunch (arguments as launch_forward); returns the pruned forward's
+    per-CTA tile counts (a device array) or None."""
+    vr, W = launch.vr, launch.W
     counts = None
     if W and H:
-        args = (q[0], k[0], v[0], outp, mp, lp, mkp, _ptr(work), q[1], q[2], k[1], k[2], v[1], v[2],
+        args = (q[0], k[0], v[0], outp, mp, lp, mkp, launch.workp, q[1], q[2], k[1], k[2], v[1], v[2],
                 H * vr.Dv * vr.GB, H // Hkv)
         if vr.prune:
             import cupy
             counts = cupy.empty((W * H, 2), cupy.int32)   # every CTA writes its slot (the emulator poisons it)
-            args += (_ptr(counts), scale * G.LOG2E, -math.inf, math.log2(rho))
+            args += (counts.data.ptr, scale * G.LOG2E, -math.inf, math.log2(rho))
         else:
             args += (_score_units(vr, scale), -math.inf) + _mod_args(vr, scale, H, mod)
-        kern((W, H), (vr.NT,), stream or current_stream(), *args)
-    return kern, cache, counts
+        launch.kern((W, H), (vr.NT,), stream or current_stream(), *args)
+    return counts
 
 
 def _score_units(v, scale):
@@ -207,33 +235,60 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     delta (num_dst, H), lse2 (num_dst, H, 2) for the (m2, log2 l) pairs): two kernels, or one when
     vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
     Returns (the main kernel, the kernels' cache state)."""
-    schedule.check_ordered_fused(vk, rec.get("standard", True))
+    launch = _BackwardLaunch(rec, vq, vk, nd)
+    _run_backward(launch, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale, stream, mod)
+    return launch.main, launch.cache
+
+
+class _BackwardLaunch:
+    """What launching the backward variants (vq, vk) over relation record `rec` needs besides
+    the call's arrays: the Delta, dQ and dK/dV kernels and their tile schedules. `backward` keeps
+    one per call shape (see _launch_memo)."""
+
+    __slots__ = ("vq", "vk", "kd", "kq", "kk", "main", "cache", "Wq", "workq", "Wk", "workk", "info",
+                 "uses", "entries")
+
+    def __init__(self, rec, vq, vk, nd):
+        schedule.check_ordered_fused(vk, rec.get("standard", True))
+        self.vq, self.vk = vq, vk
+        self.kd = delta_kernel(vk.dtype, vk.Dv)
+        states = []
+        self.kq = self.Wq = self.workq = None
+        if vq is not None:
+            self.kq, c = kernel(vq)
+            states.append(c)
+            work, self.Wq = _work(rec, "q", vq.BM)
+            self.workq = _ptr(work)
+        self.kk, c = kernel(vk)
+        states.append(c)
+        work, self.Wk = _work(rec, "k", vk.BM)
+        self.workk = _ptr(work)
+        self.main = self.kk if vq is None else self.kq
+        self.cache = "hit" if all(x == "hit" for x in states) else "miss"
+        self.info, self.uses, self.entries = None, 0, None
+
+
+def _run_backward(launch, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
+                  stream=None, mod=()):
+    """Launch a _BackwardLaunch (arguments as launch_backward)."""
+    vq, vk = launch.vq, launch.vk
     st = stream or current_stream()
     sc = _score_units(vk, scale)
-    kd = delta_kernel(vk.dtype, vk.Dv)
     if nd * H:
         ctas, threads = G.delta_grid(vk.dtype, vk.Dv, nd * H)
-        kd((ctas,), (threads,), st, o[0], do[0], mp, lp, deltap, lse2p, nd, H, o[1], o[2], do[1], do[2])
-    states = []
-    if vq is not None:
-        kq, c = kernel(vq)
-        states.append(c)
-        work, W = _work(rec, "q", vq.BM)
-        if W and H:
-            kq((W, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, _ptr(work),
-               q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.GB, H // Hkv, sc, scale,
-               *_mod_args(vq, scale, H, mod))
-    kk, c = kernel(vk)
-    states.append(c)
-    work, W = _work(rec, "k", vk.BM)
-    cache = "hit" if all(x == "hit" for x in states) else "miss"
+        launch.kd((ctas,), (threads,), st, o[0], do[0], mp, lp, deltap, lse2p, nd, H, o[1], o[2], do[1], do[2])
+    if vq is not None and launch.Wq and H:
+        launch.kq((launch.Wq, H), (vq.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dqp, launch.workq,
+                  q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], H * vq.D * vq.GB, H // Hkv, sc, scale,
+                  *_mod_args(vq, scale, H, mod))
+    W, kk = launch.Wk, launch.kk
     if not (W and Hkv) and not vk.dq_atomic:   # atomic: the convert pass still writes dQ (zeros)
-        return (kk if vq is None else kq), cache
+        return
     strides = (q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.GB, Hkv * vk.Dv * vk.GB)
     if vq is not None:
-        kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, _ptr(work), *strides,
+        kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, launch.workk, *strides,
            H // Hkv, H, sc, scale, *_mod_args(vk, scale, H, mod))
-        return kq, cache
+        return
     import contextlib
 
     import cupy
@@ -245,10 +300,25 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
         # flat grid, heads interleaved: block b = (key tile b // Hkv, kv head b % Hkv)
         if W and Hkv:
             kk((W * Hkv,), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, dqp, _ptr(acc),
-               _ptr(turns), _ptr(work), *strides, H * vk.D * vk.GB, H // Hkv, H, sc, scale)
+               _ptr(turns), launch.workk, *strides, H * vk.D * vk.GB, H // Hkv, H, sc, scale)
         if vk.dq_atomic:
             _dq_from_accumulator(acc, dqp, nd * H * vk.D, vk.dtype, scale)
-    return kk, cache
+
+
+def _launch_memo(rec, key, entries, build):
+    """The launch record `build()` makes for this call shape, made once per relation record and
+    `key` (which holds everything the variants are chosen from besides the tuning tables), and made
+    again when `entries` (tuning.table_entries: what the tables say now) differ from what it was
+    made from: a table edited at run time (the tuning probes) is read again. Counts the reuse of its
+    kernels as cache hits."""
+    launch = rec["tables"].get(key)
+    if launch is None or launch.entries != entries:
+        launch = rec["tables"][key] = build()
+        launch.entries = tuple(dict(e) if isinstance(e, dict) else e for e in entries)
+    launch.uses += 1
+    if launch.uses > 1:
+        KERNELS.count_hits(1)
+    return launch
 
 
 def _dq_from_accumulator(acc, dqp, n, dtype, scale):
@@ -286,23 +356,28 @@ def _dq_zero_fill(rec, nd, fused):
 
 
 
-def _modified(variants, score_mod, H, nd, ns, copies):
-    """(variants with the modifier compiled in, device addresses of its values, the arrays that keep
-    them alive); the backward's variants are the two-kernel ones without overlap (Variant.check)."""
-    if score_mod is None:
-        return variants, (), ()
-    import cupy
-
-    from ..score_codegen import pack
-    tanh = G.modifier.TANH[variants[-1].dtype]
+def _modifier_for(score_mod, dtype):
+    """The generator Modifier of a bound modifier's tree for kernels of `dtype` (memoised: the
+    lowering and its text are made once per tree and tanh)."""
+    tanh = G.modifier.TANH[dtype]
     mod = _MODIFIERS.get((score_mod.tree, tanh))
     if mod is None:
         mod = _MODIFIERS[score_mod.tree, tanh] = G.Modifier(score_mod.tree, tanh)
-    out = [tuning.with_modifier(vr, mod) for vr in variants if vr is not None]
+    return mod
+
+
+def _modifier_values(score_mod, H, nd, ns, copies):
+    """(device addresses of a bound modifier's values, the arrays that keep them alive): packed
+    on every call, since the values (per-head slopes, node fields) are the call's own."""
+    if score_mod is None:
+        return (), ()
+    import cupy
+
+    from ..score_codegen import pack
     arrays = pack(score_mod, cupy, np.float32, H, nd, ns, 0)[:3]
     if any(a.size > 1 for a in arrays[1:]):
         copies.append("score-modifier fields -> packed float32 (N, n, H) arrays")
-    return out, tuple(a.data.ptr for a in arrays), arrays
+    return tuple(a.data.ptr for a in arrays), arrays
 
 
 _MODIFIERS = {}
@@ -317,42 +392,60 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     nd, H, D = (int(s) for s in q.shape)
     Hkv, Dv = int(v.shape[1]), int(v.shape[2])
     rec = _host_relation(relation)
-    shipped = variant("fwd", D, Dv, dt)
-    vr = tuning.narrow(shipped, _band_keys(rec))
-    why = "" if vr is shipped else tuning.NARROW_WORDS
-    (vr,), mod, keep = _modified((vr,), score_mod, H, nd, int(k.shape[0]), copies)
     rho = getattr(plan, "prune_threshold", None)
-    if rho is not None:   # the admission rule compiled in (a separate kernel; exact calls never see it)
-        vr = dataclasses.replace(vr, prune=True)
+    wg = use_wgmma(dt)
+    key = ("fwd-launch", dt, nd, H, D, Dv, wg, current_device(),
+           None if score_mod is None else score_mod.tree, rho is not None)
+    launch = _launch_memo(rec, key, tuning.table_entries(dt, wg, ("fwd",), D),
+                          lambda: _forward_call(rec, dt, D, Dv, wg, score_mod, rho is not None))
+    vr = launch.vr
+    mod, keep = _modifier_values(score_mod, H, nd, int(k.shape[0]), copies)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
-    cover = _covers(rec, "dst", nd)
-    out = _empty((nd, H, Dv), q.dtype) if cover else cupy.zeros((nd, H, Dv), dtype=q.dtype)
-    m = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
-    l = cupy.empty((nd, H), cupy.float32) if cover else cupy.zeros((nd, H), cupy.float32)
-    m2 = cupy.empty((nd, H), cupy.float32) if cover else cupy.full((nd, H), -np.inf, cupy.float32)
-    kern, cache, counts = launch_forward(vr, rec, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
-                                         _ptr(out), _ptr(m), _ptr(l), float(plan.scale), rho=rho,
-                                         mkp=_ptr(m2), mod=mod)
-    if rho is not None and getattr(plan, "run_info", None) is not None:
-        # explain()'s tile counts, summed and read back only when asked (RunInfo), on the
-        # stream that wrote them
-        defer_counts(plan.run_info, lambda s=cupy.cuda.get_current_stream(): _tile_totals(counts, s))
-    tc_key = ("counts", vr.BM, vr.BN)
-    if tc_key not in rec["tables"]:
-        rec["tables"][tc_key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN,
-                                                       rec["lo"], rec["hi"])
-    visited, total = rec["tables"][tc_key]
-    _info(plan, kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
-                       + (", tile pruning: near key blocks first)" if vr.prune else ")")
-                       + (f"; score modifier compiled in: f = {score_mod.tree}{vr.mod.tanh_words}"
-                          if score_mod is not None else ""),
-          precision=precision(vr),
-          tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}{why}; {visited} of {total} tiles visited "
-                f"(tiles outside each block's band skipped, masks only on band-edge / tail tiles)",
-          copies=copies, cache=cache, ir={"llvm": kern.llvm, "ptx": kern.ptx})
+    if _covers(rec, "dst", nd):
+        out = cupy.empty((nd, H, Dv), dtype=q.dtype)
+        m, l, m2 = (cupy.empty((nd, H), cupy.float32) for _ in range(3))
+    else:
+        out = cupy.zeros((nd, H, Dv), dtype=q.dtype)
+        m = cupy.full((nd, H), -np.inf, cupy.float32)
+        l = cupy.zeros((nd, H), cupy.float32)
+        m2 = cupy.full((nd, H), -np.inf, cupy.float32)
+    counts = _run_forward(launch, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs), out.data.ptr,
+                          m.data.ptr, l.data.ptr, m2.data.ptr, float(plan.scale), rho=rho, mod=mod)
+    info = getattr(plan, "run_info", None)
+    if info is not None:
+        if vr.prune:
+            # explain()'s tile counts, summed and read back only when asked (RunInfo), on the
+            # stream that wrote them
+            defer_counts(info, lambda s=cupy.cuda.get_current_stream(): _tile_totals(counts, s))
+        info.update(launch.info)
+        info["copies"] = copies
+        info["cache"] = launch.cache if launch.uses == 1 else "hit"
     return out, m, l, m2
+
+
+def _forward_call(rec, dt, D, Dv, wgmma, score_mod, pruned):
+    """The _ForwardLaunch of a forward call shape: the shipped variant for the relation's band,
+    the score modifier and tile pruning compiled in, and explain()'s words for it."""
+    shipped = variant("fwd", D, Dv, dt, wgmma)
+    vr = tuning.narrow(shipped, _band_keys(rec))
+    why = "" if vr is shipped else tuning.NARROW_WORDS
+    if score_mod is not None:
+        vr = tuning.with_modifier(vr, _modifier_for(score_mod, dt))
+    if pruned:   # the admission rule compiled in (a separate kernel; exact calls never see it)
+        vr = dataclasses.replace(vr, prune=True)
+    launch = _ForwardLaunch(rec, vr)
+    launch.info = dict(
+        kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
+               + (", tile pruning: near key blocks first)" if vr.prune else ")")
+               + (f"; score modifier compiled in: f = {score_mod.tree}{vr.mod.tanh_words}"
+                  if score_mod is not None else ""),
+        precision=precision(vr),
+        tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}{why}; {launch.visited} of {launch.total} tiles visited "
+              f"(tiles outside each block's band skipped, masks only on band-edge / tail tiles)",
+        ir={"llvm": launch.kern.llvm, "ptx": launch.kern.ptx})
+    return launch
 
 
 def _tile_totals(counts, stream):
@@ -371,22 +464,22 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         raise NotImplementedError("tile pruning is forward-only (approximation is never dropped)")
     if edge_bias is not None:
         raise NotImplementedError("edge_bias: the tensor-core path serves BlockRelation dot scores only")
+    if score_mod is not None and score_mod.grad_leaves:   # the registry routes these to the CUDA cores
+        raise NotImplementedError("gradients of score-modifier fields and params are computed on the CUDA cores")
     import cupy
     copies = []
     dt = _dtype_name(q)
     nd, H, D = (int(s) for s in q.shape)
     ns, Hkv, Dv = int(v.shape[0]), int(v.shape[1]), int(v.shape[2])
     rec = _host_relation(relation)
-    band = _band_keys(rec)
-    shipped = backward_variants(D, Dv, dt, deterministic(plan))
-    vq, vk = (None if vr is None else tuning.narrow(vr, band) for vr in shipped)
-    narrowed = (vq, vk) != shipped
-    if score_mod is not None:
-        if score_mod.grad_leaves:   # the registry routes these to the CUDA cores
-            raise NotImplementedError("gradients of score-modifier fields and params are computed on the CUDA cores")
-        (vq, vk), mod, keep = _modified((vq or variant("dq", D, Dv, dt), vk), score_mod, H, nd, ns, copies)
-    else:
-        mod = ()
+    det = deterministic(plan)
+    wg = use_wgmma(dt)
+    key = ("bwd-launch", dt, nd, ns, H, Hkv, D, Dv, wg, det, current_device(),
+           None if score_mod is None else score_mod.tree)
+    entries = tuning.table_entries(dt, wg, ("dq", "dkdv"), D) + (None if det else tuning.atomic_shape(D, dt, wg),)
+    launch = _launch_memo(rec, key, entries, lambda: _backward_call(rec, dt, nd, ns, D, Dv, wg, det, score_mod))
+    vq, vk = launch.vq, launch.vk
+    mod, keep = _modifier_values(score_mod, H, nd, ns, copies)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
     k, kp, k_rs, k_hs = _operand(k, "k", copies)
     v, vp, v_rs, v_hs = _operand(v, "v", copies)
@@ -409,9 +502,28 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     dv = (cupy.zeros if zk else cupy.empty)((ns, Hkv, Dv), dtype=q.dtype)
     delta = cupy.empty((nd, H), cupy.float32)
     lse2 = cupy.empty((nd, H, 2), cupy.float32)   # (m2, log2 l) pairs
-    kq, cache = launch_backward(vq, vk, rec, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs),
-                                (dop, do_rs, do_hs), (op, o_rs, o_hs), _ptr(m2), _ptr(l), _ptr(delta), _ptr(lse2),
-                                _ptr(dq), _ptr(dk), _ptr(dv), float(plan.scale), mod=mod)
+    _run_backward(launch, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs), (dop, do_rs, do_hs),
+                  (op, o_rs, o_hs), m2.data.ptr, l.data.ptr, delta.data.ptr, lse2.data.ptr, dq.data.ptr,
+                  dk.data.ptr, dv.data.ptr, float(plan.scale), mod=mod)
+    info = getattr(plan, "run_info", None)
+    if info is not None:
+        info.update(launch.info)
+        info["copies"] = copies
+        info["cache"] = launch.cache if launch.uses == 1 else "hit"
+    return dq, dk, dv, None
+
+
+def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod):
+    """The _BackwardLaunch of a backward call shape: the shipped variants for the relation's band
+    (deterministic or not), the score modifier compiled in, and explain()'s words for them."""
+    shipped = backward_variants(D, Dv, dt, det, wgmma)
+    band = _band_keys(rec)
+    vq, vk = (None if vr is None else tuning.narrow(vr, band) for vr in shipped)
+    narrowed = (vq, vk) != shipped
+    if score_mod is not None:
+        mod = _modifier_for(score_mod, dt)
+        vq, vk = (tuning.with_modifier(vr, mod) for vr in (vq or variant("dq", D, Dv, dt, wgmma), vk))
+    launch = _BackwardLaunch(rec, vq, vk, nd)
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
                "dQ blocks added with float atomics: NOT deterministic, opted in by TIGA_NUMBA_DETERMINISTIC=0), "
@@ -428,7 +540,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
         tiles += tuning.NARROW_WORDS
     if score_mod is not None:
         how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}, dS scaled by f'"
-    _info(plan, kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
-          precision=precision(vk), tiles=tiles,
-          copies=copies, cache=cache, ir={"llvm": kq.llvm, "ptx": kq.ptx})
-    return dq, dk, dv, None
+    main = launch.main
+    launch.info = dict(kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
+                       precision=precision(vk), tiles=tiles, ir={"llvm": main.llvm, "ptx": main.ptx})
+    return launch

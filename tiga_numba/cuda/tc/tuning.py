@@ -265,6 +265,19 @@ def _entry_variant(key, shape, kind, D, Dv, dtype, **fixed):
     return hit[1]
 
 
+def table_entries(dtype, wgmma, kinds, D):
+    """What the tables hold now for the kernels of `kinds` at head dim D on one engine: per kind,
+    the shipped shape (tuning_table) and the NARROW and MODIFIED changes (None where there is
+    none), then the narrow-band limits (NARROW_KEYS, NARROW_DTYPES). The tensor-core launch memos (api._launch_memo) compare it with what a launch was made
+    from, so that a table edited at run time is read again."""
+    table = tuning_table(dtype, wgmma)
+    engine = "wgmma" if wgmma else "mma"
+    out = ()
+    for kind in kinds:
+        out += (table.get((kind, D)), NARROW.get((engine, kind, D)), MODIFIED.get((engine, kind, D)))
+    return out + (NARROW_KEYS, NARROW_DTYPES)
+
+
 def variant(kind, D, Dv, dtype, wgmma=None):
     """the shipped Variant of (kind, D, dtype); wgmma None: as use_wgmma(dtype) decides now."""
     table = tuning_table(dtype, wgmma)
@@ -282,17 +295,19 @@ def precision(v):
     return f"{v.dtype} operands, fp32 accumulation and softmax (mma.m16n8k16 or, on sm_90, wgmma m64nNk16)"
 
 
-def backward_variants(D, Dv, dtype, deterministic=True):
+def backward_variants(D, Dv, dtype, deterministic=True, wgmma=None):
     """(dQ variant, dK/dV variant) of the shipped tuning: (None, fused) when the dK/dV kernel also
     computes dQ (Variant.fuse_dq). deterministic=False picks the float-atomic fused kernel where
     the engine's atomic table (ATOMIC_DQ, ATOMIC_DQ_WGMMA) has a shape (it measured faster there),
-    else the same as True."""
+    else the same as True. wgmma None: as use_wgmma(dtype) decides now."""
+    if wgmma is None:
+        wgmma = device.use_wgmma(dtype)
     if not deterministic and Dv == D:
-        va = atomic_variant(D, dtype, device.use_wgmma(dtype))
+        va = atomic_variant(D, dtype, wgmma)
         if va is not None:
             return None, va
-    vk = variant("dkdv", D, Dv, dtype)
-    return (None if vk.fuse_dq else variant("dq", D, Dv, dtype)), vk
+    vk = variant("dkdv", D, Dv, dtype, wgmma)
+    return (None if vk.fuse_dq else variant("dq", D, Dv, dtype, wgmma)), vk
 
 
 def atomic_shape(D, dtype, wgmma):
