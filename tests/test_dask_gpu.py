@@ -160,12 +160,11 @@ def test_cupy_chunks_program_per_edge_fields(make):
             np.testing.assert_allclose(cupy.asnumpy(got[role][n]), cupy.asnumpy(a), err_msg=n, **tol)
 
 
-@pytest.mark.parametrize("which", ["gat", "transformer"])
-def test_cupy_chunks_layer_vjp(which):
-    """A layer over cupy chunks (self loops with a "mean" fill, COO edge order) equals the
-    single-process GPU call; results stay cupy."""
+def _layer_problem(which, seed):
+    """((out, grads) of a layer's single-process GPU call, the same as lazy dask results over cupy
+    chunks): a hub row, self loops, COO edge order, edge features, parameters on the GPU."""
     import tiga_numba.layers as tgl
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(seed)
     n, e = 300, 2400
     src, dst = rng.integers(0, n, e), rng.integers(0, n, e)
     dst[:200] = 3
@@ -180,14 +179,24 @@ def test_cupy_chunks_layer_vjp(which):
     ref = vjp(dout)
     cx = da.from_array(x, chunks=(70, -1), asarray=False)
     lout, lvjp = tgd.layer_vjp(conv, cx, g, da.from_array(ea, chunks=500, asarray=False))
-    got_out, got = dask.compute(lout, lvjp(da.from_array(dout, chunks=(70, -1), asarray=False)),
-                                scheduler="threads")
+    return (out, ref), (lout, lvjp(da.from_array(dout, chunks=(70, -1), asarray=False)))
+
+
+def _check_layer(got, expected):
+    (got_out, got), (out, ref) = got, expected
     assert isinstance(got_out, cupy.ndarray) and isinstance(got["x"], cupy.ndarray)
     cupy.testing.assert_allclose(got_out, out, rtol=2e-5, atol=2e-5)
     cupy.testing.assert_allclose(got["x"], ref["x"], rtol=2e-4, atol=2e-4)
     cupy.testing.assert_allclose(got["edge_attr"], ref["edge_attr"], rtol=2e-4, atol=2e-4)
     for k, b in ref["params"].items():
         cupy.testing.assert_allclose(got["params"][k], b, rtol=2e-4, atol=2e-4, err_msg=k)
+
+
+@pytest.mark.parametrize("which", ["gat", "transformer"])
+def test_cupy_chunks_layer_vjp(which):
+    """A layer over cupy chunks equals the single-process GPU call; results stay cupy."""
+    expected, lazy = _layer_problem(which, seed=4)
+    _check_layer(dask.compute(*lazy, scheduler="threads"), expected)
 
 
 @pytest.fixture(scope="module")
@@ -214,22 +223,5 @@ def test_local_cuda_cluster_equals_the_single_process_call(cuda_client, name, bu
 
 def test_local_cuda_cluster_layer_vjp(cuda_client):
     """A GATConv layer (parameters on the GPU) shipped to a dask_cuda worker process."""
-    import tiga_numba.layers as tgl
-    rng = np.random.default_rng(7)
-    n, e = 200, 1500
-    g = tg.Graph.from_coo(rng.integers(0, n, e), rng.integers(0, n, e), num_src=n, num_dst=n)
-    conv = tgl.GATConv(16, 8, heads=2, edge_dim=3, seed=3).eval().to("cuda")
-    x = cupy.asarray(rng.standard_normal((n, 16)).astype(np.float32))
-    ea = cupy.asarray(rng.standard_normal((e, 3)).astype(np.float32))
-    out, vjp = conv.vjp(x, g, ea)
-    dout = cupy.asarray(rng.standard_normal(out.shape).astype(np.float32))
-    ref = vjp(dout)
-    lout, lvjp = tgd.layer_vjp(conv, da.from_array(x, chunks=(60, -1), asarray=False), g,
-                               da.from_array(ea, chunks=400, asarray=False))
-    got_out, got = cuda_client.compute((lout, lvjp(da.from_array(dout, chunks=(60, -1), asarray=False))), sync=True)
-    assert isinstance(got_out, cupy.ndarray)
-    cupy.testing.assert_allclose(got_out, out, rtol=2e-5, atol=2e-5)
-    cupy.testing.assert_allclose(got["x"], ref["x"], rtol=2e-4, atol=2e-4)
-    cupy.testing.assert_allclose(got["edge_attr"], ref["edge_attr"], rtol=2e-4, atol=2e-4)
-    for key, b in ref["params"].items():
-        cupy.testing.assert_allclose(got["params"][key], b, rtol=2e-4, atol=2e-4, err_msg=key)
+    expected, lazy = _layer_problem("gat", seed=7)
+    _check_layer(cuda_client.compute(lazy, sync=True), expected)
