@@ -50,6 +50,7 @@ import math
 
 import numpy as np
 
+from ...arrays import _is_cupy_ndarray
 from ...kernel_cache import KERNELS
 from ...plan import defer_counts
 from . import generator as G
@@ -70,7 +71,7 @@ def _cai(x):
 def _operand(x, name, copies):
     """(array, address, row stride, head stride) in bytes, reading x in place when every row of
     every head starts on a 16-byte boundary with unit element stride; else one contiguous copy."""
-    if type(x) is _cupy_ndarray():   # its own attributes: no interface dict built per call
+    if _is_cupy_ndarray(x):   # its own attributes: no interface dict built per call
         ptr, shape, item, strides = x.data.ptr, x.shape, x.itemsize, x.strides
     else:
         cai = _cai(x)
@@ -89,16 +90,6 @@ def _operand(x, name, copies):
         ptr = int(cai["data"][0])
         strides = cai.get("strides") or (shape[1] * shape[2] * item, shape[2] * item, item)
     return x, ptr, int(strides[0]), int(strides[1])
-
-
-def _cupy_ndarray():
-    if not _CUPY_NDARRAY:
-        import cupy
-        _CUPY_NDARRAY.append(cupy.ndarray)
-    return _CUPY_NDARRAY[0]
-
-
-_CUPY_NDARRAY = []
 
 
 def _ptr(x):
