@@ -29,7 +29,7 @@ call runs the tasks and leaves the results on the workers. Reported per configur
   peak memory (a comment line per config) the largest resident size of each worker process
 
 --keep-freed-memory runs the single-process call and the workers with glibc's malloc set to keep the
-memory a process frees (one arena, no mmap'd chunks, no trimming: KEEP_FREED_MEMORY below; the
+memory a process frees (one arena, no mmap'd chunks, no trimming: tiga_numba.dask.KEEP_FREED_MEMORY; the
 benchmark restarts itself with it, and the workers get it before they start): on a virtual machine
 that hands freed memory back to its host (free page reporting), a call that follows an idle pause
 otherwise pays host page faults for every array it allocates (docs/dask.md, "Memory returned to the
@@ -54,11 +54,12 @@ import time
 
 import numpy as np
 
-# glibc malloc settings that keep freed memory in the process (read when a process starts): one
-# arena (a worker's task thread would otherwise allocate large arrays with mmap and unmap them on
-# free, whatever the other settings), large chunks from the heap instead of mmap, and no trimming
-# of the heap's top
-KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
+def _keep_freed_memory():
+    """the glibc settings that keep freed memory in a process (tiga_numba.dask.KEEP_FREED_MEMORY)"""
+    from tiga_numba.dask import KEEP_FREED_MEMORY
+    return KEEP_FREED_MEMORY
 
 
 def _graph(case, n, degree, rng):
@@ -242,13 +243,13 @@ def run(args):
     work = (_Layer if args.case == "gat" else _Attention)(args, graph, rng)
     print(f"# {args.case}: N={n}, edges={graph.num_edges}, {work.describe}; "
           f"graph built in {build_s:.1f} s" + ("; dask low-level fusion off" if args.no_fuse else "")
-          + ("; freed memory kept (" + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()) + ")"
+          + ("; freed memory kept (" + " ".join(f"{k}={v}" for k, v in _keep_freed_memory().items()) + ")"
              if args.keep_freed_memory else ""))
-    if args.keep_freed_memory:
+    if args.keep_freed_memory:   # for the workers; this process got the variables at its start (main)
         import dask
-        pre = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
-        pre.update(KEEP_FREED_MEMORY)   # replaces distributed's MALLOC_TRIM_THRESHOLD_ for the workers
-        dask.config.set({"distributed.nanny.pre-spawn-environ": pre})
+
+        import tiga_numba.dask as tgd
+        dask.config.set(tgd.keep_freed_memory_config())
     # single process (warm: one call first compiles or loads the kernels)
     work.single_forward()
     t_fwd, c_fwd, ref_fwd = _best(work.single_forward, args.repeat)
@@ -270,8 +271,9 @@ def run(args):
                 distributed.Client(cluster) as client:
             addrs = sorted(client.scheduler_info()["workers"])
             if args.keep_freed_memory:   # the settings reached the workers before they started
-                seen = client.run(lambda: {k: os.environ.get(k) for k in KEEP_FREED_MEMORY})
-                assert all(e == KEEP_FREED_MEMORY for e in seen.values()), seen
+                keep = _keep_freed_memory()
+                seen = client.run(lambda: {k: os.environ.get(k) for k in keep})
+                assert all(e == keep for e in seen.values()), seen
 
             def owner(i):
                 """the worker of chunk i: cyclic (i mod W), or zigzag (W = 2: chunks 0, 3 | 1, 2), which
@@ -385,10 +387,10 @@ def main():
                    help="turn dask's low-level task fusion off (optimization.fuse.active: False), which keeps "
                         "the placement hints tiga_numba.dask annotates its tasks with (docs/dask.md)")
     args = p.parse_args()
-    if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in KEEP_FREED_MEMORY.items()):
+    if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in _keep_freed_memory().items()):
         import sys
         sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **KEEP_FREED_MEMORY})
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **_keep_freed_memory()})
     os.environ.setdefault("NUMBA_NUM_THREADS", "2")
     if args.no_stealing:
         import dask

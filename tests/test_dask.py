@@ -714,6 +714,29 @@ def client():
         yield c
 
 
+def test_keep_freed_memory_config_reaches_the_workers_started_under_it():
+    """keep_freed_memory_config(): distributed's pre-spawn environment with the glibc settings that
+    keep freed memory added; a worker process started under it has them (distributed's own default
+    trims at 64 KiB), and the config is as it was outside the `with`."""
+    import os
+
+    import dask
+    distributed = pytest.importorskip("distributed")
+    key = "distributed.nanny.pre-spawn-environ"
+    before = dict(dask.config.get(key, {}) or {})
+    pre = tgd.keep_freed_memory_config()[key]
+    assert {k: pre[k] for k in tgd.KEEP_FREED_MEMORY} == tgd.KEEP_FREED_MEMORY
+    assert all(pre[k] == v for k, v in before.items() if k not in tgd.KEEP_FREED_MEMORY)
+    names = tuple(tgd.KEEP_FREED_MEMORY)
+    with dask.config.set(tgd.keep_freed_memory_config()):
+        with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                      dashboard_address=None, silence_logs=40) as cluster, \
+                distributed.Client(cluster) as c:
+            seen = c.run(lambda: {k: os.environ.get(k) for k in names})
+    assert list(seen.values()) == [tgd.KEEP_FREED_MEMORY]
+    assert dict(dask.config.get(key, {}) or {}) == before
+
+
 def test_local_cluster_equals_single_process(client):
     names = ["csr", "triangular", "segments", "dense-rect"]
     problems = [_problem(n) for n in names]

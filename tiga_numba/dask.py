@@ -65,7 +65,7 @@ from .merge import attention_merge, log_sum_exp
 from .scratch import ScratchPool
 
 __all__ = ["attention", "attention_backward", "program", "program_vjp", "layer", "layer_vjp", "DaskAttentionStats",
-           "plan_summary",
+           "plan_summary", "keep_freed_memory_config",
            "release_halo_buffers"]
 
 # Fan-in of the merge and sum trees: at most this many partial results meet in one task.
@@ -456,6 +456,33 @@ def release_halo_buffers():
     released = _halo_scratch.idle_bytes
     _halo_scratch.clear()
     return released
+
+
+#: glibc malloc settings, read when a process starts, that keep the memory a process frees for
+#: its next allocations: one arena (a worker's task thread would otherwise allocate large arrays
+#: with mmap and unmap them when freed, whatever the other settings), large chunks from the heap
+#: instead of mmap, and no trimming of the heap's top (distributed's own default trims at 64 KiB)
+KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
+def keep_freed_memory_config():
+    """The dask config under which dask.distributed starts worker processes that keep the memory
+    they free (KEEP_FREED_MEMORY added to ``distributed.nanny.pre-spawn-environ``)::
+
+        with dask.config.set(tiga_numba.dask.keep_freed_memory_config()):
+            cluster = LocalCluster(n_workers=2, threads_per_worker=1)
+
+    Every kernel call allocates its outputs afresh; a worker that hands freed memory back to the
+    system gets it again page by page at its next call, which on a virtual machine that returns
+    free memory to its host costs up to seconds per GiB (docs/dask.md, "Memory returned to the
+    host"). The price: a worker keeps what it freed up to its peak (dask counts it as unmanaged
+    memory) and its threads share one malloc arena. Only processes started under the config get
+    it: set it before the cluster starts (``dask worker`` processes started by hand read the same
+    variables from their environment)."""
+    import dask
+    pre = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {})
+    pre.update(KEEP_FREED_MEMORY)
+    return {"distributed.nanny.pre-spawn-environ": pre}
 
 
 @contextlib.contextmanager
