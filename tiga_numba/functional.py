@@ -208,10 +208,11 @@ _CALL_MEMO_SIZE = 64
 def _call_key(op, q, k, v, graph, scale, rho, edge_bias, score_mod, options):
     """(the graph's memo of validated calls, this call's key) or (None, None) when the call is
     not one the memo serves: arrays other than plain numpy / cupy ndarrays, or a per-edge bias
-    (a key with an unhashable scale or threshold, a 0-d array say, finds no entry). The key holds everything validation and
-    planning read: the array types, shapes and dtypes, the scale and threshold with their types
-    (True is not 1 here), the score modifier's tree, the run options and, for GPU arrays, the
-    current device (the tensor-core admission reads it)."""
+    (a key with an unhashable scale or threshold, a 0-d array say, finds no entry). The key
+    holds everything validation and planning read: the array types, shapes and dtypes, the
+    scale and threshold with their types (True is not 1 here), the score modifier's tree and
+    gradient leaves, the run options and, for GPU arrays, the current device (the tensor-core
+    admission reads it)."""
     tq = type(q)
     if edge_bias is not None or (tq is not np.ndarray and not arrays._is_cupy_ndarray(q)) \
             or type(k) is not tq or type(v) is not tq or not isinstance(graph, Graph):
