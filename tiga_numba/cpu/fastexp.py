@@ -132,7 +132,6 @@ def restore_mxcsr(typingctx, old):
 
     def codegen(context, builder, signature, args):
         if _X86:
-            i32 = ir.IntType(32)
             slot = cgutils.alloca_once_value(builder, args[0])
             ptr = builder.bitcast(slot, ir.IntType(8).as_pointer())
             fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()])

@@ -8,7 +8,6 @@ scipy's ``cython_blas`` - directly, with explicit leading dimensions (tiles are 
 head-major arrays, no copies) and ``beta = 1`` to accumulate in place.  Operands must have
 unit stride along their last axis (true for every view the kernels make).
 """
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
