@@ -271,3 +271,40 @@ def test_tensor_core_kernel_text_survives_a_damaged_file(tmp_path, monkeypatch):
     path.write_text("def kernel():\n    return 0\n")   # another text under this digest's name
     assert build._load_cached_module("tc_test_text", src, "float16")() == 7
     assert path.read_text().endswith(src)
+
+
+def test_tensor_core_launch_records_are_made_again_when_a_tuning_table_changes(monkeypatch):
+    """cuda/tc/api._launch_memo: one launch record per call shape, its kernels counted as cache
+    hits when reused, and made again when what the tuning tables say for it changes: an entry
+    replaced or edited in place, a NARROW or MODIFIED change added or removed, the narrow-band
+    limit moved (the tuning probes do each of these at run time)."""
+    import types as _t
+    from tiga_numba.cuda.tc import api, tuning
+    monkeypatch.setitem(tuning.TUNING_WGMMA, ("fwd", 128), dict(tuning.TUNING_WGMMA[("fwd", 128)]))
+    monkeypatch.setattr(tuning, "NARROW", dict(tuning.NARROW))
+    monkeypatch.setattr(tuning, "MODIFIED", dict(tuning.MODIFIED))
+    rec = {"tables": {}}
+    made = []
+
+    def build():
+        made.append(_t.SimpleNamespace(uses=0, entries=None))
+        return made[-1]
+
+    def launch():
+        entries = tuning.table_entries("float16", True, ("fwd",), 128)
+        return api._launch_memo(rec, ("fwd-launch", "float16", 128), entries, build)
+    hits = api.KERNELS.hits
+    first = launch()
+    assert launch() is first and first.uses == 2 and api.KERNELS.hits == hits + 1 and len(made) == 1
+    tuning.TUNING_WGMMA[("fwd", 128)]["BN"] = 32                 # edited in place
+    second = launch()
+    assert second is not first and len(made) == 2 and launch() is second
+    tuning.TUNING_WGMMA[("fwd", 128)] = dict(tuning.TUNING_WGMMA[("fwd", 128)], NW=4)   # replaced
+    assert launch() is not second and len(made) == 3
+    tuning.NARROW.clear()                                         # a narrow-band change removed
+    assert launch() is made[-1] and len(made) == 4
+    tuning.MODIFIED[("wgmma", "fwd", 128)] = {"BN": 64}           # a modifier change added
+    assert launch() is made[-1] and len(made) == 5
+    monkeypatch.setattr(tuning, "NARROW_KEYS", -1)                # the narrow-band limit moved
+    assert launch() is made[-1] and len(made) == 6
+    assert launch() is made[-1] and len(made) == 6                # and now kept again
