@@ -155,18 +155,12 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
     """Validated forward. Returns (out, stats, plan). `score_mod` is a
     score_mod.BoundModifier applied to the scaled score in the kernels."""
     options = _options.resolve()
-    memo, key = _call_key("forward", q, k, v, graph, scale, block_prune_threshold, edge_bias,
-                          score_mod, options)
-    try:
-        hit = memo.get(key) if memo is not None else None
-    except TypeError:   # an unhashable scale or threshold (a 0-d array): validated on every call
-        memo = hit = None
+    memo, key, hit = _validated_before("forward", q, k, v, graph, scale, block_prune_threshold, edge_bias,
+                                       score_mod, options)
     if hit is not None:
         # the same graph, array types, shapes, dtypes, scale, threshold, score and options as a
         # call that passed validation: its checks and its plan hold again (a fresh run_info)
-        shape, scale, rho, template = hit
-        if shape.squeezed:
-            q, k, v = q[:, None, :], k[:, None, :], v[:, None, :]
+        (q, k, v), (shape, scale, rho, template) = hit
         bias = None
         _check_modifier(score_mod, shape, graph)   # the modifier's values are this call's own
         plan = template.fresh()
@@ -205,18 +199,19 @@ def run_forward(q, k, v, graph, *, scale=None, block_prune_threshold=None, edge_
 _CALL_MEMO_SIZE = 64
 
 
-def _call_key(op, q, k, v, graph, scale, rho, edge_bias, score_mod, options):
-    """(the graph's memo of validated calls, this call's key) or (None, None) when the call is
-    not one the memo serves: arrays other than plain numpy / cupy ndarrays, or a per-edge bias
-    (a key with an unhashable scale or threshold, a 0-d array say, finds no entry). The key
-    holds everything validation and planning read: the array types, shapes and dtypes, the
-    scale and threshold with their types (True is not 1 here), the score modifier's tree and
-    gradient leaves, the run options and, for GPU arrays, the current device (the tensor-core
-    admission reads it)."""
+def _validated_before(op, q, k, v, graph, scale, rho, edge_bias, score_mod, options):
+    """(the graph's memo of validated calls, this call's key, hit): hit is ((q, k, v) as the
+    kernels take them, the remembered (shape, scale, threshold, plan)) when a call with this key
+    passed validation, else None. Memo and key are None when the call is not one the memo serves:
+    arrays other than plain numpy / cupy ndarrays, a per-edge bias, or an unhashable scale or
+    threshold (a 0-d array). The key holds everything validation and planning read: the array
+    types, shapes and dtypes, the scale and threshold with their types (True is not 1 here), the
+    score modifier's tree and gradient leaves, the run options and, for GPU arrays, the current
+    device (the tensor-core admission reads it)."""
     tq = type(q)
     if edge_bias is not None or (tq is not np.ndarray and not arrays._is_cupy_ndarray(q)) \
             or type(k) is not tq or type(v) is not tq or not isinstance(graph, Graph):
-        return None, None
+        return None, None, None
     device = None
     if tq is not np.ndarray:
         from .cuda.tc.device import current_device
@@ -224,7 +219,16 @@ def _call_key(op, q, k, v, graph, scale, rho, edge_bias, score_mod, options):
     key = (op, tq, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(scale), scale,
            type(rho), rho, None if score_mod is None else (score_mod.tree, score_mod.grad_leaves), options,
            device)
-    return graph._cached(("validated calls",), dict), key
+    memo = graph._cached(("validated calls",), dict)
+    try:
+        entry = memo.get(key)
+    except TypeError:
+        return None, None, None
+    if entry is None:
+        return memo, key, None
+    if entry[0].squeezed:   # one-head 2-D inputs, as check_attention_inputs views them
+        q, k, v = q[:, None, :], k[:, None, :], v[:, None, :]
+    return memo, key, ((q, k, v), entry)
 
 
 def _remember_call(memo, key, entry):
@@ -417,15 +421,9 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
     """Validated fused backward. Returns (dq, dk, dv, dbias, plan), and with `score_mod`
     (dq, dk, dv, dbias, {leaf: gradient}, plan)."""
     options = _options.resolve(deterministic=deterministic)
-    memo, key = _call_key("backward", q, k, v, graph, scale, None, edge_bias, score_mod, options)
-    try:
-        hit = memo.get(key) if memo is not None else None
-    except TypeError:   # an unhashable scale (a 0-d array): validated on every call
-        memo = hit = None
+    memo, key, hit = _validated_before("backward", q, k, v, graph, scale, None, edge_bias, score_mod, options)
     if hit is not None:   # as in run_forward: the same validated facts, the same plan
-        shape, scale, _, template = hit
-        if shape.squeezed:
-            q, k, v = q[:, None, :], k[:, None, :], v[:, None, :]
+        (q, k, v), (shape, scale, _, template) = hit
     else:
         q, k, v, shape, scale = arrays.check_attention_inputs(q, k, v, graph, scale)
     if getattr(stats, "block_prune_threshold", None) is not None:
