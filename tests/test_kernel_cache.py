@@ -275,7 +275,7 @@ def test_tensor_core_kernel_text_survives_a_damaged_file(tmp_path, monkeypatch):
 
 def test_tensor_core_launch_records_are_made_again_when_a_tuning_table_changes(monkeypatch):
     """cuda/tc/api._launch_memo: one launch record per call shape, its kernels counted as cache
-    hits when reused, and made again when what the tuning tables say for it changes: an entry
+    hits when reused (and said so in the run_info it records), and made again when what the tuning tables say for it changes: an entry
     replaced or edited in place, a NARROW or MODIFIED change added or removed, the narrow-band
     limit moved (the tuning probes do each of these at run time)."""
     import types as _t
@@ -287,7 +287,8 @@ def test_tensor_core_launch_records_are_made_again_when_a_tuning_table_changes(m
     made = []
 
     def build():
-        made.append(_t.SimpleNamespace(uses=0, entries=None))
+        made.append(api._Launch())
+        made[-1].cache, made[-1].info = "miss", {"kernel": f"record {len(made)}"}
         return made[-1]
 
     def launch():
@@ -295,7 +296,12 @@ def test_tensor_core_launch_records_are_made_again_when_a_tuning_table_changes(m
         return api._launch_memo(rec, ("fwd-launch", "float16", 128), entries, build)
     hits = api.KERNELS.hits
     first = launch()
+    said = [_t.SimpleNamespace(run_info={}) for _ in range(2)]
+    first.record(said[0], ["a copy"])                            # the call that made the record
+    assert said[0].run_info == {"kernel": "record 1", "copies": ["a copy"], "cache": "miss"}
     assert launch() is first and first.uses == 2 and api.KERNELS.hits == hits + 1 and len(made) == 1
+    first.record(said[1], [])                                    # a later call: its kernels were hits
+    assert said[1].run_info == {"kernel": "record 1", "copies": [], "cache": "hit"}
     tuning.TUNING_WGMMA[("fwd", 128)]["BN"] = 32                 # edited in place
     second = launch()
     assert second is not first and len(made) == 2 and launch() is second
@@ -308,3 +314,37 @@ def test_tensor_core_launch_records_are_made_again_when_a_tuning_table_changes(m
     monkeypatch.setattr(tuning, "NARROW_KEYS", -1)                # the narrow-band limit moved
     assert launch() is made[-1] and len(made) == 6
     assert launch() is made[-1] and len(made) == 6                # and now kept again
+
+
+def test_tensor_core_launch_records_hold_the_variants_a_call_shape_takes(monkeypatch):
+    """cuda/tc/api._forward_call / _backward_call without a GPU (kernels, schedule uploads and
+    addresses stubbed): a window of 128 keys at D = 128 on wgmma takes the narrow-band shape in
+    the forward and the dQ kernel, the record carries its kernels, schedules and explain() words,
+    and a soft-cap tree reaches both backward variants (two kernels, no fused dQ)."""
+    import types as _t
+    import tiga_numba as tg
+    from tiga_numba import score_mod as sm
+    from tiga_numba.cuda.tc import api, tuning
+
+    def stub(name):
+        return _t.SimpleNamespace(name=name, llvm=lambda: "", ptx=lambda: "")
+    monkeypatch.setattr(api, "kernel", lambda v: (stub(v.kind), "miss"))
+    monkeypatch.setattr(api, "delta_kernel", lambda dt, dv: stub("delta"))
+    monkeypatch.setattr(api, "_work", lambda rec, which, BM: ((which, BM), 7))
+    monkeypatch.setattr(api, "_ptr", lambda work: 4096)
+    rec = api._host_record(tg.Graph.band(600, left=127)._blocks)
+    fwd = api._forward_call(rec, "float16", 128, 128, True, None, False)
+    assert (fwd.vr.NW, fwd.vr.BN) == (4, 64) and fwd.vr.wgmma and not fwd.vr.prune
+    assert (fwd.kern.name, fwd.cache, fwd.W, fwd.workp) == ("fwd", "miss", 7, 4096)
+    assert 0 < fwd.visited < fwd.total and tuning.NARROW_WORDS in fwd.info["tiles"]
+    bwd = api._backward_call(rec, "float16", 600, 600, 128, 128, True, True, None)
+    assert (bwd.vq.NW, bwd.vq.BN) == (4, 64) and bwd.main is bwd.kq and bwd.kd.name == "delta"
+    assert "dQ by query tiles" in bwd.info["kernel"] and tuning.NARROW_WORDS in bwd.info["tiles"]
+    cap = sm.bind_flash(30.0, None, None)
+    mod = api._backward_call(rec, "float16", 600, 600, 128, 128, True, True, cap)
+    assert mod.vq.mod is not None and mod.vk.mod is not None and not mod.vk.fuse_dq
+    assert "score modifier compiled in" in mod.info["kernel"]
+    causal = api._host_record(tg.Graph.triangular(300)._blocks)
+    pruned = api._forward_call(causal, "float16", 128, 128, True, None, True)
+    assert pruned.vr.prune and "tile pruning" in pruned.info["kernel"]
+    assert tuning.NARROW_WORDS not in pruned.info["tiles"]   # no band: the shipped shape

@@ -170,14 +170,35 @@ def launch_forward(vr, rec, H, Hkv, q, k, v, outp, mp, lp, scale, stream=None, r
     return launch.kern, launch.cache, counts
 
 
-class _ForwardLaunch:
+class _Launch:
+    """A launch record's bookkeeping: explain()'s words for its calls (`info`), the kernel-cache
+    outcome of the call that made it (`cache`), how many calls it served (`uses`) and the
+    tuning-table entries it was made from (`entries`, see _launch_memo)."""
+
+    __slots__ = ("info", "cache", "uses", "entries")
+
+    def __init__(self):
+        self.info, self.cache, self.uses, self.entries = {}, "hit", 0, None
+
+    def record(self, plan, copies):
+        """This call's run_info: the record's words, the call's copies, and where its kernels
+        came from (the call that made the record: its kernel-cache outcome; later ones: hits)."""
+        info = getattr(plan, "run_info", None)
+        if info is not None:
+            info.update(self.info)
+            info["copies"] = copies
+            info["cache"] = self.cache if self.uses == 1 else "hit"
+
+
+class _ForwardLaunch(_Launch):
     """What launching forward variant `vr` over relation record `rec` needs besides the call's
     arrays: the kernel, the query-tile schedule and its tile counts. `forward` keeps one per call
     shape (see _launch_memo), so a repeated call only reads its operands, allocates and launches."""
 
-    __slots__ = ("vr", "kern", "cache", "W", "workp", "visited", "total", "info", "uses", "entries")
+    __slots__ = ("vr", "kern", "W", "workp", "visited", "total")
 
     def __init__(self, rec, vr):
+        super().__init__()
         self.vr = vr
         self.kern, self.cache = kernel(vr)
         work, self.W = _work(rec, "q", vr.BM)
@@ -187,7 +208,6 @@ class _ForwardLaunch:
             rec["tables"][key] = schedule.tile_counts(rec["dst"], rec["src"], rec["causal"], vr.BM, vr.BN,
                                                        rec["lo"], rec["hi"])
         self.visited, self.total = rec["tables"][key]
-        self.info, self.uses, self.entries = None, 0, None
 
 
 def _run_forward(launch, H, Hkv, q, k, v, outp, mp, lp, mkp, scale, stream=None, rho=None, mod=()):
@@ -226,20 +246,20 @@ def launch_backward(vq, vk, rec, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse
     delta (num_dst, H), lse2 (num_dst, H, 2) for the (m2, log2 l) pairs): two kernels, or one when
     vk.fuse_dq (vq is None then; dQ rows no key tile visits are left as they are: zero them).
     Returns (the main kernel, the kernels' cache state)."""
-    launch = _BackwardLaunch(rec, vq, vk, nd)
+    launch = _BackwardLaunch(rec, vq, vk)
     _run_backward(launch, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale, stream, mod)
     return launch.main, launch.cache
 
 
-class _BackwardLaunch:
+class _BackwardLaunch(_Launch):
     """What launching the backward variants (vq, vk) over relation record `rec` needs besides
     the call's arrays: the Delta, dQ and dK/dV kernels and their tile schedules. `backward` keeps
     one per call shape (see _launch_memo)."""
 
-    __slots__ = ("vq", "vk", "kd", "kq", "kk", "main", "cache", "Wq", "workq", "Wk", "workk", "info",
-                 "uses", "entries")
+    __slots__ = ("vq", "vk", "kd", "kq", "kk", "main", "Wq", "workq", "Wk", "workk")
 
-    def __init__(self, rec, vq, vk, nd):
+    def __init__(self, rec, vq, vk):
+        super().__init__()
         schedule.check_ordered_fused(vk, rec.get("standard", True))
         self.vq, self.vk = vq, vk
         self.kd = delta_kernel(vk.dtype, vk.Dv)
@@ -256,7 +276,6 @@ class _BackwardLaunch:
         self.workk = _ptr(work)
         self.main = self.kk if vq is None else self.kq
         self.cache = "hit" if all(x == "hit" for x in states) else "miss"
-        self.info, self.uses, self.entries = None, 0, None
 
 
 def _run_backward(launch, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp, dkp, dvp, scale,
@@ -404,15 +423,11 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         m2 = cupy.full((nd, H), -np.inf, cupy.float32)
     counts = _run_forward(launch, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs), out.data.ptr,
                           m.data.ptr, l.data.ptr, m2.data.ptr, float(plan.scale), rho=rho, mod=mod)
-    info = getattr(plan, "run_info", None)
-    if info is not None:
-        if vr.prune:
-            # explain()'s tile counts, summed and read back only when asked (RunInfo), on the
-            # stream that wrote them
-            defer_counts(info, lambda s=cupy.cuda.get_current_stream(): _tile_totals(counts, s))
-        info.update(launch.info)
-        info["copies"] = copies
-        info["cache"] = launch.cache if launch.uses == 1 else "hit"
+    if vr.prune and getattr(plan, "run_info", None) is not None:
+        # explain()'s tile counts, summed and read back only when asked (RunInfo), on the
+        # stream that wrote them
+        defer_counts(plan.run_info, lambda s=cupy.cuda.get_current_stream(): _tile_totals(counts, s))
+    launch.record(plan, copies)
     return out, m, l, m2
 
 
@@ -496,11 +511,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     _run_backward(launch, nd, H, Hkv, (qp, q_rs, q_hs), (kp, k_rs, k_hs), (vp, v_rs, v_hs), (dop, do_rs, do_hs),
                   (op, o_rs, o_hs), m2.data.ptr, l.data.ptr, delta.data.ptr, lse2.data.ptr, dq.data.ptr,
                   dk.data.ptr, dv.data.ptr, float(plan.scale), mod=mod)
-    info = getattr(plan, "run_info", None)
-    if info is not None:
-        info.update(launch.info)
-        info["copies"] = copies
-        info["cache"] = launch.cache if launch.uses == 1 else "hit"
+    launch.record(plan, copies)
     return dq, dk, dv, None
 
 
@@ -514,7 +525,7 @@ def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod):
     if score_mod is not None:
         mod = _modifier_for(score_mod, dt)
         vq, vk = (tuning.with_modifier(vr, mod) for vr in (vq or variant("dq", D, Dv, dt, wgmma), vk))
-    launch = _BackwardLaunch(rec, vq, vk, nd)
+    launch = _BackwardLaunch(rec, vq, vk)
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
                "dQ blocks added with float atomics: NOT deterministic, opted in by TIGA_NUMBA_DETERMINISTIC=0), "
