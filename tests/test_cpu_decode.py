@@ -149,3 +149,25 @@ def test_other_requests_go_to_the_block_kernels(why):
     assert plan.family == "cpu.blocks"
     assert "cpu.decode" in plan.explain()   # considered, and why refused
     assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_non_finite_scores_inside_a_row_as_the_math_gives(dtype):
+    """Scores inside a row's relation that are not finite: -inf adds nothing (the row's result is
+    that of the other keys), NaN or +inf makes the row NaN (m, l and out), as libm's exp2 gives
+    them; other heads stay finite. One query over several key chunks, so the odd keys sit in the
+    middle of a chunk's weights and of its four-row accumulation."""
+    g = tg.Graph.dense(2 * decode.CHUNK + 37, 1)
+    q, k, v = _inputs(g, 3, 3, 8, 8, dtype, seed=5)
+    q = np.abs(q) + dtype(0.1)   # positive: a key row of -inf / +inf gives a score of -inf / +inf
+    k[1500, 0] = -np.inf
+    k[700, 1, 3] = np.nan
+    k[2050, 2] = np.inf
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    assert functional.last_plan().family == "cpu.decode"
+    keep = np.ones(g.num_src, bool)
+    keep[1500] = False
+    want = attention_oracle(q[:, :1], k[keep][:, :1], v[keep][:, :1], np.ones((1, keep.sum()), bool), 8 ** -0.5)
+    np.testing.assert_allclose(out[:, 0], want[0][:, 0], rtol=TOL[dtype][0] * 10, atol=TOL[dtype][1])
+    for h in (1, 2):
+        assert np.isnan(out[0, h]).all() and np.isnan(st.l[0, h]), h

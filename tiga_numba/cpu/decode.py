@@ -12,6 +12,11 @@ head read its row from L1, as flash-decoding packs them), and writes an unnormal
 
     M = max_c m_c,   l = sum_c l_c 2^(m_c - M),   out = sum_c acc_c 2^(m_c - M) / l
 
+The second pass of an item whose every cell lies inside its band (a decode step over the whole
+cache: every item) takes the chunk's weights at once with the vectorisable exp2 and adds four V
+rows per accumulator update (`_accumulate_inside`); the pass is bound by the accumulator's loads
+and stores otherwise, and the kernel by compute rather than by reading K and V.
+
 Scores are in base 2 (q pre-scaled by scale log2(e)), as the other CPU kernels keep them, so
 m is the kernels' row maximum (`m_kernel`). The backward walks the same items: per key it
 recomputes the scores with the forward's loop (the same bits, so the row's largest score has
@@ -30,6 +35,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .blocks import exp2_any
 from .layout import kv_heads
 from .threads import run, useful
 
@@ -114,6 +120,9 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
                 pl[r, h] = 0.0
                 for x in range(Dv):
                     pa[r, h, x] = 0.0
+        if c0 - (nr - 1) >= lb and c1 - 1 <= hb:   # every cell of the item inside the band
+            _accumulate_inside(v, s, mx, kvh, s0 + c0, zero, pa, pl)
+            continue
         for jj in range(n):
             j = s0 + c0 + jj
             for r in range(nr):
@@ -125,6 +134,55 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
                     pl[r, h] += p
                     for x in range(Dv):
                         pa[r, h, x] += p * v[j, hk, x]
+
+
+@njit(inline="always", cache=True)
+def _weight(x, zero):
+    """2^x of a score minus its row maximum, vectorisable (blocks.exp2_any: the float32
+    polynomial), with libm's edge values: NaN stays NaN (a NaN or inf score makes its row NaN),
+    far below (-inf included) 0."""
+    if x != x:
+        return x
+    if x < -1100.0:
+        return zero
+    return exp2_any(x)
+
+
+@njit(inline="always", cache=True, fastmath={"reassoc", "contract"})
+def _accumulate_inside(v, s, mx, kvh, j0, zero, pa, pl):
+    """The second pass of an item whose every cell is inside its band (decode over a whole key
+    range): the weights of the whole chunk at once (s becomes P, vectorised over heads), then
+    acc += P V four keys at a time, so that each accumulator row is loaded and stored once per
+    four V rows instead of once per row (the pass is bound by those loads and stores when V
+    comes from cache). The order of the additions is fixed by this code, as everywhere here."""
+    n, nr, H = s.shape
+    Dv = v.shape[2]
+    for jj in range(n):
+        for r in range(nr):
+            for h in range(H):
+                p = _weight(s[jj, r, h] - mx[r, h], zero)
+                s[jj, r, h] = p
+                pl[r, h] += p
+    jj = 0
+    while jj + 3 < n:
+        j = j0 + jj
+        for r in range(nr):
+            for h in range(H):
+                hk = kvh[h]  # a register: the store to pa below could alias a table read
+                p0, p1, p2, p3 = s[jj, r, h], s[jj + 1, r, h], s[jj + 2, r, h], s[jj + 3, r, h]
+                for x in range(Dv):
+                    pa[r, h, x] += ((p0 * v[j, hk, x] + p1 * v[j + 1, hk, x])
+                                    + (p2 * v[j + 2, hk, x] + p3 * v[j + 3, hk, x]))
+        jj += 4
+    while jj < n:
+        j = j0 + jj
+        for r in range(nr):
+            for h in range(H):
+                hk = kvh[h]
+                p = s[jj, r, h]
+                for x in range(Dv):
+                    pa[r, h, x] += p * v[j, hk, x]
+        jj += 1
 
 
 #: the per-chunk kernel (the merge is small and compiled alongside)
