@@ -227,7 +227,12 @@ def modified(vr):
 
 def with_modifier(vr, mod):
     """Variant vr with the generator Modifier `mod` compiled in, as every modified call runs it:
-    the backward's two-kernel variants without overlap (Variant.check), then MODIFIED's shape."""
+    the backward's two-kernel variants with every chain waited for at once, then MODIFIED's shape.
+    The 16-bit dK/dV kernel can overlap its chains with a modifier (Variant.check allows it), but
+    with P f'(z) held beside P and the in-flight dP, ptxas spills 228 B at D = 128 (80 B serial)
+    and the H100 ran soft-cap / ALiBi forward+backward at N = 16384 in 17.6 / 17.5 ms against
+    14.2 / 14.1 ms serial (16.2 / 15.8 ms with 32-query blocks; benchmarks/gpu/mods_probe.py,
+    results/gpu-h100-2026-12-05c.txt)."""
     extra = {} if vr.kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
     return modified(dataclasses.replace(vr, mod=mod, **extra))
 
