@@ -4,9 +4,8 @@ side by side in one process (H200; fp16, N = 16384, H = 16, D = 128, causal, sof
     python benchmarks/gpu/mods_probe.py --prebuild --jobs 15   # the probe's cubins (no GPU needed)
     python benchmarks/gpu/mods_probe.py [--reps 10]
 
-Choices (CHOICES): tanh as ex2 + rcp or as the hardware tanh.approx.f32 (generator/modifier.py: TANH, the 16-bit
-entries), and shape or schedule changes of the modified D = 128 kernels (tuning.MODIFIED): the dK/dV kernel with its
-chains overlapped (as shipped) or serial, its query block width. Rows: plain causal, then soft-cap and
+Choices: tanh as ex2 + rcp or as the hardware tanh.approx.f32 (generator/modifier.py: TANH, the 16-bit entries), and the
+modified D = 128 forward's and dQ kernel's key block widths (tuning.MODIFIED). Rows: plain causal, then soft-cap and
 ALiBi per choice, forward and forward+backward ms (CUDA events, median of --reps after a warm-up),
 their ratio to plain causal, and for the soft-cap the largest error of the output against a float64
 evaluation of the first --check-rows query rows of two heads.
@@ -24,12 +23,12 @@ from tiga_numba.cuda.tc import tuning  # noqa: E402
 from tiga_numba.cuda.tc.generator import modifier as M  # noqa: E402
 from bench_score_mods_gpu import timed  # noqa: E402  (CUDA events, median of reps after a warm-up)
 
-#: (label, tanh flavour, modified-kernel shape changes); earlier probes chose the hardware tanh for 16-bit
-#: inputs and the shipped forward / dQ shapes (results/gpu-h200-2026-12-03*.txt)
-DKDV = ("wgmma", "dkdv", 128)
-CHOICES = [("dK/dV serial, BN=64", "hardware", {DKDV: dict(overlap=False)}),
-           ("dK/dV overlapped, BN=64", "hardware", {}),
-           ("dK/dV overlapped, BN=32", "hardware", {DKDV: dict(BN=32)})]
+#: (label, tanh flavour, modified-kernel shape changes)
+CHOICES = [("exp2 tanh, fwd BN=128", "exp2", {}),
+           ("hardware tanh, fwd BN=128", "hardware", {}),
+           ("exp2 tanh, fwd BN=64", "exp2", {("wgmma", "fwd", 128): dict(BN=64)}),
+           ("exp2 tanh, fwd+dq BN=64", "exp2", {("wgmma", "fwd", 128): dict(BN=64),
+                                                ("wgmma", "dq", 128): dict(BN=64)})]
 MODS = ("softcap", "alibi")
 
 
@@ -49,6 +48,8 @@ def _build(job):
     _choose(CHOICES[c])
     if name == "plain":
         vr = tuning.variant(kind, 128, 128, "float16", wgmma=True)
+    elif name == "alibi" and CHOICES[c][1] != "exp2":
+        return f"skip {job}"   # no tanh in ALiBi: the exp2 choice's kernel
     else:   # triangular relations: ALiBi without the alignment shift
         vr = build.modified_variant("wg:" + kind, 128, "float16", name)
     t = time.time()
@@ -124,6 +125,8 @@ def main():
     for choice in CHOICES:
         _choose(choice)
         for name in MODS:
+            if name == "alibi" and choice[1] != "exp2":
+                continue
             f, b, err = run(name)
             print(f"{name:8s} {choice[0]:26s} fwd {f:7.3f} ms  fwd+bwd {b:7.3f} ms  | / plain {f / plain[0]:.2f}, "
                   f"{b / plain[1]:.2f}{err}", flush=True)

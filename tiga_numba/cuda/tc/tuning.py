@@ -227,12 +227,11 @@ def modified(vr):
 
 def with_modifier(vr, mod):
     """Variant vr with the generator Modifier `mod` compiled in, as every modified call runs it:
-    the backward's two-kernel variants with every chain waited for at once, then MODIFIED's shape.
-    The 16-bit dK/dV kernel can overlap its chains with a modifier (Variant.check allows it), but
-    with P f'(z) held beside P and the in-flight dP, ptxas spills 228 B at D = 128 (80 B serial)
-    and the H100 ran soft-cap / ALiBi forward+backward at N = 16384 in 17.6 / 17.5 ms against
-    14.2 / 14.1 ms serial (16.2 / 15.8 ms with 32-query blocks; benchmarks/gpu/mods_probe.py,
-    results/gpu-h100-2026-12-05c.txt)."""
+    the backward's two-kernel variants without overlap (Variant.check), then MODIFIED's shape.
+    An overlapped 16-bit dK/dV kernel with a modifier (dP in flight while the cells make P and
+    P f'(z)) was built and measured: ptxas spilled 228 B at D = 128 (80 B serial) and on the H100
+    soft-cap / ALiBi forward+backward at N = 16384 took 17.6 / 17.5 ms against 14.2 / 14.1 ms
+    serial (results/gpu-h100-2026-12-05c.txt), so it is not part of the generator."""
     extra = {} if vr.kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
     return modified(dataclasses.replace(vr, mod=mod, **extra))
 

@@ -2,7 +2,7 @@
 fused dK/dV/dQ kernel (ordered accumulator or float atomics), on mma.sync or wgmma."""
 from __future__ import annotations
 
-from .fragments import a_pairs, a_regs, c_regs, ldsm_a, mma, split_tf32, zero_c
+from .fragments import a_regs, c_regs, ldsm_a, mma, split_tf32, zero_c
 from .guard import guard_init, guard_tiles, poison_rows, zero_masked
 from .pipeline import key_range, read_work, store_c_rows, stream_key_blocks, StreamedPair
 from .softmax import row_limits
@@ -468,37 +468,9 @@ def gen_dkdv(v):
                         else:   # masked cells: dS = 0 exactly (dP and Delta of a masked query may be
                             # non-finite); P == 0 marks them (a real cell whose P underflowed gives 0 too)
                             e(f"{x} = sel(({x} != zero) | (mb == 0), {ds}, zero)")
-            def mod_cell(m, j, r):   # z -> (f(z), f'(z)): P into the s register, md = f'(z)
-                x = f"s{m}_{j}_{r}"   # the fragment's rows are keys, its columns queries
-                v.mod.cell(e, x, cell_col("cq", j, r), cell_row(m, r), "my", "md")
-                e(f"{x} = sel({x} != masked, ex2(my * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
-
-            def mod_ds(m, j, r, pw):   # dS_z = (P f'(z)) (dP - Delta) into the dP register; masked: 0
-                dp = f"dp{m}_{j}_{r}"   # (P == 0, so P f'(z) == 0, marks a masked cell, as in to_ds)
-                e(f"{dp} = sel(({pw} != zero) | (mb == 0), {pw} * ({dp} - cd{j}{r % 2}), zero)")
-            if v.mod and v.wg_async:
-                assert MT == 1 and not v.split, "Variant.check: a modifier overlaps 16-bit warpgroups only"
-                # dP^T is in flight (issued above) while the modifier's cells run on the CUDA cores:
-                # each k-step's cells make P and P f'(z) (in pw registers), P is packed at once into
-                # dV's A operands (its f32 registers die there), dV += P^T dO is issued, and only then
-                # is dP waited for (the older chain: wait_group 1) and dS made from P f'(z). The column
-                # statistics are loaded per k-step / tile where used: few are live next to dP
-                for ks in range(BN // 16):
-                    col_stats(e, (2 * ks, 2 * ks + 1), ("cl", "cg"), "lsep")
-                    for j in (2 * ks, 2 * ks + 1):
-                        for r in range(4):
-                            mod_cell(0, j, r)
-                            e(f"pw0_{j}_{r} = s0_{j}_{r} * md")
-                    e("; ".join(f"pa0_{ks}_{r} = pack2({lo}, {hi})" for r, (lo, hi) in enumerate(a_pairs("s", 0, ks))))
-                mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv, wait=False, packed=True)
-                wg_wait(e, 1, "dp", nt)
-                for j in range(nt):
-                    col_stats(e, [j], ("cd",), "dltp")
-                    for r in range(4):
-                        mod_ds(0, j, r, f"pw0_{j}_{r}")
-            elif v.mod:
-                # dP first, then per cell P, and dS_z = (P f'(z)) (dP - Delta) into the dP registers:
-                # P and dS both stay (dV reads P, dK reads dS), f'(z) never does
+            if v.mod:
+                # dP first, then per cell z -> (f(z), f'(z)), P and dS_z = P (dP - Delta) f'(z) into
+                # the dP registers: P and dS both stay (dV reads P, dK reads dS), f'(z) never does
                 zero_c(e, "dp", MT, nt)
                 mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
                 col_stats(e, range(nt), ("cl", "cg"), "lsep")
@@ -506,8 +478,11 @@ def gen_dkdv(v):
                 for m in range(MT):
                     for j in range(nt):
                         for r in range(4):
-                            mod_cell(m, j, r)
-                            mod_ds(m, j, r, f"(s{m}_{j}_{r} * md)")
+                            x, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
+                            # the fragment's rows are keys, its columns queries
+                            v.mod.cell(e, x, cell_col("cq", j, r), cell_row(m, r), "my", "md")
+                            e(f"{x} = sel({x} != masked, ex2(my * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
+                            e(f"{dp} = sel(({x} != zero) | (mb == 0), {x} * ({dp} - cd{j}{r % 2}) * md, zero)")
                 mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
             elif v.wg_async:
                 # P's A operands are packed k-step by k-step and each k-step's P turns into dS right

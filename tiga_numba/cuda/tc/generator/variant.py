@@ -183,12 +183,9 @@ class Variant:
         if self.prune and (self.kind != "fwd" or self.NW % 4):
             raise ValueError("tile pruning is a forward option and reads the warps' maxima four at a "
                              "time (NW % 4 == 0)")
-        if self.mod is not None and (self.prune or self.fuse_dq
-                                     or self.wg_async and (self.kind == "dq"
-                                                           or self.kind == "dkdv" and self.split)):
+        if self.mod is not None and (self.prune or self.fuse_dq or self.wg_async and self.kind != "fwd"):
             raise ValueError("a score modifier runs in the forward (no pruning) and the two-kernel "
-                             "backward; of the backward's kernels only the 16-bit dK/dV one overlaps "
-                             "its chains (overlap=False elsewhere)")
+                             "backward without overlap (overlap=False): its f'(z) is taken with P")
         if self.dq_atomic and not self.fuse_dq:
             raise ValueError("dq_atomic needs fuse_dq")
         if self.fuse_dq:
