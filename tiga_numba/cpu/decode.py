@@ -154,7 +154,8 @@ def _accumulate_inside(v, s, mx, kvh, j0, zero, pa, pl):
     range): the weights of the whole chunk at once (s becomes P, vectorised over heads), then
     acc += P V four keys at a time, so that each accumulator row is loaded and stored once per
     four V rows instead of once per row (the pass is bound by those loads and stores when V
-    comes from cache). The order of the additions is fixed by this code, as everywhere here."""
+    comes from cache). The order of the additions is the compiled code's (reassociation allowed),
+    never the thread schedule's, as everywhere here."""
     n, nr, H = s.shape
     Dv = v.shape[2]
     for jj in range(n):
