@@ -15,7 +15,6 @@ Tables:
 Times are the best of --reps runs after one warm-up (compile) call.
 """
 import argparse
-import math
 import os
 import platform
 import sys

@@ -256,8 +256,8 @@ def run(args):
     work.single_backward(ref_fwd)
     t_bwd, c_bwd, ref_bwd = _best(lambda: work.single_backward(ref_fwd), args.repeat)
     ref_out, ref_grad = work.compared(ref_fwd, ref_bwd)
-    print(f"| config | plan s | fwd s | bwd s | cpu s fwd / bwd | moved MB fwd / bwd | model MB fwd / bwd | "
-          f"busy s/wkr fwd / bwd | overhead wall fwd / bwd | overhead cpu fwd / bwd |")
+    print("| config | plan s | fwd s | bwd s | cpu s fwd / bwd | moved MB fwd / bwd | model MB fwd / bwd | "
+          "busy s/wkr fwd / bwd | overhead wall fwd / bwd | overhead cpu fwd / bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print(f"| single process, 2 threads | - | {t_fwd:.2f} | {t_bwd:.2f} | {c_fwd:.2f} / {c_bwd:.2f} | 0 / 0 | - "
           f"| - | - | - |", flush=True)

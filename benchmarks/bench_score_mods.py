@@ -72,7 +72,7 @@ def main():
     for name, (f, fb) in results.items():
         print(f"{name:32s} {f * 1e3:9.1f} {fb * 1e3:11.1f} {f / base[0]:10.2f} {fb / base[1]:10.2f}")
     wf, wfb = results[f"sliding window W={W} (band)"]
-    print(f"ratios are to plain causal (target for modifiers: <= 1.20)")
+    print("ratios are to plain causal (target for modifiers: <= 1.20)")
     print(f"sliding window vs dense: forward {dense[0] / wf:.1f}x, forward+backward "
           f"{dense[1] / wfb:.1f}x faster (target >= (N/W)/2 = {n / W / 2:.1f}x)")
 

@@ -20,7 +20,7 @@ import time
 # 2 shared cores: the (N, 64) projections 20x slower); the per-node products here are small.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from _common import array_library, to_host, to_library
+from _common import array_library, to_library
 
 import numpy as np
 

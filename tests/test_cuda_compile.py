@@ -424,7 +424,6 @@ def test_cubin_cache_key_follows_the_defining_file(tmp_path, monkeypatch):
 def _modifier_trees():
     from tiga_numba import score_mod as sm
     S = sm.SCORE
-    c = sm.Expr("scalar", (), "softcap")
     slopes = sm.Expr("head", (), "alibi_slopes")
     da, sa = sm.Expr("node", (), ("dst", "a")), sm.Expr("node", (), ("src", "a"))
     eb = sm.Expr("edge", (), "b")
