@@ -896,7 +896,6 @@ def case_large_scores():
     exact ties and split rows (the softmax merge)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_robustness import assert_large_score_accuracy
-    from tiga_numba.cuda.decode import DecodeTiles
     H, Hkv, D, scale = 2, 1, 4, 0.3
     for dtype, mx in (("float32", 1e6), ("float32", 1e8), ("float16", 3e4)):
         seed = int(np.log10(mx))

@@ -84,7 +84,7 @@ def specs():
     return out
 
 
-def build(arch):
+def build_all(arch):
     build_specs(specs(), arch)
 
 
@@ -277,7 +277,7 @@ def main():
     a = ap.parse_args()
     cands = CANDIDATES if a.keys is None else {k: v for k, v in CANDIDATES.items() if f"{k[0]}:{k[1]}" in a.keys.split(",")}
     if a.build:
-        build_specs(candidate_specs(cands, "float16"), a.build) if a.keys else build(a.build)
+        build_specs(candidate_specs(cands, "float16"), a.build) if a.keys else build_all(a.build)
         return
     Ns = [int(x) for x in a.N.split(",")]
     import cupy
