@@ -55,9 +55,9 @@ import time
 import numpy as np
 
 
-
 def _keep_freed_memory():
-    """the glibc settings that keep freed memory in a process (tiga_numba.dask.KEEP_FREED_MEMORY)"""
+    """the glibc settings that keep freed memory in a process (tiga_numba.dask.KEEP_FREED_MEMORY),
+    imported when asked: main() sets NUMBA_NUM_THREADS first, and numba reads it at import"""
     from tiga_numba.dask import KEEP_FREED_MEMORY
     return KEEP_FREED_MEMORY
 
@@ -247,7 +247,6 @@ def run(args):
              if args.keep_freed_memory else ""))
     if args.keep_freed_memory:   # for the workers; this process got the variables at its start (main)
         import dask
-
         import tiga_numba.dask as tgd
         dask.config.set(tgd.keep_freed_memory_config())
     # single process (warm: one call first compiles or loads the kernels)
@@ -387,11 +386,11 @@ def main():
                    help="turn dask's low-level task fusion off (optimization.fuse.active: False), which keeps "
                         "the placement hints tiga_numba.dask annotates its tasks with (docs/dask.md)")
     args = p.parse_args()
+    os.environ.setdefault("NUMBA_NUM_THREADS", "2")   # before numba is imported (_keep_freed_memory imports it)
     if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in _keep_freed_memory().items()):
         import sys
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **_keep_freed_memory()})
-    os.environ.setdefault("NUMBA_NUM_THREADS", "2")
     if args.no_stealing:
         import dask
         dask.config.set({"distributed.scheduler.work-stealing": False})
