@@ -12,10 +12,11 @@ head read its row from L1, as flash-decoding packs them), and writes an unnormal
 
     M = max_c m_c,   l = sum_c l_c 2^(m_c - M),   out = sum_c acc_c 2^(m_c - M) / l
 
-The second pass of an item whose every cell lies inside its band (a decode step over the whole
-cache: every item) takes the chunk's weights at once with the vectorisable exp2 and adds four V
-rows per accumulator update (`_accumulate_inside`); the pass is bound by the accumulator's loads
-and stores otherwise, and the kernel by compute rather than by reading K and V.
+Weights are taken with the vectorisable exp2 (`_weight`, libm's NaN / -inf values). The second
+pass of an item whose every cell lies inside its band (a decode step over the whole cache: every
+item) takes the chunk's weights at once and adds four V rows per accumulator update
+(`_accumulate_inside`); the pass is bound by the accumulator's loads and stores otherwise, and
+the kernel by compute rather than by reading K and V.
 
 Scores are in base 2 (q pre-scaled by scale log2(e)), as the other CPU kernels keep them, so
 m is the kernels' row maximum (`m_kernel`). The backward walks the same items: per key it
@@ -130,7 +131,7 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
                     continue
                 for h in range(H):
                     hk = kvh[h]  # a register: the store to pa below could alias a table read
-                    p = math.exp2(s[jj, r, h] - mx[r, h])
+                    p = _weight(s[jj, r, h] - mx[r, h], zero)
                     pl[r, h] += p
                     for x in range(Dv):
                         pa[r, h, x] += p * v[j, hk, x]
@@ -140,7 +141,7 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
 def _weight(x, zero):
     """2^x of a score minus its row maximum, vectorisable (blocks.exp2_any: the float32
     polynomial), with libm's edge values: NaN stays NaN (a NaN or inf score makes its row NaN),
-    far below (-inf included) 0."""
+    far below (-inf included) 0. Every item's weights, banded or not."""
     if x != x:
         return x
     if x < -1100.0:
