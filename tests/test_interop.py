@@ -193,6 +193,44 @@ def test_adapter_gradcheck_float64():
         assert torch.autograd.gradcheck(of_params, ws), cls.__name__
 
 
+def test_adapter_attention_takes_softcap_and_alibi_slopes():
+    """tgt.attention with flash-attn's modifiers against autograd of a float64 torch oracle,
+    gradients of q, k, v and of the slopes (which require grad); GQA, a causal relation."""
+    import tiga_numba.torch as tgt
+    gen = torch.Generator().manual_seed(5)
+    N, H, Hkv, D, cap = 29, 4, 2, 8, 1.5
+    g = tg.Graph.triangular(N)
+    q = torch.randn(N, H, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(N, Hkv, D, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    slopes = torch.rand(H, dtype=torch.float64, generator=gen).requires_grad_()
+
+    def oracle(q, k, v, slopes):
+        kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        s = cap * torch.tanh(torch.einsum("ihd,jhd->hij", q, kk) * D ** -0.5 / cap)
+        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+        s = (s - slopes[:, None, None] * (i - j).abs()).masked_fill(j > i, -torch.inf)
+        return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
+
+    out = tgt.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+    ours = torch.autograd.grad(out, (q, k, v, slopes), dout)
+    ref_out = oracle(q, k, v, slopes)
+    theirs = torch.autograd.grad(ref_out, (q, k, v, slopes), dout)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    # slopes that need no gradient, a 0-d tensor soft-cap, float32
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o32 = tgt.attention(q32, k32, v32, g, softcap=torch.tensor(cap), alibi_slopes=slopes.detach().float())
+    o32.backward(dout.float())
+    torch.testing.assert_close(o32.double(), ref_out.detach(), rtol=0, atol=2e-6)
+    assert q32.grad is not None and q32.grad.dtype == torch.float32
+    with pytest.raises(NotImplementedError, match="softcap"):
+        tgt.attention(q, k, v, g, softcap=torch.tensor(cap, requires_grad=True))
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        tgt.attention(q, k, v, g, alibi_slopes=np.ones(H))
+
+
 def test_adapter_program_gradients_match_autograd():
     import tiga_numba.torch as tgt
 

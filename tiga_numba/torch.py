@@ -21,7 +21,8 @@ import weakref
 import torch
 
 from . import interop
-from .functional import run_backward, run_forward
+from . import score_mod
+from .functional import flash_modifier, run_backward, run_forward
 from .graph import Graph
 from . import layers as _layers
 from .layers import _module as _layers_module
@@ -63,32 +64,53 @@ def _first_order_only(backward):
 # --------------------------------------------------------------------------- attention
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, graph, scale):
+    def forward(ctx, q, k, v, graph, scale, softcap, alibi_slopes):
         qn, kn, vn = _native(q, "q"), _native(k, "k"), _native(v, "v")
-        out, stats, _ = run_forward(qn, kn, vn, graph, scale=scale)
+        slopes = _native(alibi_slopes, "alibi_slopes")
+        mod = flash_modifier(qn, graph, softcap, slopes)
+        if mod is not None and alibi_slopes is not None and alibi_slopes.requires_grad:
+            # the slopes' gradient is asked of the backward like a program's per-head param's
+            mod = score_mod.BoundModifier(mod.tree, mod.values, want_grad=[_SLOPES])
+        out, stats, _ = run_forward(qn, kn, vn, graph, scale=scale, score_mod=mod)
         ctx.arrays = (qn, kn, vn, out, stats)
-        ctx.graph, ctx.scale = graph, scale
+        ctx.graph, ctx.scale, ctx.mod = graph, scale, mod
         result = _tensor(out)
         # the backward reads these through ctx.arrays (views of the same memory); saved so that
         # torch refuses the backward when one was modified in place (`out += x` would change
         # the Delta_i = sum(dO_i O_i) it reads)
-        ctx.save_for_backward(q, k, v, result)
+        ctx.save_for_backward(q, k, v, result, *(() if alibi_slopes is None else (alibi_slopes,)))
         return result
 
     @staticmethod
     @_first_order_only
     def backward(ctx, dout):
         qn, kn, vn, out, stats = ctx.arrays
-        dq, dk, dv, _, _ = run_backward(_native(dout, "dout"), qn, kn, vn, out, stats, ctx.graph,
-                                        scale=ctx.scale)
-        return _tensor(dq), _tensor(dk), _tensor(dv), None, None
+        res = run_backward(_native(dout, "dout"), qn, kn, vn, out, stats, ctx.graph,
+                           scale=ctx.scale, score_mod=ctx.mod)
+        dslopes = None
+        if ctx.mod is not None and _SLOPES in ctx.mod.grad_leaves:
+            dslopes = _tensor(res[4][_SLOPES].astype(ctx.mod.values[_SLOPES].dtype, copy=False))
+        return _tensor(res[0]), _tensor(res[1]), _tensor(res[2]), None, None, None, dslopes
 
 
-def attention(q, k, v, graph, *, scale=None):
-    """tg.attention for torch tensors, differentiable w.r.t. q, k and v."""
+_SLOPES = score_mod.Expr("head", (), "alibi_slopes")   # the ALiBi leaf of flash_modifier's tree
+
+
+def attention(q, k, v, graph, *, scale=None, softcap=None, alibi_slopes=None):
+    """tg.attention for torch tensors, differentiable w.r.t. q, k and v, and w.r.t.
+    `alibi_slopes` (a tensor of shape (H,)) when it requires grad; `softcap` is a number, as in
+    tg.attention and flash-attn."""
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
-    return _Attention.apply(q, k, v, graph, scale)
+    if isinstance(softcap, torch.Tensor):
+        if softcap.requires_grad:
+            raise NotImplementedError("softcap is a per-call number and gets no gradient; "
+                                      "detach it (or use tgt.program with a per-head param)")
+        softcap = softcap.item()
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch tensor of shape (H,) like q, got "
+                        f"{type(alibi_slopes).__name__}")
+    return _Attention.apply(q, k, v, graph, scale, softcap, alibi_slopes)
 
 
 # --------------------------------------------------------------------------- programs
