@@ -13,8 +13,10 @@ For each worker count W (--workers, default 1 2) a dask.distributed.LocalCluster
 single-thread worker processes runs the forward and the backward; numba gets 2 // W threads per
 worker, so every configuration uses the same two cores as the single-process call. The inputs are
 placed before timing (chunk i on worker i mod W, or --placement zigzag; checked), as data already
-distributed would be; a timed
-call runs the tasks and leaves the results on the workers. Reported per configuration:
+distributed would be; a timed call runs the tasks and leaves the results on the workers. Each timed
+forward gets its inputs placed anew under new keys, so that it moves what its halos need (a chunk
+fetched by an earlier call would otherwise still be on the worker that fetched it); the timed
+backwards run on the last forward's inputs and results. Reported per configuration:
 
   plan s      client-side index plan (halos or blocks), first call; later calls reuse it
   fwd s, bwd s  wall time, best of --repeat
@@ -284,7 +286,8 @@ def run(args):
             def place(a):
                 parts = []
                 for i, s in enumerate(range(0, n, rows)):
-                    fut = client.scatter(a[s:s + rows], workers=[addrs[owner(i)]])
+                    # hash=False: new keys on every placement (see fresh_inputs)
+                    fut = client.scatter(a[s:s + rows], workers=[addrs[owner(i)]], hash=False)
                     parts.append(da.from_delayed(fut, a[s:s + rows].shape, dtype=a.dtype))
                 placed = client.persist(da.concatenate(parts))
                 distributed.wait(placed)
@@ -296,6 +299,16 @@ def run(args):
                     (x.name, i) + (0,) * (x.ndim - 1) for i in range(len(x.chunks[0])))]
 
             P = {name: place(a) for name, a in work.arrays.items()}
+
+            def fresh_inputs():
+                """the inputs placed again under new keys: a chunk a worker fetched for an earlier
+                call stays there as a replica (dask keeps it until the key is released), so a
+                forward timed on the same keys moved nothing in some runs and all the halos in
+                others; each timed forward starts from new data instead, as a model's next step
+                would, and moves what its halos need"""
+                for name, a in work.arrays.items():
+                    P[name] = None
+                    P[name] = place(a)
             placed = {name: owners(a) for name, a in P.items()}
             q_owner, k_owner = placed[work.rows], placed[work.cols]
             if any(o != [owner(i) for i in range(chunks)] for o in placed.values()):
@@ -315,11 +328,13 @@ def run(args):
                         0.0 if same_process else client.run_on_scheduler(_process_cpu),
                         _process_cpu())
 
-            def timed(make):
+            def timed(make, before_each=None):
                 best, result, sent, busy, cpu, split = None, None, 0, None, None, None
                 distributed.wait(client.persist(list(make())))   # warm: kernels compiled or loaded
                 for _ in range(args.repeat):
                     result = None
+                    if before_each is not None:
+                        before_each()
                     gc.collect()
                     time.sleep(0.5)   # the release of the previous results reaches the scheduler
                     before, (w0, s0, c0) = moved(), cpu_now()
@@ -344,7 +359,7 @@ def run(args):
                          f"scheduler {split[1]:.2f}, client {split[2]:.2f}"), flush=True)
                 return best, result, sent, busy, cpu
 
-            f_s, fwd, f_bytes, f_busy, f_cpu = timed(functools.partial(work.dask_forward, P))
+            f_s, fwd, f_bytes, f_busy, f_cpu = timed(lambda: work.dask_forward(P), fresh_inputs)
             b_s, grads, b_bytes, b_busy, b_cpu = timed(functools.partial(work.dask_backward, P, fwd))
             got = [np.asarray(x) for x in client.gather([a.persist() for a in work.compared(fwd, grads)])]
             err = max(float(np.abs(got[0] - ref_out).max() / np.abs(ref_out).max()),
