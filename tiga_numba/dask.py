@@ -815,7 +815,31 @@ def _collect(core_name, core, inputs, outputs, pins=None):
         layers[name] = MaterializedLayer(layer)
         deps[name] = {key[0] for key in keys_in_tasks(readable, layer.values())}
     graph = HighLevelGraph(layers, deps)
-    return [da.Array(graph, name, chunks, meta=meta) for name, _, chunks, meta in outputs]
+    kind = _HintedArray if pins else da.Array
+    return [kind(graph, name, chunks, meta=meta) for name, _, chunks, meta in outputs]
+
+
+def _optimize_keeping_hints(dsk, keys, **kwargs):
+    """dask.array's graph optimisation without its low-level fusion, unless the caller's config
+    asks for fusion explicitly: fusion flattens the graph into a dict, which drops every layer's
+    annotations, the placement hints among them (the rest is the same culling and blockwise
+    fusion; what is lost is the merging of single-dependent chains into one task, such as a
+    partition's task with the cast of its output)."""
+    import dask
+    from dask.array.optimization import optimize
+    if dask.config.get("optimization.fuse.active", None) is None:
+        with dask.config.set({"optimization.fuse.active": False}):
+            return optimize(dsk, keys, **kwargs)
+    return optimize(dsk, keys, **kwargs)
+
+
+class _HintedArray(da.Array):
+    """A dask array whose tasks carry placement hints (`workers=` annotations): a plain dask
+    array, except that computing or persisting it keeps the hints with dask's default config.
+    An array derived from it (``out + 1``, ``out[:10]``) is a plain dask array again: computed
+    by itself it runs where dask puts it, with the same results."""
+    __slots__ = ()
+    __dask_optimize__ = staticmethod(_optimize_keeping_hints)
 
 
 def _row_outputs(name, nparts, source, ndim_tail):
