@@ -191,6 +191,7 @@ def test_seed_model_radius_graph_all_gradients(variant, relabel):
     assert ("relabelled" in plan.explain()) == (relabel == "relabel")
     text = plan.explain()
     assert "backend: cpu" in text and "not materialized" in text
+    assert "tiles: none (the network is evaluated per edge" in text
     assert "asm" in plan.run_info["ir"] and "llvm" in plan.run_info["ir"]
     if variant == "unrolled" and relabel == "relabel":  # once: it recompiles when cached
         assert "gat_forward" in plan.ir("llvm") and len(plan.ir("asm")) > 2000

@@ -82,6 +82,11 @@ class GATPlan:
                 "structure: first Linear split per argument: node products W_src x_j, W_dst x_i "
                 "+ b computed once per node (O(N x hidden)); edge columns and the rest of the "
                 "network evaluated per edge in per-thread scratch")
+        # the work unit where other kernels name their tiles: a score network is evaluated per
+        # edge, so there are no query / key tiles to choose
+        lines.append("tiles: none (the network is evaluated per edge; the schedule line says how "
+                     "the edges are shared out)" if info.get("order") else
+                     "tiles: none (the network is evaluated per edge)")
         if info.get("geometry"):
             lines.append(f"geometry: {info['geometry']}")
         if info.get("order"):
