@@ -680,3 +680,32 @@ def test_rows_kernel_writes_every_shared_gradient_slot(single):
     src = cg.generate_source(spec, p_size, "float64", 4, 128, False)
     written = {int(k) for k in re.findall(r"sh\[grp % \d+, (\d+)\] = ", src)}
     assert written == set(range(n_pg)), (sorted(written), n_pg)
+
+
+def test_tg_explain_follows_score_network_programs():
+    """tg.explain() / last_plan() report the most recent call of any front end: a score-network
+    program's forward, then its backward (the functional record of an earlier call is replaced)."""
+    import tiga_numba as tg
+    from tiga_numba import functional
+    rng = np.random.default_rng(4)
+    n = 25
+    pos = random_cloud(rng, n, isolated=1)
+    g = Graph.radius(pos, 0.4)
+    x = rng.standard_normal((n, 2))
+    q = rng.standard_normal((n, 1, 4))
+    tg.attention(q, q, q, tg.Graph.triangular(n))
+    assert "cpu.gat" not in tg.explain()
+
+    class Scored(tg.MessagePassing):
+        reducer = tg.online_softmax()
+        attn = nn.trace(nn.Linear(3 + 2, 1, seed=9, dtype=np.float64))
+
+        def edge(self, src, dst, edge):
+            return self.reducer(self.attn(edge.displacement, dst.x), src.x)
+
+    prog = Scored()
+    out, vjp = prog.vjp(graph=g, src={"x": x}, dst={"x": x})
+    assert "op: forward" in tg.explain() and "cpu.gat_forward" in tg.explain()
+    assert functional.last_plan().run_info["kernel"].startswith("cpu.gat_forward")
+    vjp(np.ones_like(out))
+    assert "op: backward" in tg.explain() and "cpu.gat_backward" in tg.explain()
