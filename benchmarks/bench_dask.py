@@ -398,8 +398,9 @@ def main():
                         "benchmark restarts itself with it): no host page faults after idle pauses on a VM "
                         "with free page reporting (docs/dask.md)")
     p.add_argument("--no-fuse", action="store_true",
-                   help="turn dask's low-level task fusion off (optimization.fuse.active: False), which keeps "
-                        "the placement hints tiga_numba.dask annotates its tasks with (docs/dask.md)")
+                   help="turn dask's low-level task fusion off for every array (optimization.fuse.active: "
+                        "False); the arrays tiga_numba.dask returns keep their placement hints without it "
+                        "(docs/dask.md, \"Placement hints\")")
     args = p.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", "2")   # before numba is imported (_keep_freed_memory imports it)
     if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in _keep_freed_memory().items()):
