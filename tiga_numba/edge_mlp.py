@@ -33,6 +33,7 @@ simulated on host arrays, so their logic can be checked without a GPU.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -418,6 +419,21 @@ def _ir_stages(kernel):
 
 
 # --------------------------------------------------------------------------- forward
+def _recorded(plan_of):
+    """Decorator: the call's plan becomes the package's last plan (tg.explain(), last_plan()),
+    as functional.run_forward / run_backward make theirs; `plan_of` finds it in the result."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            from .functional import _remember
+            _remember(plan_of(result))
+            return result
+        return wrapper
+    return wrap
+
+
+@_recorded(lambda result: result[2])
 @serialised
 def forward(graph, net, args, value, return_state=True, unroll=None, value_name="value"):
     """out (num_dst, F) or (num_dst, H, F) in value's dtype and library; state for backward;
@@ -462,6 +478,7 @@ def forward(graph, net, args, value, return_state=True, unroll=None, value_name=
 
 
 # --------------------------------------------------------------------------- backward
+@_recorded(lambda result: result["plan"])
 @serialised
 def backward(graph, net, args, value, state, dout, unroll=None):
     """Gradients of sum(out * dout): {"args": [grad or None per arg], "value": grad,

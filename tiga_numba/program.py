@@ -384,8 +384,6 @@ class _Lowered:
                                                      self.net_args, self.value, return_state=True,
                                                      value_name=f"src.{self.traced.value.name}")
             self.out = out
-            from .functional import _remember
-            _remember(plan)   # tg.explain() / last_plan() report the most recent call of any kind
             return out, plan
         from . import functional
         try:
@@ -445,9 +443,6 @@ class _Lowered:
             for pname, g in (res.get("params") or {}).items():
                 grads["params"][f"{net_call.attr}.{pname}"] = g
             grads["positions"] = res.get("positions")
-            if res.get("plan") is not None:
-                from .functional import _remember
-                _remember(res["plan"])
             return self.call.edge_grads_in_input_order(grads), res.get("plan")
         from . import functional
         score = self.traced.score
