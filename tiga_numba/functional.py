@@ -279,7 +279,7 @@ def _check_modifier(score_mod, shape, graph):
                         graph.is_implicit)
 
 
-def flash_modifier(q, graph, softcap, alibi_slopes):
+def flash_modifier(q, graph, softcap, alibi_slopes, grad_slopes=False):
     """The score modifier of flash-attn's `softcap=` / `alibi_slopes=` (None when neither is
     given): ``softcap * tanh(s / softcap)``, then ``- slopes[h] * |i - j|`` with the distance
     bottom-right aligned in each rectangular block of a dense or cu_seqlens relation
@@ -310,8 +310,9 @@ def flash_modifier(q, graph, softcap, alibi_slopes):
         if not np.issubdtype(np.dtype(slopes.dtype), np.floating):
             raise TypeError(f"alibi_slopes must be floating point, got {slopes.dtype}")
         shift = _alibi_shift_on(graph, lib)
-    # no gradients besides q, k, v here (the program API gives the slopes' gradient)
-    return sm.bind_flash(softcap, slopes, shift)
+    # the functional API gives no gradients besides q, k, v (the program API and the torch
+    # adapter ask for the slopes' with `grad_slopes`)
+    return sm.bind_flash(softcap, slopes, shift, grad_slopes)
 
 
 def _alibi_shift_on(graph, lib):

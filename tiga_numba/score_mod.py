@@ -368,6 +368,11 @@ def softcap_tree(tree):
     return make("mul", c, Expr("tanh", (make("div", tree, c),)))
 
 
+#: the per-head leaf of flash-attn's ALiBi slopes in flash_tree (its gradient, where one is asked
+#: for, is keyed by it)
+ALIBI_SLOPES = Expr("head", (), "alibi_slopes")
+
+
 def alibi_tree(tree, aligned):
     """flash-attn's ALiBi, ``s - slopes[h] * |i - j|``; with `aligned`, the destination
     position is shifted by the per-row integer field dst._alibi_shift (bottom-right alignment
@@ -376,7 +381,7 @@ def alibi_tree(tree, aligned):
     if aligned:
         i = make("add", i, Expr("node", (), ("dst", "_alibi_shift")))
     dist = Expr("abs", (make("sub", i, Expr("index", (), "src")),))
-    return make("sub", tree, make("mul", Expr("head", (), "alibi_slopes"), dist))
+    return make("sub", tree, make("mul", ALIBI_SLOPES, dist))
 
 
 def flash_tree(softcap, alibi, aligned):
@@ -386,19 +391,21 @@ def flash_tree(softcap, alibi, aligned):
     return alibi_tree(tree, aligned) if alibi else tree
 
 
-def bind_flash(softcap, slopes, shift):
+def bind_flash(softcap, slopes, shift, grad_slopes=False):
     """flash_tree bound to one call's values: `softcap` (a float or None), `slopes` ((H,) array
     or None) and `shift` (the per-row int array of the bottom-right alignment, dst._alibi_shift,
-    or None where there is nothing to align). Checked by the caller."""
+    or None where there is nothing to align); `grad_slopes`: the backward also gives the slopes'
+    gradient (keyed by ALIBI_SLOPES). Checked by the caller."""
     values = {}
     if softcap is not None:
         values[Expr("scalar", (), "softcap")] = softcap
     if slopes is not None:
-        values[Expr("head", (), "alibi_slopes")] = slopes
+        values[ALIBI_SLOPES] = slopes
         if shift is not None:
             values[Expr("node", (), ("dst", "_alibi_shift"))] = shift
     aligned = slopes is not None and shift is not None
-    return BoundModifier(flash_tree(softcap is not None, slopes is not None, aligned), values)
+    return BoundModifier(flash_tree(softcap is not None, slopes is not None, aligned), values,
+                         want_grad=(ALIBI_SLOPES,) if grad_slopes and slopes is not None else ())
 
 
 #: the trees `python -m tiga_numba.cuda.tc.prebuild --modifiers` names: flash_tree's arguments

@@ -21,9 +21,9 @@ import weakref
 import torch
 
 from . import interop
-from . import score_mod
 from .functional import flash_modifier, run_backward, run_forward
 from .graph import Graph
+from .score_mod import ALIBI_SLOPES
 from . import layers as _layers
 from .layers import _module as _layers_module
 
@@ -67,10 +67,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, graph, scale, softcap, alibi_slopes):
         qn, kn, vn = _native(q, "q"), _native(k, "k"), _native(v, "v")
         slopes = _native(alibi_slopes, "alibi_slopes")
-        mod = flash_modifier(qn, graph, softcap, slopes)
-        if mod is not None and alibi_slopes is not None and alibi_slopes.requires_grad:
-            # the slopes' gradient is asked of the backward like a program's per-head param's
-            mod = score_mod.BoundModifier(mod.tree, mod.values, want_grad=[_SLOPES])
+        mod = flash_modifier(qn, graph, softcap, slopes,
+                             grad_slopes=alibi_slopes is not None and alibi_slopes.requires_grad)
         out, stats, _ = run_forward(qn, kn, vn, graph, scale=scale, score_mod=mod)
         ctx.arrays = (qn, kn, vn, out, stats)
         ctx.graph, ctx.scale, ctx.mod = graph, scale, mod
@@ -88,12 +86,10 @@ class _Attention(torch.autograd.Function):
         res = run_backward(_native(dout, "dout"), qn, kn, vn, out, stats, ctx.graph,
                            scale=ctx.scale, score_mod=ctx.mod)
         dslopes = None
-        if ctx.mod is not None and _SLOPES in ctx.mod.grad_leaves:
-            dslopes = _tensor(res[4][_SLOPES].astype(ctx.mod.values[_SLOPES].dtype, copy=False))
+        if ctx.mod is not None and ALIBI_SLOPES in ctx.mod.grad_leaves:
+            slopes = ctx.mod.values[ALIBI_SLOPES]
+            dslopes = _tensor(res[4][ALIBI_SLOPES].astype(slopes.dtype, copy=False))
         return _tensor(res[0]), _tensor(res[1]), _tensor(res[2]), None, None, None, dslopes
-
-
-_SLOPES = score_mod.Expr("head", (), "alibi_slopes")   # the ALiBi leaf of flash_modifier's tree
 
 
 def attention(q, k, v, graph, *, scale=None, softcap=None, alibi_slopes=None):
