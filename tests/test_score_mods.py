@@ -312,15 +312,18 @@ class _NearKink(Exception):
 
 
 def _central_differences(diff, masked=False, eps=1e-6):
-    """Central difference diff(eps) / (2 eps), checked against a step four times smaller so that
-    a kink inside the step is caught instead of giving an averaged slope (cells in `masked` are
-    not checked: the caller zeroes them)."""
+    """Central differences diff(eps) / (2 eps) and with a step four times smaller, compared so
+    that a kink inside the step is caught instead of giving an averaged slope (cells in `masked`
+    are not checked: the caller zeroes them), then combined by Richardson extrapolation: both
+    carry an error c h^2, which (16 d2 - d1) / 15 cancels. Near the edge of a function's domain
+    (log(x) at x ~ 1e-3: a slope of 1000 and a step error of eps^2 / 3x^2 of it) the plain
+    difference was off by more than the tests' 1e-6."""
     d1 = diff(eps) / (2 * eps)
     d2 = diff(eps / 4) / (eps / 2)
     d1, d2 = np.where(masked, 0.0, d1), np.where(masked, 0.0, d2)
     if not np.allclose(d1, d2, rtol=1e-4, atol=1e-6):
         raise _NearKink
-    return d1
+    return (16 * d2 - d1) / 15
 
 
 def oracle(fn, graph, q, k, v, dout, scale, src, dst, edge, params, dot=True):
