@@ -15,8 +15,9 @@ head read its row from L1, as flash-decoding packs them), and writes an unnormal
 Weights are taken with the vectorisable exp2 (`_weight`, libm's NaN / -inf values). The second
 pass of an item whose every cell lies inside its band (a decode step over the whole cache: every
 item) takes the chunk's weights at once and adds four V rows per accumulator update
-(`_accumulate_inside`); the pass is bound by the accumulator's loads and stores otherwise, and
-the kernel by compute rather than by reading K and V.
+(`_accumulate_inside`): updated once per V row, the accumulator's loads and stores cost as much
+as the row's multiply-adds. The kernel as a whole is bound by reading K and V
+(docs/cpu_backend.md, "Split-key forward and backward").
 
 Scores are in base 2 (q pre-scaled by scale log2(e)), as the other CPU kernels keep them, so
 m is the kernels' row maximum (`m_kernel`). The backward walks the same items: per key it

@@ -228,10 +228,10 @@ def modified(vr):
 def with_modifier(vr, mod):
     """Variant vr with the generator Modifier `mod` compiled in, as every modified call runs it:
     the backward's two-kernel variants without overlap (Variant.check), then MODIFIED's shape.
-    An overlapped 16-bit dK/dV kernel with a modifier (dP in flight while the cells make P and
-    P f'(z)) was built and measured: ptxas spilled 228 B at D = 128 (80 B serial) and on the H100
-    soft-cap / ALiBi forward+backward at N = 16384 took 17.6 / 17.5 ms against 14.2 / 14.1 ms
-    serial (results/gpu-h100-2026-12-05c.txt), so it is not part of the generator."""
+    The modified backward stays serial because overlapping it does not pay: a 16-bit dK/dV kernel
+    with a modifier that keeps dP in flight while the cells make P and P f'(z) spills 228 B at
+    D = 128 (80 B serial) and is slower on an H100 (soft-cap / ALiBi forward+backward at N = 16384:
+    17.6 / 17.5 ms against 14.2 / 14.1 ms; benchmarks/results/gpu-h100-2026-12-05c.txt)."""
     extra = {} if vr.kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
     return modified(dataclasses.replace(vr, mod=mod, **extra))
 
