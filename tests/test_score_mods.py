@@ -512,6 +512,31 @@ def _check_all(out, grads, want, wgrads, tol):
             _close(grads[role][n], w, tol, f"{role}.{n}")
 
 
+def _head_cap_mod(s, src, dst, edge, p):
+    return p["cap"] * np.tanh(s / p["cap"])
+
+
+def test_a_scalar_learned_as_a_per_head_param():
+    """docs/score_mods.md's way to learn a scalar of the score: the soft-cap as a per-head param
+    holding one value; its (H,) gradient against the oracle, and summed over the heads against
+    the central difference of the scalar itself."""
+    g = RELATIONS["triangular"]
+    prog, out, grads, want, wgrads = _run_program(_head_cap_mod, g, np.float64, cap=np.full(4, 2.0))
+    _check_all(out, grads, want, wgrads, 1e-6)
+    assert grads["params"]["cap"].shape == (4,)
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((g.num_dst, 4, 5)) for _ in range(3))
+    dout = rng.standard_normal((g.num_dst, 4, 5))
+    run = ModProgram(_head_cap_mod, True)
+    fields = dict(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.4)
+    out, vjp = run.vjp(**fields, cap=np.full(4, 2.0))
+    summed = vjp(dout)["params"]["cap"].sum()
+
+    def loss(c):
+        return float((run(**fields, cap=np.full(4, c)) * dout).sum())
+    assert abs(summed - (loss(2.0 + 1e-6) - loss(2.0 - 1e-6)) / 2e-6) <= 1e-6 * max(1.0, abs(summed))
+
+
 @pytest.mark.parametrize("rel", sorted(RELATIONS))
 def test_modifier_forward_and_gradients_on_every_relation(rel):
     g = RELATIONS[rel]
