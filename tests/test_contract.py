@@ -646,7 +646,13 @@ def test_program_vjp(dtype):
     for name, ref in (("query", q), ("key", k), ("value", v)):
         part = grads["dst"] if name == "query" else grads["src"]
         assert part[name].dtype == ref.dtype and part[name].shape == ref.shape
-    assert not grads["params"]
+    # "gradients for every float field and param that reaches the score": the scale is one
+    assert set(grads["params"]) == {"scale"} and np.ndim(grads["params"]["scale"]) == 0
+
+    def loss(scale):
+        return float((oracle_forward(q, k, v, mask, scale)[0] * dout).sum())
+    want = (loss(0.6 + 1e-5) - loss(0.6 - 1e-5)) / 2e-5
+    assert abs(float(grads["params"]["scale"]) - want) <= max(BWD_TOL[dtype], 1e-7) * max(1.0, abs(want))
 
 
 def test_edge_traced_once_per_signature_never_on_data():

@@ -231,6 +231,48 @@ def test_adapter_attention_takes_softcap_and_alibi_slopes():
         tgt.attention(q, k, v, g, alibi_slopes=np.ones(H))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, slopes_grad, tol", [(torch.float32, True, 3e-5), (torch.float16, False, 2e-2)])
+def test_adapter_attention_modifiers_on_cuda_tensors(cupy_gpu, dtype, slopes_grad, tol):
+    """tgt.attention's softcap= / alibi_slopes= on CUDA tensors (float32: the CUDA-core kernels,
+    which also give the slopes' gradient; float16: the tensor-core kernels) against autograd of a
+    float64 oracle on the host; causal, GQA, rows that are no multiple of a tile."""
+    import tiga_numba.torch as tgt
+    gen = torch.Generator().manual_seed(11)
+    N, H, Hkv, D, cap = 157, 4, 2, 64, 5.0
+    g = tg.Graph.triangular(N)
+    q64 = torch.randn(N, H, D, dtype=torch.float64, generator=gen)
+    k64, v64 = (torch.randn(N, Hkv, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    s64 = torch.rand(H, dtype=torch.float64, generator=gen) * 0.2
+    dout64 = torch.randn(N, H, D, dtype=torch.float64, generator=gen)
+    # the oracle runs on the inputs the device sees (rounded to dtype)
+    q64, k64, v64 = (t.to(dtype).double().requires_grad_() for t in (q64, k64, v64))
+    s64 = s64.float().double().requires_grad_()
+
+    def oracle(q, k, v, slopes):
+        kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        s = cap * torch.tanh(torch.einsum("ihd,jhd->hij", q, kk) * D ** -0.5 / cap)
+        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+        s = (s - slopes[:, None, None] * (i - j).abs()).masked_fill(j > i, -torch.inf)
+        return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
+
+    ref = oracle(q64, k64, v64, s64)
+    want = torch.autograd.grad(ref, (q64, k64, v64, s64), dout64)
+    q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in (q64, k64, v64))
+    slopes = s64.detach().to("cuda", torch.float32).requires_grad_(slopes_grad)
+    out = tgt.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes)
+    assert out.is_cuda and out.dtype == dtype
+    out.backward(dout64.to("cuda", dtype))
+    got = [q.grad, k.grad, v.grad] + ([slopes.grad] if slopes_grad else [])
+    torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=0, atol=tol)
+    for a, b in zip(got, want):
+        assert a is not None and a.is_cuda
+        scale = float(b.abs().max())
+        torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=tol * max(1.0, scale))
+    if not slopes_grad:
+        assert slopes.grad is None
+
+
 def test_adapter_program_gradients_match_autograd():
     import tiga_numba.torch as tgt
 
@@ -262,7 +304,7 @@ def test_adapter_program_gradients_match_autograd():
 
 def test_adapter_program_trains_per_head_params():
     """A per-head param given as a tensor (ALiBi slopes) gets its gradient through the wrapper,
-    equal to torch autograd of the same score; a 0-d param that requires grad is refused."""
+    equal to torch autograd of the same score; so does a 0-d float tensor param that requires grad."""
     import tiga_numba.torch as tgt
 
     class Alibi(tg.MessagePassing):
@@ -293,9 +335,22 @@ def test_adapter_program_trains_per_head_params():
     torch.testing.assert_close(out, ref)
     for a, t in zip(ours, (q, k, v, slopes)):
         torch.testing.assert_close(a, t.grad)
-    with pytest.raises(NotImplementedError, match="0-d tensor that requires grad"):
-        tgt.program(Alibi(), g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5,
-                    slopes=torch.tensor(0.3, dtype=torch.float64, requires_grad=True))
+    # 0-d float tensors that require grad (one slope for every head; the scale) are learned too
+    got, want = [], []
+    for run in ("ours", "torch"):
+        slope0, scale0 = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (0.3, 0.45))
+        if run == "ours":
+            o = tgt.program(Alibi(), g, src={"key": k, "value": v}, dst={"query": q}, scale=scale0,
+                            slopes=slope0)
+        else:
+            s = torch.einsum("ihd,jhd->hij", q, k) * scale0 - slope0 * dist
+            o = torch.einsum("hij,jhd->ihd", s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
+                                                           float("-inf")).softmax(-1), v)
+        (o * cot).sum().backward()
+        (got if run == "ours" else want).extend((o.detach(), slope0.grad, scale0.grad))
+    for a, b in zip(got, want):
+        assert a is not None and a.shape == b.shape
+        torch.testing.assert_close(a, b)
 
 
 def test_adapter_layer_builds_the_graph_of_each_edge_index_it_is_given():

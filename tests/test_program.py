@@ -122,6 +122,41 @@ def _oracle_grads(dout, q, k, v, g, scale, bias=None):
     return reference.attention_backward(dout, q, k, v, g, scale=scale, edge_bias=bias)
 
 
+class WeightedBias(tg.MessagePassing):
+    reducer = tg.online_softmax()
+
+    def edge(self, src, dst, edge, scale, b, n):
+        return self.reducer((dst.query * src.key).sum(axis=-1) * (scale * n) + edge.bias * b / n,
+                            src.value)
+
+
+@pytest.mark.parametrize("scale", [0.45, 0.0])
+def test_vjp_gives_float_scalar_params_their_gradient(scale):
+    """The dot product's factor (scale * n) and an edge bias's coefficient (b / n): the float
+    params scale and b get d loss / d param against the float64 oracle's central differences
+    (scale = 0 included, where <q, dq> / scale is undefined); the int param n gets none."""
+    g = random_csr(23, 17)
+    H, D = 3, 6
+    q, k, v = rand(23, H, D, dtype=np.float64), rand(17, H, D, dtype=np.float64), rand(17, H, 4, dtype=np.float64)
+    bias = rand(g.num_edges, H, dtype=np.float64)
+    dout = rand(23, H, 4, dtype=np.float64)
+    fields = dict(graph=g, src={"key": k, "value": v}, dst={"query": q}, edge={"bias": bias})
+    params = dict(scale=scale, b=0.8, n=2)
+    out, vjp = WeightedBias().vjp(**fields, **params)
+    grads = vjp(dout)
+    assert set(grads["params"]) == {"scale", "b"}
+
+    def loss(**kw):
+        p = dict(params, **kw)
+        return float((reference.attention(q, k, v, g, scale=p["scale"] * p["n"],
+                                          edge_bias=bias * p["b"] / p["n"]) * dout).sum())
+    for name in ("scale", "b"):
+        x = params[name]
+        want = (loss(**{name: x + 1e-6}) - loss(**{name: x - 1e-6})) / 2e-6
+        assert np.ndim(grads["params"][name]) == 0 and grads["params"][name].dtype == np.float64
+        assert abs(float(grads["params"][name]) - want) <= 1e-6 * max(1.0, abs(want)), (name, want)
+
+
 @pytest.mark.parametrize("kind", ["triangular", "csr"])
 def test_vjp_matches_oracle(kind):
     g = GRAPHS[kind]()
@@ -134,7 +169,12 @@ def test_vjp_matches_oracle(kind):
     dq, dk, dv, _ = _oracle_grads(dout, q, k, v, g, 0.35)
     assert set(grads) == {"src", "dst", "edge", "params", "positions"}
     assert set(grads["src"]) == {"key", "value"} and set(grads["dst"]) == {"query"}
-    assert grads["edge"] == {} and grads["params"] == {} and grads["positions"] is None
+    assert grads["edge"] == {} and set(grads["params"]) == {"scale"} and grads["positions"] is None
+    # the float scalar param's gradient against the float64 oracle's central difference
+    def loss(scale):
+        return float((reference.attention(q, k, v, g, scale=scale) * dout).sum())
+    assert np.ndim(grads["params"]["scale"]) == 0
+    close(grads["params"]["scale"], np.asarray((loss(0.35 + 1e-5) - loss(0.35 - 1e-5)) / 2e-5))
     close(grads["dst"]["query"], dq)
     close(grads["src"]["key"], dk)
     close(grads["src"]["value"], dv)

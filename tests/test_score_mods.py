@@ -391,10 +391,13 @@ def oracle(fn, graph, q, k, v, dout, scale, src, dst, edge, params, dot=True):
         np.add.at(dkf, cols, scale * dS[:, :, None] * q[rows])
         grads["dst"]["query"] = dq
         grads["src"]["key"] = dkf.reshape(k.shape[0], Hkv, -1, k.shape[2]).sum(axis=2)
+        # the program's `scale` is a float scalar param too: s = scale <q, k>
+        grads["params"]["scale"] = np.asarray((dS * s).sum() / scale)
     for role, given, idx in (("src", src, cols), ("dst", dst, rows), ("edge", edge, None),
                              ("params", params, None)):
         for n, a in given.items():
-            if not (isinstance(a, np.ndarray) and a.dtype.kind == "f"):
+            scalar = isinstance(a, float)   # a float scalar param (an int gets no gradient)
+            if not (scalar or (isinstance(a, np.ndarray) and a.dtype.kind == "f")):
                 continue
             def diff(eps, role=role, n=n):
                 up = {r: dict(d) for r, d in base.items()}
@@ -404,7 +407,7 @@ def oracle(fn, graph, q, k, v, dout, scale, src, dst, edge, params, dot=True):
                 return F(s, up) - F(s, dn)
             d = dF * _central(diff)  # (E, H)
             if role == "params":
-                g = d.sum(axis=0)
+                g = np.asarray(d.sum()) if scalar else d.sum(axis=0)
             elif role == "edge":
                 g = d if a.ndim == 2 and a.shape[1] == H else d.sum(axis=1).reshape(a.shape)
             else:

@@ -651,10 +651,10 @@ class _ProgramCall(_Call):
         return ("program", id(self.program), type(self.program).__qualname__, self.dst_names,
                 self.src_names, self.edge_names, tokenize(self.params))
 
-    def _lower(self, dst, src, edge, graph, where):
+    def _lower(self, dst, src, edge, graph, where, for_grad=False):
         # per-edge fields arrive in the local relation's (CSR) order, which is its input order
         lowered = self.program._lower(graph, dict(src), dict(dst), dict(edge) or None,
-                                      dict(self.params))
+                                      dict(self.params), for_grad=for_grad)
         if getattr(lowered, "modifier", None) is not None:
             lowered.modifier = _global_positions(lowered.modifier, _xp_of(lowered.value), graph, where)
         return lowered
@@ -674,7 +674,7 @@ class _ProgramCall(_Call):
         return out, lowered.stats.m, lowered.stats.l
 
     def backward(self, dout, saved, dst, src, edge, graph, where, source_ids=None):
-        lowered = self._lower(dst, src, edge, graph, where.with_ids(source_ids))
+        lowered = self._lower(dst, src, edge, graph, where.with_ids(source_ids), for_grad=True)
         if self.saves_stats:
             out, m, l = saved
             lowered.out, lowered.stats = out, AttentionStats(m, l)
@@ -1184,7 +1184,7 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
 
 
 # --------------------------------------------------------------------------- programs
-def _program_call(program, graph, src, dst, edge, params):
+def _program_call(program, graph, src, dst, edge, params, for_grad=False):
     """Checks a program call over dask arrays and lowers it on zero-row stand-ins (which runs
     the program's own checks: the traced form, fields, params). Returns (recipe, stand-in
     output, stand-in stats, stand-in vjp)."""
@@ -1236,7 +1236,7 @@ def _program_call(program, graph, src, dst, edge, params):
         empty = Graph.radius(_xp_of(pos).zeros((0, pos.shape[1]), pos.dtype), 1.0)
     # the program's own lowering (not program.vjp, which would record the stand-in call as the
     # program's last one for its explain())
-    lowered = program._lower(empty, stand_src, stand_dst, stand_edge, params)
+    lowered = program._lower(empty, stand_src, stand_dst, stand_edge, params, for_grad=for_grad)
     traced = lowered.traced
     geometric = sorted({f.name for f in traced.score.fields()
                         if f.role == "edge" and f.name in lowered.call.graph_fields})
@@ -1275,7 +1275,8 @@ def program(program, graph, *, src=None, dst=None, edge=None, **params):
 
 
 def _program_forward(program, graph, src, dst, edge, params, return_stats):
-    recipe, meta_out, meta_m, vjp = _program_call(program, graph, src, dst, edge, params)
+    recipe, meta_out, meta_m, vjp = _program_call(program, graph, src, dst, edge, params,
+                                                  for_grad=return_stats)
     arrays = _forward_arrays(recipe, dict(dst), dict(src), graph, meta_out, meta_m,
                              return_stats and recipe.saves_stats, dict(edge or {}))
     return arrays[0], (arrays[1:], recipe, vjp, meta_m.dtype)
@@ -1291,8 +1292,8 @@ def program_vjp(program, graph, *, src=None, dst=None, edge=None, **params):
     ``dout`` is a dask array chunked like ``out``. Node field gradients are chunked like their
     fields, per-edge ones by destination partition (in the constructor's edge order); a per-head
     param's gradient is one (H,) chunk, and a score network's parameter gradient one chunk of
-    the parameter's shape, each summed over the tasks in a fixed order. Scalar params get no
-    gradient (as ``program.vjp``)."""
+    the parameter's shape, each summed over the tasks in a fixed order; a float scalar param's
+    gradient is a 0-d array, summed likewise (as ``program.vjp`` gives it)."""
     out, (saved, recipe, stand_vjp, acc) = _program_forward(program, graph, src, dst, edge, params,
                                                             return_stats=True)
     saved = [out, *saved] if recipe.saves_stats else []

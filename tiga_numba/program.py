@@ -218,6 +218,18 @@ class _Call:
             fields["edge"][n] = _GEOMETRIC_NDIM.get(n, 2)
         return fields
 
+    def is_float_param(self, name):
+        """Whether the scalar param `name` was given as a floating-point number (a Python or
+        numpy float, or a 0-d float array)."""
+        v = self.params[name]
+        if isinstance(v, (bool, np.bool_)):
+            return False
+        if isinstance(v, (float, np.floating)):
+            return True
+        dtype = getattr(v, "dtype", None)
+        return dtype is not None and getattr(v, "ndim", None) == 0 and (
+            np.dtype(dtype).kind == "f" or str(dtype) == "bfloat16")
+
     def param_value(self, name):
         v = self.params[name]
         if hasattr(v, "ndim") and getattr(v, "ndim", None) == 0 and not isinstance(v, np.generic):
@@ -253,12 +265,16 @@ def _dot_factor(factor, values):
 class _Lowered:
     """The traced form bound to one call's arrays: runs forward, and backward for vjp."""
 
-    def __init__(self, traced: TracedEdge, call: _Call):
+    def __init__(self, traced: TracedEdge, call: _Call, for_grad=False):
         self.traced = traced
         self.call = call
         self.front_notes = []
         self.rho = traced.reducer.block_prune_threshold
-        values = {n: call.param_value(n) for n in traced.param_names()}
+        self.values = values = {n: call.param_value(n) for n in traced.param_names()}
+        # the scalar params a vjp differentiates: the floating-point ones (an int is a count or
+        # an index, as integer fields get no gradient)
+        self.learned = {n for n in values if call.is_float_param(n)} if for_grad else set()
+        self.lowered_scalars = {}
         score = traced.score
         self.value = call.field("src", traced.value.name)
         if traced.kind == "net":
@@ -302,8 +318,12 @@ class _Lowered:
         self.edge_bias = None
         self.bias_terms = []
         leaf_values = {}
+        learned = {}   # scalar leaves a vjp differentiates -> their expressions
         for text, se in score.scalars.items():
-            leaf_values[sm.Expr("scalar", (), text)] = se.evaluate(values)
+            if se.params() & self.learned:
+                learned[sm.Expr("scalar", (), text)] = se
+            else:
+                leaf_values[sm.Expr("scalar", (), text)] = se.evaluate(values)
         for x in sm.leaves(score.expr):
             if x.op == "head":
                 leaf_values[x] = call.head_param_value(x.attr)
@@ -311,14 +331,37 @@ class _Lowered:
                 leaf_values[x] = call.field(*x.attr)
             elif x.op == "edge":
                 leaf_values[x] = call.field("edge", x.attr)
-        self.modifier = sm.BoundModifier(score.expr, leaf_values,
-                                         sm.Layout(score.expr).differentiable())
         if score.dot is not None:
             s, d, factor = score.dot
             self.q = call.field("dst", d.name)
             self.k = call.field("src", s.name)
             self.scale = _dot_factor(factor, values)
-            return
+        else:
+            self._gather_only_inputs(xp, leaf_values)
+        self._bind_modifier(xp, score.expr, leaf_values, learned)
+
+    def _bind_modifier(self, xp, tree, leaf_values, learned):
+        """The bound modifier. A vjp's float scalar leaves become per-head leaves holding the
+        scalar once per head (the same value in every head, so the same scores), whose (H,)
+        gradients the kernels already give: summed over the heads they are the scalar's."""
+        from . import score_mod as sm
+        if learned:
+            heads = self._heads()
+            swap = {}
+            for leaf, se in learned.items():
+                swap[leaf] = head = sm.Expr("head", (), leaf.attr)
+                leaf_values[head] = xp.full((heads,), se.evaluate(self.values), dtype=np.float64)
+                self.lowered_scalars[head] = se
+            tree = sm.substitute(tree, swap)
+            self.front_notes.append(
+                "front end: the scalar(s) " + ", ".join(str(x.attr) for x in learned)
+                + " of the score modifier are read per head (one value in every head), which gives "
+                "their gradient")
+        self.modifier = sm.BoundModifier(tree, leaf_values, sm.Layout(tree).differentiable())
+
+    def _gather_only_inputs(self, xp, leaf_values):
+        """q, k of zero width and the value with a head axis, for a score with no dot product."""
+        call = self.call
         # no dot product: zero-width q and k, the heads from the fields / params / value
         self.scale = 1.0
         heads = {int(a.shape[1]) for x, a in leaf_values.items()
@@ -446,12 +489,15 @@ class _Lowered:
             return self.call.edge_grads_in_input_order(grads), res.get("plan")
         from . import functional
         score = self.traced.score
+        scalar_grads = []   # (scalar expression, d loss / d its value) per scalar of the score
         if self.traced.kind == "modified":
             dq, dk, dv, dbias, mod_grads, plan = functional.run_backward(
                 dout, self.q, self.k, self.value, self.out, self.stats, self.call.graph,
                 scale=self.scale, score_mod=self.modifier)
             for x, g in mod_grads.items():
-                if x.op == "head":
+                if x in self.lowered_scalars:
+                    scalar_grads.append((self.lowered_scalars[x], _sum64(g)))
+                elif x.op == "head":
                     grads["params"][x.attr] = g
                 elif x.op == "node":
                     add(x.attr[0], x.attr[1], g)
@@ -467,24 +513,81 @@ class _Lowered:
                 scale=self.scale, edge_bias=self.edge_bias)
         if score.dot is not None:
             s, d = score.dot[:2]
+            factor = score.dot[2] if self.traced.kind == "modified" else score.dot_factor
+            if factor.params() & self.learned:
+                scalar_grads.append((factor, self._dot_factor_grad(dq, dout)))
             add("dst", d.name, dq)
             add("src", s.name, dk)
         vname = self.traced.value.name
         v_given = self.call.roles["src"][vname]
         add("src", vname, dv.reshape(v_given.shape) if dv.shape != v_given.shape else dv)
-        for f, a, c in self.bias_terms:
+        for (f, a, c), (_, c_expr) in zip(self.bias_terms, score.biases if self.bias_terms else ()):
             g = dbias if dbias.ndim == 2 else dbias[:, None]
             if a.ndim == 1:
                 g = g.sum(axis=1)
             elif a.shape[1] == 1 and g.shape[1] != 1:
                 g = g.sum(axis=1, keepdims=True)
+            if c_expr.params() & self.learned:   # d loss / d c = <d loss / d (c a), a>
+                scalar_grads.append((c_expr, _vdot64(g, a)))
             g = (c * g).astype(a.dtype, copy=False)
             add("edge", f.name, g)
             if f.name in self.call.graph_fields:
                 gp = _geometric_positions_grad(self.call.graph, f.name, g)
                 cur = grads["positions"]
                 grads["positions"] = gp if cur is None else cur + gp
+        self._chain_scalar_grads(grads, scalar_grads, dv.dtype)
         return self.call.edge_grads_in_input_order(grads), plan
+
+    def _dot_factor_grad(self, dq, dout):
+        """d loss / d F for the dot product's factor F (z = F <q, k>): dq = F sum_j dz_ij k_j,
+        so the derivative sum_ij dz_ij <q_i, k_j> is <q, dq> / F. At F = 0 that quotient is
+        undefined: the backward runs once more with q = 0 and factor 1 (the same scores z,
+        so the same probabilities), whose dq is sum_j dz_ij k_j itself."""
+        if self.scale != 0:
+            return _vdot64(self.q, dq) / self.scale
+        from . import functional
+        zero_q = _xp(self.call.library).zeros_like(self.q)
+        # the forward's m and l without its record (whose scale is 0): the scores of this run
+        # are the forward's exactly, only the factor that dq carries differs
+        stats = functional.AttentionStats(self.stats.m, self.stats.l)
+        res = functional.run_backward(
+            dout, zero_q, self.k, self.value, self.out, stats, self.call.graph, scale=1.0,
+            edge_bias=self.edge_bias, score_mod=getattr(self, "modifier", None))
+        return _vdot64(self.q, res[0])
+
+    def _chain_scalar_grads(self, grads, scalar_grads, dtype):
+        """grads["params"][name] of each float scalar param: the chain rule from the gradients
+        of the scalars the score reads (the dot product's factor, an edge bias's coefficient,
+        a modifier's scalar leaf) through their expressions' derivatives (0-d arrays, in the
+        gradients' floating-point dtype)."""
+        total = {}
+        for expr, g in scalar_grads:
+            for name, slope in expr.derivatives(self.values).items():
+                if name in self.learned:
+                    total[name] = total.get(name, 0.0) + g * slope
+        xp = _xp(self.call.library)
+        dtype = dtype if np.dtype(dtype).kind == "f" and np.dtype(dtype).itemsize >= 4 else np.float32
+        for name, g in total.items():
+            grads["params"][name] = xp.asarray(g, dtype=dtype)
+
+
+def _sum64(a):
+    """sum of an array's elements in float64 (a 0-d array of its library)."""
+    return a.astype(np.float64, copy=False).sum()
+
+
+def _vdot64(a, b, block=1 << 22):
+    """<a, b> over all elements in float64, about `block` elements at a time (no float64 copy
+    of a large array; a 0-d array of the arrays' library)."""
+    total = 0.0
+    if a.size == 0:
+        return total
+    a = a.reshape(a.shape[0], -1)
+    b = b.reshape(b.shape[0], -1)
+    rows = max(1, block // a.shape[1])
+    for r in range(0, a.shape[0], rows):
+        total = total + (a[r:r + rows].astype(np.float64) * b[r:r + rows].astype(np.float64)).sum()
+    return total
 
 
 def _segment_sums(xp, values, indptr):
@@ -550,7 +653,7 @@ class MessagePassing:
                                   "**params) returning self.reducer(score, value)")
 
     # ------------------------------------------------------------------ tracing
-    def _lower(self, graph, src, dst, edge, params):
+    def _lower(self, graph, src, dst, edge, params, for_grad=False):
         call = _Call(self, graph, src, dst, edge, params)
         st = self._state()
         key = call.signature(self)
@@ -565,7 +668,7 @@ class MessagePassing:
                 raise ValueError(f"{type(self).__name__}.edge() never reads the given field(s) "
                                  f"{names}; pass only the fields edge() uses")
             st["traces"][key] = traced
-        return _Lowered(traced, call)
+        return _Lowered(traced, call, for_grad)
 
     def traced_form(self, graph, src=None, dst=None, edge=None, **params):
         """The recognised form of edge() for this call signature (no kernel runs)."""
@@ -589,9 +692,9 @@ class MessagePassing:
                                 #  "positions": array or None}
 
         Only fields that reach the output appear; a field used twice (key and value) gets the
-        sum. Scalar params (scale) get no gradient."""
+        sum. Float scalar params (scale, a soft-cap) get a 0-d gradient; int params none."""
         with self._noting_failure("{name}.vjp(...)"):
-            lowered = self._lower(graph, src, dst, edge, params)
+            lowered = self._lower(graph, src, dst, edge, params, for_grad=True)
             if lowered.rho is not None:
                 raise NotImplementedError(
                     f"{type(self).__name__}.vjp: the reducer is tile-pruned (block_prune_threshold="

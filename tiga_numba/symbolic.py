@@ -303,6 +303,46 @@ class ScalarExpr(Symbolic):
         a, b = (c.evaluate(values) for c in self.children)
         return float(_BINOPS[self.arg](np.float64(a), np.float64(b)))
 
+    def derivatives(self, values):
+        """{param: d self / d param} at `values` for every param the expression reads (float64,
+        forward mode). |x| has derivative 0 at 0, as the score modifiers' abs."""
+        return self._forward(values)[1]
+
+    def _forward(self, values):
+        if self.op == "param":
+            return float(values[self.arg]), {self.arg: 1.0}
+        if self.op == "const":
+            return float(self.arg), {}
+        if self.op == "ufunc":
+            a, da = self.children[0]._forward(values)
+            with np.errstate(all="ignore"):
+                x = np.float64(a)
+                slope = {"sqrt": lambda: 0.5 / np.sqrt(x), "exp": lambda: np.exp(x),
+                         "log": lambda: 1.0 / x, "log2": lambda: 1.0 / (x * np.log(2.0)),
+                         "exp2": lambda: np.exp2(x) * np.log(2.0), "reciprocal": lambda: -1.0 / (x * x),
+                         "abs": lambda: np.sign(x), "absolute": lambda: np.sign(x),
+                         "square": lambda: 2.0 * x}[self.arg]()
+            return self.evaluate(values), {p: float(slope) * d for p, d in da.items()}
+        (a, da), (b, db) = (c._forward(values) for c in self.children)
+        with np.errstate(all="ignore"):
+            x, y = np.float64(a), np.float64(b)
+            if self.arg == "+":
+                sa, sb = 1.0, 1.0
+            elif self.arg == "-":
+                sa, sb = 1.0, -1.0
+            elif self.arg == "*":
+                sa, sb = y, x
+            elif self.arg == "/":
+                sa, sb = 1.0 / y, -x / (y * y)
+            else:   # x ** y: the y-derivative x^y ln x only where y varies
+                sa = y * x ** (y - 1.0)
+                sb = x ** y * np.log(x) if db else 0.0
+            value = float(_BINOPS[self.arg](x, y))
+        out = {p: float(sa) * d for p, d in da.items()}
+        for p, d in db.items():
+            out[p] = out.get(p, 0.0) + float(sb) * d
+        return value, out
+
     def _bin(self, sym, other, swap=False):
         o = ScalarExpr.lift(other)
         if o is None:

@@ -100,8 +100,9 @@ def attention(q, k, v, graph, *, scale=None, softcap=None, alibi_slopes=None):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
     if isinstance(softcap, torch.Tensor):
         if softcap.requires_grad:
-            raise NotImplementedError("softcap is a per-call number and gets no gradient; "
-                                      "detach it (or use tgt.program with a per-head param)")
+            raise NotImplementedError("softcap is a per-call number of tgt.attention and gets no "
+                                      "gradient; detach it, or learn it with tgt.program, whose "
+                                      "float scalar params get gradients")
         softcap = softcap.item()
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a torch tensor of shape (H,) like q, got "
@@ -129,18 +130,14 @@ class _Program(torch.autograd.Function):
 
 def program(prog, graph, src=None, dst=None, edge=None, **params):
     """Run a tg.MessagePassing program on torch tensors, differentiable w.r.t. every tensor in
-    src / dst / edge and every per-head param given as a tensor (ALiBi slopes, a per-head
-    temperature: their gradients are prog.vjp's grads["params"]). Scalar params pass through
-    and get no gradient (as in prog.vjp): a 0-d tensor param that requires grad is refused
-    rather than left without one. Score-network weights are not torch parameters and get no
-    gradient here, nor do the positions of a Graph.radius / knn graph (a graph holds a detached
-    copy of them): use prog.vjp (grads["params"], grads["positions"]) for those."""
-    for name, p in params.items():
-        if isinstance(p, torch.Tensor) and p.ndim == 0 and p.requires_grad:
-            raise NotImplementedError(
-                f"param {name!r} is a 0-d tensor that requires grad, but scalar params get no "
-                f"gradient; pass it as a per-head param of shape (H,) to learn it, or detach it")
-    per_head = {name: p for name, p in params.items() if isinstance(p, torch.Tensor) and p.ndim > 0}
+    src / dst / edge, every per-head param given as a tensor (ALiBi slopes, a per-head
+    temperature) and every 0-d float tensor param that requires grad (a soft-cap, the scale):
+    their gradients are prog.vjp's grads["params"]. Other scalar params pass through as numbers.
+    Score-network weights are not torch parameters and get no gradient here, nor do the
+    positions of a Graph.radius / knn graph (a graph holds a detached copy of them): use
+    prog.vjp (grads["params"], grads["positions"]) for those."""
+    per_head = {name: p for name, p in params.items()
+                if isinstance(p, torch.Tensor) and (p.ndim > 0 or p.requires_grad)}
     fixed = {name: p for name, p in params.items() if name not in per_head}
     fields = {"src": dict(src or {}), "dst": dict(dst or {}), "edge": dict(edge or {}),
               "params": per_head}
