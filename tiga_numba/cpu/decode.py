@@ -12,12 +12,14 @@ head read its row from L1, as flash-decoding packs them), and writes an unnormal
 
     M = max_c m_c,   l = sum_c l_c 2^(m_c - M),   out = sum_c acc_c 2^(m_c - M) / l
 
-Weights are taken with the vectorisable exp2 (`_weight`, libm's NaN / -inf values). The second
-pass of an item whose every cell lies inside its band (a decode step over the whole cache: every
-item) takes the chunk's weights at once and adds four V rows per accumulator update
-(`_accumulate_inside`): updated once per V row, the accumulator's loads and stores cost as much
-as the row's multiply-adds. The kernel as a whole is bound by reading K and V
-(docs/cpu_backend.md, "Split-key forward and backward").
+Weights are taken with the vectorisable exp2 (`_weight`, libm's NaN / -inf values). An item
+whose every cell lies inside its band (a decode step over the whole cache: every item) takes its
+scores four keys at a time (`_score4`: q's row loaded once per four keys; one key per loop was
+bound by its loads from L1, not by K's bytes), and its second pass takes the chunk's weights at
+once and adds four V rows per accumulator update (`_accumulate_inside`): updated once per V row,
+the accumulator's loads and stores cost as much as the row's multiply-adds. Both passes then read
+near the rate at which this machine streams K and V (docs/cpu_backend.md, "Split-key forward and
+backward").
 
 Scores are in base 2 (q pre-scaled by scale log2(e)), as the other CPU kernels keep them, so
 m is the kernels' row maximum (`m_kernel`). The backward walks the same items: per key it
@@ -87,6 +89,31 @@ def _score(q, k, i, h, j, hk, zero):
     return t
 
 
+@njit(inline="always", cache=True, fastmath={"reassoc", "contract"})
+def _score4(q, k, i, h, j, hk, zero):
+    """The base-2 scores of query row i, head h against keys j .. j + 3 (kv head hk): q's row is
+    loaded once for four keys, which the one-key loop (two loads per multiply-add) could not
+    do at the rate K streams in. Forward and backward call it alike: for the keys of an item
+    inside its band, four at a time from the item's first key, the last n % 4 through _score,
+    so each key's score has the same bits in both."""
+    t0 = t1 = t2 = t3 = zero
+    for x in range(q.shape[2]):
+        a = q[i, h, x]
+        t0 += a * k[j, hk, x]
+        t1 += a * k[j + 1, hk, x]
+        t2 += a * k[j + 2, hk, x]
+        t3 += a * k[j + 3, hk, x]
+    return t0, t1, t2, t3
+
+
+@njit(inline="always", cache=True)
+def _keep(s, mx, jj, r, h, t):
+    """s[jj, r, h] = t and the running row maximum (a NaN score leaves the maximum alone)."""
+    s[jj, r, h] = t
+    if t > mx[r, h]:
+        mx[r, h] = t
+
+
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, part_l):
     """One partial (acc, m, l) per (item, query row of the block, query head); q is pre-scaled;
@@ -104,16 +131,24 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
         lb, hb = lo[b], hi[b]
         s = np.empty((n, nr, H), q.dtype)
         mx = np.full((nr, H), -np.inf, q.dtype)
-        for jj in range(n):
+        inside = c0 - (nr - 1) >= lb and c1 - 1 <= hb   # every cell of the item inside the band
+        n4 = n - n % 4 if inside else 0
+        for jj in range(0, n4, 4):
+            j = s0 + c0 + jj
+            for r in range(nr):
+                for h in range(H):
+                    t0, t1, t2, t3 = _score4(q, k, r0 + r, h, j, kvh[h], zero)
+                    _keep(s, mx, jj, r, h, t0)
+                    _keep(s, mx, jj + 1, r, h, t1)
+                    _keep(s, mx, jj + 2, r, h, t2)
+                    _keep(s, mx, jj + 3, r, h, t3)
+        for jj in range(n4, n):
             j = s0 + c0 + jj
             for r in range(nr):
                 if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
-                    t = _score(q, k, r0 + r, h, j, kvh[h], zero)
-                    s[jj, r, h] = t
-                    if t > mx[r, h]:
-                        mx[r, h] = t
+                    _keep(s, mx, jj, r, h, _score(q, k, r0 + r, h, j, kvh[h], zero))
         pa = part_acc[it]
         pl = part_l[it]
         for r in range(nr):
@@ -122,7 +157,7 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
                 pl[r, h] = 0.0
                 for x in range(Dv):
                     pa[r, h, x] = 0.0
-        if c0 - (nr - 1) >= lb and c1 - 1 <= hb:   # every cell of the item inside the band
+        if inside:
             _accumulate_inside(v, s, mx, kvh, s0 + c0, zero, pa, pl)
             continue
         for jj in range(n):
@@ -231,7 +266,6 @@ def _backward_chunks(q, k, v, do, qu, m2, linv, delta, dst, src, lo, hi, items, 
     loop on the same pre-scaled q, so the row's largest score minus m2 is exactly 0 at any
     magnitude; qu: q unscaled (dk = scale * sum ds q, applied by the caller)."""
     D = q.shape[2]
-    Dv = v.shape[2]
     H = q.shape[1]
     kvh = kv_heads(H, group)
     for it in prange(items.shape[0]):
@@ -245,24 +279,46 @@ def _backward_chunks(q, k, v, do, qu, m2, linv, delta, dst, src, lo, hi, items, 
             for h in range(H):
                 for x in range(D):
                     pq[r, h, x] = 0.0
-        for jj in range(c1 - c0):
+        n = c1 - c0
+        # the forward's scores: four keys at a time from the item's first where every cell is
+        # inside the band (_score4), the rest one by one
+        n4 = n - n % 4 if c0 - (nr - 1) >= lb and c1 - 1 <= hb else 0
+        for jj in range(0, n4, 4):
+            j = s0 + c0 + jj
+            for r in range(nr):
+                for h in range(H):
+                    hk = kvh[h]  # a register: the stores below could alias a table read
+                    t0, t1, t2, t3 = _score4(q, k, r0 + r, h, j, hk, zero)
+                    _backward_cell(t0, k, v, do, qu, m2, linv, delta, r0 + r, h, j, hk, zero, pq, r, dk, dv)
+                    _backward_cell(t1, k, v, do, qu, m2, linv, delta, r0 + r, h, j + 1, hk, zero, pq, r, dk, dv)
+                    _backward_cell(t2, k, v, do, qu, m2, linv, delta, r0 + r, h, j + 2, hk, zero, pq, r, dk, dv)
+                    _backward_cell(t3, k, v, do, qu, m2, linv, delta, r0 + r, h, j + 3, hk, zero, pq, r, dk, dv)
+        for jj in range(n4, n):
             j = s0 + c0 + jj
             for r in range(nr):
                 if _outside(c0 + jj, r, lb, hb):
                     continue
                 for h in range(H):
-                    hk = kvh[h]  # a register: the stores below could alias a table read
+                    hk = kvh[h]
                     t = _score(q, k, r0 + r, h, j, hk, zero)
-                    p = math.exp2(t - m2[r0 + r, h]) * linv[r0 + r, h]
-                    dp = zero
-                    for x in range(Dv):
-                        dp += do[r0 + r, h, x] * v[j, hk, x]
-                    ds = p * (dp - delta[r0 + r, h])
-                    for x in range(Dv):
-                        dv[j, hk, x] += p * do[r0 + r, h, x]
-                    for x in range(D):
-                        dk[j, hk, x] += ds * qu[r0 + r, h, x]
-                        pq[r, h, x] += ds * k[j, hk, x]
+                    _backward_cell(t, k, v, do, qu, m2, linv, delta, r0 + r, h, j, hk, zero, pq, r, dk, dv)
+
+
+@njit(inline="always", cache=True, fastmath={"reassoc", "contract"})
+def _backward_cell(t, k, v, do, qu, m2, linv, delta, i, h, j, hk, zero, pq, r, dk, dv):
+    """One cell's share of the backward from its recomputed score t: P = 2^(t - m2) / l,
+    dP = dO . V_j, dS = P (dP - Delta); adds P dO to dv[j], dS q to dk[j] and dS K_j to the
+    item's partial dq (row r)."""
+    p = math.exp2(t - m2[i, h]) * linv[i, h]
+    dp = zero
+    for x in range(v.shape[2]):
+        dp += do[i, h, x] * v[j, hk, x]
+    ds = p * (dp - delta[i, h])
+    for x in range(v.shape[2]):
+        dv[j, hk, x] += p * do[i, h, x]
+    for x in range(k.shape[2]):
+        dk[j, hk, x] += ds * qu[i, h, x]
+        pq[r, h, x] += ds * k[j, hk, x]
 
 
 @njit(parallel=True, cache=True)
