@@ -193,6 +193,18 @@ def test_adapter_gradcheck_float64():
         assert torch.autograd.gradcheck(of_params, ws), cls.__name__
 
 
+def _flash_oracle(q, k, v, slopes, cap):
+    """torch float64 attention with flash-attn's soft-cap and ALiBi on a causal square relation
+    (grouped-query heads: kv head h // (H // Hkv)), default scale."""
+    N, H, D = q.shape
+    group = H // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = cap * torch.tanh(torch.einsum("ihd,jhd->hij", q, kk) * D ** -0.5 / cap)
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    s = (s - slopes[:, None, None] * (i - j).abs()).masked_fill(j > i, -torch.inf)
+    return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
+
+
 def test_adapter_attention_takes_softcap_and_alibi_slopes():
     """tgt.attention with flash-attn's modifiers against autograd of a float64 torch oracle,
     gradients of q, k, v and of the slopes (which require grad); GQA, a causal relation."""
@@ -204,17 +216,10 @@ def test_adapter_attention_takes_softcap_and_alibi_slopes():
     k, v = (torch.randn(N, Hkv, D, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
     slopes = torch.rand(H, dtype=torch.float64, generator=gen).requires_grad_()
 
-    def oracle(q, k, v, slopes):
-        kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-        s = cap * torch.tanh(torch.einsum("ihd,jhd->hij", q, kk) * D ** -0.5 / cap)
-        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
-        s = (s - slopes[:, None, None] * (i - j).abs()).masked_fill(j > i, -torch.inf)
-        return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
-
     out = tgt.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=gen)
     ours = torch.autograd.grad(out, (q, k, v, slopes), dout)
-    ref_out = oracle(q, k, v, slopes)
+    ref_out = _flash_oracle(q, k, v, slopes, cap)
     theirs = torch.autograd.grad(ref_out, (q, k, v, slopes), dout)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     for a, b in zip(ours, theirs):
@@ -249,14 +254,7 @@ def test_adapter_attention_modifiers_on_cuda_tensors(cupy_gpu, dtype, slopes_gra
     q64, k64, v64 = (t.to(dtype).double().requires_grad_() for t in (q64, k64, v64))
     s64 = s64.float().double().requires_grad_()
 
-    def oracle(q, k, v, slopes):
-        kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-        s = cap * torch.tanh(torch.einsum("ihd,jhd->hij", q, kk) * D ** -0.5 / cap)
-        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
-        s = (s - slopes[:, None, None] * (i - j).abs()).masked_fill(j > i, -torch.inf)
-        return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
-
-    ref = oracle(q64, k64, v64, s64)
+    ref = _flash_oracle(q64, k64, v64, s64, cap)
     want = torch.autograd.grad(ref, (q64, k64, v64, s64), dout64)
     q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in (q64, k64, v64))
     slopes = s64.detach().to("cuda", torch.float32).requires_grad_(slopes_grad)
