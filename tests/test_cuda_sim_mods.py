@@ -111,8 +111,9 @@ def run_case(fn, graph, dtype, tol, H=4, Hkv=2, D=5, DV=3, dot=True, params=None
         edge[name] = rng.standard_normal((graph.num_edges, H) if name == "b" else graph.num_edges)
     cast = {r: {n: a.astype(dtype) for n, a in d.items()} for r, d in
             (("src", src), ("dst", dst), ("edge", edge))}
+    # lowered for a vjp: float scalar leaves are read per head, whose gradients give theirs
     low = tsm.ModProgram(fn, dot)._lower(graph, cast["src"], cast["dst"], cast["edge"],
-                                         dict(params, scale=0.4))
+                                         dict(params, scale=0.4), for_grad=True)
     bound = low.modifier
     q, k, v = low.q, low.k, low.value
     scale = float(low.scale)
@@ -155,13 +156,19 @@ def run_case(fn, graph, dtype, tol, H=4, Hkv=2, D=5, DV=3, dot=True, params=None
     if dot:
         got["dst"]["query"] = dq
         got["src"]["key"] = dk
+    scalar_grads = []   # as the program's backward: (scalar expression, its gradient)
+    if dot:
+        scalar_grads.append((low.traced.score.dot[2], float((q.astype(np.float64) * dq).sum()) / scale))
     for leaf, g in mod.grads().items():
-        if leaf.op == "head":
+        if leaf in low.lowered_scalars:
+            scalar_grads.append((low.lowered_scalars[leaf], float(np.sum(g, dtype=np.float64))))
+        elif leaf.op == "head":
             got["params"][leaf.attr] = g
         elif leaf.op == "node":
             got[leaf.attr[0]][leaf.attr[1]] = g
         else:
             got["edge"][leaf.attr] = g
+    low._chain_scalar_grads(got, scalar_grads, np.dtype(acc))
     for role in ("src", "dst", "edge", "params"):
         for n, w in wg[role].items():
             assert n in got[role], (tag, role, n, sorted(got[role]))
