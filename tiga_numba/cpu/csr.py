@@ -128,7 +128,21 @@ def make_forward(acc, mod=None):
                         ar = acc_[h]
                         for d in range(Dv):
                             ar[d] *= alpha
-                for t in range(n):
+                # acc += P V four edges per accumulator update: updated once per edge, the
+                # accumulator row's loads and stores cost as much as the edge's multiply-adds
+                t = 0
+                while t + 3 < n:
+                    v0, v1 = v[indices[c0 + t]], v[indices[c0 + t + 1]]
+                    v2, v3 = v[indices[c0 + t + 2]], v[indices[c0 + t + 3]]
+                    for h in range(H):
+                        hk = kv_head[h]
+                        r0_, r1_, r2_, r3_ = v0[hk], v1[hk], v2[hk], v3[hk]
+                        ar = acc_[h]
+                        p0, p1, p2, p3 = s[h, t], s[h, t + 1], s[h, t + 2], s[h, t + 3]
+                        for d in range(Dv):
+                            ar[d] += (p0 * r0_[d] + p1 * r1_[d]) + (p2 * r2_[d] + p3 * r3_[d])
+                    t += 4
+                while t < n:
                     vj = v[indices[c0 + t]]
                     for h in range(H):
                         vr = vj[kv_head[h]]
@@ -136,6 +150,7 @@ def make_forward(acc, mod=None):
                         p = s[h, t]
                         for d in range(Dv):
                             ar[d] += p * vr[d]
+                    t += 1
             if slot >= 0:  # one piece of a long row: its partial state, merged below
                 for h in range(H):
                     part_m[slot, h] = m[h]
