@@ -158,7 +158,7 @@ def run_case(fn, graph, dtype, tol, H=4, Hkv=2, D=5, DV=3, dot=True, params=None
         got["src"]["key"] = dk
     scalar_grads = []   # as the program's backward: (scalar expression, its gradient)
     if dot:
-        scalar_grads.append((low.traced.score.dot[2], float((q.astype(np.float64) * dq).sum()) / scale))
+        scalar_grads.append((low.factor, float((q.astype(np.float64) * dq).sum()) / scale))
     for leaf, g in mod.grads().items():
         if leaf in low.lowered_scalars:
             scalar_grads.append((low.lowered_scalars[leaf], float(np.sum(g, dtype=np.float64))))

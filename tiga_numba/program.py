@@ -275,6 +275,7 @@ class _Lowered:
         # an index, as integer fields get no gradient)
         self.learned = {n for n in values if call.is_float_param(n)} if for_grad else set()
         self.lowered_scalars = {}
+        self.factor = None   # the dot product's factor (a ScalarExpr), where there is a dot product
         score = traced.score
         self.value = call.field("src", traced.value.name)
         if traced.kind == "net":
@@ -291,11 +292,13 @@ class _Lowered:
             s, d = score.dot
             self.q = call.field("dst", d.name)
             self.k = call.field("src", s.name)
-            self.scale = _dot_factor(score.dot_factor, values)
+            self.factor = score.dot_factor
+            self.scale = _dot_factor(self.factor, values)
         else:
             self.q = self.k = None
             self.scale = 1.0
-        self.bias_terms = [(f, call.field("edge", f.name), c.evaluate(values))
+        # (field, its array, the coefficient's value, the coefficient's expression) per term
+        self.bias_terms = [(f, call.field("edge", f.name), c.evaluate(values), c)
                            for f, c in score.biases]
         heads = self._heads()
         self.edge_bias = self._combine_bias(xp, heads)
@@ -332,10 +335,10 @@ class _Lowered:
             elif x.op == "edge":
                 leaf_values[x] = call.field("edge", x.attr)
         if score.dot is not None:
-            s, d, factor = score.dot
+            s, d, self.factor = score.dot
             self.q = call.field("dst", d.name)
             self.k = call.field("src", s.name)
-            self.scale = _dot_factor(factor, values)
+            self.scale = _dot_factor(self.factor, values)
         else:
             self._gather_only_inputs(xp, leaf_values)
         self._bind_modifier(xp, score.expr, leaf_values, learned)
@@ -387,7 +390,7 @@ class _Lowered:
     def _heads(self):
         if self.q is not None:
             return 1 if self.q.ndim == 2 else int(self.q.shape[1])
-        heads = {int(a.shape[1]) for _, a, _ in self.bias_terms if a.ndim == 2 and a.shape[1] != 1}
+        heads = {int(a.shape[1]) for _, a, _, _ in self.bias_terms if a.ndim == 2 and a.shape[1] != 1}
         if len(heads) > 1:
             raise ValueError(f"edge fields in the score disagree on the number of heads: {sorted(heads)}")
         if heads:
@@ -396,7 +399,7 @@ class _Lowered:
 
     def _combine_bias(self, xp, heads):
         terms = self.bias_terms
-        for f, a, _ in terms:
+        for f, a, _, _ in terms:
             if not np.issubdtype(np.dtype(a.dtype), np.floating):
                 raise TypeError(f"{f.ref} is added to the score and must be floating point, "
                                 f"got {a.dtype}")
@@ -410,9 +413,9 @@ class _Lowered:
             return terms[0][1]  # the functional layer broadcasts it to (E, H)
         acc = arrays.accumulation_dtype(terms[0][1].dtype)
         total = xp.zeros((self.call.graph.num_edges, heads), dtype=acc)
-        for _, a, c in terms:
+        for _, a, c, _ in terms:
             total += c * (a[:, None] if a.ndim == 1 else a).astype(acc, copy=False)
-        names = " + ".join(f.ref for f, _, _ in terms)
+        names = " + ".join(f.ref for f, _, _, _ in terms)
         self.front_notes.append(f"front end: combined {names} (with their factors) into one "
                                 f"({self.call.graph.num_edges}, {heads}) edge-bias array")
         return total
@@ -513,15 +516,14 @@ class _Lowered:
                 scale=self.scale, edge_bias=self.edge_bias)
         if score.dot is not None:
             s, d = score.dot[:2]
-            factor = score.dot[2] if self.traced.kind == "modified" else score.dot_factor
-            if factor.params() & self.learned:
-                scalar_grads.append((factor, self._dot_factor_grad(dq, dout)))
+            if self.factor.params() & self.learned:
+                scalar_grads.append((self.factor, self._dot_factor_grad(dq, dout)))
             add("dst", d.name, dq)
             add("src", s.name, dk)
         vname = self.traced.value.name
         v_given = self.call.roles["src"][vname]
         add("src", vname, dv.reshape(v_given.shape) if dv.shape != v_given.shape else dv)
-        for (f, a, c), (_, c_expr) in zip(self.bias_terms, score.biases if self.bias_terms else ()):
+        for f, a, c, c_expr in self.bias_terms:
             g = dbias if dbias.ndim == 2 else dbias[:, None]
             if a.ndim == 1:
                 g = g.sum(axis=1)

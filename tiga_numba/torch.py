@@ -136,11 +136,12 @@ def program(prog, graph, src=None, dst=None, edge=None, **params):
     Score-network weights are not torch parameters and get no gradient here, nor do the
     positions of a Graph.radius / knn graph (a graph holds a detached copy of them): use
     prog.vjp (grads["params"], grads["positions"]) for those."""
-    per_head = {name: p for name, p in params.items()
-                if isinstance(p, torch.Tensor) and (p.ndim > 0 or p.requires_grad)}
-    fixed = {name: p for name, p in params.items() if name not in per_head}
+    # the params that take part in autograd: per-head tensors, and 0-d tensors that require grad
+    tensor_params = {name: p for name, p in params.items()
+                     if isinstance(p, torch.Tensor) and (p.ndim > 0 or p.requires_grad)}
+    fixed = {name: p for name, p in params.items() if name not in tensor_params}
     fields = {"src": dict(src or {}), "dst": dict(dst or {}), "edge": dict(edge or {}),
-              "params": per_head}
+              "params": tensor_params}
     slots = [(role, name) for role in ("src", "dst", "edge", "params") for name in fields[role]]
     tensors = [fields[role][name] for role, name in slots]
 

@@ -78,6 +78,22 @@ def _outside(c, r, lb, hb):
     return c - r < lb or c - r > hb
 
 
+@njit(inline="always", cache=True)
+def _item_inside(c0, c1, nr, lb, hb):
+    """whether every cell of an item (block-local columns c0 .. c1 - 1, rows 0 .. nr - 1) lies
+    inside the band lb <= c - r <= hb."""
+    return c0 - (nr - 1) >= lb and c1 - 1 <= hb
+
+
+@njit(inline="always", cache=True)
+def _grouped_keys(c0, c1, nr, lb, hb):
+    """How many of an item's keys take their scores four at a time (_score4): all but the last
+    (c1 - c0) % 4 of an item inside its band, none otherwise. Forward and backward both ask here,
+    so a key's score comes from the same loop in both."""
+    n = c1 - c0
+    return n - n % 4 if _item_inside(c0, c1, nr, lb, hb) else 0
+
+
 @njit(inline="always", cache=True, fastmath={"reassoc", "contract"})
 def _score(q, k, i, h, j, hk, zero):
     """The base-2 score of query row i, head h against key j, kv head hk (q pre-scaled). The
@@ -131,8 +147,8 @@ def _chunks(q, k, v, dst, src, lo, hi, items, group, zero, part_acc, part_m, par
         lb, hb = lo[b], hi[b]
         s = np.empty((n, nr, H), q.dtype)
         mx = np.full((nr, H), -np.inf, q.dtype)
-        inside = c0 - (nr - 1) >= lb and c1 - 1 <= hb   # every cell of the item inside the band
-        n4 = n - n % 4 if inside else 0
+        inside = _item_inside(c0, c1, nr, lb, hb)
+        n4 = _grouped_keys(c0, c1, nr, lb, hb)
         for jj in range(0, n4, 4):
             j = s0 + c0 + jj
             for r in range(nr):
@@ -282,7 +298,7 @@ def _backward_chunks(q, k, v, do, qu, m2, linv, delta, dst, src, lo, hi, items, 
         n = c1 - c0
         # the forward's scores: four keys at a time from the item's first where every cell is
         # inside the band (_score4), the rest one by one
-        n4 = n - n % 4 if c0 - (nr - 1) >= lb and c1 - 1 <= hb else 0
+        n4 = _grouped_keys(c0, c1, nr, lb, hb)
         for jj in range(0, n4, 4):
             j = s0 + c0 + jj
             for r in range(nr):
