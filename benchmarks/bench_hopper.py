@@ -9,7 +9,7 @@
    block runs during the softmax of the next, Variant.fwd_pipelined, the twin waits for every chain
    at once; at D = 64, shipped serial, the twin is the pipelined loop), torch's flash, cuDNN and
    efficient backends;
-   then forward+backward (D = 256: no tensor-core backward here, not timed). TF/s = 4 N^2 H D
+   then forward+backward (every head dim whose backward runs on the tensor cores). TF/s = 4 N^2 H D
    (/2 causal) per forward, 3.5x that per forward+backward; ratio = fastest torch backend / ours.
    The pipelined and the serial forward must give the same bits (checked per cell), and ours is
    compared with cuDNN's output (relative L2).
@@ -137,7 +137,7 @@ def table(a):
         for D in (int(x) for x in a.dims.split(",")):
             for N in (int(x) for x in a.sizes.split(",")):
                 for causal in (False, True):
-                    r, fl, same, err = cell(dtn, D, N, causal, a.reps, with_bwd=D in tuning.WGMMA_HEAD_DIMS)
+                    r, fl, same, err = cell(dtn, D, N, causal, a.reps, with_bwd=D in tuning.head_dims(dtn, True, "backward"))
                     best = min((r[n][0] for n, _ in BACKENDS if r[n][0]), default=float("nan"))
                     bestb = min((r[n][1] for n, _ in BACKENDS if r[n][1]), default=float("nan"))
                     fb = r["ours"][1]

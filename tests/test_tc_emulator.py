@@ -524,14 +524,14 @@ def test_supports_rules_without_gpu(monkeypatch):
         qd, kvd = _FakeDev((10, 4, d)), _FakeDev((10, 2, d))
         assert api.supports(plan, qd, kvd, kvd, rel_)
         assert api.supports(plan, *(_FakeDev(x.shape, "float32") for x in (qd, kvd, kvd)), rel_)
-    # D = 256 on wgmma: the 16-bit forward only (tuning.WGMMA_FORWARD_DIMS)
+    # D = 256 on wgmma: 16-bit plain calls, forward and backward (tuning.WGMMA_PLAIN_DIMS)
     q256, kv256 = _FakeDev((10, 4, 256)), _FakeDev((10, 2, 256))
     ml_dtypes = pytest.importorskip("ml_dtypes")
     for dt in (np.float16, ml_dtypes.bfloat16):
         x = [_FakeDev(a.shape, dt) for a in (q256, kv256, kv256)]
         assert api.supports(plan, *x, rel_)
         assert api.supports(types.SimpleNamespace(**{**vars(plan), "op": "forward"}), *x, rel_)
-        assert not api.supports(types.SimpleNamespace(**{**vars(plan), "op": "backward"}), *x, rel_)
+        assert api.supports(types.SimpleNamespace(**{**vars(plan), "op": "backward"}), *x, rel_)
         assert not api.supports(types.SimpleNamespace(**{**vars(plan), "score": "modified: f = s"}), *x, rel_)
         assert not api.supports(types.SimpleNamespace(**{**vars(plan), "prune_threshold": 0.5}), *x, rel_)
     assert not api.supports(plan, *(_FakeDev(a.shape, "float32") for a in (q256, kv256, kv256)), rel_)
@@ -701,7 +701,7 @@ def test_wgmma_forward_backward_emulated(D, H, Hkv, dtype, NW, BNq, BNk, relname
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("relname", list(RELATIONS))
 def test_wgmma_forward_head_dim_256_emulated(dtype, relname):
-    """D = 256 (a forward-only head dim, tuning.WGMMA_FORWARD_DIMS): the shipped shape (two
+    """D = 256 (a plain-call head dim, tuning.WGMMA_PLAIN_DIMS): the shipped shape (two
     warpgroups, 64-key blocks, four 128-byte sub-tiles per row, one m64n256 P V chain) against the
     float64 oracle on every relation with GQA, and its pruned twin (rho tiny: every tile admitted,
     the exact result)."""
@@ -712,13 +712,61 @@ def test_wgmma_forward_head_dim_256_emulated(dtype, relname):
     scale = 256 ** -0.5
     ro, rm, rl, *_ = oracle(q, k, v, do, dst, src, causal, scale)
     vf = tuning.variant("fwd", 256, 256, dtype, wgmma=True).check()
-    assert (vf.NW, vf.BN) == (8, 64) and 256 in tuning.WGMMA_FORWARD_DIMS
+    assert (vf.NW, vf.BN) == (8, 64) and 256 in tuning.WGMMA_PLAIN_DIMS
     live = np.isfinite(rm)
     for x, rho in ((vf, None), (dataclasses.replace(vf, prune=True), 1e-30)):
         o, m, l = E.forward(x, q, k, v, dst, src, causal.astype(np.uint8), scale, rho=rho)
         assert np.isfinite(o).all() and rel(o, ro) < TOL[dtype], (x.prune, rel(o, ro))
         np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-5)
         assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("relname", list(RELATIONS))
+def test_wgmma_backward_head_dim_256_emulated(dtype, relname):
+    """D = 256 backward as shipped: the dQ kernel and the dK/dV kernel keeping half of the dK and dV
+    columns per CTA (Variant.col_parts = 2, grid z = the part), against the float64 oracle on every
+    relation with GQA, from the forward's own (m, l)."""
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng(2560 + len(relname) + len(dtype))
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], 4, 2, 256, dtype)
+    scale = 256 ** -0.5
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, scale)
+    vq, vk = tuning.backward_variants(256, 256, dtype, wgmma=True)
+    assert vk.col_parts == 2 and 256 in tuning.head_dims(dtype, True, "backward")
+    vf = tuning.variant("fwd", 256, 256, dtype, wgmma=True)
+    o, m, l = E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale)
+    grads = E.backward(vq, vk, do, q, k, v, o, m, l, dst, src, causal.astype(np.uint8), scale)
+    for got, want in zip(grads, (rdq, rdk, rdv)):
+        assert np.isfinite(got).all() and rel(got, want) < 3 * TOL[dtype], rel(got, want)
+
+
+def test_dkdv_column_parts_change_no_arithmetic(monkeypatch):
+    """a dK/dV kernel in column parts gives the bits of the whole-width kernel (each part computes
+    S^T and dP^T as the whole one does and keeps its own columns of dK and dV); a part that reads
+    the wrong columns of the streamed tiles is caught. Refused where the parts are not whole
+    sub-tiles or the kernel is not a 16-bit, unfused wgmma dK/dV kernel."""
+    import dataclasses
+    dst, src, causal = (np.array(x) for x in RELATIONS["segments"])
+    rng = np.random.default_rng()
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], 2, 1, 128, "float16")
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, 0.1)
+    whole = G.Variant("dkdv", 128, 128, NW=4, BN=64, **WG).check()
+    args = (do, q, k, v, rounded(ro.astype(np.float32), "float16"), rm.astype(np.float32), rl.astype(np.float32),
+            dst, src, causal.astype(np.uint8), 0.1)
+    want = E.backward(None, whole, *args)[1:]
+    for parts in (2,):
+        got = E.backward(None, dataclasses.replace(whole, col_parts=parts).check(), *args)[1:]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    gen = G.gen_dkdv
+    monkeypatch.setattr(E.G, "gen_dkdv", lambda vr: gen(vr).replace("po = u32(part * ", "po = u32(0 * "))
+    bad = E.backward(None, dataclasses.replace(whole, col_parts=2), *args)
+    assert rel(bad[2], rdv) > 0.1 and rel(bad[1], rdk) < 3 * TOL["float16"]
+    for bad_fields in (dict(col_parts=4), dict(col_parts=2, dtype="float32"), dict(col_parts=2, wgmma=False),
+                       dict(col_parts=2, fuse_dq=True), dict(col_parts=2, kind="dq")):
+        with pytest.raises(ValueError, match="col_parts"):
+            dataclasses.replace(whole, **bad_fields).check()
 
 
 #: fused wgmma backward shapes: (D, H, Hkv, dtype, NW, BN); one / two warpgroups, one / two dQ row
@@ -1430,7 +1478,7 @@ class Graph:   # realize() without a device: the host relation
 
 
 for D, pruned, op, want in ((256, False, "forward", True), (256, True, "forward", False),
-                            (256, False, "backward", False), (128, True, "forward", True),
+                            (256, False, "backward", True), (128, True, "forward", True),
                             (128, False, "backward", True)):
     check = capi.tensor_core_probe(Graph(), (Dev((10, 4, D)), Dev((10, 2, D)), Dev((10, 2, D))), 0.1, "dot")
     assert (check(Request(op=op, backend="cuda", pruned=pruned)) is None) == want, (D, pruned, op)
@@ -1439,8 +1487,8 @@ print("probe ok")
 
 
 def test_the_device_probe_passes_the_operation_and_pruning_to_admission():
-    """cuda.api.tensor_core_probe hands supports() the request's operation and pruning (D = 256: the
-    forward only, unpruned), in a process where cupy is a stand-in (no GPU here)."""
+    """cuda.api.tensor_core_probe hands supports() the request's operation and pruning (D = 256:
+    plain calls, unpruned), in a process where cupy is a stand-in (no GPU here)."""
     import subprocess
     import sys
     run = subprocess.run([sys.executable, "-c", _PROBE_CHECK], capture_output=True, text=True, timeout=300)

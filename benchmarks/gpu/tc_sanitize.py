@@ -3,7 +3,7 @@ wgmma and mma.sync engines, dense-rectangular, causal, cu_seqlens, a sliding win
 bottom-right causal rectangular varlen batch with tails, GQA), for compute-sanitizer. Head dim
 64, or $TC_SAN_D (128: the small relations take the narrow-band forward shape there); dtypes
 float16 and float32, or the comma-separated names in $TC_SAN_DTYPES (bfloat16 via ml_dtypes). A
-backward the package refuses (bfloat16 at D = 256) is reported and skipped. $TC_SAN_SHIPPED=1: no
+backward the package refuses (bfloat16 at D = 256 off the wgmma engine) is reported and skipped. $TC_SAN_SHIPPED=1: no
 narrow-band shape, every relation runs the shipped tile shape (D = 128: two warpgroups, 128-key
 blocks); $TC_SAN_ENGINES: "wgmma", "mma" or both (default). $TC_SAN_PINGPONG=1: the 16-bit wgmma forward at
 D = 96 / 128 / 256 runs its two warpgroups in ping-pong through the mbarrier ring (Variant.pingpong,
@@ -50,7 +50,7 @@ for wgmma in [e == "wgmma" for e in ENGINES]:
                 try:
                     grads = tg.attention_backward(do, q, k, v, out, st, g)
                     bwd = functional.last_plan().family
-                except NotImplementedError:   # bfloat16 at a forward-only head dim: no backward
+                except NotImplementedError:   # bfloat16 at D = 256 on the CUDA cores: no backward
                     bwd = "backward refused (NotImplementedError)"
             print(wgmma, np.dtype(dtype).name, g.kind, fam, bwd)
 cupy.cuda.Device().synchronize()

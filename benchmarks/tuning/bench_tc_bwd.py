@@ -9,6 +9,7 @@ efficient for float32) as the anchor.
          [--spills sm_90]   # ptxas registers / spill bytes of the backward kernels (no GPU)
          [--wgmma --dims 32,64,128]   # the sm_90a kernels: shipped two-kernel wgmma backward vs the
                                       # fused wgmma candidates (WG_CANDIDATES, ordered and atomic)
+         [--wgmma --no-fused]         # ... vs its overlap twins and the two-kernel shapes of WG_PAIRS
 
 Checks in every cell: each fused candidate's dq, dk, dv vs the two-kernel backward (relative L2)
 and the first fused candidate run twice is bit-identical (the ordered accumulation's promise).
@@ -47,6 +48,13 @@ WG_CANDIDATES = {
     128: [dict(NW=8, BN=64), dict(NW=4, BN=64)],
 }
 WG = dict(MT=1, a_smem=True, wgmma=True)
+#: two-kernel wgmma shapes tried beside the shipped pair with --no-fused, D -> [(dQ fields, dK/dV fields)]:
+#: at D = 256 the dK/dV kernel keeps its columns in parts (Variant.col_parts); ptxas fits every one
+#: of these without spills but the NW = 4, BN = 64 dK/dV kernel (8 B)
+WG_PAIRS = {
+    256: [(dict(NW=nwq, BN=bnq), dict(NW=nwk, BN=bnk, col_parts=2))
+          for nwq, bnq in ((8, 32), (4, 32), (4, 64)) for nwk, bnk in ((8, 32), (4, 32), (4, 64))],
+}
 
 
 def wg_variants(dtype, D, fused=True):
@@ -56,6 +64,9 @@ def wg_variants(dtype, D, fused=True):
     unf = (tuning.variant("dq", D, D, dtype, wgmma=True), tuning.variant("dkdv", D, D, dtype, wgmma=True))
     flip = [dataclasses.replace(x, overlap=not x.overlap).check() for x in unf]
     cands = [tuple(flip)] + ([] if fused else [(flip[0], unf[1]), (unf[0], flip[1])])   # both, or one kernel flipped
+    pairs = [(G.Variant("dq", D, D, dtype=dtype, **WG, **fq).check(), G.Variant("dkdv", D, D, dtype=dtype, **WG, **fk).check())
+             for fq, fk in WG_PAIRS.get(D, []) if not fused]
+    cands += [p for p in pairs if p != unf]
     cands += [(None, G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=at, **WG, **c).check())
               for at in (False, True) for c in (WG_CANDIDATES[D] if fused and dtype != "float32" else [])]
     return unf, cands
@@ -105,7 +116,8 @@ def label(c):
     if vq is None:
         return vk.name().split("_", 4)[-1]
     mode = lambda v: "overlap" if v.wg_async else "serial"  # noqa: E731
-    return f"2-kernel dq-{mode(vq)}/dkdv-{mode(vk)}"
+    shape = lambda v: f"-nw{v.NW}bn{v.BN}" + (f"cp{v.col_parts}" if v.col_parts > 1 else "")  # noqa: E731
+    return f"2-kernel dq-{mode(vq)}{shape(vq)}/dkdv-{mode(vk)}{shape(vk)}"
 
 
 def launch(BT, ours, vq, vk, do, out=None):

@@ -49,7 +49,7 @@ def supports(plan, q, k, v, relation):
             return False
         if D not in head_dims(dn, wgmma) and (
                 score != "dot" or getattr(plan, "prune_threshold", None) is not None):
-            return False   # a forward-only head dim: plain scores, no pruning (run on the GPU so far)
+            return False   # a plain-call head dim (tuning.WGMMA_PLAIN_DIMS): what has run on the GPU there
         if dn == "float32" and not _options.current().fp32_tensor_cores:
             return False   # the user's opt-out: float32 stays on the CUDA-core (SIMT fp32) kernels
         H, Hkv = int(q.shape[1]), int(k.shape[1])
@@ -75,7 +75,7 @@ def _device_can_run(D, Dv, dtype, op="forward"):
     op, so that a forward never runs where its backward could not."""
     try:
         import cupy
-        kinds = ("fwd", "dq", "dkdv") if D in head_dims(dtype, device.use_wgmma(dtype)) else ("fwd",)
+        kinds = ("fwd", "dq", "dkdv") if D in head_dims(dtype, device.use_wgmma(dtype), "backward") else ("fwd",)
         key = (cupy.cuda.runtime.getDevice(), D, Dv, dtype, kinds)
         if key not in _DEVICE_OK:
             dev = cupy.cuda.Device(key[0])

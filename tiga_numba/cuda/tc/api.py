@@ -296,7 +296,7 @@ def _run_backward(launch, nd, H, Hkv, q, k, v, do, o, mp, lp, deltap, lse2p, dqp
         return
     strides = (q[1], q[2], k[1], k[2], v[1], v[2], do[1], do[2], Hkv * vk.D * vk.GB, Hkv * vk.Dv * vk.GB)
     if vq is not None:
-        kk((W, Hkv), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, launch.workk, *strides,
+        kk((W, Hkv, vk.col_parts), (vk.NT,), st, q[0], k[0], v[0], do[0], lse2p, deltap, dkp, dvp, launch.workk, *strides,
            H // Hkv, H, sc, scale, *_mod_args(vk, scale, H, mod))
         return
     import contextlib
@@ -538,6 +538,9 @@ def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod):
     else:
         how = "Delta pre-pass, dQ by query tiles, dK/dV by key tiles (GQA heads summed in-CTA, no atomics)"
         tiles = f"dQ BM={vq.BM} BN={vq.BN} warps={vq.NW}; dK/dV BM={vk.BM} BN={vk.BN} warps={vk.NW}"
+        if vk.col_parts > 1:
+            tiles += (f", dK and dV columns in {vk.col_parts} parts (one CTA per part; each recomputes "
+                      "S^T and dP^T)")
     if narrowed:
         tiles += tuning.NARROW_WORDS
     if score_mod is not None:

@@ -293,7 +293,9 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
         out += [("dkdv_atomic", D, dt) for D in dims if atomic_shape(D, dt, False)]   # the opt-ins
         out += [(WGMMA_PREFIX + "dkdv_atomic", D, dt) for D in WGMMA_HEAD_DIMS if atomic_shape(D, dt, True)]
         out += [((WGMMA_PREFIX if wg else "") + kind + NARROW_SUFFIX, D, dt) for wg, kind, D in narrow_kinds(dt)]
-        out += [(WGMMA_PREFIX + "fwd", D, dt) for D in head_dims(dt, True, "forward") if D not in WGMMA_HEAD_DIMS]
+        plain = [D for D in head_dims(dt, True, "forward") if D not in WGMMA_HEAD_DIMS]   # plain calls only
+        out += [(WGMMA_PREFIX + kind, D, dt) for D in plain for kind in ("fwd", "dq", "dkdv")]
+        out += [("delta", D, dt) for D in plain if D not in dims]
     return out
 
 

@@ -616,39 +616,39 @@ def compile_source(src, name="<tc-emu>"):
 
 
 def launch(src, grid, NT, smem_bytes, mem, dtype, args):
-    """Run the generated kernel over grid (gx, gy) with NT threads per CTA."""
+    """Run the generated kernel over grid (gx, gy[, gz]) with NT threads per CTA."""
     code = compile_source(src)
-    for by in range(grid[1]):
-        for bx in range(grid[0]):
-            w = Warps(NT, smem_bytes, mem, dtype)
-            cuda = _types.SimpleNamespace(
-                threadIdx=_types.SimpleNamespace(x=np.arange(NT)),
-                blockIdx=_types.SimpleNamespace(x=bx, y=by),
-                blockDim=_types.SimpleNamespace(x=NT),
-                shared=_types.SimpleNamespace(array=lambda *a, **kw: None),
-                syncthreads=lambda: None,
-                syncthreads_or=lambda p: np.int32(np.any(np.asarray(p) != 0)))
-            env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
-                       u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum, imax=np.maximum,
-                       sel=_sel, ex2=_ex2, clampf=_clampf, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
-                       bits_f32=lambda x: np.asarray(x, np.uint32).view(np.float32),
-                       opq=lambda x: np.asarray(x, np.int64)[()],
-                       a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
-                       cp_commit=w.cp_commit, cp_wait0=lambda w=w: w.cp_wait(0), cp_wait1=lambda w=w: w.cp_wait(1),
-                       math=_MATH)
-            for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
-                       "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",
-                       "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if") + barriers.NAMES:
-                env[nm] = getattr(w, nm)
-            env["fence_async"] = lambda: None
-            env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: \
-                lambda *args: w.wgmma_chain(form, N, steps, args, wait)
-            env["wgmma_wait"] = lambda n, count, w=w: lambda *regs: w.wgmma_wait(n, count, regs)
-            exec(code, env)
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                env["kernel"](*args)
-            assert not w.pending, "a wgmma chain was issued and never waited for"
-            assert not any(b["landing"] for b in w.mbar.values()), "copies tracked by an mbarrier never waited for"
+    gz = grid[2] if len(grid) > 2 else 1
+    for bx, by, bz in ((x, y, z) for z in range(gz) for y in range(grid[1]) for x in range(grid[0])):
+        w = Warps(NT, smem_bytes, mem, dtype)
+        cuda = _types.SimpleNamespace(
+            threadIdx=_types.SimpleNamespace(x=np.arange(NT)),
+            blockIdx=_types.SimpleNamespace(x=bx, y=by, z=bz),
+            blockDim=_types.SimpleNamespace(x=NT),
+            shared=_types.SimpleNamespace(array=lambda *a, **kw: None),
+            syncthreads=lambda: None,
+            syncthreads_or=lambda p: np.int32(np.any(np.asarray(p) != 0)))
+        env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
+                   u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum, imax=np.maximum,
+                   sel=_sel, ex2=_ex2, clampf=_clampf, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
+                   bits_f32=lambda x: np.asarray(x, np.uint32).view(np.float32),
+                   opq=lambda x: np.asarray(x, np.int64)[()],
+                   a32=lambda x, y: ((np.asarray(x, np.int64) + np.asarray(y, np.int64)) & 0xFFFFFFFF)[()],
+                   cp_commit=w.cp_commit, cp_wait0=lambda w=w: w.cp_wait(0), cp_wait1=lambda w=w: w.cp_wait(1),
+                   math=_MATH)
+        for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
+                   "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",
+                   "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if") + barriers.NAMES:
+            env[nm] = getattr(w, nm)
+        env["fence_async"] = lambda: None
+        env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: \
+            lambda *args: w.wgmma_chain(form, N, steps, args, wait)
+        env["wgmma_wait"] = lambda n, count, w=w: lambda *regs: w.wgmma_wait(n, count, regs)
+        exec(code, env)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            env["kernel"](*args)
+        assert not w.pending, "a wgmma chain was issued and never waited for"
+        assert not any(b["landing"] for b in w.mbar.values()), "copies tracked by an mbarrier never waited for"
 
 
 # ----------------------------------------------------------------------------- whole-op drivers
@@ -746,7 +746,7 @@ def backward(vdq, vkv, dout, q, k, v_, out, m, l, dst_offsets, src_offsets, caus
                     v_rs, v_hs, do_rs, do_hs, Hkv * D * GB, Hkv * Dv * GB, H * D * GB, H // Hkv, H, sc,
                     np.float32(scale)))
     elif len(work):
-        launch(G.gen_dkdv(vkv), (len(work), Hkv), vkv.NT, vkv.smem_bytes(), mem, dt,
+        launch(G.gen_dkdv(vkv), (len(work), Hkv, vkv.col_parts), vkv.NT, vkv.smem_bytes(), mem, dt,
                (qb, kb, vb, db, lse, dlt, dkb, dvb, mem.put(work), q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, do_rs,
                 do_hs, Hkv * D * GB, Hkv * Dv * GB, H // Hkv, H, sc, np.float32(scale)) + margs)
     # rows no work tile covers (sources outside every block) are zero by definition

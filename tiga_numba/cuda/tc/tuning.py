@@ -16,12 +16,13 @@ HEAD_DIMS = (64, 128)
 #: head dims served on compute capability 9.0 by the wgmma kernels, every dtype (rows padded to
 #: whole 128-byte sub-tile rows, Variant.row_bytes); elsewhere 32 / 96 go to the CUDA-core kernels
 WGMMA_HEAD_DIMS = (32, 64, 96, 128)
-#: head dims whose 16-bit forward runs on the wgmma kernels while the backward (and float32, and
-#: score modifiers) stay on the CUDA cores: a dK/dV tile at D = 256 holds 64 keys x 256 columns of
-#: dK and of dV per warpgroup, 256 accumulator registers per thread (ptxas: 255 registers and
-#: ~2.7 KB spilled per thread at every block width), and a float32 split forward's bf16 x 3 tiles
-#: do not fit shared memory
-WGMMA_FORWARD_DIMS = (256,)
+#: head dims the 16-bit wgmma kernels serve for plain dot-product scores without pruning, forward and
+#: backward (float32, score modifiers and tile pruning stay on the CUDA cores there: those kernels
+#: have not run on a GPU at these dims). D = 256: the dK/dV kernel keeps half of the dK and dV
+#: columns per CTA (Variant.col_parts = 2; whole, they would take 256 accumulator registers per
+#: thread: ptxas 255 registers and ~2.7 KB spilled at every block width), a float32 split forward's
+#: bf16 x 3 tiles do not fit shared memory
+WGMMA_PLAIN_DIMS = (256,)
 #: head dims whose float32 calls come here off sm_90 (3xTF32): only where it measured faster than
 #: the CUDA-core float32 kernels (bench_tc.py fp32 section, H200, 2026-11-29); the rest stay on CUDA cores
 F32_HEAD_DIMS = (64, 128)
@@ -100,12 +101,17 @@ TUNING_WGMMA = {
     ("dq", 128): dict(NW=8, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 64): dict(NW=4, MT=1, BN=128, a_smem=True, wgmma=True),
     ("dkdv", 128): dict(NW=4, MT=1, BN=64, a_smem=True, wgmma=True),
-    # D = 256, forward only (WGMMA_FORWARD_DIMS): two warpgroups share each 64-key block (ptxas:
+    # D = 256 (WGMMA_PLAIN_DIMS): two warpgroups share each 64-key block (ptxas:
     # 244 registers, no spills, 197 KB of shared memory; one warpgroup: 254 registers, 165 KB;
     # benchmarks/gpu/head256_probe.py compares them on the H200); in ping-pong 242 registers and
     # 230 KB, 0.88-0.92x the CTA-barrier pipeline's time causal at N = 16384, 0.99-1.01x non-causal
     # (results/hopper-h200-2026-12-04b.txt §9)
     ("fwd", 256): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True, pingpong=True),
+    # D = 256 backward (ptxas, benchmarks/tuning/tc_registers.py --dims 256): dQ 223 registers, no
+    # spills, 197 KB of shared memory (NW = 4: 234 at BN = 32, 254 at BN = 64); dK/dV in two column
+    # parts 244 registers, no spills, 197 KB (NW = 4: 237 at BN = 32, 255 and 8 B spilled at BN = 64)
+    ("dq", 256): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
+    ("dkdv", 256): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True, col_parts=2),
 }
 
 
@@ -238,10 +244,11 @@ def with_modifier(vr, mod):
 
 def head_dims(dtype, wgmma, op=None):
     """the head dims (D == Dv) the tensor-core kernels of `dtype` serve, on wgmma or mma.sync, for
-    both passes; op="forward": the forward's, which on wgmma adds WGMMA_FORWARD_DIMS (16-bit)."""
+    every call of both passes; op="forward" / "backward": a plain call's (dot-product scores, no
+    pruning), which on wgmma adds WGMMA_PLAIN_DIMS (16-bit)."""
     if wgmma:
-        if op == "forward" and dtype != "float32":
-            return WGMMA_HEAD_DIMS + WGMMA_FORWARD_DIMS
+        if op in ("forward", "backward") and dtype != "float32":
+            return WGMMA_HEAD_DIMS + WGMMA_PLAIN_DIMS
         return WGMMA_HEAD_DIMS
     return F32_HEAD_DIMS if dtype == "float32" else HEAD_DIMS
 

@@ -348,11 +348,15 @@ def wg_dq(e, v, dsb, ktile):
 def gen_dkdv(v):
     """dV = sum_i P_ij dO_i, dK = scale * sum_i dS_ij Q_i for one key tile per CTA, all query heads
     of its kv group in order (GQA without atomics). Works on the transposed tile S^T = K Q^T so
-    the accumulators are rows of dK/dV; per-column (query) (m2, log2 l) and Delta come from global."""
+    the accumulators are rows of dK/dV; per-column (query) (m2, log2 l) and Delta come from global.
+    With v.col_parts = P > 1 the CTA at grid z = part keeps columns [part D / P, (part + 1) D / P)
+    of dK and of dV (the B operands of its P B products start that many sub-tiles into the streamed
+    Q / dO tiles) and computes S^T and dP^T over the whole head dim, as every part does."""
     v.check()
     e = Source()
     D, Dv, BN, MT = v.D, v.Dv, v.BN, v.MT
     rsk, rsv = v.GB * D, v.GB * Dv
+    DP, DVP = D // v.col_parts, Dv // v.col_parts   # the dK / dV columns this CTA keeps
     QT, OT = BN * v.row_bytes(D), BN * v.row_bytes(Dv)   # one part of a streamed Q / dO tile
     nt = BN // 8
     fq = v.fuse_dq
@@ -397,10 +401,16 @@ def gen_dkdv(v):
         for m in range(MT):
             for h in (0, 1):
                 e(f"kl{m}{h} = lo + wrow + {16 * m + 8 * h} + g")
-        zero_c(e, "dk", MT, D // 8)
-        zero_c(e, "dv", MT, Dv // 8)
+        zero_c(e, "dk", MT, DP // 8)
+        zero_c(e, "dv", MT, DVP // 8)
+        if v.col_parts > 1:   # this part's first column, as bytes into a streamed tile (whole sub-tiles)
+            e("part = i64(cuda.blockIdx.z)")
+            e(f"pq = u32(part * {(DP * v.EB // 128) * BN * 128}); po = u32(part * {(DVP * v.EB // 128) * BN * 128})")
         qbuf = lambda b: f"qbuf_{b}"  # noqa: E731
         obuf = lambda b: f"obuf_{b}"  # noqa: E731
+        # the B operands of dK += dS^T Q and dV += P^T dO: this part's columns of the streamed tiles
+        qcols = (lambda b: f"a32({qbuf(b)}, pq)") if v.col_parts > 1 else qbuf  # noqa: E731
+        ocols = (lambda b: f"a32({obuf(b)}, po)") if v.col_parts > 1 else obuf  # noqa: E731
         qo = StreamedPair(e, v, ("q", "o"), (D, Dv))
         block_at = lambda c, h: [(f"qp + (col0 + {c}) * q_rs + {h} * q_hs", "q_rs", f"cols - {c}"),  # noqa: E731
                                  (f"dop + (col0 + {c}) * do_rs + {h} * do_hs", "do_rs", f"cols - {c}")]
@@ -483,7 +493,7 @@ def gen_dkdv(v):
                             v.mod.cell(e, x, cell_col("cq", j, r), cell_row(m, r), "my", "md")
                             e(f"{x} = sel({x} != masked, ex2(my * sc - cl{j}{r % 2} - cg{j}{r % 2}), zero)")
                             e(f"{dp} = sel(({x} != zero) | (mb == 0), {x} * ({dp} - cd{j}{r % 2}) * md, zero)")
-                mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
+                mma_pb(e, v, "dv", "pa", "s", ocols("cur"), DVP // 8, BN, Dv)
             elif v.wg_async:
                 # P's A operands are packed k-step by k-step and each k-step's P turns into dS right
                 # after (dP dies as P is packed: no more registers live than before); then dV += P^T dO
@@ -492,19 +502,19 @@ def gen_dkdv(v):
                 wg_wait(e, 0, "dp", nt)
                 col_stats(e, range(nt), ("cd",), "dltp")
                 wg_pack(e, v, "pa", "s", BN // 16, lambda ks: to_ds(0, (2 * ks, 2 * ks + 1)))
-                mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv, wait=v.split, packed=True)
+                mma_pb(e, v, "dv", "pa", "s", ocols("cur"), DVP // 8, BN, Dv, wait=v.split, packed=True)
             else:
-                mma_pb(e, v, "dv", "pa", "s", obuf("cur"), Dv // 8, BN, Dv)
+                mma_pb(e, v, "dv", "pa", "s", ocols("cur"), DVP // 8, BN, Dv)
                 zero_c(e, "dp", MT, nt)
                 mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
                 col_stats(e, range(nt), ("cd",), "dltp")
                 for m in range(MT):
                     to_ds(m, range(nt))
-            mma_pb(e, v, "dk", "sa", "dp" if v.mod else "s", qbuf("cur"), D // 8, BN, D)
+            mma_pb(e, v, "dk", "sa", "dp" if v.mod else "s", qcols("cur"), DP // 8, BN, D)
             if v.wg_async and not v.split:   # dV: completed by the dK chain's wait, handed back here
-                wg_wait(e, 0, "dv", Dv // 8)
+                wg_wait(e, 0, "dv", DVP // 8)
             if not fq:   # key row (m, h) sees the queries kl .. kl + bw below cols, from cq on
-                poison_rows(e, v, [("dk", D // 8), ("dv", Dv // 8)],
+                poison_rows(e, v, [("dk", DP // 8), ("dv", DVP // 8)],
                             lambda m, h: (f"kl{m}{h} - cq", f"imin(cols, kl{m}{h} + bw + 1) - cq"))
             if fq and v.wgmma:
                 wg_store_ds(e, v, "dsb")
@@ -549,9 +559,11 @@ def gen_dkdv(v):
                 flush_dq(e, v)
                 e("cuda.syncthreads()")
                 e("stg_release_if(u32(tx == 0), turn, rank + 1)")
-        store_c_rows(e, v, "dk", D // 8, f"dkp + row0 * dk_rs + hk * {rsk}", "dk_rs", "wrow", "rows",
+        pk = f" + part * {DP * v.GB}" if v.col_parts > 1 else ""
+        pv = f" + part * {DVP * v.GB}" if v.col_parts > 1 else ""
+        store_c_rows(e, v, "dk", DP // 8, f"dkp + row0 * dk_rs + hk * {rsk}{pk}", "dk_rs", "wrow", "rows",
                      lambda m, h: "scale")
-        store_c_rows(e, v, "dv", Dv // 8, f"dvp + row0 * dv_rs + hk * {rsv}", "dv_rs", "wrow", "rows",
+        store_c_rows(e, v, "dv", DVP // 8, f"dvp + row0 * dv_rs + hk * {rsv}{pv}", "dv_rs", "wrow", "rows",
                      lambda m, h: "one")
     return e.text().replace("    zero = f32(0.0); masked", "    one = f32(1.0); zero = f32(0.0); masked", 1)
 

@@ -79,6 +79,9 @@ class Variant:
     #                         (forward.py); where the loop is not pipelined or NW != 8 (pruning, the
     #                         narrow-band shape) it has no effect, as overlap has none there (pingpong_loop)
     ring_v_slots: int = 0   # pingpong: V slots of the ring (2 or 3); 0: three where they fit in shared memory
+    col_parts: int = 1    # dkdv, 16-bit wgmma: a CTA keeps 1 / col_parts of the dK and dV columns (grid z
+    #                       picks which) and recomputes S^T and dP^T for its part: at D = 256, dK and dV
+    #                       of 64 keys x 256 columns would take 256 accumulator registers per thread
 
     @property
     def wg_async(self):
@@ -188,6 +191,12 @@ class Variant:
                              "backward without overlap (overlap=False): its f'(z) is taken with P")
         if self.dq_atomic and not self.fuse_dq:
             raise ValueError("dq_atomic needs fuse_dq")
+        if self.col_parts != 1:
+            sub = 128 // self.EB   # columns of one 128-byte sub-tile: a part starts on one
+            if (self.kind != "dkdv" or not self.wgmma or self.split or self.fuse_dq or self.col_parts < 1
+                    or any(d % (self.col_parts * sub) for d in (self.D, self.Dv))):
+                raise ValueError(f"col_parts = {self.col_parts}: a 16-bit wgmma dK/dV kernel (no fused dQ) whose "
+                                 f"head dims split into parts of whole {sub}-column sub-tiles")
         if self.fuse_dq:
             if self.kind != "dkdv":
                 raise ValueError("fuse_dq is a dK/dV kernel option")
@@ -208,7 +217,7 @@ class Variant:
             from ..ptx import WGMMA_N
             # products: S-like (N = BN, or the keys of dK/dV's S^T) and P B-like (N = D or Dv; split:
             # per pb_cols-column group)
-            for n in [self.BN] + [n for w in (self.D, self.Dv) for n in pb_groups(self, w)]:
+            for n in [self.BN] + [n for w in (self.D, self.Dv) for n in pb_groups(self, w // self.col_parts)]:
                 if n not in WGMMA_N:
                     raise ValueError(f"wgmma: no m64n{n}k16 product (ptx.WGMMA_N {WGMMA_N})")
             for w in (self.D, self.Dv):   # whole copy passes: stage_tile's (split) or load_tile's
@@ -340,7 +349,7 @@ class Variant:
                 + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
                 + ("_wg" if self.wgmma else "") + ("_so" if self.wgmma and not self.overlap else "")
-                + ("_pr" if self.prune else "") + (("_pp" if self.v_slots == 3 else f"_pp{self.v_slots}") if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
+                + (f"_cp{self.col_parts}" if self.col_parts != 1 else "") + ("_pr" if self.prune else "") + (("_pp" if self.v_slots == 3 else f"_pp{self.v_slots}") if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
 
 
 def pb_groups(v, width):
