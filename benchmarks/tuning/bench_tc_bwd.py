@@ -48,10 +48,16 @@ WG_CANDIDATES = {
     128: [dict(NW=8, BN=64), dict(NW=4, BN=64)],
 }
 WG = dict(MT=1, a_smem=True, wgmma=True)
-#: two-kernel wgmma shapes tried beside the shipped pair with --no-fused, D -> [(dQ fields, dK/dV fields)]:
-#: at D = 256 the dK/dV kernel keeps its columns in parts (Variant.col_parts); ptxas fits every one
-#: of these without spills but the NW = 4, BN = 64 dK/dV kernel (8 B)
+#: two-kernel wgmma shapes tried beside the shipped pair with --no-fused, D -> [(dQ fields, dK/dV fields)]
+#: (Variant fields; overlap defaults to True). D = 256: the dK/dV kernel keeps its columns in parts
+#: (Variant.col_parts); ptxas fits every one of these without spills but the NW = 4, BN = 64 dK/dV
+#: kernel at D = 256 and the NW = 8, BN = 64 one at D = 128 (8 B each)
 WG_PAIRS = {
+    64: [(dict(NW=4, BN=128, overlap=False), dict(NW=8, BN=64)),
+         (dict(NW=8, BN=128, overlap=False), dict(NW=4, BN=128))],
+    128: [(dict(NW=8, BN=128, overlap=False), dict(NW=8, BN=32)),
+          (dict(NW=8, BN=128, overlap=False), dict(NW=8, BN=64)),
+          (dict(NW=4, BN=64, overlap=False), dict(NW=4, BN=64))],
     256: [(dict(NW=nwq, BN=bnq), dict(NW=nwk, BN=bnk, col_parts=2))
           for nwq, bnq in ((8, 32), (4, 32), (4, 64)) for nwk, bnk in ((8, 32), (4, 32), (4, 64))],
 }

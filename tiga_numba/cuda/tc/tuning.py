@@ -107,9 +107,11 @@ TUNING_WGMMA = {
     # 230 KB, 0.88-0.92x the CTA-barrier pipeline's time causal at N = 16384, 0.99-1.01x non-causal
     # (results/hopper-h200-2026-12-04b.txt §9)
     ("fwd", 256): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True, pingpong=True),
-    # D = 256 backward (ptxas, benchmarks/tuning/tc_registers.py --dims 256): dQ 223 registers, no
-    # spills, 197 KB of shared memory (NW = 4: 234 at BN = 32, 254 at BN = 64); dK/dV in two column
-    # parts 244 registers, no spills, 197 KB (NW = 4: 237 at BN = 32, 255 and 8 B spilled at BN = 64)
+    # D = 256 backward (ptxas: dQ 223 registers, no spills, 197 KB of shared memory; dK/dV in two column
+    # parts 244 registers, no spills, 197 KB): the fastest of bench_tc_bwd.py's WG_PAIRS on the H100
+    # (results/hopper-h100-2026-12-06.txt §1; the dQ kernel with NW = 4 took 0.99-1.03x the time at BN = 64,
+    # 1.05-1.10x at BN = 32; the one-warpgroup dK/dV kernels 1.09-1.48x: one CTA per SM either way, and two
+    # warpgroups share each streamed block)
     ("dq", 256): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True),
     ("dkdv", 256): dict(NW=8, MT=1, BN=32, a_smem=True, wgmma=True, col_parts=2),
 }
@@ -154,10 +156,12 @@ _padded_dims(TUNING_WGMMA_F32)   # not swept separately
 #: (wgmma-fused-bwd-h200-2026-11-30.txt §2-3), and beside the overlapped dK/dV kernel the serial dQ
 #: kernel beat its overlapped twin in all 8 cells (D = 64 by 0.1-2.6 %, D = 128 by 3-8 %; beside the
 #: serial dK/dV kernel at D = 64: 2 of 4, within 1 %). So the 16-bit D = 64 / 128 dQ kernels keep every
-#: chain serial and every 16-bit dK/dV kernel overlaps. float32 (not re-measured): the D = 128
+#: chain serial and every 16-bit dK/dV kernel overlaps. D = 256 (H100, results/hopper-h100-2026-12-06.txt
+#: §1): the serial dQ kernel 0.4-2.4 % faster in all 4 cells beside the overlapped dK/dV kernel in column
+#: parts, whose serial twin took 1.19-1.50x as long. float32 (not re-measured): the D = 128
 #: dK/dV kernels stay serial (slower overlapped before, up to 16 %), the rest overlap (2-6 % faster).
 TUNING_WGMMA_F32[("dkdv", 128)]["overlap"] = False
-for _d in (64, 128):
+for _d in (64, 128, 256):
     TUNING_WGMMA[("dq", _d)]["overlap"] = False
 
 
