@@ -769,6 +769,41 @@ def test_dkdv_column_parts_change_no_arithmetic(monkeypatch):
             dataclasses.replace(whole, **bad_fields).check()
 
 
+@pytest.mark.parametrize("relname", ["segments", "causal_tail", "empty_keys"])
+def test_dkdv_statistics_through_shared_memory_change_no_arithmetic(monkeypatch, relname):
+    """the dK/dV kernel's per-query statistics copied to shared memory with each query block
+    (Variant.stats_smem: 8- and 4-byte cp.async, copies.py) give the bits of the loads from global
+    memory, with GQA, tails (zero-filled queries past the block) and the block loop across heads;
+    reading a wrong slot or row of the copy is caught."""
+    import dataclasses
+    dst, src, causal = (np.array(x) for x in RELATIONS[relname])
+    rng = np.random.default_rng()
+    q, k, v, do = _inputs(rng, dst[-1], src[-1], 4, 2, 64, "float16")
+    ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, 0.125)
+    args = (do, q, k, v, rounded(ro.astype(np.float32), "float16"), rm.astype(np.float32), rl.astype(np.float32),
+            dst, src, causal.astype(np.uint8), 0.125)
+    for shape in (dict(NW=4, BN=64), dict(NW=8, BN=32), dict(NW=4, BN=128)):
+        shipped = G.Variant("dkdv", 64, 64, **shape, **WG).check()
+        assert shipped.stats_in_smem and "cp_async8_if" in G.gen_dkdv(shipped)
+        loads = dataclasses.replace(shipped, stats_smem=False)
+        assert not loads.stats_in_smem and "cp_async8_if" not in G.gen_dkdv(loads)
+        got, want = E.backward(None, shipped, *args)[1:], E.backward(None, loads, *args)[1:]
+        for g, w, r in zip(got, want, (rdk, rdv)):
+            np.testing.assert_array_equal(g, w)
+            assert rel(g, r) < 3 * TOL["float16"]
+    if relname != "segments":
+        return
+    gen = G.gen_dkdv
+    for old, bad in (("ssc = a32(sst, u32(cur * ", "ssc = a32(sst, u32((1 - cur) * "), ("u32(sr * 8)", "u32(sr * 8 + 16)")):
+        monkeypatch.setattr(E.G, "gen_dkdv", lambda vr, old=old, bad=bad: gen(vr).replace(old, bad))
+        try:   # a wrong result, or NaN bytes of the copy reaching a product (the emulator's check)
+            got = E.backward(None, G.Variant("dkdv", 64, 64, NW=4, BN=64, **WG).check(), *args)[1:]
+        except AssertionError as exc:
+            assert "not fully defined" in str(exc)
+            continue
+        assert not all(np.isfinite(g).all() and rel(g, r) < 3 * TOL["float16"] for g, r in zip(got, (rdk, rdv))), old
+
+
 #: fused wgmma backward shapes: (D, H, Hkv, dtype, NW, BN); one / two warpgroups, one / two dQ row
 #: units per warpgroup, two column units (NW = 8, BN = 64), D = 32 / 64 / 96 / 128
 WG_FUSED = [(64, 2, 1, "float16", 4, 64), (64, 2, 1, "float16", 8, 64), (64, 1, 1, "bfloat16", 4, 128),

@@ -9,7 +9,8 @@ efficient for float32) as the anchor.
          [--spills sm_90]   # ptxas registers / spill bytes of the backward kernels (no GPU)
          [--wgmma --dims 32,64,128]   # the sm_90a kernels: shipped two-kernel wgmma backward vs the
                                       # fused wgmma candidates (WG_CANDIDATES, ordered and atomic)
-         [--wgmma --no-fused]         # ... vs its overlap twins and the two-kernel shapes of WG_PAIRS
+         [--wgmma --no-fused]         # ... vs its overlap twins, the dK/dV kernel reading its statistics
+                                      # from global memory (Variant.stats_smem off) and WG_PAIRS' shapes
 
 Checks in every cell: each fused candidate's dq, dk, dv vs the two-kernel backward (relative L2)
 and the first fused candidate run twice is bit-identical (the ordered accumulation's promise).
@@ -72,6 +73,8 @@ def wg_variants(dtype, D, fused=True):
     cands = [tuple(flip)] + ([] if fused else [(flip[0], unf[1]), (unf[0], flip[1])])   # both, or one kernel flipped
     pairs = [(G.Variant("dq", D, D, dtype=dtype, **WG, **fq).check(), G.Variant("dkdv", D, D, dtype=dtype, **WG, **fk).check())
              for fq, fk in WG_PAIRS.get(D, []) if not fused]
+    if not fused and unf[1].stats_in_smem:   # the dK/dV kernel loading its statistics from global memory
+        pairs.insert(0, (unf[0], dataclasses.replace(unf[1], stats_smem=False)))
     cands += [p for p in pairs if p != unf]
     cands += [(None, G.Variant("dkdv", D, D, dtype=dtype, fuse_dq=True, dq_atomic=at, **WG, **c).check())
               for at in (False, True) for c in (WG_CANDIDATES[D] if fused and dtype != "float32" else [])]
@@ -122,7 +125,8 @@ def label(c):
     if vq is None:
         return vk.name().split("_", 4)[-1]
     mode = lambda v: "overlap" if v.wg_async else "serial"  # noqa: E731
-    shape = lambda v: f"-nw{v.NW}bn{v.BN}" + (f"cp{v.col_parts}" if v.col_parts > 1 else "")  # noqa: E731
+    shape = lambda v: (f"-nw{v.NW}bn{v.BN}" + (f"cp{v.col_parts}" if v.col_parts > 1 else "")  # noqa: E731
+                       + ("-global-stats" if v.kind == "dkdv" and v.wg_async and not v.stats_in_smem else ""))
     return f"2-kernel dq-{mode(vq)}{shape(vq)}/dkdv-{mode(vk)}{shape(vk)}"
 
 

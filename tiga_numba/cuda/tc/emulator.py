@@ -27,7 +27,7 @@ import types as _types
 
 import numpy as np
 
-from . import barriers, generator as G
+from . import barriers, copies, generator as G
 from .ptx import chain_operands
 
 
@@ -321,17 +321,31 @@ class Warps:
 
     # -- memory
     def cp_async16(self, saddr, gaddr, nbytes):
-        saddr = self._smem16(saddr)
-        gaddr = self._vec(gaddr, np.int64)
-        nbytes = self._vec(nbytes, np.int64)
-        assert np.all((nbytes == 0) | (nbytes == 16))
-        assert np.all(gaddr % 16 == 0), "16-byte alignment of global source"
+        self._cp_async(16, 1, saddr, gaddr, nbytes)
+
+    def cp_async8_if(self, pred, saddr, gaddr, nbytes):   # copies.py
+        self._cp_async(8, pred, saddr, gaddr, nbytes)
+
+    def cp_async4_if(self, pred, saddr, gaddr, nbytes):   # copies.py
+        self._cp_async(4, pred, saddr, gaddr, nbytes)
+
+    def _cp_async(self, size, pred, saddr, gaddr, nbytes):
+        """cp.async of `size` bytes in the threads where pred != 0: nbytes (size or 0) read from
+        global, the rest zero-filled; lands at the thread's wait covering its commit group."""
+        on = self._vec(pred, np.int64) != 0
+        saddr = self._vec(saddr, np.int64)[on]
+        gaddr = self._vec(gaddr, np.int64)[on]
+        nbytes = self._vec(nbytes, np.int64)[on]
+        assert np.all((nbytes == 0) | (nbytes == size))
+        assert np.all(saddr % size == 0), f"{size}-byte alignment of shared destination"
+        assert np.all((saddr >= 0) & (saddr + size <= len(self.SM))), "shared access out of bounds"
+        assert np.all(gaddr % size == 0), f"{size}-byte alignment of global source"
         rd = nbytes > 0
         if rd.any():
-            self.mem.check(gaddr[rd], 16)
-        data = self.mem.buf[gaddr[:, None] + np.arange(16)]
+            self.mem.check(gaddr[rd], size)
+        data = self.mem.buf[np.where(rd, gaddr, 0)[:, None] + np.arange(size)]
         data[~rd] = 0
-        dst = saddr[:, None] + np.arange(16)
+        dst = saddr[:, None] + np.arange(size)
         self.SM[dst] = 0xFF   # in flight: all-ones bytes are NaN in every element format
         self.cp_open.append((dst, data))
 
@@ -605,8 +619,9 @@ def _modifier_args(mem, mod, scale, H):
     return np.float32(1.0), (np.float32(scale), H) + ptrs
 
 
-#: the prelude line of a text using barriers.py imports the GPU intrinsics; here the Warps' own stand in
-_BARRIER_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.barriers import .*$", re.M)
+#: the prelude line of a text using barriers.py or copies.py imports the GPU intrinsics; here the
+#: Warps' own stand in
+_BARRIER_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.(barriers|copies) import .*$", re.M)
 
 
 def compile_source(src, name="<tc-emu>"):
@@ -638,7 +653,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                    math=_MATH)
         for nm in ("mma16816", "mma1688", "tf32x2", "lds64", "ldsm_x4", "ldsm_x4_t", "cp_async16",
                    "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",
-                   "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if") + barriers.NAMES:
+                   "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if") + barriers.NAMES + copies.NAMES:
             env[nm] = getattr(w, nm)
         env["fence_async"] = lambda: None
         env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: \

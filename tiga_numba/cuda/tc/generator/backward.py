@@ -104,6 +104,32 @@ def col_stats(e, tiles, names, ptr):
                 e(f"{name}{j}{c} = ldg_f32_if(ok, ca{f' + {4 * i}' if i else ''})")
 
 
+def copy_stats(e, v, slot, c1, h):
+    """copy the statistics of the query block starting at block-local query c1, head h, into the
+    shared slot `slot` (Variant.stats_in_smem): BN (m2, log2 l) pairs (8-byte copies) then BN Delta
+    values (4-byte copies), one copy per thread and pass; queries from cols on are zero-filled.
+    Issued before the commit of the block's tiles, so one wait covers both."""
+    BN, NT = v.BN, v.NT
+    for i in range(-(-2 * BN // NT)):
+        e(f"sx = tx + {i * NT}; sl = u32(sx < {BN}); sd = u32((sx >= {BN}) & (sx < {2 * BN})); "
+          f"sr = sel(sl != 0, sx, sx - {BN})")
+        e(f"ci = {c1} + sr; ok = u32(ci < cols); cr = (col0 + sel(ok != 0, ci, 0)) * H + {h}")
+        e(f"cp_async8_if(sl, a32({slot}, u32(sr * 8)), lsep + cr * 8, ok * 8)")
+        e(f"cp_async4_if(sd, a32({slot}, u32({8 * BN} + sr * 4)), dltp + cr * 4, ok * 4)")
+
+
+def smem_stats(e, v, tiles, names, slot):
+    """col_stats' values from the block's shared slot (copy_stats): this lane's columns 2t, 2t + 1
+    of n-tile j are slot rows 8 j + 2 t, + 1, whose (m2, log2 l) pairs are 16 contiguous bytes and
+    whose Delta values are 8."""
+    for j in tiles:
+        if names == ("cl", "cg"):
+            e(f"cl{j}0, cg{j}0, cl{j}1, cg{j}1 = lds_f32x4(a32({slot}, u32({64 * j} + t * 16)))")
+        else:
+            e(f"w0, w1 = lds64(a32({slot}, u32({8 * v.BN + 32 * j} + t * 8))); "
+              f"{names[0]}{j}0 = bits_f32(w0); {names[0]}{j}1 = bits_f32(w1)")
+
+
 # ============================================================================= fused dQ (dkdv, fuse_dq)
 # The dK/dV kernel already holds dS^T = (P (dP - Delta))^T for its key tile and one query block, so
 # dQ_block += dS K costs one more product instead of the dQ kernel's three (S, dP, dQ): 5 products
@@ -414,12 +440,17 @@ def gen_dkdv(v):
         qo = StreamedPair(e, v, ("q", "o"), (D, Dv))
         block_at = lambda c, h: [(f"qp + (col0 + {c}) * q_rs + {h} * q_hs", "q_rs", f"cols - {c}"),  # noqa: E731
                                  (f"dop + (col0 + {c}) * do_rs + {h} * do_hs", "do_rs", f"cols - {c}")]
+        if v.stats_in_smem:   # two slots of block statistics after the streamed tiles
+            e.uses_copies()
+            e(f"sst = a32(ss, u32({v.stream_bytes()}))")
         e("nit = (nqb - qb0) * group")   # flattened (head, query block) loop: one pipeline across heads
         e("if nit > 0:")
         with e.indent():
             e("hq = hk * group")
             e(f"c1 = qb0 * {BN}")
             qo.load("0", block_at("c1", "hq"))
+            if v.stats_in_smem:
+                copy_stats(e, v, "sst", "c1", "hq")
             e("cp_commit()")
         e("for it in range(nit):")
         with e.indent():
@@ -427,9 +458,19 @@ def gen_dkdv(v):
 
             def upcoming():
                 e(f"hn = hk * group + {udiv('(it + 1)', 'nqc')}; c1 = (qb0 + {umod('(it + 1)', 'nqc')}) * {BN}")
+                if v.stats_in_smem:   # into the other slot, in the tiles' commit group
+                    copy_stats(e, v, f"a32(sst, u32((1 - cur) * {v.stats_slot_bytes()}))", "c1", "hn")
                 return block_at("c1", "hn")
             qo.advance("it", "nit", upcoming)
             e(f"cq = qb * {BN}")
+            if v.stats_in_smem:
+                e(f"ssc = a32(sst, u32(cur * {v.stats_slot_bytes()}))")
+
+            def stats(tiles, names):   # this lane's columns' statistics, where they are used
+                if v.stats_in_smem:
+                    smem_stats(e, v, tiles, names, "ssc")
+                else:
+                    col_stats(e, tiles, names, "lsep" if names[0] == "cl" else "dltp")
             if v.mod:
                 v.mod.params(e, "hq")
             if not fq:   # masked cells never multiply Q / dO rows (guard.py); the fused kernel: not yet
@@ -458,7 +499,7 @@ def gen_dkdv(v):
             # columns read nothing): (m2, log2 l) for P, then Delta for dS
             # (overlapped with dP: tile by tile, so that few are live next to the in-flight dP)
             for tiles in ([] if v.mod else [[j] for j in range(nt)] if v.wg_async else [range(nt)]):
-                col_stats(e, tiles, ("cl", "cg"), "lsep")
+                stats(tiles, ("cl", "cg"))
                 for m in range(MT):
                     for j in tiles:
                         for r in range(4):
@@ -500,7 +541,7 @@ def gen_dkdv(v):
                 # (16-bit: issued, it runs while dS is packed for dK; split: its per-block partials
                 # need the result at once) and dK += dS^T Q
                 wg_wait(e, 0, "dp", nt)
-                col_stats(e, range(nt), ("cd",), "dltp")
+                stats(range(nt), ("cd",))
                 wg_pack(e, v, "pa", "s", BN // 16, lambda ks: to_ds(0, (2 * ks, 2 * ks + 1)))
                 mma_pb(e, v, "dv", "pa", "s", ocols("cur"), DVP // 8, BN, Dv, wait=v.split, packed=True)
             else:

@@ -31,6 +31,13 @@ class Source:
         if line not in self.prelude:
             self.prelude.insert(0, line)
 
+    def uses_copies(self):
+        """the text calls the small cp.async copies of copies.py (prelude as uses_barriers)."""
+        from ..copies import prelude_line
+        line = prelude_line()
+        if line not in self.prelude:
+            self.prelude.insert(0, line)
+
     def _made(self, ctor):
         """the name bound to the intrinsic `ctor` (a ptx call) in the prelude, made once per text."""
         if ctor not in self.made:
