@@ -493,3 +493,38 @@ def test_forward_key_loops_match_bitwise(field, D, dt, name, monkeypatch):
     ro, rm, *_ = oracle(f(q), f(k), f(v), f(q), d, s, c, D ** -0.5)
     o = f(outs[0][0])
     assert np.isfinite(o).all() and rel(o, ro) < TOL[dt]
+
+
+@pytest.mark.parametrize("D,dt", [(64, "float16"), (128, "float16"), (128, "bfloat16"), (256, "float16")])
+@pytest.mark.parametrize("name", ["causal", "segments", "dense_rect", "empty_src_block"])
+def test_dkdv_statistics_copy_matches_global_loads_bitwise(D, dt, name, monkeypatch):
+    """sm_90a: the wgmma dK/dV kernel that copies each query block's statistics to shared memory
+    (Variant.stats_smem, copies.py's cp.async) gives the bits of its twin that loads them from global
+    memory, and both meet the float64 oracle. Outputs poisoned, GQA, tails, empty rows, shipped shapes."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("a wgmma (sm_90a) kernel")
+    npdt = np.float16 if dt == "float16" else bf16()
+    if npdt is None:
+        pytest.skip("cupy cannot hold bfloat16 arrays here")
+    from tiga_numba.cuda.tc import tuning
+    _poison(monkeypatch)
+    rel_, (d, s, c) = relation(name)
+    nd, ns = int(d[-1]), int(s[-1])
+    rng = np.random.default_rng()
+    q, do = (rng.standard_normal((nd, 4, D)).astype(npdt) for _ in range(2))
+    k, v = (rng.standard_normal((ns, 2, D)).astype(npdt) for _ in range(2))
+    qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
+    p = plan(D ** -0.5)
+    out, m, l, m_kern = tc.forward(p, qg, kg, vg, rel_)
+    grads = []
+    shape = dict(tuning.TUNING_WGMMA[("dkdv", D)])
+    for on in (True, False):
+        monkeypatch.setitem(tuning.TUNING_WGMMA, ("dkdv", D), dict(shape, stats_smem=on))
+        assert tuning.variant("dkdv", D, D, dt, wgmma=True).stats_in_smem == on
+        grads.append([x.get() for x in tc.backward(p, dog, qg, kg, vg, out, m, l, rel_, None, m_kernel=m_kern)[:3]])
+    for a, b in zip(*grads):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    f = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
+    *_, rdq, rdk, rdv = oracle(f(q), f(k), f(v), f(do), d, s, c, D ** -0.5)
+    for got, want in zip(grads[0], (rdq, rdk, rdv)):
+        assert np.isfinite(f(got)).all() and rel(f(got), want) < 3 * TOL[dt]

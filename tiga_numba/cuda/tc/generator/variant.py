@@ -82,7 +82,9 @@ class Variant:
     stats_smem: bool = True  # 16-bit two-kernel wgmma dK/dV (overlap, no modifier): each query block's
     #                          per-query statistics ((m2, log2 l), Delta) are copied to shared memory with
     #                          its Q / dO tiles (copies.py, the same commit group) and read there, instead
-    #                          of loaded from global memory once S^T is done (see stats_in_smem)
+    #                          of loaded from global memory once S^T is done (see stats_in_smem); the
+    #                          backward took 0.74-0.93x the time of the loads from global memory on the
+    #                          H100 (results/hopper-h100-2026-12-06b.txt §1)
     col_parts: int = 1    # dkdv, 16-bit wgmma: a CTA keeps 1 / col_parts of the dK and dV columns (grid z
     #                       picks which) and recomputes S^T and dP^T for its part: at D = 256, dK and dV
     #                       of 64 keys x 256 columns would take 256 accumulator registers per thread
