@@ -3,6 +3,7 @@
     python benchmarks/bench_score_mods_gpu.py                 # N = 16384, H = 16, D = 128, fp16
     python benchmarks/bench_score_mods_gpu.py --n 4096 --no-flex
     python benchmarks/bench_score_mods_gpu.py --prebuild      # only fill the cubin cache (no GPU)
+    python benchmarks/bench_score_mods_gpu.py --global-stats  # dK/dV statistics loaded from global memory
 
 Rows (all causal): plain; tanh soft-cap 30 (softcap=); ALiBi (alibi_slopes=); sliding window of
 1024 keys (Graph.band). Each: forward and forward+backward ms (CUDA events, median of --reps after
@@ -57,7 +58,13 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--prebuild", action="store_true")
+    ap.add_argument("--global-stats", action="store_true",
+                    help="the dK/dV kernels load their per-query statistics from global memory (Variant.stats_smem "
+                         "off): the A/B twin of the shared-memory copy")
     a = ap.parse_args()
+    if a.global_stats:
+        from tiga_numba.cuda.tc import tuning
+        tuning.TUNING_WGMMA[("dkdv", a.dim)] = dict(tuning.TUNING_WGMMA[("dkdv", a.dim)], stats_smem=False)
     if a.prebuild:
         return prebuild(a.dim, "float16")
     import cupy
