@@ -782,7 +782,7 @@ def test_dkdv_statistics_through_shared_memory_change_no_arithmetic(monkeypatch,
     ro, rm, rl, rdq, rdk, rdv = oracle(q, k, v, do, dst, src, causal, 0.125)
     args = (do, q, k, v, rounded(ro.astype(np.float32), "float16"), rm.astype(np.float32), rl.astype(np.float32),
             dst, src, causal.astype(np.uint8), 0.125)
-    for shape in (dict(NW=4, BN=64), dict(NW=8, BN=32), dict(NW=4, BN=128)):
+    for shape in (dict(NW=4, BN=64), dict(NW=8, BN=32), dict(NW=4, BN=128), dict(NW=4, BN=64, overlap=False)):
         shipped = G.Variant("dkdv", 64, 64, **shape, **WG).check()
         assert shipped.stats_in_smem and "cp_async8_if" in G.gen_dkdv(shipped)
         loads = dataclasses.replace(shipped, stats_smem=False)

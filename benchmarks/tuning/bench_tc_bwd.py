@@ -126,7 +126,7 @@ def label(c):
         return vk.name().split("_", 4)[-1]
     mode = lambda v: "overlap" if v.wg_async else "serial"  # noqa: E731
     shape = lambda v: (f"-nw{v.NW}bn{v.BN}" + (f"cp{v.col_parts}" if v.col_parts > 1 else "")  # noqa: E731
-                       + ("-global-stats" if v.kind == "dkdv" and v.wg_async and not v.stats_in_smem else ""))
+                       + ("-global-stats" if v.stats_streamable() and not v.stats_smem else ""))
     return f"2-kernel dq-{mode(vq)}{shape(vq)}/dkdv-{mode(vk)}{shape(vk)}"
 
 

@@ -524,8 +524,8 @@ def gen_dkdv(v):
                 # the dP registers: P and dS both stay (dV reads P, dK reads dS), f'(z) never does
                 zero_c(e, "dp", MT, nt)
                 mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
-                col_stats(e, range(nt), ("cl", "cg"), "lsep")
-                col_stats(e, range(nt), ("cd",), "dltp")
+                stats(range(nt), ("cl", "cg"))
+                stats(range(nt), ("cd",))
                 for m in range(MT):
                     for j in range(nt):
                         for r in range(4):
@@ -548,7 +548,7 @@ def gen_dkdv(v):
                 mma_pb(e, v, "dv", "pa", "s", ocols("cur"), DVP // 8, BN, Dv)
                 zero_c(e, "dp", MT, nt)
                 mma_abt(e, v, "dp", "va", obuf("cur"), nt, Dv, where["va"])
-                col_stats(e, range(nt), ("cd",), "dltp")
+                stats(range(nt), ("cd",))
                 for m in range(MT):
                     to_ds(m, range(nt))
             mma_pb(e, v, "dk", "sa", "dp" if v.mod else "s", qcols("cur"), DP // 8, BN, D)

@@ -79,12 +79,12 @@ class Variant:
     #                         (forward.py); where the loop is not pipelined or NW != 8 (pruning, the
     #                         narrow-band shape) it has no effect, as overlap has none there (pingpong_loop)
     ring_v_slots: int = 0   # pingpong: V slots of the ring (2 or 3); 0: three where they fit in shared memory
-    stats_smem: bool = True  # 16-bit two-kernel wgmma dK/dV (overlap, no modifier): each query block's
+    stats_smem: bool = True  # 16-bit two-kernel wgmma dK/dV (with or without a modifier): each query block's
     #                          per-query statistics ((m2, log2 l), Delta) are copied to shared memory with
     #                          its Q / dO tiles (copies.py, the same commit group) and read there, instead
     #                          of loaded from global memory once S^T is done (see stats_in_smem); the
     #                          backward took 0.74-0.93x the time of the loads from global memory on the
-    #                          H100 (results/hopper-h100-2026-12-06b.txt §1)
+    #                          H100 (results/hopper-h100-2026-12-06b.txt §1; modified kernels: -06c.txt)
     col_parts: int = 1    # dkdv, 16-bit wgmma: a CTA keeps 1 / col_parts of the dK and dV columns (grid z
     #                       picks which) and recomputes S^T and dP^T for its part: at D = 256, dK and dV
     #                       of 64 keys x 256 columns would take 256 accumulator registers per thread
@@ -108,15 +108,15 @@ class Variant:
         """the forward's key loop runs the ping-pong schedule (pingpong, where it applies)."""
         return self.pingpong and self.fwd_pipelined and self.NW == 8
 
-    def _stats_eligible(self):
-        return self.kind == "dkdv" and self.wg_async and not (self.mod or self.split or self.fuse_dq)
+    def stats_streamable(self):
+        return self.kind == "dkdv" and self.wgmma and not (self.split or self.fuse_dq)
 
     @property
     def stats_in_smem(self):
         """the dK/dV kernel streams its blocks' statistics through shared memory (stats_smem where
         it applies): a load from global after S^T costs an L2 round trip per block on the critical
         path; the copy lands a block early, with the tiles."""
-        return self.stats_smem and self._stats_eligible()
+        return self.stats_smem and self.stats_streamable()
 
     def stats_slot_bytes(self):
         """one block's statistics in shared memory: BN (m2, log2 l) pairs, then BN Delta values."""
@@ -371,7 +371,7 @@ class Variant:
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
                 + ("_wg" if self.wgmma else "") + ("_so" if self.wgmma and not self.overlap else "")
                 + (f"_cp{self.col_parts}" if self.col_parts != 1 else "")
-                + ("_gs" if self._stats_eligible() and not self.stats_smem else "") + ("_pr" if self.prune else "") + (("_pp" if self.v_slots == 3 else f"_pp{self.v_slots}") if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
+                + ("_gs" if self.stats_streamable() and not self.stats_smem else "") + ("_pr" if self.prune else "") + (("_pp" if self.v_slots == 3 else f"_pp{self.v_slots}") if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
 
 
 def pb_groups(v, width):
