@@ -449,6 +449,23 @@ def test_pruned_call_defers_its_counter_read():
 
 #: (the Variant field flipped, D, dtype): overlap = the pipelined loop (as shipped: in ping-pong where
 #: it applies) against the serial one; pingpong = the ping-pong loop against the CTA-barrier pipeline
+def _wgmma_case(D, dt, name, monkeypatch):
+    """a wgmma (sm_90a) case of relation `name`: skips elsewhere or without bfloat16 arrays; poisons
+    the outputs; fresh random q, k, v, dout (4 query heads, 2 kv heads) on the host and the device,
+    the relation and its host offsets."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("a wgmma (sm_90a) kernel")
+    npdt = np.float16 if dt == "float16" else bf16()
+    if npdt is None:
+        pytest.skip("cupy cannot hold bfloat16 arrays here")
+    _poison(monkeypatch)
+    rel_, (d, s, c) = relation(name)
+    nd, ns = int(d[-1]), int(s[-1])
+    rng = np.random.default_rng()
+    host = [rng.standard_normal(sh).astype(npdt) for sh in ((nd, 4, D), (ns, 2, D), (ns, 2, D), (nd, 4, D))]
+    return host, [cupy.asarray(x) for x in host], rel_, (d, s, c)
+
+
 FORWARD_TWINS = ([("overlap", D, dt) for D, dt in ((64, "float16"), (128, "float16"), (128, "bfloat16"), (256, "float16"))]
                  + [("pingpong", D, dt) for D, dt in ((128, "float16"), (128, "bfloat16"), (96, "float16"), (256, "float16"))])
 
@@ -462,18 +479,8 @@ def test_forward_key_loops_match_bitwise(field, D, dt, name, monkeypatch):
     and the loop whose two warpgroups take turns through the mbarrier ring (Variant.pingpong)
     against the CTA-barrier pipeline. Outputs poisoned, GQA, tails, empty rows, the shipped tile
     shapes (D = 128: two warpgroups, 128-key blocks)."""
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("the pipelined forward is a wgmma (sm_90a) kernel")
-    npdt = np.float16 if dt == "float16" else bf16()
-    if npdt is None:
-        pytest.skip("cupy cannot hold bfloat16 arrays here")
     from tiga_numba.cuda.tc import tuning
-    _poison(monkeypatch)
-    rel_, (d, s, c) = relation(name)
-    nd, ns = int(d[-1]), int(s[-1])
-    rng = np.random.default_rng()
-    q, k, v = (rng.standard_normal(sh).astype(npdt) for sh in ((nd, 4, D), (ns, 2, D), (ns, 2, D)))
-    qg, kg, vg = (cupy.asarray(x) for x in (q, k, v))
+    (q, k, v, _), (qg, kg, vg, _), rel_, (d, s, c) = _wgmma_case(D, dt, name, monkeypatch)
     shape = dict(tuning.TUNING_WGMMA[("fwd", D)])
     if field == "pingpong":
         shape["overlap"] = True
@@ -501,19 +508,8 @@ def test_dkdv_statistics_copy_matches_global_loads_bitwise(D, dt, name, monkeypa
     """sm_90a: the wgmma dK/dV kernel that copies each query block's statistics to shared memory
     (Variant.stats_smem, copies.py's cp.async) gives the bits of its twin that loads them from global
     memory, and both meet the float64 oracle. Outputs poisoned, GQA, tails, empty rows, shipped shapes."""
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("a wgmma (sm_90a) kernel")
-    npdt = np.float16 if dt == "float16" else bf16()
-    if npdt is None:
-        pytest.skip("cupy cannot hold bfloat16 arrays here")
     from tiga_numba.cuda.tc import tuning
-    _poison(monkeypatch)
-    rel_, (d, s, c) = relation(name)
-    nd, ns = int(d[-1]), int(s[-1])
-    rng = np.random.default_rng()
-    q, do = (rng.standard_normal((nd, 4, D)).astype(npdt) for _ in range(2))
-    k, v = (rng.standard_normal((ns, 2, D)).astype(npdt) for _ in range(2))
-    qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
+    (q, k, v, do), (qg, kg, vg, dog), rel_, (d, s, c) = _wgmma_case(D, dt, name, monkeypatch)
     p = plan(D ** -0.5)
     out, m, l, m_kern = tc.forward(p, qg, kg, vg, rel_)
     grads = []
