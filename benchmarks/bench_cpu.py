@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tiga_numba as tg  # noqa: E402
+from run import best_seconds as best  # noqa: E402  (benchmarks/run.py: the benchmarks' CPU timer)
 from tiga_numba import functional  # noqa: E402
 
 try:
@@ -38,16 +39,6 @@ def _ratio(other, ours, digits):
     if other is None or other != other or ours is None:
         return f"{'-':>7s}"
     return f"{other / ours:6.{digits}f}x"
-
-
-def best(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
 
 
 # ------------------------------------------------------------------------ baselines

@@ -27,16 +27,7 @@ import time
 import numpy as np
 
 import tiga_numba as tg
-
-
-def best(fn, reps):
-    fn()
-    t = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        t.append(time.perf_counter() - t0)
-    return min(t)
+from run import best_seconds as best  # noqa: E402  (benchmarks/run.py: the benchmarks' CPU timer)
 
 
 def graphs(n, e, rng):

@@ -39,14 +39,20 @@ ROOT = os.path.dirname(HERE)
 
 
 # --------------------------------------------------------------------------- machine ceilings
-def _best(fn, reps=3):
+def wall_times(fn, reps):
+    """wall seconds of each of `reps` calls of `fn`, after one warm-up call (compiles, first touches)."""
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def best_seconds(fn, reps=3):
+    """the fastest of `reps` timed calls (wall_times): the benchmarks' CPU timer."""
+    return min(wall_times(fn, reps))
 
 
 def cpu_ceilings(quick):
@@ -56,19 +62,19 @@ def cpu_ceilings(quick):
     n = 1024 if quick else 2048
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    gflops = 2 * n**3 / _best(lambda: a @ b) / 1e9
+    gflops = 2 * n**3 / best_seconds(lambda: a @ b) / 1e9
 
     words = (16 if quick else 64) << 20  # float32 words: 64 / 256 MiB per array
     src = np.ones(words, np.float32)
     dst = np.empty_like(src)
-    numpy_gbs = 2 * src.nbytes / _best(lambda: np.copyto(dst, src)) / 1e9
+    numpy_gbs = 2 * src.nbytes / best_seconds(lambda: np.copyto(dst, src)) / 1e9
 
     @numba.njit(parallel=True, cache=False)
     def parallel_copy(out, x):
         for i in numba.prange(x.size):
             out[i] = x[i]
 
-    numba_gbs = 2 * src.nbytes / _best(lambda: parallel_copy(dst, src)) / 1e9
+    numba_gbs = 2 * src.nbytes / best_seconds(lambda: parallel_copy(dst, src)) / 1e9
     return gflops, numpy_gbs, numba_gbs, numba.get_num_threads()
 
 

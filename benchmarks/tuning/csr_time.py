@@ -5,21 +5,21 @@ its root first on sys.path).
     python benchmarks/tuning/csr_time.py [--nodes 100000] [--edges 1600000] [--heads 4] [--dim 32] [--reps 9]
 """
 import argparse
-import time
+import os
+import sys
 
 import numpy as np
 import scipy.sparse as sp
 
 import tiga_numba as tg
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from run import wall_times  # noqa: E402  (benchmarks/run.py: the benchmarks' CPU timer)
+
 
 def timed(f, reps):
-    f()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
+    """best and median ms of `reps` calls after a warm-up."""
+    ts = wall_times(f, reps)
     return min(ts) * 1e3, float(np.median(ts)) * 1e3
 
 

@@ -374,7 +374,8 @@ def wg_dq(e, v, dsb, ktile):
 def gen_dkdv(v):
     """dV = sum_i P_ij dO_i, dK = scale * sum_i dS_ij Q_i for one key tile per CTA, all query heads
     of its kv group in order (GQA without atomics). Works on the transposed tile S^T = K Q^T so
-    the accumulators are rows of dK/dV; per-column (query) (m2, log2 l) and Delta come from global.
+    the accumulators are rows of dK/dV; per-column (query) (m2, log2 l) and Delta come from global
+    memory, or (v.stats_in_smem) from a shared slot filled with each block's tiles (copy_stats).
     With v.col_parts = P > 1 the CTA at grid z = part keeps columns [part D / P, (part + 1) D / P)
     of dK and of dV (the B operands of its P B products start that many sub-tiles into the streamed
     Q / dO tiles) and computes S^T and dP^T over the whole head dim, as every part does."""

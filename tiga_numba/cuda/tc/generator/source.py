@@ -24,17 +24,18 @@ class Source:
         return self._made(f"wgmma_wait({n}, {count})")
 
     def uses_barriers(self):
-        """the text calls the mbarrier / named-barrier intrinsics of barriers.py: its prelude
-        imports them (the line carries that module's digest, so the cubin key covers it)."""
-        from ..barriers import prelude_line
-        line = prelude_line()
-        if line not in self.prelude:
-            self.prelude.insert(0, line)
+        """the text calls the mbarrier / named-barrier intrinsics of barriers.py."""
+        from .. import barriers
+        self._imports(barriers.prelude_line())
 
     def uses_copies(self):
-        """the text calls the small cp.async copies of copies.py (prelude as uses_barriers)."""
-        from ..copies import prelude_line
-        line = prelude_line()
+        """the text calls the small cp.async copies of copies.py."""
+        from .. import copies
+        self._imports(copies.prelude_line())
+
+    def _imports(self, line):
+        """an intrinsics module's prelude line, once per text (the line carries that module's
+        digest, so the cubin key covers the module)."""
         if line not in self.prelude:
             self.prelude.insert(0, line)
 

@@ -109,6 +109,7 @@ class Variant:
         return self.pingpong and self.fwd_pipelined and self.NW == 8
 
     def stats_streamable(self):
+        """the kernels stats_smem applies to: 16-bit two-kernel wgmma dK/dV kernels."""
         return self.kind == "dkdv" and self.wgmma and not (self.split or self.fuse_dq)
 
     @property
