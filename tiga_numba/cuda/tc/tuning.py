@@ -107,8 +107,9 @@ TUNING_WGMMA = {
     # 230 KB, 0.88-0.92x the CTA-barrier pipeline's time causal at N = 16384, 0.99-1.01x non-causal
     # (results/hopper-h200-2026-12-04b.txt §9)
     ("fwd", 256): dict(NW=8, MT=1, BN=64, a_smem=True, wgmma=True, pingpong=True),
-    # D = 256 backward (ptxas: dQ 223 registers, no spills, 197 KB of shared memory; dK/dV in two column
-    # parts 244 registers, no spills, 197 KB): the fastest of bench_tc_bwd.py's WG_PAIRS on the H100
+    # D = 256 backward (ptxas, bench_tc_bwd.py --spills sm_90a --wgmma --no-fused --dims 256: dQ 223
+    # registers, no spills, 197 KB of shared memory; dK/dV in two column parts with its statistics in
+    # shared memory 237 registers, no spills, 198 KB): the fastest of bench_tc_bwd.py's WG_PAIRS on the H100
     # (results/hopper-h100-2026-12-06.txt §1; the dQ kernel with NW = 4 took 0.99-1.03x the time at BN = 64,
     # 1.05-1.10x at BN = 32; the one-warpgroup dK/dV kernels 1.09-1.48x: one CTA per SM either way, and two
     # warpgroups share each streamed block)
