@@ -4,6 +4,7 @@
     python benchmarks/bench_score_mods_gpu.py --n 4096 --no-flex
     python benchmarks/bench_score_mods_gpu.py --prebuild      # only fill the cubin cache (no GPU)
     python benchmarks/bench_score_mods_gpu.py --global-stats  # dK/dV statistics loaded from global memory
+    python benchmarks/bench_score_mods_gpu.py --no-fold       # soft-cap kernels without the fold
 
 Rows (all causal): plain; tanh soft-cap 30 (softcap=); ALiBi (alibi_slopes=); sliding window of
 1024 keys (Graph.band). Each: forward and forward+backward ms (CUDA events, median of --reps after
@@ -61,7 +62,13 @@ def main():
     ap.add_argument("--global-stats", action="store_true",
                     help="the dK/dV kernels load their per-query statistics from global memory (Variant.stats_smem "
                          "off): the A/B twin of the shared-memory copy")
+    ap.add_argument("--no-fold", action="store_true",
+                    help="the soft-cap runs the kernels without its factor folded into the exponent scale "
+                         "(modifier.Fold, FOLD_LIMIT set to 0): the A/B twin of the fold")
     a = ap.parse_args()
+    if a.no_fold:
+        from tiga_numba.cuda.tc.generator import modifier
+        modifier.FOLD_LIMIT = 0.0
     if a.global_stats:
         from tiga_numba.cuda.tc import tuning
         tuning.TUNING_WGMMA[("dkdv", a.dim)] = dict(tuning.TUNING_WGMMA[("dkdv", a.dim)], stats_smem=False)

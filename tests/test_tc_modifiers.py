@@ -69,10 +69,20 @@ def _scalar_fns():
     return tree, {c: 2.5}
 
 
+def _nan_capped():
+    """A soft-cap whose tanh argument is NaN beyond 8 keys back: the folded kernel's one-bound
+    clamp (clamps.atleast) must still mask those cells (no NaN in the output or the gradients)."""
+    far = sm.make("gt", sm.make("sub", DST, SRC), sm.const(8.0))
+    nan = sm.make("log", sm.make("sub", sm.make("neg", sm.make("abs", S)), sm.const(1.0)))
+    c = sm.Expr("scalar", (), "softcap")
+    tree = sm.make("mul", c, sm.make("tanh", sm.make("div", sm.make("where", far, nan, S), c)))
+    return tree, {c: 3.0}
+
+
 MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window,
         "nan_far": _nan_far, "nan_far_sqrt": _nan_far_sqrt}
 #: trees run on one case and relation only (test_scalar_param_functions_emulated)
-MORE_MODS = {"scalar_fns": _scalar_fns}
+MORE_MODS = {"scalar_fns": _scalar_fns, "nan_capped": _nan_capped}
 
 
 def _values(rng, tree, proto, nd, ns, H, dst, src):
@@ -165,7 +175,7 @@ CASES = [  # (D, H, Hkv, dtype, forward shape, dq shape, dkdv shape)
 @pytest.mark.parametrize("modname", list(MODS))
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("relname", ["dense_rect_tail", "causal_tail", "segments", "empty_keys"])
-def test_modified_forward_backward_emulated(modname, case, relname):
+def test_modified_forward_backward_emulated(modname, case, relname, fold=True):
     D, H, Hkv, dtype, sf, sq, sk = CASES[case]
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
     nd, ns = int(dst[-1]), int(src[-1])
@@ -173,7 +183,7 @@ def test_modified_forward_backward_emulated(modname, case, relname):
     q, k, v, do = _inputs(rng, nd, ns, H, Hkv, D, dtype)
     tree, proto = {**MODS, **MORE_MODS}[modname]()
     values = _values(rng, tree, proto, nd, ns, H, dst, src)
-    mod = Modifier(tree, TANH[dtype])   # as the tensor-core api picks it
+    mod = Modifier(tree, TANH[dtype], fold)   # as the tensor-core api picks it
     packed = (mod,) + _pack(tree, values, H, nd, ns)
     scale = D ** -0.5
     ro, rm, rdq, rdk, rdv = oracle(tree, values, q, k, v, do, dst, src, causal, scale)
@@ -198,6 +208,51 @@ def test_modified_forward_backward_emulated(modname, case, relname):
 @pytest.mark.parametrize("case", [2, 3])
 def test_scalar_param_functions_emulated(case):
     test_modified_forward_backward_emulated("scalar_fns", case, "causal_tail")
+
+
+@pytest.mark.parametrize("case", [0, 3])
+@pytest.mark.parametrize("modname, fold", [("softcap", False), ("nan_capped", True)])
+def test_soft_cap_with_and_without_the_fold_emulated(modname, fold, case):
+    """the 16-bit soft-cap kernels without the fold (a call whose soft-cap is too large for it) and
+    the folded ones on NaN values (masked cells), mma.sync and wgmma."""
+    assert Modifier({**MODS, **MORE_MODS}[modname]()[0], TANH[CASES[case][3]]).fold is not None
+    test_modified_forward_backward_emulated(modname, case, "causal_tail", fold=fold)
+
+
+def test_fold_takes_a_bounded_values_factor_only():
+    """the fold (modifier.Fold): a 16-bit soft-cap's value c log2(e) tanh(z / c) is computed as
+    tanh(z / c), the kernel's exponent scale set to c log2(e), one max.f32 for a clamp; what is not
+    a bounded value times a host-checkable factor keeps the two-bound clamp and sc = 1."""
+    from tiga_numba.cuda.tc import api
+    from tiga_numba.cuda.tc.generator.modifier import FOLD_LIMIT
+    tree, values = _softcap()
+    hard = Modifier(tree, "hardware")
+    assert hard.fold is not None and hard.fold.bound == 1.0
+    assert hard.fits(values, 0.125) and hard.fits({**{x: 0.5 for x in values}}, 0.125)
+    c = FOLD_LIMIT / G.LOG2E
+    assert hard.fits({x: 0.999 * c for x in values}, 1.0) and not hard.fits({x: 1.001 * c for x in values}, 1.0)
+    assert not hard.fits({x: 2.0 ** -21 for x in values}, 1.0)   # K MASKED must stay a mask
+    for mod, folded in ((hard, True), (Modifier(tree, "hardware", fold=False), False)):
+        for kind in ("fwd", "dq", "dkdv"):
+            text = G.gen_source(G.Variant(kind, 64, 64, dtype="float16", mod=mod, NW=4, MT=1, BN=64).check())
+            assert ("atleast(" in text, "clampf(" in text, f"sc = {hard.fold.text}" in text) == (
+                folded, not folded, folded), (kind, folded)
+    unfolded = Modifier(tree, "hardware", fold=False)
+    assert unfolded.fold is None and unfolded.digest != hard.digest and unfolded.fold_words == ""
+    for other in (Modifier(tree, "exp2"), Modifier(_alibi()[0], "hardware"), Modifier(_scalar_fns()[0], "hardware"),
+                  Modifier(sm.flash_tree(True, True, False), "hardware")):
+        assert other.fold is None, other
+    # a factor from a per-head param has no host value to check: not folded
+    hc = sm.Expr("head", (), "cap")
+    assert Modifier(sm.make("mul", hc, sm.make("tanh", S)), "hardware").fold is None
+    # the api's choice per call: folded for softcap=30, the unfolded kernel for softcap=1e6
+    from tiga_numba import functional
+    q = np.zeros((4, 2, 8), np.float32)
+    graph = __import__("tiga_numba").Graph.triangular(4)
+    picks = [api._modifier_for(functional.flash_modifier(q, graph, cap, None), "float16", 8 ** -0.5)
+             for cap in (30.0, 1e6, 30.0)]
+    assert picks[0].fold is not None and picks[1].fold is None and picks[2] is picks[0]
+    assert api._modifier_for(functional.flash_modifier(q, graph, 30.0, None), "float32", 1.0).fold is None
 
 
 def test_modifier_rules():

@@ -50,6 +50,7 @@ def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
     qd, kd, vd, dod = (to(x) for x in (q, k, v, do))
     out, stats = tg.attention(qd, kd, vd, graph, return_stats=True, **kw)
     assert "kernel family: cuda.tc" in tg.explain()
+    assert ("taken by the exponent scale" in tg.explain()) == (which == "softcap")   # modifier.Fold
     dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, graph, **kw)
     bound = functional.flash_modifier(q, graph, kw.get("softcap"), slopes if which == "alibi" else None)
     values = {x: (np.asarray(val) if not isinstance(val, float) else val) for x, val in bound.values.items()}
@@ -126,3 +127,49 @@ def test_the_cell_clamp_masks_nan_and_minus_inf_on_the_device():
     want = np.array([FLOOR, FLOOR, CEIL, FLOOR, CEIL, -1.5, 0.0, 2.5e29, -2e29, 7e29, FLOOR], np.float32)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(emulator._clampf(x, FLOOR, CEIL), want)
+
+
+def test_a_soft_cap_too_large_for_the_fold_runs_unfolded():
+    """softcap=1e5 (c log2(e) above modifier.FOLD_LIMIT): the kernels without the fold, and the
+    right answer; the soft-cap of 2 beside it takes the folded ones."""
+    rng = np.random.default_rng(11)
+    nd = ns = 200
+    H, D = 2, 64
+    graph = tg.Graph.triangular(nd)
+    q, k, v, do = ttm._inputs(rng, nd, ns, H, H, D, "float16")
+    qd, kd, vd, dod = (cupy.asarray(x.astype(np.float16)) for x in (q, k, v, do))
+    for cap in (1e5, 2.0):
+        out, stats = tg.attention(qd, kd, vd, graph, return_stats=True, softcap=cap)
+        assert ("taken by the exponent scale" in tg.explain()) == (cap == 2.0)
+        dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, graph, softcap=cap)
+        assert ("taken by the exponent scale" in tg.explain()) == (cap == 2.0)
+        bound = functional.flash_modifier(q, graph, cap, None)
+        ref = _masked_oracle(bound.tree, dict(bound.values), q, k, v, do, graph.to_scipy().toarray() != 0, D ** -0.5)
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+            got = cupy.asnumpy(got).astype(np.float32)
+            assert np.isfinite(got).all(), name
+            assert ttm.rel(got, want) < TOL["float16"] * (1 if name == "out" else 3), (cap, name, ttm.rel(got, want))
+
+
+def test_the_one_bound_clamp_on_the_device():
+    """clamps.atleast (max.f32), the folded modifier's clamp: NaN, -inf and values below the floor
+    give the floor, everything else passes unchanged (as the emulator's fmax)."""
+    from numba import cuda
+
+    from tiga_numba.cuda.tc import clamps, emulator
+    from tiga_numba.cuda.tc.generator.variant import MASKED as FLOOR
+    atleast = clamps.intrinsics()["atleast"]
+
+    @cuda.jit
+    def floor_all(x, out, lo):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            out[i] = atleast(x[i], lo)
+
+    x = np.array([np.nan, -np.inf, np.inf, -3e38, 3e38, -1.5, 0.0, -2e30, 1.0], np.float32)
+    xd = cupy.asarray(x)
+    out = cupy.empty_like(xd)
+    floor_all[1, 32](xd, out, np.float32(FLOOR))
+    want = np.array([FLOOR, FLOOR, np.inf, FLOOR, 3e38, -1.5, 0.0, FLOOR, 1.0], np.float32)
+    np.testing.assert_array_equal(cupy.asnumpy(out), want)
+    np.testing.assert_array_equal(emulator._atleast(x, FLOOR), want)

@@ -50,6 +50,7 @@ import math
 
 import numpy as np
 
+from ... import score_mod as sm
 from ...arrays import _is_cupy_ndarray
 from ...kernel_cache import KERNELS
 from ...plan import defer_counts
@@ -366,13 +367,27 @@ def _dq_zero_fill(rec, nd, fused):
 
 
 
-def _modifier_for(score_mod, dtype):
-    """The generator Modifier of a bound modifier's tree for kernels of `dtype` (memoised: the
-    lowering and its text are made once per tree and tanh)."""
+def _modifier_for(score_mod, dtype, scale):
+    """The generator Modifier of a bound modifier's tree for kernels of `dtype`: the one with the
+    value's factor folded into the exponent scale (modifier.Fold) where the call's scalars and
+    `scale` let the fold hold, else the unfolded one. Memoised: the lowering and its text are
+    made once per tree, tanh and fold, the fold's check once per (scalar values, scale)."""
     tanh = G.modifier.TANH[dtype]
-    mod = _MODIFIERS.get((score_mod.tree, tanh))
+    mod = _modifier(score_mod.tree, tanh, True)
+    if mod.fold is None:
+        return mod
+    key = (mod, tuple(float(score_mod.values[x]) for x in sm.leaves(mod.fold.factor, "scalar")
+                      if x in score_mod.values), float(scale))
+    holds = _FOLDS.get(key)
+    if holds is None:
+        holds = _FOLDS[key] = mod.fits(score_mod.values, scale)
+    return mod if holds else _modifier(score_mod.tree, tanh, False)
+
+
+def _modifier(tree, tanh, fold):
+    mod = _MODIFIERS.get((tree, tanh, fold))
     if mod is None:
-        mod = _MODIFIERS[score_mod.tree, tanh] = G.Modifier(score_mod.tree, tanh)
+        mod = _MODIFIERS[tree, tanh, fold] = G.Modifier(tree, tanh, fold)
     return mod
 
 
@@ -391,6 +406,7 @@ def _modifier_values(score_mod, H, nd, ns, copies):
 
 
 _MODIFIERS = {}
+_FOLDS = {}
 
 
 def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
@@ -404,10 +420,10 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     rec = _host_relation(relation)
     rho = getattr(plan, "prune_threshold", None)
     wg = use_wgmma(dt)
-    key = ("fwd-launch", dt, nd, H, D, Dv, wg, current_device(),
-           None if score_mod is None else score_mod.tree, rho is not None)
+    gmod = None if score_mod is None else _modifier_for(score_mod, dt, plan.scale)
+    key = ("fwd-launch", dt, nd, H, D, Dv, wg, current_device(), gmod, rho is not None)
     launch = _launch_memo(rec, key, tuning.table_entries(dt, wg, ("fwd",), D),
-                          lambda: _forward_call(rec, dt, D, Dv, wg, score_mod, rho is not None))
+                          lambda: _forward_call(rec, dt, D, Dv, wg, score_mod, gmod, rho is not None))
     vr = launch.vr
     mod, keep = _modifier_values(score_mod, H, nd, int(k.shape[0]), copies)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
@@ -431,21 +447,22 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     return out, m, l, m2
 
 
-def _forward_call(rec, dt, D, Dv, wgmma, score_mod, pruned):
+def _forward_call(rec, dt, D, Dv, wgmma, score_mod, gmod, pruned):
     """The _ForwardLaunch of a forward call shape: the shipped variant for the relation's band,
-    the score modifier and tile pruning compiled in, and explain()'s words for it."""
+    the score modifier (`gmod`, score_mod's generator Modifier) and tile pruning compiled in, and
+    explain()'s words for it."""
     shipped = variant("fwd", D, Dv, dt, wgmma)
     vr = tuning.narrow(shipped, _band_keys(rec))
     why = "" if vr is shipped else tuning.NARROW_WORDS
     if score_mod is not None:
-        vr = tuning.with_modifier(vr, _modifier_for(score_mod, dt))
+        vr = tuning.with_modifier(vr, gmod)
     if pruned:   # the admission rule compiled in (a separate kernel; exact calls never see it)
         vr = dataclasses.replace(vr, prune=True)
     launch = _ForwardLaunch(rec, vr)
     launch.info = dict(
         kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
                + (", tile pruning: near key blocks first)" if vr.prune else ")")
-               + (f"; score modifier compiled in: f = {score_mod.tree}{vr.mod.tanh_words}"
+               + (f"; score modifier compiled in: f = {score_mod.tree}{vr.mod.tanh_words}{vr.mod.fold_words}"
                   if score_mod is not None else ""),
         precision=precision(vr),
         tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}{why}; {launch.visited} of {launch.total} tiles visited "
@@ -480,10 +497,11 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     rec = _host_relation(relation)
     det = deterministic(plan)
     wg = use_wgmma(dt)
-    key = ("bwd-launch", dt, nd, ns, H, Hkv, D, Dv, wg, det, current_device(),
-           None if score_mod is None else score_mod.tree)
+    gmod = None if score_mod is None else _modifier_for(score_mod, dt, plan.scale)
+    key = ("bwd-launch", dt, nd, ns, H, Hkv, D, Dv, wg, det, current_device(), gmod)
     entries = tuning.table_entries(dt, wg, ("dq", "dkdv"), D) + (None if det else tuning.atomic_shape(D, dt, wg),)
-    launch = _launch_memo(rec, key, entries, lambda: _backward_call(rec, dt, nd, ns, D, Dv, wg, det, score_mod))
+    launch = _launch_memo(rec, key, entries,
+                          lambda: _backward_call(rec, dt, nd, ns, D, Dv, wg, det, score_mod, gmod))
     vq, vk = launch.vq, launch.vk
     mod, keep = _modifier_values(score_mod, H, nd, ns, copies)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
@@ -515,16 +533,16 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     return dq, dk, dv, None
 
 
-def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod):
+def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod, gmod):
     """The _BackwardLaunch of a backward call shape: the shipped variants for the relation's band
-    (deterministic or not), the score modifier compiled in, and explain()'s words for them."""
+    (deterministic or not), the score modifier (`gmod`, score_mod's generator Modifier) compiled
+    in, and explain()'s words for them."""
     shipped = backward_variants(D, Dv, dt, det, wgmma)
     band = _band_keys(rec)
     vq, vk = (None if vr is None else tuning.narrow(vr, band) for vr in shipped)
     narrowed = (vq, vk) != shipped
     if score_mod is not None:
-        mod = _modifier_for(score_mod, dt)
-        vq, vk = (tuning.with_modifier(vr, mod) for vr in (vq or variant("dq", D, Dv, dt, wgmma), vk))
+        vq, vk = (tuning.with_modifier(vr, gmod) for vr in (vq or variant("dq", D, Dv, dt, wgmma), vk))
     launch = _BackwardLaunch(rec, vq, vk)
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
@@ -544,7 +562,7 @@ def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod):
     if narrowed:
         tiles += tuning.NARROW_WORDS
     if score_mod is not None:
-        how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}, dS scaled by f'"
+        how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}{vk.mod.fold_words}, dS scaled by f'"
     main = launch.main
     launch.info = dict(kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
                        precision=precision(vk), tiles=tiles, ir={"llvm": main.llvm, "ptx": main.ptx})

@@ -27,7 +27,7 @@ import types as _types
 
 import numpy as np
 
-from . import barriers, copies, generator as G
+from . import barriers, clamps, copies, generator as G
 from .ptx import chain_operands
 
 
@@ -578,6 +578,16 @@ def _clampf(x, lo, hi):
     return np.fmin(np.fmax(np.float32(x) if np.ndim(x) == 0 else x, np.float32(lo)), np.float32(hi))
 
 
+def _atleast(x, lo):
+    """max.f32 (clamps.py): a NaN x gives lo."""
+    return np.fmax(np.float32(x) if np.ndim(x) == 0 else x, np.float32(lo))
+
+
+#: clamps.py's intrinsics (pure functions of their operands)
+_CLAMPS = {"atleast": _atleast}
+assert set(_CLAMPS) == set(clamps.NAMES)
+
+
 def _sel(c, a, b):
     r = np.where(c, a, b)
     return r if r.ndim else r[()]
@@ -619,9 +629,9 @@ def _modifier_args(mem, mod, scale, H):
     return np.float32(1.0), (np.float32(scale), H) + ptrs
 
 
-#: the prelude line of a text using barriers.py or copies.py imports the GPU intrinsics; here the
+#: the prelude line of a text using barriers.py, clamps.py or copies.py imports the GPU intrinsics; here the
 #: Warps' own stand in
-_BARRIER_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.(barriers|copies) import .*$", re.M)
+_BARRIER_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.(barriers|clamps|copies) import .*$", re.M)
 
 
 def compile_source(src, name="<tc-emu>"):
@@ -655,6 +665,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                    "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",
                    "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if") + barriers.NAMES + copies.NAMES:
             env[nm] = getattr(w, nm)
+        env.update(_CLAMPS)
         env["fence_async"] = lambda: None
         env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: \
             lambda *args: w.wgmma_chain(form, N, steps, args, wait)

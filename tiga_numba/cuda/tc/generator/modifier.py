@@ -10,7 +10,9 @@ units) and is launched with sc = 1, so the softmax, the stats (m is the row max 
 backward's `y * sc - m2` are the unmodified text, and `y * 1 - m2` is exact: the fma that the
 compiler makes of it cannot turn the rounding of a huge y * sc into a huge exponent. The
 backward also takes df/dz: dS_z = P (dP - Delta) f'(z), and dQ / dK keep their `scale` factor
-(dz/dq = scale k).
+(dz/dq = scale k). Where y = K g with K cell-invariant and g bounded (a soft-cap), the kernel
+computes g and sets sc = K instead (Fold): the softmax's fma does the multiply, as for raw scores
+in the unmodified kernels, and a bounded g needs only the clamp's floor.
 
 Lowering. The tree is rewritten before any text is written (`lower`): the score leaf becomes the
 raw product times `msc`, the value is multiplied by log2(e), and every chain of products and
@@ -27,9 +29,9 @@ cell of its fragment row or column and named for the others (`staged`; a kernel 
 cells in one straight-line region per loop body, which is what makes the first cell's name
 visible to the rest): a node field is then loaded once per row, not once per cell.
 
-Masked cells keep MASKED. A real cell's y is clamped to [MASKED, 1e30]: a value that is NaN, -inf
-or at most MASKED (max.f32 gives the bound for a NaN) becomes MASKED, so the edge is masked as on
-the CPU and the CUDA cores, and a row whose every edge the modifier masks is an empty row (the
+Masked cells keep MASKED. A real cell's y is clamped to [MASKED, 1e30] (with a Fold its bounded g
+has only the floor): a value that is NaN, -inf or at most MASKED (max.f32 gives the bound for a
+NaN) becomes MASKED, so the edge is masked as on the CPU and the CUDA cores, and a row whose every edge the modifier masks is an empty row (the
 online softmax keeps l = 0 for a row that has met only masked cells: output 0, m = -inf).
 
 Per-call values (cuda/score_codegen.pack): mvp -> scalars then per-head params (k * H + h),
@@ -92,7 +94,7 @@ class Modifier:
     """One tree's inline text for the tensor-core kernels. Equal trees lowered alike are equal
     modifiers (the Variant, and so the kernel name and its cubin, is keyed on `digest`)."""
 
-    def __init__(self, tree, tanh="exp2"):
+    def __init__(self, tree, tanh="exp2", fold=True):
         if tanh not in ("exp2", "hardware"):
             raise ValueError(f"tanh must be 'exp2' or 'hardware', got {tanh!r}")
         self.tree = tree
@@ -102,6 +104,10 @@ class Modifier:
             raise NotImplementedError("per-edge fields need a CSR relation (CUDA-core kernels)")
         self.dtree = sm.diff(tree, sm.SCORE)
         (value, deriv), hoisted = lower(tree, self.dtree, tanh)
+        #: Fold (or None): the value's positive factor taken by the exponent scale (see Fold)
+        self.fold = Fold.of(value, hoisted) if fold else None
+        if self.fold is not None:
+            value = self.fold.rest
         # the cell-invariant subtrees (params()), then the cell's text (cell()); one constant table
         self._src = score_source.Source(tree, (), _Target(self.layout))
         hsrc = score_source.Source(tree, (), _Target(self.layout, temp="mq"))
@@ -118,10 +124,18 @@ class Modifier:
         self._lines, num = self._src._emit([value, deriv])
         self._value, self._deriv = num(value), num(deriv)
         text = ("\n".join(self._hoisted + self._lines) + self._value + self._deriv + repr(self._stages)
-                + repr(sorted(self._src.consts.items())))
+                + repr(sorted(self._src.consts.items())) + (self.fold.text if self.fold else ""))
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
         #: explain()'s words for the tanh this text takes ("" when the tree has none)
         self.tanh_words = TANH_WORDS[tanh] if any(x.op == "tanh" for x in sm.walk(tree)) else ""
+        #: explain()'s words for the fold ("" without one)
+        self.fold_words = (f"; its positive factor {self.fold.factor} taken by the exponent scale (f bounded: "
+                           f"no ceiling clamp)" if self.fold else "")
+
+    def fits(self, values, scale):
+        """whether this modifier's fold (if any) holds for one call's scalar `values` (a bound
+        modifier's) and score `scale`: Fold.holds; True without a fold."""
+        return self.fold is None or self.fold.holds(values, scale)
 
     def __eq__(self, other):   # the digest: the same tree lowered with another TANH differs
         return isinstance(other, Modifier) and other.tree == self.tree and other.digest == self.digest
@@ -135,6 +149,8 @@ class Modifier:
     # ------------------------------------------------------------------ emitters
     def prelude(self, e):
         """module-level constants of the text (typed float32 globals: compile-time constants)."""
+        if self.fold is not None:
+            e.uses_clamps()
         if "_dt = f32" not in e.prelude:
             e.prelude.append("_dt = f32")
             for value, name in self._src.consts.items():
@@ -150,6 +166,8 @@ class Modifier:
             e(f"mkh{k} = ldg_f32_if(u32(1), mvp + ({n_sc} + {k} * mh + mhd) * 4)")
         for line in self._hoisted:   # the cell-invariant subtrees (lower())
             e(line.strip())
+        if self.fold is not None:   # the kernel's exponent scale becomes the value's factor
+            e(f"sc = {self.fold.text}")
 
     def cell(self, e, x, i, j, y, d=None, masked=True):
         """y = f(z) log2(e) (clamped; with `masked`, MASKED where x is MASKED) and, with d,
@@ -179,12 +197,92 @@ class Modifier:
         for line in self._lines:
             e(fill(line.strip()))
         e(f"mf = {fill(self._value)}")
-        clamped = f"clampf(mf, f32({MASKED!r}), f32({CEIL!r}))"
+        if self.fold is None:
+            clamped = f"clampf(mf, f32({MASKED!r}), f32({CEIL!r}))"
+            inside = f"(mf > f32({MASKED!r})) & (mf < f32({CEIL!r}))"
+        else:   # a bounded value: only a NaN reaches the floor (Fold)
+            clamped = f"atleast(mf, f32({MASKED!r}))"
+            inside = f"mf > f32({MASKED!r})"
         e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
         if d is not None:
             # where the clamp holds y constant (a NaN or -inf value: the cell is masked; beyond the
             # ceiling) f' is 0: P = 0 times a NaN f' (sqrt of a negative score) would make dS NaN
-            e(f"{d} = sel((mf > f32({MASKED!r})) & (mf < f32({CEIL!r})), {fill(self._deriv)}, f32(0.0))")
+            e(f"{d} = sel({inside}, {fill(self._deriv)}, f32(0.0))")
+
+
+class Fold:
+    """A value y = K g whose factor K is cell-invariant and whose rest g is bounded, |g| <= B on
+    every input (a soft-cap: K = c log2(e), g = tanh(z / c), B = 1). The kernel then computes g
+    per cell and takes K as its exponent scale (`sc = K`, set by Modifier.params): the softmax's
+    own fma, 2^(g sc - m), does the multiply that y = K g took per cell, as the unmodified kernels
+    scale raw scores, and the row max, the stats and the backward's P are the same text in the
+    same (y) units. A bounded g needs no ceiling: the clamp is one max.f32 (clamps.atleast), which
+    still maps a NaN to MASKED (the cell is masked, as without the fold).
+
+    It holds for a call (`holds`) where 2^-20 <= K and K B <= FOLD_LIMIT: K > 0 keeps the row max
+    of g the row max of y, K >= 2^-20 keeps a masked cell's K MASKED below -1e23 (its P is 0),
+    and K B <= 2^16 keeps the fma's rounding of the largest y (up to ulp(K B) / 2 = 2^-8 in the
+    exponent) at the size of y's own float32 rounding. K is evaluated on the host from the call's
+    scalars and the score scale, so a K made from per-head params is not folded. A call outside
+    the range takes the kernel without the fold (Modifier(..., fold=False))."""
+
+    def __init__(self, factor, rest, bound, text):
+        self.factor = factor   # K as a tree of constants, scalars and MSC
+        self.rest = rest       # g, the value the kernel computes per cell
+        self.bound = bound     # B
+        self.text = text       # K in the kernel text: a hoisted name or a constant
+
+    @classmethod
+    def of(cls, value, hoisted):
+        """the Fold of a lowered value (lower()'s y and hoisted map), or None."""
+        if value.op != "mul":
+            return None
+        names = {leaf: x for x, leaf in hoisted.items()}
+        for k, g in (value.args, value.args[::-1]):
+            if k not in names and k.op != "const":
+                continue   # a cell's own factor
+            factor = names.get(k, k)
+            if not all(x.op in ("const", "scalar") for x in sm.leaves(factor)):
+                continue   # a per-head param in K (no host value to check)
+            bound = _bound(g)
+            if bound is None:
+                continue
+            text = k.attr[2:] if k in names else f"f32({_finite(k.attr)!r})"
+            return cls(factor, g, bound, text)
+        return None
+
+    def holds(self, values, scale):
+        """whether K = factor(values, scale) lies in (2^-20, FOLD_LIMIT / B]."""
+        env = {x: values[x] for x in sm.leaves(self.factor, "scalar") if x != MSC}
+        env[MSC] = float(scale)
+        K = float(sm.evaluate(self.factor, env))
+        return 2.0 ** -20 <= K and K * self.bound <= FOLD_LIMIT
+
+
+#: the largest K B a fold takes (Fold)
+FOLD_LIMIT = 2.0 ** 16
+
+
+def _bound(x):
+    """a bound on |x| for every input of a lowered tree, or None where there is none: constants,
+    tanh (|tanh| <= 1, tanh.approx.f32 included) and the sums, products, negations, selections,
+    minima and maxima of bounded terms."""
+    if x.op == "const":
+        v = abs(float(x.attr))
+        return v if v < float("inf") else None
+    if x.op == "tanh":
+        return 1.0
+    if x.op in ("add", "sub", "mul", "neg", "minimum", "maximum", "where"):
+        args = x.args[1:] if x.op == "where" else x.args
+        bounds = [_bound(a) for a in args]
+        if any(b is None for b in bounds):
+            return None
+        if x.op == "mul":
+            return bounds[0] * bounds[1]
+        if x.op in ("add", "sub"):
+            return bounds[0] + bounds[1]
+        return max(bounds)
+    return None
 
 
 #: how the kernels take tanh, per dtype: "hardware" is tanh.approx.f32 (one SFU op; what

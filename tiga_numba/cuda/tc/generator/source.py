@@ -33,6 +33,11 @@ class Source:
         from .. import copies
         self._imports(copies.prelude_line())
 
+    def uses_clamps(self):
+        """the text calls the one-bound clamp of clamps.py."""
+        from .. import clamps
+        self._imports(clamps.prelude_line())
+
     def _imports(self, line):
         """an intrinsics module's prelude line, once per text (the line carries that module's
         digest, so the cubin key covers the module)."""
