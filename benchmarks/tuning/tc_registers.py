@@ -1,12 +1,13 @@
 """ptxas's register and spill report of the shipped tensor-core kernels (no GPU needed).
 
     python benchmarks/tuning/tc_registers.py [--kinds fwd dq dkdv] [--dims 64 128]
-        [--dtypes float16] [--engine wgmma|mma] [--modifier softcap|alibi|...] [--narrow]
+        [--dtypes float16] [--engine wgmma|mma] [--modifier softcap|alibi|...] [--no-fold] [--narrow]
         [--overlap 0|1] [--min-ctas N]
 
 Occupancy follows from it: a 128-thread CTA holds at most 65536 / (128 x regs rounded up to 8)
 CTAs per SM (168 registers: 3; 176: 2), so a change to a kernel's text is checked here first. --modifier (a name of
-score_mod.FLASH_TREES) reports the kernels a softcap= / alibi_slopes= call launches instead;
+score_mod.FLASH_TREES) reports the kernels a softcap= / alibi_slopes= call launches instead (with
+--no-fold the ones a call takes where the soft-cap's fold does not hold: modifier.Fold);
 --narrow the shapes a narrow band takes (tuning.NARROW; the others as shipped). --overlap sets
 Variant.overlap (1: the wgmma forward's software pipeline, 0: its serial loop); --min-ctas N links
 with ptxas held to N CTAs per SM (.maxntid / .minnctapersm on the entry), the register cap that
@@ -45,6 +46,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["float16"])
     ap.add_argument("--engine", choices=["wgmma", "mma"], default="wgmma")
     ap.add_argument("--modifier", default=None)
+    ap.add_argument("--no-fold", action="store_true")
     ap.add_argument("--narrow", action="store_true")
     ap.add_argument("--overlap", type=int, choices=[0, 1], default=None)
     ap.add_argument("--min-ctas", type=int, default=0)
@@ -54,7 +56,7 @@ def main():
         for D in a.dims:
             for kind in a.kinds:
                 if a.modifier:
-                    v = build.modified_variant(("wg:" if wgmma else "") + kind, D, dt, a.modifier)
+                    v = build.modified_variant(("wg:" if wgmma else "") + kind, D, dt, a.modifier, not a.no_fold)
                 else:
                     v = tuning.variant(kind, D, D, dt, wgmma=wgmma)
                 if a.narrow:   # 0 keys wide: every band tuning.narrow serves

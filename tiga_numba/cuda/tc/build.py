@@ -310,11 +310,12 @@ def modified_kernels(trees, dtypes=("float16", "bfloat16", "float32")):
     return out
 
 
-def modified_variant(kind, D, dtype, modifier):
+def modified_variant(kind, D, dtype, modifier, fold=True):
     """the Variant a call with flash-attn's modifier `modifier` (a name of score_mod.FLASH_TREES)
-    launches for (kind, D, dtype); kind "wg:..." on the wgmma engine."""
+    launches for (kind, D, dtype); kind "wg:..." on the wgmma engine; fold=False: the kernel a
+    call whose values the fold does not hold for takes (modifier.Fold)."""
     wg, base, _ = _spec_kind(kind)
-    mod = G.Modifier(sm.flash_tree(*sm.FLASH_TREES[modifier]), G.modifier.TANH[dtype])
+    mod = G.Modifier(sm.flash_tree(*sm.FLASH_TREES[modifier]), G.modifier.TANH[dtype], fold)
     return with_modifier(variant(base, D, D, dtype, wgmma=wg), mod)
 
 
