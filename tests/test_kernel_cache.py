@@ -333,18 +333,19 @@ def test_tensor_core_launch_records_hold_the_variants_a_call_shape_takes(monkeyp
     monkeypatch.setattr(api, "_work", lambda rec, which, BM: ((which, BM), 7))
     monkeypatch.setattr(api, "_ptr", lambda work: 4096)
     rec = api._host_record(tg.Graph.band(600, left=127)._blocks)
-    fwd = api._forward_call(rec, "float16", 128, 128, True, None, False)
+    fwd = api._forward_call(rec, "float16", 128, 128, True, None, None, False)
     assert (fwd.vr.NW, fwd.vr.BN) == (4, 64) and fwd.vr.wgmma and not fwd.vr.prune
     assert (fwd.kern.name, fwd.cache, fwd.W, fwd.workp) == ("fwd", "miss", 7, 4096)
     assert 0 < fwd.visited < fwd.total and tuning.NARROW_WORDS in fwd.info["tiles"]
-    bwd = api._backward_call(rec, "float16", 600, 600, 128, 128, True, True, None)
+    bwd = api._backward_call(rec, "float16", 600, 600, 128, 128, True, True, None, None)
     assert (bwd.vq.NW, bwd.vq.BN) == (4, 64) and bwd.main is bwd.kq and bwd.kd.name == "delta"
     assert "dQ by query tiles" in bwd.info["kernel"] and tuning.NARROW_WORDS in bwd.info["tiles"]
     cap = sm.bind_flash(30.0, None, None)
-    mod = api._backward_call(rec, "float16", 600, 600, 128, 128, True, True, cap)
-    assert mod.vq.mod is not None and mod.vk.mod is not None and not mod.vk.fuse_dq
-    assert "score modifier compiled in" in mod.info["kernel"]
+    gmod = api._modifier_for(cap, "float16", 128 ** -0.5)
+    mod = api._backward_call(rec, "float16", 600, 600, 128, 128, True, True, cap, gmod)
+    assert mod.vq.mod is gmod and mod.vk.mod is gmod and not mod.vk.fuse_dq
+    assert "score modifier compiled in" in mod.info["kernel"] and gmod.fold_words in mod.info["kernel"]
     causal = api._host_record(tg.Graph.triangular(300)._blocks)
-    pruned = api._forward_call(causal, "float16", 128, 128, True, None, True)
+    pruned = api._forward_call(causal, "float16", 128, 128, True, None, None, True)
     assert pruned.vr.prune and "tile pruning" in pruned.info["kernel"]
     assert tuning.NARROW_WORDS not in pruned.info["tiles"]   # no band: the shipped shape

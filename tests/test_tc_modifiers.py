@@ -228,6 +228,7 @@ def test_fold_takes_a_bounded_values_factor_only():
     tree, values = _softcap()
     hard = Modifier(tree, "hardware")
     assert hard.fold is not None and hard.fold.bound == 1.0
+    assert "taken as the exponent scale" in hard.fold_words   # explain()'s words (the GPU tests look for them)
     assert hard.fits(values, 0.125) and hard.fits({**{x: 0.5 for x in values}}, 0.125)
     c = FOLD_LIMIT / G.LOG2E
     assert hard.fits({x: 0.999 * c for x in values}, 1.0) and not hard.fits({x: 1.001 * c for x in values}, 1.0)

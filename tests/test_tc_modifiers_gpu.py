@@ -50,7 +50,7 @@ def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
     qd, kd, vd, dod = (to(x) for x in (q, k, v, do))
     out, stats = tg.attention(qd, kd, vd, graph, return_stats=True, **kw)
     assert "kernel family: cuda.tc" in tg.explain()
-    assert ("taken by the exponent scale" in tg.explain()) == (which == "softcap")   # modifier.Fold
+    assert ("taken as the exponent scale" in tg.explain()) == (which == "softcap")   # modifier.Fold
     dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, graph, **kw)
     bound = functional.flash_modifier(q, graph, kw.get("softcap"), slopes if which == "alibi" else None)
     values = {x: (np.asarray(val) if not isinstance(val, float) else val) for x, val in bound.values.items()}
@@ -140,9 +140,9 @@ def test_a_soft_cap_too_large_for_the_fold_runs_unfolded():
     qd, kd, vd, dod = (cupy.asarray(x.astype(np.float16)) for x in (q, k, v, do))
     for cap in (1e5, 2.0):
         out, stats = tg.attention(qd, kd, vd, graph, return_stats=True, softcap=cap)
-        assert ("taken by the exponent scale" in tg.explain()) == (cap == 2.0)
+        assert ("taken as the exponent scale" in tg.explain()) == (cap == 2.0)
         dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, graph, softcap=cap)
-        assert ("taken by the exponent scale" in tg.explain()) == (cap == 2.0)
+        assert ("taken as the exponent scale" in tg.explain()) == (cap == 2.0)
         bound = functional.flash_modifier(q, graph, cap, None)
         ref = _masked_oracle(bound.tree, dict(bound.values), q, k, v, do, graph.to_scipy().toarray() != 0, D ** -0.5)
         for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):

@@ -129,8 +129,8 @@ class Modifier:
         #: explain()'s words for the tanh this text takes ("" when the tree has none)
         self.tanh_words = TANH_WORDS[tanh] if any(x.op == "tanh" for x in sm.walk(tree)) else ""
         #: explain()'s words for the fold ("" without one)
-        self.fold_words = (f"; its positive factor {self.fold.factor} taken by the exponent scale (f bounded: "
-                           f"no ceiling clamp)" if self.fold else "")
+        self.fold_words = (f"; folded: f log2(e) = K g with K = {self.fold.factor} taken as the exponent scale "
+                           f"(|g| <= {self.fold.bound:g}: one max.f32 clamp)" if self.fold else "")
 
     def fits(self, values, scale):
         """whether this modifier's fold (if any) holds for one call's scalar `values` (a bound
