@@ -31,8 +31,9 @@ visible to the rest): a node field is then loaded once per row, not once per cel
 
 Masked cells keep MASKED. A real cell's y is clamped to [MASKED, 1e30] (with a Fold its bounded g
 has only the floor): a value that is NaN, -inf or at most MASKED (max.f32 gives the bound for a
-NaN) becomes MASKED, so the edge is masked as on the CPU and the CUDA cores, and a row whose every edge the modifier masks is an empty row (the
-online softmax keeps l = 0 for a row that has met only masked cells: output 0, m = -inf).
+NaN) becomes MASKED, so the edge is masked as on the CPU and the CUDA cores, and a row whose every
+edge the modifier masks is an empty row (the online softmax keeps l = 0 for a row that has met
+only masked cells: output 0, m = -inf).
 
 Per-call values (cuda/score_codegen.pack): mvp -> scalars then per-head params (k * H + h),
 mndp -> dst fields (Nq, n_dst, H), mnsp -> src fields (Nk, n_src, H), float32. Scalars and the
