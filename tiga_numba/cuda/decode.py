@@ -419,7 +419,9 @@ def mma_fits(dtype, D, DV):
 MMA_WARPS = 4
 MMA_CTAS_PER_SM = 1
 MMA_KEYS = 32  # keys per warp and step (16 or 32: one or two k16 steps of the P V product)
-MMA_STAGES = 2  # K/V tile pairs per warp: each warp keeps MMA_STAGES - 1 steps of copies in flight
+# K/V tile pairs per warp: each warp keeps MMA_STAGES - 1 steps of copies in flight (3 at 32 keys and
+# 4 at 16 measured no different on an H100: benchmarks/results/decode-h100-2026-12-06.txt)
+MMA_STAGES = 2
 
 
 def mma_tiles(dtype, D, DV, rows):
