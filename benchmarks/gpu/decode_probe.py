@@ -63,13 +63,10 @@ def run(B, L, variant, ref):
 
 # name: ("scalar",) for the scalar geometry, ("vec", 16-byte loads per lane and row, keys per lane
 # group and step, warps per CTA) for the CUDA-core vector geometry, ("mma", warps per CTA, CTAs an
-# SM holds at once (for the split rule's waves), keys per warp and step[, K/V tile pairs per warp
-# (decode.MMA_STAGES), 2 when left out]) for the tensor-core kernel
+# SM holds at once (for the split rule's waves), keys per warp and step) for the tensor-core kernel
 VARIANTS = {"scalar": ("scalar",), "mma NW4 K32 C1": ("mma", 4, 1, 32), "mma NW4 K16 C2": ("mma", 4, 2, 16),
             "mma NW2 K32 C2": ("mma", 2, 2, 32), "mma NW8 K16 C1": ("mma", 8, 1, 16),
-            "mma NW2 K16 C4": ("mma", 2, 4, 16), "vec L2 T4 NW4": ("vec", 2, 4, 4),
-            "mma NW4 K32 C1 S3": ("mma", 4, 1, 32, 3), "mma NW4 K16 C2 S3": ("mma", 4, 2, 16, 3),
-            "mma NW4 K16 C1 S4": ("mma", 4, 1, 16, 4), "mma NW8 K16 C1 S3": ("mma", 8, 1, 16, 3)}
+            "mma NW2 K16 C4": ("mma", 2, 4, 16), "vec L2 T4 NW4": ("vec", 2, 4, 4)}
 _mma_fits = decode.mma_fits
 
 
@@ -78,8 +75,7 @@ def set_variant(var):
     decode.mma_fits = _mma_fits if var[0] == "mma" else (lambda *a: False)
     decode.decode_tiles = _tiles
     if var[0] == "mma":
-        decode.MMA_WARPS, decode.MMA_CTAS_PER_SM, decode.MMA_KEYS = var[1:4]
-        decode.MMA_STAGES = var[4] if len(var) > 4 else 2
+        decode.MMA_WARPS, decode.MMA_CTAS_PER_SM, decode.MMA_KEYS = var[1:]
     elif var[0] == "vec":
         decode.VEC_LOADS, decode.VEC_KEYS, NW = var[1:]
 
