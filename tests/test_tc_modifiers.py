@@ -253,6 +253,9 @@ def test_fold_takes_a_bounded_values_factor_only():
     picks = [api._modifier_for(functional.flash_modifier(q, graph, cap, None), "float16", 8 ** -0.5)
              for cap in (30.0, 1e6, 30.0)]
     assert picks[0].fold is not None and picks[1].fold is None and picks[2] is picks[0]
+    for cap in np.linspace(1.0, 2.0, api._FOLDS_KEPT + 5):   # a soft-cap changing every call: bounded memo
+        assert api._modifier_for(functional.flash_modifier(q, graph, float(cap), None), "float16", 1.0) is picks[0]
+    assert len(api._FOLDS) <= api._FOLDS_KEPT
     assert api._modifier_for(functional.flash_modifier(q, graph, 30.0, None), "float32", 1.0).fold is None
 
 

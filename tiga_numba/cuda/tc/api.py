@@ -380,6 +380,8 @@ def _modifier_for(score_mod, dtype, scale):
                       if x in score_mod.values), float(scale))
     holds = _FOLDS.get(key)
     if holds is None:
+        if len(_FOLDS) >= _FOLDS_KEPT:   # a soft-cap that changes every call (a learned one)
+            _FOLDS.clear()
         holds = _FOLDS[key] = mod.fits(score_mod.values, scale)
     return mod if holds else _modifier(score_mod.tree, tanh, False)
 
@@ -407,6 +409,7 @@ def _modifier_values(score_mod, H, nd, ns, copies):
 
 _MODIFIERS = {}
 _FOLDS = {}
+_FOLDS_KEPT = 4096   # the fold checks remembered (per (scalar values, scale)); cleared when full
 
 
 def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
