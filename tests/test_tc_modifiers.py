@@ -258,6 +258,13 @@ def test_fold_takes_a_bounded_values_factor_only():
     assert len(api._FOLDS) <= api._FOLDS_KEPT
     assert api._modifier_for(functional.flash_modifier(q, graph, 30.0, None), "float32", 1.0).fold is None
 
+    class DeviceScalar:   # a scalar param held on the device: never read by the host to decide the fold
+        def __float__(self):
+            raise AssertionError("the fold's check read a device scalar")
+    tree, values = _softcap()
+    on_device = sm.BoundModifier(tree, {x: DeviceScalar() for x in values})
+    assert api._modifier_for(on_device, "float16", 1.0).fold is None
+
 
 def test_modifier_rules():
     """pruning, the fused backward and the overlapped wgmma backward refuse a modifier; the

@@ -376,14 +376,22 @@ def _modifier_for(score_mod, dtype, scale):
     mod = _modifier(score_mod.tree, tanh, True)
     if mod.fold is None:
         return mod
-    key = (mod, tuple(float(score_mod.values[x]) for x in sm.leaves(mod.fold.factor, "scalar")
-                      if x in score_mod.values), float(scale))
+    values = [score_mod.values.get(x) for x in sm.leaves(mod.fold.factor, "scalar") if x != G.modifier.MSC]
+    if not all(_host_number(v) for v in values):
+        # a scalar held on the device (a cupy 0-d param): reading it would wait for the stream
+        return _modifier(score_mod.tree, tanh, False)
+    key = (mod, tuple(float(v) for v in values), float(scale))
     holds = _FOLDS.get(key)
     if holds is None:
         if len(_FOLDS) >= _FOLDS_KEPT:   # a soft-cap that changes every call (a learned one)
             _FOLDS.clear()
         holds = _FOLDS[key] = mod.fits(score_mod.values, scale)
     return mod if holds else _modifier(score_mod.tree, tanh, False)
+
+
+def _host_number(v):
+    """whether v is a number the host holds (a Python / numpy scalar or 0-d numpy array)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) or (isinstance(v, np.ndarray) and v.ndim == 0)
 
 
 def _modifier(tree, tanh, fold):

@@ -224,8 +224,9 @@ class Fold:
     of g the row max of y, K >= 2^-20 keeps a masked cell's K MASKED below -1e23 (its P is 0),
     and K B <= 2^16 keeps the fma's rounding of the largest y (up to ulp(K B) / 2 = 2^-8 in the
     exponent) at the size of y's own float32 rounding. K is evaluated on the host from the call's
-    scalars and the score scale, so a K made from per-head params is not folded. A call outside
-    the range takes the kernel without the fold (Modifier(..., fold=False))."""
+    scalars and the score scale, so a K made from per-head params is not folded (nor, by the
+    caller, tc/api._modifier_for, one whose scalars are device arrays). A call outside the range
+    takes the kernel without the fold (Modifier(..., fold=False))."""
 
     def __init__(self, factor, rest, bound, text):
         self.factor = factor   # K as a tree of constants, scalars and MSC
