@@ -447,8 +447,6 @@ def test_pruned_call_defers_its_counter_read():
     assert bool(cupy.array_equal(direct, out))
 
 
-#: (the Variant field flipped, D, dtype): overlap = the pipelined loop (as shipped: in ping-pong where
-#: it applies) against the serial one; pingpong = the ping-pong loop against the CTA-barrier pipeline
 def _wgmma_case(D, dt, name, monkeypatch):
     """a wgmma (sm_90a) case of relation `name`: skips elsewhere or without bfloat16 arrays; poisons
     the outputs; fresh random q, k, v, dout (4 query heads, 2 kv heads) on the host and the device,
@@ -466,6 +464,8 @@ def _wgmma_case(D, dt, name, monkeypatch):
     return host, [cupy.asarray(x) for x in host], rel_, (d, s, c)
 
 
+#: (the Variant field flipped, D, dtype): overlap = the pipelined loop (as shipped: in ping-pong where
+#: it applies) against the serial one; pingpong = the ping-pong loop against the CTA-barrier pipeline
 FORWARD_TWINS = ([("overlap", D, dt) for D, dt in ((64, "float16"), (128, "float16"), (128, "bfloat16"), (256, "float16"))]
                  + [("pingpong", D, dt) for D, dt in ((128, "float16"), (128, "bfloat16"), (96, "float16"), (256, "float16"))])
 

@@ -229,16 +229,17 @@ def test_fold_takes_a_bounded_values_factor_only():
     hard = Modifier(tree, "hardware")
     assert hard.fold is not None and hard.fold.bound == 1.0
     assert "taken as the exponent scale" in hard.fold_words   # explain()'s words (the GPU tests look for them)
-    assert hard.fits(values, 0.125) and hard.fits({**{x: 0.5 for x in values}}, 0.125)
+    holds = hard.fold.holds
+    assert holds(values, 0.125) and holds({x: 0.5 for x in values}, 0.125)
     c = FOLD_LIMIT / G.LOG2E
-    assert hard.fits({x: 0.999 * c for x in values}, 1.0) and not hard.fits({x: 1.001 * c for x in values}, 1.0)
-    assert not hard.fits({x: 2.0 ** -21 for x in values}, 1.0)   # K MASKED must stay a mask
-    for mod, folded in ((hard, True), (Modifier(tree, "hardware", fold=False), False)):
+    assert holds({x: 0.999 * c for x in values}, 1.0) and not holds({x: 1.001 * c for x in values}, 1.0)
+    assert not holds({x: 2.0 ** -21 for x in values}, 1.0)   # K MASKED must stay a mask
+    unfolded = Modifier(tree, "hardware", fold=False)
+    for mod, folded in ((hard, True), (unfolded, False)):
         for kind in ("fwd", "dq", "dkdv"):
             text = G.gen_source(G.Variant(kind, 64, 64, dtype="float16", mod=mod, NW=4, MT=1, BN=64).check())
             assert ("atleast(" in text, "clampf(" in text, f"sc = {hard.fold.text}" in text) == (
                 folded, not folded, folded), (kind, folded)
-    unfolded = Modifier(tree, "hardware", fold=False)
     assert unfolded.fold is None and unfolded.digest != hard.digest and unfolded.fold_words == ""
     for other in (Modifier(tree, "exp2"), Modifier(_alibi()[0], "hardware"), Modifier(_scalar_fns()[0], "hardware"),
                   Modifier(sm.flash_tree(True, True, False), "hardware")):
@@ -249,7 +250,7 @@ def test_fold_takes_a_bounded_values_factor_only():
     # the api's choice per call: folded for softcap=30, the unfolded kernel for softcap=1e6
     from tiga_numba import functional
     q = np.zeros((4, 2, 8), np.float32)
-    graph = __import__("tiga_numba").Graph.triangular(4)
+    graph = tiga_numba.Graph.triangular(4)
     picks = [api._modifier_for(functional.flash_modifier(q, graph, cap, None), "float16", 8 ** -0.5)
              for cap in (30.0, 1e6, 30.0)]
     assert picks[0].fold is not None and picks[1].fold is None and picks[2] is picks[0]
@@ -261,7 +262,6 @@ def test_fold_takes_a_bounded_values_factor_only():
     class DeviceScalar:   # a scalar param held on the device: never read by the host to decide the fold
         def __float__(self):
             raise AssertionError("the fold's check read a device scalar")
-    tree, values = _softcap()
     on_device = sm.BoundModifier(tree, {x: DeviceScalar() for x in values})
     assert api._modifier_for(on_device, "float16", 1.0).fold is None
 

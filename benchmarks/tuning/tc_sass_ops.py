@@ -3,7 +3,7 @@ by side (no GPU needed: the cubins are linked here, as tc_registers.py does, and
 with cuobjdump).
 
     python benchmarks/tuning/tc_sass_ops.py [--kind fwd|dq|dkdv] [--dim 128] [--dtype float16]
-        [--modifiers softcap alibi] [--cuobjdump PATH]
+        [--modifiers softcap alibi] [--no-fold] [--cuobjdump PATH]
 
 cuobjdump: the one on PATH, else --cuobjdump (e.g. from the nvidia-cuda-cuobjdump wheel:
 pip download nvidia-cuda-cuobjdump, unzip, nvidia/cu13/bin/cuobjdump). The counts are static
@@ -43,13 +43,15 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--modifiers", nargs="*", default=["softcap", "alibi"])
+    ap.add_argument("--no-fold", action="store_true",
+                    help="the modifiers' kernels without the soft-cap's fold (modifier.Fold)")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"))
     a = ap.parse_args()
     if not a.cuobjdump:
         sys.exit("no cuobjdump on PATH: pass --cuobjdump PATH")
     cols = {"plain": opcodes(tuning.variant(a.kind, a.dim, a.dim, a.dtype, wgmma=True), a.cuobjdump)}
     for m in a.modifiers:
-        cols[m] = opcodes(build.modified_variant("wg:" + a.kind, a.dim, a.dtype, m), a.cuobjdump)
+        cols[m] = opcodes(build.modified_variant("wg:" + a.kind, a.dim, a.dtype, m, not a.no_fold), a.cuobjdump)
     names = list(cols)
     ops = sorted(set().union(*cols.values()), key=lambda o: (-max(c[o] for c in cols.values()), o))
     print(f"# {a.kind} D={a.dim} {a.dtype} (wgmma, sm_90a): SASS instructions per opcode")

@@ -50,7 +50,6 @@ import math
 
 import numpy as np
 
-from ... import score_mod as sm
 from ...arrays import _is_cupy_ndarray
 from ...kernel_cache import KERNELS
 from ...plan import defer_counts
@@ -376,16 +375,17 @@ def _modifier_for(score_mod, dtype, scale):
     mod = _modifier(score_mod.tree, tanh, True)
     if mod.fold is None:
         return mod
-    values = [score_mod.values.get(x) for x in sm.leaves(mod.fold.factor, "scalar") if x != G.modifier.MSC]
+    values = [score_mod.values.get(x) for x in mod.fold.scalars]
     if not all(_host_number(v) for v in values):
         # a scalar held on the device (a cupy 0-d param): reading it would wait for the stream
         return _modifier(score_mod.tree, tanh, False)
-    key = (mod, tuple(float(v) for v in values), float(scale))
+    values = tuple(float(v) for v in values)
+    key = (mod, values, float(scale))
     holds = _FOLDS.get(key)
     if holds is None:
         if len(_FOLDS) >= _FOLDS_KEPT:   # a soft-cap that changes every call (a learned one)
             _FOLDS.clear()
-        holds = _FOLDS[key] = mod.fits(score_mod.values, scale)
+        holds = _FOLDS[key] = mod.fold.holds(dict(zip(mod.fold.scalars, values)), scale)
     return mod if holds else _modifier(score_mod.tree, tanh, False)
 
 

@@ -573,14 +573,14 @@ class Warps:
         return self._vec(val, np.float32)[np.arange(self.NT) ^ lm]
 
 
-def _clampf(x, lo, hi):
-    """max.f32 then min.f32: a NaN x gives lo."""
-    return np.fmin(np.fmax(np.float32(x) if np.ndim(x) == 0 else x, np.float32(lo)), np.float32(hi))
-
-
 def _atleast(x, lo):
     """max.f32 (clamps.py): a NaN x gives lo."""
     return np.fmax(np.float32(x) if np.ndim(x) == 0 else x, np.float32(lo))
+
+
+def _clampf(x, lo, hi):
+    """max.f32 then min.f32 (ptx.clampf): a NaN x gives lo."""
+    return np.fmin(_atleast(x, lo), np.float32(hi))
 
 
 #: clamps.py's intrinsics (pure functions of their operands)
@@ -631,11 +631,11 @@ def _modifier_args(mem, mod, scale, H):
 
 #: the prelude line of a text using barriers.py, clamps.py or copies.py imports the GPU intrinsics; here the
 #: Warps' own stand in
-_BARRIER_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.(barriers|clamps|copies) import .*$", re.M)
+_INTRINSICS_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.(barriers|clamps|copies) import .*$", re.M)
 
 
 def compile_source(src, name="<tc-emu>"):
-    src = _BARRIER_IMPORT.sub("", src)
+    src = _INTRINSICS_IMPORT.sub("", src)
     code = compile(_CONTRACTED.sub(r"ex2(fms(\1, sc, \2)", src), name, "exec")
     return code
 

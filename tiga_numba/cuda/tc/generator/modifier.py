@@ -133,11 +133,6 @@ class Modifier:
         self.fold_words = (f"; folded: f log2(e) = K g with K = {self.fold.factor} taken as the exponent scale "
                            f"(|g| <= {self.fold.bound:g}: one max.f32 clamp)" if self.fold else "")
 
-    def fits(self, values, scale):
-        """whether this modifier's fold (if any) holds for one call's scalar `values` (a bound
-        modifier's) and score `scale`: Fold.holds; True without a fold."""
-        return self.fold is None or self.fold.holds(values, scale)
-
     def __eq__(self, other):   # the digest: the same tree lowered with another TANH differs
         return isinstance(other, Modifier) and other.tree == self.tree and other.digest == self.digest
 
@@ -233,6 +228,8 @@ class Fold:
         self.rest = rest       # g, the value the kernel computes per cell
         self.bound = bound     # B
         self.text = text       # K in the kernel text: a hoisted name or a constant
+        #: the call's scalars K is made of (the score scale MSC aside), in first-use order
+        self.scalars = tuple(x for x in sm.leaves(factor, "scalar") if x != MSC)
 
     @classmethod
     def of(cls, value, hoisted):
@@ -254,8 +251,9 @@ class Fold:
         return None
 
     def holds(self, values, scale):
-        """whether K = factor(values, scale) lies in (2^-20, FOLD_LIMIT / B]."""
-        env = {x: values[x] for x in sm.leaves(self.factor, "scalar") if x != MSC}
+        """whether K = factor(values, scale) lies in [2^-20, FOLD_LIMIT / B]; `values` maps each of
+        `scalars` to a host number."""
+        env = {x: values[x] for x in self.scalars}
         env[MSC] = float(scale)
         K = float(sm.evaluate(self.factor, env))
         return 2.0 ** -20 <= K and K * self.bound <= FOLD_LIMIT
