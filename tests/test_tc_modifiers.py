@@ -13,7 +13,7 @@ import tiga_numba  # noqa: F401  (first: shields tiga_numba.cuda from numba-cuda
 from tiga_numba import score_mod as sm
 from tiga_numba.cuda.tc import emulator as E
 from tiga_numba.cuda.tc import generator as G
-from tiga_numba.cuda.tc.generator.modifier import TANH, Modifier
+from tiga_numba.cuda.tc.generator.modifier import CEIL, TANH, Modifier
 
 from test_tc_emulator import RELATIONS, TOL, _inputs, rel, rounded
 
@@ -79,10 +79,30 @@ def _nan_capped():
     return tree, {c: 3.0}
 
 
+def _nan_shift_capped():
+    """A soft-cap whose tanh argument gets a NaN term beyond 8 keys back that does not depend on
+    the score: f'(z) keeps a static bound (1 - tanh^2), so the folded backward takes a NaN f' to a
+    finite one by one max.f32 (Modifier.deriv_bound) instead of testing the value."""
+    far = sm.make("gt", sm.make("sub", DST, SRC), sm.const(8.0))
+    nan = sm.make("log", sm.make("sub", sm.make("neg", sm.make("abs", sm.make("sub", DST, SRC))), sm.const(1.0)))
+    c = sm.Expr("scalar", (), "softcap")
+    shift = sm.make("where", far, nan, sm.const(0.0))
+    tree = sm.make("mul", c, sm.make("tanh", sm.make("add", sm.make("div", S, c), shift)))
+    return tree, {c: 3.0}
+
+
+def _ceiling():
+    """Up to four cells a row held at the ceiling (values above 1e30) with a constant f' (1): their
+    f' must be 0 where P is not (two such cells share a row's weight, so dP - Delta is not 0)."""
+    near = sm.make("lt", sm.make("sub", DST, SRC), sm.const(4.0))
+    return sm.make("add", S, sm.make("where", near, sm.const(2e30), sm.const(0.0))), {}
+
+
 MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window,
         "nan_far": _nan_far, "nan_far_sqrt": _nan_far_sqrt}
 #: trees run on one case and relation only (test_scalar_param_functions_emulated)
-MORE_MODS = {"scalar_fns": _scalar_fns, "nan_capped": _nan_capped}
+MORE_MODS = {"scalar_fns": _scalar_fns, "nan_capped": _nan_capped, "nan_shift_capped": _nan_shift_capped,
+             "ceiling": _ceiling}
 
 
 def _values(rng, tree, proto, nd, ns, H, dst, src):
@@ -192,7 +212,8 @@ def test_modified_forward_backward_emulated(modname, case, relname, fold=True):
     o, m, l = E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale, stats=st, mod=packed)
     assert np.isfinite(o).all() and rel(o, ro) < TOL[dtype]
     live = np.isfinite(rm)
-    np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-4)
+    # the kernels clamp y = f log2(e) at modifier.CEIL (base-2 units), the oracle f at 1e30
+    np.testing.assert_allclose(m[live], np.minimum(rm[live], CEIL / G.LOG2E), rtol=1e-5, atol=1e-4)
     assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
     mk = dict(MT=1)
     vq = G.Variant("dq", D, D, dtype=dtype, mod=mod, **mk, **sq).check()
@@ -211,11 +232,25 @@ def test_scalar_param_functions_emulated(case):
 
 
 @pytest.mark.parametrize("case", [0, 3])
-@pytest.mark.parametrize("modname, fold", [("softcap", False), ("nan_capped", True)])
+def test_a_constant_derivative_is_zero_at_the_ceiling_emulated(case, monkeypatch):
+    """f' = 1 (constant: cell() tests the ceiling only) is 0 on cells held at the ceiling. The dQ
+    kernel's tail rows (zero queries past the block, stats (0, 0), never stored) reach the ceiling
+    too, where P = 2^1e30 times f' = 0 is NaN: NaN operands are allowed in their products; the
+    stored gradients are checked finite and right."""
+    monkeypatch.setattr(E, "NAN_DATA", True)
+    assert Modifier(_ceiling()[0], TANH[CASES[case][3]]).deriv_const
+    test_modified_forward_backward_emulated("ceiling", case, "causal_tail")
+
+
+@pytest.mark.parametrize("case", [0, 3])
+@pytest.mark.parametrize("modname, fold", [("softcap", False), ("nan_capped", True), ("nan_shift_capped", True)])
 def test_soft_cap_with_and_without_the_fold_emulated(modname, fold, case):
     """the 16-bit soft-cap kernels without the fold (a call whose soft-cap is too large for it) and
-    the folded ones on NaN values (masked cells), mma.sync and wgmma."""
-    assert Modifier({**MODS, **MORE_MODS}[modname]()[0], TANH[CASES[case][3]]).fold is not None
+    the folded ones on NaN values (masked cells), mma.sync and wgmma: with an unbounded f' (its
+    value tested) and with a bounded one (clamped)."""
+    mod = Modifier({**MODS, **MORE_MODS}[modname]()[0], TANH[CASES[case][3]])
+    assert mod.fold is not None
+    assert (mod.deriv_bound is not None) == (modname != "nan_capped"), mod.deriv_bound
     test_modified_forward_backward_emulated(modname, case, "causal_tail", fold=fold)
 
 

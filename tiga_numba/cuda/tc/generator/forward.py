@@ -52,7 +52,7 @@ def gen_forward(v):
                 for j in range(BN // 8):
                     for r in range(4):
                         x = f"s{m}_{j}_{r}"
-                        v.mod.cell(e, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x, masked=False)
+                        v.mod.cell(e, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x)
 
         def block(kbuf, vbuf):
             if not v.prune:

@@ -29,11 +29,15 @@ cell of its fragment row or column and named for the others (`staged`; a kernel 
 cells in one straight-line region per loop body, which is what makes the first cell's name
 visible to the rest): a node field is then loaded once per row, not once per cell.
 
-Masked cells keep MASKED. A real cell's y is clamped to [MASKED, 1e30] (with a Fold its bounded g
-has only the floor): a value that is NaN, -inf or at most MASKED (max.f32 gives the bound for a
-NaN) becomes MASKED, so the edge is masked as on the CPU and the CUDA cores, and a row whose every
-edge the modifier masks is an empty row (the online softmax keeps l = 0 for a row that has met
-only masked cells: output 0, m = -inf).
+Masked cells keep MASKED: the relation's mask is applied after the modifier (forward) or to P
+and dS after the cell (backward), so a cell never tests for it. A real cell's y is clamped to
+[MASKED, 1e30] (with a Fold its bounded g has only the floor): a value that is NaN, -inf or at
+most MASKED (max.f32 gives the bound for a NaN) becomes MASKED, so the edge is masked as on the CPU
+and the CUDA cores, and a row whose every edge the modifier masks is an empty row (the online
+softmax keeps l = 0 for a row that has met only masked cells: output 0, m = -inf). Where the clamp
+holds y constant f' is 0 (a two-sided test of y); with a Fold whose f' has a static bound B (the
+soft-cap's 1 - tanh^2) a held cell is a NaN cell whose P is 0 anyway, and one max.f32 taking f' to
+at least -B keeps its dS 0 (a NaN f' would make P f' NaN).
 
 Per-call values (cuda/score_codegen.pack): mvp -> scalars then per-head params (k * H + h),
 mndp -> dst fields (Nq, n_dst, H), mnsp -> src fields (Nk, n_src, H), float32. Scalars and the
@@ -124,6 +128,11 @@ class Modifier:
             self._stages[role] = (lines, [(f"@{leaf.attr[3:]}", snum(x)) for x, leaf in group.items()])
         self._lines, num = self._src._emit([value, deriv])
         self._value, self._deriv = num(value), num(deriv)
+        #: with a Fold, a static bound B on f'(z) (None: none): cell() then takes NaN to -B by one
+        #: max.f32 instead of testing the value (only a NaN value reaches a folded value's floor)
+        self.deriv_bound = _bound(deriv) if self.fold is not None else None
+        #: f'(z) is a constant (ALiBi's 1): never NaN, so only the ceiling needs a test (cell())
+        self.deriv_const = deriv.op == "const"
         text = ("\n".join(self._hoisted + self._lines) + self._value + self._deriv + repr(self._stages)
                 + repr(sorted(self._src.consts.items())) + (self.fold.text if self.fold else ""))
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
@@ -165,10 +174,12 @@ class Modifier:
         if self.fold is not None:   # the kernel's exponent scale becomes the value's factor
             e(f"sc = {self.fold.text}")
 
-    def cell(self, e, x, i, j, y, d=None, masked=True):
-        """y = f(z) log2(e) (clamped; with `masked`, MASKED where x is MASKED) and, with d,
-        d = f'(z), for the raw score x (a name) of the cell at global destination i / source j
-        (Positions). The text is lower()'s: invariant factors were computed by params()."""
+    def cell(self, e, x, i, j, y, d=None):
+        """y = f(z) log2(e) (clamped) and, with d, d = f'(z), for the raw score x (a name) of the
+        cell at global destination i / source j (Positions). The text is lower()'s: invariant
+        factors were computed by params(). Masked cells are the caller's: the forward masks the
+        modified block (a masked cell's y is then MASKED whatever f made of it), the backward makes
+        their P and dS 0 after the cell (so y and d of a masked cell are never read)."""
         # positions as 32-bit integers (the dispatcher keeps them below 2^31): the float
         # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
         e(f"mi = u32({i.index}); mj = u32({j.index}); mif = {i.value}; mjf = {j.value}; mz = {x}")
@@ -199,11 +210,24 @@ class Modifier:
         else:   # a bounded value: only a NaN reaches the floor (Fold)
             clamped = f"atleast(mf, f32({MASKED!r}))"
             inside = f"mf > f32({MASKED!r})"
-        e(f"{y} = sel({x} != masked, {clamped}, masked)" if masked else f"{y} = {clamped}")
-        if d is not None:
-            # where the clamp holds y constant (a NaN or -inf value: the cell is masked; beyond the
-            # ceiling) f' is 0: P = 0 times a NaN f' (sqrt of a negative score) would make dS NaN
-            e(f"{d} = sel({inside}, {fill(self._deriv)}, f32(0.0))")
+        e(f"{y} = {clamped}")
+        if d is None:
+            return
+        if self.deriv_const:
+            # a finite f' times the P = 0 of a cell held at the floor is 0: only the ceiling, where
+            # P is not 0, needs f' = 0 (a Fold has no ceiling)
+            e(f"{d} = sel(mf < f32({CEIL!r}), {fill(self._deriv)}, f32(0.0))" if self.fold is None
+              else f"{d} = {fill(self._deriv)}")
+            return
+        if self.deriv_bound is not None:
+            # folded (no ceiling) and |f'| <= B: a cell the floor holds is a NaN cell, whose P is 0;
+            # its f' (NaN too) only has to be finite for P (dP - Delta) f' to be 0, and max.f32
+            # makes it -B (any finite f' is left as it is)
+            e(f"{d} = atleast({fill(self._deriv)}, f32({-self.deriv_bound!r}))")
+            return
+        # where the clamp holds y constant (a NaN or -inf value: the cell is masked; beyond the
+        # ceiling) f' is 0: P = 0 times a NaN f' (sqrt of a negative score) would make dS NaN
+        e(f"{d} = sel({inside}, {fill(self._deriv)}, f32(0.0))")
 
 
 class Fold:
@@ -340,14 +364,18 @@ def lower(tree, dtree, tanh="exp2"):
         return out
 
     def regroup(x):   # x's children already regrouped
-        if x.op not in ("mul", "div", "neg") or inv(x):
+        if x.op not in ("mul", "div", "neg"):
             return x
         num, den = [], []
         factors(x, num, den)
+        cancelled = False
         for f in list(den):   # c / c: the soft-cap's derivative is c (1 / c) (1 - t^2)
             if inv(f) and f in num:
                 num.remove(f)
                 den.remove(f)
+                cancelled = True
+        if inv(x):   # an invariant product is kept as written unless a factor cancelled
+            return x if not cancelled else sm.make("div", product(num), product(den))
         k = sm.make("div", product(f for f in num if inv(f)), product(f for f in den if inv(f)))
         cells = [f for f in num if not inv(f)]
         under = [f for f in den if not inv(f)]
