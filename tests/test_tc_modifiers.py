@@ -71,7 +71,7 @@ def _scalar_fns():
 
 def _nan_capped():
     """A soft-cap whose tanh argument is NaN beyond 8 keys back: the folded kernel's one-bound
-    clamp (cell_ops.atleast) must still mask those cells (no NaN in the output or the gradients)."""
+    clamp (clamps.atleast) must still mask those cells (no NaN in the output or the gradients)."""
     far = sm.make("gt", sm.make("sub", DST, SRC), sm.const(8.0))
     nan = sm.make("log", sm.make("sub", sm.make("neg", sm.make("abs", S)), sm.const(1.0)))
     c = sm.Expr("scalar", (), "softcap")
@@ -195,7 +195,7 @@ CASES = [  # (D, H, Hkv, dtype, forward shape, dq shape, dkdv shape)
 @pytest.mark.parametrize("modname", list(MODS))
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("relname", ["dense_rect_tail", "causal_tail", "segments", "empty_keys"])
-def test_modified_forward_backward_emulated(modname, case, relname, fold=True, fma_ex2=0):
+def test_modified_forward_backward_emulated(modname, case, relname, fold=True):
     D, H, Hkv, dtype, sf, sq, sk = CASES[case]
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
     nd, ns = int(dst[-1]), int(src[-1])
@@ -207,8 +207,7 @@ def test_modified_forward_backward_emulated(modname, case, relname, fold=True, f
     packed = (mod,) + _pack(tree, values, H, nd, ns)
     scale = D ** -0.5
     ro, rm, rdq, rdk, rdv = oracle(tree, values, q, k, v, do, dst, src, causal, scale)
-    vf = G.Variant("fwd", D, D, dtype=dtype, mod=mod, **sf, fma_ex2=fma_ex2).check()
-    assert ("ex2_fma(" in G.gen_source(vf)) == bool(fma_ex2)
+    vf = G.Variant("fwd", D, D, dtype=dtype, mod=mod, **sf).check()
     st = {}
     o, m, l = E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale, stats=st, mod=packed)
     assert np.isfinite(o).all() and rel(o, ro) < TOL[dtype]
@@ -230,30 +229,6 @@ def test_modified_forward_backward_emulated(modname, case, relname, fold=True, f
 @pytest.mark.parametrize("case", [2, 3])
 def test_scalar_param_functions_emulated(case):
     test_modified_forward_backward_emulated("scalar_fns", case, "causal_tail")
-
-
-@pytest.mark.parametrize("case", [0, 3])
-@pytest.mark.parametrize("share", ["some", "all"])
-@pytest.mark.parametrize("modname", ["softcap", "nan_capped"])
-def test_exponentials_on_the_fma_pipe_emulated(case, share, modname):
-    """the forward with some or all of its exponentials taken by cell_ops.ex2_fma (mma.sync and
-    wgmma; masked and NaN cells included), against the float64 oracle."""
-    nt = CASES[case][4]["BN"] // 8
-    test_modified_forward_backward_emulated(modname, case, "causal_tail", fma_ex2=3 if share == "some" else nt)
-
-
-def test_the_fma_exp2_against_numpy():
-    """cell_ops.ex2_fma as the emulator computes it: 2^x within 2e-7 relative on the softmax's
-    range, 0 below 2^-126 (ex2.approx.ftz) and for NaN, exact at the integers."""
-    x = np.concatenate([np.linspace(-126, 0, 200001, dtype=np.float32), -np.arange(127, dtype=np.float32)])
-    got = E._ex2_fma(x).astype(np.float64)
-    want = np.exp2(x.astype(np.float64))
-    assert np.max(np.abs(got / want - 1)) < 2e-7
-    assert (E._ex2_fma(-np.arange(127, dtype=np.float32)) == np.exp2(-np.arange(127.0))).all()
-    low = np.array([-126.01, -127.5, -1e4, -1e30, -3e38, -np.inf, np.nan], np.float32)
-    assert (E._ex2_fma(low) == 0).all() and E._ex2_fma(np.float32(-0.5)) == np.float32(E._ex2_fma(np.float32(-0.5)))
-    with pytest.raises(ValueError, match="fma_ex2"):
-        G.Variant("fwd", 64, 64, fma_ex2=2).check()   # a plain kernel's raw scores may be NaN
 
 
 @pytest.mark.parametrize("case", [0, 3])

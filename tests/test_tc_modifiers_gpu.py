@@ -152,13 +152,13 @@ def test_a_soft_cap_too_large_for_the_fold_runs_unfolded():
 
 
 def test_the_one_bound_clamp_on_the_device():
-    """cell_ops.atleast (max.f32), the folded modifier's clamp: NaN, -inf and values below the floor
+    """clamps.atleast (max.f32), the folded modifier's clamp: NaN, -inf and values below the floor
     give the floor, everything else passes unchanged (as the emulator's fmax)."""
     from numba import cuda
 
-    from tiga_numba.cuda.tc import cell_ops, emulator
+    from tiga_numba.cuda.tc import clamps, emulator
     from tiga_numba.cuda.tc.generator.variant import MASKED as FLOOR
-    atleast = cell_ops.intrinsics()["atleast"]
+    atleast = clamps.intrinsics()["atleast"]
 
     @cuda.jit
     def floor_all(x, out, lo):
@@ -173,32 +173,3 @@ def test_the_one_bound_clamp_on_the_device():
     want = np.array([FLOOR, FLOOR, np.inf, FLOOR, 3e38, -1.5, 0.0, FLOOR, 1.0], np.float32)
     np.testing.assert_array_equal(cupy.asnumpy(out), want)
     np.testing.assert_array_equal(emulator._atleast(x, FLOOR), want)
-
-
-def test_the_fma_exp2_on_the_device():
-    """cell_ops.ex2_fma (exp2 on the FMA pipe) on the device: the emulator's float32 steps to the
-    bit, within 2e-7 of 2^x, 0 below -126 and for NaN; and against ex2.approx (the SFU) on the
-    softmax's range."""
-    from numba import cuda
-
-    from tiga_numba.cuda.tc import cell_ops, emulator
-    ex2_fma = cell_ops.intrinsics()["ex2_fma"]
-
-    @cuda.jit
-    def exp_all(x, out):
-        i = cuda.grid(1)
-        if i < x.shape[0]:
-            out[i] = ex2_fma(x[i])
-
-    x = np.concatenate([np.linspace(-126, 0, 100001, dtype=np.float32),
-                        np.array([-126.01, -127.5, -1e4, -1e30, -3e38, -np.inf, np.nan, -0.0], np.float32)])
-    xd = cupy.asarray(x)
-    out = cupy.empty_like(xd)
-    exp_all[(x.size + 255) // 256, 256](xd, out)
-    got = cupy.asnumpy(out)
-    want = emulator._ex2_fma(x)
-    # the device's fma rounds once; the emulator's float64 product and sum, then float32: at most an ulp apart
-    assert np.max(np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))) <= 1
-    real = x >= -126
-    assert np.max(np.abs(got[real] / np.exp2(x[real].astype(np.float64)) - 1)) < 2e-7
-    assert (got[~real] == 0).all() and got[-1] == 1.0

@@ -1,17 +1,14 @@
 """How the tensor-core kernels should compile a score modifier: times and errors of the choices,
-side by side in one process (fp16, N = 16384, H = 16, D = 128, causal, soft-cap 30, ALiBi).
+side by side in one process (H200; fp16, N = 16384, H = 16, D = 128, causal, soft-cap 30, ALiBi).
 
     python benchmarks/gpu/mods_probe.py --prebuild --jobs 15   # the probe's cubins (no GPU needed)
     python benchmarks/gpu/mods_probe.py [--reps 10]
 
-Choices: the share of the soft-cap forward's exponentials taken on the FMA pipe
-(tuning.MODIFIED_SFU, Variant.fma_ex2: 0, 2, 4, 6 or 8 of a 128-key block's 16 column tiles) and
-the modified D = 128 forward's and dQ kernel's key block widths (tuning.MODIFIED). Rows: plain
-causal, then soft-cap (and ALiBi, where the choice concerns it) per choice, forward and
-forward+backward ms (CUDA events, median of --reps after a warm-up), their ratio to plain causal,
-and for the soft-cap the largest error of the output against a float64 evaluation of the first
---check-rows query rows of two heads. (Earlier versions compared the tanh forms, generator/
-modifier.py TANH: results/gpu-h200-2026-12-03b.txt.)
+Choices: tanh as ex2 + rcp or as the hardware tanh.approx.f32 (generator/modifier.py: TANH, the 16-bit entries), and the
+modified D = 128 forward's and dQ kernel's key block widths (tuning.MODIFIED). Rows: plain causal, then soft-cap and
+ALiBi per choice, forward and forward+backward ms (CUDA events, median of --reps after a warm-up),
+their ratio to plain causal, and for the soft-cap the largest error of the output against a float64
+evaluation of the first --check-rows query rows of two heads.
 """
 import argparse
 import os
@@ -23,24 +20,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tiga_numba as tg  # noqa: E402
 from tiga_numba.cuda.tc import tuning  # noqa: E402
+from tiga_numba.cuda.tc.generator import modifier as M  # noqa: E402
 from bench_score_mods_gpu import timed  # noqa: E402  (CUDA events, median of reps after a warm-up)
 
-#: (label, MODIFIED, MODIFIED_SFU, modifiers the choice concerns)
-FWD = ("wgmma", "fwd", 128)
-CHOICES = [("fwd BN=128, no FMA exp2", {}, {}, ("softcap", "alibi")),
-           ("fwd BN=128, FMA exp2 2/16", {}, {FWD: dict(fma_ex2=2)}, ("softcap",)),
-           ("fwd BN=128, FMA exp2 4/16", {}, {FWD: dict(fma_ex2=4)}, ("softcap",)),
-           ("fwd BN=128, FMA exp2 6/16", {}, {FWD: dict(fma_ex2=6)}, ("softcap",)),
-           ("fwd BN=128, FMA exp2 8/16", {}, {FWD: dict(fma_ex2=8)}, ("softcap",))]
+#: (label, tanh flavour, modified-kernel shape changes)
+CHOICES = [("exp2 tanh, fwd BN=128", "exp2", {}),
+           ("hardware tanh, fwd BN=128", "hardware", {}),
+           ("exp2 tanh, fwd BN=64", "exp2", {("wgmma", "fwd", 128): dict(BN=64)}),
+           ("exp2 tanh, fwd+dq BN=64", "exp2", {("wgmma", "fwd", 128): dict(BN=64),
+                                                ("wgmma", "dq", 128): dict(BN=64)})]
 MODS = ("softcap", "alibi")
 
 
 def _choose(choice):
     from tiga_numba.cuda.tc import api
-    _, shapes, sfu_shapes, _ = choice
-    for table, new in ((tuning.MODIFIED, shapes), (tuning.MODIFIED_SFU, sfu_shapes)):
-        table.clear()
-        table.update(new)
+    _, tanh, shapes = choice
+    M.TANH.update(float16=tanh, bfloat16=tanh)
+    tuning.MODIFIED.clear()
+    tuning.MODIFIED.update(shapes)
     api._MODIFIERS.clear()
 
 
@@ -51,8 +48,8 @@ def _build(job):
     _choose(CHOICES[c])
     if name == "plain":
         vr = tuning.variant(kind, 128, 128, "float16", wgmma=True)
-    elif name not in CHOICES[c][3]:
-        return f"skip {job}"   # a choice that does not change this modifier's kernels
+    elif name == "alibi" and CHOICES[c][1] != "exp2":
+        return f"skip {job}"   # no tanh in ALiBi: the exp2 choice's kernel
     else:   # triangular relations: ALiBi without the alignment shift
         vr = build.modified_variant("wg:" + kind, 128, "float16", name)
     t = time.time()
@@ -127,7 +124,9 @@ def main():
     print(f"plain causal                      fwd {plain[0]:7.3f} ms  fwd+bwd {plain[1]:7.3f} ms")
     for choice in CHOICES:
         _choose(choice)
-        for name in choice[3]:
+        for name in MODS:
+            if name == "alibi" and choice[1] != "exp2":
+                continue
             f, b, err = run(name)
             print(f"{name:8s} {choice[0]:26s} fwd {f:7.3f} ms  fwd+bwd {b:7.3f} ms  | / plain {f / plain[0]:.2f}, "
                   f"{b / plain[1]:.2f}{err}", flush=True)

@@ -27,7 +27,7 @@ import types as _types
 
 import numpy as np
 
-from . import barriers, cell_ops, copies, generator as G
+from . import barriers, clamps, copies, generator as G
 from .ptx import chain_operands
 
 
@@ -574,7 +574,7 @@ class Warps:
 
 
 def _atleast(x, lo):
-    """max.f32 (cell_ops.py): a NaN x gives lo."""
+    """max.f32 (clamps.py): a NaN x gives lo."""
     return np.fmax(np.float32(x) if np.ndim(x) == 0 else x, np.float32(lo))
 
 
@@ -583,25 +583,9 @@ def _clampf(x, lo, hi):
     return np.fmin(_atleast(x, lo), np.float32(hi))
 
 
-def _ex2_fma(x):
-    """cell_ops.ex2_fma as the PTX computes it, in float32: the rounding add, the degree-5
-    polynomial by fma (a float64 product and sum rounded once to float32), n added to the exponent
-    field as an unsigned 32-bit add (wrapping like add.s32), 0 below EX2_FLOOR and for NaN."""
-    x = np.asarray(x, np.float32)
-    with np.errstate(all="ignore"):
-        t = (x + np.float32(cell_ops.EX2_ROUND)).astype(np.float32)
-        f = (x - (t - np.float32(cell_ops.EX2_ROUND)).astype(np.float32)).astype(np.float32)
-        p = np.full(f.shape, cell_ops.EX2_POLY[-1], np.float32)
-        for c in cell_ops.EX2_POLY[-2::-1]:
-            p = (p.astype(np.float64) * f + np.float64(np.float32(c))).astype(np.float32)
-        r = (p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))).view(np.float32)
-        r = np.where(x >= np.float32(cell_ops.EX2_FLOOR), r, np.float32(0))
-    return r if r.ndim else r[()]
-
-
-#: cell_ops.py's intrinsics (pure functions of their operands)
-_CELL_OPS = {"atleast": _atleast, "ex2_fma": _ex2_fma}
-assert set(_CELL_OPS) == set(cell_ops.NAMES)
+#: clamps.py's intrinsics (pure functions of their operands)
+_CLAMPS = {"atleast": _atleast}
+assert set(_CLAMPS) == set(clamps.NAMES)
 
 
 def _sel(c, a, b):
@@ -619,7 +603,7 @@ def _ex2(x):
 #: difference into one fma (one rounding); numpy would round a * sc first. Rewritten to
 #: `ex2(fms(a, sc, b)` so that the emulator rounds as the hardware does, which is what makes the
 #: exponent of the row's largest score exactly the rounding error of m = a * sc.
-_CONTRACTED = re.compile(r"(ex2|ex2_fma)\((\w+) \* sc - (\w+)")
+_CONTRACTED = re.compile(r"ex2\((\w+) \* sc - (\w+)")
 
 
 def _fms(a, b, c):
@@ -645,14 +629,14 @@ def _modifier_args(mem, mod, scale, H):
     return np.float32(1.0), (np.float32(scale), H) + ptrs
 
 
-#: the prelude line of a text using barriers.py, cell_ops.py or copies.py imports the GPU intrinsics; here the
+#: the prelude line of a text using barriers.py, clamps.py or copies.py imports the GPU intrinsics; here the
 #: Warps' own stand in
-_INTRINSICS_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.(barriers|cell_ops|copies) import .*$", re.M)
+_INTRINSICS_IMPORT = re.compile(r"^from tiga_numba\.cuda\.tc\.(barriers|clamps|copies) import .*$", re.M)
 
 
 def compile_source(src, name="<tc-emu>"):
     src = _INTRINSICS_IMPORT.sub("", src)
-    code = compile(_CONTRACTED.sub(r"\1(fms(\2, sc, \3)", src), name, "exec")
+    code = compile(_CONTRACTED.sub(r"ex2(fms(\1, sc, \2)", src), name, "exec")
     return code
 
 
@@ -681,7 +665,7 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
                    "stg_u32_if", "stg_f32_if", "stg_v4_if", "stg_v2_if", "split3x2", "sts_u32x2", "ldg_u32_if", "ldg_f32_if", "ldg_v4_if", "ldg_i32", "pack2",
                    "unpack2", "shfl_xor", "wait_eq_if", "stg_release_if", "sts_halves", "sts_f32", "sts_v2", "sts_v4", "lds_f32x4", "lds_u32x4", "sts_u32x4", "red_v2_if", "red_v4_if") + barriers.NAMES + copies.NAMES:
             env[nm] = getattr(w, nm)
-        env.update(_CELL_OPS)
+        env.update(_CLAMPS)
         env["fence_async"] = lambda: None
         env["wgmma_chain"] = lambda form, N, steps, wait=True, w=w: \
             lambda *args: w.wgmma_chain(form, N, steps, args, wait)

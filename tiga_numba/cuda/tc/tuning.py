@@ -174,13 +174,6 @@ for _d in (64, 128, 256):
 #: 4.00 ms, benchmarks/gpu/mods_probe.py; results/gpu-h200-2026-12-03b.txt).
 MODIFIED = {}
 
-#: shape changes, after MODIFIED's, for kernels whose modifier takes an SFU instruction per score
-#: (a 16-bit soft-cap's tanh.approx: Modifier.sfu_cells), per (engine, kind, D). The softmax's
-#: exponential is the other SFU instruction of each score; in the ping-pong forward one
-#: warpgroup's softmax then runs about as long on the SFU as the other's two products run on the
-#: tensor cores, so a share of the exponentials is taken on the FMA pipe (Variant.fma_ex2).
-MODIFIED_SFU = {}
-
 
 #: shape changes for the forward over a narrow band, per (engine, kind, D): a banded relation
 #: (Graph.band, window=) whose every block's band is at most NARROW_KEYS keys wide gives each
@@ -254,8 +247,7 @@ def with_modifier(vr, mod):
     without its fold (modifier.Fold), 24 B with it, the ALiBi one none (ptxas, D = 128:
     benchmarks/tuning/tc_registers.py --kinds dkdv --dims 128 --modifier softcap [--no-fold])."""
     extra = {} if vr.kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
-    vr = modified(dataclasses.replace(vr, mod=mod, **extra))
-    return _changed(vr, MODIFIED_SFU) if mod.sfu_cells else vr
+    return modified(dataclasses.replace(vr, mod=mod, **extra))
 
 
 def head_dims(dtype, wgmma, op=None):
@@ -301,8 +293,7 @@ def table_entries(dtype, wgmma, kinds, D):
     engine = "wgmma" if wgmma else "mma"
     out = ()
     for kind in kinds:
-        out += (table.get((kind, D)), NARROW.get((engine, kind, D)), MODIFIED.get((engine, kind, D)),
-                MODIFIED_SFU.get((engine, kind, D)))
+        out += (table.get((kind, D)), NARROW.get((engine, kind, D)), MODIFIED.get((engine, kind, D)))
     return out + (NARROW_KEYS, NARROW_DTYPES)
 
 

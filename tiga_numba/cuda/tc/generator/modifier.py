@@ -138,9 +138,6 @@ class Modifier:
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
         #: explain()'s words for the tanh this text takes ("" when the tree has none)
         self.tanh_words = TANH_WORDS[tanh] if any(x.op == "tanh" for x in sm.walk(tree)) else ""
-        #: the value's cells take SFU instructions of their own (tanh, ex2, rcp, lg2, sqrt):
-        #: tuning.MODIFIED_SFU applies
-        self.sfu_cells = any(x.op in _SFU_OPS for x in sm.walk(value))
         #: explain()'s words for the fold ("" without one)
         self.fold_words = (f"; folded: f log2(e) = K g with K = {self.fold.factor} taken as the exponent scale "
                            f"(|g| <= {self.fold.bound:g}: one max.f32 clamp)" if self.fold else "")
@@ -158,7 +155,7 @@ class Modifier:
     def prelude(self, e):
         """module-level constants of the text (typed float32 globals: compile-time constants)."""
         if self.fold is not None:
-            e.uses_cell_ops()
+            e.uses_clamps()
         if "_dt = f32" not in e.prelude:
             e.prelude.append("_dt = f32")
             for value, name in self._src.consts.items():
@@ -239,7 +236,7 @@ class Fold:
     per cell and takes K as its exponent scale (`sc = K`, set by Modifier.params): the softmax's
     own fma, 2^(g sc - m), does the multiply that y = K g took per cell, as the unmodified kernels
     scale raw scores, and the row max, the stats and the backward's P are the same text in the
-    same (y) units. A bounded g needs no ceiling: the clamp is one max.f32 (cell_ops.atleast), which
+    same (y) units. A bounded g needs no ceiling: the clamp is one max.f32 (clamps.atleast), which
     still maps a NaN to MASKED (the cell is masked, as without the fold).
 
     It holds for a call (`holds`) where 2^-20 <= K and K B <= FOLD_LIMIT: K > 0 keeps the row max
@@ -323,10 +320,6 @@ TANH = {"float16": "hardware", "bfloat16": "hardware", "float32": "exp2"}
 TANH_WORDS = {
     "hardware": " (tanh: the hardware tanh.approx.f32, as flash-attn's soft-cap: ~1e-5 relative on the H200)",
     "exp2": " (tanh: 1 - 2 / (2^(2x log2 e) + 1) on ex2 / rcp, absolute error ~2e-7)"}
-
-#: the lowered ops the kernels take on the SFU (tanh.approx, ex2.approx, rcp.approx, lg2.approx,
-#: sqrt.approx)
-_SFU_OPS = ("tanh", "exp2", "recip", "log", "sqrt")
 
 #: the lowering's leaves: the kernel's score scale (an argument of every modified kernel)
 MSC = sm.Expr("scalar", (), "__msc")

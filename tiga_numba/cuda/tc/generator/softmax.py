@@ -34,13 +34,6 @@ def mask_rows(e, C, MT, ntiles, col0, lim):
 
 
 # ----------------------------------------------------------------------------- online softmax
-def fma_tiles(v):
-    """the column tiles (8 keys) of a key block whose exponentials online_softmax takes with
-    cell_ops.ex2_fma: v.fma_ex2 of the BN / 8, spread evenly (each the last of its share)."""
-    nt, k = v.BN // 8, v.fma_ex2
-    return {i * nt // k + nt // k - 1 for i in range(k)} if k else set()
-
-
 def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None):
     """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
     A row whose max is still MASKED has met only masked cells; its l stays 0 and its P is 0.
@@ -56,9 +49,6 @@ def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None):
     mx = lambda a, b: f"fmaxf({a}, {b})"
     ad = lambda a, b: f"({a} + {b})"
     nt = v.BN // 8
-    fma = fma_tiles(v)
-    if fma:
-        e.uses_cell_ops()
     for m in range(v.MT):
         for h in (0, 1):
             rs = (0, 1) if h == 0 else (2, 3)
@@ -76,9 +66,8 @@ def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None):
             e(f"m{m}{h} = mn")
             e("mu = sel(mn != masked, mn, zero)")
             for j in range(nt):
-                ex2 = "ex2_fma" if j in fma else "ex2"
                 for r in rs:
-                    e(f"{S}{m}_{j}_{r} = {ex2}({S}{m}_{j}_{r} * sc - mu)")
+                    e(f"{S}{m}_{j}_{r} = ex2({S}{m}_{j}_{r} * sc - mu)")
             e(f"l{m}{h} = l{m}{h} * {factors(m, h)} + " + _tree(ad, [f"{S}{m}_{j}_{r}" for j in range(nt) for r in rs]))
         if not defer:
             rescale(e, v, O, nt_o, factors, [m])

@@ -33,10 +33,10 @@ class Source:
         from .. import copies
         self._imports(copies.prelude_line())
 
-    def uses_cell_ops(self):
-        """the text calls cell_ops.py's one-bound clamp or exp2 on the FMA pipe."""
-        from .. import cell_ops
-        self._imports(cell_ops.prelude_line())
+    def uses_clamps(self):
+        """the text calls the one-bound clamp of clamps.py."""
+        from .. import clamps
+        self._imports(clamps.prelude_line())
 
     def _imports(self, line):
         """an intrinsics module's prelude line, once per text (the line carries that module's

@@ -88,9 +88,6 @@ class Variant:
     col_parts: int = 1    # dkdv, 16-bit wgmma: a CTA keeps 1 / col_parts of the dK and dV columns (grid z
     #                       picks which) and recomputes S^T and dP^T for its part: at D = 256, dK and dV
     #                       of 64 keys x 256 columns would take 256 accumulator registers per thread
-    fma_ex2: int = 0      # fwd with a score modifier: of a key block's BN / 8 column tiles, this many take
-    #                       the online softmax's exponentials on the FMA pipe (cell_ops.ex2_fma) instead
-    #                       of the SFU, which a soft-cap's tanh also uses (softmax.fma_tiles)
 
     @property
     def wg_async(self):
@@ -213,9 +210,6 @@ class Variant:
         if self.mod is not None and (self.prune or self.fuse_dq or self.wg_async and self.kind != "fwd"):
             raise ValueError("a score modifier runs in the forward (no pruning) and the two-kernel "
                              "backward without overlap (overlap=False): its f'(z) is taken with P")
-        if self.fma_ex2 and (self.kind != "fwd" or self.mod is None or not 0 < self.fma_ex2 <= self.BN // 8):
-            raise ValueError(f"fma_ex2 = {self.fma_ex2}: a modified forward's count of its BN / 8 = "
-                             f"{self.BN // 8} column tiles (its clamped cells are never NaN)")
         if self.dq_atomic and not self.fuse_dq:
             raise ValueError("dq_atomic needs fuse_dq")
         if self.col_parts != 1:
@@ -377,7 +371,7 @@ class Variant:
                 + (f"_pc{self.pb_cols}" if self.split and self.pb_cols != 64 else "")
                 + ("_as" if self.a_smem else "") + ("_fq" if self.fuse_dq else "") + ("_at" if self.dq_atomic else "")
                 + ("_wg" if self.wgmma else "") + ("_so" if self.wgmma and not self.overlap else "")
-                + (f"_cp{self.col_parts}" if self.col_parts != 1 else "") + (f"_fe{self.fma_ex2}" if self.fma_ex2 else "")
+                + (f"_cp{self.col_parts}" if self.col_parts != 1 else "")
                 + ("_gs" if self.stats_streamable() and not self.stats_smem else "") + ("_pr" if self.prune else "") + (("_pp" if self.v_slots == 3 else f"_pp{self.v_slots}") if self.pingpong_loop else "") + (f"_m{self.mod.digest}" if self.mod is not None else ""))
 
 
