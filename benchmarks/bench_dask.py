@@ -267,7 +267,7 @@ def run(args):
         rows = -(-n // chunks)
         threads = max(1, 2 // workers)
         with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                      dashboard_address=None, silence_logs=40,
+                                      dashboard_address=":0", silence_logs=40,
                                       env={"NUMBA_NUM_THREADS": str(threads)}) as cluster, \
                 distributed.Client(cluster) as client:
             addrs = sorted(client.scheduler_info()["workers"])

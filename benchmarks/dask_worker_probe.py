@@ -47,7 +47,7 @@ def in_cluster(nanny_environment):
     cfg = {} if nanny_environment else {"distributed.nanny.pre-spawn-environ": {}}
     with dask.config.set(cfg), \
             distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
-                                     dashboard_address=None, silence_logs=40,
+                                     dashboard_address=":0", silence_logs=40,
                                      env={"NUMBA_NUM_THREADS": "2"}) as cluster, \
             distributed.Client(cluster) as client:
         return client.submit(timed, "worker").result()

@@ -708,8 +708,10 @@ def test_layer_errors_at_the_call():
 @pytest.fixture(scope="module")
 def client():
     distributed = pytest.importorskip("distributed")
+    # dashboard on a free port (":0"): None still binds the default 8787, which the other xdist
+    # worker's cluster may hold
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=None, silence_logs=40) as cluster, \
+                                  dashboard_address=":0", silence_logs=40) as cluster, \
             distributed.Client(cluster) as c:
         yield c
 
@@ -730,7 +732,7 @@ def test_keep_freed_memory_config_reaches_the_workers_started_under_it():
     names = tuple(tgd.KEEP_FREED_MEMORY)
     with dask.config.set(tgd.keep_freed_memory_config()):
         with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
-                                      dashboard_address=None, silence_logs=40) as cluster, \
+                                      dashboard_address=":0", silence_logs=40) as cluster, \
                 distributed.Client(cluster) as c:
             seen = c.run(lambda: {k: os.environ.get(k) for k in names})
     assert list(seen.values()) == [tgd.KEEP_FREED_MEMORY]
