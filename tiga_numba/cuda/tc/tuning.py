@@ -243,9 +243,10 @@ def with_modifier(vr, mod):
     with a modifier that keeps dP in flight while the cells make P and P f'(z) spills 228 B at
     D = 128 (80 B serial) and is slower on an H100 (soft-cap / ALiBi forward+backward at N = 16384:
     17.6 / 17.5 ms against 14.2 / 14.1 ms; benchmarks/results/gpu-h100-2026-12-05c.txt). With the
-    block statistics in shared memory (Variant.stats_smem) the serial soft-cap kernel spills 104 B
-    without its fold (modifier.Fold), 24 B with it, the ALiBi one none (ptxas, D = 128:
-    benchmarks/tuning/tc_registers.py --kinds dkdv --dims 128 --modifier softcap [--no-fold])."""
+    block statistics in shared memory (Variant.stats_smem) the serial soft-cap kernel spills
+    40 / 32 B (stores / loads) with its fold (modifier.Fold), 28 / 20 B without, the ALiBi one none
+    (ptxas, D = 128, fp16: benchmarks/tuning/tc_registers.py --kinds dkdv --dims 128 --modifier
+    softcap [--no-fold])."""
     extra = {} if vr.kind == "fwd" else dict(fuse_dq=False, dq_atomic=False, overlap=False)
     return modified(dataclasses.replace(vr, mod=mod, **extra))
 
