@@ -389,6 +389,20 @@ def test_prebuild_names_the_kernels_a_flash_modifier_call_launches():
     assert build.modified_variant("wg:fwd", 64, "float16", "alibi").mod.tanh_words == ""
     with pytest.raises(ValueError, match="unknown modifier"):
         build.modified_kernels(["tanh"])
+    # ALiBi on an ordered relation (triangular here) runs the split forward: prebuilt too
+    ordered = build.modified_variant("wg:fwd", 128, "float16", "alibi" + build.ORDERED_SUFFIX)
+    assert ordered.mod.split is not None
+    assert ("wg:fwd", 128, "float16", None, "alibi" + build.ORDERED_SUFFIX) in build.modified_kernels(["alibi"])
+    specs = build.modified_kernels(["alibi"])
+    assert ("wg:dq", 64, "bfloat16", None, "alibi" + build.ORDERED_SUFFIX) in specs
+    assert not any(s[0].endswith("dkdv") and s[4].endswith(build.ORDERED_SUFFIX) for s in specs)
+    assert not any(s[4].endswith(build.ORDERED_SUFFIX) for s in build.modified_kernels(["softcap"]))
+    from tiga_numba.cuda.tc import api
+    bound = functional.flash_modifier(q, tg.Graph.triangular(6), None, slopes)
+    rec = api._host_record(tg.Graph.triangular(6)._blocks)
+    gmod = api._modifier_for(bound, "float16", 0.125)
+    assert api._ordered_modifier(bound, rec, gmod) == ordered.mod
+    assert api._ordered_modifier(bound, api._host_record(tg.Graph.dense(6)._blocks), gmod) is gmod
 
 
 def test_registry_routes_modifiers():
@@ -404,3 +418,126 @@ def test_registry_routes_modifiers():
         assert words in registry._tensor_cores(dataclasses.replace(req, **change))
     # without grads, pruning or gathers a modifier reaches the device probe (none here: no GPU)
     assert "no tensor-core kernels" in registry._tensor_cores(dataclasses.replace(req, modifier_grads=False))
+
+
+#: relations whose every edge keeps its source at or before the destination's position (ALiBi's
+#: distance taken signed and split: modifier.Split), and ones that do not
+ORDERED_GRAPHS = {
+    "causal": lambda tg: tg.Graph.triangular(131),
+    "window": lambda tg: tg.Graph.band(150, left=40),
+    "rect_causal": lambda tg: tg.Graph.cu_seqlens([0, 30, 100, 101], cu_seqlens_k=[0, 50, 90, 97]),
+    "varlen_window": lambda tg: tg.Graph.cu_seqlens([0, 1, 70, 200], window=(33, 0)),
+    # decode: the rows' positions near 6000, where float32 holds a distance term c j to ~2^-11
+    # (the split's terms are relative to each key block's first column: fp32-class here too)
+    "decode": lambda tg: tg.Graph.cu_seqlens([0, 3], cu_seqlens_k=[0, 6000]),
+}
+UNORDERED_GRAPHS = {
+    "dense": lambda tg: tg.Graph.dense(40, 50),
+    "two_sided": lambda tg: tg.Graph.band(130, left=20, right=7),
+    "segments_full": lambda tg: tg.Graph.cu_seqlens([0, 30, 64], causal=False),
+}
+#: (case of CASES, or its dtype's shipped D = 128 wgmma kernels): mma.sync, wgmma, the pipelined
+#: ping-pong wgmma forward
+ORDERED_CASES = [(0, False), (1, False), (2, False), (3, False), (3, True), (4, False)]
+
+
+def _flash_call(tg, graph, dtype, D, H, Hkv, softcap, seed):
+    from tiga_numba import functional
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(rng, graph.num_dst, graph.num_src, H, Hkv, D, dtype)
+    slopes = rng.uniform(0.05, 0.9, H)   # up to ALiBi's largest slope and beyond
+    return (q, k, v, do, slopes), functional.flash_modifier(q, graph, softcap, slopes)
+
+
+@pytest.mark.parametrize("graphname", list(ORDERED_GRAPHS))
+@pytest.mark.parametrize("case,shipped", ORDERED_CASES)
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_ordered_alibi_splits_the_forward_emulated(graphname, case, shipped, softcap):
+    if graphname == "decode" and softcap is not None:
+        pytest.skip("the long rows once per kernel shape (the soft-cap adds nothing there)")
+    """ALiBi on a relation whose sources never pass the destination's (bottom-right aligned)
+    position: the forward and the dQ kernel take the distance signed and split into a column term
+    and a row offset per key block (modifier.Split); out, m and the backward that reads the split
+    forward's m (dK/dV: the values as written) match the float64 CPU call; the API's check finds
+    the order."""
+    import tiga_numba as tg
+    from tiga_numba.cuda.tc import api, tuning
+    D, H, Hkv, dtype, sf, sq, sk = CASES[case]
+    if shipped:   # the shipped D = 128 16-bit wgmma kernels: the pipelined ping-pong forward
+        D = 128
+    graph = ORDERED_GRAPHS[graphname](tg)
+    (q, k, v, do, slopes), bound = _flash_call(tg, graph, dtype, D, H, Hkv, softcap,
+                                               hash((graphname, case, shipped, softcap)) % 2 ** 32)
+    rec = api._host_record(graph._blocks)
+    mod0 = Modifier(bound.tree, TANH[dtype], fold=True)
+    assert api.ordered(rec, bound, mod0.distances)
+    mod = Modifier(bound.tree, TANH[dtype], fold=True, ordered=True)
+    assert mod.split is not None and mod.digest != mod0.digest
+    if shipped:
+        vf = tuning.with_modifier(tuning.variant("fwd", D, D, dtype, wgmma=True), mod)
+        assert vf.fwd_pipelined
+    else:
+        vf = G.Variant("fwd", D, D, dtype=dtype, mod=mod, **sf).check()
+    nd, ns = graph.num_dst, graph.num_src
+    dst, src, causal = (np.asarray(x) for x in (graph._blocks.dst_offsets, graph._blocks.src_offsets,
+                                                graph._blocks.causal))
+    lo, hi = np.asarray(graph._blocks.lo), np.asarray(graph._blocks.hi)
+    packed = (mod,) + _pack(bound.tree, bound.values, H, nd, ns)
+    scale = D ** -0.5
+    st = {}
+    o, m, l = E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale, stats=st, mod=packed, lo=lo, hi=hi)
+    f64 = [x.astype(np.float64) for x in (q, k, v, do)]
+    ro, rstats = tg.attention(*f64[:3], graph, scale=scale, softcap=softcap, alibi_slopes=slopes, return_stats=True)
+    rm = np.asarray(rstats.m)
+    assert np.isfinite(o).all() and rel(o, ro) < TOL[dtype], rel(o, ro)
+    live = np.isfinite(rm)
+    np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-4)
+    assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
+    # from the split forward's base-2 m: the dQ kernel split too, dK/dV with the values as written
+    packed0 = (mod0,) + packed[1:]
+    if shipped:
+        vq, vk = (tuning.with_modifier(tuning.variant(kind, D, D, dtype, wgmma=True), x)
+                  for kind, x in (("dq", mod), ("dkdv", mod0)))
+    else:
+        vq = G.Variant("dq", D, D, dtype=dtype, mod=mod, MT=1, **sq).check()
+        vk = G.Variant("dkdv", D, D, dtype=dtype, mod=mod0, MT=1, **sk).check()
+    with pytest.raises(ValueError, match="dK/dV takes the modifier without"):
+        dataclasses.replace(vk, mod=mod).check()
+    out = rounded(np.asarray(ro, np.float32), dtype)
+    grads = E.backward(vq, vk, do, q, k, v, out, m, l, dst, src, causal.astype(np.uint8), scale,
+                       m_kernel=st["m_kernel"], mod=packed0, lo=lo, hi=hi)
+    want = tg.attention_backward(f64[3], *f64[:3], ro, rstats, graph, scale=scale, softcap=softcap,
+                                 alibi_slopes=slopes)
+    for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+        assert np.isfinite(got).all(), name
+        assert rel(got, w) < 3 * TOL[dtype], (name, rel(got, w))
+
+
+def test_the_order_check_refuses_what_it_cannot_prove():
+    """api.ordered: relations with an edge past the destination's position, and a shift field
+    that moves a row's position before its last source, keep |.| (the unsplit forward); the
+    check is memoised per relation for the same field arrays, and a new array is checked anew."""
+    import tiga_numba as tg
+    from tiga_numba import functional
+    from tiga_numba.cuda.tc import api
+    for name, make in UNORDERED_GRAPHS.items():
+        graph = make(tg)
+        _, bound = _flash_call(tg, graph, "float16", 64, 2, 1, None, 0)
+        rec = api._host_record(graph._blocks)
+        assert not api.ordered(rec, bound, Modifier(bound.tree).distances), name
+    graph = ORDERED_GRAPHS["rect_causal"](tg)
+    q = np.zeros((graph.num_dst, 2, 8), np.float32)
+    rec = api._host_record(graph._blocks)
+    shift = functional._alibi_shift(graph)
+    good = functional.flash_modifier(q, graph, None, np.ones(2))
+    dist = Modifier(good.tree).distances
+    assert len(dist) == 1 and api.ordered(rec, good, dist)
+    for bad_row in (0, 29, 99):   # one row's position one before its last source
+        moved = shift.copy()
+        moved[bad_row] -= 1
+        bad = sm.bind_flash(None, np.ones(2), moved)
+        assert bad.tree == good.tree and not api.ordered(rec, bad, dist), bad_row
+    assert api.ordered(rec, good, dist)   # the good array again: checked anew, still ordered
+    # a tree without a distance is never split, ordered or not
+    cap = Modifier(_softcap()[0], ordered=True)
+    assert cap.split is None and cap.digest == Modifier(_softcap()[0]).digest

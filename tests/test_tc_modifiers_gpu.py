@@ -23,17 +23,20 @@ TOL = {"float16": 4e-3, "bfloat16": 3e-2}
 
 def _relation(kind):
     """(graph, num_dst, num_src): causal; causal segments of lengths 1, 0, 69, 80, 150; a dense
-    rectangular block (ALiBi bottom-right aligned through its shift field)."""
+    rectangular block (ALiBi bottom-right aligned through its shift field); bottom-right causal
+    rectangular segments (aligned, ordered: the forward splits ALiBi's distance)."""
     if kind == "causal":
         return tg.Graph.triangular(300), 300, 300
     if kind == "segments":
         return tg.Graph.cu_seqlens(np.array([0, 1, 1, 70, 150, 300])), 300, 300
+    if kind == "rect_causal":
+        return tg.Graph.cu_seqlens([0, 30, 100, 260], cu_seqlens_k=[0, 50, 90, 400]), 260, 400
     return tg.Graph.dense(230, 150), 150, 230
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kind", ["causal", "segments", "rect"])
+@pytest.mark.parametrize("kind", ["causal", "segments", "rect", "rect_causal"])
 @pytest.mark.parametrize("which", ["softcap", "alibi"])
 def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
     graph, nd, ns = _relation(kind)
@@ -51,6 +54,8 @@ def test_functional_modifiers_run_on_the_tensor_cores(dtype, D, kind, which):
     out, stats = tg.attention(qd, kd, vd, graph, return_stats=True, **kw)
     assert "kernel family: cuda.tc" in tg.explain()
     assert ("taken as the exponent scale" in tg.explain()) == (which == "softcap")   # modifier.Fold
+    # ALiBi on a relation that keeps sources at or before the destination's position: modifier.Split
+    assert ("taken as the signed distance" in tg.explain()) == (which == "alibi" and kind != "rect")
     dq, dk, dv = tg.attention_backward(dod, qd, kd, vd, out, stats, graph, **kw)
     bound = functional.flash_modifier(q, graph, kw.get("softcap"), slopes if which == "alibi" else None)
     values = {x: (np.asarray(val) if not isinstance(val, float) else val) for x, val in bound.values.items()}

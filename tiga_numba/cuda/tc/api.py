@@ -50,6 +50,7 @@ import math
 
 import numpy as np
 
+from ... import score_mod as sm
 from ...arrays import _is_cupy_ndarray
 from ...kernel_cache import KERNELS
 from ...plan import defer_counts
@@ -394,11 +395,52 @@ def _host_number(v):
     return isinstance(v, (int, float, np.integer, np.floating)) or (isinstance(v, np.ndarray) and v.ndim == 0)
 
 
-def _modifier(tree, tanh, fold):
-    mod = _MODIFIERS.get((tree, tanh, fold))
+def _modifier(tree, tanh, fold, ordered=False):
+    mod = _MODIFIERS.get((tree, tanh, fold, ordered))
     if mod is None:
-        mod = _MODIFIERS[tree, tanh, fold] = G.Modifier(tree, tanh, fold)
+        mod = _MODIFIERS[tree, tanh, fold, ordered] = G.Modifier(tree, tanh, fold, ordered)
     return mod
+
+
+def _ordered_modifier(score_mod, rec, gmod):
+    """the Modifier of the kernels that stream key blocks (forward, dQ): `gmod` (_modifier_for's),
+    or where its tree takes |P - src.index| (ALiBi's distance) and every edge of the relation has
+    P >= src.index (ordered()), the one that takes the distance signed and splits it
+    (modifier.Split). The dK/dV kernel keeps gmod."""
+    if not gmod.distances or not ordered(rec, score_mod, gmod.distances):
+        return gmod
+    return _modifier(gmod.tree, gmod.tanh, gmod.fold is not None, True)
+
+
+def ordered(rec, score_mod, distances):
+    """whether every edge (i, j) of the relation record has P(i) >= j for each distance
+    P - src.index (P: the destination's position and fields; a field's per-head values must all
+    hold). Memoised on the relation record for the field arrays of the call (the same objects:
+    functional caches ALiBi's shift per graph), so a call pays the check once per graph."""
+    fields = tuple(dict.fromkeys(x for d in distances for x in sm.leaves(d.args[0], "node")))
+    arrays = tuple(score_mod.values.get(x) for x in fields)
+    key = ("ordered", distances)
+    hit = rec["tables"].get(key)
+    if hit is not None and len(hit[0]) == len(arrays) and all(a is b for a, b in zip(hit[0], arrays)):
+        return hit[1]
+    rows, last = schedule.last_sources(rec["dst"], rec["src"], rec["lo"], rec["hi"])
+    ok = True
+    for d in distances:
+        env = {x: _rows_of(score_mod.values.get(x), rows) for x in sm.leaves(d.args[0], "node")}
+        env[sm.Expr("index", (), "dst")] = rows.astype(np.float64)[:, None]
+        with np.errstate(invalid="ignore"):
+            P = np.asarray(sm.evaluate(d.args[0], env), np.float64)
+        P = np.broadcast_to(P, np.broadcast_shapes(P.shape, (rows.size, 1)))
+        ok = ok and bool(np.all(P.min(1, initial=np.inf) >= last))   # a NaN fails
+    rec["tables"][key] = (arrays, ok)
+    return ok
+
+
+def _rows_of(values, rows):
+    """a destination field's host values at `rows`, as (rows, 1) or (rows, H) float64."""
+    a = np.asarray(values.get() if hasattr(values, "get") else values, np.float64)
+    a = a[rows]
+    return a[:, None] if a.ndim == 1 else a
 
 
 def _modifier_values(score_mod, H, nd, ns, copies):
@@ -431,7 +473,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     rec = _host_relation(relation)
     rho = getattr(plan, "prune_threshold", None)
     wg = use_wgmma(dt)
-    gmod = None if score_mod is None else _modifier_for(score_mod, dt, plan.scale)
+    gmod = None if score_mod is None else _ordered_modifier(score_mod, rec, _modifier_for(score_mod, dt, plan.scale))
     key = ("fwd-launch", dt, nd, H, D, Dv, wg, current_device(), gmod, rho is not None)
     launch = _launch_memo(rec, key, tuning.table_entries(dt, wg, ("fwd",), D),
                           lambda: _forward_call(rec, dt, D, Dv, wg, score_mod, gmod, rho is not None))
@@ -474,6 +516,7 @@ def _forward_call(rec, dt, D, Dv, wgmma, score_mod, gmod, pruned):
         kernel=f"tensor-core FA2 forward ({dt}, {_engine(vr)}, cp.async double buffer"
                + (", tile pruning: near key blocks first)" if vr.prune else ")")
                + (f"; score modifier compiled in: f = {score_mod.tree}{vr.mod.tanh_words}{vr.mod.fold_words}"
+                  f"{vr.mod.split_words}"
                   if score_mod is not None else ""),
         precision=precision(vr),
         tiles=f"BM={vr.BM} BN={vr.BN} warps={vr.NW}{why}; {launch.visited} of {launch.total} tiles visited "
@@ -509,10 +552,11 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     det = deterministic(plan)
     wg = use_wgmma(dt)
     gmod = None if score_mod is None else _modifier_for(score_mod, dt, plan.scale)
-    key = ("bwd-launch", dt, nd, ns, H, Hkv, D, Dv, wg, det, current_device(), gmod)
+    qmod = None if score_mod is None else _ordered_modifier(score_mod, rec, gmod)   # the dQ kernel's
+    key = ("bwd-launch", dt, nd, ns, H, Hkv, D, Dv, wg, det, current_device(), gmod, qmod)
     entries = tuning.table_entries(dt, wg, ("dq", "dkdv"), D) + (None if det else tuning.atomic_shape(D, dt, wg),)
     launch = _launch_memo(rec, key, entries,
-                          lambda: _backward_call(rec, dt, nd, ns, D, Dv, wg, det, score_mod, gmod))
+                          lambda: _backward_call(rec, dt, nd, ns, D, Dv, wg, det, score_mod, gmod, qmod))
     vq, vk = launch.vq, launch.vk
     mod, keep = _modifier_values(score_mod, H, nd, ns, copies)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
@@ -544,16 +588,18 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     return dq, dk, dv, None
 
 
-def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod, gmod):
+def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod, gmod, qmod=None):
     """The _BackwardLaunch of a backward call shape: the shipped variants for the relation's band
-    (deterministic or not), the score modifier (`gmod`, score_mod's generator Modifier) compiled
-    in, and explain()'s words for them."""
+    (deterministic or not), the score modifier (`gmod`, score_mod's generator Modifier; `qmod`, the
+    dQ kernel's: _ordered_modifier) compiled in, and explain()'s words for them."""
+    qmod = gmod if qmod is None else qmod   # the dQ kernel's (_ordered_modifier)
     shipped = backward_variants(D, Dv, dt, det, wgmma)
     band = _band_keys(rec)
     vq, vk = (None if vr is None else tuning.narrow(vr, band) for vr in shipped)
     narrowed = (vq, vk) != shipped
     if score_mod is not None:
-        vq, vk = (tuning.with_modifier(vr, gmod) for vr in (vq or variant("dq", D, Dv, dt, wgmma), vk))
+        vq = tuning.with_modifier(vq or variant("dq", D, Dv, dt, wgmma), qmod)
+        vk = tuning.with_modifier(vk, gmod)
     launch = _BackwardLaunch(rec, vq, vk)
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
@@ -573,7 +619,8 @@ def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod, gmod):
     if narrowed:
         tiles += tuning.NARROW_WORDS
     if score_mod is not None:
-        how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}{vk.mod.fold_words}, dS scaled by f'"
+        how += (f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}{vk.mod.fold_words}, "
+                f"dS scaled by f'{qmod.split_words if vq is not None else ''}")
     main = launch.main
     launch.info = dict(kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
                        precision=precision(vk), tiles=tiles, ir={"llvm": main.llvm, "ptx": main.ptx})

@@ -115,3 +115,22 @@ def rows_without_keys(dst_offsets, src_offsets, nd, lo=None, hi=None):
         # row r sees columns max(0, r + lo_b) .. min(nc - 1, r + hi_b)
         out[dst[b]:dst[b + 1]] = np.maximum(0, r + lo_b) > np.minimum(nc[b] - 1, r + hi_b)
     return out
+
+
+def last_sources(dst_offsets, src_offsets, lo=None, hi=None):
+    """(rows, last): the destination rows that hold an edge (int64, increasing) and the global
+    position of the last source each one's band admits (row r of block b: s0_b + min(nc_b - 1,
+    r + hi_b)). What a score modifier's order check compares the rows' positions with
+    (api.ordered)."""
+    dst = np.asarray(dst_offsets, np.int64)
+    src = np.asarray(src_offsets, np.int64)
+    nr, nc = np.diff(dst), np.diff(src)
+    S = nr.size
+    lo = 1 - nr if lo is None else np.asarray(lo, np.int64)
+    hi = nc - 1 if hi is None else np.asarray(hi, np.int64)
+    b = np.repeat(np.arange(S), nr)
+    r = np.arange(b.size, dtype=np.int64) - np.repeat(np.cumsum(nr) - nr, nr)   # row inside its block
+    first = np.maximum(0, r + lo[b])
+    last = np.minimum(nc[b] - 1, r + hi[b])
+    live = first <= last
+    return (np.repeat(dst[:-1], nr) + r)[live], (src[b] + last)[live]

@@ -53,10 +53,16 @@ def gen_forward(v):
                     for r in range(4):
                         x = f"s{m}_{j}_{r}"
                         v.mod.cell(e, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x)
+            if v.mod.split is not None:   # S holds f + R: the rows' offsets for online_softmax
+                for m in range(MT):
+                    for h in (0, 1):
+                        v.mod.row_offset(e, cell_row(m, 2 * h), f"ro{m}{h}", f"col0 + kb * {BN}")
+
+        offset = (lambda m, h: f"ro{m}{h}") if v.mod and v.mod.split is not None else None  # noqa: E731
 
         def block(kbuf, vbuf):
             if not v.prune:
-                online_softmax(e, v, "s", "o", Dv // 8)
+                online_softmax(e, v, "s", "o", Dv // 8, offset=offset)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
                 return
             rowmax = prune_gate(e, v)   # a pruned tile skips the softmax and the value product
@@ -68,7 +74,7 @@ def gen_forward(v):
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
         if v.fwd_pipelined:
-            pipelined_key_blocks(e, v, where["qa"], modify if v.mod else None)
+            pipelined_key_blocks(e, v, where["qa"], modify if v.mod else None, offset)
         else:
             stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)], modify=modify if v.mod else None)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l, and (mkp
@@ -96,7 +102,7 @@ def gen_forward(v):
     return e.text()
 
 
-def pipelined_key_blocks(e, v, qa_where, modify=None):
+def pipelined_key_blocks(e, v, qa_where, modify=None, offset=None):
     """The forward's key loop as a software pipeline on the warpgroup's tensor cores (wgmma,
     16-bit; Variant.fwd_pipelined). Iteration kb issues S = Q K^T of block kb and, right behind
     it, O += P V of block kb - 1 (P packed at the end of the previous iteration), waits for S
@@ -250,7 +256,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None):
             row_limits(e, v, "lim", "wrow")
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
         factors = lambda m, h: f"alf{m}{h}"  # noqa: E731   kept until P V has completed
-        online_softmax(e, v, "s", "o", Dv // 8, factors=factors)
+        online_softmax(e, v, "s", "o", Dv // 8, factors=factors, offset=offset)
         wg_wait(e, 0, "o", Dv // 8)
         if pp:
             e(f"mbar_arrive({empty_v('vsr')})")   # P V of kb - 1 read its V slot: free

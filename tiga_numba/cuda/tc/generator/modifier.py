@@ -99,7 +99,7 @@ class Modifier:
     """One tree's inline text for the tensor-core kernels. Equal trees lowered alike are equal
     modifiers (the Variant, and so the kernel name and its cubin, is keyed on `digest`)."""
 
-    def __init__(self, tree, tanh="exp2", fold=True):
+    def __init__(self, tree, tanh="exp2", fold=True, ordered=False):
         if tanh not in ("exp2", "hardware"):
             raise ValueError(f"tanh must be 'exp2' or 'hardware', got {tanh!r}")
         self.tree = tree
@@ -108,11 +108,27 @@ class Modifier:
         if self.layout.edges:
             raise NotImplementedError("per-edge fields need a CSR relation (CUDA-core kernels)")
         self.dtree = sm.diff(tree, sm.SCORE)
-        (value, deriv), hoisted = lower(tree, self.dtree, tanh)
+        #: the distances P - src.index the tree takes |.| of (ALiBi's); with `ordered` (the
+        #: caller checked P >= src.index on every edge: api.ordered) they are taken signed
+        #: (ordered_tree) and split (Split)
+        self.distances = distances(tree)
+        self.ordered = bool(ordered and self.distances)
+        (value, deriv), hoisted = lower(ordered_tree(tree) if self.ordered else tree, self.dtree, tanh)
         #: Fold (or None): the value's positive factor taken by the exponent scale (see Fold)
         self.fold = Fold.of(value, hoisted) if fold else None
         if self.fold is not None:
             value = self.fold.rest
+        #: Split (or None): the value's distance terms taken apart into a column term in the
+        #: cells and a row offset per key block (forward kernels only; see Split)
+        self.split = Split.of(value) if self.ordered and self.fold is None else None
+        if self.ordered and self.split is None:   # nothing to split: the tree as written
+            self.ordered = False
+            (value, deriv), hoisted = lower(tree, self.dtree, tanh)
+            self.fold = Fold.of(value, hoisted) if fold else None
+            if self.fold is not None:
+                value = self.fold.rest
+        if self.split is not None:
+            value = self.split.cell
         # the cell-invariant subtrees (params()), then the cell's text (cell()); one constant table
         self._src = score_source.Source(tree, (), _Target(self.layout))
         hsrc = score_source.Source(tree, (), _Target(self.layout, temp="mq"))
@@ -128,19 +144,32 @@ class Modifier:
             self._stages[role] = (lines, [(f"@{leaf.attr[3:]}", snum(x)) for x, leaf in group.items()])
         self._lines, num = self._src._emit([value, deriv])
         self._value, self._deriv = num(value), num(deriv)
+        self._row = self._coef = ([], "")   # Split's row offset and column coefficient: lines, value
+        if self.split is not None:
+            for attr, x, temp in (("_row", self.split.row, "mr"), ("_coef", self.split.coef, "mc")):
+                xsrc = score_source.Source(tree, (), _Target(self.layout, temp=temp))
+                xsrc.consts = self._src.consts
+                lines, xnum = xsrc._emit([x])
+                setattr(self, attr, (lines, xnum(x)))
         #: with a Fold, a static bound B on f'(z) (None: none): cell() then takes NaN to -B by one
         #: max.f32 instead of testing the value (only a NaN value reaches a folded value's floor)
         self.deriv_bound = _bound(deriv) if self.fold is not None else None
         #: f'(z) is a constant (ALiBi's 1): never NaN, so only the ceiling needs a test (cell())
         self.deriv_const = deriv.op == "const"
         text = ("\n".join(self._hoisted + self._lines) + self._value + self._deriv + repr(self._stages)
-                + repr(sorted(self._src.consts.items())) + (self.fold.text if self.fold else ""))
+                + repr(sorted(self._src.consts.items())) + (self.fold.text if self.fold else "")
+                + (repr((self._row, self._coef)) if self.split else ""))
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12]
         #: explain()'s words for the tanh this text takes ("" when the tree has none)
         self.tanh_words = TANH_WORDS[tanh] if any(x.op == "tanh" for x in sm.walk(tree)) else ""
         #: explain()'s words for the fold ("" without one)
         self.fold_words = (f"; folded: f log2(e) = K g with K = {self.fold.factor} taken as the exponent scale "
                            f"(|g| <= {self.fold.bound:g}: one max.f32 clamp)" if self.fold else "")
+        #: explain()'s words for the split ("" without one)
+        self.split_words = ("; the relation keeps every source at or before its destination's position, so "
+                            + ", ".join(f"|{d}|" for d in self.distances) + " is taken as the signed distance, "
+                            "a column term per key and a row offset per key block (forward and dQ kernels)"
+                            if self.split else "")
 
     def __eq__(self, other):   # the digest: the same tree lowered with another TANH differs
         return isinstance(other, Modifier) and other.tree == self.tree and other.digest == self.digest
@@ -173,6 +202,11 @@ class Modifier:
             e(line.strip())
         if self.fold is not None:   # the kernel's exponent scale becomes the value's factor
             e(f"sc = {self.fold.text}")
+        if self.split is not None:   # the column term's coefficient, and the thread's part of it
+            lines, value = self._coef
+            for line in lines:
+                e(line.strip())
+            e(f"mcc = {value}; mct = mcc * {cell_col('kb', 0, 0).rel[0]}")
 
     def cell(self, e, x, i, j, y, d=None):
         """y = f(z) log2(e) (clamped) and, with d, d = f'(z), for the raw score x (a name) of the
@@ -196,6 +230,13 @@ class Modifier:
                     e(line.strip().replace("mpX", f"mp{n}_"))
                 got = memo[role, pos.index] = {ph: text.replace("mpX", f"mp{n}_") for ph, text in outs}
             names.update(got)
+        if self.split is not None:   # the column term K (j - j0) = K (2 t) + K c: one fma a column
+            key = ("column term", j.index)
+            got = memo.get(key)
+            if got is None:
+                got = memo[key] = f"mc{len(memo)}_"
+                e(f"{got} = mcc * {j.rel[1]} + mct")
+            names["@col@"] = got
 
         def fill(text):
             for ph, name in names.items():
@@ -228,6 +269,17 @@ class Modifier:
         # where the clamp holds y constant (a NaN or -inf value: the cell is masked; beyond the
         # ceiling) f' is 0: P = 0 times a NaN f' (sqrt of a negative score) would make dS NaN
         e(f"{d} = sel({inside}, {fill(self._deriv)}, f32(0.0))")
+
+
+    def row_offset(self, e, i, name, first):
+        """`name` = the Split's row offset R of the destination at position i (a Position) for the
+        key block whose first global column is `first` (an integer expression): the cells of
+        that block hold y + R (Split)."""
+        e(f"mi = u32({i.index}); mif = {i.value}; mj0 = f32(u32({first}))")
+        lines, value = self._row
+        for line in lines:
+            e(line.strip())
+        e(f"{name} = {value}")
 
 
 class Fold:
@@ -285,6 +337,109 @@ class Fold:
 
 #: the largest K B a fold takes (Fold)
 FOLD_LIMIT = 2.0 ** 16
+
+
+#: Split's column term in a cell's value (a lowering leaf: the name cell() gives its column's)
+COLUMN_TERM = sm.Expr("scalar", (), "__@col@")
+#: the key block's first column (Split's row offset; a lowering leaf, named mj0 in the text)
+FIRST_COL = sm.Expr("scalar", (), "__mj0")
+_SRC = sm.Expr("index", (), "src")
+
+
+def distances(tree):
+    """the distances P - src.index that `tree` takes the absolute value of, P a function of the
+    destination's position and fields only (ALiBi's dst.index + dst._alibi_shift - src.index),
+    in first-use order."""
+    out = []
+    for x in sm.walk(tree):
+        if x.op == "abs" and _is_distance(x.args[0]) and x.args[0] not in out:
+            out.append(x.args[0])
+    return tuple(out)
+
+
+def _is_distance(d):
+    return (d.op == "sub" and d.args[1] == _SRC
+            and all(x.op == "const" or (x.op in ("index", "node") and _role(x) == "dst")
+                    for x in sm.leaves(d.args[0])))
+
+
+def ordered_tree(tree):
+    """`tree` with |P - src.index| written as P - src.index for each of its distances(): equal to
+    it on every edge of a relation where P >= src.index (api.ordered checks the call's)."""
+    return sm.substitute(tree, {sm.Expr("abs", (d,)): d for d in distances(tree)})
+
+
+class Split:
+    """A lowered value y = rest + sum_t c_t (P_t - j) whose distance terms (c_t cell-invariant,
+    P_t a destination position such as ALiBi's i + shift, j the source's position) are split at
+    the key block's first column j0: c (P - j) = c (P - j0) - c (j - j0). The cells compute
+    y + R = rest + K (j - j0) with K = -sum c_t (`coef`; |.| needs the relation's order:
+    ordered_tree): the column term is one fma per column position and key block (j - j0 is the
+    thread's 2 t plus the cell's constant: K (2 t) is computed once per kernel), and an ALiBi
+    cell is one fma on the score where it took a subtraction, a multiply and an fma around
+    |i - j|. The row offset R = -sum c_t (P_t - j0) (`row`) is computed once per row and key
+    block: the online softmax takes the row max of y + R less R and exponentiates
+    (y + R) - (m + R), so the running max, the stats and P are those of y. j - j0 and P - j0 are
+    exact integers in float32 and both terms stay near the size of the block (not of the
+    sequence) where the weights are large, so y loses nothing to the split; the clamp of y + R to
+    [MASKED, CEIL] is that of y (R is far below either bound's rounding). The backward kernels
+    compute y as it is written (Modifier without `ordered`)."""
+
+    def __init__(self, cell, coef, row):
+        self.cell = cell   # y + R: the rest plus COLUMN_TERM
+        self.coef = coef   # K, cell-invariant: the column term is K (j - j0)
+        self.row = row     # R, a tree of the destination's position and FIRST_COL
+
+    @classmethod
+    def of(cls, value):
+        """the Split of a lowered value, or None where it has no distance term or nothing else."""
+        terms = []
+        _signed_terms(value, 1, terms)
+        rest, parts = [], []
+        for sign, t in terms:
+            got = _distance_term(t)
+            if got is None:
+                rest.append((sign, t))
+            else:
+                parts.append((sign,) + got)
+        if not parts or not rest:
+            return None
+        cell = _signed_sum(rest + [(1, COLUMN_TERM)])
+        coef = _signed_sum([(-sign, c) for sign, c, P in parts])
+        row = _signed_sum([(-sign, sm.make("mul", c, sm.make("sub", P, FIRST_COL))) for sign, c, P in parts])
+        return cls(cell, coef, row)
+
+
+def _signed_terms(x, sign, out):
+    """x as a sum of (sign, term) through add / sub / neg."""
+    if x.op in ("add", "sub"):
+        _signed_terms(x.args[0], sign, out)
+        _signed_terms(x.args[1], sign if x.op == "add" else -sign, out)
+    elif x.op == "neg":
+        _signed_terms(x.args[0], -sign, out)
+    else:
+        out.append((sign, x))
+
+
+def _signed_sum(terms):
+    out = None
+    for sign, t in terms:
+        if out is None:
+            out = t if sign > 0 else sm.make("neg", t)
+        else:
+            out = sm.make("add" if sign > 0 else "sub", out, t)
+    return out
+
+
+def _distance_term(t):
+    """(c, P) where the lowered term t is c (P - src.index) with c cell-invariant, else None."""
+    if _is_distance(t):
+        return sm.ONE, t.args[0]
+    if t.op == "mul":
+        for c, d in (t.args, t.args[::-1]):
+            if c.is_leaf and c.op in _INVARIANT_LEAVES and _is_distance(d):
+                return c, d.args[0]
+    return None
 
 
 def _bound(x):
@@ -439,7 +594,7 @@ def _role(x):
     if x.op == "node":
         return x.attr[0]
     if x.op == "index":
-        return x.attr
+        return "src" if x.attr.startswith("src") else "dst"
     return None
 
 
@@ -511,10 +666,14 @@ class Position:
     real row's values, which stay finite); the streamed columns do not, since a block holding
     tail columns is always masked (stream_key_blocks' edge blocks)."""
 
-    def __init__(self, first, offset, limit, clamp):
+    def __init__(self, first, offset, limit, clamp, block=None):
         self.index = f"{first} + imin({offset}, {limit} - 1)"
         base, _, const = offset.rpartition(" + ")
         pos = f"(f32(u32({first} + {base})) + f32({float(const)!r}))"
+        #: a column's position less its key block's first (`block`: that part of the offset) as
+        #: (the thread's part, the cell's constant part), float32 texts (Split's column term)
+        self.rel = None if block is None else \
+            (f"f32(u32({base.replace(block + ' + ', '', 1)}))", f"f32({float(const)!r})")
         last = f"f32(u32({first} + {limit} - 1))"
         self.value = f"sel({pos} < {last}, {pos}, {last})" if clamp else pos
 
@@ -528,7 +687,7 @@ def cell_row(m, r):
 def cell_col(base, j, r):
     """the position of C-fragment cell (., j, r)'s column in the streamed block starting at
     block-local `base`."""
-    return Position("col0", f"{base} + 2 * t + {8 * j + r % 2}", "cols", clamp=False)
+    return Position("col0", f"{base} + 2 * t + {8 * j + r % 2}", "cols", clamp=False, block=base)
 
 
 #: the extra kernel arguments of a modified kernel

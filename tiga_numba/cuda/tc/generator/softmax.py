@@ -34,7 +34,7 @@ def mask_rows(e, C, MT, ntiles, col0, lim):
 
 
 # ----------------------------------------------------------------------------- online softmax
-def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None):
+def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None, offset=None):
     """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
     A row whose max is still MASKED has met only masked cells; its l stays 0 and its P is 0.
     rowmax: names of the rows' raw maxima already reduced over the quad (prune_gate's), by (m, h).
@@ -61,10 +61,12 @@ def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None):
             # a row whose cells are all masked here (x == masked: a band's row before its first key,
             # a tile's padding row) keeps its max; while the max is still unset (masked) P is
             # exp2(masked sc) = 0 against an exponent base of 0, never exp2 of a rounding error
-            e(f"mn = fmaxf(m{m}{h}, sel(x != masked, x * sc, masked))")
+            off = "" if offset is None else f" - {offset(m, h)}"
+            e(f"mn = fmaxf(m{m}{h}, sel(x != masked, x * sc{off}, masked))")
             e(f"{factors(m, h)} = ex2(m{m}{h} - mn)")
             e(f"m{m}{h} = mn")
-            e("mu = sel(mn != masked, mn, zero)")
+            # with an offset, 2^(S sc - (m + R)): a masked cell's S (MASKED) still gives 0
+            e("mu = sel(mn != masked, mn, zero)" + ("" if offset is None else f" + {offset(m, h)}"))
             for j in range(nt):
                 for r in rs:
                     e(f"{S}{m}_{j}_{r} = ex2({S}{m}_{j}_{r} * sc - mu)")
