@@ -394,8 +394,8 @@ def test_prebuild_names_the_kernels_a_flash_modifier_call_launches():
     assert ordered.mod.split is not None
     assert ("wg:fwd", 128, "float16", None, "alibi" + build.ORDERED_SUFFIX) in build.modified_kernels(["alibi"])
     specs = build.modified_kernels(["alibi"])
-    assert ("wg:dq", 64, "bfloat16", None, "alibi" + build.ORDERED_SUFFIX) in specs
-    assert not any(s[0].endswith("dkdv") and s[4].endswith(build.ORDERED_SUFFIX) for s in specs)
+    assert ("wg:fwd", 64, "bfloat16", None, "alibi" + build.ORDERED_SUFFIX) in specs
+    assert not any(s[0].endswith(("dq", "dkdv")) and s[4].endswith(build.ORDERED_SUFFIX) for s in specs)
     assert not any(s[4].endswith(build.ORDERED_SUFFIX) for s in build.modified_kernels(["softcap"]))
     from tiga_numba.cuda.tc import api
     bound = functional.flash_modifier(q, tg.Graph.triangular(6), None, slopes)
@@ -456,10 +456,9 @@ def test_ordered_alibi_splits_the_forward_emulated(graphname, case, shipped, sof
     if graphname == "decode" and softcap is not None:
         pytest.skip("the long rows once per kernel shape (the soft-cap adds nothing there)")
     """ALiBi on a relation whose sources never pass the destination's (bottom-right aligned)
-    position: the forward and the dQ kernel take the distance signed and split into a column term
-    and a row offset per key block (modifier.Split); out, m and the backward that reads the split
-    forward's m (dK/dV: the values as written) match the float64 CPU call; the API's check finds
-    the order."""
+    position: the forward takes the distance signed and split into a column term and a row offset
+    per key block (modifier.Split); out, m and the backward that reads its m (the values as
+    written) match the float64 CPU call; the API's check finds the order."""
     import tiga_numba as tg
     from tiga_numba.cuda.tc import api, tuning
     D, H, Hkv, dtype, sf, sq, sk = CASES[case]
@@ -493,16 +492,16 @@ def test_ordered_alibi_splits_the_forward_emulated(graphname, case, shipped, sof
     live = np.isfinite(rm)
     np.testing.assert_allclose(m[live], rm[live], rtol=1e-5, atol=1e-4)
     assert (m[~live] == -np.inf).all() and (l[~live] == 0).all() and (o[~live] == 0).all()
-    # from the split forward's base-2 m: the dQ kernel split too, dK/dV with the values as written
+    # the backward recomputes the values as written, from the split forward's base-2 m
     packed0 = (mod0,) + packed[1:]
     if shipped:
-        vq, vk = (tuning.with_modifier(tuning.variant(kind, D, D, dtype, wgmma=True), x)
-                  for kind, x in (("dq", mod), ("dkdv", mod0)))
+        vq, vk = (tuning.with_modifier(tuning.variant(kind, D, D, dtype, wgmma=True), mod0) for kind in ("dq", "dkdv"))
     else:
-        vq = G.Variant("dq", D, D, dtype=dtype, mod=mod, MT=1, **sq).check()
+        vq = G.Variant("dq", D, D, dtype=dtype, mod=mod0, MT=1, **sq).check()
         vk = G.Variant("dkdv", D, D, dtype=dtype, mod=mod0, MT=1, **sk).check()
-    with pytest.raises(ValueError, match="dK/dV takes the modifier without"):
-        dataclasses.replace(vk, mod=mod).check()
+    for vb in (vq, vk):
+        with pytest.raises(ValueError, match="the backward kernels take the modifier without"):
+            dataclasses.replace(vb, mod=mod).check()
     out = rounded(np.asarray(ro, np.float32), dtype)
     grads = E.backward(vq, vk, do, q, k, v, out, m, l, dst, src, causal.astype(np.uint8), scale,
                        m_kernel=st["m_kernel"], mod=packed0, lo=lo, hi=hi)

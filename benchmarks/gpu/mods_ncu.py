@@ -2,11 +2,12 @@
 once each after a warm-up, for Nsight Compute to compare the kernels (fp16, N = 16384, H = 16,
 D = 128; the inputs of bench_score_mods_gpu.py):
 
-    ncu --kernel-name regex:tc_fwd --launch-skip 4 --section SpeedOfLight --section WarpStateStats \\
+    ncu --kernel-name regex:^kernel --launch-skip 4 --section SpeedOfLight --section WarpStateStats \\
         --section InstructionStats --section Occupancy python benchmarks/gpu/mods_ncu.py
 
-The launches after the warm-up are in the order printed; each profiled kernel's name carries its
-modifier digest (plain: none).
+The launches after the warm-up are in the order printed; each profiled kernel's (mangled) name
+carries its modifier digest (plain: none). --backward: each call runs its backward too (the
+Delta pre-pass, dQ and dK/dV kernels follow its forward: launch-skip 16 after the warm-up).
 """
 import os
 import sys
@@ -22,11 +23,20 @@ slopes = cupy.asarray([2.0 ** (-8 * (h + 1) / H) for h in range(H)], cupy.float3
 tri = tg.Graph.triangular(N)
 calls = [("causal", tri, {}), ("softcap", tri, dict(softcap=30.0)), ("alibi", tri, dict(alibi_slopes=slopes)),
          ("window", tg.Graph.band(N, left=W - 1, right=0), {})]
-for name, g, kw in calls:   # warm-up: compiles / loads every kernel (the first 4 launches)
-    tg.attention(q, k, v, g, **kw)
+backward = "--backward" in sys.argv
+
+
+def run(g, kw):
+    out, stats = tg.attention(q, k, v, g, return_stats=True, **kw)
+    if backward:
+        tg.attention_backward(q, q, k, v, out, stats, g, **kw)
+
+
+for name, g, kw in calls:   # warm-up: compiles / loads every kernel (the first 4 or 16 launches)
+    run(g, kw)
 cupy.cuda.Device().synchronize()
 for name, g, kw in calls:
-    tg.attention(q, k, v, g, **kw)
+    run(g, kw)
     cupy.cuda.Device().synchronize()
     kernel = [line for line in tg.explain().splitlines() if line.startswith("kernel:")]
     print(name, kernel[0] if kernel else "", flush=True)

@@ -403,10 +403,11 @@ def _modifier(tree, tanh, fold, ordered=False):
 
 
 def _ordered_modifier(score_mod, rec, gmod):
-    """the Modifier of the kernels that stream key blocks (forward, dQ): `gmod` (_modifier_for's),
-    or where its tree takes |P - src.index| (ALiBi's distance) and every edge of the relation has
-    P >= src.index (ordered()), the one that takes the distance signed and splits it
-    (modifier.Split). The dK/dV kernel keeps gmod."""
+    """the forward's Modifier: `gmod` (_modifier_for's), or where its tree takes |P - src.index|
+    (ALiBi's distance) and every edge of the relation has P >= src.index (ordered()), the one
+    that takes the distance signed and splits it (modifier.Split). The backward keeps gmod: a dQ
+    kernel with the split measured slower (it spilled 160 B where the kernel as written spills
+    32 B; benchmarks/results/mods-split-h100-2026-12-06.txt)."""
     if not gmod.distances or not ordered(rec, score_mod, gmod.distances):
         return gmod
     return _modifier(gmod.tree, gmod.tanh, gmod.fold is not None, True)
@@ -552,11 +553,10 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     det = deterministic(plan)
     wg = use_wgmma(dt)
     gmod = None if score_mod is None else _modifier_for(score_mod, dt, plan.scale)
-    qmod = None if score_mod is None else _ordered_modifier(score_mod, rec, gmod)   # the dQ kernel's
-    key = ("bwd-launch", dt, nd, ns, H, Hkv, D, Dv, wg, det, current_device(), gmod, qmod)
+    key = ("bwd-launch", dt, nd, ns, H, Hkv, D, Dv, wg, det, current_device(), gmod)
     entries = tuning.table_entries(dt, wg, ("dq", "dkdv"), D) + (None if det else tuning.atomic_shape(D, dt, wg),)
     launch = _launch_memo(rec, key, entries,
-                          lambda: _backward_call(rec, dt, nd, ns, D, Dv, wg, det, score_mod, gmod, qmod))
+                          lambda: _backward_call(rec, dt, nd, ns, D, Dv, wg, det, score_mod, gmod))
     vq, vk = launch.vq, launch.vk
     mod, keep = _modifier_values(score_mod, H, nd, ns, copies)
     q, qp, q_rs, q_hs = _operand(q, "q", copies)
@@ -588,18 +588,16 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose=None, edge_bias
     return dq, dk, dv, None
 
 
-def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod, gmod, qmod=None):
+def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod, gmod):
     """The _BackwardLaunch of a backward call shape: the shipped variants for the relation's band
-    (deterministic or not), the score modifier (`gmod`, score_mod's generator Modifier; `qmod`, the
-    dQ kernel's: _ordered_modifier) compiled in, and explain()'s words for them."""
-    qmod = gmod if qmod is None else qmod   # the dQ kernel's (_ordered_modifier)
+    (deterministic or not), the score modifier (`gmod`, score_mod's generator Modifier) compiled
+    in, and explain()'s words for them."""
     shipped = backward_variants(D, Dv, dt, det, wgmma)
     band = _band_keys(rec)
     vq, vk = (None if vr is None else tuning.narrow(vr, band) for vr in shipped)
     narrowed = (vq, vk) != shipped
     if score_mod is not None:
-        vq = tuning.with_modifier(vq or variant("dq", D, Dv, dt, wgmma), qmod)
-        vk = tuning.with_modifier(vk, gmod)
+        vq, vk = (tuning.with_modifier(vr, gmod) for vr in (vq or variant("dq", D, Dv, dt, wgmma), vk))
     launch = _BackwardLaunch(rec, vq, vk)
     if vq is None and vk.dq_atomic:
         how = ("Delta pre-pass, one kernel per key tile: dK/dV (GQA heads summed in-CTA) and dQ (5 products; "
@@ -619,8 +617,7 @@ def _backward_call(rec, dt, nd, ns, D, Dv, wgmma, det, score_mod, gmod, qmod=Non
     if narrowed:
         tiles += tuning.NARROW_WORDS
     if score_mod is not None:
-        how += (f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}{vk.mod.fold_words}, "
-                f"dS scaled by f'{qmod.split_words if vq is not None else ''}")
+        how += f"; score modifier compiled in: f = {score_mod.tree}{vk.mod.tanh_words}{vk.mod.fold_words}, dS scaled by f'"
     main = launch.main
     launch.info = dict(kernel=f"tensor-core FA2 backward ({dt}, {_engine(vk)}): {how}",
                        precision=precision(vk), tiles=tiles, ir={"llvm": main.llvm, "ptx": main.ptx})

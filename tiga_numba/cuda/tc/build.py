@@ -299,16 +299,16 @@ def shipped_kernels(dtypes=("float16", "bfloat16", "float32")):
     return out
 
 
-#: a modifier name's suffix in modified_kernels: the forward and dQ kernels a call on an ordered
-#: relation runs (its ALiBi distance split: modifier.Split; api.ordered)
+#: a modifier name's suffix in modified_kernels: the forward a call on an ordered relation runs
+#: (its ALiBi distance split: modifier.Split; api.ordered)
 ORDERED_SUFFIX = "@ordered"
 
 
 def modified_kernels(trees, dtypes=("float16", "bfloat16", "float32")):
     """(kind, D, dtype, None, tree name) of the forward, dQ and dK/dV kernels that a call with
     one of the score modifiers `trees` (names of score_mod.FLASH_TREES) launches, on either engine;
-    for a tree with ALiBi also the forward and dQ kernels a call on an ordered relation (causal,
-    causal windows, bottom-right causal varlen) launches: name + ORDERED_SUFFIX."""
+    for a tree with ALiBi also the forwards a call on an ordered relation (causal, causal windows,
+    bottom-right causal varlen) launches: name + ORDERED_SUFFIX."""
     out = []
     for name in trees:
         if name not in sm.FLASH_TREES:
@@ -316,13 +316,13 @@ def modified_kernels(trees, dtypes=("float16", "bfloat16", "float32")):
         out += [(kind, D, dt, None, name) for dt in dtypes for kind, D in _engine_kinds(dt)]
         if sm.FLASH_TREES[name][1]:
             out += [(kind, D, dt, None, name + ORDERED_SUFFIX) for dt in dtypes for kind, D in _engine_kinds(dt)
-                    if _spec_kind(kind)[1] in ("fwd", "dq")]
+                    if _spec_kind(kind)[1] == "fwd"]
     return out
 
 
 def modified_variant(kind, D, dtype, modifier, fold=True):
     """the Variant a call with flash-attn's modifier `modifier` (a name of score_mod.FLASH_TREES,
-    with ORDERED_SUFFIX: the forward or dQ kernel of an ordered relation) launches for (kind, D, dtype); kind
+    with ORDERED_SUFFIX: the forward of an ordered relation) launches for (kind, D, dtype); kind
     "wg:..." on the wgmma engine; fold=False: the kernel a call whose values the fold does not
     hold for takes (modifier.Fold)."""
     wg, base, _ = _spec_kind(kind)

@@ -69,22 +69,13 @@ def gen_dq(v):
             else:
                 zero_c(e, "dp", MT, BN // 8)
                 mma_abt(e, v, "dp", "da", vbuf, BN // 8, Dv, where["da"])
-                # the exponent's per-row subtrahend: m2 + log2 l, plus the row offset of a Split
-                # (the cells then hold y + R: modifier.Split), once per row and block
-                sub = lambda m, h: f"ls{m}{h} - lg{m}{h}"  # noqa: E731
-                if v.mod and v.mod.split is not None:
-                    for m in range(MT):
-                        for h in (0, 1):
-                            v.mod.row_offset(e, cell_row(m, 2 * h), f"ro{m}{h}", f"col0 + kb * {BN}")
-                            e(f"lr{m}{h} = ls{m}{h} + lg{m}{h} + ro{m}{h}")
-                    sub = lambda m, h: f"lr{m}{h}"  # noqa: E731
                 for m in range(MT):
                     for j in range(BN // 8):
                         for r in range(4):
                             s, dp = f"s{m}_{j}_{r}", f"dp{m}_{j}_{r}"
                             if v.mod:   # dS_z = P (dP - Delta) f'(z), P from y = f(z) (modifier.py)
                                 v.mod.cell(e, s, cell_row(m, r), cell_col(f"kb * {BN}", j, r), "my", "md")
-                                e(f"{s} = ex2(my * sc - {sub(m, r // 2)}) * ({dp} - dl{m}{r // 2}) * md")
+                                e(f"{s} = ex2(my * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2}) * md")
                             else:
                                 e(f"{s} = ex2({s} * sc - ls{m}{r // 2} - lg{m}{r // 2}) * ({dp} - dl{m}{r // 2})")
             # masked cells: dS = 0 exactly (0 * (dP - Delta) is NaN where V outside the row is)

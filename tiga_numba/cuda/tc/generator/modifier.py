@@ -168,7 +168,7 @@ class Modifier:
         #: explain()'s words for the split ("" without one)
         self.split_words = ("; the relation keeps every source at or before its destination's position, so "
                             + ", ".join(f"|{d}|" for d in self.distances) + " is taken as the signed distance, "
-                            "a column term per key and a row offset per key block (forward and dQ kernels)"
+                            "a column term per key and a row offset per key block (forward kernel)"
                             if self.split else "")
 
     def __eq__(self, other):   # the digest: the same tree lowered with another TANH differs

@@ -210,9 +210,9 @@ class Variant:
         if self.mod is not None and (self.prune or self.fuse_dq or self.wg_async and self.kind != "fwd"):
             raise ValueError("a score modifier runs in the forward (no pruning) and the two-kernel "
                              "backward without overlap (overlap=False): its f'(z) is taken with P")
-        if self.mod is not None and self.mod.split is not None and self.kind not in ("fwd", "dq"):
-            raise ValueError("a score modifier's Split (an ordered relation's distances) is for the kernels "
-                             "that stream key blocks (forward, dQ): dK/dV takes the modifier without `ordered`")
+        if self.mod is not None and self.mod.split is not None and self.kind != "fwd":
+            raise ValueError("a score modifier's Split (an ordered relation's distances) is the forward's: "
+                             "the backward kernels take the modifier without `ordered`")
         if self.dq_atomic and not self.fuse_dq:
             raise ValueError("dq_atomic needs fuse_dq")
         if self.col_parts != 1:
