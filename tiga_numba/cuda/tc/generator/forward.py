@@ -8,7 +8,7 @@ from .products import mma_abt, mma_pb, resident
 from .shared import landed, load_tile, sa, shared_array, shared_base, thread_geometry
 from .softmax import mask_rows, online_softmax, rescale, row_limits
 from .source import Source, udiv
-from .modifier import ARGS as MOD_ARGS, cell_col, cell_row
+from .modifier import ARGS as MOD_ARGS, CEIL, cell_col, cell_row
 from .variant import LOG2E, MASKED, WG_ALIGN
 from .wgmma import wg_pack, wg_pb, wg_wait
 
@@ -52,17 +52,19 @@ def gen_forward(v):
                 for j in range(BN // 8):
                     for r in range(4):
                         x = f"s{m}_{j}_{r}"
-                        v.mod.cell(e, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x)
+                        v.mod.cell(e, x, cell_row(m, r), cell_col(f"kb * {BN}", j, r), x, clamp=False)
             if v.mod.split is not None:   # S holds f + R: the rows' offsets for online_softmax
                 for m in range(MT):
                     for h in (0, 1):
                         v.mod.row_offset(e, cell_row(m, 2 * h), f"ro{m}{h}", f"col0 + kb * {BN}")
 
         offset = (lambda m, h: f"ro{m}{h}") if v.mod and v.mod.split is not None else None  # noqa: E731
+        # the cells leave their values unclamped: the softmax clamps where a block needs it
+        clamp = dict(guard=True, ceiling=CEIL if v.mod.fold is None else None) if v.mod else {}
 
         def block(kbuf, vbuf):
             if not v.prune:
-                online_softmax(e, v, "s", "o", Dv // 8, offset=offset)
+                online_softmax(e, v, "s", "o", Dv // 8, offset=offset, **clamp)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
                 return
             rowmax = prune_gate(e, v)   # a pruned tile skips the softmax and the value product
@@ -74,7 +76,7 @@ def gen_forward(v):
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
         if v.fwd_pipelined:
-            pipelined_key_blocks(e, v, where["qa"], modify if v.mod else None, offset)
+            pipelined_key_blocks(e, v, where["qa"], modify if v.mod else None, offset, clamp)
         else:
             stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)], modify=modify if v.mod else None)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l, and (mkp
@@ -102,7 +104,7 @@ def gen_forward(v):
     return e.text()
 
 
-def pipelined_key_blocks(e, v, qa_where, modify=None, offset=None):
+def pipelined_key_blocks(e, v, qa_where, modify=None, offset=None, clamp=None):
     """The forward's key loop as a software pipeline on the warpgroup's tensor cores (wgmma,
     16-bit; Variant.fwd_pipelined). Iteration kb issues S = Q K^T of block kb and, right behind
     it, O += P V of block kb - 1 (P packed at the end of the previous iteration), waits for S
@@ -256,7 +258,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None, offset=None):
             row_limits(e, v, "lim", "wrow")
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
         factors = lambda m, h: f"alf{m}{h}"  # noqa: E731   kept until P V has completed
-        online_softmax(e, v, "s", "o", Dv // 8, factors=factors, offset=offset)
+        online_softmax(e, v, "s", "o", Dv // 8, factors=factors, offset=offset, **(clamp or {}))
         wg_wait(e, 0, "o", Dv // 8)
         if pp:
             e(f"mbar_arrive({empty_v('vsr')})")   # P V of kb - 1 read its V slot: free

@@ -34,7 +34,10 @@ and dS after the cell (backward), so a cell never tests for it. A real cell's y 
 [MASKED, 1e30] (with a Fold its bounded g has only the floor): a value that is NaN, -inf or at
 most MASKED (max.f32 gives the bound for a NaN) becomes MASKED, so the edge is masked as on the CPU
 and the CUDA cores, and a row whose every edge the modifier masks is an empty row (the online
-softmax keeps l = 0 for a row that has met only masked cells: output 0, m = -inf). Where the clamp
+softmax keeps l = 0 for a row that has met only masked cells: output 0, m = -inf). The forward's
+cells leave y unclamped (cell(clamp=False)) and its softmax takes the same clamp where a block
+needs it (softmax.guarded_softmax: warp votes on a row max above the ceiling and on a NaN
+weight). Where the clamp
 holds y constant f' is 0 (a two-sided test of y); with a Fold whose f' has a static bound B (the
 soft-cap's 1 - tanh^2) a held cell is a NaN cell whose P is 0 anyway, and one max.f32 taking f' to
 at least -B keeps its dS 0 (a NaN f' would make P f' NaN).
@@ -208,12 +211,13 @@ class Modifier:
                 e(line.strip())
             e(f"mcc = {value}; mct = mcc * {cell_col('kb', 0, 0).rel[0]}")
 
-    def cell(self, e, x, i, j, y, d=None):
+    def cell(self, e, x, i, j, y, d=None, clamp=True):
         """y = f(z) log2(e) (clamped) and, with d, d = f'(z), for the raw score x (a name) of the
         cell at global destination i / source j (Positions). The text is lower()'s: invariant
         factors were computed by params(). Masked cells are the caller's: the forward masks the
         modified block (a masked cell's y is then MASKED whatever f made of it), the backward makes
-        their P and dS 0 after the cell (so y and d of a masked cell are never read)."""
+        their P and dS 0 after the cell (so y and d of a masked cell are never read). clamp=False
+        (the forward): y is left unclamped, for softmax.guarded_softmax to clamp where needed."""
         # positions as 32-bit integers (the dispatcher keeps them below 2^31): the float
         # conversion of an index is then one cvt.f32.u32, not the slow 64-bit one
         e(f"mi = u32({i.index}); mj = u32({j.index}); mif = {i.value}; mjf = {j.value}; mz = {x}")
@@ -251,7 +255,7 @@ class Modifier:
         else:   # a bounded value: only a NaN reaches the floor (Fold)
             clamped = f"atleast(mf, f32({MASKED!r}))"
             inside = f"mf > f32({MASKED!r})"
-        e(f"{y} = {clamped}")
+        e(f"{y} = {clamped}" if clamp else f"{y} = mf")
         if d is None:
             return
         if self.deriv_const:

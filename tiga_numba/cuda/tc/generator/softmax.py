@@ -34,14 +34,20 @@ def mask_rows(e, C, MT, ntiles, col0, lim):
 
 
 # ----------------------------------------------------------------------------- online softmax
-def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None, offset=None):
+def online_softmax(e, v, S, O, nt_o, rowmax=None, factors=None, offset=None, guard=False, ceiling=None):
     """Running (max, sum) update in the exp2 domain; S becomes P (unnormalised); O rescaled.
     A row whose max is still MASKED has met only masked cells; its l stays 0 and its P is 0.
     rowmax: names of the rows' raw maxima already reduced over the quad (prune_gate's), by (m, h).
     Pruning's admission rule still wants a real key of every row in the first tile it visits
     (it compares against the running max). factors(m, h): O is left alone and row (m, h)'s
     rescaling factor is kept under that name for rescale() (O may be an in-flight product's
-    accumulator); by default O is rescaled per m16 tile, its factors named al0 / al1."""
+    accumulator); by default O is rescaled per m16 tile, its factors named al0 / al1.
+    offset(m, h): the name of row (m, h)'s offset R, where S holds its values plus R (a score
+    modifier's Split): the max and the exponent take R off, so m, l and P are those of the values.
+    guard: S holds a score modifier's values unclamped (Modifier.cell(clamp=False)), clamped to
+    [MASKED, ceiling] by guarded_softmax where needed."""
+    if guard:
+        return guarded_softmax(e, v, S, O, nt_o, factors, offset, ceiling)
     defer = factors is not None
     factors = factors or (lambda m, h: f"al{h}")
     stem = factors(0, 0)[:-2]   # the kept factors' name without its (m, h) digits, for the comment
@@ -83,3 +89,63 @@ def rescale(e, v, O, nt_o, factors, tiles=None):
         for j in range(nt_o):
             e(f"{O}{m}_{j}_0 = {O}{m}_{j}_0 * {a0}; {O}{m}_{j}_1 = {O}{m}_{j}_1 * {a0}; "
               f"{O}{m}_{j}_2 = {O}{m}_{j}_2 * {a1}; {O}{m}_{j}_3 = {O}{m}_{j}_3 * {a1}")
+
+
+def guarded_softmax(e, v, S, O, nt_o, factors, offset, ceiling):
+    """online_softmax for a score modifier's values left unclamped by the cells: the clamp to
+    [MASKED, ceiling] (ceiling None: the value is bounded above, modifier.Fold) is taken on the
+    rare blocks that need it, not on every cell. max.f32 passes over a NaN, so the rows' maxima
+    are those of the real values; a warp whose maxima exceed the ceiling (an infinite or huge
+    value) clamps its cells and takes the maxima again, and a warp one of whose weights is NaN (a
+    NaN value: 2^NaN) makes those weights 0 (a masked edge). A value below MASKED needs nothing:
+    its weight is 0 against any real row max, and a row whose every value is at most MASKED keeps
+    the running max at MASKED (its weights 2^(value - 0) are 0), as if it were clamped. m, l and P
+    are then those of the clamped values, and the cells lose the max and min of the clamp (the
+    max with a Fold). The warp-level votes keep both branches uniform within a warp."""
+    defer = factors is not None
+    factors = factors or (lambda m, h: f"al{m}{h}")   # every row's, kept to the end (rescale)
+    e(f"# guarded online_softmax: {S} unclamped -> P")
+    mx = lambda a, b: f"fmaxf({a}, {b})"  # noqa: E731
+    ad = lambda a, b: f"({a} + {b})"  # noqa: E731
+    nt = v.BN // 8
+    rows = [(m, h) for m in range(v.MT) for h in (0, 1)]
+
+    def cells(m, h):
+        return [f"{S}{m}_{j}_{r}" for j in range(nt) for r in ((0, 1) if h == 0 else (2, 3))]
+
+    def maxima():
+        for m, h in rows:
+            e(f"x{m}{h} = " + _tree(mx, cells(m, h)))
+            e(f"x{m}{h} = fmaxf(x{m}{h}, shfl_xor(x{m}{h}, 1))")
+            e(f"x{m}{h} = fmaxf(x{m}{h}, shfl_xor(x{m}{h}, 2))")
+
+    def any_of(conds):
+        return f"cuda.any_sync(0xFFFFFFFF, u32({' | '.join(conds)})) != 0"
+
+    maxima()
+    if ceiling is not None:
+        e("if " + any_of(f"(x{m}{h} > f32({ceiling!r}))" for m, h in rows) + ":")
+        with e.indent():   # an infinite or huge value in this warp: the clamp, then the maxima again
+            for m, h in rows:
+                for c in cells(m, h):
+                    e(f"{c} = clampf({c}, masked, f32({ceiling!r}))")
+            maxima()
+    for m, h in rows:
+        off = "" if offset is None else f" - {offset(m, h)}"
+        e(f"mn = fmaxf(m{m}{h}, sel(x{m}{h} != masked, x{m}{h} * sc{off}, masked))")
+        e(f"{factors(m, h)} = ex2(m{m}{h} - mn)")
+        e(f"m{m}{h} = mn")
+        e("mu = sel(mn != masked, mn, zero)" + ("" if offset is None else f" + {offset(m, h)}"))
+        for c in cells(m, h):
+            e(f"{c} = ex2({c} * sc - mu)")
+        e(f"ps{m}{h} = " + _tree(ad, cells(m, h)))
+    e("if " + any_of(f"(ps{m}{h} != ps{m}{h})" for m, h in rows) + ":")
+    with e.indent():   # a NaN value in this warp: its weight (NaN) becomes 0
+        for m, h in rows:
+            for c in cells(m, h):
+                e(f"{c} = sel({c} == {c}, {c}, zero)")
+            e(f"ps{m}{h} = " + _tree(ad, cells(m, h)))
+    for m, h in rows:
+        e(f"l{m}{h} = l{m}{h} * {factors(m, h)} + ps{m}{h}")
+    if not defer:
+        rescale(e, v, O, nt_o, factors)
