@@ -222,3 +222,34 @@ def test_gpu_rows_the_modifier_masks_entirely_are_empty_rows(rel, dtype):
     for name, got, want in zip(("out", "dq", "dk", "dv"), res[1], res[0]):
         assert np.isfinite(got).all(), name
         tsm._close(got, want, tol, name)
+
+
+def _nan_inf_alibi(s, src, dst, edge, p):
+    """NaN values beyond 8 keys back, +inf 3 keys back, under a constant-slope ALiBi penalty: on a
+    causal relation the tensor-core forward splits the distance and clamps only where a warp needs
+    it (NaN cells masked, infinite ones tied at the ceiling)"""
+    d = dst.index - src.index
+    return np.where(d > 8, np.log(-np.abs(s) - 1.0), np.where(d == 3, np.inf, s)) - 0.25 * np.abs(d)
+
+
+def test_gpu_nan_and_infinite_values_on_the_tensor_cores():
+    """the guarded forward (softmax.guarded_softmax) with ALiBi's split, float16 on the tensor
+    cores, against the CPU's float16 call: NaN cells masked, +inf cells tied (weight 1 for the one
+    of each row), gradients finite and equal."""
+    g = tsm.RELATIONS["triangular"]
+    H, Hkv, D = 4, 2, 64
+    host = [RNG.standard_normal(s).astype(np.float16) * np.float16(0.3) for s in
+            ((g.num_dst, H, D), (g.num_src, Hkv, D), (g.num_src, Hkv, D), (g.num_dst, H, D))]
+    prog = tsm.ModProgram(_nan_inf_alibi, True)
+    res = []
+    for xp in (np, cupy):
+        qd, kd, vd, dod = (xp.asarray(x) for x in host)
+        out, vjp = prog.vjp(graph=g, src={"key": kd, "value": vd}, dst={"query": qd}, scale=D ** -0.5)
+        if xp is cupy:
+            plan = functional.last_plan()
+            assert plan.family == "cuda.tc" and "taken as the signed distance" in plan.explain(), plan.explain()
+        grads = vjp(dod)
+        res.append([_host(x) for x in (out, grads["dst"]["query"], grads["src"]["key"], grads["src"]["value"])])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), res[1], res[0]):
+        assert np.isfinite(got).all(), name
+        tsm._close(got, want, 2e-2, name)

@@ -98,11 +98,22 @@ def _ceiling():
     return sm.make("add", S, sm.make("where", near, sm.const(2e30), sm.const(0.0))), {}
 
 
+def _alibi_nan_inf():
+    """ALiBi over a score that is NaN beyond 8 keys back and +inf 3 keys back: on a causal relation
+    the forward splits the distance (modifier.Split) and its guarded softmax masks the NaN cells
+    and ties the infinite ones at the ceiling (one per row: its weight is 1)."""
+    d = sm.make("sub", DST, SRC)
+    nan = sm.make("log", sm.make("sub", sm.make("neg", sm.make("abs", S)), sm.const(1.0)))
+    inner = sm.make("where", sm.make("gt", d, sm.const(8.0)), nan,
+                    sm.make("where", sm.make("eq", d, sm.const(3.0)), sm.const(np.inf), S))
+    return sm.alibi_tree(inner, aligned=False), {sm.Expr("head", (), "alibi_slopes"): None}
+
+
 MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window,
         "nan_far": _nan_far, "nan_far_sqrt": _nan_far_sqrt}
 #: trees run on one case and relation only (test_scalar_param_functions_emulated)
 MORE_MODS = {"scalar_fns": _scalar_fns, "nan_capped": _nan_capped, "nan_shift_capped": _nan_shift_capped,
-             "ceiling": _ceiling}
+             "ceiling": _ceiling, "alibi_nan_inf": _alibi_nan_inf}
 
 
 def _values(rng, tree, proto, nd, ns, H, dst, src):
@@ -195,7 +206,7 @@ CASES = [  # (D, H, Hkv, dtype, forward shape, dq shape, dkdv shape)
 @pytest.mark.parametrize("modname", list(MODS))
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("relname", ["dense_rect_tail", "causal_tail", "segments", "empty_keys"])
-def test_modified_forward_backward_emulated(modname, case, relname, fold=True):
+def test_modified_forward_backward_emulated(modname, case, relname, fold=True, ordered=False):
     D, H, Hkv, dtype, sf, sq, sk = CASES[case]
     dst, src, causal = (np.array(x) for x in RELATIONS[relname])
     nd, ns = int(dst[-1]), int(src[-1])
@@ -204,10 +215,12 @@ def test_modified_forward_backward_emulated(modname, case, relname, fold=True):
     tree, proto = {**MODS, **MORE_MODS}[modname]()
     values = _values(rng, tree, proto, nd, ns, H, dst, src)
     mod = Modifier(tree, TANH[dtype], fold)   # as the tensor-core api picks it
+    fmod = Modifier(tree, TANH[dtype], fold, ordered) if ordered else mod   # the forward's
+    assert (fmod.split is not None) == ordered
     packed = (mod,) + _pack(tree, values, H, nd, ns)
     scale = D ** -0.5
     ro, rm, rdq, rdk, rdv = oracle(tree, values, q, k, v, do, dst, src, causal, scale)
-    vf = G.Variant("fwd", D, D, dtype=dtype, mod=mod, **sf).check()
+    vf = G.Variant("fwd", D, D, dtype=dtype, mod=fmod, **sf).check()
     st = {}
     o, m, l = E.forward(vf, q, k, v, dst, src, causal.astype(np.uint8), scale, stats=st, mod=packed)
     assert np.isfinite(o).all() and rel(o, ro) < TOL[dtype]
@@ -242,6 +255,16 @@ def test_a_constant_derivative_is_zero_at_the_ceiling_emulated(case, monkeypatch
     test_modified_forward_backward_emulated("ceiling", case, "causal_tail")
 
 
+@pytest.mark.parametrize("case", [0, 2, 3])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_nan_and_infinite_values_in_the_split_forward_emulated(case, ordered, monkeypatch):
+    """NaN and +inf values under ALiBi on a causal relation, with the distance split (the forward
+    the API runs there) and without: NaN cells masked, +inf cells tied at the ceiling; the
+    backward reads the split forward's m."""
+    monkeypatch.setattr(E, "NAN_DATA", True)
+    test_modified_forward_backward_emulated("alibi_nan_inf", case, "causal_tail", ordered=ordered)
+
+
 @pytest.mark.parametrize("case", [0, 3])
 @pytest.mark.parametrize("modname, fold", [("softcap", False), ("nan_capped", True), ("nan_shift_capped", True)])
 def test_soft_cap_with_and_without_the_fold_emulated(modname, fold, case):
@@ -273,10 +296,11 @@ def test_fold_takes_a_bounded_values_factor_only():
     for mod, folded in ((hard, True), (unfolded, False)):
         for kind in ("fwd", "dq", "dkdv"):
             text = G.gen_source(G.Variant(kind, 64, 64, dtype="float16", mod=mod, NW=4, MT=1, BN=64).check())
-            # the forward's cells leave their values unclamped (softmax.guarded_softmax: a vote-guarded
-            # NaN fix, and the two-bound clamp only on a warp's values above the ceiling, not folded)
+            # the forward's cells leave their values unclamped (softmax.guarded_softmax: maxima by
+            # atleast's max.f32, a vote-guarded NaN fix, the two-bound clamp only on a warp's values
+            # above the ceiling, not folded)
             assert ("atleast(" in text, "clampf(" in text, f"sc = {hard.fold.text}" in text) == (
-                folded and kind != "fwd", not folded, folded), (kind, folded)
+                folded or kind == "fwd", not folded, folded), (kind, folded)
             assert ("any_sync(" in text) == (kind == "fwd")
     assert unfolded.fold is None and unfolded.digest != hard.digest and unfolded.fold_words == ""
     for other in (Modifier(tree, "exp2"), Modifier(_alibi()[0], "hardware"), Modifier(_scalar_fns()[0], "hardware"),
@@ -540,6 +564,15 @@ def test_the_order_check_refuses_what_it_cannot_prove():
         bad = sm.bind_flash(None, np.ones(2), moved)
         assert bad.tree == good.tree and not api.ordered(rec, bad, dist), bad_row
     assert api.ordered(rec, good, dist)   # the good array again: checked anew, still ordered
+    # a user's node field in P: never split (the host would read it every call; it may change in place)
+    user = sm.make("sub", S, sm.Expr("abs", (sm.make("sub", sm.make("add", DST, sm.Expr("node", (), ("dst", "f"))),
+                                                     SRC),)))
+    assert Modifier(user).distances == () and Modifier(user, ordered=True).split is None
+    # positions past 2^24 (inexact in float32): not split
+    big = sm.Expr("node", (), ("dst", "_alibi_shift"))
+    far = sm.bind_flash(None, np.ones(2), shift + 2 ** 24)
+    assert far.tree == good.tree and Modifier(far.tree).distances == dist and not api.ordered(rec, far, dist)
+    assert big in sm.leaves(dist[0])
     # a tree without a distance is never split, ordered or not
     cap = Modifier(_softcap()[0], ordered=True)
     assert cap.split is None and cap.digest == Modifier(_softcap()[0]).digest

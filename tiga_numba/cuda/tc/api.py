@@ -415,9 +415,11 @@ def _ordered_modifier(score_mod, rec, gmod):
 
 def ordered(rec, score_mod, distances):
     """whether every edge (i, j) of the relation record has P(i) >= j for each distance
-    P - src.index (P: the destination's position and fields; a field's per-head values must all
-    hold). Memoised on the relation record for the field arrays of the call (the same objects:
-    functional caches ALiBi's shift per graph), so a call pays the check once per graph."""
+    P - src.index (P: the destination's position and the package's bottom-right shift,
+    modifier.SHIFT; its per-head values, if any, must all hold) and every position is below 2^24
+    (exact in float32: Split's precision). Memoised on the relation record for the shift array of
+    the call (the same object: functional caches it per graph, and nothing writes it), so a call
+    pays the check once per graph."""
     fields = tuple(dict.fromkeys(x for d in distances for x in sm.leaves(d.args[0], "node")))
     arrays = tuple(score_mod.values.get(x) for x in fields)
     key = ("ordered", distances)
@@ -433,6 +435,7 @@ def ordered(rec, score_mod, distances):
             P = np.asarray(sm.evaluate(d.args[0], env), np.float64)
         P = np.broadcast_to(P, np.broadcast_shapes(P.shape, (rows.size, 1)))
         ok = ok and bool(np.all(P.min(1, initial=np.inf) >= last))   # a NaN fails
+        ok = ok and bool(np.all(np.abs(P) < 2.0 ** 24)) and rec["src"][-1] <= 2 ** 24
     rec["tables"][key] = (arrays, ok)
     return ok
 

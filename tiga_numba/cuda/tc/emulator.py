@@ -656,9 +656,10 @@ def launch(src, grid, NT, smem_bytes, mem, dtype, args):
             # the warps run in lockstep: a warp vote is taken over the CTA, which the kernels'
             # vote-guarded branches allow (their work is the identity where no lane needed it)
             any_sync=lambda mask, p: np.int32(np.any(np.asarray(p) != 0)))
-        # fmaxf is max.f32 on the GPU, which returns the other operand of a NaN: np.fmax
+        # fmaxf's NaN handling is the compiler's choice: np.maximum propagates a NaN, so a kernel
+        # that relied on it passing over one fails here (clamps.atleast is max.f32: _atleast)
         env = dict(cuda=cuda, i64=lambda x: np.asarray(x, np.int64)[()], f32=np.float32, u8=np.uint8,
-                   u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.fmax, imin=np.minimum, imax=np.maximum,
+                   u32=lambda x: np.asarray(x, np.uint32)[()], fmaxf=np.maximum, imin=np.minimum, imax=np.maximum,
                    sel=_sel, ex2=_ex2, clampf=_clampf, fms=_fms, saddr=lambda a: np.uint32(0), log2f=np.log2,
                    bits_f32=lambda x: np.asarray(x, np.uint32).view(np.float32),
                    opq=lambda x: np.asarray(x, np.int64)[()],

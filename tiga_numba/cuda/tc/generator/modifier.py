@@ -352,8 +352,8 @@ _SRC = sm.Expr("index", (), "src")
 
 def distances(tree):
     """the distances P - src.index that `tree` takes the absolute value of, P a function of the
-    destination's position and fields only (ALiBi's dst.index + dst._alibi_shift - src.index),
-    in first-use order."""
+    destination's position and the package's bottom-right shift only (ALiBi's dst.index +
+    dst._alibi_shift - src.index: SHIFT), in first-use order."""
     out = []
     for x in sm.walk(tree):
         if x.op == "abs" and _is_distance(x.args[0]) and x.args[0] not in out:
@@ -361,9 +361,15 @@ def distances(tree):
     return tuple(out)
 
 
+#: the one node field a distance's P may hold: the bottom-right shift the package derives from the
+#: relation (functional._alibi_shift, cached per graph), never a user's array, which the host
+#: would have to read on every call and which could change in place between calls
+SHIFT = sm.Expr("node", (), ("dst", "_alibi_shift"))
+
+
 def _is_distance(d):
     return (d.op == "sub" and d.args[1] == _SRC
-            and all(x.op == "const" or (x.op in ("index", "node") and _role(x) == "dst")
+            and all(x.op == "const" or x == SHIFT or (x.op == "index" and x.attr == "dst")
                     for x in sm.leaves(d.args[0])))
 
 
@@ -385,9 +391,11 @@ class Split:
     block: the online softmax takes the row max of y + R less R and exponentiates
     (y + R) - (m + R), so the running max, the stats and P are those of y. j - j0 and P - j0 are
     exact integers in float32 and both terms stay near the size of the block (not of the
-    sequence) where the weights are large, so y loses nothing to the split; the clamp of y + R to
+    sequence) where the weights are large, so y loses nothing to the split while positions stay
+    below 2^24 (api.ordered checks it: float32 holds them exactly); the clamp of y + R to
     [MASKED, CEIL] is that of y (R is far below either bound's rounding). The backward kernels
-    compute y as it is written (Modifier without `ordered`)."""
+    compute y as it is written (Modifier without `ordered`): the stored m, (x + R) - R, may differ
+    from their row max by an ulp of m (P at the max 2^(+-ulp)), as any recomputation may."""
 
     def __init__(self, cell, coef, row):
         self.cell = cell   # y + R: the rest plus COLUMN_TERM
@@ -406,8 +414,8 @@ class Split:
                 rest.append((sign, t))
             else:
                 parts.append((sign,) + got)
-        if not parts or not rest:
-            return None
+        if not parts or not any(sm.SCORE in sm.walk(t) for _, t in rest):
+            return None   # nothing to split, or no cell term (a gather: the CUDA cores' anyway)
         cell = _signed_sum(rest + [(1, COLUMN_TERM)])
         coef = _signed_sum([(-sign, c) for sign, c, P in parts])
         row = _signed_sum([(-sign, sm.make("mul", c, sm.make("sub", P, FIRST_COL))) for sign, c, P in parts])

@@ -101,11 +101,14 @@ def guarded_softmax(e, v, S, O, nt_o, factors, offset, ceiling):
     its weight is 0 against any real row max, and a row whose every value is at most MASKED keeps
     the running max at MASKED (its weights 2^(value - 0) are 0), as if it were clamped. m, l and P
     are then those of the clamped values, and the cells lose the max and min of the clamp (the
-    max with a Fold). The warp-level votes keep both branches uniform within a warp."""
+    max with a Fold). The maxima are taken with clamps.atleast (max.f32 by inline PTX), not fmaxf,
+    whose NaN handling is the compiler's choice. The warp-level votes keep both branches uniform
+    within a warp."""
+    e.uses_clamps()
     defer = factors is not None
     factors = factors or (lambda m, h: f"al{m}{h}")   # every row's, kept to the end (rescale)
     e(f"# guarded online_softmax: {S} unclamped -> P")
-    mx = lambda a, b: f"fmaxf({a}, {b})"  # noqa: E731
+    mx = lambda a, b: f"atleast({a}, {b})"  # noqa: E731   max.f32: the other operand of a NaN
     ad = lambda a, b: f"({a} + {b})"  # noqa: E731
     nt = v.BN // 8
     rows = [(m, h) for m in range(v.MT) for h in (0, 1)]
@@ -116,8 +119,8 @@ def guarded_softmax(e, v, S, O, nt_o, factors, offset, ceiling):
     def maxima():
         for m, h in rows:
             e(f"x{m}{h} = " + _tree(mx, cells(m, h)))
-            e(f"x{m}{h} = fmaxf(x{m}{h}, shfl_xor(x{m}{h}, 1))")
-            e(f"x{m}{h} = fmaxf(x{m}{h}, shfl_xor(x{m}{h}, 2))")
+            e(f"x{m}{h} = atleast(x{m}{h}, shfl_xor(x{m}{h}, 1))")
+            e(f"x{m}{h} = atleast(x{m}{h}, shfl_xor(x{m}{h}, 2))")
 
     def any_of(conds):
         return f"cuda.any_sync(0xFFFFFFFF, u32({' | '.join(conds)})) != 0"
@@ -132,7 +135,8 @@ def guarded_softmax(e, v, S, O, nt_o, factors, offset, ceiling):
             maxima()
     for m, h in rows:
         off = "" if offset is None else f" - {offset(m, h)}"
-        e(f"mn = fmaxf(m{m}{h}, sel(x{m}{h} != masked, x{m}{h} * sc{off}, masked))")
+        # x is NaN where every value of the row is: atleast keeps the running max
+        e(f"mn = atleast(m{m}{h}, sel(x{m}{h} != masked, x{m}{h} * sc{off}, masked))")
         e(f"{factors(m, h)} = ex2(m{m}{h} - mn)")
         e(f"m{m}{h} = mn")
         e("mu = sel(mn != masked, mn, zero)" + ("" if offset is None else f" + {offset(m, h)}"))
