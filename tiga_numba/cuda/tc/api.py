@@ -422,20 +422,20 @@ def ordered(rec, score_mod, distances):
     pays the check once per graph."""
     fields = tuple(dict.fromkeys(x for d in distances for x in sm.leaves(d.args[0], "node")))
     arrays = tuple(score_mod.values.get(x) for x in fields)
-    key = ("ordered", distances)
+    key = ("ordered", distances)   # the distances name the fields: the same number of arrays
     hit = rec["tables"].get(key)
-    if hit is not None and len(hit[0]) == len(arrays) and all(a is b for a, b in zip(hit[0], arrays)):
+    if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
         return hit[1]
     rows, last = schedule.last_sources(rec["dst"], rec["src"], rec["lo"], rec["hi"])
-    ok = True
+    env = {x: _rows_of(a, rows) for x, a in zip(fields, arrays)}
+    env[sm.Expr("index", (), "dst")] = rows.astype(np.float64)[:, None]
+    ok = bool(rec["src"][-1] <= 2 ** 24)
     for d in distances:
-        env = {x: _rows_of(score_mod.values.get(x), rows) for x in sm.leaves(d.args[0], "node")}
-        env[sm.Expr("index", (), "dst")] = rows.astype(np.float64)[:, None]
         with np.errstate(invalid="ignore"):
             P = np.asarray(sm.evaluate(d.args[0], env), np.float64)
         P = np.broadcast_to(P, np.broadcast_shapes(P.shape, (rows.size, 1)))
-        ok = ok and bool(np.all(P.min(1, initial=np.inf) >= last))   # a NaN fails
-        ok = ok and bool(np.all(np.abs(P) < 2.0 ** 24)) and rec["src"][-1] <= 2 ** 24
+        # a NaN fails both tests
+        ok = ok and bool(np.all(P.min(1, initial=np.inf) >= last)) and bool(np.all(np.abs(P) < 2.0 ** 24))
     rec["tables"][key] = (arrays, ok)
     return ok
 

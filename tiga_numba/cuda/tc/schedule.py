@@ -101,36 +101,33 @@ def tile_counts(dst_offsets, src_offsets, causal, BM, BN, lo=None, hi=None):
     return int(np.sum(np.clip(-(-end // BN) - first // BN, 0, None))), total
 
 
+def row_spans(dst_offsets, src_offsets, lo=None, hi=None):
+    """(rows, blocks, first, last) over every destination row of the blocks: its global position,
+    its block, and the block-local first and last column its band admits (row r of block b sees max(0, r + lo_b) ..
+    min(nc_b - 1, r + hi_b); first > last: no column). Bands default to full blocks."""
+    dst = np.asarray(dst_offsets, np.int64)
+    nr, nc = np.diff(dst), np.diff(np.asarray(src_offsets, np.int64))
+    lo = 1 - nr if lo is None else np.asarray(lo, np.int64)
+    hi = nc - 1 if hi is None else np.asarray(hi, np.int64)
+    b = np.repeat(np.arange(nr.size), nr)
+    r = np.arange(b.size, dtype=np.int64) - np.repeat(np.cumsum(nr) - nr, nr)   # row inside its block
+    return np.repeat(dst[:-1], nr) + r, b, np.maximum(0, r + lo[b]), np.minimum(nc[b] - 1, r + hi[b])
+
+
 def rows_without_keys(dst_offsets, src_offsets, nd, lo=None, hi=None):
     """bool (nd,): destination rows no key tile visits (outside every block, in a block without
     sources, or with an empty band). The fused backward writes dQ only where a key tile visits, so
     these are zero-filled."""
-    dst = np.asarray(dst_offsets, np.int64)
-    nc = np.diff(np.asarray(src_offsets, np.int64))
+    rows, _, first, last = row_spans(dst_offsets, src_offsets, lo, hi)
     out = np.ones(nd, bool)
-    for b in np.nonzero(nc > 0)[0]:
-        r = np.arange(dst[b + 1] - dst[b])
-        lo_b = -r.size + 1 if lo is None else int(lo[b])
-        hi_b = nc[b] - 1 if hi is None else int(hi[b])
-        # row r sees columns max(0, r + lo_b) .. min(nc - 1, r + hi_b)
-        out[dst[b]:dst[b + 1]] = np.maximum(0, r + lo_b) > np.minimum(nc[b] - 1, r + hi_b)
+    out[rows[first <= last]] = False
     return out
 
 
 def last_sources(dst_offsets, src_offsets, lo=None, hi=None):
     """(rows, last): the destination rows that hold an edge (int64, increasing) and the global
-    position of the last source each one's band admits (row r of block b: s0_b + min(nc_b - 1,
-    r + hi_b)). What a score modifier's order check compares the rows' positions with
-    (api.ordered)."""
-    dst = np.asarray(dst_offsets, np.int64)
-    src = np.asarray(src_offsets, np.int64)
-    nr, nc = np.diff(dst), np.diff(src)
-    S = nr.size
-    lo = 1 - nr if lo is None else np.asarray(lo, np.int64)
-    hi = nc - 1 if hi is None else np.asarray(hi, np.int64)
-    b = np.repeat(np.arange(S), nr)
-    r = np.arange(b.size, dtype=np.int64) - np.repeat(np.cumsum(nr) - nr, nr)   # row inside its block
-    first = np.maximum(0, r + lo[b])
-    last = np.minimum(nc[b] - 1, r + hi[b])
+    position of the last source each one's band admits. What a score modifier's order check
+    compares the rows' positions with (api.ordered)."""
+    rows, blocks, first, last = row_spans(dst_offsets, src_offsets, lo, hi)
     live = first <= last
-    return (np.repeat(dst[:-1], nr) + r)[live], (src[b] + last)[live]
+    return rows[live], (np.asarray(src_offsets, np.int64)[blocks] + last)[live]

@@ -6,9 +6,9 @@ from .guard import guard_init, guard_tiles, poison_rows
 from .pipeline import key_range, prune_gate, read_work, span, store_c_rows, stream_key_blocks
 from .products import mma_abt, mma_pb, resident
 from .shared import landed, load_tile, sa, shared_array, shared_base, thread_geometry
-from .softmax import mask_rows, online_softmax, rescale, row_limits
+from .softmax import mask_rows, online_softmax, rescale, row_limits, row_offset
 from .source import Source, udiv
-from .modifier import ARGS as MOD_ARGS, CEIL, cell_col, cell_row
+from .modifier import ARGS as MOD_ARGS, cell_col, cell_row
 from .variant import LOG2E, MASKED, WG_ALIGN
 from .wgmma import wg_pack, wg_pb, wg_wait
 
@@ -47,7 +47,7 @@ def gen_forward(v):
         for m in range(MT):
             e(f"m{m}0 = masked; m{m}1 = masked; l{m}0 = zero; l{m}1 = zero")
         # stage 2: stream key blocks; S = Q K^T of each, then softmax and O += P V
-        def modify():   # S -> f(scale S) log2(e), before the mask (the kernel runs with sc = 1)
+        def modify():   # S -> f(scale S) log2(e), before the mask (sc = 1), unclamped: guarded_softmax
             for m in range(MT):
                 for j in range(BN // 8):
                     for r in range(4):
@@ -56,15 +56,11 @@ def gen_forward(v):
             if v.mod.split is not None:   # S holds f + R: the rows' offsets for online_softmax
                 for m in range(MT):
                     for h in (0, 1):
-                        v.mod.row_offset(e, cell_row(m, 2 * h), f"ro{m}{h}", f"col0 + kb * {BN}")
-
-        offset = (lambda m, h: f"ro{m}{h}") if v.mod and v.mod.split is not None else None  # noqa: E731
-        # the cells leave their values unclamped: the softmax clamps where a block needs it
-        clamp = dict(guard=True, ceiling=CEIL if v.mod.fold is None else None) if v.mod else {}
+                        v.mod.row_offset(e, cell_row(m, 2 * h), row_offset(m, h), f"col0 + kb * {BN}")
 
         def block(kbuf, vbuf):
             if not v.prune:
-                online_softmax(e, v, "s", "o", Dv // 8, offset=offset, **clamp)
+                online_softmax(e, v, "s", "o", Dv // 8)
                 mma_pb(e, v, "o", "pa", "s", vbuf, Dv // 8, BN, Dv)
                 return
             rowmax = prune_gate(e, v)   # a pruned tile skips the softmax and the value product
@@ -76,7 +72,7 @@ def gen_forward(v):
         if v.prune:
             e(f"prs = a32(sb, {v.smem_bytes() - v.prune_bytes() - (WG_ALIGN if v.wgmma else 0)}); npr = i64(0); rcta = masked")
         if v.fwd_pipelined:
-            pipelined_key_blocks(e, v, where["qa"], modify if v.mod else None, offset, clamp)
+            pipelined_key_blocks(e, v, where["qa"], modify if v.mod else None)
         else:
             stream_key_blocks(e, v, where["qa"], block, "v", [("o", Dv // 8)], modify=modify if v.mod else None)
         # stage 3: finish the quad's row sums, normalise, store O, m (natural log), l, and (mkp
@@ -104,7 +100,7 @@ def gen_forward(v):
     return e.text()
 
 
-def pipelined_key_blocks(e, v, qa_where, modify=None, offset=None, clamp=None):
+def pipelined_key_blocks(e, v, qa_where, modify=None):
     """The forward's key loop as a software pipeline on the warpgroup's tensor cores (wgmma,
     16-bit; Variant.fwd_pipelined). Iteration kb issues S = Q K^T of block kb and, right behind
     it, O += P V of block kb - 1 (P packed at the end of the previous iteration), waits for S
@@ -258,7 +254,7 @@ def pipelined_key_blocks(e, v, qa_where, modify=None, offset=None, clamp=None):
             row_limits(e, v, "lim", "wrow")
             mask_rows(e, "s", MT, BN // 8, f"kb * {BN}", "lim")
         factors = lambda m, h: f"alf{m}{h}"  # noqa: E731   kept until P V has completed
-        online_softmax(e, v, "s", "o", Dv // 8, factors=factors, offset=offset, **(clamp or {}))
+        online_softmax(e, v, "s", "o", Dv // 8, factors=factors)
         wg_wait(e, 0, "o", Dv // 8)
         if pp:
             e(f"mbar_arrive({empty_v('vsr')})")   # P V of kb - 1 read its V slot: free

@@ -115,23 +115,20 @@ class Modifier:
         #: caller checked P >= src.index on every edge: api.ordered) they are taken signed
         #: (ordered_tree) and split (Split)
         self.distances = distances(tree)
-        self.ordered = bool(ordered and self.distances)
-        (value, deriv), hoisted = lower(ordered_tree(tree) if self.ordered else tree, self.dtree, tanh)
-        #: Fold (or None): the value's positive factor taken by the exponent scale (see Fold)
-        self.fold = Fold.of(value, hoisted) if fold else None
-        if self.fold is not None:
-            value = self.fold.rest
+
+        def lowered(t):   # (y, f', hoisted, Fold or None) of tree t
+            (y, dy), hoist = lower(t, self.dtree, tanh)
+            return y, dy, hoist, (Fold.of(y, hoist) if fold else None)
+        #: Fold (or None): the value's positive factor taken by the exponent scale (see Fold);
         #: Split (or None): the value's distance terms taken apart into a column term in the
-        #: cells and a row offset per key block (forward kernels only; see Split)
-        self.split = Split.of(value) if self.ordered and self.fold is None else None
-        if self.ordered and self.split is None:   # nothing to split: the tree as written
-            self.ordered = False
-            (value, deriv), hoisted = lower(tree, self.dtree, tanh)
-            self.fold = Fold.of(value, hoisted) if fold else None
-            if self.fold is not None:
-                value = self.fold.rest
-        if self.split is not None:
-            value = self.split.cell
+        #: cells and a row offset per key block (the forward only; see Split)
+        self.split = None
+        if ordered and self.distances:
+            value, deriv, hoisted, self.fold = lowered(ordered_tree(tree))
+            self.split = Split.of(value) if self.fold is None else None
+        if self.split is None:   # not ordered, or nothing to split: the tree as written
+            value, deriv, hoisted, self.fold = lowered(tree)
+        value = self.split.cell if self.split else self.fold.rest if self.fold else value
         # the cell-invariant subtrees (params()), then the cell's text (cell()); one constant table
         self._src = score_source.Source(tree, (), _Target(self.layout))
         hsrc = score_source.Source(tree, (), _Target(self.layout, temp="mq"))
@@ -606,7 +603,7 @@ def _role(x):
     if x.op == "node":
         return x.attr[0]
     if x.op == "index":
-        return "src" if x.attr.startswith("src") else "dst"
+        return x.attr
     return None
 
 
