@@ -98,3 +98,27 @@ def test_aligned_and_scalar_loads_match_the_oracle(kind, D, H, Hkv, aligned_kern
         out_p = cupy.asnumpy(tg.attention(qd, cupy.asarray(kp), cupy.asarray(vp), g))
         assert np.isfinite(out_p[keep]).all(), "a non-finite key outside a row's band reached it"
         assert rel_err(out_p[keep], ro[keep]) < 4e-3
+
+
+def test_split_merge_on_two_streams_at_once():
+    """The last chunk of each group merges the group's splits, counted on counters that each
+    stream has for itself: the same long decode row issued on two streams in turn, without
+    waiting, gives the same bits as one call on its own (and the counters are left at zero:
+    every call after the first would merge too early otherwise)."""
+    g = tg.Graph.dense(40000, 1)
+    q = RNG.standard_normal((1, 8, 128)).astype(np.float16)
+    k = RNG.standard_normal((40000, 2, 128)).astype(np.float16)
+    v = RNG.standard_normal((40000, 2, 128)).astype(np.float16)
+    qd, kd, vd = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
+    ref = tg.attention(qd, kd, vd, g)
+    kern = functional.last_plan().run_info["kernel"]
+    assert "tensor cores" in kern and "key chunks of" in kern, kern
+    assert rel_err(cupy.asnumpy(ref), oracle(q, k, v, _mask(g), 128 ** -0.5)[0]) < 4e-3
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    outs = []
+    for i in range(24):
+        with streams[i % 2]:
+            outs.append(tg.attention(qd, kd, vd, g))
+    for s in streams:
+        s.synchronize()
+    assert all(bool(cupy.all(o == ref)) for o in outs), "a call on two streams at once changed the bits"
