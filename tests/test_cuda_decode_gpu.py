@@ -101,10 +101,9 @@ def test_aligned_and_scalar_loads_match_the_oracle(kind, D, H, Hkv, aligned_kern
 
 
 def test_split_merge_on_two_streams_at_once():
-    """The last chunk of each group merges the group's splits, counted on counters that each
-    stream has for itself: the same long decode row issued on two streams in turn, without
-    waiting, gives the same bits as one call on its own (and the counters are left at zero:
-    every call after the first would merge too early otherwise)."""
+    """A long decode row cut into key chunks and merged, issued on two streams in turn without
+    waiting: every call keeps its partials in its own allocation (on its own stream), so all of
+    them give the bits of one call on its own."""
     g = tg.Graph.dense(40000, 1)
     q = RNG.standard_normal((1, 8, 128)).astype(np.float16)
     k = RNG.standard_normal((40000, 2, 128)).astype(np.float16)

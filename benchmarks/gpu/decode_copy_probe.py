@@ -4,6 +4,7 @@ decode kernel's grid and per-warp walk (fp16, Hkv = 8, D = 128, token-major K / 
 chunk once into shared memory (or registers) and doing nothing with it but a checksum:
 
   cp.async S2      the decode kernel's ring: 16-byte cp.async per lane, two steps per warp
+                   (K16: 16 keys per warp step; L2::128B / L2::256B: the copies' L2 prefetch hint)
   bulk S2 / S3     cp.async.bulk: one 256-byte bulk copy per K / V row (a lane per key),
                    completion on an mbarrier per stage (expect_tx), two or three stages per warp
   ldg.nc           16-byte read-only loads into registers, no shared memory
@@ -22,7 +23,7 @@ from numba import cuda
 
 import tiga_numba as tg
 from tiga_numba.cuda.common import nbtype
-from tiga_numba.cuda.launch import Kernel, array_view
+from tiga_numba.cuda.launch import Kernel, array_view, current_stream
 from tiga_numba.cuda.tc.barriers import intrinsics as barriers
 from tiga_numba.cuda.tc.ptx import intrinsics
 
@@ -66,10 +67,31 @@ def bulk_intrinsics():
     return bulk_copy, arrive_expect
 
 
-def make_cp_async(NW, KEYS, S):
+def cp_async_hinted(hint):
+    """16-byte cp.async.cg with an L2 prefetch-size hint ("" for none: ptx.py's cp_async16)"""
+    import llvmlite.ir as ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def cp16(tc, saddr, gaddr, nbytes):
+        sig = types.void(types.uint32, types.int64, types.uint32)
+
+        def cg(ctx, bld, sig, args):
+            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
+            bld.call(ir.InlineAsm(fn, f"cp.async.cg.shared.global{hint} [$0], [$1], 16, $2;",
+                                  "r,l,r,~{memory}", side_effect=True), args)
+            return ctx.get_dummy_value()
+        return sig, cg
+    return cp16
+
+
+def make_cp_async(NW, KEYS, S, hint=""):
     """the decode kernel's copy ring alone (S = 2: the shipped one)"""
     ptx = intrinsics("float16")
     cp16, commit, wait1, saddr = ptx["cp_async16"], ptx["cp_commit"], ptx["cp_wait1"], ptx["saddr"]
+    if hint:
+        cp16 = cp_async_hinted(hint)
     CPR = ROW // 16
     RPC = 32 // CPR
     NCP = KEYS * CPR // 32
@@ -116,12 +138,13 @@ def make_cp_async(NW, KEYS, S):
             wait1()
             cuda.syncwarp()
             o = (warp * 2 * 2 * TILE + buf * 2 * TILE) // 4
-            acc ^= sv[o + lane * (ROWP // 4)] ^ sv[o + TILE // 4 + lane * (ROWP // 4)]
+            if lane < KEYS:
+                acc ^= sv[o + lane * (ROWP // 4)] ^ sv[o + TILE // 4 + lane * (ROWP // 4)]
             cuda.syncwarp()
             buf = 1 - buf
         out[(c * HKV + hk) * NW * 32 + tid] = acc
 
-    kern = Kernel(f"probe_cpasync_nw{NW}_k{KEYS}", body,
+    kern = Kernel(f"probe_cpasync_nw{NW}_k{KEYS}{hint.replace(':', '').replace('.', '_')}", body,
                   [("k", "s", I64), ("v", "s", I64), ("out", "a", numba.uint32), ("chunk", "s", I64)])
     kern.dyn_smem = NW * 2 * 2 * TILE
     return kern
@@ -266,24 +289,28 @@ def main():
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# {name}; {L} keys, Hkv {HKV}, D {D}, fp16 token-major; grid ({splits} chunks, {HKV} heads); "
           f"K + V {nbytes / 1e6:.0f} MB; GPU time per launch back to back (best of 3 x 20)")
-    stream = cupy.cuda.get_current_stream()
+    stream = current_stream()
     for nw in (int(x) for x in a.warps.split(",")):
         out = cupy.zeros(splits * HKV * nw * 32, np.uint32)
-        variants = [("cp.async S2", make_cp_async(nw, 32, 2)), ("bulk S2", make_bulk(nw, 32, 2)),
+        variants = [("cp.async S2", make_cp_async(nw, 32, 2)),
+                    ("cp.async S2 K16", make_cp_async(nw, 16, 2)),
+                    ("cp.async S2 L2::128B", make_cp_async(nw, 32, 2, ".L2::128B")),
+                    ("cp.async S2 L2::256B", make_cp_async(nw, 32, 2, ".L2::256B")),
+                    ("bulk S2", make_bulk(nw, 32, 2)),
                     ("bulk S3", make_bulk(nw, 32, 3)), ("ldg.nc", make_ldg(nw, 32))]
         for label, kern in variants:
             if kern.dyn_smem > 227 * 1024:
-                print(f"NW{nw} {label:<12} skipped: {kern.dyn_smem} B of shared memory")
+                print(f"NW{nw} {label:<20} skipped: {kern.dyn_smem} B of shared memory")
                 continue
             try:
                 def run():
                     kern((splits, HKV, 1), (nw * 32, 1, 1), stream, k.data.ptr, v.data.ptr,
                          out.data.ptr, chunk)
                 t = gpu_time(run)
-                print(f"NW{nw} {label:<12} {t * 1e3:7.3f} ms  {nbytes / t / 1e12:5.2f} TB/s  "
-                      f"checksum {int(cupy.bitwise_xor.reduce(out))}", flush=True)
+                print(f"NW{nw} {label:<20} {t * 1e3:7.3f} ms  {nbytes / t / 1e12:5.2f} TB/s  "
+                      f"checksum {int(np.bitwise_xor.reduce(cupy.asnumpy(out)))}", flush=True)
             except Exception as exc:  # noqa: BLE001
-                print(f"NW{nw} {label:<12} {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+                print(f"NW{nw} {label:<20} {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     g = tg.Graph.dense(L, 1)
     t = gpu_time(lambda: tg.attention(q, k, v, g))
     print(f"decode (tg.attention)  {t * 1e3:7.3f} ms  {nbytes / t / 1e12:5.2f} TB/s  "

@@ -389,16 +389,15 @@ def _forward_decode(rel, dname, D, DV, H, Hkv):
         tv = _decode.decode_tiles(dname, D, DV, rows, vec=True)
         rec.geo["aligned"] = launch(tv, rec.kernel(("decode", tv), lambda: _decode.make_decode(tv)),
                                     "CUDA cores, 16-byte K/V loads")
-    # the kernels' merge counters (make_combine): one int32 per (block, kv head, row group),
-    # zero between launches, one set per device and stream (launches on one stream never overlap)
-    rec.geo["groups"] = max(g["grid"][0] * g["grid"][2] for g in (rec.geo["scalar"], rec.geo["aligned"]) if g)
-    rec.geo["counters"] = {}
+    if max(g["splits"] for g in (rec.geo["scalar"], rec.geo["aligned"]) if g) > 1:
+        rec.geo["merge"] = rec.kernel(("decode.merge", dname, t.acc, DV),
+                                      lambda: _decode.make_merge(dname, t.acc, DV))
     lo_d, hi_d = rec.geo["band"] = _band_arrays(rel)
     rec.geo["rel"] = (rel.dst_offsets.data.ptr, rel.src_offsets.data.ptr, lo_d.data.ptr, hi_d.data.ptr)
     return rec.finish(
         kernel=(f"cuda.decode.forward (split-key flash-decoding: the {grp} query heads of a kv "
                 "head read each K/V row once; a block cut into several key chunks has its "
-                "partials merged in split order by the chunk that finishes last)"
+                "partials merged in split order)"
                 + _banded_note(rel).replace("only key tiles inside the band are visited; ", "")),
         tiles=t.describe() + (f"; where k and v rows are 16-byte aligned: {tv.describe()}"
                               if rec.geo["aligned"] is not None else ""))
@@ -607,27 +606,20 @@ def _decode_forward(plan, q, k, v, relation):
             n = Nq * H * splits
             part = cupy.empty((n * (max(DV, 1) + 2),), acc)
             p0, item = part.data.ptr, part.itemsize
-            parts = (p0, p0 + n * max(DV, 1) * item, p0 + n * (max(DV, 1) + 1) * item,
-                     _merge_counters(g, stream))
+            parts = (p0, p0 + n * max(DV, 1) * item, p0 + n * (max(DV, 1) + 1) * item)
         else:
             d = _dummy(acc).data.ptr
-            parts = (d, d, d, d)
+            parts = (d, d, d)
         kern(lg["grid"], lg["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
              *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
              H, H // Hkv, lg["nrg"], splits, lg["chunk"], float(plan.scale))
+        if splits > 1:
+            mk = g["merge"]
+            mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,
+               out.data.ptr, m.data.ptr, l.data.ptr, Nq * H, splits)
     info["copies"] = copies
     info["cache"] = cache
     return out, m, l
-
-
-def _merge_counters(geo, stream):
-    """Device address of the decode kernels' merge counters for this device and stream: zeroed
-    once when made; each launch leaves them at zero again (its merging CTAs reset them)."""
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
-    c = geo["counters"].get(key)
-    if c is None:
-        c = geo["counters"][key] = cupy.zeros(geo["groups"], np.int32)
-    return c.data.ptr
 
 
 # --------------------------------------------------------------------------- backward

@@ -19,12 +19,9 @@ chunk T keys per step, each keeping its own online-softmax state (m, l, acc) for
 Per step: T scores per row (dot products meeting through log2(G) xor shuffles), one rescale
 per row, T exps, acc += p * V. At the end the groups' states meet in shared memory, summed in
 group order. With one split the CTA writes (out, m, l) itself; otherwise it writes its
-unnormalised partial (acc, m, l), and the last CTA of its (block, kv head, row group) to finish
-combines the splits of each row in split order (make_combine):
-M = max_c m_c,  l = sum_c l_c e^(m_c - M),  out = sum_c acc_c e^(m_c - M) / l.
-Which CTA is last is decided by one integer atomic on a per-group counter (the last one sets it
-back to 0 for the next launch); the merge itself reads the partials in split order, so the bits
-do not depend on which CTA it was or on scheduling. No float atomics, one launch per call.
+unnormalised partial (acc, m, l) and `make_merge` combines the splits of each row in split
+order:  M = max_c m_c,  l = sum_c l_c e^(m_c - M),  out = sum_c acc_c e^(m_c - M) / l.
+Fixed orders everywhere, no atomics: the bits do not depend on scheduling.
 
 Bands (lo <= c - r <= hi) are honoured cell by cell; masked cells get no score and add
 nothing (their V row is not multiplied by 0), so a non-finite value outside a row's band never
@@ -39,54 +36,12 @@ from dataclasses import dataclass
 import numba
 from numba import cuda
 
-from .common import FULL, NEG_INF, array_view, nbtype, part_weight
+from .common import FULL, NEG_INF, array_view, make_softmax_merge, nbtype, part_weight
 from .launch import SIM, Kernel
 
 i64 = numba.int64
-i32 = numba.int32
 U = numba.uint64
 U32 = nbtype("uint32")
-I32 = nbtype("int32")
-
-# partials whose loads the merging CTA issues together (make_combine)
-MERGE_LOADS = 8
-
-
-
-def _make_load_l2():
-    """`load_l2(a, i)`: element i of the float32 / float64 array view a, read by ld.global.cg
-    (from L2, not from this SM's L1, which may hold an older copy of the line) and kept in program
-    order after the merge's fence (an asm with side effects; numba's own ldcg is neither, and
-    its overload compiles for the current device, which CI does not have). The simulator's
-    memory is coherent: there it is plain indexing."""
-    if SIM:
-        def load_l2(a, i):
-            return a[i]
-        return load_l2
-    from llvmlite import ir
-    from numba.cuda import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def load_l2(tc, a, i):
-        if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
-            return None
-        bits = a.dtype.bitwidth
-        sig = a.dtype(a, i)
-
-        def cg(ctx, bld, sig, args):
-            ary = ctx.make_array(sig.args[0])(ctx, bld, args[0])
-            idx = ctx.cast(bld, args[1], sig.args[1], types.uint64)
-            ptr = bld.gep(ary.data, [idx])
-            fn = ir.FunctionType(ctx.get_value_type(sig.return_type), [ptr.type])
-            asm = ir.InlineAsm(fn, f"ld.global.cg.f{bits} $0, [$1];",
-                               ("=f" if bits == 32 else "=d") + ",l,~{memory}", side_effect=True)
-            return bld.call(asm, [ptr])
-        return sig, cg
-    return load_l2
-
-
-load_l2 = _make_load_l2()
 
 
 @dataclass(frozen=True)
@@ -180,7 +135,7 @@ def decode_tiles(dtype, D, DV, rows, vec=False):
 
 def make_decode(t):
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
-    AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, I32))
+    AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
     D, DV, G, T, ROWS = t.D, t.DV, t.G, t.T, t.ROWS
     DS, DVS, NGT = t.DS, t.DVS, t.groups
     VEC = t.vec
@@ -204,8 +159,8 @@ def make_decode(t):
     combine = make_combine(t)
     cta_keys = make_cta_keys(ROWS)
 
-    def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, cnt_p, doff_p, soff_p, blo_p,
-             bhi_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
+    def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
+             qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
         q = AS_IN(q_p)
         k = AS_IN(k_p)
         v = AS_IN(v_p)
@@ -215,7 +170,6 @@ def make_decode(t):
         pacc = AS_ACC(pacc_p)
         pm = AS_ACC(pm_p)
         pl = AS_ACC(pl_p)
-        cnt = AS_I32(cnt_p)
         doff = AS_I64(doff_p)
         soff = AS_I64(soff_p)
         blo_a = AS_I64(blo_p)
@@ -355,7 +309,7 @@ def make_decode(t):
                 if d < DV:
                     sA[U((gid * ROWS + r) * DV + d)] = acc[U(r * DVS + cc)]
         cuda.syncthreads()
-        combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, cnt, tid, r0, nrows, grp, hk, d0, H, splits, c)
+        combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c)
 
     name = f"decode_{t.dtype}_d{D}_dv{DV}_g{G}_t{T}_nw{t.NW}_r{ROWS}"
     return Kernel(name, body, _spec(IN, ACC))
@@ -365,8 +319,8 @@ def _spec(IN, ACC):
     """the parameters of both split-key kernels"""
     return ([("q", "a", IN), ("k", "a", IN), ("v", "a", IN), ("out", "a", IN),
              ("mo", "a", ACC), ("lo", "a", ACC), ("pacc", "a", ACC), ("pm", "a", ACC),
-             ("pl", "a", ACC), ("cnt", "a", I32), ("doff", "a", i64), ("soff", "a", i64),
-             ("blo", "a", i64), ("bhi", "a", i64)]
+             ("pl", "a", ACC), ("doff", "a", i64), ("soff", "a", i64), ("blo", "a", i64),
+             ("bhi", "a", i64)]
             + [(f"{p}s{n}", "s", i64) for p in "qkv" for n in range(3)]
             + [("H", "s", i64), ("grp", "s", i64), ("nrg", "s", i64), ("splits", "s", i64),
                ("chunk", "s", i64), ("scale", "s", ACC)])
@@ -403,77 +357,13 @@ def make_cta_keys(ROWS):
 def make_combine(t):
     """Device function: the CTA's `groups` partial states of its ROWS rows (sM, sL: m and l per
     group and row; sA: acc per group, row and value dim, all in shared memory) combined in group
-    order, then written as the row's (out, m, l) with one split, or as split c's partial.
-
-    With several splits, the CTA then counts itself done on its group's counter (cnt, one int32
-    per (block, kv head, row group), zero before the launch): the CTA that takes the last count
-    merges the group's rows over all splits, in split order, and sets the counter back to 0.
-    Every thread fences its partial's stores before the count, and the merging CTA reads the
-    partials from L2 (ld.global.cg: its own L1 never held them), so it sees every split's."""
+    order, then written as the row's (out, m, l) with one split, or as split c's partial."""
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
     ROWS, NGT, NT, DV = t.ROWS, t.groups, t.NT, t.DV
     DVM = max(DV, 1)
-    UNR = MERGE_LOADS
 
     @cuda.jit(device=True, inline="always")
-    def finish(out, mo, lo, orow, d, A, L, M):
-        """the merged row's normalised out (column d) and, from column 0, its m and l"""
-        if DV:
-            inv = ACC(0.0)
-            if L > 0 or L != L:
-                inv = ACC(1.0) / L
-            out[U(orow * DV + d)] = IN(A * inv)
-        if d == 0:
-            mo[U(orow)] = M
-            lo[U(orow)] = L
-
-    @cuda.jit(device=True, inline="always")
-    def merge_splits(out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits):
-        """(out, m, l) of the group's rows from their `splits` partials, in split order; UNR
-        partials' loads are issued before any of them is used (the loads' latency, not their
-        count, is what this tail of the launch waits for)"""
-        neg = ACC(NEG_INF)
-        xm = cuda.local.array(UNR, ACC)
-        xl = cuda.local.array(UNR, ACC)
-        xa = cuda.local.array(UNR, ACC)
-        for e in range(tid, ROWS * DVM, NT):
-            r = e // DVM
-            d = e - r * DVM
-            rl = r0 + r
-            if rl < nrows:
-                il = rl // grp
-                orow = (d0 + il) * H + hk * grp + (rl - il * grp)
-                p0 = orow * splits
-                M = neg
-                for cb in range(0, splits, UNR):
-                    for u in range(UNR):
-                        xm[u] = neg
-                        if cb + u < splits:
-                            xm[u] = load_l2(pm, U(p0 + cb + u))
-                    for u in range(UNR):
-                        M = max(M, xm[u])
-                L = ACC(0.0)
-                A = ACC(0.0)
-                for cb in range(0, splits, UNR):
-                    for u in range(UNR):
-                        xm[u] = neg
-                        xl[u] = ACC(0.0)
-                        xa[u] = ACC(0.0)
-                        if cb + u < splits:
-                            xm[u] = load_l2(pm, U(p0 + cb + u))
-                            xl[u] = load_l2(pl, U(p0 + cb + u))
-                            if DV:
-                                xa[u] = load_l2(pacc, U((p0 + cb + u) * DV + d))
-                    for u in range(UNR):
-                        # past the last split: m = -inf, l = 0, so weight 0
-                        w = part_weight(xm[u], xl[u], M)
-                        if w != 0:
-                            L += xl[u] * w
-                            A += xa[u] * w
-                finish(out, mo, lo, orow, d, A, L, M)
-
-    @cuda.jit(device=True, inline="always")
-    def combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, cnt, tid, r0, nrows, grp, hk, d0, H, splits, c):
+    def combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c):
         neg = ACC(NEG_INF)
         for e in range(tid, ROWS * DVM, NT):
             r = e // DVM
@@ -493,31 +383,25 @@ def make_combine(t):
                         if DV:
                             A += sA[U((g * ROWS + r) * DV + d)] * w
                 il = rl // grp
-                orow = (d0 + il) * H + hk * grp + (rl - il * grp)
+                h = hk * grp + (rl - il * grp)
+                i = d0 + il
                 if splits == 1:
-                    finish(out, mo, lo, orow, d, A, L, M)
+                    if DV:
+                        inv = ACC(0.0)
+                        if L > 0 or L != L:
+                            inv = ACC(1.0) / L
+                        out[U((i * H + h) * DV + d)] = IN(A * inv)
+                    if d == 0:
+                        mo[U(i * H + h)] = M
+                        lo[U(i * H + h)] = L
                 else:
                     # partial row (split c of row i, head h)
-                    pr = orow * splits + c
+                    pr = (i * H + h) * splits + c
                     if DV:
                         pacc[U(pr * DV + d)] = A
                     if d == 0:
                         pm[U(pr)] = M
                         pl[U(pr)] = L
-        if splits > 1:
-            last = cuda.shared.array(1, I32)
-            cuda.threadfence()  # this thread's partial stores are visible GPU-wide
-            cuda.syncthreads()  # ... for every thread of the CTA, before it counts itself done
-            if tid == 0:
-                slot = U(i64(cuda.blockIdx.x) * i64(cuda.gridDim.z) + i64(cuda.blockIdx.z))
-                done = cuda.atomic.add(cnt, slot, i32(1))
-                last[0] = 1 if done == splits - 1 else 0
-                if done == splits - 1:
-                    cnt[slot] = i32(0)  # ready for the next launch
-            cuda.syncthreads()
-            if last[0] != 0:
-                cuda.threadfence()
-                merge_splits(out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits)
     return combine
 
 
@@ -563,7 +447,7 @@ def make_decode_mma(t):
     from .tc.ptx import intrinsics
     from .tc.generator.variant import LOG2E
     IN, ACC = nbtype(t.dtype), nbtype(t.acc)
-    AS_IN, AS_ACC, AS_I64, AS_I32 = (array_view(x) for x in (IN, ACC, i64, I32))
+    AS_IN, AS_ACC, AS_I64 = (array_view(x) for x in (IN, ACC, i64))
     D, DV, NW, ROWS, KEYS = t.D, t.DV, t.NW, t.ROWS, t.T
     NB = KEYS // 8  # n-blocks of 8 keys per step
     assert KEYS in (16, 32)
@@ -619,8 +503,8 @@ def make_decode_mma(t):
                            v_p + 2 * ((s0 + jj) * vs0 + hk * vs1 + 8 * pp), nb)
         cp_commit()
 
-    def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, cnt_p, doff_p, soff_p, blo_p,
-             bhi_p, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
+    def body(q_p, k_p, v_p, out_p, mo_p, lo_p, pacc_p, pm_p, pl_p, doff_p, soff_p, blo_p, bhi_p,
+             qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, H, grp, nrg, splits, chunk, scale):
         q = AS_IN(q_p)
         out = AS_IN(out_p)
         mo = AS_ACC(mo_p)
@@ -628,7 +512,6 @@ def make_decode_mma(t):
         pacc = AS_ACC(pacc_p)
         pm = AS_ACC(pm_p)
         pl = AS_ACC(pl_p)
-        cnt = AS_I32(cnt_p)
         doff = AS_I64(doff_p)
         soff = AS_I64(soff_p)
         blo_a = AS_I64(blo_p)
@@ -797,9 +680,16 @@ def make_decode_mma(t):
                 sA[U((warp * ROWS + gq) * DV + d)] = of[o * 4]
                 sA[U((warp * ROWS + gq) * DV + d + 1)] = of[o * 4 + 1]
         cuda.syncthreads()
-        combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, cnt, tid, r0, nrows, grp, hk, d0, H, splits, c)
+        combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c)
 
     name = f"decode_mma_{t.dtype}_d{D}_dv{DV}_nw{NW}_r{ROWS}_k{KEYS}"
     kern = Kernel(name, body, _spec(IN, ACC))
     kern.dyn_smem = max(NW * 4 * TILE, NW * ROWS * DV * 4)
     return kern
+
+
+def make_merge(dtype, acc, DV):
+    """out, m, l of each (row, head) from its `splits` partials, in split order. Launched with
+    (pacc, pm, pl, unused int64 array, out, m, l, rows, splits); common.make_softmax_merge has
+    the kernel (one CTA per row)."""
+    return make_softmax_merge(dtype, acc, DV, table=False)
