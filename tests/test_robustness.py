@@ -3,6 +3,7 @@ subclasses, index overflow, scipy formats, threading layers, and a bounded fuzz 
 non-finite values outside every row's relation. Every result is compared with a float64
 numpy oracle written here. Shapes are small and shared so that compiled kernels are reused."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -393,6 +394,18 @@ def test_from_scipy_leaves_the_callers_matrix_as_it_was():
     a = sp.csr_array(([1.0, 2.0, 3.0], [2, 0, 2], [0, 3, 3]), shape=(2, 3))
     tg.Graph.from_scipy(a)
     np.testing.assert_array_equal(a.indices, [2, 0, 2])
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 2, 2)])
+def test_from_scipy_refuses_arrays_that_are_not_2d(shape):
+    """scipy's sparse arrays may be 1-D (csr, coo, dok) or n-D (coo): a relation needs rows
+    and columns, and the error says so, naming the argument"""
+    m = sp.coo_array(np.arange(1.0, 1.0 + np.prod(shape)).reshape(shape))
+    with pytest.raises(ValueError, match=r"matrix must be 2-D .*" + re.escape(str(shape))):
+        tg.Graph.from_scipy(m)
+    if len(shape) == 1:
+        with pytest.raises(ValueError, match="matrix must be 2-D"):
+            tg.Graph.from_scipy(sp.csr_array(np.array([1.0, 0.0, 2.0])))
 
 
 def test_backward_refuses_stats_of_another_scale():

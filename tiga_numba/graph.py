@@ -527,6 +527,8 @@ class Graph:
         import scipy.sparse as sp
         if not sp.issparse(matrix):
             raise TypeError(f"matrix must be a scipy.sparse matrix or array, got {type(matrix).__name__}")
+        if len(matrix.shape) != 2:   # scipy's sparse arrays may be 1-D (or n-D COO)
+            raise ValueError(f"matrix must be 2-D (num_dst, num_src), got shape {tuple(matrix.shape)}")
         if matrix.format == "dia":
             matrix = _dia_structure(matrix)
         csr = matrix.tocsr()
