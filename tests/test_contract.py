@@ -1119,8 +1119,15 @@ def test_program_input_errors():
 def test_threshold_types():
     assert tg.online_softmax(block_prune_threshold=1) is not None
     assert tg.online_softmax() is not None and tg.online_softmax(block_prune_threshold=None)
-    with pytest.raises((TypeError, ValueError)):
-        tg.online_softmax(block_prune_threshold="0.5")
+    # not a real number: a TypeError, and a ValueError as the contract's "0 < rho <= 1
+    # (ValueError otherwise)" has it, in the reducer and in the functional call alike
+    for bad in ("0.5", True, np.array([0.5]), 1j):
+        for err in (TypeError, ValueError):
+            with pytest.raises(err, match="block_prune_threshold"):
+                tg.online_softmax(block_prune_threshold=bad)
+    q, k, v = qkv(6, 7, seed=3)
+    with pytest.raises(ValueError, match="block_prune_threshold"):
+        tg.attention(q, k, v, tg.Graph.dense(7, 6), block_prune_threshold="0.5")
 
 
 def test_wide_heads_and_many_heads():

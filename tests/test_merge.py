@@ -90,6 +90,14 @@ def test_merge_rejects_bad_parts():
         tg.attention_merge([(o, st), (o, pruned)])
     with pytest.raises(TypeError, match=r"parts\[1\] out is float16"):
         tg.attention_merge([(o, st), (o.astype(np.float16), st)])
+    # dtypes attention never returns: refused, not cast (an int out would be truncated, a complex
+    # one would lose its imaginary part)
+    for bad in (np.int32, np.complex64, np.bool_):
+        with pytest.raises(TypeError, match=r"parts\[0\] out has dtype .*expected float16, float32 or float64"):
+            tg.attention_merge([(o.astype(bad), st), (o.astype(bad), st)])
+    ist = tg.AttentionStats(np.zeros((3, 2), np.int64), np.ones((3, 2), np.int64))
+    with pytest.raises(TypeError, match=r"parts\[1\] stats.m has dtype int64"):
+        tg.attention_merge([(o, st), (o, ist)])
 
 
 def test_merge_argument_errors_name_parts():

@@ -233,12 +233,19 @@ def resolve_scale(scale, head_dim):
     return scale
 
 
+class ThresholdTypeError(TypeError, ValueError):
+    """A block_prune_threshold that is not a real number: a TypeError as Python has it, and a
+    ValueError as the contract's "0 < rho <= 1 (ValueError otherwise)" has it (numpy's AxisError
+    is both a ValueError and an IndexError for the same reason)."""
+
+
 def check_prune_threshold(rho):
     if rho is None:
         return None
     rho = scalar_value(rho)   # a 0-d array or tensor, as scale= and softcap= take
     if isinstance(rho, (bool, np.bool_)) or not isinstance(rho, (int, float, np.integer, np.floating)):
-        raise TypeError(f"block_prune_threshold must be a real number in (0, 1] or None, got {type(rho).__name__}")
+        raise ThresholdTypeError(f"block_prune_threshold must be a real number in (0, 1] or None, "
+                                 f"got {type(rho).__name__}")
     rho = float(rho)
     if not (0.0 < rho <= 1.0):
         raise ValueError(f"block_prune_threshold must be in (0, 1], got {rho}")

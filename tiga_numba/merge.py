@@ -94,6 +94,9 @@ def attention_merge(parts):
     return _merge(parts)
 
 
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
 @interop.foreign_arrays
 def _merge(parts):
     from .functional import AttentionStats
@@ -113,6 +116,10 @@ def _merge(parts):
         if tuple(o.shape[:m.ndim]) != tuple(m.shape):
             raise ValueError(f"parts[{i}] out has shape {tuple(o.shape)}, which does not match its "
                              f"stats.m of shape {tuple(m.shape)}")
+        for name, a in (("out", o), ("stats.m", m), ("stats.l", l)):
+            if np.dtype(a.dtype) not in _FLOATS:   # what attention returns; never a silent cast
+                raise TypeError(f"parts[{i}] {name} has dtype {np.dtype(a.dtype)}, expected "
+                                "float16, float32 or float64")
         if o.dtype != out0.dtype:   # the merged out takes one dtype: never a silent down-cast
             raise TypeError(f"parts[{i}] out is {o.dtype}, parts[0]'s is {out0.dtype}: all parts "
                             "must have one dtype (cast them first)")

@@ -42,10 +42,17 @@ def check_positive(name, value):
 
 def check_channels(in_channels):
     """PyG's in_channels: an int, or (source, destination) ints for bipartite layers.
-    -1 (PyG's lazy size) is not supported: the parameters must have a shape."""
-    if isinstance(in_channels, (tuple, list)):
-        if len(in_channels) != 2:
-            raise ValueError(f"in_channels must be an int or a pair of ints, got {in_channels!r}")
+    -1 (PyG's lazy size, the parameters shaped at the first call) is a valid PyG request this
+    package does not do (NotImplementedError): the parameters must have a shape when built, so
+    that load_state_dict / state_dict work before any call."""
+    pair = isinstance(in_channels, (tuple, list))
+    if pair and len(in_channels) != 2:
+        raise ValueError(f"in_channels must be an int or a pair of ints, got {in_channels!r}")
+    for c in (in_channels if pair else (in_channels,)):
+        if isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c == -1:
+            raise NotImplementedError(f"in_channels={in_channels!r}: lazy sizes (-1) are not "
+                                      "supported; give the input feature sizes")
+    if pair:
         return tuple(check_positive("in_channels", c) for c in in_channels)
     return check_positive("in_channels", in_channels)
 

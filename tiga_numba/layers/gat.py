@@ -24,8 +24,10 @@ __all__ = ["GATConv", "check_fill_value"]
 FILL_REDUCTIONS = ("mean", "add", "sum", "max", "min", "mul", "any")
 
 
-def check_fill_value(fill_value):
-    """PyG's `fill_value` of the added self loops' edge attributes: a number, or the name of the
+def check_fill_value(fill_value, edge_dim=None):
+    """PyG's `fill_value` of the added self loops' edge attributes: a number, an array of
+    edge_dim numbers (PyG's Tensor fill: one value per edge feature; numpy, cupy or torch, kept as
+    a float64 host array and moved to the layer's device when used), or the name of the
     reduction of the node's incoming attributes (torch_geometric.utils.scatter's: "mean",
     "add" / "sum", "max", "min", "mul", "any"; "any" is accepted here and refused where it
     would be used, see layers._edges.EdgeSet.edge_attr)."""
@@ -36,8 +38,28 @@ def check_fill_value(fill_value):
         return fill_value
     if isinstance(fill_value, (int, float, np.integer, np.floating)) and not isinstance(fill_value, bool):
         return float(fill_value)
-    raise TypeError(f"fill_value must be a number or one of {FILL_REDUCTIONS}, "
-                    f"got {type(fill_value).__name__}")
+    if hasattr(fill_value, "shape") and hasattr(fill_value, "dtype"):   # an array or tensor
+        host = _host_array(fill_value)
+        if host.dtype.kind not in "iuf" or host.ndim > 1:
+            raise ValueError(f"fill_value as an array must hold real numbers in at most one "
+                             f"dimension (edge_dim values), got dtype {host.dtype} and shape "
+                             f"{tuple(host.shape)}")
+        if host.ndim == 0:
+            return float(host)
+        if edge_dim is not None and host.shape[0] not in (1, edge_dim):
+            raise ValueError(f"fill_value has {host.shape[0]} values, expected 1 or edge_dim={edge_dim}")
+        return host.astype(np.float64)
+    raise TypeError(f"fill_value must be a number, an array of edge_dim numbers or one of "
+                    f"{FILL_REDUCTIONS}, got {type(fill_value).__name__}")
+
+
+def _host_array(a):
+    """a numpy copy of an array or tensor of any library (cupy: .get(); torch: via numpy)"""
+    if hasattr(a, "detach"):   # a torch tensor, maybe on a GPU or requiring grad
+        a = a.detach().cpu().numpy()
+    elif hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):
+        a = a.get()
+    return np.array(a)
 
 
 def leaky_relu(xp, pre, slope):
@@ -114,7 +136,7 @@ class GATConv(Layer):
         self.dropout = float(dropout)
         self.add_self_loops = bool(add_self_loops)
         self.edge_dim = None if edge_dim is None else check_positive("edge_dim", edge_dim)
-        self.fill_value = check_fill_value(fill_value)
+        self.fill_value = check_fill_value(fill_value, self.edge_dim)
         self.residual = bool(residual)
         self.bias = bool(bias)
         shared = isinstance(self.in_channels, int)

@@ -39,7 +39,7 @@ class GATv2Conv(Layer):
         self.dropout = float(dropout)
         self.add_self_loops = bool(add_self_loops)
         self.edge_dim = None if edge_dim is None else check_positive("edge_dim", edge_dim)
-        self.fill_value = check_fill_value(fill_value)
+        self.fill_value = check_fill_value(fill_value, self.edge_dim)
         self.bias = bool(bias)
         self.share_weights = bool(share_weights)
         self.residual = bool(residual)
