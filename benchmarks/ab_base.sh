@@ -5,10 +5,11 @@
 #
 #   bash benchmarks/ab_base.sh REV [DIR]        # default DIR: build/base (ignored by git)
 #   python benchmarks/bench_score_mods_gpu.py --no-flex          # the working tree
-#   python build/base/benchmarks/bench_score_mods_gpu.py --no-flex   # REV
+#   PYTHONPATH=$PWD/build/base python build/base/benchmarks/bench_score_mods_gpu.py --no-flex   # REV
 #
-# Each copy's scripts put their own folder's parent first on sys.path, so the extracted script
-# imports the extracted package. numba's on-disk caches are kept per copy (their __pycache__
+# Put the copy first on PYTHONPATH as above: most benchmark scripts also put their own folder's
+# parent first on sys.path, but not every one does, and an installed or PYTHONPATH copy of the
+# working tree would otherwise be imported instead. numba's on-disk caches are kept per copy (their __pycache__
 # folders), the tensor-core cubin cache (TIGA_NUMBA_CACHE_DIR) is shared: its records are keyed by
 # the kernel text, so both versions find their own. For the GPU machine, carry the folder
 # (`carry: ["build/base", ...]`).

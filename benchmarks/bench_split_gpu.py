@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import time
 
 import numpy as np
 
-from run import gpu_seconds  # benchmarks/run.py: CUDA events around back-to-back calls
+# this copy's package first (benchmarks/ab_base.sh: an extracted older copy times its own)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from run import gpu_seconds  # noqa: E402  # benchmarks/run.py: CUDA events around back-to-back calls
 
 
 def _timeit(fn, sync, reps, warm=1):

@@ -186,6 +186,11 @@ REFUSED = [
      "np.sin"),
     ("arctan of score", lambda self, src, dst, edge: self.reducer(np.arctan((src.key * dst.query).sum(-1)), src.value),
      "np.arctan"),
+    # another library's ufunc, named as such (not "np.expit"), even where numpy has one of the
+    # same name (scipy.special.exp2 is not np.exp2)
+    ("scipy ufunc", lambda self, src, dst, edge: self.reducer(
+        __import__("scipy.special").special.expit((src.key * dst.query).sum(-1)), src.value),
+     "the ufunc expit (not one of numpy's)"),
     ("math.exp", lambda self, src, dst, edge: self.reducer(math.exp((src.key * dst.query).sum(-1)), src.value),
      "float()"),
     ("score squared", lambda self, src, dst, edge: self.reducer((src.key * dst.query).sum(-1) ** 2, src.value),

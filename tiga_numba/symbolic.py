@@ -52,6 +52,10 @@ class Symbolic:
 
     # numpy protocol: arithmetic ufuncs map to our operators, np.sum to .sum, rest refuses
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if getattr(np, ufunc.__name__, None) is not ufunc:
+            # another library's ufunc (scipy.special.expit, ...): matched by name it could pass
+            # for numpy's own of that name, and its name with "np." would be wrong
+            _refuse(f"the ufunc {ufunc.__name__} (not one of numpy's) on {self.describe()}")
         if method == "__call__" and not kwargs:
             mod_op = _MOD_UFUNCS.get(ufunc.__name__)
             if mod_op is not None and len(inputs) == ufunc.nin and any(
