@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dask.py csr --nodes 1000000 --degree 16           # H=4, D=32
     python benchmarks/bench_dask.py csr-local --nodes 1000000 --degree 16     # sources near the row
+    python benchmarks/bench_dask.py mesh --nodes 1000000 [--locality-order]   # a 2-D mesh, shuffled ids
     python benchmarks/bench_dask.py causal --n 32768                           # H=4, D=64
     python benchmarks/bench_dask.py gat --nodes 1000000 --degree 16           # GATConv(32, 8, heads=4)
 
@@ -68,6 +69,17 @@ def _graph(case, n, degree, rng):
     import tiga_numba as tg
     if case == "causal":
         return tg.Graph.triangular(n)
+    if case == "mesh":   # a side x side 4-neighbour mesh whose node ids are a random permutation
+        side = int(np.sqrt(n))
+        ids = rng.permutation(side * side)
+        r, c = np.divmod(np.arange(side * side), side)
+        src, dst = [], []
+        for dr, dc in ((0, 1), (1, 0), (0, -1), (-1, 0)):
+            rr, cc = r + dr, c + dc
+            ok = (rr >= 0) & (rr < side) & (cc >= 0) & (cc < side)
+            src.append(ids[rr[ok] * side + cc[ok]])
+            dst.append(ids[np.arange(side * side)[ok]])
+        return tg.Graph.from_coo(np.concatenate(src), np.concatenate(dst), side * side, side * side)
     dst = np.repeat(np.arange(n, dtype=np.int64), degree)
     if case in ("csr", "gat"):
         src = rng.integers(0, n, dst.shape[0])
@@ -241,10 +253,15 @@ def run(args):
     n = args.n if args.case == "causal" else args.nodes
     t0 = time.perf_counter()
     graph = _graph(args.case, n, args.degree, rng)
+    n = graph.num_dst
+    if args.locality_order:   # the inputs are random: reordering them too changes nothing measured
+        import tiga_numba.dask as tgd
+        graph = tgd.locality_order(graph)[1]
     build_s = time.perf_counter() - t0
     work = (_Layer if args.case == "gat" else _Attention)(args, graph, rng)
     print(f"# {args.case}: N={n}, edges={graph.num_edges}, {work.describe}; "
-          f"graph built in {build_s:.1f} s" + ("; dask low-level fusion off" if args.no_fuse else "")
+          f"graph built in {build_s:.1f} s" + ("; nodes in locality_order (reverse Cuthill-McKee)"
+                                               if args.locality_order else "") + ("; dask low-level fusion off" if args.no_fuse else "")
           + ("; freed memory kept (" + " ".join(f"{k}={v}" for k, v in _keep_freed_memory().items()) + ")"
              if args.keep_freed_memory else ""))
     if args.keep_freed_memory:   # for the workers; this process got the variables at its start (main)
@@ -380,7 +397,7 @@ def run(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("case", choices=["csr", "csr-local", "causal", "gat"])
+    p.add_argument("case", choices=["csr", "csr-local", "mesh", "causal", "gat"])
     p.add_argument("--nodes", type=int, default=1_000_000)
     p.add_argument("--degree", type=int, default=16)
     p.add_argument("--n", type=int, default=32768, help="sequence length (causal)")
@@ -397,6 +414,8 @@ def main():
                    help="glibc malloc keeps freed memory in every process of the run (KEEP_FREED_MEMORY; the "
                         "benchmark restarts itself with it): no host page faults after idle pauses on a VM "
                         "with free page reporting (docs/dask.md)")
+    p.add_argument("--locality-order", action="store_true",
+                   help="renumber the graph's nodes with tiga_numba.dask.locality_order (CSR cases) first")
     p.add_argument("--no-fuse", action="store_true",
                    help="turn dask's low-level task fusion off for every array (optimization.fuse.active: "
                         "False); the arrays tiga_numba.dask returns keep their placement hints without it "
