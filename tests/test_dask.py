@@ -704,6 +704,85 @@ def test_layer_errors_at_the_call():
         vjp(c["dout"][:, :5])
 
 
+def _shuffled_mesh(side, rng):
+    """a side x side 4-neighbour mesh whose node ids are a random permutation, as from_coo
+    edges in a random order: locality that the numbering hides"""
+    n = side * side
+    ids = rng.permutation(n)
+    r, c = np.divmod(np.arange(n), side)
+    src, dst = [], []
+    for dr, dc in ((0, 1), (1, 0), (0, -1), (-1, 0)):
+        rr, cc = r + dr, c + dc
+        ok = (rr >= 0) & (rr < side) & (cc >= 0) & (cc < side)
+        src.append(ids[rr[ok] * side + cc[ok]])
+        dst.append(ids[np.arange(n)[ok]])
+    order = rng.permutation(sum(len(s) for s in src))
+    return np.concatenate(src)[order], np.concatenate(dst)[order]
+
+
+def test_locality_order_shrinks_the_halos_and_keeps_the_results():
+    rng = np.random.default_rng(7)
+    side = 24
+    n = side * side
+    src, dst = _shuffled_mesh(side, rng)
+    g = tg.Graph.from_coo(src, dst, n, n)
+    perm, g2 = tgd.locality_order(g)
+    assert sorted(perm) == list(range(n))
+    inverse = np.argsort(perm)
+    # the same relation on the new ids: edge (j -> i) is (inverse[j] -> inverse[i])
+    a, b = g.to_scipy().toarray(), g2.to_scipy().toarray()
+    np.testing.assert_array_equal(b, a[np.ix_(perm, perm)])
+    q, k, v, dout = (rng.standard_normal((n, H if i != 1 and i != 2 else HKV, D)) for i in range(4))
+    chunks = n // 4
+
+    def run(graph, order):
+        qd, kd, vd, dd = (da.from_array(x[order], chunks=(chunks,) + x.shape[1:]) for x in (q, k, v, dout))
+        halo = tgd.plan_summary(graph, qd, kd)["halo_rows"]
+        out, st = tgd.attention(qd, kd, vd, graph, return_stats=True)
+        grads = tgd.attention_backward(dd, qd, kd, vd, out, st, graph)
+        return halo, dask.compute(out, *grads, scheduler="threads")
+
+    halo0, res0 = run(g, np.arange(n))
+    halo1, res1 = run(g2, perm)
+    # a partition of n / 4 mesh rows needs its rows and a boundary strip, not most of the mesh
+    assert max(halo1) < chunks + 3 * side < min(halo0), (halo0, halo1)
+    ref = tg.attention(q, k, v, g, return_stats=True)
+    ref_grads = tg.attention_backward(dout, q, k, v, ref[0], ref[1], g)
+    for got, want in zip(res1, (ref[0], *ref_grads)):
+        np.testing.assert_allclose(got[inverse], want, rtol=1e-12, atol=1e-12)
+    for got, want in zip(res0, (ref[0], *ref_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_locality_order_keeps_the_input_edge_order():
+    """per-edge fields in the original graph's input order go to the reordered graph as they
+    are: a GAT layer with edge_attr gives the same rows"""
+    rng = np.random.default_rng(8)
+    side = 9
+    n = side * side
+    src, dst = _shuffled_mesh(side, rng)
+    conv = tgl.GATConv(5, 3, heads=2, edge_dim=2, dtype=np.float64, seed=1)
+    x = rng.standard_normal((n, 5))
+    g = tg.Graph.from_coo(src, dst, n, n)
+    # a from_coo graph (input order: the caller's) and a from_scipy one (input order: CSR)
+    for graph in (g, tg.Graph.from_scipy(g.to_scipy())):
+        perm, reordered = tgd.locality_order(graph)
+        ea = rng.standard_normal((graph.num_edges, 2))
+        np.testing.assert_allclose(conv(x[perm], reordered, ea)[np.argsort(perm)], conv(x, graph, ea),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_locality_order_refusals():
+    with pytest.raises(TypeError, match="graph must be a tiga_numba.Graph"):
+        tgd.locality_order(np.eye(3))
+    with pytest.raises(ValueError, match="CSR relation"):
+        tgd.locality_order(tg.Graph.triangular(5))
+    with pytest.raises(ValueError, match="square"):
+        tgd.locality_order(tg.Graph.from_coo([0, 1], [1, 0], num_src=3, num_dst=2))
+    with pytest.raises(ValueError, match="node positions"):
+        tgd.locality_order(tg.Graph.radius(np.random.default_rng(0).random((20, 2)), 0.3))
+
+
 # --------------------------------------------------------------------------- dask.distributed
 @pytest.fixture(scope="module")
 def client():
@@ -940,85 +1019,3 @@ def test_importing_the_package_does_not_import_dask():
     code = "import sys, tiga_numba; assert 'dask' not in sys.modules, 'dask imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
-
-def _shuffled_mesh(side, rng):
-    """a side x side 4-neighbour mesh whose node ids are a random permutation, as from_coo
-    edges in a random order: locality that the numbering hides"""
-    n = side * side
-    ids = rng.permutation(n)
-    r, c = np.divmod(np.arange(n), side)
-    src, dst = [], []
-    for dr, dc in ((0, 1), (1, 0), (0, -1), (-1, 0)):
-        rr, cc = r + dr, c + dc
-        ok = (rr >= 0) & (rr < side) & (cc >= 0) & (cc < side)
-        src.append(ids[rr[ok] * side + cc[ok]])
-        dst.append(ids[np.arange(n)[ok]])
-    order = rng.permutation(sum(len(s) for s in src))
-    return np.concatenate(src)[order], np.concatenate(dst)[order]
-
-
-def test_locality_order_shrinks_the_halos_and_keeps_the_results():
-    rng = np.random.default_rng(7)
-    side = 24
-    n = side * side
-    src, dst = _shuffled_mesh(side, rng)
-    g = tg.Graph.from_coo(src, dst, n, n)
-    perm, g2 = tgd.locality_order(g)
-    assert sorted(perm) == list(range(n))
-    inverse = np.argsort(perm)
-    # the same relation on the new ids: edge (j -> i) is (inverse[j] -> inverse[i])
-    a, b = g.to_scipy().toarray(), g2.to_scipy().toarray()
-    np.testing.assert_array_equal(b, a[np.ix_(perm, perm)])
-    q, k, v, dout = (rng.standard_normal((n, H if i != 1 and i != 2 else HKV, D)) for i in range(4))
-    chunks = n // 4
-
-    def run(graph, order):
-        qd, kd, vd, dd = (da.from_array(x[order], chunks=(chunks,) + x.shape[1:]) for x in (q, k, v, dout))
-        halo = tgd.plan_summary(graph, qd, kd)["halo_rows"]
-        out, st = tgd.attention(qd, kd, vd, graph, return_stats=True)
-        grads = tgd.attention_backward(dd, qd, kd, vd, out, st, graph)
-        return halo, dask.compute(out, *grads, scheduler="threads")
-
-    halo0, res0 = run(g, np.arange(n))
-    halo1, res1 = run(g2, perm)
-    # a partition of n / 4 mesh rows needs its rows and a boundary strip, not most of the mesh
-    assert max(halo1) < chunks + 3 * side < min(halo0), (halo0, halo1)
-    ref = tg.attention(q, k, v, g, return_stats=True)
-    ref_grads = tg.attention_backward(dout, q, k, v, ref[0], ref[1], g)
-    for got, want in zip(res1, (ref[0], *ref_grads)):
-        np.testing.assert_allclose(got[inverse], want, rtol=1e-12, atol=1e-12)
-    for got, want in zip(res0, (ref[0], *ref_grads)):
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-
-
-def test_locality_order_keeps_the_input_edge_order():
-    """per-edge fields in the original graph's input order go to the reordered graph as they
-    are: a GAT layer with edge_attr gives the same rows"""
-    rng = np.random.default_rng(8)
-    side = 9
-    n = side * side
-    src, dst = _shuffled_mesh(side, rng)
-    g = tg.Graph.from_coo(src, dst, n, n)
-    perm, g2 = tgd.locality_order(g)
-    conv = tgl.GATConv(5, 3, heads=2, edge_dim=2, dtype=np.float64, seed=1)
-    x = rng.standard_normal((n, 5))
-    ea = rng.standard_normal((len(src), 2))
-    np.testing.assert_allclose(conv(x[perm], g2, ea)[np.argsort(perm)], conv(x, g, ea),
-                               rtol=1e-12, atol=1e-12)
-    # a from_csr graph: its CSR order is its input order
-    g3 = tg.Graph.from_scipy(g.to_scipy())
-    perm3, g4 = tgd.locality_order(g3)
-    ea3 = rng.standard_normal((g3.num_edges, 2))
-    np.testing.assert_allclose(conv(x[perm3], g4, ea3)[np.argsort(perm3)], conv(x, g3, ea3),
-                               rtol=1e-12, atol=1e-12)
-
-
-def test_locality_order_refusals():
-    with pytest.raises(TypeError, match="graph must be a tiga_numba.Graph"):
-        tgd.locality_order(np.eye(3))
-    with pytest.raises(ValueError, match="CSR relation"):
-        tgd.locality_order(tg.Graph.triangular(5))
-    with pytest.raises(ValueError, match="square"):
-        tgd.locality_order(tg.Graph.from_coo([0, 1], [1, 0], num_src=3, num_dst=2))
-    with pytest.raises(ValueError, match="node positions"):
-        tgd.locality_order(tg.Graph.radius(np.random.default_rng(0).random((20, 2)), 0.3))

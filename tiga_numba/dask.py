@@ -457,8 +457,9 @@ def locality_order(graph):
         raise ValueError(f"graph must be square (one node set), got num_src={graph.num_src}, "
                          f"num_dst={graph.num_dst}")
     if graph.edge_field_names:
-        raise ValueError("graph has node positions (a radius / knn graph): reorder the positions "
-                         "with the order of Graph.from_csr(...) of its structure and build it again")
+        raise ValueError("graph has node positions (a radius / knn graph, whose edge fields "
+                         "follow them): reorder the positions, e.g. with the order of "
+                         "locality_order(Graph.from_scipy(graph.to_scipy())), and build it again")
     n = graph.num_dst
     cols, rows = _edges_in_input_order(graph)
     sym = sp.csr_matrix((np.ones(2 * cols.size, np.int8),

@@ -185,18 +185,10 @@ def make_bulk(NW, KEYS, S):
         first = cb + warp * KEYS
         stride = NW * KEYS
         nsteps = (ce - first + stride - 1) // stride
-        for s in range(S - 1):
-            if s < nsteps:
-                js = first + s * stride
-                bar = bbase + U32(8 * s)
-                if lane == 0:
-                    arrive_expect(bar, U32(2 * KEYS * ROW))
-                cuda.syncwarp()
-                t = wbase + U32(s * 2 * TILE + lane * ROWP)
-                bulk_copy(t, kl + js * rs, bar)
-                bulk_copy(t + U32(TILE), vl + js * rs, bar)
         acc = U32(0)
-        for i in range(nsteps):
+        # step i waits for its stage; the step S - 1 ahead is issued first (the first S - 1
+        # iterations only issue)
+        for i in range(1 - S, nsteps):
             nx = i + S - 1
             if nx < nsteps:
                 st = nx % S
@@ -208,6 +200,8 @@ def make_bulk(NW, KEYS, S):
                 t = wbase + U32(st * 2 * TILE + lane * ROWP)
                 bulk_copy(t, kl + js * rs, bar)
                 bulk_copy(t + U32(TILE), vl + js * rs, bar)
+            if i < 0:
+                continue
             st = i % S
             wait(bbase + U32(8 * st), U32((i // S) & 1))
             o = (warp * S * 2 * TILE + st * 2 * TILE) // 4
