@@ -13,6 +13,7 @@ dask = pytest.importorskip("dask")
 import tiga_numba as tg  # noqa: E402
 import tiga_numba.dask as tgd  # noqa: E402
 import tiga_numba.layers as tgl  # noqa: E402
+from test_ordering import shuffled_mesh  # noqa: E402
 
 # One xdist worker runs this module, in file order (README command: --dist loadgroup): the
 # dask.distributed tests at the end then find on disk the kernels that the threaded tests of the
@@ -704,29 +705,13 @@ def test_layer_errors_at_the_call():
         vjp(c["dout"][:, :5])
 
 
-def _shuffled_mesh(side, rng):
-    """a side x side 4-neighbour mesh whose node ids are a random permutation, as from_coo
-    edges in a random order: locality that the numbering hides"""
-    n = side * side
-    ids = rng.permutation(n)
-    r, c = np.divmod(np.arange(n), side)
-    src, dst = [], []
-    for dr, dc in ((0, 1), (1, 0), (0, -1), (-1, 0)):
-        rr, cc = r + dr, c + dc
-        ok = (rr >= 0) & (rr < side) & (cc >= 0) & (cc < side)
-        src.append(ids[rr[ok] * side + cc[ok]])
-        dst.append(ids[np.arange(n)[ok]])
-    order = rng.permutation(sum(len(s) for s in src))
-    return np.concatenate(src)[order], np.concatenate(dst)[order]
-
-
 def test_locality_order_shrinks_the_halos_and_keeps_the_results():
     rng = np.random.default_rng(7)
     side = 24
     n = side * side
-    src, dst = _shuffled_mesh(side, rng)
+    src, dst = shuffled_mesh(side, rng)
     g = tg.Graph.from_coo(src, dst, n, n)
-    perm, g2 = tgd.locality_order(g)
+    perm, g2 = tgd.locality_order(g)   # the same function as tg.locality_order
     assert sorted(perm) == list(range(n))
     inverse = np.argsort(perm)
     # the same relation on the new ids: edge (j -> i) is (inverse[j] -> inverse[i])
@@ -752,35 +737,6 @@ def test_locality_order_shrinks_the_halos_and_keeps_the_results():
         np.testing.assert_allclose(got[inverse], want, rtol=1e-12, atol=1e-12)
     for got, want in zip(res0, (ref[0], *ref_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-
-
-def test_locality_order_keeps_the_input_edge_order():
-    """per-edge fields in the original graph's input order go to the reordered graph as they
-    are: a GAT layer with edge_attr gives the same rows"""
-    rng = np.random.default_rng(8)
-    side = 9
-    n = side * side
-    src, dst = _shuffled_mesh(side, rng)
-    conv = tgl.GATConv(5, 3, heads=2, edge_dim=2, dtype=np.float64, seed=1)
-    x = rng.standard_normal((n, 5))
-    g = tg.Graph.from_coo(src, dst, n, n)
-    # a from_coo graph (input order: the caller's) and a from_scipy one (input order: CSR)
-    for graph in (g, tg.Graph.from_scipy(g.to_scipy())):
-        perm, reordered = tgd.locality_order(graph)
-        ea = rng.standard_normal((graph.num_edges, 2))
-        np.testing.assert_allclose(conv(x[perm], reordered, ea)[np.argsort(perm)], conv(x, graph, ea),
-                                   rtol=1e-12, atol=1e-12)
-
-
-def test_locality_order_refusals():
-    with pytest.raises(TypeError, match="graph must be a tiga_numba.Graph"):
-        tgd.locality_order(np.eye(3))
-    with pytest.raises(ValueError, match="CSR relation"):
-        tgd.locality_order(tg.Graph.triangular(5))
-    with pytest.raises(ValueError, match="square"):
-        tgd.locality_order(tg.Graph.from_coo([0, 1], [1, 0], num_src=3, num_dst=2))
-    with pytest.raises(ValueError, match="node positions"):
-        tgd.locality_order(tg.Graph.radius(np.random.default_rng(0).random((20, 2)), 0.3))
 
 
 # --------------------------------------------------------------------------- dask.distributed

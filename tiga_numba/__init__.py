@@ -43,13 +43,14 @@ _shield_from_numba_cuda_redirector()
 from .graph import Graph  # noqa: E402
 from .functional import AttentionStats, attention, attention_backward, explain, make_plan  # noqa: E402
 from .merge import attention_merge  # noqa: E402
+from .ordering import locality_order  # noqa: E402
 from .score_mod import leaky_relu  # noqa: E402
 from .run_options import Options, options  # noqa: E402
 from . import reference  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "attention", "attention_backward", "attention_merge", "AttentionStats",
+__all__ = ["Graph", "attention", "attention_backward", "attention_merge", "AttentionStats", "locality_order",
            "make_plan", "options", "Options", "explain", "reference", "leaky_relu",
            "MessagePassing", "online_softmax", "OnlineSoftmaxReducer", "nn"]
 

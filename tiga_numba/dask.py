@@ -63,6 +63,7 @@ from .functional import run_backward as _run_backward
 from .functional import run_forward as _run_forward
 from .graph import Graph
 from .merge import attention_merge, log_sum_exp
+from .ordering import locality_order  # noqa: F401  (part of this module's API, as tg.locality_order)
 from .scratch import ScratchPool
 
 __all__ = ["attention", "attention_backward", "program", "program_vjp", "layer", "layer_vjp", "DaskAttentionStats",
@@ -420,69 +421,6 @@ def plan_summary(graph, q, k):
     return {"kind": "blocks", "tasks": sum(len(b) for b in plan.blocks),
             "blocks": [[c for c, _ in b] for b in plan.blocks],
             "edges": [sum(g.num_edges for _, g in b) for b in plan.blocks]}
-
-
-def locality_order(graph):
-    """A node order under which q's contiguous row chunks have small halos: the reverse
-    Cuthill-McKee order of the relation made symmetric (`scipy.sparse.csgraph`), which keeps
-    each node's neighbours near it in id. It pays for graphs with locality hidden by their
-    numbering (meshes, geometric and road graphs, graphs read with arbitrary ids); a graph
-    with no locality to find (uniformly random edges) keeps halos of nearly every row whatever
-    the order. The partitions stay contiguous row ranges: this is the reordering that makes
-    those ranges good, applied once by the caller, not on every call.
-
-    Parameters
-    ----------
-    graph : Graph
-        A square CSR relation (num_src == num_dst: one node set) without node positions
-        (a radius / knn graph: reorder the positions and build it again).
-
-    Returns
-    -------
-    perm : numpy.ndarray (num_nodes,) int64
-        Node i of the new order is node ``perm[i]`` of the old one: arrays go in as
-        ``x[perm]``; results come back with ``out_new[np.argsort(perm)]``.
-    reordered : Graph
-        The same relation on the new ids. Its edges are in the input order of ``graph``
-        (``graph``'s CSR order, or its from_coo / from_edge_index order), so per-edge fields
-        (``edge_attr``) are passed to it unchanged."""
-    import scipy.sparse as sp
-    from scipy.sparse.csgraph import reverse_cuthill_mckee
-    if not isinstance(graph, Graph):
-        raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
-    if graph.kind != "csr":
-        raise ValueError(f"graph must be a CSR relation (an implicit relation's order is its "
-                         f"structure), got kind {graph.kind!r}")
-    if graph.num_src != graph.num_dst:
-        raise ValueError(f"graph must be square (one node set), got num_src={graph.num_src}, "
-                         f"num_dst={graph.num_dst}")
-    if graph.edge_field_names:
-        raise ValueError("graph has node positions (a radius / knn graph, whose edge fields "
-                         "follow them): reorder the positions, e.g. with the order of "
-                         "locality_order(Graph.from_scipy(graph.to_scipy())), and build it again")
-    n = graph.num_dst
-    cols, rows = _edges_in_input_order(graph)
-    sym = sp.csr_matrix((np.ones(2 * cols.size, np.int8),
-                         (np.concatenate([rows, cols]), np.concatenate([cols, rows]))), shape=(n, n))
-    perm = np.asarray(reverse_cuthill_mckee(sym, symmetric_mode=True), dtype=np.int64)
-    inverse = np.empty(n, np.int64)
-    inverse[perm] = np.arange(n, dtype=np.int64)
-    return perm, Graph.from_coo(inverse[cols], inverse[rows], n, n)
-
-
-def _edges_in_input_order(graph):
-    """(src, dst) of every edge, in the order the graph's constructor took them"""
-    indptr, indices = (np.asarray(x) for x in graph._host_csr())
-    dst = np.repeat(np.arange(graph.num_dst, dtype=np.int64), np.diff(indptr))
-    src = indices.astype(np.int64)
-    order = graph.edge_permutation
-    if order is None:
-        return src, dst
-    s_in = np.empty_like(src)
-    d_in = np.empty_like(dst)
-    s_in[order] = src   # CSR edge e is input edge order[e]
-    d_in[order] = dst
-    return s_in, d_in
 
 
 # --------------------------------------------------------------------------- task functions
