@@ -840,6 +840,19 @@ def test_local_cluster_uploads_csr_relations_once(client):
     np.testing.assert_array_equal(client.compute(again, sync=True), got[0])
 
 
+def test_local_cluster_upload_is_not_reported_as_a_large_graph(client):
+    """The relations are uploaded once per plan as futures, which is what distributed's "large
+    graph" warning advises: building a call (where they are submitted) warns of nothing, even
+    with the warning's threshold at one byte."""
+    import warnings
+    g, _, c = _problem("csr", seed=9)
+    with dask.config.set({"distributed.admin.large-graph-warning-threshold": "1B"}), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = tgd.attention(c["q"], c["k"], c["v"], g)
+    assert out.shape == c["q"].shape[:2] + c["v"].shape[2:]
+
+
 @pytest.mark.parametrize("fuse", [None, False], ids=["default-config", "fusion-off"])
 @pytest.mark.parametrize("name", ["triangular", "csr"])
 def test_local_cluster_runs_a_query_chunks_tasks_where_it_is_held(client, name, fuse):

@@ -48,6 +48,7 @@ import functools
 import operator
 import threading
 import uuid
+import warnings
 
 import dask.array as da
 import numpy as np
@@ -317,9 +318,13 @@ def _per_partition(plan, what, make):
     with plan.lock:
         futures = plan.uploaded.get((client.id, what))
         if futures is None or any(f.status in ("cancelled", "error", "lost") for f in futures):
-            futures = [client.submit(_identity, make(part), pure=False,
-                                     key=f"tiga-attention-{what}-{plan.token}-{p}")
-                       for p, part in enumerate(plan.parts)]
+            with warnings.catch_warnings():
+                # distributed warns of a large graph and advises futures: these are those
+                # futures, sent once per plan (a million-row partition's relation is ~12 MB)
+                warnings.filterwarnings("ignore", message="Sending large graph", category=UserWarning)
+                futures = [client.submit(_identity, make(part), pure=False,
+                                         key=f"tiga-attention-{what}-{plan.token}-{p}")
+                           for p, part in enumerate(plan.parts)]
             plan.uploaded[(client.id, what)] = futures
     return futures
 
