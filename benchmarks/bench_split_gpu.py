@@ -31,7 +31,7 @@ import numpy as np
 
 # this copy's package first (benchmarks/ab_base.sh: an extracted older copy times its own)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from run import gpu_seconds  # noqa: E402  # benchmarks/run.py: CUDA events around back-to-back calls
+from run import gpu_seconds  # noqa: E402  (benchmarks/run.py: CUDA events around back-to-back calls)
 
 
 def _timeit(fn, sync, reps, warm=1):

@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 from . import interop
+from .arrays import FLOAT_DTYPES
 
 __all__ = ["attention_merge", "log_sum_exp"]
 
@@ -94,9 +95,6 @@ def attention_merge(parts):
     return _merge(parts)
 
 
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
 @interop.foreign_arrays
 def _merge(parts):
     from .functional import AttentionStats
@@ -117,7 +115,7 @@ def _merge(parts):
             raise ValueError(f"parts[{i}] out has shape {tuple(o.shape)}, which does not match its "
                              f"stats.m of shape {tuple(m.shape)}")
         for name, a in (("out", o), ("stats.m", m), ("stats.l", l)):
-            if np.dtype(a.dtype) not in _FLOATS:   # what attention returns; never a silent cast
+            if np.dtype(a.dtype) not in FLOAT_DTYPES:   # what attention returns; never a silent cast
                 raise TypeError(f"parts[{i}] {name} has dtype {np.dtype(a.dtype)}, expected "
                                 "float16, float32 or float64")
         if o.dtype != out0.dtype:   # the merged out takes one dtype: never a silent down-cast

@@ -86,8 +86,8 @@ def cp_async_hinted(hint):
     return cp16
 
 
-def make_cp_async(NW, KEYS, S, hint=""):
-    """the decode kernel's copy ring alone (S = 2: the shipped one)"""
+def make_cp_async(NW, KEYS, hint=""):
+    """the decode kernel's copy ring alone: two steps of KEYS keys per warp, as shipped"""
     ptx = intrinsics("float16")
     cp16, commit, wait1, saddr = ptx["cp_async16"], ptx["cp_commit"], ptx["cp_wait1"], ptx["saddr"]
     if hint:
@@ -97,7 +97,6 @@ def make_cp_async(NW, KEYS, S, hint=""):
     NCP = KEYS * CPR // 32
     TILE = KEYS * ROWP
     AS_U = array_view(numba.uint32)
-    assert S == 2
 
     def body(k_p, v_p, out_p, chunk):
         out = AS_U(out_p)
@@ -286,10 +285,10 @@ def main():
     stream = current_stream()
     for nw in (int(x) for x in a.warps.split(",")):
         out = cupy.zeros(splits * HKV * nw * 32, np.uint32)
-        variants = [("cp.async S2", make_cp_async(nw, 32, 2)),
-                    ("cp.async S2 K16", make_cp_async(nw, 16, 2)),
-                    ("cp.async S2 L2::128B", make_cp_async(nw, 32, 2, ".L2::128B")),
-                    ("cp.async S2 L2::256B", make_cp_async(nw, 32, 2, ".L2::256B")),
+        variants = [("cp.async S2", make_cp_async(nw, 32)),
+                    ("cp.async S2 K16", make_cp_async(nw, 16)),
+                    ("cp.async S2 L2::128B", make_cp_async(nw, 32, ".L2::128B")),
+                    ("cp.async S2 L2::256B", make_cp_async(nw, 32, ".L2::256B")),
                     ("bulk S2", make_bulk(nw, 32, 2)),
                     ("bulk S3", make_bulk(nw, 32, 3)), ("ldg.nc", make_ldg(nw, 32))]
         for label, kern in variants:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import interop
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
 from ._module import (Layer, check_channels, check_positive, column_sums, glorot, head_dots,
@@ -39,7 +40,8 @@ def check_fill_value(fill_value, edge_dim=None):
     if isinstance(fill_value, (int, float, np.integer, np.floating)) and not isinstance(fill_value, bool):
         return float(fill_value)
     if hasattr(fill_value, "shape") and hasattr(fill_value, "dtype"):   # an array or tensor
-        host = _host_array(fill_value)
+        host = interop.to_native(fill_value, "fill_value")   # torch / DLPack -> numpy or cupy
+        host = np.array(host.get() if not isinstance(host, np.ndarray) and hasattr(host, "get") else host)
         if host.dtype.kind not in "iuf" or host.ndim > 1:
             raise ValueError(f"fill_value as an array must hold real numbers in at most one "
                              f"dimension (edge_dim values), got dtype {host.dtype} and shape "
@@ -51,15 +53,6 @@ def check_fill_value(fill_value, edge_dim=None):
         return host.astype(np.float64)
     raise TypeError(f"fill_value must be a number, an array of edge_dim numbers or one of "
                     f"{FILL_REDUCTIONS}, got {type(fill_value).__name__}")
-
-
-def _host_array(a):
-    """a numpy copy of an array or tensor of any library (cupy: .get(); torch: via numpy)"""
-    if hasattr(a, "detach"):   # a torch tensor, maybe on a GPU or requiring grad
-        a = a.detach().cpu().numpy()
-    elif hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):
-        a = a.get()
-    return np.array(a)
 
 
 def leaky_relu(xp, pre, slope):
