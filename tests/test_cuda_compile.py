@@ -382,6 +382,12 @@ for g in (tg.Graph.dense(5000, 1), tg.Graph.cu_seqlens([0, 1, 2, 4], cu_seqlens_
     grid = CALLS[0][1]
     assert grid[0] == g.realize("cuda").num_blocks and grid[1] > 1, grid  # long keys: split
     assert CALLS[1][0].name.startswith("softmax_merge_splits")
+    # the split kernel writes only the partials, which the merge reads; the merge writes the
+    # arrays the call returns
+    dec, mrg = CALLS[0][3], CALLS[1][3]
+    assert dec[6:9] == mrg[0:3], (dec[6:9], mrg[0:3])
+    assert mrg[4:7] == (addr(out), addr(st.m), addr(st.l)), (mrg[4:7], addr(out))
+    assert addr(out) not in dec[3:6], "the split kernel was given the output"
     n_args_ok()
 print("records ok")
 '''

@@ -571,6 +571,11 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
 
 
 def _decode_forward(plan, q, k, v, relation):
+    """The split-key forward. Everything the decode kernel does not read is done after its
+    launch, while it runs: with several key chunks the kernel writes only the partials, so
+    out, m and l are allocated after it (before the merge kernel that writes them), and the
+    explain() words are set last. The kernel's start waits on the host only for the views,
+    the launch record and the partials' one allocation."""
     info = plan.run_info
     empty = _allocator(plan)
     copies = []
@@ -584,39 +589,50 @@ def _decode_forward(plan, q, k, v, relation):
     q, qp, qs0, qs1, qs2 = _view(q, "q", copies)
     k, kp, ks0, ks1, ks2 = _view(k, "k", copies)
     v, vp, vs0, vs1, vs2 = _view(v, "v", copies)
-    out = empty((Nq, H, DV), dtype)
-    m = empty((Nq, H), acc)
-    l = empty((Nq, H), acc)
-    info.update(rec.info)
-    lg = g["scalar"]
+    lg, misaligned = g["scalar"], False
     if g["aligned"] is not None:
         if _decode.vector_loads_aligned((kp, vp), ((ks0, ks1, ks2), (vs0, vs1, vs2))):
             lg = g["aligned"]
         else:
-            info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
-                               "unit-stride along D)")
-    info["kernel"] += "; " + lg["what"]
+            misaligned = True
     kern, splits = lg["kern"], lg["splits"]
     if lg["grid"][0] == 0 or Nq * H == 0:
+        out = empty((Nq, H, DV), dtype)
+        m = empty((Nq, H), acc)
+        l = empty((Nq, H), acc)
         out.fill(0)
         m.fill(-np.inf)
         l.fill(0)
-    else:
-        if splits > 1:  # the partial (acc, m, l) of every split, one allocation
-            n = Nq * H * splits
-            part = cupy.empty((n * (max(DV, 1) + 2),), acc)
-            p0, item = part.data.ptr, part.itemsize
-            parts = (p0, p0 + n * max(DV, 1) * item, p0 + n * (max(DV, 1) + 1) * item)
-        else:
-            d = _dummy(acc).data.ptr
-            parts = (d, d, d)
-        kern(lg["grid"], lg["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+    elif splits > 1:
+        # the partial (acc, m, l) of every split, one allocation; the kernel does not touch
+        # out, m and l (they get the unused-argument array)
+        n = Nq * H * splits
+        part = cupy.empty((n * (max(DV, 1) + 2),), acc)
+        p0, item = part.data.ptr, part.itemsize
+        parts = (p0, p0 + n * max(DV, 1) * item, p0 + n * (max(DV, 1) + 1) * item)
+        d = _dummy(acc).data.ptr
+        kern(lg["grid"], lg["block"], stream, qp, kp, vp, d, d, d,
              *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
              H, H // Hkv, lg["nrg"], splits, lg["chunk"], float(plan.scale))
-        if splits > 1:
-            mk = g["merge"]
-            mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,
-               out.data.ptr, m.data.ptr, l.data.ptr, Nq * H, splits)
+        out = empty((Nq, H, DV), dtype)
+        m = empty((Nq, H), acc)
+        l = empty((Nq, H), acc)
+        mk = g["merge"]
+        mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,
+           out.data.ptr, m.data.ptr, l.data.ptr, Nq * H, splits)
+    else:
+        out = empty((Nq, H, DV), dtype)
+        m = empty((Nq, H), acc)
+        l = empty((Nq, H), acc)
+        d = _dummy(acc).data.ptr
+        kern(lg["grid"], lg["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
+             d, d, d, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
+             H, H // Hkv, lg["nrg"], splits, lg["chunk"], float(plan.scale))
+    info.update(rec.info)
+    if misaligned:
+        info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
+                           "unit-stride along D)")
+    info["kernel"] += "; " + lg["what"]
     info["copies"] = copies
     info["cache"] = cache
     return out, m, l
