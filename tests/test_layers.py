@@ -406,6 +406,17 @@ def test_errors_name_the_argument():
     _, vjp = GATConv(3, 2).vjp(x, g)
     with pytest.raises(ValueError, match="dout"):
         vjp(np.ones((2, 3), np.float32))
+    # integer, bool and complex edge features or dout would change value in a cast: refused
+    for layer in LAYERS.values():
+        for bad in (np.ones((2, 2), np.int64), np.ones((2, 2), bool), np.ones((2, 2), np.complex128)):
+            with pytest.raises(TypeError, match=f"edge_attr has unsupported dtype {bad.dtype}"):
+                layer(3, 2, edge_dim=2)(x, g, edge_attr=bad)
+            with pytest.raises(TypeError, match="edge_attr has unsupported dtype"):
+                layer(3, 2, edge_dim=2).vjp(x, g, edge_attr=bad)
+        out, vjp = layer(3, 2, edge_dim=2).vjp(x, g, edge_attr=np.ones((2, 2), np.float64))
+        assert out.dtype == np.float32   # another float dtype is cast to x's
+        with pytest.raises(TypeError, match="dout has unsupported dtype int64"):
+            vjp(np.ones(out.shape, np.int64))
 
 
 def test_gat_source_features_only_matches_pyg():

@@ -21,6 +21,12 @@ from ._edges import xp_of
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
+def _check_float(name, array):
+    """TypeError naming `name` unless `array` holds float16, float32 or float64 values."""
+    if np.dtype(array.dtype) not in _FLOATS:
+        raise TypeError(f"{name} has unsupported dtype {array.dtype}; expected float16, float32 or float64")
+
+
 def glorot(rng, shape, fan_in, fan_out, dtype):
     bound = math.sqrt(6.0 / (fan_in + fan_out))
     return rng.uniform(-bound, bound, size=shape).astype(dtype)
@@ -163,8 +169,7 @@ class Layer:
                 raise TypeError(f"{name} is from another array library than x_src (mixed numpy/cupy)")
             if a.ndim != 2:
                 raise ValueError(f"{name} must be 2-D (nodes, features), got shape {tuple(a.shape)}")
-            if np.dtype(a.dtype) not in _FLOATS:
-                raise TypeError(f"{name} has unsupported dtype {a.dtype}; expected float16, float32 or float64")
+            _check_float(name, a)
         if x_dst is not None and x_dst.dtype != x_src.dtype:
             raise TypeError(f"x_dst has dtype {x_dst.dtype} but x_src has {x_src.dtype}")
         fs, fd = self._in_pair
@@ -197,6 +202,9 @@ class Layer:
             if edge_attr.ndim != 2 or edge_attr.shape != (num_in, self.edge_dim):
                 raise ValueError(f"edge_attr must have shape ({num_in}, {self.edge_dim}) "
                                  f"(one row per edge of graph), got {tuple(edge_attr.shape)}")
+            _check_float("edge_attr", edge_attr)
+            # another float dtype is cast to x's (PyG would need the caller to cast); an
+            # integer, bool or complex array is refused: casting it would change its values
             edge_attr = edge_attr.astype(x_src.dtype, copy=False)
         return x_src, x_dst, single, edge_attr, squeeze
 
@@ -255,6 +263,7 @@ class Layer:
                 raise TypeError("dout is from another array library than x (mixed numpy/cupy)")
             if tuple(dout.shape) != tuple(out.shape):
                 raise ValueError(f"dout must have shape {tuple(out.shape)}, got {tuple(dout.shape)}")
+            _check_float("dout", dout)
             xp = xp_of(x_src)
             dout = xp.ascontiguousarray(dout, dtype=out.dtype)
             dxs, dxd, d_ea, dparams = backward(dout)
