@@ -156,6 +156,24 @@ def test_from_coo_edge_permutation_maps_input_fields():
     assert tg.Graph.dense(3).edge_permutation is None
 
 
+def test_arrays_a_graph_hands_out_cannot_change_it():
+    """Graph is immutable: edge_permutation and a geometric graph's positions come back
+    read-only, so writing into them raises and later calls see the graph as built"""
+    g = tg.Graph.from_coo([0, 1, 2], [2, 0, 1], num_src=3, num_dst=3)
+    perm = g.edge_permutation
+    with pytest.raises(ValueError, match="read-only"):
+        perm[:] = 0
+    np.testing.assert_array_equal(g.edge_permutation, [1, 2, 0])
+    pos = np.random.default_rng(0).random((20, 3))
+    gr = tg.Graph.radius(pos, 0.4)
+    before = gr.edge_field("distance").copy()
+    with pytest.raises(ValueError, match="read-only"):
+        gr.positions[:] *= 100
+    pos[:] *= 100   # nor does the caller's own array reach the graph
+    np.testing.assert_array_equal(gr.edge_field("distance"), before)
+    assert before.max() <= 0.4
+
+
 def test_cat_of_nothing_is_refused():
     with pytest.raises(ValueError, match="at least one"):
         tg.Graph.cat([])

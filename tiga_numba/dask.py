@@ -1239,7 +1239,7 @@ def _program_call(program, graph, src, dst, edge, params, for_grad=False):
     stand_edge = {n: _empty_rows(a) for n, a in edge.items()} or None
     empty = Graph.from_csr(np.zeros(1, np.int64), np.zeros(0, np.int32), num_src=0)
     if graph.edge_field_names:   # a geometric graph: a stand-in with the same edge fields
-        pos = graph.positions
+        pos = graph._positions
         empty = Graph.radius(_xp_of(pos).zeros((0, pos.shape[1]), pos.dtype), 1.0)
     # the program's own lowering (not program.vjp, which would record the stand-in call as the
     # program's last one for its explain())

@@ -118,7 +118,8 @@ def _prepare(graph, net, args, value, value_name="value"):
             raise ValueError(f"args[{k}].role must be 'src', 'dst' or 'edge', got {a.role!r}")
         if a.array is not None:
             libs[f"{a.role}.{a.name}"] = _library(f"{a.role}.{a.name}", a.array)
-    positions = getattr(graph, "positions", None)
+    # the graph's own array: the public property hands out a copy of a cupy one
+    positions = getattr(graph, "_positions", None)
     needs_geo = any(a.role == "edge" and a.array is None for a in args)
     if needs_geo:
         if positions is None:
@@ -352,7 +353,7 @@ def _graph_cached(graph, key, build):
 
 def _layout(graph, prep):
     rel = graph.realize("cpu")
-    pos = getattr(graph, "positions", None)
+    pos = getattr(graph, "_positions", None)
     if (pos is None or not prep.geometric or prep.explicit or prep.num_src != prep.num_dst
             or prep.num_dst < _RELABEL_MIN_ROWS):
         return _Layout(None, None, rel.indptr, rel.indices, graph, "nodes in caller order")

@@ -171,6 +171,6 @@ def finish_grads(prep, params, args, value, dW1, dAd, pg, dEX, dV, dpos, graph, 
         grads[name] = pg[off:off + size].reshape(shape).astype(params[name].dtype, copy=False)
     positions = None
     if dpos is not None:
-        positions = dpos.astype(graph.positions.dtype, copy=False)
+        positions = dpos.astype(graph._positions.dtype, copy=False)
     return {"args": arg_grads, "value": dV.astype(value.dtype, copy=False).reshape(value.shape),
             "params": grads, "positions": positions}

@@ -19,6 +19,16 @@ __all__ = ["Graph", "BlockRelation", "CSRRelation", "CSRTranspose"]
 _DEVICES = ("cpu", "cuda")
 
 
+def _read_only(array):
+    """A read-only view of a numpy array (None stays None): what a property hands out of an
+    immutable Graph's own arrays."""
+    if array is None:
+        return None
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 # --------------------------------------------------------------------------- kernel-facing records
 @dataclass(frozen=True)
 class BlockRelation:
@@ -669,9 +679,14 @@ class Graph:
 
     @property
     def positions(self):
-        """Node positions `(N, dim)` of a geometric (radius / knn) graph, the graph's own copy in
-        the array library they were given in (numpy or cupy), else None."""
-        return self._positions
+        """Node positions `(N, dim)` of a geometric (radius / knn) graph in the array library they
+        were given in, else None. The graph is immutable: a numpy array comes back as a
+        read-only view of the graph's own copy, a cupy array (which has no read-only flag) as a
+        fresh copy, so that writing into it cannot change the graph's edge fields."""
+        pos = self._positions
+        if pos is None or isinstance(pos, np.ndarray):
+            return _read_only(pos)
+        return pos.copy()
 
     @property
     def edge_permutation(self):
@@ -679,8 +694,8 @@ class Graph:
         edge e in CSR order (the order the kernels read per-edge values in) is input edge
         `edge_permutation[e]`. Programs and layers take per-edge fields in the input order and
         convert with it (`field[graph.edge_permutation]`); None for the other constructors
-        (their input order is the CSR order)."""
-        return self._edge_perm
+        (their input order is the CSR order). Read-only: it is the graph's own array."""
+        return _read_only(self._edge_perm)
 
     @property
     def edge_field_names(self):

@@ -603,7 +603,7 @@ def _segment_sums(xp, values, indptr):
 def _geometric_positions_grad(graph, name, grad):
     """Chain a gradient w.r.t. a Graph.radius/knn edge field used as a score bias back to the
     node positions: displacement_e = pos[src] - pos[dst], distance_e = |displacement_e|."""
-    pos = graph.positions
+    pos = graph._positions
     xp = np if isinstance(pos, np.ndarray) else __import__("cupy")
     disp = graph.edge_field("displacement").astype(np.float64, copy=False)
     grad = xp.asarray(grad, dtype=np.float64)
