@@ -467,6 +467,42 @@ def test_processes_scheduler():
     _check(got, expected, 1e-12)
 
 
+@pytest.mark.parametrize("name", ["csr", "segments"])
+def test_task_results_come_from_reused_buffers(name, monkeypatch):
+    """CSR and block tasks write their results (outputs, statistics, gradients, partial
+    gradients, their sums) into buffers of the process's result pool. A result still held keeps
+    its buffer: a second call never overwrites the first call's arrays; once they are dropped
+    the next call reuses the buffers instead of new memory. With the limit 0 nothing is kept."""
+    import gc
+    g, expected, c = _problem(name)
+    tgd.release_halo_buffers()
+    with dask.config.set(scheduler="threads", num_workers=4):
+        first = dask.compute(*_flat(_lazy(g, c)))
+        held = tgd._result_pool.held_bytes
+        assert held > 0
+        kept = [a.copy() for a in first]
+        second = dask.compute(*_flat(_lazy(g, c)))
+        for a, b in zip(first, kept):   # still the first call's values
+            np.testing.assert_array_equal(a, b)
+        _check(second, expected, 1e-12)
+        assert not any(np.shares_memory(a, b) for a in first for b in second)
+        grown = tgd._result_pool.held_bytes
+        result_bytes = sum(a.nbytes for a in second)
+        del first, second
+        gc.collect()
+        third = dask.compute(*_flat(_lazy(g, c)))
+        _check(third, expected, 1e-12)
+        # reused: without reuse every result would be a new buffer (the threads' timing may
+        # still need a few small new ones)
+        assert tgd._result_pool.held_bytes - grown < result_bytes / 2
+        del third
+    monkeypatch.setattr(tgd, "RESULT_BUFFER_BYTES", 0)
+    tgd.release_halo_buffers()
+    with dask.config.set(scheduler="threads", num_workers=4):
+        _check(dask.compute(*_flat(_lazy(g, c))), expected, 1e-12)
+    assert tgd._result_pool.held_bytes == 0
+
+
 def test_csr_halos_are_assembled_in_reused_buffers(monkeypatch):
     """A CSR task copies its halo pieces into a buffer of the process's pool, which the next
     task of the same size reuses; concurrent tasks (threads) each hold their own. Results equal
@@ -478,7 +514,9 @@ def test_csr_halos_are_assembled_in_reused_buffers(monkeypatch):
     _check(got, expected, 1e-12)
     kept = tgd._halo_scratch.idle_bytes
     assert kept > 0
-    assert tgd.release_halo_buffers() == kept and tgd._halo_scratch.idle_bytes == 0
+    held = tgd._result_pool.held_bytes
+    assert tgd.release_halo_buffers() == kept + held and tgd._halo_scratch.idle_bytes == 0
+    assert tgd._result_pool.held_bytes == 0
     with dask.config.set(scheduler="threads", num_workers=4):
         dask.compute(*_flat(_lazy(g, c)))
     assert tgd._halo_scratch.idle_bytes > 0   # as many buffers as tasks overlapped this time

@@ -1,4 +1,5 @@
-"""ScratchPool: buffers lent by size, reused after return, never lent twice at once."""
+"""ScratchPool: buffers lent by size, reused after return, never lent twice at once; OutputPool:
+buffers of results lent again only once nothing refers to them."""
 import threading
 
 import numpy as np
@@ -76,3 +77,58 @@ def test_a_failing_borrower_still_returns_the_buffer():
     except RuntimeError:
         pass
     assert pool.idle_bytes == 256
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_output_pool_lends_a_buffer_again_only_when_nothing_refers_to_it():
+    from tiga_numba.scratch import OutputPool
+    pool = OutputPool(1 << 20)
+    a = pool.empty((10, 10), np.float32)
+    first = _addr(a)
+    view = a[2:5]
+    del a
+    b = pool.empty((100,), np.float32)   # same size; the view still reads the first buffer
+    assert _addr(b) != first
+    b_addr = _addr(b)
+    mem = memoryview(view)               # an exported buffer holds it too
+    del view
+    assert _addr(pool.empty((400,), np.uint8)) not in (first, b_addr)
+    del mem
+    c = pool.empty((5, 20), np.float32)  # free now: lent again
+    assert _addr(c) == first and c.shape == (5, 20) and c.flags.c_contiguous
+    assert pool.held_bytes == 3 * 400
+
+
+def test_output_pool_limit_and_clear():
+    from tiga_numba.scratch import OutputPool
+    pool = OutputPool(1000)
+    big = pool.empty((2000,), np.uint8)      # above the limit: a plain array, not kept
+    assert pool.held_bytes == 0 and big.nbytes == 2000
+    a = pool.empty((600,), np.uint8)
+    b = pool.empty((600,), np.uint8)          # would pass the limit while a is lent: not kept
+    assert pool.held_bytes == 600
+    del a, b
+    c = pool.empty((800,), np.uint8)          # the free 600-byte buffer makes room
+    assert pool.held_bytes == 800
+    pool.clear()
+    assert pool.held_bytes == 0 and c.sum() >= 0   # a lent array stays valid
+
+
+def test_outputs_from_is_per_thread_and_nests():
+    import threading
+    from tiga_numba import scratch
+    pool = scratch.OutputPool(1 << 20)
+    seen = []
+    with scratch.outputs_from(pool):
+        a = scratch.output_empty((8,), np.float64)
+        z = scratch.output_zeros((8,), np.float64)
+        t = threading.Thread(target=lambda: seen.append(scratch.output_empty((8,), np.float64)))
+        t.start()
+        t.join()
+        with scratch.outputs_from(None):
+            plain = scratch.output_empty((8,), np.float64)
+    assert pool.held_bytes == 2 * 64 and not z.any()
+    assert a.base is not None and plain.base is None and seen[0].base is None

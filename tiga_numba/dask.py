@@ -65,7 +65,7 @@ from .functional import run_forward as _run_forward
 from .graph import Graph
 from .merge import attention_merge, log_sum_exp
 from .ordering import locality_order  # noqa: F401  (part of this module's API, as tg.locality_order)
-from .scratch import ScratchPool
+from .scratch import OutputPool, ScratchPool, output_empty, output_zeros, outputs_from
 
 __all__ = ["attention", "attention_backward", "program", "program_vjp", "layer", "layer_vjp", "DaskAttentionStats",
            "plan_summary", "locality_order", "keep_freed_memory_config",
@@ -85,6 +85,23 @@ WHOLE_CHUNK_FRACTION = 15 / 16
 # into fresh memory costs a page fault per page on every call (cupy chunks use cupy's pool).
 HALO_SCRATCH_BYTES = 2 << 30
 _halo_scratch = ScratchPool(lambda: HALO_SCRATCH_BYTES)   # the setting as it is at each return
+# Per worker process, the host buffers of the CSR and block tasks' results (outputs, statistics,
+# gradients, partial gradients and their sums) are kept up to this many bytes, lent again once
+# nothing refers to them (scratch.OutputPool): a 1M-row partition's dk / dv partials are 1 GB, and
+# written into fresh memory every call they cost a page fault per page, many times a copy's time
+# on virtual machines whose host reclaims memory a process frees (docs/dask.md).
+RESULT_BUFFER_BYTES = 3 << 30
+_result_pool = OutputPool(lambda: RESULT_BUFFER_BYTES)
+
+
+def _pooled(task):
+    """The task with its numpy results taken from this process's result pool (cupy results
+    come from cupy's own pool)."""
+    @functools.wraps(task)
+    def pooled(*args, **kwargs):
+        with outputs_from(_result_pool):
+            return task(*args, **kwargs)
+    return pooled
 
 
 class DaskAttentionStats:
@@ -457,11 +474,14 @@ def _take(chunk, rows):
 
 
 def release_halo_buffers():
-    """Drop the idle halo buffers this process keeps (see HALO_SCRATCH_BYTES). With the threaded
-    or synchronous scheduler that is the calling process; on dask.distributed workers, run it
-    there: ``client.run(tiga_numba.dask.release_halo_buffers)``. Returns the bytes released."""
-    released = _halo_scratch.idle_bytes
+    """Drop the idle halo buffers this process keeps (see HALO_SCRATCH_BYTES) and forget its
+    result buffers (RESULT_BUFFER_BYTES; a result still in use keeps its own, and its memory is
+    freed with it). With the threaded or synchronous scheduler that is the calling process; on
+    dask.distributed workers, run it there:
+    ``client.run(tiga_numba.dask.release_halo_buffers)``. Returns the bytes the pools held."""
+    released = _halo_scratch.idle_bytes + _result_pool.held_bytes
     _halo_scratch.clear()
+    _result_pool.clear()
     return released
 
 
@@ -698,12 +718,14 @@ def _halos(src_parts):
         yield [stack.enter_context(_halo(parts)) for parts in src_parts]
 
 
+@_pooled
 def _csr_forward(dst_p, src_parts, edge_p, graph, *extras, recipe, warm, where):
     with _halos(src_parts) as src:
         return recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src)),
                               dict(zip(recipe.edge_names, edge_p)), _warm(graph, warm), where, *extras)
 
 
+@_pooled
 def _csr_backward(dout_p, dst_p, src_parts, edge_p, saved_p, graph, *extras, recipe, warm, where):
     with _halos(src_parts) as src:
         return recipe.backward(dout_p, saved_p, dict(zip(recipe.dst_names, dst_p)),
@@ -711,12 +733,14 @@ def _csr_backward(dout_p, dst_p, src_parts, edge_p, saved_p, graph, *extras, rec
                                _warm(graph, warm), where, *extras)
 
 
+@_pooled
 def _block_forward(dst_p, src_c, *, recipe, graph, warm, where, acc):
     out, m, l = recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src_c)),
                                {}, _warm(graph, warm), where)
     return out.astype(acc, copy=False), m, l   # partials merge in the accumulation dtype
 
 
+@_pooled
 def _block_backward(dout_p, dst_p, src_c, saved_p, *, recipe, graph, warm, where, acc):
     grads = recipe.backward(dout_p, saved_p, dict(zip(recipe.dst_names, dst_p)),
                             dict(zip(recipe.src_names, src_c)), {}, _warm(graph, warm), where)
@@ -732,6 +756,7 @@ def _halo_piece(result, name, start, stop):
     return result[1][name][start:stop]
 
 
+@_pooled
 def _scatter_sum(like, pieces, *, rows, dtype, acc):
     """Sum the partial gradients of one source chunk, in the order given (increasing
     destination partition); `rows` holds, per piece, the chunk's rows it covers (None: all)."""
@@ -741,12 +766,16 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     # new array in one pass (the same bits as a copy and an add); one alone is passed on without
     # a copy when nothing follows (a chunk covered by one partition: 1 GB of dk and dv not copied
     # at 1M rows, H=4, D=32); otherwise from zeros.
+    empty, zeros = (output_empty, output_zeros) if xp is np else (xp.empty, xp.zeros)
     if whole[:2] == [True, True]:
-        total, start = xp.add(pieces[0], pieces[1], dtype=acc), 2
+        total, start = xp.add(pieces[0], pieces[1], out=empty(pieces[0].shape, acc), dtype=acc), 2
+    elif whole[:1] == [True] and len(pieces) > 1:
+        total, start = empty(pieces[0].shape, acc), 1
+        total[...] = pieces[0]
     elif whole[:1] == [True]:
-        total, start = pieces[0].astype(acc, copy=len(pieces) > 1), 1
+        total, start = pieces[0].astype(acc, copy=False), 1
     else:
-        total, start = xp.zeros(like.shape, dtype=acc), 0
+        total, start = zeros(like.shape, dtype=acc), 0
     for r, piece in zip(rows[start:], pieces[start:]):
         if r is None:
             total += piece

@@ -29,6 +29,7 @@ from . import decode as _decode
 from . import score_codegen as _codegen
 from . import split as _split
 from .blas import single_threaded_blas
+from ..scratch import output_empty, output_zeros   # outputs: plain arrays, or a Dask task's pool
 from ..arrays import dtype_name
 from .layout import (acc_dtype_of, all_finite, contiguous, head_major, in_place, node_major,
                      order_balanced, transposed_heads)
@@ -209,9 +210,12 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, _mod_key(gen)),
                             lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
         if _blocks_cover(relation, Nq, "dst"):   # every row has its work item: written by the kernel
-            out, m, l = np.empty((Nq, H, v.shape[2]), acc), np.empty((Nq, H), acc), np.empty((Nq, H), acc)
+            out, m, l = (output_empty((Nq, H, v.shape[2]), acc), output_empty((Nq, H), acc),
+                         output_empty((Nq, H), acc))
         else:
-            out, m, l = np.zeros((Nq, H, v.shape[2]), acc), np.full((Nq, H), -np.inf, acc), np.zeros((Nq, H), acc)
+            out, m, l = (output_zeros((Nq, H, v.shape[2]), acc), output_empty((Nq, H), acc),
+                         output_zeros((Nq, H), acc))
+            m.fill(-np.inf)
         total = np.zeros(items.shape[0], np.int64)
         pruned = np.zeros(items.shape[0], np.int64)
         part_acc = np.empty((n_slots, BM, v.shape[2]), acc)
@@ -238,9 +242,9 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
                             lambda: _csr.make_forward(acc.name, gen))
         items, splits, n_slots = _pieces(relation, relation.indptr)
         Dv = v.shape[2]
-        out = np.empty((Nq, H, Dv), acc)
-        m = np.empty((Nq, H), acc)
-        l = np.empty((Nq, H), acc)
+        out = output_empty((Nq, H, Dv), acc)
+        m = output_empty((Nq, H), acc)
+        l = output_empty((Nq, H), acc)
         part_acc = np.empty((n_slots, H, Dv), acc)
         part_m = np.empty((n_slots, H), acc)
         part_l = np.empty((n_slots, H), acc)
@@ -505,7 +509,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
         dq_part = np.empty((n_parts, H, Nq, D), acc)   # each partition zeroes its box in the kernel
-        fill = np.empty if _blocks_cover(relation, Nk, "src") else np.zeros
+        fill = output_empty if _blocks_cover(relation, Nk, "src") else output_zeros
         dkh = fill((Hkv, Nk, D), acc)
         dvh = fill((Hkv, Nk, Dv), acc)
         # modifier gradients: per-head params and dst fields per dq partition (summed in
@@ -521,7 +525,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
             np.sum(ghp_part, axis=0, out=ghp)
         if n_nd:
             np.sum(gnd_part, axis=0, out=gnd)
-        dq = np.empty((Nq, H, D), acc)
+        dq = output_empty((Nq, H, D), acc)
         _run(_blocks.reduce_dq, Nq, dq_part.size, dq_part, boxes, acc.type(scale), dq)
         dk = dkh.transpose(1, 0, 2)
         dv = dvh.transpose(1, 0, 2)
@@ -539,7 +543,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         k_dst, k_src = None, None
         (k_dst, k_src), hit = _kernel(("cpu", "csr.backward", _name(acc), _mod_key(gen)),
                                       lambda: _csr.make_backward(acc.name, gen))
-        dq = np.empty((Nq, H, D), acc)
+        dq = output_empty((Nq, H, D), acc)
         E = int(relation.indices.shape[0])
         dbias = np.empty((E, H), acc) if edge_bias is not None else np.zeros((0, H), acc)
         items, splits, n_slots = _pieces(relation, relation.indptr)
@@ -553,8 +557,8 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
             # per work item, summed in the items' row order (their array order follows the thread
             # count, the sum must not)
             np.sum(ghp_items[np.lexsort((items[:, 2], items[:, 0]))], axis=0, out=ghp)
-        dk = np.empty((Nk, Hkv, D), acc)
-        dv = np.empty((Nk, Hkv, Dv), acc)
+        dk = output_empty((Nk, Hkv, D), acc)
+        dv = output_empty((Nk, Hkv, Dv), acc)
         t_items, t_splits, t_slots = _pieces(transpose, transpose.indptr)
         part_dk = np.empty((t_slots, Hkv, D), acc)
         part_dv = np.empty((t_slots, Hkv, Dv), acc)
