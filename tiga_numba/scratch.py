@@ -91,6 +91,17 @@ class ScratchPool:
             self._idle_bytes = 0
 
 
+def _refcount_alone():
+    """What sys.getrefcount reports, in this interpreter, for an object that only a list holds,
+    read the way OutputPool reads its buffers (interpreters differ in whether the argument
+    itself is counted)."""
+    stack = [np.empty(1, np.uint8)]
+    return sys.getrefcount(stack[0])
+
+
+_ALONE = _refcount_alone()
+
+
 class OutputPool:
     """Buffers for arrays that outlive a call, lent again once nothing refers to them.
 
@@ -111,9 +122,9 @@ class OutputPool:
 
     @staticmethod
     def _free(stack, i):
-        # the stack's slot and getrefcount's own argument: anything more is an array, a view
-        # or an exported buffer that can still read the memory
-        return sys.getrefcount(stack[i]) <= 2
+        # more references than a buffer held by the stack alone: an array, a view or an
+        # exported buffer can still read the memory
+        return sys.getrefcount(stack[i]) <= _ALONE
 
     def empty(self, shape, dtype):
         """An uninitialised C-contiguous array of `shape` and `dtype`."""
