@@ -1026,3 +1026,16 @@ def test_importing_the_package_does_not_import_dask():
     code = "import sys, tiga_numba; assert 'dask' not in sys.modules, 'dask imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+
+def test_result_buffers_stay_under_a_quarter_of_a_workers_memory_limit(monkeypatch):
+    """in a dask.distributed worker with a memory limit the result pool keeps at most a quarter
+    of it (the kept buffers are the worker's unmanaged memory); elsewhere RESULT_BUFFER_BYTES"""
+    import types
+    import distributed
+    assert tgd._result_buffer_limit() == tgd.RESULT_BUFFER_BYTES   # not in a worker
+    for memory_limit, want in ((8 << 30, 2 << 30), (64 << 30, tgd.RESULT_BUFFER_BYTES), (0, tgd.RESULT_BUFFER_BYTES),
+                               (None, tgd.RESULT_BUFFER_BYTES)):
+        fake = types.SimpleNamespace(memory_manager=types.SimpleNamespace(memory_limit=memory_limit))
+        monkeypatch.setattr(distributed, "get_worker", lambda: fake)
+        assert tgd._result_buffer_limit() == want, memory_limit

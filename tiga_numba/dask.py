@@ -91,7 +91,21 @@ _halo_scratch = ScratchPool(lambda: HALO_SCRATCH_BYTES)   # the setting as it is
 # written into fresh memory every call they cost a page fault per page, many times a copy's time
 # on virtual machines whose host reclaims memory a process frees (docs/dask.md).
 RESULT_BUFFER_BYTES = 3 << 30
-_result_pool = OutputPool(lambda: RESULT_BUFFER_BYTES)
+
+
+def _result_buffer_limit():
+    """RESULT_BUFFER_BYTES, and in a dask.distributed worker with a memory limit at most a
+    quarter of it: the kept buffers count as the worker's unmanaged memory."""
+    limit = RESULT_BUFFER_BYTES
+    try:
+        from distributed import get_worker
+        worker_limit = get_worker().memory_manager.memory_limit
+    except Exception:   # not in a worker (threads, processes, synchronous), or no such attribute
+        return limit
+    return min(limit, int(worker_limit) // 4) if worker_limit else limit
+
+
+_result_pool = OutputPool(_result_buffer_limit)
 
 
 def _pooled(task):
