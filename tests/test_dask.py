@@ -782,9 +782,12 @@ def test_locality_order_shrinks_the_halos_and_keeps_the_results():
 def client():
     distributed = pytest.importorskip("distributed")
     # dashboard on a free port (":0"): None still binds the default 8787, which the other xdist
-    # worker's cluster may hold
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", silence_logs=40) as cluster, \
+    # worker's cluster may hold. No work stealing: the placement tests check where the scheduler
+    # puts tasks by their hints, which stealing may override when the box is busy (the hints
+    # allow other workers, so results never depend on it)
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                     dashboard_address=":0", silence_logs=40) as cluster, \
             distributed.Client(cluster) as c:
         yield c
 
