@@ -95,6 +95,15 @@ def to_native(x, name="array"):
                     "arrays are supported")
 
 
+def to_host(x, name="array"):
+    """`x` (numpy, cupy, torch or another DLPack array) as a host numpy array: a view where it
+    already is one, a device-to-host copy of a CUDA array."""
+    x = to_native(x, name)
+    if not isinstance(x, np.ndarray) and hasattr(x, "get"):   # cupy
+        return x.get()
+    return np.asarray(x)
+
+
 def to_library(x, lib):
     """A numpy/cupy array `x` as an array of library `lib` ('torch', 'jax'), without a copy."""
     if lib is None or lib == "dlpack" or not (isinstance(x, np.ndarray) or _is_cupy(x)):

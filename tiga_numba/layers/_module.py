@@ -18,7 +18,7 @@ import numpy as np
 from .. import arrays, interop
 from ._edges import xp_of
 
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_FLOATS = arrays.FLOAT_DTYPES   # the parameter and input dtypes (bfloat16 only on the functional path)
 
 
 def _check_float(name, array):
@@ -112,8 +112,7 @@ class Layer:
                 raise ValueError(f"state_dict[{name!r}] must have shape {want}, got {tuple(value.shape)}")
             current = self._params[name]
             if xp_of(current) is np:  # keep each parameter where it is (numpy or cupy)
-                value = value.get() if not isinstance(value, np.ndarray) and hasattr(value, "get") else value
-                self._params[name] = np.array(value, dtype=current.dtype, copy=True)
+                self._params[name] = np.array(interop.to_host(value), dtype=current.dtype, copy=True)
             else:
                 self._params[name] = xp_of(current).array(value, dtype=current.dtype, copy=True)
         return self
@@ -126,7 +125,7 @@ class Layer:
         for name, a in self._params.items():
             if id(a) not in moved:
                 if device == "cpu":
-                    moved[id(a)] = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
+                    moved[id(a)] = interop.to_host(a)
                 else:
                     import cupy
                     moved[id(a)] = cupy.asarray(a)

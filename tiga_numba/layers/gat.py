@@ -40,8 +40,7 @@ def check_fill_value(fill_value, edge_dim=None):
     if isinstance(fill_value, (int, float, np.integer, np.floating)) and not isinstance(fill_value, bool):
         return float(fill_value)
     if hasattr(fill_value, "shape") and hasattr(fill_value, "dtype"):   # an array or tensor
-        host = interop.to_native(fill_value, "fill_value")   # torch / DLPack -> numpy or cupy
-        host = np.array(host.get() if not isinstance(host, np.ndarray) and hasattr(host, "get") else host)
+        host = interop.to_host(fill_value, "fill_value")
         if host.dtype.kind not in "iuf" or host.ndim > 1:
             raise ValueError(f"fill_value as an array must hold real numbers in at most one "
                              f"dimension (edge_dim values), got dtype {host.dtype} and shape "
