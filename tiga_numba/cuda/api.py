@@ -596,38 +596,36 @@ def _decode_forward(plan, q, k, v, relation):
         else:
             misaligned = True
     kern, splits = lg["kern"], lg["splits"]
+
+    def outputs():
+        return empty((Nq, H, DV), dtype), empty((Nq, H), acc), empty((Nq, H), acc)
+
     if lg["grid"][0] == 0 or Nq * H == 0:
-        out = empty((Nq, H, DV), dtype)
-        m = empty((Nq, H), acc)
-        l = empty((Nq, H), acc)
+        out, m, l = outputs()
         out.fill(0)
         m.fill(-np.inf)
         l.fill(0)
-    elif splits > 1:
-        # the partial (acc, m, l) of every split, one allocation; the kernel does not touch
-        # out, m and l (they get the unused-argument array)
-        n = Nq * H * splits
-        part = cupy.empty((n * (max(DV, 1) + 2),), acc)
-        p0, item = part.data.ptr, part.itemsize
-        parts = (p0, p0 + n * max(DV, 1) * item, p0 + n * (max(DV, 1) + 1) * item)
-        d = _dummy(acc).data.ptr
-        kern(lg["grid"], lg["block"], stream, qp, kp, vp, d, d, d,
-             *parts, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
-             H, H // Hkv, lg["nrg"], splits, lg["chunk"], float(plan.scale))
-        out = empty((Nq, H, DV), dtype)
-        m = empty((Nq, H), acc)
-        l = empty((Nq, H), acc)
-        mk = g["merge"]
-        mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,
-           out.data.ptr, m.data.ptr, l.data.ptr, Nq * H, splits)
     else:
-        out = empty((Nq, H, DV), dtype)
-        m = empty((Nq, H), acc)
-        l = empty((Nq, H), acc)
         d = _dummy(acc).data.ptr
-        kern(lg["grid"], lg["block"], stream, qp, kp, vp, out.data.ptr, m.data.ptr, l.data.ptr,
-             d, d, d, *g["rel"], qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
+        if splits > 1:
+            # the partial (acc, m, l) of every split, one allocation; the kernel does not touch
+            # out, m and l (they get the unused-argument array) and they are allocated after it
+            n = Nq * H * splits
+            part = cupy.empty((n * (max(DV, 1) + 2),), acc)
+            p0, item = part.data.ptr, part.itemsize
+            parts = (p0, p0 + n * max(DV, 1) * item, p0 + n * (max(DV, 1) + 1) * item)
+            written = (d, d, d)
+        else:
+            out, m, l = outputs()
+            parts, written = (d, d, d), (out.data.ptr, m.data.ptr, l.data.ptr)
+        kern(lg["grid"], lg["block"], stream, qp, kp, vp, *written, *parts, *g["rel"],
+             qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2,
              H, H // Hkv, lg["nrg"], splits, lg["chunk"], float(plan.scale))
+        if splits > 1:
+            out, m, l = outputs()
+            mk = g["merge"]
+            mk((Nq * H, 1, 1), (mk.NT, 1, 1), stream, *parts, _dummy(np.int64).data.ptr,
+               out.data.ptr, m.data.ptr, l.data.ptr, Nq * H, splits)
     info.update(rec.info)
     if misaligned:
         info["kernel"] += ("; scalar K/V loads (k or v rows not 16-byte aligned or not "
