@@ -111,3 +111,37 @@ def test_merge_argument_errors_name_parts():
         tg.attention_merge(pair)
     with pytest.raises(ValueError, match=r"edge_index\[0\] \(sources\) holds index 6, out of range \[0, num_nodes=4\)"):
         tg.Graph.from_edge_index(np.array([[6, 0], [1, 2]]), num_nodes=4)
+
+
+@pytest.mark.parametrize("two_d", [False, True], ids=["heads", "one-head-2d"])
+def test_merge_in_half_precision_and_any_thread_count(two_d):
+    """float16 parts (float32 stats) merge in float32 and round once: within float16 rounding of
+    the float64 union; 2-D one-head parts keep their shape; the same bits on 1 and 2 threads."""
+    import numba
+    rng = np.random.default_rng(4)
+    nd, ns, d = 41, 33, 8
+    full = _random_csr(nd, ns, 0.4, rng, empty_rows=(0, 9))
+    coo = full.tocoo()
+    part_of = rng.integers(0, 2, coo.nnz)
+    graphs = [tg.Graph.from_scipy(sp.csr_matrix((coo.data[part_of == p], (coo.row[part_of == p],
+                                                 coo.col[part_of == p])), shape=full.shape))
+              for p in range(2)]
+    q, k, v = _qkv(nd, ns, 2, 1, d, rng)
+    if two_d:
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    ref = tg.attention(q, k, v, tg.Graph.from_scipy(full))
+    parts = [tg.attention(*(x.astype(np.float16) for x in (q, k, v)), g, return_stats=True)
+             for g in graphs]
+    with_threads = []
+    for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+        numba.set_num_threads(threads)
+        try:
+            with_threads.append(tg.attention_merge(parts))
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    (mo, ms), (again, _) = with_threads
+    assert mo.dtype == np.float16 and mo.shape == ref.shape and ms.m.shape == ref.shape[:-1]
+    assert ms.m.dtype == np.float32 and ms.l.dtype == np.float32
+    assert np.array_equal(mo, again)
+    np.testing.assert_allclose(mo.astype(np.float64), ref, atol=4e-3, rtol=4e-3)
+    assert np.all(mo[0] == 0) and np.all(ms.m[0] == -np.inf) and np.all(ms.l[0] == 0)

@@ -798,6 +798,7 @@ def _scatter_sum(like, pieces, *, rows, dtype, acc):
     return total.astype(dtype, copy=False)
 
 
+@_pooled
 def _merge(*parts):
     out, stats = attention_merge([(o, AttentionStats(m, l)) for o, m, l in parts])
     return out, stats.m, stats.l

@@ -121,6 +121,32 @@ def _merge(parts):
         if o.dtype != out0.dtype:   # the merged out takes one dtype: never a silent down-cast
             raise TypeError(f"parts[{i}] out is {o.dtype}, parts[0]'s is {out0.dtype}: all parts "
                             "must have one dtype (cast them first)")
+    if xp is np and len(checked) > 1:   # one pass per part, no temporaries
+        from .cpu.merge import merge as cpu_merge
+        out, m_run, l_run = cpu_merge(checked, out0.dtype)
+    else:
+        out, m_run, l_run = _merge_arrays(xp, checked)
+    # The kernels' own row maxima (exact, in their units) merge by max like m; kept only when
+    # every part has them from one backend, so the backward of the union stays as exact as a
+    # single forward's.
+    kernel_ms = [getattr(p[1], "m_kernel", None) for p in parts]
+    plans = [getattr(p[1], "plan", None) for p in parts]
+    m_kernel = None
+    if all(mk is not None and tuple(mk.shape) == tuple(m0.shape) for mk in kernel_ms) and \
+            len({getattr(pl, "backend", None) for pl in plans}) == 1 and plans[0] is not None:
+        m_kernel = kernel_ms[0]
+        for mk in kernel_ms[1:]:
+            m_kernel = xp.maximum(m_kernel, mk)
+    stats = AttentionStats(m_run, l_run, m_kernel=m_kernel)
+    if m_kernel is not None:
+        stats.plan = _BackendOnly(plans[0].backend)
+    return out, stats
+
+
+def _merge_arrays(xp, checked):
+    """The merge of checked parts [(out, m, l), ...] in array expressions (cupy, or one numpy
+    part): (out in the parts' dtype, m and l in the accumulation dtype)."""
+    out0, m0, l0 = checked[0]
     acc = np.dtype(np.float64) if np.dtype(m0.dtype) == np.float64 else np.dtype(np.float32)
     m_run = xp.asarray(m0, dtype=acc)
     l_run = xp.asarray(l0, dtype=acc)
@@ -139,22 +165,7 @@ def _merge(parts):
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = xp.where(l_run > 0, 1 / xp.where(l_run > 0, l_run, 1), 0).astype(acc)
     out = (o_run * inv[..., None]).astype(out0.dtype, copy=False)
-    m_run = xp.where(l_run > 0, m_run, -xp.inf).astype(acc)
-    # The kernels' own row maxima (exact, in their units) merge by max like m; kept only when
-    # every part has them from one backend, so the backward of the union stays as exact as a
-    # single forward's.
-    kernel_ms = [getattr(p[1], "m_kernel", None) for p in parts]
-    plans = [getattr(p[1], "plan", None) for p in parts]
-    m_kernel = None
-    if all(mk is not None and tuple(mk.shape) == tuple(m0.shape) for mk in kernel_ms) and \
-            len({getattr(pl, "backend", None) for pl in plans}) == 1 and plans[0] is not None:
-        m_kernel = kernel_ms[0]
-        for mk in kernel_ms[1:]:
-            m_kernel = xp.maximum(m_kernel, mk)
-    stats = AttentionStats(m_run, l_run, m_kernel=m_kernel)
-    if m_kernel is not None:
-        stats.plan = _BackendOnly(plans[0].backend)
-    return out, stats
+    return out, xp.where(l_run > 0, m_run, -xp.inf).astype(acc), l_run
 
 
 class _BackendOnly:
