@@ -6,7 +6,7 @@
 # elsewhere carried in .tccubin, else T_PREBUILD=150 builds it here):
 #   OUT=dir [WORKERS=15] [T_PREBUILD=0] [PREBUILD_ARGS="--modifiers softcap,alibi"] [T_TESTS=300] [FIRST="pytest selection"] \
 #     [SAN_SCRIPTS="split_sanitize mods_sanitize tc_sanitize"] [SAN_TOOLS="memcheck racecheck synccheck"] [KEEP_CUBINS=1] \
-#     [BENCH="python benchmarks/bench_score_mods_gpu.py" T_BENCH=200] bash benchmarks/gpu/check.sh
+#     [BENCH="python benchmarks/bench_score_mods_gpu.py" T_BENCH=200 [BENCH_FIRST=1]] bash benchmarks/gpu/check.sh
 # Writes up to seven files (the device returns at most eight): env.txt, prebuild.txt, bench.txt,
 # tests.txt (FIRST's run with full tracebacks first, then every GPU test), san.txt, steps.txt,
 # tccubin.tgz. The default prebuild does not hold the modifier kernels that tests/test_tc_modifiers_gpu.py
@@ -30,13 +30,17 @@ if [ "${T_PREBUILD:-0}" != 0 ]; then
   stamp prebuild
   timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 $PREBUILD_ARGS > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
+# BENCH_FIRST=1: the benchmark commands (BENCH) before the tests, while nothing else has run on the GPU
+if [ -n "$BENCH" ] && [ -n "$BENCH_FIRST" ]; then
+  timeout ${T_BENCH:-200} bash -c "$BENCH" > $OUT/bench.txt 2>&1; stamp "bench rc=$?"
+fi
 if [ -n "$FIRST" ]; then
   timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n ${FIRST_WORKERS:-4} -rA --tb=long $FIRST \
     > $OUT/tests.txt 2>&1; stamp "first tests rc=$?"
 fi
 # BENCH: benchmark commands (a bash command line) run after FIRST's selection and before the whole
 # suite (output in bench.txt)
-if [ -n "$BENCH" ]; then
+if [ -n "$BENCH" ] && [ -z "$BENCH_FIRST" ]; then
   timeout ${T_BENCH:-200} bash -c "$BENCH" > $OUT/bench.txt 2>&1; stamp "bench rc=$?"
 fi
 # SIGINT at the limit: pytest stops and still prints what ran and what failed (-rA: a line per test,
