@@ -225,3 +225,25 @@ def test_the_avx2_kernel_on_this_machine(tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), TIGA_NUMBA_CACHE_DIR=str(tmp_path / "tiga"))
     run = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "avx2 ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("features,lanes", [("-avx512f,+avx2,+fma", 8), ("-avx512f,-avx2,+fma", 0),
+                                            ("+avx512f,+avx2,+fma", 16)])
+def test_vector_width_follows_numbas_target_not_the_host(features, lanes, tmp_path):
+    """The own kernel's vectors are those of the target numba compiles for (NUMBA_CPU_FEATURES,
+    e.g. a portable or another machine's target), not the host's: a process whose target lacks
+    AVX2 gets no own kernel (the BLAS, said so by choice(), nothing timed), one without AVX-512 the
+    AVX2 width, and a calibration record would name the target CPU. (Nothing is compiled here.)"""
+    import os
+    import subprocess
+    import sys
+    code = ("from tiga_numba.cpu import microgemm as m; import json; "
+            "print(json.dumps([m.LANES, m.NR, m._machine()['cpu'], m.choice()[0] if m.LANES == 0 else None]))")
+    env = dict(os.environ, NUMBA_CPU_NAME="x86-64-v2", NUMBA_CPU_FEATURES=features,
+               TIGA_NUMBA_CACHE_DIR=str(tmp_path))
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    width, nr, cpu, products = json.loads(got.stdout.strip().splitlines()[-1])
+    assert width == lanes and cpu == "x86-64-v2"
+    assert nr == {16: 64, 8: 16}.get(lanes, nr)
+    assert products == ("blas" if lanes == 0 else None)

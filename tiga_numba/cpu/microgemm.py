@@ -38,16 +38,35 @@ _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 
 
-def _lanes():
-    """float32 lanes of the widest vector the host compiles for: 16 (AVX-512F), 8 (AVX2 + FMA), else 0."""
+def target_features():
+    """The CPU features numba compiles for: NUMBA_CPU_FEATURES where set (a portable or foreign
+    target), else the host's, less AVX where NUMBA_ENABLE_AVX=0 (numba's own rule)."""
     try:
-        import llvmlite.binding as llb
-        feats = llb.get_host_cpu_features()
+        from numba.core import config
+        from numba.core.codegen import get_host_cpu_features
+        flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     except Exception:  # noqa: BLE001 - no feature query: no own kernel
-        return 0
-    if feats.get("avx512f"):
+        return frozenset()
+    return frozenset(f.strip()[1:] for f in flat.split(",") if f.strip().startswith("+"))
+
+
+def target_cpu():
+    """The CPU name numba compiles for (NUMBA_CPU_NAME, else the host's)."""
+    from numba.core import config
+    if config.CPU_NAME is not None:
+        return config.CPU_NAME
+    import llvmlite.binding as llb
+    return llb.get_host_cpu_name()
+
+
+def _lanes():
+    """float32 lanes of the widest vector numba's target has: 16 (AVX-512F), 8 (AVX2 + FMA), else
+    0. The target's, not the host's: code for vectors the target lacks would be split into
+    narrower ones or, for the fused multiply-add, into library calls."""
+    feats = target_features()
+    if "avx512f" in feats:
         return 16
-    if feats.get("avx2") and feats.get("fma"):
+    if "avx2" in feats and "fma" in feats:
         return 8
     return 0
 
@@ -175,10 +194,9 @@ def _time_products(a, b, c, reps, own):
 def _machine():
     """what a calibration is valid for: the CPU, the vector width, numba and the BLAS numba calls."""
     import numba
-    import llvmlite.binding as llb
 
     from .blas import blas_control
-    return {"cpu": llb.get_host_cpu_name(), "lanes": LANES, "numba": numba.__version__,
+    return {"cpu": target_cpu(), "lanes": LANES, "numba": numba.__version__,
             "blas": blas_control() or "unknown", "version": 1}
 
 
