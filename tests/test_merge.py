@@ -145,3 +145,22 @@ def test_merge_in_half_precision_and_any_thread_count(two_d):
     assert np.array_equal(mo, again)
     np.testing.assert_allclose(mo.astype(np.float64), ref, atol=4e-3, rtol=4e-3)
     assert np.all(mo[0] == 0) and np.all(ms.m[0] == -np.inf) and np.all(ms.l[0] == 0)
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 8), (5, 3, 0), (6, 8)], ids=["no-rows", "no-columns", "one-head-2d"])
+def test_merge_of_empty_shapes_and_strided_views(shape):
+    """Parts with no rows or no value columns merge to their shape; strided (non-contiguous)
+    views merge like their copies."""
+    rng = np.random.default_rng(6)
+    out = rng.standard_normal(shape)
+    m, l = rng.standard_normal(shape[:-1]), rng.uniform(0.5, 2, shape[:-1])
+    mo, ms = tg.attention_merge([(out, tg.AttentionStats(m, l)), (out, tg.AttentionStats(m, l))])
+    assert mo.shape == shape and ms.m.shape == shape[:-1]
+    np.testing.assert_allclose(mo, out, rtol=1e-15, atol=1e-15)
+    np.testing.assert_allclose(ms.l, 2 * l, rtol=1e-15)
+    wide = rng.standard_normal((2 * max(shape[0], 1),) + shape[1:])[::2][:shape[0]]
+    wm = rng.standard_normal((2 * max(shape[0], 1),) + shape[1:-1])[::2][:shape[0]]
+    parts = [(wide, tg.AttentionStats(wm, l)), (out, tg.AttentionStats(m, l))]
+    got, _ = tg.attention_merge(parts)
+    want, _ = tg.attention_merge([(np.ascontiguousarray(o), s) for o, s in parts])
+    assert np.array_equal(got, want)

@@ -50,10 +50,10 @@ def _merge_pair(out_a, m_a, l_a, out_b, m_b, l_b, out, m, l):
         m[r], l[r] = mr, lr
 
 
-def _rows(a, rows, acc=None):
-    """`a` as a C-contiguous (rows, -1) array (in `acc` if given): a view where it already is one."""
+def _rows(a, shape, acc=None):
+    """`a` as a C-contiguous array of `shape` (in `acc` if given): a view where it already is one."""
     a = np.ascontiguousarray(a) if acc is None else np.ascontiguousarray(a, dtype=acc)
-    return a.reshape(rows, -1)
+    return a.reshape(shape)
 
 
 @serialised
@@ -64,16 +64,18 @@ def merge(parts, out_dtype):
     out0, m0, _ = parts[0]
     acc = acc_dtype_of(m0.dtype)
     rows = int(np.prod(m0.shape))
-    width = out0.size // rows if rows else 0
+    width = int(np.prod(out0.shape[m0.ndim:]))
     # folded in the accumulation dtype (a float16 out is rounded once, at the end)
     result = output_empty((rows, width), acc)
     m_run, l_run = output_empty(rows, acc), output_empty(rows, acc)
-    wide = lambda o: _rows(o, rows, None if o.dtype in (np.float32, np.float64) else acc)   # noqa: E731
-    o_run, m_prev, l_prev = wide(out0), _rows(m0, rows, acc)[:, 0], _rows(parts[0][2], rows, acc)[:, 0]
+    def wide(o):   # float16 outs widened once; float32 / float64 read as they are
+        return _rows(o, (rows, width), None if o.dtype in (np.float32, np.float64) else acc)
+
+    o_run, m_prev, l_prev = wide(out0), _rows(m0, rows, acc), _rows(parts[0][2], rows, acc)
     threads = useful(rows, rows * width)
     for o, m, l in parts[1:]:
-        run(_merge_pair, threads, o_run, m_prev, l_prev, wide(o), _rows(m, rows, acc)[:, 0],
-            _rows(l, rows, acc)[:, 0], result, m_run, l_run)
+        run(_merge_pair, threads, o_run, m_prev, l_prev, wide(o), _rows(m, rows, acc), _rows(l, rows, acc),
+            result, m_run, l_run)
         o_run, m_prev, l_prev = result, m_run, l_run
     out = result.reshape(out0.shape).astype(out_dtype, copy=False)
     return out, m_run.reshape(m0.shape), l_run.reshape(m0.shape)
