@@ -16,6 +16,15 @@ def _random_csr(nd, ns, density, rng, empty_rows=()):
     return a.tocsr()
 
 
+def _split_edges(full, rng, count):
+    """`full`'s edges dealt at random into `count` disjoint relations of its shape."""
+    coo = full.tocoo()
+    part_of = rng.integers(0, count, coo.nnz)
+    return [tg.Graph.from_scipy(sp.csr_matrix((coo.data[part_of == p], (coo.row[part_of == p],
+                                              coo.col[part_of == p])), shape=full.shape))
+            for p in range(count)]
+
+
 def _qkv(nd, ns, h, hkv, d, rng, dtype=np.float64):
     q = rng.standard_normal((nd, h, d)).astype(dtype)
     k = rng.standard_normal((ns, hkv, d)).astype(dtype)
@@ -29,11 +38,7 @@ def test_merge_of_disjoint_edge_subsets_equals_the_union(dtype, tol):
     nd, ns, h, hkv, d = 37, 29, 4, 2, 8
     full = _random_csr(nd, ns, 0.3, rng, empty_rows=(3, 17))
     # split every row's edges at random into three disjoint parts (some rows empty in a part)
-    coo = full.tocoo()
-    part_of = rng.integers(0, 3, coo.nnz)
-    graphs = [tg.Graph.from_scipy(sp.csr_matrix((coo.data[part_of == p], (coo.row[part_of == p],
-                                                 coo.col[part_of == p])), shape=full.shape))
-              for p in range(3)]
+    graphs = _split_edges(full, rng, 3)
     g = tg.Graph.from_scipy(full)
     q, k, v = _qkv(nd, ns, h, hkv, d, rng, dtype)
     out, st = tg.attention(q, k, v, g, return_stats=True)
@@ -121,11 +126,7 @@ def test_merge_in_half_precision_and_any_thread_count(two_d):
     rng = np.random.default_rng(4)
     nd, ns, d = 41, 33, 8
     full = _random_csr(nd, ns, 0.4, rng, empty_rows=(0, 9))
-    coo = full.tocoo()
-    part_of = rng.integers(0, 2, coo.nnz)
-    graphs = [tg.Graph.from_scipy(sp.csr_matrix((coo.data[part_of == p], (coo.row[part_of == p],
-                                                 coo.col[part_of == p])), shape=full.shape))
-              for p in range(2)]
+    graphs = _split_edges(full, rng, 2)
     q, k, v = _qkv(nd, ns, 2, 1, d, rng)
     if two_d:
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
