@@ -98,7 +98,7 @@ def test_merge_rejects_bad_parts():
     # dtypes attention never returns: refused, not cast (an int out would be truncated, a complex
     # one would lose its imaginary part)
     for bad in (np.int32, np.complex64, np.bool_):
-        with pytest.raises(TypeError, match=r"parts\[0\] out has dtype .*expected float16, float32 or float64"):
+        with pytest.raises(TypeError, match=r"parts\[0\] out has dtype .*expected float16, float32(,| or) float64"):
             tg.attention_merge([(o.astype(bad), st), (o.astype(bad), st)])
     ist = tg.AttentionStats(np.zeros((3, 2), np.int64), np.ones((3, 2), np.int64))
     with pytest.raises(TypeError, match=r"parts\[1\] stats.m has dtype int64"):
@@ -165,3 +165,38 @@ def test_merge_of_empty_shapes_and_strided_views(shape):
     got, _ = tg.attention_merge(parts)
     want, _ = tg.attention_merge([(np.ascontiguousarray(o), s) for o, s in parts])
     assert np.array_equal(got, want)
+
+
+def test_merge_refuses_inconsistent_statistics():
+    """A part whose stats.l does not match its stats.m in shape, and parts whose statistics differ
+    in dtype (the merged stats would take one part's dtype silently), are refused by name."""
+    o = np.zeros((3, 2, 4), np.float32)
+    st = tg.AttentionStats(np.zeros((3, 2), np.float32), np.ones((3, 2), np.float32))
+    bad = tg.AttentionStats(st.m, st.l[:, 0])
+    for parts in ([(o, bad)], [(o, bad), (o, bad)]):
+        with pytest.raises(ValueError, match=r"parts\[0\] stats.l has shape \(3,\), which does not match its stats.m"):
+            tg.attention_merge(parts)
+    with pytest.raises(ValueError, match=r"parts\[1\] stats.l has shape \(3,\), parts\[0\]'s has \(3, 2\)"):
+        tg.attention_merge([(o, st), (o, bad)])
+    wide = tg.AttentionStats(st.m.astype(np.float64), st.l.astype(np.float64))
+    for parts, bad in (([(o, st), (o, wide)], r"parts\[1\] stats.m is float64, parts\[0\]'s stats.m is float32"),
+                       ([(o, wide), (o, st)], r"parts\[1\] stats.m is float32, parts\[0\]'s stats.m is float64"),
+                       ([(o, tg.AttentionStats(st.m, wide.l))], r"parts\[0\] stats.l is float64")):
+        with pytest.raises(TypeError, match=bad):
+            tg.attention_merge(parts)
+
+
+def test_merge_of_bfloat16_results():
+    """attention returns bfloat16 on the CPU (ml_dtypes): its parts merge in float32 and round once,
+    within bfloat16 rounding of the float64 union."""
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(8)
+    full = _random_csr(30, 26, 0.4, rng, empty_rows=(2,))
+    q, k, v = _qkv(30, 26, 2, 1, 8, rng)
+    ref = tg.attention(q, k, v, tg.Graph.from_scipy(full))
+    parts = [tg.attention(*(x.astype(bf16) for x in (q, k, v)), g, return_stats=True)
+             for g in _split_edges(full, rng, 2)]
+    mo, ms = tg.attention_merge(parts)
+    assert mo.dtype == np.dtype(bf16) and ms.m.dtype == np.float32
+    np.testing.assert_allclose(mo.astype(np.float64), ref, atol=3e-2, rtol=3e-2)
+    assert np.all(mo.astype(np.float32)[2] == 0) and np.all(ms.l[2] == 0)

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from . import interop
-from .arrays import FLOAT_DTYPES
+from .arrays import FLOAT_DTYPES, bfloat16_dtype
 
 __all__ = ["attention_merge", "log_sum_exp"]
 
@@ -103,6 +103,8 @@ def _merge(parts):
     checked = [_check_part(i, p) for i, p in enumerate(parts)]
     out0, m0, l0 = checked[0]
     xp = _xp_of(out0, "parts[0] out")
+    # outs in any dtype attention returns (bfloat16 on the CPU, where ml_dtypes is installed)
+    out_dtypes = FLOAT_DTYPES + ((bfloat16_dtype(),) if bfloat16_dtype() is not None and xp is np else ())
     for i, (o, m, l) in enumerate(checked):
         for name, a, ref in (("out", o, out0), ("stats.m", m, m0), ("stats.l", l, l0)):
             if _xp_of(a, f"parts[{i}] {name}") is not xp:
@@ -111,16 +113,24 @@ def _merge(parts):
             if tuple(a.shape) != tuple(ref.shape):
                 raise ValueError(f"parts[{i}] {name} has shape {tuple(a.shape)}, parts[0]'s has "
                                  f"{tuple(ref.shape)}: parts must cover the same destination rows")
+        if tuple(l.shape) != tuple(m.shape):
+            raise ValueError(f"parts[{i}] stats.l has shape {tuple(l.shape)}, which does not match its "
+                             f"stats.m of shape {tuple(m.shape)}")
         if tuple(o.shape[:m.ndim]) != tuple(m.shape):
             raise ValueError(f"parts[{i}] out has shape {tuple(o.shape)}, which does not match its "
                              f"stats.m of shape {tuple(m.shape)}")
-        for name, a in (("out", o), ("stats.m", m), ("stats.l", l)):
-            if np.dtype(a.dtype) not in FLOAT_DTYPES:   # what attention returns; never a silent cast
+        for name, a, allowed in (("out", o, out_dtypes), ("stats.m", m, FLOAT_DTYPES), ("stats.l", l, FLOAT_DTYPES)):
+            if np.dtype(a.dtype) not in allowed:   # what attention returns; never a silent cast
+                names = [str(d) for d in allowed]
                 raise TypeError(f"parts[{i}] {name} has dtype {np.dtype(a.dtype)}, expected "
-                                "float16, float32 or float64")
+                                f"{', '.join(names[:-1])} or {names[-1]}")
         if o.dtype != out0.dtype:   # the merged out takes one dtype: never a silent down-cast
             raise TypeError(f"parts[{i}] out is {o.dtype}, parts[0]'s is {out0.dtype}: all parts "
                             "must have one dtype (cast them first)")
+        for name, a in (("stats.m", m), ("stats.l", l)):   # likewise the merged statistics
+            if a.dtype != m0.dtype:
+                raise TypeError(f"parts[{i}] {name} is {a.dtype}, parts[0]'s stats.m is {m0.dtype}: "
+                                "all parts' statistics must have one dtype (cast them first)")
     if xp is np and len(checked) > 1:   # one pass per part, no temporaries
         from .cpu.merge import merge as cpu_merge
         out, m_run, l_run = cpu_merge(checked, out0.dtype)
