@@ -988,6 +988,8 @@ def test_errors_name_the_argument():
         tgd.attention(q[:59], k, v, g)
     with pytest.raises(ValueError, match=r"num_src=50 but k has 49 rows"):
         tgd.attention(q, k[:49], v[:49], g)
+    with pytest.raises(ValueError, match=r"num_src=50 but v has 49 rows"):   # not a chunking error
+        tgd.attention(q, k, v[:49], g)
     with pytest.raises(TypeError, match=r"^k must be a dask array"):
         tgd.attention(q, np.zeros(k.shape), v, g)
     with pytest.raises(TypeError, match=r"graph must be a tiga_numba.Graph"):

@@ -175,15 +175,16 @@ def _check_inputs(q, k, v, graph, scale=None):
         _check_dask(name, a)
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
-    if v.chunks[0] != k.chunks[0]:
-        raise ValueError(f"v is chunked {v.chunks[0]} along axis 0 but k is chunked {k.chunks[0]}; "
-                         "k and v must share their chunk boundaries")
+    # sizes before chunk boundaries: a v with a row too few is a size error, not a chunking one
     if q.shape[0] != graph.num_dst:
         raise ValueError(f"graph has num_dst={graph.num_dst} but q has {q.shape[0]} rows (axis 0)")
     if k.shape[0] != graph.num_src:
         raise ValueError(f"graph has num_src={graph.num_src} but k has {k.shape[0]} rows (axis 0)")
     if v.shape[0] != graph.num_src:
         raise ValueError(f"graph has num_src={graph.num_src} but v has {v.shape[0]} rows (axis 0)")
+    if v.chunks[0] != k.chunks[0]:
+        raise ValueError(f"v is chunked {v.chunks[0]} along axis 0 but k is chunked {k.chunks[0]}; "
+                         "k and v must share their chunk boundaries")
     # The single-process checks (library, dtype, heads, dims) on zero-row stand-ins: they run
     # no kernel and give the result dtypes.
     mq, mk, mv = (_empty_rows(a) for a in (q, k, v))
