@@ -79,6 +79,10 @@ def test_lse_matches_float64_oracle_and_empty_part_is_neutral():
     mo, ms = tg.attention_merge([empty, (out, st), empty])
     np.testing.assert_allclose(mo, out, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(ms.lse, st.lse, rtol=1e-13, atol=1e-13)
+    # one part alone is returned as it is (a copy: the same bits)
+    alone, ast = tg.attention_merge([(out, st)])
+    assert alone is not out and np.array_equal(alone, out)
+    assert np.array_equal(ast.m, st.m) and np.array_equal(ast.l, st.l)
 
 
 def test_merge_rejects_bad_parts():

@@ -158,6 +158,10 @@ def _merge_arrays(xp, checked):
     part): (out in the parts' dtype, m and l in the accumulation dtype)."""
     out0, m0, l0 = checked[0]
     acc = np.dtype(np.float64) if np.dtype(m0.dtype) == np.float64 else np.dtype(np.float32)
+    if len(checked) == 1:   # the part itself (a copy), its empty rows in the canonical form
+        held = xp.asarray(l0, dtype=acc) > 0
+        out = xp.where(held[..., None], out0, 0).astype(out0.dtype, copy=False)
+        return out, xp.where(held, xp.asarray(m0, dtype=acc), -xp.inf).astype(acc), xp.asarray(l0, dtype=acc)
     m_run = xp.asarray(m0, dtype=acc)
     l_run = xp.asarray(l0, dtype=acc)
     o_run = xp.asarray(out0, dtype=acc) * l_run[..., None]   # unnormalised accumulator
