@@ -38,6 +38,8 @@ def test_value_errors(qkv):
         tg.attention(q, k, v, tg.Graph.dense(5, 6))
     with pytest.raises(ValueError, match=r"multiple of k's heads"):
         tg.attention(q[:, :3], k, v, tg.Graph.dense(6))
+    with pytest.raises(ValueError, match=r"k has 0 heads \(axis 1\); k and v need at least one \(q has 0\)"):
+        tg.attention(q[:, :0], k[:, :0], v[:, :0], tg.Graph.dense(6))
     with pytest.raises(ValueError, match="head dim"):
         tg.attention(q[:, :, :4], k, v, tg.Graph.dense(6))
     with pytest.raises(ValueError, match="k has 2 heads but v has 1"):

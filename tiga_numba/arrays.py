@@ -190,7 +190,9 @@ def check_attention_inputs(q, k, v, graph, scale):
         raise ValueError(f"v has {nvs} rows (axis 0) but graph.num_src is {graph.num_src}")
     if kv_heads != vh:
         raise ValueError(f"k has {kv_heads} heads but v has {vh}; they must match")
-    if kv_heads == 0 or heads % kv_heads != 0:
+    if kv_heads == 0:   # (q with no heads over k's is an empty call, like one with no rows)
+        raise ValueError(f"k has 0 heads (axis 1); k and v need at least one (q has {heads})")
+    if heads % kv_heads != 0:
         raise ValueError(f"q's heads ({heads}) must be a multiple of k's heads ({kv_heads}) "
                          "(grouped-query attention)")
     if head_dim != kd:
