@@ -289,6 +289,10 @@ def test_input_errors_of_a_modified_program_keep_their_type():
     slopes = ModProgram(lambda s, src, dst, edge, p: s - p["sl"] * np.abs(dst.index - src.index))
     with pytest.raises(ValueError, match=r"param 'sl' must be .* shape \(H,\).* got an array of shape \(2, 1\)"):
         slopes(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5, sl=np.ones((2, 1)))
+    # per-head values as a Python list: said to need a number or an (H,) array, not "a scalar"
+    with pytest.raises(TypeError, match=r"param 'sl' must be a real number \(a scalar param\) or a numpy / cupy "
+                                        r"array of shape \(H,\) \(a per-head param\), got list"):
+        slopes(graph=g, src={"key": k, "value": v}, dst={"query": q}, scale=0.5, sl=[0.5, 0.25])
     capped = ModProgram(lambda s, src, dst, edge, p: p["cap"] * np.tanh(s / p["cap"]))
     for bad in (0.0, np.nan):   # the factor scale / cap is not finite: named, not called a bad scale
         with pytest.raises(ValueError, match=r"factor .*cap.* evaluates to .*cap="):

@@ -238,8 +238,8 @@ class _Call:
             raise ValueError(f"param {name!r} must be a number (a scalar param) or a 1-D array of "
                              f"shape (H,) (a per-head param), got an array of shape {tuple(v.shape)}")
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise TypeError(f"param {name!r} is used as a scalar in edge() and must be a real "
-                            f"number, got {type(v).__name__}")
+            raise TypeError(f"param {name!r} must be a real number (a scalar param) or a numpy / cupy "
+                            f"array of shape (H,) (a per-head param), got {type(v).__name__}")
         return float(v)
 
 
