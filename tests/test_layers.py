@@ -509,3 +509,27 @@ def test_float16_layers_run_in_float32_and_answer_in_float16(cls, edge_dim):
         assert grad.dtype == np.float16, name
         np.testing.assert_allclose(grad.astype(np.float32), g32["params"][name], rtol=3e-3, atol=3e-3,
                                    err_msg=name)
+
+
+def test_shared_projection_is_one_parameter():
+    """GATv2Conv(share_weights=True): state_dict() keeps PyG's two names of the one projection,
+    named_parameters() / parameters() list it once (torch's rule), so a gradient step over them
+    moves the shared array by one step: lr times the gradient the vjp gives under either name."""
+    rng = np.random.default_rng(3)
+    conv = GATv2Conv(5, 3, heads=2, share_weights=True, dtype=np.float64, seed=4)
+    assert conv.state_dict()["lin_r.weight"] is conv.state_dict()["lin_l.weight"]
+    names = [n for n, _ in conv.named_parameters()]
+    assert "lin_l.weight" in names and "lin_r.weight" not in names and "lin_r.bias" not in names
+    assert len(conv.parameters()) == len(names) == len(set(map(id, conv.parameters())))
+    g = tg.Graph.from_coo(rng.integers(0, 9, 30), rng.integers(0, 9, 30), 9, 9)
+    x = rng.standard_normal((9, 5))
+    _, vjp = conv.vjp(x, g)
+    grads = vjp(rng.standard_normal((9, 6)))["params"]
+    np.testing.assert_array_equal(grads["lin_l.weight"], grads["lin_r.weight"])
+    before = conv.state_dict()["lin_l.weight"].copy()
+    for name, p in conv.named_parameters():
+        p -= 0.1 * grads[name]
+    np.testing.assert_allclose(conv.state_dict()["lin_r.weight"], before - 0.1 * grads["lin_l.weight"],
+                               rtol=1e-15, atol=1e-15)
+    unshared = GATv2Conv(5, 3, heads=2, dtype=np.float64, seed=4)
+    assert [n for n, _ in unshared.named_parameters()] == list(unshared.state_dict())

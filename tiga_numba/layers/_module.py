@@ -82,10 +82,18 @@ class Layer:
         return dict(self._params)
 
     def named_parameters(self):
-        return list(self._params.items())
+        """[(name, array)], each array once under its first name (torch's rule): an array held
+        under two names (GATv2Conv's shared projection) is one parameter, so an optimiser
+        stepping over this list updates it once. state_dict() keeps every name."""
+        seen, out = set(), []
+        for name, array in self._params.items():
+            if id(array) not in seen:
+                seen.add(id(array))
+                out.append((name, array))
+        return out
 
     def parameters(self):
-        return list(self._params.values())
+        return [array for _, array in self.named_parameters()]
 
     def param_shapes(self):
         return {k: tuple(v.shape) for k, v in self._params.items()}
