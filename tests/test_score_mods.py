@@ -243,7 +243,9 @@ def test_every_listed_construct_traces():
 
 REFUSED = [
     ("np.sin", lambda s, src, dst, edge, p: np.sin(s)),
-    ("power (**)", lambda s, src, dst, edge, p: s ** 2),
+    ("power (**)", lambda s, src, dst, edge, p: s ** 2.5),
+    ("power (**)", lambda s, src, dst, edge, p: s ** -1),
+    ("power (**)", lambda s, src, dst, edge, p: 2.0 ** s),
     ("float()", lambda s, src, dst, edge, p: math.tanh(s)),
     ("np.arctan2", lambda s, src, dst, edge, p: np.arctan2(s, 1.0)),
     ("bool()", lambda s, src, dst, edge, p: s if s > 0 else -s),
@@ -589,6 +591,21 @@ def test_classic_gat_score_without_dot_product(rel):
     _check_all(out, grads, want, wgrads, 1e-6)
     text = prog.explain()
     assert "gather-only" in text and "leaky_relu(src.a + dst.a, 0.2)" in text
+
+
+def _power_mod(s, src, dst, edge, p):
+    return 0.3 * s ** 2 - np.tanh(s) ** 3 + (np.abs(s) + 1.0) ** 0.5 + dst.a ** 2 * src.a
+
+
+@pytest.mark.parametrize("rel", ["triangular", "csr"])
+def test_whole_and_half_powers_are_written_out(rel):
+    """x ** n (n = 1..8) is traced as the product x * x * ..., x ** 0.5 as np.sqrt(x): the
+    kernels and gradients of those operations, checked against the float64 oracle."""
+    prog, out, grads, want, wgrads = _run_program(_power_mod, RELATIONS[rel], np.float64,
+                                                  node_shapes=("NH", "N"))
+    _check_all(out, grads, want, wgrads, 1e-6)
+    t = _trace(lambda s, src, dst, edge, p: s ** 3)
+    assert [x.op for x in sm.walk(t.score.expr)].count("mul") == 2
 
 
 def _field_product_mod(s, src, dst, edge, p):

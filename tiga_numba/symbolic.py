@@ -34,6 +34,20 @@ def _refuse(construct):
         "See docs/program.md and docs/score_mods.md.")
 
 
+#: the largest whole exponent `x ** n` takes on a per-edge quantity (written out as n - 1 products)
+MAX_POWER = 8
+
+
+def _written_out_power(n):
+    """n as a whole number 1..MAX_POWER, or 0.5, where `x ** n` can be written out; else None."""
+    if isinstance(n, (bool, np.bool_)) or not is_number(n):
+        return None
+    v = float(n)
+    if v == 0.5:
+        return 0.5
+    return int(v) if v.is_integer() and 1 <= v <= MAX_POWER else None
+
+
 def is_number(x):
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
@@ -145,7 +159,19 @@ class Symbolic:
         _refuse(f"abs() of {self.describe()}")
 
     def __pow__(self, other):
-        _refuse(f"a power (**) of {self.describe()}")
+        # x ** n for a whole n from 1 to MAX_POWER is written out as the product x * x * ...,
+        # x ** 0.5 as np.sqrt(x): operations every kernel family already compiles, forward and
+        # backward. Other exponents would need a power node no kernel has.
+        n = _written_out_power(other)
+        if n is None:
+            _refuse(f"a power (**) of {self.describe()} with exponent {_describe(other)} (whole "
+                    f"exponents 1 to {MAX_POWER} and 0.5 are taken; write another with np.exp and np.log)")
+        if n == 0.5:
+            return np.sqrt(self)
+        out = self
+        for _ in range(n - 1):
+            out = out * self
+        return out
 
     def __rpow__(self, other):
         _refuse(f"a power (**) with exponent {self.describe()}")
