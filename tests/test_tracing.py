@@ -193,8 +193,8 @@ REFUSED = [
      "the ufunc expit (not one of numpy's)"),
     ("math.exp", lambda self, src, dst, edge: self.reducer(math.exp((src.key * dst.query).sum(-1)), src.value),
      "float()"),
-    ("score squared", lambda self, src, dst, edge: self.reducer((src.key * dst.query).sum(-1) ** 2, src.value),
-     "power"),
+    ("score to a fractional power", lambda self, src, dst, edge: self.reducer(
+        (src.key * dst.query).sum(-1) ** 1.5, src.value), "power"),
     ("score times another score", lambda self, src, dst, edge: self.reducer(
         (src.key * dst.query).sum(-1) * (src.value * dst.query).sum(-1), src.value), "two dot scores"),
     ("method on score", lambda self, src, dst, edge: self.reducer((src.key * dst.query).sum(-1).exp(), src.value),
@@ -241,6 +241,11 @@ def test_refused_forms_name_the_construct(case):
     with pytest.raises(NotImplementedError, match=None) as info:
         trace(fn)
     assert needle in str(info.value), str(info.value)
+
+
+def test_score_squared_is_a_product_of_the_score():
+    t = trace(lambda self, src, dst, edge: self.reducer((src.key * dst.query).sum(-1) ** 2, src.value))
+    assert t.kind == "modified" and str(t.score.expr) == "s * s"
 
 
 def test_node_field_bias_is_a_score_modifier():
