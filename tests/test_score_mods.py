@@ -246,6 +246,7 @@ REFUSED = [
     ("power (**)", lambda s, src, dst, edge, p: s ** 2.5),
     ("power (**)", lambda s, src, dst, edge, p: s ** -1),
     ("power (**)", lambda s, src, dst, edge, p: 2.0 ** s),
+    ("power (**)", lambda s, src, dst, edge, p: np.power(s, 0.25)),
     ("float()", lambda s, src, dst, edge, p: math.tanh(s)),
     ("np.arctan2", lambda s, src, dst, edge, p: np.arctan2(s, 1.0)),
     ("bool()", lambda s, src, dst, edge, p: s if s > 0 else -s),
@@ -594,13 +595,15 @@ def test_classic_gat_score_without_dot_product(rel):
 
 
 def _power_mod(s, src, dst, edge, p):
-    return 0.3 * s ** 2 - np.tanh(s) ** 3 + (np.abs(s) + 1.0) ** 0.5 + dst.a ** 2 * src.a
+    return (0.3 * s ** 2 - np.tanh(s) ** 3 + (np.abs(s) + 1.0) ** 0.5 + dst.a ** 2 * src.a
+            + 0.1 * np.square(s) - 0.05 * np.power(src.a, 3))
 
 
 @pytest.mark.parametrize("rel", ["triangular", "csr"])
 def test_whole_and_half_powers_are_written_out(rel):
-    """x ** n (n = 1..8) is traced as the product x * x * ..., x ** 0.5 as np.sqrt(x): the
-    kernels and gradients of those operations, checked against the float64 oracle."""
+    """x ** n (n = 1..8; also np.square, np.power) is traced as the product x * x * ...,
+    x ** 0.5 as np.sqrt(x): the kernels and gradients of those operations, checked against the
+    float64 oracle."""
     prog, out, grads, want, wgrads = _run_program(_power_mod, RELATIONS[rel], np.float64,
                                                   node_shapes=("NH", "N"))
     _check_all(out, grads, want, wgrads, 1e-6)

@@ -255,6 +255,8 @@ def _ufunc_unary(name):
     def apply(x):
         if isinstance(x, ScalarExpr):
             return ScalarExpr("ufunc", name, (x,))
+        if name == "square" and isinstance(x, Symbolic):
+            return x ** 2   # a per-edge quantity: written out as x * x, as ** is
         _refuse(f"np.{name} on {_describe(x)}")
     return apply
 
@@ -267,7 +269,7 @@ _MOD_UFUNCS = {"tanh": "tanh", "exp": "exp", "log": "log", "sqrt": "sqrt", "abso
 _UFUNC_OPERATORS = {
     "multiply": operator.mul, "true_divide": operator.truediv, "divide": operator.truediv,
     "add": operator.add, "subtract": operator.sub, "negative": operator.neg,
-    "positive": operator.pos,
+    "positive": operator.pos, "power": operator.pow,
 }
 # Unary ufuncs are fine on scalars (params): evaluated once per call when lowering.
 for _name in ("sqrt", "exp", "log", "log2", "exp2", "reciprocal", "abs", "absolute", "square"):
