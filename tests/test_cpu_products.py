@@ -245,5 +245,5 @@ def test_vector_width_follows_numbas_target_not_the_host(features, lanes, tmp_pa
     assert got.returncode == 0, got.stderr
     width, nr, cpu, products = json.loads(got.stdout.strip().splitlines()[-1])
     assert width == lanes and cpu == "x86-64-v2"
-    assert nr == {16: 64, 8: 16}.get(lanes, nr)
+    assert lanes == 0 or nr == {16: 64, 8: 16}[lanes]   # (no own kernel: no block width)
     assert products == ("blas" if lanes == 0 else None)

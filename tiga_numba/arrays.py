@@ -139,6 +139,12 @@ def _allowed(library):
     return allowed
 
 
+def accepted_dtypes(library):
+    """The float dtypes attention takes (and returns) in `library`, in order: float16, float32,
+    float64, and bfloat16 where ml_dtypes is installed."""
+    return tuple(_allowed(library)[1])
+
+
 def _check_dtype(name, array, library):
     dt = array.dtype
     allowed, ordered = _allowed(library)

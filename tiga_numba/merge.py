@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from . import interop
-from .arrays import FLOAT_DTYPES, bfloat16_dtype
+from .arrays import FLOAT_DTYPES, accepted_dtypes, accumulation_dtype
 
 __all__ = ["attention_merge", "log_sum_exp"]
 
@@ -103,8 +103,7 @@ def _merge(parts):
     checked = [_check_part(i, p) for i, p in enumerate(parts)]
     out0, m0, l0 = checked[0]
     xp = _xp_of(out0, "parts[0] out")
-    # outs in any dtype attention returns (bfloat16 on the CPU, where ml_dtypes is installed)
-    out_dtypes = FLOAT_DTYPES + ((bfloat16_dtype(),) if bfloat16_dtype() is not None and xp is np else ())
+    out_dtypes = accepted_dtypes("numpy" if xp is np else "cupy")   # any out attention returns
     for i, (o, m, l) in enumerate(checked):
         for name, a, ref in (("out", o, out0), ("stats.m", m, m0), ("stats.l", l, l0)):
             if _xp_of(a, f"parts[{i}] {name}") is not xp:
@@ -133,7 +132,7 @@ def _merge(parts):
                                 "all parts' statistics must have one dtype (cast them first)")
     if xp is np and len(checked) > 1:   # one pass per part, no temporaries
         from .cpu.merge import merge as cpu_merge
-        out, m_run, l_run = cpu_merge(checked, out0.dtype)
+        out, m_run, l_run = cpu_merge(checked)
     else:
         out, m_run, l_run = _merge_arrays(xp, checked)
     # The kernels' own row maxima (exact, in their units) merge by max like m; kept only when
@@ -157,7 +156,7 @@ def _merge_arrays(xp, checked):
     """The merge of checked parts [(out, m, l), ...] in array expressions (cupy, or one numpy
     part): (out in the parts' dtype, m and l in the accumulation dtype)."""
     out0, m0, l0 = checked[0]
-    acc = np.dtype(np.float64) if np.dtype(m0.dtype) == np.float64 else np.dtype(np.float32)
+    acc = accumulation_dtype(m0.dtype)
     if len(checked) == 1:   # the part itself (a copy), its empty rows in the canonical form
         held = xp.asarray(l0, dtype=acc) > 0
         out = xp.where(held[..., None], out0, 0).astype(out0.dtype, copy=False)

@@ -30,19 +30,16 @@ if [ "${T_PREBUILD:-0}" != 0 ]; then
   stamp prebuild
   timeout ${T_PREBUILD} python3 -m tiga_numba.cuda.tc.prebuild --jobs 15 $PREBUILD_ARGS > $OUT/prebuild.txt 2>&1; stamp "prebuild rc=$?"
 fi
+bench() { timeout ${T_BENCH:-200} bash -c "$BENCH" > $OUT/bench.txt 2>&1; stamp "bench rc=$?"; }
 # BENCH_FIRST=1: the benchmark commands (BENCH) before the tests, while nothing else has run on the GPU
-if [ -n "$BENCH" ] && [ -n "$BENCH_FIRST" ]; then
-  timeout ${T_BENCH:-200} bash -c "$BENCH" > $OUT/bench.txt 2>&1; stamp "bench rc=$?"
-fi
+[ -n "$BENCH" ] && [ -n "$BENCH_FIRST" ] && bench
 if [ -n "$FIRST" ]; then
   timeout -s INT -k 20 ${T_FIRST:-120} python3 -m pytest -q -p no:cacheprovider -n ${FIRST_WORKERS:-4} -rA --tb=long $FIRST \
     > $OUT/tests.txt 2>&1; stamp "first tests rc=$?"
 fi
 # BENCH: benchmark commands (a bash command line) run after FIRST's selection and before the whole
 # suite (output in bench.txt)
-if [ -n "$BENCH" ] && [ -z "$BENCH_FIRST" ]; then
-  timeout ${T_BENCH:-200} bash -c "$BENCH" > $OUT/bench.txt 2>&1; stamp "bench rc=$?"
-fi
+[ -n "$BENCH" ] && [ -z "$BENCH_FIRST" ] && bench
 # SIGINT at the limit: pytest stops and still prints what ran and what failed (-rA: a line per test,
 # so a run cut at its limit still says which tests passed)
 [ "${T_TESTS:-300}" != 0 ] && timeout -s INT -k 20 ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-15} -rA --tb=short -m gpu tests \
