@@ -501,3 +501,68 @@ def test_csr_forward_geometry_and_register_cap():
     for kern in (csr.make_dq(capped, False), csr.make_dkdv(capped, False)):
         assert kern.jit_options == {"max_registers": 48} and "_r48" in kern.name
         assert ".entry" in kern.compile_ptx(cc=(9, 0))
+
+
+def test_linear_lowering_pass_finds_the_same_variables(monkeypatch):
+    """numba_fixes.install replaces numba-cuda's quadratic `_find_singly_assigned_variable` by
+    numba core's linear form: on the functions of a real kernel compile, both find the same
+    (non-empty) sets of singly assigned variables."""
+    _shield()
+    from numba.cuda import lowering
+    from tiga_numba.cuda import numba_fixes as fixes
+    fixes.install()
+    if fixes.replaced is None:
+        pytest.skip("this numba-cuda has the linear pass: nothing replaced")
+    assert lowering.Lower._find_singly_assigned_variable is fixes._fast_find_singly_assigned_variable
+    compared = []
+
+    def both(self):
+        fixes.replaced(self)
+        want = set(self._singly_assigned_vars)
+        fixes._fast_find_singly_assigned_variable(self)
+        compared.append((want, set(self._singly_assigned_vars)))
+
+    monkeypatch.setattr(lowering.Lower, "_find_singly_assigned_variable", both)
+    from tiga_numba.cuda import csr, tiles
+    csr.make_sum_merge("float32", tiles.acc_of("float32"), 24).compile_ptx(cc=(9, 0))
+    assert compared and any(want for want, _ in compared)
+    assert all(want == got for want, got in compared)
+
+
+def test_a_lowering_pass_already_linear_is_left_alone():
+    _shield()
+    from numba.core import lowering as core_lowering
+    from tiga_numba.cuda import numba_fixes as fixes
+    assert not fixes._has_quadratic_pass(core_lowering.Lower._find_singly_assigned_variable)
+    fixes.install()
+    if fixes.replaced is not None:
+        assert fixes._has_quadratic_pass(fixes.replaced)
+
+
+def test_linear_lowering_pass_on_a_variable_assigned_twice_in_its_block():
+    """A hand-made function IR: x assigned twice in one block (not singly assigned), y once and
+    used only there, z assigned in two blocks: both forms keep y alone."""
+    _shield()
+    import types as pytypes
+    from numba.cuda.core import ir
+    from tiga_numba.cuda import numba_fixes as fixes
+    fixes.install()
+    if fixes.replaced is None:
+        pytest.skip("this numba-cuda has the linear pass: nothing replaced")
+    loc = ir.Loc("<made>", 1)
+    scope = ir.Scope(None, loc)
+    var = {n: ir.Var(scope, n, loc) for n in "xyz"}
+    b0, b1 = ir.Block(scope, loc), ir.Block(scope, loc)
+    for name in ("x", "x", "y", "z"):
+        b0.append(ir.Assign(ir.Const(1, loc), var[name], loc))
+    b0.append(ir.Jump(1, loc))
+    b1.append(ir.Assign(ir.Const(2, loc), var["z"], loc))
+    b1.append(ir.Return(var["z"], loc))
+    blocks = {0: b0, 1: b1}
+    func_ir = pytypes.SimpleNamespace(blocks=blocks, func_id=pytypes.SimpleNamespace(is_generator=False))
+    found = []
+    for method in (fixes.replaced, fixes._fast_find_singly_assigned_variable):
+        lower = pytypes.SimpleNamespace(func_ir=func_ir, blocks=blocks)
+        method(lower)
+        found.append(lower._singly_assigned_vars)
+    assert found[0] == found[1] == {"y"}

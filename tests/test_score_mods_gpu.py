@@ -94,6 +94,15 @@ def test_gpu_classic_gat_score_without_dot_product(rel):
     assert functional.last_plan().head_dim == 0  # no dot product: zero-width q and k
 
 
+@pytest.mark.parametrize("rel", ["triangular", "csr"])
+def test_gpu_whole_and_half_powers_are_written_out(rel):
+    """x ** n, np.square, np.power and x ** 0.5 written out as products / np.sqrt on the GPU
+    kernels, forward and every gradient, against the float64 oracle."""
+    prog, out, grads, want, wgrads = _run_gpu(tsm._power_mod, tsm.RELATIONS[rel], np.float64,
+                                              node_shapes=("NH", "N"))
+    tsm._check_all(out, grads, want, wgrads, 1e-6)
+
+
 def test_gpu_edge_fields_in_a_modifier_on_csr():
     prog, out, grads, want, wgrads = _run_gpu(tsm._edge_mod, tsm.RELATIONS["csr"], np.float64,
                                               edge_fields=("b", "w"))

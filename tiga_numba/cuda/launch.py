@@ -134,6 +134,8 @@ class Kernel:
     def _set_signature(self, argtypes):
         """The all-scalar signature, and no launch path picked yet on any device."""
         import numba
+        from .numba_fixes import install
+        install()   # before this kernel (or any) is compiled: see numba_fixes.py
         self.argtypes = tuple(argtypes)
         self.sig = numba.void(*self.argtypes)
         self._paths = {}  # device id -> launch path (see _LAUNCHERS)
