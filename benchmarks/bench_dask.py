@@ -38,6 +38,12 @@ that hands freed memory back to its host (free page reporting), a call that foll
 otherwise pays host page faults for every array it allocates (docs/dask.md, "Memory returned to the
 host").
 
+--paired ROUNDS adds, after each configuration, ROUNDS rounds of a single-process call and a dask
+call back to back (the order flipped every round) and prints each round's overhead and their median:
+on a box whose speed drifts between minutes, a best-of-three measured minutes apart from its reference
+says less than calls made seconds apart. --timeline prints the best timed call's task stream
+(each worker's computes and incoming transfers, seconds from the call's start).
+
 --touch-memory GIB first writes (and frees) that much memory and prints the rate of the first
 write and of a second: on a virtual machine whose host backs memory lazily, memory not written
 recently costs several times more on first write, and whichever configuration gets it pays that.
@@ -88,6 +94,59 @@ def _graph(case, n, degree, rng):
         src = np.clip(dst + rng.integers(-width, width + 1, dst.shape[0]), 0, n - 1)
     indptr = np.arange(0, dst.shape[0] + 1, degree, dtype=np.int64)
     return tg.Graph.from_csr(indptr, np.sort(src.reshape(n, degree), axis=1).reshape(-1), num_src=n)
+
+
+def _print_timeline(epoch0, wall, records, addrs):
+    """The timed call's task stream: per worker, each compute and each incoming transfer that
+    took 10 ms or more, in seconds from the call's start (its wall time beside)."""
+    print(f"# timeline of the best call ({wall:.2f} s): worker, action, start - stop s, key")
+    rows = []
+    for rec in records:
+        name = str(rec["key"][0] if isinstance(rec["key"], tuple) else rec["key"])
+        for ss in rec["startstops"]:
+            if ss["stop"] - ss["start"] >= 0.01:
+                rows.append((ss["start"] - epoch0, ss["stop"] - epoch0, addrs.index(rec["worker"])
+                             if rec["worker"] in addrs else rec["worker"], ss["action"], name[:60]))
+    for start, stop, worker, action, name in sorted(rows):
+        print(f"#   w{worker} {action:<9} {start:6.2f} - {stop:6.2f}  {name}")
+
+
+def _paired_rounds(rounds, work, P, fwd, ref_fwd, client, fresh_inputs):
+    """Rounds of (single-process call, dask call) back to back, the order flipped every round,
+    forward then backward: on a box whose speed drifts between minutes, each round's ratio
+    compares two calls made within seconds of each other. Prints every round and the median
+    ratio (dask / single - 1)."""
+    import distributed
+
+    def wall(fn):
+        gc.collect()
+        time.sleep(0.5)   # the release of the previous results reaches the scheduler
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def dask_call(make):
+        result = client.persist(list(make()))
+        distributed.wait(result)
+        del result
+
+    for label, single, on_dask, before in (
+            ("fwd", work.single_forward, lambda: work.dask_forward(P), fresh_inputs),
+            ("bwd", lambda: work.single_backward(ref_fwd), lambda: work.dask_backward(P, fwd), None)):
+        pairs = []
+        for r in range(rounds):
+            if before is not None:
+                before()
+            if r % 2 == 0:
+                s, d = wall(single), wall(lambda: dask_call(on_dask))
+            else:
+                d, s = wall(lambda: dask_call(on_dask)), wall(single)
+            pairs.append((s, d))
+        ratios = sorted(d / s - 1 for s, d in pairs)
+        print(f"# paired {label} (single s / dask s per round): "
+              + ", ".join(f"{s:.2f}/{d:.2f}" for s, d in pairs)
+              + f"; overhead per round {', '.join(f'{d / s - 1:+.0%}' for s, d in pairs)}; median {float(np.median(ratios)):+.0%}",
+              flush=True)
 
 
 def _best(fn, repeat):
@@ -346,7 +405,7 @@ def run(args):
                         _process_cpu())
 
             def timed(make, before_each=None):
-                best, result, sent, busy, cpu, split = None, None, 0, None, None, None
+                best, result, sent, busy, cpu, split, timeline = None, None, 0, None, None, None, None
                 distributed.wait(client.persist(list(make())))   # warm: kernels compiled or loaded
                 for _ in range(args.repeat):
                     result = None
@@ -356,6 +415,7 @@ def run(args):
                     time.sleep(0.5)   # the release of the previous results reaches the scheduler
                     before, (w0, s0, c0) = moved(), cpu_now()
                     with distributed.get_task_stream(client) as stream:
+                        epoch0 = time.time()   # the task stream's clock
                         t0 = time.perf_counter()
                         result = client.persist(list(make()))
                         distributed.wait(result)
@@ -371,6 +431,9 @@ def run(args):
                     if best is None or dt < best:
                         best, sent, busy, cpu = dt, moved() - before, per, (w1 - w0) + (s1 - s0) + (c1 - c0)
                         split = (w1 - w0, s1 - s0, c1 - c0)
+                        timeline = (epoch0, dt, list(stream.data))
+                if args.timeline:
+                    _print_timeline(*timeline, addrs)
                 print(f"# {'fwd' if '-out-' in str(result[0].name) else 'bwd'} cpu s: workers {split[0]:.2f}, "
                       + (f"client and scheduler (one process) {split[2]:.2f}" if same_process else
                          f"scheduler {split[1]:.2f}, client {split[2]:.2f}"), flush=True)
@@ -392,6 +455,8 @@ def run(args):
                   f"{fmt_busy(f_busy)} / {fmt_busy(b_busy)} | "
                   f"{f_s / t_fwd - 1:+.0%} / {b_s / t_bwd - 1:+.0%} | {f_cpu / c_fwd - 1:+.0%} / {b_cpu / c_bwd - 1:+.0%} |"
                   f"  max |err| / max |ref| (out, {'dx' if args.case == 'gat' else 'dk'}) {err:.1e}", flush=True)
+            if args.paired:
+                _paired_rounds(args.paired, work, P, fwd, ref_fwd, client, fresh_inputs)
             del grads, fwd, P
 
 
@@ -416,6 +481,11 @@ def main():
                         "with free page reporting (docs/dask.md)")
     p.add_argument("--locality-order", action="store_true",
                    help="renumber the graph's nodes with tiga_numba.dask.locality_order (CSR cases) first")
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="after each configuration, ROUNDS rounds of (single-process call, dask call) back to back, "
+                        "order flipped every round: per-round overheads and their median")
+    p.add_argument("--timeline", action="store_true",
+                   help="print the task stream of each configuration's best timed call (computes and transfers)")
     p.add_argument("--no-fuse", action="store_true",
                    help="turn dask's low-level task fusion off for every array (optimization.fuse.active: "
                         "False); the arrays tiga_numba.dask returns keep their placement hints without it "
