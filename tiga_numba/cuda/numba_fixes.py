@@ -5,10 +5,13 @@
 * A quadratic lowering pass: numba-cuda's ``Lower._find_singly_assigned_variable`` (a copy of
   numba core's from before numba fixed it) scans every assignment of a block once per variable
   defined there. The generated tensor-core kernels are unrolled, straight-line blocks of tens
-  of thousands of statements, so that pass alone took half of a kernel's compile (the float16
-  D = 128 wgmma forward: 45 s against 23 s with the fix, the same PTX). ``install`` replaces it
-  with numba core's linear form (assignments counted once per block), which computes the same
-  set; numba-cuda versions that have the linear form, or no such method, are left alone.
+  of thousands of statements, so that pass took a third to three fifths of a kernel's compile
+  (benchmarks/results/compile-time-zen4-2core-2026-12-06.txt: the float16 D = 128 wgmma forward
+  37 s against 24 s with the fix, the bfloat16 D = 64 one 57 s against 22 s, the same PTX).
+  ``install`` replaces it with numba core's linear form (assignments counted once per block),
+  which computes the same set; numba-cuda versions that have the linear form, or no such
+  method, are left alone. It only speeds the compile up: whatever goes wrong while installing
+  it leaves numba-cuda as it is.
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def install():
     try:
         from numba.cuda import lowering
         from numba.cuda.core import analysis, ir
-    except ImportError:   # no numba-cuda (or the simulator): nothing to fix
+    except Exception:   # noqa: BLE001 - no numba-cuda (or the simulator): nothing to fix
         return
     method = getattr(lowering.Lower, "_find_singly_assigned_variable", None)
     needs = (hasattr(ir, "assign_types") and hasattr(analysis, "compute_use_defs")
