@@ -255,8 +255,6 @@ def _ufunc_unary(name):
     def apply(x):
         if isinstance(x, ScalarExpr):
             return ScalarExpr("ufunc", name, (x,))
-        if name == "square" and isinstance(x, Symbolic):
-            return x ** 2   # a per-edge quantity: written out as x * x, as ** is
         _refuse(f"np.{name} on {_describe(x)}")
     return apply
 
@@ -270,9 +268,10 @@ _UFUNC_OPERATORS = {
     "multiply": operator.mul, "true_divide": operator.truediv, "divide": operator.truediv,
     "add": operator.add, "subtract": operator.sub, "negative": operator.neg,
     "positive": operator.pos, "power": operator.pow,
+    "square": lambda x: x ** 2,   # written out as x * x, per-edge quantity or scalar alike
 }
 # Unary ufuncs are fine on scalars (params): evaluated once per call when lowering.
-for _name in ("sqrt", "exp", "log", "log2", "exp2", "reciprocal", "abs", "absolute", "square"):
+for _name in ("sqrt", "exp", "log", "log2", "exp2", "reciprocal", "abs", "absolute"):
     _UFUNC_OPERATORS[_name] = _ufunc_unary(_name)
 
 
@@ -352,8 +351,7 @@ class ScalarExpr(Symbolic):
                 slope = {"sqrt": lambda: 0.5 / np.sqrt(x), "exp": lambda: np.exp(x),
                          "log": lambda: 1.0 / x, "log2": lambda: 1.0 / (x * np.log(2.0)),
                          "exp2": lambda: np.exp2(x) * np.log(2.0), "reciprocal": lambda: -1.0 / (x * x),
-                         "abs": lambda: np.sign(x), "absolute": lambda: np.sign(x),
-                         "square": lambda: 2.0 * x}[self.arg]()
+                         "abs": lambda: np.sign(x), "absolute": lambda: np.sign(x)}[self.arg]()
             return self.evaluate(values), {p: float(slope) * d for p, d in da.items()}
         (a, da), (b, db) = (c._forward(values) for c in self.children)
         with np.errstate(all="ignore"):
