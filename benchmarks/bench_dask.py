@@ -126,9 +126,7 @@ def _paired_rounds(rounds, work, P, fwd, ref_fwd, client, fresh_inputs):
         return time.perf_counter() - t0
 
     def dask_call(make):
-        result = client.persist(list(make()))
-        distributed.wait(result)
-        del result
+        distributed.wait(client.persist(list(make())))
 
     for label, single, on_dask, before in (
             ("fwd", work.single_forward, lambda: work.dask_forward(P), fresh_inputs),
@@ -142,10 +140,10 @@ def _paired_rounds(rounds, work, P, fwd, ref_fwd, client, fresh_inputs):
             else:
                 d, s = wall(lambda: dask_call(on_dask)), wall(single)
             pairs.append((s, d))
-        ratios = sorted(d / s - 1 for s, d in pairs)
+        overheads = [d / s - 1 for s, d in pairs]
         print(f"# paired {label} (single s / dask s per round): "
               + ", ".join(f"{s:.2f}/{d:.2f}" for s, d in pairs)
-              + f"; overhead per round {', '.join(f'{d / s - 1:+.0%}' for s, d in pairs)}; median {float(np.median(ratios)):+.0%}",
+              + f"; overhead per round {', '.join(f'{o:+.0%}' for o in overheads)}; median {float(np.median(overheads)):+.0%}",
               flush=True)
 
 

@@ -13,8 +13,7 @@ import sys
 import tempfile
 
 _TC = r"""
-import hashlib, sys, time
-sys.path.insert(0, "tests")
+import hashlib, time
 import tiga_numba.cuda.numba_fixes as fixes
 if STOCK:
     fixes._installed = True   # install() does nothing: numba-cuda's own pass stays

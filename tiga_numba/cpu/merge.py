@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..scratch import output_empty
 from ..arrays import accumulation_dtype
+from ..scratch import output_empty
 from .threads import run, serialised, useful
 
 
