@@ -4,10 +4,11 @@
   alias is restored before anything imports numba.cuda (``restore_numpy_row_stack``).
 * A quadratic lowering pass: numba-cuda's ``Lower._find_singly_assigned_variable`` (a copy of
   numba core's from before numba fixed it) scans every assignment of a block once per variable
-  defined there. The generated tensor-core kernels are unrolled, straight-line blocks of tens
-  of thousands of statements, so that pass took a third to three fifths of a kernel's compile
+  defined there. The generated tensor-core kernels become long straight-line blocks once numba
+  has inlined their intrinsics, so that pass took a fifth to three fifths of a kernel's compile
   (benchmarks/results/compile-time-zen4-2core-2026-12-06.txt: the float16 D = 128 wgmma forward
-  37 s against 24 s with the fix, the bfloat16 D = 64 one 57 s against 22 s, the same PTX).
+  37 s against 24 s with the fix, the bfloat16 D = 64 one 57 s against 22 s, the float16 D = 128
+  dK/dV kernel 14.5 s against 11.6 s, the same PTX).
   ``install`` replaces it with numba core's linear form (assignments counted once per block),
   which computes the same set; numba-cuda versions that have the linear form, or no such
   method, are left alone. It only speeds the compile up: whatever goes wrong while installing
