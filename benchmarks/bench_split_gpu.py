@@ -51,7 +51,7 @@ def _header(lines):
     import cupy
     import numba
     props = cupy.cuda.runtime.getDeviceProperties(0)
-    lines.append(f"date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
+    lines.append(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     lines.append(f"gpu: {props['name'].decode()}  (SMs {props['multiProcessorCount']})")
     v = [f"python {platform.python_version()}", f"numpy {np.__version__}",
          f"numba {numba.__version__}", f"cupy {cupy.__version__}"]
