@@ -159,6 +159,8 @@ def test_score_modifier_errors_at_the_call():
     lout, lst = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True)
     with pytest.raises(ValueError, match="softcap"):
         tgd.attention(c["q"], c["k"], c["v"], g, softcap=-1.0)
+    # 0 is flash-attn's "no soft-cap": the plain call's graph (same keys, same bits)
+    assert tgd.attention(c["q"], c["k"], c["v"], g, softcap=0.0).name == tgd.attention(c["q"], c["k"], c["v"], g).name
     with pytest.raises(TypeError, match="softcap"):
         tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, softcap="2")
     with pytest.raises(ValueError, match="alibi_slopes"):

@@ -95,6 +95,20 @@ def test_rectangular_cu_seqlens(causal, window):
     check(g, segments_mask(cu_q, cu_k, causal, window), seed=7)
 
 
+def test_cu_seqlens_window_takes_a_negative_side_as_unbounded():
+    # flash-attn's window_size=(-1, -1) is "no window"; (-1, 0) without causal is causal
+    cu_q, cu_k = [0, 9, 9, 12, 140], [0, 4, 7, 7, 100]
+    edges = lambda g: g.to_scipy().toarray()
+    plain = tg.Graph.cu_seqlens(cu_q, False, cu_seqlens_k=cu_k)
+    assert np.array_equal(edges(tg.Graph.cu_seqlens(cu_q, False, cu_seqlens_k=cu_k, window=(-1, -1))), edges(plain))
+    assert np.array_equal(edges(tg.Graph.cu_seqlens(cu_q, False, cu_seqlens_k=cu_k, window=(-1, 0))),
+                          edges(tg.Graph.cu_seqlens(cu_q, True, cu_seqlens_k=cu_k)))
+    assert np.array_equal(edges(tg.Graph.cu_seqlens(cu_q, True, cu_seqlens_k=cu_k, window=(3, -2))),
+                          edges(tg.Graph.cu_seqlens(cu_q, True, cu_seqlens_k=cu_k, window=(3, None))))
+    assert np.array_equal(edges(tg.Graph.cu_seqlens(cu_q, True, cu_seqlens_k=cu_k, window=(3, None))),
+                          segments_mask(cu_q, cu_k, True, (3, None)))
+
+
 def test_causal_nan_in_v_does_not_cross_the_diagonal():
     n = 150
     rng = np.random.default_rng(3)

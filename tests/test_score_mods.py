@@ -750,6 +750,9 @@ def test_softcap_alone_and_alibi_alone():
                     lambda s, src, dst, edge, p: s - np.array([0.3, 0.9]) * np.abs(dst.index - src.index))):
         want, _ = oracle(fn, g, q, k, v, np.zeros((g.num_dst, 2, 4)), 0.5, {}, {}, {}, {})
         _close(tg.attention(q, k, v, g, scale=0.5, **kw), want, 1e-10, str(kw))
+    # flash-attn's (1, H) slopes are the (H,) slopes
+    np.testing.assert_array_equal(tg.attention(q, k, v, g, scale=0.5, alibi_slopes=np.array([[0.3, 0.9]])),
+                                  tg.attention(q, k, v, g, scale=0.5, alibi_slopes=np.array([0.3, 0.9])))
 
 
 def test_functional_modifier_errors():
@@ -768,12 +771,23 @@ def test_functional_modifier_errors():
     assert "tanh" in tg.make_plan(q, k, v, g, softcap=2.0).score
     assert "alibi" in tg.make_plan(q, k, v, g, alibi_slopes=np.ones(2), op="backward").score
     with pytest.raises(ValueError, match="softcap"):
-        tg.make_plan(q, k, v, g, softcap=0.0)
+        tg.make_plan(q, k, v, g, softcap=-0.5)
+    # 0 is flash-attn's default, no soft-cap: the plain score and the plain kernel's bits
+    assert tg.make_plan(q, k, v, g, softcap=0.0).score == "dot"
+    np.testing.assert_array_equal(tg.attention(q, k, v, g, softcap=0.0), tg.attention(q, k, v, g))
+    out0, st0 = tg.attention(q, k, v, g, softcap=0, return_stats=True)
+    np.testing.assert_array_equal(tg.attention_backward(out0, q, k, v, out0, st0, g),
+                                  tg.attention_backward(out0, q, k, v, out0, st0, g, softcap=0.0))
     # a 0-d array (e.g. a torch scalar tensor) is its number
     np.testing.assert_array_equal(tg.attention(q, k, v, g, softcap=np.array(2.0)),
                                   tg.attention(q, k, v, g, softcap=2.0))
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\)"):
         tg.attention(q, k, v, g, alibi_slopes=np.ones(3))
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\)"):
+        tg.attention(q, k, v, g, alibi_slopes=np.ones((2, 3)))
+    # flash-attn's (batch, H) form: one row is the (H,) slopes, several rows are not supported
+    with pytest.raises(NotImplementedError, match=r"alibi_slopes of shape \(3, 2\)"):
+        tg.attention(q, k, v, g, alibi_slopes=np.ones((3, 2)))
     out, stats = tg.attention(q, k, v, g, softcap=2.0, return_stats=True)
     with pytest.raises(ValueError, match="score"):  # stats of another score
         tg.attention_backward(out, q, k, v, out, stats, g)

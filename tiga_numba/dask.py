@@ -665,6 +665,10 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
     if softcap is not None:
         softcap = scalar_value(softcap)   # a 0-d array or tensor: its number
     flash_modifier(_empty_rows(q), Graph.dense(0, 0), softcap, alibi_slopes)   # its checks
+    if softcap is not None and float(softcap) == 0:   # flash-attn's "no soft-cap"
+        softcap = None
+        if alibi_slopes is None:
+            return _AttentionCall(scale)
     slopes = shift = None
     if alibi_slopes is not None:
         from .arrays import as_library_array, library_of

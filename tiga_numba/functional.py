@@ -295,8 +295,12 @@ def flash_modifier(q, graph, softcap, alibi_slopes, grad_slopes=False):
                 softcap, (int, float, np.integer, np.floating)):
             raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
         softcap = float(softcap)
-        if not (softcap > 0 and np.isfinite(softcap)):
-            raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
+        if softcap == 0:   # flash-attn's default: 0 turns the soft-cap off
+            softcap = None
+        elif not (softcap > 0 and np.isfinite(softcap)):
+            raise ValueError(f"softcap must be a finite number > 0 (or 0: no soft-cap), got {softcap}")
+    if softcap is None and alibi_slopes is None:
+        return None
     if alibi_slopes is not None:
         lib = arrays.library_of("alibi_slopes", alibi_slopes)
         qlib = arrays.library_of("q", q)
@@ -304,6 +308,13 @@ def flash_modifier(q, graph, softcap, alibi_slopes, grad_slopes=False):
             raise TypeError(f"alibi_slopes is a {lib} array but q is {qlib} (mixed numpy/cupy)")
         slopes = arrays.as_library_array(alibi_slopes, lib, "alibi_slopes")
         heads = 1 if q.ndim == 2 else q.shape[1]
+        if slopes.ndim == 2 and slopes.shape[1] == heads:   # flash-attn's (batch, H) form
+            if slopes.shape[0] != 1:
+                raise NotImplementedError(
+                    f"alibi_slopes of shape {tuple(slopes.shape)} (one set of slopes per sequence, "
+                    f"flash-attn's (batch, H) form) is not supported: pass one slope per query "
+                    f"head, shape ({heads},)")
+            slopes = slopes[0]
         if slopes.ndim != 1 or slopes.shape[0] != heads:
             raise ValueError(f"alibi_slopes must have shape ({heads},) (one slope per query "
                              f"head), got {tuple(slopes.shape)}")
@@ -391,10 +402,13 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
     return_stats : bool
         Also return the per-row softmax state needed by `attention_backward`.
     softcap : float, optional
-        c > 0: the scaled score s becomes ``c * tanh(s / c)`` (flash-attn's soft-cap).
+        c > 0: the scaled score s becomes ``c * tanh(s / c)`` (flash-attn's soft-cap); None or
+        0 (flash-attn's default): no soft-cap.
     alibi_slopes : array (H,), optional
         ALiBi: ``slopes[h] * |i - j|`` is subtracted from the score (bottom-right aligned in
-        rectangular dense / cu_seqlens blocks, as flash-attn). See docs/score_mods.md.
+        rectangular dense / cu_seqlens blocks, as flash-attn). Shape (1, H) is taken as (H,);
+        flash-attn's per-sequence (batch, H) form raises NotImplementedError. See
+        docs/score_mods.md.
 
     Returns
     -------

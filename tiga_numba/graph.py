@@ -307,10 +307,8 @@ def _window(window):
     except (TypeError, ValueError):
         raise TypeError(f"window must be a (left, right) pair of ints or None, got {window!r}") from None
     left, right = _bound("window[0]", left), _bound("window[1]", right)
-    for nm, x in (("window[0]", left), ("window[1]", right)):
-        if x is not None and x < 0:
-            raise ValueError(f"{nm} must be >= 0 or None (unbounded), got {x}")
-    return left, right
+    # flash-attn's convention: a negative side (its default window_size=(-1, -1)) is unbounded
+    return (None if left is None or left < 0 else left), (None if right is None or right < 0 else right)
 
 
 # --------------------------------------------------------------------------- the Graph
@@ -403,7 +401,8 @@ class Graph:
         queries). ``causal`` is bottom-right aligned as in flash-attn >= 2.1: query r of a
         segment with Lq queries and Lk keys attends key c when ``c <= r + Lk - Lq``.
         ``window=(left, right)`` keeps keys ``r + Lk - Lq - left <= c <= r + Lk - Lq + right``
-        (``None`` = unbounded side). Zero-length segments are legal. The query offsets may
+        (``None`` or a negative number = unbounded side, as flash-attn's ``window_size=(-1, -1)``).
+        Zero-length segments are legal. The query offsets may
         also be passed as ``cu_seqlens_q=`` (flash-attn's name), not both."""
         if cu_seqlens_q is not None:
             if cu_seqlens is not None:
