@@ -7,8 +7,11 @@
     python benchmarks/bench_dask.py gat --nodes 1000000 --degree 16           # GATConv(32, 8, heads=4)
 
 The gat case runs a GNN layer (tiga_numba.dask.layer / layer_vjp against the layer's own call and
-vjp, PyG's self loops added) on the csr case's graph; its dask backward runs each partition's
-forward again, which the single-process backward (the vjp of a kept forward) does not.
+vjp, PyG's self loops added) on the csr case's graph. Its timed dask backward computes the
+gradients alone, so each partition's forward runs in it (the single-process backward is the vjp
+of a kept forward); --paired adds rounds of out and gradients computed together (layer_vjp's
+forward tasks hand their state to the backward tasks) against the single-process forward +
+backward.
 
 For each worker count W (--workers, default 1 2) a dask.distributed.LocalCluster of W
 single-thread worker processes runs the forward and the backward; numba gets 2 // W threads per
@@ -128,9 +131,11 @@ def _paired_rounds(rounds, work, P, fwd, ref_fwd, client, fresh_inputs):
     def dask_call(make):
         distributed.wait(client.persist(list(make())))
 
-    for label, single, on_dask, before in (
-            ("fwd", work.single_forward, lambda: work.dask_forward(P), fresh_inputs),
-            ("bwd", lambda: work.single_backward(ref_fwd), lambda: work.dask_backward(P, fwd), None)):
+    cases = [("fwd", work.single_forward, lambda: work.dask_forward(P), fresh_inputs),
+             ("bwd", lambda: work.single_backward(ref_fwd), lambda: work.dask_backward(P, fwd), None)]
+    if hasattr(work, "dask_together"):   # gat: out and gradients in one computation
+        cases.append(("fwd+bwd together", work.single_together, lambda: work.dask_together(P), fresh_inputs))
+    for label, single, on_dask, before in cases:
         pairs = []
         for r in range(rounds):
             if before is not None:
@@ -282,6 +287,15 @@ class _Layer:
     def dask_backward(self, P, fwd):
         grads = self.tgd.layer_vjp(self.conv, P["x"], self.graph)[1](P["dout"])
         return [grads["x"], *grads["params"].values()]
+
+    def single_together(self):
+        return self.single_backward(self.single_forward())
+
+    def dask_together(self, P):
+        """out and the gradients of one layer_vjp computed together, as a training step would"""
+        out, vjp = self.tgd.layer_vjp(self.conv, P["x"], self.graph)
+        grads = vjp(P["dout"])
+        return [out, grads["x"], *grads["params"].values()]
 
     def compared(self, fwd, bwd):
         """out and dx (single-process results or the dask lists)."""
@@ -455,7 +469,7 @@ def run(args):
                   f"  max |err| / max |ref| (out, {'dx' if args.case == 'gat' else 'dk'}) {err:.1e}", flush=True)
             if args.paired:
                 _paired_rounds(args.paired, work, P, fwd, ref_fwd, client, fresh_inputs)
-            del grads, fwd, P
+            grads = fwd = P = None   # freed before the next configuration
 
 
 def main():

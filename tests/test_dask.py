@@ -693,6 +693,43 @@ def test_layer_vjp_equals_single_process(name):
     assert all(a is b is None or np.array_equal(a, b) for a, b in zip(arrays(again), arrays(got)))
 
 
+def test_layer_vjp_backward_takes_its_forward_state(monkeypatch):
+    """Computed together, out and the gradients run each partition's layer forward once (the
+    backward task takes the forward task's closure); where the state crossed a process boundary
+    (pickled: a scheduler that serialises every result) it is empty and the backward task runs
+    the forward again, with the same bits."""
+    import cloudpickle
+    from dask.local import get_async, synchronous_executor
+    conv, g, (out, ref), c = _layer_problem("gat-mean")
+    lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
+    grads = vjp(c["dout"])
+    nparts = len(c["x"].chunks[0])
+    calls = []
+    run = type(conv)._run
+
+    def counted(self, x, graph, *args, **kwargs):
+        calls.append(graph.num_dst)
+        return run(self, x, graph, *args, **kwargs)
+    monkeypatch.setattr(type(conv), "_run", counted)
+    got_out, got = dask.compute(lout, grads, scheduler="threads")
+    _check_layer(got_out, got, out, ref, 1e-12)
+    assert len(calls) == nparts, calls
+
+    def pickling(dsk, keys, **kwargs):   # every task's result serialised, as between processes
+        return get_async(synchronous_executor.submit, 1, dsk, keys, dumps=cloudpickle.dumps,
+                         loads=cloudpickle.loads, **kwargs)
+    calls.clear()
+    again_out, again = dask.compute(lout, grads, scheduler=pickling)
+    assert len(calls) == 2 * nparts, calls
+    assert np.array_equal(again_out, got_out) and np.array_equal(again["x"], got["x"])
+    assert all(np.array_equal(again["params"][k], v) for k, v in got["params"].items())
+    # dask counts a kept state by the arrays its closure holds (here 8 MB), not as a small object
+    from dask.sizeof import sizeof
+    held = np.zeros((1000, 1000))
+    state = tgd._state_holder(lambda dout: dout * held[0, 0])
+    assert sizeof(state) >= held.nbytes and state[0].nbytes == held.nbytes
+
+
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float16, 2e-2)])
 def test_layer_lower_precision(dtype, tol):
     conv, g, (out, ref), c = _layer_problem("gat-mean", dtype=dtype)

@@ -951,10 +951,12 @@ def _edges_in_constructor_order(grads, recipe, graph, plan):
     return moved
 
 
-def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edge=None):
+def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edge=None, keep_state=False):
     """The dask arrays [out] (+ [m, l] with return_stats) of `recipe` over `dst` / `src`
     ({name: dask array}, chunked alike along the destination / source axis) and `edge` (per-edge
-    dask arrays of a CSR relation, constructor order)."""
+    dask arrays of a CSR relation, constructor order); with `keep_state` (a layer recipe that
+    keeps its state, CSR) also the partitions' states: an object array of one element per
+    partition, the second item of each forward task's result."""
     dst_list, src_list = [dst[n] for n in recipe.dst_names], [src[n] for n in recipe.src_names]
     rows_like = dst_list[0]
     plan = _plan(graph, rows_like, src_list[0])
@@ -1005,6 +1007,10 @@ def _forward_arrays(recipe, dst, src, graph, meta_out, meta_m, return_stats, edg
                                                lambda p, w=which: (operator.getitem, roots[p], w),
                                                tail - 1),
                             (rows,) + tuple((s,) for s in meta_m.shape[1:]), meta_m))
+    if keep_state:
+        name = f"tiga-layer-state-{token}"
+        outputs.append((name, {(name, p): (operator.getitem, roots[p], 1) for p in range(nparts)},
+                        ((1,) * nparts,), np.empty(0, object)))
     pins = {}
     if plan.kind == "blocks":
         # a query chunk's merge runs on the worker holding the chunk, so its out / m / l are there
@@ -1373,27 +1379,31 @@ class _LayerCall(_Call):
     """The tasks of a GNN layer (tiga_numba.layers) over a CSR relation: partition p runs the
     layer on its destination rows of x_dst, the halo of x_src its edges read and its share of
     the layer's edge set (PyG's self loops included, marked so that the partition's edge set
-    knows them: a loop's source is renumbered into the halo like every other). The backward
-    runs the partition's forward again: a layer keeps no per-row state that a task could hand
-    to the next (its intermediate arrays are (E, H) and (N, H, C) per partition).
+    knows them: a loop's source is renumbered into the halo like every other). The layer's
+    backward needs its forward's intermediate arrays ((E, H) and (N, H, C) per partition), no
+    per-row statistics: the backward task takes them from its forward task (keeps_state) or
+    runs the partition's forward again.
 
     `edges` (the layer's edge set of the whole graph, host arrays) is read when the dask graph
-    is built and is not pickled into the tasks."""
-    __slots__ = ("layer", "edge_names", "edges", "compute")
+    is built and is not pickled into the tasks. With `keeps_state` (layer_vjp) the forward task
+    also returns its backward closure (a _LayerState), which the backward task of the same
+    partition takes instead of running the forward again when both run in one process."""
+    __slots__ = ("layer", "edge_names", "edges", "compute", "keeps_state")
     dst_names, src_names = ("x_dst",), ("x_src",)
 
-    def __init__(self, layer, edges, edge_names, compute):
+    def __init__(self, layer, edges, edge_names, compute, keeps_state=False):
         self.layer, self.edges, self.edge_names = layer, edges, tuple(edge_names)
         self.compute = None if compute is None else np.dtype(compute)
+        self.keeps_state = bool(keeps_state)
 
     def __reduce__(self):
-        return (_LayerCall, (self.layer, None, self.edge_names, self.compute))
+        return (_LayerCall, (self.layer, None, self.edge_names, self.compute, self.keeps_state))
 
     def __dask_tokenize__(self):
         layer = self.layer
         config = {k: v for k, v in vars(layer).items() if k != "_params"}
         return ("layer", type(layer).__qualname__, tokenize(config), tokenize(layer.state_dict()),
-                self.edge_names, str(self.compute))
+                self.edge_names, str(self.compute), self.keeps_state)
 
     def partition_args(self, plan):
         """Per partition: its edges' loop marks (CSR order), None when the edge set has no
@@ -1430,11 +1440,15 @@ class _LayerCall(_Call):
         return self.layer._run((x_src, x_dst), edges, ea, None, want_grad=want_grad)
 
     def forward(self, dst, src, edge, graph, where, loops=None):
-        out, _ = self._run(dst, src, edge, graph, loops, want_grad=False)
-        return out, None, None
+        out, backward = self._run(dst, src, edge, graph, loops, want_grad=self.keeps_state)
+        return out, (_state_holder(backward) if self.keeps_state else None), None
 
     def backward(self, dout, saved, dst, src, edge, graph, where, loops=None):
-        _, backward = self._run(dst, src, edge, graph, loops, want_grad=True)
+        # the forward task's closure when it was made in this process (see _LayerState), else
+        # the partition's forward again
+        backward = saved[0][0].backward if saved else None
+        if backward is None:
+            _, backward = self._run(dst, src, edge, graph, loops, want_grad=True)
         if self.compute is not None:
             dout = dout.astype(self.compute)
         dx_src, dx_dst, d_ea, dparams = backward(dout)
@@ -1442,7 +1456,75 @@ class _LayerCall(_Call):
                 {"edge_attr": d_ea} if self.edge_names else {})
 
 
-def _layer_call(conv, x, graph, edge_attr):
+class _LayerState:
+    """A partition's layer backward (the closure its forward task made, holding the layer's
+    intermediate arrays), handed from the forward task to the backward task of the same call so
+    that the backward does not run the partition's forward again. It lives only in the process
+    that made it: pickling it (a result moved to another process or worker, or spilled to disk)
+    keeps nothing, and the backward task that receives an empty state runs the forward itself,
+    as it would without one. `nbytes` (the arrays it holds, as far as they can be found) is what
+    dask counts for it."""
+    __slots__ = ("backward", "nbytes")
+
+    def __init__(self, backward=None, nbytes=0):
+        self.backward, self.nbytes = backward, int(nbytes)
+
+    def __reduce__(self):
+        return (_LayerState, ())
+
+
+def _held_bytes(fn):
+    """The bytes of the arrays a closure holds: its cells, the closures, containers and package
+    objects they hold, each array counted once (views as their own size)."""
+    seen, total, todo = set(), 0, [fn]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or x is None or isinstance(x, type):
+            continue
+        seen.add(id(x))
+        nbytes = getattr(x, "nbytes", None)
+        if isinstance(nbytes, (int, np.integer)) and hasattr(x, "shape"):   # numpy, cupy
+            total += int(nbytes)
+        elif getattr(x, "__closure__", None):
+            for cell in x.__closure__:
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:   # an empty cell
+                    pass
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif type(x).__module__.startswith("tiga_numba"):
+            todo.extend(getattr(x, "__dict__", {}).values())
+            todo.extend(getattr(x, a, None) for a in getattr(type(x), "__slots__", ()))
+    return total
+
+
+class _StateChunk(np.ndarray):
+    """A chunk of the dask array of layer states (one element per partition, each a
+    _LayerState): an object array that dask sizes by the arrays its states hold, where a plain
+    object array counts 8 bytes a pointer."""
+    __slots__ = ()
+
+
+def _state_holder(backward):
+    """The partition's _LayerState in a one-element _StateChunk: what the backward task reads."""
+    holder = np.empty(1, object).view(_StateChunk)
+    holder[0] = _LayerState(backward, _held_bytes(backward))
+    return holder
+
+
+def _register_state_size():
+    from dask.sizeof import sizeof
+    sizeof.register(_LayerState)(lambda state: state.nbytes + 64)
+    sizeof.register(_StateChunk)(lambda chunk: sum(sizeof(s) for s in chunk.tolist()))
+
+
+_register_state_size()
+
+
+def _layer_call(conv, x, graph, edge_attr, keeps_state=False):
     """Checks a layer call over dask arrays and runs the layer's own checks on zero-row
     stand-ins. Returns (recipe, x_src, x_dst, single, relation of the tasks, stand-in out,
     stand-in backward)."""
@@ -1483,7 +1565,7 @@ def _layer_call(conv, x, graph, edge_attr):
     edges = edge_set(graph, getattr(conv, "add_self_loops", False), np)
     compute = (accumulation_dtype(x_src.dtype)
                if isinstance(x_src._meta, np.ndarray) and x_src.dtype == np.float16 else None)
-    recipe = _LayerCall(conv, edges, ("edge_attr",) if edge_attr is not None else (), compute)
+    recipe = _LayerCall(conv, edges, ("edge_attr",) if edge_attr is not None else (), compute, keeps_state)
     return recipe, x_src, x_dst, single, edges.graph, out, backward
 
 
@@ -1495,7 +1577,11 @@ def layer(layer, x, graph, edge_attr=None):
     in the graph constructor's edge order (any chunks). Returns a dask array chunked like
     ``x_dst``'s rows. Each destination partition runs the layer on its rows, the source rows its
     edges read (self loops included) and its edges; see docs/dask.md."""
-    return layer_vjp(layer, x, graph, edge_attr)[0]   # the vjp is a closure: nothing runs for it
+    recipe, x_src, x_dst, _, relation, meta_out, _ = _layer_call(layer, x, graph, edge_attr)
+    edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
+    acc = accumulation_dtype(x_src.dtype)
+    return _forward_arrays(recipe, {"x_dst": x_dst}, {"x_src": x_src}, relation, meta_out,
+                           np.zeros((0,), acc), False, edge)[0]
 
 
 def layer_vjp(layer, x, graph, edge_attr=None):
@@ -1508,13 +1594,17 @@ def layer_vjp(layer, x, graph, edge_attr=None):
     ``dout`` is a dask array chunked like ``out``. ``dx`` is chunked like ``x``; ``edge_attr``'s
     gradient has its rows in the constructor's edge order (0 for a self loop the layer removes);
     each parameter's gradient is one chunk, summed over the partitions in a fixed order (the
-    same bits on every run). The backward runs each partition's forward again."""
-    recipe, x_src, x_dst, single, relation, meta_out, stand_backward = _layer_call(layer, x, graph,
-                                                                                   edge_attr)
+    same bits on every run). A partition's forward task keeps the layer's intermediate arrays
+    for its backward task: computed together (``dask.compute(out, grads)``, or the grads of a
+    ``dout`` built from ``out``) each partition's forward runs once; a backward computed after
+    ``out`` was released, or on another worker than its forward, runs the forward again."""
+    recipe, x_src, x_dst, single, relation, meta_out, stand_backward = _layer_call(
+        layer, x, graph, edge_attr, keeps_state=True)
     edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
     acc = accumulation_dtype(x_src.dtype)
     dst, src = {"x_dst": x_dst}, {"x_src": x_src}
-    out = _forward_arrays(recipe, dst, src, relation, meta_out, np.zeros((0,), acc), False, edge)[0]
+    out, state = _forward_arrays(recipe, dst, src, relation, meta_out, np.zeros((0,), acc), False, edge,
+                                 keep_state=True)
     params = layer.state_dict()
 
     def vjp(dout):
@@ -1528,7 +1618,7 @@ def layer_vjp(layer, x, graph, edge_attr=None):
         meta = {"dst": {"x_dst": _empty_rows(x_dst)}, "src": {"x_src": _empty_rows(x_src)},
                 "edge": {"edge_attr": d_ea} if edge_attr is not None else {},
                 "params": {k: xp.zeros(v.shape, dtype=v.dtype) for k, v in params.items()}}
-        grads = _backward_arrays(recipe, dout, dst, src, [], relation, acc, meta, edge)
+        grads = _backward_arrays(recipe, dout, dst, src, [state], relation, acc, meta, edge)
         dx_src, dx_dst = grads["src"]["x_src"], grads["dst"]["x_dst"]
         if single:
             dx = (dx_src.astype(acc) + dx_dst.astype(acc)).astype(x_src.dtype)
