@@ -714,6 +714,12 @@ def test_layer_vjp_backward_takes_its_forward_state(monkeypatch):
     got_out, got = dask.compute(lout, grads, scheduler="threads")
     _check_layer(got_out, got, out, ref, 1e-12)
     assert len(calls) == nparts, calls
+    # out in a collection optimised apart from the gradients (dask.distributed's placement-hinted
+    # out is one): the gradients' graph is fused on its own, and still shares the forward tasks
+    calls.clear()
+    parts = dask.compute(*lout.to_delayed().ravel(), grads, scheduler="threads")
+    assert len(calls) == nparts, calls
+    assert np.array_equal(np.concatenate(parts[:-1]), got_out) and np.array_equal(parts[-1]["x"], got["x"])
 
     def pickling(dsk, keys, **kwargs):   # every task's result serialised, as between processes
         return get_async(synchronous_executor.submit, 1, dsk, keys, dumps=cloudpickle.dumps,

@@ -1446,7 +1446,7 @@ class _LayerCall(_Call):
     def backward(self, dout, saved, dst, src, edge, graph, where, loops=None):
         # the forward task's closure when it was made in this process (see _LayerState), else
         # the partition's forward again
-        backward = saved[0][0].backward if saved else None
+        backward = saved[1][0].backward if saved else None   # saved: out, the kept state
         if backward is None:
             _, backward = self._run(dst, src, edge, graph, loops, want_grad=True)
         if self.compute is not None:
@@ -1618,7 +1618,10 @@ def layer_vjp(layer, x, graph, edge_attr=None):
         meta = {"dst": {"x_dst": _empty_rows(x_dst)}, "src": {"x_src": _empty_rows(x_src)},
                 "edge": {"edge_attr": d_ea} if edge_attr is not None else {},
                 "params": {k: xp.zeros(v.shape, dtype=v.dtype) for k, v in params.items()}}
-        grads = _backward_arrays(recipe, dout, dst, src, [state], relation, acc, meta, edge)
+        # out is read too (not used): the forward tasks then have two readers in every graph of
+        # the gradients, so dask's task fusion never merges one into the state's reader under a
+        # new key, which computed with `out` would run the forward twice
+        grads = _backward_arrays(recipe, dout, dst, src, [out, state], relation, acc, meta, edge)
         dx_src, dx_dst = grads["src"]["x_src"], grads["dst"]["x_dst"]
         if single:
             dx = (dx_src.astype(acc) + dx_dst.astype(acc)).astype(x_src.dtype)
