@@ -159,8 +159,11 @@ def test_score_modifier_errors_at_the_call():
     lout, lst = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True)
     with pytest.raises(ValueError, match="softcap"):
         tgd.attention(c["q"], c["k"], c["v"], g, softcap=-1.0)
-    # 0 is flash-attn's "no soft-cap": the plain call's graph (same keys, same bits)
+    # 0 is flash-attn's "no soft-cap": the plain call's graph (same keys, same bits); (1, H) slopes
+    # are the (H,) slopes: the same tasks
     assert tgd.attention(c["q"], c["k"], c["v"], g, softcap=0.0).name == tgd.attention(c["q"], c["k"], c["v"], g).name
+    assert tgd.attention(c["q"], c["k"], c["v"], g, alibi_slopes=SLOPES[None]).name == \
+        tgd.attention(c["q"], c["k"], c["v"], g, alibi_slopes=SLOPES).name
     with pytest.raises(TypeError, match="softcap"):
         tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, softcap="2")
     with pytest.raises(ValueError, match="alibi_slopes"):

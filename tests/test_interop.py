@@ -224,6 +224,11 @@ def test_adapter_attention_takes_softcap_and_alibi_slopes():
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    # flash-attn's (1, H) slopes: the same call, their gradient in their shape
+    slopes_1h = slopes.detach()[None].clone().requires_grad_()
+    out_1h = tgt.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes_1h)
+    d_1h = torch.autograd.grad(out_1h, slopes_1h, dout)[0]
+    assert torch.equal(out_1h, out) and d_1h.shape == (1, H) and torch.equal(d_1h[0], ours[3])
     # slopes that need no gradient, a 0-d tensor soft-cap, float32
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     o32 = tgt.attention(q32, k32, v32, g, softcap=torch.tensor(cap), alibi_slopes=slopes.detach().float())

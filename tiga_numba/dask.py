@@ -673,6 +673,7 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
     if alibi_slopes is not None:
         from .arrays import as_library_array, library_of
         slopes = as_library_array(alibi_slopes, library_of("alibi_slopes", alibi_slopes), "alibi_slopes")
+        slopes = slopes.reshape(-1)   # flash-attn's (1, H) form (checked above) is the (H,) slopes
         if not isinstance(slopes, np.ndarray):
             slopes = slopes.get()   # cupy: tasks convert back to their chunks' library
         shift = graph._cached("dask alibi shift", lambda: _alibi_shift(graph))

@@ -72,6 +72,7 @@ class _Attention(torch.autograd.Function):
         out, stats, _ = run_forward(qn, kn, vn, graph, scale=scale, score_mod=mod)
         ctx.arrays = (qn, kn, vn, out, stats)
         ctx.graph, ctx.scale, ctx.mod = graph, scale, mod
+        ctx.slopes_shape = None if alibi_slopes is None else tuple(alibi_slopes.shape)   # (H,) or (1, H)
         result = _tensor(out)
         # the backward reads these through ctx.arrays (views of the same memory); saved so that
         # torch refuses the backward when one was modified in place (`out += x` would change
@@ -88,13 +89,13 @@ class _Attention(torch.autograd.Function):
         dslopes = None
         if ctx.mod is not None and ALIBI_SLOPES in ctx.mod.grad_leaves:
             slopes = ctx.mod.values[ALIBI_SLOPES]
-            dslopes = _tensor(res[4][ALIBI_SLOPES].astype(slopes.dtype, copy=False))
+            dslopes = _tensor(res[4][ALIBI_SLOPES].astype(slopes.dtype, copy=False).reshape(ctx.slopes_shape))
         return _tensor(res[0]), _tensor(res[1]), _tensor(res[2]), None, None, None, dslopes
 
 
 def attention(q, k, v, graph, *, scale=None, softcap=None, alibi_slopes=None):
     """tg.attention for torch tensors, differentiable w.r.t. q, k and v, and w.r.t.
-    `alibi_slopes` (a tensor of shape (H,)) when it requires grad; `softcap` is a number, as in
+    `alibi_slopes` (a tensor of shape (H,), or (1, H)) when it requires grad; `softcap` is a number, as in
     tg.attention and flash-attn."""
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
