@@ -660,24 +660,21 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
     value fails at the call, not inside a worker."""
     if softcap is None and alibi_slopes is None:
         return _AttentionCall(scale)
-    from .arrays import scalar_value
+    from . import score_mod as sm
     from .functional import _alibi_shift, flash_modifier
-    if softcap is not None:
-        softcap = scalar_value(softcap)   # a 0-d array or tensor: its number
-    flash_modifier(_empty_rows(q), Graph.dense(0, 0), softcap, alibi_slopes)   # its checks
-    if softcap is not None and float(softcap) == 0:   # flash-attn's "no soft-cap"
-        softcap = None
-        if alibi_slopes is None:
-            return _AttentionCall(scale)
-    slopes = shift = None
-    if alibi_slopes is not None:
-        from .arrays import as_library_array, library_of
-        slopes = as_library_array(alibi_slopes, library_of("alibi_slopes", alibi_slopes), "alibi_slopes")
-        slopes = slopes.reshape(-1)   # flash-attn's (1, H) form (checked above) is the (H,) slopes
+    # checked and normalised once, by the single-process call's own code (softcap=0: none;
+    # (1, H) slopes: the (H,) slopes); the tasks take the values it bound
+    mod = flash_modifier(_empty_rows(q), Graph.dense(0, 0), softcap, alibi_slopes)
+    if mod is None:
+        return _AttentionCall(scale)
+    softcap = mod.values.get(sm.SOFTCAP)
+    slopes = mod.values.get(sm.ALIBI_SLOPES)
+    shift = None
+    if slopes is not None:
         if not isinstance(slopes, np.ndarray):
             slopes = slopes.get()   # cupy: tasks convert back to their chunks' library
         shift = graph._cached("dask alibi shift", lambda: _alibi_shift(graph))
-    return _AttentionCall(scale, None if softcap is None else float(softcap), slopes, shift)
+    return _AttentionCall(scale, softcap, slopes, shift)
 
 
 class _ProgramCall(_Call):
@@ -1518,8 +1515,7 @@ def _state_holder(backward):
 
 def _register_state_size():
     from dask.sizeof import sizeof
-    sizeof.register(_LayerState)(lambda state: state.nbytes + 64)
-    sizeof.register(_StateChunk)(lambda chunk: sum(sizeof(s) for s in chunk.tolist()))
+    sizeof.register(_StateChunk)(lambda chunk: sum(state.nbytes + 64 for state in chunk.tolist()))
 
 
 _register_state_size()
@@ -1578,11 +1574,7 @@ def layer(layer, x, graph, edge_attr=None):
     in the graph constructor's edge order (any chunks). Returns a dask array chunked like
     ``x_dst``'s rows. Each destination partition runs the layer on its rows, the source rows its
     edges read (self loops included) and its edges; see docs/dask.md."""
-    recipe, x_src, x_dst, _, relation, meta_out, _ = _layer_call(layer, x, graph, edge_attr)
-    edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
-    acc = accumulation_dtype(x_src.dtype)
-    return _forward_arrays(recipe, {"x_dst": x_dst}, {"x_src": x_src}, relation, meta_out,
-                           np.zeros((0,), acc), False, edge)[0]
+    return _layer_vjp(layer, x, graph, edge_attr, keep_state=False)[0]   # no state: nothing runs for the vjp
 
 
 def layer_vjp(layer, x, graph, edge_attr=None):
@@ -1599,13 +1591,19 @@ def layer_vjp(layer, x, graph, edge_attr=None):
     for its backward task: computed together (``dask.compute(out, grads)``, or the grads of a
     ``dout`` built from ``out``) each partition's forward runs once; a backward computed after
     ``out`` was released, or on another worker than its forward, runs the forward again."""
+    return _layer_vjp(layer, x, graph, edge_attr, keep_state=True)
+
+
+def _layer_vjp(layer, x, graph, edge_attr, keep_state):
+    """layer_vjp; without `keep_state` (layer()) the forward tasks keep no state and a backward
+    task would run its partition's forward."""
     recipe, x_src, x_dst, single, relation, meta_out, stand_backward = _layer_call(
-        layer, x, graph, edge_attr, keeps_state=True)
+        layer, x, graph, edge_attr, keeps_state=keep_state)
     edge = {"edge_attr": edge_attr} if edge_attr is not None else {}
     acc = accumulation_dtype(x_src.dtype)
     dst, src = {"x_dst": x_dst}, {"x_src": x_src}
-    out, state = _forward_arrays(recipe, dst, src, relation, meta_out, np.zeros((0,), acc), False, edge,
-                                 keep_state=True)
+    out, *state = _forward_arrays(recipe, dst, src, relation, meta_out, np.zeros((0,), acc), False, edge,
+                                  keep_state=keep_state)
     params = layer.state_dict()
 
     def vjp(dout):
@@ -1622,7 +1620,8 @@ def layer_vjp(layer, x, graph, edge_attr=None):
         # out is read too (not used): the forward tasks then have two readers in every graph of
         # the gradients, so dask's task fusion never merges one into the state's reader under a
         # new key, which computed with `out` would run the forward twice
-        grads = _backward_arrays(recipe, dout, dst, src, [out, state], relation, acc, meta, edge)
+        grads = _backward_arrays(recipe, dout, dst, src, [out, *state] if state else [], relation, acc,
+                                 meta, edge)
         dx_src, dx_dst = grads["src"]["x_src"], grads["dst"]["x_dst"]
         if single:
             dx = (dx_src.astype(acc) + dx_dst.astype(acc)).astype(x_src.dtype)

@@ -361,11 +361,13 @@ def leaky_relu(x, negative_slope=0.01):
 
 
 # --------------------------------------------------------------------------- functional forms
+#: the per-call scalar leaf of flash-attn's soft-cap in flash_tree (one compiled kernel for every cap)
+SOFTCAP = Expr("scalar", (), "softcap")
+
+
 def softcap_tree(tree):
-    """flash-attn's soft-cap, ``softcap * tanh(s / softcap)``, over `tree`; the cap is the
-    per-call scalar named "softcap" (one compiled kernel for every cap)."""
-    c = Expr("scalar", (), "softcap")
-    return make("mul", c, Expr("tanh", (make("div", tree, c),)))
+    """flash-attn's soft-cap, ``softcap * tanh(s / softcap)``, over `tree` (the cap: SOFTCAP)."""
+    return make("mul", SOFTCAP, Expr("tanh", (make("div", tree, SOFTCAP),)))
 
 
 #: the per-head leaf of flash-attn's ALiBi slopes in flash_tree (its gradient, where one is asked
@@ -398,7 +400,7 @@ def bind_flash(softcap, slopes, shift, grad_slopes=False):
     gradient (keyed by ALIBI_SLOPES). Checked by the caller."""
     values = {}
     if softcap is not None:
-        values[Expr("scalar", (), "softcap")] = softcap
+        values[SOFTCAP] = softcap
     if slopes is not None:
         values[ALIBI_SLOPES] = slopes
         if shift is not None:

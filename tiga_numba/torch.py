@@ -72,7 +72,6 @@ class _Attention(torch.autograd.Function):
         out, stats, _ = run_forward(qn, kn, vn, graph, scale=scale, score_mod=mod)
         ctx.arrays = (qn, kn, vn, out, stats)
         ctx.graph, ctx.scale, ctx.mod = graph, scale, mod
-        ctx.slopes_shape = None if alibi_slopes is None else tuple(alibi_slopes.shape)   # (H,) or (1, H)
         result = _tensor(out)
         # the backward reads these through ctx.arrays (views of the same memory); saved so that
         # torch refuses the backward when one was modified in place (`out += x` would change
@@ -89,7 +88,8 @@ class _Attention(torch.autograd.Function):
         dslopes = None
         if ctx.mod is not None and ALIBI_SLOPES in ctx.mod.grad_leaves:
             slopes = ctx.mod.values[ALIBI_SLOPES]
-            dslopes = _tensor(res[4][ALIBI_SLOPES].astype(slopes.dtype, copy=False).reshape(ctx.slopes_shape))
+            dslopes = _tensor(res[4][ALIBI_SLOPES].astype(slopes.dtype, copy=False)
+                              .reshape(ctx.saved_tensors[4].shape))   # the caller's (H,) or (1, H)
         return _tensor(res[0]), _tensor(res[1]), _tensor(res[2]), None, None, None, dslopes
 
 
