@@ -130,8 +130,10 @@ def test_jax_arrays_round_trip():
     g = tg.Graph.triangular(5)
     out = tg.attention(q, q, q, g)
     assert type(out).__module__.startswith("jax")
+    # jax's default device may be a GPU: then the CUDA kernels ran, and float32 sums in another
+    # order than the CPU kernels' differ in the last bits
     np.testing.assert_allclose(np.asarray(out), tg.attention(np.asarray(q), np.asarray(q),
-                                                             np.asarray(q), g), rtol=1e-6)
+                                                             np.asarray(q), g), rtol=1e-5, atol=1e-6)
 
 
 def test_foreign_dtype_is_refused_by_name():
