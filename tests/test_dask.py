@@ -134,14 +134,17 @@ def _modified_problem(name, mods, seed=7):
 
 
 MODS = {"softcap": dict(softcap=2.0), "alibi": dict(alibi_slopes=SLOPES),
-        "softcap+alibi": dict(softcap=2.0, alibi_slopes=SLOPES)}
+        "softcap+alibi": dict(softcap=2.0, alibi_slopes=SLOPES),
+        # flash-attn's per-sequence (batch, H) slopes, for the 4 sequences of "varlen-kv-causal"
+        "softcap+alibi-rows": dict(softcap=2.0, alibi_slopes=np.outer([1.0, 0.5, 2.0, 0.75], SLOPES))}
 
 
 # one case per kind of position handling (each modifier tree compiles its own kernels, so the
 # suite stays short): CSR halos (source ids), unaligned blocks with uneven chunks, bottom-right
 # aligned rectangular segments
 @pytest.mark.parametrize("name,mods", [("csr", "softcap+alibi"), ("triangular-uneven", "softcap+alibi"),
-                                       ("varlen-kv-causal", "softcap+alibi")])
+                                       ("varlen-kv-causal", "softcap+alibi"),
+                                       ("varlen-kv-causal", "softcap+alibi-rows")])
 def test_score_modifiers_equal_single_process(name, mods):
     """softcap= and alibi_slopes=: forward, stats and gradients as tiga_numba.attention(...)
     gives them, whatever the chunks. ALiBi reads node positions: a block or partition computes
@@ -168,6 +171,8 @@ def test_score_modifier_errors_at_the_call():
         tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g, softcap="2")
     with pytest.raises(ValueError, match="alibi_slopes"):
         tgd.attention(c["q"], c["k"], c["v"], g, alibi_slopes=SLOPES[:3])
+    with pytest.raises(ValueError, match=r"alibi_slopes of shape \(2, 4\) .* the graph is a csr relation"):
+        tgd.attention(c["q"], c["k"], c["v"], g, alibi_slopes=np.stack([SLOPES, SLOPES]))
     with pytest.raises(TypeError, match="alibi_slopes"):
         tgd.attention_backward(c["dout"], c["q"], c["k"], c["v"], lout, lst, g,
                                alibi_slopes=np.arange(4))

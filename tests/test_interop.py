@@ -243,6 +243,29 @@ def test_adapter_attention_takes_softcap_and_alibi_slopes():
         tgt.attention(q, k, v, g, alibi_slopes=np.ones(H))
 
 
+def test_adapter_per_sequence_alibi_slopes_and_their_gradient():
+    """flash-attn's (batch, H) slopes on a cu_seqlens relation (one sequence empty): sequence b
+    takes slopes[b]; out and every gradient, the slopes' (batch, H) one included, against the
+    float64 oracle of each sequence on its own."""
+    import tiga_numba.torch as tgt
+    gen = torch.Generator().manual_seed(6)
+    cu, H, Hkv, D, cap = [0, 9, 9, 20], 4, 2, 8, 2.0
+    g = tg.Graph.cu_seqlens(np.array(cu), causal=True)
+    q = torch.randn(20, H, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(20, Hkv, D, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    slopes = torch.rand(3, H, dtype=torch.float64, generator=gen).requires_grad_()
+    out = tgt.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+    ours = torch.autograd.grad(out, (q, k, v, slopes), dout)
+    ref_out = torch.cat([_flash_oracle(q[a:b], k[a:b], v[a:b], slopes[i], cap)
+                         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])) if b > a])
+    theirs = torch.autograd.grad(ref_out, (q, k, v, slopes), dout)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert ours[3].shape == (3, H) and not ours[3][1].any()   # the empty sequence's slopes: 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, slopes_grad, tol", [(torch.float32, True, 3e-5), (torch.float16, False, 2e-2)])
 def test_adapter_attention_modifiers_on_cuda_tensors(cupy_gpu, dtype, slopes_grad, tol):
@@ -276,6 +299,31 @@ def test_adapter_attention_modifiers_on_cuda_tensors(cupy_gpu, dtype, slopes_gra
         torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=tol * max(1.0, scale))
     if not slopes_grad:
         assert slopes.grad is None
+
+
+def test_adapter_per_sequence_slopes_gradient_on_cuda_tensors(cupy_gpu):
+    """(batch, H) slopes that require grad on CUDA tensors (float32: the CUDA-core kernels give
+    the per-row slopes' gradient, summed per sequence on the device) against the float64
+    oracle of each sequence on its own."""
+    import tiga_numba.torch as tgt
+    gen = torch.Generator().manual_seed(12)
+    cu, H, Hkv, D, cap = [0, 70, 70, 157], 4, 2, 64, 5.0
+    g = tg.Graph.cu_seqlens(np.array(cu), causal=True)
+    q64 = torch.randn(157, H, D, dtype=torch.float64, generator=gen).float().double().requires_grad_()
+    k64, v64 = (torch.randn(157, Hkv, D, dtype=torch.float64, generator=gen).float().double().requires_grad_()
+                for _ in range(2))
+    s64 = (torch.rand(3, H, dtype=torch.float64, generator=gen) * 0.2).float().double().requires_grad_()
+    dout64 = torch.randn(157, H, D, dtype=torch.float64, generator=gen)
+    ref = torch.cat([_flash_oracle(q64[a:b], k64[a:b], v64[a:b], s64[i], cap)
+                     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])) if b > a])
+    want = torch.autograd.grad(ref, (q64, k64, v64, s64), dout64)
+    q, k, v, slopes = (t.detach().to("cuda", torch.float32).requires_grad_() for t in (q64, k64, v64, s64))
+    out = tgt.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes)
+    out.backward(dout64.to("cuda", torch.float32))
+    torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=0, atol=2e-5)
+    for a, b in zip((q.grad, k.grad, v.grad, slopes.grad), want):
+        assert a is not None and a.is_cuda and a.shape == b.shape
+        torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=2e-5 * max(1.0, float(b.abs().max())))
 
 
 def test_adapter_program_gradients_match_autograd():

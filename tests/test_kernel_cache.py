@@ -159,6 +159,13 @@ def test_precompile_modifiers_reach_every_modified_kernel_kind(monkeypatch):
     assert len(tiles["tanh"]) >= 2 and len(tiles["alibi"]) >= 2, tiles   # dense's tiles and the others'
     assert any("_alibi_shift" in repr(k) for k in blocks)                  # the aligned tree
     assert any(k[1] == "csr.forward" and "tanh" in repr(k) for k in keys)
+    # per-sequence slopes: a per-row slope field, on square and rectangular (aligned) sequences
+    keys.clear()
+    for label, run in precompile._calls("float64", ("alibi-rows",))[:2]:
+        with pytest.raises(Looked):
+            run()
+    assert keys and all("_alibi_slopes" in repr(k) for k in keys), keys
+    assert {"_alibi_shift" in repr(k) for k in keys} == {True, False}, keys
     with pytest.raises(ValueError, match="dtypes"):
         precompile.precompile([np.int32])
 

@@ -697,19 +697,75 @@ def test_functional_softcap_and_alibi_match_flash_attn_conventions(rel, dtype):
     _close(dv, wg["src"]["value"], tol, "dv")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_per_sequence_alibi_slopes(dtype):
+    """flash-attn's (batch, H) alibi_slopes: sequence b of a cu_seqlens relation (rectangular,
+    bottom-right aligned, one of them empty) takes slopes[b]; forward and backward against the
+    float64 oracle, and the same rows as the call of each sequence on its own with its (H,)
+    slopes."""
+    g = RELATIONS["segments-rect"]
+    cu, cu_k = np.array([0, 5, 5, 12, N_NODES]), np.array([0, 7, 9, 12, N_NODES + 3])
+    H, Hkv, D = 4, 2, 6
+    q = RNG.standard_normal((g.num_dst, H, D)) * 2
+    k = RNG.standard_normal((g.num_src, Hkv, D)) * 2
+    v = RNG.standard_normal((g.num_src, Hkv, 3))
+    dout = RNG.standard_normal((g.num_dst, H, 3))
+    slopes = RNG.uniform(0.1, 0.9, (4, H))
+    shift = _flash_shift("segments-rect", g)
+    cap = 1.5
+
+    def fn(s, src, dst, edge, p):
+        return cap * np.tanh(s / cap) - dst.slope * np.abs(dst.index + shift[dst.index] - src.index)
+
+    want, wg = oracle(fn, g, q, k, v, dout, D ** -0.5, {}, {"slope": slopes[np.repeat(np.arange(4), np.diff(cu))]},
+                      {}, {})
+    c = [x.astype(dtype) for x in (q, k, v)]
+    out, stats = tg.attention(*c, g, softcap=cap, alibi_slopes=slopes.astype(dtype), return_stats=True)
+    dq, dk, dv = tg.attention_backward(dout.astype(dtype), *c, out, stats, g, softcap=cap,
+                                       alibi_slopes=slopes.astype(dtype))
+    tol = 1e-9 if dtype == np.float64 else 2e-4
+    _close(out, want, tol, "out")
+    _close(dq, wg["dst"]["query"], max(tol, 1e-6), "dq")
+    _close(dk, wg["src"]["key"], max(tol, 1e-6), "dk")
+    _close(dv, wg["src"]["value"], tol, "dv")
+    if dtype == np.float64:
+        for b in range(4):
+            if cu[b + 1] == cu[b]:
+                continue
+            one = tg.Graph.cu_seqlens([0, cu[b + 1] - cu[b]], causal=False, cu_seqlens_k=[0, cu_k[b + 1] - cu_k[b]])
+            rows, keys = slice(cu[b], cu[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            np.testing.assert_allclose(tg.attention(q[rows], k[keys], v[keys], one, softcap=cap,
+                                                    alibi_slopes=slopes[b]), out[rows], rtol=1e-12, atol=1e-12)
+    # Graph.cat of implicit relations: a block is a sequence
+    two = tg.Graph.cat([tg.Graph.triangular(6), tg.Graph.dense(4, 3)])
+    q2, k2, v2 = (RNG.standard_normal((n, 2, 4)) for n in (9, 10, 10))
+    s2 = np.array([[0.2, 0.5], [0.7, 0.1]])
+    got = tg.attention(q2, k2, v2, two, alibi_slopes=s2)
+    np.testing.assert_allclose(got[:6], tg.attention(q2[:6], k2[:6], v2[:6], tg.Graph.triangular(6),
+                                                     alibi_slopes=s2[0]), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[6:], tg.attention(q2[6:], k2[6:], v2[6:], tg.Graph.dense(4, 3),
+                                                     alibi_slopes=s2[1]), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"alibi_slopes of shape \(3, 4\) .* the graph has 4 sequences"):
+        tg.attention(q, k, v, g, alibi_slopes=slopes[:3])
+    with pytest.raises(ValueError, match=r"the graph is a band relation"):
+        tg.attention(q[:20], k[:20], v[:20], tg.Graph.band(20, left=2, right=0), alibi_slopes=slopes[:2])
+
+
 def _random_flash_relation(rng, kind):
-    """(graph, per-row ALiBi shift in global positions, as _flash_shift) of a random relation."""
+    """(graph, per-row ALiBi shift in global positions, as _flash_shift, the sequence of each
+    row or None where the relation is not made of sequences) of a random relation."""
     if kind == "band":
         n = int(rng.integers(1, 30))
-        return tg.Graph.band(n, left=int(rng.integers(0, 6)), right=int(rng.integers(0, 3))), np.zeros(n, np.int64)
+        return (tg.Graph.band(n, left=int(rng.integers(0, 6)), right=int(rng.integers(0, 3))),
+                np.zeros(n, np.int64), None)
     if kind == "dense-rect":
         ns, nd = int(rng.integers(1, 25)), int(rng.integers(1, 25))
-        return tg.Graph.dense(ns, nd), np.full(nd, ns - nd)
+        return tg.Graph.dense(ns, nd), np.full(nd, ns - nd), None
     lq, lk = rng.integers(0, 9, 3), rng.integers(0, 9, 3)
     cu, cu_k = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
     window = (int(rng.integers(0, 4)), int(rng.integers(0, 3))) if rng.integers(0, 2) else None
     g = tg.Graph.cu_seqlens(cu, causal=bool(rng.integers(0, 2)), cu_seqlens_k=cu_k, window=window)
-    return g, _segments_shift(cu, cu_k)
+    return g, _segments_shift(cu, cu_k), np.repeat(np.arange(3), lq)
 
 
 @hypothesis.settings(max_examples=15, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
@@ -717,21 +773,28 @@ def _random_flash_relation(rng, kind):
 def test_flash_modifiers_on_random_relations(kind, seed):
     """softcap= with alibi_slopes= against the float64 oracle on random bands, rectangular dense
     relations and varlen segments (Lq != Lk, causal or not, with or without a window),
-    grouped-query heads: bottom-right aligned distances wherever the relation has blocks."""
+    grouped-query heads: bottom-right aligned distances wherever the relation has blocks; on
+    segments also flash-attn's per-sequence (batch, H) slopes (each row its sequence's)."""
     rng = np.random.default_rng(seed)
-    g, shift = _random_flash_relation(rng, kind)
+    g, shift, sequence = _random_flash_relation(rng, kind)
     if g.num_edges == 0:
         return   # the front end answers without a kernel (test_api_errors)
     H, Hkv = [(1, 1), (4, 2), (3, 1)][int(rng.integers(0, 3))]
     D = int(rng.integers(1, 9))
     q, k = rng.standard_normal((g.num_dst, H, D)) * 2, rng.standard_normal((g.num_src, Hkv, D)) * 2
     v, dout = rng.standard_normal((g.num_src, Hkv, 3)), rng.standard_normal((g.num_dst, H, 3))
-    slopes, cap = rng.uniform(0.0, 0.8, H), float(rng.uniform(0.5, 4.0))
+    cap = float(rng.uniform(0.5, 4.0))
+    if sequence is not None and rng.integers(0, 2):
+        slopes = rng.uniform(0.0, 0.8, (3, H))
+        row_slopes = slopes[sequence]
+    else:
+        slopes = rng.uniform(0.0, 0.8, H)
+        row_slopes = np.broadcast_to(slopes, (g.num_dst, H))
 
     def fn(s, src, dst, edge, p):
-        return cap * np.tanh(s / cap) - slopes * np.abs(dst.index + shift[dst.index] - src.index)
+        return cap * np.tanh(s / cap) - dst.slope * np.abs(dst.index + shift[dst.index] - src.index)
 
-    want, wg = oracle(fn, g, q, k, v, dout, D ** -0.5, {}, {}, {}, {})
+    want, wg = oracle(fn, g, q, k, v, dout, D ** -0.5, {}, {"slope": row_slopes}, {}, {})
     out, stats = tg.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes, return_stats=True)
     dq, dk, dv = tg.attention_backward(dout, q, k, v, out, stats, g, softcap=cap, alibi_slopes=slopes)
     _close(out, want, 1e-9, "out")
@@ -785,8 +848,9 @@ def test_functional_modifier_errors():
         tg.attention(q, k, v, g, alibi_slopes=np.ones(3))
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\)"):
         tg.attention(q, k, v, g, alibi_slopes=np.ones((2, 3)))
-    # flash-attn's (batch, H) form: one row is the (H,) slopes, several rows are not supported
-    with pytest.raises(NotImplementedError, match=r"alibi_slopes of shape \(3, 2\)"):
+    # flash-attn's (batch, H) form: one row is the (H,) slopes; several rows need as many
+    # sequences (test_per_sequence_alibi_slopes)
+    with pytest.raises(ValueError, match=r"alibi_slopes of shape \(3, 2\) .* the graph is a dense relation"):
         tg.attention(q, k, v, g, alibi_slopes=np.ones((3, 2)))
     out, stats = tg.attention(q, k, v, g, softcap=2.0, return_stats=True)
     with pytest.raises(ValueError, match="score"):  # stats of another score

@@ -109,11 +109,18 @@ def _alibi_nan_inf():
     return sm.alibi_tree(inner, aligned=False), {sm.Expr("head", (), "alibi_slopes"): None}
 
 
+def _alibi_rows():
+    """flash-attn's per-sequence slopes: the slope a per-row field (score_mod.ALIBI_ROW_SLOPES),
+    bottom-right aligned."""
+    tree = sm.alibi_tree(S, aligned=True, per_sequence=True)
+    return tree, {sm.ALIBI_ROW_SLOPES: None, sm.Expr("node", (), ("dst", "_alibi_shift")): None}
+
+
 MODS = {"softcap": _softcap, "alibi": _alibi, "piecewise": _piecewise, "window": _window,
         "nan_far": _nan_far, "nan_far_sqrt": _nan_far_sqrt}
 #: trees run on one case and relation only (test_scalar_param_functions_emulated)
 MORE_MODS = {"scalar_fns": _scalar_fns, "nan_capped": _nan_capped, "nan_shift_capped": _nan_shift_capped,
-             "ceiling": _ceiling, "alibi_nan_inf": _alibi_nan_inf}
+             "ceiling": _ceiling, "alibi_nan_inf": _alibi_nan_inf, "alibi_rows": _alibi_rows}
 
 
 def _values(rng, tree, proto, nd, ns, H, dst, src):
@@ -242,6 +249,16 @@ def test_modified_forward_backward_emulated(modname, case, relname, fold=True, o
 @pytest.mark.parametrize("case", [2, 3])
 def test_scalar_param_functions_emulated(case):
     test_modified_forward_backward_emulated("scalar_fns", case, "causal_tail")
+
+
+@pytest.mark.parametrize("case", [0, 2, 3])
+def test_per_sequence_alibi_slopes_emulated(case):
+    """a per-row slope field (the slopes of each row's sequence) on rectangular segments: the
+    distance's coefficient changes from row to row, so an ordered forward keeps the tree as
+    written (no split)."""
+    tree = _alibi_rows()[0]
+    assert Modifier(tree, TANH[CASES[case][3]], True, True).split is None
+    test_modified_forward_backward_emulated("alibi_rows", case, "segments")
 
 
 @pytest.mark.parametrize("case", [0, 3])

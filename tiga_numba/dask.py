@@ -616,20 +616,21 @@ class _Call:
 
 class _AttentionCall(_Call):
     """The tasks of tiga_numba.dask.attention: q over k, v with flash-attn's soft-cap and ALiBi
-    (the slopes a host array, the relation's bottom-right shift per row: functional._alibi_shift,
+    (the slopes a host array, (H,) or flash-attn's per-sequence (batch, H) with `rows` the
+    sequence of each query row; the relation's bottom-right shift per row: functional._alibi_shift,
     host, or None). Small and picklable."""
     dst_names, src_names, edge_names = ("q",), ("k", "v"), ()
-    __slots__ = ("scale", "softcap", "slopes", "shift")
+    __slots__ = ("scale", "softcap", "slopes", "shift", "rows")
 
-    def __init__(self, scale, softcap=None, slopes=None, shift=None):
-        self.scale, self.softcap, self.slopes, self.shift = scale, softcap, slopes, shift
+    def __init__(self, scale, softcap=None, slopes=None, shift=None, rows=None):
+        self.scale, self.softcap, self.slopes, self.shift, self.rows = scale, softcap, slopes, shift, rows
 
     @property
     def reads_source_positions(self):
         return self.slopes is not None
 
     def __dask_tokenize__(self):
-        return ("attention", self.scale, self.softcap, self.slopes, self.shift)
+        return ("attention", self.scale, self.softcap, self.slopes, self.shift, self.rows)
 
     def _modifier(self, q, graph, where):
         if self.softcap is None and self.slopes is None:
@@ -638,7 +639,9 @@ class _AttentionCall(_Call):
         xp = _xp_of(q)
         slopes = None if self.slopes is None else xp.asarray(self.slopes)
         shift = None if self.shift is None else xp.asarray(self.shift[where.row0:where.row1])
-        return _global_positions(sm.bind_flash(self.softcap, slopes, shift), xp, graph, where)
+        rows = None if self.rows is None else xp.asarray(self.rows[where.row0:where.row1])
+        return _global_positions(sm.bind_flash(self.softcap, slopes, shift, row_sequence=rows),
+                                 xp, graph, where)
 
     def forward(self, dst, src, edge, graph, where, source_ids=None):
         mod = self._modifier(dst["q"], graph, where.with_ids(source_ids))
@@ -663,18 +666,27 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
     from . import score_mod as sm
     from .functional import _alibi_shift, flash_modifier
     # checked and normalised once, by the single-process call's own code (softcap=0: none;
-    # (1, H) slopes: the (H,) slopes); the tasks take the values it bound
-    mod = flash_modifier(_empty_rows(q), Graph.dense(0, 0), softcap, alibi_slopes)
+    # (1, H) slopes: the (H,) slopes; (batch, H) slopes: checked against the relation's
+    # sequences); the tasks take the values it bound
+    per_sequence = getattr(alibi_slopes, "ndim", 0) == 2 and alibi_slopes.shape[0] != 1
+    mod = flash_modifier(_empty_rows(q), graph if per_sequence else Graph.dense(0, 0),
+                         softcap, alibi_slopes)
     if mod is None:
         return _AttentionCall(scale)
     softcap = mod.values.get(sm.SOFTCAP)
     slopes = mod.values.get(sm.ALIBI_SLOPES)
-    shift = None
+    shift = rows = None
+    if sm.ALIBI_ROW_SLOPES in mod.gathers:
+        _, rows, slopes = mod.gathers[sm.ALIBI_ROW_SLOPES]
+        rows = _host(rows)
     if slopes is not None:
-        if not isinstance(slopes, np.ndarray):
-            slopes = slopes.get()   # cupy: tasks convert back to their chunks' library
+        slopes = _host(slopes)   # cupy: tasks convert back to their chunks' library
         shift = graph._cached("dask alibi shift", lambda: _alibi_shift(graph))
-    return _AttentionCall(scale, softcap, slopes, shift)
+    return _AttentionCall(scale, softcap, slopes, shift, rows)
+
+
+def _host(array):
+    return array if isinstance(array, np.ndarray) else array.get()
 
 
 class _ProgramCall(_Call):
@@ -1184,10 +1196,11 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None, a
         Also return the per-row softmax state (``m``, ``l``) that ``attention_backward`` takes.
     softcap : float, optional
         flash-attn's soft-cap, as in :func:`tiga_numba.attention`.
-    alibi_slopes : array ``(H,)``, optional
+    alibi_slopes : array ``(H,)`` or ``(batch, H)``, optional
         flash-attn's ALiBi slopes, as in :func:`tiga_numba.attention` (a numpy array for numpy
-        chunks, cupy for cupy chunks): the distance is the one of the whole relation (node
-        positions, bottom-right aligned in dense and cu_seqlens blocks), whatever the chunks.
+        chunks, cupy for cupy chunks; ``(batch, H)``: one set per sequence of a cu_seqlens
+        relation): the distance is the one of the whole relation (node positions, bottom-right
+        aligned in dense and cu_seqlens blocks), whatever the chunks.
 
     Returns
     -------

@@ -288,7 +288,7 @@ def flash_modifier(q, graph, softcap, alibi_slopes, grad_slopes=False):
     if softcap is None and alibi_slopes is None:
         return None
     from . import score_mod as sm
-    slopes = shift = None
+    slopes = shift = rows = None
     if softcap is not None:
         softcap = arrays.scalar_value(softcap)
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(
@@ -309,21 +309,45 @@ def flash_modifier(q, graph, softcap, alibi_slopes, grad_slopes=False):
         slopes = arrays.as_library_array(alibi_slopes, lib, "alibi_slopes")
         heads = 1 if q.ndim == 2 else q.shape[1]
         if slopes.ndim == 2 and slopes.shape[1] == heads:   # flash-attn's (batch, H) form
-            if slopes.shape[0] != 1:
-                raise NotImplementedError(
-                    f"alibi_slopes of shape {tuple(slopes.shape)} (one set of slopes per sequence, "
-                    f"flash-attn's (batch, H) form) is not supported: pass one slope per query "
-                    f"head, shape ({heads},)")
-            slopes = slopes[0]
-        if slopes.ndim != 1 or slopes.shape[0] != heads:
+            if slopes.shape[0] == 1:
+                slopes = slopes[0]
+            else:
+                rows = _sequence_of_rows_on(graph, lib, slopes.shape)
+        if not (slopes.ndim == 1 or rows is not None) or slopes.shape[-1] != heads:
             raise ValueError(f"alibi_slopes must have shape ({heads},) (one slope per query "
-                             f"head), got {tuple(slopes.shape)}")
+                             f"head) or (batch, {heads}) (one set per sequence of a cu_seqlens "
+                             f"relation), got {tuple(slopes.shape)}")
         if not np.issubdtype(np.dtype(slopes.dtype), np.floating):
             raise TypeError(f"alibi_slopes must be floating point, got {slopes.dtype}")
         shift = _alibi_shift_on(graph, lib)
     # the functional API gives no gradients besides q, k, v (the program API and the torch
     # adapter ask for the slopes' with `grad_slopes`)
-    return sm.bind_flash(softcap, slopes, shift, grad_slopes)
+    return sm.bind_flash(softcap, slopes, shift, grad_slopes, row_sequence=rows)
+
+
+def _sequence_of_rows_on(graph, lib, shape):
+    """The sequence of each query row (int64, (num_dst,)) for flash-attn's per-sequence
+    (batch, H) slopes: the relation must be made of `batch` implicit blocks (Graph.cu_seqlens,
+    or Graph.cat of implicit relations), a block being a sequence; `shape`: the slopes' (batch,
+    H). Made once per graph and device, as _alibi_shift_on."""
+    batch = shape[0]
+    blocks = graph._blocks
+    if graph.kind != "segments" or blocks is None or len(blocks.dst_offsets) - 1 != batch:
+        what = (f"has {len(blocks.dst_offsets) - 1} sequences" if graph.kind == "segments"
+                and blocks is not None else f"is a {graph.kind} relation")
+        raise ValueError(f"alibi_slopes of shape {tuple(shape)} gives one set of slopes per "
+                         f"sequence and needs a cu_seqlens relation of {batch} sequences "
+                         f"(Graph.cu_seqlens, or Graph.cat of implicit relations); the graph "
+                         f"{what}")
+    device = None
+    if lib == "cupy":
+        import cupy
+        device = cupy.cuda.Device().id
+
+    def build():
+        nd = np.diff(np.asarray(blocks.dst_offsets))
+        return _xp(lib).asarray(np.repeat(np.arange(batch, dtype=np.int64), nd))
+    return graph._cached(("alibi-rows", lib, device), build)
 
 
 def _alibi_shift_on(graph, lib):
@@ -404,10 +428,11 @@ def attention(q, k, v, graph, *, scale=None, block_prune_threshold=None, return_
     softcap : float, optional
         c > 0: the scaled score s becomes ``c * tanh(s / c)`` (flash-attn's soft-cap); None or
         0 (flash-attn's default): no soft-cap.
-    alibi_slopes : array (H,), optional
+    alibi_slopes : array (H,) or (batch, H), optional
         ALiBi: ``slopes[h] * |i - j|`` is subtracted from the score (bottom-right aligned in
         rectangular dense / cu_seqlens blocks, as flash-attn). Shape (1, H) is taken as (H,);
-        flash-attn's per-sequence (batch, H) form raises NotImplementedError. See
+        flash-attn's per-sequence form (batch, H) gives sequence b of a cu_seqlens relation of
+        batch sequences the slopes ``slopes[b]`` (any other relation: ValueError). See
         docs/score_mods.md.
 
     Returns

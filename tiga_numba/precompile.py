@@ -10,6 +10,7 @@ finds them on disk:
     python -m tiga_numba.precompile                      # float32 and float64
     python -m tiga_numba.precompile --dtypes float32     # float16 inputs use these too
     python -m tiga_numba.precompile --modifiers softcap,alibi   # also softcap= / alibi_slopes=
+    (alibi-rows: flash-attn's per-sequence (batch, H) slopes on cu_seqlens relations)
 
 Families: block relations (dense, causal, cu_seqlens) forward, tile-pruned forward and
 backward; the split-key forward of few-query blocks; CSR relations forward and backward.
@@ -60,6 +61,15 @@ def _calls(dtype, modifiers=()):
 
     modified = []
     for name in modifiers:
+        if name == "alibi-rows":
+            # flash-attn's per-sequence (batch, H) slopes on cu_seqlens relations, square and
+            # rectangular (bottom-right aligned): trees of their own
+            kw = {"alibi_slopes": np.ones((2, heads))}
+            calls = [("fwd+bwd, causal cu_seqlens", backward(tg.Graph.cu_seqlens([0, 2, n]), **kw)),
+                     ("fwd+bwd, rectangular cu_seqlens (bottom-right aligned)",
+                      backward(tg.Graph.cu_seqlens([0, 2, n // 2], cu_seqlens_k=[0, 4, n]), **kw))]
+            modified += [(f"{name} {label}", run) for label, run in calls]
+            continue
         kw = {"softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": np.ones(heads)}}[name]
         calls = [("fwd+bwd, causal", backward(tg.Graph.triangular(n), **kw)),
                  ("fwd+bwd, csr", backward(ring, **kw)),
@@ -82,7 +92,7 @@ def _calls(dtype, modifiers=()):
             ("csr backward", backward(ring))]
 
 
-MODIFIERS = ("softcap", "alibi")
+MODIFIERS = ("softcap", "alibi", "alibi-rows")
 
 
 def precompile(dtypes=DEFAULT_DTYPES, out=None, modifiers=()):

@@ -375,45 +375,68 @@ def softcap_tree(tree):
 ALIBI_SLOPES = Expr("head", (), "alibi_slopes")
 
 
-def alibi_tree(tree, aligned):
+#: flash-attn's per-sequence slopes ((batch, H) alibi_slopes): the slopes of each query row's
+#: sequence, a per-row (N, H) field gathered from them per call (bind_flash)
+ALIBI_ROW_SLOPES = Expr("node", (), ("dst", "_alibi_slopes"))
+
+
+def alibi_tree(tree, aligned, per_sequence=False):
     """flash-attn's ALiBi, ``s - slopes[h] * |i - j|``; with `aligned`, the destination
     position is shifted by the per-row integer field dst._alibi_shift (bottom-right alignment
-    of rectangular blocks: |i + Lk - Lq - j| in block-local positions)."""
+    of rectangular blocks: |i + Lk - Lq - j| in block-local positions); `per_sequence`: the
+    slope is the row's own (ALIBI_ROW_SLOPES, one set of slopes per sequence) instead of the
+    head's (ALIBI_SLOPES)."""
     i = Expr("index", (), "dst")
     if aligned:
         i = make("add", i, Expr("node", (), ("dst", "_alibi_shift")))
     dist = Expr("abs", (make("sub", i, Expr("index", (), "src")),))
-    return make("sub", tree, make("mul", ALIBI_SLOPES, dist))
+    return make("sub", tree, make("mul", ALIBI_ROW_SLOPES if per_sequence else ALIBI_SLOPES, dist))
 
 
-def flash_tree(softcap, alibi, aligned):
+def flash_tree(softcap, alibi, aligned, per_sequence=False):
     """The tree of flash-attn's `softcap=` / `alibi_slopes=` (functional.flash_modifier): the
-    soft-cap, then ALiBi (bottom-right `aligned` through dst._alibi_shift), over the score."""
+    soft-cap, then ALiBi (bottom-right `aligned` through dst._alibi_shift; `per_sequence`: the
+    slopes of each row's sequence), over the score."""
     tree = softcap_tree(SCORE) if softcap else SCORE
-    return alibi_tree(tree, aligned) if alibi else tree
+    return alibi_tree(tree, aligned, per_sequence) if alibi else tree
 
 
-def bind_flash(softcap, slopes, shift, grad_slopes=False):
+def bind_flash(softcap, slopes, shift, grad_slopes=False, row_sequence=None):
     """flash_tree bound to one call's values: `softcap` (a float or None), `slopes` ((H,) array
     or None) and `shift` (the per-row int array of the bottom-right alignment, dst._alibi_shift,
     or None where there is nothing to align); `grad_slopes`: the backward also gives the slopes'
-    gradient (keyed by ALIBI_SLOPES). Checked by the caller."""
+    gradient (keyed by ALIBI_SLOPES). With `row_sequence` (int array (N,): the sequence of each
+    query row, increasing), `slopes` is (batch, H), one set per sequence: the kernels read the
+    (N, H) gather slopes[row_sequence] as the field ALIBI_ROW_SLOPES, and the slopes' gradient
+    is that field's, summed per sequence (BoundModifier.gathers). Checked by the caller."""
     values = {}
+    gathers = {}
     if softcap is not None:
         values[SOFTCAP] = softcap
     if slopes is not None:
-        values[ALIBI_SLOPES] = slopes
+        if row_sequence is None:
+            values[ALIBI_SLOPES] = slopes
+        else:
+            values[ALIBI_ROW_SLOPES] = slopes[row_sequence]
+            gathers[ALIBI_ROW_SLOPES] = (ALIBI_SLOPES, row_sequence, slopes)
         if shift is not None:
             values[Expr("node", (), ("dst", "_alibi_shift"))] = shift
     aligned = slopes is not None and shift is not None
-    return BoundModifier(flash_tree(softcap is not None, slopes is not None, aligned), values,
-                         want_grad=(ALIBI_SLOPES,) if grad_slopes and slopes is not None else ())
+    leaf = ALIBI_SLOPES if row_sequence is None else ALIBI_ROW_SLOPES
+    return BoundModifier(flash_tree(softcap is not None, slopes is not None, aligned,
+                                    row_sequence is not None), values,
+                         want_grad=(leaf,) if grad_slopes and slopes is not None else (),
+                         gathers=gathers)
 
 
 #: the trees `python -m tiga_numba.cuda.tc.prebuild --modifiers` names: flash_tree's arguments
+#: ("-rows": flash-attn's per-sequence (batch, H) slopes)
 FLASH_TREES = {"softcap": (True, False, False), "alibi": (False, True, False),
                "alibi-aligned": (False, True, True), "softcap+alibi": (True, True, False),
-               "softcap+alibi-aligned": (True, True, True)}
+               "softcap+alibi-aligned": (True, True, True),
+               "alibi-rows": (False, True, False, True), "alibi-rows-aligned": (False, True, True, True),
+               "softcap+alibi-rows": (True, True, False, True),
+               "softcap+alibi-rows-aligned": (True, True, True, True)}
 
 
 # --------------------------------------------------------------------------- per-call values
@@ -430,10 +453,14 @@ class BoundModifier:
     float (scalars) or an array; `want_grad` lists the leaves whose gradient the caller wants
     (float arrays only). `check(shape, graph)` validates the shapes against the call."""
 
-    def __init__(self, tree, values, want_grad=()):
+    def __init__(self, tree, values, want_grad=(), gathers=None):
         self.tree = tree
         self.layout = Layout(tree)
         self.values = dict(values)
+        #: {leaf: (user leaf, index, user array)}: the leaf's value is user_array[index] (a
+        #: gather along the first axis, index increasing); grads_to_user gives its gradient as
+        #: the user array's, summed over each run of equal indices, keyed by the user leaf
+        self.gathers = dict(gathers or {})
         for x in self.layout.scalars + self.layout.differentiable():
             if x not in self.values:
                 raise ValueError(f"the score modifier reads {leaf_name(x)}, which has no value")
@@ -517,5 +544,24 @@ class BoundModifier:
                     g = g.sum(axis=1)
                 elif a.shape[1] == 1 and g.shape[1] != 1:
                     g = g.sum(axis=1, keepdims=True)
-            out[x] = g.astype(a.dtype, copy=False)
+            if x in self.gathers:
+                user, index, arr = self.gathers[x]
+                out[user] = _sum_runs(g, index, arr.shape[0]).astype(arr.dtype, copy=False)
+            else:
+                out[x] = g.astype(a.dtype, copy=False)
         return out
+
+
+def _sum_runs(g, index, n):
+    """(n,) + g.shape[1:]: row b sums the rows r of g with index[r] == b (index increasing), in
+    float64 through a running sum, so the bits do not depend on the array library's reduction
+    order; a b no row has gives 0."""
+    if isinstance(g, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    b = xp.arange(n)
+    starts, ends = xp.searchsorted(index, b), xp.searchsorted(index, b, side="right")
+    run = xp.zeros((g.shape[0] + 1,) + g.shape[1:], dtype=xp.float64)
+    xp.cumsum(g, axis=0, dtype=xp.float64, out=run[1:])
+    return run[ends] - run[starts]

@@ -86,17 +86,18 @@ class _Attention(torch.autograd.Function):
         res = run_backward(_native(dout, "dout"), qn, kn, vn, out, stats, ctx.graph,
                            scale=ctx.scale, score_mod=ctx.mod)
         dslopes = None
-        if ctx.mod is not None and ALIBI_SLOPES in ctx.mod.grad_leaves:
-            slopes = ctx.mod.values[ALIBI_SLOPES]
-            dslopes = _tensor(res[4][ALIBI_SLOPES].astype(slopes.dtype, copy=False)
-                              .reshape(ctx.saved_tensors[4].shape))   # the caller's (H,) or (1, H)
+        if ctx.mod is not None and ctx.mod.grad_leaves:
+            # in the slopes' own dtype; (H,) given as (1, H) goes back as (1, H), (batch, H)
+            # per-sequence slopes come back summed per sequence (BoundModifier.gathers)
+            dslopes = _tensor(res[4][ALIBI_SLOPES].reshape(ctx.saved_tensors[4].shape))
         return _tensor(res[0]), _tensor(res[1]), _tensor(res[2]), None, None, None, dslopes
 
 
 def attention(q, k, v, graph, *, scale=None, softcap=None, alibi_slopes=None):
     """tg.attention for torch tensors, differentiable w.r.t. q, k and v, and w.r.t.
-    `alibi_slopes` (a tensor of shape (H,), or (1, H)) when it requires grad; `softcap` is a number, as in
-    tg.attention and flash-attn."""
+    `alibi_slopes` (a tensor of shape (H,), or (batch, H) for a cu_seqlens relation of batch
+    sequences, as flash-attn) when it requires grad; `softcap` is a number, as in tg.attention
+    and flash-attn."""
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a tiga_numba.Graph, got {type(graph).__name__}")
     if isinstance(softcap, torch.Tensor):

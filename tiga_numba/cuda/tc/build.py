@@ -314,7 +314,9 @@ def modified_kernels(trees, dtypes=("float16", "bfloat16", "float32")):
         if name not in sm.FLASH_TREES:
             raise ValueError(f"unknown modifier {name!r}: one of {', '.join(sm.FLASH_TREES)}")
         out += [(kind, D, dt, None, name) for dt in dtypes for kind, D in _engine_kinds(dt)]
-        if sm.FLASH_TREES[name][1]:
+        _, alibi, _, *per_sequence = sm.FLASH_TREES[name]
+        # ALiBi with the head's slopes (a per-sequence slope changes from row to row: no split)
+        if alibi and not any(per_sequence):
             out += [(kind, D, dt, None, name + ORDERED_SUFFIX) for dt in dtypes for kind, D in _engine_kinds(dt)
                     if _spec_kind(kind)[1] == "fwd"]
     return out

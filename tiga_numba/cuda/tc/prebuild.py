@@ -8,8 +8,9 @@ seconds (fp16) to minutes (float32 3xTF32 backward) of NVVM time, once per gener
 numba-cuda version and architecture. --modifiers adds (or, with --only-modifiers, builds only)
 the kernels of flash-attn's soft-cap / ALiBi score modifiers (score_mod.FLASH_TREES; "-aligned":
 ALiBi bottom-right aligned, as dense and cu_seqlens relations take it; triangular and band
-relations take the plain one), forward and backward, every tensor-core head dim or --dims; with
-ALiBi also the forward a causal relation runs (its distance split per key block: modifier.Split).
+relations take the plain one; "-rows": flash-attn's per-sequence (batch, H) slopes), forward and
+backward, every tensor-core head dim or --dims; with ALiBi also the forward a causal relation runs
+(its distance split per key block: modifier.Split).
 """
 import argparse
 import time
