@@ -724,6 +724,10 @@ def test_per_sequence_alibi_slopes():
     _close(dq, wg["dst"]["query"], 1e-6, "dq")
     _close(dk, wg["src"]["key"], 1e-6, "dk")
     _close(dv, wg["src"]["value"], 1e-9, "dv")
+    # the stats keep the (batch, H) slopes (not their per-row gather) and refuse other ones
+    assert stats.score_values["param 'alibi_slopes'"] is slopes
+    with pytest.raises(ValueError, match="alibi_slopes' holds other values"):
+        tg.attention_backward(dout, q, k, v, out, stats, g, softcap=cap, alibi_slopes=slopes[::-1])
     for b in range(4):
         if cu[b + 1] == cu[b]:
             continue

@@ -587,7 +587,7 @@ def _global_positions(mod, xp, graph, where):
         values[field] = xp.full(graph.num_src, where.col0, np.int64)
     if not mapping:
         return mod
-    return sm.BoundModifier(sm.substitute(mod.tree, mapping), values, mod.grad_leaves)
+    return sm.BoundModifier(sm.substitute(mod.tree, mapping), values, mod.grad_leaves, mod.gathers)
 
 
 class _Call:

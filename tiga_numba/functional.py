@@ -247,7 +247,13 @@ def _score_values(score_mod, bias):
     if score_mod is None:
         return {}
     from .score_mod import leaf_name
-    return {leaf_name(x): v for x, v in score_mod.values.items()}
+    values = {}
+    for x, v in score_mod.values.items():
+        if x in score_mod.gathers:   # a per-row gather (per-sequence slopes): the user's array,
+            user, _, v = score_mod.gathers[x]   # small, compared instead of its per-call gather
+            x = user
+        values[leaf_name(x)] = v
+    return values
 
 
 def _value_difference(fwd_values, values):
