@@ -712,18 +712,8 @@ def test_per_sequence_alibi_slopes():
     slopes = RNG.uniform(0.1, 0.9, (4, H))
     shift = _flash_shift("segments-rect", g)
     cap = 1.5
-
-    def fn(s, src, dst, edge, p):
-        return cap * np.tanh(s / cap) - dst.slope * np.abs(dst.index + shift[dst.index] - src.index)
-
-    want, wg = oracle(fn, g, q, k, v, dout, D ** -0.5, {}, {"slope": slopes[np.repeat(np.arange(4), np.diff(cu))]},
-                      {}, {})
-    out, stats = tg.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes, return_stats=True)
-    dq, dk, dv = tg.attention_backward(dout, q, k, v, out, stats, g, softcap=cap, alibi_slopes=slopes)
-    _close(out, want, 1e-9, "out")
-    _close(dq, wg["dst"]["query"], 1e-6, "dq")
-    _close(dk, wg["src"]["key"], 1e-6, "dk")
-    _close(dv, wg["src"]["value"], 1e-9, "dv")
+    out, stats = _check_flash_call(g, q, k, v, dout, cap, slopes,
+                                   slopes[np.repeat(np.arange(4), np.diff(cu))], shift)
     # the stats keep the (batch, H) slopes (not their per-row gather) and refuse other ones
     assert stats.score_values["param 'alibi_slopes'"] is slopes
     with pytest.raises(ValueError, match="alibi_slopes' holds other values"):
@@ -789,17 +779,23 @@ def test_flash_modifiers_on_random_relations(kind, seed):
     else:
         slopes = rng.uniform(0.0, 0.8, H)
         row_slopes = np.broadcast_to(slopes, (g.num_dst, H))
+    _check_flash_call(g, q, k, v, dout, cap, slopes, row_slopes, shift)
 
+
+def _check_flash_call(g, q, k, v, dout, cap, slopes, row_slopes, shift):
+    """tg.attention and its backward with softcap=cap, alibi_slopes=slopes (float64) against the
+    oracle of the score cap tanh(s / cap) - row_slopes[i] |i + shift[i] - j|; returns (out, stats)."""
     def fn(s, src, dst, edge, p):
         return cap * np.tanh(s / cap) - dst.slope * np.abs(dst.index + shift[dst.index] - src.index)
 
-    want, wg = oracle(fn, g, q, k, v, dout, D ** -0.5, {}, {"slope": row_slopes}, {}, {})
+    want, wg = oracle(fn, g, q, k, v, dout, q.shape[2] ** -0.5, {}, {"slope": row_slopes}, {}, {})
     out, stats = tg.attention(q, k, v, g, softcap=cap, alibi_slopes=slopes, return_stats=True)
     dq, dk, dv = tg.attention_backward(dout, q, k, v, out, stats, g, softcap=cap, alibi_slopes=slopes)
     _close(out, want, 1e-9, "out")
     _close(dq, wg["dst"]["query"], 1e-6, "dq")
     _close(dk, wg["src"]["key"], 1e-6, "dk")
     _close(dv, wg["src"]["value"], 1e-9, "dv")
+    return out, stats
 
 
 def test_softcap_alone_and_alibi_alone():
