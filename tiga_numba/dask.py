@@ -668,7 +668,7 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
     # checked and normalised once, by the single-process call's own code (softcap=0: none;
     # (1, H) slopes: the (H,) slopes; (batch, H) slopes: checked against the relation's
     # sequences); the tasks take the values it bound
-    per_sequence = getattr(alibi_slopes, "ndim", 0) == 2 and alibi_slopes.shape[0] != 1
+    per_sequence = np.ndim(alibi_slopes) == 2 and np.shape(alibi_slopes)[0] != 1
     mod = flash_modifier(_empty_rows(q), graph if per_sequence else Graph.dense(0, 0),
                          softcap, alibi_slopes)
     if mod is None:
