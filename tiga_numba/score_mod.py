@@ -562,6 +562,6 @@ def _sum_runs(g, index, n):
         import cupy as xp
     b = xp.arange(n)
     starts, ends = xp.searchsorted(index, b), xp.searchsorted(index, b, side="right")
-    run = xp.zeros((g.shape[0] + 1,) + g.shape[1:], dtype=xp.float64)
-    xp.cumsum(g, axis=0, dtype=xp.float64, out=run[1:])
+    run = xp.concatenate([xp.zeros((1,) + g.shape[1:], dtype=xp.float64),
+                          xp.cumsum(g, axis=0, dtype=xp.float64)])
     return run[ends] - run[starts]
