@@ -40,6 +40,9 @@ benchmark restarts itself with it, and the workers get it before they start): on
 that hands freed memory back to its host (free page reporting), a call that follows an idle pause
 otherwise pays host page faults for every array it allocates (docs/dask.md, "Memory returned to the
 host").
+--keep-freed-memory-now leaves the processes as they start and calls tiga_numba.dask.keep_freed_memory(client)
+on the running workers instead (glibc's mallopt: no fresh mappings for the main arena's large chunks, no
+trimming; the task threads' arenas stay as they are).
 
 --paired ROUNDS adds, after each configuration, ROUNDS rounds of a single-process call and a dask
 call back to back (the order flipped every round) and prints each round's overhead and their median:
@@ -359,6 +362,8 @@ def run(args):
                                       env={"NUMBA_NUM_THREADS": str(threads)}) as cluster, \
                 distributed.Client(cluster) as client:
             addrs = sorted(client.scheduler_info()["workers"])
+            if args.keep_freed_memory_now:
+                print(f"# tiga_numba.dask.keep_freed_memory(client): {tgd.keep_freed_memory(client)}", flush=True)
             if args.keep_freed_memory:   # the settings reached the workers before they started
                 keep = _keep_freed_memory()
                 seen = client.run(lambda: {k: os.environ.get(k) for k in keep})
@@ -491,6 +496,8 @@ def main():
                    help="glibc malloc keeps freed memory in every process of the run (KEEP_FREED_MEMORY; the "
                         "benchmark restarts itself with it): no host page faults after idle pauses on a VM "
                         "with free page reporting (docs/dask.md)")
+    p.add_argument("--keep-freed-memory-now", action="store_true",
+                   help="call tiga_numba.dask.keep_freed_memory(client) on the running workers (mallopt)")
     p.add_argument("--locality-order", action="store_true",
                    help="renumber the graph's nodes with tiga_numba.dask.locality_order (CSR cases) first")
     p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",

@@ -68,7 +68,7 @@ from .ordering import locality_order  # noqa: F401  (part of this module's API, 
 from .scratch import OutputPool, ScratchPool, output_empty, output_zeros, outputs_from
 
 __all__ = ["attention", "attention_backward", "program", "program_vjp", "layer", "layer_vjp", "DaskAttentionStats",
-           "plan_summary", "locality_order", "keep_freed_memory_config",
+           "plan_summary", "locality_order", "keep_freed_memory_config", "keep_freed_memory",
            "release_halo_buffers"]
 
 # Fan-in of the merge and sum trees: at most this many partial results meet in one task.
@@ -525,6 +525,47 @@ def keep_freed_memory_config():
     pre = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {})
     pre.update(KEEP_FREED_MEMORY)
     return {"distributed.nanny.pre-spawn-environ": pre}
+
+
+#: glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def _keep_freed_memory_here():
+    """From now on this process's glibc malloc keeps what it frees: large chunks of the main
+    arena come from the heap instead of their own mappings, and the heap's top is not trimmed
+    below 2 GiB. True where it took effect, False where the process has no glibc (nothing
+    changed)."""
+    import ctypes
+    import ctypes.util
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):   # no C library by that name, or no mallopt (not glibc)
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def keep_freed_memory(client=None):
+    """Make running processes keep the memory they free, now, without restarting them (glibc's
+    malloc, changed through ``mallopt``): with `client` (a ``dask.distributed.Client``) every
+    worker of its cluster, without it this process (the threaded and synchronous schedulers).
+    Returns ``{worker address: bool}`` (or one bool): False where a process has no glibc and
+    nothing changed.
+
+    What it changes: the memory a worker receives chunks into (its event loop's allocations) and
+    everything else its main malloc arena hands out is then reused from one call to the next
+    instead of being mapped afresh and handed back when freed, which on a virtual machine that
+    returns freed memory to its host costs up to seconds per GiB (docs/dask.md, "Memory returned
+    to the host"). Unlike :func:`keep_freed_memory_config` it cannot merge the task threads'
+    arenas into the main one (glibc reads that at start): a task thread's large arrays are still
+    mapped separately (the kernels' outputs come from this module's result pool anyway). A
+    worker that starts later (a restart, a scale-up) needs the call again, or the config. The
+    price is the config's: a worker keeps what it freed up to its peak, which dask counts as
+    unmanaged memory."""
+    if client is None:
+        return _keep_freed_memory_here()
+    return client.run(_keep_freed_memory_here)
 
 
 @contextlib.contextmanager
