@@ -363,6 +363,7 @@ def run(args):
                 distributed.Client(cluster) as client:
             addrs = sorted(client.scheduler_info()["workers"])
             if args.keep_freed_memory_now:
+                import tiga_numba.dask as tgd
                 print(f"# tiga_numba.dask.keep_freed_memory(client): {tgd.keep_freed_memory(client)}", flush=True)
             if args.keep_freed_memory:   # the settings reached the workers before they started
                 keep = _keep_freed_memory()
