@@ -859,13 +859,68 @@ def test_keep_freed_memory_config_reaches_the_workers_started_under_it():
     assert {k: pre[k] for k in tgd.KEEP_FREED_MEMORY} == tgd.KEEP_FREED_MEMORY
     assert all(pre[k] == v for k, v in before.items() if k not in tgd.KEEP_FREED_MEMORY)
     names = tuple(tgd.KEEP_FREED_MEMORY)
-    with dask.config.set(tgd.keep_freed_memory_config()):
-        with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
-                                      dashboard_address=":0", silence_logs=40) as cluster, \
-                distributed.Client(cluster) as c:
-            seen = c.run(lambda: {k: os.environ.get(k) for k in names})
+    environ = dict(os.environ)
+    try:
+        with dask.config.set(tgd.keep_freed_memory_config()):
+            with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                          dashboard_address=":0", silence_logs=40) as cluster, \
+                    distributed.Client(cluster) as c:
+                seen = c.run(lambda: {k: os.environ.get(k) for k in names})
+    finally:   # distributed leaves the pre-spawn variables in this process's environment too
+        os.environ.clear()
+        os.environ.update(environ)
     assert list(seen.values()) == [tgd.KEEP_FREED_MEMORY]
     assert dict(dask.config.get(key, {}) or {}) == before
+
+
+def test_keep_freed_memory_keeps_large_chunks_in_the_heap():
+    """keep_freed_memory() in a fresh process (glibc Linux): a 64 MiB array allocated before it is
+    a separate mapping (glibc's mmap counters go up), one allocated after it comes from the heap
+    (they do not), and it is still there once freed (the heap is not trimmed)."""
+    import ctypes.util
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    if sys.platform != "linux" or not ctypes.util.find_library("c"):
+        pytest.skip("glibc malloc only")
+    code = textwrap.dedent("""
+        import ctypes, numpy as np, tiga_numba.dask as tgd
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                       "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = Info
+        def big():
+            before = libc.mallinfo2()
+            a = np.ones(64 << 20, np.uint8)
+            during = libc.mallinfo2()
+            del a
+            return during.hblkhd - before.hblkhd, libc.mallinfo2().arena - before.arena
+        print(big(), tgd.keep_freed_memory(), big())
+    """)
+    try:
+        # glibc's defaults in the child (distributed may leave its worker settings in this
+        # process's environment)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             check=True, env=env).stdout.split()
+    except subprocess.CalledProcessError as err:
+        if "mallinfo2" in err.stderr:   # glibc before 2.33: nothing to read the counters with
+            pytest.skip("no mallinfo2")
+        raise
+    mapped_before, _, kept, mapped_after, heap_after = (int(x.strip("(),")) if x.strip("(),").isdigit()
+                                                       else x.strip("(),") for x in out)
+    assert mapped_before >= 64 << 20 and kept == "True"
+    assert mapped_after == 0 and heap_after >= 32 << 20   # (the heap had some free room already)
+
+
+def test_keep_freed_memory_runs_on_every_worker(client):
+    import sys
+    if sys.platform != "linux":
+        pytest.skip("glibc malloc only")
+    done = tgd.keep_freed_memory(client)
+    assert sorted(done) == sorted(client.scheduler_info()["workers"]) and all(done.values()), done
 
 
 def test_local_cluster_equals_single_process(client):
