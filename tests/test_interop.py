@@ -264,6 +264,13 @@ def test_adapter_per_sequence_alibi_slopes_and_their_gradient():
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     assert ours[3].shape == (3, H) and not ours[3][1].any()   # the empty sequence's slopes: 0
+    # a call with nothing to reduce (no keys): zero gradients, the slopes' in their shape
+    keyless = tg.Graph.cu_seqlens(np.array([0, 3, 5]), cu_seqlens_k=np.array([0, 0, 0]))
+    s2 = slopes.detach()[:2].clone().requires_grad_()
+    q2 = q.detach()[:5].clone().requires_grad_()
+    out2 = tgt.attention(q2, k[:0], v[:0], keyless, alibi_slopes=s2)
+    out2.backward(torch.ones_like(out2))
+    assert s2.grad.shape == (2, H) and not s2.grad.any() and not q2.grad.any()
 
 
 @pytest.mark.gpu

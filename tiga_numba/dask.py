@@ -532,34 +532,35 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 
 def _keep_freed_memory_here():
-    """From now on this process's glibc malloc keeps what it frees: large chunks of the main
-    arena come from the heap instead of their own mappings, and the heap's top is not trimmed
-    below 2 GiB. True where it took effect, False where the process has no glibc (nothing
-    changed)."""
+    """From now on this process's glibc malloc keeps what it frees: no chunk gets a mapping of
+    its own where an arena's heap can hold it, and the main heap's top is not trimmed below
+    2 GiB. True where both settings took effect, False where the process has no glibc (nothing
+    changed) or glibc refused one of them."""
     import ctypes
-    import ctypes.util
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):   # no C library by that name, or no mallopt (not glibc)
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):   # no glibc by that name, or no mallopt
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    done = [mallopt(_M_MMAP_MAX, 0), mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)]
+    return all(done)
 
 
 def keep_freed_memory(client=None):
     """Make running processes keep the memory they free, now, without restarting them (glibc's
     malloc, changed through ``mallopt``): with `client` (a ``dask.distributed.Client``) every
     worker of its cluster, without it this process (the threaded and synchronous schedulers).
-    Returns ``{worker address: bool}`` (or one bool): False where a process has no glibc and
-    nothing changed.
+    Returns ``{worker address: bool}`` (or one bool): False where a process has no glibc
+    (nothing changed) or glibc refused a setting.
 
     What it changes: the memory a worker receives chunks into (its event loop's allocations) and
     everything else its main malloc arena hands out is then reused from one call to the next
     instead of being mapped afresh and handed back when freed, which on a virtual machine that
     returns freed memory to its host costs up to seconds per GiB (docs/dask.md, "Memory returned
     to the host"). Unlike :func:`keep_freed_memory_config` it cannot merge the task threads'
-    arenas into the main one (glibc reads that at start): a task thread's large arrays are still
-    mapped separately (the kernels' outputs come from this module's result pool anyway). A
+    arenas into the main one (glibc reads that at start): a task thread's arrays larger than its
+    arena's heap (64 MiB) are still mapped separately (the kernels' outputs come from this
+    module's result pool anyway). A
     worker that starts later (a restart, a scale-up) needs the call again, or the config. The
     price is the config's: a worker keeps what it freed up to its peak, which dask counts as
     unmanaged memory."""
@@ -657,21 +658,21 @@ class _Call:
 
 class _AttentionCall(_Call):
     """The tasks of tiga_numba.dask.attention: q over k, v with flash-attn's soft-cap and ALiBi
-    (the slopes a host array, (H,) or flash-attn's per-sequence (batch, H) with `rows` the
-    sequence of each query row; the relation's bottom-right shift per row: functional._alibi_shift,
-    host, or None). Small and picklable."""
+    (the slopes a host array, (H,) or flash-attn's per-sequence (batch, H) with `starts` the
+    sequences' first rows (batch + 1 offsets; a task finds its rows' sequences there); the
+    relation's bottom-right shift per row: functional._alibi_shift, host, or None). Picklable."""
     dst_names, src_names, edge_names = ("q",), ("k", "v"), ()
-    __slots__ = ("scale", "softcap", "slopes", "shift", "rows")
+    __slots__ = ("scale", "softcap", "slopes", "shift", "starts")
 
-    def __init__(self, scale, softcap=None, slopes=None, shift=None, rows=None):
-        self.scale, self.softcap, self.slopes, self.shift, self.rows = scale, softcap, slopes, shift, rows
+    def __init__(self, scale, softcap=None, slopes=None, shift=None, starts=None):
+        self.scale, self.softcap, self.slopes, self.shift, self.starts = scale, softcap, slopes, shift, starts
 
     @property
     def reads_source_positions(self):
         return self.slopes is not None
 
     def __dask_tokenize__(self):
-        return ("attention", self.scale, self.softcap, self.slopes, self.shift, self.rows)
+        return ("attention", self.scale, self.softcap, self.slopes, self.shift, self.starts)
 
     def _modifier(self, q, graph, where):
         if self.softcap is None and self.slopes is None:
@@ -680,7 +681,8 @@ class _AttentionCall(_Call):
         xp = _xp_of(q)
         slopes = None if self.slopes is None else xp.asarray(self.slopes)
         shift = None if self.shift is None else xp.asarray(self.shift[where.row0:where.row1])
-        rows = None if self.rows is None else xp.asarray(self.rows[where.row0:where.row1])
+        rows = None if self.starts is None else xp.asarray(
+            np.searchsorted(self.starts, np.arange(where.row0, where.row1), "right") - 1)
         return _global_positions(sm.bind_flash(self.softcap, slopes, shift, row_sequence=rows),
                                  xp, graph, where)
 
@@ -716,14 +718,14 @@ def _attention_call(q, graph, scale, softcap, alibi_slopes):
         return _AttentionCall(scale)
     softcap = mod.values.get(sm.SOFTCAP)
     slopes = mod.values.get(sm.ALIBI_SLOPES)
-    shift = rows = None
-    if sm.ALIBI_ROW_SLOPES in mod.gathers:
-        _, rows, slopes = mod.gathers[sm.ALIBI_ROW_SLOPES]
-        rows = _host(rows)
+    shift = starts = None
+    if sm.ALIBI_ROW_SLOPES in mod.gathers:   # checked against the graph's sequences above
+        slopes = mod.gathers[sm.ALIBI_ROW_SLOPES][2]
+        starts = np.asarray(graph._blocks.dst_offsets, np.int64)
     if slopes is not None:
         slopes = _host(slopes)   # cupy: tasks convert back to their chunks' library
         shift = graph._cached("dask alibi shift", lambda: _alibi_shift(graph))
-    return _AttentionCall(scale, softcap, slopes, shift, rows)
+    return _AttentionCall(scale, softcap, slopes, shift, starts)
 
 
 def _host(array):

@@ -521,8 +521,7 @@ def run_backward(dout, q, k, v, out, stats, graph, *, scale=None, edge_bias=None
         dv = xp.zeros(v.shape, dtype=shape.dtype)
         dbias = None if bias is None else xp.zeros(bias.shape, dtype=acc)
         if score_mod is not None:
-            mod_grads = {x: xp.zeros(score_mod.values[x].shape, dtype=score_mod.values[x].dtype)
-                         for x in score_mod.grad_leaves}
+            mod_grads = score_mod.zero_grads(xp)
         plan.run_info.update(kernel="none (relation has no edges)", copies=[], cache="n/a")
     else:
         backend = dispatch.backend_module(plan.backend)

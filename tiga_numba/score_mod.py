@@ -526,6 +526,16 @@ class BoundModifier:
         return (sc, hp, stack(lay.dst, num_dst), stack(lay.src, num_src),
                 stack(lay.edges, num_edges if lay.edges else 0))
 
+    def zero_grads(self, xp):
+        """What grads_to_user gives for a call with nothing to reduce (no rows, edges or heads):
+        zeros in each leaf's shape and dtype (a gathered leaf's: its user array's, under the
+        user leaf), as arrays of library `xp`."""
+        out = {}
+        for x in self.grad_leaves:
+            user, _, a = self.gathers.get(x, (x, None, self.values[x]))
+            out[user] = xp.zeros(a.shape, dtype=a.dtype)
+        return out
+
     def grads_to_user(self, packed):
         """{leaf: gradient in the leaf's own shape and dtype} from the kernels' (n, H) /
         (n, N, H) accumulation buffers (ghp, gnd, gns, gef)."""
