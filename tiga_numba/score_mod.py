@@ -565,8 +565,8 @@ class BoundModifier:
 def _sum_runs(g, index, n):
     """(n,) + g.shape[1:]: row b sums the rows r of g with index[r] == b (index increasing), in
     float64 through a running sum, so the bits do not depend on the array library's reduction
-    order; a b no row has gives 0. Each sum is the difference of two running totals: its
-    rounding is float64's on the total so far, far below the float32 of the kernels' sums."""
+    order; a b no row has gives 0. Each sum is the difference of two running totals, so its
+    rounding is float64's relative to the total so far, not to the sequence's own sum."""
     if isinstance(g, np.ndarray):
         xp = np
     else:
