@@ -8,7 +8,9 @@ Rows: plain causal (Graph.triangular), causal + tanh soft-cap 30 (softcap=), ALi
 reports forward and forward+backward ms (best of --reps after a warm-up call that compiles) and
 its ratio to plain causal; the window row also its speed-up over dense. Targets: every modifier
 within 20% of plain causal (ratio <= 1.2) and the window at least (N / W) / 2 times faster than
-dense.
+dense. Then varlen rows (--sequences B causal sequences of N / B rows, Graph.cu_seqlens): plain,
+ALiBi with one slope per head (H,), and flash-attn's per-sequence slopes (B, H), with their
+ratio to the plain varlen call.
 """
 import argparse
 import os
@@ -39,18 +41,25 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sequences", type=int, default=4)
     args = ap.parse_args()
     n, H, D, W = args.n, args.heads, args.dim, args.window
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((n, H, D)).astype(np.float32) for _ in range(4))
     slopes = (2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(np.float32)  # ALiBi's slopes
     causal = tg.Graph.triangular(n)
+    B = args.sequences
+    varlen = tg.Graph.cu_seqlens(np.linspace(0, n, B + 1).astype(np.int64))
+    per_sequence = (slopes[None, :] * rng.uniform(0.5, 2.0, (B, 1))).astype(np.float32)
     rows = [
         ("plain causal", causal, {}),
         ("causal + softcap 30", causal, {"softcap": 30.0}),
         ("ALiBi causal", causal, {"alibi_slopes": slopes}),
         (f"sliding window W={W} (band)", tg.Graph.band(n, left=W - 1), {}),
         ("dense", tg.Graph.dense(n), {}),
+        (f"varlen causal, {B} sequences", varlen, {}),
+        ("varlen ALiBi, slopes (H,)", varlen, {"alibi_slopes": slopes}),
+        (f"varlen ALiBi, slopes ({B}, H)", varlen, {"alibi_slopes": per_sequence}),
     ]
     print(f"CPU score modifiers: N={n}, H={H}, D={D}, float32, {os.cpu_count()} cores "
           f"({platform.processor() or platform.machine()}), NUMBA_NUM_THREADS="
@@ -70,11 +79,18 @@ def main():
     print(f"{'relation / score':32s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd ratio':>10s} "
           f"{'f+b ratio':>10s}")
     for name, (f, fb) in results.items():
+        if name.startswith("varlen"):
+            continue
         print(f"{name:32s} {f * 1e3:9.1f} {fb * 1e3:11.1f} {f / base[0]:10.2f} {fb / base[1]:10.2f}")
     wf, wfb = results[f"sliding window W={W} (band)"]
     print("ratios are to plain causal (target for modifiers: <= 1.20)")
     print(f"sliding window vs dense: forward {dense[0] / wf:.1f}x, forward+backward "
           f"{dense[1] / wfb:.1f}x faster (target >= (N/W)/2 = {n / W / 2:.1f}x)")
+    vbase = results[f"varlen causal, {B} sequences"]
+    for name, (f, fb) in results.items():
+        if name.startswith("varlen"):
+            print(f"{name:32s} {f * 1e3:9.1f} {fb * 1e3:11.1f} {f / vbase[0]:10.2f} {fb / vbase[1]:10.2f}")
+    print("varlen ratios are to the plain varlen call")
 
 
 if __name__ == "__main__":
