@@ -308,6 +308,7 @@ def test_adapter_attention_modifiers_on_cuda_tensors(cupy_gpu, dtype, slopes_gra
         assert slopes.grad is None
 
 
+@pytest.mark.gpu
 def test_adapter_per_sequence_slopes_gradient_on_cuda_tensors(cupy_gpu):
     """(batch, H) slopes that require grad on CUDA tensors (float32: the CUDA-core kernels give
     the per-row slopes' gradient, summed per sequence on the device) against the float64

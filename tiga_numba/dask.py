@@ -560,10 +560,9 @@ def keep_freed_memory(client=None):
     to the host"). Unlike :func:`keep_freed_memory_config` it cannot merge the task threads'
     arenas into the main one (glibc reads that at start): a task thread's arrays larger than its
     arena's heap (64 MiB) are still mapped separately (the kernels' outputs come from this
-    module's result pool anyway). A
-    worker that starts later (a restart, a scale-up) needs the call again, or the config. The
-    price is the config's: a worker keeps what it freed up to its peak, which dask counts as
-    unmanaged memory."""
+    module's result pool anyway). A worker that starts later (a restart, a scale-up) needs the
+    call again, or the config. The price is the config's: a worker keeps what it freed up to its
+    peak, which dask counts as unmanaged memory."""
     if client is None:
         return _keep_freed_memory_here()
     return client.run(_keep_freed_memory_here)
@@ -678,11 +677,12 @@ class _AttentionCall(_Call):
         if self.softcap is None and self.slopes is None:
             return None
         from . import score_mod as sm
+        from .functional import sequence_of_rows
         xp = _xp_of(q)
         slopes = None if self.slopes is None else xp.asarray(self.slopes)
         shift = None if self.shift is None else xp.asarray(self.shift[where.row0:where.row1])
         rows = None if self.starts is None else xp.asarray(
-            np.searchsorted(self.starts, np.arange(where.row0, where.row1), "right") - 1)
+            sequence_of_rows(self.starts, where.row0, where.row1))
         return _global_positions(sm.bind_flash(self.softcap, slopes, shift, row_sequence=rows),
                                  xp, graph, where)
 

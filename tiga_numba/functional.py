@@ -335,7 +335,7 @@ def _sequence_of_rows_on(graph, lib, shape):
     """The sequence of each query row (int64, (num_dst,)) for flash-attn's per-sequence
     (batch, H) slopes: the relation must be made of `batch` implicit blocks (Graph.cu_seqlens,
     or Graph.cat of implicit relations), a block being a sequence; `shape`: the slopes' (batch,
-    H). Made once per graph and device, as _alibi_shift_on."""
+    H). Made once per graph and device (_on_device)."""
     batch = shape[0]
     blocks = graph._blocks
     if graph.kind != "segments" or blocks is None or len(blocks.dst_offsets) - 1 != batch:
@@ -345,30 +345,34 @@ def _sequence_of_rows_on(graph, lib, shape):
                          f"sequence and needs a cu_seqlens relation of {batch} sequences "
                          f"(Graph.cu_seqlens, or Graph.cat of implicit relations); the graph "
                          f"{what}")
+    return _on_device(graph, "alibi-rows", lib,
+                      lambda: sequence_of_rows(blocks.dst_offsets, 0, graph.num_dst))
+
+
+def sequence_of_rows(offsets, row0, row1):
+    """The block (sequence) of each row in [row0, row1), from the blocks' first rows `offsets`
+    (num_blocks + 1 increasing offsets; an empty block holds no row): int64, host."""
+    return np.searchsorted(np.asarray(offsets), np.arange(row0, row1), "right").astype(np.int64) - 1
+
+
+def _on_device(graph, name, lib, build):
+    """build() (a host array, or None) as an array of library `lib` (on cupy's current device),
+    made once per graph and device: a call must not copy it to the device again (a host-to-device
+    copy from pageable memory waits for the stream, so the host would stall on every call)."""
     device = None
     if lib == "cupy":
         import cupy
         device = cupy.cuda.Device().id
 
-    def build():
-        nd = np.diff(np.asarray(blocks.dst_offsets))
-        return _xp(lib).asarray(np.repeat(np.arange(batch, dtype=np.int64), nd))
-    return graph._cached(("alibi-rows", lib, device), build)
+    def on_device():
+        host = build()
+        return None if host is None else _xp(lib).asarray(host)
+    return graph._cached((name, lib, device), on_device)
 
 
 def _alibi_shift_on(graph, lib):
-    """_alibi_shift as an array of library `lib` (on cupy's current device), made once per graph
-    and device: a call must not copy it to the device again (a host-to-device copy from pageable
-    memory waits for the stream, so the host would stall on every call)."""
-    device = None
-    if lib == "cupy":
-        import cupy
-        device = cupy.cuda.Device().id
-
-    def build():
-        shift = _alibi_shift(graph)
-        return None if shift is None else _xp(lib).asarray(shift)
-    return graph._cached(("alibi-shift", lib, device), build)
+    """_alibi_shift as an array of library `lib`, made once per graph and device (_on_device)."""
+    return _on_device(graph, "alibi-shift", lib, lambda: _alibi_shift(graph))
 
 
 def _alibi_shift(graph):
