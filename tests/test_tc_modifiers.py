@@ -131,6 +131,8 @@ def _values(rng, tree, proto, nd, ns, H, dst, src):
             out[x] = v
         elif x.op == "head":
             out[x] = rng.uniform(0.05, 0.5, H)
+        elif x == sm.ALIBI_ROW_SLOPES:   # positive, as ALiBi's: a value is at most its score, so the
+            out[x] = rng.uniform(0.05, 0.5, (nd, H))   # zero rows past a block (stats 0) cannot overflow P
         elif x.attr == ("dst", "_alibi_shift"):
             per = (np.diff(src) - np.diff(dst)) - dst[:-1] + src[:-1]
             out[x] = np.repeat(per, np.diff(dst)).astype(np.float64)
