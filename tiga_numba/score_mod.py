@@ -563,16 +563,22 @@ class BoundModifier:
 
 
 def _sum_runs(g, index, n):
-    """(n,) + g.shape[1:]: row b sums the rows r of g with index[r] == b (index increasing), in
-    float64 through a running sum, so the bits do not depend on the array library's reduction
-    order; a b no row has gives 0. Each sum is the difference of two running totals, so its
-    rounding is float64's relative to the total so far, not to the sequence's own sum."""
-    if isinstance(g, np.ndarray):
-        xp = np
-    else:
-        import cupy as xp
-    b = xp.arange(n)
-    starts, ends = xp.searchsorted(index, b), xp.searchsorted(index, b, side="right")
-    run = xp.concatenate([xp.zeros((1,) + g.shape[1:], dtype=xp.float64),
-                          xp.cumsum(g, axis=0, dtype=xp.float64)])
-    return run[ends] - run[starts]
+    """(n,) + g.shape[1:], in g's library: row b sums the rows r of g with index[r] == b (index
+    increasing), each run in float64 and in row order by numpy's reduceat on the host, so the bits
+    depend neither on the array library's reduction order nor on the other runs (a running-sum
+    difference would round each run relative to the total before it); a b no row has gives 0.
+    A cupy g (an (N, H) per-row gradient, small next to the call's arrays) goes to the host and
+    back: the same bits as a numpy call."""
+    on_host = isinstance(g, np.ndarray)
+    gh = np.asarray(g if on_host else g.get(), np.float64)
+    ih = np.asarray(index if isinstance(index, np.ndarray) else index.get())
+    b = np.arange(n)
+    starts, ends = np.searchsorted(ih, b), np.searchsorted(ih, b, side="right")
+    out = np.zeros((n,) + gh.shape[1:], np.float64)
+    full = ends > starts
+    if full.any():   # runs with rows: consecutive in index, so reduceat's segments are exactly them
+        out[full] = np.add.reduceat(gh, starts[full], axis=0)
+    if on_host:
+        return out
+    import cupy
+    return cupy.asarray(out)
