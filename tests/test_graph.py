@@ -156,6 +156,26 @@ def test_from_coo_edge_permutation_maps_input_fields():
     assert tg.Graph.dense(3).edge_permutation is None
 
 
+def test_from_scipy_edge_permutation_follows_the_stored_entries():
+    """from_scipy's input order is the matrix's stored order (tocoo's); an entry given twice is
+    one edge at its first place; a canonical CSR matrix needs no permutation."""
+    row = np.array([2, 0, 2, 0, 1, 0])
+    col = np.array([1, 2, 0, 2, 1, 0])          # (0, 2) given twice
+    m = sp.coo_matrix((np.arange(6.0), (row, col)), shape=(3, 3))
+    g = tg.Graph.from_scipy(m)
+    indptr, indices = g._host_csr()
+    assert g.num_edges == 5
+    np.testing.assert_array_equal(indptr, [0, 2, 3, 5])
+    np.testing.assert_array_equal(indices, [0, 2, 1, 0, 1])
+    # distinct edges in first-entry order: (2,1) (0,2) (2,0) (1,1) (0,0)
+    first = np.array([[2, 1], [0, 2], [2, 0], [1, 1], [0, 0]])
+    rows = np.repeat(np.arange(3), np.diff(indptr))
+    np.testing.assert_array_equal(first[g.edge_permutation], np.stack([rows, indices], 1))
+    assert tg.Graph.from_scipy(m.tocsr()).edge_permutation is None   # canonical: CSR order
+    csc = tg.Graph.from_scipy(sp.csc_matrix(np.array([[0, 1.0], [1.0, 1.0]])))
+    np.testing.assert_array_equal(csc.edge_permutation, [1, 0, 2])   # stored: (1,0) (0,1) (1,1)
+
+
 def test_arrays_a_graph_hands_out_cannot_change_it():
     """Graph is immutable: edge_permutation and a geometric graph's positions come back
     read-only, so writing into them raises and later calls see the graph as built"""

@@ -285,6 +285,34 @@ def test_from_csr_graph_edge_attr_in_csr_order():
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["coo", "csr_unsorted", "csc"])
+def test_from_scipy_edge_attr_is_the_matrix_data(fmt):
+    """from_scipy reads edge_attr in the matrix's stored order: a matrix's data, given as
+    edge_attr, lines up with its edges as the same edges listed for from_coo do."""
+    import scipy.sparse as sp
+    rng = np.random.default_rng(4)
+    n = 11
+    pairs = rng.choice(n * n, 35, replace=False)   # distinct edges, in no particular order
+    src, dst = pairs % n, pairs // n
+    ea = rng.normal(size=len(src))
+    m = sp.coo_matrix((ea, (dst, src)), shape=(n, n))
+    if fmt == "csr_unsorted":   # rows in order, columns within a row as listed (unsorted)
+        order = np.lexsort((np.arange(len(src)), dst))
+        indptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=n))])
+        m = sp.csr_matrix((ea[order], src[order], indptr), shape=(n, n))
+        assert not m.has_canonical_format
+    elif fmt == "csc":
+        m = m.tocsc()
+    stored = m.tocoo()
+    ref = tg.Graph.from_coo(stored.col, stored.row, n, n)
+    g = tg.Graph.from_scipy(m)
+    assert g.edge_permutation is not None
+    x = rng.normal(size=(n, 4))
+    for cls in (GATConv, TransformerConv):
+        layer = cls(4, 3, heads=2, edge_dim=1, seed=2, dtype=np.float64)
+        np.testing.assert_allclose(layer(x, g, m.data), layer(x, ref, stored.data), rtol=1e-12, atol=1e-13)
+
+
 class PointerReadSparse:
     """scipy.sparse as cuSPARSE sees a cupyx.scipy.sparse matrix: cupyx keeps a strided view as
     the matrix's values and cuSPARSE reads them from the view's first element on as if they were

@@ -532,19 +532,37 @@ class Graph:
         (BSR, zeros inside the block included), every in-bounds position of a stored diagonal
         is an edge (DIA, zeros included: scipy's own DIA -> CSR conversion would drop them).
         Duplicate entries (COO, repeated DIA offsets) are one edge. To make zero values mean
-        "no edge", drop them first: ``m = m.tocsr(); m.eliminate_zeros()``."""
+        "no edge", drop them first: ``m = m.tocsr(); m.eliminate_zeros()``.
+
+        Per-edge fields (a layer's ``edge_attr``, a program's edge fields) are read in the
+        matrix's stored order, as ``matrix.tocoo()`` lists the entries (so ``matrix.data`` of a
+        COO, CSR or CSC matrix lines up with its edges), an edge given twice at its first
+        entry: the fields of a matrix with duplicates have one row per distinct edge.
+        `edge_permutation` maps the CSR edges to that order (None where it is the CSR order)."""
         import scipy.sparse as sp
         if not sp.issparse(matrix):
             raise TypeError(f"matrix must be a scipy.sparse matrix or array, got {type(matrix).__name__}")
         if len(matrix.shape) != 2:   # scipy's sparse arrays may be 1-D (or n-D COO)
             raise ValueError(f"matrix must be 2-D (num_dst, num_src), got shape {tuple(matrix.shape)}")
-        if matrix.format == "dia":
-            matrix = _dia_structure(matrix)
-        csr = matrix.tocsr()
-        if csr is matrix and not csr.has_canonical_format:
-            csr = csr.copy()   # sum_duplicates works in place: never on the caller's matrix
-        csr.sum_duplicates()  # duplicates merged into one entry (no-op when canonical)
-        return cls.from_csr(csr.indptr, csr.indices, num_src=csr.shape[1], device=device)
+        if matrix.format == "csr" and matrix.has_canonical_format:   # already the CSR order
+            return cls.from_csr(matrix.indptr, matrix.indices, num_src=matrix.shape[1], device=device)
+        coo = _dia_structure(matrix) if matrix.format == "dia" else matrix.tocoo()
+        num_dst, num_src = (int(n) for n in matrix.shape)
+        # stored entries in stored order; key = row * num_src + col is the CSR order (< 2**62)
+        key = coo.row.astype(np.int64) * num_src + coo.col.astype(np.int64)
+        perm = None
+        if key.size and not bool(np.all(key[1:] > key[:-1])):
+            key, first = np.unique(key, return_index=True)   # distinct edges, CSR order
+            perm = np.empty(key.size, np.int64)   # CSR edge e -> rank of its first entry
+            perm[np.argsort(first, kind="stable")] = np.arange(key.size, dtype=np.int64)
+            if np.array_equal(perm, np.arange(key.size)):
+                perm = None
+        rows = key // max(num_src, 1)
+        indptr = np.zeros(num_dst + 1, np.int64)
+        np.cumsum(np.bincount(rows, minlength=num_dst), out=indptr[1:])
+        graph = cls.from_csr(indptr, key - rows * num_src, num_src=num_src, device=device)
+        graph._edge_perm = perm
+        return graph
 
     @classmethod
     def from_coo(cls, src, dst, num_src=None, num_dst=None, *, device=None):
@@ -689,11 +707,12 @@ class Graph:
 
     @property
     def edge_permutation(self):
-        """For a graph built by from_coo (or from_edge_index), an int64 array `(num_edges,)`:
-        edge e in CSR order (the order the kernels read per-edge values in) is input edge
-        `edge_permutation[e]`. Programs and layers take per-edge fields in the input order and
-        convert with it (`field[graph.edge_permutation]`); None for the other constructors
-        (their input order is the CSR order). Read-only: it is the graph's own array."""
+        """For a graph built by from_coo (or from_edge_index), or by from_scipy from a matrix whose
+        stored order is not the CSR order, an int64 array `(num_edges,)`: edge e in CSR order
+        (the order the kernels read per-edge values in) is input edge `edge_permutation[e]`.
+        Programs and layers take per-edge fields in the input order and convert with it
+        (`field[graph.edge_permutation]`); None where the input order is the CSR order.
+        Read-only: it is the graph's own array."""
         return _read_only(self._edge_perm)
 
     @property
