@@ -196,6 +196,41 @@ def test_matches_pyg(name, kwargs, bipartite):
     assert np.setdiff1d(np.arange(nd), dst).size > 0  # the graph has isolated destinations
 
 
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_float64_pyg_state_dict_loads_as_float64(name):
+    """A float64 PyG layer's state dict, with weights that float32 cannot hold, loads as
+    float64: state_dict() gives back the same arrays' values and dtype, and out, dx and every
+    parameter gradient agree with PyG's float64 autograd to float64 rounding."""
+    torch = pytest.importorskip("torch")
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    rng = np.random.default_rng(9)
+    n, f = 17, 5
+    src, dst = random_edges(rng, n, n, 60)
+    pyg = getattr(pyg_nn, name)(f, 3, heads=2).double()
+    with torch.no_grad():   # float64 values, not float32 ones widened
+        for p in pyg.parameters():
+            p.copy_(torch.from_numpy(rng.normal(size=tuple(p.shape))))
+    sd = {k: v.detach().numpy().copy() for k, v in pyg.state_dict().items()}
+    ours = LAYERS[name](f, 3, heads=2)
+    ours.load_state_dict(sd)
+    back = ours.state_dict()
+    assert ours.dtype == np.float64
+    for k, v in sd.items():
+        assert back[k].dtype == np.float64 and np.array_equal(back[k], v), k
+    x = torch.from_numpy(rng.normal(size=(n, f))).requires_grad_(True)
+    out_t = pyg(x, torch.from_numpy(np.stack([src, dst])))
+    dout = torch.from_numpy(rng.normal(size=tuple(out_t.shape)))
+    out_t.backward(dout)
+    out, vjp = ours.vjp(x.detach().numpy(), tg.Graph.from_coo(src, dst, n, n))
+    grads = vjp(dout.numpy())
+    tol = dict(rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **tol)
+    np.testing.assert_allclose(grads["x"], x.grad.numpy(), **tol)
+    for pname, p in pyg.named_parameters():
+        assert grads["params"][pname].dtype == np.float64
+        np.testing.assert_allclose(grads["params"][pname], p.grad.numpy(), err_msg=pname, **tol)
+
+
 @pytest.mark.parametrize("name", ["GATConv", "GATv2Conv"])
 def test_array_fill_value_matches_pyg(name):
     """PyG's Tensor fill_value: one value per edge feature for the added loops' edge_attr"""

@@ -100,7 +100,11 @@ class Layer:
 
     def load_state_dict(self, state_dict, strict=True):
         """Copy arrays (numpy, cupy, torch tensors, ...) into the parameters by PyG name.
-        Shapes must match; with strict=True, the names must match exactly."""
+        Shapes must match; with strict=True, the names must match exactly. A float16, float32
+        or float64 array keeps its dtype (the state dict of a float64 PyG layer loads as
+        float64, so `state_dict()` gives back the same values and the layer computes in that
+        precision; `dtype` becomes the parameters' dtype when they share one); an array of any
+        other dtype is cast to the parameter's current dtype."""
         if not hasattr(state_dict, "items"):
             raise TypeError(f"state_dict must be a mapping of name -> array, got {type(state_dict).__name__}")
         given = dict(state_dict.items())
@@ -119,10 +123,14 @@ class Layer:
             if tuple(value.shape) != want:
                 raise ValueError(f"state_dict[{name!r}] must have shape {want}, got {tuple(value.shape)}")
             current = self._params[name]
+            dtype = value.dtype if np.dtype(value.dtype) in _FLOATS else current.dtype
             if xp_of(current) is np:  # keep each parameter where it is (numpy or cupy)
-                self._params[name] = np.array(interop.to_host(value), dtype=current.dtype, copy=True)
+                self._params[name] = np.array(interop.to_host(value), dtype=dtype, copy=True)
             else:
-                self._params[name] = xp_of(current).array(value, dtype=current.dtype, copy=True)
+                self._params[name] = xp_of(current).array(value, dtype=dtype, copy=True)
+        dtypes = {np.dtype(a.dtype) for a in self._params.values()}
+        if len(dtypes) == 1:
+            self.dtype = dtypes.pop()
         return self
 
     def to(self, device):
