@@ -145,6 +145,23 @@ def test_constructor_type_errors():
         tg.Graph.from_scipy(np.eye(3))
 
 
+@pytest.mark.parametrize("bad", [None, "0,3", {0: 1}, object()])
+def test_index_arrays_of_the_wrong_type_raise_type_error(bad):
+    """None, a string, a mapping: the wrong array type (TypeError naming the argument), not a
+    shape error; an integer scalar is the wrong shape (ValueError)."""
+    G = tg.Graph
+    for call, name in ((lambda: G.from_csr(bad, [0]), "indptr"), (lambda: G.from_csr([0, 1], bad), "indices"),
+                       (lambda: G.from_coo(bad, [0]), "src"), (lambda: G.from_coo([0], bad), "dst"),
+                       (lambda: G.from_edge_index(bad), "edge_index"), (lambda: G.cu_seqlens(bad), "cu_seqlens"),
+                       (lambda: G.cu_seqlens([0, 1], cu_seqlens_k=bad), "cu_seqlens_k")):
+        if bad is None and name.startswith("cu_seqlens"):
+            continue   # None is their default (cu_seqlens_q= may give the offsets; same keys)
+        with pytest.raises(TypeError, match=name):
+            call()
+    with pytest.raises(ValueError, match="indptr must be 1-D"):
+        G.from_csr(5, [0])
+
+
 def test_from_coo_edge_permutation_maps_input_fields():
     src = np.array([2, 0, 1, 0])
     dst = np.array([1, 0, 1, 2])

@@ -85,6 +85,31 @@ def test_lse_matches_float64_oracle_and_empty_part_is_neutral():
     assert np.array_equal(ast.m, st.m) and np.array_equal(ast.l, st.l)
 
 
+@pytest.mark.parametrize("junk", [np.nan, np.inf, -np.inf])
+def test_an_empty_part_is_neutral_whatever_its_out_holds(junk):
+    """A part with l = 0 contributes nothing even when its out holds NaN or inf (a hand-made
+    part, np.empty's memory): its out is never read, not multiplied by 0. Rows empty in every
+    part give 0. Both merge paths: the CPU kernel and the array expressions cupy runs."""
+    from tiga_numba import merge as tm
+    rng = np.random.default_rng(5)
+    n, h, d = 9, 2, 3
+    q, k, v = _qkv(n, n, h, h, d, rng)
+    rows = np.ones(n, bool)
+    rows[[2, 6]] = False   # rows with no edges at all
+    mask = np.tril(np.ones((n, n), bool)) & rows[:, None]
+    g = tg.Graph.from_scipy(sp.csr_matrix(mask * 1.0))
+    out, st = tg.attention(q, k, v, g, return_stats=True)
+    empty = (np.full_like(out, junk), tg.AttentionStats(np.full(st.m.shape, -np.inf), np.zeros(st.l.shape)))
+    for parts in ([(out, st), empty], [empty, (out, st)], [empty, (out, st), empty]):
+        mo, ms = tg.attention_merge(parts)
+        assert np.array_equal(mo, out) and np.array_equal(ms.l, st.l)
+        ao, am, al = tm._merge_arrays(np, [(o, s.m, s.l) for o, s in parts])
+        np.testing.assert_allclose(ao, out, rtol=1e-14, atol=1e-15)
+        assert (ao[~rows] == 0).all() and np.isfinite(ao).all()
+    both, _ = tg.attention_merge([empty, empty])
+    assert (both == 0).all()
+
+
 def test_merge_rejects_bad_parts():
     o = np.zeros((3, 2, 4))
     st = tg.AttentionStats(np.zeros((3, 2)), np.ones((3, 2)))

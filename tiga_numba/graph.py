@@ -134,6 +134,9 @@ def _to_host(name, array):
         out = np.asarray(array)
     except Exception as exc:  # pragma: no cover - exotic inputs
         raise TypeError(f"{name} must be array-like, got {type(array).__name__}") from exc
+    if out.dtype.kind in "OUSV":   # None, a string, a mapping...: the type is wrong, not the shape
+        raise TypeError(f"{name} must be an integer array (numpy, cupy or a sequence of ints), "
+                        f"got {type(array).__name__}" + (f" of dtype {out.dtype}" if out.ndim else ""))
     if out.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {out.shape}")
     if out.size and not np.issubdtype(out.dtype, np.integer):
@@ -619,8 +622,12 @@ class Graph:
         ``from_coo(edge_index[0], edge_index[1], num_nodes, num_nodes)``."""
         shape = getattr(edge_index, "shape", None)
         if shape is None:
+            given = type(edge_index).__name__
             edge_index = np.asarray(edge_index)
             shape = edge_index.shape
+            if edge_index.dtype.kind in "OUSV":   # None, strings...: the type is wrong, not the shape
+                raise TypeError(f"edge_index must be an integer array of shape (2, E), got {given}"
+                                + (f" of dtype {edge_index.dtype}" if shape else ""))
         if len(shape) != 2 or shape[0] != 2:
             raise ValueError(f"edge_index must have shape (2, E), got {tuple(shape)}")
         n = None if num_nodes is None else _count("num_nodes", num_nodes)

@@ -161,18 +161,22 @@ def _merge_arrays(xp, checked):
         held = xp.asarray(l0, dtype=acc) > 0
         out = xp.where(held[..., None], out0, 0).astype(out0.dtype, copy=False)
         return out, xp.where(held, xp.asarray(m0, dtype=acc), -xp.inf).astype(acc), xp.asarray(l0, dtype=acc)
+    def held(o, l):   # an empty row's out is never read: a NaN or inf there is not 0 * NaN
+        return xp.where((l > 0)[..., None], xp.asarray(o, dtype=acc), 0)
+
     m_run = xp.asarray(m0, dtype=acc)
     l_run = xp.asarray(l0, dtype=acc)
-    o_run = xp.asarray(out0, dtype=acc) * l_run[..., None]   # unnormalised accumulator
+    o_run = held(out0, l_run) * l_run[..., None]   # unnormalised accumulator
     for o, m, l in checked[1:]:
         m = xp.asarray(m, dtype=acc)
         l = xp.asarray(l, dtype=acc)
+        o = held(o, l)
         m_new = xp.maximum(m_run, m)
         # empty rows have m = -inf; use 0 as the reference there so that no -inf - -inf appears
         ref = xp.where(xp.isfinite(m_new), m_new, 0)
         a = xp.where(l_run > 0, xp.exp(xp.where(l_run > 0, m_run, ref) - ref), 0).astype(acc)
         b = xp.where(l > 0, xp.exp(xp.where(l > 0, m, ref) - ref), 0).astype(acc)
-        o_run = o_run * a[..., None] + xp.asarray(o, dtype=acc) * (l * b)[..., None]
+        o_run = o_run * a[..., None] + o * (l * b)[..., None]
         l_run = l_run * a + l * b
         m_run = m_new
     with np.errstate(divide="ignore", invalid="ignore"):
