@@ -744,6 +744,28 @@ def test_layer_vjp_backward_takes_its_forward_state(monkeypatch):
     assert sizeof(state) >= held.nbytes and state[0].nbytes == held.nbytes
 
 
+@pytest.mark.parametrize("cls", [tgl.GATConv, tgl.TransformerConv])
+def test_layer_vjp_state_keeps_its_halo_under_threads(cls):
+    """The forward state a layer's backward task takes holds its partition's halo of x: with
+    one-row chunks many partitions' halos have one size, and under the threaded scheduler
+    another task must not get (and write) that halo's buffer before the backward reads it. The
+    source projections' gradients (lin.weight; lin_key, lin_value) read the halo."""
+    rng = np.random.default_rng(2)
+    n = 31
+    src, dst = rng.integers(0, n, 200), rng.integers(0, n, 200)
+    dst[:30] = 3   # a hub row
+    g = tg.Graph.from_edge_index(np.stack([src, dst]), n)
+    x = rng.standard_normal((n, 6)).astype(np.float32)
+    conv = cls(6, 4, heads=2, seed=2, dtype=np.float32)
+    out, vjp = conv.vjp(x, g)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    ref = vjp(dout)
+    for _ in range(3):   # the tasks' interleaving differs between runs
+        lout, lvjp = tgd.layer_vjp(conv, da.from_array(x, chunks=(1, -1)), g)
+        got_out, got = dask.compute(lout, lvjp(da.from_array(dout, chunks=(1, -1))), scheduler="threads")
+        _check_layer(got_out, got, out, ref, 2e-5)
+
+
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float16, 2e-2)])
 def test_layer_lower_precision(dtype, tol):
     conv, g, (out, ref), c = _layer_problem("gat-mean", dtype=dtype)

@@ -569,11 +569,14 @@ def keep_freed_memory(client=None):
 
 
 @contextlib.contextmanager
-def _halo(parts):
-    """A task's halo pieces as one array, for the task's kernel call only (nothing it returns
-    views the halo): a single piece itself; numpy pieces copied into a buffer of the worker's
-    pool (the kernels read a node-major array, so the copy cannot be avoided); cupy pieces
-    concatenated (cupy pools device memory)."""
+def _halo(parts, kept=False):
+    """A task's halo pieces as one array: a single piece itself; numpy pieces copied into a
+    buffer of the worker's halo pool, lent for the task's kernel call only (the kernels read a
+    node-major array, so the copy cannot be avoided); cupy pieces concatenated (cupy pools
+    device memory). `kept`: the task's result holds the halo (a layer's backward state,
+    _LayerCall.keeps_state), so the buffer comes from the result pool instead, which lends a
+    buffer again only once nothing refers to it; the halo pool's would go back, to be written
+    by another task, before the backward reads it."""
     if len(parts) == 1:
         yield parts[0]
         return
@@ -581,6 +584,11 @@ def _halo(parts):
         yield _xp_of(parts[0]).concatenate(parts, axis=0)
         return
     shape = (sum(p.shape[0] for p in parts),) + parts[0].shape[1:]
+    if kept:
+        halo = output_empty(shape, np.result_type(*parts))   # the task's result pool (_pooled)
+        np.concatenate(parts, axis=0, out=halo)
+        yield halo
+        return
     with _halo_scratch.borrow(shape, np.result_type(*parts)) as halo:
         np.concatenate(parts, axis=0, out=halo)
         yield halo
@@ -784,15 +792,16 @@ class _ProgramCall(_Call):
 
 
 @contextlib.contextmanager
-def _halos(src_parts):
-    """_halo of each source array's pieces, all held for the task's kernel call."""
+def _halos(src_parts, kept=False):
+    """_halo of each source array's pieces, all held for the task's kernel call (`kept`: for
+    its result too)."""
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(_halo(parts)) for parts in src_parts]
+        yield [stack.enter_context(_halo(parts, kept)) for parts in src_parts]
 
 
 @_pooled
 def _csr_forward(dst_p, src_parts, edge_p, graph, *extras, recipe, warm, where):
-    with _halos(src_parts) as src:
+    with _halos(src_parts, kept=getattr(recipe, "keeps_state", False)) as src:
         return recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src)),
                               dict(zip(recipe.edge_names, edge_p)), _warm(graph, warm), where, *extras)
 
