@@ -549,8 +549,12 @@ class Graph:
             raise ValueError(f"matrix must be 2-D (num_dst, num_src), got shape {tuple(matrix.shape)}")
         if matrix.format == "csr" and matrix.has_canonical_format:   # already the CSR order
             return cls.from_csr(matrix.indptr, matrix.indices, num_src=matrix.shape[1], device=device)
-        coo = _dia_structure(matrix) if matrix.format == "dia" else matrix.tocoo()
         num_dst, num_src = (int(n) for n in matrix.shape)
+        for name, n in (("rows (num_dst)", num_dst), ("columns (num_src)", num_src)):
+            if n >= 2**31:   # before the keys below, which would overflow int64
+                raise ValueError(f"matrix {name} must be < 2**31 for a CSR relation (int32 indices), "
+                                 f"got shape {tuple(matrix.shape)}")
+        coo = _dia_structure(matrix) if matrix.format == "dia" else matrix.tocoo()
         # stored entries in stored order; key = row * num_src + col is the CSR order (< 2**62)
         key = coo.row.astype(np.int64) * num_src + coo.col.astype(np.int64)
         perm = None
