@@ -9,6 +9,7 @@ import numba
 import numpy as np
 import pytest
 
+import tiga_numba as tg
 from tiga_numba import kernel_cache
 from tiga_numba.kernel_cache import KernelCache, KernelSource
 
@@ -117,7 +118,9 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
     assert "tiga_numba.precompile: CPU kernels for float32" in out and "done in" in out
     records = precompile.precompile(["float32"])
     assert [r[1] for r in records] == ["blocks forward, dense",
-                                       "blocks forward, causal / segments / bands",
+                                       "blocks forward, causal / segments / wide bands",
+                                       "blocks forward, narrow bands (span tiles)",
+                                       "blocks backward, narrow bands (span tiles)",
                                        "blocks forward, tile-pruned", "blocks backward",
                                        "decode forward (few query rows per block)",
                                        "csr forward", "csr backward"]
@@ -125,9 +128,17 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
     # each call reaches the family its label names (the block calls have more rows than the
     # split-key decode kernel takes, which would otherwise be chosen)
     for label, run in precompile._calls("float32"):
-        family = run().family
+        plan = run()
         want = "cpu.decode" if label.startswith("decode") else "cpu.csr" if label.startswith("csr") else "cpu.blocks"
-        assert family == want, (label, family)
+        assert plan.family == want, (label, plan.family)
+    # the narrow-band calls' relation takes span tiles under the machine's tile rule (the suite
+    # pins its own tiles, which have none; a plan, made without compiling anything)
+    from tiga_numba.registry import DECODE_MAX_ROWS
+    n = DECODE_MAX_ROWS + 8
+    x = np.zeros((n, 1, 4), np.float32)
+    with tg.options(cpu_tiles=None):
+        for op in ("forward", "backward"):
+            assert "spanning" in tg.make_plan(x, x, x, tg.Graph.band(n, left=8), op=op).explain(), op
     with pytest.raises(SystemExit):
         precompile.main(["--modifiers", "rope"])
 

@@ -91,6 +91,26 @@ def test_explain_after_a_call_that_raised_says_so():
     vjp(out)
     assert prog.explain().startswith("program: Attend")
     assert not tg.explain().startswith("the most recent call failed")
+    # a failed call does not rewrite what the completed one did: it traced edge() (a new
+    # signature), the failing call with that signature reused the trace and failed after
+    fresh = Attend()
+    fresh(dst={"query": q}, **fields)
+    with pytest.raises(TypeError):
+        fresh(dst={"query": q}, **dict(fields, scale="x"))
+    assert "last call traced edge()" in fresh.explain()
+    fresh(dst={"query": q}, **fields)
+    assert "last call reused a trace" in fresh.explain()
+    # a GNN layer's failure is the most recent call too, until a call completes
+    from tiga_numba.layers import GATConv
+    conv = GATConv(4, 3, heads=2)
+    with pytest.raises(ValueError):
+        conv(q[:5, 0], g)
+    assert tg.explain().startswith("the most recent call failed: GATConv(...) raised ValueError")
+    out, lvjp = conv.vjp(q[:, 0], g)
+    assert not tg.explain().startswith("the most recent call failed")
+    with pytest.raises(ValueError):
+        lvjp(out[:3])
+    assert tg.explain().startswith("the most recent call failed: the vjp(dout) of GATConv.vjp raised")
 
 
 def test_repeated_calls_reuse_validation_and_plan_but_not_their_record():

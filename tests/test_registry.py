@@ -46,11 +46,13 @@ def test_options_are_arguments_and_contexts():
         assert tg.make_plan(q, k, v, g, op="backward", deterministic=True).options.deterministic
     assert tg.make_plan(q, k, v, g).options.wgmma is True
     with pytest.raises(TypeError, match="unknown option"):
-        with tg.options(fast=True):
-            pass
+        tg.options(fast=True)   # at the call, before any with
     with pytest.raises(TypeError, match="True or False"):
-        with tg.options(deterministic=1):
-            pass
+        tg.options(deterministic=1)
+    block = tg.options(deterministic=False)   # made here, applied when entered
+    assert tg.make_plan(q, k, v, g, op="backward").options.deterministic is True
+    with block:
+        assert tg.make_plan(q, k, v, g, op="backward").options.deterministic is False
     out, st = tg.attention(q, k, v, g, return_stats=True)
     a = tg.attention_backward(out, q, k, v, out, st, g, deterministic=False)
     b = tg.attention_backward(out, q, k, v, out, st, g)

@@ -12,7 +12,8 @@ finds them on disk:
     python -m tiga_numba.precompile --modifiers softcap,alibi   # also softcap= / alibi_slopes=
     (alibi-rows: flash-attn's per-sequence (batch, H) slopes on cu_seqlens relations)
 
-Families: block relations (dense, causal, cu_seqlens) forward, tile-pruned forward and
+Families: block relations (dense, causal, cu_seqlens; bands at most 2 x BN keys wide take span
+tiles, kernels of their own) forward, tile-pruned forward and
 backward; the split-key forward of few-query blocks; CSR relations forward and backward.
 The GAT score-network kernels are generated per network shape and compile on their first
 call (see docs/gat.md); the GPU kernels have their own command, ``python -m tiga_numba.cuda.tc.prebuild``.
@@ -84,7 +85,10 @@ def _calls(dtype, modifiers=()):
 
     # dense relations' forward takes taller tiles than the others (cpu/tiles.py): two kernels
     return modified + [("blocks forward, dense", forward(dense)),
-            ("blocks forward, causal / segments / bands", forward(tg.Graph.triangular(n))),
+            ("blocks forward, causal / segments / wide bands", forward(tg.Graph.triangular(n))),
+            # a band at most 2 x BN keys wide takes span tiles (cpu/tiles.py): a kernel of its own
+            ("blocks forward, narrow bands (span tiles)", forward(tg.Graph.band(n, left=8))),
+            ("blocks backward, narrow bands (span tiles)", backward(tg.Graph.band(n, left=8))),
             ("blocks forward, tile-pruned", forward(dense, block_prune_threshold=0.5)),
             ("blocks backward", backward(dense)),
             ("decode forward (few query rows per block)", forward(tg.Graph.dense(n, 1))),

@@ -269,6 +269,7 @@ class _Lowered:
         self.traced = traced
         self.call = call
         self.front_notes = []
+        self.trace_hit = None   # whether the trace came from the program's cache (_lower sets it)
         self.rho = traced.reducer.block_prune_threshold
         self.values = values = {n: call.param_value(n) for n in traced.param_names()}
         # the scalar params a vjp differentiates: the floating-point ones (an int is a count or
@@ -660,7 +661,7 @@ class MessagePassing:
         st = self._state()
         key = call.signature(self)
         traced = st["traces"].get(key)
-        st["trace_hit"] = traced is not None
+        hit = traced is not None   # recorded with the call's plan once it completes (_record)
         if traced is None:
             traced = trace_edge(self, call.trace_fields(), sorted(call.params), call.head_params())
             unread = [(role, name) for role in ROLES for name in call.roles[role]
@@ -670,7 +671,9 @@ class MessagePassing:
                 raise ValueError(f"{type(self).__name__}.edge() never reads the given field(s) "
                                  f"{names}; pass only the fields edge() uses")
             st["traces"][key] = traced
-        return _Lowered(traced, call, for_grad)
+        lowered = _Lowered(traced, call, for_grad)
+        lowered.trace_hit = hit
+        return lowered
 
     def traced_form(self, graph, src=None, dst=None, edge=None, **params):
         """The recognised form of edge() for this call signature (no kernel runs)."""
@@ -727,6 +730,7 @@ class MessagePassing:
         st = self._state()
         st["failure"] = None
         st["last"] = lowered
+        st["trace_hit"] = lowered.trace_hit
         st["forward_plan"] = fplan
         st["backward_plan"] = bplan
         st["last_plan"] = bplan if bplan is not None else fplan

@@ -150,10 +150,17 @@ def resolve(**overrides):
     return replace(base, **_checked(changes)) if changes else base
 
 
-@contextlib.contextmanager
 def options(**changes):
-    """Context manager: the given options hold for the calls made inside the block."""
-    token = _CURRENT.set(replace(_CURRENT.get(), **_checked(changes)))
+    """Context manager: the given options hold for the calls made inside the block. A name or
+    value that is not an option's raises here, at the call (TypeError / ValueError naming the
+    option), not only when the block is entered."""
+    return _block(_checked(changes))
+
+
+@contextlib.contextmanager
+def _block(checked):
+    """the options block of checked `changes`, applied to the options in force at its entry."""
+    token = _CURRENT.set(replace(_CURRENT.get(), **checked))
     try:
         yield _CURRENT.get()
     finally:

@@ -234,29 +234,39 @@ class Layer:
         return self(x, graph, edge_attr)
 
     def __call__(self, x, graph, edge_attr=None, return_attention_weights=None):
-        _refuse_attention_weights(return_attention_weights)
-        lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
-        out, _ = self._run(x, graph, edge_attr, None, want_grad=False)
-        return interop.outward(out, lib)
+        with self._noting_failure("{name}(...)"):
+            _refuse_attention_weights(return_attention_weights)
+            lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
+            out, _ = self._run(x, graph, edge_attr, None, want_grad=False)
+            return interop.outward(out, lib)
 
     def vjp(self, x, graph, edge_attr=None, return_attention_weights=None):
         """out, vjp = layer.vjp(x, graph, edge_attr); vjp(dout) returns
         {"x": dx (or (dx_src, dx_dst)), "edge_attr": d_edge_attr or None, "params": {name: grad}}."""
-        _refuse_attention_weights(return_attention_weights)
-        lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
-        out, backward = self._run(x, graph, edge_attr, None, want_grad=True)
+        with self._noting_failure("{name}.vjp(...)"):
+            _refuse_attention_weights(return_attention_weights)
+            lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
+            out, backward = self._run(x, graph, edge_attr, None, want_grad=True)
         params = self._params
         pair = isinstance(x, (tuple, list))
+        layer = self
 
         def vjp(dout):
-            dout = interop.to_native(dout, "dout")
-            dx_src, dx_dst, d_ea, dparams = backward(dout)
-            grads = {"x": (dx_src, dx_dst) if pair else dx_src,
-                     "edge_attr": d_ea,
-                     "params": {k: dparams[k].astype(params[k].dtype, copy=False) for k in params}}
-            return interop.outward(grads, lib)
+            with layer._noting_failure("the vjp(dout) of {name}.vjp"):
+                dout = interop.to_native(dout, "dout")
+                dx_src, dx_dst, d_ea, dparams = backward(dout)
+                grads = {"x": (dx_src, dx_dst) if pair else dx_src,
+                         "edge_attr": d_ea,
+                         "params": {k: dparams[k].astype(params[k].dtype, copy=False) for k in params}}
+                return interop.outward(grads, lib)
 
         return interop.outward(out, lib), vjp
+
+    def _noting_failure(self, what):
+        """A failing call is what tg.explain() reports first until a call completes, as for
+        tg.attention and programs (an earlier call's plan is never passed off as this one's)."""
+        from ..functional import noting_failure
+        return noting_failure(what.format(name=type(self).__name__))
 
     def _run(self, x, graph, edge_attr, params, want_grad):
         """Checked inputs -> (out, backward(dout) -> (dx_src, dx_dst or None, d_edge_attr, dparams)).
