@@ -41,6 +41,8 @@ def test_a_plan_says_what_its_own_call_did_after_later_calls():
     assert st.plan.explain() == before
     plan = tg.make_plan(q, k, v, tg.Graph.triangular(12))
     assert "copies: (not run yet)" in plan.explain()
+    pruned = tg.make_plan(q, k, v, tg.Graph.dense(12), block_prune_threshold=0.5).explain()
+    assert "tile pruning: APPROXIMATE, rho=0.5; last call: not run yet" in pruned
 
 
 def test_explain_after_a_call_that_raised_says_so():

@@ -154,8 +154,8 @@ class Plan:
         if self.prune_threshold is not None:
             total = info.get("total_tiles")
             pruned = info.get("pruned_tiles")
-            frac = (f"{pruned}/{total} tiles pruned ({pruned / total:.1%})"
-                    if total else "no tiles")
+            frac = ("not run yet" if "kernel" not in info   # a make_plan plan: no call to count
+                    else f"{pruned}/{total} tiles pruned ({pruned / total:.1%})" if total else "no tiles")
             lines.append(f"tile pruning: APPROXIMATE, rho={self.prune_threshold:g}; last call: {frac}")
         else:
             lines.append("tile pruning: off (exact)")
