@@ -213,6 +213,10 @@ def test_float64_pyg_state_dict_loads_as_float64(name):
     sd = {k: v.detach().numpy().copy() for k, v in pyg.state_dict().items()}
     ours = LAYERS[name](f, 3, heads=2)
     ours.load_state_dict(sd)
+    # the widest dtype wins: a float64 layer given float32 arrays stays float64 (exact values)
+    wide = LAYERS[name](f, 3, heads=2, dtype=np.float64)
+    wide.load_state_dict({k: v.astype(np.float32) for k, v in sd.items()})
+    assert wide.dtype == np.float64 and all(a.dtype == np.float64 for a in wide.state_dict().values())
     back = ours.state_dict()
     assert ours.dtype == np.float64
     for k, v in sd.items():

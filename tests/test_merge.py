@@ -100,11 +100,17 @@ def test_an_empty_part_is_neutral_whatever_its_out_holds(junk):
     g = tg.Graph.from_scipy(sp.csr_matrix(mask * 1.0))
     out, st = tg.attention(q, k, v, g, return_stats=True)
     empty = (np.full_like(out, junk), tg.AttentionStats(np.full(st.m.shape, -np.inf), np.zeros(st.l.shape)))
-    for parts in ([(out, st), empty], [empty, (out, st)], [empty, (out, st), empty]):
+    # an empty part's m is not read either (a finite or non-finite m far above the real rows')
+    far = (np.full_like(out, junk), tg.AttentionStats(np.full(st.m.shape, 900.0 if junk != junk else junk),
+                                                      np.zeros(st.l.shape)))
+    for parts in ([(out, st), empty], [empty, (out, st)], [empty, (out, st), empty], [far, (out, st)],
+                  [(out, st), far]):
         mo, ms = tg.attention_merge(parts)
         assert np.array_equal(mo, out) and np.array_equal(ms.l, st.l)
         ao, am, al = tm._merge_arrays(np, [(o, s.m, s.l) for o, s in parts])
         np.testing.assert_allclose(ao, out, rtol=1e-14, atol=1e-15)
+        np.testing.assert_allclose(al, st.l, rtol=1e-14)
+        assert np.array_equal(am, np.asarray(ms.m))
         assert (ao[~rows] == 0).all() and np.isfinite(ao).all()
     both, _ = tg.attention_merge([empty, empty])
     assert (both == 0).all()

@@ -539,8 +539,10 @@ class Graph:
 
         Per-edge fields (a layer's ``edge_attr``, a program's edge fields) are read in the
         matrix's stored order, as ``matrix.tocoo()`` lists the entries (so ``matrix.data`` of a
-        COO, CSR or CSC matrix lines up with its edges), an edge given twice at its first
-        entry: the fields of a matrix with duplicates have one row per distinct edge.
+        COO, CSR or CSC matrix lines up with its edges; DIA: diagonal by diagonal as stored,
+        every in-bounds position, zeros included, where scipy's tocoo drops zeros), an edge given
+        twice at its first entry: the fields of a matrix with duplicates have one row per
+        distinct edge.
         `edge_permutation` maps the CSR edges to that order (None where it is the CSR order)."""
         import scipy.sparse as sp
         if not sp.issparse(matrix):

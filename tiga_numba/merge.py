@@ -161,15 +161,20 @@ def _merge_arrays(xp, checked):
         held = xp.asarray(l0, dtype=acc) > 0
         out = xp.where(held[..., None], out0, 0).astype(out0.dtype, copy=False)
         return out, xp.where(held, xp.asarray(m0, dtype=acc), -xp.inf).astype(acc), xp.asarray(l0, dtype=acc)
-    def held(o, l):   # an empty row's out is never read: a NaN or inf there is not 0 * NaN
+    # an empty row's out and m are never read (a part of weight 0 is left out, as in the CPU
+    # kernel): a NaN or inf out there is not 0 * NaN, and its m does not move the reference
+    def held(o, l):
         return xp.where((l > 0)[..., None], xp.asarray(o, dtype=acc), 0)
 
-    m_run = xp.asarray(m0, dtype=acc)
+    def held_m(m, l):
+        return xp.where(l > 0, xp.asarray(m, dtype=acc), -xp.inf)
+
     l_run = xp.asarray(l0, dtype=acc)
+    m_run = held_m(m0, l_run)
     o_run = held(out0, l_run) * l_run[..., None]   # unnormalised accumulator
     for o, m, l in checked[1:]:
-        m = xp.asarray(m, dtype=acc)
         l = xp.asarray(l, dtype=acc)
+        m = held_m(m, l)
         o = held(o, l)
         m_new = xp.maximum(m_run, m)
         # empty rows have m = -inf; use 0 as the reference there so that no -inf - -inf appears

@@ -100,11 +100,12 @@ class Layer:
 
     def load_state_dict(self, state_dict, strict=True):
         """Copy arrays (numpy, cupy, torch tensors, ...) into the parameters by PyG name.
-        Shapes must match; with strict=True, the names must match exactly. A float16, float32
-        or float64 array keeps its dtype (the state dict of a float64 PyG layer loads as
-        float64, so `state_dict()` gives back the same values and the layer computes in that
-        precision; `dtype` becomes the parameters' dtype when they share one); an array of any
-        other dtype is cast to the parameter's current dtype."""
+        Shapes must match; with strict=True, the names must match exactly. All parameters take
+        the widest float dtype among the layer's `dtype` and the given arrays' (a sequence
+        without a dtype of its own counts as the layer's): a float64 PyG layer's state dict
+        loads into a float32 layer as float64, exactly, so `state_dict()` gives back the same
+        values and the parameter gradients come back in float64; a float64 layer stays float64
+        whatever it is given. The computation itself runs in x's dtype."""
         if not hasattr(state_dict, "items"):
             raise TypeError(f"state_dict must be a mapping of name -> array, got {type(state_dict).__name__}")
         given = dict(state_dict.items())
@@ -113,24 +114,31 @@ class Layer:
         if strict and (missing or unexpected):
             raise ValueError(f"state_dict does not match {type(self).__name__}'s parameters: "
                              f"missing {missing}, unexpected {unexpected}")
+        checked, widest = {}, np.dtype(self.dtype)
         for name in self._params:
             if name not in given:
                 continue
             value = interop.to_native(given[name], f"state_dict[{name!r}]")
+            if hasattr(value, "dtype") and np.dtype(value.dtype) in _FLOATS:
+                widest = np.promote_types(widest, value.dtype)
             if not hasattr(value, "shape"):
                 value = np.asarray(value)
             want = tuple(self._params[name].shape)
             if tuple(value.shape) != want:
                 raise ValueError(f"state_dict[{name!r}] must have shape {want}, got {tuple(value.shape)}")
-            current = self._params[name]
-            dtype = value.dtype if np.dtype(value.dtype) in _FLOATS else current.dtype
-            if xp_of(current) is np:  # keep each parameter where it is (numpy or cupy)
-                self._params[name] = np.array(interop.to_host(value), dtype=dtype, copy=True)
-            else:
-                self._params[name] = xp_of(current).array(value, dtype=dtype, copy=True)
-        dtypes = {np.dtype(a.dtype) for a in self._params.values()}
-        if len(dtypes) == 1:
-            self.dtype = dtypes.pop()
+            checked[name] = value
+        kept = {}   # id -> cast array: a parameter held under two names stays one array
+        for name, current in list(self._params.items()):
+            xp = xp_of(current)   # each parameter stays where it is (numpy or cupy)
+            if name in checked:
+                value = checked[name]
+                self._params[name] = (np.array(interop.to_host(value), dtype=widest, copy=True) if xp is np
+                                      else xp.array(value, dtype=widest, copy=True))
+            elif current.dtype != widest:
+                if id(current) not in kept:
+                    kept[id(current)] = current.astype(widest)
+                self._params[name] = kept[id(current)]
+        self.dtype = widest
         return self
 
     def to(self, device):
