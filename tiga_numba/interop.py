@@ -145,9 +145,11 @@ def _scan(obj, depth=0):
         return library_name(obj.m)
     lib = library_name(obj)
     if lib is None:
-        # remembered as native, except containers: a list nested too deep to be searched here
-        # says nothing about the next list (a later call may hold tensors in one)
-        if not isinstance(obj, (list, tuple, dict)):
+        # remembered as native, except containers (a list nested too deep to be searched here
+        # says nothing about the next list: a later call may hold tensors in one) and objects
+        # with attributes of their own (a SimpleNamespace of numpy m and l says nothing about
+        # the next one, which may be stats of torch tensors: _is_stats reads the instance)
+        if not isinstance(obj, (list, tuple, dict)) and not hasattr(obj, "__dict__"):
             _NATIVE_TYPES.add(type(obj))
     elif getattr(obj, "ndim", None) == 0:
         return None   # a 0-d scalar (softcap=torch.tensor(30.0)) does not choose the results' library
