@@ -24,8 +24,9 @@ os.environ.setdefault("TIGA_NUMBA_CPU_TILES", "64x128")
 def _test_kernels_at_llvm_o1():
     """Compile the suite's CPU kernels at LLVM -O1, into a numba cache of their own.
 
-    A cold run is bound by numba compiles (30 s and more for a kernel with a score modifier on a
-    2-core machine) and -O1 takes about a fifth off each one; the tests check results, which do
+    A cold run is bound by numba compiles, and -O1 took a fifth off the one timed (a score
+    modifier's forward + backward kernels on a 2-core machine: 23.4 s -> 18.6 s,
+    benchmarks/results/suite-time-cpu-zen4-2core-2026-12-07b.txt); the tests check results, which do
     not depend on the optimisation level beyond rounding of the same order as -O3's fast-math,
     never speed (benchmarks do). numba's cache key does not hold the optimisation level, so the
     -O1 kernels go to their own NUMBA_CACHE_DIR, never where a script or a benchmark would load

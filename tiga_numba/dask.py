@@ -584,12 +584,10 @@ def _halo(parts, kept=False):
         yield _xp_of(parts[0]).concatenate(parts, axis=0)
         return
     shape = (sum(p.shape[0] for p in parts),) + parts[0].shape[1:]
-    if kept:
-        halo = output_empty(shape, np.result_type(*parts))   # the task's result pool (_pooled)
-        np.concatenate(parts, axis=0, out=halo)
-        yield halo
-        return
-    with _halo_scratch.borrow(shape, np.result_type(*parts)) as halo:
+    dtype = np.result_type(*parts)
+    buffer = (contextlib.nullcontext(output_empty(shape, dtype)) if kept   # the task's result pool (_pooled)
+              else _halo_scratch.borrow(shape, dtype))
+    with buffer as halo:
         np.concatenate(parts, axis=0, out=halo)
         yield halo
 
@@ -647,6 +645,7 @@ class _Call:
     src grads, param grads, edge grads), with `saved` the forward results the backward reads."""
     __slots__ = ()
     reads_source_positions = False
+    keeps_state = False   # whether a forward task's result holds its inputs (_LayerCall's backward state)
 
     def partition_args(self, plan):
         """Per CSR partition, the extra arguments of its tasks: the global ids of its halo rows
@@ -801,7 +800,7 @@ def _halos(src_parts, kept=False):
 
 @_pooled
 def _csr_forward(dst_p, src_parts, edge_p, graph, *extras, recipe, warm, where):
-    with _halos(src_parts, kept=getattr(recipe, "keeps_state", False)) as src:
+    with _halos(src_parts, kept=recipe.keeps_state) as src:
         return recipe.forward(dict(zip(recipe.dst_names, dst_p)), dict(zip(recipe.src_names, src)),
                               dict(zip(recipe.edge_names, edge_p)), _warm(graph, warm), where, *extras)
 

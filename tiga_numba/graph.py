@@ -126,6 +126,13 @@ def _count(name, value):
     return int(n)
 
 
+def _refuse_non_numbers(name, array, given, what="an integer array (numpy, cupy or a sequence of ints)"):
+    """TypeError naming `name` when np.asarray made `array` of objects or strings (None, a
+    string, a mapping...: the type is wrong, not the shape); `given`: the caller's type name."""
+    if array.dtype.kind in "OUSV":
+        raise TypeError(f"{name} must be {what}, got {given}" + (f" of dtype {array.dtype}" if array.ndim else ""))
+
+
 def _to_host(name, array):
     """numpy view of a 1-D integer array given as numpy, cupy, or a sequence."""
     if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
@@ -134,9 +141,7 @@ def _to_host(name, array):
         out = np.asarray(array)
     except Exception as exc:  # pragma: no cover - exotic inputs
         raise TypeError(f"{name} must be array-like, got {type(array).__name__}") from exc
-    if out.dtype.kind in "OUSV":   # None, a string, a mapping...: the type is wrong, not the shape
-        raise TypeError(f"{name} must be an integer array (numpy, cupy or a sequence of ints), "
-                        f"got {type(array).__name__}" + (f" of dtype {out.dtype}" if out.ndim else ""))
+    _refuse_non_numbers(name, out, type(array).__name__)
     if out.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {out.shape}")
     if out.size and not np.issubdtype(out.dtype, np.integer):
@@ -631,9 +636,7 @@ class Graph:
             given = type(edge_index).__name__
             edge_index = np.asarray(edge_index)
             shape = edge_index.shape
-            if edge_index.dtype.kind in "OUSV":   # None, strings...: the type is wrong, not the shape
-                raise TypeError(f"edge_index must be an integer array of shape (2, E), got {given}"
-                                + (f" of dtype {edge_index.dtype}" if shape else ""))
+            _refuse_non_numbers("edge_index", edge_index, given, "an integer array of shape (2, E)")
         if len(shape) != 2 or shape[0] != 2:
             raise ValueError(f"edge_index must have shape (2, E), got {tuple(shape)}")
         n = None if num_nodes is None else _count("num_nodes", num_nodes)

@@ -157,10 +157,7 @@ def _merge_arrays(xp, checked):
     part): (out in the parts' dtype, m and l in the accumulation dtype)."""
     out0, m0, l0 = checked[0]
     acc = accumulation_dtype(m0.dtype)
-    if len(checked) == 1:   # the part itself (a copy), its empty rows in the canonical form
-        held = xp.asarray(l0, dtype=acc) > 0
-        out = xp.where(held[..., None], out0, 0).astype(out0.dtype, copy=False)
-        return out, xp.where(held, xp.asarray(m0, dtype=acc), -xp.inf).astype(acc), xp.asarray(l0, dtype=acc)
+
     # an empty row's out and m are never read (a part of weight 0 is left out, as in the CPU
     # kernel): a NaN or inf out there is not 0 * NaN, and its m does not move the reference
     def held(o, l):
@@ -171,6 +168,8 @@ def _merge_arrays(xp, checked):
 
     l_run = xp.asarray(l0, dtype=acc)
     m_run = held_m(m0, l_run)
+    if len(checked) == 1:   # the part itself (a copy), its empty rows in the canonical form
+        return held(out0, l_run).astype(out0.dtype, copy=False), m_run, l_run
     o_run = held(out0, l_run) * l_run[..., None]   # unnormalised accumulator
     for o, m, l in checked[1:]:
         l = xp.asarray(l, dtype=acc)

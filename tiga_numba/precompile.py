@@ -44,6 +44,7 @@ def _calls(dtype, modifiers=()):
     n, heads, width = DECODE_MAX_ROWS + 8, 1, 4
     q, k, v, dout = (rng.standard_normal((n, heads, width)).astype(dtype) for _ in range(4))
     dense = tg.Graph.dense(n)
+    narrow = tg.Graph.band(n, left=8)   # at most 2 x BN keys wide: span tiles (cpu/tiles.py)
     ring = tg.Graph.from_csr(np.arange(0, 2 * n + 1, 2), (np.arange(2 * n) * 3) % n, num_src=n)
 
     def forward(graph, **options):
@@ -86,9 +87,8 @@ def _calls(dtype, modifiers=()):
     # dense relations' forward takes taller tiles than the others (cpu/tiles.py): two kernels
     return modified + [("blocks forward, dense", forward(dense)),
             ("blocks forward, causal / segments / wide bands", forward(tg.Graph.triangular(n))),
-            # a band at most 2 x BN keys wide takes span tiles (cpu/tiles.py): a kernel of its own
-            ("blocks forward, narrow bands (span tiles)", forward(tg.Graph.band(n, left=8))),
-            ("blocks backward, narrow bands (span tiles)", backward(tg.Graph.band(n, left=8))),
+            ("blocks forward, narrow bands (span tiles)", forward(narrow)),
+            ("blocks backward, narrow bands (span tiles)", backward(narrow)),
             ("blocks forward, tile-pruned", forward(dense, block_prune_threshold=0.5)),
             ("blocks backward", backward(dense)),
             ("decode forward (few query rows per block)", forward(tg.Graph.dense(n, 1))),

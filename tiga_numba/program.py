@@ -644,7 +644,7 @@ class MessagePassing:
         st = self.__dict__.get("_tiga_state")
         if st is None:
             st = {"traces": {}, "last": None, "forward_plan": None, "backward_plan": None,
-                  "last_plan": None, "trace_hit": None, "notes": [], "failure": None}
+                  "last_plan": None, "notes": [], "failure": None}
             self.__dict__["_tiga_state"] = st
         return st
 
@@ -730,7 +730,6 @@ class MessagePassing:
         st = self._state()
         st["failure"] = None
         st["last"] = lowered
-        st["trace_hit"] = lowered.trace_hit
         st["forward_plan"] = fplan
         st["backward_plan"] = bplan
         st["last_plan"] = bplan if bplan is not None else fplan
@@ -759,7 +758,7 @@ class MessagePassing:
         lines = failed + [f"program: {name} (tiga_numba.MessagePassing)",
                  f"traced edge(): {traced.describe()}",
                  f"trace cache: {len(st['traces'])} signature(s) traced; last call "
-                 f"{'reused a trace' if st['trace_hit'] else 'traced edge()'}"]
+                 f"{'reused a trace' if lowered.trace_hit else 'traced edge()'}"]
         if traced.kind == "net":
             net = traced.score.net
             lines.append(f"lowered to: fused score-network attention (tiga_numba.edge_mlp), "

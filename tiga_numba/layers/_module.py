@@ -257,10 +257,9 @@ class Layer:
             out, backward = self._run(x, graph, edge_attr, None, want_grad=True)
         params = self._params
         pair = isinstance(x, (tuple, list))
-        layer = self
 
         def vjp(dout):
-            with layer._noting_failure("the vjp(dout) of {name}.vjp"):
+            with self._noting_failure("the vjp(dout) of {name}.vjp"):
                 dout = interop.to_native(dout, "dout")
                 dx_src, dx_dst, d_ea, dparams = backward(dout)
                 grads = {"x": (dx_src, dx_dst) if pair else dx_src,
