@@ -302,6 +302,14 @@ def test_merge_and_lse_of_cupy_parts_stay_on_the_device():
     for got, ref in zip(tg.attention_backward(dout, q, k, v, out, st, full),
                         tg.attention_backward(dout, q, k, v, want, wst, full)):
         assert rel_err(got.get(), ref.get()) < 1e-4
+    # an empty part (l = 0) is neutral whatever its out and m hold: neither is read
+    for junk in (np.nan, np.inf):
+        empty = (cupy.full_like(out, junk), tg.AttentionStats(cupy.full(st.m.shape, 900.0, st.m.dtype),
+                                                              cupy.zeros(st.l.shape, st.l.dtype)))
+        for order in ([empty] + parts, parts[:1] + [empty] + parts[1:]):
+            got, gst = tg.attention_merge(order)
+            assert cupy.isfinite(got).all() and rel_err(got.get(), want.get()) < 1e-5
+            np.testing.assert_allclose(gst.lse.get(), wst.lse.get(), rtol=1e-5, atol=1e-6)
 
 
 def _nan_graphs():
