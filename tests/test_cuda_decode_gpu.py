@@ -41,16 +41,14 @@ EDGE_KEY = {"varlen_3q": (1499, [0, 1], 2), "varlen_4q": (2099, [0, 1, 2], 3)}
 @pytest.fixture(params=["tensor-cores", "tensor-cores-other-step", "cuda-cores"])
 def aligned_kernel(request, monkeypatch):
     """which kernel takes aligned rows: the tensor-core one (the default for these shapes; also
-    with the other number of keys per warp step, 16 or 32, one warp per CTA and another number
-    of stages, so that short chunks wrap the ring of tiles) or the CUDA-core one with 16-byte
-    loads (what other head dims take)"""
+    with the other number of keys per warp step, 16 or 32, and one warp per CTA) or the CUDA-core
+    one with 16-byte loads (what other head dims take)"""
     from tiga_numba.cuda import decode
     if request.param == "cuda-cores":
         monkeypatch.setattr(decode, "mma_fits", lambda *a: False)
     elif request.param == "tensor-cores-other-step":
         monkeypatch.setattr(decode, "MMA_KEYS", 48 - decode.MMA_KEYS)
         monkeypatch.setattr(decode, "MMA_WARPS", 1)
-        monkeypatch.setattr(decode, "MMA_STAGES", 4 if decode.MMA_STAGES != 4 else 2)
     return request.param
 
 

@@ -63,13 +63,10 @@ def run(B, L, variant, ref):
 
 # name: ("scalar",) for the scalar geometry, ("vec", 16-byte loads per lane and row, keys per lane
 # group and step, warps per CTA) for the CUDA-core vector geometry, ("mma", warps per CTA, CTAs an
-# SM holds at once (for the split rule's waves), keys per warp and step, stages) for the
-# tensor-core kernel (shared memory per CTA at D = 128: warps x 2 stages x keys x 272 bytes)
-VARIANTS = {"scalar": ("scalar",), "mma NW4 K32 S2 C1": ("mma", 4, 1, 32, 2),
-            "mma NW4 K32 S3 C1": ("mma", 4, 1, 32, 3), "mma NW4 K16 S4 C1": ("mma", 4, 1, 16, 4),
-            "mma NW8 K16 S3 C1": ("mma", 8, 1, 16, 3), "mma NW4 K16 S3 C2": ("mma", 4, 2, 16, 3),
-            "mma NW2 K32 S3 C2": ("mma", 2, 2, 32, 3), "mma NW4 K16 S2 C2": ("mma", 4, 2, 16, 2),
-            "mma NW2 K16 S4 C4": ("mma", 2, 4, 16, 4), "vec L2 T4 NW4": ("vec", 2, 4, 4)}
+# SM holds at once (for the split rule's waves), keys per warp and step) for the tensor-core kernel
+VARIANTS = {"scalar": ("scalar",), "mma NW4 K32 C1": ("mma", 4, 1, 32), "mma NW4 K16 C2": ("mma", 4, 2, 16),
+            "mma NW2 K32 C2": ("mma", 2, 2, 32), "mma NW8 K16 C1": ("mma", 8, 1, 16),
+            "mma NW2 K16 C4": ("mma", 2, 4, 16), "vec L2 T4 NW4": ("vec", 2, 4, 4)}
 _mma_fits = decode.mma_fits
 
 
@@ -78,7 +75,7 @@ def set_variant(var):
     decode.mma_fits = _mma_fits if var[0] == "mma" else (lambda *a: False)
     decode.decode_tiles = _tiles
     if var[0] == "mma":
-        decode.MMA_WARPS, decode.MMA_CTAS_PER_SM, decode.MMA_KEYS, decode.MMA_STAGES = var[1:]
+        decode.MMA_WARPS, decode.MMA_CTAS_PER_SM, decode.MMA_KEYS = var[1:]
     elif var[0] == "vec":
         decode.VEC_LOADS, decode.VEC_KEYS, NW = var[1:]
 
@@ -102,7 +99,7 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 print(f"{name:<22} {B:>3} x {L:<7} {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     if a.profile:
-        set_variant(VARIANTS["mma NW4 K32 S2 C1"])
+        set_variant(VARIANTS["mma NW4 K32 C1"])
         q, k, v, g = inputs(1, 131072)
         tg.attention(q, k, v, g)
         pr = cProfile.Profile()

@@ -57,7 +57,6 @@ class DecodeTiles:
     threads: int = 0  # 0: 32 * NW (the simulator's tests take fewer)
     vec: bool = False  # 16-bit rows read as 16-byte vectors: lane s holds dims [s DS, s DS + DS)
     mma: bool = False  # tensor-core geometry (make_decode_mma): G = 32, T keys per warp and step
-    stages: int = 2  # tensor-core geometry: K / V tile pairs per warp, steps in flight + 1
     ctas_per_sm: int = 8  # CTAs an SM holds at once (the split rule fills whole waves of them)
 
     @property
@@ -84,7 +83,7 @@ class DecodeTiles:
     def describe(self):
         if self.mma:
             return (f"tensor cores (mma.sync m16n8k16): {self.T} keys per warp and step, "
-                    f"{self.stages} stages, {self.NW} warps, {self.ROWS} rows per CTA as the MMA's M")
+                    f"{self.NW} warps, {self.ROWS} rows per CTA as the MMA's M")
         return (f"{self.G} lanes per key, {self.T} keys per lane group and step, "
                 f"{self.NT} threads, {self.ROWS} rows per CTA"
                 + (", 16-byte K/V loads" if self.vec else ""))
@@ -418,7 +417,6 @@ def mma_fits(dtype, D, DV):
 MMA_WARPS = 4
 MMA_CTAS_PER_SM = 1
 MMA_KEYS = 32  # keys per warp and step (16 or 32: one or two k16 steps of the P V product)
-MMA_STAGES = 2  # K / V tile pairs per warp: a warp's copies run MMA_STAGES - 1 steps ahead
 
 
 def mma_tiles(dtype, D, DV, rows):
@@ -428,7 +426,7 @@ def mma_tiles(dtype, D, DV, rows):
     while R < rows and R < 8:
         R *= 2
     return DecodeTiles(dtype, "float32", D, DV, G=32, T=MMA_KEYS, NW=MMA_WARPS, ROWS=R, mma=True,
-                       ctas_per_sm=MMA_CTAS_PER_SM, stages=MMA_STAGES)
+                       ctas_per_sm=MMA_CTAS_PER_SM)
 
 
 def make_decode_mma(t):
@@ -437,10 +435,8 @@ def make_decode_mma(t):
 
     The CTA's ROWS <= 8 (query row, head) pairs are rows 0-7 of the MMA's M dimension (lane
     (gq, tq) = (lane / 4, lane % 4) holds row gq; rows 8-15 are zeros, their results unused).
-    Each warp walks its own steps of T (16 or 32) keys of the chunk through a ring of `stages`
-    pairs of shared K / V tiles: cp.async copies the K and V rows of the warp's next stages - 1
-    steps while this step computes (the copies in flight per SM are what keeps HBM busy: a
-    decode call does two flops per byte read): S = Q K^T
+    Each warp walks its own steps of T (16 or 32) keys of the chunk. cp.async copies the K and V rows of
+    the warp's next step into its other pair of shared tiles while this step computes: S = Q K^T
     over n-blocks of 8 keys (K's B fragments by ldmatrix), online softmax on the C
     fragments (a row's 16 scores sit in the 4 lanes of its group), then O += P V with P's A
     fragments taken from S's C fragments as they are and V's B fragments by ldmatrix.trans.
@@ -458,15 +454,13 @@ def make_decode_mma(t):
     ptx = intrinsics(t.dtype)
     mma, ldsm, ldsm_t, unpack2, pack2, ex2 = (ptx[n] for n in ("mma16816", "ldsm_x4", "ldsm_x4_t",
                                                                 "unpack2", "pack2", "ex2"))
-    ST = t.stages
-    assert 2 <= ST <= 4, "stages: 2 to 4 (cp.async wait counts 1 to 3)"
-    cp_async16, cp_commit, cp_wait_ahead, cp_wait0, saddr = (
-        ptx[n] for n in ("cp_async16", "cp_commit", f"cp_wait{ST - 1}", "cp_wait0", "saddr"))
+    cp_async16, cp_commit, cp_wait1, cp_wait0, saddr = (
+        ptx[n] for n in ("cp_async16", "cp_commit", "cp_wait1", "cp_wait0", "saddr"))
     assert ROWS <= 8
     NS = D // 16  # k16 steps of Q K^T
     NO = DV // 8  # n-blocks of O
     ROWP = 2 * DV + 16  # bytes per K / V row in a shared tile (+16: ldmatrix rows fall in other banks)
-    TILE = KEYS * ROWP  # a warp's tiles: K, V of stage 0, then K, V of stage 1, ...
+    TILE = KEYS * ROWP  # a warp's tiles: K, V of buffer 0, then K, V of buffer 1
     CPR = DV // 8  # 16-byte copies per row
     NCP = KEYS * CPR // 32  # copies per lane and tile
     SM = NW * ROWS
@@ -524,7 +518,7 @@ def make_decode_mma(t):
         bhi_a = AS_I64(bhi_p)
         sM = cuda.shared.array(SM, ACC)
         sL = cuda.shared.array(SM, ACC)
-        # dynamic shared memory: ST K and ST V tiles per warp, then (aliased) the warps'
+        # dynamic shared memory: two K and two V tiles per warp, then (aliased) the warps'
         # accumulators
         sA = cuda.shared.array(0, ACC)
         sv = cuda.shared.array(0, U32)
@@ -563,7 +557,7 @@ def make_decode_mma(t):
             of[e] = zero
         sc = cuda.local.array(SCN, ACC)  # row gq's S (then P) of the step's n-blocks
         z32 = numba.uint32(0)
-        wbase = saddr(sv) + numba.uint32(warp * 2 * ST * TILE)
+        wbase = saddr(sv) + numba.uint32(warp * 4 * TILE)
         first = cb + warp * KEYS
         stride = NW * KEYS
         # the lane's copy addresses at key 0 of the block (issue_tiles)
@@ -571,22 +565,17 @@ def make_decode_mma(t):
         vl = v_p + 2 * ((s0 + lane // CPR) * vs0 + hk * vs1 + 8 * (lane % CPR))
         krs = 2 * ks0
         vrs = 2 * vs0
-        for p in range(ST - 1):  # the first ST - 1 steps
-            issue_tiles(wbase + p * 2 * TILE, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0, ks1, vs0,
-                        vs1, first + p * stride, ce, lane)
+        issue_tiles(wbase, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, first, ce,
+                    lane)  # the first step
         buf = 0
         # lane l addresses row l % 8 of ldmatrix matrix l // 8
         ka = (lane % 8) * ROWP + 16 * (lane // 8)  # K: keys 8 nb + l % 8, dims + 8 (l // 8)
         va = ((lane % 8) + 8 * ((lane // 8) % 2)) * ROWP + 16 * (lane // 16)  # V: keys, dims
         for js in range(first, ce, stride):
-            # the tiles of the step ST - 1 ahead, into the stage the previous step read (every
-            # lane finished reading it)
-            nxt = buf + ST - 1
-            if nxt >= ST:
-                nxt -= ST
-            issue_tiles(wbase + nxt * 2 * TILE, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0,
-                        ks1, vs0, vs1, js + (ST - 1) * stride, ce, lane)
-            cp_wait_ahead()  # this lane's copies of the current step landed,
+            # the next step's tiles, into the other buffer (every lane finished reading it)
+            issue_tiles(wbase + (1 - buf) * 2 * TILE, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0,
+                        ks1, vs0, vs1, js + stride, ce, lane)
+            cp_wait1()  # this lane's copies of the current step landed,
             cuda.syncwarp()  # and every lane's
             tk = wbase + buf * 2 * TILE
             tv = tk + TILE
@@ -668,15 +657,13 @@ def make_decode_mma(t):
                             j = js + kk
                             dl = j - il
                             if live and j < ce and dl >= blo and dl <= bhi:
-                                wrow = (warp * 2 * ST * TILE + (2 * buf + 1) * TILE + kk * ROWP) // 4 + tq
+                                wrow = (warp * 4 * TILE + (2 * buf + 1) * TILE + kk * ROWP) // 4 + tq
                                 for o in range(NO):
                                     va_, vb_ = unpack2(sv[U(wrow + 4 * o)])
                                     of[o * 4] += p * va_
                                     of[o * 4 + 1] += p * vb_
             cuda.syncwarp()  # every lane done with this tile before the next step refills it
-            buf += 1
-            if buf == ST:
-                buf = 0
+            buf = 1 - buf
 
         # the warps' states meet in shared memory (sA aliases the V tiles: all warps done)
         cp_wait0()
@@ -695,9 +682,9 @@ def make_decode_mma(t):
         cuda.syncthreads()
         combine(sM, sL, sA, out, mo, lo, pacc, pm, pl, tid, r0, nrows, grp, hk, d0, H, splits, c)
 
-    name = f"decode_mma_{t.dtype}_d{D}_dv{DV}_nw{NW}_r{ROWS}_k{KEYS}_s{ST}"
+    name = f"decode_mma_{t.dtype}_d{D}_dv{DV}_nw{NW}_r{ROWS}_k{KEYS}"
     kern = Kernel(name, body, _spec(IN, ACC))
-    kern.dyn_smem = max(NW * 2 * ST * TILE, NW * ROWS * DV * 4)
+    kern.dyn_smem = max(NW * 4 * TILE, NW * ROWS * DV * 4)
     return kern
 
 
