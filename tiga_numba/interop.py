@@ -266,6 +266,16 @@ def foreign_arrays(fn=None, *, primary=None):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        # the common call (numpy / cupy arrays, a Graph, numbers): one set lookup per argument
+        for a in args:
+            if type(a) not in _NATIVE_TYPES:
+                break
+        else:
+            for a in kwargs.values():
+                if type(a) not in _NATIVE_TYPES:
+                    break
+            else:
+                return fn(*args, **kwargs)
         lib = _scan(args)
         if lib is None:
             for v in kwargs.values():
