@@ -152,3 +152,22 @@ def test_argument_checks_without_kernels(qkv):
         tg.make_plan(q, k, v, tg.Graph.dense(6), op="backward", block_prune_threshold=0.5)
     assert tg.make_plan(q, k, v, tg.Graph.dense(6), block_prune_threshold=np.array(0.5)).prune_threshold == 0.5
     assert tg.online_softmax(np.array(0.25)).block_prune_threshold == 0.25
+
+
+def test_index_arrays_of_a_float_dtype_are_both_type_and_value_errors():
+    """A float cu_seqlens / indptr / indices / src / dst / edge_index is an unsupported dtype
+    (TypeError) and a bad CSR or cu_seqlens (ValueError): the error is both, naming the
+    argument."""
+    G = tg.Graph
+    f = np.array([0.0, 2.0, 3.0])
+    calls = {"cu_seqlens": lambda: G.cu_seqlens(f),
+             "cu_seqlens_k": lambda: G.cu_seqlens([0, 1, 2], cu_seqlens_k=f),
+             "indptr": lambda: G.from_csr(f, [0, 1, 0]),
+             "indices": lambda: G.from_csr([0, 2, 3], f),
+             "src": lambda: G.from_coo(f, [0, 1, 1]),
+             "dst": lambda: G.from_coo([0, 1, 1], f),
+             r"edge_index\[0\] \(sources\)": lambda: G.from_edge_index(np.array([[0.0, 1.0], [1.0, 0.0]]))}
+    for name, call in calls.items():
+        for kind in (TypeError, ValueError):
+            with pytest.raises(kind, match=f"^{name} must have an integer dtype, got float64"):
+                call()

@@ -133,6 +133,13 @@ def _refuse_non_numbers(name, array, given, what="an integer array (numpy, cupy 
         raise TypeError(f"{name} must be {what}, got {given}" + (f" of dtype {array.dtype}" if array.ndim else ""))
 
 
+class IndexDtypeError(TypeError, ValueError):
+    """An index array (offsets, lengths, indices, sources, destinations) of a float or other
+    non-integer dtype. The error rules name it twice: an unsupported dtype (TypeError) and a
+    bad CSR / cu_seqlens (ValueError), so it is both, and code catching either sees it (numpy's
+    AxisError is a ValueError and an IndexError for the same reason)."""
+
+
 def _to_host(name, array):
     """numpy view of a 1-D integer array given as numpy, cupy, or a sequence."""
     if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
@@ -145,7 +152,7 @@ def _to_host(name, array):
     if out.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {out.shape}")
     if out.size and not np.issubdtype(out.dtype, np.integer):
-        raise TypeError(f"{name} must have an integer dtype, got {out.dtype}")
+        raise IndexDtypeError(f"{name} must have an integer dtype, got {out.dtype}")
     if not out.size:
         return np.zeros(0, np.int64)
     if out.dtype.kind == "u" and out.dtype.itemsize >= 8:
