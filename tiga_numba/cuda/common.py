@@ -137,8 +137,14 @@ def make_softmax_merge(dtype, acc, DV, table):
         M = max_p m_p,  L = sum_p l_p e^(m_p - M),  out = sum_p acc_p e^(m_p - M) / L.
     Pieces with m = -inf (no edges) add nothing; a row with none left gets out = 0, M = -inf,
     L = 0. The threads take the pieces in a fixed strided assignment and their partial sums
-    meet in fixed-order tree reductions, so the bits never depend on scheduling; DW threads
-    cover DW output columns while the other NT / DW lanes split the pieces."""
+    meet in fixed-order reductions, so the bits never depend on scheduling: M and L by trees
+    over all threads; out with thread (j, c) = (tid // DW, tid % DW) summing pieces j, j + PL,
+    ... for columns c, c + DW, ..., then the PL partial sums of each column in order of j.
+
+    The kernel is latency-bound (a decode call merges 16 pieces of a few hundred bytes per
+    row), so each thread loads its first piece's acc values before the barriers of M and L,
+    and every column's partial sums meet in one exchange through shared memory: one round trip
+    to memory for a row of up to PL pieces, where a pass per DW columns waited on one each."""
     IN, ACC = nbtype(dtype), nbtype(acc)
     AS_IN, AS_ACC, AS_I64 = array_view(IN), array_view(ACC), array_view(numba.int64)
     i64 = numba.int64
@@ -148,6 +154,10 @@ def make_softmax_merge(dtype, acc, DV, table):
     while DW < min(DVM, 8 if SIM else 32):
         DW *= 2
     PL = NT // DW
+    NK = -(-DVM // DW)   # columns per thread
+    # columns per thread and exchange: NT x KP partial sums in shared memory (<= 16 KB)
+    KP = max(1, min(NK, 16384 // (NT * np.dtype(acc).itemsize)))
+    NS = NT * KP
     TABLE = bool(table)
 
     def body(pacc_p, pm_p, pl_p, rows_p, out_p, mo_p, lo_p, nrows, P):
@@ -176,8 +186,19 @@ def make_softmax_merge(dtype, acc, DV, table):
             n = P
             stride = i64(1)
         red = cuda.shared.array(NT, ACC)
+        sums = cuda.shared.array(NS, ACC)
         tid = cuda.threadIdx.x
+        c = tid % DW
+        j = tid // DW
         neg = ACC(NEG_INF)
+        zero = ACC(0.0)
+        # piece j's acc values of this thread's first KP columns, loaded now (used last)
+        first = cuda.local.array(KP, ACC)
+        for k in range(KP):
+            d = c + k * DW
+            first[k] = zero
+            if j < n and d < DV:
+                first[k] = pacc[U((base + j * stride) * DV + d)]
         mt = neg
         for p in range(tid, n, NT):
             mt = max(mt, pm[U(base + p * stride)])
@@ -191,7 +212,7 @@ def make_softmax_merge(dtype, acc, DV, table):
             w //= 2
         M = red[0]
         cuda.syncthreads()
-        lt = ACC(0.0)
+        lt = zero
         for p in range(tid, n, NT):
             lp = pl[U(base + p * stride)]
             lt += lp * part_weight(pm[U(base + p * stride)], lp, M)
@@ -204,28 +225,35 @@ def make_softmax_merge(dtype, acc, DV, table):
             cuda.syncthreads()
             w //= 2
         L = red[0]
-        cuda.syncthreads()
-        inv = ACC(0.0)
+        inv = zero
         if L > 0 or L != L:
             inv = ACC(1.0) / L
-        dl = tid % DW
-        lane = tid // DW
-        for d0 in range(0, DVM, DW):
-            d = d0 + dl
-            a = ACC(0.0)
-            if d < DV:
-                for p in range(lane, n, PL):
-                    slot = base + p * stride
-                    w = part_weight(pm[U(slot)], pl[U(slot)], M)
-                    if w != 0:   # an empty part's acc is 0 anyway; skip its load
-                        a += pacc[U(slot * DV + d)] * w
-            red[tid] = a
+        a = cuda.local.array(KP, ACC)
+        for k0 in range(0, NK, KP):   # one pass where NT x NK sums fit (every decode shape)
+            for k in range(KP):
+                a[k] = zero
+            for p in range(j, n, PL):
+                slot = base + p * stride
+                wp = part_weight(pm[U(slot)], pl[U(slot)], M)
+                if wp != 0:   # an empty part's acc is 0 anyway; skip its load
+                    for k in range(KP):
+                        d = c + (k0 + k) * DW
+                        if d < DV:
+                            v = first[k] if k0 == 0 and p == j else pacc[U(slot * DV + d)]
+                            a[k] += v * wp
+            for k in range(KP):
+                sums[k * NT + tid] = a[k]
             cuda.syncthreads()
-            if lane == 0 and d < DV:
-                tot = ACC(0.0)
-                for j in range(PL):
-                    tot += red[dl + j * DW]
-                out[U(orow * DV + d)] = IN(tot * inv)
+            # column d of this pass: the PL partial sums in order of j
+            for e in range(tid, KP * DW, NT):
+                k = e // DW
+                cc = e - k * DW
+                d = cc + (k0 + k) * DW
+                if d < DV:
+                    tot = zero
+                    for jj in range(PL):
+                        tot += sums[k * NT + jj * DW + cc]
+                    out[U(orow * DV + d)] = IN(tot * inv)
             cuda.syncthreads()
         if tid == 0:
             mo[U(orow)] = M
