@@ -542,18 +542,6 @@ def make_decode_mma(t):
         qb = (d0 + il) * qs0 + h * qs1
         mrow = neg
         lrow = zero
-        wbase = saddr(sv) + numba.uint32(warp * 4 * TILE)
-        first = cb + warp * KEYS
-        stride = NW * KEYS
-        # the lane's copy addresses at key 0 of the block (issue_tiles)
-        kl = k_p + 2 * ((s0 + lane // CPR) * ks0 + hk * ks1 + 8 * (lane % CPR))
-        vl = v_p + 2 * ((s0 + lane // CPR) * vs0 + hk * vs1 + 8 * (lane % CPR))
-        krs = 2 * ks0
-        vrs = 2 * vs0
-        # the first step's copies go out before Q is read: Q's fragments wait on its loads,
-        # and with the copies issued first that wait overlaps theirs
-        issue_tiles(wbase, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, first, ce,
-                    lane)
         # Q as A fragments: step s, registers a0a1 and a4a5 (row gq; a2a3, a6a7: rows 8-15,
         # zeros), dims 16 s + 2 tq + {0, 1} and + 8
         qf = cuda.local.array(QF, U32)
@@ -569,6 +557,16 @@ def make_decode_mma(t):
             of[e] = zero
         sc = cuda.local.array(SCN, ACC)  # row gq's S (then P) of the step's n-blocks
         z32 = numba.uint32(0)
+        wbase = saddr(sv) + numba.uint32(warp * 4 * TILE)
+        first = cb + warp * KEYS
+        stride = NW * KEYS
+        # the lane's copy addresses at key 0 of the block (issue_tiles)
+        kl = k_p + 2 * ((s0 + lane // CPR) * ks0 + hk * ks1 + 8 * (lane % CPR))
+        vl = v_p + 2 * ((s0 + lane // CPR) * vs0 + hk * vs1 + 8 * (lane % CPR))
+        krs = 2 * ks0
+        vrs = 2 * vs0
+        issue_tiles(wbase, kl, vl, krs, vrs, k_p, v_p, s0, hk, ks0, ks1, vs0, vs1, first, ce,
+                    lane)  # the first step
         buf = 0
         # lane l addresses row l % 8 of ldmatrix matrix l // 8
         ka = (lane % 8) * ROWP + 16 * (lane // 8)  # K: keys 8 nb + l % 8, dims + 8 (l // 8)
