@@ -1155,6 +1155,35 @@ def test_errors_name_the_argument():
         tgd.attention_backward(dout, q, k, v, out, (stats.m, stats.l), g)
 
 
+def test_backward_refuses_stats_of_another_forward():
+    """As the single-process backward: stats of a forward with another scale, soft-cap, slopes or
+    relation are a ValueError naming stats; the same relation built again, or stats made by hand
+    (no forward), pass."""
+    g, _, c = _problem("csr")
+    q, k, v, dout = c["q"], c["k"], c["v"], c["dout"]
+    out, stats = tgd.attention(q, k, v, g, scale=0.3, return_stats=True)
+    with pytest.raises(ValueError, match=r"^stats belong to a forward with scale=0.3, but this backward has scale="):
+        tgd.attention_backward(dout, q, k, v, out, stats, g)
+    with pytest.raises(ValueError, match=r"^stats belong to a forward with softcap=None, but this backward has softcap="):
+        tgd.attention_backward(dout, q, k, v, out, stats, g, scale=0.3, softcap=5.0)
+    with pytest.raises(ValueError, match=r"^stats belong to a forward over another graph than this backward's: num_edges"):
+        tgd.attention_backward(dout, q, k, v, out, stats, tg.Graph.dense(g.num_src, g.num_dst), scale=0.3)
+    s = g.to_scipy().tocoo()
+    again = tg.Graph.from_coo(s.col, s.row, g.num_src, g.num_dst)
+    want = dask.compute(*tgd.attention_backward(dout, q, k, v, out, stats, g, scale=0.3), scheduler="sync")
+    for other, st in ((again, stats), (g, tgd.DaskAttentionStats(stats.m, stats.l))):
+        got = dask.compute(*tgd.attention_backward(dout, q, k, v, out, st, other, scale=0.3), scheduler="sync")
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    hs = np.ones(q.shape[1])
+    out2, stats2 = tgd.attention(q, k, v, g, softcap=4.0, alibi_slopes=hs, return_stats=True)
+    with pytest.raises(ValueError, match=r"^stats belong to a forward with alibi_slopes="):
+        tgd.attention_backward(dout, q, k, v, out2, stats2, g, softcap=4.0, alibi_slopes=2 * hs)
+    with pytest.raises(ValueError, match=r"^stats belong to a forward with softcap=4.0, but this backward has softcap=3.0"):
+        tgd.attention_backward(dout, q, k, v, out2, stats2, g, softcap=3.0, alibi_slopes=hs)
+    tgd.attention_backward(dout, q, k, v, out2, stats2, g, softcap=4.0, alibi_slopes=hs)
+
+
 def test_importing_the_package_does_not_import_dask():
     import subprocess
     import sys
