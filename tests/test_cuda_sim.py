@@ -809,7 +809,7 @@ def case_decode_split():
         t = DecodeTiles(dtype, acc, D, DV, G=G, T=2, NW=1, ROWS=4, threads=2 * G)
         # every split count for float32 (with (3, 8) the longest block's last chunk holds keys);
         # the split logic is the same code for the others
-        for splits, chunk in ((1, 64), (3, 16), (10, t.step), (3, 8)) if dtype == "float32" else ((3, 8),):
+        for splits, chunk in ((1, 64), (3, 16), (10, t.step), (3, 8)) if dtype == "float32" else ((3, 16), (3, 8)):
             tag = f"decode {dtype} D={D}/{DV} G={G} splits={splits}"
             out, m, l = decode_forward(q, k, v, rel, scale, dtype, t, splits, chunk)
             check(tag + " out", out, ro, tol)

@@ -1164,7 +1164,7 @@ def test_backward_refuses_stats_of_another_forward():
     out, stats = tgd.attention(q, k, v, g, scale=0.3, return_stats=True)
     with pytest.raises(ValueError, match=r"^stats belong to a forward with scale=0.3, but this backward has scale="):
         tgd.attention_backward(dout, q, k, v, out, stats, g)
-    with pytest.raises(ValueError, match=r"^stats belong to a forward with softcap=None, but this backward has softcap="):
+    with pytest.raises(ValueError, match=r"^stats belong to a forward whose score read other values: softcap is absent"):
         tgd.attention_backward(dout, q, k, v, out, stats, g, scale=0.3, softcap=5.0)
     with pytest.raises(ValueError, match=r"^stats belong to a forward over another graph than this backward's: num_edges"):
         tgd.attention_backward(dout, q, k, v, out, stats, tg.Graph.dense(g.num_src, g.num_dst), scale=0.3)
@@ -1177,11 +1177,23 @@ def test_backward_refuses_stats_of_another_forward():
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
     hs = np.ones(q.shape[1])
     out2, stats2 = tgd.attention(q, k, v, g, softcap=4.0, alibi_slopes=hs, return_stats=True)
-    with pytest.raises(ValueError, match=r"^stats belong to a forward with alibi_slopes="):
+    with pytest.raises(ValueError, match=r"^stats belong to a forward whose score read other values: alibi_slopes"):
         tgd.attention_backward(dout, q, k, v, out2, stats2, g, softcap=4.0, alibi_slopes=2 * hs)
-    with pytest.raises(ValueError, match=r"^stats belong to a forward with softcap=4.0, but this backward has softcap=3.0"):
+    with pytest.raises(ValueError, match=r"^stats belong to a forward whose score read other values: softcap = 4.0"):
         tgd.attention_backward(dout, q, k, v, out2, stats2, g, softcap=3.0, alibi_slopes=hs)
     tgd.attention_backward(dout, q, k, v, out2, stats2, g, softcap=4.0, alibi_slopes=hs)
+    # the single-process rules: NaN slopes match NaN; a bad scale is the scale's own error;
+    # head dim 0 takes scale 1
+    nan_slopes = np.array([np.nan] + [0.5] * (q.shape[1] - 1))
+    out3, stats3 = tgd.attention(q, k, v, g, alibi_slopes=nan_slopes, return_stats=True)
+    tgd.attention_backward(dout, q, k, v, out3, stats3, g, alibi_slopes=nan_slopes.copy())
+    with pytest.raises(TypeError, match=r"^scale must be a real number"):
+        tgd.attention_backward(dout, q, k, v, out, stats, g, scale="x")
+    with pytest.raises(ValueError, match=r"^scale must be finite"):
+        tgd.attention_backward(dout, q, k, v, out, stats, g, scale=float("nan"))
+    q0, k0 = q[..., :0], k[..., :0]
+    out0, stats0 = tgd.attention(q0, k0, v, g, return_stats=True)
+    tgd.attention_backward(dout, q0, k0, v, out0, stats0, g)
 
 
 def test_importing_the_package_does_not_import_dask():

@@ -123,16 +123,16 @@ class DaskAttentionStats:
     ``m`` (max scaled score), ``l`` (sum of exp(s - m)) and ``lse`` (m + log l, -inf for an
     empty row). Pass it to :func:`attention_backward`."""
 
-    __slots__ = ("m", "l", "forward")
+    __slots__ = ("m", "l", "_forward")
     block_prune_threshold = None  # dask attention is always exact
 
-    def __init__(self, m, l, forward=None):
+    def __init__(self, m, l):
         self.m = m
         self.l = l
-        # (the forward's call: scale as given, soft-cap, slopes; its graph; q's head dim), so
-        # that attention_backward refuses stats of another scale, modifier or relation, as the
-        # single-process backward does; None for stats made by hand
-        self.forward = forward
+        # set by attention(): (the forward's call: scale as given, soft-cap, slopes; its graph;
+        # q's head dim), so that attention_backward refuses stats of another scale, modifier or
+        # relation, as the single-process backward does; None for stats made by hand
+        self._forward = None
 
     def __iter__(self):
         return iter((self.m, self.l))
@@ -1268,31 +1268,32 @@ def attention(q, k, v, graph, *, scale=None, return_stats=False, softcap=None, a
     arrays = _forward_arrays(recipe, {"q": q}, {"k": k, "v": v}, graph, meta_out, meta_stats.m,
                              return_stats)
     if return_stats:
-        return arrays[0], DaskAttentionStats(arrays[1], arrays[2], (recipe, graph, q.shape[-1]))
+        stats = DaskAttentionStats(arrays[1], arrays[2])
+        stats._forward = (recipe, graph, q.shape[-1])
+        return arrays[0], stats
     return arrays[0]
 
 
 def _check_stats_forward(stats, recipe, graph, head_dim):
     """ValueError naming `stats` when the forward that made them had another scale, soft-cap,
-    ALiBi slopes or relation than this backward (the single-process backward's checks:
-    functional._check_stats_belong). Stats made by hand carry no forward and pass."""
-    fwd = getattr(stats, "forward", None)
+    ALiBi slopes or relation than this backward, by the single-process backward's rules
+    (functional._check_stats_belong). Stats made by hand carry no forward and pass."""
+    fwd = getattr(stats, "_forward", None)
     if fwd is None:
         return
+    from .arrays import resolve_scale
+    from .functional import _relation_difference, _value_difference
     call, fwd_graph, fwd_dim = fwd
-
-    def resolved(c, dim):
-        return float(dim ** -0.5 if c.scale is None else c.scale)
-    if resolved(call, fwd_dim) != resolved(recipe, head_dim):
-        raise ValueError(f"stats belong to a forward with scale={resolved(call, fwd_dim)!r}, but this "
-                         f"backward has scale={resolved(recipe, head_dim)!r}; pass the forward's scale")
-    for name, a, b in (("softcap", call.softcap, recipe.softcap),
-                       ("alibi_slopes", call.slopes, recipe.slopes)):
-        if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
-            raise ValueError(f"stats belong to a forward with {name}={a!r}, but this backward has "
-                             f"{name}={b!r}; pass the forward's {name}")
+    a, b = resolve_scale(call.scale, fwd_dim), resolve_scale(recipe.scale, head_dim)
+    if a != b:
+        raise ValueError(f"stats belong to a forward with scale={a!r}, but this backward has "
+                         f"scale={b!r}; pass the forward's scale")
+    why = _value_difference({"softcap": call.softcap, "alibi_slopes": call.slopes},
+                            {"softcap": recipe.softcap, "alibi_slopes": recipe.slopes})
+    if why is not None:
+        raise ValueError(f"stats belong to a forward whose score read other values: {why}; "
+                         "pass the forward's softcap / alibi_slopes")
     if fwd_graph is not graph:
-        from .functional import _relation_difference
         why = _relation_difference(fwd_graph, graph)
         if why is not None:
             raise ValueError(f"stats belong to a forward over another graph than this backward's: {why}")
@@ -1324,12 +1325,12 @@ def attention_backward(dout, q, k, v, out, stats, graph, *, scale=None, softcap=
     if tuple(dout.shape) != row_shape + (v.shape[-1],):
         raise ValueError(f"dout must have shape {row_shape + (v.shape[-1],)}, got {tuple(dout.shape)}")
     _check_forward_results(q, out, stats, row_shape + (v.shape[-1],), row_shape)
-    _check_stats_forward(stats, recipe, graph, q.shape[-1])
     # the single-process checks of dout/out/stats dtypes and libraries, on zero-row stand-ins
     mq, mk, mv = (_empty_rows(a) for a in (q, k, v))
     _attention_backward(_empty_rows(dout), mq, mk, mv, _empty_rows(out),
                         AttentionStats(_empty_rows(stats.m), _empty_rows(stats.l)),
                         Graph.dense(0, 0), scale=scale)
+    _check_stats_forward(stats, recipe, graph, q.shape[-1])
     meta = {"dst": {"q": _empty_rows(q, dtype=meta_out.dtype)}, "edge": {},
             "src": {"k": _empty_rows(k, dtype=meta_out.dtype), "v": _empty_rows(v, dtype=meta_out.dtype)},
             "params": {}}
