@@ -954,9 +954,10 @@ def test_local_cluster_equals_single_process(client):
         _check(got, expected, 1e-12)
 
 
-def test_local_cluster_alibi_reads_the_uploaded_source_ids(client):
+def test_local_cluster_alibi_reads_the_uploaded_source_ids(client, monkeypatch):
     """ALiBi over CSR partitions on worker processes: the halos' source ids are uploaded once
     per plan, like the relations, and the results are the single-process call's."""
+    monkeypatch.setattr(tgd, "UPLOAD_MIN_BYTES", 0)   # this small graph's relations uploaded too
     from distributed import futures_of
     g, expected, c = _modified_problem("csr", MODS["softcap+alibi"], seed=8)
     out, stats = tgd.attention(c["q"], c["k"], c["v"], g, return_stats=True, **MODS["softcap+alibi"])
@@ -977,9 +978,10 @@ def test_local_cluster_program_vjp(client):
         _check_program(*client.compute((lout, vjp(c["dout"])), sync=True), out, grads)
 
 
-def test_local_cluster_layer_vjp(client):
+def test_local_cluster_layer_vjp(client, monkeypatch):
     """A layer (with its parameters, without the host edge set) on worker processes; the
     partitions' loop marks are uploaded once per plan."""
+    monkeypatch.setattr(tgd, "UPLOAD_MIN_BYTES", 0)   # this small graph's relations uploaded too
     from distributed import futures_of
     conv, g, (out, ref), c = _layer_problem("gat-bipartite")
     lout, vjp = tgd.layer_vjp(conv, c["x"], g, c["edge_attr"])
@@ -990,9 +992,10 @@ def test_local_cluster_layer_vjp(client):
     _check_layer(got_out, got, out, ref, 1e-12)
 
 
-def test_local_cluster_uploads_csr_relations_once(client):
+def test_local_cluster_uploads_csr_relations_once(client, monkeypatch):
     """With a distributed Client as the default scheduler the CSR tasks refer to relations
     submitted once per graph and chunking: every call holds the same futures."""
+    monkeypatch.setattr(tgd, "UPLOAD_MIN_BYTES", 0)   # this small graph's relations uploaded too
     from distributed import futures_of
     g, expected, c = _problem("csr", seed=6)
 
@@ -1011,10 +1014,24 @@ def test_local_cluster_uploads_csr_relations_once(client):
     np.testing.assert_array_equal(client.compute(again, sync=True), got[0])
 
 
-def test_local_cluster_upload_is_not_reported_as_a_large_graph(client):
+def test_local_cluster_small_relations_travel_in_the_graph(client):
+    """Below UPLOAD_MIN_BYTES the relations travel inside the call's dask graph, even with a
+    distributed Client as the default scheduler: no futures, and another scheduler can compute
+    the arrays (a larger graph's uploaded relations tie its arrays to the client)."""
+    from distributed import futures_of
+    g, expected, c = _problem("csr", seed=6)
+    assert tgd._relation_bytes(tgd._plan(g, c["q"], c["k"])) < tgd.UPLOAD_MIN_BYTES
+    out, stats, grads = _lazy(g, c)
+    assert not [f for a in (out, *grads) for f in futures_of(a)]
+    _check(dask.compute(out, stats.m, stats.l, stats.lse, *grads, scheduler="threads"), expected, 1e-12)
+    _check(client.compute((out, stats.m, stats.l, stats.lse, *grads), sync=True), expected, 1e-12)
+
+
+def test_local_cluster_upload_is_not_reported_as_a_large_graph(client, monkeypatch):
     """The relations are uploaded once per plan as futures, which is what distributed's "large
     graph" warning advises: building a call (where they are submitted) warns of nothing, even
     with the warning's threshold at one byte."""
+    monkeypatch.setattr(tgd, "UPLOAD_MIN_BYTES", 0)   # this small graph's relations uploaded too
     import warnings
     g, _, c = _problem("csr", seed=9)
     with dask.config.set({"distributed.admin.large-graph-warning-threshold": "1B"}), \

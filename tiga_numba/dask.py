@@ -73,6 +73,11 @@ __all__ = ["attention", "attention_backward", "program", "program_vjp", "layer",
 
 # Fan-in of the merge and sum trees: at most this many partial results meet in one task.
 TREE_FAN_IN = 4
+# With a dask.distributed Client as the default scheduler, CSR local relations of at least this
+# many bytes (all partitions together) are submitted to it once per plan and the tasks refer to
+# the futures (a dask graph then tied to that client); smaller ones travel inside every call's
+# dask graph, which any scheduler can compute (_per_partition).
+UPLOAD_MIN_BYTES = 1 << 20
 # Per worker process, local relations of recent tasks are kept (with the realisations and the
 # transpose the kernels derive from them) up to about this many bytes, so that a repeated call
 # does not rebuild them; a pure memo: results never depend on it, and a new worker starts empty.
@@ -344,12 +349,12 @@ def _pin(pins, key):
 def _per_partition(plan, what, make):
     """Per CSR partition, what its tasks get as `what` (`make(part)`: the local relation, or the
     halo's source ids): the object itself (it then travels inside every call's task graph), or,
-    when a dask.distributed Client is the default scheduler, a future of it uploaded once per
-    plan and client. The upload is a task holding the object (not a scatter), so the scheduler
+    when a dask.distributed Client is the default scheduler and the relations hold at least
+    UPLOAD_MIN_BYTES, a future of it uploaded once per plan and client. The upload is a task holding the object (not a scatter), so the scheduler
     recomputes it if the worker holding it is lost; the futures live as long as the graph's
     plan."""
     client = _default_client()
-    if client is None:
+    if client is None or _relation_bytes(plan) < UPLOAD_MIN_BYTES:
         return [make(part) for part in plan.parts]
     with plan.lock:
         futures = plan.uploaded.get((client.id, what))
@@ -363,6 +368,11 @@ def _per_partition(plan, what, make):
                            for p, part in enumerate(plan.parts)]
             plan.uploaded[(client.id, what)] = futures
     return futures
+
+
+def _relation_bytes(plan):
+    """Bytes of a CSR plan's local relations: 8 (rows + 1) + 4 edges per partition."""
+    return sum(8 * (part.d1 - part.d0 + 1) + 4 * part.graph.num_edges for part in plan.parts)
 
 
 def _relations(plan):
