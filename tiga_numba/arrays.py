@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from .errors import ThresholdTypeError
 from .graph import Graph
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -239,12 +240,6 @@ def resolve_scale(scale, head_dim):
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
-
-
-class ThresholdTypeError(TypeError, ValueError):
-    """A block_prune_threshold that is not a real number: a TypeError as Python has it, and a
-    ValueError as the contract's "0 < rho <= 1 (ValueError otherwise)" has it (numpy's AxisError
-    is both a ValueError and an IndexError for the same reason)."""
 
 
 def check_prune_threshold(rho):

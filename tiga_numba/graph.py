@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import IndexDtypeError
+
 __all__ = ["Graph", "BlockRelation", "CSRRelation", "CSRTranspose"]
 
 _DEVICES = ("cpu", "cuda")
@@ -131,13 +133,6 @@ def _refuse_non_numbers(name, array, given, what="an integer array (numpy, cupy 
     string, a mapping...: the type is wrong, not the shape); `given`: the caller's type name."""
     if array.dtype.kind in "OUSV":
         raise TypeError(f"{name} must be {what}, got {given}" + (f" of dtype {array.dtype}" if array.ndim else ""))
-
-
-class IndexDtypeError(TypeError, ValueError):
-    """An index array (offsets, lengths, indices, sources, destinations) of a float or other
-    non-integer dtype. The error rules name it twice: an unsupported dtype (TypeError) and a
-    bad CSR / cu_seqlens (ValueError), so it is both, and code catching either sees it (numpy's
-    AxisError is a ValueError and an IndexError for the same reason)."""
 
 
 def _to_host(name, array):
