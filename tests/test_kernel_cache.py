@@ -133,12 +133,11 @@ def test_precompile_runs_and_then_everything_is_in_memory(capsys):
         assert plan.family == want, (label, plan.family)
     # the narrow-band calls' relation takes span tiles under the machine's tile rule (the suite
     # pins its own tiles, which have none; a plan, made without compiling anything)
-    from tiga_numba.registry import DECODE_MAX_ROWS
-    n = DECODE_MAX_ROWS + 8
+    n, narrow = precompile._narrow_band()
     x = np.zeros((n, 1, 4), np.float32)
     with tg.options(cpu_tiles=None):
         for op in ("forward", "backward"):
-            assert "spanning" in tg.make_plan(x, x, x, tg.Graph.band(n, left=8), op=op).explain(), op
+            assert "spanning" in tg.make_plan(x, x, x, narrow, op=op).explain(), op
     with pytest.raises(SystemExit):
         precompile.main(["--modifiers", "rope"])
 

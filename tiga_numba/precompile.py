@@ -30,6 +30,16 @@ import numpy as np
 DEFAULT_DTYPES = ("float32", "float64")
 
 
+def _narrow_band():
+    """(rows, the narrow band of the span-tile calls): more query rows than the split-key
+    (decode) kernels take, so that the block kernels are the ones chosen, and a band at most
+    2 x BN keys wide, which takes span tiles (cpu/tiles.py)."""
+    import tiga_numba as tg
+    from tiga_numba.registry import DECODE_MAX_ROWS
+    n = DECODE_MAX_ROWS + 8
+    return n, tg.Graph.band(n, left=8)
+
+
 def _calls(dtype, modifiers=()):
     """(label, thunk) for one tiny call per CPU kernel family (and, per name in `modifiers`,
     the forward and backward of that flash-attn modifier on block and CSR relations; each
@@ -37,14 +47,12 @@ def _calls(dtype, modifiers=()):
     import tiga_numba as tg
     from tiga_numba import functional
 
-    from tiga_numba.registry import DECODE_MAX_ROWS
     rng = np.random.default_rng(0)
-    # more query rows than the split-key (decode) kernels take, so that the block kernels are
-    # the ones chosen; the decode kernel gets its own call (dense(n, 1))
-    n, heads, width = DECODE_MAX_ROWS + 8, 1, 4
+    # the block calls' rows (_narrow_band); the decode kernel gets its own call (dense(n, 1))
+    n, narrow = _narrow_band()
+    heads, width = 1, 4
     q, k, v, dout = (rng.standard_normal((n, heads, width)).astype(dtype) for _ in range(4))
     dense = tg.Graph.dense(n)
-    narrow = tg.Graph.band(n, left=8)   # at most 2 x BN keys wide: span tiles (cpu/tiles.py)
     ring = tg.Graph.from_csr(np.arange(0, 2 * n + 1, 2), (np.arange(2 * n) * 3) % n, num_src=n)
 
     def forward(graph, **options):
