@@ -350,9 +350,9 @@ def _per_partition(plan, what, make):
     """Per CSR partition, what its tasks get as `what` (`make(part)`: the local relation, or the
     halo's source ids): the object itself (it then travels inside every call's task graph), or,
     when a dask.distributed Client is the default scheduler and the relations hold at least
-    UPLOAD_MIN_BYTES, a future of it uploaded once per plan and client. The upload is a task holding the object (not a scatter), so the scheduler
-    recomputes it if the worker holding it is lost; the futures live as long as the graph's
-    plan."""
+    UPLOAD_MIN_BYTES, a future of it uploaded once per plan and client. The upload is a task
+    holding the object (not a scatter), so the scheduler recomputes it if the worker holding it
+    is lost; the futures live as long as the graph's plan."""
     client = _default_client()
     if client is None or _relation_bytes(plan) < UPLOAD_MIN_BYTES:
         return [make(part) for part in plan.parts]

@@ -6,13 +6,13 @@ combine, per (row, head), as::
     m = max(m_a, m_b);  w_a = l_a exp(m_a - m);  w_b = l_b exp(m_b - m);  l = w_a + w_b
     out = (w_a / l) out_a + (w_b / l) out_b
 
-with an empty part (l = 0, m = -inf) contributing nothing (its out is not read) and a row empty in both giving out 0,
-m = -inf, l = 0. The kernel reads each part once and writes the result once, in the
-accumulation dtype, split over numba's threads by rows, where numpy expressions of the same
-formula allocate a temporary the size of `out` per operation: 6.4-6.9x faster at 500k rows,
-H=4, Dv=32 (benchmarks/bench_merge.py; results/merge-cpu-zen4-2core-2026-12-06.txt). Parts are
-folded left to right, so the same parts in the same order give the same bits for any thread
-count.
+with an empty part (l = 0, m = -inf) contributing nothing (its out is not read) and a row
+empty in both giving out 0, m = -inf, l = 0. The kernel reads each part once and writes the
+result once, in the accumulation dtype, split over numba's threads by rows, where numpy
+expressions of the same formula allocate a temporary the size of `out` per operation: 6.4-6.9x
+faster at 500k rows, H=4, Dv=32 (benchmarks/bench_merge.py;
+results/merge-cpu-zen4-2core-2026-12-06.txt). Parts are folded left to right, so the same parts
+in the same order give the same bits for any thread count.
 """
 from __future__ import annotations
 
