@@ -110,7 +110,7 @@ class noting_failure:
     """An exception raised inside (or, used as a decorator, by the function) is recorded by
     note_failure and given to `keep` (a program keeps it for its own explain()), then
     re-raised. A class, not a contextlib generator: the entry points run it on every call,
-    and a generator-based context cost about a microsecond more each time."""
+    and entering a generator-based context costs a generator and its frame each time."""
     __slots__ = ("call", "keep")
 
     def __init__(self, call, keep=None):
