@@ -371,8 +371,9 @@ def _per_partition(plan, what, make):
 
 
 def _relation_bytes(plan):
-    """Bytes of a CSR plan's local relations: 8 (rows + 1) + 4 edges per partition."""
-    return sum(8 * (part.d1 - part.d0 + 1) + 4 * part.graph.num_edges for part in plan.parts)
+    """Bytes of a CSR plan's local relations: 8 (rows + 1) + 4 edges per partition (once per plan)."""
+    return plan.cached("relation bytes", lambda: sum(8 * (part.d1 - part.d0 + 1) + 4 * part.graph.num_edges
+                                                     for part in plan.parts))
 
 
 def _relations(plan):
