@@ -563,22 +563,57 @@ class BoundModifier:
 
 
 def _sum_runs(g, index, n):
-    """(n,) + g.shape[1:], in g's library: row b sums the rows r of g with index[r] == b (index
-    increasing), each run in float64 and in row order by numpy's reduceat on the host, so the bits
-    depend neither on the array library's reduction order nor on the other runs (a running-sum
-    difference would round each run relative to the total before it); a b no row has gives 0.
-    A cupy g (an (N, H) per-row gradient, small next to the call's arrays) goes to the host and
-    back: the same bits as a numpy call."""
-    on_host = isinstance(g, np.ndarray)
-    gh = np.asarray(g if on_host else g.get(), np.float64)
-    ih = np.asarray(index if isinstance(index, np.ndarray) else index.get())
+    """(n,) + g.shape[1:] float64, in g's library: row b sums the rows r of g with index[r] == b
+    (index increasing), each run in float64 and in row order (the first row, then each next one
+    added to it: numpy's reduceat), so the bits depend neither on the array library's reduction
+    order nor on the other runs (a running-sum difference would round each run relative to the
+    total before it); a b no row has gives 0. A cupy g runs the same sums on the device, one
+    thread per output element (_sum_runs_device): the same bits as a numpy call, with no copy to
+    the host and no synchronisation."""
+    if not isinstance(g, np.ndarray):
+        return _sum_runs_device(g, index, n)
+    gh = np.asarray(g, np.float64)
+    ih = np.asarray(index)
     b = np.arange(n)
     starts, ends = np.searchsorted(ih, b), np.searchsorted(ih, b, side="right")
     out = np.zeros((n,) + gh.shape[1:], np.float64)
     full = ends > starts
     if full.any():   # runs with rows: consecutive in index, so reduceat's segments are exactly them
         out[full] = np.add.reduceat(gh, starts[full], axis=0)
-    if on_host:
-        return out
+    return out
+
+
+#: the device form of _sum_runs' sums: output element (b, c) of an (n, width) result adds rows
+#: starts[b] .. ends[b] - 1 of column c in order, starting from the first (an empty run gives 0),
+#: in double, as numpy's reduceat does on the host
+_SUM_RUNS_SOURCE = """
+long long b = i / width, c = i - b * width;
+long long s = starts[b], e = ends[b];
+double acc = 0.0;
+if (s < e) {
+    acc = (double)g[s * width + c];
+    for (long long r = s + 1; r < e; ++r) acc += (double)g[r * width + c];
+}
+y = acc;
+"""
+
+
+def _sum_runs_device(g, index, n):
+    """_sum_runs for a cupy g (and a numpy or cupy index)."""
     import cupy
-    return cupy.asarray(out)
+    from .kernel_cache import KERNELS
+    kernel = KERNELS.derived(None, "score_mod.sum_runs", lambda: cupy.ElementwiseKernel(
+        "raw T g, raw int64 starts, raw int64 ends, int64 width", "float64 y", _SUM_RUNS_SOURCE,
+        "tiga_sum_runs"))
+    trailing = g.shape[1:]
+    width = int(np.prod(trailing, dtype=np.int64))
+    out = cupy.empty((n,) + trailing, np.float64)
+    if out.size == 0:
+        return out
+    flat = cupy.ascontiguousarray(g).reshape(g.shape[0], width)
+    ih = cupy.asarray(index)
+    b = cupy.arange(n, dtype=ih.dtype)
+    starts = cupy.searchsorted(ih, b).astype(np.int64, copy=False)
+    ends = cupy.searchsorted(ih, b, side="right").astype(np.int64, copy=False)
+    kernel(flat, starts, ends, np.int64(width), out.reshape(n, width))
+    return out
