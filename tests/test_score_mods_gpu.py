@@ -182,15 +182,15 @@ def test_gpu_per_sequence_alibi_slopes(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gpu_per_sequence_sums_are_the_host_sums_bit_for_bit(dtype):
     """The per-sequence slopes' gradient summed on the device (score_mod._sum_runs with cupy
-    rows) has the bits of the host's float64 reduceat: runs of 0, 1 and many rows, a huge run
-    next to a tiny one, a run of -0.0 only (reduceat keeps the sign), (N, H) and (N,) rows."""
+    rows) has the bits of the numpy call's sums (cpu/segments.py): runs of 0, 1 and many rows,
+    values of very different sizes, a run of -0.0 only (keeps its sign), (N, H) and (N,) rows."""
     from tiga_numba import score_mod
     rng = np.random.default_rng(23)
     index = np.repeat(np.arange(9), [3, 0, 1, 500, 0, 2, 37, 1, 0])
     for shape in ((index.size, 5), (index.size,)):
         g = rng.standard_normal(shape).astype(dtype) * rng.choice([1e-6, 1.0, 1e8], shape).astype(dtype)
         g[:3] = -0.0
-        want = score_mod._sum_runs(g, index, 10)   # numpy: the host's reduceat
+        want = score_mod._sum_runs(g, index, 10)   # numpy: cpu/segments.py
         for idx in (index, cupy.asarray(index)):
             got = score_mod._sum_runs(cupy.asarray(g), idx, 10)
             assert isinstance(got, cupy.ndarray) and got.dtype == np.float64 and got.shape == want.shape

@@ -564,28 +564,20 @@ class BoundModifier:
 
 def _sum_runs(g, index, n):
     """(n,) + g.shape[1:] float64, in g's library: row b sums the rows r of g with index[r] == b
-    (index increasing), each run in float64 and in row order (the first row, then each next one
-    added to it: numpy's reduceat), so the bits depend neither on the array library's reduction
-    order nor on the other runs (a running-sum difference would round each run relative to the
-    total before it); a b no row has gives 0. A cupy g runs the same sums on the device, one
-    thread per output element (_sum_runs_device): the same bits as a numpy call, with no copy to
-    the host and no synchronisation."""
+    (index increasing), each run in float64 from its first row onward (cpu/segments.py says why
+    that order); a b no row has gives 0. A cupy g runs the same sums on the device, one thread
+    per output element: the same bits as a numpy call, with no copy to the host."""
     if not isinstance(g, np.ndarray):
         return _sum_runs_device(g, index, n)
-    gh = np.asarray(g, np.float64)
+    from .cpu.segments import sum_runs
     ih = np.asarray(index)
     b = np.arange(n)
-    starts, ends = np.searchsorted(ih, b), np.searchsorted(ih, b, side="right")
-    out = np.zeros((n,) + gh.shape[1:], np.float64)
-    full = ends > starts
-    if full.any():   # runs with rows: consecutive in index, so reduceat's segments are exactly them
-        out[full] = np.add.reduceat(gh, starts[full], axis=0)
-    return out
+    return sum_runs(g, np.searchsorted(ih, b), np.searchsorted(ih, b, side="right"))
 
 
-#: the device form of _sum_runs' sums: output element (b, c) of an (n, width) result adds rows
-#: starts[b] .. ends[b] - 1 of column c in order, starting from the first (an empty run gives 0),
-#: in double, as numpy's reduceat does on the host
+#: the device form of cpu/segments.py's sums: output element (b, c) of an (n, width) result
+#: adds rows starts[b] .. ends[b] - 1 of column c in order, starting from the first (an empty
+#: run gives 0), in double
 _SUM_RUNS_SOURCE = """
 long long b = i / width, c = i - b * width;
 long long s = starts[b], e = ends[b];
