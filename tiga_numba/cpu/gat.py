@@ -170,188 +170,18 @@ def _read_perm(spec):
     return ""
 
 
-def _indent(lines, n):
-    return [" " * n + s for s in lines]
-
-
 _FM = "{'reassoc', 'contract'}"  # reductions may vectorise; no nnan/ninf (m can be -inf)
-
-
-def generate_source(spec, p_size, dtype_name):
-    widths = layer_widths(spec)
-    _, n_act = _offsets(widths)
-    gmax = max(widths)
-    fe1 = max(spec.fe, 1)
-    we_off = p_size  # the edge part of the first Linear's gradient sits after P's slots
-    pd = spec.pd
-    h1, fe, fv = spec.h1, spec.fe, spec.fv
-    feat = "\n".join(_emit_edge_features(spec, " " * 16))
-    score = "\n".join(_emit_score(spec, " " * 16))
-    read_perm = _read_perm(spec)
-    # ---------------------------------------------------------------- forward
-    fwd = f'''
-@numba.njit(parallel=True, cache=True, fastmath={_FM})
-def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
-    nrows = order.shape[0]
-    nch = min(nrows, {NUM_CHUNKS})
-    for ch in numba.prange(nch):
-        A = np.empty({n_act}, T)
-        ef = np.empty({fe1}, T)
-        accv = np.empty({fv}, T)
-        r0 = ch * nrows // nch
-        r1 = (ch + 1) * nrows // nch
-        for t in range(r0, r1):
-            i = order[t]
-            m = T(-np.inf)
-            l = ZERO
-            for f in range({fv}):
-                accv[f] = ZERO
-            for e in range(indptr[i], indptr[i + 1]):
-                j = indices[e]
-{feat}
-{score}
-                if s > m:
-                    # new running max: rescale what was accumulated so far
-                    corr = T(math.exp(m - s))
-                    l = l * corr + ONE
-                    for f in range({fv}):
-                        accv[f] = accv[f] * corr + V[j, f]
-                    m = s
-                else:
-                    p = T(math.exp(s - m))
-                    l += p
-                    for f in range({fv}):
-                        accv[f] += p * V[j, f]
-            inv = ONE / l if l > ZERO else ZERO
-            for f in range({fv}):
-                out[i, f] = accv[f] * inv
-            M[i] = m
-            L[i] = l
-'''
-    # ---------------------------------------------------------------- backward, dst rows
-    gp_init = "\n".join(" " * 12 + f"gp{d} = ZERO" for d in range(pd))
-    gp_store = "\n".join(" " * 12 + f"dpos[i, {d}] = gp{d}" for d in range(pd))
-    mlp_b_params = "\n".join(_emit_mlp_backward(spec, " " * 16, True))
-    mlp_b = "\n".join(_emit_mlp_backward(spec, " " * 16, False))
-    lines = [f"for r in range({h1}):",
-             "    gAd[r] += G0[r]"]
-    if fe:
-        # stored transposed (fe, h1): the inner loop runs along contiguous memory
-        lines += [f"for c in range({fe}):",
-                  "    v = ef[c]",
-                  f"    for r in range({h1}):",
-                  f"        PG[ch, {we_off} + c * {h1} + r] += G0[r] * v"]
-    we_grad = "\n".join(_indent(lines, 16))
-    edge_grad_dst = "\n".join(_emit_edge_grad(spec, " " * 16, "dst"))
-    edge_grad_src = "\n".join(_emit_edge_grad(spec, " " * 16, "src"))
-    bwd_rows = f'''
-@numba.njit(parallel=True, cache=True, fastmath={_FM})
-def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, dout, M, L,
-                      Delta, dAd, dpos, dEX, PG):
-    nrows = order.shape[0]
-    nch = PG.shape[0]
-    for ch in numba.prange(nch):
-        A = np.empty({n_act}, T)
-        ef = np.empty({fe1}, T)
-        G0 = np.empty({gmax}, T)
-        G1 = np.empty({gmax}, T)
-        GE = np.empty({fe1}, T)
-        gAd = np.empty({h1}, T)
-        r0 = ch * nrows // nch
-        r1 = (ch + 1) * nrows // nch
-        for t in range(r0, r1):
-            i = order[t]
-            delta = ZERO
-            for f in range({fv}):
-                delta += dout[i, f] * out[i, f]
-            Delta[i] = delta
-            for r in range({h1}):
-                gAd[r] = ZERO
-{gp_init}
-            mi = M[i]
-            li = L[i]
-            inv_l = ONE / li if li > ZERO else ZERO
-            for e in range(indptr[i], indptr[i + 1]):
-                j = indices[e]
-{feat}
-{score}
-                p = T(math.exp(s - mi)) * inv_l
-                dp = ZERO
-                for f in range({fv}):
-                    dp += dout[i, f] * V[j, f]
-                ds = p * (dp - delta)
-{mlp_b_params}
-{we_grad}
-{edge_grad_dst}
-            for r in range({h1}):
-                dAd[i, r] = gAd[r]
-{gp_store}
-'''
-    # ---------------------------------------------------------------- backward, src rows
-    gps_store = "\n".join(" " * 12 + f"dpos[j, {d}] = gp{d}" for d in range(pd))
-    bwd_cols = f'''
-@numba.njit(parallel=True, cache=True, fastmath={_FM})
-def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout, M, L, Delta,
-                      dAs, dV, dpos):
-    nrows = order.shape[0]
-    nch = min(nrows, {NUM_CHUNKS})
-    for ch in numba.prange(nch):
-        A = np.empty({n_act}, T)
-        ef = np.empty({fe1}, T)
-        G0 = np.empty({gmax}, T)
-        G1 = np.empty({gmax}, T)
-        GE = np.empty({fe1}, T)
-        gAs = np.empty({h1}, T)
-        gV = np.empty({fv}, T)
-        r0 = ch * nrows // nch
-        r1 = (ch + 1) * nrows // nch
-        for tt_ in range(r0, r1):
-            j = order[tt_]
-            for r in range({h1}):
-                gAs[r] = ZERO
-            for f in range({fv}):
-                gV[f] = ZERO
-{gp_init}
-            for t in range(tptr[j], tptr[j + 1]):
-                i = tind[t]
-{read_perm}
-{feat}
-{score}
-                p = T(math.exp(s - M[i])) / L[i]
-                dp = ZERO
-                for f in range({fv}):
-                    dp += dout[i, f] * V[j, f]
-                    gV[f] += p * dout[i, f]
-                ds = p * (dp - Delta[i])
-{mlp_b}
-                for r in range({h1}):
-                    gAs[r] += G0[r]
-{edge_grad_src}
-            for r in range({h1}):
-                dAs[j, r] = gAs[r]
-            for f in range({fv}):
-                dV[j, f] = gV[f]
-{gps_store}
-'''
-    header = (f"# generated by tiga_numba.cpu.gat for spec {spec!r}, {dtype_name}\n"
-              "import math\nimport numba\nimport numpy as np\n"
-              f"T = np.{dtype_name}\nZERO = T(0.0)\nONE = T(1.0)\n")
-    return header + fwd + bwd_rows + bwd_cols
-
-
-# --------------------------------------------------------------------------- unrolled variant
 
 
 SMALL_VALUE = 16  # value widths up to this keep the value accumulators in scalar locals
 
 
-def _value_code(fv):
-    """Snippets for the value-side loops: scalar locals for small widths, loops otherwise."""
-    small = fv <= SMALL_VALUE
+def _value_code(fv, small):
+    """Snippets for the value-side loops: scalar locals (`small`) or loops over arrays."""
     F = range(fv)
     if small:
         return dict(
-            f_alloc="",
+            f_alloc=[],
             f_init=[f"acc{f} = ZERO" for f in F],
             f_rescale=[f"acc{f} = acc{f} * corr + V[j, {f}]" for f in F],
             f_add=[f"acc{f} += p * V[j, {f}]" for f in F],
@@ -359,14 +189,14 @@ def _value_code(fv):
             r_hoist=[f"do{f} = dout[i, {f}]" for f in F],
             r_delta=["delta = " + " + ".join(f"do{f} * out[i, {f}]" for f in F)],
             r_dp=["dp = " + " + ".join(f"do{f} * V[j, {f}]" for f in F)],
-            c_alloc="",
+            c_alloc=[],
             c_init=[f"gv{f} = ZERO" for f in F] + [f"vj{f} = V[j, {f}]" for f in F],
             c_dp=[f"di{f} = dout[i, {f}]" for f in F]
             + ["dp = " + " + ".join(f"di{f} * vj{f}" for f in F)]
             + [f"gv{f} += p * di{f}" for f in F],
             c_store=[f"dV[j, {f}] = gv{f}" for f in F])
     return dict(
-        f_alloc=f"accv = np.empty({fv}, T)",
+        f_alloc=[f"accv = np.empty({fv}, T)"],
         f_init=[f"for f in range({fv}):", "    accv[f] = ZERO"],
         f_rescale=[f"for f in range({fv}):", "    accv[f] = accv[f] * corr + V[j, f]"],
         f_add=[f"for f in range({fv}):", "    accv[f] += p * V[j, f]"],
@@ -374,69 +204,178 @@ def _value_code(fv):
         r_hoist=[],
         r_delta=["delta = ZERO", f"for f in range({fv}):", "    delta += dout[i, f] * out[i, f]"],
         r_dp=["dp = ZERO", f"for f in range({fv}):", "    dp += dout[i, f] * V[j, f]"],
-        c_alloc=f"gV = np.empty({fv}, T)",
+        c_alloc=[f"gV = np.empty({fv}, T)"],
         c_init=[f"for f in range({fv}):", "    gV[f] = ZERO"],
         c_dp=["dp = ZERO", f"for f in range({fv}):", "    dp += dout[i, f] * V[j, f]",
               "    gV[f] += p * dout[i, f]"],
         c_store=[f"for f in range({fv}):", "    dV[j, f] = gV[f]"])
 
 
-def generate_source_unrolled(spec, p_size, dtype_name):
-    h1, fe, fv, pd = spec.h1, spec.fe, spec.fv, spec.pd
-    we_off = p_size
-    vc = _value_code(fv)
-    weights = indented(u_weights(spec), 8)
-    feat = indented(u_features(spec, "dst"), 16)
-    feat_src = indented(u_features(spec, "src"), 16)
-    score = indented(u_score(spec, "dst"), 16)
-    score_src = indented(u_score(spec, "src"), 16)
-    hoist_dst = indented(u_hoist(spec, "dst"), 12)
-    hoist_src = indented(u_hoist(spec, "src"), 12)
-    read_perm = _read_perm(spec)
-    p_slots = [k for layer in spec.layers if layer[0] == "linear"
-               for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
-    pg_init = indented([f"pg{k} = ZERO" for k in p_slots]
-                     + [f"pge{c}_{r} = ZERO" for c in range(fe) for r in range(h1)], 8)
-    pg_store = indented([f"PG[ch, {k}] = pg{k}" for k in p_slots]
-                      + [f"PG[ch, {we_off + c * h1 + r}] = pge{c}_{r}"
-                         for c in range(fe) for r in range(h1)], 8)
-    gp_init = indented([f"gp{d} = ZERO" for d in range(pd)], 12)
+class _Loops:
+    """The per-edge network in small arrays walked by loops (A: activations, G0 / G1:
+    gradients, ef / GE: edge features and their gradient), parameter-gradient partials added
+    to this chunk's row PG[ch] as they come: any network size."""
+
+    def __init__(self, spec, p_size):
+        self.spec, self.p_size = spec, p_size
+        self.value = _value_code(spec.fv, small=False)
+        n_act = _offsets(layer_widths(spec))[1]
+        fe1, gmax, h1 = max(spec.fe, 1), max(layer_widths(spec)), spec.h1
+        self.net = [f"A = np.empty({n_act}, T)", f"ef = np.empty({fe1}, T)"]
+        self.grads = [f"G0 = np.empty({gmax}, T)", f"G1 = np.empty({gmax}, T)", f"GE = np.empty({fe1}, T)"]
+        self.h0_grad = {"dst": f"gAd = np.empty({h1}, T)", "src": f"gAs = np.empty({h1}, T)"}
+
+    def prelude(self, kind):
+        """the chunk's own state: 'fwd', 'rows' (dst-side backward) or 'cols' (src side)"""
+        if kind == "fwd":
+            return self.net
+        return self.net + self.grads + [self.h0_grad["dst" if kind == "rows" else "src"]]
+
+    def hoist(self, side):
+        return []
+
+    def score(self, side):
+        return _emit_edge_features(self.spec, "") + _emit_score(self.spec, "")
+
+    def h0_grad_init(self, side):
+        return [f"for r in range({self.spec.h1}):", f"    {self._g(side)}[r] = ZERO"]
+
+    def h0_grad_add(self, side):
+        """the gradient of the first Linear's node terms (As[j] + Ad[i]) and, on the dst side,
+        of its edge-feature weights (PG's slots after P's)"""
+        h1 = self.spec.h1
+        L = [f"for r in range({h1}):", f"    {self._g(side)}[r] += G0[r]"]
+        if side == "dst" and self.spec.fe:
+            # stored transposed (fe, h1): the inner loop runs along contiguous memory
+            L += [f"for c in range({self.spec.fe}):",
+                  "    v = ef[c]",
+                  f"    for r in range({h1}):",
+                  f"        PG[ch, {self.p_size} + c * {h1} + r] += G0[r] * v"]
+        return L
+
+    def h0_grad_store(self, side, row):
+        out = "dAd" if side == "dst" else "dAs"
+        return [f"for r in range({self.spec.h1}):", f"    {out}[{row}, r] = {self._g(side)}[r]"]
+
+    def mlp_backward(self, param_grads):
+        return _emit_mlp_backward(self.spec, "", param_grads)
+
+    def edge_grad(self, side):
+        return _emit_edge_grad(self.spec, "", side)
+
+    def pg_init(self):
+        return []
+
+    def pg_store(self):
+        return []
+
+    @staticmethod
+    def _g(side):
+        return "gAd" if side == "dst" else "gAs"
+
+
+class _Unrolled:
+    """The per-edge network in scalar locals (tiga_numba.score_net_source, shared with the
+    CUDA kernels): weights loaded once per chunk, the row's own terms once per row,
+    parameter-gradient partials summed in locals and stored once per chunk."""
+
+    def __init__(self, spec, p_size):
+        self.spec, self.p_size = spec, p_size
+        self.value = _value_code(spec.fv, small=spec.fv <= SMALL_VALUE)
+        self.p_slots = [k for layer in spec.layers if layer[0] == "linear"
+                        for k in range(layer[3], layer[3] + layer[1] * layer[2] + layer[2])]
+        self.pe_slots = [(c, r) for c in range(spec.fe) for r in range(spec.h1)]
+
+    def prelude(self, kind):
+        return u_weights(self.spec)
+
+    def hoist(self, side):
+        return u_hoist(self.spec, side)
+
+    def score(self, side):
+        return u_features(self.spec, side) + u_score(self.spec, side)
+
+    def h0_grad_init(self, side):
+        return [f"{self._g(side)}{r} = ZERO" for r in range(self.spec.h1)]
+
+    def h0_grad_add(self, side):
+        L = [f"{self._g(side)}{r} += g0_{r}" for r in range(self.spec.h1)]
+        if side == "dst":
+            L += [f"pge{c}_{r} += g0_{r} * ef{c}" for c, r in self.pe_slots]
+        return L
+
+    def h0_grad_store(self, side, row):
+        out = "dAd" if side == "dst" else "dAs"
+        return [f"{out}[{row}, {r}] = {self._g(side)}{r}" for r in range(self.spec.h1)]
+
+    def mlp_backward(self, param_grads):
+        return u_backward(self.spec, param_grads)
+
+    def edge_grad(self, side):
+        return u_edge_grad(self.spec, side)
+
+    def pg_init(self):
+        return ([f"pg{k} = ZERO" for k in self.p_slots]
+                + [f"pge{c}_{r} = ZERO" for c, r in self.pe_slots])
+
+    def pg_store(self):
+        h1 = self.spec.h1
+        return ([f"PG[ch, {k}] = pg{k}" for k in self.p_slots]
+                + [f"PG[ch, {self.p_size + c * h1 + r}] = pge{c}_{r}" for c, r in self.pe_slots])
+
+    @staticmethod
+    def _g(side):
+        return "gad" if side == "dst" else "gas"
+
+
+def generate_source(spec, p_size, dtype_name, unroll):
+    """The module text of the three kernels (gat_forward, gat_backward_rows, gat_backward_cols)
+    for `spec`: one template, the per-edge network written by _Unrolled (scalar locals) or
+    _Loops (arrays and loops)."""
+    code = (_Unrolled if unroll else _Loops)(spec, p_size)
+    vc = code.value
+    pd = spec.pd
+
+    def at(n, lines):
+        return indented(lines, n)
+
+    def gp_store(row):
+        return at(12, [f"dpos[{row}, {d}] = gp{d}" for d in range(pd)])
+
+    gp_init = at(12, [f"gp{d} = ZERO" for d in range(pd)])
     fwd = f"""
 @numba.njit(parallel=True, cache=True, fastmath={_FM})
 def gat_forward(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, M, L):
     nrows = order.shape[0]
     nch = min(nrows, {NUM_CHUNKS})
     for ch in numba.prange(nch):
-{weights}
-        {vc["f_alloc"]}
+{at(8, code.prelude("fwd") + vc["f_alloc"])}
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
         for t in range(r0, r1):
             i = order[t]
-{hoist_dst}
+{at(12, code.hoist("dst"))}
             m = T(-np.inf)
             l = ZERO
-{indented(vc["f_init"], 12)}
+{at(12, vc["f_init"])}
             for e in range(indptr[i], indptr[i + 1]):
                 j = indices[e]
-{feat}
-{score}
+{at(16, code.score("dst"))}
                 if s > m:
+                    # new running max: rescale what was accumulated so far
                     corr = T(math.exp(m - s))
                     l = l * corr + ONE
-{indented(vc["f_rescale"], 20)}
+{at(20, vc["f_rescale"])}
                     m = s
                 else:
                     p = T(math.exp(s - m))
                     l += p
-{indented(vc["f_add"], 20)}
+{at(20, vc["f_add"])}
             inv = ONE / l if l > ZERO else ZERO
-{indented(vc["f_store"], 12)}
+{at(12, vc["f_store"])}
             M[i] = m
             L[i] = l
 """
-    gad_lines = [f"gad{r} += g0_{r}" for r in range(h1)]
-    gad_lines += [f"pge{c}_{r} += g0_{r} * ef{c}" for c in range(fe) for r in range(h1)]
     bwd_rows = f"""
 @numba.njit(parallel=True, cache=True, fastmath={_FM})
 def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, dout, M, L,
@@ -444,34 +383,28 @@ def gat_backward_rows(order, indptr, indices, As, Ad, WeT, pos, EX, P, V, out, d
     nrows = order.shape[0]
     nch = PG.shape[0]
     for ch in numba.prange(nch):
-{weights}
-{pg_init}
+{at(8, code.prelude("rows") + code.pg_init())}
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
         for t in range(r0, r1):
             i = order[t]
-{hoist_dst}
-{indented(vc["r_hoist"], 12)}
-{indented(vc["r_delta"], 12)}
+{at(12, code.hoist("dst") + vc["r_hoist"] + vc["r_delta"])}
             Delta[i] = delta
-{indented([f"gad{r} = ZERO" for r in range(h1)], 12)}
+{at(12, code.h0_grad_init("dst"))}
 {gp_init}
             mi = M[i]
             li = L[i]
             inv_l = ONE / li if li > ZERO else ZERO
             for e in range(indptr[i], indptr[i + 1]):
                 j = indices[e]
-{feat}
-{score}
+{at(16, code.score("dst"))}
                 p = T(math.exp(s - mi)) * inv_l
-{indented(vc["r_dp"], 16)}
+{at(16, vc["r_dp"])}
                 ds = p * (dp - delta)
-{indented(u_backward(spec, True), 16)}
-{indented(gad_lines, 16)}
-{indented(u_edge_grad(spec, "dst"), 16)}
-{indented([f"dAd[i, {r}] = gad{r}" for r in range(h1)], 12)}
-{indented([f"dpos[i, {d}] = gp{d}" for d in range(pd)], 12)}
-{pg_store}
+{at(16, code.mlp_backward(True) + code.h0_grad_add("dst") + code.edge_grad("dst"))}
+{at(12, code.h0_grad_store("dst", "i"))}
+{gp_store("i")}
+{at(8, code.pg_store())}
 """
     bwd_cols = f"""
 @numba.njit(parallel=True, cache=True, fastmath={_FM})
@@ -480,33 +413,26 @@ def gat_backward_cols(order, tptr, tind, perm, As, Ad, WeT, pos, EX, P, V, dout,
     nrows = order.shape[0]
     nch = min(nrows, {NUM_CHUNKS})
     for ch in numba.prange(nch):
-{weights}
-        {vc["c_alloc"]}
+{at(8, code.prelude("cols") + vc["c_alloc"])}
         r0 = ch * nrows // nch
         r1 = (ch + 1) * nrows // nch
         for tt_ in range(r0, r1):
             j = order[tt_]
-{hoist_src}
-{indented([f"gas{r} = ZERO" for r in range(h1)], 12)}
-{indented(vc["c_init"], 12)}
+{at(12, code.hoist("src") + code.h0_grad_init("src") + vc["c_init"])}
 {gp_init}
             for t in range(tptr[j], tptr[j + 1]):
                 i = tind[t]
-{read_perm}
-{feat_src}
-{score_src}
+{_read_perm(spec)}
+{at(16, code.score("src"))}
                 p = T(math.exp(s - M[i])) / L[i]
-{indented(vc["c_dp"], 16)}
+{at(16, vc["c_dp"])}
                 ds = p * (dp - Delta[i])
-{indented(u_backward(spec, False), 16)}
-{indented([f"gas{r} += g0_{r}" for r in range(h1)], 16)}
-{indented(u_edge_grad(spec, "src"), 16)}
-{indented([f"dAs[j, {r}] = gas{r}" for r in range(h1)], 12)}
-{indented(vc["c_store"], 12)}
-{indented([f"dpos[j, {d}] = gp{d}" for d in range(pd)], 12)}
+{at(16, code.mlp_backward(False) + code.h0_grad_add("src") + code.edge_grad("src"))}
+{at(12, code.h0_grad_store("src", "j") + vc["c_store"])}
+{gp_store("j")}
 """
-    header = (f"# generated by tiga_numba.cpu.gat (unrolled) for spec {spec!r}, {dtype_name}\n"
-              "import math\nimport numba\nimport numpy as np\n"
+    header = (f"# generated by tiga_numba.cpu.gat ({'unrolled' if unroll else 'loops'}) for spec {spec!r}, "
+              f"{dtype_name}\nimport math\nimport numba\nimport numpy as np\n"
               f"T = np.{dtype_name}\nZERO = T(0.0)\nONE = T(1.0)\n")
     return header + fwd + bwd_rows + bwd_cols
 
@@ -524,9 +450,8 @@ def get_kernels(spec, p_size, dtype, unroll=None):
     if unroll is None:
         unroll = unrollable(spec, p_size)
     variant = "unrolled" if unroll else "loops"
-    gen = generate_source_unrolled if unroll else generate_source
     key = ("gat-cpu", spec, int(p_size), name, variant)
-    module = KERNELS.get(key, lambda: _load(gen(spec, p_size, name)))
+    module = KERNELS.get(key, lambda: _load(generate_source(spec, p_size, name, unroll)))
     return module, kernel_source(module, KERNELS.last_was_hit), variant
 
 
