@@ -134,6 +134,39 @@ def _edge_grad(spec, side):
     return L
 
 
+_FWD_ARGS = ["indptr", "indices", "As", "Ad", "WeT", "pos", "EX", "P", "V", "out", "M", "L",
+             "nrows"]
+_ROWS_ARGS = ["indptr", "indices", "As", "Ad", "WeT", "pos", "EX", "P", "V", "out", "dout", "M",
+              "L", "Delta", "dAd", "dpos", "dEX", "PG", "nrows"]
+_COLS_ARGS = ["tptr", "tind", "perm", "As", "Ad", "WeT", "pos", "EX", "P", "V", "dout", "M", "L",
+              "Delta", "dAs", "dV", "dpos", "nrows"]
+_INT_ARGS = {"indptr": "i64", "indices": "i32", "tptr": "i64", "tind": "i32", "perm": "i64"}
+
+
+def _kernel_head(name, args):
+    """`def name(...)` of a generated kernel and the flat views of its arrays: every argument
+    but the last (the row count) is an array passed as a raw device address (cuda/launch.py),
+    its view's dtype from _INT_ARGS (the float arrays: T). The launch signature (_signature)
+    reads the same lists, so the two cannot disagree."""
+    views = {"i64": "AS_I64", "i32": "AS_I32", "T": "AS_T"}
+    arrays, last = args[:-1], args[-1]
+    return "\n".join([f"def {name}({', '.join([a + '_p' for a in arrays] + [last])}):"]
+                     + [f"    {a} = {views[_INT_ARGS.get(a, 'T')]}({a}_p)" for a in arrays])
+
+
+def _lane_group(row, G, nt, bounded):
+    """Thread -> (`row`, lane) of a G-lane group, and the group's lanes in its warp (gbase,
+    mask: the shuffles' source lanes and member mask); `bounded`: threads past the last row
+    return."""
+    return (["tid = cuda.threadIdx.x",
+             f"gid = i64(cuda.blockIdx.x) * {nt} + tid",
+             f"{row} = gid // {G}",
+             f"lane = gid - {row} * {G}"]
+            + ([f"if {row} >= nrows:", "    return"] if bounded else [])
+            + ["gbase = (tid % 32) - lane",
+               f"mask = u32({(1 << G) - 1} << gbase)"])
+
+
 def generate_source(spec, p_size, dtype_name, G, nt, sim):
     h1, fe, fv, pd = spec.h1, spec.fe, spec.fv, spec.pd
     xw = sum(it[2] for it in spec.edge_items if it[0] == "x")
@@ -185,28 +218,8 @@ def generate_source(spec, p_size, dtype_name, G, nt, sim):
             body += guard(c, gd, f"acc{c} += pu * V[vb + {fidx(c)}]")
         fwd_u += ([f"if base + {u} < e1:"] + ["    " + b for b in body]) if u else body
     fwd = f"""
-def gat_forward(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, out_p, M_p, L_p,
-                nrows):
-    indptr = AS_I64(indptr_p)
-    indices = AS_I32(indices_p)
-    As = AS_T(As_p)
-    Ad = AS_T(Ad_p)
-    WeT = AS_T(WeT_p)
-    pos = AS_T(pos_p)
-    EX = AS_T(EX_p)
-    P = AS_T(P_p)
-    V = AS_T(V_p)
-    out = AS_T(out_p)
-    M = AS_T(M_p)
-    L = AS_T(L_p)
-    tid = cuda.threadIdx.x
-    gid = i64(cuda.blockIdx.x) * {nt} + tid
-    i = gid // {G}
-    lane = gid - i * {G}
-    if i >= nrows:
-        return
-    gbase = (tid % 32) - lane
-    mask = u32({(1 << G) - 1} << gbase)
+{_kernel_head("gat_forward", _FWD_ARGS)}
+{indented(_lane_group("i", G, nt, bounded=True), 4)}
 {weights}
 {fl(u_hoist(spec, "dst"), 4)}
     m = NEG
@@ -256,32 +269,8 @@ def gat_forward(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, o
         pg_group += _xor_all(nm, G, "sum")
     npg1 = max(n_pg, 1)
     bwd_rows = f"""
-def gat_backward_rows(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, out_p,
-                      dout_p, M_p, L_p, Delta_p, dAd_p, dpos_p, dEX_p, PG_p, nrows):
-    indptr = AS_I64(indptr_p)
-    indices = AS_I32(indices_p)
-    As = AS_T(As_p)
-    Ad = AS_T(Ad_p)
-    WeT = AS_T(WeT_p)
-    pos = AS_T(pos_p)
-    EX = AS_T(EX_p)
-    P = AS_T(P_p)
-    V = AS_T(V_p)
-    out = AS_T(out_p)
-    dout = AS_T(dout_p)
-    M = AS_T(M_p)
-    L = AS_T(L_p)
-    Delta = AS_T(Delta_p)
-    dAd = AS_T(dAd_p)
-    dpos = AS_T(dpos_p)
-    dEX = AS_T(dEX_p)
-    PG = AS_T(PG_p)
-    tid = cuda.threadIdx.x
-    gid = i64(cuda.blockIdx.x) * {nt} + tid
-    grp = gid // {G}
-    lane = gid - grp * {G}
-    gbase = (tid % 32) - lane
-    mask = u32({(1 << G) - 1} << gbase)
+{_kernel_head("gat_backward_rows", _ROWS_ARGS)}
+{indented(_lane_group("grp", G, nt, bounded=False), 4)}
     ngroups = i64(cuda.gridDim.x) * {gpb}
 {weights}
 {indented([f"{nm} = ZERO" for nm in pg_names], 4)}
@@ -350,33 +339,8 @@ def gat_backward_rows(indptr_p, indices_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, 
     col_store = ([f"dAs[j * {h1} + {r}] = gas{r}" for r in range(h1)]
                  + [f"dpos[j * {pd} + {d}] = dpos[j * {pd} + {d}] + gp{d}" for d in range(pd)])
     bwd_cols = f"""
-def gat_backward_cols(tptr_p, tind_p, perm_p, As_p, Ad_p, WeT_p, pos_p, EX_p, P_p, V_p, dout_p,
-                      M_p, L_p, Delta_p, dAs_p, dV_p, dpos_p, nrows):
-    tptr = AS_I64(tptr_p)
-    tind = AS_I32(tind_p)
-    perm = AS_I64(perm_p)
-    As = AS_T(As_p)
-    Ad = AS_T(Ad_p)
-    WeT = AS_T(WeT_p)
-    pos = AS_T(pos_p)
-    EX = AS_T(EX_p)
-    P = AS_T(P_p)
-    V = AS_T(V_p)
-    dout = AS_T(dout_p)
-    M = AS_T(M_p)
-    L = AS_T(L_p)
-    Delta = AS_T(Delta_p)
-    dAs = AS_T(dAs_p)
-    dV = AS_T(dV_p)
-    dpos = AS_T(dpos_p)
-    tid = cuda.threadIdx.x
-    gid = i64(cuda.blockIdx.x) * {nt} + tid
-    j = gid // {G}
-    lane = gid - j * {G}
-    if j >= nrows:
-        return
-    gbase = (tid % 32) - lane
-    mask = u32({(1 << G) - 1} << gbase)
+{_kernel_head("gat_backward_cols", _COLS_ARGS)}
+{indented(_lane_group("j", G, nt, bounded=True), 4)}
 {weights}
 {fl(u_hoist(spec, "src"), 4)}
 {indented([f"vj{c} = ZERO" for c, gd in fsl if gd], 4)}
@@ -514,15 +478,6 @@ def _signature(names, arrays, T):
     i64, i32 = numba.int64, numba.int32
     kinds = {"T": T, "i64": i64, "i32": i32}
     return ([(n, "a", kinds[arrays[n]]) for n in names[:-1]] + [(names[-1], "s", i64)])
-
-
-_FWD_ARGS = ["indptr", "indices", "As", "Ad", "WeT", "pos", "EX", "P", "V", "out", "M", "L",
-             "nrows"]
-_ROWS_ARGS = ["indptr", "indices", "As", "Ad", "WeT", "pos", "EX", "P", "V", "out", "dout", "M",
-              "L", "Delta", "dAd", "dpos", "dEX", "PG", "nrows"]
-_COLS_ARGS = ["tptr", "tind", "perm", "As", "Ad", "WeT", "pos", "EX", "P", "V", "dout", "M", "L",
-              "Delta", "dAs", "dV", "dpos", "nrows"]
-_INT_ARGS = {"indptr": "i64", "indices": "i32", "tptr": "i64", "tind": "i32", "perm": "i64"}
 
 
 class GATKernels:
