@@ -74,6 +74,15 @@ class Layer:
         self.training = True
 
     # ------------------------------------------------------------------ parameters
+    def _common_args(self, in_channels, out_channels, heads, concat, dropout, edge_dim):
+        """The constructor arguments every layer takes, checked and stored under PyG's names."""
+        self.in_channels = check_channels(in_channels)
+        self.out_channels = check_positive("out_channels", out_channels)
+        self.heads = check_positive("heads", heads)
+        self.concat = bool(concat)
+        self.dropout = float(dropout)
+        self.edge_dim = None if edge_dim is None else check_positive("edge_dim", edge_dim)
+
     def _add(self, name, array):
         self._params[name] = array
 

@@ -16,7 +16,7 @@ import numpy as np
 from .. import interop
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
-from ._module import (Layer, check_channels, check_positive, column_sums, glorot, head_dots,
+from ._module import (Layer, column_sums, glorot, head_dots,
                       head_weighted_sums, heads_grad, heads_out, linear_grads)
 
 __all__ = ["GATConv", "check_fill_value"]
@@ -120,14 +120,9 @@ class GATConv(Layer):
                  dropout=0.0, add_self_loops=True, edge_dim=None, fill_value="mean", bias=True,
                  residual=False, *, dtype=np.float32, seed=None):
         super().__init__(dtype)
-        self.in_channels = check_channels(in_channels)
-        self.out_channels = check_positive("out_channels", out_channels)
-        self.heads = check_positive("heads", heads)
-        self.concat = bool(concat)
+        self._common_args(in_channels, out_channels, heads, concat, dropout, edge_dim)
         self.negative_slope = float(negative_slope)
-        self.dropout = float(dropout)
         self.add_self_loops = bool(add_self_loops)
-        self.edge_dim = None if edge_dim is None else check_positive("edge_dim", edge_dim)
         self.fill_value = check_fill_value(fill_value, self.edge_dim)
         self.residual = bool(residual)
         self.bias = bool(bias)

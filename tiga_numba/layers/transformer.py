@@ -24,7 +24,7 @@ import numpy as np
 
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
-from ._module import Layer, check_channels, check_positive, column_sums, heads_grad, heads_out, kaiming_linear
+from ._module import Layer, column_sums, heads_grad, heads_out, kaiming_linear
 
 __all__ = ["TransformerConv"]
 
@@ -39,14 +39,9 @@ class TransformerConv(Layer):
     def __init__(self, in_channels, out_channels, heads=1, concat=True, beta=False, dropout=0.0,
                  edge_dim=None, bias=True, root_weight=True, *, dtype=np.float32, seed=None):
         super().__init__(dtype)
-        self.in_channels = check_channels(in_channels)
-        self.out_channels = check_positive("out_channels", out_channels)
-        self.heads = check_positive("heads", heads)
-        self.concat = bool(concat)
+        self._common_args(in_channels, out_channels, heads, concat, dropout, edge_dim)
         self.root_weight = bool(root_weight)
         self.beta = bool(beta) and self.root_weight  # PyG: beta only with the root weight
-        self.dropout = float(dropout)
-        self.edge_dim = None if edge_dim is None else check_positive("edge_dim", edge_dim)
         self.bias = bool(bias)
         self._in_pair = (self.in_channels,) * 2 if isinstance(self.in_channels, int) else self.in_channels
         fs, fd = self._in_pair
