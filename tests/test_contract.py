@@ -485,6 +485,29 @@ def test_backward_is_deterministic():
             assert x.tobytes() == y.tobytes()
 
 
+def test_backward_reads_dout_and_out_of_another_float_dtype_at_the_kernels_precision():
+    """dout / out in another float dtype than q (float64 or float16 with float32 q) are taken
+    as the CPU kernels' float32 (docs/design.md, Arrays): the same bits as the caller's own cast,
+    and q's dtype out; an integer dout is refused by name."""
+    q, k, v = qkv(30, 30, dtype=np.float32)
+    for g in (tg.Graph.triangular(30), tg.Graph.from_coo(np.arange(30), np.arange(30)[::-1], 30, 30)):
+        out, stats = tg.attention(q, k, v, g, return_stats=True)
+        dout = rng(7).standard_normal(out.shape)
+        want = tg.attention_backward(dout.astype(np.float32), q, k, v, out, stats, g)
+        for dt in (np.float64, np.float16):
+            d = dout.astype(dt)
+            ref = tg.attention_backward(d.astype(np.float32), q, k, v, out, stats, g)
+            got = tg.attention_backward(d, q, k, v, out, stats, g)
+            for x, y in zip(got, ref):
+                assert x.dtype == np.float32 and x.tobytes() == y.tobytes()
+        got = tg.attention_backward(dout.astype(np.float32), q, k, v, out.astype(np.float64), stats, g)
+        for x, y in zip(got, want):   # float32 out held exactly in float64: the same bits
+            assert x.dtype == np.float32 and x.tobytes() == y.tobytes()
+        assert all(np.abs(a - b).max() <= 2e-3 * np.abs(b).max() + 1e-5 for a, b in zip(ref, want))  # fp16 dout
+        with pytest.raises(TypeError, match="dout"):
+            tg.attention_backward(dout.astype(np.int32), q, k, v, out, stats, g)
+
+
 def test_backward_default_scale_matches_forward_default():
     q, k, v = qkv(13, 13, d=8)
     g = tg.Graph.dense(13)
