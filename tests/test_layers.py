@@ -1,6 +1,8 @@
 """tiga_numba.layers: GATConv, GATv2Conv, TransformerConv against PyG's layers (same weights,
 outputs and every gradient) and against float64 oracles; the per-head edge-score attention
 they are built on against a float64 softmax oracle."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -148,11 +150,16 @@ CASES = [
 ]
 
 
+def _seed(*case):
+    """A seed of its own for each case, the same in every process (str hashes are salted)."""
+    return zlib.crc32(repr(case).encode())
+
+
 @pytest.mark.parametrize("name,kwargs,bipartite", CASES)
 def test_matches_pyg(name, kwargs, bipartite):
     torch = pytest.importorskip("torch")
     pyg_nn = pytest.importorskip("torch_geometric.nn")
-    rng = np.random.default_rng(abs(hash((name, str(sorted(kwargs.items())), bipartite))) % 2**32)
+    rng = np.random.default_rng(_seed(name, kwargs, bipartite))
     torch.manual_seed(int(rng.integers(1 << 30)))
     ns, nd = (29, 21) if bipartite else (25, 25)
     fs, fd = (6, 4) if bipartite else (5, 5)
@@ -194,6 +201,67 @@ def test_matches_pyg(name, kwargs, bipartite):
         want = p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
         np.testing.assert_allclose(grads["params"][pname], want, err_msg=pname, **tol)
     assert np.setdiff1d(np.arange(nd), dst).size > 0  # the graph has isolated destinations
+
+
+@pytest.mark.parametrize("name,kwargs,bipartite", CASES)
+def test_attention_weights_match_pyg(name, kwargs, bipartite):
+    """return_attention_weights=True gives PyG's (out, (edge_index, alpha)): the same edge_index,
+    edge for edge (the caller's edges, removed self loops left out, added loops last), and the
+    same weights, on a graph with existing self loops, a duplicate edge and isolated nodes; in
+    the layer's dtype (float16: computed in float32)."""
+    torch = pytest.importorskip("torch")
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    rng = np.random.default_rng(_seed("weights", name, kwargs, bipartite))
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    ns, nd = (29, 21) if bipartite else (25, 25)
+    fs, fd = (6, 4) if bipartite else (5, 5)
+    src, dst = random_edges(rng, ns, nd, 110)
+    graph = tg.Graph.from_coo(src, dst, ns, nd)
+    in_ch = (fs, fd) if bipartite else fs
+    pyg = getattr(pyg_nn, name)(in_ch, 4, **kwargs).double().eval()
+    xs, xd = torch.randn(ns, fs, dtype=torch.float64), torch.randn(nd, fd, dtype=torch.float64)
+    ed = kwargs.get("edge_dim")
+    ea = torch.randn(len(src), ed, dtype=torch.float64) if ed else None
+    x_t = (xs, xd) if bipartite else xs
+    with torch.no_grad():
+        out_t, (ei_t, alpha_t) = pyg(x_t, torch.from_numpy(np.stack([src, dst])), ea,
+                                     return_attention_weights=True)
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5), (np.float16, 3e-3)):
+        ours = LAYERS[name](in_ch, 4, dtype=dtype, **kwargs)
+        ours.load_state_dict({k: v.numpy() for k, v in pyg.state_dict().items()})
+        ours.eval()
+        x_n = (xs.numpy().astype(dtype), xd.numpy().astype(dtype)) if bipartite else xs.numpy().astype(dtype)
+        got = ours(x_n, graph, None if ea is None else ea.numpy().astype(dtype), return_attention_weights=True)
+        out, (edge_index, alpha) = got
+        assert edge_index.dtype == np.int64 and np.array_equal(edge_index, ei_t.numpy())
+        assert alpha.dtype == dtype and out.dtype == dtype and alpha.shape == tuple(alpha_t.shape)
+        np.testing.assert_allclose(alpha.astype(np.float64), alpha_t.numpy(), rtol=0, atol=tol)
+        np.testing.assert_array_equal(out, ours(x_n, graph, None if ea is None else ea.numpy().astype(dtype)))
+
+
+def test_torch_layer_returns_attention_weights_without_autograd():
+    """tiga_numba.torch's layers take PyG's return_attention_weights=True under torch.no_grad()
+    (the weights carry no gradient here) and refuse it where autograd would need one."""
+    torch = pytest.importorskip("torch")
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    import tiga_numba.torch as tgt
+    rng = np.random.default_rng(3)
+    src, dst = random_edges(rng, 20, 20, 70)
+    edge_index = torch.from_numpy(np.stack([src, dst]))
+    torch.manual_seed(0)
+    pyg = pyg_nn.GATConv(5, 3, heads=2).eval()
+    ours = tgt.GATConv(5, 3, heads=2)
+    ours.load_state_dict(pyg.state_dict())
+    ours.eval()
+    x = torch.randn(20, 5)
+    with torch.no_grad():
+        want = pyg(x, edge_index, return_attention_weights=True)
+        got = ours(x, edge_index, return_attention_weights=True)
+    assert torch.equal(got[1][0], want[1][0])
+    torch.testing.assert_close(got[1][1], want[1][1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="no gradient flows through the attention weights"):
+        ours(x.requires_grad_(), edge_index, return_attention_weights=True)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -464,8 +532,6 @@ def test_errors_name_the_argument():
     with pytest.raises(NotImplementedError, match="fill_value='any'"):
         GATConv(3, 2, edge_dim=1, fill_value="any")(x, g, ea)
     GATConv(3, 2, edge_dim=1, fill_value="any", add_self_loops=False)(x, g, ea)   # unused, as in PyG
-    with pytest.raises(NotImplementedError, match="return_attention_weights"):
-        GATConv(3, 2)(x, g, return_attention_weights=True)
     with pytest.raises(NotImplementedError, match="return_attention_weights"):
         TransformerConv(3, 2).vjp(x, g, return_attention_weights=True)
     np.testing.assert_array_equal(GATConv(3, 2, seed=1)(x, g, return_attention_weights=False),

@@ -25,7 +25,6 @@ from .functional import flash_modifier, run_backward, run_forward
 from .graph import Graph
 from .score_mod import ALIBI_SLOPES
 from . import layers as _layers
-from .layers import _module as _layers_module
 
 __all__ = ["attention", "program", "GATConv", "GATv2Conv", "TransformerConv", "graph_of"]
 
@@ -261,13 +260,25 @@ class _TorchLayer(torch.nn.Module):
 
     def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
         """x: (N, F) or (x_src, x_dst); edge_index: PyG's (2, E) tensor or a tiga_numba.Graph.
-        return_attention_weights: NotImplementedError (the weights are never materialised)."""
-        _layers_module._refuse_attention_weights(return_attention_weights)
+        return_attention_weights=True: (out, (edge_index, alpha)) as PyG, computed without
+        autograd (under torch.no_grad() or with no input requiring grad; otherwise
+        NotImplementedError: no gradient flows through the weights here)."""
         graph = self._graph(edge_index, x)
         self.core.training = self.training
         bip = isinstance(x, (tuple, list))
         x_src, x_dst = (x[0], x[1]) if bip else (x, None)
         params = [self._lookup(n) for n in self._names]
+        if return_attention_weights:
+            tensors = [t for t in (x_src, x_dst, edge_attr, *params) if isinstance(t, torch.Tensor)]
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                raise NotImplementedError(
+                    "return_attention_weights=True with autograd: no gradient flows through the "
+                    "attention weights here; call the layer under torch.no_grad() for them")
+            p = {n: _native(t, n) for n, t in zip(self._names, params)}
+            p.update({alias: p[name] for alias, name in self._aliases.items()})
+            xs = (_native(x_src, "x_src"), _native(x_dst, "x_dst")) if bip else _native(x_src, "x")
+            out, (ei, alpha) = self.core._with_weights(xs, graph, _native(edge_attr, "edge_attr"), p)
+            return _tensor(out), (_tensor(ei), _tensor(alpha))
         return _LayerFunction.apply(self.core, graph, bip, self._names, self._aliases, x_src,
                                     x_dst, edge_attr, *params)
 

@@ -85,8 +85,25 @@ class EdgeSet:
         self.indptr = rel.indptr
         self.indices = rel.indices
         self._inc = {}
+        self._caller_order = None
 
     # ------------------------------------------------------------------ incidence sums
+    def caller_order(self):
+        """Positions (int64, in this set's library) listing its edges in PyG's order: the caller's
+        edges that were kept, in the caller's order (`source`), then the added loops by node (PyG's
+        remove_self_loops + add_self_loops). How return_attention_weights lists edges."""
+        hit = self._caller_order
+        if hit is None:
+            xp = self.xp
+            source = np.asarray(self.source if xp is np else self.source.get())
+            kept = np.flatnonzero(source >= 0)
+            kept = kept[np.argsort(source[kept], kind="stable")]
+            node = np.asarray(self.loop_node if xp is np else self.loop_node.get())
+            pos = np.asarray(self.loop_pos if xp is np else self.loop_pos.get())
+            order = np.concatenate([kept, pos[np.argsort(node, kind="stable")]]).astype(np.int64)
+            hit = self._caller_order = order if xp is np else xp.asarray(order)
+        return hit
+
     def _incidence(self, side, dtype):
         key = (side, np.dtype(dtype))
         mat = self._inc.get(key)

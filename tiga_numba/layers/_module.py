@@ -251,11 +251,29 @@ class Layer:
         return self(x, graph, edge_attr)
 
     def __call__(self, x, graph, edge_attr=None, return_attention_weights=None):
+        """out = layer(x, graph, edge_attr). With return_attention_weights=True, as PyG:
+        (out, (edge_index, alpha)), edge_index (2, E') int64 (sources, destinations) and alpha
+        (E', H) the softmax weights, in PyG's edge order (the caller's edges in the order given
+        to the graph's constructor, less removed self-loops, then the added loops by node); the
+        weights are rebuilt from the per-edge scores and the forward's row stats (an (E', H)
+        array the fused kernels themselves never hold)."""
         with self._noting_failure("{name}(...)"):
-            _refuse_attention_weights(return_attention_weights)
             lib, (x, graph, edge_attr), _ = interop.convert_args((x, graph, edge_attr), {})
-            out, _ = self._run(x, graph, edge_attr, None, want_grad=False)
-            return interop.outward(out, lib)
+            if not return_attention_weights:
+                out, _ = self._run(x, graph, edge_attr, None, want_grad=False)
+                return interop.outward(out, lib)
+            return interop.outward(self._with_weights(x, graph, edge_attr, None), lib)
+
+    def _with_weights(self, x, graph, edge_attr, params):
+        """(out, (edge_index, alpha)) of a forward call (native arrays), as __call__ describes."""
+        weights = {}
+        out, _ = self._run(x, graph, edge_attr, params, want_grad=False, weights=weights)
+        es = weights["edges"]
+        order = es.caller_order()
+        xp = xp_of(out)
+        edge_index = xp.stack([xp.take(es.cols, order), xp.take(es.rows, order)])
+        alpha = xp.take(weights["alpha"], order, axis=0).astype(out.dtype, copy=False)
+        return out, (edge_index, alpha)
 
     def vjp(self, x, graph, edge_attr=None, return_attention_weights=None):
         """out, vjp = layer.vjp(x, graph, edge_attr); vjp(dout) returns
@@ -284,9 +302,11 @@ class Layer:
         from ..functional import noting_failure
         return noting_failure(what.format(name=type(self).__name__))
 
-    def _run(self, x, graph, edge_attr, params, want_grad):
+    def _run(self, x, graph, edge_attr, params, want_grad, weights=None):
         """Checked inputs -> (out, backward(dout) -> (dx_src, dx_dst or None, d_edge_attr, dparams)).
-        For a single x, dx_dst is None and dx_src is the whole gradient."""
+        For a single x, dx_dst is None and dx_src is the whole gradient. `weights`, a dict when
+        given, receives the attention weights (E, H) in edge-set order ("alpha") and the edge
+        set ("edges")."""
         if want_grad or self.training:
             self._check_dropout()
         x_src, x_dst, single, edge_attr, squeeze = self._inputs(x, graph, edge_attr)
@@ -297,7 +317,10 @@ class Layer:
             x_src, x_dst, edge_attr = (None if a is None else a.astype(np.float32)
                                        for a in (x_src, x_dst, edge_attr))
         p = self._params_like(x_src, params)
-        out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr)
+        if weights is None:
+            out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr)
+        else:
+            out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr, weights=weights)
 
         def checked_backward(dout):
             if arrays.library_of("dout", dout) != arrays.library_of("x", x_src):
@@ -388,8 +411,9 @@ def heads_grad(xp, dout, heads, channels, concat):
 
 
 def _refuse_attention_weights(flag):
-    """PyG's return_attention_weights: the fused kernels never hold the (E, H) weights."""
+    """vjp(..., return_attention_weights=True): the weights are a forward output only."""
     if flag:
         raise NotImplementedError(
-            "return_attention_weights: the fused kernels never materialise the (E, H) attention "
-            "weights; recompute them from the scores if needed (docs/layers.md)")
+            "vjp(..., return_attention_weights=True) is not implemented: no gradient flows through "
+            "the attention weights here; call layer(x, graph, edge_attr, return_attention_weights=True) "
+            "for them (docs/layers.md)")

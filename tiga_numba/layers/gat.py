@@ -79,12 +79,13 @@ def leaky_relu_grad(xp, out, grad, slope):
     return grad
 
 
-def edge_attention(values, score, es, plans=None):
+def edge_attention(values, score, es, plans=None, weights=None):
     """Per-head softmax of `score` (E, H) over each destination's edges, weighting
     `values` (num_src, Hv, C) with H % Hv == 0 (head h reads value head h // (H // Hv), as in
     grouped-query attention). Returns (out (num_dst, H, C), backward(dout) -> (dvalues,
     dscore)). The score runs on the fused kernels as a per-edge bias with zero-width q and k.
-    `plans`, a dict when given, receives the kernels' plans under "forward" and "backward"."""
+    `plans`, a dict when given, receives the kernels' plans under "forward" and "backward";
+    `weights`, a dict when given, receives the attention weights (E, H) under "alpha"."""
     xp = xp_of(values)
     Hv = values.shape[1]
     H = score.shape[1] if score.ndim == 2 else Hv
@@ -93,6 +94,8 @@ def edge_attention(values, score, es, plans=None):
     out, stats, plan = run_forward(q, k, values, es.graph, scale=1.0, edge_bias=score)
     if plans is not None:
         plans["forward"] = plan
+    if weights is not None:
+        weights["alpha"] = attention_weights(xp, score.reshape(score.shape[0], -1), stats, es)
 
     def backward(dout):
         _, _, dv, dscore, bplan = run_backward(dout, q, k, values, out, stats, es.graph,
@@ -104,6 +107,16 @@ def edge_attention(values, score, es, plans=None):
         return dv, dscore.astype(values.dtype, copy=False)
 
     return out, backward
+
+
+def attention_weights(xp, score, stats, es):
+    """The softmax weights (E, H) of per-edge scores `score` (E, H), rebuilt from the forward's
+    per-row stats: exp(score - m[row]) / l[row] (every row holding an edge has l > 0)."""
+    rows = es.rows
+    m = xp.asarray(stats.m).reshape(es.num_dst, -1)
+    l = xp.asarray(stats.l).reshape(es.num_dst, -1)
+    linv = 1.0 / xp.where(l > 0, l, 1)
+    return (xp.exp(score - gather(xp, m, rows)) * gather(xp, linv, rows)).astype(score.dtype, copy=False)
 
 
 class GATConv(Layer):
@@ -150,7 +163,7 @@ class GATConv(Layer):
         if self.residual:
             self._add("res.weight", glorot(rng, (total, fd), fd, total, dt))
 
-    def _apply(self, p, x_src, x_dst, single, graph, edge_attr):
+    def _apply(self, p, x_src, x_dst, single, graph, edge_attr, weights=None):
         xp = xp_of(x_src)
         H, C, slope = self.heads, self.out_channels, self.negative_slope
         ns = x_src.shape[0]
@@ -180,7 +193,9 @@ class GATConv(Layer):
         keep = pre.copy() if slope < 0 else None  # only a negative slope needs the input
         score = leaky_relu(xp, pre, slope)  # (may reuse pre's memory)
         sign_of = score if keep is None else keep
-        out_h, attn_backward = edge_attention(xs, score, es)
+        out_h, attn_backward = edge_attention(xs, score, es, weights=weights)
+        if weights is not None:
+            weights["edges"] = es
         out = heads_out(out_h, self.concat)
         res_in = x_dst if x_dst is not None else None
         if self.residual and res_in is not None:

@@ -79,7 +79,7 @@ class GATv2Conv(Layer):
             y = y + p[f"lin_{side}.bias"]
         return y.reshape(x.shape[0], self.heads, self.out_channels)
 
-    def _apply(self, p, x_src, x_dst, single, graph, edge_attr):
+    def _apply(self, p, x_src, x_dst, single, graph, edge_attr, weights=None):
         xp = xp_of(x_src)
         H, C, slope = self.heads, self.out_channels, self.negative_slope
         xl = self._project(p, "l", x_src)
@@ -108,7 +108,9 @@ class GATv2Conv(Layer):
             e1 = min(E, e0 + chunk)
             z = pre_activation(e0, e1)
             score[e0:e1] = xp.einsum("ehc,hc->eh", xp.where(z > 0, z, z * dt(slope)), att)
-        out_h, attn_backward = edge_attention(xl, score, es)
+        out_h, attn_backward = edge_attention(xl, score, es, weights=weights)
+        if weights is not None:
+            weights["edges"] = es
         out = heads_out(out_h, self.concat)
         if self.residual:
             out = out + x_dst @ p["res.weight"].T

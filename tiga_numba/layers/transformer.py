@@ -71,7 +71,7 @@ class TransformerConv(Layer):
             y = y + p[f"{name}.bias"]
         return y
 
-    def _apply(self, p, x_src, x_dst, single, graph, edge_attr):
+    def _apply(self, p, x_src, x_dst, single, graph, edge_attr, weights=None):
         xp = xp_of(x_src)
         H, C = self.heads, self.out_channels
         if x_dst is None:
@@ -94,8 +94,11 @@ class TransformerConv(Layer):
             bias = self._edge_dot(xp, q_e, ea, es) * q.dtype.type(scale)
         out_v, stats, _ = run_forward(q, k, v, es.graph, scale=scale, edge_bias=bias)
         out_h = out_v
-        if ea is not None:
+        if ea is not None or weights is not None:
             alpha = self._alpha(xp, q, k, bias, stats, es, scale)
+        if weights is not None:
+            weights["alpha"], weights["edges"] = alpha, es
+        if ea is not None:
             out_a = xp.stack([xp.asarray(es.edge_matrix(alpha[:, h]) @ ea) for h in range(H)], axis=1)
             out_h = out_v + xp.einsum("nhd,hcd->nhc", out_a, w_e3)
         o = heads_out(out_h, self.concat)
@@ -207,6 +210,6 @@ class TransformerConv(Layer):
             e1 = min(E, e0 + chunk)
             r = es.rows[e0:e1]
             s = xp.einsum("ehc,ehc->eh", gather(xp, q, r), gather(xp, k, es.cols[e0:e1]))
-            s = s * scale + bias[e0:e1]
+            s = s * scale if bias is None else s * scale + bias[e0:e1]
             alpha[e0:e1] = xp.exp(s - gather(xp, m, r)) * gather(xp, linv, r)
         return alpha
