@@ -55,6 +55,27 @@ def test_cupy_matches_numpy(cls, kwargs):
         np.testing.assert_allclose(cupy.asnumpy(got["params"][k]), v, err_msg=k, **tol)
 
 
+@pytest.mark.parametrize("cls,kwargs", CASES)
+def test_cupy_attention_weights_match_numpy(cls, kwargs):
+    """return_attention_weights=True on cupy: the numpy call's edge_index (the same ints) and
+    weights, as cupy arrays."""
+    rng = np.random.default_rng(5)
+    n, e, f = 300, 3000, 8
+    src, dst = _graph(rng, n, e)
+    g = tg.Graph.from_coo(src, dst, n, n)
+    layer = cls(f, 6, seed=2, **kwargs).eval()
+    x = rng.standard_normal((n, f)).astype(np.float32)
+    ea = rng.standard_normal((e, 3)).astype(np.float32) if "edge_dim" in kwargs else None
+    out, (ei, alpha) = layer(x, g, ea, return_attention_weights=True)
+    layer.to("cuda")
+    out_d, (ei_d, alpha_d) = layer(cupy.asarray(x), g, None if ea is None else cupy.asarray(ea),
+                                   return_attention_weights=True)
+    assert isinstance(ei_d, cupy.ndarray) and isinstance(alpha_d, cupy.ndarray)
+    assert np.array_equal(cupy.asnumpy(ei_d), ei) and alpha_d.dtype == alpha.dtype
+    np.testing.assert_allclose(cupy.asnumpy(alpha_d), alpha, rtol=2e-4, atol=2e-6)
+    np.testing.assert_allclose(cupy.asnumpy(out_d), out, rtol=2e-4, atol=2e-5)
+
+
 def test_cuda_tensors_without_copy_and_adapter_matches_pyg():
     torch = pytest.importorskip("torch")
     pyg_nn = pytest.importorskip("torch_geometric.nn")
