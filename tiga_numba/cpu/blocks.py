@@ -347,7 +347,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
 
     item = jit_kernel(forward_item, mod, parallel=False, **hooks)
     return jit_driver(forward, mod, hooks, FORWARD_ITEM=item,
-                      MERGE_ITEM=jit_kernel(merge_item, None, parallel=False))
+                      MERGE_ITEM=jit_kernel(merge_item, None, parallel=False, exact=True))
 
 
 def make_backward(acc, BM, BN, mod=None, own=False):

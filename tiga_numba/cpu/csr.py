@@ -194,7 +194,7 @@ def make_forward(acc, mod=None):
 
     return jit_driver(forward, mod, hooks,
                       CSR_FORWARD_ITEM=jit_kernel(forward_item, mod, parallel=False, **hooks),
-                      CSR_FORWARD_MERGE=jit_kernel(forward_merge, mod, parallel=False, **hooks))
+                      CSR_FORWARD_MERGE=jit_kernel(forward_merge, mod, parallel=False, exact=True, **hooks))
 
 
 def make_backward(acc, mod=None):
@@ -457,6 +457,7 @@ def make_backward(acc, mod=None):
 
     def driver(fn, item, merge, glob):
         return jit_driver(fn, mod, hooks, **{f"{glob}_ITEM": jit_kernel(item, mod, parallel=False, **hooks),
-                                             f"{glob}_MERGE": jit_kernel(merge, mod, parallel=False, **hooks)})
+                                             f"{glob}_MERGE": jit_kernel(merge, mod, parallel=False, exact=True,
+                                                                           **hooks)})
     return (driver(backward_dst, backward_dst_item, backward_dst_merge, "CSR_DST"),
             driver(backward_src, backward_src_item, backward_src_merge, "CSR_SRC"))

@@ -175,7 +175,7 @@ def hooks_digest(mod, hooks):
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def jit_kernel(py_func, mod, parallel=True, **hooks):
+def jit_kernel(py_func, mod, parallel=True, exact=False, **hooks):
     """numba.njit(fastmath; parallel unless told) of a kernel whose modifier calls go through the
     global names in `hooks`. Without a modifier the kernel is compiled as written (its globals are
     the module's never-called stand-ins). With one, the same code is compiled with `hooks` bound to
@@ -185,9 +185,15 @@ def jit_kernel(py_func, mod, parallel=True, **hooks):
     tell two modifiers apart, and numba's symbol names come from the qualified name, which would
     not tell two tile shapes apart once both are loaded from the cache. The names give every
     variant its own cache entries and symbols, and let other processes (test workers, later runs)
-    load the compiled kernel instead of compiling it again (30 s and more per kernel)."""
-    opts = dict(parallel=parallel, fastmath=FASTMATH, nogil=True)
-    tag = "_of_" + _closure_digest(py_func)
+    load the compiled kernel instead of compiling it again (30 s and more per kernel).
+
+    `exact`: compiled without fast-math, for the merges of split rows and key ranges, whose
+    order of additions is what makes their bits fixed. With fast-math LLVM may reassociate or
+    contract them differently in the process that compiles the kernel and in a process that
+    loads it from the disk cache: a split CSR row's merged output differed by an ulp between the
+    two (the unsplit rows did not). The merges are small next to the items they merge."""
+    opts = dict(parallel=parallel, fastmath=False if exact else FASTMATH, nogil=True)
+    tag = "_of_" + _closure_digest(py_func) + ("_exact" if exact else "")
     if mod is not None:
         tag += f"_mod_{hooks_digest(mod, hooks)}"
     return njit(cache=True, **opts)(_rebound(py_func, hooks if mod is not None else {}, tag))
