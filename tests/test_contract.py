@@ -506,6 +506,16 @@ def test_backward_reads_dout_and_out_of_another_float_dtype_at_the_kernels_preci
         assert all(np.abs(a - b).max() <= 2e-3 * np.abs(b).max() + 1e-5 for a, b in zip(ref, want))  # fp16 dout
         with pytest.raises(TypeError, match="dout"):
             tg.attention_backward(dout.astype(np.int32), q, k, v, out, stats, g)
+    # float16 q: a float64 dout is read at the accumulation dtype (float32), not at q's float16
+    q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))
+    g = tg.Graph.triangular(30)
+    out, stats = tg.attention(q16, k16, v16, g, return_stats=True)
+    dout = rng(8).standard_normal(out.shape)
+    got = tg.attention_backward(dout, q16, k16, v16, out, stats, g)
+    want = tg.attention_backward(dout.astype(np.float32), q16, k16, v16, out, stats, g)
+    coarse = tg.attention_backward(dout.astype(np.float16), q16, k16, v16, out, stats, g)
+    assert all(x.dtype == np.float16 and x.tobytes() == y.tobytes() for x, y in zip(got, want))
+    assert any(x.tobytes() != y.tobytes() for x, y in zip(got, coarse))
 
 
 def test_backward_default_scale_matches_forward_default():

@@ -239,6 +239,25 @@ def test_attention_weights_match_pyg(name, kwargs, bipartite):
         np.testing.assert_array_equal(out, ours(x_n, graph, None if ea is None else ea.numpy().astype(dtype)))
 
 
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_attention_weights_of_an_empty_edge_set(name):
+    """No edges (no loops added) and a bipartite graph without destinations: PyG's shapes, (2, 0)
+    int64 edge_index and (0, H) weights, next to the plain call's output."""
+    e = np.zeros(0, np.int64)
+    x = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
+    kw = {} if name == "TransformerConv" else dict(add_self_loops=False)
+    layer = LAYERS[name](5, 3, heads=2, **kw).eval()
+    g = tg.Graph.from_coo(e, e, 6, 6)
+    out, (edge_index, alpha) = layer(x, g, return_attention_weights=True)
+    np.testing.assert_array_equal(out, layer(x, g))
+    assert edge_index.shape == (2, 0) and edge_index.dtype == np.int64
+    assert alpha.shape == (0, 2) and alpha.dtype == np.float32
+    layer = LAYERS[name]((5, 5), 3, heads=2).eval()
+    out, (edge_index, alpha) = layer((x, np.zeros((0, 5), np.float32)), tg.Graph.from_coo(e, e, 6, 0),
+                                     return_attention_weights=True)
+    assert out.shape == (0, 6) and edge_index.shape == (2, 0) and alpha.shape == (0, 2)
+
+
 def test_torch_layer_returns_attention_weights_without_autograd():
     """tiga_numba.torch's layers take PyG's return_attention_weights=True under torch.no_grad()
     (the weights carry no gradient here) and refuse it where autograd would need one."""

@@ -2,7 +2,8 @@
 load them from numba's disk cache afterwards: runs this file's calls (a CSR graph with a hub
 destination and a hub source, decode, causal, rectangular dense; plain and soft-capped; forward
 and backward) in three processes with one fresh cache (the first compiles, the next two load)
-and prints each array's digest per process.
+and prints each array's digest per process. (The committed results of 2026-12-07 ran with a
+fresh numba cache and the user's own package cache.)
 
     python benchmarks/tuning/cache_bits_probe.py [--threads 2]
 """
@@ -43,7 +44,11 @@ def main():
         calls()
         return
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache, NUMBA_NUM_THREADS=str(args.threads), TIGA_NUMBA_QUIET="1")
+        # both caches fresh: numba's (compiled kernels) and the package's (generated modules, the
+        # timed CPU tile-product choice, made by the first process and read by the others)
+        env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(cache, "numba"),
+                   TIGA_NUMBA_CACHE_DIR=os.path.join(cache, "tiga"), NUMBA_NUM_THREADS=str(args.threads),
+                   TIGA_NUMBA_QUIET="1")
         runs = []
         for i in range(3):
             out = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,

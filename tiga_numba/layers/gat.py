@@ -95,7 +95,7 @@ def edge_attention(values, score, es, plans=None, weights=None):
     if plans is not None:
         plans["forward"] = plan
     if weights is not None:
-        weights["alpha"] = attention_weights(xp, score.reshape(score.shape[0], -1), stats, es)
+        weights["alpha"] = attention_weights(xp, score if score.ndim == 2 else score[:, None], stats, es)
 
     def backward(dout):
         _, _, dv, dscore, bplan = run_backward(dout, q, k, values, out, stats, es.graph,
@@ -111,10 +111,11 @@ def edge_attention(values, score, es, plans=None, weights=None):
 
 def attention_weights(xp, score, stats, es):
     """The softmax weights (E, H) of per-edge scores `score` (E, H), rebuilt from the forward's
-    per-row stats: exp(score - m[row]) / l[row] (every row holding an edge has l > 0)."""
+    per-row stats (num_dst, H) (or (num_dst, 1) for one score per edge): exp(score - m[row]) /
+    l[row] (every row holding an edge has l > 0)."""
     rows = es.rows
-    m = xp.asarray(stats.m).reshape(es.num_dst, -1)
-    l = xp.asarray(stats.l).reshape(es.num_dst, -1)
+    m = xp.asarray(stats.m).reshape(es.num_dst, -1) if es.num_dst else xp.asarray(stats.m).reshape(0, 1)
+    l = xp.asarray(stats.l).reshape(es.num_dst, -1) if es.num_dst else xp.asarray(stats.l).reshape(0, 1)
     linv = 1.0 / xp.where(l > 0, l, 1)
     return (xp.exp(score - gather(xp, m, rows)) * gather(xp, linv, rows)).astype(score.dtype, copy=False)
 
