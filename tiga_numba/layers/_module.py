@@ -247,8 +247,8 @@ class Layer:
         return {k: xp.asarray(v, dtype=x.dtype) for k, v in params.items()}
 
     # ------------------------------------------------------------------ calls
-    def forward(self, x, graph, edge_attr=None):
-        return self(x, graph, edge_attr)
+    def forward(self, x, graph, edge_attr=None, return_attention_weights=None):
+        return self(x, graph, edge_attr, return_attention_weights)
 
     def __call__(self, x, graph, edge_attr=None, return_attention_weights=None):
         """out = layer(x, graph, edge_attr). With return_attention_weights=True, as PyG:
