@@ -92,17 +92,14 @@ class EdgeSet:
         """Positions (int64, in this set's library) listing its edges in PyG's order: the caller's
         edges that were kept, in the caller's order (`source`), then the added loops by node (PyG's
         remove_self_loops + add_self_loops). How return_attention_weights lists edges."""
-        hit = self._caller_order
-        if hit is None:
+        if self._caller_order is None:
             xp = self.xp
-            source = np.asarray(self.source if xp is np else self.source.get())
+            source, node, pos = ((a if xp is np else a.get()) for a in (self.source, self.loop_node, self.loop_pos))
             kept = np.flatnonzero(source >= 0)
             kept = kept[np.argsort(source[kept], kind="stable")]
-            node = np.asarray(self.loop_node if xp is np else self.loop_node.get())
-            pos = np.asarray(self.loop_pos if xp is np else self.loop_pos.get())
             order = np.concatenate([kept, pos[np.argsort(node, kind="stable")]]).astype(np.int64)
-            hit = self._caller_order = order if xp is np else xp.asarray(order)
-        return hit
+            self._caller_order = order if xp is np else xp.asarray(order)
+        return self._caller_order
 
     def _incidence(self, side, dtype):
         key = (side, np.dtype(dtype))

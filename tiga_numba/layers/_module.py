@@ -317,10 +317,7 @@ class Layer:
             x_src, x_dst, edge_attr = (None if a is None else a.astype(np.float32)
                                        for a in (x_src, x_dst, edge_attr))
         p = self._params_like(x_src, params)
-        if weights is None:
-            out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr)
-        else:
-            out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr, weights=weights)
+        out, backward = self._apply(p, x_src, x_dst, single, graph, edge_attr, weights=weights)
 
         def checked_backward(dout):
             if arrays.library_of("dout", dout) != arrays.library_of("x", x_src):

@@ -95,7 +95,8 @@ def edge_attention(values, score, es, plans=None, weights=None):
     if plans is not None:
         plans["forward"] = plan
     if weights is not None:
-        weights["alpha"] = attention_weights(xp, score if score.ndim == 2 else score[:, None], stats, es)
+        weights["alpha"] = attention_weights(xp, score if score.ndim == 2 else score[:, None], es.rows,
+                                             *row_stats(xp, stats))
 
     def backward(dout):
         _, _, dv, dscore, bplan = run_backward(dout, q, k, values, out, stats, es.graph,
@@ -109,14 +110,15 @@ def edge_attention(values, score, es, plans=None, weights=None):
     return out, backward
 
 
-def attention_weights(xp, score, stats, es):
-    """The softmax weights (E, H) of per-edge scores `score` (E, H), rebuilt from the forward's
-    per-row stats (num_dst, H) (or (num_dst, 1) for one score per edge): exp(score - m[row]) /
-    l[row] (every row holding an edge has l > 0)."""
-    rows = es.rows
-    m = xp.asarray(stats.m).reshape(es.num_dst, -1) if es.num_dst else xp.asarray(stats.m).reshape(0, 1)
-    l = xp.asarray(stats.l).reshape(es.num_dst, -1) if es.num_dst else xp.asarray(stats.l).reshape(0, 1)
-    linv = 1.0 / xp.where(l > 0, l, 1)
+def row_stats(xp, stats):
+    """(m, 1 / l) per (row, head) of a forward's stats, what attention_weights reads (1 / l is
+    taken as 1 for a row without edges: no edge reads it)."""
+    return xp.asarray(stats.m), 1.0 / xp.where(stats.l > 0, stats.l, 1)
+
+
+def attention_weights(xp, score, rows, m, linv):
+    """The softmax weights exp(score - m[row]) / l[row] of per-edge scores `score` (E, H) (or
+    (E, 1): one score for every head) of edges ending in `rows`, from row_stats."""
     return (xp.exp(score - gather(xp, m, rows)) * gather(xp, linv, rows)).astype(score.dtype, copy=False)
 
 

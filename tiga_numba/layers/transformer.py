@@ -25,6 +25,7 @@ import numpy as np
 from ..functional import run_backward, run_forward
 from ._edges import edge_set, gather, xp_of
 from ._module import Layer, column_sums, heads_grad, heads_out, kaiming_linear
+from .gat import attention_weights, row_stats
 
 __all__ = ["TransformerConv"]
 
@@ -203,13 +204,12 @@ class TransformerConv(Layer):
         """Attention weights (E, H) rebuilt from the forward's (m, l) and the edge scores."""
         E, H, C = es.num_edges, q.shape[1], q.shape[2]
         alpha = xp.empty((E, H), dtype=q.dtype)
-        m = xp.asarray(stats.m)
-        linv = 1.0 / xp.where(stats.l > 0, stats.l, 1)
+        m, linv = row_stats(xp, stats)
         chunk = max(1, CHUNK_ELEMENTS // max(1, H * C))
         for e0 in range(0, E, chunk):
             e1 = min(E, e0 + chunk)
             r = es.rows[e0:e1]
             s = xp.einsum("ehc,ehc->eh", gather(xp, q, r), gather(xp, k, es.cols[e0:e1]))
             s = s * scale if bias is None else s * scale + bias[e0:e1]
-            alpha[e0:e1] = xp.exp(s - gather(xp, m, r)) * gather(xp, linv, r)
+            alpha[e0:e1] = attention_weights(xp, s, r, m, linv)
         return alpha
