@@ -169,13 +169,20 @@ def graph_of(edge_index, num_src, num_dst=None):
     return Graph.from_coo(ei[0], ei[1], num_src, num_dst)
 
 
+def _layer_args(bipartite, names, aliases, x_src, x_dst, edge_attr, params):
+    """A layer call's tensors as the core layer takes them: (x, edge_attr, {name: parameter}),
+    native arrays, each shared parameter also under its other names."""
+    x = (_native(x_src, "x_src"), _native(x_dst, "x_dst")) if bipartite else _native(x_src, "x")
+    p = {n: _native(t, n) for n, t in zip(names, params)}
+    p.update({alias: p[name] for alias, name in aliases.items()})
+    return x, _native(edge_attr, "edge_attr"), p
+
+
 class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, core, graph, bipartite, names, aliases, x_src, x_dst, edge_attr, *params):
-        x = (_native(x_src, "x_src"), _native(x_dst, "x_dst")) if bipartite else _native(x_src, "x")
-        p = {n: _native(t, n) for n, t in zip(names, params)}
-        p.update({alias: p[name] for alias, name in aliases.items()})
-        out, backward = core._run(x, graph, _native(edge_attr, "edge_attr"), p, want_grad=True)
+        x, ea, p = _layer_args(bipartite, names, aliases, x_src, x_dst, edge_attr, params)
+        out, backward = core._run(x, graph, ea, p, want_grad=True)
         ctx.backward, ctx.names = backward, names
         result = _tensor(out)
         ctx.save_for_backward(x_src, x_dst, edge_attr, *params, result)   # as in _Attention
@@ -274,10 +281,8 @@ class _TorchLayer(torch.nn.Module):
                 raise NotImplementedError(
                     "return_attention_weights=True with autograd: no gradient flows through the "
                     "attention weights here; call the layer under torch.no_grad() for them")
-            p = {n: _native(t, n) for n, t in zip(self._names, params)}
-            p.update({alias: p[name] for alias, name in self._aliases.items()})
-            xs = (_native(x_src, "x_src"), _native(x_dst, "x_dst")) if bip else _native(x_src, "x")
-            out, (ei, alpha) = self.core._with_weights(xs, graph, _native(edge_attr, "edge_attr"), p)
+            x, ea, p = _layer_args(bip, self._names, self._aliases, x_src, x_dst, edge_attr, params)
+            out, (ei, alpha) = self.core._with_weights(x, graph, ea, p)
             return _tensor(out), (_tensor(ei), _tensor(alpha))
         return _LayerFunction.apply(self.core, graph, bip, self._names, self._aliases, x_src,
                                     x_dst, edge_attr, *params)
