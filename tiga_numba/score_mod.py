@@ -567,12 +567,19 @@ def _sum_runs(g, index, n):
     (index increasing), each run in float64 from its first row onward (cpu/segments.py says why
     that order); a b no row has gives 0. A cupy g runs the same sums on the device, one thread
     per output element: the same bits as a numpy call, with no copy to the host."""
-    if not isinstance(g, np.ndarray):
-        return _sum_runs_device(g, index, n)
-    from .cpu.segments import sum_runs
-    ih = np.asarray(index)
-    b = np.arange(n)
-    return sum_runs(g, np.searchsorted(ih, b), np.searchsorted(ih, b, side="right"))
+    on_host = isinstance(g, np.ndarray)
+    if on_host:
+        xp = np
+    else:
+        import cupy as xp
+    ih = xp.asarray(index)
+    b = xp.arange(n, dtype=ih.dtype)
+    starts = xp.searchsorted(ih, b).astype(np.int64, copy=False)
+    ends = xp.searchsorted(ih, b, side="right").astype(np.int64, copy=False)
+    if on_host:
+        from .cpu.segments import sum_runs
+        return sum_runs(g, starts, ends)
+    return _sum_runs_device(g, starts, ends)
 
 
 #: the device form of cpu/segments.py's sums: output element (b, c) of an (n, width) result
@@ -590,22 +597,17 @@ y = acc;
 """
 
 
-def _sum_runs_device(g, index, n):
-    """_sum_runs for a cupy g (and a numpy or cupy index)."""
+def _sum_runs_device(g, starts, ends):
+    """cpu/segments.sum_runs for cupy arrays."""
     import cupy
     from .kernel_cache import KERNELS
     kernel = KERNELS.derived(None, "score_mod.sum_runs", lambda: cupy.ElementwiseKernel(
         "raw T g, raw int64 starts, raw int64 ends, int64 width", "float64 y", _SUM_RUNS_SOURCE,
         "tiga_sum_runs"))
-    trailing = g.shape[1:]
+    n, trailing = starts.shape[0], g.shape[1:]
     width = int(np.prod(trailing, dtype=np.int64))
     out = cupy.empty((n,) + trailing, np.float64)
-    if out.size == 0:
-        return out
-    flat = cupy.ascontiguousarray(g).reshape(g.shape[0], width)
-    ih = cupy.asarray(index)
-    b = cupy.arange(n, dtype=ih.dtype)
-    starts = cupy.searchsorted(ih, b).astype(np.int64, copy=False)
-    ends = cupy.searchsorted(ih, b, side="right").astype(np.int64, copy=False)
-    kernel(flat, starts, ends, np.int64(width), out.reshape(n, width))
+    if out.size:
+        flat = cupy.ascontiguousarray(g).reshape(g.shape[0], width)
+        kernel(flat, starts, ends, np.int64(width), out.reshape(n, width))
     return out
