@@ -87,18 +87,30 @@ def torch_sdpa(q, k, v, causal, dout=None, dtype=None):
 
 
 # ------------------------------------------------------------------------ tables
-def interleaved(fns, reps):
+def interleaved(fns, reps, rounds=None):
     """Best time of each fn over `reps` rounds that run every fn once (after one warm-up
-    each): on a shared machine, contention then hits all contenders alike."""
+    each): on a shared machine, contention then hits all contenders alike. With a list
+    `rounds`, every round's times are appended to it (one list per round)."""
     for fn in fns:
         fn()
     best_t = [float("inf")] * len(fns)
     for _ in range(reps):
+        this = []
         for i, fn in enumerate(fns):
             t = time.perf_counter()
             fn()
-            best_t[i] = min(best_t[i], time.perf_counter() - t)
+            this.append(time.perf_counter() - t)
+            best_t[i] = min(best_t[i], this[-1])
+        if rounds is not None:
+            rounds.append(this)
     return best_t
+
+
+def round_ratios(rounds, other, ours):
+    """'median (min-max)' of other / ours over rounds: each ratio from two calls of one round,
+    seconds apart, so a machine whose speed drifts between rounds (a shared VM) moves both."""
+    r = np.array([x[other] / x[ours] for x in rounds])
+    return f"{np.median(r):.2f}x ({r.min():.2f}-{r.max():.2f})"
 
 
 def machine_ceilings():
@@ -133,7 +145,8 @@ def table_dense(sizes, reps, args, sgemm=float("nan"), dtype="float32"):
           f"the machine's sgemm rate)")
     print(f"{'N':>5} {'mask':>6} | {'tiga fwd':>14} {'tiga fwd+bwd':>16} | {'numpy fwd':>10} "
           f"{'numpy f+b':>10} | {'torch fwd':>10} {'torch f+b':>10} | "
-          f"fwd: x numpy, x torch | f+b: x numpy, x torch   (x = speed-up of tiga)")
+          f"fwd: x numpy, x torch | f+b: x numpy, x torch   (x = speed-up of tiga: best "
+          f"of --reps each; per round: the median of the rounds' own ratios)")
     rng = np.random.default_rng(0)
     for N in sizes:
         q, k, v, do = (rng.standard_normal((N, H, D), dtype=np.float32).astype(dt) for _ in range(4))
@@ -153,7 +166,8 @@ def table_dense(sizes, reps, args, sgemm=float("nan"), dtype="float32"):
             if use_torch:
                 fns += [lambda: torch_sdpa(q, k, v, causal, dtype=torch_dt),
                         lambda: torch_sdpa(q, k, v, causal, do, dtype=torch_dt)]
-            times = interleaved(fns, reps)
+            rounds = []
+            times = interleaved(fns, reps, rounds)
             tf, tb = times[:2]
             tf_t, tb_t = times[2:] if use_torch else (float("nan"),) * 2
             nf = nb = float("nan")
@@ -171,7 +185,9 @@ def table_dense(sizes, reps, args, sgemm=float("nan"), dtype="float32"):
                   f"{ms(nf)} {ms(nb)} | {ms(tf_t)} {ms(tb_t)} | "
                   f"{_ratio(nf, tf, 1)} {_ratio(tf_t, tf, 2)} | {_ratio(nb, tb, 1)} {_ratio(tb_t, tb, 2)} | "
                   f"fwd {100 * flops / tf / 1e9 / sgemm:3.0f}% sgemm, f+b "
-                  f"{100 * 3.5 * flops / tb / 1e9 / sgemm:3.0f}% sgemm")
+                  f"{100 * 3.5 * flops / tb / 1e9 / sgemm:3.0f}% sgemm"
+                  + (f" | x torch per round: fwd {round_ratios(rounds, 2, 0)}, f+b "
+                     f"{round_ratios(rounds, 3, 1)}" if use_torch else ""))
             sys.stdout.flush()
         del q, k, v, do
 
