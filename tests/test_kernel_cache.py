@@ -366,3 +366,43 @@ def test_tensor_core_launch_records_hold_the_variants_a_call_shape_takes(monkeyp
     pruned = api._forward_call(causal, "float16", 128, 128, True, None, None, True)
     assert pruned.vr.prune and "tile pruning" in pruned.info["kernel"]
     assert tuning.NARROW_WORDS not in pruned.info["tiles"]   # no band: the shipped shape
+
+
+_BITS = """
+import gc, hashlib
+import numpy as np, tiga_numba as tg
+from numba.core.registry import CPUDispatcher
+rng = np.random.default_rng(0)
+g = tg.Graph.triangular(700)
+q, k, v, do = (rng.standard_normal((700, 2, 16)).astype(np.float32) for _ in range(4))
+out, st = tg.attention(q, k, v, g, return_stats=True)
+grads = tg.attention_backward(do, q, k, v, out, st, g)
+print(*(hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest()[:12] for x in (out, st.m, st.l, *grads)))
+drivers = [d for d in gc.get_objects() if isinstance(d, CPUDispatcher) and d.overloads
+           and d.py_func.__module__ == "tiga_numba.cpu.blocks" and d.targetoptions.get("parallel")]
+items = {id(x): x for d in drivers for name, x in d.py_func.__globals__.items()
+         if name.endswith(("_ITEM", "_PART")) and isinstance(x, CPUDispatcher)}
+print("drivers", len(drivers), "items", len(items), "overloads per item", sorted({len(x.overloads) for x in items.values()}))
+"""
+
+
+def test_a_process_loading_the_kernels_computes_the_bits_of_the_one_that_compiled_them(tmp_path):
+    """numba links a weak copy of each work item into its parallel driver; before jit_driver
+    loaded the items first, a process that loaded a block kernel from the disk cache ran that
+    copy and the compiling process the item's own code, and the block kernels' outputs differed
+    in the last bits between them. Fresh caches: the first process compiles, the second loads;
+    same bits for a causal block call, forward and backward, and each item compiled for one
+    signature only (the one its driver calls). (benchmarks/tuning/cache_bits_probe.py checks
+    every kernel family this way, CSR with split rows and soft-caps included.)"""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TIGA_NUMBA_QUIET="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               TIGA_NUMBA_CACHE_DIR=str(tmp_path / "tiga"), NUMBA_NUM_THREADS="2")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _BITS], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(proc.stdout.splitlines())
+    assert runs[0] == runs[1], "\n".join(runs[0] + ["-- loaded:"] + runs[1])
+    assert runs[0][-1].endswith("overloads per item [1]"), runs[0][-1]
+    assert " items 3 " in runs[0][-1], runs[0][-1]   # fwd (item, merge), bwd (part)

@@ -188,10 +188,9 @@ def jit_kernel(py_func, mod, parallel=True, exact=False, **hooks):
     load the compiled kernel instead of compiling it again (30 s and more per kernel).
 
     `exact`: compiled without fast-math, for the merges of split rows and key ranges, whose
-    order of additions is what makes their bits fixed. With fast-math LLVM may reassociate or
-    contract them differently in the process that compiles the kernel and in a process that
-    loads it from the disk cache: a split CSR row's merged output differed by an ulp between the
-    two (the unsplit rows did not). The merges are small next to the items they merge."""
+    order of additions is what makes their bits fixed: with fast-math LLVM may reassociate or
+    contract them, and its choice may change with the code around them. The merges are small
+    next to the items they merge."""
     opts = dict(parallel=parallel, fastmath=False if exact else FASTMATH, nogil=True)
     tag = "_of_" + _closure_digest(py_func) + ("_exact" if exact else "")
     if mod is not None:
@@ -234,7 +233,56 @@ def jit_driver(py_func, mod, hooks, **items):
     if mod is not None:
         tag += f"_mod_{hooks_digest(mod, hooks)}"
     opts = dict(parallel=True, fastmath=FASTMATH, nogil=True)
-    return njit(cache=True, **opts)(_rebound(py_func, items, tag))
+    driver = njit(cache=True, **opts)(_rebound(py_func, items, tag))
+    _load_items_first(driver, items)
+    return driver
+
+
+def _item_arguments(driver_func, items):
+    """[(item, positions)]: for each work item, the positions in the driver's arguments of the
+    arguments it takes after its work index. Every item takes its index first and then driver
+    arguments by their names, as the driver passes them on unchanged, so its compiled signature
+    is (int64, the driver's types at those positions)."""
+    code = driver_func.__code__
+    where = {name: i for i, name in enumerate(code.co_varnames[:code.co_argcount])}
+    out = []
+    for glob, item in sorted(items.items()):
+        icode = item.py_func.__code__
+        names = icode.co_varnames[1:icode.co_argcount]
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise TypeError(f"work item {glob} takes {missing}, which its driver "
+                            f"{driver_func.__name__} does not: an item takes its index, then "
+                            "driver arguments by name")
+        out.append((item, tuple(where[n] for n in names)))
+    return out
+
+
+def _load_items_first(driver, items):
+    """Make every process run one code for each work item: the item's own compiled function.
+
+    numba links a copy of each item's code into the driver's module (optimised again there) and
+    marks it weak, so the code a driver calls depends on what was loaded first: the process that
+    compiles the driver has the item's own function loaded already (typing the driver compiled
+    it) and calls that, while a process that loads the driver from the disk cache, with no item
+    loaded, calls the driver's copy. Both compute the same values, but with fast-math the copy
+    may be vectorised differently and round differently in the last bits (the block kernels'
+    outputs differed by an ulp between the compiling process and the loading ones). Here, before
+    the driver is compiled or loaded for new argument types, each item is compiled or loaded for
+    the types the driver will call it with, so every process calls the item's own function."""
+    from numba import types
+    from numba.core import sigutils
+    picks = _item_arguments(driver.py_func, items)
+    compile_driver = driver.compile
+
+    def compile(sig):
+        args, _ = sigutils.normalize_signature(sig)
+        if tuple(args) not in driver.overloads:
+            for item, at in picks:
+                item.compile((types.int64,) + tuple(args[i] for i in at))
+        return compile_driver(sig)
+
+    driver.compile = compile
 
 
 def _rebound(py_func, names, suffix):
