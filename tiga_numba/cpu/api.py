@@ -377,16 +377,27 @@ def _pack(xh, rel, name, copies, BM, BN):
     return tile_base, out
 
 
+#: whether unpacked blocks' forward score products read K^T through the own tile product (see
+#: _key_operands: off until the backward builds those scores with the same product)
+READ_KT_UNPACKED = False
+
+
 def _key_operands(k, acc, rel, own, copies, BM, BN):
     """The forward's K operands: (kh (Hkv, Nk, D) head-major, kT (Hkv, D, Nk), tile_base, packed
-    tiles). Packed blocks read the packed transposed tiles (made from kh). Unpacked blocks (narrow
-    bands, short segments) read K^T when the own tile products run: their score products then take
-    the own kernel, or the BLAS's fast A @ B, where K rows would be a transposed operand; kh is then
-    made only if some block is packed (K^T comes straight from k). Without the own products
-    unpacked blocks read kh rows as the transposed operand and kT is empty."""
+    tiles). Packed blocks read the packed transposed tiles (made from kh); unpacked blocks (narrow
+    bands, short segments) read kh rows as the BLAS's transposed operand, and kT is empty.
+
+    The kernel can also take K^T for unpacked blocks (their score products then run on the own
+    tile product), but that is switched off (READ_KT_UNPACKED): the backward recomputes those
+    scores with the BLAS from kh rows, and the two products round a score differently in its last
+    bits. At large scores (|s| ~ 1e4 and up) an ulp of s is a visible change of exp(s - m), so the
+    backward's rebuilt probabilities no longer match the forward's row stats (on an AVX2 machine,
+    where the own product covers 16-column tiles: dv off by 1e-2 relative at |s| = 5e4,
+    tests/test_robustness.py). The forward and the backward must build each score with the same
+    product."""
     tile_base, starts, _ = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN), lambda: _tiles(rel, BM, BN))
     empty = np.empty((0, 0, 0), acc)
-    want_kT = own and bool(np.any(tile_base < 0))
+    want_kT = READ_KT_UNPACKED and own and bool(np.any(tile_base < 0))
     direct = want_kT and starts.shape[0] == 0 and k.dtype == acc   # no packed tile: no head-major copy
     kh = empty if direct else head_major(k, acc, "k", copies)
     tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN)

@@ -231,7 +231,10 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
             if D == 0:
                 S[:, :] = 0.0
             elif tb >= 0:
-                product(qt, ktt[hk, tb + c0 // BN, :, :cols], S, 0.0, False, False, OWN)
+                # own products over whole column blocks of the packed tile (zero beyond its keys):
+                # each score is then one fused multiply-add chain, as the backward rebuilds it
+                wide = min(BN, -(-cols // NR) * NR) if OWN else cols
+                product(qt, ktt[hk, tb + c0 // BN, :, :wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
             elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
                 # a span tile that reaches its band's end takes a whole number of the own
                 # product's column blocks: the extra keys lie past every row's band and are
@@ -423,8 +426,9 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                     dP = sbuf[:rows, :cols]
                     if D == 0:
                         P[:, :] = 0.0
-                    elif tb >= 0:
-                        product(qt, ktt[hk, tb + c0 // BN, :, :cols], P, 0.0, False, False, OWN)
+                    elif tb >= 0:   # the scores as the forward made them (whole column blocks)
+                        wide = min(BN, -(-cols // NR) * NR) if OWN else cols
+                        product(qt, ktt[hk, tb + c0 // BN, :, :wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
                     else:   # K rows as the BLAS's transposed operand
                         mm(qt, kt, P, 0.0, False, True)
                     if Dv == 0:
