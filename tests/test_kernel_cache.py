@@ -207,6 +207,11 @@ def test_kernel_drivers_are_named_apart_on_disk():
     assert kern.targetoptions.get("parallel") is True
     item = kern.py_func.__globals__["FORWARD_ITEM"]
     assert item.targetoptions.get("parallel") is False
+    # the items compile first (jit_driver loads them before the driver): the kernel's dispatchers,
+    # which the first-compile notice and the memory / disk / compiled report watch, include them
+    held = kernel_cache.dispatchers_in(kern)
+    merge = kern.py_func.__globals__["MERGE_ITEM"]
+    assert held[0] is kern and sorted(map(id, held[1:])) == sorted((id(item), id(merge)))
     # the bodies too: numba's symbol names come from the qualified name, so two variants of one
     # body loaded from the disk cache into one process must not share it
     items = {name(blocks.make_forward(*args).py_func.__globals__["FORWARD_ITEM"])

@@ -102,10 +102,11 @@ _MISSING = object()
 
 # --------------------------------------------------------------------------- where a kernel came from
 def dispatchers_in(kernel):
-    """The numba dispatchers a cached kernel object holds: itself, the items of a tuple or
-    list, or the dispatchers among a module's / record's attributes (generated kernel modules)."""
+    """The numba dispatchers a cached kernel object holds: itself (with the work items of a CPU
+    kernel's parallel driver, score_codegen.jit_driver), the items of a tuple or list, or the
+    dispatchers among a module's / record's attributes (generated kernel modules)."""
     if hasattr(kernel, "overloads") and hasattr(kernel, "stats"):
-        return [kernel]
+        return [kernel, *getattr(kernel, "work_items", ())]
     if isinstance(kernel, (tuple, list)):
         return [d for item in kernel for d in dispatchers_in(item)]
     attrs = getattr(kernel, "__dict__", None)

@@ -283,6 +283,9 @@ def _load_items_first(driver, items):
         return compile_driver(sig)
 
     driver.compile = compile
+    # kernel_cache counts and announces a driver's compiles with its items': the items now
+    # compile first, and a first-compile notice waiting for the driver would come late
+    driver.work_items = tuple(item for item, _ in picks)
 
 
 def _rebound(py_func, names, suffix):
