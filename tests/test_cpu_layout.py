@@ -42,6 +42,10 @@ def test_transposed_heads_is_exact():
     for shape in ((2, 1, 3), (3, 130, 64), (1, 64, 5), (2, 0, 4)):
         x = rng.standard_normal(shape).astype(np.float32)
         assert np.array_equal(layout.transposed_heads(x), x.transpose(0, 2, 1))
+        padded = layout.transposed_heads(x, pad=16)   # the own products' whole column blocks
+        assert padded.shape == (shape[0], shape[2], shape[1] + 16)
+        assert np.array_equal(padded[:, :, :shape[1]], x.transpose(0, 2, 1))
+        assert not padded[:, :, shape[1]:].any()
 
 
 def test_the_block_kernels_zero_fill_only_rows_no_item_writes():

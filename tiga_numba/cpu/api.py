@@ -377,34 +377,33 @@ def _pack(xh, rel, name, copies, BM, BN):
     return tile_base, out
 
 
-#: whether unpacked blocks' forward score products read K^T through the own tile product (see
-#: _key_operands: off until the backward builds those scores with the same product)
-READ_KT_UNPACKED = False
-
-
 def _key_operands(k, acc, rel, own, copies, BM, BN):
-    """The forward's K operands: (kh (Hkv, Nk, D) head-major, kT (Hkv, D, Nk), tile_base, packed
-    tiles). Packed blocks read the packed transposed tiles (made from kh); unpacked blocks (narrow
-    bands, short segments) read kh rows as the BLAS's transposed operand, and kT is empty.
-
-    The kernel can also take K^T for unpacked blocks (their score products then run on the own
-    tile product), but that is switched off (READ_KT_UNPACKED): the backward recomputes those
-    scores with the BLAS from kh rows, and the two products round a score differently in its last
-    bits. At large scores (|s| ~ 1e4 and up) an ulp of s is a visible change of exp(s - m), so the
-    backward's rebuilt probabilities no longer match the forward's row stats (on an AVX2 machine,
-    where the own product covers 16-column tiles: dv off by 1e-2 relative at |s| = 5e4,
-    tests/test_robustness.py). The forward and the backward must build each score with the same
-    product."""
+    """The forward's K operands: (kh (Hkv, Nk, D) head-major, kT, tile_base, packed tiles).
+    Packed blocks read the packed transposed tiles (made from kh). Unpacked blocks (narrow bands,
+    short segments) read K^T (key_transpose) when the own tile products run: their score products
+    then take the own kernel, as the backward's do; kh is then made only if some block is packed
+    (K^T comes straight from k). Without the own products unpacked blocks read kh rows as the
+    BLAS's transposed operand and kT is empty."""
     tile_base, starts, _ = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN), lambda: _tiles(rel, BM, BN))
     empty = np.empty((0, 0, 0), acc)
-    want_kT = READ_KT_UNPACKED and own and bool(np.any(tile_base < 0))
+    want_kT = own and bool(np.any(tile_base < 0))
     direct = want_kT and starts.shape[0] == 0 and k.dtype == acc   # no packed tile: no head-major copy
     kh = empty if direct else head_major(k, acc, "k", copies)
     tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN)
     if not want_kT:
         return kh, empty, tile_base, ktt
+    return kh, key_transpose(k.transpose(1, 0, 2) if direct else kh, acc, copies), tile_base, ktt
+
+
+def key_transpose(kh, acc, copies):
+    """K^T (Hkv, D, Nk + NR) of unpacked blocks' score products, forward and backward alike: the
+    own product covers whole column blocks of NR, so a tile may read up to NR - 1 columns past
+    the last key (zeros; those columns are computed and not used). The forward and the backward
+    must build each score with the same product: the backward rebuilds P = exp2(S - m2) / l from
+    the forward's stats, and at large scores (|s| ~ 1e4 and up) an ulp of s is a visible change
+    of P (dv 1e-2 off at |s| = 5e4 on an AVX2 box when the backward took the BLAS here)."""
     copies.append(f"k -> (Hkv, D, N) {_name(acc)} (K^T: unpacked key tiles' score products)")
-    return kh, transposed_heads(k.transpose(1, 0, 2) if direct else kh), tile_base, ktt
+    return transposed_heads(kh, pad=_microgemm.NR)
 
 
 def _blocks_cover(rel, n, side):
@@ -517,6 +516,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kitems, boxes, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
         own, products = _products(acc, plan)
+        kT = key_transpose(kh, acc, copies) if own and np.any(tile_base < 0) else np.empty((0, 0, 0), acc)
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
         dq_part = np.empty((n_parts, H, Nq, D), acc)   # each partition zeroes its box in the kernel
@@ -528,7 +528,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         ghp_part = np.zeros((n_parts, n_hp, H), acc)
         gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, _work(plan, H, D, Dv, 2), qh, kh, vh, ktt, vtt, doh,
+            _run(kern, n_parts, _work(plan, H, D, Dv, 2), qh, kh, vh, ktt, vtt, kT, doh,
                  _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, n_parts, boxes, dq_part,
                  dkh, dvh, mctx, (ghp_part, gnd_part, gns))

@@ -236,14 +236,10 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
                 wide = min(BN, -(-cols // NR) * NR) if OWN else cols
                 product(qt, ktt[hk, tb + c0 // BN, :, :wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
             elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
-                # a span tile that reaches its band's end takes a whole number of the own
-                # product's column blocks: the extra keys lie past every row's band and are
-                # masked below like any cell outside it (else the BLAS's A @ B takes it)
-                wide = -(-cols // NR) * NR
-                if c0 + cols >= q0 + rows + hi and c0 + wide <= ns and wide <= BN:
-                    cols = wide
-                    S = sbuf[:rows, :cols]
-                product(qt, kT[hk, :, s0 + c0:s0 + c0 + cols], S, 0.0, False, False, OWN)
+                # whole column blocks, as the backward (kT is zero-padded past the last key; the
+                # extra columns are not read)
+                wide = min(-(-cols // NR) * NR, BN)
+                product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
             else:  # narrow block, not packed: K rows as the BLAS's transposed operand
                 mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
             if MOD:  # natural-unit scores -> modified scores in base 2
@@ -373,7 +369,7 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     log2e = dt(LOG2E)
     kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
-    def backward_part(part, qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
+    def backward_part(part, qh, kh, vh, ktt, vtt, kT, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
                       band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
         """partition `part`: its key-tile items (api._deal), its box of dq_part."""
         sc, hp, nd_f, ns_f, ef = mctx
@@ -429,6 +425,9 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                     elif tb >= 0:   # the scores as the forward made them (whole column blocks)
                         wide = min(BN, -(-cols // NR) * NR) if OWN else cols
                         product(qt, ktt[hk, tb + c0 // BN, :, :wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
+                    elif kT.shape[0] > 0:   # unpacked, own products: as the forward, from K^T
+                        wide = min(-(-cols // NR) * NR, BN)
+                        product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
                     else:   # K rows as the BLAS's transposed operand
                         mm(qt, kt, P, 0.0, False, True)
                     if Dv == 0:
@@ -513,11 +512,11 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                     dv[hk, s0 + c0 + c, d] = dva[c, d]
         restore_mxcsr(mxcsr)
 
-    def backward(qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
+    def backward(qh, kh, vh, ktt, vtt, kT, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
                  band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
         for part in prange(n_parts):
             # int64: one signature of the item in the driver and in its outlined loop body
-            BACKWARD_PART(np.int64(part), qh, kh, vh, ktt, vtt, doh, finite, m2, linv, delta, kitems,
+            BACKWARD_PART(np.int64(part), qh, kh, vh, ktt, vtt, kT, doh, finite, m2, linv, delta, kitems,
                           dst_off, src_off, band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part,
                           dk, dv, mctx, mgrad)
 

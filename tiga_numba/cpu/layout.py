@@ -117,10 +117,12 @@ def _transpose_heads(xh, out):
                 od[n] = xh[h, n, d]
 
 
-def transposed_heads(xh):
-    """(H, N, D) contiguous -> (H, D, N) contiguous, same dtype."""
-    out = np.empty((xh.shape[0], xh.shape[2], xh.shape[1]), xh.dtype)
-    if out.size:
+def transposed_heads(xh, pad=0):
+    """(H, N, D) contiguous -> (H, D, N + pad) contiguous, same dtype, zeros in the `pad` columns
+    past N (a product over whole column blocks may read them; its extra columns are not used)."""
+    out = np.empty((xh.shape[0], xh.shape[2], xh.shape[1] + pad), xh.dtype)
+    out[:, :, xh.shape[1]:] = 0
+    if xh.size:   # writes columns [0, N) of each row
         run(_transpose_heads, useful(work=xh.size), xh, out)
     return out
 
