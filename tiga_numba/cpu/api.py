@@ -386,13 +386,19 @@ def _key_operands(k, acc, rel, own, copies, BM, BN):
     BLAS's transposed operand and kT is empty."""
     tile_base, starts, _ = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN), lambda: _tiles(rel, BM, BN))
     empty = np.empty((0, 0, 0), acc)
-    want_kT = own and bool(np.any(tile_base < 0))
+    want_kT = _reads_kT(own, tile_base)
     direct = want_kT and starts.shape[0] == 0 and k.dtype == acc   # no packed tile: no head-major copy
     kh = empty if direct else head_major(k, acc, "k", copies)
     tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN)
     if not want_kT:
         return kh, empty, tile_base, ktt
     return kh, key_transpose(k.transpose(1, 0, 2) if direct else kh, acc, copies), tile_base, ktt
+
+
+def _reads_kT(own, tile_base):
+    """whether the block kernels read K^T: the own tile products run and some block is unpacked
+    (the forward and the backward decide alike, so both build each score with one product)."""
+    return own and bool(np.any(tile_base < 0))
 
 
 def key_transpose(kh, acc, copies):
@@ -402,7 +408,8 @@ def key_transpose(kh, acc, copies):
     must build each score with the same product: the backward rebuilds P = exp2(S - m2) / l from
     the forward's stats, and at large scores (|s| ~ 1e4 and up) an ulp of s is a visible change
     of P (dv 1e-2 off at |s| = 5e4 on an AVX2 box when the backward took the BLAS here)."""
-    copies.append(f"k -> (Hkv, D, N) {_name(acc)} (K^T: unpacked key tiles' score products)")
+    copies.append(f"k -> (Hkv, D, N + {_microgemm.NR}) {_name(acc)} (K^T: unpacked key tiles' score "
+                  "products; zero columns past the last key)")
     return transposed_heads(kh, pad=_microgemm.NR)
 
 
@@ -516,7 +523,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kitems, boxes, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
         own, products = _products(acc, plan)
-        kT = key_transpose(kh, acc, copies) if own and np.any(tile_base < 0) else np.empty((0, 0, 0), acc)
+        kT = key_transpose(kh, acc, copies) if _reads_kT(own, tile_base) else np.empty((0, 0, 0), acc)
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
         dq_part = np.empty((n_parts, H, Nq, D), acc)   # each partition zeroes its box in the kernel
