@@ -8,6 +8,7 @@ import sys
 import numba
 import numpy as np
 import pytest
+from numba import prange
 
 import tiga_numba as tg
 from tiga_numba import kernel_cache
@@ -411,3 +412,42 @@ def test_a_process_loading_the_kernels_computes_the_bits_of_the_one_that_compile
     assert runs[0] == runs[1], "\n".join(runs[0] + ["-- loaded:"] + runs[1])
     assert runs[0][-1].endswith("overloads per item [1]"), runs[0][-1]
     assert " items 3 " in runs[0][-1], runs[0][-1]   # fwd (item, merge), bwd (part)
+
+
+#: the stand-in a test driver's call resolves to until jit_driver binds the item
+DOUBLE_ITEM = None
+
+
+def _double_item(i, x, out):
+    out[i] = 2.0 * x[i]
+
+
+def _double_item_by_other_names(i, values, out):
+    out[i] = 2.0 * values[i]
+
+
+def _double_driver(x, out):
+    for i in prange(x.shape[0]):
+        DOUBLE_ITEM(np.int64(i), x, out)   # signed, as the package's drivers pass it
+
+
+def test_a_work_item_takes_its_index_then_driver_arguments_by_name():
+    """jit_driver compiles or loads each item for its own signature before the driver, which it
+    reads from the driver's argument types by the item's parameter names: an item whose names are
+    not the driver's cannot be typed that way and is refused when the kernel is made, naming it;
+    one that follows the rule is compiled for exactly (int64, the driver's types of its names)."""
+    from numba import types
+
+    from tiga_numba.cpu.score_codegen import jit_driver, jit_kernel
+
+    with pytest.raises(TypeError, match=r"DOUBLE_ITEM takes \['values'\].*_double_driver"):
+        jit_driver(_double_driver, None, {},
+                   DOUBLE_ITEM=jit_kernel(_double_item_by_other_names, None, parallel=False))
+    item = jit_kernel(_double_item, None, parallel=False)
+    driver = jit_driver(_double_driver, None, {}, DOUBLE_ITEM=item)
+    x = np.random.default_rng(3).standard_normal(7)
+    out = np.full(7, np.nan)
+    driver(x, out)
+    np.testing.assert_array_equal(out, 2.0 * x)
+    arr = types.Array(types.float64, 1, "C")
+    assert list(item.overloads) == [(types.int64, arr, arr)]
