@@ -47,7 +47,7 @@ from numba.extending import overload
 
 from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
-from .microgemm import NR, product
+from .microgemm import product, whole_blocks
 from .score_codegen import jit_driver, jit_kernel, no_grad, no_slope, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
@@ -233,12 +233,12 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
             elif tb >= 0:
                 # own products over whole column blocks of the packed tile (zero beyond its keys):
                 # each score is then one fused multiply-add chain, as the backward rebuilds it
-                wide = min(BN, -(-cols // NR) * NR) if OWN else cols
+                wide = whole_blocks(cols, BN) if OWN else cols
                 product(qt, ktt[hk, tb + c0 // BN, :, :wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
             elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
                 # whole column blocks, as the backward (kT is zero-padded past the last key; the
                 # extra columns are not read)
-                wide = min(-(-cols // NR) * NR, BN)
+                wide = whole_blocks(cols, BN)
                 product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
             else:  # narrow block, not packed: K rows as the BLAS's transposed operand
                 mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
@@ -423,10 +423,10 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                     if D == 0:
                         P[:, :] = 0.0
                     elif tb >= 0:   # the scores as the forward made them (whole column blocks)
-                        wide = min(BN, -(-cols // NR) * NR) if OWN else cols
+                        wide = whole_blocks(cols, BN) if OWN else cols
                         product(qt, ktt[hk, tb + c0 // BN, :, :wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
                     elif kT.shape[0] > 0:   # unpacked, own products: as the forward, from K^T
-                        wide = min(-(-cols // NR) * NR, BN)
+                        wide = whole_blocks(cols, BN)
                         product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
                     else:   # K rows as the BLAS's transposed operand
                         mm(qt, kt, P, 0.0, False, True)

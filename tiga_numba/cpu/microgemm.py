@@ -129,6 +129,14 @@ _m6, _m4, _m2, _m1 = (_micro(r) for r in (MR, 4, 2, 1))
 
 
 @njit(inline="always", cache=True)
+def whole_blocks(cols, limit):
+    """`cols` columns rounded up to whole NR-column blocks, at most `limit`: the width of a score
+    product that the forward and the backward both compute (over columns past the keys, never read)
+    so that the own kernel, not the BLAS, makes every score of the tile."""
+    return min(limit, -(-cols // NR) * NR)
+
+
+@njit(inline="always", cache=True)
 def fits(a, b, c):
     """whether mm_own takes this product: float32 (4-byte unit strides, so float64 never), C's
     columns a whole number of blocks, every operand read with unit element stride along its rows."""
