@@ -11,6 +11,15 @@ within 20% of plain causal (ratio <= 1.2) and the window at least (N / W) / 2 ti
 dense. Then varlen rows (--sequences B causal sequences of N / B rows, Graph.cu_seqlens): plain,
 ALiBi with one slope per head (H,), and flash-attn's per-sequence slopes (B, H), with their
 ratio to the plain varlen call.
+
+    python benchmarks/bench_score_mods.py --rounds 9   # + per-round ratios
+
+--rounds R adds R rounds after the table: each round times every row once (forward, then
+forward+backward; the rows' order reversed every other round) and takes each row's ratio to its
+base (plain causal, dense for the window, the plain varlen call) within that round. On a machine
+whose speed drifts between minutes (a shared VM) the median of those per-round ratios is the
+firmer figure: each ratio compares calls made seconds apart, where a ratio of two bests may
+compare different minutes.
 """
 import argparse
 import os
@@ -42,6 +51,8 @@ def main():
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sequences", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="rounds of per-round ratios after the table (0: none)")
     args = ap.parse_args()
     n, H, D, W = args.n, args.heads, args.dim, args.window
     rng = np.random.default_rng(0)
@@ -65,14 +76,16 @@ def main():
           f"({platform.processor() or platform.machine()}), NUMBA_NUM_THREADS="
           f"{os.environ.get('NUMBA_NUM_THREADS', 'default')}; best of {args.reps}")
     results = {}
+    calls = {}
     for name, g, kw in rows:
-        def fwd():
+        def fwd(g=g, kw=kw):
             return tg.attention(q, k, v, g, **kw)
 
-        def fwd_bwd():
+        def fwd_bwd(g=g, kw=kw):
             out, st = tg.attention(q, k, v, g, return_stats=True, **kw)
             return tg.attention_backward(dout, q, k, v, out, st, g, **kw)
 
+        calls[name] = (fwd, fwd_bwd)
         results[name] = (best(fwd, args.reps), best(fwd_bwd, args.reps))
     base = results["plain causal"]
     dense = results["dense"]
@@ -91,6 +104,42 @@ def main():
         if name.startswith("varlen"):
             print(f"{name:32s} {f * 1e3:9.1f} {fb * 1e3:11.1f} {f / vbase[0]:10.2f} {fb / vbase[1]:10.2f}")
     print("varlen ratios are to the plain varlen call")
+    if args.rounds:
+        per_round(calls, args.rounds, W, B)
+
+
+def per_round(calls, rounds, W, B):
+    """Each row's ratio to its base within each round: median (min-max) over the rounds."""
+    names = list(calls)
+    base_of = {name: ("dense" if name.startswith("sliding") else
+                      f"varlen causal, {B} sequences" if name.startswith("varlen") else "plain causal")
+               for name in names}
+    ratios = {name: ([], []) for name in names}
+    for r in range(rounds):
+        times = {}
+        for name in (names if r % 2 == 0 else names[::-1]):
+            fwd, fwd_bwd = calls[name]
+            ts = []
+            for fn in (fwd, fwd_bwd):
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            times[name] = ts
+        for name in names:
+            for i in range(2):
+                num, den = times[name][i], times[base_of[name]][i]
+                # the window's figure is its speed-up over dense, the others' their cost over the base
+                ratios[name][i].append(den / num if name.startswith("sliding") else num / den)
+    print(f"per-round ratios, median (min-max) of {rounds} rounds; the window: its speed-up over dense")
+    print(f"{'relation / score':32s} {'fwd':>20s} {'fwd+bwd':>20s}  base")
+    for name in names:
+        if name == base_of[name]:
+            continue
+        cells = []
+        for i in range(2):
+            x = np.asarray(ratios[name][i])
+            cells.append(f"{np.median(x):5.2f} ({x.min():.2f}-{x.max():.2f})")
+        print(f"{name:32s} {cells[0]:>20s} {cells[1]:>20s}  {base_of[name]}")
 
 
 if __name__ == "__main__":
