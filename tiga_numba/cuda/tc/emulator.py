@@ -147,7 +147,11 @@ class Warps:
         self.wv, self.g, self.t = np.arange(NT) // 32, lane // 4, lane % 4
 
     def _vec(self, x, dt):
-        return np.broadcast_to(np.asarray(x, dt), (self.NT,)).copy()
+        # a fresh (NT,) array of x (a scalar or a per-thread vector): filled by assignment, which
+        # broadcasts as np.broadcast_to does at a fraction of its cost (called for every operand)
+        out = np.empty(self.NT, dt)
+        out[...] = np.asarray(x, dt)
+        return out
 
     def _smem16(self, addr):
         addr = self._vec(addr, np.int64)
