@@ -3,7 +3,9 @@
 own tile product (cpu/microgemm.py, where this CPU has AVX2 / AVX-512) on the two tile products
 for several tile shapes, beside torch.mm (MKL) on the same shapes when torch is installed; then
 paired rounds of whole calls with each tile shape (options(cpu_tiles=...)),
-every shape timed back to back in each round so that the machine's drift cancels.
+every shape timed back to back in each round so that the machine's drift cancels. First, the
+ceiling these rates are measured against: the cores' fused multiply-add peak (a register-only
+loop of independent FMA chains in the widest vectors numba's target has), one core and all.
 
     python benchmarks/tuning/cpu_tile_gemm.py [--n 4096] [--tiles 256x256,512x512,512x256] [--rounds 3]
 """
@@ -11,7 +13,10 @@ import argparse
 import time
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 import tiga_numba as tg
 from tiga_numba.cpu import blas
@@ -27,6 +32,69 @@ def _products(q, kt, vv, S, A, reps, which, own):
             microgemm.product(q, kt, S, 0.0, False, False, own)
         else:            # acc += P V
             microgemm.product(S, vv, A, 1.0, False, False, own)
+
+
+CHAINS = 12   # independent accumulators: more than FMA latency x pipes on current x86 cores
+
+
+@intrinsic
+def _fma_chains(typingctx, n):
+    """n steps of CHAINS independent vector FMAs (acc = acc * b + c) held in registers; returns
+    the lanes' sum so that nothing is optimised away."""
+    W = max(microgemm.LANES, 1)
+    VT = ir.VectorType(ir.FloatType(), W)
+
+    def codegen(context, builder, sig, args):
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VT, [VT, VT, VT]),
+                                             f"llvm.fma.v{W}f32")
+        b = ir.Constant(VT, [1.0000001] * W)
+        c = ir.Constant(VT, [1e-7] * W)
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(VT, [float(i)] * W)) for i in range(CHAINS)]
+        with cgutils.for_range(builder, args[0]):
+            for a in acc:
+                builder.store(builder.call(fma, [builder.load(a), b, c]), a)
+        total = builder.load(acc[0])
+        for a in acc[1:]:
+            total = builder.fadd(total, builder.load(a))
+        out = builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+        for i in range(1, W):
+            out = builder.fadd(out, builder.extract_element(total, ir.Constant(ir.IntType(32), i)))
+        return out
+    return types.float32(types.int64), codegen
+
+
+@njit
+def _fma_one(n):
+    return _fma_chains(n)
+
+
+@njit(parallel=True)
+def _fma_all(n, workers):
+    out = np.zeros(workers, np.float32)
+    for w in prange(workers):
+        out[w] = _fma_chains(n)
+    return out
+
+
+def fma_peak():
+    """GFLOP/s of the FMA loop on one core and on every numba thread at once (best of 5)."""
+    import numba
+    W = max(microgemm.LANES, 1)
+    n = 20_000_000
+    flops = 2 * W * CHAINS * n
+    workers = numba.get_num_threads()
+    _fma_one(1000)
+    _fma_all(1000, workers)
+    one = all_ = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        _fma_one(n)
+        one = min(one, time.perf_counter() - t)
+        t = time.perf_counter()
+        _fma_all(n, workers)
+        all_ = min(all_, time.perf_counter() - t)
+    print(f"# FMA peak ({W}-lane float32 vectors, {CHAINS} chains): one core {flops / one / 1e9:.0f} GFLOP/s, "
+          f"{workers} threads {workers * flops / all_ / 1e9:.0f} GFLOP/s", flush=True)
 
 
 def gemm_rates(shapes):
@@ -102,6 +170,7 @@ def main():
     p.add_argument("--no-calls", action="store_true", help="BLAS rates only")
     a = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.tiles.split(",")]
+    fma_peak()
     gemm_rates([(128, 128)] + shapes)
     if not a.no_calls:
         paired_rounds(a.n, shapes, a.rounds)
