@@ -105,10 +105,10 @@ def main():
             print(f"{name:32s} {f * 1e3:9.1f} {fb * 1e3:11.1f} {f / vbase[0]:10.2f} {fb / vbase[1]:10.2f}")
     print("varlen ratios are to the plain varlen call")
     if args.rounds:
-        per_round(calls, args.rounds, W, B)
+        per_round(calls, args.rounds, B)
 
 
-def per_round(calls, rounds, W, B):
+def per_round(calls, rounds, B):
     """Each row's ratio to its base within each round: median (min-max) over the rounds."""
     names = list(calls)
     base_of = {name: ("dense" if name.startswith("sliding") else
