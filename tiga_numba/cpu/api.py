@@ -203,6 +203,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         own, products = _products(acc, plan)
         kh, kT, tile_base, ktt = _key_operands(k, acc, relation, own, copies, BM, BN)
         vh = head_major(v, acc, "v", copies)
+        vpan = _row_panels(vh, own, "v", copies)
         # work items depend on the relation, the tiles and H only: built once per relation record
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune, _threads.current()),
@@ -222,7 +223,7 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         part_m = np.empty((n_slots, BM), acc)
         part_l = np.empty((n_slots, BM), acc)
         with single_threaded_blas():
-            _run(kern, items.shape[0], _work(plan, H, D, v.shape[2]), qh, ktt, kh, kT, vh,
+            _run(kern, items.shape[0], _work(plan, H, D, v.shape[2]), qh, ktt, kh, kT, vh, vpan,
                  _finite(relation, vh), items, relation.dst_offsets, relation.src_offsets, relation.lo,
                  relation.hi, tile_base, group, log2_rho, splits, part_acc, part_m, part_l, out, m, l,
                  total, pruned, mctx)
@@ -367,14 +368,36 @@ def _tiles(rel, BM, BN):
     return tile_base, starts, np.minimum(BN, ends - starts)
 
 
-def _pack(xh, rel, name, copies, BM, BN):
+def _pack(xh, rel, name, copies, BM, BN, own=False):
+    """(tile_base, packed transposed tiles of xh): (H, tiles, D, BN) rows, or with the own tile
+    products and BN whole panels (H, tiles BN / NR, D, NR) column panels (blocks.make_forward)."""
     tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN),
                                               lambda: _tiles(rel, BM, BN))
-    out = np.empty((xh.shape[0], starts.shape[0], xh.shape[2], BN), xh.dtype)
+    W = _microgemm.NR
+    panels = own and BN % W == 0
+    shape = (xh.shape[0], starts.shape[0] * (BN // W), xh.shape[2], W) if panels \
+        else (xh.shape[0], starts.shape[0], xh.shape[2], BN)
+    out = np.empty(shape, xh.dtype)
     if starts.shape[0]:
-        _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], out.size, xh, starts, cols, BN, out)
-        copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles (fast BLAS operand)")
+        pack = _blocks.pack_transposed_panels if panels else _blocks.pack_transposed_tiles
+        _run(pack, xh.shape[0] * starts.shape[0], out.size, xh, starts, cols, BN, out)
+        copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles"
+                      + (f" in {W}-column panels (own tile products)" if panels else " (fast BLAS operand)"))
     return tile_base, out
+
+
+def _row_panels(xh, own, name, copies):
+    """xh (H, N, D) as (H, D / NR, N, NR) column panels when the own tile products take rows of
+    it as a product's B operand and D is whole panels; else an empty array (the kernels then read
+    xh itself)."""
+    W = _microgemm.NR
+    H, N, Dd = xh.shape
+    if not own or Dd == 0 or Dd % W:
+        return np.empty((0, 0, 0, 0), xh.dtype)
+    out = np.empty((H, Dd // W, N, W), xh.dtype)
+    _run(_blocks.pack_row_panels, H * N, out.size, xh, out)
+    copies.append(f"{name} -> ({H}, {Dd // W}, N, {W}) column panels (own tile products)")
+    return out
 
 
 def _key_operands(k, acc, rel, own, copies, BM, BN):
@@ -389,7 +412,7 @@ def _key_operands(k, acc, rel, own, copies, BM, BN):
     want_kT = _reads_kT(own, tile_base)
     direct = want_kT and starts.shape[0] == 0 and k.dtype == acc   # no packed tile: no head-major copy
     kh = empty if direct else head_major(k, acc, "k", copies)
-    tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN)
+    tile_base, ktt = _pack(kh, rel, "k", copies, BM, BN, own)
     if not want_kT:
         return kh, empty, tile_base, ktt
     return kh, key_transpose(k.transpose(1, 0, 2) if direct else kh, acc, copies), tile_base, ktt
@@ -515,14 +538,16 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         vh = head_major(v, acc, "v", copies)
         doh = head_major(dout, acc, "dout", copies)
         BM, BN, tiles_why = _tiles_of(plan, False)
-        tile_base, ktt = _pack(kh, relation, "k", copies, BM, BN)
-        _, vtt = _pack(vh, relation, "v", copies, BM, BN)
+        own, products = _products(acc, plan)
+        tile_base, ktt = _pack(kh, relation, "k", copies, BM, BN, own)
+        _, vtt = _pack(vh, relation, "v", copies, BM, BN, own)
+        pans = (_row_panels(qh, own, "q", copies), _row_panels(kh, own, "k", copies),
+                _row_panels(doh, own, "dout", copies))
         m2h = np.ascontiguousarray(m2.T)
         linvh = np.ascontiguousarray(linv.T)
         deltah = np.ascontiguousarray(delta.T)
         kitems, boxes, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
-        own, products = _products(acc, plan)
         kT = key_transpose(kh, acc, copies) if _reads_kT(own, tile_base) else np.empty((0, 0, 0), acc)
         kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
                             lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
@@ -535,7 +560,7 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         ghp_part = np.zeros((n_parts, n_hp, H), acc)
         gnd_part = np.zeros((n_parts, n_nd, Nq if n_nd else 0, H), acc)
         with single_threaded_blas():
-            _run(kern, n_parts, _work(plan, H, D, Dv, 2), qh, kh, vh, ktt, vtt, kT, doh,
+            _run(kern, n_parts, _work(plan, H, D, Dv, 2), qh, kh, vh, ktt, vtt, kT, pans, doh,
                  _finite(relation, qh, kh, doh), m2h, linvh, deltah, kitems, relation.dst_offsets,
                  relation.src_offsets, relation.lo, relation.hi, tile_base, group, n_parts, boxes, dq_part,
                  dkh, dvh, mctx, (ghp_part, gnd_part, gns))

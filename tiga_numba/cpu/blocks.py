@@ -47,7 +47,7 @@ from numba.extending import overload
 
 from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
-from .microgemm import product, whole_blocks
+from .microgemm import NR, product, product_panels, whole_blocks
 from .score_codegen import jit_driver, jit_kernel, no_grad, no_slope, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
@@ -182,11 +182,15 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
     float32 tile products through cpu/microgemm.py's kernel where they fit it, else the BLAS."""
     dt = np.float32 if acc == "float32" else np.float64
     OWN = bool(own)   # microgemm.product takes only float32 products (4-byte unit strides)
+    # packed K tiles are held as the own product's column panels (api._pack) where every tile
+    # is whole panels; otherwise as (D, BN) rows, which the BLAS reads too
+    PANELS = OWN and BN % max(NR, 1) == 0
+    PB = BN // max(NR, 1)   # panels per packed tile
     MOD = mod is not None
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
     log2e = dt(LOG2E)
 
-    def forward_item(w, qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
+    def forward_item(w, qh, ktt, kh, kT, vh, vpan, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
                      group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
                      tiles_pruned, mctx):
         """work item w (a query tile of one head and block, or one key range of a split one)."""
@@ -234,7 +238,11 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
                 # own products over whole column blocks of the packed tile (zero beyond its keys):
                 # each score is then one fused multiply-add chain, as the backward rebuilds it
                 wide = whole_blocks(cols, BN) if OWN else cols
-                product(qt, ktt[hk, tb + c0 // BN, :, :wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
+                if PANELS:
+                    t0 = (tb + c0 // BN) * PB
+                    product_panels(qt, ktt[hk, t0:t0 + wide // NR], sbuf[:rows, :wide], 0.0, False)
+                else:
+                    product(qt, ktt[hk, tb + c0 // BN, :, :wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
             elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
                 # whole column blocks, as the backward (kT is zero-padded past the last key; the
                 # extra columns are not read)
@@ -299,6 +307,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
                 vt = vh[hk, s0 + c0:s0 + c0 + cols]
                 if banded and not v_finite:
                     band_rows_mm(sbuf, vt, acc_, rows, cols, lo_rel, hi_rel, ca, cb)
+                elif vpan.shape[0] > 0:   # V as column panels (api: own products, Dv whole panels)
+                    product_panels(S, vpan[hk, :, s0 + c0:s0 + c0 + cols], acc_, 1.0, False)
                 else:
                     product(S, vt, acc_, 1.0, False, False, OWN)
         tiles_total[w] = n_total
@@ -331,13 +341,13 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
             m_out[i, h], l_out[i, h] = merge_parts(part_m[first:last, r], part_l[first:last, r],
                                                    part_acc[first:last, r], out[i, h])
 
-    def forward(qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
+    def forward(qh, ktt, kh, kT, vh, vpan, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
                 group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out, tiles_total,
                 tiles_pruned, mctx):
         for w in prange(items.shape[0]):
             # int64: the parallel loop's index is unsigned in its outlined body, signed where the
             # driver is typed; one signature means one compile of the item
-            FORWARD_ITEM(np.int64(w), qh, ktt, kh, kT, vh, v_finite, items, dst_off, src_off, band_lo, band_hi,
+            FORWARD_ITEM(np.int64(w), qh, ktt, kh, kT, vh, vpan, v_finite, items, dst_off, src_off, band_lo, band_hi,
                          tile_base, group, log2_rho, splits, part_acc, part_m, part_l, out, m_out, l_out,
                          tiles_total, tiles_pruned, mctx)
         # merge the key ranges of every split item, after every piece is written
@@ -357,6 +367,8 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     tile's item)."""
     dt = np.float32 if acc == "float32" else np.float64
     OWN = bool(own)   # tile products as in make_forward
+    PANELS = OWN and BN % max(NR, 1) == 0   # packed tiles as column panels, as in make_forward
+    PB = BN // max(NR, 1)
     ln2 = LN2
     MOD = mod is not None
     # no leaf wants a gradient: f' may run over whole rows too (cells outside the band are
@@ -369,10 +381,13 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     log2e = dt(LOG2E)
     kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
-    def backward_part(part, qh, kh, vh, ktt, vtt, kT, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
+    def backward_part(part, qh, kh, vh, ktt, vtt, kT, pans, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
                       band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
         """partition `part`: its key-tile items (api._deal), its box of dq_part."""
         sc, hp, nd_f, ns_f, ef = mctx
+        # rows of q, k and dout as column panels (api._row_panels; empty without the own products
+        # or where D / Dv is not whole panels): the B operands of dk, dq and dv's products
+        qpan, kpan, dopan = pans
         ghp_part, gnd_part, gns = mgrad
         D = qh.shape[2]
         Dv = doh.shape[2]
@@ -424,7 +439,12 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                         P[:, :] = 0.0
                     elif tb >= 0:   # the scores as the forward made them (whole column blocks)
                         wide = whole_blocks(cols, BN) if OWN else cols
-                        product(qt, ktt[hk, tb + c0 // BN, :, :wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
+                        if PANELS:
+                            t0 = (tb + c0 // BN) * PB
+                            product_panels(qt, ktt[hk, t0:t0 + wide // NR], pbuf[:rows, :wide], 0.0, False)
+                        else:
+                            product(qt, ktt[hk, tb + c0 // BN, :, :wide], pbuf[:rows, :wide], 0.0, False, False,
+                                    OWN)
                     elif kT.shape[0] > 0:   # unpacked, own products: as the forward, from K^T
                         wide = whole_blocks(cols, BN)
                         product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
@@ -433,7 +453,12 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                     if Dv == 0:
                         dP[:, :] = 0.0
                     elif tb >= 0:
-                        product(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False, OWN)
+                        if PANELS:   # whole panels (zero past the keys; those columns are not read)
+                            wv = whole_blocks(cols, BN)
+                            t0 = (tb + c0 // BN) * PB
+                            product_panels(dot, vtt[hk, t0:t0 + wv // NR], sbuf[:rows, :wv], 0.0, False)
+                        else:
+                            product(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False, OWN)
                     else:
                         mm(dot, vt, dP, 0.0, False, True)
                     lo_rel = q0 + lo - c0
@@ -501,10 +526,17 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                             band_rows_mm(sbuf, kt, dqt, rows, cols, lo_rel, hi_rel, ca, cb)
                     else:
                         if Dv > 0:
-                            product(P, dot, dva, 1.0, True, False, OWN)
+                            if dopan.shape[0] > 0:
+                                product_panels(P, dopan[h, :, d0 + q0:d0 + q0 + rows], dva, 1.0, True)
+                            else:
+                                product(P, dot, dva, 1.0, True, False, OWN)
                         if D > 0:
-                            product(dP, qt, dka, 1.0, True, False, OWN)
-                            product(dP, kt, dqt, 1.0, False, False, OWN)
+                            if qpan.shape[0] > 0:
+                                product_panels(dP, qpan[h, :, d0 + q0:d0 + q0 + rows], dka, 1.0, True)
+                                product_panels(dP, kpan[hk, :, s0 + c0:s0 + c0 + cols], dqt, 1.0, False)
+                            else:
+                                product(dP, qt, dka, 1.0, True, False, OWN)
+                                product(dP, kt, dqt, 1.0, False, False, OWN)
             for c in range(cols):
                 for d in range(D):
                     dk[hk, s0 + c0 + c, d] = dka[c, d] * kmul
@@ -512,11 +544,11 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                     dv[hk, s0 + c0 + c, d] = dva[c, d]
         restore_mxcsr(mxcsr)
 
-    def backward(qh, kh, vh, ktt, vtt, kT, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
+    def backward(qh, kh, vh, ktt, vtt, kT, pans, doh, finite, m2, linv, delta, kitems, dst_off, src_off,
                  band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part, dk, dv, mctx, mgrad):
         for part in prange(n_parts):
             # int64: one signature of the item in the driver and in its outlined loop body
-            BACKWARD_PART(np.int64(part), qh, kh, vh, ktt, vtt, kT, doh, finite, m2, linv, delta, kitems,
+            BACKWARD_PART(np.int64(part), qh, kh, vh, ktt, vtt, kT, pans, doh, finite, m2, linv, delta, kitems,
                           dst_off, src_off, band_lo, band_hi, tile_base, group, n_parts, boxes, dq_part,
                           dk, dv, mctx, mgrad)
 
@@ -554,6 +586,44 @@ def pack_transposed_tiles(xh, tile_start, tile_cols, BN, out):
                 out[h, t, d, c] = xh[h, s + c, d]
             for c in range(cols, BN):
                 out[h, t, d, c] = 0.0
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def pack_transposed_panels(xh, tile_start, tile_cols, BN, out):
+    """The tiles of pack_transposed_tiles as column panels of the own tile product
+    (microgemm.product_panels): out[h, t BN / NR + c // NR, d, c % NR] = xh[h, start + c, d],
+    zero past the tile's keys."""
+    H = xh.shape[0]
+    Dd = xh.shape[2]
+    nt = tile_start.shape[0]
+    W = out.shape[3]
+    pb = BN // W
+    for w in prange(H * nt):
+        h = w // nt
+        t = w % nt
+        s = tile_start[t]
+        cols = tile_cols[t]
+        for p in range(pb):
+            o = out[h, t * pb + p]
+            for d in range(Dd):
+                for j in range(W):
+                    c = p * W + j
+                    o[d, j] = xh[h, s + c, d] if c < cols else 0.0
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def pack_row_panels(xh, out):
+    """out[h, p, n, j] = xh[h, n, p W + j] (W = out.shape[3]): the rows of a head-major array
+    as column panels of the own tile product, so that a product reading rows n0..n1 of it as
+    its B operand walks contiguous memory (microgemm.product_panels)."""
+    H, N, Dd = xh.shape
+    W = out.shape[3]
+    for w in prange(H * N):
+        h = w // N
+        n = w % N
+        for p in range(Dd // W):
+            for j in range(W):
+                out[h, p, n, j] = xh[h, n, p * W + j]
 
 
 @njit(parallel=True, fastmath=False, cache=True, nogil=True)

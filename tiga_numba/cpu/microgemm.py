@@ -145,33 +145,56 @@ def fits(a, b, c):
 
 
 @njit(cache=True)   # a call, not inlined: its four row-block kernels would be copied into every call site
-def mm_own(a, b, c, beta, trans_a):
-    """c = op(a) @ b + beta c (beta 0 or 1), float32 row-major views, op(a) = a.T when trans_a;
-    C's column count a multiple of NR (fits())."""
+def mm_blocks(a, bp, bks, bps, c, beta, trans_a):
+    """c = op(a) @ B + beta c (beta 0 or 1), a and c float32 row-major views, op(a) = a.T when
+    trans_a, B (K x C's columns) at address bp: B(k, j) at bp + 4 ((j // NR) bps + k bks + j % NR).
+    One function for both layouts of B: rows in place (bks = the row stride, bps = NR) and column
+    panels (bks = NR, bps = one panel's stride; see panels()). C's column count a multiple of NR.
+
+    Rows of C outer, column blocks inner: the MR rows of A a block reads stay in L1 while they
+    meet every column block of B."""
     M = c.shape[0]
     N = c.shape[1]
     K = a.shape[0] if trans_a else a.shape[1]
     ars = 1 if trans_a else a.strides[0] // 4
     aks = a.strides[0] // 4 if trans_a else 1
-    bks = b.strides[0] // 4
     crs = c.strides[0] // 4
     ap = a.ctypes.data
-    bp = b.ctypes.data
     cp = c.ctypes.data
     add = 1 if beta != 0.0 else 0
+    i0 = 0
+    while i0 + MR <= M:
+        for j0 in range(0, N, NR):
+            _m6(ap + 4 * i0 * ars, ars, aks, bp + 4 * (j0 // NR) * bps, bks, cp + 4 * (i0 * crs + j0), crs, K, add)
+        i0 += MR
     for j0 in range(0, N, NR):
-        i0 = 0
-        while i0 + MR <= M:
-            _m6(ap + 4 * i0 * ars, ars, aks, bp + 4 * j0, bks, cp + 4 * (i0 * crs + j0), crs, K, add)
-            i0 += MR
-        if i0 + 4 <= M:
-            _m4(ap + 4 * i0 * ars, ars, aks, bp + 4 * j0, bks, cp + 4 * (i0 * crs + j0), crs, K, add)
-            i0 += 4
-        if i0 + 2 <= M:
-            _m2(ap + 4 * i0 * ars, ars, aks, bp + 4 * j0, bks, cp + 4 * (i0 * crs + j0), crs, K, add)
-            i0 += 2
-        if i0 < M:
-            _m1(ap + 4 * i0 * ars, ars, aks, bp + 4 * j0, bks, cp + 4 * (i0 * crs + j0), crs, K, add)
+        b0 = bp + 4 * (j0 // NR) * bps
+        i = i0
+        if i + 4 <= M:
+            _m4(ap + 4 * i * ars, ars, aks, b0, bks, cp + 4 * (i * crs + j0), crs, K, add)
+            i += 4
+        if i + 2 <= M:
+            _m2(ap + 4 * i * ars, ars, aks, b0, bks, cp + 4 * (i * crs + j0), crs, K, add)
+            i += 2
+        if i < M:
+            _m1(ap + 4 * i * ars, ars, aks, b0, bks, cp + 4 * (i * crs + j0), crs, K, add)
+
+
+@njit(inline="always", cache=True)
+def mm_own(a, b, c, beta, trans_a):
+    """c = op(a) @ b + beta c (beta 0 or 1), float32 row-major views, op(a) = a.T when trans_a;
+    C's column count a multiple of NR (fits())."""
+    mm_blocks(a, b.ctypes.data, b.strides[0] // 4, NR, c, beta, trans_a)
+
+
+@njit(inline="always", cache=True)
+def product_panels(a, bpan, c, beta, trans_a):
+    """c = op(a) @ B + beta c with B held as column panels, bpan[j // NR, k, j % NR] = B(k, j)
+    (panels(): each NR-column block of B contiguous, as a BLAS packs it, so that the block a
+    micro-kernel walks down k is one run of memory instead of K rows a whole row stride apart,
+    whose cache lines fall into a few L1 sets and evict each other). C's column count a multiple
+    of NR, at most bpan.shape[0] NR; float32 only."""
+    mm_blocks(a, bpan.ctypes.data, bpan.strides[1] // 4, bpan.strides[0] // 4, c, beta, trans_a)
 
 
 # ----------------------------------------------------------------------------- the choice
