@@ -247,3 +247,48 @@ def test_vector_width_follows_numbas_target_not_the_host(features, lanes, tmp_pa
     assert width == lanes and cpu == "x86-64-v2"
     assert lanes == 0 or nr == {16: 64, 8: 16}[lanes]   # (no own kernel: no block width)
     assert products == ("blas" if lanes == 0 else None)
+
+
+@njit
+def _panels(a, bpan, c, beta, trans_a):
+    mg.product_panels(a, bpan, c, beta, trans_a)
+
+
+@njit
+def _in_place(a, b, c, beta, trans_a):
+    mg.mm_own(a, b, c, beta, trans_a)
+
+
+@own_kernel
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("M,K,blocks", [(1, 64, 1), (7, 64, 4), (13, 17, 2), (250, 64, 1), (50, 256, 3)])
+def test_column_panels_give_the_bits_of_the_product_in_place(M, K, blocks, trans_a):
+    """B packed by the kernels' packers (rows of a head-major array, and transposed key tiles with a
+    zero tail) and read as column panels: every element is the same fused multiply-add chain as
+    with B read in place, so the bits agree exactly (the forward and the backward rely on it)."""
+    from tiga_numba.cpu import blocks as bl
+    NR = mg.NR
+    N = blocks * NR
+    rng = np.random.default_rng(M + 3 * K + blocks)
+    a_full = rng.standard_normal((K + 2, M + 3) if trans_a else (M + 2, K + 3)).astype(np.float32)
+    a = a_full[1:K + 1, :M] if trans_a else a_full[1:M + 1, :K]
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    # rows n0..n0+K of a head-major (H, N_rows, N) array as B (dv's, dk's and dq's products)
+    xh = rng.standard_normal((2, K + 9, N)).astype(np.float32)
+    rows = np.empty((2, N // NR, K + 9, NR), np.float32)
+    bl.pack_row_panels(xh, rows)
+    # a key tile of `cols` keys starting at key 5 as B = K^T, zero past its keys (S = Q K^T)
+    kh = rng.standard_normal((2, N + 11, K)).astype(np.float32)
+    cols = N - NR // 2
+    tiles = np.empty((2, N // NR, K, NR), np.float32)
+    bl.pack_transposed_panels(kh, np.array([5]), np.array([cols]), N, tiles)
+    kt = np.zeros((K, N), np.float32)
+    kt[:, :cols] = kh[1, 5:5 + cols].T
+    for beta in (0.0, 1.0):
+        for bpan, b in ((rows[1, :, 4:4 + K], xh[1, 4:4 + K]), (tiles[1], kt)):
+            got, want = c0.copy(), c0.copy()
+            _panels(a, bpan, got, beta, trans_a)
+            _in_place(a, np.ascontiguousarray(b), want, beta, trans_a)
+            np.testing.assert_array_equal(got, want)
+            exact = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64) + beta * c0
+            assert np.abs(got - exact).max() <= 2e-6 * np.abs(exact).max() * K ** 0.5

@@ -1,7 +1,7 @@
 """Where the CPU block kernels' time goes on this machine: the rate of the BLAS the kernels call
 (scipy's OpenBLAS through numba, one thread, as each prange worker calls it) and of the package's
-own tile product (cpu/microgemm.py, where this CPU has AVX2 / AVX-512) on the two tile products
-for several tile shapes, beside torch.mm (MKL) on the same shapes when torch is installed; then
+own tile product (cpu/microgemm.py, where this CPU has AVX2 / AVX-512; B read in place, and as the
+column panels the block kernels pack) on the two tile products for several tile shapes, beside torch.mm (MKL) on the same shapes when torch is installed; then
 paired rounds of whole calls with each tile shape (options(cpu_tiles=...)),
 every shape timed back to back in each round so that the machine's drift cancels. First, the
 ceiling these rates are measured against: the cores' fused multiply-add peak (a register-only
@@ -26,12 +26,27 @@ D, H = 64, 4
 
 
 @njit
-def _products(q, kt, vv, S, A, reps, which, own):
+def _products(q, kt, vv, ktp, vvp, S, A, reps, which, how):
+    """how: 0 the BLAS, 1 the own product with B in place, 2 with B as column panels (the kernels'
+    layout: microgemm.product_panels)."""
     for _ in range(reps):
         if which == 0:   # S = Q K^T (K packed transposed, as the kernels hold it)
-            microgemm.product(q, kt, S, 0.0, False, False, own)
+            if how == 2:
+                microgemm.product_panels(q, ktp, S, 0.0, False)
+            else:
+                microgemm.product(q, kt, S, 0.0, False, False, how == 1)
         else:            # acc += P V
-            microgemm.product(S, vv, A, 1.0, False, False, own)
+            if how == 2:
+                microgemm.product_panels(S, vvp, A, 1.0, False)
+            else:
+                microgemm.product(S, vv, A, 1.0, False, False, how == 1)
+
+
+def _panels(b):
+    """B (K, N) as column panels (N / NR, K, NR)."""
+    K, N = b.shape
+    W = microgemm.NR
+    return np.ascontiguousarray(b.reshape(K, N // W, W).transpose(1, 0, 2))
 
 
 CHAINS = 12   # independent accumulators: more than FMA latency x pipes on current x86 cores
@@ -111,14 +126,17 @@ def gemm_rates(shapes):
             S, A = rng.random((BM, BN), dtype=np.float32), np.zeros((BM, D), np.float32)
             n = max(20, int(1e9 / (4 * BM * BN * D)))
             line = f"{BM:5} x {BN:<5}"
-            for own in ((False, True) if microgemm.LANES else (False,)):
+            panels = microgemm.LANES and BN % microgemm.NR == 0 and D % microgemm.NR == 0
+            ktp, vvp = (_panels(kt), _panels(vv)) if panels else (kt[None], vv[None])
+            names = ("BLAS (numba mm)", "own, B in place", "own, B as panels")
+            for how in (0, 1, 2)[:3 if panels else 2 if microgemm.LANES else 1]:
                 rates = []
                 for which in (0, 1):
-                    _products(q, kt, vv, S, A, 1, which, own)
+                    _products(q, kt, vv, ktp, vvp, S, A, 1, which, how)
                     t = time.perf_counter()
-                    _products(q, kt, vv, S, A, n, which, own)
+                    _products(q, kt, vv, ktp, vvp, S, A, n, which, how)
                     rates.append(2 * BM * BN * D / ((time.perf_counter() - t) / n) / 1e9)
-                line += f" {'own' if own else 'BLAS (numba mm)'}: {rates[0]:5.0f} {rates[1]:5.0f} "
+                line += f" {names[how]}: {rates[0]:5.0f} {rates[1]:5.0f} "
             if torch is not None:
                 tq, tk, tv, tS, tA = (torch.from_numpy(x) for x in (q, kt, vv, S, A))
                 tr = []

@@ -67,6 +67,9 @@ LN2 = math.log(2.0)
 # output (for rows with l == 0).  Any m at or below EMPTY means "no key seen yet".
 NEG = -1e30
 EMPTY = -1e29
+#: query rows of a forward strip (a multiple of the own product's MR = 6 rows): 48 rows x BN = 256
+#: keys of float32 scores are 48 KiB, which stay in L1 / L2 between the passes over them
+STRIP_ROWS = 48
 
 
 def exp2_any(x):
@@ -186,6 +189,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
     # is whole panels; otherwise as (D, BN) rows, which the BLAS reads too
     PANELS = OWN and BN % max(NR, 1) == 0
     PB = BN // max(NR, 1)   # panels per packed tile
+    TRIM = PANELS   # score products cover only the band's columns of a strip (see the loop)
+    SR = BM if prune else min(BM, STRIP_ROWS)   # pruning admits whole tiles: one strip
     MOD = mod is not None
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
     log2e = dt(LOG2E)
@@ -212,7 +217,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
         hi = band_hi[b]
         tb = tile_base[b]
         rows = min(BM, nd - q0)
-        sbuf = np.empty((BM, BN), dt)
+        sbuf = np.empty((SR, BN), dt)
         acc_ = np.zeros((rows, Dv), dt)
         m = np.full(rows, NEG, dt)
         l = np.zeros(rows, dt)
@@ -231,86 +236,104 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
         for c0 in range((kbeg // BN) * BN if tb >= 0 else kbeg, kend, BN):
             cols = min(BN, kend - c0)
             n_total += 1
-            S = sbuf[:rows, :cols]
-            if D == 0:
-                S[:, :] = 0.0
-            elif tb >= 0:
-                # own products over whole column blocks of the packed tile (zero beyond its keys):
-                # each score is then one fused multiply-add chain, as the backward rebuilds it
-                wide = whole_blocks(cols, BN) if OWN else cols
-                if PANELS:
-                    t0 = (tb + c0 // BN) * PB
-                    product_panels(qt, ktt[hk, t0:t0 + wide // NR], sbuf[:rows, :wide], 0.0, False)
-                else:
-                    product(qt, ktt[hk, tb + c0 // BN, :, :wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
-            elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
-                # whole column blocks, as the backward (kT is zero-padded past the last key; the
-                # extra columns are not read)
-                wide = whole_blocks(cols, BN)
-                product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], sbuf[:rows, :wide], 0.0, False, False, OWN)
-            else:  # narrow block, not packed: K rows as the BLAS's transposed operand
-                mm(qt, kh[hk, s0 + c0:s0 + c0 + cols], S, 0.0, False, True)
-            if MOD:  # natural-unit scores -> modified scores in base 2
-                for r in range(rows):
-                    Sr = sbuf[r]
-                    i = d0 + q0 + r
-                    for c in range(cols):
-                        Sr[c] = MOD_VALUE(Sr[c], i, s0 + c0 + c, -1, h, sc, hp, nd_f, ns_f,
-                                      ef) * log2e
-            lo_rel = q0 + lo - c0
-            hi_rel = q0 + hi - c0
-            ca, cb = common_span(rows, lo_rel, hi_rel, cols)
-            banded = ca > 0 or cb < cols
-            # element loops go through contiguous row views so that LLVM vectorises them
-            if banded:
-                for r in range(rows):
-                    Sr = sbuf[r]
-                    first, last = _row_span(r, lo_rel, hi_rel, cols)
-                    for c in range(0, min(first, cols)):
-                        Sr[c] = NEG
-                    for c in range(max(last, 0), cols):
-                        Sr[c] = NEG
-            tmax = dt(NEG)
-            for r in range(rows):
-                Sr = sbuf[r]
-                mx = dt(NEG)
-                for c in range(cols):
-                    mx = fmax(mx, Sr[c])
-                rmax[r] = mx
-                tmax = fmax(tmax, mx)
-            if prune:
-                if tmax < m_blk + log2_rho:
-                    n_pruned += 1
+            # the tile in strips of SR rows: a strip's scores stay in L1 / L2 from their product
+            # through the softmax to the value product, and a strip visits only the columns its
+            # rows' band reaches (the upper half of a causal diagonal tile is never computed)
+            for r0 in range(0, rows, SR):
+                rr = min(SR, rows - r0)
+                lo_rel = q0 + r0 + lo - c0   # band of strip row r: lo_rel <= c - r <= hi_rel
+                hi_rel = q0 + r0 + hi - c0
+                ca = max(0, lo_rel)                  # the strip's columns: [ca, cb)
+                cb = min(cols, rr - 1 + hi_rel + 1)
+                if cb <= ca:   # no cell of the band (the state of its rows is unchanged)
                     continue
-                m_blk = fmax(m_blk, tmax)
-            for r in range(rows):  # per-row new max and rescale factor, vectorised
-                mnew = fmax(m[r], rmax[r])
-                ms = mnew if mnew > EMPTY else dt(0.0)  # row still empty: p = 0, no NaN
-                alph[r] = exp2_any(m[r] - ms)
-                mref[r] = ms
-                m[r] = mnew
-            for r in range(rows):
-                ms = mref[r]
-                s = dt(0.0)
-                Sr = sbuf[r]
-                for c in range(cols):
-                    p = exp2_any(Sr[c] - ms)
-                    Sr[c] = p
-                    s += p
-                alpha = alph[r]
-                l[r] = l[r] * alpha + s
-                if alpha != 1.0:
-                    ar = acc_[r]
-                    for d in range(Dv):
-                        ar[d] *= alpha
-            if Dv > 0:  # acc += P @ V, accumulated by the gemm itself
-                vt = vh[hk, s0 + c0:s0 + c0 + cols]
-                if banded and not v_finite:
-                    band_rows_mm(sbuf, vt, acc_, rows, cols, lo_rel, hi_rel, ca, cb)
-                elif vpan.shape[0] > 0:   # V as column panels (api: own products, Dv whole panels)
-                    product_panels(S, vpan[hk, :, s0 + c0:s0 + c0 + cols], acc_, 1.0, False)
-                else:
-                    product(S, vt, acc_, 1.0, False, False, OWN)
+                # product columns [xa, xa + wide): whole NR blocks with the own products (every
+                # score one fused multiply-add chain whatever the product's shape, as the backward
+                # rebuilds it), the whole tile with the BLAS (its bits depend on the shape)
+                xa = ca - ca % NR if TRIM else 0
+                xb = cb if TRIM else cols
+                sq = qt[r0:r0 + rr]
+                if D == 0:
+                    sbuf[:rr, xa:xb] = 0.0
+                elif tb >= 0:
+                    wide = whole_blocks(xb - xa, BN - xa) if OWN else xb - xa
+                    if PANELS:
+                        t0 = (tb + c0 // BN) * PB + xa // NR
+                        product_panels(sq, ktt[hk, t0:t0 + wide // NR], sbuf[:rr, xa:xa + wide], 0.0, False)
+                    else:
+                        product(sq, ktt[hk, tb + c0 // BN, :, xa:xa + wide], sbuf[:rr, xa:xa + wide], 0.0, False,
+                                False, OWN)
+                elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
+                    # whole column blocks, as the backward (kT is zero-padded past the last key; the
+                    # extra columns are not read)
+                    wide = whole_blocks(xb - xa, BN - xa)
+                    product(sq, kT[hk, :, s0 + c0 + xa:s0 + c0 + xa + wide], sbuf[:rr, xa:xa + wide], 0.0, False,
+                            False, OWN)
+                else:  # narrow block, not packed: K rows as the BLAS's transposed operand
+                    mm(sq, kh[hk, s0 + c0 + xa:s0 + c0 + xb], sbuf[:rr, xa:xb], 0.0, False, True)
+                # element loops run over views of the strip's columns from index 0: LLVM vectorises
+                # them (from a runtime start, numba's negative-index wraparound stays in the loop)
+                nc = cb - ca
+                if MOD:  # natural-unit scores -> modified scores in base 2
+                    for r in range(rr):
+                        Sr = sbuf[r, ca:cb]
+                        i = d0 + q0 + r0 + r
+                        for c in range(nc):
+                            Sr[c] = MOD_VALUE(Sr[c], i, s0 + c0 + ca + c, -1, h, sc, hp, nd_f, ns_f,
+                                          ef) * log2e
+                # columns every row of the strip keeps: [ka, kb); cells of [ca, cb) outside a
+                # row's band are masked before the softmax
+                ka, kb = common_span(rr, lo_rel, hi_rel, cols)
+                banded = ka > ca or kb < cb
+                if banded:
+                    for r in range(rr):
+                        Sr = sbuf[r, ca:cb]
+                        first, last = _row_span(r, lo_rel, hi_rel, cols)
+                        for c in range(0, min(first, cb) - ca):
+                            Sr[c] = NEG
+                        for c in range(max(last, ca) - ca, nc):
+                            Sr[c] = NEG
+                tmax = dt(NEG)
+                for r in range(rr):
+                    Sr = sbuf[r, ca:cb]
+                    mx = dt(NEG)
+                    for c in range(nc):
+                        mx = fmax(mx, Sr[c])
+                    rmax[r0 + r] = mx
+                    tmax = fmax(tmax, mx)
+                if prune:   # one strip per tile (SR = BM): tmax is the tile's
+                    if tmax < m_blk + log2_rho:
+                        n_pruned += 1
+                        continue
+                    m_blk = fmax(m_blk, tmax)
+                for r in range(r0, r0 + rr):  # per-row new max and rescale factor, vectorised
+                    mnew = fmax(m[r], rmax[r])
+                    ms = mnew if mnew > EMPTY else dt(0.0)  # row still empty: p = 0, no NaN
+                    alph[r] = exp2_any(m[r] - ms)
+                    mref[r] = ms
+                    m[r] = mnew
+                for r in range(rr):
+                    ms = mref[r0 + r]
+                    s = dt(0.0)
+                    Sr = sbuf[r, ca:cb]
+                    for c in range(nc):
+                        p = exp2_any(Sr[c] - ms)
+                        Sr[c] = p
+                        s += p
+                    alpha = alph[r0 + r]
+                    l[r0 + r] = l[r0 + r] * alpha + s
+                    if alpha != 1.0:
+                        ar = acc_[r0 + r]
+                        for d in range(Dv):
+                            ar[d] *= alpha
+                if Dv > 0:  # acc += P @ V over the strip's columns, accumulated by the gemm itself
+                    sa = acc_[r0:r0 + rr]
+                    if banded and not v_finite:
+                        band_rows_mm(sbuf, vh[hk, s0 + c0:s0 + c0 + cols], sa, rr, cols, lo_rel, hi_rel, ka, kb)
+                    elif vpan.shape[0] > 0:   # V as column panels (api: own products, Dv whole panels)
+                        product_panels(sbuf[:rr, ca:cb], vpan[hk, :, s0 + c0 + ca:s0 + c0 + cb], sa, 1.0, False)
+                    else:
+                        product(sbuf[:rr, ca:cb], vh[hk, s0 + c0 + ca:s0 + c0 + cb], sa, 1.0, False, False, OWN)
         tiles_total[w] = n_total
         tiles_pruned[w] = n_pruned
         if slot >= 0:  # one key range of a split item: its partial state, merged below
