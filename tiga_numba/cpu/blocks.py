@@ -3,9 +3,11 @@
 Layout the kernels expect (made by ``layout.py``): head-major contiguous tiles in the
 accumulation dtype, ``qh (H, Nq, D)`` already multiplied by ``scale * log2(e)`` so every score
 tile is in base 2 (``exp(s - m) == exp2(s2 - m2)``, see ``fastexp.py``), ``kh (Hkv, Nk, D)``,
-``vh (Hkv, Nk, Dv)``.  Score and value products of a (BM x BN) tile go through ``np.dot`` with
-an ``out=`` buffer, i.e. one BLAS gemm per tile with no allocation; the softmax between them is
-a vectorised loop.
+``vh (Hkv, Nk, Dv)``; with the own tile products (microgemm.py) the B operands of the products
+also as column panels (api._pack, api._row_panels).  Score and value products go through the own
+product or the BLAS into preallocated buffers (no allocation per tile); the softmax between them
+is a vectorised loop. The forward walks each tile in strips of STRIP_ROWS query rows, each
+computing only the key columns its rows' band reaches.
 
 Blocks are banded (``lo <= c - r <= hi`` in block-local positions: full, causal, bottom-right
 causal, sliding window). Forward: one work item = (head, block, query tile, key-tile range); it walks only the

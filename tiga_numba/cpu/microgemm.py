@@ -5,8 +5,9 @@ The block kernels multiply small tiles: S = Q K^T is (BM x D) @ (D x BN), O += P
 inside a prange worker. On such shapes a BLAS spends a visible share of each call packing both
 operands and handling edges; on a 2-vCPU Intel Xeon (AVX-512) scipy's OpenBLAS ran them at
 ~110-127 GFLOP/s per core where MKL reached ~155-160 (benchmarks/results/
-cpu-dense-xeon-2core-2026-12-03.txt). The product here reads the operands in place (row-major,
-unit inner stride, any row stride; A may be transposed) and keeps an MR x NR block of C in vector
+cpu-dense-xeon-2core-2026-12-03.txt). The product here reads A in place (row-major, unit inner
+stride, any row stride; possibly transposed) and B either in place or as the column panels the
+block kernels pack once per call (product_panels), and keeps an MR x NR block of C in vector
 registers while it walks k: per k step NR / W vector loads of B, MR broadcasts of A and MR x NR / W
 fused multiply-adds (AVX-512: 6 x 64 = 24 zmm accumulators; AVX2: 6 x 16 = 12 ymm). Each element
 of C sums its k terms in order with one fused multiply-add each, so the result does not depend

@@ -1,7 +1,8 @@
 """Tile shapes of the CPU block kernels: chosen from the machine, recorded in the plan.
 
-A forward tile is BM query rows x BN keys: one BLAS gemm for the scores (BM x D x BN), the
-softmax over the (BM, BN) score tile, one gemm for the values (BM x BN x Dv). Larger tiles
+A forward tile is BM query rows x BN keys: a product for the scores (BM x D x BN), the softmax
+over the (BM, BN) score tile, a product for the values (BM x BN x Dv) (blocks.py walks it in
+strips of rows; the K / V tiles are what the query rows of a tile share). Larger tiles
 amortise the per-tile work (BLAS call, row max / rescale passes) and run the gemms at a larger
 fraction of the machine's sgemm rate, as long as the score tile and the K / V tiles stay in the
 core's L2 cache. Measured on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core), N=4096, H=4,
