@@ -281,7 +281,7 @@ def test_column_panels_give_the_bits_of_the_product_in_place(M, K, blocks, trans
     kh = rng.standard_normal((2, N + 11, K)).astype(np.float32)
     cols = N - NR // 2
     tiles = np.empty((2, N // NR, K, NR), np.float32)
-    bl.pack_transposed_panels(kh, np.array([5]), np.array([cols]), N, tiles)
+    bl.pack_transposed_tiles(kh, np.array([5]), np.array([cols]), N, tiles)
     kt = np.zeros((K, N), np.float32)
     kt[:, :cols] = kh[1, 5:5 + cols].T
     for beta in (0.0, 1.0):

@@ -379,8 +379,7 @@ def _pack(xh, rel, name, copies, BM, BN, own=False):
         else (xh.shape[0], starts.shape[0], xh.shape[2], BN)
     out = np.empty(shape, xh.dtype)
     if starts.shape[0]:
-        pack = _blocks.pack_transposed_panels if panels else _blocks.pack_transposed_tiles
-        _run(pack, xh.shape[0] * starts.shape[0], out.size, xh, starts, cols, BN, out)
+        _run(_blocks.pack_transposed_tiles, xh.shape[0] * starts.shape[0], out.size, xh, starts, cols, BN, out)
         copies.append(f"{name} -> transposed ({xh.shape[2]}, BN={BN}) tiles"
                       + (f" in {W}-column panels (own tile products)" if panels else " (fast BLAS operand)"))
     return tile_base, out

@@ -600,29 +600,11 @@ def row_dots(a, b, out):
 
 @njit(parallel=True, cache=True, nogil=True)
 def pack_transposed_tiles(xh, tile_start, tile_cols, BN, out):
-    """out[h, t, :, :cols] = xh[h, start:start+cols, :].T, zero tail: the K (and V) operand
-    of the score gemm as contiguous (D, BN) tiles, so that BLAS runs its fast A @ B path
-    instead of A @ B.T on a strided view."""
-    H = xh.shape[0]
-    Dd = xh.shape[2]
-    nt = tile_start.shape[0]
-    for w in prange(H * nt):
-        h = w // nt
-        t = w % nt
-        s = tile_start[t]
-        cols = tile_cols[t]
-        for d in range(Dd):
-            for c in range(cols):
-                out[h, t, d, c] = xh[h, s + c, d]
-            for c in range(cols, BN):
-                out[h, t, d, c] = 0.0
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def pack_transposed_panels(xh, tile_start, tile_cols, BN, out):
-    """The tiles of pack_transposed_tiles as column panels of the own tile product
-    (microgemm.product_panels): out[h, t BN / NR + c // NR, d, c % NR] = xh[h, start + c, d],
-    zero past the tile's keys."""
+    """Key tile t (`tile_cols[t]` keys from `tile_start[t]`) of every head, transposed, in column
+    panels of W = out.shape[3] keys: out[h, t BN / W + c // W, d, c % W] = xh[h, start + c, d],
+    zero past the tile's keys. W = BN: one (D, BN) tile each, the BLAS's fast A @ B operand
+    (not A @ B.T on a strided view); W = NR: the own tile product's column panels
+    (microgemm.product_panels)."""
     H = xh.shape[0]
     Dd = xh.shape[2]
     nt = tile_start.shape[0]
