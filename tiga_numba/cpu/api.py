@@ -374,7 +374,7 @@ def _pack(xh, rel, name, copies, BM, BN, own=False):
     tile_base, starts, cols = KERNELS.derived(rel, ("cpu.key_tiles", BM, BN),
                                               lambda: _tiles(rel, BM, BN))
     W = _microgemm.NR
-    panels = own and BN % W == 0
+    panels = _microgemm.panel_tiles(own, BN)
     shape = (xh.shape[0], starts.shape[0] * (BN // W), xh.shape[2], W) if panels \
         else (xh.shape[0], starts.shape[0], xh.shape[2], BN)
     out = np.empty(shape, xh.dtype)

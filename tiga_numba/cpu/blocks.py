@@ -49,7 +49,7 @@ from numba.extending import overload
 
 from .fastexp import denormals_off, exp2f, fmax, restore_mxcsr, wide_vectors
 from .gemm import mm
-from .microgemm import NR, product, product_panels, whole_blocks
+from .microgemm import NR, panel_tiles, product, product_panels, whole_blocks
 from .score_codegen import jit_driver, jit_kernel, no_grad, no_slope, no_value
 
 # the modifier hooks of the kernels (score_codegen.jit_kernel rebinds them per modifier)
@@ -191,7 +191,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
     OWN = bool(own)   # microgemm.product takes only float32 products (4-byte unit strides)
     # packed K tiles are held as the own product's column panels (api._pack) where every tile
     # is whole panels; otherwise as (D, BN) rows, which the BLAS reads too
-    PANELS = OWN and BN % max(NR, 1) == 0
+    PANELS = panel_tiles(own, BN)
     PB = BN // max(NR, 1)   # panels per packed tile
     TRIM = PANELS   # score products cover only the band's columns of a strip (see the loop)
     SR = BM if prune else min(BM, STRIP_ROWS)   # pruning admits whole tiles: one strip
@@ -394,7 +394,7 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     tile's item)."""
     dt = np.float32 if acc == "float32" else np.float64
     OWN = bool(own)   # tile products as in make_forward
-    PANELS = OWN and BN % max(NR, 1) == 0   # packed tiles as column panels, as in make_forward
+    PANELS = panel_tiles(own, BN)   # packed tiles as column panels, as in make_forward
     PB = BN // max(NR, 1)
     ln2 = LN2
     MOD = mod is not None

@@ -129,6 +129,13 @@ def _micro(rows):
 _m6, _m4, _m2, _m1 = (_micro(r) for r in (MR, 4, 2, 1))
 
 
+def panel_tiles(own, BN):
+    """whether packed key tiles of BN keys are held as column panels (product_panels): with the own
+    products and BN a whole number of NR-column blocks. The forward, the backward and the packer
+    decide with this one rule (the kernels index the packed array by it)."""
+    return bool(own) and NR > 0 and BN % NR == 0
+
+
 @njit(inline="always", cache=True)
 def whole_blocks(cols, limit):
     """`cols` columns rounded up to whole NR-column blocks, at most `limit`: the width of a score
