@@ -158,6 +158,18 @@ def band_cols_mm(A, X, acc, rows, cols, lo_rel, hi_rel, ca, cb):
 
 
 @njit(inline="always", cache=True)
+def tile_product(a, tiles, hk, t, x0, width, c, pb, own):
+    """c = a @ B, B the columns [x0, x0 + width) of packed key tile t of kv head hk (api._pack):
+    pb > 0: the tiles are held as column panels, pb per tile (x0 and width whole panels);
+    pb == 0: as (D, BN) rows, multiplied by the own product where it fits, else the BLAS."""
+    if pb > 0:
+        p0 = t * pb + x0 // NR
+        product_panels(a, tiles[hk, p0:p0 + width // NR], c, 0.0, False)
+    else:
+        product(a, tiles[hk, t, :, x0:x0 + width], c, 0.0, False, False, own)
+
+
+@njit(inline="always", cache=True)
 def merge_parts(pm, pl, pacc, o):
     """o = the merged output of partial states (pm[p], pl[p], pacc[p]) in p order (the
     online-softmax merge, base 2; deterministic); returns (m, l), m = -inf when l = 0."""
@@ -192,7 +204,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
     # packed K tiles are held as the own product's column panels (api._pack) where every tile
     # is whole panels; otherwise as (D, BN) rows, which the BLAS reads too
     PANELS = panel_tiles(own, BN)
-    PB = BN // max(NR, 1)   # panels per packed tile
+    PB = BN // NR if PANELS else 0   # panels per packed tile (0: tiles held as rows)
     TRIM = PANELS   # score products cover only the band's columns of a strip (see the loop)
     SR = BM if prune else min(BM, STRIP_ROWS)   # pruning admits whole tiles: one strip
     MOD = mod is not None
@@ -261,12 +273,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False):
                     sbuf[:rr, xa:xb] = 0.0
                 elif tb >= 0:
                     wide = whole_blocks(xb - xa, BN - xa) if OWN else xb - xa
-                    if PANELS:
-                        t0 = (tb + c0 // BN) * PB + xa // NR
-                        product_panels(sq, ktt[hk, t0:t0 + wide // NR], sbuf[:rr, xa:xa + wide], 0.0, False)
-                    else:
-                        product(sq, ktt[hk, tb + c0 // BN, :, xa:xa + wide], sbuf[:rr, xa:xa + wide], 0.0, False,
-                                False, OWN)
+                    tile_product(sq, ktt, hk, tb + c0 // BN, xa, wide, sbuf[:rr, xa:xa + wide], PB, OWN)
                 elif kT.shape[0] > 0:  # narrow block, not packed, K^T at hand (own products)
                     # whole column blocks, as the backward (kT is zero-padded past the last key; the
                     # extra columns are not read)
@@ -395,7 +402,7 @@ def make_backward(acc, BM, BN, mod=None, own=False):
     dt = np.float32 if acc == "float32" else np.float64
     OWN = bool(own)   # tile products as in make_forward
     PANELS = panel_tiles(own, BN)   # packed tiles as column panels, as in make_forward
-    PB = BN // max(NR, 1)
+    PB = BN // NR if PANELS else 0
     ln2 = LN2
     MOD = mod is not None
     # no leaf wants a gradient: f' may run over whole rows too (cells outside the band are
@@ -469,12 +476,7 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                         P[:, :] = 0.0
                     elif tb >= 0:   # the scores as the forward made them (whole column blocks)
                         wide = whole_blocks(cols, BN) if OWN else cols
-                        if PANELS:
-                            t0 = (tb + c0 // BN) * PB
-                            product_panels(qt, ktt[hk, t0:t0 + wide // NR], pbuf[:rows, :wide], 0.0, False)
-                        else:
-                            product(qt, ktt[hk, tb + c0 // BN, :, :wide], pbuf[:rows, :wide], 0.0, False, False,
-                                    OWN)
+                        tile_product(qt, ktt, hk, tb + c0 // BN, 0, wide, pbuf[:rows, :wide], PB, OWN)
                     elif kT.shape[0] > 0:   # unpacked, own products: as the forward, from K^T
                         wide = whole_blocks(cols, BN)
                         product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
@@ -483,12 +485,9 @@ def make_backward(acc, BM, BN, mod=None, own=False):
                     if Dv == 0:
                         dP[:, :] = 0.0
                     elif tb >= 0:
-                        if PANELS:   # whole panels (zero past the keys; those columns are not read)
-                            wv = whole_blocks(cols, BN)
-                            t0 = (tb + c0 // BN) * PB
-                            product_panels(dot, vtt[hk, t0:t0 + wv // NR], sbuf[:rows, :wv], 0.0, False)
-                        else:
-                            product(dot, vtt[hk, tb + c0 // BN, :, :cols], dP, 0.0, False, False, OWN)
+                        # panels: whole ones (zero past the keys; those columns are not read)
+                        wv = whole_blocks(cols, BN) if PANELS else cols
+                        tile_product(dot, vtt, hk, tb + c0 // BN, 0, wv, sbuf[:rows, :wv], PB, OWN)
                     else:
                         mm(dot, vt, dP, 0.0, False, True)
                     lo_rel = q0 + lo - c0

@@ -157,7 +157,7 @@ def mm_blocks(a, bp, bks, bps, c, beta, trans_a):
     """c = op(a) @ B + beta c (beta 0 or 1), a and c float32 row-major views, op(a) = a.T when
     trans_a, B (K x C's columns) at address bp: B(k, j) at bp + 4 ((j // NR) bps + k bks + j % NR).
     One function for both layouts of B: rows in place (bks = the row stride, bps = NR) and column
-    panels (bks = NR, bps = one panel's stride; see panels()). C's column count a multiple of NR.
+    panels (bks = NR, bps = one panel's stride; see product_panels). C's column count a multiple of NR.
 
     Rows of C outer, column blocks inner: the MR rows of A a block reads stay in L1 while they
     meet every column block of B."""
