@@ -697,6 +697,31 @@ def test_functional_softcap_and_alibi_match_flash_attn_conventions(rel, dtype):
     _close(dv, wg["src"]["value"], tol, "dv")
 
 
+def test_block_kernels_pass_64_bit_indices_for_huge_relations(monkeypatch):
+    # the block kernels hand a modifier int32 node indices (vectorised int -> float); a relation
+    # with 2**31 rows or keys gets the int64 variant, which must compute the same
+    from tiga_numba.cpu import blocks
+    assert blocks.index_width(2 ** 31 - 1, 7) == 32
+    assert blocks.index_width(7, 2 ** 31) == 64
+    g = RELATIONS["segments-rect"]
+    q = RNG.standard_normal((g.num_dst, 2, 5))
+    k, v = (RNG.standard_normal((g.num_src, 2, 5)) for _ in range(2))
+    dout = RNG.standard_normal((g.num_dst, 2, 5))
+    kw = dict(softcap=1.5, alibi_slopes=np.array([0.3, 0.9]))
+
+    def run():
+        out, st = tg.attention(q, k, v, g, return_stats=True, **kw)
+        return (out,) + tuple(tg.attention_backward(dout, q, k, v, out, st, g, **kw))
+
+    narrow = run()
+    asked = []
+    monkeypatch.setattr(blocks, "index_width", lambda rows, keys: asked.append((rows, keys)) or 64)
+    wide = run()
+    assert asked == [(g.num_dst, g.num_src)] * 2   # forward and backward chose the width
+    for a, b, what in zip(narrow, wide, ("out", "dq", "dk", "dv")):
+        _close(b, a, 1e-12, what)
+
+
 def test_per_sequence_gradient_sums_each_sequence_on_its_own():
     """The per-sequence slopes' gradient sums each sequence's rows by themselves: a sequence
     whose per-row gradients are tiny keeps its own accuracy next to one whose are huge (a

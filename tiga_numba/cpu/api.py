@@ -167,6 +167,12 @@ def _mod_key(gen):
     return None if gen is None else gen.key
 
 
+def _index_bits(gen, num_rows, num_keys):
+    """Width of the node indices a block kernel passes its score modifier (32 unless a relation
+    is too large for it); without a modifier the kernels pass none (one variant)."""
+    return 32 if gen is None else _blocks.index_width(num_rows, num_keys)
+
+
 @serialised
 def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
     acc = acc_dtype_of(q.dtype)
@@ -208,8 +214,9 @@ def forward(plan, q, k, v, relation, edge_bias=None, score_mod=None):
         items, splits, n_slots = KERNELS.derived(
             relation, ("cpu.forward_items", BM, BN, H, prune, _threads.current()),
             lambda: _forward_items(relation, H, BM, BN, split=not prune))   # order: per thread count
-        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, _mod_key(gen)),
-                            lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own))
+        bits = _index_bits(gen, Nq, k.shape[0])
+        kern, hit = _kernel(("cpu", "blocks.forward", _name(acc), BM, BN, prune, own, bits, _mod_key(gen)),
+                            lambda: _blocks.make_forward(acc.name, BM, BN, prune, gen, own, bits))
         if _blocks_cover(relation, Nq, "dst"):   # every row has its work item: written by the kernel
             out, m, l = (output_empty((Nq, H, v.shape[2]), acc), output_empty((Nq, H), acc),
                          output_empty((Nq, H), acc))
@@ -548,8 +555,9 @@ def backward(plan, dout, q, k, v, out, m, l, relation, transpose, edge_bias=None
         kitems, boxes, n_parts = KERNELS.derived(relation, ("cpu.backward_items", BM, BN, Hkv, group),
                                           lambda: _dealt_backward_items(relation, Hkv, group, BM, BN))
         kT = key_transpose(kh, acc, copies) if _reads_kT(own, tile_base) else np.empty((0, 0, 0), acc)
-        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, _mod_key(gen)),
-                            lambda: _blocks.make_backward(acc.name, BM, BN, gen, own))
+        bits = _index_bits(gen, Nq, Nk)
+        kern, hit = _kernel(("cpu", "blocks.backward", _name(acc), BM, BN, own, bits, _mod_key(gen)),
+                            lambda: _blocks.make_backward(acc.name, BM, BN, gen, own, bits))
         dq_part = np.empty((n_parts, H, Nq, D), acc)   # each partition zeroes its box in the kernel
         fill = output_empty if _blocks_cover(relation, Nk, "src") else output_zeros
         dkh = fill((Hkv, Nk, D), acc)
