@@ -8,7 +8,10 @@ tree's package; each keeps its own compiled kernels. CPU only: the two packages 
 CUDA context.
 
     python benchmarks/tuning/ab_revisions.py --base HEAD~1 [--n 4096] [--mask dense causal]
-        [--what fwd fb] [--rounds 7]
+        [--what fwd fb] [--score plain softcap alibi] [--rounds 7]
+
+--score: the plain score, flash-attn's soft-cap 30 (softcap=30) or ALiBi (alibi_slopes=, the
+slopes 2^(-8 h / H)).
 
 Prints, per case: best time of each, and the median (min-max) over rounds of base time / new time
 (> 1: the working tree is faster), and the largest difference between the two results.
@@ -42,15 +45,24 @@ def export_base(rev, folder):
                     .replace('"tiga_numba.cuda.api"', '"tiga_base.cuda.api"'))
 
 
-def case(tg, q, k, v, mask, what):
+def score_options(score, heads):
+    if score == "softcap":
+        return {"softcap": 30.0}
+    if score == "alibi":
+        return {"alibi_slopes": (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)}
+    return {}
+
+
+def case(tg, q, k, v, mask, what, score="plain"):
     N = q.shape[0]
     g = tg.Graph.triangular(N) if mask == "causal" else tg.Graph.dense(N, N)
+    kw = score_options(score, q.shape[1])
 
     def run():
         if what == "fwd":
-            return (tg.attention(q, k, v, g),)
-        out, stats = tg.attention(q, k, v, g, return_stats=True)
-        return tuple(tg.attention_backward(np.ones_like(out), q, k, v, out, stats, g))
+            return (tg.attention(q, k, v, g, **kw),)
+        out, stats = tg.attention(q, k, v, g, return_stats=True, **kw)
+        return tuple(tg.attention_backward(np.ones_like(out), q, k, v, out, stats, g, **kw))
     return run
 
 
@@ -62,6 +74,7 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--mask", nargs="+", default=["dense", "causal"], choices=["dense", "causal"])
     ap.add_argument("--what", nargs="+", default=["fwd", "fb"], choices=["fwd", "fb"])
+    ap.add_argument("--score", nargs="+", default=["plain"], choices=["plain", "softcap", "alibi"])
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
@@ -76,21 +89,21 @@ def main():
               f"{a.rounds} alternating rounds")
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((a.n, a.heads, a.dim), dtype=np.float32) for _ in range(3))
-        for mask in a.mask:
-            for what in a.what:
-                new, base = case(tiga_numba, q, k, v, mask, what), case(tiga_base, q, k, v, mask, what)
-                diff = max(float(np.abs(x - y).max()) for x, y in zip(new(), base()))
-                new(), base()
-                tn, tb = [], []
-                for _ in range(a.rounds):
-                    for f, ts in ((new, tn), (base, tb)):
-                        t = time.perf_counter()
-                        f()
-                        ts.append(time.perf_counter() - t)
-                r = [b / n for n, b in zip(tn, tb)]
-                print(f"{mask:6} {what:3}: new best {min(tn) * 1e3:8.1f} ms, base best {min(tb) * 1e3:8.1f} ms; "
-                      f"base / new per round: median {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f}); "
-                      f"max |new - base| {diff:.2e}", flush=True)
+        for mask, score, what in ((m, s, w) for m in a.mask for s in a.score for w in a.what):
+            new, base = (case(tiga_numba, q, k, v, mask, what, score),
+                         case(tiga_base, q, k, v, mask, what, score))
+            diff = max(float(np.abs(x - y).max()) for x, y in zip(new(), base()))
+            new(), base()
+            tn, tb = [], []
+            for _ in range(a.rounds):
+                for f, ts in ((new, tn), (base, tb)):
+                    t = time.perf_counter()
+                    f()
+                    ts.append(time.perf_counter() - t)
+            r = [b / n for n, b in zip(tn, tb)]
+            print(f"{mask:6} {score:7} {what:3}: new best {min(tn) * 1e3:8.1f} ms, base best {min(tb) * 1e3:8.1f} ms; "
+                  f"base / new per round: median {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f}); "
+                  f"max |new - base| {diff:.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -314,8 +314,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
                 tmax = dt(NEG)
                 if MOD:
                     # natural-unit scores -> modified scores in base 2, the mask and the row's
-                    # maximum in one pass over each row (a pass of its own cost the soft-cap's
-                    # forward ~1/4 of the plain kernel's time); the modifier runs on band cells only
+                    # maximum in one pass over each row (three passes read the strip twice more);
+                    # the modifier runs on band cells only
                     for r in range(rr):
                         first, last = _row_span(r, lo_rel, hi_rel, cols)
                         first = min(max(first, ca), cb)
