@@ -8,6 +8,7 @@ ceiling these rates are measured against: the cores' fused multiply-add peak (a 
 loop of independent FMA chains in the widest vectors numba's target has), one core and all.
 
     python benchmarks/tuning/cpu_tile_gemm.py [--n 4096] [--tiles 256x256,512x512,512x256] [--rounds 3]
+    python benchmarks/tuning/cpu_tile_gemm.py --band   # a window's score product: K^T in place vs panels
 """
 import argparse
 import time
@@ -180,14 +181,58 @@ def paired_rounds(N, shapes, rounds):
                   f"f+b {tf + tb:7.1f} ms", flush=True)
 
 
+@njit
+def _band_products(a, kT, c0, width, kTp, c, reps, panels):
+    """16 span tiles' score products along the keys (one window's 48-row strip each): B = K^T
+    read in place (rows a whole K^T row apart) or from column panels."""
+    for _ in range(reps):
+        for t in range(16):
+            s = c0 + t * 256
+            if panels:
+                microgemm.product_panels(a, kTp[s // microgemm.NR:], c, 0.0, False)
+            else:
+                microgemm.product(a, kT[:, s:s + width], c, 0.0, False, False, True)
+
+
+def band_rates(n, rounds=5):
+    """GF/s of a 256-key window's score product (48 x D @ D x 304) with K^T in place, as unpacked
+    blocks hold it, and as the column panels the kernels copy each tile into (blocks.panels_of_columns)."""
+    rng = np.random.default_rng(0)
+    W = microgemm.NR
+    N = n + 512
+    a = rng.random((48, D), dtype=np.float32)
+    kT = rng.random((D, N), dtype=np.float32)
+    kTp = np.ascontiguousarray(kT.reshape(D, N // W, W).transpose(1, 0, 2))
+    width = 304
+    c = np.empty((48, width), np.float32)
+    for panels in (False, True):
+        _band_products(a, kT, 16, width, kTp, c, 1, panels)
+    rates = {False: [], True: []}
+    reps = 300
+    for _ in range(rounds):
+        for panels in (False, True):
+            t = time.perf_counter()
+            _band_products(a, kT, 16, width, kTp, c, reps, panels)
+            rates[panels].append(2 * 48 * D * width * 16 * reps / (time.perf_counter() - t) / 1e9)
+    print(f"# one thread: a 256-key window's score product 48 x {D} @ {D} x {width}, median of {rounds}: "
+          f"K^T in place (row stride {N * 4} B) {np.median(rates[False]):.1f} GFLOP/s, "
+          f"as column panels {np.median(rates[True]):.1f} GFLOP/s", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--tiles", default="256x256,512x512,512x256")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-calls", action="store_true", help="BLAS rates only")
+    p.add_argument("--band", action="store_true",
+                   help="only a window's score product with K^T in place and as column panels")
     a = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.tiles.split(",")]
+    if a.band:
+        fma_peak()
+        band_rates(a.n)
+        return
     fma_peak()
     gemm_rates([(128, 128)] + shapes)
     if not a.no_calls:

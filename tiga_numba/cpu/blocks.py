@@ -189,6 +189,39 @@ def tile_product(a, tiles, hk, t, x0, width, c, pb, own):
 
 
 @njit(inline="always", cache=True)
+def panels_of_columns(xT, c0, width, out):
+    """out[p, d, j] = xT[d, c0 + p NR + j] for the `width` (whole panels) columns from c0: a key
+    tile of K^T read in place, whose rows lie a whole K^T row apart (the 16 columns a micro-kernel
+    walks down k then share a few L1 sets and evict each other), as the own product's column
+    panels, copied once per tile for every strip and head that reads it."""
+    for p in range(width // NR):
+        o = out[p]
+        for d in range(xT.shape[0]):
+            src = xT[d, c0 + p * NR:c0 + p * NR + NR]
+            od = o[d]
+            for j in range(NR):
+                od[j] = src[j]
+
+
+@njit(inline="always", cache=True)
+def panels_of_rows(x, r0, rows, width, out):
+    """out[p, d, j] = x[r0 + p NR + j, d], 0 past `rows`: rows r0.. of x as the column panels of
+    x^T (`width` columns, whole panels), for a product with x^T as its B operand."""
+    Dx = x.shape[1]
+    for p in range(width // NR):
+        o = out[p]
+        for j in range(NR):
+            r = p * NR + j
+            if r < rows:
+                xr = x[r0 + r]
+                for d in range(Dx):
+                    o[d, j] = xr[d]
+            else:
+                for d in range(Dx):
+                    o[d, j] = 0.0
+
+
+@njit(inline="always", cache=True)
 def merge_parts(pm, pl, pacc, o):
     """o = the merged output of partial states (pm[p], pl[p], pacc[p]) in p order (the
     online-softmax merge, base 2; deterministic); returns (m, l), m = -inf when l = 0."""
@@ -256,6 +289,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
         tb = tile_base[b]
         rows = min(BM, nd - q0)
         sbuf = np.empty((SR, BN), dt)
+        # an unpacked block's key tile as column panels (copied per tile; PANELS: whole panels)
+        kbuf = np.empty((PB if PANELS else 0, D if PANELS else 0, NR), dt)
         acc_ = np.zeros((rows, Dv), dt)
         m = np.full(rows, NEG, dt)
         l = np.zeros(rows, dt)
@@ -274,6 +309,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
         for c0 in range((kbeg // BN) * BN if tb >= 0 else kbeg, kend, BN):
             cols = min(BN, kend - c0)
             n_total += 1
+            if PANELS and tb < 0 and D > 0 and kT.shape[0] > 0:   # K^T in place -> panels
+                panels_of_columns(kT[hk], s0 + c0, whole_blocks(cols, BN), kbuf)
             # the tile in strips of SR rows: a strip's scores stay in L1 / L2 from their product
             # through the softmax to the value product, and a strip visits only the columns its
             # rows' band reaches (the upper half of a causal diagonal tile is never computed)
@@ -300,8 +337,11 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
                     # whole column blocks, as the backward (kT is zero-padded past the last key; the
                     # extra columns are not read)
                     wide = whole_blocks(xb - xa, BN - xa)
-                    product(sq, kT[hk, :, s0 + c0 + xa:s0 + c0 + xa + wide], sbuf[:rr, xa:xa + wide], 0.0, False,
-                            False, OWN)
+                    if PANELS:
+                        product_panels(sq, kbuf[xa // NR:], sbuf[:rr, xa:xa + wide], 0.0, False)
+                    else:
+                        product(sq, kT[hk, :, s0 + c0 + xa:s0 + c0 + xa + wide], sbuf[:rr, xa:xa + wide], 0.0,
+                                False, False, OWN)
                 else:  # narrow block, not packed: K rows as the BLAS's transposed operand
                     mm(sq, kh[hk, s0 + c0 + xa:s0 + c0 + xb], sbuf[:rr, xa:xb], 0.0, False, True)
                 # element loops run over views of the strip's columns from index 0: LLVM vectorises
@@ -478,6 +518,10 @@ def make_backward(acc, BM, BN, mod=None, own=False, index_bits=32):
         xbuf = np.empty((BM if MOD else 1, BN if MOD else 1), dt)   # raw scores (modifier)
         dk_acc = np.empty((BN, D), dt)
         dv_acc = np.empty((BN, Dv), dt)
+        # an unpacked block's K^T and V^T tiles as column panels (copied once per key tile for
+        # every head and query tile that reads them; PANELS: whole panels)
+        kbuf = np.empty((PB if PANELS else 0, D if PANELS else 0, NR), dt)
+        vbuf = np.empty((PB if PANELS else 0, Dv if PANELS else 0, NR), dt)
         ghp = ghp_part[part]
         gnd = gnd_part[part]
         for w in range(part, n_items, n_parts):
@@ -500,6 +544,10 @@ def make_backward(acc, BM, BN, mod=None, own=False, index_bits=32):
             dva[:, :] = 0.0
             kt = kh[hk, s0 + c0:s0 + c0 + cols]  # (cols, D)
             vt = vh[hk, s0 + c0:s0 + c0 + cols]  # (cols, Dv)
+            unpacked = PANELS and tb < 0 and kT.shape[0] > 0
+            if unpacked:
+                panels_of_columns(kT[hk], s0 + c0, whole_blocks(cols, BN), kbuf)
+                panels_of_rows(vh[hk], s0 + c0, cols, whole_blocks(cols, BN), vbuf)
             # query rows that reach this key tile: c0 - hi <= r <= c0 + cols - 1 - lo
             qbeg = max(0, c0 - hi)
             qend = min(nd, c0 + cols - lo)
@@ -519,7 +567,11 @@ def make_backward(acc, BM, BN, mod=None, own=False, index_bits=32):
                         tile_product(qt, ktt, hk, tb + c0 // BN, 0, wide, pbuf[:rows, :wide], PB, OWN)
                     elif kT.shape[0] > 0:   # unpacked, own products: as the forward, from K^T
                         wide = whole_blocks(cols, BN)
-                        product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], pbuf[:rows, :wide], 0.0, False, False, OWN)
+                        if unpacked:
+                            product_panels(qt, kbuf, pbuf[:rows, :wide], 0.0, False)
+                        else:
+                            product(qt, kT[hk, :, s0 + c0:s0 + c0 + wide], pbuf[:rows, :wide], 0.0, False, False,
+                                    OWN)
                     else:   # K rows as the BLAS's transposed operand
                         mm(qt, kt, P, 0.0, False, True)
                     if Dv == 0:
@@ -528,6 +580,9 @@ def make_backward(acc, BM, BN, mod=None, own=False, index_bits=32):
                         # panels: whole ones (zero past the keys; those columns are not read)
                         wv = whole_blocks(cols, BN) if PANELS else cols
                         tile_product(dot, vtt, hk, tb + c0 // BN, 0, wv, sbuf[:rows, :wv], PB, OWN)
+                    elif unpacked:
+                        wv = whole_blocks(cols, BN)
+                        product_panels(dot, vbuf, sbuf[:rows, :wv], 0.0, False)
                     else:
                         mm(dot, vt, dP, 0.0, False, True)
                     lo_rel = q0 + lo - c0
