@@ -10,6 +10,7 @@ CUDA context.
     python benchmarks/tuning/ab_revisions.py --base HEAD~1 [--n 4096] [--mask dense causal]
         [--what fwd fb] [--score plain softcap alibi] [--rounds 7]
 
+--mask window: a causal sliding window of 256 keys (Graph.band(N, left=255)).
 --score: the plain score, flash-attn's soft-cap 30 (softcap=30) or ALiBi (alibi_slopes=, the
 slopes 2^(-8 h / H)).
 
@@ -55,7 +56,8 @@ def score_options(score, heads):
 
 def case(tg, q, k, v, mask, what, score="plain"):
     N = q.shape[0]
-    g = tg.Graph.triangular(N) if mask == "causal" else tg.Graph.dense(N, N)
+    g = (tg.Graph.triangular(N) if mask == "causal" else tg.Graph.band(N, left=255) if mask == "window"
+         else tg.Graph.dense(N, N))
     kw = score_options(score, q.shape[1])
 
     def run():
@@ -72,7 +74,7 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--mask", nargs="+", default=["dense", "causal"], choices=["dense", "causal"])
+    ap.add_argument("--mask", nargs="+", default=["dense", "causal"], choices=["dense", "causal", "window"])
     ap.add_argument("--what", nargs="+", default=["fwd", "fb"], choices=["fwd", "fb"])
     ap.add_argument("--score", nargs="+", default=["plain"], choices=["plain", "softcap", "alibi"])
     ap.add_argument("--rounds", type=int, default=7)
