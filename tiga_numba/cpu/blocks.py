@@ -95,22 +95,10 @@ def _exp2d(x):
     return 0.0  # NEG (masked / empty) -> 0
 
 
-@njit(inline="always", cache=True)
-def index32(x):
-    """A node index as int32, for modifiers of relations whose indices all fit it: AVX2 converts
-    a vector of int32 to float in one instruction, a vector of int64 only one lane at a time
-    (ALiBi's ``|i - j|`` ran ~2x slower per cell with int64 indices)."""
-    return np.int32(x)
-
-
-@njit(inline="always", cache=True)
-def index64(x):
-    """A node index unchanged (int64): for relations with 2**31 or more rows or keys."""
-    return x
-
-
 def index_width(num_rows, num_keys):
-    """The index type the block kernels pass to a score modifier: 32 bits where every index fits."""
+    """The width of the node indices the block kernels pass to a score modifier: 32 bits where
+    every index fits (AVX2 converts a vector of int32 to float in one instruction, a vector of
+    int64 one lane at a time), else 64."""
     return 32 if max(num_rows, num_keys) <= np.iinfo(np.int32).max else 64
 
 
@@ -263,7 +251,9 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
     SR = BM if prune else min(BM, STRIP_ROWS)   # pruning admits whole tiles: one strip
     MOD = mod is not None
     hooks = {} if not MOD else {"MOD_VALUE": mod.value}
-    IX = index32 if index_bits == 32 else index64
+    # the index type, a numpy scalar type: a closure value numba's disk cache can key on (a jitted
+    # function there pickles with a per-process id, so the kernel would never load from the cache)
+    IX = np.int32 if index_bits == 32 else np.int64
     log2e = dt(LOG2E)
 
     def forward_item(w, qh, ktt, kh, kT, vh, vpan, v_finite, items, dst_off, src_off, band_lo, band_hi, tile_base,
@@ -491,7 +481,7 @@ def make_backward(acc, BM, BN, mod=None, own=False, index_bits=32):
                                 "MOD_GRAD": mod.grad(("head", "dst", "src"))}
     if LEAFLESS:   # value and df/ds in one call: their shared work (a soft-cap's tanh) done once
         hooks["MOD_SLOPE"] = mod.slope()
-    IX = index32 if index_bits == 32 else index64
+    IX = np.int32 if index_bits == 32 else np.int64   # as in make_forward
     log2e = dt(LOG2E)
     kmul = 1.0 if MOD else ln2  # dk = dS^T (q * scale * [log2 e]) * [ln 2]
 
