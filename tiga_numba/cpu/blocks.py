@@ -193,13 +193,15 @@ def panels_of_columns(xT, c0, width, out):
 
 @njit(inline="always", cache=True)
 def panels_of_rows(x, r0, rows, width, out):
-    """out[p, d, j] = x[r0 + p NR + j, d], 0 past `rows`: rows r0.. of x as the column panels of
-    x^T (`width` columns, whole panels), for a product with x^T as its B operand."""
+    """out[p, d, j] = x[r0 + p W + j, d], 0 past `rows` (W = out.shape[2]): rows r0.. of x as
+    column panels of x^T (`width` columns, whole panels), for a product with x^T as its B operand
+    (W = NR: the own product's panels; W = BN: the BLAS's (D, BN) tile)."""
     Dx = x.shape[1]
-    for p in range(width // NR):
+    W = out.shape[2]
+    for p in range(width // W):
         o = out[p]
-        for j in range(NR):
-            r = p * NR + j
+        for j in range(W):
+            r = p * W + j
             if r < rows:
                 xr = x[r0 + r]
                 for d in range(Dx):
@@ -280,7 +282,8 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
         rows = min(BM, nd - q0)
         sbuf = np.empty((SR, BN), dt)
         # an unpacked block's key tile as column panels (copied per tile; PANELS: whole panels)
-        kbuf = np.empty((PB if PANELS else 0, D if PANELS else 0, NR), dt)
+        unpacked = PANELS and tb < 0 and D > 0 and kT.shape[0] > 0
+        kbuf = np.empty((PB if unpacked else 0, D if unpacked else 0, NR), dt)
         acc_ = np.zeros((rows, Dv), dt)
         m = np.full(rows, NEG, dt)
         l = np.zeros(rows, dt)
@@ -299,7 +302,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
         for c0 in range((kbeg // BN) * BN if tb >= 0 else kbeg, kend, BN):
             cols = min(BN, kend - c0)
             n_total += 1
-            if PANELS and tb < 0 and D > 0 and kT.shape[0] > 0:   # K^T in place -> panels
+            if unpacked:   # K^T in place -> panels
                 panels_of_columns(kT[hk], s0 + c0, whole_blocks(cols, BN), kbuf)
             # the tile in strips of SR rows: a strip's scores stay in L1 / L2 from their product
             # through the softmax to the value product, and a strip visits only the columns its
@@ -327,7 +330,7 @@ def make_forward(acc, BM, BN, prune, mod=None, own=False, index_bits=32):
                     # whole column blocks, as the backward (kT is zero-padded past the last key; the
                     # extra columns are not read)
                     wide = whole_blocks(xb - xa, BN - xa)
-                    if PANELS:
+                    if unpacked:
                         product_panels(sq, kbuf[xa // NR:], sbuf[:rr, xa:xa + wide], 0.0, False)
                     else:
                         product(sq, kT[hk, :, s0 + c0 + xa:s0 + c0 + xa + wide], sbuf[:rr, xa:xa + wide], 0.0,
@@ -691,21 +694,12 @@ def pack_transposed_tiles(xh, tile_start, tile_cols, BN, out):
     (not A @ B.T on a strided view); W = NR: the own tile product's column panels
     (microgemm.product_panels)."""
     H = xh.shape[0]
-    Dd = xh.shape[2]
     nt = tile_start.shape[0]
-    W = out.shape[3]
-    pb = BN // W
+    pb = BN // out.shape[3]
     for w in prange(H * nt):
         h = w // nt
         t = w % nt
-        s = tile_start[t]
-        cols = tile_cols[t]
-        for p in range(pb):
-            o = out[h, t * pb + p]
-            for d in range(Dd):
-                for j in range(W):
-                    c = p * W + j
-                    o[d, j] = xh[h, s + c, d] if c < cols else 0.0
+        panels_of_rows(xh[h], tile_start[t], tile_cols[t], BN, out[h, t * pb:(t + 1) * pb])
 
 
 @njit(parallel=True, cache=True, nogil=True)
